@@ -1,0 +1,30 @@
+# Two entry points (see README): `make demo` and `make test`. Both set up .venv first.
+# torch and torchvision are installed on their own, pinned, before the package, so pip never resolves another torch.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+
+.PHONY: setup demo test test-kernels test-gpu clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PINS)
+	$(PY) -m pip install -q -e '.[test]' $(TORCH_PINS)
+	touch $@
+
+demo: setup
+	$(VENV)/bin/opfuse analyze resnet50 --batch 64
+
+test: setup
+	$(PY) -m pytest -q -m "not gpu"
+
+# on a GPU machine (through the device tool): PYTHONPATH=. python3 -m pytest -m gpu tests/gpu
+test-gpu:
+	PYTHONPATH=. python3 -m pytest -q -m gpu tests/gpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,130 @@
+"""The fusion plan's data: groups (one kernel each), every fusion decision taken or refused, and resources.
+
+Everything the planner decides is recorded here as data, so the CLI tables, the JSON output and the HTML
+report render the same facts. `FusionPlan` is produced by `opfuse.fusion.planner.plan_fusion`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+from opfuse.ir.graph import Graph
+
+
+class Verdict(str, Enum):
+    FUSED = "fused"
+    ILLEGAL = "illegal"                 # several users, shape mismatch, cycle, opaque op, kind rule
+    UNPROFITABLE = "unprofitable"       # the cost model predicts no gain
+    OVER_BUDGET = "over budget"         # the fused kernel would exceed registers or shared memory
+
+
+class GroupKind(str, Enum):
+    ANCHOR_EPILOGUE = "anchor+epilogue"     # conv/gemm/attention with bias, activation, cast after it
+    RESIDUAL = "residual"                   # anchor + add(skip) (+ activation): cross-layer fusion
+    HORIZONTAL = "horizontal"               # sibling anchors on one input, concatenated weights
+    HORIZONTAL_POINTWISE = "horizontal pointwise"   # independent small elementwise ops in one launch
+    CONV_CONV = "conv-conv"                 # depthwise + pointwise convolution
+    POINTWISE = "pointwise"                 # elementwise chain
+    REDUCTION = "reduction"                 # softmax / layer norm / mean / pooling with prologue/epilogue
+    INJECTIVE = "injective"                 # concat, gather, copies
+    VIEW = "view"                           # metadata only: reshape, permute, slice; no kernel
+    OPAQUE = "opaque"                       # runs through PyTorch
+    SINGLE = "single"                       # one op alone (nothing worth fusing with it)
+
+
+@dataclass
+class ResourceEstimate:
+    """What the group's kernel needs for one tile, and whether that fits the hardware profile."""
+
+    tile: dict[str, int]                    # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, ...
+    registers_per_thread: int
+    shared_memory_bytes: int
+    fits: bool
+    reason: str = ""                        # why it does not fit, in words
+
+
+@dataclass
+class FusionGroup:
+    """One kernel of the fused model (or none, for views)."""
+
+    id: int
+    kind: GroupKind
+    nodes: list[str]                        # in topological order
+    anchor: str | None = None               # the conv/gemm/attention node, if any
+    inputs: list[str] = field(default_factory=list)     # values read from outside the group
+    outputs: list[str] = field(default_factory=list)    # values written (used outside, or graph outputs)
+    flops: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    predicted_time: float = 0.0             # seconds, cost model
+    launches: int = 1                       # 0 for views
+    resources: ResourceEstimate | None = None
+    reason: str = ""                        # why the group is what it is
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+    @property
+    def density(self) -> float:
+        return self.flops / self.bytes_moved if self.bytes_moved else 0.0
+
+    @property
+    def name(self) -> str:
+        return f"g{self.id}"
+
+
+@dataclass
+class FusionDecision:
+    """One candidate fusion, taken or refused, and why."""
+
+    producer: list[str]                     # node names of the producing side
+    consumer: list[str]                     # node names of the consuming side
+    fusion: str                             # "vertical", "residual", "prologue", "horizontal", "conv-conv"
+    verdict: Verdict
+    reason: str
+    bytes_saved: int = 0                    # traffic the fusion removes (if taken)
+    time_unfused: float = 0.0               # predicted seconds of the two parts
+    time_fused: float = 0.0                 # predicted seconds of the fused kernel
+
+
+@dataclass
+class FusionPlan:
+    graph: Graph                            # the graph the groups refer to (after passes)
+    groups: list[FusionGroup]               # in an order that respects dependencies
+    decisions: list[FusionDecision]
+    hardware: str
+    config: Any = None                      # the FusionConfig used
+
+    def group_of(self, node_name: str) -> FusionGroup:
+        for group in self.groups:
+            if node_name in group.nodes:
+                return group
+        raise KeyError(node_name)
+
+    @property
+    def kernel_launches(self) -> int:
+        return sum(g.launches for g in self.groups)
+
+    @property
+    def refused(self) -> list[FusionDecision]:
+        return [d for d in self.decisions if d.verdict is not Verdict.FUSED]
+
+    def to_dict(self) -> dict[str, Any]:
+        def clean(value: Any) -> Any:
+            if isinstance(value, Enum):
+                return value.value
+            if isinstance(value, dict):
+                return {k: clean(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [clean(v) for v in value]
+            return value
+
+        return {
+            "hardware": self.hardware,
+            "kernel_launches": self.kernel_launches,
+            "groups": [clean(asdict(g)) | {"name": g.name, "density": g.density} for g in self.groups],
+            "decisions": [clean(asdict(d)) for d in self.decisions],
+        }

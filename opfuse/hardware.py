@@ -1,0 +1,78 @@
+"""Hardware profiles: the one place where GPU numbers live (`get_hardware(name)`).
+
+Peak rates are the vendors' dense (no sparsity) datasheet numbers unless a comment says "measured"; the
+efficiency factors scale them to what real kernels reach and are calibrated by `opfuse profile` (issue 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+TFLOPS = 1e12
+TBPS = 1e12
+KIB = 1024
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    # peak FLOP/s on the tensor cores by operand dtype ("float32" means tf32), and on the CUDA cores (vector)
+    matrix_flops: dict[str, float]
+    vector_flops: float
+    memory_bandwidth: float          # bytes/s, device memory
+    launch_overhead: float           # seconds per kernel launch seen by a stream of launches
+    sm_count: int
+    registers_per_sm: int = 65536
+    max_registers_per_thread: int = 255
+    shared_memory_per_block: int = 227 * KIB   # largest opt-in dynamic shared memory for one block
+    shared_memory_per_sm: int = 228 * KIB
+    l2_bytes: int = 50 * 1024 * KIB
+    # fraction of the peaks a good kernel reaches; calibrated from measurements
+    matrix_efficiency: float = 0.7
+    memory_efficiency: float = 0.85
+    vector_efficiency: float = 0.6
+    notes: str = field(default="", compare=False)
+
+    def matrix_peak(self, dtype: str) -> float:
+        return self.matrix_flops.get(dtype, self.vector_flops)
+
+    def with_calibration(self, **factors: float) -> "HardwareProfile":
+        return replace(self, **factors)
+
+
+PROFILES: dict[str, HardwareProfile] = {
+    "h200": HardwareProfile(
+        name="NVIDIA H200 SXM",
+        matrix_flops={"float16": 989 * TFLOPS, "bfloat16": 989 * TFLOPS, "float32": 494 * TFLOPS},
+        vector_flops=67 * TFLOPS, memory_bandwidth=4.8 * TBPS, launch_overhead=2.5e-6, sm_count=132,
+        l2_bytes=60 * 1024 * KIB,
+        notes="measured here 2026-10-28: copy 4.3 TB/s (read+write), bf16 8192^3 matmul 788 TFLOP/s"),
+    "h100": HardwareProfile(
+        name="NVIDIA H100 SXM",
+        matrix_flops={"float16": 989 * TFLOPS, "bfloat16": 989 * TFLOPS, "float32": 494 * TFLOPS},
+        vector_flops=67 * TFLOPS, memory_bandwidth=3.35 * TBPS, launch_overhead=2.5e-6, sm_count=132),
+    "a100": HardwareProfile(
+        name="NVIDIA A100 SXM 80GB",
+        matrix_flops={"float16": 312 * TFLOPS, "bfloat16": 312 * TFLOPS, "float32": 156 * TFLOPS},
+        vector_flops=19.5 * TFLOPS, memory_bandwidth=2.039 * TBPS, launch_overhead=3e-6, sm_count=108,
+        shared_memory_per_block=163 * KIB, shared_memory_per_sm=164 * KIB, l2_bytes=40 * 1024 * KIB),
+    "rtx4090": HardwareProfile(
+        name="NVIDIA GeForce RTX 4090",
+        matrix_flops={"float16": 165 * TFLOPS, "bfloat16": 165 * TFLOPS, "float32": 82.6 * TFLOPS},
+        vector_flops=82.6 * TFLOPS, memory_bandwidth=1.008 * TBPS, launch_overhead=3e-6, sm_count=128,
+        shared_memory_per_block=99 * KIB, shared_memory_per_sm=100 * KIB, l2_bytes=72 * 1024 * KIB),
+    "orin": HardwareProfile(
+        name="NVIDIA Jetson AGX Orin 64GB",
+        matrix_flops={"float16": 42.5 * TFLOPS, "bfloat16": 42.5 * TFLOPS, "float32": 21.3 * TFLOPS},
+        vector_flops=5.3 * TFLOPS, memory_bandwidth=204.8e9, launch_overhead=8e-6, sm_count=16,
+        shared_memory_per_block=163 * KIB, shared_memory_per_sm=164 * KIB, l2_bytes=4 * 1024 * KIB),
+}
+
+
+def get_hardware(name: str) -> HardwareProfile:
+    key = name.lower().replace("-", "").replace("_", "").replace(" ", "")
+    aliases = {"jetsonorin": "orin", "4090": "rtx4090", "h200sxm": "h200", "h100sxm": "h100"}
+    key = aliases.get(key, key)
+    if key not in PROFILES:
+        raise ValueError(f"unknown hardware {name!r}; known: {', '.join(PROFILES)}")
+    return PROFILES[key]

@@ -1,0 +1,47 @@
+"""Run a graph node by node through each op's PyTorch reference (`interpret`).
+
+This is the semantics every fused kernel is checked against, and the path for anything opfuse runs unfused.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from opfuse.ir.graph import Graph, GraphError
+from opfuse.ir.ops import get_op
+
+
+def interpret(graph: Graph, inputs: Sequence[torch.Tensor], device: torch.device | str | None = None
+              ) -> list[torch.Tensor]:
+    """Outputs of `graph` for `inputs` (one per input node, in order); constants move to the inputs' device."""
+    input_nodes = graph.input_nodes
+    if len(inputs) != len(input_nodes):
+        raise GraphError(f"graph {graph.name} takes {len(input_nodes)} inputs, got {len(inputs)}")
+    device = device or (inputs[0].device if inputs else "cpu")
+    values: dict[str, torch.Tensor] = {n.name: x for n, x in zip(input_nodes, inputs)}
+    remaining_uses = {name: 0 for name in graph.nodes}
+    for node in graph.nodes.values():
+        for i in node.inputs:
+            remaining_uses[i] += 1
+    for name in graph.outputs:
+        remaining_uses[name] += 1
+    for node in graph.nodes.values():
+        if node.op == "input":
+            continue
+        if node.op == "constant":
+            values[node.name] = graph.constants[node.name].to(device)
+            continue
+        args = [values[i] for i in node.inputs]
+        try:
+            values[node.name] = get_op(node.op).run(args, node.attrs)
+        except GraphError:
+            raise
+        except Exception as error:
+            raise GraphError(f"running node {node.describe()} failed: {error}") from error
+        for i in node.inputs:  # free intermediates as soon as their last reader ran
+            remaining_uses[i] -= 1
+            if remaining_uses[i] == 0:
+                values.pop(i, None)
+    return [values[name] for name in graph.outputs]

@@ -1,0 +1,292 @@
+"""The op registry: the one source of truth for what each IR op is, costs and computes.
+
+Each `OpDef` declares the op's fusion kind (the planner's rules are written over kinds, TVM style), its FLOPs
+and bytes read/written as functions of the input and output types, and a reference implementation in PyTorch.
+The reference implementation is the op's semantics: the interpreter, shape inference (run on the ``meta``
+device) and the fallback path for anything opfuse does not fuse all go through it.
+
+Entry points: `get_op(name)`, `infer_type(op, input_types, attrs)`, `node_flops`, `node_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from opfuse.ir.graph import Graph, GraphError, Node, TensorType, torch_dtype
+
+
+class FusionKind(str, Enum):
+    """How an op may take part in fusion (after TVM's OpPatternKind)."""
+
+    SOURCE = "source"          # graph input or constant: no kernel
+    POINTWISE = "pointwise"    # out[i] = f(in[i]); one input tensor (plus scalars)
+    BROADCAST = "broadcast"    # elementwise over inputs broadcast to the output shape
+    INJECTIVE = "injective"    # each output element reads one input element: layout, gather, concat
+    REDUCTION = "reduction"    # reduces over some axes: softmax, layer norm, mean, pooling
+    ANCHOR = "anchor"          # compute-heavy op a group is built around: conv, gemm, attention
+    OPAQUE = "opaque"          # anything else: runs through PyTorch, never fused
+
+    @property
+    def elementwise(self) -> bool:
+        return self in (FusionKind.POINTWISE, FusionKind.BROADCAST)
+
+
+Types = Sequence[TensorType]
+Attrs = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """What the compiler knows about one op."""
+
+    name: str
+    kind: FusionKind
+    run: Callable[[list[torch.Tensor], Attrs], torch.Tensor]   # reference semantics
+    flops: Callable[[Types, TensorType, Attrs], int] = lambda ins, out, attrs: 0
+    bytes_read: Callable[[Types, TensorType, Attrs], int] | None = None   # default: every input once
+    alias: bool = False       # a view: no kernel and no traffic when run unfused
+    doc: str = ""
+
+    def read_bytes(self, ins: Types, out: TensorType, attrs: Attrs) -> int:
+        if self.alias or self.kind is FusionKind.SOURCE:
+            return 0
+        if self.bytes_read is not None:
+            return self.bytes_read(ins, out, attrs)
+        return sum(t.nbytes for t in ins)
+
+    def written_bytes(self, ins: Types, out: TensorType, attrs: Attrs) -> int:
+        if self.alias or self.kind is FusionKind.SOURCE:
+            return 0
+        return out.nbytes
+
+    @property
+    def launches_kernel(self) -> bool:
+        """Whether running this op alone (unfused) costs a kernel launch."""
+        return not self.alias and self.kind is not FusionKind.SOURCE
+
+
+REGISTRY: dict[str, OpDef] = {}
+
+
+def register(op: OpDef) -> OpDef:
+    if op.name in REGISTRY:
+        raise ValueError(f"op {op.name} registered twice")
+    REGISTRY[op.name] = op
+    return op
+
+
+def get_op(name: str) -> OpDef:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise GraphError(f"unknown IR op {name!r}") from None
+
+
+# ---- FLOP formulas ---------------------------------------------------------------------------------
+
+def per_output_element(cost: int) -> Callable[[Types, TensorType, Attrs], int]:
+    return lambda ins, out, attrs: cost * out.numel
+
+
+def per_input_element(cost: int) -> Callable[[Types, TensorType, Attrs], int]:
+    return lambda ins, out, attrs: cost * ins[0].numel
+
+
+def conv2d_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
+    """2·N·Hout·Wout·Cout·(Cin/groups)·Kh·Kw (one multiply and one add per MAC; bias not counted)."""
+    n, c_out, h_out, w_out = out.shape
+    _, c_in_per_group, kh, kw = ins[1].shape
+    return 2 * n * h_out * w_out * c_out * c_in_per_group * kh * kw
+
+
+def linear_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
+    """2·M·N·K, M = rows of x, N = output features, K = input features."""
+    k = ins[0].shape[-1]
+    return 2 * out.numel * k
+
+
+def matmul_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
+    """2·(batch·M·N)·K, K being the contracted dimension."""
+    k = ins[0].shape[-1]
+    return 2 * out.numel * k
+
+
+def attention_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
+    """Q·Kᵀ and P·V (2·2·B·H·Sq·Sk·D) plus about 5 FLOPs per score for the softmax and scaling."""
+    q, k = ins[0], ins[1]
+    batch_heads = math.prod(q.shape[:-2])
+    s_q, d = q.shape[-2], q.shape[-1]
+    s_k = k.shape[-2]
+    return batch_heads * (4 * s_q * s_k * d + 5 * s_q * s_k)
+
+
+def pool_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
+    kh, kw = attrs["kernel_size"]
+    return out.numel * kh * kw
+
+
+def embedding_bytes(ins: Types, out: TensorType, attrs: Attrs) -> int:
+    """Only the gathered rows of the table are read, plus the indices."""
+    return out.nbytes + ins[1].nbytes
+
+
+# ---- reference implementations ---------------------------------------------------------------------
+
+def _binary(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    return lambda xs, a: fn(xs[0], xs[1])
+
+
+def _unary(fn: Callable[[torch.Tensor], torch.Tensor]):
+    return lambda xs, a: fn(xs[0])
+
+
+def _optional(xs: list[torch.Tensor], i: int) -> torch.Tensor | None:
+    return xs[i] if len(xs) > i else None
+
+
+def _run_conv2d(xs, a):
+    return F.conv2d(xs[0], xs[1], _optional(xs, 2), a["stride"], a["padding"], a["dilation"], a["groups"])
+
+
+def _run_batch_norm(xs, a):
+    x, weight, bias, mean, var = xs
+    return F.batch_norm(x, mean, var, weight, bias, training=False, eps=a["eps"])
+
+
+def _run_sdpa(xs, a):
+    return F.scaled_dot_product_attention(xs[0], xs[1], xs[2], attn_mask=_optional(xs, 3),
+                                          is_causal=a.get("is_causal", False), scale=a.get("scale"))
+
+
+def _run_clamp(xs, a):
+    return torch.clamp(xs[0], a.get("min"), a.get("max"))
+
+
+def _run_slice(xs, a):
+    dim, start, end, step = a["dim"], a["start"], a["end"], a.get("step", 1)
+    index = [slice(None)] * xs[0].dim()
+    index[dim] = slice(start, end, step)
+    return xs[0][tuple(index)]
+
+
+def _run_mean(xs, a):
+    return torch.mean(xs[0], dim=a["dims"], keepdim=a.get("keepdim", False))
+
+
+def _run_opaque(xs, a):
+    fn = a.get("fn")
+    if fn is None:
+        raise GraphError(f"opaque op {a.get('target', '?')} has no PyTorch implementation; it can be "
+                         "analysed but not run")
+    return fn(xs)
+
+
+# ---- the registry ----------------------------------------------------------------------------------
+
+S, P, B, I, R, A, O = (FusionKind.SOURCE, FusionKind.POINTWISE, FusionKind.BROADCAST, FusionKind.INJECTIVE,
+                       FusionKind.REDUCTION, FusionKind.ANCHOR, FusionKind.OPAQUE)
+
+
+def _source_not_runnable(xs, a):
+    raise GraphError("input and constant nodes are not run")
+
+
+register(OpDef("input", S, _source_not_runnable, doc="graph input"))
+register(OpDef("constant", S, _source_not_runnable, doc="compile-time tensor (weights, scalars)"))
+
+# anchors: inputs (x, weight[, bias]) with PyTorch's weight layouts
+register(OpDef("conv2d", A, _run_conv2d, conv2d_flops,
+               doc="attrs stride, padding, dilation (pairs), groups; inputs x[N,C,H,W], w[Co,Ci/g,Kh,Kw], bias?"))
+register(OpDef("linear", A, lambda xs, a: F.linear(xs[0], xs[1], _optional(xs, 2)), linear_flops,
+               doc="inputs x[..., K], w[N, K], bias?[N]"))
+register(OpDef("matmul", A, _binary(torch.matmul), matmul_flops, doc="batched matmul with broadcasting"))
+register(OpDef("sdpa", A, _run_sdpa, attention_flops,
+               doc="scaled dot-product attention; inputs q, k, v[, mask]; attrs is_causal, scale"))
+
+# elementwise
+register(OpDef("batch_norm", B, _run_batch_norm, per_output_element(2),
+               doc="eval-mode batch norm; inputs x, weight, bias, running_mean, running_var; attrs eps"))
+for _name, _fn in {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}.items():
+    register(OpDef(_name, B, _binary(_fn), per_output_element(1)))
+register(OpDef("pow", B, _binary(torch.pow), per_output_element(4)))
+register(OpDef("maximum", B, _binary(torch.maximum), per_output_element(1)))
+register(OpDef("minimum", B, _binary(torch.minimum), per_output_element(1)))
+for _name, _fn, _cost in [
+    ("relu", F.relu, 1), ("sigmoid", torch.sigmoid, 4), ("tanh", torch.tanh, 4), ("silu", F.silu, 5),
+    ("hardswish", F.hardswish, 5), ("hardsigmoid", F.hardsigmoid, 4), ("erf", torch.erf, 8),
+    ("exp", torch.exp, 4), ("log", torch.log, 4), ("sqrt", torch.sqrt, 2), ("rsqrt", torch.rsqrt, 2),
+    ("neg", torch.neg, 1), ("abs", torch.abs, 1), ("reciprocal", torch.reciprocal, 1),
+]:
+    register(OpDef(_name, P, _unary(_fn), per_output_element(_cost)))
+register(OpDef("gelu", P, lambda xs, a: F.gelu(xs[0], approximate=a.get("approximate", "none")),
+               per_output_element(10), doc="attrs approximate: 'none' (erf) or 'tanh'"))
+register(OpDef("clamp", P, _run_clamp, per_output_element(2), doc="attrs min, max (None for unbounded); relu6"))
+register(OpDef("cast", P, lambda xs, a: xs[0].to(torch_dtype(a["dtype"])), per_output_element(0),
+               doc="dtype conversion; attrs dtype"))
+
+# reductions
+register(OpDef("softmax", R, lambda xs, a: torch.softmax(xs[0], a["dim"]), per_output_element(5),
+               doc="attrs dim"))
+register(OpDef("layer_norm", R, lambda xs, a: F.layer_norm(xs[0], a["normalized_shape"], _optional(xs, 1),
+                                                          _optional(xs, 2), a["eps"]),
+               per_output_element(8), doc="inputs x, weight?, bias?; attrs normalized_shape, eps"))
+register(OpDef("mean", R, _run_mean, per_input_element(1), doc="attrs dims, keepdim"))
+register(OpDef("sum", R, lambda xs, a: torch.sum(xs[0], dim=a["dims"], keepdim=a.get("keepdim", False)),
+               per_input_element(1), doc="attrs dims, keepdim"))
+register(OpDef("max_pool2d", R, lambda xs, a: F.max_pool2d(xs[0], a["kernel_size"], a["stride"], a["padding"],
+                                                          a["dilation"], a["ceil_mode"]),
+               pool_flops, doc="attrs kernel_size, stride, padding, dilation, ceil_mode"))
+register(OpDef("avg_pool2d", R, lambda xs, a: F.avg_pool2d(xs[0], a["kernel_size"], a["stride"], a["padding"],
+                                                          a["ceil_mode"], a["count_include_pad"]),
+               pool_flops, doc="attrs kernel_size, stride, padding, ceil_mode, count_include_pad"))
+register(OpDef("adaptive_avg_pool2d", R, lambda xs, a: F.adaptive_avg_pool2d(xs[0], a["output_size"]),
+               per_input_element(1), doc="attrs output_size"))
+
+# layout and gathers; views cost nothing when run unfused
+register(OpDef("reshape", I, lambda xs, a: xs[0].reshape(a["shape"]), alias=True, doc="attrs shape"))
+register(OpDef("permute", I, lambda xs, a: xs[0].permute(a["dims"]), alias=True, doc="attrs dims"))
+register(OpDef("expand", I, lambda xs, a: xs[0].expand(a["shape"]), alias=True, doc="attrs shape"))
+register(OpDef("slice", I, _run_slice, alias=True, doc="attrs dim, start, end, step"))
+register(OpDef("identity", I, lambda xs, a: xs[0], alias=True, doc="dropout in eval, Identity"))
+register(OpDef("cat", I, lambda xs, a: torch.cat(xs, a["dim"]), doc="attrs dim"))
+register(OpDef("embedding", I, lambda xs, a: F.embedding(xs[1], xs[0]), bytes_read=embedding_bytes,
+               doc="inputs weight[V, D], indices"))
+
+register(OpDef("opaque", O, _run_opaque,
+               doc="runs through PyTorch: attrs target (name), fn (callable on the input list), or none"))
+
+
+# ---- per-node helpers ------------------------------------------------------------------------------
+
+def infer_type(op: str, input_types: Sequence[TensorType], attrs: Attrs) -> TensorType:
+    """Output type of `op` on inputs of these types, found by running its reference on the meta device."""
+    fakes = [torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta") for t in input_types]
+    try:
+        result = get_op(op).run(fakes, attrs)
+    except GraphError:
+        raise
+    except Exception as error:  # the reference raised: the inputs do not fit the op
+        raise GraphError(f"{op} cannot take inputs {[str(t) for t in input_types]} with {attrs}: {error}") \
+            from error
+    return TensorType.of(result)
+
+
+def node_flops(graph: Graph, node: Node) -> int:
+    return get_op(node.op).flops(graph.input_types(node), node.type, node.attrs)
+
+
+def node_bytes(graph: Graph, node: Node) -> tuple[int, int]:
+    """(bytes read, bytes written) when the node runs as its own kernel."""
+    op = get_op(node.op)
+    ins = graph.input_types(node)
+    return op.read_bytes(ins, node.type, node.attrs), op.written_bytes(ins, node.type, node.attrs)
+
+
+def kind_of(node: Node) -> FusionKind:
+    return get_op(node.op).kind
