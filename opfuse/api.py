@@ -1,0 +1,119 @@
+"""The front half of the pipeline as one call: `analyze(model_or_path, ...) -> Analysis`.
+
+capture (torch.export | ONNX) -> IR graph -> cast to the compute dtype -> passes (fold BN, DCE, verify)
+    -> fusion plan -> analysis (per-op table, traffic unfused vs fused)
+
+`Analysis` holds every stage's product, so `opfuse analyze`, `opfuse.compile` and the report all read the same facts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from opfuse.config import FusionConfig
+from opfuse.fusion.plan import FusionPlan
+from opfuse.hardware import HardwareProfile, get_hardware
+from opfuse.ir.graph import Graph
+
+
+@dataclass
+class Analysis:
+    """What opfuse found out about one model, stage by stage."""
+
+    name: str
+    config: FusionConfig
+    hardware: HardwareProfile
+    captured: Graph                 # as captured, cast to the compute dtype: the unfused baseline
+    prepared: Graph                 # after the passes: what the planner and the kernels see
+    pass_records: list[Any]
+    plan: FusionPlan
+    op_rows: list[Any]              # opfuse.analysis.traffic.OpMetrics per kernel-launching op of `captured`
+    unfused: Any                    # TrafficSummary of `captured`, one kernel per op
+    fused: Any                      # TrafficSummary of `plan`, one kernel per group
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def opaque_ops(self) -> list[str]:
+        """Ops that run through PyTorch because opfuse has no kernel for them."""
+        return [n.describe() + (f": {n.attrs['target']}" if "target" in n.attrs else "")
+                for n in self.prepared if n.op == "opaque"]
+
+    def to_dict(self) -> dict[str, Any]:
+        from opfuse.analysis.traffic import compare
+
+        return {
+            "model": self.name,
+            "dtype": self.config.dtype,
+            "hardware": self.hardware.name,
+            "density_threshold": self.config.density_threshold,
+            "ops": [asdict(row) for row in self.op_rows],
+            "plan": self.plan.to_dict(),
+            "opaque_ops": self.opaque_ops,
+            "passes": [{"name": r.name, "changes": r.changes} for r in self.pass_records],
+            "unfused": asdict(self.unfused),
+            "fused": asdict(self.fused),
+            "savings": compare(self.unfused, self.fused),
+            "seconds": self.seconds,
+        }
+
+
+def capture(model: Any, example_inputs: Sequence[Any] | None = None, batch: int | None = None,
+            name: str | None = None) -> Graph:
+    """An IR graph from an nn.Module (+ example inputs), an .onnx path, or an IR Graph (returned as is)."""
+    if isinstance(model, Graph):
+        return model
+    if isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx"):
+        from opfuse.frontend.onnx_import import load_onnx
+
+        return load_onnx(model, batch=batch)
+    if isinstance(model, torch.nn.Module):
+        from opfuse.frontend.torch_export import capture_torch
+
+        if example_inputs is None:
+            raise TypeError("capturing an nn.Module needs example_inputs")
+        return capture_torch(model, tuple(example_inputs), name=name)
+    raise TypeError(f"cannot capture {type(model).__name__}: pass an nn.Module, an .onnx path or an opfuse Graph")
+
+
+def analyze(model: Any, example_inputs: Sequence[Any] | None = None, config: FusionConfig = FusionConfig(),
+            batch: int | None = None, name: str | None = None) -> Analysis:
+    """Capture, prepare and plan `model`; quantify traffic and launches before and after fusion."""
+    from opfuse.analysis.traffic import op_table, summarize_plan, summarize_unfused
+    from opfuse.fusion.planner import plan_fusion
+    from opfuse.passes.cast_precision import cast_precision
+    from opfuse.passes.manager import prepare_graph
+
+    hardware = get_hardware(config.hardware)
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    graph = capture(model, example_inputs, batch=batch, name=name)
+    seconds["capture"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    captured, _ = cast_precision(graph, config.dtype)
+    prepared, records = prepare_graph(graph, config.dtype, debug_dir=_debug_dir(config, "passes"))
+    seconds["passes"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    plan = plan_fusion(prepared, config, hardware)
+    seconds["plan"] = time.perf_counter() - start
+
+    display_name = name or graph.name
+    return Analysis(display_name, config, hardware, captured, prepared, records, plan,
+                    op_table(captured, hardware, config), summarize_unfused(captured, hardware, config),
+                    summarize_plan(plan, hardware), seconds)
+
+
+def _debug_dir(config: FusionConfig, stage: str) -> str | None:
+    root = config.debug_dir or os.environ.get("OPFUSE_DEBUG_DIR")
+    if not root:
+        return None
+    path = Path(root) / stage
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)

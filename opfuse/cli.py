@@ -1,0 +1,178 @@
+"""The `opfuse` command: analyze (and, as they land, bench | profile | report).
+
+Exit codes scripts can rely on: 0 success, 1 the model could not be captured or planned (message names the node or
+file), 2 bad command-line usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from opfuse.config import FusionConfig
+from opfuse.hardware import PROFILES
+from opfuse.ir.graph import GraphError, dtype_name
+
+EXIT_OK, EXIT_MODEL_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_flops(n: float) -> str:
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def human_time(seconds: float) -> str:
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} µs"
+
+
+def load_analysis(args: argparse.Namespace, config: FusionConfig):
+    """Analysis of MODEL: a built-in name, a path to an .onnx file, or package.module:factory."""
+    from opfuse.api import analyze
+
+    if args.model.endswith(".onnx"):
+        return analyze(args.model, config=config, batch=args.batch)
+    from opfuse.bench.zoo import resolve_model
+
+    model, inputs, name = resolve_model(args.model, batch=args.batch)
+    return analyze(model, inputs, config=config, name=name)
+
+
+def ops_table(analysis, limit: int | None) -> Table:
+    table = Table(title=f"Per-op cost, unfused (candidate: under {analysis.config.density_threshold:g} FLOPs/Byte)")
+    for column in ("op", "kind", "output", "FLOPs", "read", "written", "FLOPs/B", "cand.", "predicted"):
+        table.add_column(column, justify="right" if column in ("FLOPs", "read", "written", "FLOPs/B",
+                                                               "predicted") else "left")
+    rows = analysis.op_rows if limit is None else analysis.op_rows[:limit]
+    for r in rows:
+        kind = getattr(r.kind, "value", r.kind)
+        table.add_row(f"{r.name} [dim]{r.op}[/]", kind, str(analysis.captured[r.name].type), human_flops(r.flops), human_bytes(r.bytes_read),
+                      human_bytes(r.bytes_written), f"{r.density:.1f}", "yes" if r.candidate else "",
+                      human_time(r.predicted_time))
+    if limit is not None and len(analysis.op_rows) > limit:
+        table.caption = f"{len(analysis.op_rows) - limit} more ops not shown (--ops all to show every op)"
+    return table
+
+
+def groups_table(plan) -> Table:
+    table = Table(title=f"Fusion groups: {plan.kernel_launches} kernel launches")
+    for column in ("group", "kind", "ops", "bytes", "FLOPs/B", "predicted", "why"):
+        table.add_column(column, justify="right" if column in ("bytes", "FLOPs/B", "predicted") else "left",
+                         overflow="fold")
+    for g in plan.groups:
+        if g.launches == 0:
+            continue
+        ops = " + ".join(plan.graph[n].op for n in g.nodes)
+        table.add_row(g.name, g.kind.value, ops, human_bytes(g.bytes_moved), f"{g.density:.1f}",
+                      human_time(g.predicted_time), g.reason)
+    return table
+
+
+def refused_table(plan) -> Table:
+    table = Table(title=f"Fusions refused: {len(plan.refused)}")
+    for column in ("producer", "consumer", "fusion", "verdict", "reason"):
+        table.add_column(column, overflow="fold")
+    for d in plan.refused:
+        table.add_row(", ".join(d.producer), ", ".join(d.consumer), d.fusion, d.verdict.value, d.reason)
+    return table
+
+
+def summary_table(analysis) -> Table:
+    unfused, fused = analysis.unfused, analysis.fused
+    table = Table(title=f"{analysis.name}: unfused vs fused ({analysis.hardware.name}, {analysis.config.dtype})")
+    for column, justify in (("metric", "left"), ("unfused", "right"), ("fused", "right"), ("change", "right")):
+        table.add_column(column, justify=justify)
+
+    def change(before: float, after: float) -> str:
+        return f"{(after - before) / before * 100:+.1f}%" if before else "-"
+
+    rows = [
+        ("bytes read", unfused.bytes_read, fused.bytes_read, human_bytes),
+        ("bytes written", unfused.bytes_written, fused.bytes_written, human_bytes),
+        ("total traffic", unfused.total_bytes, fused.total_bytes, human_bytes),
+        ("kernel launches", unfused.kernel_launches, fused.kernel_launches, str),
+        ("peak intermediate memory", unfused.peak_intermediate_bytes, fused.peak_intermediate_bytes, human_bytes),
+        ("compute density (FLOPs/Byte)", unfused.density, fused.density, lambda v: f"{v:.1f}"),
+        ("predicted time", unfused.predicted_time, fused.predicted_time, human_time),
+    ]
+    for label, before, after, fmt in rows:
+        table.add_row(label, fmt(before), fmt(after), change(before, after))
+    return table
+
+
+def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
+    config = FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold)
+    with console.status(f"capturing and planning {args.model}", spinner="dots") if not args.quiet else _null():
+        analysis = load_analysis(args, config)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(analysis.to_dict(), f, indent=1, default=str)
+    if not args.quiet:
+        limit = None if args.ops == "all" else int(args.ops)
+        console.print(ops_table(analysis, limit))
+        console.print(groups_table(analysis.plan))
+        console.print(refused_table(analysis.plan))
+        if analysis.opaque_ops:
+            console.print("[bold]Runs through PyTorch (no opfuse kernel):[/] " + "; ".join(analysis.opaque_ops))
+        console.print(summary_table(analysis))
+        console.print(f"unfused: {analysis.unfused.kernel_launches} kernel launches (one per op) -> fused: "
+                      f"{analysis.fused.kernel_launches}; capture {analysis.seconds['capture']:.1f} s, passes "
+                      f"{analysis.seconds['passes']:.1f} s, plan {analysis.seconds['plan']:.2f} s")
+    return EXIT_OK
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="opfuse", description="Operator-fusion compiler for DL inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    analyze = sub.add_parser("analyze", help="where the model wastes traffic and launches, and what opfuse fuses")
+    analyze.add_argument("model", help="built-in name (resnet18, resnet50, mobilenet_v2, bert-base), a .onnx file, "
+                                       "or package.module:factory returning (model, example_inputs)")
+    analyze.add_argument("--batch", type=int, default=1)
+    analyze.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"])
+    analyze.add_argument("--hw", default="h200", choices=sorted(PROFILES))
+    analyze.add_argument("--threshold", type=float, default=10.0,
+                         help="FLOPs/Byte under which an op is a fusion candidate (default 10, the seed's rule)")
+    analyze.add_argument("--ops", default="40", help="how many per-op rows to print, or 'all'")
+    analyze.add_argument("--json", metavar="FILE", help="also write the analysis as JSON")
+    analyze.add_argument("--quiet", action="store_true", help="print nothing (use with --json)")
+    analyze.set_defaults(handler=cmd_analyze)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    console = Console(stderr=False)
+    try:
+        return args.handler(args, console)
+    except (GraphError, FileNotFoundError, ValueError, ImportError) as error:
+        Console(stderr=True).print(f"[bold red]opfuse {args.command}: error:[/] {error}")
+        return EXIT_MODEL_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""What every lowered fusion group looks like to the runtime: `GroupKernel`, and the source loader.
+
+A `GroupKernel` is one fusion group turned into one Triton kernel. It is built once per compile from the graph and
+the group (weights are packed then: transposed, concatenated, cast to the compute dtype, moved to the device) and
+run many times. Its `run` takes the group's non-constant inputs (in `group.inputs` order, constants skipped) and
+returns the group's outputs (in `group.outputs` order).
+
+Layout convention shared by all kernels: 4-D activations are produced in channels-last (NHWC) memory format, and
+every kernel reads its activation inputs through their strides, so a channel slice of a horizontally merged output
+(a strided view) is a valid input.
+
+Generated kernel source is written to a file and imported (`load_source`) because `triton.jit` needs real source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Sequence
+
+import torch
+
+from opfuse.fusion.plan import FusionGroup
+from opfuse.ir.graph import Graph
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One point of a kernel's tuning space: constexpr block sizes plus launch options."""
+
+    params: tuple[tuple[str, int], ...]          # e.g. (("BLOCK_M", 128), ("BLOCK_N", 64), ("BLOCK_K", 32))
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @classmethod
+    def of(cls, num_warps: int = 4, num_stages: int = 2, **params: int) -> "KernelConfig":
+        return cls(tuple(sorted(params.items())), num_warps, num_stages)
+
+    def __getitem__(self, key: str) -> int:
+        return dict(self.params)[key]
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.params) | {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+@dataclass
+class CompiledInfo:
+    """Resource use of one compiled kernel, read from Triton's compiled metadata (None where unknown)."""
+
+    registers: int | None = None
+    spills: int | None = None
+    shared_bytes: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class GroupKernel(ABC):
+    """A fusion group lowered to one Triton kernel."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, name: str, source: str):
+        self.graph = graph
+        self.group = group
+        self.name = name            # e.g. fused_conv2d_add_relu_1a2b3c4d
+        self.source = source        # the Triton source, for the report and debug dumps
+        self.last_compiled: CompiledInfo | None = None
+
+    @property
+    def runtime_inputs(self) -> list[str]:
+        """The group inputs the caller passes to `run` (constants are held by the kernel)."""
+        return [i for i in self.group.inputs if not self.graph.is_constant(i)]
+
+    @abstractmethod
+    def configs(self) -> list[KernelConfig]:
+        """Candidate configs for autotuning; the first is the default when tuning is off."""
+
+    @abstractmethod
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+        """Compute the group's outputs from its runtime inputs."""
+
+
+def kernel_name(prefix: str, ops: Sequence[str], source: str) -> str:
+    """fused_<op>_<op>_<hash>: readable and unique per generated source."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:8]
+    body = "_".join(dict.fromkeys(ops))[:60]
+    return f"{prefix}_{body}_{digest}"
+
+
+def compiled_info(compiled: Any) -> CompiledInfo:
+    """Registers, spills and shared memory of a Triton compiled kernel (None under the interpreter)."""
+    if compiled is None:
+        return CompiledInfo()
+    metadata = getattr(compiled, "metadata", None)
+    shared = getattr(metadata, "shared", None) if metadata is not None else None
+    return CompiledInfo(getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None), shared)
+
+
+def kernel_source_dir() -> Path:
+    root = os.environ.get("OPFUSE_KERNEL_DIR") or os.path.join(tempfile.gettempdir(), f"opfuse-kernels-{os.getuid()}")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_source(source: str, module_name: str) -> ModuleType:
+    """Import generated Triton source as a module (written atomically to a file keyed by its hash)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    unique = f"opfuse_generated_{module_name}_{digest}"
+    if unique in sys.modules:
+        return sys.modules[unique]
+    path = kernel_source_dir() / f"{unique}.py"
+    if not path.exists():
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(unique, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[unique] = module
+    return module

@@ -1,0 +1,104 @@
+"""Triton expressions for the elementwise IR ops: the one table every kernel template's epilogue/prologue uses.
+
+`emit(op, attrs, args)` returns a Triton expression (a string) computing the op on already-loaded float32 values
+named in `args`. Generated kernels do all elementwise math in float32 and cast once when storing.
+An op not in the table raises `Unsupported`; the group holding it then runs through PyTorch (and the report says so).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from opfuse.ir.graph import dtype_name
+
+
+class Unsupported(Exception):
+    """This op (or attribute) has no Triton lowering; the group falls back to PyTorch."""
+
+
+TRITON_DTYPES = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
+                 "float64": "tl.float64", "int64": "tl.int64", "int32": "tl.int32", "int8": "tl.int8",
+                 "uint8": "tl.uint8", "bool": "tl.int1"}
+
+
+def triton_dtype(dtype: str) -> str:
+    return TRITON_DTYPES[dtype_name(dtype)]
+
+
+def _literal(value: float) -> str:
+    """A float literal Triton parses (repr keeps full precision; inf has no literal)."""
+    value = float(value)
+    if value == float("inf"):
+        return "float('inf')"
+    if value == float("-inf"):
+        return "float('-inf')"
+    return repr(value)
+
+
+def _tanh(x: str) -> str:
+    # tanh(x) = 2·sigmoid(2x) − 1 : tl has no tanh in every supported Triton version
+    return f"(2.0 * tl.sigmoid(2.0 * ({x})) - 1.0)"
+
+
+def _clamp(x: str, low: Any, high: Any) -> str:
+    if low is not None:
+        x = f"tl.maximum({x}, {_literal(low)})"
+    if high is not None:
+        x = f"tl.minimum({x}, {_literal(high)})"
+    return x
+
+
+def _gelu(attrs: dict, x: str) -> str:
+    if attrs.get("approximate", "none") == "tanh":
+        inner = f"0.7978845608028654 * (({x}) + 0.044715 * ({x}) * ({x}) * ({x}))"
+        return f"(0.5 * ({x}) * (1.0 + {_tanh(inner)}))"
+    return f"(0.5 * ({x}) * (1.0 + tl.math.erf(({x}) * 0.7071067811865476)))"
+
+
+def _batch_norm(attrs: dict, x: str, weight: str, bias: str, mean: str, var: str) -> str:
+    return f"((({x}) - ({mean})) * tl.rsqrt(({var}) + {_literal(attrs['eps'])}) * ({weight}) + ({bias}))"
+
+
+_UNARY: dict[str, Callable[[dict, str], str]] = {
+    "relu": lambda a, x: f"tl.maximum({x}, 0.0)",
+    "clamp": lambda a, x: _clamp(x, a.get("min"), a.get("max")),
+    "sigmoid": lambda a, x: f"tl.sigmoid({x})",
+    "tanh": lambda a, x: _tanh(x),
+    "silu": lambda a, x: f"(({x}) * tl.sigmoid({x}))",
+    "gelu": _gelu,
+    "hardswish": lambda a, x: f"(({x}) * {_clamp(f'({x}) + 3.0', 0.0, 6.0)} * 0.16666666666666666)",
+    "hardsigmoid": lambda a, x: _clamp(f"({x}) * 0.16666666666666666 + 0.5", 0.0, 1.0),
+    "erf": lambda a, x: f"tl.math.erf({x})",
+    "exp": lambda a, x: f"tl.exp({x})",
+    "log": lambda a, x: f"tl.log({x})",
+    "sqrt": lambda a, x: f"tl.sqrt({x})",
+    "rsqrt": lambda a, x: f"tl.rsqrt({x})",
+    "neg": lambda a, x: f"(-({x}))",
+    "abs": lambda a, x: f"tl.abs({x})",
+    "reciprocal": lambda a, x: f"(1.0 / ({x}))",
+    "identity": lambda a, x: x,
+    # a cast inside a fused kernel rounds through the target type, then continues in float32
+    "cast": lambda a, x: f"({x}).to({triton_dtype(a['dtype'])}).to(tl.float32)",
+}
+
+_BINARY: dict[str, Callable[[dict, str, str], str]] = {
+    "add": lambda a, x, y: f"(({x}) + ({y}))",
+    "sub": lambda a, x, y: f"(({x}) - ({y}))",
+    "mul": lambda a, x, y: f"(({x}) * ({y}))",
+    "div": lambda a, x, y: f"(({x}) / ({y}))",
+    "maximum": lambda a, x, y: f"tl.maximum({x}, {y})",
+    "minimum": lambda a, x, y: f"tl.minimum({x}, {y})",
+}
+
+SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | {"batch_norm"}
+
+
+def emit(op: str, attrs: dict, args: Sequence[str]) -> str:
+    """Triton expression for `op` applied to the float32 expressions `args` (in the IR node's input order)."""
+    if op in _UNARY and len(args) == 1:
+        return _UNARY[op](attrs, args[0])
+    if op in _BINARY and len(args) == 2:
+        return _BINARY[op](attrs, args[0], args[1])
+    if op == "batch_norm" and len(args) == 5:
+        return _batch_norm(attrs, *args)
+    raise Unsupported(f"no Triton lowering for {op} with {len(args)} operands")
