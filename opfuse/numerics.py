@@ -1,0 +1,117 @@
+"""Numerical checks against eager: per-group (which kernel is wrong?) and end to end (is the model right?).
+
+Errors are relative: ||out - ref|| / ||ref||, the reference computed in float32 (float64 for float32 models).
+Thresholds (METHOD.md): 1e-4 for float32, 1e-3 where tf32 is used, 1e-2 for float16/bfloat16.
+Entry points: `check_groups`, `relative_error`, `tolerance`, `random_inputs_like`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from opfuse.ir.graph import Graph, GraphError, torch_dtype
+from opfuse.ir.ops import get_op
+
+TOLERANCE = {"float32": 1e-4, "tf32": 1e-3, "float16": 1e-2, "bfloat16": 1e-2, "float64": 1e-10}
+
+
+def tolerance(dtype: str) -> float:
+    return TOLERANCE[dtype]
+
+
+def reference_dtype(dtype: str) -> torch.dtype:
+    return torch.float64 if dtype in ("float32", "float64") else torch.float32
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN or Inf where the reference is finite never passes."""
+    out64, ref64 = out.detach().to(torch.float64), ref.detach().to(torch.float64)
+    if out64.shape != ref64.shape:
+        return float("inf")
+    finite = torch.isfinite(ref64)
+    if not torch.equal(torch.isfinite(out64), finite):
+        return float("inf")
+    # NaN/Inf positions agree (same result as eager there); compare the finite part
+    diff = torch.linalg.vector_norm(torch.where(finite, out64 - ref64, 0.0))
+    norm = torch.linalg.vector_norm(torch.where(finite, ref64, 0.0))
+    if norm == 0:
+        return float(diff)
+    return float(diff / norm)
+
+
+def random_inputs_like(examples: Sequence[torch.Tensor], seed: int = 1234) -> list[torch.Tensor]:
+    """Fresh random inputs shaped like the examples (never zeros): floats ~N(0,1), integers in the examples' range."""
+    generator = torch.Generator().manual_seed(seed)
+    fresh = []
+    for x in examples:
+        if x.is_floating_point():
+            value = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(x.dtype)
+        else:
+            high = int(x.max().item()) + 1 if x.numel() else 1
+            value = torch.randint(0, max(high, 2), x.shape, generator=generator, dtype=x.dtype)
+        fresh.append(value.to(x.device))
+    return fresh
+
+
+def interpret_all(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every node's value, computed through the op references with floating values in `dtype`."""
+    device = inputs[0].device if inputs else torch.device("cpu")
+    values: dict[str, torch.Tensor] = {}
+    for node, x in zip(graph.input_nodes, inputs):
+        values[node.name] = x.to(dtype) if x.is_floating_point() else x
+    for node in graph:
+        if node.op == "input":
+            continue
+        if node.op == "constant":
+            tensor = graph.constants[node.name].to(device)
+            values[node.name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            continue
+        attrs = dict(node.attrs)
+        if node.op == "cast" and torch_dtype(attrs["dtype"]).is_floating_point:
+            attrs["dtype"] = str(dtype).removeprefix("torch.")   # keep the reference in its own precision
+        try:
+            values[node.name] = get_op(node.op).run([values[i] for i in node.inputs], attrs)
+        except Exception as error:
+            raise GraphError(f"reference run of node {node.describe()} failed: {error}") from error
+    return values
+
+
+@dataclass
+class GroupCheck:
+    group: str
+    kernel: str
+    error: float
+    tolerance: float
+    detail: str = ""          # the exception, where the kernel crashed
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.tolerance
+
+
+def check_groups(graph: Graph, kernels: Mapping[str, object], inputs: Sequence[torch.Tensor],
+                 dtype: str, configs: Mapping[str, object] | None = None) -> list[GroupCheck]:
+    """Run each kernel on reference inputs and compare its outputs with the reference values of the same nodes."""
+    reference = interpret_all(graph, inputs, reference_dtype(dtype))
+    compute = torch_dtype(dtype)
+    checks = []
+    for name, kernel in kernels.items():
+        args = []
+        for value_name in kernel.runtime_inputs:
+            value = reference[value_name]
+            value = value.to(compute) if value.is_floating_point() else value
+            if value.dim() == 4:
+                value = value.contiguous(memory_format=torch.channels_last)
+            args.append(value)
+        config = (configs or {}).get(name)
+        detail = ""
+        try:
+            outputs = kernel.run(args, config)
+            error = max(relative_error(out, reference[o]) for out, o in zip(outputs, kernel.group.outputs))
+        except Exception as crash:  # a kernel that crashes is as wrong as one that miscomputes: record why
+            error, detail = float("inf"), f"{type(crash).__name__}: {crash}"
+        checks.append(GroupCheck(name, kernel.name, error, tolerance(dtype), detail))
+    return checks

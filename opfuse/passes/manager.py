@@ -1,0 +1,90 @@
+"""Run graph passes in order, verify the graph after each, and record (and optionally dump) what each changed.
+
+Entry points: `prepare_graph(graph, dtype)` (the pipeline `opfuse.compile` runs between capture and the
+fusion planner), `run_passes(graph, passes)` for any list of passes, `default_pipeline()`.
+A pass is a function ``Graph -> (new Graph, list of one-line change descriptions)``; it never edits its input.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from opfuse.ir.graph import Graph, GraphError
+from opfuse.ir.verify import verify
+from opfuse.passes.cast_precision import cast_precision
+from opfuse.passes.eliminate_dead_code import eliminate_dead_code
+from opfuse.passes.fold_batchnorm import fold_batchnorm
+from opfuse.passes.remove_noop_layout import remove_noop_layout
+
+Pass = Callable[[Graph], tuple[Graph, list[str]]]
+
+
+@dataclass
+class PassRecord:
+    """What one pass did: its name, the change descriptions it returned, and how long it took."""
+
+    name: str
+    changes: list[str]
+    seconds: float
+
+
+def default_pipeline() -> list[Pass]:
+    """The passes run after `cast_precision`: layout no-ops first, so BN folding sees conv -> bn directly."""
+    return [remove_noop_layout, fold_batchnorm, eliminate_dead_code]
+
+
+def pass_name(graph_pass: Pass) -> str:
+    """A pass's name for records and errors; a functools.partial is named after its function."""
+    while isinstance(graph_pass, functools.partial):
+        graph_pass = graph_pass.func
+    return getattr(graph_pass, "__name__", type(graph_pass).__name__)
+
+
+def run_passes(graph: Graph, passes: list[Pass], debug_dir: str | os.PathLike | None = None
+               ) -> tuple[Graph, list[PassRecord]]:
+    """Run `passes` in order on copies of `graph`; raise GraphError naming the pass that broke the graph.
+
+    With `debug_dir`, writes ``00_input.txt`` and then ``<index>_<pass>.txt`` (graph.format()) after each pass.
+    """
+    if debug_dir is not None:
+        os.makedirs(debug_dir, exist_ok=True)
+        _dump(debug_dir, "00_input.txt", graph)
+    try:  # so that a broken capture is not blamed on the first pass
+        verify(graph)
+    except GraphError as error:
+        raise GraphError(f"the graph given to the passes is invalid: {error}") from error
+    records = []
+    for index, graph_pass in enumerate(passes, start=1):
+        name = pass_name(graph_pass)
+        start = time.perf_counter()
+        try:
+            result, changes = graph_pass(graph)
+        except GraphError as error:
+            raise GraphError(f"pass {name} failed on graph {graph.name}: {error}") from error
+        seconds = time.perf_counter() - start
+        if result is graph:
+            raise GraphError(f"pass {name} returned its input graph; a pass must edit graph.copy()")
+        if debug_dir is not None:  # written before verifying, so a broken graph can be inspected
+            _dump(debug_dir, f"{index:02d}_{name}.txt", result)
+        try:
+            verify(result)
+        except GraphError as error:
+            raise GraphError(f"pass {name} produced an invalid graph: {error}") from error
+        records.append(PassRecord(name, list(changes), seconds))
+        graph = result
+    return graph, records
+
+
+def prepare_graph(graph: Graph, dtype: str, debug_dir: str | os.PathLike | None = None
+                  ) -> tuple[Graph, list[PassRecord]]:
+    """`cast_precision` to `dtype`, then the default pipeline: the graph the fusion planner receives."""
+    return run_passes(graph, [functools.partial(cast_precision, dtype=dtype), *default_pipeline()], debug_dir)
+
+
+def _dump(debug_dir: str | os.PathLike, filename: str, graph: Graph) -> None:
+    with open(os.path.join(debug_dir, filename), "w") as f:
+        f.write(graph.format() + "\n")

@@ -1,0 +1,532 @@
+"""Graph passes, TVM style: build `before` by hand, run the pass, compare with a hand-built `expected` graph
+structurally, and check that `before` and the result compute the same thing (float64, rel err < 1e-10)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
+
+from opfuse.ir.graph import Graph, GraphError, TensorType
+from opfuse.ir.interpret import interpret
+from opfuse.ir.ops import infer_type
+from opfuse.ir.verify import verify
+from opfuse.passes import (cast_precision, default_pipeline, eliminate_dead_code, fold_batchnorm, prepare_graph,
+                           remove_noop_layout, run_passes)
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+# ---- helpers -----------------------------------------------------------------------------------------
+
+def rand(*shape, dtype=F64, positive=False):
+    t = torch.randn(shape, dtype=dtype)
+    return t.abs() + 0.5 if positive else t
+
+
+def op(graph: Graph, name: str, kind: str, inputs: list[str], **attrs) -> str:
+    """Add a node whose type is derived from its op (so hand-built graphs are always well typed)."""
+    return graph.add_node(kind, inputs, infer_type(kind, [graph[i].type for i in inputs], attrs), attrs,
+                          name=name).name
+
+
+def const(graph: Graph, name: str, tensor: torch.Tensor) -> str:
+    return graph.add_constant(name, tensor).name
+
+
+def conv(graph: Graph, name: str, x: str, w: str, b: str | None = None, groups: int = 1) -> str:
+    return op(graph, name, "conv2d", [x, w] + ([b] if b else []), stride=(1, 1), padding=(1, 1),
+              dilation=(1, 1), groups=groups)
+
+
+def batch_norm(graph: Graph, name: str, x: str, channels: int, dtype=F64) -> tuple[str, dict]:
+    params = {"weight": rand(channels, dtype=dtype), "bias": rand(channels, dtype=dtype),
+              "mean": rand(channels, dtype=dtype), "var": rand(channels, dtype=dtype, positive=True)}
+    names = [const(graph, f"{name}_{k}", v) for k, v in params.items()]
+    return op(graph, name, "batch_norm", [x, *names], eps=1e-5), params
+
+
+def _canonical_order(graph: Graph) -> list[str]:
+    """Inputs in signature order, then every node reachable from the outputs in depth-first post-order."""
+    order = [n.name for n in graph.input_nodes]
+    seen = set(order)
+
+    def visit(name: str) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        for i in graph[name].inputs:
+            visit(i)
+        order.append(name)
+
+    for o in graph.outputs:
+        visit(o)
+    return order
+
+
+def assert_graphs_equal(actual: Graph, expected: Graph, constant_values: bool = True) -> None:
+    """Equal up to node names: ops, attrs, types, wiring, outputs, no extra (dead) nodes, constant tensors."""
+    message = f"\nactual:\n{actual.format()}\nexpected:\n{expected.format()}"
+    a_order, e_order = _canonical_order(actual), _canonical_order(expected)
+    assert len(actual) == len(a_order), "actual graph has unreachable nodes" + message
+    assert len(a_order) == len(e_order), "node counts differ" + message
+    a_index = {name: i for i, name in enumerate(a_order)}
+    e_index = {name: i for i, name in enumerate(e_order)}
+    for a_name, e_name in zip(a_order, e_order):
+        a, e = actual[a_name], expected[e_name]
+        where = f" at {a_name} / {e_name}" + message
+        assert a.op == e.op, "ops differ" + where
+        assert a.type == e.type, "types differ" + where
+        assert [a_index[i] for i in a.inputs] == [e_index[i] for i in e.inputs], "wiring differs" + where
+        assert {k: v for k, v in a.attrs.items() if not callable(v)} == \
+            {k: v for k, v in e.attrs.items() if not callable(v)}, "attrs differ" + where
+        if a.op == "constant" and constant_values:
+            a_tensor, e_tensor = actual.constants[a_name], expected.constants[e_name]
+            assert a_tensor.dtype == e_tensor.dtype, "constant dtypes differ" + where
+            torch.testing.assert_close(a_tensor, e_tensor, rtol=1e-10, atol=1e-12, msg=lambda m: m + where)
+    assert [a_index[o] for o in actual.outputs] == [e_index[o] for o in expected.outputs], "outputs differ" + message
+
+
+def random_inputs(graph: Graph) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    return [torch.randn(n.type.shape, dtype=getattr(torch, n.type.dtype)) if n.type.is_float
+            else torch.randint(0, 10, n.type.shape, dtype=getattr(torch, n.type.dtype))
+            for n in graph.input_nodes]
+
+
+def assert_same_numerics(before: Graph, after: Graph, tolerance: float = 1e-10) -> None:
+    inputs = random_inputs(before)
+    for want, got in zip(interpret(before, inputs), interpret(after, inputs), strict=True):
+        assert got.shape == want.shape
+        error = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert error < tolerance, f"relative error {error:.3g}"
+
+
+def run_pass(graph_pass, graph: Graph) -> tuple[Graph, list[str]]:
+    """Run a pass, checking it left its input graph and constant tensors untouched and returned a valid graph."""
+    text = graph.format()
+    attrs = {n.name: repr(n.attrs) for n in graph}
+    tensors = {name: (t, t.clone()) for name, t in graph.constants.items()}
+    result, changes = graph_pass(graph)
+    assert result is not graph
+    assert graph.format() == text and {n.name: repr(n.attrs) for n in graph} == attrs
+    assert graph.constants.keys() == tensors.keys()
+    for name, (tensor, copy) in tensors.items():
+        assert graph.constants[name] is tensor and torch.equal(tensor, copy), f"constant {name} was changed"
+    verify(result)
+    return result, changes
+
+
+# ---- fold_batchnorm ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("c_in, c_out, groups", [(4, 6, 1), (4, 6, 2), (4, 4, 4)],
+                         ids=["dense", "grouped", "depthwise"])
+def test_fold_conv_batchnorm(with_bias, c_in, c_out, groups):
+    w, b = rand(c_out, c_in // groups, 3, 3), (rand(c_out) if with_bias else None)
+    before = Graph("before")
+    x = before.add_input("x", TensorType((2, c_in, 5, 5), "float64")).name
+    y = conv(before, "conv1", x, const(before, "w", w), const(before, "b", b) if with_bias else None, groups)
+    y, bn = batch_norm(before, "bn1", y, c_out)
+    before.outputs = [op(before, "relu", "relu", [y])]
+
+    after, changes = run_pass(fold_batchnorm, before)
+
+    w_folded, b_folded = fuse_conv_bn_weights(w, b, bn["mean"], bn["var"], 1e-5, bn["weight"], bn["bias"])
+    expected = Graph("expected")
+    x = expected.add_input("x", TensorType((2, c_in, 5, 5), "float64")).name
+    y = conv(expected, "conv1", x, const(expected, "w", w_folded.detach()), const(expected, "b", b_folded.detach()),
+             groups)
+    expected.outputs = [op(expected, "relu", "relu", [y])]
+    assert_graphs_equal(after, expected)
+    assert changes == ["folded batch_norm bn1 into conv2d conv1"]
+    assert_same_numerics(before, after)
+
+
+def test_fold_linear_batchnorm1d():
+    w, b = rand(6, 8), rand(6)
+    before = Graph("before")
+    x = before.add_input("x", TensorType((5, 8), "float64")).name
+    y = op(before, "fc", "linear", [x, const(before, "w", w), const(before, "b", b)])
+    y, bn = batch_norm(before, "bn", y, 6)
+    before.outputs = [y]
+
+    after, changes = run_pass(fold_batchnorm, before)
+
+    w_folded, b_folded = fuse_linear_bn_weights(w, b, bn["mean"], bn["var"], 1e-5, bn["weight"], bn["bias"])
+    expected = Graph("expected")
+    x = expected.add_input("x", TensorType((5, 8), "float64")).name
+    expected.outputs = [op(expected, "fc", "linear", [x, const(expected, "w", w_folded.detach()),
+                                                      const(expected, "b", b_folded.detach())])]
+    assert_graphs_equal(after, expected)
+    assert changes == ["folded batch_norm bn into linear fc"]
+    assert_same_numerics(before, after)
+
+
+def test_fold_conv_batchnorm_mul_add_chain():
+    w = rand(6, 4, 3, 3)
+    m, a = rand(6, 1, 1), rand(1, 6, 1, 1)
+    before = Graph("before")
+    x = before.add_input("x", TensorType((2, 4, 5, 5), "float64")).name
+    y = conv(before, "conv", x, const(before, "w", w))
+    y, bn = batch_norm(before, "bn", y, 6)
+    y = op(before, "scale", "mul", [y, const(before, "m", m)])
+    y = op(before, "shift", "add", [const(before, "a", a), y])  # constant first: add commutes
+    before.outputs = [op(before, "act", "silu", [y])]
+
+    after, changes = run_pass(fold_batchnorm, before)
+
+    w_bn, b_bn = fuse_conv_bn_weights(w, None, bn["mean"], bn["var"], 1e-5, bn["weight"], bn["bias"])
+    w_folded = w_bn.detach() * m.reshape(6, 1, 1, 1)
+    b_folded = b_bn.detach() * m.reshape(6) + a.reshape(6)
+    expected = Graph("expected")
+    x = expected.add_input("x", TensorType((2, 4, 5, 5), "float64")).name
+    y = conv(expected, "conv", x, const(expected, "w", w_folded), const(expected, "b", b_folded))
+    expected.outputs = [op(expected, "act", "silu", [y])]
+    assert_graphs_equal(after, expected)
+    assert changes == ["folded batch_norm bn into conv2d conv", "folded mul scale into conv2d conv",
+                       "folded add shift into conv2d conv"]
+    assert_same_numerics(before, after)
+
+
+@pytest.mark.parametrize("anchor, kind, shape, constant_first", [
+    ("conv2d", "mul", (6, 1, 1), True), ("conv2d", "add", (), False), ("conv2d", "sub", (1, 6, 1, 1), False),
+    ("conv2d", "div", (6, 1, 1), False), ("conv2d", "mul", (1,), False),
+    ("linear", "mul", (6,), False), ("linear", "add", (1, 1, 6), True), ("linear", "div", (), False),
+])
+def test_fold_per_channel_scale_shift(anchor, kind, shape, constant_first):
+    x_type = TensorType((2, 4, 5, 5) if anchor == "conv2d" else (2, 3, 4), "float64")
+    w = rand(6, 4, 3, 3) if anchor == "conv2d" else rand(6, 4)
+    c = rand(*shape, positive=True)
+
+    def build(fold: bool) -> Graph:
+        graph = Graph()
+        x = graph.add_input("x", x_type).name
+        weights = [const(graph, "w", w), const(graph, "b", rand(6))]
+        y = conv(graph, "anchor", x, *weights) if anchor == "conv2d" else op(graph, "anchor", "linear", [x, *weights])
+        if not fold:
+            operands = [const(graph, "c", c), y] if constant_first else [y, const(graph, "c", c)]
+            y = op(graph, "follower", kind, operands)
+        graph.outputs = [op(graph, "out", "relu", [y])]
+        return graph
+
+    before = build(fold=False)
+    after, changes = run_pass(fold_batchnorm, before)
+    assert_graphs_equal(after, build(fold=True), constant_values=False)  # values: checked by the numerics
+    assert changes == [f"folded {kind} follower into {anchor} anchor"]
+    assert_same_numerics(before, after)
+
+
+def _conv_then(follow) -> Graph:
+    """x -> conv -> follow(graph, conv) ...; `follow` adds the rest and sets the outputs."""
+    graph = Graph("before")
+    x = graph.add_input("x", TensorType((2, 4, 5, 5), "float64")).name
+    y = conv(graph, "conv", x, const(graph, "w", rand(6, 4, 3, 3)))
+    follow(graph, y)
+    return graph
+
+
+def _two_users(g, y):
+    bn, _ = batch_norm(g, "bn", y, 6)
+    g.outputs = [op(g, "sum", "add", [bn, op(g, "relu", "relu", [y])])]
+
+
+def _conv_is_output(g, y):
+    g.outputs = [batch_norm(g, "bn", y, 6)[0], y]
+
+
+def _stats_not_constant(g, y):
+    mean = g.add_input("mean", TensorType((6,), "float64")).name
+    params = [const(g, n, rand(6, positive=True)) for n in ("gamma", "beta", "var")]
+    g.outputs = [op(g, "bn", "batch_norm", [y, params[0], params[1], mean, params[2]], eps=1e-5)]
+
+
+def _spatial_constant(g, y):
+    g.outputs = [op(g, "mul", "mul", [y, const(g, "c", rand(1, 1, 5, 5))])]
+
+
+def _constant_minus_conv(g, y):
+    g.outputs = [op(g, "sub", "sub", [const(g, "c", rand(6, 1, 1)), y])]
+
+
+def _divide_by_zero(g, y):
+    c = rand(6, 1, 1)
+    c[2] = 0
+    g.outputs = [op(g, "div", "div", [y, const(g, "c", c)])]
+
+
+def _per_sample_constant(g, y):  # same output shape, but one value per (sample, channel)
+    g.outputs = [op(g, "mul", "mul", [y, const(g, "c", rand(2, 6, 1, 1))])]
+
+
+@pytest.mark.parametrize("follow", [_two_users, _conv_is_output, _stats_not_constant, _spatial_constant,
+                                    _constant_minus_conv, _divide_by_zero, _per_sample_constant])
+def test_fold_refuses(follow):
+    before = _conv_then(follow)
+    after, changes = run_pass(fold_batchnorm, before)
+    assert changes == []
+    assert_graphs_equal(after, before)
+
+
+def test_fold_refuses_batchnorm_over_a_3d_linear():
+    # bn1d on [B, C, L] normalises dim 1, but a linear's output channels are the last dim
+    before = Graph("before")
+    x = before.add_input("x", TensorType((2, 6, 4), "float64")).name
+    y = op(before, "fc", "linear", [x, const(before, "w", rand(6, 4))])
+    before.outputs = [batch_norm(before, "bn", y, 6)[0]]
+    after, changes = run_pass(fold_batchnorm, before)
+    assert changes == []
+    assert_graphs_equal(after, before)
+
+
+def test_fold_with_shared_weight_gives_the_folded_conv_its_own():
+    w = rand(4, 4, 3, 3)
+    before = Graph("before")
+    x = before.add_input("x", TensorType((1, 4, 5, 5), "float64")).name
+    shared = const(before, "w", w)
+    plain = conv(before, "plain", x, shared)
+    folded, _ = batch_norm(before, "bn", conv(before, "folded", plain, shared), 4)
+    before.outputs = [folded]
+
+    after, changes = run_pass(fold_batchnorm, before)
+    assert changes == ["folded batch_norm bn into conv2d folded"]
+    assert after["plain"].inputs[1] == "w" and after.constants["w"] is before.constants["w"]
+    assert after["folded"].inputs[1] != "w"
+    assert_same_numerics(before, after)
+
+
+def test_fold_refuses_a_constant_that_widens_the_dtype():
+    before = Graph("before")
+    x = before.add_input("x", TensorType((2, 4, 5, 5), "float32")).name
+    y = conv(before, "conv", x, const(before, "w", rand(6, 4, 3, 3, dtype=torch.float32)))
+    before.outputs = [op(before, "mul", "mul", [y, const(before, "c", rand(6, 1, 1))])]  # float64: output widens
+    after, changes = run_pass(fold_batchnorm, before)
+    assert changes == []
+    assert_graphs_equal(after, before)
+
+
+def test_fold_keeps_float32_weight_dtype():
+    before = Graph("before")
+    x = before.add_input("x", TensorType((2, 4, 5, 5), "float32")).name
+    y = conv(before, "conv", x, const(before, "w", rand(6, 4, 3, 3, dtype=torch.float32)))
+    before.outputs = [batch_norm(before, "bn", y, 6, dtype=torch.float32)[0]]
+    after, _ = run_pass(fold_batchnorm, before)
+    weight, bias = (after.constants[i] for i in after["conv"].inputs[1:])
+    assert weight.dtype == bias.dtype == torch.float32
+    assert_same_numerics(before, after, tolerance=1e-5)
+
+
+# ---- eliminate_dead_code -------------------------------------------------------------------------------
+
+def test_dce_removes_unused_branch_and_its_constants():
+    before = Graph("before")
+    x = before.add_input("x", TensorType((3, 4), "float64")).name
+    unused_input = before.add_input("unused", TensorType((2,), "float64")).name
+    kept = op(before, "relu", "relu", [x])
+    dead = op(before, "dead_add", "add", [x, const(before, "dead_c", rand(3, 4))])
+    op(before, "dead_sigmoid", "sigmoid", [dead])
+    before.outputs = [kept, op(before, "scaled", "mul", [kept, const(before, "c", rand(4))])]
+
+    after, changes = run_pass(eliminate_dead_code, before)
+
+    expected = Graph("expected")
+    x = expected.add_input("x", TensorType((3, 4), "float64")).name
+    expected.add_input("unused", TensorType((2,), "float64"))
+    kept = op(expected, "relu", "relu", [x])
+    expected.outputs = [kept, op(expected, "scaled", "mul", [kept, const(expected, "c", before.constants["c"])])]
+    assert_graphs_equal(after, expected)
+    assert sorted(changes) == ["removed dead add dead_add", "removed dead constant dead_c",
+                               "removed dead sigmoid dead_sigmoid"]
+    assert "dead_c" not in after.constants and unused_input in after.nodes
+    assert_same_numerics(before, after)
+
+
+# ---- remove_noop_layout --------------------------------------------------------------------------------
+
+# each case: (ops applied between relu(x) and sigmoid, ops expected to remain); x is float64[2,3,4]
+NOOP_CASES = {
+    "identity": ([("identity", {})], []),
+    "reshape same shape": ([("reshape", {"shape": (2, 3, -1)})], []),
+    "permute identity": ([("permute", {"dims": (0, 1, 2)})], []),
+    "permute identity negative dims": ([("permute", {"dims": (-3, -2, -1)})], []),
+    "expand same shape": ([("expand", {"shape": (2, -1, 4)})], []),
+    "slice whole dim": ([("slice", {"dim": 1, "start": 0, "end": 100, "step": 1})], []),
+    "cast same dtype": ([("cast", {"dtype": "float64"})], []),
+    "cat one input": ([("cat", {"dim": 0})], []),
+    "reshape of reshape": ([("reshape", {"shape": (6, 4)}), ("reshape", {"shape": (4, 6)})],
+                           [("reshape", {"shape": (4, 6)})]),
+    "three reshapes back to start": ([("reshape", {"shape": (6, 4)}), ("reshape", {"shape": (24,)}),
+                                      ("reshape", {"shape": (2, 3, 4)})], []),
+    "permute of permute": ([("permute", {"dims": (1, 2, 0)}), ("permute", {"dims": (0, 2, 1)})],
+                           [("permute", {"dims": [1, 0, 2]})]),
+    "permute of permute is identity": ([("permute", {"dims": (1, 2, 0)}), ("permute", {"dims": (2, 0, 1)})], []),
+}
+KEPT_CASES = {
+    "reshape": [("reshape", {"shape": (6, 4)})],
+    "permute": [("permute", {"dims": (0, 2, 1)})],
+    "expand": [("reshape", {"shape": (2, 1, 3, 4)}), ("expand", {"shape": (2, 5, 3, 4)})],
+    "slice part": [("slice", {"dim": 2, "start": 1, "end": 4, "step": 1})],
+    "slice step": [("slice", {"dim": 2, "start": 0, "end": 4, "step": 2})],
+    "cast": [("cast", {"dtype": "float32"}), ("cast", {"dtype": "float64"})],
+}
+
+
+def _layout_chain(ops: list[tuple[str, dict]], x_shape=(2, 3, 4)) -> Graph:
+    graph = Graph()
+    y = op(graph, "relu", "relu", [graph.add_input("x", TensorType(x_shape, "float64")).name])
+    for i, (kind, attrs) in enumerate(ops):
+        y = op(graph, f"{kind}{i}", kind, [y], **attrs)
+    graph.outputs = [op(graph, "sigmoid", "sigmoid", [y])]
+    return graph
+
+
+@pytest.mark.parametrize("case", NOOP_CASES)
+def test_remove_noop_layout(case):
+    ops, remaining = NOOP_CASES[case]
+    before = _layout_chain(ops)
+    after, changes = run_pass(remove_noop_layout, before)
+    assert_graphs_equal(after, _layout_chain(remaining))
+    assert changes and all(c.startswith(("removed no-op ", "merged ")) for c in changes)
+    assert_same_numerics(before, after)
+
+
+@pytest.mark.parametrize("case", KEPT_CASES)
+def test_remove_noop_layout_keeps_real_layout_ops(case):
+    before = _layout_chain(KEPT_CASES[case])
+    after, changes = run_pass(remove_noop_layout, before)
+    assert changes == []
+    assert_graphs_equal(after, before)
+
+
+def test_transpose_of_square_tensor_is_kept():
+    before = _layout_chain([("permute", {"dims": (1, 0)})], x_shape=(3, 3))  # same type, different values
+    after, changes = run_pass(remove_noop_layout, before)
+    assert changes == []
+    assert_graphs_equal(after, before)
+
+
+def test_reshape_of_shared_reshape_keeps_the_shared_one():
+    before = Graph()
+    x = before.add_input("x", TensorType((2, 3, 4), "float64")).name
+    inner = op(before, "inner", "reshape", [x], shape=(6, 4))
+    outer = op(before, "outer", "reshape", [inner], shape=(4, 6))
+    before.outputs = [op(before, "a", "relu", [inner]), op(before, "b", "relu", [outer])]
+    after, changes = run_pass(remove_noop_layout, before)
+    assert changes == ["merged reshape inner into reshape outer"]
+    assert after["outer"].inputs == ["x"] and "inner" in after.nodes
+    assert_same_numerics(before, after)
+
+
+# ---- cast_precision ------------------------------------------------------------------------------------
+
+def _mixed_model() -> Graph:
+    graph = Graph("mixed")
+    tokens = graph.add_input("tokens", TensorType((2, 3), "int64")).name
+    x = graph.add_input("x", TensorType((2, 3, 4), "float32")).name
+    h = op(graph, "embed", "embedding", [const(graph, "table", torch.randn(10, 4)), tokens])
+    h = op(graph, "add", "add", [h, x])
+    h = op(graph, "norm", "layer_norm", [h, const(graph, "ln_w", torch.randn(4)), const(graph, "ln_b", torch.randn(4))],
+           normalized_shape=(4,), eps=1e-5)
+    h = op(graph, "fc", "linear", [h, const(graph, "fc_w", torch.randn(5, 4)), const(graph, "fc_b", torch.randn(5))])
+    h = graph.add_node("opaque", [h], graph[h].type, {"target": "double", "fn": lambda xs: xs[0] * 2},
+                       name="twice").name
+    h = op(graph, "rows", "reshape", [op(graph, "to_f32", "cast", [h], dtype="float32")], shape=(6, 5))
+    h = op(graph, "pick", "embedding", [h, const(graph, "positions", torch.arange(3))])
+    graph.outputs = [h]
+    return graph
+
+
+def test_cast_precision_to_float16():
+    before = _mixed_model()
+    after, changes = run_pass(functools.partial(cast_precision, dtype="fp16"), before)
+
+    for name in ("table", "ln_w", "ln_b", "fc_w", "fc_b"):
+        assert after.constants[name].dtype == torch.float16 and after[name].type.dtype == "float16"
+        assert before.constants[name].dtype == torch.float32
+        torch.testing.assert_close(after.constants[name].float(), before.constants[name], rtol=1e-3, atol=1e-3)
+    assert after.constants["positions"] is before.constants["positions"]  # int constants untouched
+    assert after["tokens"].type == TensorType((2, 3), "int64")
+    assert after["x"].type == TensorType((2, 3, 4), "float16")
+    for name in ("embed", "add", "norm", "fc", "twice", "to_f32", "rows", "pick"):
+        assert after[name].type == before[name].type.with_dtype("float16"), name
+    assert after["to_f32"].attrs["dtype"] == "float16"
+    assert "cast input x from float32 to float16" in changes
+    assert "cast constant table from float32 to float16" in changes
+    assert not any("positions" in c or "tokens" in c for c in changes)
+
+    inputs = random_inputs(before)
+    want = interpret(before, inputs)[0]
+    got = interpret(after, [inputs[0], inputs[1].half()])[0]
+    assert got.dtype == torch.float16
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_cast_precision_rejects_integer_dtype():
+    with pytest.raises(ValueError, match="floating"):
+        cast_precision(_mixed_model(), "int32")
+
+
+# ---- the pass manager ----------------------------------------------------------------------------------
+
+def _conv_bn_model(dtype="float64") -> Graph:
+    graph = Graph("model")
+    x = graph.add_input("x", TensorType((1, 3, 6, 6), dtype)).name
+    y = conv(graph, "conv", x, const(graph, "w", rand(4, 3, 3, 3, dtype=getattr(torch, dtype))))
+    y = op(graph, "dropout", "identity", [y])
+    y, _ = batch_norm(graph, "bn", y, 4, dtype=getattr(torch, dtype))
+    op(graph, "unused", "tanh", [y])
+    graph.outputs = [op(graph, "relu", "relu", [y])]
+    return graph
+
+
+def _break_types(graph: Graph) -> tuple[Graph, list[str]]:
+    graph = graph.copy()
+    relu = graph["relu"]
+    relu.type = TensorType((7,), relu.type.dtype)
+    return graph, ["broke relu"]
+
+
+def _returns_its_input(graph: Graph) -> tuple[Graph, list[str]]:
+    return graph, []
+
+
+def test_run_passes_names_the_pass_that_broke_the_graph(tmp_path):
+    with pytest.raises(GraphError, match=r"pass _break_types produced an invalid graph: node relu"):
+        run_passes(_conv_bn_model(), [remove_noop_layout, _break_types, eliminate_dead_code], debug_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["00_input.txt", "01_remove_noop_layout.txt",
+                                                         "02__break_types.txt"]
+    with pytest.raises(GraphError, match="pass _returns_its_input returned its input graph"):
+        run_passes(_conv_bn_model(), [_returns_its_input])
+
+
+def test_run_passes_records_and_debug_files(tmp_path):
+    before = _conv_bn_model()
+    after, records = run_passes(before, default_pipeline(), debug_dir=tmp_path)
+    assert [r.name for r in records] == ["remove_noop_layout", "fold_batchnorm", "eliminate_dead_code"]
+    assert records[0].changes == ["removed no-op identity dropout"]
+    assert records[1].changes == ["folded batch_norm bn into conv2d conv"]
+    assert records[2].changes == ["removed dead tanh unused"]
+    assert all(r.seconds >= 0 for r in records)
+    assert [n.op for n in after if n.op not in ("input", "constant")] == ["conv2d", "relu"]
+    assert (tmp_path / "03_eliminate_dead_code.txt").read_text() == after.format() + "\n"
+    assert (tmp_path / "00_input.txt").read_text() == before.format() + "\n"
+    assert_same_numerics(before, after)
+
+
+def test_prepare_graph_casts_then_runs_the_pipeline(tmp_path):
+    before = _conv_bn_model("float32")
+    after, records = prepare_graph(before, "float16", debug_dir=tmp_path)
+    assert [r.name for r in records] == ["cast_precision", "remove_noop_layout", "fold_batchnorm",
+                                         "eliminate_dead_code"]
+    assert (tmp_path / "01_cast_precision.txt").exists()
+    assert [n.op for n in after if n.op not in ("input", "constant")] == ["conv2d", "relu"]
+    assert all(t.dtype == torch.float16 for t in after.constants.values())
+    assert all(n.type.dtype == "float16" for n in after)
+    assert before["x"].type.dtype == "float32"
