@@ -1,0 +1,363 @@
+"""ONNX op converters for `opfuse.frontend.onnx_import`: one function per ONNX op (or family of ops).
+
+Each converter gets the importer, the ONNX node, the IR names of its inputs (None for an omitted optional input)
+and its attributes as Python values, adds IR nodes through `importer.emit`, and returns the IR name of each ONNX
+output (None for one it does not produce). It raises `Unsupported` when this use of the op has no IR
+equivalent: the importer then makes the node opaque and records the reason. Entry point: `CONVERTERS`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+if TYPE_CHECKING:
+    from opfuse.frontend.onnx_import import Importer
+
+ONNX_DTYPES = {
+    TensorProto.FLOAT: "float32", TensorProto.DOUBLE: "float64", TensorProto.FLOAT16: "float16",
+    TensorProto.BFLOAT16: "bfloat16", TensorProto.INT64: "int64", TensorProto.INT32: "int32",
+    TensorProto.INT16: "int16", TensorProto.INT8: "int8", TensorProto.UINT8: "uint8", TensorProto.BOOL: "bool",
+}
+
+
+class Unsupported(Exception):
+    """Raised by a converter: this use of a mapped op has no IR equivalent, so the node becomes opaque."""
+
+
+Converter = Callable[["Importer", onnx.NodeProto, list, dict], list]
+CONVERTERS: dict[str, Converter] = {}
+
+
+def converts(*op_types: str) -> Callable[[Converter], Converter]:
+    def register(fn: Converter) -> Converter:
+        for op_type in op_types:
+            CONVERTERS[op_type] = fn
+        return fn
+    return register
+
+
+# ---- converters: one per ONNX op (or family), returning the IR name of each output ---------------------
+
+UNARY = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Erf": "erf", "Exp": "exp", "Log": "log",
+         "Sqrt": "sqrt", "Neg": "neg", "Abs": "abs", "Reciprocal": "reciprocal", "HardSwish": "hardswish",
+         "Identity": "identity", "Dropout": "identity"}
+BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "Max": "maximum",
+          "Min": "minimum", "Sum": "add"}
+
+
+@converts(*UNARY)
+def _unary(importer: Importer, node, xs, attrs):
+    return [importer.emit(UNARY[node.op_type], [xs[0]])]
+
+
+@converts(*BINARY)
+def _binary(importer: Importer, node, xs, attrs):
+    if node.op_type == "Div" and not importer.type(xs[0]).is_float:
+        raise Unsupported("integer Div truncates, torch.div does not")
+    result = xs[0]
+    for other in xs[1:]:  # Max, Min and Sum are variadic
+        result = importer.emit(BINARY[node.op_type], [result, other])
+    return [result]
+
+
+@converts("Gelu")
+def _gelu(importer: Importer, node, xs, attrs):
+    return [importer.emit("gelu", [xs[0]], {"approximate": attrs.get("approximate", "none")})]
+
+
+@converts("LeakyRelu")
+def _leaky_relu(importer: Importer, node, xs, attrs):
+    alpha = attrs.get("alpha", 0.01)
+    if not 0 <= alpha <= 1:
+        raise Unsupported("LeakyRelu with alpha outside [0, 1]")
+    # max(x, alpha * x) equals leaky relu exactly when 0 <= alpha <= 1
+    return [importer.emit("maximum", [xs[0], importer.emit("mul", [xs[0], importer.scalar(alpha, xs[0])])])]
+
+
+@converts("HardSigmoid")
+def _hard_sigmoid(importer: Importer, node, xs, attrs):
+    alpha, beta = attrs.get("alpha", 0.2), attrs.get("beta", 0.5)
+    if math.isclose(alpha, 1 / 6, rel_tol=1e-6) and math.isclose(beta, 0.5):
+        return [importer.emit("hardsigmoid", [xs[0]])]
+    scaled = importer.emit("mul", [xs[0], importer.scalar(alpha, xs[0])])
+    scaled = importer.emit("add", [scaled, importer.scalar(beta, xs[0])])
+    return [importer.emit("clamp", [scaled], {"min": 0.0, "max": 1.0})]
+
+
+@converts("Clip")
+def _clip(importer: Importer, node, xs, attrs):
+    result, bounds = xs[0], {"min": attrs.get("min"), "max": attrs.get("max")}  # attributes before opset 11
+    for index, key, op in ((1, "min", "maximum"), (2, "max", "minimum")):
+        if index < len(xs) and xs[index] is not None:
+            value = importer.constant(xs[index])
+            if value is None:  # a bound computed at run time: an elementwise max/min instead of clamp
+                result = importer.emit(op, [result, xs[index]])
+            else:
+                bounds[key] = value.item()
+    if bounds["min"] is None and bounds["max"] is None:
+        return [result if result != xs[0] else importer.emit("identity", [xs[0]])]
+    return [importer.emit("clamp", [result], bounds)]
+
+
+@converts("Cast", "CastLike")
+def _cast(importer: Importer, node, xs, attrs):
+    if node.op_type == "CastLike":
+        dtype = importer.type(xs[1]).dtype
+    elif attrs["to"] in ONNX_DTYPES:
+        dtype = ONNX_DTYPES[attrs["to"]]
+    else:
+        raise importer.error(f"casts to {TensorProto.DataType.Name(attrs['to'])}, which opfuse does not support")
+    return [importer.emit("cast", [xs[0]], {"dtype": dtype})]
+
+
+def _symmetric_padding(attrs: dict, size: tuple[int, ...], kernel, strides, dilations) -> tuple[int, int]:
+    """PyTorch's (pad_h, pad_w) for ONNX pads/auto_pad; raises Unsupported where begin and end differ."""
+    auto_pad = attrs.get("auto_pad", "NOTSET")
+    if auto_pad == "VALID":
+        return (0, 0)
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        totals = [max((math.ceil(n / s) - 1) * s + (k - 1) * d + 1 - n, 0)
+                  for n, k, s, d in zip(size, kernel, strides, dilations)]
+        if any(t % 2 for t in totals):
+            raise Unsupported(f"auto_pad {auto_pad} pads {totals} unevenly; opfuse needs symmetric padding")
+        return (totals[0] // 2, totals[1] // 2)
+    pads = list(attrs.get("pads", [0, 0, 0, 0]))
+    if pads[:2] != pads[2:]:
+        raise Unsupported(f"asymmetric pads {pads} ([top, left, bottom, right]); opfuse needs symmetric padding")
+    return (pads[0], pads[1])
+
+
+def _window(importer: Importer, xs, attrs, kernel) -> dict:
+    """stride, padding and dilation of a 2-D conv or pool, checked to be expressible in PyTorch."""
+    if len(importer.type(xs[0]).shape) != 4:
+        raise Unsupported("only 2-D convolution and pooling are mapped")
+    strides = tuple(attrs.get("strides", (1, 1)))
+    dilations = tuple(attrs.get("dilations", (1, 1)))
+    padding = _symmetric_padding(attrs, importer.type(xs[0]).shape[2:], kernel, strides, dilations)
+    return {"stride": strides, "padding": padding, "dilation": dilations}
+
+
+@converts("Conv")
+def _conv(importer: Importer, node, xs, attrs):
+    window = _window(importer, xs, attrs, importer.type(xs[1]).shape[2:])
+    inputs = [x for x in xs[:3] if x is not None]
+    return [importer.emit("conv2d", inputs, {**window, "groups": attrs.get("group", 1)})]
+
+
+@converts("MaxPool")
+def _max_pool(importer: Importer, node, xs, attrs):
+    window = _window(importer, xs, attrs, attrs["kernel_shape"])
+    pool = {"kernel_size": tuple(attrs["kernel_shape"]), **window, "ceil_mode": bool(attrs.get("ceil_mode", 0))}
+    return [importer.emit("max_pool2d", [xs[0]], pool)]
+
+
+@converts("AveragePool")
+def _average_pool(importer: Importer, node, xs, attrs):
+    window = _window(importer, xs, attrs, attrs["kernel_shape"])
+    if window.pop("dilation") != (1, 1):
+        raise Unsupported("dilated average pooling")
+    pool = {"kernel_size": tuple(attrs["kernel_shape"]), **window, "ceil_mode": bool(attrs.get("ceil_mode", 0)),
+            "count_include_pad": bool(attrs.get("count_include_pad", 0))}
+    return [importer.emit("avg_pool2d", [xs[0]], pool)]
+
+
+@converts("GlobalAveragePool")
+def _global_average_pool(importer: Importer, node, xs, attrs):
+    rank = len(importer.type(xs[0]).shape)
+    if rank == 4:
+        return [importer.emit("adaptive_avg_pool2d", [xs[0]], {"output_size": (1, 1)})]
+    return [importer.emit("mean", [xs[0]], {"dims": list(range(2, rank)), "keepdim": True})]
+
+
+@converts("BatchNormalization")
+def _batch_norm(importer: Importer, node, xs, attrs):
+    if attrs.get("training_mode", 0):
+        raise Unsupported("training-mode batch norm")
+    return [importer.emit("batch_norm", xs[:5], {"eps": attrs.get("epsilon", 1e-5)})]
+
+
+@converts("LayerNormalization")
+def _layer_norm(importer: Importer, node, xs, attrs):
+    shape = importer.type(xs[0]).shape
+    normalized = shape[attrs.get("axis", -1) % len(shape):]
+    norm = {"normalized_shape": normalized, "eps": attrs.get("epsilon", 1e-5)}
+    params = [x for x in xs[1:3] if x is not None]
+    if all(importer.type(p).shape == normalized for p in params):
+        return [importer.emit("layer_norm", [xs[0], *params], norm)]
+    result = importer.emit("layer_norm", [xs[0]], norm)  # scale/bias that only broadcast: apply them separately
+    for param, op in zip(params, ("mul", "add")):
+        result = importer.emit(op, [result, param])
+    return [result]
+
+
+@converts("Softmax")
+def _softmax(importer: Importer, node, xs, attrs):
+    shape = importer.type(xs[0]).shape
+    axis = attrs.get("axis", -1 if importer.opset >= 13 else 1) % len(shape)
+    if importer.opset >= 13 or axis == len(shape) - 1:
+        return [importer.emit("softmax", [xs[0]], {"dim": axis})]
+    # before opset 13, Softmax normalises over all dims from `axis` on, as one flattened dim
+    flat = importer.emit("reshape", [xs[0]], {"shape": (math.prod(shape[:axis]), math.prod(shape[axis:]))})
+    return [importer.emit("reshape", [importer.emit("softmax", [flat], {"dim": 1})], {"shape": shape})]
+
+
+@converts("ReduceMean", "ReduceSum")
+def _reduce(importer: Importer, node, xs, attrs):
+    rank = len(importer.type(xs[0]).shape)
+    axes = importer.ints(node, xs, attrs, "axes", 1)
+    if not axes:
+        if attrs.get("noop_with_empty_axes", 0):
+            return [importer.emit("identity", [xs[0]])]
+        axes = list(range(rank))
+    op = "mean" if node.op_type == "ReduceMean" else "sum"
+    reduction = {"dims": sorted(a % rank for a in axes), "keepdim": bool(attrs.get("keepdims", 1))}
+    return [importer.emit(op, [xs[0]], reduction)]
+
+
+@converts("MatMul")
+def _matmul(importer: Importer, node, xs, attrs):
+    weight = importer.constant(xs[1])
+    if weight is not None and weight.dim() == 2:
+        return [importer.emit("linear", [xs[0], importer.transposed_constant(xs[1])])]
+    return [importer.emit("matmul", xs[:2])]
+
+
+@converts("Gemm")
+def _gemm(importer: Importer, node, xs, attrs):
+    a, b = xs[0], xs[1]
+    c = xs[2] if len(xs) > 2 else None
+    alpha, beta = attrs.get("alpha", 1.0), attrs.get("beta", 1.0)
+    if importer.constant(b) is not None and not attrs.get("transA", 0) and alpha == 1.0:
+        weight = b if attrs.get("transB", 0) else importer.transposed_constant(b)
+        bias, features = importer.constant(c), importer.type(weight).shape[0]
+        if bias is not None and beta == 1.0 and tuple(bias.shape) in ((features,), (1, features)):
+            bias_name = c if bias.dim() == 1 else importer.add_constant(bias.reshape(-1), f"{c}_flat")
+            return [importer.emit("linear", [a, weight, bias_name])]
+        result = importer.emit("linear", [a, weight])
+    else:
+        if attrs.get("transA", 0):
+            a = importer.emit("permute", [a], {"dims": (1, 0)})
+        if attrs.get("transB", 0):
+            b = importer.emit("permute", [b], {"dims": (1, 0)})
+        result = importer.emit("matmul", [a, b])
+        if alpha != 1.0:
+            result = importer.emit("mul", [result, importer.scalar(alpha, result)])
+    if c is None:
+        return [result]
+    if beta != 1.0:
+        c = importer.emit("mul", [c, importer.scalar(beta, c)])
+    return [importer.emit("add", [result, c])]
+
+
+# ---- layout ------------------------------------------------------------------------------------------
+
+@converts("Flatten")
+def _flatten(importer: Importer, node, xs, attrs):
+    shape = importer.type(xs[0]).shape
+    axis = attrs.get("axis", 1)
+    axis = axis + len(shape) if axis < 0 else axis
+    return [importer.emit("reshape", [xs[0]], {"shape": (math.prod(shape[:axis]), math.prod(shape[axis:]))})]
+
+
+@converts("Reshape")
+def _reshape(importer: Importer, node, xs, attrs):
+    shape = importer.type(xs[0]).shape
+    target = importer.ints(node, xs, attrs, "shape", 1)
+    if target is None:
+        raise Unsupported("no shape")
+    # 0 copies the input's dim (unless allowzero); -1 takes what is left
+    target = [shape[i] if d == 0 and not attrs.get("allowzero", 0) else d for i, d in enumerate(target)]
+    if -1 in target:
+        known = math.prod(d for d in target if d != -1)
+        target[target.index(-1)] = math.prod(shape) // known if known else 0
+    return [importer.emit("reshape", [xs[0]], {"shape": tuple(target)})]
+
+
+@converts("Unsqueeze")
+def _unsqueeze(importer: Importer, node, xs, attrs):
+    shape = list(importer.type(xs[0]).shape)
+    axes = importer.ints(node, xs, attrs, "axes", 1)
+    rank = len(shape) + len(axes)
+    for axis in sorted(a % rank for a in axes):
+        shape.insert(axis, 1)
+    return [importer.emit("reshape", [xs[0]], {"shape": tuple(shape)})]
+
+
+@converts("Squeeze")
+def _squeeze(importer: Importer, node, xs, attrs):
+    shape = importer.type(xs[0]).shape
+    axes = importer.ints(node, xs, attrs, "axes", 1)
+    drop = {a % len(shape) for a in axes} if axes else {i for i, d in enumerate(shape) if d == 1}
+    return [importer.emit("reshape", [xs[0]], {"shape": tuple(d for i, d in enumerate(shape) if i not in drop)})]
+
+
+@converts("Transpose")
+def _transpose(importer: Importer, node, xs, attrs):
+    rank = len(importer.type(xs[0]).shape)
+    return [importer.emit("permute", [xs[0]], {"dims": tuple(attrs.get("perm", range(rank - 1, -1, -1)))})]
+
+
+@converts("Expand")
+def _expand(importer: Importer, node, xs, attrs):
+    target = importer.ints(node, xs, attrs, "shape", 1)
+    shape = tuple(np.broadcast_shapes(importer.type(xs[0]).shape, tuple(target)))  # ONNX broadcasts both ways
+    return [importer.emit("expand", [xs[0]], {"shape": shape})]
+
+
+@converts("Concat")
+def _concat(importer: Importer, node, xs, attrs):
+    inputs = [x for x in xs if x is not None]
+    return [importer.emit("cat", inputs, {"dim": attrs["axis"] % len(importer.type(inputs[0]).shape)})]
+
+
+@converts("Split")
+def _split(importer: Importer, node, xs, attrs):
+    shape = importer.type(xs[0]).shape
+    axis = attrs.get("axis", 0) % len(shape)
+    sizes = importer.ints(node, xs, attrs, "split", 1)
+    if sizes is None:  # equal parts; the last one smaller if the dim does not divide (opset 18)
+        parts = attrs.get("num_outputs", len(node.output))
+        step = math.ceil(shape[axis] / parts)
+        sizes = [min(step, shape[axis] - i * step) for i in range(parts)]
+    outputs, start = [], 0
+    for name, size in zip(node.output, sizes):
+        part = {"dim": axis, "start": start, "end": start + size, "step": 1}
+        outputs.append(importer.emit("slice", [xs[0]], part, name=name) if name in importer.used else None)
+        start += size
+    return outputs
+
+
+@converts("Slice")
+def _slice(importer: Importer, node, xs, attrs):
+    shape = importer.type(xs[0]).shape
+    starts = importer.ints(node, xs, attrs, "starts", 1)
+    ends = importer.ints(node, xs, attrs, "ends", 2)
+    axes = importer.ints(node, xs, attrs, "axes", 3) or list(range(len(starts)))
+    steps = importer.ints(node, xs, attrs, "steps", 4) or [1] * len(starts)
+    result = xs[0]
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        if step < 1:
+            raise Unsupported("Slice with a negative step")
+        axis, size = axis % len(shape), shape[axis % len(shape)]
+        start, end = (min(max(v + size if v < 0 else v, 0), size) for v in (start, end))  # ONNX clamps
+        result = importer.emit("slice", [result], {"dim": axis, "start": start, "end": end, "step": step})
+    return [result if result != xs[0] else importer.emit("identity", [xs[0]])]
+
+
+@converts("Gather")
+def _gather(importer: Importer, node, xs, attrs):
+    table, indices = importer.constant(xs[0]), importer.constant(xs[1])
+    shape = importer.type(xs[0]).shape
+    axis = attrs.get("axis", 0) % len(shape)
+    if table is not None and table.dim() == 2 and axis == 0 and importer.type(xs[1]).dtype in ("int64", "int32"):
+        return [importer.emit("embedding", [xs[0], xs[1]])]
+    if indices is not None and indices.dim() == 0:  # x.select(axis, i): a slice, then drop the axis
+        i = int(indices) % shape[axis]
+        picked = importer.emit("slice", [xs[0]], {"dim": axis, "start": i, "end": i + 1, "step": 1})
+        return [importer.emit("reshape", [picked], {"shape": shape[:axis] + shape[axis + 1:]})]
+    raise Unsupported("Gather from a computed table or with computed multi-dim indices")

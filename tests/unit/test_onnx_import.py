@@ -1,0 +1,355 @@
+"""ONNX frontend: models built with onnx.helper, imported, run by the IR interpreter, compared with ONNX's reference."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from opfuse.frontend.onnx_import import load_onnx
+from opfuse.ir.graph import Graph, GraphError
+from opfuse.ir.interpret import interpret
+
+FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
+rng = np.random.default_rng(0)
+
+
+def value(name, shape, dtype=FLOAT):
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def random(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def save(tmp_path, nodes, inputs, outputs, weights=None, opset=17, value_info=(), extra_opsets=()):
+    """Write a one-graph model to tmp_path/model.onnx; `weights` (name -> array) become initializers."""
+    initializers = [numpy_helper.from_array(np.asarray(a), n) for n, a in (weights or {}).items()]
+    graph = helper.make_graph(nodes, "test", inputs, outputs, initializer=initializers, value_info=value_info)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), *extra_opsets])
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    return path
+
+
+def check_against_reference(path, feeds: dict[str, np.ndarray], batch=None) -> Graph:
+    """Import, interpret and compare every output with onnx.reference; returns the imported graph."""
+    graph = load_onnx(path, batch=batch)
+    ours = interpret(graph, [torch.from_numpy(a) for a in feeds.values()])
+    expected = ReferenceEvaluator(str(path)).run(None, feeds)
+    assert len(ours) == len(expected)
+    for got, want in zip(ours, expected):
+        got = got.numpy()
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if np.issubdtype(want.dtype, np.floating):
+            error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+            assert error < 1e-5, f"relative error {error}"
+        else:
+            np.testing.assert_array_equal(got, want)
+    return graph
+
+
+def ops(graph: Graph) -> list[str]:
+    return [n.op for n in graph if n.op not in ("input", "constant")]
+
+
+# ---- numerics against the ONNX reference --------------------------------------------------------
+
+def test_conv_bn_relu(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], ["n"], epsilon=1e-3),
+             helper.make_node("Relu", ["n"], ["y"])]
+    weights = {"w": random(4, 3, 3, 3), "b": random(4), "gamma": random(4), "beta": random(4),
+               "mean": random(4), "var": rng.uniform(0.5, 2, 4).astype(np.float32)}
+    path = save(tmp_path, nodes, [value("x", [1, 3, 8, 8])], [value("y", [1, 4, 8, 8])], weights)
+    graph = check_against_reference(path, {"x": random(1, 3, 8, 8)})
+    assert ops(graph) == ["conv2d", "batch_norm", "relu"]
+    conv = next(n for n in graph if n.op == "conv2d")
+    assert conv.source == "conv1" and conv.attrs["padding"] == (1, 1)
+    assert next(n for n in graph if n.op == "relu").source == "Relu#2"  # unnamed node: op type and index
+
+
+def test_depthwise_conv_stride_2_padding(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], group=4, strides=[2, 2], pads=[1, 1, 1, 1])]
+    path = save(tmp_path, nodes, [value("x", [2, 4, 9, 9])], [value("y", [2, 4, 5, 5])], {"w": random(4, 1, 3, 3)})
+    graph = check_against_reference(path, {"x": random(2, 4, 9, 9)})
+    (conv,) = [n for n in graph if n.op == "conv2d"]
+    assert conv.attrs["groups"] == 4 and conv.attrs["stride"] == (2, 2) and conv.type.shape == (2, 4, 5, 5)
+
+
+def test_conv_auto_pad_same_and_dilation(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], auto_pad="SAME_UPPER", dilations=[2, 2])]
+    path = save(tmp_path, nodes, [value("x", [1, 2, 7, 7])], [value("y", [1, 3, 7, 7])], {"w": random(3, 2, 3, 3)})
+    graph = check_against_reference(path, {"x": random(1, 2, 7, 7)})
+    assert next(n for n in graph if n.op == "conv2d").attrs["padding"] == (2, 2)
+
+
+def test_asymmetric_conv_padding_becomes_opaque_with_reason(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="odd", pads=[0, 0, 1, 1])]
+    path = save(tmp_path, nodes, [value("x", [1, 2, 6, 6])], [value("y", [1, 3, 6, 6])], {"w": random(3, 2, 2, 2)})
+    graph = load_onnx(path)
+    (node,) = [n for n in graph if n.op == "opaque"]
+    assert node.attrs["target"] == "onnx::Conv" and "asymmetric" in node.attrs["reason"]
+    assert node.type.shape == (1, 3, 6, 6) and node.source == "odd"
+
+
+def test_mlp_gemm_relu_softmax(tmp_path):
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], transB=1),
+             helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Gemm", ["r", "w2", "b2"], ["logits"]),  # weight stored [K, N]: transposed at import
+             helper.make_node("Softmax", ["logits"], ["y"], axis=1)]
+    weights = {"w1": random(32, 16), "b1": random(32), "w2": random(32, 10), "b2": random(1, 10)}
+    path = save(tmp_path, nodes, [value("x", [4, 16])], [value("y", [4, 10])], weights)
+    graph = check_against_reference(path, {"x": random(4, 16)})
+    assert ops(graph) == ["linear", "relu", "linear", "softmax"]
+    assert all(len(n.inputs) == 3 for n in graph if n.op == "linear")  # the bias went into linear
+
+
+def test_gemm_general_form(tmp_path):
+    nodes = [helper.make_node("Gemm", ["a", "b", "c"], ["y"], alpha=0.5, beta=2.0, transA=1, transB=1)]
+    path = save(tmp_path, nodes, [value("a", [6, 3]), value("b", [5, 6])], [value("y", [3, 5])], {"c": random(5)})
+    graph = check_against_reference(path, {"a": random(6, 3), "b": random(5, 6)})
+    assert "matmul" in ops(graph) and "linear" not in ops(graph)
+
+
+def test_matmul_with_constant_becomes_linear_else_matmul(tmp_path):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("MatMul", ["h", "z"], ["y"])]
+    path = save(tmp_path, nodes, [value("x", [2, 3, 8]), value("z", [2, 6, 4])], [value("y", [2, 3, 4])],
+                {"w": random(8, 6)})
+    graph = check_against_reference(path, {"x": random(2, 3, 8), "z": random(2, 6, 4)})
+    assert ops(graph) == ["linear", "matmul"]
+
+
+def _erf_gelu_nodes(variant):
+    """x*0.5*(1+erf(x/sqrt2)) as the PyTorch exporter writes it, and (x*0.5)*(1+erf(x*0.7071)) as others do."""
+    if variant == "torch":
+        return [helper.make_node("Div", ["x", "sqrt2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+                helper.make_node("Add", ["e", "one"], ["p"]), helper.make_node("Mul", ["x", "p"], ["m"]),
+                helper.make_node("Mul", ["m", "half"], ["y"])]
+    return [helper.make_node("Mul", ["x", "inv_sqrt2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+            helper.make_node("Add", ["one", "e"], ["p"]), helper.make_node("Mul", ["x", "half"], ["h"]),
+            helper.make_node("Mul", ["h", "p"], ["y"])]
+
+
+@pytest.mark.parametrize("variant", ["torch", "scaled"])
+def test_erf_gelu_pattern_becomes_one_gelu(tmp_path, variant):
+    weights = {"sqrt2": np.float32(math.sqrt(2)), "inv_sqrt2": np.float32(0.70710678), "one": np.float32(1.0),
+               "half": np.float32(0.5)}
+    path = save(tmp_path, _erf_gelu_nodes(variant), [value("x", [2, 16])], [value("y", [2, 16])], weights)
+    graph = check_against_reference(path, {"x": random(2, 16)})
+    assert ops(graph) == ["gelu"] and not graph.constants
+
+
+def test_erf_not_in_gelu_form_is_kept(tmp_path):
+    nodes = _erf_gelu_nodes("torch")
+    weights = {"sqrt2": np.float32(math.sqrt(2)), "one": np.float32(1.0), "half": np.float32(0.25)}
+    path = save(tmp_path, nodes, [value("x", [2, 16])], [value("y", [2, 16])], weights)
+    graph = check_against_reference(path, {"x": random(2, 16)})
+    assert "gelu" not in ops(graph) and "erf" in ops(graph)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_op_opset_20(tmp_path, approximate):
+    nodes = [helper.make_node("Gelu", ["x"], ["y"], approximate=approximate)]
+    path = save(tmp_path, nodes, [value("x", [3, 8])], [value("y", [3, 8])], opset=20)
+    graph = check_against_reference(path, {"x": random(3, 8)})
+    assert [n.attrs["approximate"] for n in graph if n.op == "gelu"] == [approximate]
+
+
+def test_layer_normalization(tmp_path):
+    nodes = [helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], axis=-1, epsilon=1e-5),
+             helper.make_node("LayerNormalization", ["x", "scale2"], ["z"], axis=1)]
+    weights = {"scale": random(8), "bias": random(8), "scale2": random(5, 8)}
+    path = save(tmp_path, nodes, [value("x", [2, 5, 8])], [value("y", [2, 5, 8]), value("z", [2, 5, 8])], weights)
+    graph = check_against_reference(path, {"x": random(2, 5, 8)})
+    assert [n.attrs["normalized_shape"] for n in graph if n.op == "layer_norm"] == [(8,), (5, 8)]
+
+
+def test_layout_ops(tmp_path):
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]),             # [2, 3, 4] -> [2, 12]
+             helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1]),     # [2, 4, 3]
+             helper.make_node("Flatten", ["t"], ["f"], axis=1),               # [2, 12]
+             helper.make_node("Concat", ["r", "f"], ["c"], axis=1),           # [2, 24]
+             helper.make_node("Split", ["c", "split"], ["s0", "s1", "s2"], axis=-1),
+             helper.make_node("Unsqueeze", ["s1", "axes"], ["u"]),           # [2, 1, 10]
+             helper.make_node("Squeeze", ["u", "axes"], ["q"]),
+             helper.make_node("Slice", ["q", "starts", "ends", "slice_axes", "steps"], ["sl"]),
+             helper.make_node("Gather", ["t", "index"], ["g"], axis=1)]       # t[:, 2, :]
+    weights = {"shape": np.array([0, -1], np.int64), "split": np.array([4, 10, 10], np.int64),
+               "axes": np.array([1], np.int64), "starts": np.array([1, -8], np.int64),
+               "ends": np.array([2, 1000], np.int64), "slice_axes": np.array([0, 1], np.int64),
+               "steps": np.array([1, 3], np.int64), "index": np.array(2, np.int64)}
+    outputs = [value("s0", [2, 4]), value("s2", [2, 10]), value("q", [2, 10]), value("sl", [1, 3]),
+               value("g", [2, 3])]
+    path = save(tmp_path, nodes, [value("x", [2, 3, 4])], outputs, weights)
+    graph = check_against_reference(path, {"x": random(2, 3, 4)})
+    assert {"reshape", "permute", "cat", "slice"} <= set(ops(graph))
+    assert ops(graph).count("slice") >= 3  # one per used Split output, the Slice, the Gather
+
+
+def test_shape_arithmetic_is_folded_into_reshape(tmp_path):
+    """Exporters compute Reshape targets from Shape(x): that folds to a constant, then a plain reshape."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+             helper.make_node("Unsqueeze", ["n", "zero_axes"], ["n1"]),
+             helper.make_node("Concat", ["n1", "minus_one"], ["target"], axis=0),
+             helper.make_node("Reshape", ["x", "target"], ["y"])]
+    weights = {"zero": np.array(0, np.int64), "zero_axes": np.array([0], np.int64),
+               "minus_one": np.array([-1], np.int64)}
+    path = save(tmp_path, nodes, [value("x", ["batch", 3, 4])], [value("y", ["batch", 12])], weights)
+    graph = check_against_reference(path, {"x": random(5, 3, 4)}, batch=5)
+    assert ops(graph) == ["reshape"] and graph[graph.outputs[0]].type.shape == (5, 12)
+
+
+def test_pools(tmp_path):
+    nodes = [helper.make_node("MaxPool", ["x"], ["m"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("AveragePool", ["x"], ["a"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("AveragePool", ["x"], ["a2"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("GlobalAveragePool", ["x"], ["g"])]
+    outputs = [value("m", [1, 3, 5, 5]), value("a", [1, 3, 5, 5]), value("a2", [1, 3, 4, 4]),
+               value("g", [1, 3, 1, 1])]
+    path = save(tmp_path, nodes, [value("x", [1, 3, 9, 9])], outputs)
+    graph = check_against_reference(path, {"x": random(1, 3, 9, 9)})
+    assert ops(graph) == ["max_pool2d", "avg_pool2d", "avg_pool2d", "adaptive_avg_pool2d"]
+
+
+def test_clip(tmp_path):
+    nodes = [helper.make_node("Clip", ["x", "lo", "hi"], ["y"]),
+             helper.make_node("Clip", ["x", "", "hi"], ["z"]),
+             helper.make_node("Clip", ["x", "floor"], ["w"])]  # a bound known only at run time
+    path = save(tmp_path, nodes, [value("x", [4, 5]), value("floor", [])],
+                [value("y", [4, 5]), value("z", [4, 5]), value("w", [4, 5])],
+                {"lo": np.float32(-0.5), "hi": np.float32(0.7)})
+    graph = check_against_reference(path, {"x": random(4, 5), "floor": np.array(0.1, np.float32)})
+    clamps = [n.attrs for n in graph if n.op == "clamp"]
+    assert {"min": pytest.approx(-0.5), "max": pytest.approx(0.7)} in clamps
+    assert "maximum" in ops(graph)
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_reduce_mean(tmp_path, opset):
+    if opset == 17:
+        nodes = [helper.make_node("ReduceMean", ["x"], ["y"], axes=[1, -1], keepdims=0),
+                 helper.make_node("ReduceMean", ["x"], ["z"])]
+        weights = {}
+    else:  # from opset 18 the axes are an input
+        nodes = [helper.make_node("ReduceMean", ["x", "axes"], ["y"], keepdims=0),
+                 helper.make_node("ReduceMean", ["x"], ["z"])]
+        weights = {"axes": np.array([1, -1], np.int64)}
+    path = save(tmp_path, nodes, [value("x", [2, 3, 4])], [value("y", [2]), value("z", [1, 1, 1])], weights,
+                opset=opset)
+    graph = check_against_reference(path, {"x": random(2, 3, 4)})
+    assert [n.attrs["dims"] for n in graph if n.op == "mean"] == [[1, 2], [0, 1, 2]]
+
+
+def test_gather_embedding(tmp_path):
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["y"], axis=0)]
+    path = save(tmp_path, nodes, [value("ids", [2, 3], INT64)], [value("y", [2, 3, 4])], {"table": random(10, 4)})
+    graph = check_against_reference(path, {"ids": rng.integers(0, 10, (2, 3)).astype(np.int64)})
+    assert ops(graph) == ["embedding"]
+
+
+def test_small_elementwise_ops(tmp_path):
+    nodes = [helper.make_node("Sub", ["x", "c"], ["a"]), helper.make_node("Div", ["a", "c"], ["b"]),
+             helper.make_node("Sigmoid", ["b"], ["s"]), helper.make_node("Tanh", ["s"], ["t"]),
+             helper.make_node("HardSigmoid", ["t"], ["h"]), helper.make_node("HardSwish", ["h"], ["w"]),
+             helper.make_node("Dropout", ["w"], ["d"]), helper.make_node("Identity", ["d"], ["i"]),
+             helper.make_node("Cast", ["i"], ["y"], to=TensorProto.DOUBLE)]
+    path = save(tmp_path, nodes, [value("x", [3, 4])], [value("y", [3, 4], TensorProto.DOUBLE)],
+                {"c": rng.uniform(1, 2, 4).astype(np.float32)})
+    graph = check_against_reference(path, {"x": random(3, 4)})
+    assert graph[graph.outputs[0]].type.dtype == "float64"
+
+
+def test_softmax_before_opset_13_normalises_the_flattened_tail(tmp_path):
+    nodes = [helper.make_node("Softmax", ["x"], ["y"], axis=1)]
+    path = save(tmp_path, nodes, [value("x", [2, 3, 4])], [value("y", [2, 3, 4])], opset=11)
+    x = random(2, 3, 4)
+    (got,) = interpret(load_onnx(path), [torch.from_numpy(x)])
+    # onnx.reference implements only the opset-13 meaning, so the expected values are computed here
+    expected = torch.softmax(torch.from_numpy(x).reshape(2, 12), dim=1).reshape(2, 3, 4)
+    torch.testing.assert_close(got, expected)
+    assert got.sum(dim=(1, 2)).allclose(torch.ones(2))
+
+
+# ---- unknown ops -------------------------------------------------------------------------------
+
+def test_unknown_ops_become_named_opaque_nodes(tmp_path):
+    nodes = [helper.make_node("Hardmax", ["x"], ["h"], name="hm", axis=-1),
+             helper.make_node("TopK", ["h", "k"], ["values", "indices"], axis=1),
+             helper.make_node("MyOp", ["values"], ["m"], domain="acme", alpha=2.0),
+             helper.make_node("Relu", ["m"], ["y"])]
+    path = save(tmp_path, nodes, [value("x", [2, 6])], [value("y", [2, 3]), value("indices", [2, 3], INT64)],
+                {"k": np.array([3], np.int64)}, value_info=[value("m", [2, 3])],
+                extra_opsets=[helper.make_opsetid("acme", 1)])
+    graph = load_onnx(path)
+    opaque = {n.attrs["target"]: n for n in graph if n.op == "opaque"}
+    assert set(opaque) == {"onnx::Hardmax", "onnx::TopK", "onnx::acme.MyOp"}
+    assert opaque["onnx::Hardmax"].source == "hm" and opaque["onnx::Hardmax"].attrs["onnx_attrs"] == {"axis": -1}
+    assert opaque["onnx::acme.MyOp"].attrs["onnx_attrs"] == {"alpha": 2.0}
+    top_k = [n for n in graph if n.attrs.get("target") == "onnx::TopK"]
+    assert sorted((n.attrs["output_index"], str(n.type)) for n in top_k) == [(0, "float32[2,3]"), (1, "int64[2,3]")]
+    assert "relu" in ops(graph)
+    with pytest.raises(GraphError, match="analysed but not run"):
+        interpret(graph, [torch.randn(2, 6)])
+
+
+def test_unknown_op_without_a_known_shape_is_a_clear_error(tmp_path):
+    nodes = [helper.make_node("MyOp", ["x"], ["y"], name="mystery", domain="acme")]
+    path = save(tmp_path, nodes, [value("x", [2, 6])], [value("y", [None, None])],
+                extra_opsets=[helper.make_opsetid("acme", 1)])
+    with pytest.raises(GraphError, match=r"'mystery' \(MyOp\).*value_info"):
+        load_onnx(path)
+
+
+# ---- files, errors, batch ---------------------------------------------------------------------------
+
+def _relu_model(tmp_path, shape):
+    return save(tmp_path, [helper.make_node("Relu", ["x"], ["y"])], [value("x", shape)], [value("y", shape)])
+
+
+def test_missing_truncated_and_garbage_files(tmp_path):
+    missing = tmp_path / "absent.onnx"
+    with pytest.raises(GraphError, match="absent.onnx"):
+        load_onnx(missing)
+    good = _relu_model(tmp_path, [1, 3, 8, 8]).read_bytes()
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(good[: len(good) // 2])
+    with pytest.raises(GraphError, match="truncated.onnx"):
+        load_onnx(truncated)
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(bytes(rng.integers(0, 256, 300, dtype=np.uint8)))
+    with pytest.raises(GraphError, match="garbage.onnx"):
+        load_onnx(garbage)
+
+
+def test_bad_node_is_named(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="broken_conv")]
+    path = save(tmp_path, nodes, [value("x", [1, 3, 8, 8])], [value("y", [1, 4, 6, 6])], {"w": random(4, 2, 3)})
+    with pytest.raises(GraphError, match="model.onnx.*broken_conv"):
+        load_onnx(path)
+
+
+def test_dynamic_batch_dim_gets_batch(tmp_path):
+    path = _relu_model(tmp_path, ["N", 3, 8, 8])
+    assert load_onnx(path).input_nodes[0].type.shape == (1, 3, 8, 8)
+    graph = check_against_reference(path, {"x": random(4, 3, 8, 8)}, batch=4)
+    assert graph.input_nodes[0].type.shape == (4, 3, 8, 8) and graph[graph.outputs[0]].type.shape == (4, 3, 8, 8)
+
+
+def test_other_symbolic_dim_is_an_error_naming_the_input(tmp_path):
+    path = _relu_model(tmp_path, ["N", 3, "height", 8])
+    with pytest.raises(GraphError, match=r"input 'x'.*height.*fixed shape"):
+        load_onnx(path)
+
+
+def test_graph_input_that_is_an_initializer_is_a_constant(tmp_path):
+    nodes = [helper.make_node("Add", ["x", "bias"], ["y"])]
+    path = save(tmp_path, nodes, [value("x", [2, 3]), value("bias", [3])], [value("y", [2, 3])], {"bias": random(3)})
+    graph = check_against_reference(path, {"x": random(2, 3)})
+    assert [n.name for n in graph.input_nodes] == ["x"] and graph["bias"].op == "constant"
