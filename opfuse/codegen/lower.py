@@ -1,0 +1,119 @@
+"""Pick the kernel template for each fusion group: `lower_group(graph, group, device)` and `lower_plan(plan, device)`.
+
+Dispatch reads the group's kind and anchor op: conv2d -> `lower_conv_group`, linear/matmul -> `lower_gemm_group`,
+elementwise groups -> `lower_pointwise_group`, reductions -> `lower_reduction_group`. A group that gets no kernel
+(a view, an opaque op, attention, concat/gather, or a template that raised `Unsupported`) runs through PyTorch at
+run time; the reason is recorded so the report can say why. The template modules are imported lazily: one that is
+missing or broken at import time only sends its groups to PyTorch, it does not stop the compile.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, MutableMapping
+
+import torch
+
+from opfuse.codegen.base import GroupKernel
+from opfuse.codegen.expr import Unsupported
+from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
+from opfuse.ir.graph import Graph
+from opfuse.ir.ops import FusionKind, kind_of
+
+# anchor op -> (module, function) of its template
+ANCHOR_LOWERINGS = {
+    "conv2d": ("opfuse.codegen.conv", "lower_conv_group"),
+    "linear": ("opfuse.codegen.gemm", "lower_gemm_group"),
+    "matmul": ("opfuse.codegen.gemm", "lower_gemm_group"),
+}
+POINTWISE_LOWERING = ("opfuse.codegen.pointwise", "lower_pointwise_group")
+REDUCTION_LOWERING = ("opfuse.codegen.reduction", "lower_reduction_group")
+
+# kinds that never get a kernel of ours, and why
+NO_KERNEL_KINDS = {
+    GroupKind.VIEW: "view: metadata only, no kernel needed",
+    GroupKind.OPAQUE: "opaque op: runs through PyTorch",
+    GroupKind.INJECTIVE: "injective (concat/gather/copy): no Triton template, runs through PyTorch",
+}
+
+
+def find_anchor(graph: Graph, group: FusionGroup) -> str | None:
+    """The group's anchor node: the one the planner named, else its first anchor-kind node."""
+    if group.anchor is not None:
+        return group.anchor
+    for name in group.nodes:
+        if kind_of(graph[name]) is FusionKind.ANCHOR:
+            return name
+    return None
+
+
+def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | str:
+    """(module, function) of the template for `group`, or the reason it has none."""
+    if group.kind in NO_KERNEL_KINDS:
+        return NO_KERNEL_KINDS[group.kind]
+    kinds = {name: kind_of(graph[name]) for name in group.nodes}
+    for name, kind in kinds.items():
+        if kind is FusionKind.OPAQUE:
+            return f"opaque op {graph[name].describe()}: runs through PyTorch"
+    anchor = find_anchor(graph, group)
+    if anchor is not None:
+        op = graph[anchor].op
+        if op == "sdpa":
+            return "attention (sdpa) runs through PyTorch's fused attention kernel"
+        if op not in ANCHOR_LOWERINGS:
+            return f"no Triton template for anchor op {op!r}"
+        return ANCHOR_LOWERINGS[op]
+    if group.kind is GroupKind.REDUCTION or any(k is FusionKind.REDUCTION for k in kinds.values()):
+        return REDUCTION_LOWERING
+    if all(k.elementwise for k in kinds.values()):
+        if group.kind in (GroupKind.POINTWISE, GroupKind.HORIZONTAL_POINTWISE, GroupKind.SINGLE):
+            return POINTWISE_LOWERING
+    if all(graph[name].op == "identity" or kind is FusionKind.INJECTIVE for name, kind in kinds.items()):
+        return NO_KERNEL_KINDS[GroupKind.INJECTIVE]
+    return f"no Triton template for a {group.kind.value} group of ops " \
+           f"{', '.join(dict.fromkeys(graph[n].op for n in group.nodes))}"
+
+
+def _load(module: str, function: str) -> Callable[[Graph, FusionGroup, torch.device], GroupKernel]:
+    return getattr(importlib.import_module(module), function)
+
+
+def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
+                reasons: MutableMapping[str, str] | None = None) -> GroupKernel | None:
+    """The group's kernel, or None (reason stored in `reasons[group.name]`) when it runs through PyTorch."""
+    choice = choose_lowering(graph, group)
+    if isinstance(choice, str):
+        reason = choice
+    else:
+        module, function = choice
+        try:
+            lower = _load(module, function)
+        except (ImportError, AttributeError) as error:
+            # a template module not written yet, or one that fails to import: only its groups fall back
+            reason = f"{module}.{function} is not available: {error}"
+        else:
+            try:
+                kernel = lower(graph, group, torch.device(device))
+            except Unsupported as error:
+                reason = f"unsupported by {function}: {error}"
+            except ImportError as error:  # the template needs something this install lacks
+                reason = f"{function} cannot run here: {error}"
+            else:
+                if kernel is not None:
+                    return kernel
+                reason = f"{function} made no kernel for it"
+    if reasons is not None:
+        reasons[group.name] = reason
+    return None
+
+
+def lower_plan(plan: FusionPlan, device: torch.device | str
+               ) -> tuple[dict[str, GroupKernel], dict[str, str]]:
+    """Lower every group: ({group name: kernel}, {group name: why it runs through PyTorch})."""
+    kernels: dict[str, GroupKernel] = {}
+    reasons: dict[str, str] = {}
+    for group in plan.groups:
+        kernel = lower_group(plan.graph, group, device, reasons)
+        if kernel is not None:
+            kernels[group.name] = kernel
+    return kernels, reasons

@@ -1,0 +1,227 @@
+"""Resource-checked autotuning: `tune(kernels, example_values, config, cache)` -> {group name: KernelConfig}.
+
+For each kernel and each of its candidate configs: compile and run it once, read what the compiler reports
+(registers, spills, shared memory; `GroupKernel.last_compiled`), reject configs that spill or exceed the hardware
+profile (`screen_configs`, a pure function), time the rest with `triton.testing.do_bench` (median) and keep the
+fastest. A group whose every config is rejected is reported in `TuningResult.over_budget` ("over budget: every
+config spills") so the caller can split it; it still gets the least bad config, so the model runs either way.
+Results are kept in the on-disk `TuningCache`. Without a GPU (Triton's interpreter) nothing is timed and each
+kernel gets its first config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+from opfuse.codegen.base import CompiledInfo, GroupKernel, KernelConfig
+from opfuse.config import FusionConfig
+from opfuse.hardware import KIB, HardwareProfile, get_hardware
+from opfuse.ir.graph import GraphError
+from opfuse.runtime.cache import TuningCache, tuning_key
+
+SPILLS = "register spills"
+EVERY_CONFIG_SPILLS = "over budget: every config spills"
+
+Benchmark = Callable[[Callable[[], Any]], float]   # runs fn repeatedly, returns seconds per call
+
+
+class TuningResult(dict):
+    """{group name: chosen KernelConfig}, plus what the tuner saw on the way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.over_budget: dict[str, str] = {}                     # group name -> why no config fits
+        self.rejected: dict[str, dict[KernelConfig, str]] = {}    # group name -> {config: reason}
+        self.timings: dict[str, dict[KernelConfig, float]] = {}   # group name -> {config: seconds (median)}
+        self.from_cache: set[str] = set()
+
+
+def format_config(config: KernelConfig) -> str:
+    params = " ".join(f"{k}={v}" for k, v in config.params)
+    return f"{params} warps={config.num_warps} stages={config.num_stages}".strip()
+
+
+# ---- the resource check (pure) ---------------------------------------------------------------------------
+
+def resource_violation(info: CompiledInfo | None, hardware: HardwareProfile, config: KernelConfig) -> str | None:
+    """Why a compiled config does not fit the hardware (spills, registers, shared memory), or None if it fits.
+
+    Unknown values (None, e.g. under the interpreter) are not held against the config.
+    """
+    if info is None:
+        return None
+    if info.spills:
+        return f"{SPILLS}: {info.spills}"
+    if info.registers is not None:
+        if info.registers > hardware.max_registers_per_thread:
+            return f"{info.registers} registers/thread > {hardware.max_registers_per_thread}"
+        per_block = info.registers * config.num_warps * 32
+        if per_block > hardware.registers_per_sm:
+            return (f"{info.registers} registers x {config.num_warps * 32} threads = {per_block} "
+                    f"> {hardware.registers_per_sm} per SM")
+    if info.shared_bytes is not None and info.shared_bytes > hardware.shared_memory_per_block:
+        return (f"{info.shared_bytes / KIB:.1f} KiB shared memory > "
+                f"{hardware.shared_memory_per_block / KIB:.0f} KiB per block")
+    return None
+
+
+@dataclass
+class Screening:
+    accepted: list[KernelConfig]                                 # in candidate order
+    rejected: dict[KernelConfig, str] = field(default_factory=dict)
+    over_budget: str | None = None                               # set when nothing was accepted
+    fallback: KernelConfig | None = None                         # least bad config when nothing was accepted
+
+
+def screen_configs(candidates: Mapping[KernelConfig, CompiledInfo | str | None],
+                   hardware: HardwareProfile) -> Screening:
+    """Split configs into those that fit and those rejected (a str value is an error raised while compiling)."""
+    if not candidates:
+        raise ValueError("screen_configs needs at least one config")
+    screening = Screening(accepted=[])
+    for config, info in candidates.items():
+        reason = info if isinstance(info, str) else resource_violation(info, hardware, config)
+        if reason is None:
+            screening.accepted.append(config)
+        else:
+            screening.rejected[config] = reason
+    if not screening.accepted:
+        reasons = screening.rejected
+        if all(r.startswith(SPILLS) for r in reasons.values()):
+            screening.over_budget = EVERY_CONFIG_SPILLS
+        else:
+            screening.over_budget = "over budget: every config rejected (" + "; ".join(
+                f"{format_config(c)}: {r}" for c, r in reasons.items()) + ")"
+
+        def badness(config: KernelConfig) -> tuple[int, int]:   # fewest spills; then candidate order
+            info = candidates[config]
+            spills = info.spills if isinstance(info, CompiledInfo) and info.spills is not None else 1 << 30
+            return spills, list(candidates).index(config)
+
+        screening.fallback = min(candidates, key=badness)
+    return screening
+
+
+# ---- measuring -------------------------------------------------------------------------------------------
+
+def timing_available(device: torch.device | str) -> bool:
+    """Whether kernels on `device` can be timed: a real GPU, not Triton's interpreter."""
+    return (torch.device(device).type == "cuda" and torch.cuda.is_available()
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+
+
+def cuda_median_time(fn: Callable[[], Any]) -> float:
+    """Median seconds per call of fn, measured by triton.testing.do_bench."""
+    from triton.testing import do_bench
+    return do_bench(fn, return_mode="median") / 1e3
+
+
+def _out_of_resources() -> tuple[type[BaseException], ...]:
+    try:
+        from triton.runtime.errors import OutOfResources
+        return (OutOfResources,)
+    except ImportError:
+        return ()
+
+
+def _restore(entry: dict[str, Any] | None, configs: list[KernelConfig]) -> KernelConfig | None:
+    """The cached config if it is still one of the kernel's candidates."""
+    if not entry or not isinstance(entry.get("config"), dict):
+        return None
+    for config in configs:
+        if config.as_dict() == entry["config"]:
+            return config
+    return None
+
+
+def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: HardwareProfile, benchmark: Benchmark,
+                result: TuningResult, cache: TuningCache | None = None, gpu_name: str = "") -> KernelConfig:
+    """Choose the config of one kernel (see module docstring) and record it in `result`."""
+    name = kernel.group.name
+    configs = kernel.configs()
+    if not configs:
+        raise GraphError(f"kernel {kernel.name} (group {name}) offers no configs")
+    key = tuning_key(kernel.source, inputs, gpu_name) if cache is not None else None
+    if cache is not None:
+        entry = cache.load(key)
+        cached = _restore(entry, configs)
+        if cached is not None:
+            result[name] = cached
+            result.from_cache.add(name)
+            if entry.get("over_budget"):
+                result.over_budget[name] = entry["over_budget"]
+            return cached
+
+    compiled: dict[KernelConfig, CompiledInfo | str | None] = {}
+    for config in configs:
+        kernel.last_compiled = None
+        try:
+            kernel.run(inputs, config)
+        except _out_of_resources() as error:
+            compiled[config] = f"out of resources: {error}"
+            continue
+        except Exception as error:
+            raise GraphError(f"kernel {kernel.name} (group {name}) failed with config "
+                             f"{format_config(config)}: {error}") from error
+        compiled[config] = kernel.last_compiled
+    screening = screen_configs(compiled, hardware)
+    result.rejected[name] = screening.rejected
+    timings = {config: benchmark(lambda config=config: kernel.run(inputs, config)) for config in screening.accepted}
+    result.timings[name] = timings
+    if timings:
+        chosen = min(timings, key=timings.__getitem__)
+    else:
+        chosen = screening.fallback
+        result.over_budget[name] = screening.over_budget
+    result[name] = chosen
+    if cache is not None:
+        cache.store(key, {
+            "kernel": kernel.name, "group": name, "config": chosen.as_dict(),
+            "time_s": timings.get(chosen), "over_budget": screening.over_budget,
+            "timings": {format_config(c): t for c, t in timings.items()},
+            "rejected": {format_config(c): r for c, r in screening.rejected.items()},
+        })
+    return chosen
+
+
+def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_values: Mapping[str, torch.Tensor],
+         config: FusionConfig, cache: TuningCache | None = None, *, quiet: bool = False,
+         benchmark: Benchmark | None = None, hardware: HardwareProfile | None = None) -> TuningResult:
+    """{group name: config} for every kernel; `example_values` maps value names to tensors of a real run.
+
+    `benchmark` replaces do_bench (tests use a fake clock); without it, timing needs a CUDA device.
+    """
+    kernels = list(kernels.values()) if isinstance(kernels, Mapping) else list(kernels)
+    result = TuningResult()
+    gpu = next((v.device for v in example_values.values()
+                if isinstance(v, torch.Tensor) and timing_available(v.device)), None)
+    on_gpu = gpu is not None
+    if benchmark is None and on_gpu:
+        benchmark = cuda_median_time
+    if benchmark is None or not config.autotune:
+        for kernel in kernels:
+            result[kernel.group.name] = kernel.configs()[0]
+        return result
+
+    hardware = hardware or get_hardware(config.hardware)
+    gpu_name = torch.cuda.get_device_name(gpu) if on_gpu else "cpu"
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("[bold]autotuning[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, disable=quiet, transient=True) as progress:
+        task = progress.add_task("", total=len(kernels))
+        for kernel in kernels:
+            progress.update(task, description=kernel.name)
+            missing = [n for n in kernel.runtime_inputs if n not in example_values]
+            if missing:
+                raise GraphError(f"autotuning kernel {kernel.name} (group {kernel.group.name}) needs values "
+                                 f"{missing}, which the example values lack")
+            inputs = [example_values[n] for n in kernel.runtime_inputs]
+            tune_kernel(kernel, inputs, hardware, benchmark, result, cache, gpu_name)
+            progress.advance(task)
+    return result

@@ -1,0 +1,349 @@
+"""The compiled model: `CompiledModel(plan, kernels, device)` runs a fusion plan's groups in order.
+
+A group with a kernel calls `kernel.run(runtime inputs, config)`; a group without one (view, opaque, attention,
+unsupported) runs its nodes through their PyTorch references, and is listed in `compiled.fallbacks` with the
+reason. The schedule (which values each step reads, and after which step each value is dead) is worked out once
+at build time, so a forward pass is a plain loop that frees every intermediate right after its last reader.
+
+Inputs are checked against the signature the model was compiled for. A mismatch is an error naming the input,
+unless a `recompile` callback was given: it then builds a model for the new signature, cached per signature.
+On CUDA (config.cuda_graph) the first call after the warm-up captures the whole forward into a CUDA graph over
+static input buffers; later calls copy their inputs in and replay it.
+
+`build_compiled_model(plan, device, example_inputs)` is the whole runtime stage: lower, build, autotune.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from opfuse.codegen.base import GroupKernel, KernelConfig
+from opfuse.codegen.lower import choose_lowering, lower_plan
+from opfuse.config import FusionConfig
+from opfuse.fusion.plan import FusionGroup, FusionPlan
+from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name
+from opfuse.ir.ops import get_op
+from opfuse.runtime.autotune import timing_available, tune
+from opfuse.runtime.cache import TuningCache
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What the model was compiled for, per input."""
+
+    name: str
+    type: TensorType
+    device: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.type} on {self.device}"
+
+
+Signature = tuple[InputSpec, ...]
+
+
+def format_signature(signature: Signature) -> str:
+    return "(" + ", ".join(map(str, signature)) + ")"
+
+
+def device_key(device: torch.device | str) -> str:
+    """'cpu', 'cuda:0': a CUDA device without an index means the current one."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return f"cuda:{index}"
+    return str(device)
+
+
+@dataclass
+class Step:
+    """One launch of the forward pass: a group's kernel, or one node of a group run through PyTorch."""
+
+    group: FusionGroup
+    reads: list[str]
+    writes: list[str]
+    kernel: GroupKernel | None = None
+    node: Node | None = None
+    free: list[str] = field(default_factory=list)     # values dead after this step
+
+
+def default_reason(graph: Graph, group: FusionGroup) -> str:
+    """Why a group given no kernel runs through PyTorch, when the caller did not say."""
+    choice = choose_lowering(graph, group)
+    return choice if isinstance(choice, str) else "no kernel was built for it: runs through PyTorch"
+
+
+def to_channels_last(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 4 and x.is_floating_point():
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+class CompiledModel(torch.nn.Module):
+    """A fusion plan's kernels, run in plan order (see module docstring)."""
+
+    def __init__(self, plan: FusionPlan, kernels: Mapping[str, GroupKernel | None], device: torch.device | str,
+                 *, configs: Mapping[str, KernelConfig] | None = None, fallbacks: Mapping[str, str] | None = None,
+                 config: FusionConfig | None = None,
+                 recompile: Callable[[Sequence[torch.Tensor]], Callable[..., Any]] | None = None,
+                 unflatten: Callable[[list[torch.Tensor]], Any] | None = None, cuda_graph_warmup: int = 1):
+        super().__init__()
+        self.plan = plan
+        self.graph = plan.graph
+        self.device = torch.device(device)
+        self.config = config or plan.config or FusionConfig()
+        unknown = set(k for k, v in kernels.items() if v is not None) - {g.name for g in plan.groups}
+        if unknown:
+            raise GraphError(f"kernels given for groups not in the plan: {sorted(unknown)}")
+        self.kernels: dict[str, GroupKernel] = {k: v for k, v in kernels.items() if v is not None}
+        self.configs: dict[str, KernelConfig] = {name: k.configs()[0] for name, k in self.kernels.items()}
+        self.configs.update(configs or {})
+        self.fallbacks: dict[str, str] = {}
+        for group in plan.groups:
+            if group.name not in self.kernels:
+                self.fallbacks[group.name] = (fallbacks or {}).get(group.name) or default_reason(plan.graph, group)
+        self.recompile = recompile
+        self.unflatten = unflatten
+        self.tuning: Any = None          # the TuningResult, when autotuned
+        self._variants: dict[Signature, Callable[..., Any]] = {}
+
+        self.input_names = [n.name for n in self.graph.input_nodes]
+        self.signature: Signature = tuple(InputSpec(n.name, n.type, device_key(self.device))
+                                          for n in self.graph.input_nodes)
+        self._steps = self._schedule()
+        # constants read by PyTorch-run nodes: on the device once, as private copies (never the user's tensors,
+        # and never registered as parameters, so .to()/.half() on this module cannot reach the user's model)
+        needed = {r for s in self._steps for r in s.reads} | set(self.graph.outputs)
+        self._constants = {name: self.graph.constants[name].detach().to(self.device, copy=True)
+                           for name in self.graph.constants if name in needed}
+
+        self.use_cuda_graph = bool(self.config.cuda_graph) and self.device.type == "cuda"
+        self.cuda_graph_warmup = cuda_graph_warmup
+        self.cuda_graph_error: str | None = None     # why capture failed (the model then runs eagerly)
+        self._failed_captures: list[Any] = []
+        self._reset_cuda_graph()
+
+    # ---- build time ---------------------------------------------------------------------------------------
+    def _schedule(self) -> list[Step]:
+        graph = self.graph
+        available = {n.name for n in graph if n.op in ("input", "constant")}
+        steps: list[Step] = []
+
+        def check(step: Step, what: str) -> None:
+            for name in step.reads:
+                if name not in available:
+                    raise GraphError(f"{what} in group {step.group.name} reads {name!r}, which no earlier group "
+                                     "produces (the plan's group order or outputs are wrong)")
+            steps.append(step)
+            available.update(step.writes)
+
+        for group in self.plan.groups:
+            kernel = self.kernels.get(group.name)
+            if kernel is not None:
+                check(Step(group, list(kernel.runtime_inputs), list(group.outputs), kernel=kernel),
+                      f"kernel {kernel.name}")
+                continue
+            for name in group.nodes:
+                node = graph[name]
+                if node.op not in ("input", "constant"):
+                    check(Step(group, list(node.inputs), [name], node=node), f"node {node.describe()}")
+        for name in graph.outputs:
+            if name not in available:
+                raise GraphError(f"graph output {name!r} is produced by no group of the plan")
+
+        outputs = set(graph.outputs)
+        last_use = {}
+        for index, step in enumerate(steps):
+            for name in step.writes:
+                last_use.setdefault(name, index)     # written and never read: dead at once
+            for name in step.reads:
+                last_use[name] = index
+        for name, index in last_use.items():
+            if name not in outputs:
+                steps[index].free.append(name)
+        return steps
+
+    # ---- introspection ------------------------------------------------------------------------------------
+    @property
+    def launches(self) -> int:
+        """Kernel launches per forward: one per kernel, one per PyTorch-run node that is not a view."""
+        return sum(1 if s.kernel is not None else int(get_op(s.node.op).launches_kernel) for s in self._steps)
+
+    def set_configs(self, configs: Mapping[str, KernelConfig]) -> None:
+        """Use these kernel configs from now on (drops a captured CUDA graph, which baked the old ones in)."""
+        unknown = set(configs) - set(self.kernels)
+        if unknown:
+            raise GraphError(f"configs given for groups without a kernel: {sorted(unknown)}")
+        self.configs.update(configs)
+        self._reset_cuda_graph()
+
+    def set_cuda_graph(self, enabled: bool) -> None:
+        """Switch CUDA graph capture on or off (only has an effect on CUDA)."""
+        self.use_cuda_graph = enabled and self.device.type == "cuda"
+        self.cuda_graph_error = None
+        self._reset_cuda_graph()
+
+    # ---- run time -----------------------------------------------------------------------------------------
+    def input_signature(self, inputs: Sequence[Any]) -> Signature:
+        if len(inputs) != len(self.signature):
+            raise GraphError(f"compiled model of {self.graph.name} takes {len(self.signature)} inputs "
+                             f"{format_signature(self.signature)}, got {len(inputs)}")
+        specs = []
+        for spec, x in zip(self.signature, inputs):
+            if not isinstance(x, torch.Tensor):
+                raise GraphError(f"input {spec.name!r} must be a tensor, got {type(x).__name__}")
+            specs.append(InputSpec(spec.name, TensorType(tuple(x.shape), dtype_name(x.dtype)), str(x.device)))
+        return tuple(specs)
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        signature = self.input_signature(inputs)
+        if signature != self.signature:
+            return self._other_signature(signature, inputs)
+        prepared = [to_channels_last(x) for x in inputs]
+        with torch.no_grad():
+            if self.use_cuda_graph and self.cuda_graph_error is None:
+                outputs = self._run_cuda_graph(prepared)
+            else:
+                outputs = self._execute(prepared)
+        if self.unflatten is not None:
+            return self.unflatten(outputs)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _other_signature(self, signature: Signature, inputs: Sequence[torch.Tensor]) -> Any:
+        if self.recompile is None:
+            wrong = next(f"{got} (compiled for {want.type} on {want.device})"
+                         for got, want in zip(signature, self.signature) if got != want)
+            raise GraphError(f"input {wrong}: the model was compiled for {format_signature(self.signature)} "
+                             f"but called with {format_signature(signature)}; compile it again for these "
+                             "inputs (or pass a recompile callback)")
+        variant = self._variants.get(signature)
+        if variant is None:
+            variant = self.recompile(inputs)
+            self._variants[signature] = variant
+        return variant(*inputs)
+
+    def _run_steps(self, inputs: Sequence[torch.Tensor], keep_all: bool = False) -> dict[str, torch.Tensor]:
+        values: dict[str, torch.Tensor] = dict(self._constants)
+        values.update(zip(self.input_names, inputs))
+        for step in self._steps:
+            self._run_step(step, values)     # a call of its own, so no local keeps a dead value alive
+            if not keep_all:
+                for name in step.free:
+                    values.pop(name, None)
+        return values
+
+    def _run_step(self, step: Step, values: dict[str, torch.Tensor]) -> None:
+        args = [values[name] for name in step.reads]
+        if step.kernel is not None:
+            outputs = step.kernel.run(args, self.configs.get(step.group.name))
+            if len(outputs) != len(step.writes):
+                raise GraphError(f"kernel {step.kernel.name} of group {step.group.name} returned "
+                                 f"{len(outputs)} outputs, the group has {len(step.writes)} {step.writes}")
+            values.update(zip(step.writes, outputs))
+            return
+        try:
+            values[step.node.name] = get_op(step.node.op).run(args, step.node.attrs)
+        except GraphError:
+            raise
+        except Exception as error:
+            raise GraphError(f"running node {step.node.describe()} (group {step.group.name}, through "
+                             f"PyTorch) failed: {error}") from error
+
+    def _execute(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        values = self._run_steps(inputs)
+        return [values[name] for name in self.graph.outputs]
+
+    def collect_values(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every value of one eager forward, by name: example inputs for the autotuner."""
+        signature = self.input_signature(inputs)
+        if signature != self.signature:
+            raise GraphError(f"collect_values needs inputs matching {format_signature(self.signature)}, "
+                             f"got {format_signature(signature)}")
+        with torch.no_grad():
+            return self._run_steps([to_channels_last(x) for x in inputs], keep_all=True)
+
+    # ---- CUDA graph ---------------------------------------------------------------------------------------
+    def _reset_cuda_graph(self) -> None:
+        self._cuda_graph = None
+        self._static_inputs: list[torch.Tensor] = []
+        self._static_outputs: list[torch.Tensor] = []
+        self._eager_calls = 0
+
+    def _run_cuda_graph(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self._cuda_graph is None:
+            if self._eager_calls < self.cuda_graph_warmup:   # compiles the Triton kernels outside any capture
+                self._eager_calls += 1
+                return self._execute(inputs)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                self._capture(graph, inputs)
+            except Exception as error:   # e.g. an opaque op that syncs with the host
+                self._recover_from_failed_capture(graph)
+                self.cuda_graph_error = f"CUDA graph capture failed, running eagerly: {error}"
+                warnings.warn(f"opfuse: {self.cuda_graph_error}", stacklevel=3)
+                self._reset_cuda_graph()
+                return self._execute(inputs)
+        else:
+            for static, x in zip(self._static_inputs, inputs):
+                static.copy_(x)
+        self._cuda_graph.replay()
+        # the static outputs are overwritten by the next replay: the caller gets its own copies
+        return [out.clone() for out in self._static_outputs]
+
+    def _capture(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor]) -> None:
+        static = [x.clone() for x in inputs]     # clone keeps the (channels-last) strides of dense inputs
+        # one eager run on exactly these buffers, so no kernel is compiled for new strides during the capture
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._execute(static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        with torch.cuda.graph(graph):
+            outputs = self._execute(static)
+        self._cuda_graph, self._static_inputs, self._static_outputs = graph, static, outputs
+
+    def _recover_from_failed_capture(self, graph: torch.cuda.CUDAGraph) -> None:
+        """Undo what a capture that raised leaves behind in PyTorch (seen with torch 2.11).
+
+        CUDAGraph.capture_end throws before its epilogue, so the device's default RNG stays marked as capturing
+        (every later torch.randn on the device then fails): give it a fresh copy of its own state (same seed and
+        offset). The allocator may still hold a pool filter that refers to the graph object, so it is kept alive.
+        """
+        self._failed_captures.append(graph)
+        try:
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            generator = torch.cuda.default_generators[index]
+            generator.graphsafe_set_state(generator.clone_state())
+        except Exception:   # other torch versions may not need it, or spell it differently
+            pass
+
+    def extra_repr(self) -> str:
+        return (f"graph={self.graph.name}, device={self.device}, kernels={len(self.kernels)}, "
+                f"pytorch_groups={len(self.fallbacks)}, cuda_graph={self.use_cuda_graph}")
+
+
+def build_compiled_model(plan: FusionPlan, device: torch.device | str,
+                         example_inputs: Sequence[torch.Tensor] | None = None, *,
+                         config: FusionConfig | None = None, cache: Any = None, quiet: bool = False,
+                         recompile: Callable[[Sequence[torch.Tensor]], Callable[..., Any]] | None = None,
+                         unflatten: Callable[[list[torch.Tensor]], Any] | None = None) -> CompiledModel:
+    """Lower every group, build the model, and autotune it on `example_inputs` when a GPU can time it.
+
+    Groups whose every config is over budget are listed in `model.tuning.over_budget` (the caller may split them
+    and build again). `cache` defaults to the TuningCache of config.cache_dir.
+    """
+    config = config or plan.config or FusionConfig()
+    kernels, reasons = lower_plan(plan, device)
+    model = CompiledModel(plan, kernels, device, fallbacks=reasons, config=config, recompile=recompile,
+                          unflatten=unflatten)
+    if config.autotune and kernels and example_inputs is not None and timing_available(device):
+        values = model.collect_values(*example_inputs)
+        model.tuning = tune(kernels, values, config, cache if cache is not None else TuningCache.for_config(config),
+                            quiet=quiet)
+        del values
+        model.set_configs(dict(model.tuning))
+    return model
