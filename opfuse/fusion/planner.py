@@ -1,0 +1,424 @@
+"""Fusion planner: decides which nodes share a kernel (`plan_fusion(graph, config, hw) -> FusionPlan`).
+
+Inductor-style greedy fusion, with Hidet's anchor vocabulary and XLA's resource check:
+
+1. every kernel-launching node starts as its own group; every view (reshape, permute, ...) is a VIEW group
+   that launches nothing; graph inputs and constants belong to no group.
+2. vertical rounds (`config.vertical`): the candidates are producer -> consumer pairs of groups that share a
+   buffer (seen through views), sorted by the bytes the fusion would save. Each is merged when it is legal
+   (`legality.can_fuse`), fits the hardware (`resources.estimate_resources`; otherwise OVER_BUDGET and the
+   pair is "split back", i.e. stays two kernels) and pays (the cost model predicts the fused kernel faster
+   than the two apart; skipped when `config.use_cost_model` is False). Rounds repeat until nothing changes.
+3. horizontal (`config.horizontal`): sibling anchors reading the same input, with compatible shapes and
+   identical epilogues, become one HORIZONTAL group (weights concatenated at codegen time); then small
+   independent elementwise groups, each dominated by its launch overhead, share one launch.
+4. the groups are listed in topological order, each with its kind, anchor, traffic, predicted time, resources
+   and the reason it is what it is; every candidate considered is a FusionDecision, taken or refused.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from opfuse.config import FusionConfig
+from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
+from opfuse.fusion.legality import can_fuse, in_order, is_view, node_index, path_outside, skip_operands
+from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
+from opfuse.fusion.resources import anchor_of
+from opfuse.hardware import HardwareProfile, get_hardware
+from opfuse.ir.graph import Graph
+from opfuse.ir.ops import FusionKind, kind_of
+from opfuse.ir.verify import verify
+
+
+def plan_fusion(graph: Graph, config: FusionConfig | None = None,
+                hw: HardwareProfile | None = None) -> FusionPlan:
+    """Group the graph's nodes into kernels and record every fusion decision."""
+    config = config or FusionConfig()
+    hw = hw or get_hardware(config.hardware)
+    verify(graph, check_types=False)   # unknown ops and dangling inputs fail here, naming the node
+    planner = _Planner(graph, config, hw)
+    if config.vertical:
+        planner.vertical()
+    if config.horizontal:
+        planner.horizontal_anchors()
+        planner.horizontal_pointwise()
+    return planner.finish()
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A producer -> consumer pair of groups; `views` lie between them when the buffer passes through views."""
+
+    producer: int
+    consumer: int
+    views: tuple[str, ...]
+
+
+class _Planner:
+    """The mutable state of one planning run: groups, decisions, cached estimates."""
+
+    def __init__(self, graph: Graph, config: FusionConfig, hw: HardwareProfile):
+        self.graph, self.config, self.hw = graph, config, hw
+        self.users = graph.users()
+        self.index = node_index(graph)
+        self.groups: dict[int, list[str]] = {}        # group id -> node names in topological order
+        self.group_of: dict[str, int] = {}
+        self.kinds: dict[int, GroupKind] = {}         # kinds fixed by horizontal merges
+        self.notes: dict[int, list[str]] = {}         # what each merge into the group was
+        self.decisions: list[FusionDecision] = []
+        self.seen: set[tuple[frozenset[str], frozenset[str]]] = set()
+        self._estimates: dict[frozenset[str], KernelEstimate] = {}
+        self._traffic: dict[frozenset[str], GroupTraffic] = {}
+        for node in graph:
+            if kind_of(node) is not FusionKind.SOURCE:
+                self.groups[len(self.groups)] = [node.name]
+                self.group_of[node.name] = len(self.groups) - 1
+
+    # ---- estimates (cached: candidate pairs are re-examined every round) ------------------------------
+    def estimate(self, nodes: list[str]) -> KernelEstimate:
+        key = frozenset(nodes)
+        if key not in self._estimates:
+            self._estimates[key] = estimate_kernel(self.graph, in_order(nodes, self.index), self.users,
+                                                   self.hw, self.config.dtype)
+        return self._estimates[key]
+
+    def traffic(self, nodes: list[str]) -> GroupTraffic:
+        key = frozenset(nodes)
+        if key in self._estimates:
+            return self._estimates[key].traffic
+        if key not in self._traffic:
+            self._traffic[key] = group_traffic(self.graph, in_order(nodes, self.index), self.users)
+        return self._traffic[key]
+
+    def bytes_saved(self, first: list[str], second: list[str]) -> int:
+        """Traffic the two groups move apart minus what they move as one kernel."""
+        return (self.traffic(first).bytes_moved + self.traffic(second).bytes_moved
+                - self.traffic(first + second).bytes_moved)
+
+    # ---- vertical fusion ----------------------------------------------------------------------------
+    def vertical(self) -> None:
+        """Greedy rounds over producer -> consumer pairs, largest saving first, until nothing merges."""
+        while True:
+            candidates = self.vertical_candidates()
+            candidates.sort(key=lambda c: (-self._candidate_saving(c), self.index[self.groups[c.producer][0]],
+                                           self.index[self.groups[c.consumer][0]]))
+            touched: set[int] = set()
+            for candidate in candidates:
+                if candidate.producer in touched or candidate.consumer in touched:
+                    continue   # one of them grew this round; the pair is re-formed next round
+                if self.try_vertical(candidate):
+                    touched |= {candidate.producer, candidate.consumer}
+            if not touched:
+                return
+
+    def vertical_candidates(self) -> list[_Candidate]:
+        """Every pair where a consumer group reads a producer group's value, directly or through views."""
+        found: dict[_Candidate, None] = {}
+        for consumer, nodes in self.groups.items():
+            if self.is_view_group(consumer):
+                continue
+            for name in nodes:
+                for value in self.graph[name].inputs:
+                    for producer, views in self.producers_of(value, consumer, ()):
+                        found[_Candidate(producer, consumer, views)] = None
+        return list(found)
+
+    def producers_of(self, value: str, consumer: int, views: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]]:
+        """Kernel groups whose buffer `value` is, or is a view of (with the views passed on the way)."""
+        group = self.group_of.get(value)
+        if group is None or group == consumer:
+            return []   # a graph input or constant, or a value inside the consumer
+        if not self.is_view_group(group):
+            return [(group, views)]
+        found = []
+        for base in self.graph[value].inputs:
+            found += self.producers_of(base, consumer, views + (value,))
+        return found
+
+    def _candidate_saving(self, candidate: _Candidate) -> int:
+        if candidate.views:
+            return 0   # blocked: saves nothing
+        return self.bytes_saved(self.groups[candidate.producer], self.groups[candidate.consumer])
+
+    def try_vertical(self, candidate: _Candidate) -> bool:
+        """Decide one pair: record the decision, merge when legal, within budget and profitable."""
+        producer, consumer = self.groups[candidate.producer], self.groups[candidate.consumer]
+        key = (frozenset(producer), frozenset(consumer))
+        if key in self.seen:
+            return False   # same node sets, same answer: legality, budget and cost depend on nothing else
+        self.seen.add(key)
+        fusion = self.fusion_label(producer, consumer)
+        if candidate.views:
+            view = self.graph[candidate.views[-1]]
+            reason = f"view {view.name} ({view.op}) between them blocks fusion: views never join a kernel"
+            self.record(producer, consumer, fusion, Verdict.ILLEGAL, reason)
+            return False
+        return self.decide(candidate.producer, candidate.consumer, fusion,
+                           can_fuse(self.graph, producer, consumer, self.users, self.config, self.index))
+
+    def fusion_label(self, producer: list[str], consumer: list[str]) -> str:
+        """'vertical', 'residual', 'prologue' or 'conv-conv': what kind of fusion the pair would be."""
+        merged = producer + consumer
+        anchors = [n for n in merged if kind_of(self.graph[n]) is FusionKind.ANCHOR]
+        if len(anchors) > 1:
+            return "conv-conv" if all(self.graph[a].op == "conv2d" for a in anchors) else "vertical"
+        if any(kind_of(self.graph[n]) is FusionKind.REDUCTION for n in consumer) and \
+                all(kind_of(self.graph[n]).elementwise for n in producer):
+            return "prologue"
+        if anchors and skip_operands(self.graph, merged, anchors[0], self.users, self.index):
+            return "residual"
+        return "vertical"
+
+    # ---- taking or refusing one fusion --------------------------------------------------------------
+    def decide(self, first: int, second: int, fusion: str, illegal: str | None,
+               kind: GroupKind | None = None) -> bool:
+        """Check budget and profit of merging groups `first` and `second`; merge and record."""
+        a, b = self.groups[first], self.groups[second]
+        if illegal:
+            self.record(a, b, fusion, Verdict.ILLEGAL, illegal)
+            return False
+        apart = self.estimate(a).time + self.estimate(b).time
+        fused = self.estimate(a + b)
+        resources = fused.resources
+        if resources is not None and not resources.fits:
+            self.record(a, b, fusion, Verdict.OVER_BUDGET,
+                        f"fused kernel over budget, kept apart: {resources.reason}", fused.time)
+            return False
+        if self.config.use_cost_model and fused.time >= apart:
+            tile = f" ({resources.reason})" if resources is not None and resources.reason else ""
+            self.record(a, b, fusion, Verdict.UNPROFITABLE,
+                        f"predicted {fused.time * 1e6:.2f} us fused >= {apart * 1e6:.2f} us apart{tile}",
+                        fused.time)
+            return False
+        saved = self.bytes_saved(a, b)
+        reason = f"saves {saved:,} B and 1 launch: {apart * 1e6:.2f} -> {fused.time * 1e6:.2f} us"
+        self.record(a, b, fusion, Verdict.FUSED, reason, fused.time)
+        self.merge(first, second, f"{fusion}: {', '.join(b)} into {', '.join(a)} ({reason})", kind)
+        return True
+
+    def record(self, first: list[str], second: list[str], fusion: str, verdict: Verdict, reason: str,
+               time_fused: float = 0.0) -> None:
+        """Append a decision; `time_fused` stays 0 when no fused kernel was estimated (illegal pairs)."""
+        self.decisions.append(FusionDecision(
+            producer=in_order(first, self.index), consumer=in_order(second, self.index), fusion=fusion,
+            verdict=verdict, reason=reason, bytes_saved=self.bytes_saved(first, second),
+            time_unfused=self.estimate(first).time + self.estimate(second).time, time_fused=time_fused))
+
+    def merge(self, keep: int, gone: int, note: str, kind: GroupKind | None = None) -> None:
+        """Fold group `gone` into group `keep`."""
+        self.groups[keep] = in_order(self.groups[keep] + self.groups.pop(gone), self.index)
+        for name in self.groups[keep]:
+            self.group_of[name] = keep
+        self.notes[keep] = self.notes.get(keep, []) + self.notes.pop(gone, []) + [note]
+        if kind is not None:
+            self.kinds[keep] = kind
+
+    # ---- horizontal fusion --------------------------------------------------------------------------
+    def horizontal_anchors(self) -> None:
+        """Sibling anchors on one input with identical epilogues become one HORIZONTAL group."""
+        families: dict[tuple, list[int]] = {}
+        for group in self.ordered_ids():
+            key = self.sibling_key(group)
+            if key is not None:
+                families.setdefault(key, []).append(group)
+        for members in families.values():
+            if len(members) > 1:
+                self.merge_siblings(members)
+
+    def sibling_key(self, group: int) -> tuple | None:
+        """What siblings must share: op, input value and shape-compatibility attributes; None if not a sibling."""
+        nodes = self.groups[group]
+        anchor = anchor_of(self.graph, nodes)
+        if anchor is None or group in self.kinds:
+            return None
+        node = self.graph[anchor]
+        if not all(self.graph.is_constant(w) for w in node.inputs[1:]):
+            return None   # weights are concatenated at codegen time: they must be known
+        if node.op == "linear":
+            return ("linear", node.inputs[0], self.graph[node.inputs[1]].type.shape[1])
+        if node.op == "conv2d" and node.attrs["groups"] == 1:
+            kernel = self.graph[node.inputs[1]].type.shape[2:]
+            return ("conv2d", node.inputs[0], kernel, tuple(node.attrs["stride"]), tuple(node.attrs["padding"]),
+                    tuple(node.attrs["dilation"]))
+        return None
+
+    def merge_siblings(self, members: list[int]) -> None:
+        """Merge siblings with the most common epilogue; refuse the others with the difference."""
+        signatures = {group: self.epilogue_signature(group) for group in members}
+        classes: dict[tuple, list[int]] = {}
+        for group in members:
+            signature, problem = signatures[group]
+            if problem:
+                other = next(m for m in members if m != group)
+                self.record(self.groups[other], self.groups[group], "horizontal", Verdict.ILLEGAL, problem)
+            else:
+                classes.setdefault(signature, []).append(group)
+        ranked = sorted(classes.values(), key=len, reverse=True)
+        for other in ranked[1:]:   # one refusal per differing epilogue, against the largest class
+            self.record(self.groups[ranked[0][0]], self.groups[other[0]], "horizontal", Verdict.ILLEGAL,
+                        f"different epilogues: {self.describe_epilogue(ranked[0][0])} vs "
+                        f"{self.describe_epilogue(other[0])}")
+        for siblings in ranked:
+            base = siblings[0]
+            for group in siblings[1:]:
+                dependency = self.dependency(base, group)
+                illegal = f"siblings are not independent: {dependency}" if dependency else None
+                self.decide(base, group, "horizontal", illegal, GroupKind.HORIZONTAL)
+
+    def epilogue_signature(self, group: int) -> tuple[tuple, str | None]:
+        """The epilogue's ops, attributes and operand pattern; a problem when it reads a non-constant."""
+        nodes = self.groups[group]
+        position = {name: i for i, name in enumerate(nodes)}
+        signature = []
+        for name in nodes[1:]:   # nodes[0] is the anchor: the epilogue is all downstream of it
+            node = self.graph[name]
+            operands = []
+            for value in node.inputs:
+                if value in position:
+                    operands.append(position[value])
+                elif self.graph.is_constant(value):
+                    operands.append("scalar" if self.graph[value].type.numel == 1 else "constant")
+                else:
+                    return (), (f"epilogue of {nodes[0]} reads {value}, not a constant: concatenated siblings "
+                                "take constant per-channel operands only")
+            attrs = tuple(sorted((k, repr(v)) for k, v in node.attrs.items() if not callable(v)))
+            signature.append((node.op, attrs, node.type.dtype, tuple(operands)))
+        return tuple(signature), None
+
+    def describe_epilogue(self, group: int) -> str:
+        """'relu', 'batch_norm, relu' or 'no epilogue' (no brackets: reports render rich markup)."""
+        return ", ".join(self.graph[n].op for n in self.groups[group][1:]) or "no epilogue"
+
+    def horizontal_pointwise(self) -> None:
+        """Small independent elementwise groups, each mostly launch overhead, share one launch."""
+        cluster: int | None = None
+        for group in self.ordered_ids():
+            if not self.is_small_pointwise(group):
+                continue
+            if cluster is None:
+                cluster = group
+                continue
+            dependency = self.dependency(cluster, group)
+            if dependency:
+                self.record(self.groups[cluster], self.groups[group], "horizontal", Verdict.ILLEGAL,
+                            f"not independent: {dependency}")
+                cluster = group
+                continue
+            if not self.decide(cluster, group, "horizontal", None, GroupKind.HORIZONTAL_POINTWISE):
+                cluster = group
+            elif not self.is_small_pointwise(cluster):
+                cluster = None   # the shared launch is no longer launch-bound: start a new one
+
+    def dependency(self, first: int, second: int) -> str | None:
+        """How one group depends on the other (a direct read or a path through other nodes), or None."""
+        a, b = set(self.groups[first]), set(self.groups[second])
+        for reader, written in ((b, a), (a, b)):
+            for name in in_order(reader, self.index):
+                read = next((v for v in self.graph[name].inputs if v in written), None)
+                if read is not None:
+                    return f"{name} reads {read}"
+        via = path_outside(self.graph, a, b, a | b, self.users, self.index) or \
+            path_outside(self.graph, b, a, a | b, self.users, self.index)
+        return f"a path runs through {via}" if via else None
+
+    def is_small_pointwise(self, group: int) -> bool:
+        """All elementwise, and its kernel body takes less time than its launch."""
+        nodes = self.groups[group]
+        if group in self.kinds and self.kinds[group] is not GroupKind.HORIZONTAL_POINTWISE:
+            return False
+        if not all(kind_of(self.graph[n]).elementwise for n in nodes):
+            return False
+        return self.estimate(nodes).time - self.hw.launch_overhead < self.hw.launch_overhead
+
+    # ---- the result ---------------------------------------------------------------------------------
+    def is_view_group(self, group: int) -> bool:
+        return all(is_view(self.graph[n]) for n in self.groups[group])
+
+    def ordered_ids(self) -> list[int]:
+        """Group ids in a topological order of the group graph (ties: the earliest node first)."""
+        needs: dict[int, set[int]] = {g: set() for g in self.groups}
+        feeds: dict[int, set[int]] = {g: set() for g in self.groups}
+        for group, nodes in self.groups.items():
+            for name in nodes:
+                for value in self.graph[name].inputs:
+                    other = self.group_of.get(value)
+                    if other is not None and other != group:
+                        needs[group].add(other)
+                        feeds[other].add(group)
+        ready = [(self.index[nodes[0]], g) for g, nodes in self.groups.items() if not needs[g]]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            _, group = heapq.heappop(ready)
+            order.append(group)
+            for user in feeds[group]:
+                needs[user].discard(group)
+                if not needs[user]:
+                    heapq.heappush(ready, (self.index[self.groups[user][0]], user))
+        if len(order) != len(self.groups):
+            raise AssertionError("fusion planner made a cycle between groups")   # can_fuse must prevent this
+        return order
+
+    def classify(self, group: int) -> GroupKind:
+        """The group's kind, read off its nodes' fusion kinds."""
+        if group in self.kinds:
+            return self.kinds[group]
+        nodes = self.groups[group]
+        kinds = [kind_of(self.graph[n]) for n in nodes]
+        if self.is_view_group(group):
+            return GroupKind.VIEW
+        if FusionKind.OPAQUE in kinds:
+            return GroupKind.OPAQUE
+        if FusionKind.INJECTIVE in kinds:
+            return GroupKind.INJECTIVE
+        if len(nodes) == 1:
+            return GroupKind.SINGLE
+        anchor = anchor_of(self.graph, nodes)
+        if anchor is not None:
+            residual = skip_operands(self.graph, nodes, anchor, self.users, self.index)
+            return GroupKind.RESIDUAL if residual else GroupKind.ANCHOR_EPILOGUE
+        if FusionKind.REDUCTION in kinds:
+            return GroupKind.REDUCTION
+        return GroupKind.POINTWISE
+
+    def explain(self, group: int, kind: GroupKind, refusals: dict[str, str]) -> str:
+        """Why the group is what it is, in words."""
+        nodes = self.groups[group]
+        first = self.graph[nodes[0]]
+        if kind is GroupKind.VIEW:
+            return f"view ({first.op}): no kernel, no traffic"
+        if kind is GroupKind.OPAQUE:
+            return f"opaque op {first.name} runs through PyTorch"
+        if kind is GroupKind.INJECTIVE:
+            return f"{first.name} ({first.op}) stays its own kernel: copying injective ops take no fusion here"
+        if group in self.notes:
+            return "; ".join(self.notes[group])
+        if nodes[0] in refusals:
+            return f"alone: {refusals[nodes[0]]}"
+        return "alone: no fusion candidate"
+
+    def finish(self) -> FusionPlan:
+        """The plan: groups in topological order with their numbers, and every decision."""
+        refusals: dict[str, str] = {}   # why a lone node stayed alone: what stopped its output first
+        refused = [d for d in self.decisions if d.verdict is not Verdict.FUSED]
+        for side in ("producer", "consumer"):
+            for decision in refused:
+                nodes = getattr(decision, side)
+                if len(nodes) == 1:
+                    refusals.setdefault(nodes[0], decision.reason)
+        groups = []
+        for new_id, group in enumerate(self.ordered_ids()):
+            nodes = self.groups[group]
+            kind = self.classify(group)
+            estimate = self.estimate(nodes)
+            traffic = estimate.traffic
+            groups.append(FusionGroup(
+                id=new_id, kind=kind, nodes=list(nodes), anchor=estimate.anchor, inputs=list(traffic.inputs),
+                outputs=list(traffic.outputs), flops=traffic.flops, bytes_read=traffic.bytes_read,
+                bytes_written=traffic.bytes_written, predicted_time=estimate.time,
+                launches=0 if kind is GroupKind.VIEW else 1, resources=estimate.resources,
+                reason=self.explain(group, kind, refusals)))
+        return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config)
+

@@ -1,0 +1,322 @@
+"""Resource model: what the Triton kernel of a group needs per tile, and whether it fits (`estimate_resources`).
+
+XLA and nvFuser refuse a fusion that would spill registers or overflow shared memory; so does opfuse (the
+seed's warning: fuse too much and the kernel gets slower, not faster). The model follows the kernel each group
+becomes, counted the way a Triton kernel holds data:
+
+- anchors (conv as implicit GEMM, linear, matmul): an output tile BLOCK_M x BLOCK_N, a K loop of BLOCK_K with
+  `num_stages` buffers in shared memory. Registers per thread: the float32 accumulator (BM*BN/threads), each
+  full-size epilogue operand held as a tile (a residual: BM*BN*itemsize/4/threads, two 16-bit values a
+  register), each per-channel vector (bias, BN scale: BN/threads), each epilogue value alive twice (x*sigmoid(x))
+  as another float32 tile, and ADDRESSING_REGISTERS for pointers, offsets and masks.
+- attention (sdpa): flash attention, a BLOCK_M x head_dim accumulator plus a BLOCK_M x BLOCK_N score tile;
+  K and V blocks in shared memory.
+- row reductions (softmax, layer norm, mean, sum, adaptive pooling): one row per program, held in registers
+  (BLOCK = next power of two of the row); every live row-sized operand costs BLOCK/threads registers. The row
+  must fit, or the group is over budget.
+- everything else (elementwise, pooling windows, copies): BLOCK elements per program; every live operand costs
+  BLOCK/threads registers.
+
+Each family tries its tiles from the default down (anchors: 128x128x32/3 stages/8 warps, then 128x64, 64x64,
+32x32; rows: more warps) and takes the first that fits; only when none fits is the group over budget, with the
+reason in words. Hardware limits come from `HardwareProfile` only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping
+
+from opfuse.fusion.plan import ResourceEstimate
+from opfuse.hardware import HardwareProfile
+from opfuse.ir.graph import DTYPE_BYTES, Graph, dtype_name
+from opfuse.ir.ops import FusionKind, get_op, kind_of
+
+ADDRESSING_REGISTERS = 40   # pointers, offsets, masks and loop counters every kernel holds besides its data
+
+GEMM_TILES = (   # default first: what a Triton GEMM autotuner starts from in fp16 on Hopper/Ampere
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_stages": 3, "num_warps": 8},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "num_stages": 3, "num_warps": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_stages": 3, "num_warps": 4},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "num_stages": 2, "num_warps": 4},
+)
+ATTENTION_TILES = (  # the Triton fused-attention tutorial's configurations
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2, "num_warps": 8},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2, "num_warps": 4},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4},
+)
+POINTWISE_BLOCKS = (1024, 512, 256, 128)
+POINTWISE_WARPS = 4
+REDUCTION_WARPS = (4, 8, 16, 32)
+
+# reduced quantities a row reduction keeps per row (max and sum, mean and variance): its cross-warp scratch
+ROW_STATISTICS = {"softmax": 2, "layer_norm": 2, "mean": 1, "sum": 1, "adaptive_avg_pool2d": 1}
+
+
+def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, hw: HardwareProfile,
+                       dtype: str, tile: Mapping[str, int] | None = None) -> ResourceEstimate:
+    """Registers and shared memory of the group's kernel for `tile` (or the first candidate tile that fits)."""
+    nodes = [n for n in nodes if not get_op(graph[n].op).alias]
+    if not nodes:
+        return ResourceEstimate(tile={}, registers_per_thread=0, shared_memory_bytes=0, fits=True,
+                                reason="views only: no kernel")
+    itemsize = DTYPE_BYTES[dtype_name(dtype)]
+    if anchor is not None and graph[anchor].op == "sdpa":
+        candidates = [_attention(graph, nodes, anchor, hw, itemsize, t) for t in _tiles(ATTENTION_TILES, tile)]
+    elif anchor is not None:
+        candidates = [_gemm(graph, nodes, anchor, hw, itemsize, t) for t in _gemm_tiles(graph, anchor, tile)]
+    elif (reduction := row_reduction(graph, nodes)) is not None:
+        candidates = [_reduction(graph, nodes, reduction, hw, t) for t in _reduction_tiles(graph, reduction, tile)]
+    else:
+        candidates = [_pointwise(graph, nodes, hw, t) for t in _pointwise_tiles(graph, nodes, tile)]
+    return _first_fit(candidates)
+
+
+def anchor_of(graph: Graph, nodes: Iterable[str]) -> str | None:
+    """The group's first anchor node (the first sibling in a horizontal group), or None."""
+    return next((n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR), None)
+
+
+def row_reduction(graph: Graph, nodes: Iterable[str]) -> str | None:
+    """The group's reduction node when it reduces whole rows (pooling windows are elementwise-like loops)."""
+    return next((n for n in nodes if graph[n].op in ROW_STATISTICS), None)
+
+
+def row_length(graph: Graph, reduction: str) -> int:
+    """Elements one program reduces: the softmax dim, the normalized shape, the reduced dims, a pooling cell."""
+    node = graph[reduction]
+    shape = graph[node.inputs[0]].type.shape
+    if node.op == "softmax":
+        return shape[node.attrs["dim"]]
+    if node.op == "layer_norm":
+        return math.prod(node.attrs["normalized_shape"])
+    if node.op == "adaptive_avg_pool2d":
+        out_h, out_w = node.type.shape[-2:]
+        return math.ceil(shape[-2] / out_h) * math.ceil(shape[-1] / out_w)
+    dims = node.attrs["dims"]
+    dims = [dims] if isinstance(dims, int) else dims
+    return math.prod(shape[d] for d in dims)
+
+
+# ---- the anchor kernels --------------------------------------------------------------------------------
+
+def gemm_shape(graph: Graph, anchor: str) -> tuple[int, int, int]:
+    """(M, N, K) of the anchor's GEMM: conv2d as implicit GEMM (M = N*Hout*Wout, N = Cout, K = Cin/g*Kh*Kw)."""
+    node = graph[anchor]
+    out = node.type.shape
+    x = graph[node.inputs[0]].type.shape
+    if node.op == "conv2d":
+        weight = graph[node.inputs[1]].type.shape
+        return out[0] * out[2] * out[3], out[1], math.prod(weight[1:])
+    if node.op == "linear":
+        return math.prod(out[:-1]), out[-1], x[-1]
+    return out[-2], out[-1], x[-1]   # matmul: per batch
+
+
+def _gemm_tiles(graph: Graph, anchor: str, tile: Mapping[str, int] | None) -> list[dict[str, int]]:
+    """Candidate tiles, each dim clipped to the problem (at least 16, Triton's smallest dot)."""
+    m, n, k = gemm_shape(graph, anchor)
+    clipped = []
+    for t in _tiles(GEMM_TILES, tile):
+        t = dict(t, BLOCK_M=min(t["BLOCK_M"], _pow2(m)), BLOCK_N=min(t["BLOCK_N"], _pow2(n)),
+                 BLOCK_K=min(t["BLOCK_K"], _pow2(k)))
+        if t not in clipped:
+            clipped.append(t)
+    return clipped
+
+
+def _gemm(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile, itemsize: int,
+          tile: dict[str, int]) -> ResourceEstimate:
+    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
+    threads = 32 * tile["num_warps"]
+    full, vectors, twice = epilogue_operands(graph, nodes, anchor)
+    if len(graph[anchor].inputs) > 2:
+        vectors += 1   # the anchor's own bias is a per-channel vector of the epilogue
+    registers = [("accumulator", _per_thread(bm * bn, threads)),
+                 (f"{full} full-tile operand(s)", full * _per_thread(bm * bn * itemsize // 4, threads)),
+                 (f"{vectors} per-channel vector(s)", vectors * _per_thread(bn, threads)),
+                 (f"{twice} value(s) used twice", twice * _per_thread(bm * bn, threads)),
+                 ("addressing", ADDRESSING_REGISTERS)]
+    shared = [(f"{tile['num_stages']} stages x ({bm}x{bk} + {bk}x{bn}) x {itemsize} B",
+               tile["num_stages"] * (bm * bk + bk * bn) * itemsize),
+              ("epilogue staging", bm * bn * itemsize if full else 0)]
+    return _check(hw, tile, threads, registers, shared)
+
+
+def _attention(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile, itemsize: int,
+               tile: dict[str, int]) -> ResourceEstimate:
+    node = graph[anchor]
+    q = graph[node.inputs[0]].type.shape
+    s_q, head_dim = q[-2], q[-1]
+    tile = dict(tile, BLOCK_M=min(tile["BLOCK_M"], _pow2(s_q)), HEAD_DIM=_pow2(head_dim))
+    bm, bn, d = tile["BLOCK_M"], tile["BLOCK_N"], tile["HEAD_DIM"]
+    threads = 32 * tile["num_warps"]
+    full, vectors, twice = epilogue_operands(graph, nodes, anchor)
+    mask = 1 if len(node.inputs) > 3 else 0
+    registers = [("accumulator", _per_thread(bm * d, threads)),
+                 ("scores", _per_thread(bm * bn, threads)),
+                 ("query tile", _per_thread(bm * d * itemsize // 4, threads)),
+                 (f"{mask} mask tile(s)", mask * _per_thread(bm * bn * itemsize // 4, threads)),
+                 (f"{full} full-tile operand(s)", full * _per_thread(bm * d * itemsize // 4, threads)),
+                 (f"{vectors} vector(s)", vectors * _per_thread(d, threads)),
+                 (f"{twice} value(s) used twice", twice * _per_thread(bm * d, threads)),
+                 ("addressing", ADDRESSING_REGISTERS)]
+    shared = [(f"{tile['num_stages']} stages x K and V blocks {bn}x{d} x {itemsize} B",
+               tile["num_stages"] * 2 * bn * d * itemsize)]
+    return _check(hw, tile, threads, registers, shared)
+
+
+def epilogue_operands(graph: Graph, nodes: list[str], anchor: str) -> tuple[int, int, int]:
+    """(full-size operands, per-channel vectors, values read twice) of the anchor's epilogue.
+
+    Only the anchor's own epilogue counts: in a horizontal group every sibling runs the same template.
+    """
+    node_set = set(nodes)
+    epilogue = _downstream(graph, anchor, node_set)
+    size = graph[anchor].type.numel
+    seen: set[str] = set()
+    full = vectors = 0
+    readers: dict[str, int] = {}
+    for name in epilogue - {anchor}:
+        for value in graph[name].inputs:
+            if value in epilogue:
+                readers[value] = readers.get(value, 0) + 1
+                continue
+            if value in seen:
+                continue
+            seen.add(value)
+            numel = graph[value].type.numel
+            if numel >= size:
+                full += 1
+            elif numel > 1:   # scalars are immediates; anything smaller than the output is a broadcast vector
+                vectors += 1
+    twice = sum(1 for count in readers.values() if count > 1)
+    return full, vectors, twice
+
+
+# ---- rows and elementwise ------------------------------------------------------------------------------
+
+def _reduction_tiles(graph: Graph, reduction: str, tile: Mapping[str, int] | None) -> list[dict[str, int]]:
+    block = _pow2(row_length(graph, reduction))
+    if tile is not None:
+        return [dict(tile)]
+    first = 4 if block <= 1024 else 8 if block <= 2048 else 16   # the Triton softmax tutorial's choice
+    return [{"BLOCK": block, "num_warps": w} for w in REDUCTION_WARPS if w >= first]
+
+
+def _reduction(graph: Graph, nodes: list[str], reduction: str, hw: HardwareProfile,
+               tile: dict[str, int]) -> ResourceEstimate:
+    threads = 32 * tile["num_warps"]
+    rows, twice = _live_operands(graph, nodes)
+    per_row = _per_thread(tile["BLOCK"], threads)
+    registers = [(f"{rows} row operand(s) of {row_length(graph, reduction)} elements", rows * per_row),
+                 ("reduction scratch row", per_row),
+                 (f"{twice} value(s) used twice", twice * per_row),
+                 ("addressing", ADDRESSING_REGISTERS)]
+    statistics = ROW_STATISTICS[graph[reduction].op]
+    shared = [(f"cross-warp scratch for {statistics} statistic(s)", tile["num_warps"] * 4 * statistics)]
+    return _check(hw, tile, threads, registers, shared)
+
+
+def _pointwise_tiles(graph: Graph, nodes: list[str], tile: Mapping[str, int] | None) -> list[dict[str, int]]:
+    if tile is not None:
+        return [dict(tile)]
+    largest = max(graph[n].type.numel for n in nodes)
+    blocks = dict.fromkeys(min(b, max(128, _pow2(largest))) for b in POINTWISE_BLOCKS)
+    return [{"BLOCK": b, "num_warps": POINTWISE_WARPS} for b in blocks]
+
+
+def _pointwise(graph: Graph, nodes: list[str], hw: HardwareProfile, tile: dict[str, int]) -> ResourceEstimate:
+    threads = 32 * tile["num_warps"]
+    operands, twice = _live_operands(graph, nodes)
+    windows = sum(1 for n in nodes if kind_of(graph[n]) is FusionKind.REDUCTION)   # pooling accumulators
+    per_block = _per_thread(tile["BLOCK"], threads)
+    registers = [(f"{operands} operand(s)", operands * per_block),
+                 ("result", per_block),
+                 (f"{twice + windows} value(s) kept alive", (twice + windows) * per_block),
+                 ("addressing", ADDRESSING_REGISTERS)]
+    return _check(hw, tile, threads, registers, [])
+
+
+def _live_operands(graph: Graph, nodes: list[str]) -> tuple[int, int]:
+    """(distinct non-scalar values read from outside, values read twice inside) of an elementwise/row group."""
+    node_set = set(nodes)
+    outside: set[str] = set()
+    readers: dict[str, int] = {}
+    for name in nodes:
+        for value in graph[name].inputs:
+            if value in node_set:
+                readers[value] = readers.get(value, 0) + 1
+            elif graph[value].type.numel > 1:
+                outside.add(value)
+    return max(1, len(outside)), sum(1 for count in readers.values() if count > 1)
+
+
+# ---- shared helpers ------------------------------------------------------------------------------------
+
+def _check(hw: HardwareProfile, tile: dict[str, int], threads: int, registers: list[tuple[str, int]],
+           shared: list[tuple[str, int]]) -> ResourceEstimate:
+    """Compare one tile's needs with the profile; the reason lists what the registers go to."""
+    regs = sum(v for _, v in registers)
+    smem = sum(v for _, v in shared)
+    problems = []
+    if regs > hw.max_registers_per_thread:
+        parts = ", ".join(f"{label} {v}" for label, v in registers if v)
+        problems.append(f"needs {regs} registers/thread > {hw.max_registers_per_thread} ({parts})")
+    elif threads * regs > hw.registers_per_sm:
+        problems.append(f"{threads} threads x {regs} registers = {threads * regs} > {hw.registers_per_sm} "
+                        "registers per SM")
+    if smem > hw.shared_memory_per_block:
+        parts = " + ".join(f"{label} {v}" for label, v in shared if v)
+        problems.append(f"needs {smem} B shared memory > {hw.shared_memory_per_block} B per block ({parts})")
+    return ResourceEstimate(tile=dict(tile), registers_per_thread=regs, shared_memory_bytes=smem,
+                            fits=not problems, reason="; ".join(problems))
+
+
+def _first_fit(candidates: list[ResourceEstimate]) -> ResourceEstimate:
+    """The first candidate that fits (noting what the default needed), else the smallest, explained."""
+    for estimate in candidates:
+        if estimate.fits:
+            if estimate is not candidates[0]:
+                estimate.reason = (f"fits with tile {describe_tile(estimate.tile)}; the default "
+                                   f"{describe_tile(candidates[0].tile)} {candidates[0].reason}")
+            return estimate
+    last = candidates[-1]
+    tried = f"{len(candidates)} tiles tried, " if len(candidates) > 1 else ""
+    last.reason = f"{tried}tile {describe_tile(last.tile)} {last.reason}"
+    return last
+
+
+def describe_tile(tile: Mapping[str, int]) -> str:
+    """'128x128x32 (3 stages, 8 warps)', 'BLOCK 1024 (4 warps)'."""
+    dims = "x".join(str(tile[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in tile) or \
+        f"BLOCK {tile.get('BLOCK')}"
+    stages = f"{tile['num_stages']} stages, " if "num_stages" in tile else ""
+    return f"{dims} ({stages}{tile['num_warps']} warps)"
+
+
+def _tiles(family: tuple[dict[str, int], ...], tile: Mapping[str, int] | None) -> list[dict[str, int]]:
+    return [dict(tile)] if tile is not None else [dict(t) for t in family]
+
+
+def _downstream(graph: Graph, start: str, within: set[str]) -> set[str]:
+    """`start` and the nodes of `within` that read it, directly or through other nodes of `within`."""
+    reached = {start}
+    grew = True
+    while grew:   # groups are small: a fixpoint over them is cheaper than walking the whole graph
+        grew = False
+        for name in within - reached:
+            if any(i in reached for i in graph[name].inputs):
+                reached.add(name)
+                grew = True
+    return reached
+
+
+def _per_thread(elements: int, threads: int) -> int:
+    return math.ceil(elements / threads)
+
+
+def _pow2(n: int) -> int:
+    """Next power of two of n, at least 16."""
+    return max(16, 1 << max(0, n - 1).bit_length())

@@ -1,0 +1,180 @@
+"""Cost model (roofline, group traffic, density rule) and resource model (tiles, registers, shared memory)."""
+
+import dataclasses
+
+import pytest
+
+from graph_builders import GraphBuilder, conv_bn_relu, conv_relu, resnet_bottleneck, transformer_ffn, attention_block
+from opfuse.config import FusionConfig
+from opfuse.fusion.cost import (estimate_kernel, group_traffic, is_fusion_candidate, op_density, predict_time,
+                                tile_efficiency)
+from opfuse.fusion.resources import ADDRESSING_REGISTERS, estimate_resources
+from opfuse.hardware import get_hardware
+from opfuse.ir.ops import get_op, node_bytes, node_flops
+
+H200 = get_hardware("h200")
+
+
+# ---- roofline ----------------------------------------------------------------------------------------
+
+def test_predict_time_is_the_roofline_plus_one_launch():
+    hw = H200
+    memory_rate = hw.memory_bandwidth * hw.memory_efficiency
+    # memory bound: 1 GB, 1 GFLOP
+    assert predict_time(1e9, 1e9, hw, "float16", matrix=False) == pytest.approx(1e9 / memory_rate
+                                                                                  + hw.launch_overhead)
+    # compute bound on the vector units, and the same FLOPs on the tensor cores
+    vector = predict_time(1e13, 1e6, hw, "float16", matrix=False)
+    matrix = predict_time(1e13, 1e6, hw, "float16", matrix=True)
+    assert vector == pytest.approx(1e13 / (hw.vector_flops * hw.vector_efficiency) + hw.launch_overhead)
+    assert matrix == pytest.approx(1e13 / (hw.matrix_peak("float16") * hw.matrix_efficiency) + hw.launch_overhead)
+    # a tile with half the operand reuse halves the tensor-core rate
+    halved = predict_time(1e13, 1e6, hw, "float16", matrix=True, tile_efficiency=0.5)
+    assert halved - hw.launch_overhead == pytest.approx(2 * (matrix - hw.launch_overhead))
+
+
+def test_fusing_a_pointwise_op_into_its_producer_is_predicted_faster():
+    graph = conv_bn_relu()
+    users = graph.users()
+    apart = sum(estimate_kernel(graph, [n], users, H200, "float16").time for n in ("conv", "bn", "relu"))
+    fused = estimate_kernel(graph, ["conv", "bn", "relu"], users, H200, "float16").time
+    assert fused < apart - 2 * H200.launch_overhead   # two launches fewer, and less traffic
+
+
+def test_tile_efficiency_follows_operand_reuse():
+    graph = conv_relu(c_out=128)
+    default = estimate_resources(graph, ["conv"], "conv", H200, "float16",
+                                 tile={"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_stages": 3,
+                                       "num_warps": 8})
+    small = estimate_resources(graph, ["conv"], "conv", H200, "float16",
+                               tile={"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_stages": 3, "num_warps": 4})
+    assert tile_efficiency(default) == 1.0
+    assert tile_efficiency(small) == pytest.approx((64 * 64 / 128) / (128 * 128 / 256))   # 32 / 64
+    assert tile_efficiency(None) == 1.0
+
+
+# ---- traffic -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("build", [conv_bn_relu, resnet_bottleneck, transformer_ffn, attention_block])
+def test_one_node_group_moves_exactly_what_the_registry_says(build):
+    graph = build()
+    users = graph.users()
+    for node in graph:
+        if get_op(node.op).launches_kernel:
+            traffic = group_traffic(graph, [node.name], users)
+            assert (traffic.bytes_read, traffic.bytes_written) == node_bytes(graph, node), node.name
+            assert traffic.flops == node_flops(graph, node)
+
+
+def test_group_reads_each_outside_value_once_and_writes_only_what_leaves():
+    b = GraphBuilder("g")
+    x = b.input("x", (1024,))
+    square = b.op("mul", [x, x], name="square")          # reads x twice as one op
+    out = b.unary("exp", square, "exp")
+    graph = b.output(out)
+    users = graph.users()
+    assert node_bytes(graph, graph["square"]) == (2 * 2048, 2048)
+    traffic = group_traffic(graph, ["square", "exp"], users)
+    assert traffic.inputs == ("x",)
+    assert traffic.outputs == ("exp",)
+    assert (traffic.bytes_read, traffic.bytes_written) == (2048, 2048)
+    assert traffic.flops == 1024 + 4 * 1024   # mul 1 + exp 4 FLOPs per element (the registry's)
+
+
+def test_views_are_free():
+    graph = attention_block(batch=2, seq=16, heads=2, head_dim=8)
+    users = graph.users()
+    view = group_traffic(graph, ["q_heads"], users)
+    assert (view.bytes_read, view.bytes_written, view.flops) == (0, 0, 0)
+    assert estimate_kernel(graph, ["q_heads"], users, H200, "float16").time == 0.0
+
+
+def test_density_rule_flags_batch_norm_and_relu_not_the_conv():
+    graph = conv_bn_relu()
+    config = FusionConfig()
+    assert op_density(graph, graph["relu"]) == pytest.approx(0.25)   # 1 FLOP per 2 B read + 2 B written
+    assert is_fusion_candidate(graph, graph["relu"], config)
+    assert is_fusion_candidate(graph, graph["bn"], config)
+    assert not is_fusion_candidate(graph, graph["conv"], config)
+    assert not is_fusion_candidate(graph, graph["x"], config)        # inputs launch nothing
+    assert is_fusion_candidate(graph, graph["conv"], FusionConfig(density_threshold=1e9))
+
+
+# ---- resources -----------------------------------------------------------------------------------------
+
+def test_conv_default_tile_registers_and_shared_memory_by_hand():
+    graph = conv_relu(c_out=128)
+    estimate = estimate_resources(graph, ["conv", "relu"], "conv", H200, "float16")
+    assert estimate.fits
+    assert estimate.tile == {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_stages": 3, "num_warps": 8}
+    # accumulator 128*128/256 = 64, bias vector ceil(128/256) = 1, addressing 40
+    assert estimate.registers_per_thread == 64 + 1 + ADDRESSING_REGISTERS
+    assert estimate.shared_memory_bytes == 3 * (128 * 32 + 32 * 128) * 2
+
+
+def test_residual_operand_costs_a_tile_of_registers_and_staging():
+    graph = resnet_bottleneck()
+    estimate = estimate_resources(graph, ["conv3", "add", "relu_out"], "conv3", H200, "float16")
+    assert estimate.fits
+    # + the skip tile: 128*128*2 B / 4 B per register / 256 threads = 32 registers, staged through smem
+    assert estimate.registers_per_thread == 64 + 32 + 1 + ADDRESSING_REGISTERS
+    assert estimate.shared_memory_bytes == 3 * (128 * 32 + 32 * 128) * 2 + 128 * 128 * 2
+
+
+def test_smaller_tile_chosen_before_declaring_over_budget():
+    graph = resnet_bottleneck()
+    tight = dataclasses.replace(H200, max_registers_per_thread=128)
+    estimate = estimate_resources(graph, ["conv3", "add", "relu_out"], "conv3", tight, "float16")
+    assert estimate.fits
+    assert (estimate.tile["BLOCK_M"], estimate.tile["BLOCK_N"]) == (64, 64)
+    assert "needs 137 registers/thread > 128" in estimate.reason   # what the default tile needed
+
+
+def test_over_budget_reason_lists_where_the_registers_go():
+    graph = resnet_bottleneck()
+    tiny = dataclasses.replace(H200, max_registers_per_thread=48)
+    estimate = estimate_resources(graph, ["conv3", "add", "relu_out"], "conv3", tiny, "float16")
+    assert not estimate.fits
+    # smallest tile 32x32, 4 warps: accumulator 8, skip tile 4, bias 1, addressing 40
+    assert estimate.registers_per_thread == 53
+    assert "needs 53 registers/thread > 48" in estimate.reason
+    assert "accumulator 8" in estimate.reason and "1 full-tile operand(s) 4" in estimate.reason
+
+
+def test_shared_memory_over_budget():
+    graph = resnet_bottleneck()
+    tiny = dataclasses.replace(H200, shared_memory_per_block=4096)
+    estimate = estimate_resources(graph, ["conv3"], "conv3", tiny, "float16")
+    assert not estimate.fits
+    assert "shared memory > 4096" in estimate.reason
+
+
+def test_row_reduction_holds_the_row_and_must_fit():
+    b = GraphBuilder("rows")
+    x = b.input("x", (4, 768))
+    graph = b.output(b.layer_norm(x, "ln"))
+    estimate = estimate_resources(graph, ["ln"], None, H200, "float16")
+    assert estimate.fits
+    assert estimate.tile == {"BLOCK": 1024, "num_warps": 4}
+    # x, weight, bias rows + scratch row, each 1024 / 128 threads = 8 registers
+    assert estimate.registers_per_thread == 4 * 8 + ADDRESSING_REGISTERS
+
+    b = GraphBuilder("long_rows")
+    x = b.input("x", (2, 1 << 20))
+    graph = b.output(b.op("softmax", [x], {"dim": -1}, "softmax"))
+    estimate = estimate_resources(graph, ["softmax"], None, H200, "float16")
+    assert not estimate.fits
+    assert "row operand(s) of 1048576 elements" in estimate.reason
+
+
+def test_elementwise_registers_grow_with_live_operands():
+    b = GraphBuilder("pw")
+    inputs = [b.input(f"x{i}", (1 << 16,)) for i in range(3)]
+    y = b.op("add", inputs[:2], name="add0")
+    y = b.op("mul", [y, inputs[2]], name="mul0")
+    graph = b.output(y)
+    one = estimate_resources(graph, ["add0"], None, H200, "float16")
+    two = estimate_resources(graph, ["add0", "mul0"], None, H200, "float16")
+    per_operand = 1024 // 128
+    assert one.registers_per_thread == (2 + 1) * per_operand + ADDRESSING_REGISTERS
+    assert two.registers_per_thread == (3 + 1) * per_operand + ADDRESSING_REGISTERS

@@ -1,0 +1,354 @@
+"""The fusion planner on hand-built graphs: groups, kinds, kernel counts, and every refusal with its reason."""
+
+import dataclasses
+import json
+import time
+
+import pytest
+import torch
+
+from graph_builders import (GraphBuilder, attention_block, bert_like, conv_bn_relu, conv_relu, inception_siblings,
+                            mobilenet_inverted_residual, resnet_basic_block, resnet_bottleneck, transformer_ffn)
+from opfuse.config import FusionConfig
+from opfuse.fusion.legality import can_fuse
+from opfuse.fusion.plan import FusionPlan, GroupKind, Verdict
+from opfuse.fusion.planner import plan_fusion
+from opfuse.hardware import get_hardware
+from opfuse.ir.graph import GraphError
+from opfuse.ir.ops import get_op
+
+H200 = get_hardware("h200")
+
+
+def groups_of(plan: FusionPlan) -> dict[str, list[str]]:
+    """Kernel groups by their first node (views left out)."""
+    return {g.nodes[0]: g.nodes for g in plan.groups if g.kind is not GroupKind.VIEW}
+
+
+def decisions_between(plan: FusionPlan, producer_node: str, consumer_node: str):
+    return [d for d in plan.decisions if producer_node in d.producer and consumer_node in d.consumer]
+
+
+def assert_well_formed(plan: FusionPlan) -> None:
+    """Every computed node in exactly one group; groups in topological order; views launch nothing."""
+    graph = plan.graph
+    placed = [n for g in plan.groups for n in g.nodes]
+    computed = [n.name for n in graph if n.op not in ("input", "constant")]
+    assert sorted(placed) == sorted(computed)
+    position = {n: g.id for g in plan.groups for n in g.nodes}
+    for group in plan.groups:
+        for name in group.nodes:
+            for value in graph[name].inputs:
+                if value in position:
+                    assert position[value] <= group.id, f"{group.name} reads {value} before it is made"
+        if group.kind is GroupKind.VIEW:
+            assert (group.launches, group.bytes_moved, group.predicted_time) == (0, 0, 0.0)
+        else:
+            assert group.launches == 1 and group.predicted_time > 0
+    assert [g.id for g in plan.groups] == list(range(len(plan.groups)))
+
+
+# ---- vertical: anchor + epilogue, residual -------------------------------------------------------------
+
+@pytest.mark.parametrize("build", [conv_bn_relu, conv_relu])
+def test_conv_epilogue_is_one_group_folded_or_not(build):
+    graph = build()
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert_well_formed(plan)
+    assert len(plan.groups) == 1
+    group = plan.groups[0]
+    assert group.kind is GroupKind.ANCHOR_EPILOGUE and group.anchor == "conv"
+    assert group.outputs == ["relu"]
+    assert group.bytes_written == graph["relu"].type.nbytes
+    assert all(d.verdict is Verdict.FUSED for d in plan.decisions)
+    assert all(d.time_fused < d.time_unfused for d in plan.decisions)
+
+
+@pytest.mark.parametrize("fold_bn", [True, False])
+def test_resnet_bottleneck_with_downsample(fold_bn):
+    plan = plan_fusion(resnet_bottleneck(fold_bn=fold_bn), FusionConfig(), H200)
+    assert_well_formed(plan)
+    bn = (lambda s: [f"bn{s}"]) if not fold_bn else (lambda s: [])
+    assert groups_of(plan) == {
+        "conv1": ["conv1", *bn("1"), "relu1"],
+        "conv2": ["conv2", *bn("2"), "relu2"],
+        "conv3": ["conv3", *bn("3"), "add", "relu_out"],
+        "conv_ds": ["conv_ds", *bn("_ds")],
+    }
+    assert plan.kernel_launches == 4
+    kinds = {g.nodes[0]: g.kind for g in plan.groups}
+    assert kinds["conv1"] is kinds["conv2"] is GroupKind.ANCHOR_EPILOGUE
+    assert kinds["conv3"] is GroupKind.RESIDUAL
+    residual = plan.group_of("add")
+    ds_output = "bn_ds" if not fold_bn else "conv_ds"
+    assert ds_output in residual.inputs               # the skip is read as an extra input
+    # the downsample conv cannot join too: one anchor per kernel
+    refused = [d for d in plan.decisions if "conv_ds" in d.producer and "conv3" in d.consumer]
+    assert refused and refused[0].verdict is Verdict.ILLEGAL
+    assert "two anchors" in refused[0].reason and "conv-conv fusion not enabled" in refused[0].reason
+
+
+def test_resnet_basic_block_kernel_count():
+    plan = plan_fusion(resnet_basic_block(), FusionConfig(), H200)
+    assert_well_formed(plan)
+    assert plan.kernel_launches == 3
+    assert plan.group_of("relu_out").nodes == ["conv2", "add", "relu_out"]
+
+
+def test_mobilenet_inverted_residual_refuses_depthwise_plus_pointwise_for_now():
+    plan = plan_fusion(mobilenet_inverted_residual(), FusionConfig(), H200)
+    assert groups_of(plan) == {"expand": ["expand", "relu6_1"], "depthwise": ["depthwise", "relu6_2"],
+                               "project": ["project", "add"]}
+    assert plan.group_of("add").kind is GroupKind.RESIDUAL
+    refused = decisions_between(plan, "relu6_2", "project")
+    assert refused[-1].fusion == "conv-conv" and "conv-conv fusion not enabled" in refused[-1].reason
+
+
+def test_transformer_ffn():
+    plan = plan_fusion(transformer_ffn(), FusionConfig(), H200)
+    assert groups_of(plan) == {"fc1": ["fc1", "gelu"], "fc2": ["fc2", "residual"], "ln": ["ln"]}
+    refused = decisions_between(plan, "residual", "ln")
+    assert "anchors take elementwise epilogues only" in refused[-1].reason
+
+
+# ---- reductions with prologues ------------------------------------------------------------------------
+
+def test_layer_norm_takes_the_residual_add_as_prologue():
+    b = GraphBuilder("add_ln")
+    x, skip = b.input("x", (2, 64, 256)), b.input("skip", (2, 64, 256))
+    graph = b.output(b.layer_norm(b.op("add", [x, skip], name="add"), "ln"))
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert [g.nodes for g in plan.groups] == [["add", "ln"]]
+    assert plan.groups[0].kind is GroupKind.REDUCTION
+    assert plan.decisions[0].fusion == "prologue"
+
+
+def test_ffn_without_residual_fusion_gives_the_add_to_the_layer_norm():
+    plan = plan_fusion(transformer_ffn(), FusionConfig(residual=False), H200)
+    assert groups_of(plan) == {"fc1": ["fc1", "gelu"], "fc2": ["fc2"], "residual": ["residual", "ln"]}
+    assert plan.group_of("ln").kind is GroupKind.REDUCTION
+    refused = decisions_between(plan, "fc2", "residual")[0]
+    assert refused.verdict is Verdict.ILLEGAL and "residual fusion disabled" in refused.reason
+
+
+def test_softmax_takes_a_scale_as_prologue():
+    b = GraphBuilder("scaled_softmax")
+    scores = b.input("scores", (2, 4, 128, 128))
+    scale = b.graph.add_constant("scale", torch.tensor(0.125, dtype=torch.float16)).name
+    scaled = b.op("mul", [scores, scale], name="scale_mul")
+    graph = b.output(b.op("softmax", [scaled], {"dim": -1}, "softmax"))
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert [(g.kind, g.nodes) for g in plan.groups] == [(GroupKind.REDUCTION, ["scale_mul", "softmax"])]
+
+
+# ---- refusals --------------------------------------------------------------------------------------------
+
+def test_several_users_refused_with_their_names():
+    b = GraphBuilder("two_users")
+    x = b.input("x", (1, 16, 8, 8))
+    y = b.conv(x, 16, 3, padding=1, name="conv")
+    graph = b.output(b.unary("relu", y, "relu"), b.unary("sigmoid", y, "sigmoid"))
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert plan.group_of("conv").nodes == ["conv"]
+    assert plan.group_of("relu").nodes == ["relu", "sigmoid"]   # small and independent: one shared launch
+    refusal = decisions_between(plan, "conv", "relu")[0]
+    assert refusal.verdict is Verdict.ILLEGAL
+    assert refusal.reason == "conv has several users: relu, sigmoid"
+    assert plan.group_of("conv").reason.startswith("alone: conv has several users")
+
+
+def test_opaque_op_never_fuses():
+    b = GraphBuilder("opaque")
+    x = b.input("x", (1, 16, 8, 8))
+    y = b.conv(x, 16, 3, padding=1, name="conv")
+    mystery = b.graph.add_node("opaque", [y], b.graph[y].type, {"target": "aten.mystery"}, name="mystery").name
+    graph = b.output(b.unary("relu", mystery, "relu"))
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert_well_formed(plan)
+    assert plan.kernel_launches == 3
+    assert plan.group_of("mystery").kind is GroupKind.OPAQUE
+    for producer, consumer in (("conv", "mystery"), ("mystery", "relu")):
+        reason = decisions_between(plan, producer, consumer)[0].reason
+        assert reason == "opaque op mystery (aten.mystery) runs through PyTorch"
+
+
+def test_cat_stays_its_own_kernel():
+    plan = plan_fusion(inception_siblings(), FusionConfig(), H200)
+    assert plan.group_of("cat").nodes == ["cat"] and plan.group_of("cat").kind is GroupKind.INJECTIVE
+    assert "injective op cat (cat) stays its own kernel" in decisions_between(plan, "relu_pool", "cat")[0].reason
+
+
+def test_merge_that_would_make_a_cycle_is_refused():
+    """P = {p1, p2} (two independent ops sharing a launch); x reads p1 and feeds c, c reads p2.
+    Merging P with c would make the fused kernel both feed x and read it."""
+    b = GraphBuilder("cycle")
+    a, bb = b.input("a", (1024,)), b.input("b", (1024,))
+    p1 = b.unary("relu", a, "p1")
+    p2 = b.unary("sigmoid", bb, "p2")
+    x = b.unary("exp", p1, "x")
+    graph = b.output(b.op("add", [p2, x], name="c"))
+    users = graph.users()
+    assert can_fuse(graph, ["p2"], ["c"], users) is None
+    assert can_fuse(graph, ["p1", "p2"], ["c"], users) == \
+        "cycle through x: it reads one side of the pair and feeds the other"
+
+
+def test_independent_small_groups_on_both_sides_of_a_conv_do_not_share_a_launch():
+    """relu1 and relu2 are small and elementwise, but relu2 depends on relu1 through conv2: no shared launch."""
+    b = GraphBuilder("around_conv")
+    x = b.input("x", (1, 8, 8, 8))
+    r1 = b.unary("relu", x, "relu1")
+    y = b.conv(r1, 8, 3, padding=1, name="conv2")
+    graph = b.output(b.unary("relu", b.op("mul", [y, x], name="gate"), "relu2"))
+    plan = plan_fusion(graph, FusionConfig(vertical=False), H200)
+    assert plan.kernel_launches == 4
+    refusal = decisions_between(plan, "relu1", "gate")[0]
+    assert refusal.fusion == "horizontal" and refusal.verdict is Verdict.ILLEGAL
+    assert "conv2" in refusal.reason
+
+
+def test_over_budget_keeps_the_groups_apart():
+    b = GraphBuilder("residual_conv")
+    x = b.input("x", (1, 64, 28, 28))
+    skip = b.input("skip", (1, 64, 28, 28))
+    y = b.op("add", [b.conv(x, 64, 3, padding=1, name="conv"), skip], name="add")
+    graph = b.output(b.unary("relu", y, "relu"))
+    assert plan_fusion(graph, FusionConfig(), H200).kernel_launches == 1
+
+    # the conv alone fits in 9 KiB of shared memory at 32x32 tiles (8 KiB); the residual's staging tile does not
+    small_smem = dataclasses.replace(H200, shared_memory_per_block=9 * 1024)
+    plan = plan_fusion(graph, FusionConfig(), small_smem)
+    assert groups_of(plan) == {"conv": ["conv"], "add": ["add", "relu"]}
+    over = [d for d in plan.decisions if d.verdict is Verdict.OVER_BUDGET]
+    assert over and "conv" in over[0].producer
+    assert over[0].reason.startswith("fused kernel over budget, kept apart")
+    assert "10240 B shared memory > 9216" in over[0].reason
+    assert plan.group_of("conv").resources.fits
+
+    # registers: the conv alone needs 49 at 32x32 (accumulator 8, bias 1, addressing 40); with the skip tile 53
+    few_registers = dataclasses.replace(H200, max_registers_per_thread=50)
+    plan = plan_fusion(graph, FusionConfig(), few_registers)
+    over = [d for d in plan.decisions if d.verdict is Verdict.OVER_BUDGET]
+    assert over and "53 registers/thread > 50" in over[0].reason
+    assert plan.group_of("conv").nodes == ["conv"]
+
+
+def _big_gemm_with_many_residuals():
+    """A compute-bound 8192^3 GEMM whose epilogue adds five full-size tensors."""
+    b = GraphBuilder("big_gemm")
+    y = b.linear(b.input("x", (8192, 8192)), 8192, name="fc")
+    for i in range(5):
+        y = b.op("add", [y, b.input(f"r{i}", (8192, 8192))], name=f"add{i}")
+    return b.output(y)
+
+
+def test_unprofitable_when_the_epilogue_forces_a_small_tile_on_a_compute_bound_gemm():
+    graph = _big_gemm_with_many_residuals()
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    refused = [d for d in plan.decisions if d.verdict is Verdict.UNPROFITABLE]
+    assert len(refused) == 1
+    decision = refused[0]
+    assert "fc" in decision.producer and decision.time_fused >= decision.time_unfused
+    assert "needs 265 registers/thread > 255" in decision.reason   # the default tile with five residual tiles
+    assert plan.kernel_launches == 2
+    # without the cost model every legal fusion within budget is taken
+    assert plan_fusion(graph, FusionConfig(use_cost_model=False), H200).kernel_launches == 1
+
+
+# ---- horizontal ------------------------------------------------------------------------------------------
+
+def test_qkv_linears_become_one_horizontal_group():
+    plan = plan_fusion(attention_block(), FusionConfig(), H200)
+    assert_well_formed(plan)
+    qkv = plan.group_of("q_proj")
+    assert qkv.kind is GroupKind.HORIZONTAL and qkv.nodes == ["q_proj", "k_proj", "v_proj"]
+    assert qkv.outputs == ["q_proj", "k_proj", "v_proj"]
+    assert qkv.inputs.count("x") == 1
+    assert plan.kernel_launches == 3          # qkv, sdpa, out_proj; the reshapes and permutes are views
+    assert sum(1 for g in plan.groups if g.kind is GroupKind.VIEW) == 8
+    blocked = decisions_between(plan, "q_proj", "sdpa")[0]
+    assert blocked.verdict is Verdict.ILLEGAL and "view q_heads (reshape)" in blocked.reason
+    separate = plan_fusion(attention_block(), FusionConfig(horizontal=False), H200)
+    assert separate.kernel_launches == 5
+
+
+@pytest.mark.parametrize("fold_bn", [True, False])
+def test_inception_1x1_siblings_become_one_group(fold_bn):
+    plan = plan_fusion(inception_siblings(fold_bn=fold_bn), FusionConfig(), H200)
+    assert_well_formed(plan)
+    siblings = plan.group_of("conv_1x1")
+    assert siblings.kind is GroupKind.HORIZONTAL
+    anchors = [n for n in siblings.nodes if n.startswith("conv")]
+    assert anchors == ["conv_1x1", "conv_3x3_reduce", "conv_5x5_reduce"]
+    assert set(siblings.outputs) == {"relu_1x1", "relu_3x3_reduce", "relu_5x5_reduce"}
+    # 1x1 siblings, 3x3 conv, 5x5 conv, pool, pool-branch conv, cat
+    assert plan.kernel_launches == 6
+
+
+def test_siblings_with_different_epilogues_are_not_merged():
+    b = GraphBuilder("siblings")
+    x = b.input("x", (1, 32, 14, 14))
+    a = b.unary("relu", b.conv(x, 16, name="conv_a"), "relu_a")
+    c = b.unary("relu", b.conv(x, 16, name="conv_c"), "relu_c")
+    s = b.unary("sigmoid", b.conv(x, 16, name="conv_s"), "sigmoid_s")
+    graph = b.output(a, c, s)
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert plan.group_of("conv_a").nodes == ["conv_a", "relu_a", "conv_c", "relu_c"]
+    assert plan.group_of("conv_s").nodes == ["conv_s", "sigmoid_s"]
+    refusal = decisions_between(plan, "conv_a", "conv_s")[0]
+    assert refusal.fusion == "horizontal" and refusal.verdict is Verdict.ILLEGAL
+    assert refusal.reason == "different epilogues: relu vs sigmoid"
+
+
+def test_independent_small_elementwise_ops_share_a_launch():
+    b = GraphBuilder("tiny")
+    x, y = b.input("x", (256,)), b.input("y", (64, 4))
+    graph = b.output(b.unary("neg", b.unary("exp", x, "exp"), "neg"), b.unary("sigmoid", y, "sigmoid"))
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert [(g.kind, g.nodes) for g in plan.groups] == [(GroupKind.HORIZONTAL_POINTWISE, ["exp", "neg", "sigmoid"])]
+    assert plan.groups[0].outputs == ["neg", "sigmoid"]
+    assert plan_fusion(graph, FusionConfig(horizontal=False), H200).kernel_launches == 2
+
+
+# ---- switches, data, speed -------------------------------------------------------------------------------
+
+def test_vertical_switch_off_keeps_every_op_alone():
+    graph = resnet_bottleneck()
+    plan = plan_fusion(graph, FusionConfig(vertical=False, horizontal=False), H200)
+    launching = [n for n in graph if get_op(n.op).launches_kernel]
+    assert plan.kernel_launches == len(launching)
+    assert plan.decisions == []
+
+
+def test_every_decision_and_group_is_data():
+    plan = plan_fusion(resnet_bottleneck(fold_bn=False), FusionConfig(), H200)
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["kernel_launches"] == 4
+    for decision in plan.decisions:
+        assert decision.reason and decision.fusion in ("vertical", "residual", "prologue", "horizontal",
+                                                       "conv-conv")
+        if decision.verdict is Verdict.FUSED:
+            assert decision.bytes_saved > 0 and decision.time_fused < decision.time_unfused
+    for group in plan.groups:
+        assert group.reason and group.resources is not None
+        assert group.flops > 0 and group.bytes_read > 0
+
+
+def test_unknown_op_is_reported_with_its_node():
+    b = GraphBuilder("bad")
+    x = b.input("x", (4,))
+    b.graph.add_node("frobnicate", [x], b.graph[x].type, name="weird")
+    with pytest.raises(GraphError, match="weird"):
+        plan_fusion(b.output("weird"), FusionConfig(), H200)
+
+
+def test_planning_a_bert_sized_graph_is_fast():
+    graph = bert_like(layers=12)
+    assert len(graph) > 400
+    start = time.perf_counter()
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 2.0, f"planning {len(graph)} nodes took {elapsed:.2f} s"
+    assert_well_formed(plan)
+    # per layer: qkv, sdpa, out_proj + residual add, layer norm, fc1 + gelu, fc2 + residual add, layer norm
+    assert plan.kernel_launches == 12 * 7
