@@ -1,0 +1,402 @@
+"""ATen op -> IR op handlers for the PyTorch frontend (`opfuse.frontend.torch_export`).
+
+Entry point: `HANDLERS`, keyed by ATen op name ('conv2d' for aten.conv2d.default; overloads are told apart by
+their arguments). A handler gets the translator and the call's arguments by schema name, emits IR nodes through
+`Translator.emit` and returns the name of the node holding the result, or a `MultiOutput` for tuple-valued calls.
+It raises `Unmapped` when the call has no IR equivalent (or none with these arguments): the translator then
+keeps the call as an opaque node. Canonical IR attrs (pairs as int tuples, non-negative dims, concrete shapes)
+are documented on each op in `opfuse.ir.ops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.fx as fx
+
+from opfuse.ir.graph import dtype_name, torch_dtype
+
+if TYPE_CHECKING:
+    from opfuse.frontend.torch_export import Translator
+
+
+class Unmapped(Exception):
+    """This call has no IR mapping (or none with these arguments); it becomes an opaque node."""
+
+
+@dataclass
+class MultiOutput:
+    """A tuple-valued call; `item(i)` emits the IR for output i when a getitem reads it."""
+
+    node: fx.Node
+    item: Callable[[int], str]
+
+
+def tensor_value(node: fx.Node) -> torch.Tensor | None:
+    """The (fake) tensor torch recorded as `node`'s result; None for tuples and non-tensor results."""
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def op_name(target: Any) -> str:
+    """'conv2d' for aten.conv2d.default: handlers are keyed by the op, overloads told apart by their args."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+        return target.overloadpacket.__name__
+    return ""
+
+
+# ---- handlers: one per ATen op family; `a` holds the call's arguments by schema name ---------------
+
+Handler = Callable[["Translator", dict[str, Any]], "str | MultiOutput"]
+HANDLERS: dict[str, Handler] = {}
+
+
+def maps(*names: str) -> Callable[[Handler], Handler]:
+    def register(handler: Handler) -> Handler:
+        for name in names:
+            HANDLERS[name] = handler
+        return handler
+    return register
+
+
+def _pair(value: Any) -> tuple[int, int]:
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return int(values[0]), int(values[-1])  # a single value stands for both
+
+
+def _dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+def _first_output(t: Translator, name: str) -> MultiOutput:
+    """A tuple-valued call whose output 0 is `name`; the others (statistics, indices, masks) stay opaque."""
+    def item(index: int) -> str:
+        if index != 0:
+            raise Unmapped(f"output {index} has no IR mapping")
+        return name
+    name = t.take_name(name)
+    return MultiOutput(t.node, item)
+
+
+def _split_like(t: Translator, a: dict[str, Any], squeeze: bool = False) -> MultiOutput:
+    """split / chunk / unbind: each output read becomes a slice (plus a reshape that drops the dim for unbind)."""
+    pieces = t.node.meta["val"]
+    x = a["self"]
+    dim = _dim(a.get("dim") or 0, t.rank(x))
+    sizes = [1 if squeeze else piece.shape[dim] for piece in pieces]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def item(index: int) -> str:
+        part = t.emit("slice", [x], {"dim": dim, "start": starts[index], "end": starts[index] + sizes[index],
+                                     "step": 1})
+        return t.emit("reshape", [part], {"shape": list(t.out_type.shape)}) if squeeze else part
+    return MultiOutput(t.node, item)
+
+
+# anchors
+
+@maps("conv2d", "convolution", "_convolution")
+def _conv2d(t: Translator, a: dict) -> str:
+    if a.get("transposed"):
+        raise Unmapped("transposed convolution")
+    if t.rank(a["input"]) != 4:
+        raise Unmapped("only 2-D convolutions of NCHW inputs map to conv2d")
+    stride, dilation, padding = _pair(a["stride"]), _pair(a["dilation"]), a["padding"]
+    if padding == "valid":
+        padding = 0
+    elif padding == "same":
+        kernel = t.type_of(t.value(a["weight"])).shape[2:]
+        total = [d * (k - 1) for d, k in zip(dilation, kernel)]
+        if any(p % 2 for p in total):
+            raise Unmapped("'same' padding that is not symmetric")
+        padding = [p // 2 for p in total]
+    inputs = [a["input"], a["weight"]] + ([a["bias"]] if a["bias"] is not None else [])
+    return t.emit("conv2d", inputs, {"stride": stride, "padding": _pair(padding), "dilation": dilation,
+                                     "groups": int(a["groups"])})
+
+
+@maps("linear")
+def _linear(t: Translator, a: dict) -> str:
+    return t.emit("linear", [a["input"], a["weight"]] + ([a["bias"]] if a["bias"] is not None else []))
+
+
+@maps("addmm")
+def _addmm(t: Translator, a: dict) -> str:
+    if a["beta"] != 1 or a["alpha"] != 1:
+        raise Unmapped("addmm with beta or alpha other than 1")
+    bias = t.value(a["self"])
+    if len(t.type_of(bias).shape) != 1:
+        return t.emit("add", [t.emit("matmul", [a["mat1"], a["mat2"]]), bias])
+    weight = t.value(a["mat2"])
+    source = t.graph[weight]
+    if source.op == "permute" and list(source.attrs["dims"]) == [1, 0]:
+        weight = source.inputs[0]  # mat2 is W.t(): take W itself (linear wants [N, K])
+    else:
+        weight = t.emit("permute", [weight], {"dims": [1, 0]})
+    return t.emit("linear", [a["mat1"], weight, bias])
+
+
+@maps("mm", "bmm", "matmul")
+def _matmul(t: Translator, a: dict) -> str:
+    return t.emit("matmul", [a["self"], a.get("mat2", a.get("other"))])
+
+
+@maps("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+      "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+      "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math")
+def _sdpa(t: Translator, a: dict) -> str | MultiOutput:
+    if a.get("dropout_p") or a.get("enable_gqa") or a.get("dropout_mask") is not None:
+        raise Unmapped("attention with dropout or grouped-query heads")
+    mask = a.get("attn_mask", a.get("attn_bias"))
+    inputs = [a["query"], a["key"], a["value"]] + ([mask] if mask is not None else [])
+    name = t.emit("sdpa", inputs, {"is_causal": bool(a.get("is_causal")), "scale": a.get("scale")})
+    return name if tensor_value(t.node) is not None else _first_output(t, name)
+
+
+# normalisation
+
+def _batch_norm(t: Translator, a: dict) -> str:
+    if a.get("training"):
+        raise Unmapped("batch norm in training mode")
+    if a.get("running_mean") is None or a.get("running_var") is None:
+        raise Unmapped("batch norm without running statistics")
+    x, mean, var = t.value(a["input"]), t.value(a["running_mean"]), t.value(a["running_var"])
+    channels, dtype = t.type_of(x).shape[1], torch_dtype(t.type_of(mean).dtype)
+    weight = a["weight"] if a["weight"] is not None else t.constant("weight", torch.ones(channels, dtype=dtype))
+    bias = a["bias"] if a["bias"] is not None else t.constant("bias", torch.zeros(channels, dtype=dtype))
+    return t.emit("batch_norm", [x, weight, bias, mean, var], {"eps": float(a["eps"])})
+
+
+maps("batch_norm")(_batch_norm)
+
+
+@maps("_native_batch_norm_legit_no_training", "_native_batch_norm_legit", "native_batch_norm")
+def _batch_norm_with_statistics(t: Translator, a: dict) -> MultiOutput:
+    return _first_output(t, _batch_norm(t, a))
+
+
+def _layer_norm(t: Translator, a: dict) -> str:
+    x, weight, bias = t.value(a["input"]), a["weight"], a["bias"]
+    shape = [int(d) for d in a["normalized_shape"]]
+    if weight is None and bias is not None:  # the IR's inputs are positional: weight must come first
+        weight = t.constant("weight", torch.ones(shape, dtype=torch_dtype(t.type_of(t.value(bias)).dtype)))
+    inputs = [x] + [w for w in (weight, bias) if w is not None]
+    return t.emit("layer_norm", inputs, {"normalized_shape": shape, "eps": float(a["eps"])})
+
+
+maps("layer_norm")(_layer_norm)
+
+
+@maps("native_layer_norm")
+def _layer_norm_with_statistics(t: Translator, a: dict) -> MultiOutput:
+    return _first_output(t, _layer_norm(t, a))
+
+
+# elementwise
+
+def _binary(op: str, reverse: bool = False) -> Handler:
+    """add/sub/mul/div (Tensor and Scalar overloads): `alpha` scales `other` first; rsub swaps the operands."""
+    def handle(t: Translator, a: dict) -> str:
+        if a.get("rounding_mode") is not None:
+            raise Unmapped("division with a rounding mode")
+        first, second = (a["other"], a["self"]) if reverse else (a["self"], a["other"])
+        alpha = a.get("alpha", 1)
+        if alpha is not None and alpha != 1:  # add: self + alpha·other; rsub: other - alpha·self
+            second = t.emit("mul", [second, t.operand(alpha)]) if isinstance(second, fx.Node) else second * alpha
+        return t.emit(op, [t.operand(first), t.operand(second)])
+    return handle
+
+
+for _name in ("add", "sub", "mul", "div", "maximum", "minimum"):
+    HANDLERS[_name] = _binary(_name)
+HANDLERS["rsub"] = _binary("sub", reverse=True)
+
+
+@maps("pow")
+def _pow(t: Translator, a: dict) -> str:
+    return t.emit("pow", [t.operand(a["self"]), t.operand(a["exponent"])])
+
+
+_UNARY = ("relu", "sigmoid", "tanh", "silu", "hardswish", "hardsigmoid", "erf", "exp", "log", "sqrt", "rsqrt",
+          "neg", "abs", "reciprocal")
+for _name in _UNARY:
+    HANDLERS[_name] = (lambda op: lambda t, a: t.emit(op, [a["self"]]))(_name)
+
+
+@maps("gelu")
+def _gelu(t: Translator, a: dict) -> str:
+    return t.emit("gelu", [a["self"]], {"approximate": a.get("approximate") or "none"})
+
+
+@maps("clamp", "clamp_min", "clamp_max", "hardtanh", "relu6")
+def _clamp(t: Translator, a: dict) -> str:
+    if t.op_name == "relu6":
+        low, high = 0.0, 6.0
+    elif t.op_name == "hardtanh":
+        low, high = a["min_val"], a["max_val"]
+    else:
+        low, high = a.get("min"), a.get("max")
+    if isinstance(low, fx.Node) or isinstance(high, fx.Node):
+        raise Unmapped("clamp with tensor bounds")
+    return t.emit("clamp", [a["self"]], {"min": low, "max": high})
+
+
+@maps("_to_copy", "to", "type_as", "_cast_Float", "_cast_Half")
+def _to(t: Translator, a: dict) -> str:
+    x = t.value(a["self"])
+    if t.type_of(x).dtype == t.out_type.dtype:
+        return t.emit("identity", [x])  # a device or layout change only: the IR does not model either
+    return t.emit("cast", [x], {"dtype": t.out_type.dtype})
+
+
+@maps("dropout", "feature_dropout", "alpha_dropout")
+def _dropout(t: Translator, a: dict) -> str:
+    if a.get("train"):
+        raise Unmapped("dropout in training mode")
+    return t.emit("identity", [a["input"]])
+
+
+@maps("native_dropout")
+def _native_dropout(t: Translator, a: dict) -> MultiOutput:
+    if a.get("train") or a.get("train") is None:  # None means "as in training" for this op
+        raise Unmapped("dropout in training mode")
+    return _first_output(t, t.emit("identity", [a["input"]]))
+
+
+@maps("clone", "contiguous", "alias", "detach", "lift_fresh_copy", "lift_fresh")
+def _identity(t: Translator, a: dict) -> str:
+    return t.emit("identity", [a["self"]])
+
+
+# reductions
+
+@maps("softmax", "_softmax")
+def _softmax(t: Translator, a: dict) -> str:
+    x = t.value(a["self"])
+    if a.get("half_to_float") or (a.get("dtype") is not None and dtype_name(a["dtype"]) != t.type_of(x).dtype):
+        x = t.emit("cast", [x], {"dtype": t.out_type.dtype})
+    return t.emit("softmax", [x], {"dim": _dim(a["dim"], t.rank(x))})
+
+
+def _reduce(op: str) -> Handler:
+    """mean / sum over `dim` (all dims when absent), after a cast when a dtype is asked for."""
+    def handle(t: Translator, a: dict) -> str:
+        x = t.value(a["self"])
+        rank = t.rank(x)
+        if a.get("dtype") is not None and dtype_name(a["dtype"]) != t.type_of(x).dtype:
+            x = t.emit("cast", [x], {"dtype": dtype_name(a["dtype"])})
+        dims = a.get("dim")
+        dims = list(range(rank)) if not dims else [dims] if isinstance(dims, int) else list(dims)
+        return t.emit(op, [x], {"dims": sorted(_dim(d, rank) for d in dims), "keepdim": bool(a.get("keepdim"))})
+    return handle
+
+
+HANDLERS["mean"] = _reduce("mean")
+HANDLERS["sum"] = _reduce("sum")
+
+
+def _max_pool(t: Translator, a: dict) -> str:
+    kernel = _pair(a["kernel_size"])
+    stride = _pair(a["stride"]) if a["stride"] else kernel  # empty stride means "the kernel size"
+    return t.emit("max_pool2d", [a["self"]], {"kernel_size": kernel, "stride": stride,
+                                              "padding": _pair(a["padding"]), "dilation": _pair(a["dilation"]),
+                                              "ceil_mode": bool(a["ceil_mode"])})
+
+
+maps("max_pool2d")(_max_pool)
+
+
+@maps("max_pool2d_with_indices")
+def _max_pool_with_indices(t: Translator, a: dict) -> MultiOutput:
+    return _first_output(t, _max_pool(t, a))
+
+
+@maps("avg_pool2d")
+def _avg_pool(t: Translator, a: dict) -> str:
+    if a.get("divisor_override") is not None:
+        raise Unmapped("avg_pool2d with divisor_override")
+    kernel = _pair(a["kernel_size"])
+    stride = _pair(a["stride"]) if a["stride"] else kernel
+    return t.emit("avg_pool2d", [a["self"]], {"kernel_size": kernel, "stride": stride,
+                                              "padding": _pair(a["padding"]), "ceil_mode": bool(a["ceil_mode"]),
+                                              "count_include_pad": bool(a["count_include_pad"])})
+
+
+@maps("adaptive_avg_pool2d", "_adaptive_avg_pool2d")
+def _adaptive_avg_pool(t: Translator, a: dict) -> str:
+    return t.emit("adaptive_avg_pool2d", [a["self"]], {"output_size": _pair(a["output_size"])})
+
+
+# layout
+
+@maps("view", "_unsafe_view", "reshape", "view_copy", "_reshape_alias", "flatten", "unflatten", "squeeze",
+      "unsqueeze", "view_as", "reshape_as")
+def _reshape(t: Translator, a: dict) -> str:
+    return t.emit("reshape", [a["self"]], {"shape": list(t.out_type.shape)})
+
+
+@maps("permute", "transpose", "t", "swapaxes", "numpy_T")
+def _permute(t: Translator, a: dict) -> str:
+    rank, name = t.rank(a["self"]), t.op_name
+    if name == "permute":
+        dims = [_dim(d, rank) for d in a["dims"]]
+    elif name == "numpy_T":
+        dims = list(reversed(range(rank)))
+    else:  # transpose / swapaxes swap two dims; t() swaps the two of a matrix and leaves a vector alone
+        first, second = {"transpose": ("dim0", "dim1"), "swapaxes": ("axis0", "axis1")}.get(name, (None, None))
+        first, second = (a[first], a[second]) if first else (0, max(rank - 1, 0))
+        dims = list(range(rank))
+        if rank:
+            first, second = _dim(first, rank), _dim(second, rank)
+            dims[first], dims[second] = dims[second], dims[first]
+    return t.emit("permute", [a["self"]], {"dims": dims})
+
+
+@maps("expand", "expand_as", "expand_copy")
+def _expand(t: Translator, a: dict) -> str:
+    return t.emit("expand", [a["self"]], {"shape": list(t.out_type.shape)})
+
+
+@maps("cat", "concat", "concatenate")
+def _cat(t: Translator, a: dict) -> str:
+    return t.emit("cat", list(a["tensors"]), {"dim": _dim(a["dim"], len(t.out_type.shape))})
+
+
+@maps("slice", "narrow", "select")
+def _slice(t: Translator, a: dict) -> str:
+    x = t.value(a["self"])
+    shape = t.type_of(x).shape
+    dim = _dim(a.get("dim") or 0, len(shape))
+    size = shape[dim]
+    name = t.op_name
+    if name == "select":
+        start = _dim(a["index"], size)
+        end, step = start + 1, 1
+    elif name == "narrow":
+        start = _dim(a["start"], size)
+        end, step = start + a["length"], 1
+    else:
+        start = 0 if a["start"] is None else a["start"]
+        end = size if a["end"] is None else a["end"]
+        step = a["step"] or 1
+    start, end = (min(max(_dim(v, size), 0), size) for v in (start, end))  # Python's slice clamping
+    part = t.emit("slice", [x], {"dim": dim, "start": start, "end": max(start, end), "step": int(step)})
+    return t.emit("reshape", [part], {"shape": list(t.out_type.shape)}) if name == "select" else part
+
+
+@maps("split", "split_with_sizes", "chunk", "unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk",
+      "tensor_split")
+def _split(t: Translator, a: dict) -> MultiOutput:
+    return _split_like(t, a)
+
+
+@maps("unbind")
+def _unbind(t: Translator, a: dict) -> MultiOutput:
+    return _split_like(t, a, squeeze=True)
+
+
+@maps("embedding")
+def _embedding(t: Translator, a: dict) -> str:
+    return t.emit("embedding", [a["weight"], a["indices"]])

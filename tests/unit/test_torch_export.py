@@ -1,0 +1,298 @@
+"""The PyTorch frontend: each ATen op family maps to the expected IR ops and the IR computes what the model does."""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+
+from opfuse.bench.zoo import BertConfig, BertEncoder, build_seeded
+from opfuse.frontend.torch_export import capture_torch
+from opfuse.ir.graph import GraphError
+from opfuse.ir.interpret import interpret
+from opfuse.ir.verify import verify
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (absolute error when b is zero)."""
+    actual, expected = actual.double(), expected.double()
+    scale = expected.norm().item()
+    return (actual - expected).norm().item() / (scale if scale > 0 else 1.0)
+
+
+def capture_and_check(model: nn.Module, *inputs: torch.Tensor, tolerance: float = 1e-5):
+    """Capture, verify, interpret and compare with the model; returns (graph, op counts)."""
+    graph = capture_torch(model, inputs)
+    verify(graph)
+    with torch.no_grad():
+        expected = model.eval()(*inputs)
+    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
+    actual = interpret(graph, list(inputs))
+    assert len(actual) == len(expected)
+    for a, b in zip(actual, expected):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if b.is_floating_point():
+            assert relative_error(a, b) < tolerance
+        else:
+            assert torch.equal(a, b)
+    return graph, Counter(node.op for node in graph)
+
+
+class Lambda(nn.Module):
+    """A module running `fn(self, *inputs)`; parameters come from `params`."""
+
+    def __init__(self, fn, **params):
+        super().__init__()
+        self.fn = fn
+        for name, value in params.items():
+            setattr(self, name, value)
+
+    def forward(self, *inputs):
+        return self.fn(self, *inputs)
+
+
+def randomised_batch_norm(channels: int, affine: bool = True) -> nn.BatchNorm2d:
+    bn = nn.BatchNorm2d(channels, affine=affine)
+    with torch.no_grad():
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+        if affine:
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.normal_()
+    return bn
+
+
+_generator = torch.Generator().manual_seed(0)
+X4 = torch.randn(2, 4, 8, 8, generator=_generator)
+X2 = torch.randn(3, 5, generator=_generator)
+W = torch.randn(6, 5, generator=_generator)
+B = torch.randn(6, generator=_generator)
+
+# (id, module, inputs, IR ops that must appear); every case must run without an opaque node
+CASES = [
+    ("conv2d", nn.Conv2d(4, 6, 3, stride=2, padding=1), (X4,), {"conv2d"}),
+    ("conv2d_grouped_dilated", nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=4, bias=False), (X4,), {"conv2d"}),
+    ("conv2d_same", nn.Conv2d(4, 2, 3, padding="same"), (X4,), {"conv2d"}),
+    ("convolution", Lambda(lambda m, x: torch.ops.aten.convolution(x, m.w, None, [1, 1], [1, 0], [1, 1], False,
+                                                                    [0, 0], 1), w=nn.Parameter(torch.randn(3, 4, 3, 3))),
+     (X4,), {"conv2d"}),
+    ("batch_norm", randomised_batch_norm(4), (X4,), {"batch_norm"}),
+    ("batch_norm_no_affine", randomised_batch_norm(4, affine=False), (X4,), {"batch_norm"}),
+    ("native_batch_norm", Lambda(lambda m, x: torch.ops.aten._native_batch_norm_legit_no_training(
+        x, m.w, m.b, m.mean, m.var, 0.1, 1e-5)[0], w=nn.Parameter(torch.rand(4) + 0.5), b=nn.Parameter(torch.randn(4)),
+        mean=nn.Buffer(torch.randn(4)), var=nn.Buffer(torch.rand(4) + 0.5)), (X4,), {"batch_norm"}),
+    ("linear", nn.Linear(5, 6), (X2,), {"linear"}),
+    ("addmm", Lambda(lambda m, x: torch.addmm(m.b, x, m.w.t()), w=nn.Parameter(W), b=nn.Parameter(B)), (X2,),
+     {"linear"}),
+    ("mm_bmm_matmul", Lambda(lambda m, x, y: (torch.mm(x[0], y[0]), torch.bmm(x, y), x @ y)),
+     (torch.randn(2, 3, 4), torch.randn(2, 4, 5)), {"matmul"}),
+    ("add_sub_mul_div", Lambda(lambda m, x, y: ((x + y) * 2 - y / 3, x - 1, 2 / (x.abs() + 1), 1 - x)),
+     (X2, torch.randn(5)), {"add", "sub", "mul", "div"}),
+    ("alpha", Lambda(lambda m, x, y: (torch.add(x, y, alpha=2), torch.sub(x, 3, alpha=2),
+                                       torch.rsub(x, y, alpha=0.5))), (X2, X2.flip(0)), {"add", "sub", "mul"}),
+    ("int_times_float", Lambda(lambda m, i: i * 0.5 + i), (torch.arange(6).reshape(2, 3),), {"mul", "add"}),
+    ("activations", Lambda(lambda m, x: (F.relu(x), F.relu6(x * 4), F.hardtanh(x, -0.5, 0.5), x.clamp(min=-0.2),
+                                          x.clamp(-1, 1), F.silu(x), torch.sigmoid(x), torch.tanh(x),
+                                          F.hardswish(x), F.hardsigmoid(x), torch.erf(x), torch.exp(x),
+                                          torch.neg(x))), (X2,),
+     {"relu", "clamp", "silu", "sigmoid", "tanh", "hardswish", "hardsigmoid", "erf", "exp", "neg"}),
+    ("gelu", Lambda(lambda m, x: (F.gelu(x), F.gelu(x, approximate="tanh"))), (X2,), {"gelu"}),
+    ("sqrt_rsqrt_pow", Lambda(lambda m, x: (torch.sqrt(x.abs()), torch.rsqrt(x.abs() + 1), x ** 2,
+                                             x.abs() ** x, 2 ** x)), (X2,), {"sqrt", "rsqrt", "pow"}),
+    ("softmax", Lambda(lambda m, x: (F.softmax(x, dim=-1), torch.ops.aten._softmax(x, 0, False))), (X2,),
+     {"softmax"}),
+    ("layer_norm", nn.LayerNorm(5), (X2,), {"layer_norm"}),
+    ("layer_norm_plain", Lambda(lambda m, x: F.layer_norm(x, (5,), eps=1e-3)), (X2,), {"layer_norm"}),
+    ("native_layer_norm", Lambda(lambda m, x: torch.ops.aten.native_layer_norm(x, [5], None, m.b, 1e-5)[0],
+                                 b=nn.Parameter(torch.randn(5))), (X2,), {"layer_norm"}),
+    ("mean_sum", Lambda(lambda m, x: (x.mean(dim=(2, 3), keepdim=True), x.sum(dim=-1), x.mean(), x.sum())),
+     (X4,), {"mean", "sum"}),
+    ("pooling", Lambda(lambda m, x: (F.max_pool2d(x, 3, 2, 1), F.avg_pool2d(x, 3, 2, 1, ceil_mode=True,
+                                                                             count_include_pad=False),
+                                     F.adaptive_avg_pool2d(x, (2, 1)), F.max_pool2d(x, 2))), (X4,),
+     {"max_pool2d", "avg_pool2d", "adaptive_avg_pool2d"}),
+    ("max_pool_with_indices", Lambda(lambda m, x: F.max_pool2d(x, 2, return_indices=True)[0]), (X4,),
+     {"max_pool2d"}),
+    ("reshapes", Lambda(lambda m, x: (x.view(2, -1), x.reshape(8, 64), x.flatten(1), x[:, :1].squeeze(1),
+                                      x.unsqueeze(0), torch.ops.aten._unsafe_view(x, [16, 32]))), (X4,),
+     {"reshape"}),
+    ("permutes", Lambda(lambda m, x, y: (x.permute(0, 2, 3, 1), x.transpose(1, -1), y.t(), y.T)), (X4, X2),
+     {"permute"}),
+    ("cat", Lambda(lambda m, x, y: torch.cat([x, y, x], dim=-1)), (X2, torch.randn(3, 2)), {"cat"}),
+    ("split_chunk_unbind", Lambda(lambda m, x: (x.split(1, dim=1)[2], x.split([1, 3], dim=1)[1],
+                                                x.chunk(2, dim=-1)[0], x.unbind(0)[1])), (X4,),
+     {"slice", "reshape"}),
+    ("slice_select", Lambda(lambda m, x: (x[:, 1:100], x[..., ::2], x[:, -3:-1], x[1], x[:, :, 2])), (X4,),
+     {"slice", "reshape"}),
+    ("expand", Lambda(lambda m, x: x[:, :1].expand(3, 4)), (X2,), {"expand"}),
+    ("embedding", nn.Embedding(10, 4), (torch.tensor([[1, 2, 9], [0, 0, 3]]),), {"embedding"}),
+    ("sdpa", Lambda(lambda m, q, k, v, mask: (F.scaled_dot_product_attention(q, k, v),
+                                              F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                              F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                                              F.scaled_dot_product_attention(q, k, v, scale=0.3))),
+     (torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(4, 4)), {"sdpa"}),
+    ("identities", Lambda(lambda m, x: F.dropout(x.clone().contiguous().detach(), 0.5, training=False)
+                          + x.to(torch.float32)), (X2,), {"identity"}),
+    ("casts", Lambda(lambda m, x, i: (x.half(), x.to(torch.int32), i.type_as(x), x.double().float())),
+     (X2, torch.arange(3)), {"cast"}),
+    ("folded_sources", Lambda(lambda m, x: torch.arange(5.0) * x + torch.full((5,), 2.0)), (X2,), {"mul", "add"}),
+    ("inplace_on_fresh_tensor", Lambda(lambda m, x: torch.relu_(x * 2).add_(1).mul_(x)), (X2,),
+     {"relu", "add", "mul"}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_op_family_maps_to_ir(case):
+    _, model, inputs, expected_ops = case
+    graph, ops = capture_and_check(model, *inputs)
+    assert expected_ops <= set(ops), f"missing {expected_ops - set(ops)} in\n{graph}"
+    assert ops["opaque"] == 0, graph
+
+
+def test_attrs_are_canonical():
+    graph, _ = capture_and_check(nn.Sequential(nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=2), nn.Softmax(-1),
+                                               nn.Flatten()), X4)
+    (conv,) = [n for n in graph if n.op == "conv2d"]
+    assert conv.attrs == {"stride": (2, 2), "padding": (1, 1), "dilation": (1, 1), "groups": 2}
+    (softmax,) = [n for n in graph if n.op == "softmax"]
+    assert softmax.attrs["dim"] == 3  # normalised from -1
+    (reshape,) = [n for n in graph if n.op == "reshape"]
+    assert reshape.attrs["shape"] == [2, 4 * 4 * 4]
+
+
+def test_slice_end_is_clamped_and_scalars_take_the_tensor_dtype():
+    model = Lambda(lambda m, x: x[:, 2:1000] + 1)
+    x = torch.randn(2, 5).half()
+    graph, _ = capture_and_check(model, x)
+    (slice_node,) = [n for n in graph if n.op == "slice"]
+    assert (slice_node.attrs["start"], slice_node.attrs["end"]) == (2, 5)
+    scalars = [graph.constants[n.name] for n in graph if n.op == "constant"]
+    assert [(s.dim(), s.dtype) for s in scalars] == [(0, torch.float16)]
+
+
+def test_addmm_of_a_transposed_weight_reads_the_weight_directly():
+    model = Lambda(lambda m, x: torch.addmm(m.b, x, m.w.t()), w=nn.Parameter(W), b=nn.Parameter(B))
+    graph, ops = capture_and_check(model, X2)
+    assert ops["permute"] == 0 and ops["linear"] == 1
+    (linear,) = [n for n in graph if n.op == "linear"]
+    assert graph.constants[linear.inputs[1]].shape == W.shape
+
+
+def count_functionalisations(monkeypatch) -> list:
+    """Record each run_decompositions call capture_torch makes (the slow, exact path for mutations)."""
+    calls = []
+    original = torch.export.ExportedProgram.run_decompositions
+
+    def spy(program, *args, **kwargs):
+        calls.append(args)
+        return original(program, *args, **kwargs)
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", spy)
+    return calls
+
+
+def test_inplace_on_a_view_is_functionalised(monkeypatch):
+    calls = count_functionalisations(monkeypatch)
+
+    def forward(m, x):
+        y = x * 2
+        y[:, :2].relu_()  # writes through a view into y
+        return y + 1
+    graph, ops = capture_and_check(Lambda(forward), X2)
+    assert ops["relu"] == 1 and len(calls) == 1
+
+
+def test_inplace_residual_is_rebound_without_functionalising(monkeypatch):
+    calls = count_functionalisations(monkeypatch)
+
+    def forward(m, x):
+        skip = torch.relu_(x * 3)
+        out = torch.tanh(x)
+        out += skip  # add_ reads another in-place result; later readers of `out` see the sum
+        return out.relu_(), skip * 2
+    graph, ops = capture_and_check(Lambda(forward), X2)
+    assert len(calls) == 0 and ops["add"] == 1 and ops["relu"] == 2
+
+
+def test_unsupported_ops_become_opaque_and_still_run():
+    def forward(m, x):
+        return torch.cumsum(x, dim=1) * 2, torch.sort(x, dim=-1).values, torch.sort(x, dim=0)[1]
+    graph, ops = capture_and_check(Lambda(forward), X2)
+    opaque = [n for n in graph if n.op == "opaque"]
+    assert len(opaque) == 3 and ops["mul"] == 1
+    assert any("cumsum" in n.attrs["target"] for n in opaque)
+    assert all(n.attrs["reason"] and callable(n.attrs["fn"]) for n in opaque)
+
+
+def test_unmappable_arguments_fall_back_to_opaque():
+    model = Lambda(lambda m, x: (torch.div(x, 0.7, rounding_mode="floor"), F.avg_pool2d(x, 2, divisor_override=3)))
+    graph, ops = capture_and_check(model, X4)
+    assert ops["opaque"] == 2 and ops["div"] == 0 and ops["avg_pool2d"] == 0
+
+
+def test_constants_are_private_copies_and_unused_ones_are_dropped():
+    model = Lambda(lambda m, x: m.bn(m.conv(x)), conv=nn.Conv2d(4, 4, 1), bn=randomised_batch_norm(4),
+                   unused=nn.Linear(3, 3))
+    graph, _ = capture_and_check(model, X4)
+    names = {n.name for n in graph if n.op == "constant"}
+    assert names == {"conv_weight", "conv_bias", "bn_weight", "bn_bias", "bn_running_mean", "bn_running_var"}
+    assert graph["conv_weight"].source == "p_conv_weight"
+    parameter_pointers = {t.data_ptr() for t in model.state_dict().values()}
+    assert not parameter_pointers & {t.data_ptr() for t in graph.constants.values()}
+
+
+def test_user_model_is_not_changed_even_in_train_mode():
+    model = nn.Sequential(nn.Conv2d(4, 4, 3), randomised_batch_norm(4), nn.ReLU(), nn.Dropout(0.5))
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    graph = capture_torch(model, (X4,))
+    assert model.training and all(m.training for m in model.modules())
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert Counter(n.op for n in graph)["batch_norm"] == 1  # captured in eval mode
+    with torch.no_grad():
+        expected = model.eval()(X4)
+    assert relative_error(interpret(graph, [X4])[0], expected) < 1e-5
+
+
+def test_export_failure_names_the_cause_and_the_fallbacks():
+    def forward(m, x):
+        if x.sum() > 0:  # data-dependent control flow: torch.export cannot capture it
+            return x * 2
+        return x
+    with pytest.raises(GraphError) as error:
+        capture_torch(Lambda(forward), (X2,))
+    message = str(error.value)
+    assert "torch.export could not capture" in message and "data-dependent" in message
+    assert 'torch.compile(model, backend="opfuse")' in message and 'fallback="eager"' in message
+
+
+def test_non_tensor_example_input_is_refused():
+    with pytest.raises(GraphError, match="example input 1"):
+        capture_torch(Lambda(lambda m, x, n: x * n), (X2, 3))
+
+
+def test_resnet18(monkeypatch):
+    calls = count_functionalisations(monkeypatch)
+    model = build_seeded(lambda: torchvision.models.resnet18(weights=None))
+    graph, ops = capture_and_check(model, torch.randn(2, 3, 64, 64))
+    assert (ops["conv2d"], ops["batch_norm"], ops["relu"], ops["add"], ops["linear"]) == (20, 20, 17, 8, 1)
+    assert ops["opaque"] == 0 and not calls  # its relu_ and += need no functionalisation
+
+
+def test_mobilenet_v2():
+    model = build_seeded(lambda: torchvision.models.mobilenet_v2(weights=None))
+    graph, ops = capture_and_check(model, torch.randn(1, 3, 64, 64))
+    assert (ops["conv2d"], ops["batch_norm"], ops["clamp"], ops["add"]) == (52, 52, 35, 10)
+    assert ops["opaque"] == 0
+
+
+def test_tiny_bert():
+    config = BertConfig(vocab_size=50, hidden=32, layers=2, heads=4, ffn=64, max_positions=16)
+    model = build_seeded(lambda: BertEncoder(config))
+    ids = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(0))
+    graph, ops = capture_and_check(model, ids)
+    assert (ops["embedding"], ops["sdpa"], ops["linear"], ops["layer_norm"], ops["gelu"]) == (3, 2, 12, 5, 2)
+    assert ops["opaque"] == 0
+    assert graph.input_nodes[0].type.dtype == "int64"
