@@ -24,7 +24,7 @@ test: setup
 
 # on a GPU machine (through the device tool): PYTHONPATH=. python3 -m pytest -m gpu tests/gpu
 test-gpu:
-	PYTHONPATH=. python3 -m pytest -q -m gpu tests/gpu
+	OPFUSE_GPU_TESTS=1 PYTHONPATH=. python3 -m pytest -q -m gpu tests/gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache

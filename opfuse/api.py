@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from opfuse.config import FusionConfig
+from opfuse.config import FusionConfig, resolve_dtype
 from opfuse.fusion.plan import FusionPlan
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph
@@ -89,6 +89,7 @@ def analyze(model: Any, example_inputs: Sequence[Any] | None = None, config: Fus
     from opfuse.passes.cast_precision import cast_precision
     from opfuse.passes.manager import prepare_graph
 
+    config = resolve_dtype(config, example_inputs or ())
     hardware = get_hardware(config.hardware)
     seconds: dict[str, float] = {}
     start = time.perf_counter()

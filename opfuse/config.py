@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class FusionConfig:
-    dtype: str = "float16"              # compute dtype of the compiled model (activations and weights)
+    dtype: str | None = None            # compute dtype (activations and weights); None: the model's input dtype
     hardware: str = "h200"              # key of opfuse.hardware.PROFILES used by the cost and resource models
     density_threshold: float = 10.0     # FLOPs/Byte under which an op is flagged a fusion candidate (the seed's rule)
     # which fusions the planner may make
@@ -23,3 +23,30 @@ class FusionConfig:
     fallback: str = "error"             # "error": raise on a failed compile; "eager": return the eager model
     cache_dir: str | None = None        # autotune cache; default ~/.cache/opfuse
     debug_dir: str | None = None        # where each stage dumps what it made
+
+
+def resolve_dtype(config: FusionConfig, example_inputs=()) -> FusionConfig:
+    """The config with `dtype` fixed: as given, else the first floating example input's dtype, else float32."""
+    from dataclasses import replace
+
+    from opfuse.ir.graph import dtype_name
+
+    if config.dtype is not None:
+        return replace(config, dtype=dtype_name(config.dtype))
+    for x in example_inputs:
+        if getattr(x, "is_floating_point", lambda: False)():
+            return replace(config, dtype=dtype_name(x.dtype))
+    return replace(config, dtype="float32")
+
+
+def for_graph(config: FusionConfig | None, graph) -> FusionConfig:
+    """`config` (default FusionConfig()) with `dtype` fixed from the graph's first floating input or constant."""
+    from dataclasses import replace
+
+    config = config or FusionConfig()
+    if config.dtype is not None:
+        return resolve_dtype(config)
+    for node in graph:
+        if node.op in ("input", "constant") and node.type.is_float:
+            return replace(config, dtype=node.type.dtype)
+    return replace(config, dtype="float32")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from opfuse.config import FusionConfig
+from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import estimate_kernel, op_density
 from opfuse.fusion.plan import FusionPlan
 from opfuse.hardware import HardwareProfile, get_hardware
@@ -59,7 +59,7 @@ class TrafficSummary:
 def op_table(graph: Graph, hw: HardwareProfile | None = None, config: FusionConfig | None = None
              ) -> list[OpMetrics]:
     """Metrics of every kernel-launching node in graph order (views and sources launch nothing)."""
-    config = config or FusionConfig()
+    config = for_graph(config, graph)
     hw = hw or get_hardware(config.hardware)
     users = graph.users()
     rows = []
@@ -91,7 +91,7 @@ def summarize_plan(plan: FusionPlan, hw: HardwareProfile | None = None) -> Traff
         time = sum(g.predicted_time for g in kernels)
     else:
         users = graph.users()
-        dtype = plan.config.dtype if plan.config is not None else FusionConfig().dtype
+        dtype = for_graph(plan.config, graph).dtype
         time = sum(estimate_kernel(graph, g.nodes, users, hw, dtype).time for g in kernels)
     return _summary(graph, kernels, [(g.inputs, g.outputs) for g in kernels], time)
 

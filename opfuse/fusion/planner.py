@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from opfuse.config import FusionConfig
+from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
 from opfuse.fusion.legality import can_fuse, in_order, is_view, node_index, path_outside, skip_operands
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
@@ -35,7 +35,7 @@ from opfuse.ir.verify import verify
 def plan_fusion(graph: Graph, config: FusionConfig | None = None,
                 hw: HardwareProfile | None = None) -> FusionPlan:
     """Group the graph's nodes into kernels and record every fusion decision."""
-    config = config or FusionConfig()
+    config = for_graph(config, graph)
     hw = hw or get_hardware(config.hardware)
     verify(graph, check_types=False)   # unknown ops and dangling inputs fail here, naming the node
     planner = _Planner(graph, config, hw)
