@@ -1,0 +1,458 @@
+"""Operand loading and storing shared by the elementwise and reduction kernels (pointwise.py, reduction.py).
+
+A generated kernel evaluates group values at *coordinates*: one Triton expression per logical dimension of the
+value (None where the coordinate is always 0, e.g. a size-1 dimension). `Region.value(name, coords)` emits the
+lines computing a value there: a group input is loaded through its runtime strides, an elementwise node goes
+through `expr.emit` with its operands' coordinates broadcast (numpy rules), and a view node (reshape, permute,
+expand, slice, identity) only maps coordinates. Broadcast constants, channels-last activations and channel-slice
+views therefore need no special case, and no view is ever copied.
+
+`TemplateKernel` is the runtime half both kernel kinds share: constants held on the device, runtime inputs bound
+and checked, outputs allocated in the layout of the largest input, and the launch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, kernel_name, load_source
+from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, emit
+from opfuse.fusion.plan import FusionGroup
+from opfuse.ir.graph import Graph, GraphError, Node, TensorType, torch_dtype
+
+Coords = tuple  # tuple[str | None, ...]: a Triton expression per dimension, None meaning 0
+
+VIEW_OPS = frozenset({"reshape", "identity", "permute", "expand", "slice"})
+INT32_LIMIT = 2**31 - 1
+
+
+def interpreting() -> bool:
+    """Whether Triton runs on the CPU interpreter (tests): tiny tuning spaces then."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# ---- coordinate mappings ----------------------------------------------------------------------------
+
+def broadcast_coords(coords: Coords, out_shape: Sequence[int], in_shape: Sequence[int]) -> Coords:
+    """Coordinates in an operand of `in_shape` broadcast (numpy rules) to `out_shape`."""
+    lead = len(out_shape) - len(in_shape)
+    if lead < 0:
+        raise Unsupported(f"operand {list(in_shape)} has more dimensions than its result {list(out_shape)}")
+    result = []
+    for d, size in enumerate(in_shape):
+        if size == 1:
+            result.append(None)
+        elif size == out_shape[lead + d]:
+            result.append(coords[lead + d])
+        else:
+            raise Unsupported(f"operand {list(in_shape)} does not broadcast to {list(out_shape)}")
+    return tuple(result)
+
+
+def dense_strides(shape: Sequence[int], order: Sequence[int]) -> list[int]:
+    """Strides of a dense tensor whose dimensions are laid out in `order` (outermost first)."""
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= shape[d]
+    return strides
+
+
+def layout_order(rank: int, channels_last: bool) -> list[int]:
+    return [0, 2, 3, 1] if channels_last and rank == 4 else list(range(rank))
+
+
+def is_channels_last(tensor: torch.Tensor) -> bool:
+    """A 4-D tensor whose channels are adjacent in memory (dense NHWC, or a channel slice of one)."""
+    return tensor.dim() == 4 and tensor.shape[1] > 1 and tensor.stride(1) == 1
+
+
+def is_dense_in_order(tensor: torch.Tensor, order: Sequence[int]) -> bool:
+    """Whether element offsets equal the flat index enumerating the shape in `order` (size-1 strides ignored)."""
+    expected = dense_strides(tensor.shape, order)
+    return all(size == 1 or stride == want
+               for size, stride, want in zip(tensor.shape, tensor.stride(), expected))
+
+
+# ---- kernel parameters ------------------------------------------------------------------------------
+
+@dataclass
+class TensorParam:
+    """One tensor argument of the kernel: a pointer `<prefix>_ptr` and strides `<prefix>_s<d>`."""
+
+    value: str
+    prefix: str
+    type: TensorType
+
+    def stride(self, d: int) -> str:
+        return f"{self.prefix}_s{d}"
+
+
+class KernelArgs:
+    """The kernel's tensor parameters in signature order; registered as the code generator first uses them."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.inputs: dict[str, TensorParam] = {}
+        self.outputs: dict[str, TensorParam] = {}
+
+    def input(self, name: str) -> TensorParam:
+        if name not in self.inputs:
+            self.inputs[name] = TensorParam(name, f"in{len(self.inputs)}", self.graph[name].type)
+        return self.inputs[name]
+
+    def output(self, name: str) -> TensorParam:
+        if name not in self.outputs:
+            self.outputs[name] = TensorParam(name, f"out{len(self.outputs)}", self.graph[name].type)
+        return self.outputs[name]
+
+    @property
+    def params(self) -> list[TensorParam]:
+        return list(self.inputs.values()) + list(self.outputs.values())
+
+    def signature(self) -> str:
+        names = []
+        for p in self.params:
+            names.append(f"{p.prefix}_ptr")
+            names.extend(p.stride(d) for d in range(len(p.type.shape)))
+        return ", ".join(names)
+
+    def describe(self) -> str:
+        """Comment lines naming the value behind each parameter."""
+        return "\n".join(f"# {p.prefix}: %{p.value} {p.type}" for p in self.params)
+
+    def values(self, tensors: dict[str, torch.Tensor]) -> list:
+        values: list = []
+        for p in self.params:
+            tensor = tensors[p.value]
+            values.append(tensor)
+            values.extend(tensor.stride())
+        return values
+
+
+# ---- code emission ----------------------------------------------------------------------------------
+
+class Emitter:
+    """Shared state of one kernel's code generation: the group, its parameters and fresh variable names."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, scalars: dict[str, str]):
+        self.graph = graph
+        self.group = group
+        self.members = set(group.nodes)
+        self.args = KernelArgs(graph)
+        self.scalars = scalars                  # constants of one element, inlined as literals
+        self.flags: dict[str, tuple[str, int]] = {}   # constexpr flag -> (value, region key): see Region.flat
+        self._counter = 0
+
+    def fresh(self, prefix: str) -> str:
+        self._counter += 1
+        return f"{prefix}{self._counter}"
+
+    def region(self, tile: str, mask: str, flat: "FlatIndex | None" = None) -> "Region":
+        return Region(self, tile, mask, flat)
+
+
+@dataclass
+class FlatIndex:
+    """A pointwise region's flat index: tensors dense in the iteration order are addressed by it directly.
+
+    Whether a tensor is dense in that order is only known at run time, so each gets a constexpr flag and both
+    addressings are generated; the dense one skips the div/mod of the coordinates and loads vectors.
+    """
+
+    offsets: str                # the Triton variable holding the flat index
+    coords: Coords              # the iteration coordinates derived from it
+    shape: tuple[int, ...]      # the iteration shape
+    key: int                    # which iteration space (component) the flags belong to
+
+
+class Region:
+    """One straight-line block of generated code (a loop body, a branch) with its own cache of computed values."""
+
+    def __init__(self, emitter: Emitter, tile: str, mask: str, flat: FlatIndex | None = None):
+        self.emitter = emitter
+        self.graph = emitter.graph
+        self.tile = tile            # Triton shape of the block, e.g. "[BLOCK]" or "[BLOCK_M, BLOCK_L]"
+        self.mask = mask
+        self.flat = flat
+        self.lines: list[str] = []
+        self.cache: dict[tuple[str, Coords], str] = {}
+        self.zero = emitter.fresh("zero")
+        # full-tile zero offsets: every pointer block gets the tile's shape even when an operand is broadcast
+        self.lines.append(f"{self.zero} = tl.zeros({tile}, dtype=tl.int32)")
+
+    def assign(self, expression: str, prefix: str = "v") -> str:
+        name = self.emitter.fresh(prefix)
+        self.lines.append(f"{name} = {expression}")
+        return name
+
+    def bind(self, name: str, coords: Coords, variable: str) -> None:
+        """Declare that `variable` holds value `name` at `coords` (a reduction result, say)."""
+        self.cache[(name, tuple(coords))] = variable
+
+    # ---- values -----------------------------------------------------------------------------------
+    def value(self, name: str, coords: Coords) -> str:
+        """A float32 Triton expression for value `name` at `coords`, emitting the lines it needs."""
+        coords = tuple(coords)
+        key = (name, coords)
+        if key in self.cache:
+            return self.cache[key]
+        if name in self.emitter.scalars:
+            return self.emitter.scalars[name]
+        node = self.graph[name]
+        if name not in self.emitter.members:
+            result = self._load(name, coords)
+        elif node.op in VIEW_OPS:
+            result = self.value(node.inputs[0], self.view_coords(node, coords))
+        elif node.op in SUPPORTED_OPS:
+            args = [self.value(i, self.operand_coords(node, position, coords))
+                    for position, i in enumerate(node.inputs)]
+            result = self.assign(emit(node.op, node.attrs, args))
+        else:
+            raise Unsupported(f"node {node.describe()} cannot be computed elementwise inside this kernel")
+        self.cache[key] = result
+        return result
+
+    def operand_coords(self, node: Node, position: int, coords: Coords) -> Coords:
+        """Coordinates of input `position` of elementwise `node` for its output element at `coords`."""
+        if node.op == "batch_norm" and position > 0:
+            return (coords[1],)     # weight, bias, mean, var are per channel (dim 1), not numpy-broadcast
+        return broadcast_coords(coords, node.type.shape, self.graph[node.inputs[position]].type.shape)
+
+    def _load(self, name: str, coords: Coords) -> str:
+        target = self.emitter.fresh("x")
+        self._addressed(self.emitter.args.input(name), coords,
+                        lambda pointer: f"{target} = tl.load({pointer}, mask={self.mask}, other=0.0).to(tl.float32)")
+        return target
+
+    def store(self, name: str, coords: Coords) -> None:
+        """Write value `name` at `coords` to its output tensor (tl.store casts to the output dtype)."""
+        value = self.value(name, coords)
+        self._addressed(self.emitter.args.output(name), tuple(coords),
+                        lambda pointer: f"tl.store({pointer}, {value}, mask={self.mask})")
+
+    def _addressed(self, param: TensorParam, coords: Coords, line: Callable[[str], str]) -> None:
+        """Emit `line(pointer)` with strided addressing; for a possibly dense tensor also with the flat index."""
+        strided = f"{param.prefix}_ptr + {self.offset(param, coords)}"
+        flat = self.flat
+        if flat is not None and coords == flat.coords and param.type.shape == flat.shape:
+            flag = f"DENSE{flat.key}_{param.prefix}"
+            self.emitter.flags[flag] = (param.value, flat.key)
+            self.lines += [f"if {flag}:", "    " + line(f"{param.prefix}_ptr + {flat.offsets}"),
+                           "else:", "    " + line(strided)]
+        else:
+            self.lines.append(line(strided))
+
+    def offset(self, param: TensorParam, coords: Coords) -> str:
+        terms = [f"{c} * {param.stride(d)}" for d, c in enumerate(coords) if c is not None]
+        return " + ".join([self.zero] + terms)
+
+    # ---- coordinate mappings ----------------------------------------------------------------------------
+    def view_coords(self, node: Node, coords: Coords) -> Coords:
+        """Coordinates in the input of view `node` of the element at `coords` of its output."""
+        in_shape = self.graph[node.inputs[0]].type.shape
+        out_shape = node.type.shape
+        if node.op == "identity":
+            return coords
+        if node.op == "expand":
+            return broadcast_coords(coords, out_shape, in_shape)
+        if node.op == "permute":
+            result: list = [None] * len(in_shape)
+            for d, source in enumerate(node.attrs["dims"]):
+                result[source % len(in_shape)] = coords[d]
+            return tuple(result)
+        if node.op == "slice":
+            dim = node.attrs["dim"] % len(in_shape)
+            start, _, step = slice(node.attrs.get("start"), node.attrs.get("end"),
+                                   node.attrs.get("step", 1)).indices(in_shape[dim])
+            c = coords[dim]
+            if c is None:
+                mapped = str(start) if start else None
+            else:
+                mapped = c if (start, step) == (0, 1) else f"({c} * {step} + {start})"
+            return coords[:dim] + (mapped,) + coords[dim + 1:]
+        return self.reshape_coords(coords, out_shape, in_shape)
+
+    def reshape_coords(self, coords: Coords, out_shape: Sequence[int], in_shape: Sequence[int]) -> Coords:
+        """Coordinates in `in_shape` of the element at `coords` of `out_shape` (same row-major element order).
+
+        Dimensions are matched in runs of equal size products, so a reshape that only adds, drops, splits or
+        merges dimensions maps most coordinates one to one.
+        """
+        out_dims = [d for d, s in enumerate(out_shape) if s > 1]
+        in_dims = [d for d, s in enumerate(in_shape) if s > 1]
+        result: list = [None] * len(in_shape)
+        i = j = 0
+        while i < len(out_dims):
+            group_out, group_in = [out_dims[i]], [in_dims[j]]
+            size_out, size_in = out_shape[out_dims[i]], in_shape[in_dims[j]]
+            i, j = i + 1, j + 1
+            while size_out != size_in:
+                if size_out < size_in:
+                    group_out.append(out_dims[i])
+                    size_out *= out_shape[out_dims[i]]
+                    i += 1
+                else:
+                    group_in.append(in_dims[j])
+                    size_in *= in_shape[in_dims[j]]
+                    j += 1
+            if len(group_out) == 1 and len(group_in) == 1:
+                result[group_in[0]] = coords[group_out[0]]
+                continue
+            terms, inner = [], 1
+            for d in reversed(group_out):
+                c = coords[d] or "0"
+                terms.append(c if inner == 1 else f"{c} * {inner}")
+                inner *= out_shape[d]
+            flat = self.assign(" + ".join(reversed(terms)), "f")
+            for d, c in zip(group_in, unravel_expressions(flat, [in_shape[d] for d in group_in])):
+                result[d] = self.assign(c, "i")
+        return tuple(result)
+
+    def unravel(self, flat: str, shape: Sequence[int], order: Sequence[int] | None = None) -> Coords:
+        """Coordinates of flat index `flat` enumerating `shape` with dimensions in `order` (outermost first)."""
+        order = list(range(len(shape))) if order is None else list(order)
+        kept = [d for d in order if shape[d] > 1]
+        result: list = [None] * len(shape)
+        for d, expression in zip(kept, unravel_expressions(flat, [shape[d] for d in kept])):
+            result[d] = self.assign(expression, "i")
+        return tuple(result)
+
+
+def unravel_expressions(flat: str, sizes: Sequence[int]) -> list[str]:
+    """Row-major digits of `flat` over `sizes`; the outermost takes no modulo (flat is in range where unmasked)."""
+    expressions = []
+    inner = 1
+    for position in range(len(sizes) - 1, -1, -1):
+        e = flat if inner == 1 else f"({flat} // {inner})"
+        if position > 0:
+            e = f"{e} % {sizes[position]}"
+        expressions.append(e)
+        inner *= sizes[position]
+    return expressions[::-1]
+
+
+# ---- runtime ----------------------------------------------------------------------------------------
+
+def held_constants(graph: Graph, group: FusionGroup, device) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The constants the group reads, on the device in their node dtype, and the one-element ones as literals."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, str] = {}
+    for name in dict.fromkeys(group.inputs + [i for n in group.nodes for i in graph[n].inputs]):
+        node = graph[name]
+        if node.op != "constant":
+            continue
+        tensor = graph.constants[name]
+        if tensor.numel() == 1:
+            value = float(tensor.reshape(-1)[0])
+            scalars[name] = repr(value) if math.isfinite(value) else f"float('{value}')"
+        else:
+            tensors[name] = tensor.to(device=device, dtype=torch_dtype(node.type.dtype))
+    return tensors, scalars
+
+
+def group_operands(graph: Graph, group: FusionGroup) -> None:
+    """Check that every value the group's nodes read is a member or a declared input (clear error otherwise)."""
+    members = set(group.nodes)
+    declared = set(group.inputs)
+    for name in group.nodes:
+        for i in graph[name].inputs:
+            if i not in members and i not in declared and not graph.is_constant(i):
+                raise GraphError(f"node {graph[name].describe()} of group {group.name} reads {i!r}, which is "
+                                 "neither in the group nor among its inputs")
+    for o in group.outputs:
+        if o not in members:
+            raise GraphError(f"group {group.name} outputs {o!r}, which is not one of its nodes")
+
+
+def build_kernel(graph: Graph, group: FusionGroup, emitter: Emitter, body: list[str], constexprs: list[str]):
+    """Wrap the kernel body's lines into source, name it and load it: (name, source, triton function)."""
+    signature = emitter.args.signature() + "".join(f", {c}: tl.constexpr" for c in constexprs)
+    header = (f'"""Generated by opfuse for group {group.name} ({group.kind.value}): {", ".join(group.nodes)}."""\n'
+              "import triton\nimport triton.language as tl\n\n" + emitter.args.describe() + "\n")
+    template = (f"{header}\n@triton.jit\ndef KERNEL_NAME({signature}):\n"
+                + "\n".join("    " + line for line in body) + "\n")
+    ops = [graph[n].op for n in group.nodes if graph[n].op not in VIEW_OPS] or ["copy"]
+    name = kernel_name("fused", ops, template)
+    source = template.replace("KERNEL_NAME", name)
+    return name, source, getattr(load_source(source, name), name)
+
+
+class TemplateKernel(GroupKernel):
+    """The shared runtime half of pointwise and reduction kernels."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, name: str, source: str, device,
+                 args: KernelArgs, constants: dict[str, torch.Tensor], function):
+        super().__init__(graph, group, name, source)
+        self.device = torch.device(device)
+        self.args = args
+        self.constants = constants
+        self.function = function            # the triton.jit function
+        self.output_fill: float | None = None   # tests set NaN so an element the kernel misses shows
+
+    def bind(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Runtime inputs (in `runtime_inputs` order) plus held constants, by value name, checked against types."""
+        names = self.runtime_inputs
+        if len(inputs) != len(names):
+            raise GraphError(f"kernel {self.name} (group {self.group.name}) takes {len(names)} inputs "
+                             f"({', '.join(names)}), got {len(inputs)}")
+        tensors = dict(self.constants)
+        for name, tensor in zip(names, inputs):
+            expected = self.graph[name].type
+            if tuple(tensor.shape) != expected.shape:
+                raise GraphError(f"kernel {self.name}: input {name} should be {expected}, got "
+                                 f"{list(tensor.shape)}")
+            tensors[name] = tensor
+        return tensors
+
+    def empty_outputs(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Outputs in the layout `run` allocates (uninitialised unless `output_fill` is set)."""
+        return self._allocate_outputs(self.bind(inputs))
+
+    def _allocate_outputs(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        return [self.allocate(name, self.output_channels_last(name, tensors)) for name in self.group.outputs]
+
+    def output_channels_last(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
+        """Outputs take the layout of the largest input: channels-last if that input is channels-last 4-D."""
+        candidates = [tensors[i] for i in self.group.inputs if i in tensors]
+        if not candidates:
+            return False
+        largest = max(candidates, key=lambda t: t.numel())   # max keeps the first of equals
+        return is_channels_last(largest)
+
+    def allocate(self, name: str, channels_last: bool) -> torch.Tensor:
+        type = self.graph[name].type
+        memory_format = torch.channels_last if channels_last and len(type.shape) == 4 else torch.contiguous_format
+        tensor = torch.empty(type.shape, dtype=torch_dtype(type.dtype), device=self.device,
+                             memory_format=memory_format)
+        return tensor if self.output_fill is None else tensor.fill_(self.output_fill)
+
+    def outputs_for(self, tensors: dict[str, torch.Tensor],
+                    outputs: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The caller's preallocated outputs (any strides), or new ones in the default layout."""
+        if outputs is None:
+            return self._allocate_outputs(tensors)
+        if len(outputs) != len(self.group.outputs):
+            raise GraphError(f"kernel {self.name} writes {len(self.group.outputs)} outputs, got {len(outputs)}")
+        return list(outputs)
+
+    def launch(self, grid: tuple[int, ...], config: KernelConfig, tensors: dict[str, torch.Tensor],
+               index_space: int, **constexprs) -> None:
+        """Run the kernel; offsets switch to int64 when any tensor's extent or the index space passes int32."""
+        extent = max([index_space] + [1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+                                      for t in tensors.values() if t.numel()])
+        handle = self.function[grid](*self.args.values(tensors), **dict(config.params), **constexprs,
+                                     INT64=extent > INT32_LIMIT, num_warps=config.num_warps,
+                                     num_stages=config.num_stages)
+        self.last_compiled = compiled_info(handle)
+

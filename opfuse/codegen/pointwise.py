@@ -1,0 +1,185 @@
+"""Elementwise groups (POINTWISE, SINGLE, HORIZONTAL_POINTWISE) as one Triton kernel: `lower_pointwise_group`.
+
+Each connected part of the group (one for a chain; several independent chains for a horizontal group) is an
+iteration space: the shape of its largest output, walked by a flat index in the memory order its outputs get
+(NHWC when the largest input is channels-last 4-D, else row-major). Programs [start_k, end_k) of the one launch take
+part k. Each output is stored at its own coordinates (a reshaped output maps the row-major order), each operand is
+loaded through its strides (operands.py), and tensors found dense in the iteration order at run time are addressed
+by the flat index directly.
+
+Bytes: every input read once and every output written once; no intermediate touches memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from opfuse.codegen.base import KernelConfig
+from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported
+from opfuse.codegen.operands import (VIEW_OPS, Emitter, FlatIndex, TemplateKernel, build_kernel, group_operands,
+                                     held_constants, interpreting, is_channels_last, is_dense_in_order,
+                                     layout_order, next_power_of_2, unravel_expressions)
+from opfuse.fusion.plan import FusionGroup
+from opfuse.ir.graph import Graph
+
+
+@dataclass
+class Part:
+    """One independent elementwise chain of the group and its iteration space."""
+
+    key: int
+    nodes: list[str]
+    outputs: list[str]
+    inputs: list[str] = field(default_factory=list)     # external values read (for the layout choice)
+    shape: tuple[int, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def has_layout_choice(self) -> bool:
+        return len(self.shape) == 4
+
+
+def lower_pointwise_group(graph: Graph, group: FusionGroup, device) -> "PointwiseKernel":
+    """Lower an elementwise group (chains of POINTWISE/BROADCAST ops and views) to one Triton kernel."""
+    return PointwiseKernel(graph, group, device)
+
+
+def split_parts(graph: Graph, group: FusionGroup) -> list[Part]:
+    """The group's connected parts (through values computed inside the group), ordered by first output."""
+    members = set(group.nodes)
+    root = {name: name for name in group.nodes}
+
+    def find(name: str) -> str:
+        while root[name] != name:
+            root[name] = root[root[name]]
+            name = root[name]
+        return name
+
+    for name in group.nodes:
+        for i in graph[name].inputs:
+            if i in members:
+                root[find(i)] = find(name)
+    parts: dict[str, Part] = {}
+    for o in group.outputs:
+        parts.setdefault(find(o), Part(len(parts), [], [])).outputs.append(o)
+    for name in group.nodes:
+        part = parts.get(find(name))
+        if part is None:
+            continue            # feeds no output: nothing to compute
+        part.nodes.append(name)
+        for i in graph[name].inputs:
+            if i not in members and i not in part.inputs:
+                part.inputs.append(i)
+    for part in parts.values():
+        largest = max(part.outputs, key=lambda o: graph[o].type.numel)
+        part.shape = graph[largest].type.shape
+        for o in part.outputs:
+            if graph[o].type.numel != part.numel:
+                raise Unsupported(f"output {graph[o].describe()} of group {group.name} has {graph[o].type.numel} "
+                                  f"elements, the group's iteration space {part.numel}")
+    return list(parts.values())
+
+
+class PointwiseKernel(TemplateKernel):
+    """One launch computing every elementwise chain of a group."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, device):
+        group_operands(graph, group)
+        for name in group.nodes:
+            node = graph[name]
+            if node.op not in SUPPORTED_OPS and node.op not in VIEW_OPS:
+                raise Unsupported(f"node {node.describe()} is not elementwise; the pointwise template cannot "
+                                  "compute it")
+        if not group.outputs:
+            raise Unsupported(f"group {group.name} has no outputs")
+        constants, scalars = held_constants(graph, group, device)
+        self.parts = split_parts(graph, group)
+        emitter = Emitter(graph, group, scalars)
+        body = ["pid = tl.program_id(0)", "if INT64:", "    pid = pid.to(tl.int64)"]
+        constexprs = ["BLOCK", "INT64"]
+        start = "0"
+        for part in self.parts:
+            end = f"{start} + ({part.numel} + BLOCK - 1) // BLOCK" if start != "0" else \
+                f"({part.numel} + BLOCK - 1) // BLOCK"
+            lines = self._part_lines(emitter, part, start)
+            if len(self.parts) == 1:
+                body += lines
+            else:
+                body.append(f"{'if' if part.key == 0 else 'elif'} pid < {end}:  # {', '.join(part.outputs)}")
+                body += ["    " + line for line in lines]
+            if part.has_layout_choice:
+                constexprs.append(f"CL{part.key}")
+            start = end
+        self.flags = emitter.flags
+        constexprs += list(self.flags)
+        name, source, function = build_kernel(graph, group, emitter, body, constexprs)
+        super().__init__(graph, group, name, source, device, emitter.args, constants, function)
+
+    def _part_lines(self, emitter: Emitter, part: Part, start: str) -> list[str]:
+        k = part.key
+        offsets, mask = f"offsets{k}", f"mask{k}"
+        pid = "pid" if start == "0" else f"(pid - ({start}))"
+        lines = [f"{offsets} = {pid} * BLOCK + tl.arange(0, BLOCK)", f"{mask} = {offsets} < {part.numel}"]
+        names = [f"p{k}_d{d}" if size > 1 else None for d, size in enumerate(part.shape)]
+
+        def coordinate_lines(channels_last: bool) -> list[str]:
+            order = [d for d in layout_order(len(part.shape), channels_last) if part.shape[d] > 1]
+            expressions = unravel_expressions(offsets, [part.shape[d] for d in order])
+            return [f"{names[d]} = {e}" for d, e in zip(order, expressions)]
+
+        if part.has_layout_choice:
+            lines += [f"if CL{k}:"] + ["    " + line for line in coordinate_lines(True) or ["pass"]]
+            lines += ["else:"] + ["    " + line for line in coordinate_lines(False) or ["pass"]]
+        else:
+            lines += coordinate_lines(False)
+        coords = tuple(names)
+        region = emitter.region("[BLOCK]", mask, FlatIndex(offsets, coords, part.shape, k))
+        for o in part.outputs:
+            shape = emitter.graph[o].type.shape
+            out_coords = coords if shape == part.shape else region.reshape_coords(coords, part.shape, shape)
+            region.store(o, out_coords)
+        return lines + region.lines
+
+    # ---- runtime ----------------------------------------------------------------------------------
+    def configs(self) -> list[KernelConfig]:
+        largest = max(part.numel for part in self.parts)
+        if interpreting():
+            return [KernelConfig.of(BLOCK=min(256, next_power_of_2(largest)), num_warps=1)]
+        return [KernelConfig.of(BLOCK=1024, num_warps=4), KernelConfig.of(BLOCK=2048, num_warps=8),
+                KernelConfig.of(BLOCK=512, num_warps=4), KernelConfig.of(BLOCK=4096, num_warps=8)]
+
+    def part_channels_last(self, part: Part, tensors: dict[str, torch.Tensor]) -> bool:
+        candidates = [tensors[i] for i in part.inputs if i in tensors]
+        return bool(candidates) and is_channels_last(max(candidates, key=lambda t: t.numel()))
+
+    def output_channels_last(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
+        part = next(p for p in self.parts if name in p.outputs)
+        return self.part_channels_last(part, tensors)
+
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+            outputs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Outputs (in group.outputs order) of the group for its runtime inputs; `outputs` may be preallocated."""
+        config = config or self.configs()[0]
+        tensors = self.bind(inputs)
+        results = self.outputs_for(tensors, outputs)
+        everything = tensors | dict(zip(self.group.outputs, results))
+        constexprs: dict[str, bool] = {}
+        orders = {}
+        for part in self.parts:
+            channels_last = part.has_layout_choice and self.part_channels_last(part, tensors)
+            if part.has_layout_choice:
+                constexprs[f"CL{part.key}"] = channels_last
+            orders[part.key] = layout_order(len(part.shape), channels_last)
+        for flag, (value, key) in self.flags.items():
+            constexprs[flag] = is_dense_in_order(everything[value], orders[key])
+        block = config["BLOCK"]
+        programs = sum(-(-part.numel // block) for part in self.parts)
+        self.launch((programs,), config, everything, programs * block, **constexprs)
+        return results

@@ -1,0 +1,366 @@
+"""Reduction groups with an elementwise prologue and epilogue as one Triton kernel: `lower_reduction_group`.
+
+Two templates:
+- rows (`RowReductionKernel`): softmax over any dim, layer_norm over the last dims (weight, bias), mean/sum over
+  given dims, and adaptive_avg_pool2d to (1,1) (global average pool = mean over H, W). The reduction input is viewed
+  as [rows, L] (kept dims x reduced dims, through its strides); a program takes BLOCK_M rows and walks each row in
+  chunks of BLOCK_L. When one chunk holds the row (ONE_PASS) it stays in registers: one read, one write. Otherwise
+  softmax keeps an online max and sum, layer norm merges per-chunk mean and M2 (Chan et al.), and a second sweep
+  recomputes the prologue and writes the result: two reads, one write.
+- pools (`PoolKernel`): max_pool2d / avg_pool2d (kernel, stride, padding, dilation, ceil_mode) and divisible
+  adaptive_avg_pool2d on NHWC: a program takes [BLOCK_P output pixels, BLOCK_C channels] and visits the window taps.
+
+The prologue is evaluated wherever the reduction reads its input (a prologue value that is also a group output is
+stored on the first sweep); the epilogue is evaluated at the reduction's output coordinates.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from opfuse.codegen.base import KernelConfig
+from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported
+from opfuse.codegen.operands import (VIEW_OPS, Coords, Emitter, Region, TemplateKernel, broadcast_coords,
+                                     build_kernel, group_operands, held_constants, interpreting, next_power_of_2)
+from opfuse.fusion.plan import FusionGroup
+from opfuse.ir.graph import Graph, Node
+from opfuse.ir.ops import FusionKind, kind_of
+
+ROW_OPS = ("softmax", "layer_norm", "mean", "sum")
+POOL_OPS = ("max_pool2d", "avg_pool2d")
+NEG_INF = 'float("-inf")'
+# softmax's running max never drops below this finite floor: a chunk of only -inf (a padding mask) would
+# otherwise rescale the running sum by exp(-inf - -inf) = NaN; a row of only -inf still gives 0/0 = NaN, as in PyTorch
+MAX_FLOOR = "-3.0e38"
+
+
+def lower_reduction_group(graph: Graph, group: FusionGroup, device) -> TemplateKernel:
+    """Lower a group of one reduction with elementwise prologue/epilogue ops to one Triton kernel."""
+    group_operands(graph, group)
+    node = reduction_node(graph, group)
+    x_shape = graph[node.inputs[0]].type.shape
+    if node.op == "adaptive_avg_pool2d":
+        out_h, out_w = node.type.shape[-2:]
+        if (out_h, out_w) == (1, 1):
+            return RowReductionKernel(graph, group, device, node, "mean", [len(x_shape) - 2, len(x_shape) - 1])
+        if len(x_shape) != 4 or x_shape[2] % out_h or x_shape[3] % out_w:
+            raise Unsupported(f"{node.describe()}: adaptive pooling to {out_h}x{out_w} of {x_shape[2]}x"
+                              f"{x_shape[3]} has uneven windows")
+        return PoolKernel(graph, group, device, node)
+    if node.op in POOL_OPS:
+        return PoolKernel(graph, group, device, node)
+    if node.op in ROW_OPS:
+        return RowReductionKernel(graph, group, device, node, node.op, reduced_dims(node, len(x_shape)))
+    raise Unsupported(f"no reduction template for {node.describe()}")
+
+
+def reduction_node(graph: Graph, group: FusionGroup) -> Node:
+    """The group's one reduction; every other node must be elementwise or a view."""
+    reductions = [graph[n] for n in group.nodes if kind_of(graph[n]) is FusionKind.REDUCTION]
+    if len(reductions) != 1:
+        raise Unsupported(f"group {group.name} holds {len(reductions)} reductions; the template takes one")
+    for name in group.nodes:
+        node = graph[name]
+        if node is not reductions[0] and node.op not in SUPPORTED_OPS and node.op not in VIEW_OPS:
+            raise Unsupported(f"node {node.describe()} in group {group.name} is neither elementwise nor a view")
+    return reductions[0]
+
+
+def reduced_dims(node: Node, rank: int) -> list[int]:
+    if node.op == "softmax":
+        return [node.attrs["dim"] % rank]
+    if node.op == "layer_norm":
+        normalized = node.attrs["normalized_shape"]
+        return list(range(rank - (1 if isinstance(normalized, int) else len(normalized)), rank))
+    dims = node.attrs.get("dims")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(rank))
+    dims = [dims] if isinstance(dims, int) else dims
+    return sorted({d % rank for d in dims})
+
+
+def split_outputs(graph: Graph, group: FusionGroup, node: Node) -> tuple[list[str], list[str]]:
+    """Group outputs computed before the reduction (prologue) and from it (epilogue), with their sizes checked."""
+    after = {node.name}
+    for name in group.nodes:
+        if any(i in after for i in graph[name].inputs):
+            after.add(name)
+    x_numel = graph[node.inputs[0]].type.numel
+    prologue = [o for o in group.outputs if o not in after]
+    epilogue = [o for o in group.outputs if o in after]
+    for o in prologue:
+        if graph[o].type.numel != x_numel:
+            raise Unsupported(f"prologue output {graph[o].describe()} is not the size of the reduction input")
+    for o in epilogue:
+        if graph[o].type.numel != node.type.numel:
+            raise Unsupported(f"epilogue output {graph[o].describe()} is not the size of {node.describe()}")
+    return prologue, epilogue
+
+
+def store_outputs(region: Region, outputs: Sequence[str], coords: Coords, shape: Sequence[int]) -> None:
+    """Store each output at `coords` of `shape`, mapped through row-major order when its own shape differs."""
+    for o in outputs:
+        own = region.graph[o].type.shape
+        region.store(o, coords if tuple(own) == tuple(shape) else region.reshape_coords(coords, shape, own))
+
+
+def indent(lines: Sequence[str], depth: int = 1) -> list[str]:
+    return ["    " * depth + line for line in lines]
+
+
+class RowReductionKernel(TemplateKernel):
+    """softmax / layer_norm / mean / sum over some dims of one input, BLOCK_M rows a program."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, mode: str, dims: list[int]):
+        self.node, self.mode = node, mode
+        x = graph[node.inputs[0]]
+        shape = x.type.shape
+        self.reduced = dims
+        self.kept = [d for d in range(len(shape)) if d not in dims]
+        self.rows = math.prod(shape[d] for d in self.kept)
+        self.length = math.prod(shape[d] for d in dims)
+        # a reduction over H, W of an NHWC image finds the kept channels adjacent in memory: tile many rows and
+        # short chunks (a 4-D attention softmax over the last dim is not such a case)
+        self.channels_inner = len(shape) == 4 and 1 in self.kept and {2, 3} <= set(dims)
+        prologue, epilogue = split_outputs(graph, group, node)
+        constants, scalars = held_constants(graph, group, device)
+        emitter = Emitter(graph, group, scalars)
+
+        head = emitter.region("[BLOCK_M, 1]", "row_mask")
+        kept_coords = head.unravel("rows", [shape[d] for d in self.kept])
+        self._kept = dict(zip(self.kept, kept_coords))
+        body = ["pid = tl.program_id(0)", "if INT64:", "    pid = pid.to(tl.int64)",
+                "rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]", f"row_mask = rows < {self.rows}",
+                "lanes = tl.arange(0, BLOCK_L)[None, :]"] + head.lines
+        self._emitter, self._x, self._shape = emitter, x.name, shape
+        self._prologue, self._epilogue = prologue, epilogue
+        if mode == "softmax":
+            body += self._softmax()
+        elif mode == "layer_norm":
+            body += self._layer_norm()
+        else:
+            body += self._sum(divide=mode == "mean")
+        constexprs = ["BLOCK_M", "BLOCK_L", "ONE_PASS", "INT64"]
+        name, source, function = build_kernel(graph, group, emitter, body, constexprs)
+        super().__init__(graph, group, name, source, device, emitter.args, constants, function)
+
+    # ---- code generation ------------------------------------------------------------------------------
+    def _chunk(self, first: str, store_prologue: bool) -> tuple[list[str], Region, Coords, str]:
+        """Lines loading one [BLOCK_M, BLOCK_L] chunk of the reduction input (prologue applied).
+
+        Returns the lines so far, the region (to extend), the chunk's full coordinates and the input expression.
+        """
+        region = self._emitter.region("[BLOCK_M, BLOCK_L]", "mask")
+        reduced = region.unravel("cols", [self._shape[d] for d in self.reduced])
+        coords = dict(self._kept) | dict(zip(self.reduced, reduced))
+        full = tuple(coords[d] for d in range(len(self._shape)))
+        value = region.value(self._x, full)
+        if store_prologue:
+            store_outputs(region, self._prologue, full, self._shape)
+        lines = [f"cols = {first}", f"mask = row_mask & (cols < {self.length})"]
+        return lines, region, full, value
+
+    def _finish(self, lines: list[str], region: Region, coords: Coords, result: str) -> list[str]:
+        """Bind the reduction's result at `coords`, then compute and store the epilogue outputs."""
+        region.bind(self.node.name, coords, result)
+        store_outputs(region, self._epilogue, coords, self.node.type.shape)
+        return lines + region.lines
+
+    def _loop(self, lines: list[str]) -> list[str]:
+        return [f"for start in range(0, {self.length}, BLOCK_L):"] + indent(lines)
+
+    def _softmax(self) -> list[str]:
+        one, region, full, x = self._chunk("lanes", True)
+        region.lines += [f"t = tl.where(mask, {x}, {NEG_INF})",
+                         f"row_max = tl.maximum(tl.max(t, axis=1)[:, None], {MAX_FLOOR})",
+                         "e = tl.exp(t - row_max)", "result = e / tl.sum(e, axis=1)[:, None]"]
+        one = self._finish(one, region, full, "result")
+        stats, region, _, x = self._chunk("start + lanes", True)
+        stats += region.lines + [
+            f"t = tl.where(mask, {x}, {NEG_INF})",
+            "new_max = tl.maximum(row_max, tl.max(t, axis=1)[:, None])",
+            "row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(t - new_max), axis=1)[:, None]",
+            "row_max = new_max"]
+        write, region, full, x = self._chunk("start + lanes", False)
+        region.lines.append(f"result = tl.exp({x} - row_max) / row_sum")
+        write = self._finish(write, region, full, "result")
+        return (["if ONE_PASS:"] + indent(one) + ["else:"] + indent(
+            [f"row_max = tl.full([BLOCK_M, 1], {MAX_FLOOR}, tl.float32)",
+             "row_sum = tl.zeros([BLOCK_M, 1], dtype=tl.float32)"] + self._loop(stats) + self._loop(write)))
+
+    def _affine(self, region: Region, full: Coords, normalized: str) -> str:
+        """layer_norm's weight and bias (optional inputs 1 and 2), broadcast over the normalized dims."""
+        for position, op in ((1, "*"), (2, "+")):
+            if len(self.node.inputs) > position:
+                name = self.node.inputs[position]
+                operand = region.value(name, broadcast_coords(full, self._shape, self._shape_of(name)))
+                normalized = region.assign(f"{normalized} {op} {operand}")
+        return normalized
+
+    def _shape_of(self, name: str) -> tuple[int, ...]:
+        return self._emitter.graph[name].type.shape
+
+    def _layer_norm(self) -> list[str]:
+        eps, n = repr(float(self.node.attrs["eps"])), self.length
+        one, region, full, x = self._chunk("lanes", True)
+        region.lines += [f"t = tl.where(mask, {x}, 0.0)", f"mean = tl.sum(t, axis=1)[:, None] / {n}",
+                         "centered = tl.where(mask, t - mean, 0.0)",
+                         f"rstd = tl.rsqrt(tl.sum(centered * centered, axis=1)[:, None] / {n} + {eps})"]
+        one = self._finish(one, region, full, self._affine(region, full, region.assign("centered * rstd")))
+        stats, region, _, x = self._chunk("start + lanes", True)
+        stats += region.lines + [
+            f"t = tl.where(mask, {x}, 0.0)",
+            f"count = tl.sum(tl.where(cols < {n}, 1.0, 0.0), axis=1)[:, None]",
+            "chunk_mean = tl.sum(t, axis=1)[:, None] / count",
+            "d = tl.where(mask, t - chunk_mean, 0.0)",
+            "total = seen + count",
+            "delta = chunk_mean - mean",
+            "mean = mean + delta * (count / total)",
+            "m2 = m2 + tl.sum(d * d, axis=1)[:, None] + delta * delta * (seen * count / total)",
+            "seen = total"]
+        write, region, full, x = self._chunk("start + lanes", False)
+        result = self._affine(region, full, region.assign(f"({x} - mean) * rstd"))
+        write = self._finish(write, region, full, result)
+        return (["if ONE_PASS:"] + indent(one) + ["else:"] + indent(
+            ["mean = tl.zeros([BLOCK_M, 1], dtype=tl.float32)", "m2 = tl.zeros([BLOCK_M, 1], dtype=tl.float32)",
+             "seen = tl.zeros([1, 1], dtype=tl.float32)"] + self._loop(stats)
+            + [f"rstd = tl.rsqrt(m2 / {n} + {eps})"] + self._loop(write)))
+
+    def _sum(self, divide: bool) -> list[str]:
+        chunk, region, _, x = self._chunk("start + lanes", True)
+        lines = ["acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)"]
+        lines += self._loop(chunk + region.lines + [f"acc += tl.where(mask, {x}, 0.0)"])
+        lines.append("result = tl.sum(acc, axis=1)[:, None]" + (f" / {self.length}" if divide else ""))
+        out_shape = self.node.type.shape
+        if len(out_shape) == len(self._shape):       # keepdim: reduced dims stay with size 1
+            coords = tuple(None if d in self.reduced else self._kept[d] for d in range(len(out_shape)))
+        else:
+            coords = tuple(self._kept[d] for d in self.kept)
+        region = self._emitter.region("[BLOCK_M, 1]", "row_mask")
+        return self._finish(lines, region, coords, "result")
+
+    # ---- runtime ----------------------------------------------------------------------------------
+    def configs(self) -> list[KernelConfig]:
+        rows, length = next_power_of_2(self.rows), next_power_of_2(self.length)
+        if interpreting():
+            return [KernelConfig.of(BLOCK_M=min(rows, 16), BLOCK_L=min(length, 128), num_warps=1)]
+        if self.channels_inner:     # tiles of adjacent channels; larger ones keep more bytes in flight
+            shapes = [(64, 64), (64, 32), (128, 16), (32, 256), (128, 64)]
+        else:
+            block_l = min(length, 4096)
+            shapes = [(max(1, min(rows, target // block_l)), block_l) for target in (2048, 4096, 1024)]
+            if length > 4096:
+                shapes.append((1, 2048))
+        configs = []
+        for block_m, block_l in shapes:
+            block_m, block_l = min(block_m, rows), min(block_l, length)
+            config = KernelConfig.of(BLOCK_M=block_m, BLOCK_L=block_l,
+                                     num_warps=4 if block_m * block_l <= 2048 else 8)
+            if config not in configs:
+                configs.append(config)
+        return configs
+
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+            outputs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Outputs (in group.outputs order) of the group for its runtime inputs; `outputs` may be preallocated."""
+        config = config or self.configs()[0]
+        tensors = self.bind(inputs)
+        results = self.outputs_for(tensors, outputs)
+        programs = -(-self.rows // config["BLOCK_M"])
+        self.launch((programs,), config, tensors | dict(zip(self.group.outputs, results)),
+                    (programs + 1) * config["BLOCK_M"] + self.length + config["BLOCK_L"],
+                    ONE_PASS=config["BLOCK_L"] >= self.length)
+        return results
+
+
+class PoolKernel(TemplateKernel):
+    """max/avg pool2d on NHWC tiles of [BLOCK_P output pixels, BLOCK_C channels]."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, device, node: Node):
+        self.node = node
+        x = graph[node.inputs[0]]
+        if len(x.type.shape) != 4:
+            raise Unsupported(f"{node.describe()}: only batched 4-D pooling is generated")
+        n, c, h, w = x.type.shape
+        out_h, out_w = node.type.shape[2:]
+        attrs = node.attrs
+        if node.op == "adaptive_avg_pool2d":
+            kernel = stride = (h // out_h, w // out_w)
+            padding, dilation, self.is_max, include_pad = (0, 0), (1, 1), False, True
+        else:
+            pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
+            kernel = pair(attrs["kernel_size"])
+            stride = pair(attrs.get("stride") or kernel)
+            padding = pair(attrs.get("padding", 0))
+            dilation = pair(attrs.get("dilation", 1))
+            self.is_max = node.op == "max_pool2d"
+            include_pad = attrs.get("count_include_pad", True)
+            if attrs.get("divisor_override"):
+                raise Unsupported(f"{node.describe()}: divisor_override is not generated")
+        prologue, epilogue = split_outputs(graph, group, node)
+        if prologue:
+            raise Unsupported(f"{node.describe()}: pool windows overlap or skip pixels, so prologue values "
+                              f"({', '.join(prologue)}) cannot be written from this kernel")
+        self.pixels, self.channels = n * out_h * out_w, c
+        constants, scalars = held_constants(graph, group, device)
+        emitter = Emitter(graph, group, scalars)
+        head = emitter.region("[BLOCK_P, 1]", "out_mask")
+        batch, oh, ow = head.unravel("pixels", [n, out_h, out_w])
+        oh, ow = oh or "pixel_zero", ow or "pixel_zero"
+        channel = "channels" if c > 1 else None
+        body = ["pid = tl.program_id(0)", "if INT64:", "    pid = pid.to(tl.int64)",
+                "pixels = pid * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]", "pixel_zero = pixels * 0",
+                "channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]",
+                f"out_mask = (pixels < {self.pixels}) & (channels < {c})"] + head.lines
+        body.append(f"acc = tl.full([BLOCK_P, BLOCK_C], {NEG_INF if self.is_max else '0.0'}, tl.float32)")
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, padding, dilation
+        tap = emitter.region("[BLOCK_P, BLOCK_C]", "mask")
+        value = tap.value(x.name, (batch, channel, "ih", "iw"))
+        combine = (f"acc = tl.maximum(acc, tl.where(mask, {value}, {NEG_INF}))" if self.is_max
+                   else f"acc += tl.where(mask, {value}, 0.0)")
+        body += [f"for kh in tl.static_range({kh}):", f"    ih = {oh} * {sh} + (kh * {dh} - {ph})",
+                 f"    for kw in tl.static_range({kw}):", f"        iw = {ow} * {sw} + (kw * {dw} - {pw})",
+                 f"        mask = out_mask & (ih >= 0) & (ih < {h}) & (iw >= 0) & (iw < {w})"]
+        body += indent(tap.lines + [combine], 2)
+        if self.is_max:
+            body.append("result = acc")
+        else:   # PyTorch's divisor: the window clipped to the padded image, or to the image without padding
+            body += [f"h0 = {oh} * {sh} - {ph}", f"w0 = {ow} * {sw} - {pw}",
+                     f"h1 = tl.minimum(h0 + {kh}, {h + ph})", f"w1 = tl.minimum(w0 + {kw}, {w + pw})"]
+            if not include_pad:
+                body += ["h0 = tl.maximum(h0, 0)", "w0 = tl.maximum(w0, 0)",
+                         f"h1 = tl.minimum(h1, {h})", f"w1 = tl.minimum(w1, {w})"]
+            body.append("result = acc / ((h1 - h0) * (w1 - w0)).to(tl.float32)")
+        out_coords = (batch, channel, oh if out_h > 1 else None, ow if out_w > 1 else None)
+        region = emitter.region("[BLOCK_P, BLOCK_C]", "out_mask")
+        region.bind(node.name, out_coords, "result")
+        store_outputs(region, epilogue, out_coords, node.type.shape)
+        body += region.lines
+        name, source, function = build_kernel(graph, group, emitter, body, ["BLOCK_P", "BLOCK_C", "INT64"])
+        super().__init__(graph, group, name, source, device, emitter.args, constants, function)
+
+    def configs(self) -> list[KernelConfig]:
+        channels = next_power_of_2(self.channels)
+        if interpreting():
+            return [KernelConfig.of(BLOCK_P=16, BLOCK_C=min(channels, 32), num_warps=1)]
+        shapes = [(32, 64), (64, 32), (16, 128), (64, 64)]
+        configs = []
+        for block_p, block_c in shapes:
+            config = KernelConfig.of(BLOCK_P=block_p, BLOCK_C=min(block_c, channels), num_warps=4)
+            if config not in configs:
+                configs.append(config)
+        return configs
+
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+            outputs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Outputs (in group.outputs order) of the group for its runtime inputs; `outputs` may be preallocated."""
+        config = config or self.configs()[0]
+        tensors = self.bind(inputs)
+        results = self.outputs_for(tensors, outputs)
+        grid = (-(-self.pixels // config["BLOCK_P"]), -(-self.channels // config["BLOCK_C"]))
+        self.launch(grid, config, tensors | dict(zip(self.group.outputs, results)),
+                    (grid[0] + 1) * config["BLOCK_P"])
+        return results

@@ -1,0 +1,41 @@
+"""Whole models on the GPU (issue 3 acceptance): fp16 compile matches eager, and launches no more kernels than
+the plan says. Run on the device machine: OPFUSE_GPU_TESTS=1 python3 -m pytest -m gpu tests/gpu"""
+
+import copy
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+MODELS = ["resnet18", "resnet50", "mobilenet_v2", "bert-base"]
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("name", MODELS)
+def test_model_matches_eager_and_plan(name, batch):
+    import opfuse
+    from opfuse.bench.harness import kernel_profile
+    from opfuse.bench.zoo import load_builtin
+    from opfuse.numerics import relative_error
+
+    model, inputs = load_builtin(name, batch=batch)
+    reference_model = copy.deepcopy(model).float().cuda()
+    model = model.half().cuda()
+    inputs = tuple(x.cuda() for x in inputs)
+    fp16_inputs = tuple(x.half().contiguous(memory_format=torch.channels_last) if x.is_floating_point() else x
+                        for x in inputs)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    compiled = opfuse.compile(model, fp16_inputs, opfuse.FusionConfig(dtype="float16"))
+
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    with torch.inference_mode():
+        out = compiled(*fp16_inputs)
+        reference = reference_model(*inputs)
+    assert relative_error(out.float(), reference.float()) < 1e-2
+    compiled.compiled.set_cuda_graph(False)
+    with torch.inference_mode():
+        kernels, _ = kernel_profile(compiled, fp16_inputs)
+    assert kernels <= compiled.plan.kernel_launches, compiled.fallbacks

@@ -1,0 +1,234 @@
+"""Elementwise group kernels (pointwise chains, horizontal groups) on Triton's interpreter.
+
+Each test builds a tiny graph by hand, lowers it as one fusion group, runs the kernel on NaN-poisoned outputs and
+compares every group output with the IR reference interpreter run in float32. With OPFUSE_GPU_TESTS=1 the same
+tests run compiled on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from opfuse.codegen.base import KernelConfig
+from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.pointwise import lower_pointwise_group
+from opfuse.fusion.plan import FusionGroup, GroupKind
+from opfuse.ir.graph import Graph, GraphError, TensorType, torch_dtype
+from opfuse.ir.interpret import interpret
+from opfuse.ir.ops import infer_type
+
+DEVICE = "cuda" if os.environ.get("OPFUSE_GPU_TESTS") == "1" else "cpu"
+# masked-off lanes of the interpreter may compute inf/NaN that is never stored
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+class Builder:
+    """A graph built op by op, all tensors in one dtype, with random constants and inputs."""
+
+    def __init__(self, dtype: str = "float32", seed: int = 0):
+        self.graph = Graph("test")
+        self.dtype = dtype
+        self.generator = torch.Generator().manual_seed(seed)
+        self.feeds: dict[str, torch.Tensor] = {}
+
+    def random(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator)
+
+    def input(self, name: str, shape: tuple[int, ...], value: torch.Tensor | None = None) -> str:
+        """A graph input; `value` (any strides) is what the test feeds, default channels-last when 4-D."""
+        if value is None:
+            value = self.random(*shape)
+            if len(shape) == 4:
+                value = value.to(memory_format=torch.channels_last)
+        self.feeds[name] = value.to(torch_dtype(self.dtype))
+        return self.graph.add_input(name, TensorType(shape, self.dtype)).name
+
+    def const(self, name: str, tensor: torch.Tensor) -> str:
+        return self.graph.add_constant(name, tensor.to(torch_dtype(self.dtype))).name
+
+    def op(self, op: str, *inputs: str, **attrs) -> str:
+        node_type = infer_type(op, [self.graph[i].type for i in inputs], attrs)
+        return self.graph.add_node(op, inputs, node_type, attrs).name
+
+    def group(self, outputs: list[str], kind: GroupKind = GroupKind.POINTWISE) -> FusionGroup:
+        self.graph.outputs = list(outputs)
+        nodes = [n.name for n in self.graph if n.op not in ("input", "constant")]
+        inputs: list[str] = []
+        for name in nodes:
+            for i in self.graph[name].inputs:
+                if i not in nodes and i not in inputs:
+                    inputs.append(i)
+        return FusionGroup(0, kind, nodes, inputs=inputs, outputs=list(outputs))
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
+
+
+def run_group(builder: Builder, outputs: list[str], kind: GroupKind = GroupKind.POINTWISE,
+              config: KernelConfig | None = None):
+    """Lower, run with NaN-poisoned outputs, check against the float32 reference; returns (kernel, results)."""
+    group = builder.group(outputs, kind)
+    kernel = lower_pointwise_group(builder.graph, group, DEVICE)
+    kernel.output_fill = float("nan")
+    results = kernel.run([builder.feeds[name].to(DEVICE) for name in kernel.runtime_inputs], config)
+    assert kernel.last_compiled is not None
+    reference_graph = builder.graph.copy()
+    reference_graph.constants = {k: v.float() for k, v in builder.graph.constants.items()}
+    expected = interpret(reference_graph, [builder.feeds[n.name].float() for n in builder.graph.input_nodes])
+    tolerance = 1e-4 if builder.dtype == "float32" else 1e-2
+    assert len(results) == len(expected) == len(outputs)
+    for name, got, want in zip(outputs, results, expected):
+        assert got.shape == want.shape, name
+        assert got.dtype == torch_dtype(builder.graph[name].type.dtype), name
+        assert not torch.isnan(got).any(), f"{name}: unwritten (NaN) elements"
+        assert rel_err(got, want) < tolerance, (name, rel_err(got, want))
+    return kernel, results
+
+
+def test_add_relu_mul_with_channel_constant_on_channels_last_input():
+    b = Builder()
+    x = b.input("x", (2, 5, 6, 7))                      # 420 elements: not a multiple of the block
+    y = b.op("add", x, b.const("shift", b.random(5, 1, 1)))
+    y = b.op("relu", y)
+    y = b.op("mul", y, b.const("scale", torch.tensor(1.5)))
+    kernel, (out,) = run_group(b, [y])
+    assert out.is_contiguous(memory_format=torch.channels_last)   # layout of the largest input
+    assert len(kernel.args.inputs) == 2                 # the one-element scale is a literal, not a parameter
+    run_group(b, [y], config=KernelConfig.of(BLOCK=64, num_warps=1))   # many programs
+
+
+def test_contiguous_input_gives_contiguous_output():
+    b = Builder()
+    x = b.input("x", (2, 3, 4, 5), b.random(2, 3, 4, 5))
+    _, (out,) = run_group(b, [b.op("relu", x)])
+    assert out.is_contiguous()
+
+
+@pytest.mark.parametrize("op,attrs", [
+    ("sigmoid", {}), ("silu", {}), ("gelu", {"approximate": "tanh"}), ("gelu", {"approximate": "none"}),
+    ("hardswish", {}), ("clamp", {"min": -0.5, "max": 0.75}), ("tanh", {}), ("hardsigmoid", {}),
+])
+def test_activation(op, attrs):
+    b = Builder()
+    x = b.input("x", (3, 7, 11), b.random(3, 7, 11) * 3)
+    run_group(b, [b.op(op, x, **attrs)], GroupKind.SINGLE)
+
+
+def test_activation_chain():
+    b = Builder()
+    y = b.input("x", (4, 6, 5, 3))
+    for op, attrs in [("silu", {}), ("gelu", {"approximate": "tanh"}), ("hardswish", {}),
+                      ("clamp", {"min": -1.0, "max": 2.0}), ("gelu", {}), ("sigmoid", {})]:
+        y = b.op(op, y, **attrs)
+    run_group(b, [y])
+
+
+def test_batch_norm_relu():
+    b = Builder()
+    x = b.input("x", (2, 6, 5, 5))
+    stats = [b.const(name, tensor) for name, tensor in [
+        ("weight", b.random(6)), ("bias", b.random(6)), ("mean", b.random(6)), ("var", b.random(6).abs() + 0.5)]]
+    y = b.op("batch_norm", x, *stats, eps=1e-5)
+    run_group(b, [b.op("relu", y)])
+
+
+def test_cast_to_float16():
+    b = Builder()
+    x = b.input("x", (3, 17))
+    y = b.op("cast", b.op("relu", x), dtype="float16")
+    _, (out,) = run_group(b, [y])
+    assert out.dtype == torch.float16
+
+
+def test_float16_chain():
+    b = Builder("float16")
+    x = b.input("x", (2, 8, 3, 5))
+    y = b.op("add", x, b.input("skip", (2, 8, 3, 5)))
+    run_group(b, [b.op("silu", b.op("mul", y, b.const("w", b.random(8, 1, 1))))])
+
+
+def test_permuted_and_channel_slice_inputs():
+    b = Builder()
+    transposed = b.input("t", (4, 6, 5), b.random(5, 6, 4).permute(2, 1, 0))
+    other = b.input("o", (4, 6, 5))
+    run_group(b, [b.op("sub", transposed, other)])
+
+    b = Builder()
+    wide = b.random(2, 16, 5, 5).to(memory_format=torch.channels_last)
+    x = b.input("x", (2, 8, 5, 5), wide[:, 4:12])      # a channel slice: strided, channels adjacent
+    _, (out,) = run_group(b, [b.op("relu", x)])
+    assert out.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_view_nodes_inside_the_group():
+    b = Builder()
+    x = b.input("x", (2, 3, 4))
+    y = b.op("permute", x, dims=[0, 2, 1])              # [2, 4, 3]
+    y = b.op("add", y, b.input("y", (2, 4, 3)))
+    y = b.op("reshape", y, shape=[2, 12])
+    z = b.op("slice", b.input("w", (2, 20)), dim=1, start=2, end=14)
+    run_group(b, [b.op("mul", y, z)])
+
+
+def test_two_outputs_and_a_flattened_one():
+    b = Builder()
+    x = b.input("x", (2, 4, 3, 3))
+    h = b.op("add", x, b.input("skip", (2, 4, 3, 3)))
+    y = b.op("relu", h)
+    flat = b.op("reshape", y, shape=[2, 36])            # row-major order, though the kernel walks NHWC
+    kernel, (first, _, third) = run_group(b, [h, y, flat])
+    assert len(kernel.args.outputs) == 3
+    assert first.is_contiguous(memory_format=torch.channels_last) and third.is_contiguous()
+
+
+def test_horizontal_group_of_independent_chains():
+    b = Builder()
+    a = b.op("relu", b.op("add", b.input("x", (2, 8, 5, 5)), b.const("c", b.random(8, 1, 1))))
+    c = b.op("sigmoid", b.op("mul", b.input("y", (3, 10)), b.input("z", (3, 10))))
+    kernel, (first, second) = run_group(b, [a, c], GroupKind.HORIZONTAL_POINTWISE)
+    assert len(kernel.parts) == 2
+    assert first.is_contiguous(memory_format=torch.channels_last) and second.is_contiguous()
+    run_group(b, [a, c], GroupKind.HORIZONTAL_POINTWISE, KernelConfig.of(BLOCK=32, num_warps=1))
+
+
+def test_odd_sizes_and_broadcasts():
+    b = Builder()
+    x = b.input("x", (1, 3, 1, 7))                      # batch 1 and a size-1 spatial dim
+    y = b.op("add", x, b.input("row", (7,)))
+    run_group(b, [b.op("maximum", y, b.const("floor", b.random(3, 1, 1)))])
+
+    b = Builder()
+    outer = b.op("mul", b.input("col", (5, 1, 7)), b.input("row", (1, 4, 1)))    # both sides broadcast
+    run_group(b, [outer], config=KernelConfig.of(BLOCK=16, num_warps=1))
+
+
+def test_preallocated_outputs_in_another_layout():
+    b = Builder()
+    x = b.input("x", (2, 4, 3, 5))
+    y = b.op("relu", x)
+    group = b.group([y])
+    kernel = lower_pointwise_group(b.graph, group, DEVICE)
+    out = torch.full((2, 4, 3, 5), float("nan"), device=DEVICE)   # contiguous, though the input is NHWC
+    kernel.run([b.feeds["x"].to(DEVICE)], outputs=[out])
+    assert torch.equal(out.cpu(), torch.relu(b.feeds["x"]))
+
+
+def test_unsupported_and_bad_inputs():
+    b = Builder()
+    x = b.input("x", (2, 5))
+    s = b.op("softmax", x, dim=-1)
+    with pytest.raises(Unsupported):
+        lower_pointwise_group(b.graph, b.group([s]), DEVICE)
+
+    b = Builder()
+    y = b.op("relu", b.input("x", (2, 5)))
+    kernel = lower_pointwise_group(b.graph, b.group([y]), DEVICE)
+    with pytest.raises(GraphError, match="x"):
+        kernel.run([torch.zeros(3, 5, device=DEVICE)])
+    with pytest.raises(GraphError):
+        kernel.run([])

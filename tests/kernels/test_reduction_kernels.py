@@ -1,0 +1,250 @@
+"""Reduction group kernels (softmax, layer norm, mean/sum, pooling) with prologues and epilogues, on Triton's
+interpreter.
+
+Each test builds a tiny graph by hand, lowers it as one fusion group, runs the kernel on NaN-poisoned outputs and
+compares every group output with the IR reference interpreter run in float32. Rows longer than one block run the
+looped (two-sweep) code path, picked by a small BLOCK_L. With OPFUSE_GPU_TESTS=1 the same tests run on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from opfuse.codegen.base import KernelConfig
+from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.reduction import PoolKernel, RowReductionKernel, lower_reduction_group
+from opfuse.fusion.plan import FusionGroup, GroupKind
+from opfuse.ir.graph import Graph, TensorType, torch_dtype
+from opfuse.ir.interpret import interpret
+from opfuse.ir.ops import infer_type
+
+DEVICE = "cuda" if os.environ.get("OPFUSE_GPU_TESTS") == "1" else "cpu"
+# masked-off lanes (rows past the end) may compute inf/NaN that is never stored
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+SMALL_CHUNKS = KernelConfig.of(BLOCK_M=2, BLOCK_L=16, num_warps=1)
+
+
+class Builder:
+    """A graph built op by op, all tensors in one dtype, with random constants and inputs."""
+
+    def __init__(self, dtype: str = "float32", seed: int = 0):
+        self.graph = Graph("test")
+        self.dtype = dtype
+        self.generator = torch.Generator().manual_seed(seed)
+        self.feeds: dict[str, torch.Tensor] = {}
+
+    def random(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator)
+
+    def input(self, name: str, shape: tuple[int, ...], value: torch.Tensor | None = None) -> str:
+        """A graph input; `value` (any strides) is what the test feeds, default channels-last when 4-D."""
+        if value is None:
+            value = self.random(*shape)
+            if len(shape) == 4:
+                value = value.to(memory_format=torch.channels_last)
+        self.feeds[name] = value.to(torch_dtype(self.dtype))
+        return self.graph.add_input(name, TensorType(shape, self.dtype)).name
+
+    def const(self, name: str, tensor: torch.Tensor) -> str:
+        return self.graph.add_constant(name, tensor.to(torch_dtype(self.dtype))).name
+
+    def op(self, op: str, *inputs: str, **attrs) -> str:
+        node_type = infer_type(op, [self.graph[i].type for i in inputs], attrs)
+        return self.graph.add_node(op, inputs, node_type, attrs).name
+
+    def group(self, outputs: list[str]) -> FusionGroup:
+        self.graph.outputs = list(outputs)
+        nodes = [n.name for n in self.graph if n.op not in ("input", "constant")]
+        inputs: list[str] = []
+        for name in nodes:
+            for i in self.graph[name].inputs:
+                if i not in nodes and i not in inputs:
+                    inputs.append(i)
+        return FusionGroup(0, GroupKind.REDUCTION, nodes, inputs=inputs, outputs=list(outputs))
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
+
+
+def run_group(builder: Builder, outputs: list[str], config: KernelConfig | None = None):
+    """Lower, run with NaN-poisoned outputs, check against the float32 reference; returns (kernel, results)."""
+    kernel = lower_reduction_group(builder.graph, builder.group(outputs), DEVICE)
+    kernel.output_fill = float("nan")
+    results = kernel.run([builder.feeds[name].to(DEVICE) for name in kernel.runtime_inputs], config)
+    assert kernel.last_compiled is not None
+    reference_graph = builder.graph.copy()
+    reference_graph.constants = {k: v.float() for k, v in builder.graph.constants.items()}
+    expected = interpret(reference_graph, [builder.feeds[n.name].float() for n in builder.graph.input_nodes])
+    tolerance = 1e-4 if builder.dtype == "float32" else 1e-2
+    assert len(results) == len(expected) == len(outputs)
+    for name, got, want in zip(outputs, results, expected):
+        assert got.shape == want.shape, name
+        assert got.dtype == torch_dtype(builder.graph[name].type.dtype), name
+        assert not torch.isnan(got).any(), f"{name}: unwritten (NaN) elements"
+        assert rel_err(got, want) < tolerance, (name, rel_err(got, want))
+    return kernel, results
+
+
+# ---- softmax ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", [None, SMALL_CHUNKS], ids=["one-pass", "looped"])
+def test_softmax_last_dim_row_37(config):
+    b = Builder()
+    kernel, _ = run_group(b, [b.op("softmax", b.input("x", (5, 37), b.random(5, 37) * 4), dim=-1)], config)
+    assert isinstance(kernel, RowReductionKernel)
+
+
+def test_softmax_row_longer_than_the_default_block():
+    b = Builder()
+    kernel, _ = run_group(b, [b.op("softmax", b.input("x", (3, 300)), dim=1)])
+    if DEVICE == "cpu":                                   # the interpreter's default block is 128: it loops
+        assert kernel.configs()[0]["BLOCK_L"] < 300
+
+
+@pytest.mark.parametrize("config", [None, SMALL_CHUNKS], ids=["one-pass", "looped"])
+def test_softmax_with_scale_prologue_and_mask(config):
+    b = Builder()
+    scores = b.input("scores", (2, 2, 6, 40))
+    y = b.op("mul", scores, b.const("scale", torch.tensor(0.125)))
+    mask = torch.zeros(1, 1, 6, 40)
+    mask[..., :20] = float("-inf")                         # whole first chunks of -inf (left padding)
+    y = b.op("add", y, b.const("mask", mask))
+    kernel, _ = run_group(b, [b.op("softmax", y, dim=-1)], config)
+    assert not kernel.channels_inner                       # rows tile along the reduced (contiguous) dim
+
+
+def test_softmax_over_a_middle_dim():
+    b = Builder()
+    run_group(b, [b.op("softmax", b.input("x", (3, 9, 4)), dim=1)], SMALL_CHUNKS)
+
+
+@pytest.mark.parametrize("length,config", [(128, None), (200, SMALL_CHUNKS)])
+def test_softmax_float16(length, config):
+    b = Builder("float16")
+    run_group(b, [b.op("softmax", b.input("x", (4, length), b.random(4, length) * 3), dim=-1)], config)
+
+
+# ---- layer norm -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hidden,config", [(48, None), (48, SMALL_CHUNKS), (200, None)],
+                         ids=["48-one-pass", "48-looped", "200-default"])
+def test_layer_norm_with_residual_add_prologue(hidden, config):
+    b = Builder()
+    x = b.input("x", (2, 3, hidden), b.random(2, 3, hidden) * 3 + 5)   # a large mean tests the variance
+    h = b.op("add", x, b.input("residual", (2, 3, hidden)))
+    y = b.op("layer_norm", h, b.const("w", b.random(hidden)), b.const("b", b.random(hidden)),
+             normalized_shape=[hidden], eps=1e-5)
+    run_group(b, [h, y], config)                           # the residual sum is needed later: stored too
+
+
+def test_layer_norm_float16_without_affine_then_cast():
+    b = Builder("float16")
+    y = b.op("layer_norm", b.input("x", (5, 96)), normalized_shape=[96], eps=1e-6)
+    run_group(b, [b.op("cast", y, dtype="float32")], KernelConfig.of(BLOCK_M=4, BLOCK_L=32, num_warps=1))
+
+
+def test_layer_norm_over_two_dims():
+    b = Builder()
+    y = b.op("layer_norm", b.input("x", (3, 4, 5)), b.const("w", b.random(4, 5)), b.const("b", b.random(4, 5)),
+             normalized_shape=[4, 5], eps=1e-5)
+    run_group(b, [y], SMALL_CHUNKS)
+
+
+# ---- mean / sum / global pool -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("keepdim", [True, False])
+@pytest.mark.parametrize("dims,config", [([2, 3], SMALL_CHUNKS), ([-1, -2], None)], ids=["looped", "default"])
+def test_mean_over_spatial_dims(keepdim, dims, config):
+    b = Builder()
+    run_group(b, [b.op("mean", b.input("x", (2, 6, 5, 7)), dims=dims, keepdim=keepdim)], config)
+
+
+def test_sum_over_middle_dim_with_epilogue():
+    b = Builder()
+    y = b.op("sum", b.input("x", (4, 9, 3)), dims=[1])
+    run_group(b, [b.op("mul", y, b.input("g", (4, 3)))])
+
+
+def test_global_average_pool_on_channels_last_input():
+    b = Builder()
+    y = b.op("adaptive_avg_pool2d", b.input("x", (2, 40, 7, 7)), output_size=[1, 1])
+    kernel, (out,) = run_group(b, [b.op("relu", y)])
+    assert isinstance(kernel, RowReductionKernel) and kernel.channels_inner and out.shape == (2, 40, 1, 1)
+
+
+def test_mean_then_cast_float16():
+    b = Builder("float16")
+    y = b.op("mean", b.input("x", (2, 12, 3, 5)), dims=[2, 3], keepdim=False)
+    _, (out,) = run_group(b, [b.op("cast", y, dtype="float32")])
+    assert out.dtype == torch.float32
+
+
+# ---- pools ------------------------------------------------------------------------------------------
+
+def pool_attrs(kernel, stride, padding, ceil_mode=False):
+    return dict(kernel_size=[kernel, kernel], stride=[stride, stride], padding=[padding, padding],
+                ceil_mode=ceil_mode)
+
+
+@pytest.mark.parametrize("size", [(9, 11), (8, 8)])
+def test_max_pool_resnet_stem(size):
+    b = Builder()
+    y = b.op("max_pool2d", b.input("x", (2, 5) + size), dilation=[1, 1], **pool_attrs(3, 2, 1))
+    kernel, (out,) = run_group(b, [y])
+    assert isinstance(kernel, PoolKernel) and out.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_max_pool_dilation_ceil_mode_and_batch_norm_relu_prologue():
+    b = Builder()
+    x = b.input("x", (1, 6, 10, 9))
+    stats = [b.const(name, tensor) for name, tensor in [
+        ("weight", b.random(6)), ("bias", b.random(6)), ("mean", b.random(6)), ("var", b.random(6).abs() + 0.5)]]
+    y = b.op("relu", b.op("batch_norm", x, *stats, eps=1e-5))
+    y = b.op("max_pool2d", y, dilation=[2, 1], **pool_attrs(3, 2, 1, ceil_mode=True))
+    run_group(b, [y])
+
+
+@pytest.mark.parametrize("padding,ceil_mode,include_pad", [(1, False, True), (1, True, False), (0, True, True)])
+def test_avg_pool(padding, ceil_mode, include_pad):
+    b = Builder()
+    y = b.op("avg_pool2d", b.input("x", (2, 7, 9, 8)), count_include_pad=include_pad,
+             **pool_attrs(3, 2, padding, ceil_mode))
+    run_group(b, [y])
+
+
+def test_pool_relu_epilogue_float16():
+    b = Builder("float16")
+    y = b.op("avg_pool2d", b.input("x", (2, 36, 6, 6)), count_include_pad=True, **pool_attrs(2, 2, 0))
+    run_group(b, [b.op("relu", b.op("add", y, b.input("skip", (2, 36, 3, 3))))])
+
+
+def test_adaptive_pool_to_even_windows():
+    b = Builder()
+    y = b.op("adaptive_avg_pool2d", b.input("x", (2, 3, 4, 6)), output_size=[2, 3])
+    kernel, _ = run_group(b, [y])
+    assert isinstance(kernel, PoolKernel)
+
+
+# ---- refusals ---------------------------------------------------------------------------------------
+
+def test_unsupported_groups():
+    b = Builder()
+    y = b.op("softmax", b.op("softmax", b.input("x", (2, 8)), dim=-1), dim=-1)
+    with pytest.raises(Unsupported, match="2 reductions"):
+        lower_reduction_group(b.graph, b.group([y]), DEVICE)
+
+    b = Builder()
+    h = b.op("relu", b.input("x", (1, 2, 6, 6)))
+    y = b.op("max_pool2d", h, dilation=[1, 1], **pool_attrs(3, 2, 1))
+    with pytest.raises(Unsupported, match="prologue"):
+        lower_reduction_group(b.graph, b.group([h, y]), DEVICE)
+
+    b = Builder()
+    y = b.op("adaptive_avg_pool2d", b.input("x", (1, 2, 5, 5)), output_size=[2, 2])
+    with pytest.raises(Unsupported, match="uneven"):
+        lower_reduction_group(b.graph, b.group([y]), DEVICE)
