@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from opfuse.config import FusionConfig, resolve_dtype
+from opfuse.config import FusionConfig, for_graph, resolve_dtype
 from opfuse.fusion.plan import FusionPlan
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph
@@ -89,12 +89,12 @@ def analyze(model: Any, example_inputs: Sequence[Any] | None = None, config: Fus
     from opfuse.passes.cast_precision import cast_precision
     from opfuse.passes.manager import prepare_graph
 
-    config = resolve_dtype(config, example_inputs or ())
-    hardware = get_hardware(config.hardware)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     graph = capture(model, example_inputs, batch=batch, name=name)
     seconds["capture"] = time.perf_counter() - start
+    config = resolve_dtype(config, example_inputs) if example_inputs else for_graph(config, graph)
+    hardware = get_hardware(config.hardware)
 
     start = time.perf_counter()
     captured, _ = cast_precision(graph, config.dtype)

@@ -1,7 +1,10 @@
-"""The `opfuse` command: analyze (and, as they land, bench | profile | report).
+"""The `opfuse` command: analyze | report (and, as they land, bench | profile).
+
+    opfuse analyze MODEL [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--html FILE] [--quiet]
+    opfuse report MODEL -o report.html [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--quiet]
 
 Exit codes scripts can rely on: 0 success, 1 the model could not be captured or planned (message names the node or
-file), 2 bad command-line usage.
+file), 2 bad command-line usage (including an output file that cannot be written).
 """
 
 from __future__ import annotations
@@ -9,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from opfuse.config import FusionConfig
@@ -61,7 +66,8 @@ def ops_table(analysis, limit: int | None) -> Table:
     rows = analysis.op_rows if limit is None else analysis.op_rows[:limit]
     for r in rows:
         kind = getattr(r.kind, "value", r.kind)
-        table.add_row(f"{r.name} [dim]{r.op}[/]", kind, str(analysis.captured[r.name].type), human_flops(r.flops), human_bytes(r.bytes_read),
+        table.add_row(f"{escape(r.name)} [dim]{escape(r.op)}[/]", kind, str(analysis.captured[r.name].type),
+                      human_flops(r.flops), human_bytes(r.bytes_read),
                       human_bytes(r.bytes_written), f"{r.density:.1f}", "yes" if r.candidate else "",
                       human_time(r.predicted_time))
     if limit is not None and len(analysis.op_rows) > limit:
@@ -78,8 +84,8 @@ def groups_table(plan) -> Table:
         if g.launches == 0:
             continue
         ops = " + ".join(plan.graph[n].op for n in g.nodes)
-        table.add_row(g.name, g.kind.value, ops, human_bytes(g.bytes_moved), f"{g.density:.1f}",
-                      human_time(g.predicted_time), g.reason)
+        table.add_row(g.name, g.kind.value, escape(ops), human_bytes(g.bytes_moved), f"{g.density:.1f}",
+                      human_time(g.predicted_time), escape(g.reason))
     return table
 
 
@@ -88,13 +94,15 @@ def refused_table(plan) -> Table:
     for column in ("producer", "consumer", "fusion", "verdict", "reason"):
         table.add_column(column, overflow="fold")
     for d in plan.refused:
-        table.add_row(", ".join(d.producer), ", ".join(d.consumer), d.fusion, d.verdict.value, d.reason)
+        table.add_row(escape(", ".join(d.producer)), escape(", ".join(d.consumer)), d.fusion, d.verdict.value,
+                      escape(d.reason))
     return table
 
 
 def summary_table(analysis) -> Table:
     unfused, fused = analysis.unfused, analysis.fused
-    table = Table(title=f"{analysis.name}: unfused vs fused ({analysis.hardware.name}, {analysis.config.dtype})")
+    table = Table(title=f"{escape(analysis.name)}: unfused vs fused ({analysis.hardware.name}, "
+                        f"{analysis.config.dtype})")
     for column, justify in (("metric", "left"), ("unfused", "right"), ("fused", "right"), ("change", "right")):
         table.add_column(column, justify=justify)
 
@@ -116,29 +124,71 @@ def summary_table(analysis) -> Table:
 
 
 def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
+    if not _writable(args.json, args.html):
+        return EXIT_USAGE
     config = FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold)
-    with console.status(f"capturing and planning {args.model}", spinner="dots") if not args.quiet else _null():
+    with console.status(f"capturing and planning {escape(args.model)}", spinner="dots") if not args.quiet else _null():
         analysis = load_analysis(args, config)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(analysis.to_dict(), f, indent=1, default=str)
+    if args.html:
+        from opfuse.analysis.report import write_report
+
+        write_report(analysis, args.html)
     if not args.quiet:
         limit = None if args.ops == "all" else int(args.ops)
         console.print(ops_table(analysis, limit))
         console.print(groups_table(analysis.plan))
         console.print(refused_table(analysis.plan))
         if analysis.opaque_ops:
-            console.print("[bold]Runs through PyTorch (no opfuse kernel):[/] " + "; ".join(analysis.opaque_ops))
+            console.print("[bold]Runs through PyTorch (no opfuse kernel):[/] " + escape("; ".join(analysis.opaque_ops)))
         console.print(summary_table(analysis))
         console.print(f"unfused: {analysis.unfused.kernel_launches} kernel launches (one per op) -> fused: "
                       f"{analysis.fused.kernel_launches}; capture {analysis.seconds['capture']:.1f} s, passes "
                       f"{analysis.seconds['passes']:.1f} s, plan {analysis.seconds['plan']:.2f} s")
+        if args.html:
+            console.print(f"report: {escape(args.html)}")
     return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace, console: Console) -> int:
+    from opfuse.analysis.report import write_report
+
+    if not _writable(args.output, args.json):
+        return EXIT_USAGE
+    config = FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold)
+    with console.status(f"capturing and planning {escape(args.model)}", spinner="dots") if not args.quiet \
+            else _null() as status:
+        analysis = load_analysis(args, config)
+        if status is not None:
+            status.update("writing the report")
+        path = write_report(analysis, args.output)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(analysis.to_dict(), f, indent=1, default=str)
+    if not args.quiet:
+        savings = analysis.to_dict()["savings"]
+        console.print(f"wrote {escape(str(path))} ({path.stat().st_size / 1e3:.0f} KB): "
+                      f"{analysis.unfused.kernel_launches} -> {analysis.fused.kernel_launches} kernel launches, "
+                      f"traffic -{savings['bytes_saved_fraction'] * 100:.1f}%, predicted "
+                      f"{savings['speedup']:.2f}x faster; open it in a browser")
+    return EXIT_OK
+
+
+def _writable(*paths: str | None) -> bool:
+    """Whether each output file given can be created (its folder exists); says why not on stderr."""
+    for path in paths:
+        if path and not Path(path).resolve().parent.is_dir():
+            Console(stderr=True).print(f"[bold red]opfuse: error:[/] cannot write {escape(path)}: "
+                                       f"folder {escape(str(Path(path).resolve().parent))} does not exist")
+            return False
+    return True
 
 
 class _null:
     def __enter__(self):
-        return self
+        return None
 
     def __exit__(self, *exc):
         return False
@@ -149,18 +199,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     analyze = sub.add_parser("analyze", help="where the model wastes traffic and launches, and what opfuse fuses")
-    analyze.add_argument("model", help="built-in name (resnet18, resnet50, mobilenet_v2, bert-base), a .onnx file, "
-                                       "or package.module:factory returning (model, example_inputs)")
-    analyze.add_argument("--batch", type=int, default=1)
-    analyze.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"])
-    analyze.add_argument("--hw", default="h200", choices=sorted(PROFILES))
-    analyze.add_argument("--threshold", type=float, default=10.0,
-                         help="FLOPs/Byte under which an op is a fusion candidate (default 10, the seed's rule)")
+    _model_arguments(analyze)
     analyze.add_argument("--ops", default="40", help="how many per-op rows to print, or 'all'")
-    analyze.add_argument("--json", metavar="FILE", help="also write the analysis as JSON")
-    analyze.add_argument("--quiet", action="store_true", help="print nothing (use with --json)")
+    analyze.add_argument("--html", metavar="FILE", help="also write the HTML fusion report")
     analyze.set_defaults(handler=cmd_analyze)
+
+    report = sub.add_parser("report", help="one self-contained HTML page: what was fused, why, what it bought")
+    _model_arguments(report)
+    report.add_argument("-o", "--output", default="report.html", metavar="FILE",
+                        help="where to write the report (default report.html)")
+    report.set_defaults(handler=cmd_report)
     return parser
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and planning arguments every command shares, plus --json and --quiet."""
+    parser.add_argument("model", help="built-in name (resnet18, resnet50, mobilenet_v2, bert-base), a .onnx file, "
+                                      "or package.module:factory returning (model, example_inputs)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"])
+    parser.add_argument("--hw", default="h200", choices=sorted(PROFILES))
+    parser.add_argument("--threshold", type=float, default=10.0,
+                        help="FLOPs/Byte under which an op is a fusion candidate (default 10, the seed's rule)")
+    parser.add_argument("--json", metavar="FILE", help="also write the analysis as JSON")
+    parser.add_argument("--quiet", action="store_true", help="print nothing (use with --json)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -170,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args, console)
     except (GraphError, FileNotFoundError, ValueError, ImportError) as error:
-        Console(stderr=True).print(f"[bold red]opfuse {args.command}: error:[/] {error}")
+        Console(stderr=True).print(f"[bold red]opfuse {args.command}: error:[/] {escape(str(error))}")
         return EXIT_MODEL_ERROR
 
 
