@@ -1,0 +1,303 @@
+"""Convolution anchor kernels with fused epilogues: implicit GEMM, 1x1 as GEMM, and depthwise direct convolution.
+
+Entry point: `lower_conv_group(graph, group, device)` for groups anchored on conv2d (or horizontal groups of
+sibling conv2ds on one input). Which kernel a conv gets:
+  depthwise (groups == Cin > 1, Cout a multiple of Cin)  -> `DepthwiseConvKernel`: a direct kernel over
+      [BLOCK_M pixels, BLOCK_N channels] tiles, one multiply-add per tap, float32 accumulation;
+  1x1, no padding, groups == 1                            -> `opfuse.codegen.gemm.GemmKernel` over pixels (a
+      strided 1x1 conv is a GEMM over the strided view x[:, :, ::s, ::s]);
+  anything else                                          -> `ConvKernel`: implicit GEMM with M = N·Hout·Wout
+      pixels, N = Cout/groups channels and K = Kh·Kw·Cin/groups, the weight packed at build time as [K, Cout]
+      with K ordered (kh, kw, cin) to match NHWC gathers; conv groups run along grid axis 1.
+All kernels read the activation through its 4 strides (channels-last in practice; a channel-slice view works),
+load zeros for padding taps, and store channels-last outputs through the shared epilogue.
+
+Traffic: the input is read once per output-channel tile (Kh·Kw times through L2/shared memory), the packed
+weight once per pixel tile, the output written once; FLOPs as `opfuse.ir.ops.conv2d_flops`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+
+from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info
+from opfuse.codegen.epilogue import (Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting,
+                                     siblings_and_chains)
+from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.gemm import GROUP_M, GemmKernel, anchor_biases, gemm_configs
+from opfuse.fusion.plan import FusionGroup, GroupKind
+from opfuse.ir.graph import Graph, Node, torch_dtype
+
+CONV_TEMPLATE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def KERNEL_NAME(
+    x_ptr, w_ptr,
+    M, N_TOTAL, COUT_G, CIN_G, H, W, R1, R2,
+    s_xn, s_xc, s_xh, s_xw,
+    {params}
+    KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
+    PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    K_GATHER: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(COUT_G, BLOCK_N)
+    group_width = GROUP_M * num_pid_n
+    first_m = (pid // group_width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_width) % group_rows
+    pid_n = (pid % group_width) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)       # output pixel
+    offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)       # output channel within the conv group
+    offs_n = group * COUT_G + offs_c                        # output channel
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_c < COUT_G
+    r2 = offs_m % R2                                        # output column
+    r1 = (offs_m // R2) % R1                                # output row
+    r0 = offs_m // (R2 * R1)                                # image
+    ih0 = r1 * STRIDE_H - PAD_H
+    iw0 = r2 * STRIDE_W - PAD_W
+    x_rows = x_ptr + r0 * s_xn + (group * CIN_G) * s_xc
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if K_GATHER:
+        # few input channels per group: each K block gathers across taps, so no MMA lane idles on padding
+        k_total = KH * KW * CIN_G
+        x_origin = x_rows + ih0 * s_xh + iw0 * s_xw          # [BLOCK_M] the window's top-left tap
+        for k0 in range(0, k_total, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < k_total
+            c = k % CIN_G
+            tap = k // CIN_G
+            dh = (tap // KW) * DIL_H
+            dw = (tap % KW) * DIL_W
+            ih = ih0[:, None] + dh[None, :]
+            iw = iw0[:, None] + dw[None, :]
+            a_ok = mask_m[:, None] & k_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            a = tl.load(x_origin[:, None] + (c * s_xc + dh * s_xh + dw * s_xw)[None, :], mask=a_ok, other=0.0)
+            b = tl.load(w_ptr + k[:, None] * N_TOTAL + offs_n[None, :],
+                        mask=k_ok[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    else:
+        # one tap and one block of input channels per step: the gather is a strided 2-D tile load
+        c_blocks = tl.cdiv(CIN_G, BLOCK_K)
+        for t in range(0, KH * KW * c_blocks):
+            tap = t // c_blocks
+            c = (t % c_blocks) * BLOCK_K + offs_k
+            c_ok = c < CIN_G
+            ih = ih0 + (tap // KW) * DIL_H
+            iw = iw0 + (tap % KW) * DIL_W
+            row_ok = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            a = tl.load((x_rows + ih * s_xh + iw * s_xw)[:, None] + c[None, :] * s_xc,
+                        mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+            b = tl.load(w_ptr + (tap * CIN_G + c)[:, None] * N_TOTAL + offs_n[None, :],
+                        mask=c_ok[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+
+{epilogue}
+'''
+
+DEPTHWISE_TEMPLATE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def KERNEL_NAME(
+    x_ptr, w_ptr,
+    M, N, H, W, R1, R2,
+    s_xn, s_xc, s_xh, s_xw,
+    {params}
+    KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
+    PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+    MULTIPLIER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)   # output pixel
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)   # output channel
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    r2 = offs_m % R2
+    r1 = (offs_m // R2) % R1
+    r0 = offs_m // (R2 * R1)
+    ih0 = r1 * STRIDE_H - PAD_H
+    iw0 = r2 * STRIDE_W - PAD_W
+    x_rows = x_ptr + r0 * s_xn
+    x_cols = (offs_n // MULTIPLIER) * s_xc                      # output channel c reads input channel c // mult
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kh in tl.static_range(KH):
+        ih = ih0 + kh * DIL_H
+        for kw in tl.static_range(KW):
+            iw = iw0 + kw * DIL_W
+            ok = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            x = tl.load((x_rows + ih * s_xh + iw * s_xw)[:, None] + x_cols[None, :],
+                        mask=ok[:, None] & mask_n[None, :], other=0.0)
+            w = tl.load(w_ptr + (kh * KW + kw) * N + offs_n, mask=mask_n, other=0.0)
+            acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
+
+{epilogue}
+'''
+
+
+# [pixels, channels] tiles; the first is the default (measured best on an H200 for MobileNet-sized layers)
+DEPTHWISE_CONFIGS = [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=128, BLOCK_N=32),
+                     KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=64, BLOCK_N=64),
+                     KernelConfig.of(num_warps=8, num_stages=1, BLOCK_M=256, BLOCK_N=32),
+                     KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=32, BLOCK_N=128),
+                     KernelConfig.of(num_warps=8, num_stages=1, BLOCK_M=128, BLOCK_N=64),
+                     KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=128)]
+
+
+def _pair(value, node: Node, attr: str) -> tuple[int, int]:
+    if isinstance(value, int):
+        return value, value
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return int(value[0]), int(value[1])
+    raise Unsupported(f"{node.describe()}: {attr}={value!r} is not an int pair")
+
+
+class ConvGeometry:
+    """Stride, padding, dilation, groups and kernel size of a conv2d node, as the kernels take them."""
+
+    def __init__(self, graph: Graph, node: Node):
+        x_type, w_type = graph[node.inputs[0]].type, graph[node.inputs[1]].type
+        if len(x_type.shape) != 4:
+            raise Unsupported(f"{node.describe()}: input {x_type} is not [N, C, H, W]")
+        self.stride = _pair(node.attrs.get("stride", 1), node, "stride")
+        self.padding = _pair(node.attrs.get("padding", 0), node, "padding")
+        self.dilation = _pair(node.attrs.get("dilation", 1), node, "dilation")
+        self.groups = int(node.attrs.get("groups", 1))
+        self.batch, self.cin, self.height, self.width = x_type.shape
+        self.cin_per_group, self.kh, self.kw = w_type.shape[1:]
+
+    def key(self) -> tuple:
+        return self.stride, self.padding, self.dilation, self.groups, self.cin_per_group, self.kh, self.kw
+
+    def constexprs(self) -> dict[str, int]:
+        return dict(KH=self.kh, KW=self.kw, STRIDE_H=self.stride[0], STRIDE_W=self.stride[1],
+                    PAD_H=self.padding[0], PAD_W=self.padding[1], DIL_H=self.dilation[0], DIL_W=self.dilation[1])
+
+
+def _cudnn_allows_tf32() -> bool:
+    return torch.backends.cudnn.allow_tf32
+
+
+class ConvKernel(GroupKernel):
+    """Implicit-GEMM convolution (+ epilogue) of one group."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue, x: str,
+                 geometry: ConvGeometry, weight: torch.Tensor):
+        name, source, self.kernel = generate_kernel(CONV_TEMPLATE, epilogue)
+        super().__init__(graph, group, name, source)
+        self.epilogue, self.layout, self.x, self.geometry = epilogue, epilogue.layout, x, geometry
+        # [Cout, Cin/g, Kh, Kw] -> [Kh, Kw, Cin/g, Cout] -> [K, Cout]: K in the order the NHWC gathers walk it
+        self.weight = weight.permute(2, 3, 1, 0).reshape(-1, weight.shape[0]).contiguous()
+        self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
+        self._configs = gemm_configs(self.layout.rows, self.layout.channels // geometry.groups,
+                                     self.weight.shape[0], geometry.groups, self.weight.element_size())
+        if geometry.cin_per_group < 32 and not interpreting():
+            # gathering taps (few input channels): 32-deep K blocks measured best (ResNet's 7x7 stem on an H200)
+            gather = KernelConfig.of(num_warps=4, num_stages=4, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
+            self._configs = [gather] + [c for c in self._configs if c != gather]
+
+    def configs(self) -> list[KernelConfig]:
+        return list(self._configs)
+
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+        config = config or self._configs[0]
+        g = self.geometry
+        values = dict(zip(self.runtime_inputs, inputs)) | self.constants
+        x = values[self.x]
+        args, outputs = self.epilogue.launch_args(values)
+        m, channels = self.layout.rows, self.layout.channels
+        cout_per_group = channels // g.groups
+        _, r1, r2 = self.layout.row_sizes()
+        grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(cout_per_group, config["BLOCK_N"]), g.groups)
+        compiled = self.kernel[grid](
+            x, self.weight, m, channels, cout_per_group, g.cin_per_group, g.height, g.width, r1, r2,
+            *x.stride(), *args, **g.constexprs(),
+            BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=GROUP_M,
+            K_GATHER=g.cin_per_group < config["BLOCK_K"], PRECISION="tf32" if _cudnn_allows_tf32() else "ieee",
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        self.last_compiled = compiled_info(compiled)
+        return outputs
+
+
+class DepthwiseConvKernel(GroupKernel):
+    """Direct depthwise convolution (+ epilogue) of one group: one channel per column, no reduction over Cin."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue, x: str,
+                 geometry: ConvGeometry, weight: torch.Tensor):
+        name, source, self.kernel = generate_kernel(DEPTHWISE_TEMPLATE, epilogue)
+        super().__init__(graph, group, name, source)
+        self.epilogue, self.layout, self.x, self.geometry = epilogue, epilogue.layout, x, geometry
+        # [Cout, 1, Kh, Kw] -> [Kh·Kw, Cout]: one contiguous row of channel weights per tap
+        self.weight = weight[:, 0].permute(1, 2, 0).reshape(-1, weight.shape[0]).contiguous()
+        self.multiplier = self.layout.channels // geometry.cin
+        self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
+        self._configs = DEPTHWISE_CONFIGS if not interpreting() else [KernelConfig.of(BLOCK_M=32, BLOCK_N=16)]
+
+    def configs(self) -> list[KernelConfig]:
+        return list(self._configs)
+
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+        config = config or self._configs[0]
+        g = self.geometry
+        values = dict(zip(self.runtime_inputs, inputs)) | self.constants
+        x = values[self.x]
+        args, outputs = self.epilogue.launch_args(values)
+        m, channels = self.layout.rows, self.layout.channels
+        _, r1, r2 = self.layout.row_sizes()
+        grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(channels, config["BLOCK_N"]))
+        compiled = self.kernel[grid](
+            x, self.weight, m, channels, g.height, g.width, r1, r2, *x.stride(), *args, **g.constexprs(),
+            MULTIPLIER=self.multiplier, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        self.last_compiled = compiled_info(compiled)
+        return outputs
+
+
+def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | str) -> GroupKernel:
+    """The kernel of a group anchored on conv2d (horizontal: sibling convs of one geometry on one input)."""
+    device = torch.device(device)
+    anchors, chains = siblings_and_chains(graph, group, ("conv2d",))
+    if len(anchors) > 1 and group.kind is not GroupKind.HORIZONTAL:
+        raise Unsupported(f"group {group.name} ({group.kind.value}) holds several convolutions: "
+                          f"{', '.join(anchors)}")
+    first = graph[anchors[0]]
+    x = first.inputs[0]
+    geometry = ConvGeometry(graph, first)
+    for name in anchors:
+        node = graph[name]
+        if node.inputs[0] != x or ConvGeometry(graph, node).key() != geometry.key():
+            raise Unsupported(f"horizontal group {group.name}: {node.describe()} differs from "
+                              f"{first.describe()} in input or geometry")
+        if not graph.is_constant(node.inputs[1]):
+            raise Unsupported(f"{node.describe()}: the weight is not a constant")
+    if len(anchors) > 1 and geometry.groups != 1:
+        raise Unsupported(f"horizontal group {group.name}: grouped convolutions are not concatenated")
+    dtype = compute_dtype(graph, x, first)
+    weight = torch.cat([graph.constants[graph[a].inputs[1]] for a in anchors], 0)
+    weight = weight.to(device=device, dtype=torch_dtype(dtype))
+    n, _, h_out, w_out = first.type.shape
+    layout = TileLayout((n, weight.shape[0], h_out, w_out), channel_dim=1, channels_last=True)
+    epilogue = Epilogue(graph, group, chains, layout, device, anchor_biases(graph, anchors))
+
+    g = geometry
+    if g.groups > 1 and g.groups == g.cin and layout.channels % g.cin == 0:
+        return DepthwiseConvKernel(graph, group, device, epilogue, x, geometry, weight)
+    if (g.kh, g.kw) == (1, 1) and g.padding == (0, 0) and g.groups == 1:
+        stride_h, stride_w = g.stride
+        a_view = None if g.stride == (1, 1) else (lambda t: t[:, :, ::stride_h, ::stride_w])
+        return GemmKernel(graph, group, device, epilogue, a=x, k=g.cin, b_packed=weight[:, :, 0, 0].t().contiguous(),
+                          a_view=a_view, tf32_allowed=_cudnn_allows_tf32)
+    return ConvKernel(graph, group, device, epilogue, x, geometry, weight)

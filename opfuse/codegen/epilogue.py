@@ -1,0 +1,356 @@
+"""Epilogues of the anchor kernels (conv, GEMM): the group's elementwise tail, generated onto a 2-D output tile.
+
+Entry point: `Epilogue(graph, group, anchors, layout, device)`. It analyses the group once at build time and
+gives the kernel template three things: the extra kernel parameters (`params`), the Triton lines that turn the
+float32 accumulator tile into every stored value (`code`), and at run time the launch arguments for those
+parameters together with the freshly allocated outputs (`launch_args`).
+
+Contract with the templates. At the epilogue point a template has defined:
+  acc [BLOCK_M, BLOCK_N] float32   the anchor's result, bias not added yet
+  offs_n, mask_n [BLOCK_N]         global output channel of each column (concatenated channels in horizontal
+                                   groups) and whether it exists
+  mask_m [BLOCK_M]                 whether each row exists
+  r0, r1, r2 [BLOCK_M]             the row index split over the layout's 3 row dims (see `TileLayout`)
+  b0, b1 (scalars)                 the batch index split over the 2 batch dims (batched layouts only)
+
+Every extra operand of an epilogue node is one of: a scalar constant (a literal in the source), a constant that
+varies along the channel dim only (a float32 vector the kernel loads with `offs_n`), or anything else (a runtime
+tensor such as a residual, or a constant of another broadcast pattern), read through its strides after
+broadcasting it to the output shape (`expand`, so broadcast dims cost nothing).
+
+Horizontal groups (sibling anchors on one input) run one kernel over the concatenated output channels: the
+siblings' epilogues must be structurally identical; their constant operands are concatenated along the channels,
+and each sibling's outputs are views (narrow on the channel dim) of one buffer per stored value.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from opfuse.codegen.base import kernel_name, load_source
+from opfuse.codegen.expr import Unsupported, emit, triton_dtype
+from opfuse.fusion.plan import FusionGroup
+from opfuse.ir.graph import Graph, Node, torch_dtype
+from opfuse.ir.ops import FusionKind, kind_of
+
+ROW_GROUPS = 3      # row dims a kernel decomposes its row index into (N, H, W for images)
+BATCH_GROUPS = 2    # batch dims a batched kernel decomposes its batch grid index into (batch, heads)
+
+
+def _split(dims: tuple[int, ...], groups: int) -> list[tuple[int, ...]]:
+    """`dims` as exactly `groups` groups: padded with empty groups in front, or with the leading dims merged."""
+    if len(dims) <= groups:
+        return [()] * (groups - len(dims)) + [(d,) for d in dims]
+    merged = len(dims) - groups + 1
+    return [dims[:merged]] + [(d,) for d in dims[merged:]]
+
+
+def _group_stride(tensor: torch.Tensor, dims: tuple[int, ...]) -> int | None:
+    """The stride of a linear index over `dims` of `tensor`, or None if those dims do not merge into one."""
+    live = [d for d in dims if tensor.shape[d] != 1]
+    if not live:
+        return 0
+    for outer, inner in zip(live, live[1:]):
+        if tensor.stride(outer) != tensor.stride(inner) * tensor.shape[inner]:
+            return None
+    return tensor.stride(live[-1])
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """How the dims of a logical shape map onto an anchor kernel's index space.
+
+    One dim is the channel dim (the tile's N axis: output channels or features), `batch_dims` run along a grid
+    axis (batched matmul), every other dim is a row dim (the tile's M axis: pixels or tokens). Kernels see
+    ROW_GROUPS row dims and BATCH_GROUPS batch dims; fewer are padded with size-1 dims, more are merged.
+    """
+
+    shape: tuple[int, ...]
+    channel_dim: int
+    batch_dims: tuple[int, ...] = ()
+    channels_last: bool = False          # allocate outputs NHWC (4-D conv outputs)
+    # (shape, strides, channels) of tensors seen -> their kernel strides: runs are launched many times with
+    # the same layouts, and recomputing this was most of a launch's Python time
+    _stride_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @property
+    def row_dims(self) -> tuple[int, ...]:
+        return tuple(d for d in range(len(self.shape)) if d != self.channel_dim and d not in self.batch_dims)
+
+    @property
+    def channels(self) -> int:
+        return self.shape[self.channel_dim]
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[d] for d in self.row_dims)
+
+    @property
+    def batch(self) -> int:
+        return math.prod(self.shape[d] for d in self.batch_dims)
+
+    def row_sizes(self) -> tuple[int, ...]:
+        return tuple(math.prod(self.shape[d] for d in g) for g in _split(self.row_dims, ROW_GROUPS))
+
+    def batch_sizes(self) -> tuple[int, ...]:
+        return tuple(math.prod(self.shape[d] for d in g) for g in _split(self.batch_dims, BATCH_GROUPS))
+
+    def strides(self, tensor: torch.Tensor, channels: int | None = None) -> tuple[torch.Tensor, list[int]]:
+        """`tensor` broadcast to this shape (with `channels` channels if given) and its kernel strides.
+
+        The strides are [batch 0, batch 1] (batched layouts only) + [row 0, row 1, row 2] + [channel]. Dims that
+        must merge but do not (rare: more than 3 row dims of a non-contiguous tensor) are made contiguous.
+        """
+        key = (tuple(tensor.shape), tensor.stride(), channels)
+        cached = self._stride_cache.get(key)
+        if cached is not None:   # a view with those strides needs no copy; its data pointer is the tensor's
+            return tensor, cached
+        target = list(self.shape)
+        if channels is not None:
+            target[self.channel_dim] = channels
+        if tensor.dim() < len(target):  # broadcasting aligns on the right
+            tensor = tensor.reshape((1,) * (len(target) - tensor.dim()) + tuple(tensor.shape))
+        tensor = tensor.expand(target)
+        groups = (_split(self.batch_dims, BATCH_GROUPS) if self.batch_dims else []) \
+            + _split(self.row_dims, ROW_GROUPS)
+        strides = [_group_stride(tensor, g) for g in groups]
+        if None not in strides:
+            strides.append(tensor.stride(self.channel_dim))
+            self._stride_cache[key] = strides
+            return tensor, strides
+        tensor = tensor.contiguous()
+        return tensor, [_group_stride(tensor, g) for g in groups] + [tensor.stride(self.channel_dim)]
+
+    def stride_names(self, prefix: str) -> list[str]:
+        batch = [f"{prefix}_sb0", f"{prefix}_sb1"] if self.batch_dims else []
+        return batch + [f"{prefix}_sr0", f"{prefix}_sr1", f"{prefix}_sr2", f"{prefix}_sc"]
+
+    def offset_expr(self, prefix: str) -> str:
+        """Triton expression of the [BLOCK_M, BLOCK_N] element offsets of a tensor read through `prefix` strides."""
+        rows = f"r0 * {prefix}_sr0 + r1 * {prefix}_sr1 + r2 * {prefix}_sr2"
+        batch = f"b0 * {prefix}_sb0 + b1 * {prefix}_sb1 + " if self.batch_dims else ""
+        return f"{batch}({rows})[:, None] + offs_n[None, :] * {prefix}_sc"
+
+
+def _literal(value: float) -> str:
+    value = float(value)
+    if math.isnan(value) or math.isinf(value):
+        return f"float('{value}')"
+    return repr(value)
+
+
+def siblings_and_chains(graph: Graph, group: FusionGroup, anchor_ops: tuple[str, ...]
+                        ) -> tuple[list[str], list[list[str]]]:
+    """The group's anchors (several only in horizontal groups) and, per anchor, the chain anchor + its epilogue.
+
+    Every non-anchor node must depend on exactly one anchor; a node before the anchor (a prologue) or joining
+    two siblings is refused.
+    """
+    computed = [n for n in group.nodes if graph[n].op not in ("input", "constant")]
+    anchors = [n for n in computed if kind_of(graph[n]) is FusionKind.ANCHOR]
+    if not anchors:
+        raise Unsupported(f"group {group.name} has no anchor")
+    for a in anchors:
+        if graph[a].op not in anchor_ops:
+            raise Unsupported(f"anchor {graph[a].describe()} is not one of {', '.join(anchor_ops)}")
+    owner: dict[str, int] = {a: i for i, a in enumerate(anchors)}
+    chains = [[a] for a in anchors]
+    for name in computed:
+        if name in anchors:
+            continue
+        node = graph[name]
+        sources = {owner[i] for i in node.inputs if i in owner}
+        if not sources:
+            raise Unsupported(f"{node.describe()} does not depend on the anchor (prologues are not fused into "
+                              "anchor kernels)")
+        if len(sources) > 1:
+            raise Unsupported(f"{node.describe()} reads several sibling anchors' results")
+        owner[name] = sources.pop()
+        chains[owner[name]].append(name)
+    if len(anchors) > 1 and len({len(c) for c in chains}) != 1:
+        raise Unsupported(f"horizontal group {group.name}: sibling epilogues differ in length")
+    return anchors, chains
+
+
+class Epilogue:
+    """The elementwise tail of an anchor group, as kernel parameters, Triton lines and launch arguments."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, chains: list[list[str]], layout: TileLayout,
+                 device: torch.device, bias: list[torch.Tensor | None] | None = None):
+        """`chains`: per sibling anchor, its name then its epilogue nodes; `bias`: per sibling, the anchor's
+        bias (a [channels] constant) or None; `layout`: the output's layout with all siblings' channels."""
+        self.graph, self.group, self.layout, self.device = graph, group, layout, device
+        self.chains = chains
+        widths = [graph[c[0]].type.shape[layout.channel_dim] for c in chains]
+        if sum(widths) != layout.channels:
+            raise AssertionError("layout channels must be the siblings' channels summed")
+        self.spans = [(sum(widths[:i]), w) for i, w in enumerate(widths)]
+        self.ops = [graph[n].op for n in chains[0]]
+        self.output_fill: float | None = None     # tests poison outputs (NaN) to catch unwritten elements
+        self.channel_vectors: list[torch.Tensor] = []
+        self.full_operands: list[str | torch.Tensor] = []   # runtime value names or kernel-held constants
+        self.lines: list[str] = ["mask = mask_m[:, None] & mask_n[None, :]"]
+
+        if bias is not None and any(b is not None for b in bias):
+            vector = self._channel_vector([b if b is not None else 0.0 for b in bias])
+            self.lines.append(f"x0 = acc + {vector}")
+        else:
+            self.lines.append("x0 = acc")
+        position = {name: p for chain in chains for p, name in enumerate(chain)}
+        for p in range(1, len(chains[0])):
+            nodes = [graph[chain[p]] for chain in chains]
+            self._check_node(nodes, position)
+            args = [self._operand(nodes, i, position) for i in range(len(nodes[0].inputs))]
+            self.lines.append(f"x{p} = {emit(nodes[0].op, nodes[0].attrs, args)}")
+
+        self.stored: list[int] = []                # chain positions written to memory
+        self.outputs: list[tuple[int, int]] = []   # per group output: (sibling, index into self.stored)
+        for name in group.outputs:
+            if name not in position:
+                raise Unsupported(f"group output {name!r} is not computed by the group")
+            sibling = next(i for i, c in enumerate(chains) if name in c)
+            p = position[name]
+            if p not in self.stored:
+                self.stored.append(p)
+            self.outputs.append((sibling, self.stored.index(p)))
+        self.dtypes = [torch_dtype(graph[chains[0][p]].type.dtype) for p in self.stored]
+        self.memory_format = torch.channels_last if layout.channels_last else torch.contiguous_format
+        for j, p in enumerate(self.stored):
+            self.lines.append(f"tl.store(out{j}_ptr + {layout.offset_expr(f'out{j}')}, "
+                              f"x{p}.to({triton_dtype(graph[chains[0][p]].type.dtype)}), mask=mask)")
+
+    # ---- analysis -----------------------------------------------------------------------------------
+    def _check_node(self, nodes: list[Node], position: dict[str, int]) -> None:
+        """Refuse a non-elementwise node, a shape change, and siblings whose nodes at one position differ."""
+        first = nodes[0]
+        if not kind_of(first).elementwise:
+            raise Unsupported(f"{first.describe()} is not elementwise; anchor epilogues take elementwise ops only")
+        for node, chain in zip(nodes, self.chains):
+            if node.op != first.op or node.attrs != first.attrs or node.type.dtype != first.type.dtype:
+                raise Unsupported(f"horizontal group: {node.describe()} differs from {first.describe()}")
+            if node.type.shape != self.graph[chain[0]].type.shape:
+                raise Unsupported(f"{node.describe()} changes the anchor's output shape "
+                                  f"{self.graph[chain[0]].type.shape} to {node.type.shape}")
+            for i, value in enumerate(node.inputs):
+                if (value in position) != (first.inputs[i] in position) or \
+                        (value in position and position[value] != position[first.inputs[i]]):
+                    raise Unsupported(f"horizontal group: {node.describe()} reads other values than "
+                                      f"{first.describe()}")
+
+    def _channel_vector(self, parts: list[torch.Tensor | float]) -> str:
+        """Load expression of a per-channel constant made of one part (tensor or scalar) per sibling."""
+        pieces = [torch.full((w,), float(part)) if not isinstance(part, torch.Tensor)
+                  else part.reshape(w).float().cpu() for part, (_, w) in zip(parts, self.spans)]
+        j = len(self.channel_vectors)
+        self.channel_vectors.append(torch.cat(pieces).to(self.device).contiguous())
+        return f"tl.load(cv{j}_ptr + offs_n, mask=mask_n, other=0.0)[None, :]"
+
+    def _classify(self, node: Node, index: int) -> tuple[str, object]:
+        """("scalar", float) | ("channel", [C] tensor) | ("full", value name or constant tensor)."""
+        value = node.inputs[index]
+        source = self.graph[value]
+        out_shape = node.type.shape
+        channel = self.layout.channel_dim
+        constant = self.graph.constants[value] if source.op == "constant" else None
+        if node.op == "batch_norm" and index > 0:
+            # batch-norm parameters are [C] along dim 1, not broadcast from the right
+            if constant is None or channel != 1 or tuple(constant.shape) != (out_shape[1],):
+                raise Unsupported(f"{node.describe()}: batch-norm parameter {value} is not a constant "
+                                  "per-channel vector on the tile's channel dim")
+            return "channel", constant
+        shape = tuple(source.type.shape)
+        if len(shape) > len(out_shape):
+            raise Unsupported(f"{node.describe()}: operand {value} has more dims than the output")
+        aligned = (1,) * (len(out_shape) - len(shape)) + shape
+        if any(s not in (1, o) for s, o in zip(aligned, out_shape)):
+            raise Unsupported(f"{node.describe()}: operand {value} {shape} does not broadcast to {out_shape}")
+        if constant is not None:
+            if constant.numel() == 1:
+                return "scalar", float(constant.reshape(()).item())
+            if all(s == 1 for d, s in enumerate(aligned) if d != channel):
+                return "channel", constant.reshape(-1)
+            return "full", constant.to(self.device)
+        return "full", value
+
+    def _operand(self, nodes: list[Node], index: int, position: dict[str, int]) -> str:
+        """Triton expression of input `index` of the nodes at one chain position (one node per sibling)."""
+        value = nodes[0].inputs[index]
+        if value in position:
+            return f"x{position[value]}"
+        kinds = [self._classify(node, index) for node in nodes]
+        if all(k == "scalar" for k, _ in kinds) and len({v for _, v in kinds}) == 1:
+            return _literal(kinds[0][1])
+        if all(k in ("scalar", "channel") for k, _ in kinds):
+            return self._channel_vector([v for _, v in kinds])
+        if len(nodes) > 1:
+            raise Unsupported(f"horizontal group: {nodes[0].describe()} reads a full tensor {value}; only "
+                              "constants shared along the channels can be concatenated")
+        j = len(self.full_operands)
+        self.full_operands.append(kinds[0][1])
+        return f"tl.load(fo{j}_ptr + {self.layout.offset_expr(f'fo{j}')}, mask=mask, other=0.0).to(tl.float32)"
+
+    # ---- what the template and the launcher use -----------------------------------------------------
+    @property
+    def params(self) -> str:
+        """Kernel parameters for the template signature (each followed by a comma)."""
+        names = [f"cv{j}_ptr" for j in range(len(self.channel_vectors))]
+        for prefix in [f"fo{j}" for j in range(len(self.full_operands))] + \
+                      [f"out{j}" for j in range(len(self.stored))]:
+            names += [f"{prefix}_ptr"] + self.layout.stride_names(prefix)
+        return "".join(f"{n}, " for n in names)
+
+    def code(self, indent: str = "    ") -> str:
+        return "\n".join(indent + line for line in self.lines)
+
+    @property
+    def runtime_values(self) -> list[str]:
+        return [v for v in self.full_operands if isinstance(v, str)]
+
+    def launch_args(self, values: dict[str, torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
+        """(arguments for `params`, the group's outputs) for one run; `values` holds the runtime inputs."""
+        args: list = list(self.channel_vectors)
+        for operand in self.full_operands:
+            tensor, strides = self.layout.strides(values[operand] if isinstance(operand, str) else operand)
+            args += [tensor, *strides]
+        buffers = []
+        for dtype in self.dtypes:
+            buffer = torch.empty(self.layout.shape, dtype=dtype, device=self.device,
+                                 memory_format=self.memory_format)
+            if self.output_fill is not None:
+                buffer.fill_(self.output_fill)
+            _, strides = self.layout.strides(buffer)
+            args += [buffer, *strides]
+            buffers.append(buffer)
+        if len(self.chains) == 1:
+            return args, [buffers[b] for _, b in self.outputs]
+        channel = self.layout.channel_dim
+        return args, [buffers[b].narrow(channel, *self.spans[s]) for s, b in self.outputs]
+
+
+def generate_kernel(template: str, epilogue: Epilogue) -> tuple[str, str, object]:
+    """(name, source, jitted function) of `template` with the epilogue inserted.
+
+    The template has `{params}` and `{epilogue}` slots and calls its function KERNEL_NAME; the name is derived
+    from the source (op names + hash) and then written into it, so profiles show fused_conv2d_relu_1a2b3c4d.
+    """
+    source = template.format(params=epilogue.params, epilogue=epilogue.code())
+    name = kernel_name("fused", epilogue.ops, source)
+    source = source.replace("KERNEL_NAME", name)
+    return name, source, getattr(load_source(source, name), name)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs through its CPU interpreter (tests): tuning spaces shrink to one tiny config."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def compute_dtype(graph: Graph, value: str, node: Node) -> str:
+    """The dtype the anchor's tensor-core inputs use: its activation's, if it is one the kernels take."""
+    dtype = graph[value].type.dtype
+    if dtype not in ("float16", "bfloat16", "float32"):
+        raise Unsupported(f"{node.describe()} computes in {dtype}; anchor kernels take float16/bfloat16/float32")
+    return dtype

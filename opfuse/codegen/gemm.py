@@ -1,0 +1,257 @@
+"""GEMM anchor kernels with fused epilogues: linear, matmul (2-D and batched), and 1x1 convolutions.
+
+Entry point: `lower_gemm_group(graph, group, device)` for groups anchored on linear or matmul; `GemmKernel` is
+also what `opfuse.codegen.conv` uses for 1x1 convolutions with no padding (a GEMM over pixels).
+
+One template computes C[b, m, n] = sum_k A[b, m, k] · B[b, k, n] on BLOCK_M x BLOCK_N tiles with float32
+accumulation, then runs the group's epilogue (`opfuse.codegen.epilogue`) on the tile. A is read through its
+strides with its row index split over 3 row dims (N, H, W of an NHWC activation, or the leading dims of a
+[..., K] input), so channels-last activations and channel-slice views need no copy. B is the weight packed at build
+time as [K, N] contiguous (linear, conv) or, for matmul, the second operand read through its strides. Batched
+matmul (with torch.matmul broadcasting of the batch dims) uses grid axis 1.
+
+Traffic per tile: BLOCK_M·K + K·BLOCK_N operand elements, BLOCK_M·BLOCK_N outputs; FLOPs 2·BLOCK_M·BLOCK_N·K.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import triton
+
+from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info
+from opfuse.codegen.epilogue import (Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting,
+                                     siblings_and_chains)
+from opfuse.codegen.expr import Unsupported
+from opfuse.fusion.plan import FusionGroup, GroupKind
+from opfuse.ir.graph import Graph, torch_dtype
+
+GROUP_M = 8   # tiles of 8 consecutive row blocks share B in L2 (the Triton matmul tutorial's swizzle)
+
+GEMM_TEMPLATE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def KERNEL_NAME(
+    a_ptr, b_ptr,
+    M, N, K, R1, R2, B1,
+    s_ab0, s_ab1, s_ar0, s_ar1, s_ar2, s_ak,
+    s_bb0, s_bb1, s_bk, s_bn,
+    {params}
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_width = GROUP_M * num_pid_n
+    first_m = (pid // group_width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_width) % group_rows
+    pid_n = (pid % group_width) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    b0 = pid_b // B1
+    b1 = pid_b % B1
+    r2 = offs_m % R2
+    r1 = (offs_m // R2) % R1
+    r0 = offs_m // (R2 * R1)
+
+    a_ptrs = a_ptr + (b0 * s_ab0 + b1 * s_ab1) + (r0 * s_ar0 + r1 * s_ar1 + r2 * s_ar2)[:, None] \\
+        + offs_k[None, :] * s_ak
+    b_ptrs = b_ptr + (b0 * s_bb0 + b1 * s_bb1) + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * s_ak
+        b_ptrs += BLOCK_K * s_bk
+
+{epilogue}
+'''
+
+
+def _tile(m: int, n: int, k: int, warps: int, stages: int) -> KernelConfig:
+    return KernelConfig.of(num_warps=warps, num_stages=stages, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k)
+
+
+# Hopper-friendly tiles: 128x128 (x256) with 8 warps for big GEMMs, 4-warp 64/128 tiles for few output channels,
+# short reductions or few tiles, and 16/32-row tiles for batch-1 GEMMs (M of 1 to 32: reading the weight is
+# the whole cost). The autotuner measures them all; `gemm_configs` only picks the default.
+LARGE = [_tile(128, 128, 64, 8, 4), _tile(128, 128, 64, 8, 3), _tile(128, 256, 64, 8, 3)]
+MEDIUM = [_tile(128, 64, 32, 4, 4), _tile(64, 128, 32, 4, 4), _tile(64, 64, 64, 4, 3), _tile(64, 64, 32, 4, 4)]
+SMALL_M = [_tile(16, 32, 128, 4, 4), _tile(16, 64, 128, 4, 4), _tile(16, 32, 256, 4, 3), _tile(16, 128, 64, 4, 4),
+           _tile(32, 64, 64, 4, 4), _tile(32, 128, 64, 4, 3)]
+STREAMING_MULTIPROCESSORS = 132   # an H200's; only picks the default, the autotuner measures
+SHARED_MEMORY_BYTES = 200 * 1024  # operand tiles of all pipeline stages must fit (227 KiB per block, less slack)
+
+
+def _fits(config: KernelConfig, itemsize: int) -> bool:
+    tile = (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * itemsize
+    return tile * config.num_stages <= SHARED_MEMORY_BYTES
+
+
+def gemm_configs(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2) -> list[KernelConfig]:
+    """Tile candidates for an M x N (x batch) output reducing over K with operands of `itemsize` bytes; the
+    first is the default. Tiles whose pipeline would not fit in shared memory (float32) are left out.
+
+    The default rules were read off H200 fp16 measurements (CUDA-graph timed, 2026-11-30): ResNet-50 convs
+    (3x3 64ch 56x56: 128x64x32 31.8 us vs 128x128x64 54.9 us; 1x1 64->256: 64x128x32 44.6 us vs 70.9 us),
+    4096^3 linear (128x128x64 s4 258 us, 4-warp tiles 350+ us), batch-1 4096x4096 linear (16x32x128 10.3 us,
+    16x128x64 18.1 us).
+    """
+    if interpreting():
+        return [_tile(32, 32, 16, 4, 1)]
+    if m <= 32:
+        return [c for c in SMALL_M + MEDIUM[3:] if _fits(c, itemsize)]
+    candidates = [c for c in LARGE + MEDIUM + SMALL_M[4:] if _fits(c, itemsize)]
+    if n <= 64:         # a 128-wide tile would leave half its columns idle
+        first = _tile(64, 64, 64, 4, 3) if k <= 256 else _tile(128, 64, 32, 4, 4)
+    elif k <= 256:      # short reduction: the output store dominates, small tiles keep more of it in flight
+        first = _tile(64, 128, 32, 4, 4)
+    elif triton.cdiv(m, 128) * triton.cdiv(n, 128) * batch < 2 * STREAMING_MULTIPROCESSORS:
+        first = _tile(64, 64, 64, 4, 3)   # too few big tiles to fill the GPU
+    else:
+        first = candidates[0]
+    return [first] + [c for c in candidates if c != first]
+
+
+class GemmKernel(GroupKernel):
+    """C = A @ B (+ epilogue) for one group; A is a tensor read through strides, B packed or read through strides."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue,
+                 a: str, k: int, b_packed: torch.Tensor | None = None, b: str | None = None,
+                 b_layout: TileLayout | None = None,
+                 a_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 tf32_allowed: Callable[[], bool] | None = None):
+        name, source, self.kernel = generate_kernel(GEMM_TEMPLATE, epilogue)
+        super().__init__(graph, group, name, source)
+        self.device, self.epilogue, self.layout = device, epilogue, epilogue.layout
+        self.a, self.k, self.a_view = a, k, a_view
+        self.b, self.b_packed, self.b_layout = b, b_packed, b_layout
+        self.tf32_allowed = tf32_allowed    # conv passes cuDNN's switch; GEMMs follow torch's matmul precision
+        self._configs = gemm_configs(self.layout.rows, self.layout.channels, k, self.layout.batch,
+                                     graph[a].type.itemsize)
+        self._sizes = (self.layout.rows, self.layout.channels, *self.layout.row_sizes()[1:],
+                       self.layout.batch_sizes()[1] if self.layout.batch_dims else 1)
+        # constant operands (a matmul with a constant side) are held by the kernel, on the device
+        self.constants = {v: graph.constants[v].to(device) for v in (a, b) if v is not None and graph.is_constant(v)}
+
+    def precision(self) -> str:
+        """tl.dot precision of float32 operands: TF32 where PyTorch's own kernel would use it."""
+        allowed = self.tf32_allowed() if self.tf32_allowed else torch.get_float32_matmul_precision() != "highest"
+        return "tf32" if allowed else "ieee"
+
+    def configs(self) -> list[KernelConfig]:
+        return list(self._configs)
+
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+        config = config or self._configs[0]
+        values = dict(zip(self.runtime_inputs, inputs)) | self.constants
+        a = values[self.a] if self.a_view is None else self.a_view(values[self.a])
+        a, a_strides = self.layout.strides(a, channels=self.k)
+        if not self.layout.batch_dims:
+            a_strides = [0, 0] + a_strides
+        if self.b_packed is not None:
+            b, b_strides = self.b_packed, [0, 0, self.b_packed.stride(0), self.b_packed.stride(1)]
+        else:
+            b, strides = self.b_layout.strides(values[self.b])
+            b_strides = strides[:2] + strides[-2:]      # batch 0, batch 1, k (last row dim), n
+        args, outputs = self.epilogue.launch_args(values)
+        m, n, r1, r2, b1 = self._sizes
+        grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), self.layout.batch)
+        compiled = self.kernel[grid](
+            a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, *args,
+            BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=GROUP_M,
+            EVEN_K=self.k % config["BLOCK_K"] == 0, PRECISION=self.precision(),
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        self.last_compiled = compiled_info(compiled)
+        return outputs
+
+
+def _pack_linear_weights(graph: Graph, anchors: list[str], dtype: str, device: torch.device) -> torch.Tensor:
+    """The siblings' weights [N_i, K] concatenated and transposed to [K, sum N_i], contiguous, in `dtype`."""
+    for name in anchors:
+        if not graph.is_constant(graph[name].inputs[1]):
+            raise Unsupported(f"{graph[name].describe()}: the weight is not a constant")
+    weight = torch.cat([graph.constants[graph[name].inputs[1]] for name in anchors], 0)
+    return weight.t().contiguous().to(device=device, dtype=torch_dtype(dtype))
+
+
+def anchor_biases(graph: Graph, anchors: list[str]) -> list[torch.Tensor | None]:
+    """Each sibling's bias constant (input 2), or None where it has none."""
+    biases = []
+    for name in anchors:
+        node = graph[name]
+        if len(node.inputs) < 3:
+            biases.append(None)
+        elif graph.is_constant(node.inputs[2]):
+            biases.append(graph.constants[node.inputs[2]])
+        else:
+            raise Unsupported(f"{node.describe()}: the bias is not a constant")
+    return biases
+
+
+def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchors: list[str],
+                  chains: list[list[str]]) -> GemmKernel:
+    first = graph[anchors[0]]
+    x = first.inputs[0]
+    for name in anchors[1:]:
+        if graph[name].inputs[0] != x:
+            raise Unsupported(f"horizontal group {group.name}: {graph[name].describe()} reads another input "
+                              f"than {first.describe()}")
+    dtype = compute_dtype(graph, x, first)
+    weight = _pack_linear_weights(graph, anchors, dtype, device)
+    k, n = weight.shape
+    shape = first.type.shape[:-1] + (n,)
+    layout = TileLayout(shape, channel_dim=len(shape) - 1)
+    epilogue = Epilogue(graph, group, chains, layout, device, anchor_biases(graph, anchors))
+    return GemmKernel(graph, group, device, epilogue, a=x, k=k, b_packed=weight)
+
+
+def _lower_matmul(graph: Graph, group: FusionGroup, device: torch.device, anchor: str,
+                  chains: list[list[str]]) -> GemmKernel:
+    node = graph[anchor]
+    a, b = node.inputs
+    a_type, b_type = graph[a].type, graph[b].type
+    if len(a_type.shape) < 2 or len(b_type.shape) < 2:
+        raise Unsupported(f"{node.describe()}: matmul with a 1-D operand")
+    dtype = compute_dtype(graph, a, node)
+    if b_type.dtype != dtype:
+        raise Unsupported(f"{node.describe()}: operands of different dtypes {dtype} and {b_type.dtype}")
+    shape = node.type.shape
+    batch_dims = tuple(range(len(shape) - 2))
+    layout = TileLayout(shape, channel_dim=len(shape) - 1, batch_dims=batch_dims)
+    k = a_type.shape[-1]
+    b_layout = TileLayout(shape[:-2] + (k, shape[-1]), channel_dim=len(shape) - 1, batch_dims=batch_dims)
+    epilogue = Epilogue(graph, group, chains, layout, device)
+    return GemmKernel(graph, group, device, epilogue, a=a, k=k, b=b, b_layout=b_layout)
+
+
+def lower_gemm_group(graph: Graph, group: FusionGroup, device: torch.device | str) -> GemmKernel:
+    """The kernel of a group anchored on linear or matmul (horizontal: sibling linears on one input)."""
+    device = torch.device(device)
+    anchors, chains = siblings_and_chains(graph, group, ("linear", "matmul"))
+    if len(anchors) > 1 and group.kind is not GroupKind.HORIZONTAL:
+        raise Unsupported(f"group {group.name} ({group.kind.value}) holds several anchors: "
+                          f"{', '.join(anchors)}")
+    ops = {graph[a].op for a in anchors}
+    if ops == {"linear"}:
+        return _lower_linear(graph, group, device, anchors, chains)
+    if len(anchors) > 1:
+        raise Unsupported(f"horizontal group {group.name}: only linear siblings are concatenated, not {ops}")
+    return _lower_matmul(graph, group, device, anchors[0], chains)

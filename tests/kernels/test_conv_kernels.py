@@ -1,0 +1,226 @@
+"""Conv anchor kernels (implicit GEMM, 1x1 as GEMM, depthwise) with fused epilogues, on Triton's interpreter.
+
+Each test builds a tiny graph by hand, lowers it as one fusion group, runs the kernel on NaN-poisoned output
+buffers and compares every group output with the IR reference interpreter run in float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opfuse.codegen.conv import ConvKernel, DepthwiseConvKernel, lower_conv_group
+from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.gemm import GemmKernel
+from opfuse.fusion.plan import FusionGroup, GroupKind
+from opfuse.ir.graph import Graph, TensorType, torch_dtype
+from opfuse.ir.interpret import interpret
+from opfuse.ir.ops import FusionKind, infer_type, kind_of
+
+
+class Builder:
+    """A graph built op by op, all tensors in one dtype, with random constants and inputs."""
+
+    def __init__(self, dtype: str = "float32", seed: int = 0):
+        self.graph = Graph("test")
+        self.dtype = dtype
+        self.generator = torch.Generator().manual_seed(seed)
+        self.feeds: dict[str, torch.Tensor] = {}
+
+    def random(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator)
+
+    def input(self, name: str, shape: tuple[int, ...], value: torch.Tensor | None = None) -> str:
+        """A graph input; `value` (any strides) is what the test feeds, default a channels-last random tensor."""
+        if value is None:
+            value = self.random(*shape).to(torch_dtype(self.dtype))
+            if len(shape) == 4:
+                value = value.to(memory_format=torch.channels_last)
+        self.feeds[name] = value
+        return self.graph.add_input(name, TensorType(shape, self.dtype)).name
+
+    def const(self, name: str, tensor: torch.Tensor) -> str:
+        return self.graph.add_constant(name, tensor.to(torch_dtype(self.dtype))).name
+
+    def op(self, op: str, *inputs: str, **attrs) -> str:
+        node_type = infer_type(op, [self.graph[i].type for i in inputs], attrs)
+        return self.graph.add_node(op, inputs, node_type, attrs).name
+
+    def conv(self, x: str, cout: int, kernel: int | tuple[int, int] = 3, stride=1, padding=0, dilation=1,
+             groups: int = 1, bias: bool = True) -> str:
+        kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
+        cin = self.graph[x].type.shape[1]
+        w = self.const("w", self.random(cout, cin // groups, kh, kw) * 0.3)
+        inputs = [x, w] + ([self.const("b", self.random(cout))] if bias else [])
+        return self.op("conv2d", *inputs, stride=_pair(stride), padding=_pair(padding),
+                       dilation=_pair(dilation), groups=groups)
+
+    def group(self, outputs: list[str], kind: GroupKind = GroupKind.ANCHOR_EPILOGUE) -> FusionGroup:
+        self.graph.outputs = list(outputs)
+        nodes = [n.name for n in self.graph if n.op not in ("input", "constant")]
+        inputs: list[str] = []
+        for name in nodes:
+            for i in self.graph[name].inputs:
+                if i not in nodes and i not in inputs:
+                    inputs.append(i)
+        anchor = next(n for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR)
+        return FusionGroup(0, kind, nodes, anchor=anchor, inputs=inputs, outputs=list(outputs))
+
+
+def _pair(v):
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
+
+
+def run_group(builder: Builder, outputs: list[str], kind: GroupKind = GroupKind.ANCHOR_EPILOGUE, lower=None):
+    """Lower, run with poisoned outputs, check against the float32 reference; returns (kernel, results)."""
+    lower = lower or lower_conv_group
+    group = builder.group(outputs, kind)
+    kernel = lower(builder.graph, group, "cpu")
+    kernel.epilogue.output_fill = float("nan")
+    results = kernel.run([builder.feeds[name] for name in kernel.runtime_inputs])
+    reference_graph = builder.graph.copy()
+    reference_graph.constants = {k: v.float() for k, v in builder.graph.constants.items()}
+    feeds = [builder.feeds[n.name].float() for n in builder.graph.input_nodes]
+    expected = interpret(reference_graph, feeds)
+    tolerance = 1e-4 if builder.dtype == "float32" else 1e-2
+    assert len(results) == len(expected)
+    for name, got, want in zip(outputs, results, expected):
+        assert got.shape == want.shape, name
+        assert got.dtype == torch_dtype(builder.graph[name].type.dtype), name
+        assert not torch.isnan(got).any(), f"{name}: unwritten (NaN) elements"
+        assert rel_err(got, want) < tolerance, (name, rel_err(got, want))
+    return kernel, results
+
+
+@pytest.mark.parametrize("batch,cin,cout,hw,stride,padding,dilation", [
+    (2, 5, 7, (6, 5), 1, 1, 1),      # 3x3 pad 1, channels not multiples of the block, non-square
+    (1, 5, 7, (7, 6), 2, 1, 1),      # stride 2, batch 1
+    (1, 4, 6, (9, 8), 1, 2, 2),      # dilation 2
+    (2, 20, 9, (5, 4), 1, 1, 1),     # Cin >= BLOCK_K: the tap-by-tap loop with a channel tail
+])
+def test_conv_bias_relu(batch, cin, cout, hw, stride, padding, dilation):
+    b = Builder()
+    x = b.input("x", (batch, cin, *hw))
+    y = b.op("relu", b.conv(x, cout, 3, stride, padding, dilation))
+    kernel, (out,) = run_group(b, [y])
+    assert isinstance(kernel, ConvKernel)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert kernel.name.startswith("fused_conv2d_relu_")
+
+
+def test_conv_bias_relu6_non_square_kernel():
+    b = Builder()
+    x = b.input("x", (2, 3, 6, 7))
+    y = b.op("clamp", b.conv(x, 5, (3, 1), stride=(2, 1), padding=(1, 0)), min=0.0, max=6.0)
+    run_group(b, [y])
+
+
+def test_grouped_conv_hardswish():
+    b = Builder()
+    x = b.input("x", (1, 6, 5, 5))
+    y = b.op("hardswish", b.conv(x, 10, 3, padding=1, groups=2))
+    kernel, _ = run_group(b, [y])
+    assert isinstance(kernel, ConvKernel)
+
+
+@pytest.mark.parametrize("stride,multiplier", [(1, 1), (2, 1), (2, 2)])
+def test_depthwise(stride, multiplier):
+    b = Builder()
+    x = b.input("x", (2, 6, 7, 6))
+    y = b.op("silu", b.conv(x, 6 * multiplier, 3, stride=stride, padding=1, groups=6))
+    kernel, _ = run_group(b, [y])
+    assert isinstance(kernel, DepthwiseConvKernel)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_pointwise_conv_is_a_gemm(stride):
+    b = Builder()
+    x = b.input("x", (2, 5, 5, 6))
+    y = b.op("gelu", b.conv(x, 7, 1, stride=stride))
+    kernel, _ = run_group(b, [y])
+    assert isinstance(kernel, GemmKernel)
+
+
+@pytest.mark.parametrize("residual_layout", ["nhwc", "nchw"])
+def test_residual_add_relu(residual_layout):
+    b = Builder()
+    x = b.input("x", (2, 5, 6, 6))
+    skip = b.random(2, 7, 6, 6)
+    if residual_layout == "nhwc":
+        skip = skip.to(memory_format=torch.channels_last)
+    s = b.input("skip", (2, 7, 6, 6), skip)
+    y = b.op("relu", b.op("add", b.conv(x, 7, 3, padding=1), s))
+    run_group(b, [y], GroupKind.RESIDUAL)
+
+
+def test_conv_output_also_stored_and_batch_norm_epilogue():
+    """A group with two outputs (the conv itself is read outside) and an unfolded batch norm."""
+    b = Builder()
+    x = b.input("x", (1, 4, 5, 5))
+    c = b.conv(x, 6, 3, padding=1, bias=False)
+    params = [b.const("bn_w", b.random(6)), b.const("bn_b", b.random(6)), b.const("bn_m", b.random(6)),
+              b.const("bn_v", b.random(6).abs() + 0.5)]
+    bn = b.op("batch_norm", c, *params, eps=1e-5)
+    y = b.op("mul", b.op("sigmoid", bn), b.const("scale", b.random(1, 6, 1, 1)))
+    y = b.op("sub", y, b.const("shift", torch.tensor(0.25)))
+    run_group(b, [c, y])
+
+
+def test_cast_to_float16_output():
+    b = Builder()
+    x = b.input("x", (1, 3, 5, 5))
+    y = b.op("cast", b.op("relu", b.conv(x, 4, 3, padding=1)), dtype="float16")
+    _, (out,) = run_group(b, [y])
+    assert out.dtype == torch.float16
+
+
+def test_channel_slice_view_input():
+    b = Builder()
+    wide = b.random(2, 9, 5, 5).to(memory_format=torch.channels_last)
+    view = wide[:, 2:7]                      # 5 channels out of 9: a strided view, not a copy
+    x = b.input("x", (2, 5, 5, 5), view)
+    y = b.op("relu", b.conv(x, 6, 3, padding=1))
+    run_group(b, [y])
+    b2 = Builder()
+    x2 = b2.input("x", (2, 5, 5, 5), view)
+    y2 = b2.op("relu", b2.conv(x2, 6, 1))
+    kernel, _ = run_group(b2, [y2])
+    assert isinstance(kernel, GemmKernel)
+
+
+def test_float16_conv():
+    b = Builder("float16")
+    x = b.input("x", (2, 5, 6, 6))
+    y = b.op("relu", b.conv(x, 7, 3, padding=1))
+    _, (out,) = run_group(b, [y])
+    assert out.dtype == torch.float16
+
+
+def test_horizontal_3x3_convs_return_views():
+    b = Builder()
+    x = b.input("x", (1, 4, 5, 5))
+    y1 = b.op("relu", b.conv(x, 3, 3, padding=1))
+    y2 = b.op("relu", b.conv(x, 5, 3, padding=1, bias=False))
+    kernel, (o1, o2) = run_group(b, [y1, y2], GroupKind.HORIZONTAL)
+    assert isinstance(kernel, ConvKernel)
+    assert o1.untyped_storage().data_ptr() == o2.untyped_storage().data_ptr()
+
+
+def test_unsupported_cases():
+    b = Builder()
+    x = b.input("x", (1, 4, 5, 5))
+    w = b.input("w", (6, 4, 3, 3))
+    y = b.op("relu", b.op("conv2d", x, w, stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=1))
+    with pytest.raises(Unsupported, match="weight is not a constant"):
+        lower_conv_group(b.graph, b.group([y]), "cpu")
+
+    b = Builder()
+    x = b.input("x", (1, 4, 5, 5))
+    y = b.op("softmax", b.conv(x, 6, 3, padding=1), dim=1)
+    with pytest.raises(Unsupported, match="not elementwise"):
+        lower_conv_group(b.graph, b.group([y]), "cpu")

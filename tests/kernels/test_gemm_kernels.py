@@ -1,0 +1,146 @@
+"""GEMM anchor kernels (linear, matmul, batched matmul, horizontal siblings) with fused epilogues, on the interpreter.
+
+Graph building, poisoning and the reference check are shared with the conv kernel tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opfuse.codegen.conv import lower_conv_group
+from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.gemm import GemmKernel, gemm_configs, lower_gemm_group
+from opfuse.fusion.plan import GroupKind
+from tests.kernels.test_conv_kernels import Builder, run_group
+
+
+def linear(b: Builder, x: str, n: int, bias: bool = True) -> str:
+    k = b.graph[x].type.shape[-1]
+    inputs = [x, b.const("w", b.random(n, k) * 0.3)] + ([b.const("b", b.random(n))] if bias else [])
+    return b.op("linear", *inputs)
+
+
+def run_gemm(b: Builder, outputs: list[str], kind: GroupKind = GroupKind.ANCHOR_EPILOGUE):
+    return run_group(b, outputs, kind, lower=lower_gemm_group)
+
+
+def test_linear_bias_gelu():
+    b = Builder()
+    x = b.input("x", (5, 20))
+    kernel, _ = run_gemm(b, [b.op("gelu", linear(b, x, 7))])
+    assert isinstance(kernel, GemmKernel)
+    assert kernel.name.startswith("fused_linear_gelu_")
+
+
+def test_linear_3d_input_with_residual_and_tanh_gelu():
+    b = Builder()
+    x = b.input("x", (2, 3, 18))
+    r = b.input("r", (2, 3, 9))
+    y = b.op("gelu", b.op("add", linear(b, x, 9), r), approximate="tanh")
+    run_gemm(b, [y], GroupKind.RESIDUAL)
+
+
+def test_linear_single_row_no_bias():
+    b = Builder()
+    x = b.input("x", (1, 33))
+    run_gemm(b, [b.op("tanh", linear(b, x, 40, bias=False))])
+
+
+def test_matmul_2d_with_transposed_operand():
+    b = Builder()
+    a = b.input("a", (9, 20))
+    bt = b.random(11, 20)
+    m = b.input("m", (20, 11), bt.t())             # a column-major operand, read through its strides
+    run_gemm(b, [b.op("matmul", a, m)])
+
+
+def test_batched_matmul_scale_and_mask():
+    """bmm-like matmul, then the attention-score epilogue: scalar scale + a broadcast additive mask."""
+    b = Builder()
+    q = b.input("q", (3, 7, 16))
+    k = b.input("k", (3, 16, 9))
+    mask = b.input("mask", (1, 7, 9))
+    y = b.op("add", b.op("mul", b.op("matmul", q, k), b.const("scale", torch.tensor(0.25))), mask)
+    run_gemm(b, [y])
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [
+    ((2, 3, 5, 16), (16, 6)),          # 2-D right operand broadcast over two batch dims
+    ((2, 1, 5, 16), (3, 16, 6)),       # both operands broadcast
+])
+def test_broadcast_matmul(a_shape, b_shape):
+    b = Builder()
+    a = b.input("a", a_shape)
+    m = b.input("m", b_shape)
+    run_gemm(b, [b.op("relu", b.op("matmul", a, m))])
+
+
+def test_horizontal_qkv_linears_return_views():
+    b = Builder()
+    x = b.input("x", (2, 3, 16))
+    q, k, v = linear(b, x, 8), linear(b, x, 8), linear(b, x, 12, bias=False)
+    kernel, outs = run_gemm(b, [q, k, v], GroupKind.HORIZONTAL)
+    assert len({o.untyped_storage().data_ptr() for o in outs}) == 1
+    assert [o.shape[-1] for o in outs] == [8, 8, 12]
+
+
+def test_horizontal_linears_with_epilogues_and_constants():
+    b = Builder()
+    x = b.input("x", (4, 16))
+    ys = [b.op("relu", b.op("mul", linear(b, x, n), b.const("s", b.random(n)))) for n in (5, 9)]
+    kernel, outs = run_gemm(b, ys, GroupKind.HORIZONTAL)
+    assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
+
+
+def test_horizontal_pointwise_convs_with_relu():
+    b = Builder()
+    x = b.input("x", (2, 6, 4, 5))
+    ys = [b.op("relu", b.conv(x, n, 1)) for n in (4, 7)]
+    kernel, outs = run_group(b, ys, GroupKind.HORIZONTAL, lower=lower_conv_group)
+    assert isinstance(kernel, GemmKernel)
+    assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
+    assert all(o.is_contiguous(memory_format=torch.channels_last) or o.stride(1) == 1 for o in outs)
+
+
+def test_float16_linear():
+    b = Builder("float16")
+    x = b.input("x", (6, 24))
+    _, (out,) = run_gemm(b, [b.op("silu", linear(b, x, 10))])
+    assert out.dtype == torch.float16
+
+
+def test_unsupported_cases():
+    b = Builder()
+    x = b.input("x", (4, 8))
+    w = b.input("w", (6, 8))
+    with pytest.raises(Unsupported, match="weight is not a constant"):
+        lower_gemm_group(b.graph, b.group([b.op("linear", x, w)]), "cpu")
+
+    b = Builder()
+    x = b.input("x", (4, 8))
+    y = linear(b, x, 6)
+    z = b.op("softmax", y, dim=1)
+    with pytest.raises(Unsupported, match="not elementwise"):
+        lower_gemm_group(b.graph, b.group([z]), "cpu")
+
+    b = Builder()       # a horizontal residual: per-sibling runtime tensors cannot be concatenated
+    x = b.input("x", (4, 8))
+    r = b.input("r", (4, 6))
+    ys = [b.op("add", linear(b, x, 6), r) for _ in range(2)]
+    with pytest.raises(Unsupported, match="full tensor"):
+        lower_gemm_group(b.graph, b.group(ys, GroupKind.HORIZONTAL), "cpu")
+
+
+def test_configs_pick_small_tiles_for_batch_one(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert gemm_configs(1, 4096, 4096)[0]["BLOCK_M"] <= 32
+    big = gemm_configs(8192, 8192, 8192)[0]
+    assert (big["BLOCK_M"], big["BLOCK_N"], big.num_warps) == (128, 128, 8)
+    assert gemm_configs(100352, 64, 576)[0]["BLOCK_N"] == 64        # few output channels: no idle columns
+    for m, n, k in [(1, 4096, 4096), (8192, 8192, 8192), (100352, 64, 576), (512, 512, 64)]:
+        configs = gemm_configs(m, n, k)
+        assert len(set(configs)) == len(configs)
+        assert all(min(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) >= 16 for c in configs)
+    for c in gemm_configs(8192, 8192, 8192, itemsize=4):      # float32 tiles: every pipeline fits in 227 KiB
+        assert (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * 4 * c.num_stages <= 227 * 1024
