@@ -18,6 +18,7 @@ class FusionConfig:
     use_cost_model: bool = True         # False: take every legal fusion (for tests and experiments)
     # code generation and runtime
     autotune: bool = True
+    tune_top: int | None = 4            # autotune among each kernel's first N configs (None: all); compiling is slow
     cuda_graph: bool = True
     verify: bool = True
     fallback: str = "error"             # "error": raise on a failed compile; "eager": return the eager model

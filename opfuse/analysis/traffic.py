@@ -20,7 +20,7 @@ from opfuse.fusion.cost import estimate_kernel, op_density
 from opfuse.fusion.plan import FusionPlan
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph
-from opfuse.ir.ops import get_op, node_bytes, node_flops
+from opfuse.ir.ops import get_op, launches_kernel, node_bytes, node_flops
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def op_table(graph: Graph, hw: HardwareProfile | None = None, config: FusionConf
     rows = []
     for node in graph:
         op = get_op(node.op)
-        if not op.launches_kernel:
+        if not launches_kernel(graph, node):
             continue
         read, written = node_bytes(graph, node)
         density = op_density(graph, node)

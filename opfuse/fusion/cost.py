@@ -26,7 +26,7 @@ from opfuse.fusion.plan import ResourceEstimate
 from opfuse.fusion.resources import ATTENTION_TILES, GEMM_TILES, anchor_of, estimate_resources
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph, Node
-from opfuse.ir.ops import FusionKind, get_op, kind_of, node_bytes, node_flops
+from opfuse.ir.ops import FusionKind, get_op, kind_of, launches_kernel, node_bytes, node_flops
 
 Users = Mapping[str, Sequence[Node]]
 
@@ -119,7 +119,7 @@ def estimate_kernel(graph: Graph, nodes: Sequence[str], users: Users, hw: Hardwa
                     dtype: str) -> KernelEstimate:
     """Traffic, resources and predicted time of the kernel that runs `nodes` (in topological order)."""
     traffic = group_traffic(graph, nodes, users)
-    kernels = [n for n in nodes if get_op(graph[n].op).launches_kernel]
+    kernels = [n for n in nodes if launches_kernel(graph, graph[n])]
     if not kernels:
         return KernelEstimate(traffic, None, 0.0, None)
     anchor = anchor_of(graph, kernels)

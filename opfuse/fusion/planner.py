@@ -28,7 +28,7 @@ from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKin
 from opfuse.fusion.resources import anchor_of
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph
-from opfuse.ir.ops import FusionKind, kind_of
+from opfuse.ir.ops import FusionKind, kind_of, view_copies
 from opfuse.ir.verify import verify
 
 
@@ -333,6 +333,10 @@ class _Planner:
         return self.estimate(nodes).time - self.hw.launch_overhead < self.hw.launch_overhead
 
     # ---- the result ---------------------------------------------------------------------------------
+    def copies(self, nodes: list[str]) -> bool:
+        """A view group PyTorch must run as a copy (a reshape of a permuted tensor)."""
+        return any(view_copies(self.graph, self.graph[n]) for n in nodes)
+
     def is_view_group(self, group: int) -> bool:
         return all(is_view(self.graph[n]) for n in self.groups[group])
 
@@ -387,6 +391,8 @@ class _Planner:
         """Why the group is what it is, in words."""
         nodes = self.groups[group]
         first = self.graph[nodes[0]]
+        if kind is GroupKind.VIEW and self.copies(nodes):
+            return f"{first.op} of a permuted tensor is no view: PyTorch copies it (one kernel)"
         if kind is GroupKind.VIEW:
             return f"view ({first.op}): no kernel, no traffic"
         if kind is GroupKind.OPAQUE:
@@ -418,7 +424,7 @@ class _Planner:
                 id=new_id, kind=kind, nodes=list(nodes), anchor=estimate.anchor, inputs=list(traffic.inputs),
                 outputs=list(traffic.outputs), flops=traffic.flops, bytes_read=traffic.bytes_read,
                 bytes_written=traffic.bytes_written, predicted_time=estimate.time,
-                launches=0 if kind is GroupKind.VIEW else 1, resources=estimate.resources,
+                launches=0 if kind is GroupKind.VIEW and not self.copies(nodes) else 1, resources=estimate.resources,
                 reason=self.explain(group, kind, refusals)))
         return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config)
 

@@ -285,8 +285,38 @@ def node_bytes(graph: Graph, node: Node) -> tuple[int, int]:
     """(bytes read, bytes written) when the node runs as its own kernel."""
     op = get_op(node.op)
     ins = graph.input_types(node)
+    if op.alias and view_copies(graph, node):
+        return node.type.nbytes, node.type.nbytes
     return op.read_bytes(ins, node.type, node.attrs), op.written_bytes(ins, node.type, node.attrs)
 
 
 def kind_of(node: Node) -> FusionKind:
     return get_op(node.op).kind
+
+
+def view_copies(graph: Graph, node: Node) -> bool:
+    """Whether this alias op cannot be a view of its (contiguous) source, so PyTorch copies it: a reshape of a
+    permuted tensor, for example. Decided by replaying the chain of views on a meta tensor."""
+    if node.op != "reshape":
+        return False
+    chain = []
+    current = node
+    while get_op(current.op).alias and current.op not in ("input", "constant") and current.inputs:
+        chain.append(current)
+        current = graph[current.inputs[0]]
+    value = torch.empty(current.type.shape, dtype=torch_dtype(current.type.dtype), device="meta")
+    for step in reversed(chain):
+        if step.op == "reshape":
+            try:
+                value = value.view(step.attrs["shape"])
+            except RuntimeError:
+                return step is node
+        else:
+            value = get_op(step.op).run([value] + [torch.empty(graph[i].type.shape, device="meta")
+                                                   for i in step.inputs[1:]], step.attrs)
+    return False
+
+
+def launches_kernel(graph: Graph, node: Node) -> bool:
+    """Whether the node, run alone through PyTorch, launches a kernel (views do not, unless they must copy)."""
+    return get_op(node.op).launches_kernel or view_copies(graph, node)

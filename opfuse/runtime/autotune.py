@@ -117,7 +117,8 @@ def timing_available(device: torch.device | str) -> bool:
 def cuda_median_time(fn: Callable[[], Any]) -> float:
     """Median seconds per call of fn, measured by triton.testing.do_bench."""
     from triton.testing import do_bench
-    return do_bench(fn, return_mode="median") / 1e3
+    # short windows: a fused kernel runs for microseconds, and a whole model has ~50 of them to tune
+    return do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3
 
 
 def _out_of_resources() -> tuple[type[BaseException], ...]:
@@ -139,10 +140,11 @@ def _restore(entry: dict[str, Any] | None, configs: list[KernelConfig]) -> Kerne
 
 
 def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: HardwareProfile, benchmark: Benchmark,
-                result: TuningResult, cache: TuningCache | None = None, gpu_name: str = "") -> KernelConfig:
-    """Choose the config of one kernel (see module docstring) and record it in `result`."""
+                result: TuningResult, cache: TuningCache | None = None, gpu_name: str = "",
+                top: int | None = None) -> KernelConfig:
+    """Choose the config of one kernel among its first `top` configs (see module docstring); record it."""
     name = kernel.group.name
-    configs = kernel.configs()
+    configs = kernel.configs()[:top] if top else kernel.configs()
     if not configs:
         raise GraphError(f"kernel {kernel.name} (group {name}) offers no configs")
     key = tuning_key(kernel.source, inputs, gpu_name) if cache is not None else None
@@ -222,6 +224,6 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
                 raise GraphError(f"autotuning kernel {kernel.name} (group {kernel.group.name}) needs values "
                                  f"{missing}, which the example values lack")
             inputs = [example_values[n] for n in kernel.runtime_inputs]
-            tune_kernel(kernel, inputs, hardware, benchmark, result, cache, gpu_name)
+            tune_kernel(kernel, inputs, hardware, benchmark, result, cache, gpu_name, config.tune_top)
             progress.advance(task)
     return result

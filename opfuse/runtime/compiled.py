@@ -26,7 +26,7 @@ from opfuse.codegen.lower import choose_lowering, lower_plan
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import FusionGroup, FusionPlan
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name
-from opfuse.ir.ops import get_op
+from opfuse.ir.ops import get_op, launches_kernel
 from opfuse.runtime.autotune import timing_available, tune
 from opfuse.runtime.cache import TuningCache
 
@@ -171,7 +171,7 @@ class CompiledModel(torch.nn.Module):
     @property
     def launches(self) -> int:
         """Kernel launches per forward: one per kernel, one per PyTorch-run node that is not a view."""
-        return sum(1 if s.kernel is not None else int(get_op(s.node.op).launches_kernel) for s in self._steps)
+        return sum(1 if s.kernel is not None else int(launches_kernel(self.graph, s.node)) for s in self._steps)
 
     def set_configs(self, configs: Mapping[str, KernelConfig]) -> None:
         """Use these kernel configs from now on (drops a captured CUDA graph, which baked the old ones in)."""
