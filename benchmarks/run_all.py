@@ -94,7 +94,7 @@ def floor_ms(compiled, inputs, ceilings) -> tuple[float, float]:
     return flops / ceilings["fp16_matrix_flops"] * 1e3, minimal / ceilings["copy_bytes_per_s"] * 1e3
 
 
-def run_workload(name: str, batch: int, ceilings: dict, contenders: set[str]) -> dict:
+def run_workload(name: str, batch: int, ceilings: dict, contenders: set[str], config: "opfuse.FusionConfig") -> dict:
     torch.manual_seed(0)
     model, inputs, reference_model, reference_inputs = prepare(name, batch)
     with torch.inference_mode():
@@ -124,7 +124,7 @@ def run_workload(name: str, batch: int, ceilings: dict, contenders: set[str]) ->
     if "opfuse" in contenders:
         def run_opfuse():
             start = time.perf_counter()
-            compiled = opfuse.compile(model, inputs, opfuse.FusionConfig(dtype="float16"))
+            compiled = opfuse.compile(model, inputs, config)
             seconds = time.perf_counter() - start
             row["plan_launches"] = compiled.plan.kernel_launches
             row["runtime_launches"] = compiled.launches
@@ -193,6 +193,8 @@ def main() -> int:
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS)
     parser.add_argument("--contenders", default="eager,eager_graph,inductor,opfuse")
     parser.add_argument("--results", help="also write the table into this markdown file (replacing it)")
+    parser.add_argument("--tune-top", type=int, default=4,
+                        help="autotune among each kernel's first N configs; 0 turns autotuning off")
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
     out = Path(args.out)
@@ -200,13 +202,15 @@ def main() -> int:
     env = environment()
     ceilings = measure_ceilings()
     contenders = set(args.contenders.split(","))
+    config = opfuse.FusionConfig(dtype="float16", autotune=args.tune_top > 0, tune_top=args.tune_top or None)
     results = []
     for spec in args.workloads.split(","):
         name, batch = spec.rsplit(":", 1)
         print(f"== {name} batch {batch}", flush=True)
-        results.append(run_workload(name, int(batch), ceilings, contenders))
-        (out / "results.json").write_text(json.dumps({"env": env, "ceilings": ceilings, "results": results},
-                                                     indent=1, default=str))
+        results.append(run_workload(name, int(batch), ceilings, contenders, config))
+        (out / "results.json").write_text(json.dumps({"env": env, "ceilings": ceilings, "results": results,
+                                                      "tune_top": args.tune_top}, indent=1, default=str))
+        (out / "RESULTS.md").write_text(markdown(results, env, ceilings))
         print(markdown(results[-1:], env, ceilings), flush=True)
     table = markdown(results, env, ceilings)
     (out / "RESULTS.md").write_text(table)

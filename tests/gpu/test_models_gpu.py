@@ -28,7 +28,8 @@ def test_model_matches_eager_and_plan(name, batch):
                         for x in inputs)
     state = {k: v.clone() for k, v in model.state_dict().items()}
 
-    compiled = opfuse.compile(model, fp16_inputs, opfuse.FusionConfig(dtype="float16"))
+    # tuning picks among configs that compute the same function; it is off here to keep the run short
+    compiled = opfuse.compile(model, fp16_inputs, opfuse.FusionConfig(dtype="float16", autotune=False))
 
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     with torch.inference_mode():
