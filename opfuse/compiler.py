@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -24,6 +25,11 @@ from opfuse.config import FusionConfig, resolve_dtype
 from opfuse.ir.graph import GraphError, dtype_name, torch_dtype
 from opfuse.numerics import (GroupCheck, check_groups, random_inputs_like, reference_dtype, relative_error,
                              tolerance)
+
+
+# a compiled model may differ from the high-precision reference by this much more than eager at the same
+# precision does, when both are over the tolerance (an ill-conditioned model, not a wrong kernel)
+EAGER_ERROR_MARGIN = 1.25
 
 
 class OpfuseModule(torch.nn.Module):
@@ -127,12 +133,21 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
                                  f"{c.tolerance:.0e}){': ' + c.detail if c.detail else ''}; runs through PyTorch")
                        for c in failed}
             compiled = _without_kernels(compiled, reasons)
-        end_to_end = _end_to_end_error(eager, compiled, fresh, config.dtype)
+        end_to_end, eager_error = _end_to_end_error(eager, compiled, fresh, config.dtype)
         seconds["verify"] = time.perf_counter() - start
-        if not end_to_end <= tolerance(config.dtype):
-            raise GraphError(f"compiled {analysis.name} differs from eager: relative error {end_to_end:.2e} > "
-                             f"{tolerance(config.dtype):.0e} although every kernel passed its own check; "
-                             "please report this model")
+        bound = tolerance(config.dtype, device)
+        if not end_to_end <= bound:
+            if eager_error is not None and end_to_end <= EAGER_ERROR_MARGIN * eager_error:
+                # the model itself is that sensitive at this precision: opfuse is as close as eager gets
+                reference = str(reference_dtype(config.dtype)).removeprefix("torch.")
+                warnings.warn(f"opfuse: {analysis.name} in {config.dtype} differs from the {reference} reference "
+                              f"by {end_to_end:.2e} (> {bound:.0e}), but eager PyTorch in {config.dtype} differs by "
+                              f"{eager_error:.2e} too: the model is ill-conditioned at this precision", stacklevel=3)
+            else:
+                raise GraphError(f"compiled {analysis.name} differs from eager: relative error {end_to_end:.2e} > "
+                                 f"{bound:.0e} (eager in {config.dtype}: "
+                                 f"{'-' if eager_error is None else f'{eager_error:.2e}'}) although every "
+                                 "kernel passed its own check; please report this model")
     return OpfuseModule(compiled, analysis, [x.dtype for x in example_inputs], output_spec,
                         [o.dtype for o in flat_out], checks, end_to_end, seconds)
 
@@ -156,13 +171,22 @@ def _without_kernels(compiled, reasons: dict[str, str]):
     return rebuilt
 
 
-def _end_to_end_error(eager: torch.nn.Module, compiled, inputs: list[torch.Tensor], dtype: str) -> float:
-    """Worst relative error of the compiled model's outputs against eager run in the reference precision."""
+def _end_to_end_error(eager: torch.nn.Module, compiled, inputs: list[torch.Tensor], dtype: str
+                      ) -> tuple[float, float | None]:
+    """Worst relative error of the compiled model's outputs against eager run in the reference precision; when
+    that is over the tolerance, also eager's own error at the compute dtype (None otherwise)."""
     reference_type = reference_dtype(dtype)
-    reference_model = copy.deepcopy(eager).to(reference_type)
-    with torch.no_grad():
-        reference = reference_model(*[x.to(reference_type) if x.is_floating_point() else x for x in inputs])
-        outputs = compiled(*[x.to(torch_dtype(dtype)) if x.is_floating_point() else x for x in inputs])
-    reference_flat, _ = tree_flatten(reference)
-    outputs_flat = list(outputs) if isinstance(outputs, tuple) else [outputs]
-    return max(relative_error(o, r) for o, r in zip(outputs_flat, reference_flat))
+    compute = torch_dtype(dtype)
+
+    def run(model, dtype_: torch.dtype) -> list[torch.Tensor]:
+        with torch.no_grad():
+            out = model(*[x.to(dtype_) if x.is_floating_point() else x for x in inputs])
+        return list(out) if isinstance(out, tuple) else tree_flatten(out)[0]
+
+    reference = run(copy.deepcopy(eager).to(reference_type), reference_type)
+    outputs = run(compiled, compute)
+    error = max(relative_error(o, r) for o, r in zip(outputs, reference))
+    if error <= tolerance(dtype, inputs[0].device if inputs else None):
+        return error, None
+    eager_outputs = run(copy.deepcopy(eager).to(compute), compute)
+    return error, max(relative_error(o, r) for o, r in zip(eager_outputs, reference))

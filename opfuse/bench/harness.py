@@ -79,7 +79,7 @@ def measure(fn: Forward, inputs: Sequence[torch.Tensor], reference: torch.Tensor
         out = first_tensor(fn(*inputs))
         error = relative_error(out.float(), reference.float()) if reference is not None else None
         ms = median_ms(fn, inputs)
-        kernels, busy = kernel_profile(profile_fn or fn, inputs)
+        kernels, busy = kernel_profile(profile_fn if profile_fn is not None else fn, inputs)
     peak = torch.cuda.max_memory_allocated() / 1e6
     return Measurement(ms, kernels, busy, peak, compile_s, error)
 

@@ -122,6 +122,25 @@ def _randomise_layer_norms(model: nn.Module) -> None:
             module.bias.copy_(0.1 * torch.randn_like(module.bias))
 
 
+def _residual_tail_batch_norms(model: nn.Module) -> list[nn.BatchNorm2d]:
+    """The last BN of every residual branch. Trained networks keep these branches small; random ones with full-size
+    branches are chaotic: fp16 rounding grows layer after layer. Relative error of eager fp16 against fp64 at
+    batch 2 on the CPU, BN scales in [0.5, 1] everywhere: resnet50 2.8e-2, mobilenet_v2 1.3e-2; with the tails in
+    [0.1, 0.2]: 1.5e-3 and 3.5e-3."""
+    from torchvision.models.mobilenetv2 import InvertedResidual
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    tails = []
+    for module in model.modules():
+        if isinstance(module, Bottleneck):
+            tails.append(module.bn3)
+        elif isinstance(module, BasicBlock):
+            tails.append(module.bn2)
+        elif isinstance(module, InvertedResidual) and module.use_res_connect:
+            tails.append(module.conv[-1])
+    return tails
+
+
 def _calibrate_batch_norms(model: nn.Module, image_size: int = 128) -> None:
     """Random BN affine parameters, then running statistics set to those of a seeded calibration batch.
 
@@ -134,6 +153,8 @@ def _calibrate_batch_norms(model: nn.Module, image_size: int = 128) -> None:
         bn.bias.normal_(0.0, 0.1)
         bn.reset_running_stats()
         bn.momentum = None
+    for bn in _residual_tail_batch_norms(model):
+        bn.weight.uniform_(0.1, 0.2)
     generator = torch.Generator().manual_seed(SEED + 1)
     model.train()
     model(torch.randn(2, 3, image_size, image_size, generator=generator))

@@ -103,3 +103,19 @@ def test_resolve_errors_are_clear(monkeypatch):
         resolve_model("zoo_factory_example:not_a_pair")
     with pytest.raises(GraphError, match="unknown built-in model"):
         load_builtin("vgg16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v2"])
+def test_builtin_cnns_are_well_conditioned_in_fp16(name):
+    """Eager fp16 stays within 5e-3 of fp64 (random residual branches at full size would give 1e-2 to 3e-2, which
+    no fp16 compiler could then match within the 1e-2 acceptance bound)."""
+    import copy
+
+    from opfuse.numerics import relative_error
+
+    model, (x,) = load_builtin(name, batch=1)
+    with torch.no_grad():
+        reference = copy.deepcopy(model).double()(x.double())
+        half = copy.deepcopy(model).half()(x.half())
+    assert relative_error(half, reference) < 5e-3

@@ -1,0 +1,126 @@
+"""opfuse.compile end to end on the CPU (Triton interpreter, tiny shapes): every stage runs for real."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import opfuse
+from opfuse.ir.graph import GraphError
+from opfuse.numerics import relative_error
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=8), nn.BatchNorm2d(8), nn.ReLU6(),
+        nn.Conv2d(8, 12, 1), nn.Hardswish(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 5))
+    for module in model.modules():   # non-trivial BN statistics, so folding matters
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.normal_(0, 0.5)
+            module.running_var.uniform_(0.5, 2.0)
+            module.weight.data.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(6, 6, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(6)
+        self.conv2 = nn.Conv2d(6, 6, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(6)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + x)
+
+
+def test_compile_matches_eager_and_leaves_the_model_unchanged():
+    model = small_cnn()
+    model.train()     # a model in training mode: compile must not flip its flag or touch its BN statistics
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 9, 9)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    assert model.training
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    model.eval()
+    with torch.no_grad():
+        fresh = torch.randn(2, 3, 9, 9)
+        assert relative_error(compiled(fresh), model(fresh)) < 1e-5
+    # the kernels really ran: every group with a kernel passed its own check, and the plan fused BN and activations
+    assert compiled.checks and all(c.passed for c in compiled.checks)
+    assert compiled.launches == compiled.plan.kernel_launches < len(compiled.analysis.op_rows)
+    assert set(compiled.fallbacks.values()) <= {"view: metadata only, no kernel needed"}
+
+
+def test_residual_block_is_one_kernel_per_conv():
+    torch.manual_seed(1)
+    model = Residual().eval()
+    x = torch.randn(1, 6, 7, 5)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    assert compiled.launches == 2
+    with torch.no_grad():
+        assert relative_error(compiled(x), model(x)) < 1e-5
+
+
+def test_inputs_of_another_shape_or_dtype_are_refused_with_the_input_named():
+    model = small_cnn()
+    compiled = opfuse.compile(model, (torch.randn(1, 3, 8, 8),), opfuse.FusionConfig(dtype="float32"))
+    with pytest.raises(GraphError, match=r"input .*\[1,3,8,8\]"):
+        compiled(torch.randn(2, 3, 8, 8))
+
+
+def test_fallback_eager_returns_a_model_that_runs_and_says_why():
+    class DataDependent(nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x - 1
+
+    model = DataDependent()
+    x = torch.ones(3)
+    with pytest.raises(GraphError):
+        opfuse.compile(model, (x,))
+    fallback = opfuse.compile(model, (x,), opfuse.FusionConfig(fallback="eager"))
+    assert torch.equal(fallback(x), model(x))
+    assert "torch.export could not capture" in fallback.fallbacks["<whole model>"]
+
+
+def test_a_wrong_kernel_is_unfused_and_named():
+    """A kernel that computes the wrong thing fails its own check: its group runs through PyTorch instead."""
+    from opfuse.codegen import lower
+
+    model = small_cnn()
+    x = torch.randn(1, 3, 8, 8)
+    original = lower.lower_group
+
+    def sabotaged(graph, group, device, reasons=None):
+        kernel = original(graph, group, device, reasons)
+        if kernel is not None and group.anchor and graph[group.anchor].op == "linear":
+            run = kernel.run
+            kernel.run = lambda inputs, config=None: [out + 1.0 for out in run(inputs, config)]
+        return kernel
+
+    lower.lower_group = sabotaged
+    try:
+        compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    finally:
+        lower.lower_group = original
+    failed = [c for c in compiled.checks if not c.passed]
+    assert len(failed) == 1
+    assert "failed verification" in compiled.fallbacks[failed[0].group]
+    with torch.no_grad():
+        assert relative_error(compiled(x), model(x)) < 1e-5
+
+
+def test_torch_compile_backend():
+    model = small_cnn()
+    x = torch.randn(2, 3, 8, 8)
+    fn = torch.compile(model, backend="opfuse")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")   # a fallback to PyTorch would warn
+        out = fn(x)
+        assert relative_error(out, model(x)) < 1e-5
