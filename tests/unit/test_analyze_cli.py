@@ -1,0 +1,48 @@
+"""`opfuse analyze` end to end on the CPU: issue 2's acceptance on resnet50 and the seed's table on a tiny model."""
+
+import json
+import time
+
+import pytest
+
+from opfuse.cli import main
+
+
+@pytest.mark.slow
+def test_analyze_resnet50_batch64_plans_at_most_57_launches_in_under_60s(tmp_path, capsys):
+    out = tmp_path / "r50.json"
+    start = time.perf_counter()
+    assert main(["analyze", "resnet50", "--batch", "64", "--json", str(out)]) == 0
+    elapsed = time.perf_counter() - start
+    data = json.loads(out.read_text())
+    assert elapsed < 60
+    # every conv carries its BN, ReLU and residual add: 53 convs + max pool + average pool + fc
+    assert data["plan"]["kernel_launches"] <= 57
+    assert data["unfused"]["kernel_launches"] > 150
+    printed = capsys.readouterr().out
+    assert f"unfused: {data['unfused']['kernel_launches']} kernel launches" in printed
+    assert "kernel launches" in printed and "total traffic" in printed
+
+
+def test_analyze_prints_the_seed_table_for_conv_bn_relu(monkeypatch, capsys, tmp_path):
+    """The seed's worked example through the CLI: Conv(no bias) -> BN -> ReLU, 3 kernels -> 1, 4·S less traffic
+    plus BN's four parameter vectors, minus the bias the folding gives the conv."""
+    module = tmp_path / "seed_model.py"
+    module.write_text("import torch, torch.nn as nn\n"
+                      "def build(batch=1):\n"
+                      "    torch.manual_seed(0)\n"
+                      "    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16),"
+                      " nn.ReLU()).eval()\n"
+                      "    return m, (torch.randn(batch, 3, 32, 32),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "seed.json"
+    assert main(["analyze", "seed_model:build", "--dtype", "fp32", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    s = 1 * 16 * 32 * 32 * 4                       # the conv output, float32
+    assert data["unfused"]["kernel_launches"] == 3 and data["fused"]["kernel_launches"] == 1
+    bn_parameters, folded_bias = 4 * 16 * 4, 16 * 4
+    assert data["unfused"]["total_bytes"] - data["fused"]["total_bytes"] == 4 * s + bn_parameters - folded_bias
+    printed = capsys.readouterr().out
+    for row in ("bytes read", "bytes written", "total traffic", "kernel launches", "peak intermediate memory",
+                "compute density", "predicted time"):
+        assert row in printed
