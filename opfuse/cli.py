@@ -1,10 +1,23 @@
-"""The `opfuse` command: analyze | report (and, as they land, bench | profile).
+"""The `opfuse` command: analyze | report | bench | profile.
 
     opfuse analyze MODEL [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--html FILE] [--quiet]
-    opfuse report MODEL -o report.html [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--quiet]
+    opfuse report  MODEL -o report.html [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--quiet]
+    opfuse bench   MODEL [--batch N] [--dtype fp16] [--contenders eager,...] [--tune-top N] [--json FILE] [--quiet]
+    opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--calibrate] [--html FILE] [--json FILE] [--quiet]
 
-Exit codes scripts can rely on: 0 success, 1 the model could not be captured or planned (message names the node or
-file), 2 bad command-line usage (including an output file that cannot be written).
+MODEL is a built-in name (resnet18, resnet50, mobilenet_v2, bert-base), an .onnx file (analyze and report only),
+``package.module:factory`` (the current directory is on the import path) or ``path/to/file.py:factory``; a factory
+returns (model, example_inputs) and may take ``batch``. bench and profile live in opfuse/bench/cli_bench.py.
+
+Every command takes --json FILE (write its results as JSON) and --quiet (print nothing on stdout; errors still go
+to stderr). Progress (capture, compile, tuning, measuring) shows on stderr when it is a terminal.
+
+Exit codes scripts can rely on (EXIT_CODES):
+  0  success
+  1  the model could not be captured, planned, compiled or run (the message names the node or file), or, for
+     bench, a contender failed (its error is in the JSON and on stderr)
+  2  bad command-line usage, including an output file that cannot be written
+  3  bench or profile on a machine without a usable NVIDIA GPU (CUDA unavailable, or TRITON_INTERPRET=1 set)
 """
 
 from __future__ import annotations
@@ -23,7 +36,14 @@ from opfuse.config import FusionConfig
 from opfuse.hardware import PROFILES
 from opfuse.ir.graph import GraphError, dtype_name
 
-EXIT_OK, EXIT_MODEL_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_MODEL_ERROR, EXIT_USAGE, EXIT_NEEDS_GPU = 0, 1, 2, 3
+EXIT_CODES = {
+    EXIT_OK: "success",
+    EXIT_MODEL_ERROR: "the model could not be captured, planned, compiled or run (the message names the node or "
+                      "file); for bench, a contender failed",
+    EXIT_USAGE: "bad command-line usage (including an output file that cannot be written)",
+    EXIT_NEEDS_GPU: "bench or profile on a machine without a usable NVIDIA GPU",
+}
 
 
 def human_bytes(n: float) -> str:
@@ -46,15 +66,29 @@ def human_time(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} µs"
 
 
+def load_model(spec: str, batch: int):
+    """(model, example inputs, display name) of a built-in name, package.module:factory or path/file.py:factory."""
+    from opfuse.bench.zoo import resolve_model
+
+    module, _, factory = spec.rpartition(":")
+    if module.endswith(".py"):           # a file: import it by its stem from its folder
+        path = Path(module)
+        if not path.is_file():
+            raise FileNotFoundError(f"model file {module} does not exist")
+        sys.path.insert(0, str(path.resolve().parent))
+        spec = f"{path.stem}:{factory}"
+    elif ":" in spec and "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))     # like `python -m`: modules of the current directory import
+    return resolve_model(spec, batch=batch)
+
+
 def load_analysis(args: argparse.Namespace, config: FusionConfig):
-    """Analysis of MODEL: a built-in name, a path to an .onnx file, or package.module:factory."""
+    """Analysis of MODEL: a built-in name, a path to an .onnx file, or a factory (see `load_model`)."""
     from opfuse.api import analyze
 
     if args.model.endswith(".onnx"):
         return analyze(args.model, config=config, batch=args.batch)
-    from opfuse.bench.zoo import resolve_model
-
-    model, inputs, name = resolve_model(args.model, batch=args.batch)
+    model, inputs, name = load_model(args.model, args.batch)
     return analyze(model, inputs, config=config, name=name)
 
 
@@ -66,7 +100,8 @@ def ops_table(analysis, limit: int | None) -> Table:
     rows = analysis.op_rows if limit is None else analysis.op_rows[:limit]
     for r in rows:
         kind = getattr(r.kind, "value", r.kind)
-        table.add_row(f"{escape(r.name)} [dim]{escape(r.op)}[/]", kind, str(analysis.captured[r.name].type),
+        label = escape(r.name) if r.name == r.op else f"{escape(r.name)} [dim]{escape(r.op)}[/]"
+        table.add_row(label, kind, str(analysis.captured[r.name].type),
                       human_flops(r.flops), human_bytes(r.bytes_read),
                       human_bytes(r.bytes_written), f"{r.density:.1f}", "yes" if r.candidate else "",
                       human_time(r.predicted_time))
@@ -76,7 +111,8 @@ def ops_table(analysis, limit: int | None) -> Table:
 
 
 def groups_table(plan) -> Table:
-    table = Table(title=f"Fusion groups: {plan.kernel_launches} kernel launches")
+    launches = plan.kernel_launches
+    table = Table(title=f"Fusion groups: {launches} kernel launch{'' if launches == 1 else 'es'}")
     for column in ("group", "kind", "ops", "bytes", "FLOPs/B", "predicted", "why"):
         table.add_column(column, justify="right" if column in ("bytes", "FLOPs/B", "predicted") else "left",
                          overflow="fold")
@@ -127,20 +163,20 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     if not _writable(args.json, args.html):
         return EXIT_USAGE
     config = FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold)
-    with console.status(f"capturing and planning {escape(args.model)}", spinner="dots") if not args.quiet else _null():
+    with status(args, f"capturing and planning {escape(args.model)}"):
         analysis = load_analysis(args, config)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(analysis.to_dict(), f, indent=1, default=str)
+    write_json(args.json, analysis.to_dict())
     if args.html:
         from opfuse.analysis.report import write_report
 
         write_report(analysis, args.html)
     if not args.quiet:
-        limit = None if args.ops == "all" else int(args.ops)
-        console.print(ops_table(analysis, limit))
+        console.print(ops_table(analysis, args.ops))
         console.print(groups_table(analysis.plan))
-        console.print(refused_table(analysis.plan))
+        if analysis.plan.refused:
+            console.print(refused_table(analysis.plan))
+        else:
+            console.print("Fusions refused: none")
         if analysis.opaque_ops:
             console.print("[bold]Runs through PyTorch (no opfuse kernel):[/] " + escape("; ".join(analysis.opaque_ops)))
         console.print(summary_table(analysis))
@@ -158,15 +194,12 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
     if not _writable(args.output, args.json):
         return EXIT_USAGE
     config = FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold)
-    with console.status(f"capturing and planning {escape(args.model)}", spinner="dots") if not args.quiet \
-            else _null() as status:
+    with status(args, f"capturing and planning {escape(args.model)}") as spinner:
         analysis = load_analysis(args, config)
-        if status is not None:
-            status.update("writing the report")
+        if spinner is not None:
+            spinner.update("writing the report")
         path = write_report(analysis, args.output)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(analysis.to_dict(), f, indent=1, default=str)
+    write_json(args.json, analysis.to_dict())
     if not args.quiet:
         savings = analysis.to_dict()["savings"]
         console.print(f"wrote {escape(str(path))} ({path.stat().st_size / 1e3:.0f} KB): "
@@ -174,6 +207,22 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
                       f"traffic -{savings['bytes_saved_fraction'] * 100:.1f}%, predicted "
                       f"{savings['speedup']:.2f}x faster; open it in a browser")
     return EXIT_OK
+
+
+def write_json(path: str | None, data: object) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+
+
+def error(command: str, message: str) -> None:
+    """Print an error on stderr, as every command does."""
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]opfuse {command}: error:[/] {escape(message)}")
+
+
+def status(args: argparse.Namespace, text: str):
+    """A spinner with `text` on stderr (shown only on a terminal), or nothing with --quiet."""
+    return _null() if args.quiet else Console(stderr=True).status(text, spinner="dots")
 
 
 def _writable(*paths: str | None) -> bool:
@@ -195,12 +244,14 @@ class _null:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="opfuse", description="Operator-fusion compiler for DL inference.")
+    parser = argparse.ArgumentParser(
+        prog="opfuse", description="Operator-fusion compiler for DL inference.",
+        epilog="exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()))
     sub = parser.add_subparsers(dest="command", required=True)
 
     analyze = sub.add_parser("analyze", help="where the model wastes traffic and launches, and what opfuse fuses")
     _model_arguments(analyze)
-    analyze.add_argument("--ops", default="40", help="how many per-op rows to print, or 'all'")
+    analyze.add_argument("--ops", default=40, type=row_limit, help="how many per-op rows to print, or 'all'")
     analyze.add_argument("--html", metavar="FILE", help="also write the HTML fusion report")
     analyze.set_defaults(handler=cmd_analyze)
 
@@ -209,20 +260,45 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("-o", "--output", default="report.html", metavar="FILE",
                         help="where to write the report (default report.html)")
     report.set_defaults(handler=cmd_report)
+
+    from opfuse.bench import cli_bench
+
+    bench = sub.add_parser("bench", help="on a GPU: eager, eager + CUDA graph, torch.compile and opfuse, side by "
+                                         "side (exit code 3 without one)")
+    _model_arguments(bench)
+    cli_bench.bench_arguments(bench)
+    bench.set_defaults(handler=cli_bench.cmd_bench)
+
+    profile = sub.add_parser("profile", help="on a GPU: time per eager op and per opfuse kernel against the cost "
+                                             "model, and calibrate it (exit code 3 without one)")
+    _model_arguments(profile)
+    cli_bench.profile_arguments(profile)
+    profile.set_defaults(handler=cli_bench.cmd_profile)
     return parser
+
+
+def row_limit(text: str) -> int | None:
+    """--ops: a row count, or 'all' (None)."""
+    if text == "all":
+        return None
+    try:
+        return max(0, int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of rows or 'all', got {text!r}") from None
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model and planning arguments every command shares, plus --json and --quiet."""
     parser.add_argument("model", help="built-in name (resnet18, resnet50, mobilenet_v2, bert-base), a .onnx file, "
-                                      "or package.module:factory returning (model, example_inputs)")
+                                      "package.module:factory or path/file.py:factory returning "
+                                      "(model, example_inputs)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"])
-    parser.add_argument("--hw", default="h200", choices=sorted(PROFILES))
+    parser.add_argument("--hw", default="h200", choices=sorted(PROFILES), help="hardware profile of the cost model")
     parser.add_argument("--threshold", type=float, default=10.0,
                         help="FLOPs/Byte under which an op is a fusion candidate (default 10, the seed's rule)")
-    parser.add_argument("--json", metavar="FILE", help="also write the analysis as JSON")
-    parser.add_argument("--quiet", action="store_true", help="print nothing (use with --json)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--quiet", action="store_true", help="print nothing on stdout (use with --json)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -231,8 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=False)
     try:
         return args.handler(args, console)
-    except (GraphError, FileNotFoundError, ValueError, ImportError) as error:
-        Console(stderr=True).print(f"[bold red]opfuse {args.command}: error:[/] {escape(str(error))}")
+    except (GraphError, FileNotFoundError, ValueError, ImportError, RuntimeError) as problem:
+        error(args.command, str(problem))
         return EXIT_MODEL_ERROR
 
 

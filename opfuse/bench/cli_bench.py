@@ -1,0 +1,273 @@
+"""`opfuse bench` and `opfuse profile`: the GPU commands of the CLI (arguments, handlers and their tables).
+
+    opfuse bench MODEL [--batch N] [--dtype fp16] [--contenders eager,eager_graph,inductor,opfuse] [--tune-top N]
+                       [--json FILE] [--quiet]
+    opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--ops N|all] [--calibrate] [--html FILE]
+                         [--json FILE] [--quiet]
+
+bench measures one workload with `opfuse.bench.harness.run_workload` (the code benchmarks/run_all.py runs); profile
+times every eager op and every opfuse kernel alone (`opfuse.bench.profile`) and, with --calibrate, fits the
+hardware profile to those times (`opfuse.bench.calibrate`). Both need an NVIDIA GPU: without one they exit with
+code 3 (`EXIT_NEEDS_GPU`) before loading anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from opfuse.cli import (EXIT_MODEL_ERROR, EXIT_NEEDS_GPU, EXIT_OK, EXIT_USAGE, _writable, error, human_bytes,
+                        human_flops, human_time, load_model, row_limit, write_json)
+
+# ---- shared ------------------------------------------------------------------------------------------------
+
+
+def gpu_problem() -> str | None:
+    """Why kernels cannot be timed on this machine, or None when a CUDA GPU is usable."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET=1 is set: Triton kernels would run in the CPU interpreter, and timing them " \
+               "means nothing"
+    return None
+
+
+def _preflight(args: argparse.Namespace, *outputs: str | None) -> int | None:
+    """The exit code that stops the command before any work (usage, then GPU), or None to go on."""
+    if not _writable(*outputs):
+        return EXIT_USAGE
+    if args.model.endswith(".onnx"):
+        error(args.command, f"{args.command} runs a PyTorch model (a built-in name or a factory); an .onnx file "
+                            f"can be analysed (opfuse analyze {args.model}) but not benchmarked")
+        return EXIT_USAGE
+    problem = gpu_problem()
+    if problem is not None:
+        error(args.command, f"needs an NVIDIA GPU: {problem} (exit code {EXIT_NEEDS_GPU}); "
+                            f"`opfuse analyze {args.model}` predicts the same model without one")
+        return EXIT_NEEDS_GPU
+    return None
+
+
+def _config(args: argparse.Namespace):
+    from opfuse.config import FusionConfig
+    from opfuse.ir.graph import dtype_name
+
+    return FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold,
+                        autotune=args.tune_top > 0, tune_top=args.tune_top or None)
+
+
+def _progress(args: argparse.Namespace) -> Progress:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=Console(stderr=True), disable=args.quiet, transient=True)
+
+
+def _tune_top_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tune-top", type=int, default=4, metavar="N",
+                        help="autotune opfuse's kernels among their first N configs; 0 turns tuning off (default 4)")
+
+
+def _ms(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+# ---- bench -------------------------------------------------------------------------------------------------
+
+def bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from opfuse.bench.harness import CONTENDERS
+
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
+    _tune_top_argument(parser)
+
+
+def cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    from opfuse.bench.harness import CONTENDER_LABELS, CONTENDERS
+
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = sorted(set(contenders) - set(CONTENDERS))
+    if unknown or not contenders:
+        error("bench", f"unknown contenders {unknown}; choose among {', '.join(CONTENDERS)}")
+        return EXIT_USAGE
+    stop = _preflight(args, args.json)
+    if stop is not None:
+        return stop
+
+    import torch
+
+    from opfuse.bench.harness import environment, failed_contenders, measure_ceilings, run_workload
+
+    torch.backends.cudnn.benchmark = True
+    workload = f"{args.model} bs{args.batch}"
+    with _progress(args) as progress:
+        task = progress.add_task(f"{workload}: loading the model", total=1 + len(contenders))
+        model, inputs, name = load_model(args.model, args.batch)
+        progress.update(task, description="measuring the GPU's copy bandwidth and matrix rate")
+        env, ceilings = environment(), measure_ceilings()
+
+        def on_step(label: str) -> None:
+            progress.update(task, description=f"{workload}: {CONTENDER_LABELS[label]}",
+                            completed=1 + [c for c in CONTENDERS if c in contenders].index(label))
+
+        row = {"workload": workload, "model": name, "batch": args.batch}
+        row |= run_workload(model, inputs, workload, ceilings, contenders, _config(args), on_step)
+    write_json(args.json, {"env": env, "ceilings": ceilings, "results": [row], "tune_top": args.tune_top})
+    if not args.quiet:
+        console.print(bench_table(row, env, ceilings))
+    failed = failed_contenders(row)
+    for label, message in failed.items():
+        error("bench", f"{CONTENDER_LABELS[label]} failed on {workload}: {message}")
+    return EXIT_MODEL_ERROR if failed else EXIT_OK
+
+
+def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
+    """One workload, one line per contender, plus opfuse's speedup over each and the floor."""
+    from opfuse.bench.harness import CONTENDER_LABELS, CONTENDERS, speedup
+
+    table = Table(title=f"{escape(row['workload'])} ({row.get('dtype', '')}), {escape(env.get('gpu', '?'))}, "
+                        f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}")
+    for column in ("contender", "median ms", "opfuse speedup", "kernels", "GPU busy ms", "peak MB", "compile s",
+                   "rel. error"):
+        table.add_column(column, justify="left" if column == "contender" else "right")
+    for label in CONTENDERS:
+        if label not in row:
+            continue
+        value = row[label]
+        if "error" in value:
+            table.add_row(CONTENDER_LABELS[label], "[red]failed[/]", "", "", "", "", "", escape(value["error"][:60]))
+            continue
+        ratio = speedup(row, label) if label != "opfuse" else None
+        error_value = value.get("rel_error")
+        table.add_row(CONTENDER_LABELS[label], _ms(value["median_ms"]), "-" if ratio is None else f"{ratio:.2f}x",
+                      str(value.get("kernels", "-")), _ms(value.get("gpu_busy_ms")),
+                      _ms(value.get("peak_memory_mb"), 0), _ms(value.get("compile_s"), 1),
+                      "-" if error_value is None else f"{error_value:.1e}")
+    notes = [f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, fp16 matrix "
+             f"{ceilings['fp16_matrix_flops'] / 1e12:.0f} TFLOP/s"]
+    if "floor_compute_ms" in row:
+        notes.append(f"floor: compute {row['floor_compute_ms']:.3f} ms, memory {row['floor_memory_ms']:.3f} ms")
+    if "plan_launches" in row:
+        pytorch_groups = sum(1 for reason in row.get("fallbacks", {}).values() if not reason.startswith("view"))
+        notes.append(f"opfuse plan: {row['plan_launches']} launches, {pytorch_groups} groups through PyTorch")
+    table.caption = "; ".join(notes)
+    return table
+
+
+# ---- profile -----------------------------------------------------------------------------------------------
+
+def profile_arguments(parser: argparse.ArgumentParser) -> None:
+    _tune_top_argument(parser)
+    parser.add_argument("--ops", default=40, type=row_limit,
+                        help="rows per table, slowest first, or 'all' (default 40)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="fit the hardware profile's launch overhead and efficiencies to the measured times")
+    parser.add_argument("--html", metavar="FILE", help="also write the HTML fusion report with the measured times")
+
+
+def cmd_profile(args: argparse.Namespace, console: Console) -> int:
+    stop = _preflight(args, args.json, args.html)
+    if stop is not None:
+        return stop
+
+    import torch
+
+    from opfuse.bench.harness import prepare
+    from opfuse.bench.profile import profile_model
+    from opfuse.ir.graph import torch_dtype
+
+    torch.backends.cudnn.benchmark = True
+    config = _config(args)
+    with _progress(args) as progress:
+        task = progress.add_task(f"loading {args.model}", total=None)
+        model, inputs, name = load_model(args.model, args.batch)
+        model, inputs, _, _ = prepare(model, inputs, torch_dtype(config.dtype))
+        progress.update(task, description=f"compiling {name} with opfuse (capture, plan, codegen, tuning)")
+
+        def on_row(what: str, done: int, total: int) -> None:
+            progress.update(task, description=f"timing {what}", completed=done, total=total)
+
+        profile = profile_model(model, inputs, config, progress=on_row, name=name)
+    if args.calibrate:
+        profile.calibrate()
+    write_json(args.json, profile.to_dict())
+    if args.html:
+        from opfuse.analysis.report import write_report
+        from opfuse.bench.profile import measured_for_report
+
+        write_report(profile.compiled.analysis, args.html, measured_for_report(profile))
+    if not args.quiet:
+        print_profile(profile, console, args.ops)
+        if args.html:
+            console.print(f"report: {escape(args.html)}")
+    return EXIT_OK
+
+
+def profile_table(rows: Sequence[Any], title: str, threshold: float, limit: int | None) -> Table:
+    """Rows slowest first: counted work, measured time and rates, the seed's flag, prediction and its error."""
+    table = Table(title=title)
+    for column in ("name", "ops", "FLOPs", "bytes", "FLOPs/B", "cand.", "measured", "GB/s", "TFLOP/s",
+                   "predicted", "error"):
+        table.add_column(column, justify="left" if column in ("name", "ops", "cand.") else "right",
+                         overflow="fold")
+    ordered = sorted(rows, key=lambda r: -(r.measured or 0.0))
+    shown = ordered if limit is None else ordered[:limit]
+    for r in shown:
+        measured = r.measured is not None
+        table.add_row(escape(r.name), escape(r.ops if len(r.ops) <= 40 else r.ops[:37] + "..."),
+                      human_flops(r.flops), human_bytes(r.bytes_moved), f"{r.density:.1f}",
+                      "yes" if r.density < threshold else "",
+                      human_time(r.measured) if measured else "-",
+                      f"{r.achieved_bandwidth / 1e9:.0f}" if measured else "-",
+                      f"{r.achieved_flops / 1e12:.2f}" if measured else "-",
+                      human_time(r.predicted), f"{r.error * 100:+.0f}%" if measured else "-")
+    measured_total = sum(r.measured or 0.0 for r in rows)
+    predicted_total = sum(r.predicted for r in rows)
+    caption = f"sum of {len(rows)}: measured {human_time(measured_total)}, predicted {human_time(predicted_total)}"
+    if len(shown) < len(rows):
+        caption += f"; {len(rows) - len(shown)} faster rows not shown (--ops all)"
+    table.caption = caption
+    return table
+
+
+def print_profile(profile: Any, console: Console, limit: int | None = 40) -> None:
+    """The two tables, the cost model's median error and, when calibrated, the fitted factors."""
+    from opfuse.bench.profile import median_error
+
+    name = escape(profile.model)
+    console.print(profile_table(profile.eager, f"{name}, eager PyTorch: per op ({profile.dtype}, "
+                                               f"candidate: under {profile.threshold:g} FLOPs/Byte)",
+                                profile.threshold, limit))
+    console.print(profile_table(profile.opfuse, f"{name}, opfuse: per kernel", profile.threshold, limit))
+
+    def percent(value: float | None) -> str:
+        return "-" if value is None else f"{value * 100:.0f}%"
+
+    console.print(f"cost model ({escape(profile.hardware.name)}) median relative error: eager ops "
+                  f"{percent(median_error(profile.eager))}, opfuse kernels {percent(median_error(profile.opfuse))}, "
+                  f"all {percent(median_error(profile.eager + profile.opfuse))}")
+    if profile.calibration is not None:
+        console.print(calibration_table(profile.calibration))
+        factors = ", ".join(f"{k}={v:.3g}" for k, v in profile.calibration.after.items())
+        name = profile.hardware_key or profile.hardware.name
+        console.print(f"to use it: get_hardware({name!r}).with_calibration({factors})", soft_wrap=True)
+
+
+def calibration_table(calibration: Any) -> Table:
+    table = Table(title=f"Calibrated hardware profile ({calibration.samples} kernels, "
+                        f"{len(calibration.outliers)} outliers left out of the fit)")
+    for column in ("factor", "before", "after"):
+        table.add_column(column, justify="left" if column == "factor" else "right")
+    for factor, before in calibration.before.items():
+        after = calibration.after[factor]
+        fmt = human_time if factor == "launch_overhead" else (lambda v: f"{v:.3f}")
+        table.add_row(factor, fmt(before), fmt(after))
+    table.add_row("median relative error", f"{calibration.error_before * 100:.0f}%",
+                  f"{calibration.error_after * 100:.0f}%")
+    return table

@@ -1,0 +1,343 @@
+"""Per-op and per-kernel profile against the cost model: `profile_model(model, inputs, config) -> Profile`.
+
+Two tables, the seed's advice made a command ("profile each operator's compute-to-memory ratio; under 10
+FLOPs/Byte it is a fusion candidate"):
+
+- **eager, per op.** Every kernel-launching node of the captured graph (the unfused baseline the cost model
+  predicts, one ATen-level op each: conv, batch_norm, relu, add, ...) runs alone through its PyTorch reference on
+  its real input values (one run of the whole graph, in the compute dtype, 4-D tensors channels-last as in the
+  benchmark protocol). We time ops this way rather than map torch.profiler kernels back to ops because the
+  mapping is then exact: each row is one IR node, with the registry's FLOPs and bytes.
+- **opfuse, per kernel.** Every group of the compiled model's plan that launches a kernel: its `GroupKernel`
+  alone, with its tuned config, on the real intermediate values (`CompiledModel.collect_values`); a group that
+  runs through PyTorch (attention, gathers) runs its nodes the same way.
+
+How one row is timed (`cuda_graph_time`): after a warm-up call, `repeats` back-to-back calls are captured into one
+CUDA graph and the graph is replayed; the time is the median of CUDA-event-timed replays divided by `repeats`.
+That is the kernel's GPU time plus the gap between two launches in a stream (what the cost model's
+`launch_overhead` stands for) without Python's dispatch time, which would swamp microsecond kernels. An op that
+cannot be captured is timed by events around eager calls instead (its row says so).
+
+Each row carries the FLOPs and bytes of the op registry / fusion plan, so achieved GB/s and TFLOP/s and the
+FLOPs/Byte are the counted work over the measured time, next to the cost model's prediction and its relative
+error. `Profile.samples()` feeds `opfuse.bench.calibrate` (the rows whose prediction is a plain roofline).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from opfuse.bench.calibrate import Calibration, Sample, calibrate
+from opfuse.config import FusionConfig
+from opfuse.fusion.cost import estimate_kernel, predict_time, tile_efficiency
+from opfuse.hardware import HardwareProfile
+from opfuse.ir.graph import Graph, GraphError
+from opfuse.ir.ops import get_op
+
+Timer = Callable[[Callable[[], object]], float]          # seconds per call of a function
+Progress = Callable[[str, int, int], None]                # (what is being timed, done, total)
+
+
+@dataclass
+class ProfileRow:
+    """One op (eager) or one kernel (opfuse): counted work, predicted and measured time."""
+
+    name: str                       # node name (eager) or group name (opfuse)
+    ops: str                        # the op, or the group's ops joined by " + "
+    kind: str                       # fusion kind of the op, or group kind
+    runs_as: str                    # "pytorch", or the opfuse kernel's name
+    flops: int
+    bytes_moved: int
+    predicted: float                # seconds, cost model
+    matrix: bool                    # the cost model puts it on the tensor cores
+    tile_efficiency: float = 1.0
+    roofline: bool = True           # the prediction is the plain roofline of the counted work (calibratable)
+    measured: float | None = None   # seconds
+    timing: str = ""                # "cuda graph" or "events" (could not be captured)
+
+    @property
+    def density(self) -> float:
+        """FLOPs per byte moved (the counted work; the seed's compute-to-memory ratio)."""
+        return self.flops / self.bytes_moved if self.bytes_moved else 0.0
+
+    @property
+    def achieved_bandwidth(self) -> float | None:
+        """Bytes per second, counted bytes over measured time."""
+        return self.bytes_moved / self.measured if self.measured else None
+
+    @property
+    def achieved_flops(self) -> float | None:
+        return self.flops / self.measured if self.measured else None
+
+    @property
+    def error(self) -> float | None:
+        """Relative error of the cost model: (predicted - measured) / measured."""
+        return (self.predicted - self.measured) / self.measured if self.measured else None
+
+    def sample(self) -> Sample:
+        return Sample(self.flops, self.bytes_moved, self.matrix, self.measured or 0.0, self.tile_efficiency,
+                      self.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"density": self.density, "achieved_bytes_per_s": self.achieved_bandwidth,
+                               "achieved_flops_per_s": self.achieved_flops, "relative_error": self.error}
+
+
+@dataclass
+class Profile:
+    model: str
+    dtype: str
+    hardware: HardwareProfile
+    threshold: float                                  # FLOPs/Byte under which an op is a fusion candidate
+    eager: list[ProfileRow] = field(default_factory=list)
+    opfuse: list[ProfileRow] = field(default_factory=list)
+    calibration: Calibration | None = None
+    hardware_key: str = ""                            # the config's name for the profile ("h200")
+    compiled: Any = field(default=None, repr=False)   # the opfuse model profiled (the report reads its kernels)
+
+    def candidate(self, row: ProfileRow) -> bool:
+        return row.density < self.threshold
+
+    def samples(self) -> list[Sample]:
+        """The measured rows the calibration can fit: those whose prediction is a plain roofline."""
+        return [r.sample() for r in self.eager + self.opfuse if r.measured and r.roofline]
+
+    def calibrate(self) -> Calibration:
+        """Fit the hardware profile to every measured row (eager ops and opfuse kernels) and keep the result."""
+        self.calibration = calibrate(self.samples(), self.hardware, self.dtype)
+        return self.calibration
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "dtype": self.dtype, "hardware": self.hardware.name,
+                "density_threshold": self.threshold,
+                "median_error": {"eager": median_error(self.eager), "opfuse": median_error(self.opfuse),
+                                 "all": median_error(self.eager + self.opfuse)},
+                "eager": [r.to_dict() | {"candidate": self.candidate(r)} for r in self.eager],
+                "opfuse": [r.to_dict() | {"candidate": self.candidate(r)} for r in self.opfuse],
+                "calibration": self.calibration.to_dict() if self.calibration else None}
+
+
+def median_error(rows: Sequence[ProfileRow]) -> float | None:
+    """Median of |predicted - measured| / measured over the measured rows (None when nothing was measured)."""
+    errors = [abs(r.error) for r in rows if r.error is not None]
+    return statistics.median(errors) if errors else None
+
+
+# ---- timing ------------------------------------------------------------------------------------------------
+
+def cuda_graph_time(fn: Callable[[], object], repeats: int | None = None, replays: int = 10) -> float:
+    """Seconds per call of `fn` on the current CUDA device (see the module docstring)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()                               # warm-up: compiles Triton kernels, lets cuDNN pick its algorithm
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    eager = start.elapsed_time(end) / 1e3
+    if repeats is None:                # enough calls per graph that one replay lasts about 200 µs
+        repeats = max(3, min(50, math.ceil(2e-4 / max(eager, 1e-6))))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / repeats)
+    return statistics.median(times)
+
+
+def event_time(fn: Callable[[], object], iters: int = 20) -> float:
+    """Seconds per call of `fn`: median of CUDA-event-timed eager calls after a warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _time_row(row: ProfileRow, fn: Callable[[], object], timer: Timer | None) -> None:
+    if timer is not None:
+        row.measured, row.timing = timer(fn), "given timer"
+        return
+    try:
+        row.measured, row.timing = cuda_graph_time(fn), "cuda graph"
+    except Exception:      # e.g. an op that syncs with the host: time it eagerly
+        _recover_rng()
+        torch.cuda.synchronize()
+        row.measured, row.timing = event_time(fn), "events"
+
+
+def _recover_rng() -> None:
+    """After a failed capture, give the device's RNG a fresh copy of its state (see CompiledModel, torch 2.11)."""
+    try:
+        generator = torch.cuda.default_generators[torch.cuda.current_device()]
+        generator.graphsafe_set_state(generator.clone_state())
+    except Exception:
+        pass
+
+
+# ---- the rows ----------------------------------------------------------------------------------------------
+
+def graph_values(graph: Graph, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every value of one run of `graph` through the op references; 4-D floating values channels-last."""
+    device = inputs[0].device if inputs else torch.device("cpu")
+
+    def layout(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 4 and x.is_floating_point():
+            return x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    values = {node.name: layout(x) for node, x in zip(graph.input_nodes, inputs)}
+    with torch.no_grad():
+        for node in graph:
+            if node.op == "input":
+                continue
+            if node.op == "constant":
+                values[node.name] = layout(graph.constants[node.name].to(device))
+                continue
+            try:
+                values[node.name] = get_op(node.op).run([values[i] for i in node.inputs], node.attrs)
+            except Exception as error:
+                raise GraphError(f"profiling: running node {node.describe()} failed: {error}") from error
+    return values
+
+
+def _prediction(graph: Graph, nodes: Sequence[str], users: Any, hardware: HardwareProfile, dtype: str
+                ) -> tuple[float, bool, float, bool]:
+    """(predicted seconds, tensor-core kernel?, tile efficiency, plain roofline?) from the cost model.
+
+    The calibration needs the roofline terms behind each prediction. Rather than restate the cost model's rule
+    for which kernels run on the tensor cores (anchors, except depthwise convolutions), the terms are taken to be
+    the ones that reproduce its estimate; an estimate that is not a plain roofline of the kernel's traffic (a
+    conv-conv kernel priced with its recomputation) is marked so, and left out of the calibration."""
+    estimate = estimate_kernel(graph, nodes, users, hardware, dtype)
+    tile = tile_efficiency(estimate.resources)
+    flops, moved = estimate.traffic.flops, estimate.traffic.bytes_moved
+    likely = estimate.anchor is not None
+    for matrix in (likely, not likely):
+        if math.isclose(predict_time(flops, moved, hardware, dtype, matrix, tile), estimate.time, rel_tol=1e-9):
+            return estimate.time, matrix, tile, True
+    return estimate.time, likely, tile, False
+
+
+def eager_rows(analysis: Any, values: dict[str, torch.Tensor], timer: Timer | None = None,
+               progress: Progress | None = None) -> list[ProfileRow]:
+    """One timed row per kernel-launching op of the captured (unfused) graph."""
+    graph, hardware, dtype = analysis.captured, analysis.hardware, analysis.config.dtype
+    users = graph.users()
+    rows = []
+    for index, metrics in enumerate(analysis.op_rows):
+        node = graph[metrics.name]
+        predicted, matrix, tile, roofline = _prediction(graph, [node.name], users, hardware, dtype)
+        row = ProfileRow(node.name, node.op, metrics.kind, "pytorch", metrics.flops, metrics.bytes_moved,
+                         predicted, matrix, tile, roofline)
+        if progress is not None:
+            progress(f"eager {node.name}", index, len(analysis.op_rows))
+        args = [values[i] for i in node.inputs]
+        op = get_op(node.op)
+        _time_row(row, lambda: op.run(args, node.attrs), timer)
+        rows.append(row)
+    return rows
+
+
+def opfuse_rows(compiled_model: Any, values: dict[str, torch.Tensor], hardware: HardwareProfile, dtype: str,
+                timer: Timer | None = None, progress: Progress | None = None) -> list[ProfileRow]:
+    """One timed row per kernel-launching group of a CompiledModel's plan."""
+    plan = compiled_model.plan
+    graph = plan.graph
+    users = graph.users()
+    groups = [g for g in plan.groups if g.launches]
+    rows = []
+    for index, group in enumerate(groups):
+        predicted, matrix, tile, roofline = _prediction(graph, group.nodes, users, hardware, dtype)
+        kernel = compiled_model.kernels.get(group.name)
+        ops = " + ".join(graph[n].op for n in group.nodes)
+        row = ProfileRow(group.name, ops, group.kind.value, kernel.name if kernel else "pytorch", group.flops,
+                         group.bytes_moved, predicted, matrix, tile, roofline)
+        if progress is not None:
+            progress(f"opfuse {group.name}", index, len(groups))
+        if kernel is not None:
+            args = [values[n] for n in kernel.runtime_inputs]
+            config = compiled_model.configs.get(group.name)
+            _time_row(row, lambda: kernel.run(args, config), timer)
+        else:      # runs through PyTorch, node by node, as the runtime does
+            nodes = [graph[n] for n in group.nodes if graph[n].op not in ("input", "constant")]
+
+            def run_nodes() -> None:
+                for node in nodes:
+                    get_op(node.op).run([values[i] for i in node.inputs], node.attrs)
+            _time_row(row, run_nodes, timer)
+        rows.append(row)
+    return rows
+
+
+def profile_model(model: torch.nn.Module, inputs: Sequence[torch.Tensor], config: FusionConfig,
+                  timer: Timer | None = None, progress: Progress | None = None, name: str | None = None,
+                  quiet: bool = True) -> Profile:
+    """Compile `model` with opfuse, then time every eager op and every opfuse kernel alone (module docstring).
+
+    `inputs` are the benchmark's inputs (on the GPU, in the compute dtype); `timer` replaces the CUDA-graph timer
+    (tests pass a fake one, which makes the whole function run on the CPU through Triton's interpreter).
+    """
+    import opfuse
+
+    compiled = opfuse.compile(model, inputs, config, quiet=quiet)
+    if not hasattr(compiled, "analysis"):        # fallback="eager" gave the model back: nothing to profile
+        raise GraphError(f"opfuse could not compile {name or type(model).__name__}: {compiled.reason}")
+    analysis = compiled.analysis
+    profile = Profile(name or analysis.name, analysis.config.dtype, analysis.hardware,
+                      analysis.config.density_threshold, hardware_key=analysis.config.hardware, compiled=compiled)
+    compute = [x.to(getattr(torch, analysis.config.dtype)) if x.is_floating_point() else x for x in inputs]
+    with torch.no_grad():
+        values = graph_values(analysis.captured, compute)
+        profile.eager = eager_rows(analysis, values, timer, progress)
+        del values
+        runtime = compiled.compiled
+        values = runtime.collect_values(*compute)
+        profile.opfuse = opfuse_rows(runtime, values, analysis.hardware, analysis.config.dtype, timer, progress)
+        del values
+    return profile
+
+
+def measured_for_report(profile: Profile) -> dict[str, dict[str, Any]]:
+    """{group name: {time, registers, spills, shared_memory, config}} of the timed opfuse kernels, in the form
+    `opfuse.analysis.report.write_report(analysis, path, measured)` takes."""
+    from opfuse.runtime.autotune import format_config
+
+    runtime = profile.compiled.compiled
+    measured: dict[str, dict[str, Any]] = {}
+    for row in profile.opfuse:
+        if row.measured is None:
+            continue
+        entry: dict[str, Any] = {"time": row.measured}
+        kernel = runtime.kernels.get(row.name)
+        if kernel is not None:
+            info = kernel.last_compiled       # of the last run: the tuned config, just timed
+            if info is not None:
+                entry |= {"registers": info.registers, "spills": info.spills, "shared_memory": info.shared_bytes}
+            if runtime.configs.get(row.name) is not None:
+                entry["config"] = format_config(runtime.configs[row.name])
+        measured[row.name] = {k: v for k, v in entry.items() if v is not None}
+    return measured
