@@ -15,6 +15,7 @@ class FusionConfig:
     residual: bool = True               # conv + add(skip) + activation
     horizontal: bool = True             # sibling anchors on one input; independent small pointwise ops
     conv_conv: bool = True              # depthwise + pointwise convolution in one kernel
+    conv_conv_expand: bool = True       # ... and the 1x1 expansion before it (whole inverted residual), where it pays
     use_cost_model: bool = True         # False: take every legal fusion (for tests and experiments)
     # code generation and runtime
     autotune: bool = True
@@ -22,6 +23,8 @@ class FusionConfig:
     cuda_graph: bool = True
     verify: bool = True
     fallback: str = "error"             # "error": raise on a failed compile; "eager": return the eager model
+    recompile: bool = False             # inputs of another shape/dtype/device: compile for them instead of raising
+    memory_limit: int | None = None     # bytes a compile may use; None: free CUDA memory / available host memory
     cache_dir: str | None = None        # autotune cache; default ~/.cache/opfuse
     debug_dir: str | None = None        # where each stage dumps what it made
 

@@ -1,10 +1,11 @@
 """Pick the kernel template for each fusion group: `lower_group(graph, group, device)` and `lower_plan(plan, device)`.
 
-Dispatch reads the group's kind and anchor op: conv2d -> `lower_conv_group`, linear/matmul -> `lower_gemm_group`,
-elementwise groups -> `lower_pointwise_group`, reductions -> `lower_reduction_group`. A group that gets no kernel
-(a view, an opaque op, attention, concat/gather, or a template that raised `Unsupported`) runs through PyTorch at
-run time; the reason is recorded so the report can say why. The template modules are imported lazily: one that is
-missing or broken at import time only sends its groups to PyTorch, it does not stop the compile.
+Dispatch reads the group's kind and anchor op: CONV_CONV groups -> `lower_conv_conv_group`, conv2d ->
+`lower_conv_group`, linear/matmul -> `lower_gemm_group`, elementwise groups -> `lower_pointwise_group`, reductions
+-> `lower_reduction_group`. A group that gets no kernel (a view, an opaque op, attention, concat/gather, or a
+template that raised `Unsupported`) runs through PyTorch at run time; the reason is recorded so the report can say
+why. The template modules are imported lazily: one that is missing or broken at import time only sends its groups
+to PyTorch, it does not stop the compile.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ ANCHOR_LOWERINGS = {
     "linear": ("opfuse.codegen.gemm", "lower_gemm_group"),
     "matmul": ("opfuse.codegen.gemm", "lower_gemm_group"),
 }
+CONV_CONV_LOWERING = ("opfuse.codegen.conv_conv", "lower_conv_conv_group")
 POINTWISE_LOWERING = ("opfuse.codegen.pointwise", "lower_pointwise_group")
 REDUCTION_LOWERING = ("opfuse.codegen.reduction", "lower_reduction_group")
 
@@ -55,6 +57,8 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | str:
     for name, kind in kinds.items():
         if kind is FusionKind.OPAQUE:
             return f"opaque op {graph[name].describe()}: runs through PyTorch"
+    if group.kind is GroupKind.CONV_CONV:
+        return CONV_CONV_LOWERING
     anchor = find_anchor(graph, group)
     if anchor is not None:
         op = graph[anchor].op

@@ -13,17 +13,39 @@ graph output; views inside it are free. A group of one node moves exactly what t
 One refinement, so that the seed's warning ("fuse too much and registers or shared memory overflow, and the
 kernel gets slower") shows up in the predictions: when the resource model has to shrink an anchor's tile to
 fit a fused epilogue, the tensor-core rate drops with the tile's operand reuse (see `tile_efficiency`).
+Depthwise convolutions have one input channel per filter: no tensor-core GEMM, so they run at the CUDA-core rate.
+
+Conv-conv kernels (`conv_conv_estimate`) are counted as the kernel `opfuse.codegen.conv_conv` runs: device-memory
+traffic as any group (the intermediate tensors are gone), and the work actually executed, recomputation included:
+
+- every BLOCK_N tile of output channels recomputes the depthwise result of its pixels, so the depthwise FLOPs (and
+  its epilogue's) are executed ceil(C_out / BLOCK_N) times, on the CUDA cores;
+- a fused expansion conv (the whole inverted-residual block) is recomputed for every depthwise tap of every output
+  pixel (the halo: KH*KW input pixels per output pixel instead of stride^2 of them), with its input channels
+  padded to one power-of-two K block, on the tensor cores at the reuse of a BLOCK_M x BLOCK_K tile;
+- the pointwise GEMM runs once, on the tensor cores at the reuse of its BLOCK_M x BLOCK_N tile.
+
+The compute part is the tensor-core time plus the CUDA-core time (they share the SM's issue slots), against the
+traffic. The depthwise (and expansion) work moves from its own kernel's grid into the pointwise conv's grid (pixel
+tiles x output-channel tiles), usually far fewer programs, each of which runs the whole mid-channel loop itself:
+when that grid has fewer programs than the GPU has SMs, the moved work runs on only that many SMs (`busy`). The
+pointwise GEMM keeps the grid it would have alone, so it is priced as any GEMM. Every candidate tile that fits is
+priced and the fastest is taken; the re-reads of the input that the recomputation causes are served by L2 and are
+not counted as device-memory traffic (as for any implicit-GEMM conv).
 All hardware numbers come from `opfuse.hardware.HardwareProfile`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from opfuse.config import FusionConfig
+from opfuse.fusion.legality import conv_stages, is_depthwise_conv
 from opfuse.fusion.plan import ResourceEstimate
-from opfuse.fusion.resources import ATTENTION_TILES, GEMM_TILES, anchor_of, estimate_resources
+from opfuse.fusion.resources import (ATTENTION_TILES, GEMM_TILES, anchor_of, conv_chain, conv_conv_tiles,
+                                     describe_tile, estimate_resources, expansion_block)
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import FusionKind, get_op, kind_of, launches_kernel, node_bytes, node_flops
@@ -58,6 +80,7 @@ class KernelEstimate:
     resources: ResourceEstimate | None   # None for views and opaque ops (no kernel of ours)
     time: float
     anchor: str | None
+    note: str = ""                       # what the time includes beyond the roofline of the traffic (recompute)
 
 
 def predict_time(flops: float, bytes_moved: float, hw: HardwareProfile, dtype: str, matrix: bool,
@@ -108,11 +131,15 @@ def tile_efficiency(resources: ResourceEstimate | None) -> float:
     if resources is None or "BLOCK_M" not in resources.tile or "BLOCK_N" not in resources.tile:
         return 1.0
     default = ATTENTION_TILES[0] if "HEAD_DIM" in resources.tile else GEMM_TILES[0]
+    return reuse_efficiency(resources.tile["BLOCK_M"], resources.tile["BLOCK_N"], default)
 
-    def reuse(tile: Mapping[str, int]) -> float:
-        return tile["BLOCK_M"] * tile["BLOCK_N"] / (tile["BLOCK_M"] + tile["BLOCK_N"])
 
-    return min(1.0, reuse(resources.tile) / reuse(default))
+def reuse_efficiency(rows: int, columns: int, default: Mapping[str, int] = GEMM_TILES[0]) -> float:
+    """Operand reuse of a rows x columns MMA tile relative to the `default` tile's, at most 1."""
+    def reuse(m: int, n: int) -> float:
+        return m * n / (m + n)
+
+    return min(1.0, reuse(rows, columns) / reuse(default["BLOCK_M"], default["BLOCK_N"]))
 
 
 def estimate_kernel(graph: Graph, nodes: Sequence[str], users: Users, hw: HardwareProfile,
@@ -123,12 +150,107 @@ def estimate_kernel(graph: Graph, nodes: Sequence[str], users: Users, hw: Hardwa
     if not kernels:
         return KernelEstimate(traffic, None, 0.0, None)
     anchor = anchor_of(graph, kernels)
+    opaque = any(kind_of(graph[n]) is FusionKind.OPAQUE for n in kernels)
+    if not opaque and (chain := conv_chain(graph, kernels)):
+        return conv_conv_estimate(graph, kernels, chain, traffic, hw, dtype)
     resources = None
-    if not any(kind_of(graph[n]) is FusionKind.OPAQUE for n in kernels):
+    if not opaque:
         resources = estimate_resources(graph, kernels, anchor, hw, dtype)
-    time = predict_time(traffic.flops, traffic.bytes_moved, hw, dtype, matrix=anchor is not None,
+    matrix = anchor is not None and not is_depthwise_conv(graph, anchor)
+    time = predict_time(traffic.flops, traffic.bytes_moved, hw, dtype, matrix=matrix,
                         tile_efficiency=tile_efficiency(resources))
     return KernelEstimate(traffic, resources, time, anchor)
+
+
+@dataclass(frozen=True)
+class ConvConvWork:
+    """FLOPs a conv-conv kernel executes with one tile: on the tensor cores (each dot with its tile's reuse) and
+    on the CUDA cores, recomputation included."""
+
+    matrix_seconds_at_peak: float         # the pointwise GEMM: FLOPs / (peak * reuse efficiency)
+    moved_matrix_seconds_at_peak: float   # the fused expansion's dots, recompute included
+    vector_flops: int                     # epilogues and the depthwise (recompute included)
+    moved_vector_flops: int               # the part of vector_flops that moved into the pointwise grid
+    executed_flops: int                   # everything executed, for the note
+    depthwise_repeats: int                # output-channel tiles: how often each depthwise value is computed
+    expansion_repeats: float              # expansion FLOPs executed / needed (0 without a fused expansion)
+    programs: int                         # the grid: pixel tiles x output-channel tiles
+
+    def compute_seconds(self, hw: HardwareProfile) -> float:
+        """Tensor-core plus CUDA-core time; the moved work only on the SMs the pointwise grid keeps busy."""
+        busy = min(1.0, self.programs / hw.sm_count)
+        vector_rate = hw.vector_flops * hw.vector_efficiency
+        moved = self.moved_matrix_seconds_at_peak + self.moved_vector_flops / vector_rate
+        return self.matrix_seconds_at_peak + (self.vector_flops - self.moved_vector_flops) / vector_rate + moved / busy
+
+
+def conv_conv_work(graph: Graph, nodes: Sequence[str], chain: list[str], tile: Mapping[str, int],
+                   peak: float) -> ConvConvWork:
+    """What the fused kernel computes with `tile` (see the module docstring)."""
+    stages = conv_stages(graph, nodes, chain)
+    pointwise = graph[chain[-1]]
+    n, c_out, h_out, w_out = pointwise.type.shape
+    pixels = n * h_out * w_out
+    repeats = -(-c_out // tile["BLOCK_N"])
+    matrix = node_flops(graph, pointwise) / (peak * reuse_efficiency(tile["BLOCK_M"], tile["BLOCK_N"]))
+    executed = node_flops(graph, pointwise)
+    vector = sum(node_flops(graph, graph[name]) for name in stages[-1][1:])   # the pointwise epilogue, once
+    moved_vector = 0
+    for name in stages[-2]:          # the depthwise and its epilogue, once per output-channel tile
+        moved_vector += repeats * node_flops(graph, graph[name])
+    moved_matrix = 0.0
+    expansion_repeats = 0.0
+    if len(chain) == 3:
+        expand, depthwise = graph[chain[0]], graph[chain[1]]
+        c_mid = expand.type.shape[1]
+        taps = math.prod(graph[depthwise.inputs[1]].type.shape[2:])
+        flops = 2 * pixels * taps * expansion_block(graph, expand.name) * c_mid * repeats
+        moved_matrix = flops / (peak * reuse_efficiency(tile["BLOCK_M"], tile["BLOCK_K"]))
+        executed += flops
+        epilogue = sum(node_flops(graph, graph[name]) for name in stages[0][1:])
+        moved_vector += epilogue * flops // max(1, node_flops(graph, expand))
+        expansion_repeats = flops / max(1, node_flops(graph, expand))
+    vector += moved_vector
+    executed += vector
+    programs = -(-pixels // tile["BLOCK_M"]) * repeats
+    return ConvConvWork(matrix, moved_matrix, vector, moved_vector, executed, repeats, expansion_repeats, programs)
+
+
+def conv_conv_estimate(graph: Graph, nodes: Sequence[str], chain: list[str], traffic: GroupTraffic,
+                       hw: HardwareProfile, dtype: str) -> KernelEstimate:
+    """The fastest fitting tile of a conv-conv kernel; over budget (and priced at the smallest tile) if none fits."""
+    peak = hw.matrix_peak(dtype) * hw.matrix_efficiency
+    memory = traffic.bytes_moved / (hw.memory_bandwidth * hw.memory_efficiency)
+    best: tuple[float, ResourceEstimate, ConvConvWork] | None = None
+    for tile in conv_conv_tiles(graph, chain):
+        resources = estimate_resources(graph, nodes, chain[0], hw, dtype, tile)
+        if not resources.fits:
+            continue
+        work = conv_conv_work(graph, nodes, chain, tile, peak)
+        time = max(work.compute_seconds(hw), memory) + hw.launch_overhead
+        if best is None or time < best[0]:
+            best = (time, resources, work)
+    if best is None:   # nothing fits: the planner refuses it as over budget; price the smallest tile anyway
+        resources = estimate_resources(graph, nodes, chain[0], hw, dtype)
+        work = conv_conv_work(graph, nodes, chain, resources.tile, peak)
+        best = (max(work.compute_seconds(hw), memory) + hw.launch_overhead, resources, work)
+    time, resources, work = best
+    note = (f"tile {describe_tile(resources.tile)}: depthwise computed {work.depthwise_repeats}x "
+            f"(once per output-channel tile)")
+    if work.expansion_repeats:
+        note += f", expansion {work.expansion_repeats:.2f}x (halo recompute per depthwise tap)"
+    note += (f"; {work.executed_flops / max(1, traffic.flops):.2f}x the useful FLOPs executed by "
+             f"{work.programs} programs")
+    return KernelEstimate(traffic, resources, time, chain[0], note)
+
+
+def fusion_densities(graph: Graph, first: Sequence[str], second: Sequence[str], users: Users
+                     ) -> tuple[float, float]:
+    """FLOPs per byte of two groups run apart (their FLOPs over their summed traffic) and fused into one kernel."""
+    apart = [group_traffic(graph, part, users) for part in (first, second)]
+    fused = group_traffic(graph, list(first) + list(second), users)
+    moved = sum(t.bytes_moved for t in apart)
+    return (sum(t.flops for t in apart) / moved if moved else 0.0), fused.density
 
 
 def op_density(graph: Graph, node: Node) -> float:

@@ -9,6 +9,9 @@ Inductor-style greedy fusion, with Hidet's anchor vocabulary and XLA's resource 
    (`legality.can_fuse`), fits the hardware (`resources.estimate_resources`; otherwise OVER_BUDGET and the
    pair is "split back", i.e. stays two kernels) and pays (the cost model predicts the fused kernel faster
    than the two apart; skipped when `config.use_cost_model` is False). Rounds repeat until nothing changes.
+   Conv-conv fusion (`config.conv_conv`) is one more vertical pair: a depthwise conv group feeding a 1x1 conv
+   group becomes one CONV_CONV group; the block's 1x1 expansion conv may then join it (the whole inverted
+   residual) when the cost model, which counts the halo recompute, says it pays. Either way it is a decision.
 3. horizontal (`config.horizontal`): sibling anchors reading the same input, with compatible shapes and
    identical epilogues, become one HORIZONTAL group (weights concatenated at codegen time); then small
    independent elementwise groups, each dominated by its launch overhead, share one launch.
@@ -25,7 +28,7 @@ from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
 from opfuse.fusion.legality import can_fuse, in_order, is_view, node_index, path_outside, skip_operands
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
-from opfuse.fusion.resources import anchor_of
+from opfuse.fusion.resources import anchor_of, conv_chain
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph
 from opfuse.ir.ops import FusionKind, kind_of, view_copies
@@ -186,14 +189,15 @@ class _Planner:
             self.record(a, b, fusion, Verdict.OVER_BUDGET,
                         f"fused kernel over budget, kept apart: {resources.reason}", fused.time)
             return False
+        note = f" ({fused.note})" if fused.note else ""   # the recompute a conv-conv kernel pays
         if self.config.use_cost_model and fused.time >= apart:
             tile = f" ({resources.reason})" if resources is not None and resources.reason else ""
             self.record(a, b, fusion, Verdict.UNPROFITABLE,
-                        f"predicted {fused.time * 1e6:.2f} us fused >= {apart * 1e6:.2f} us apart{tile}",
+                        f"predicted {fused.time * 1e6:.2f} us fused >= {apart * 1e6:.2f} us apart{tile}{note}",
                         fused.time)
             return False
         saved = self.bytes_saved(a, b)
-        reason = f"saves {saved:,} B and 1 launch: {apart * 1e6:.2f} -> {fused.time * 1e6:.2f} us"
+        reason = f"saves {saved:,} B and 1 launch: {apart * 1e6:.2f} -> {fused.time * 1e6:.2f} us{note}"
         self.record(a, b, fusion, Verdict.FUSED, reason, fused.time)
         self.merge(first, second, f"{fusion}: {', '.join(b)} into {', '.join(a)} ({reason})", kind)
         return True
@@ -212,6 +216,7 @@ class _Planner:
         for name in self.groups[keep]:
             self.group_of[name] = keep
         self.notes[keep] = self.notes.get(keep, []) + self.notes.pop(gone, []) + [note]
+        self.kinds.pop(gone, None)
         if kind is not None:
             self.kinds[keep] = kind
 
@@ -231,8 +236,8 @@ class _Planner:
         """What siblings must share: op, input value and shape-compatibility attributes; None if not a sibling."""
         nodes = self.groups[group]
         anchor = anchor_of(self.graph, nodes)
-        if anchor is None or group in self.kinds:
-            return None
+        if anchor is None or group in self.kinds or conv_chain(self.graph, nodes):
+            return None   # no anchor, already horizontal, or a conv-conv chain (its first conv is no sibling)
         node = self.graph[anchor]
         if not all(self.graph.is_constant(w) for w in node.inputs[1:]):
             return None   # weights are concatenated at codegen time: they must be known
@@ -379,6 +384,8 @@ class _Planner:
             return GroupKind.INJECTIVE
         if len(nodes) == 1:
             return GroupKind.SINGLE
+        if conv_chain(self.graph, nodes):
+            return GroupKind.CONV_CONV
         anchor = anchor_of(self.graph, nodes)
         if anchor is not None:
             residual = skip_operands(self.graph, nodes, anchor, self.users, self.index)

@@ -9,6 +9,12 @@ becomes, counted the way a Triton kernel holds data:
   full-size epilogue operand held as a tile (a residual: BM*BN*itemsize/4/threads, two 16-bit values a
   register), each per-channel vector (bias, BN scale: BN/threads), each epilogue value alive twice (x*sigmoid(x))
   as another float32 tile, and ADDRESSING_REGISTERS for pointers, offsets and masks.
+- conv-conv chains (depthwise -> 1x1, optionally after a 1x1 expansion; `opfuse.codegen.conv_conv`): a
+  BLOCK_M pixels x BLOCK_N output channels accumulator for the pointwise conv, plus, per chunk of BLOCK_K mid
+  channels, the depthwise tile computed on the fly (a float32 BLOCK_M x BLOCK_K accumulator and the input tap
+  being multiplied in), its per-channel epilogue vectors, and the expansion's tile and input tap when the block's
+  expand conv is fused too. Shared memory: the pointwise weight chunk per pipeline stage, the depthwise result
+  staged as the MMA's A operand, the expansion weight chunk and input tap. Both tiles must fit together.
 - attention (sdpa): flash attention, a BLOCK_M x head_dim accumulator plus a BLOCK_M x BLOCK_N score tile;
   K and V blocks in shared memory.
 - row reductions (softmax, layer norm, mean, sum, adaptive pooling): one row per program, held in registers
@@ -27,6 +33,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping
 
+from opfuse.fusion.legality import conv_stages
 from opfuse.fusion.plan import ResourceEstimate
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import DTYPE_BYTES, Graph, dtype_name
@@ -46,6 +53,13 @@ ATTENTION_TILES = (  # the Triton fused-attention tutorial's configurations
     {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2, "num_warps": 4},
     {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4},
 )
+CONV_CONV_TILES = (  # pixels x output channels x mid channels; wide BLOCK_N first: each N tile recomputes the depthwise
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "num_stages": 2, "num_warps": 8},
+    {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 32, "num_stages": 2, "num_warps": 8},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_stages": 2, "num_warps": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_stages": 2, "num_warps": 4},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "num_stages": 1, "num_warps": 4},
+)
 POINTWISE_BLOCKS = (1024, 512, 256, 128)
 POINTWISE_WARPS = 4
 REDUCTION_WARPS = (4, 8, 16, 32)
@@ -64,6 +78,8 @@ def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, h
     itemsize = DTYPE_BYTES[dtype_name(dtype)]
     if anchor is not None and graph[anchor].op == "sdpa":
         candidates = [_attention(graph, nodes, anchor, hw, itemsize, t) for t in _tiles(ATTENTION_TILES, tile)]
+    elif anchor is not None and (chain := conv_chain(graph, nodes)):
+        candidates = [_conv_conv(graph, nodes, chain, hw, itemsize, t) for t in conv_conv_tiles(graph, chain, tile)]
     elif anchor is not None:
         candidates = [_gemm(graph, nodes, anchor, hw, itemsize, t) for t in _gemm_tiles(graph, anchor, tile)]
     elif (reduction := row_reduction(graph, nodes)) is not None:
@@ -76,6 +92,19 @@ def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, h
 def anchor_of(graph: Graph, nodes: Iterable[str]) -> str | None:
     """The group's first anchor node (the first sibling in a horizontal group), or None."""
     return next((n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR), None)
+
+
+def conv_chain(graph: Graph, nodes: Iterable[str]) -> list[str]:
+    """The convs of a conv-conv group in order ([expand,] depthwise, pointwise) when each one feeds the next, else
+    [] (one anchor, or sibling anchors of a horizontal group)."""
+    nodes = list(nodes)
+    anchors = [n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR]
+    if len(anchors) < 2 or any(graph[a].op != "conv2d" for a in anchors):
+        return []
+    within = set(nodes)
+    if all(later in _downstream(graph, earlier, within) for earlier, later in zip(anchors, anchors[1:])):
+        return anchors
+    return []
 
 
 def row_reduction(graph: Graph, nodes: Iterable[str]) -> str | None:
@@ -141,6 +170,60 @@ def _gemm(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile, item
     shared = [(f"{tile['num_stages']} stages x ({bm}x{bk} + {bk}x{bn}) x {itemsize} B",
                tile["num_stages"] * (bm * bk + bk * bn) * itemsize),
               ("epilogue staging", bm * bn * itemsize if full else 0)]
+    return _check(hw, tile, threads, registers, shared)
+
+
+def conv_conv_tiles(graph: Graph, chain: list[str], tile: Mapping[str, int] | None = None) -> list[dict[str, int]]:
+    """Candidate conv-conv tiles clipped to the problem: BLOCK_M to the pixels, BLOCK_N to the output channels,
+    BLOCK_K to the mid (depthwise) channels, each at least 16 (Triton's smallest dot)."""
+    pointwise = graph[chain[-1]]
+    n, c_out, h, w = pointwise.type.shape
+    c_mid = graph[chain[-2]].type.shape[1]
+    clipped = []
+    for t in _tiles(CONV_CONV_TILES, tile):
+        t = dict(t, BLOCK_M=min(t["BLOCK_M"], _pow2(n * h * w)), BLOCK_N=min(t["BLOCK_N"], _pow2(c_out)),
+                 BLOCK_K=min(t["BLOCK_K"], _pow2(c_mid)))
+        if t not in clipped:
+            clipped.append(t)
+    return clipped
+
+
+def expansion_block(graph: Graph, expand: str) -> int:
+    """Input channels of a fused expansion conv padded to its one power-of-two K block (at least 16)."""
+    return _pow2(graph[graph[expand].inputs[0]].type.shape[1])
+
+
+def _conv_conv(graph: Graph, nodes: list[str], chain: list[str], hw: HardwareProfile, itemsize: int,
+               tile: dict[str, int]) -> ResourceEstimate:
+    """The fused [expand ->] depthwise -> pointwise kernel: both tiles live at once (see the module docstring)."""
+    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
+    threads = 32 * tile["num_warps"]
+    stages = conv_stages(graph, nodes, chain)
+    full, vectors, twice = epilogue_operands(graph, stages[-1], chain[-1])
+    vectors += 1 if len(graph[chain[-1]].inputs) > 2 else 0   # the pointwise conv's own bias
+    registers = [("pointwise accumulator", _per_thread(bm * bn, threads)),
+                 (f"{full} full-tile operand(s)", full * _per_thread(bm * bn * itemsize // 4, threads)),
+                 (f"{vectors} per-channel vector(s)", vectors * _per_thread(bn, threads)),
+                 (f"{twice} value(s) used twice", twice * _per_thread(bm * bn, threads))]
+    shared = [(f"{tile['num_stages']} stages x pointwise weight {bk}x{bn} x {itemsize} B",
+               tile["num_stages"] * bk * bn * itemsize),
+              (f"depthwise result {bm}x{bk} (the MMA's A operand)", bm * bk * itemsize),
+              ("epilogue staging", bm * bn * itemsize if full else 0)]
+    for anchor, stage in zip(chain[:-1], stages[:-1]):
+        role = "depthwise" if anchor == chain[-2] else "expansion"
+        _, stage_vectors, stage_twice = epilogue_operands(graph, stage, anchor)
+        stage_vectors += 1 if len(graph[anchor].inputs) > 2 else 0
+        if role == "depthwise":   # the input tap multiplied in: BLOCK_K channels of BLOCK_M pixels
+            tap = bk
+        else:                     # the expansion's input tap: all its input channels, one K block
+            tap = expansion_block(graph, anchor)
+            shared += [(f"expansion weight {tap}x{bk}", tap * bk * itemsize),
+                       (f"expansion input tap {bm}x{tap}", bm * tap * itemsize)]
+        registers += [(f"{role} tile", _per_thread(bm * bk, threads)),
+                      (f"{role} input tap", _per_thread(bm * tap * itemsize // 4, threads)),
+                      (f"{stage_vectors} {role} per-channel vector(s)", stage_vectors * _per_thread(bk, threads)),
+                      (f"{stage_twice} {role} value(s) used twice", stage_twice * _per_thread(bm * bk, threads))]
+    registers.append(("addressing", ADDRESSING_REGISTERS))
     return _check(hw, tile, threads, registers, shared)
 
 

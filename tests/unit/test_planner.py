@@ -87,10 +87,10 @@ def test_resnet_bottleneck_with_downsample(fold_bn):
     residual = plan.group_of("add")
     ds_output = "bn_ds" if not fold_bn else "conv_ds"
     assert ds_output in residual.inputs               # the skip is read as an extra input
-    # the downsample conv cannot join too: one anchor per kernel
+    # the downsample conv cannot join too: two convs share a kernel only when one feeds the other
     refused = [d for d in plan.decisions if "conv_ds" in d.producer and "conv3" in d.consumer]
     assert refused and refused[0].verdict is Verdict.ILLEGAL
-    assert "two anchors" in refused[0].reason and "conv-conv fusion not enabled" in refused[0].reason
+    assert "two anchors" in refused[0].reason and "conv3 does not feed conv_ds" in refused[0].reason
 
 
 def test_resnet_basic_block_kernel_count():
@@ -100,13 +100,14 @@ def test_resnet_basic_block_kernel_count():
     assert plan.group_of("relu_out").nodes == ["conv2", "add", "relu_out"]
 
 
-def test_mobilenet_inverted_residual_refuses_depthwise_plus_pointwise_for_now():
-    plan = plan_fusion(mobilenet_inverted_residual(), FusionConfig(), H200)
+def test_mobilenet_inverted_residual_without_conv_conv_fusion():
+    """With config.conv_conv off, one anchor per kernel (tests/unit/test_conv_conv_planner.py covers it on)."""
+    plan = plan_fusion(mobilenet_inverted_residual(), FusionConfig(conv_conv=False), H200)
     assert groups_of(plan) == {"expand": ["expand", "relu6_1"], "depthwise": ["depthwise", "relu6_2"],
                                "project": ["project", "add"]}
     assert plan.group_of("add").kind is GroupKind.RESIDUAL
     refused = decisions_between(plan, "relu6_2", "project")
-    assert refused[-1].fusion == "conv-conv" and "conv-conv fusion not enabled" in refused[-1].reason
+    assert refused[-1].fusion == "conv-conv" and "conv-conv fusion disabled" in refused[-1].reason
 
 
 def test_transformer_ffn():

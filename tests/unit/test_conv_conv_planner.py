@@ -1,0 +1,238 @@
+"""Conv-conv fusion in the planner (issue 5): depthwise + pointwise as one CONV_CONV group, the whole inverted
+residual only where the halo recompute pays, and every decision (fused, refused, over budget) recorded as data."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from graph_builders import GraphBuilder, mobilenet_inverted_residual
+from opfuse.config import FusionConfig
+from opfuse.fusion.cost import conv_conv_work, estimate_kernel, fusion_densities, group_traffic
+from opfuse.fusion.legality import can_fuse
+from opfuse.fusion.plan import FusionPlan, GroupKind, Verdict
+from opfuse.fusion.planner import plan_fusion
+from opfuse.fusion.resources import ADDRESSING_REGISTERS, conv_chain, estimate_resources
+from opfuse.hardware import get_hardware
+from opfuse.ir.ops import node_flops
+
+H200 = get_hardware("h200")
+
+
+def conv_conv_decisions(plan: FusionPlan, producer: str, consumer: str):
+    return [d for d in plan.decisions if d.fusion == "conv-conv" and producer in d.producer and consumer in d.consumer]
+
+
+def strided_block(batch: int = 64, c_in: int = 16, expand: int = 6, size: int = 112, c_out: int = 24):
+    """MobileNetV2's second block: 1x1 expand + relu6, 3x3 depthwise stride 2 + relu6, 1x1 project (no residual)."""
+    b = GraphBuilder("strided_block")
+    hidden = c_in * expand
+    x = b.input("x", (batch, c_in, size, size))
+    y = b.unary("clamp", b.conv(x, hidden, 1, name="expand"), "relu6_1", min=0.0, max=6.0)
+    y = b.unary("clamp", b.conv(y, hidden, 3, stride=2, padding=1, groups=hidden, name="depthwise"), "relu6_2",
+                min=0.0, max=6.0)
+    return b.output(b.conv(y, c_out, 1, name="project"))
+
+
+# ---- depthwise + pointwise -----------------------------------------------------------------------------
+
+def test_depthwise_and_pointwise_become_one_conv_conv_group():
+    graph = mobilenet_inverted_residual(batch=64)
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert [(g.kind, g.nodes) for g in plan.groups] == [
+        (GroupKind.ANCHOR_EPILOGUE, ["expand", "relu6_1"]),
+        (GroupKind.CONV_CONV, ["depthwise", "relu6_2", "project", "add"])]
+    group = plan.group_of("project")
+    assert group.anchor == "depthwise" and group.outputs == ["add"]
+    assert "relu6_1" in group.inputs and "x" in group.inputs          # the depthwise's input and the skip
+    assert plan.kernel_launches == 2
+    # the depthwise result is neither written nor read again: exactly its two passes are saved
+    fused = conv_conv_decisions(plan, "depthwise", "project")
+    assert [d.verdict for d in fused] == [Verdict.FUSED]
+    assert fused[0].bytes_saved == 2 * graph["relu6_2"].type.nbytes
+    assert 0 < fused[0].time_fused < fused[0].time_unfused
+    assert "depthwise computed 1x" in fused[0].reason
+
+
+def test_whole_block_refused_when_the_halo_recompute_does_not_pay():
+    """Stride 1: each output pixel needs the expansion at 9 input pixels instead of 1; at batch 64 that costs more
+    tensor-core time than the expanded tensor's traffic."""
+    plan = plan_fusion(mobilenet_inverted_residual(batch=64), FusionConfig(), H200)
+    pair = conv_conv_decisions(plan, "expand", "depthwise")
+    assert [d.verdict for d in pair] == [Verdict.ILLEGAL, Verdict.UNPROFITABLE]
+    assert "only together with depthwise's pointwise conv" in pair[0].reason   # expand + depthwise alone
+    whole = pair[1]
+    assert whole.consumer == ["depthwise", "relu6_2", "project", "add"]
+    assert whole.bytes_saved > 0 and whole.time_fused >= whole.time_unfused > 0
+    assert "expansion 9.00x (halo recompute per depthwise tap)" in whole.reason
+
+
+def test_whole_block_fused_where_the_halo_recompute_pays():
+    """Stride 2 and 16 input channels (MobileNetV2's second block): the expansion is recomputed 9/4 = 2.25x but
+    its 112x112x96 output, the largest tensor of the network, never reaches memory."""
+    graph = strided_block()
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert [(g.kind, g.nodes) for g in plan.groups] == [
+        (GroupKind.CONV_CONV, ["expand", "relu6_1", "depthwise", "relu6_2", "project"])]
+    whole = conv_conv_decisions(plan, "expand", "project")[-1]
+    assert whole.verdict is Verdict.FUSED and whole.time_fused < whole.time_unfused
+    assert whole.bytes_saved == 2 * graph["relu6_1"].type.nbytes
+    assert "expansion 2.25x" in whole.reason
+    assert plan.groups[0].bytes_moved == graph["x"].type.nbytes + graph["project"].type.nbytes + sum(
+        graph[n].type.nbytes for n in graph.constants)
+
+
+def test_whole_block_fusion_can_be_switched_off():
+    plan = plan_fusion(strided_block(), FusionConfig(conv_conv_expand=False), H200)
+    assert [(g.kind, g.nodes) for g in plan.groups] == [
+        (GroupKind.ANCHOR_EPILOGUE, ["expand", "relu6_1"]),
+        (GroupKind.CONV_CONV, ["depthwise", "relu6_2", "project"])]
+    refused = conv_conv_decisions(plan, "expand", "project")[-1]
+    assert refused.verdict is Verdict.ILLEGAL and "disabled (config.conv_conv_expand)" in refused.reason
+
+
+def test_conv_conv_disabled_or_unchained_convs_are_refused_with_the_reason():
+    graph = mobilenet_inverted_residual()
+    users = graph.users()
+    dw, pw = ["depthwise", "relu6_2"], ["project", "add"]
+    assert can_fuse(graph, dw, pw, users, FusionConfig()) is None
+    assert "conv-conv fusion disabled (config.conv_conv)" in can_fuse(graph, dw, pw, users,
+                                                                       FusionConfig(conv_conv=False))
+    # a regular 3x3 conv into a 1x1, a depthwise into a 3x3 conv, a depthwise into a strided 1x1
+    b = GraphBuilder("not_depthwise")
+    y = b.unary("relu", b.conv(b.input("x", (1, 8, 16, 16)), 8, 3, padding=1, name="full"), "relu")
+    graph = b.output(b.conv(y, 16, 1, name="pw"))
+    assert "full is not a depthwise conv" in can_fuse(graph, ["full", "relu"], ["pw"], graph.users())
+    for kernel, stride in ((3, 1), (1, 2)):
+        b = GraphBuilder("not_pointwise")
+        y = b.unary("relu", b.conv(b.input("x", (1, 8, 16, 16)), 8, 3, padding=1, groups=8, name="dw"), "relu")
+        graph = b.output(b.conv(y, 16, kernel, stride=stride, padding=kernel // 2, name="second"))
+        assert "second is not a 1x1 conv" in can_fuse(graph, ["dw", "relu"], ["second"], graph.users())
+
+
+def test_depthwise_result_read_elsewhere_is_refused():
+    """The depthwise result stays in registers: another reader of it (or of its epilogue) forbids the fusion."""
+    b = GraphBuilder("shared_depthwise")
+    x = b.input("x", (1, 16, 14, 14))
+    dw = b.unary("clamp", b.conv(x, 16, 3, padding=1, groups=16, name="dw"), "relu6", min=0.0, max=6.0)
+    pw = b.conv(dw, 24, 1, name="pw")
+    graph = b.output(pw, dw)                                    # the depthwise result is also a graph output
+    reason = can_fuse(graph, ["dw", "relu6"], ["pw"], graph.users())
+    assert "relu6 is read by the graph's outputs" in reason and "stays in registers" in reason
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert all(g.kind is not GroupKind.CONV_CONV for g in plan.groups)
+    assert conv_conv_decisions(plan, "dw", "pw")[0].verdict is Verdict.ILLEGAL
+
+    b = GraphBuilder("dw_with_two_readers")
+    x = b.input("x", (1, 16, 14, 14))
+    dw = b.conv(x, 16, 3, padding=1, groups=16, name="dw")
+    out = b.op("add", [b.conv(dw, 16, 1, name="pw"), b.unary("sigmoid", dw, "gate")], name="add")
+    graph = b.output(out)
+    assert "dw has several users: pw, gate" in can_fuse(graph, ["dw"], ["pw", "add"], graph.users())
+    # with the gate on the depthwise side, the pointwise epilogue would still need the gate's tile in memory
+    assert "gate is read by add" in can_fuse(graph, ["dw", "gate"], ["pw", "add"], graph.users())
+
+
+def test_inner_epilogue_takes_constants_only():
+    b = GraphBuilder("dw_reads_activation")
+    x = b.input("x", (1, 16, 14, 14))
+    scale = b.input("scale", (1, 16, 14, 14))
+    dw = b.op("mul", [b.conv(x, 16, 3, padding=1, groups=16, name="dw"), scale], name="mul")
+    graph = b.output(b.conv(dw, 24, 1, name="pw"))
+    assert "mul reads activation scale" in can_fuse(graph, ["dw", "mul"], ["pw"], graph.users())
+
+
+# ---- resources and cost --------------------------------------------------------------------------------
+
+def test_conv_conv_tile_registers_and_shared_memory_by_hand():
+    graph = mobilenet_inverted_residual(batch=64)
+    nodes = ["depthwise", "relu6_2", "project", "add"]
+    assert conv_chain(graph, nodes) == ["depthwise", "project"]
+    tile = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "num_stages": 2, "num_warps": 4}
+    estimate = estimate_resources(graph, nodes, "depthwise", H200, "float16", tile)
+    assert estimate.fits
+    # 128 threads: pointwise accumulator 64*32/128 = 16, skip tile 64*32*2/4/128 = 8, pointwise bias 1,
+    # depthwise tile 16, depthwise input tap 8, depthwise bias 1, addressing
+    assert estimate.registers_per_thread == 16 + 8 + 1 + 16 + 8 + 1 + ADDRESSING_REGISTERS
+    # pointwise weight chunks (2 stages), the depthwise result as the MMA's A operand, the residual's staging tile
+    assert estimate.shared_memory_bytes == 2 * 32 * 32 * 2 + 64 * 32 * 2 + 64 * 32 * 2
+
+
+def test_over_budget_when_depthwise_tile_and_pointwise_accumulator_do_not_fit_together():
+    """Apart, each kernel fits in 59 registers (the depthwise 49, the residual pointwise 53); together, at the
+    smallest tile, they need 60."""
+    tight = dataclasses.replace(H200, max_registers_per_thread=59)
+    plan = plan_fusion(mobilenet_inverted_residual(batch=64), FusionConfig(), tight)
+    assert all(g.kind is not GroupKind.CONV_CONV for g in plan.groups) and plan.kernel_launches == 3
+    over = conv_conv_decisions(plan, "depthwise", "project")
+    assert [d.verdict for d in over] == [Verdict.OVER_BUDGET]
+    assert "needs 60 registers/thread > 59" in over[0].reason
+    assert "pointwise accumulator 8" in over[0].reason and "depthwise tile 4" in over[0].reason
+    assert over[0].bytes_saved > 0 and over[0].time_fused > 0 and over[0].time_unfused > 0
+
+
+def test_depthwise_recomputed_once_per_output_channel_tile():
+    b = GraphBuilder("wide_pointwise")
+    x = b.input("x", (2, 24, 10, 10))
+    y = b.unary("clamp", b.conv(x, 24, 3, padding=1, groups=24, name="dw"), "relu6", min=0.0, max=6.0)
+    graph = b.output(b.conv(y, 40, 1, name="pw"))
+    nodes = ["dw", "relu6", "pw"]
+    tile = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "num_stages": 1, "num_warps": 4}
+    work = conv_conv_work(graph, nodes, ["dw", "pw"], tile, peak=1.0)
+    assert work.depthwise_repeats == 3                                     # ceil(40 / 16)
+    depthwise = node_flops(graph, graph["dw"]) + node_flops(graph, graph["relu6"])
+    assert work.vector_flops == work.moved_vector_flops == 3 * depthwise
+    assert work.executed_flops == node_flops(graph, graph["pw"]) + 3 * depthwise
+    assert work.programs == math.ceil(2 * 10 * 10 / 32) * 3
+    assert work.expansion_repeats == 0
+    wide = dict(tile, BLOCK_N=64)
+    assert conv_conv_work(graph, nodes, ["dw", "pw"], wide, peak=1.0).depthwise_repeats == 1
+
+
+def test_fused_group_estimate_counts_traffic_once_and_picks_the_fastest_tile():
+    graph = mobilenet_inverted_residual(batch=64)
+    users = graph.users()
+    nodes = ["depthwise", "relu6_2", "project", "add"]
+    estimate = estimate_kernel(graph, nodes, users, H200, "float16")
+    traffic = group_traffic(graph, nodes, users)
+    assert estimate.traffic == traffic and "relu6_2" not in traffic.outputs
+    memory = traffic.bytes_moved / (H200.memory_bandwidth * H200.memory_efficiency)
+    assert estimate.time >= memory + H200.launch_overhead
+    assert estimate.resources.fits and "depthwise computed" in estimate.note
+    apart = sum(estimate_kernel(graph, part, users, H200, "float16").time
+                for part in (["depthwise", "relu6_2"], ["project", "add"]))
+    assert estimate.time < apart
+
+
+def test_densities_before_and_after_are_derivable_from_the_decision():
+    graph = mobilenet_inverted_residual(batch=64)
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    decision = conv_conv_decisions(plan, "depthwise", "project")[0]
+    before, after = fusion_densities(graph, decision.producer, decision.consumer, graph.users())
+    group = plan.group_of("project")
+    assert after == pytest.approx(group.density)
+    flops = sum(node_flops(graph, graph[n]) for n in group.nodes)
+    assert before == pytest.approx(flops / (group.bytes_moved + decision.bytes_saved))
+    assert after > 1.5 * before
+
+
+# ---- mobilenet_v2 end to end through `opfuse analyze` ------------------------------------------------------
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_analyze_mobilenet_v2_plans_at_most_40_launches(batch, tmp_path):
+    from opfuse.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["analyze", "mobilenet_v2", "--batch", str(batch), "--dtype", "fp16", "--hw", "h200",
+                 "--json", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())["plan"]
+    assert data["kernel_launches"] <= 40                                       # 54 without conv-conv fusion
+    conv_conv = [g for g in data["groups"] if g["kind"] == "conv-conv"]
+    assert len(conv_conv) == 17                                               # one per inverted-residual block
+    fused = [d for d in data["decisions"] if d["fusion"] == "conv-conv" and d["verdict"] == "fused"]
+    assert all(d["bytes_saved"] > 0 and 0 < d["time_fused"] < d["time_unfused"] for d in fused)
+    # every block's whole-block candidate was decided (fused or refused as unprofitable), never left out
+    whole = [d for d in data["decisions"] if d["fusion"] == "conv-conv" and len(d["consumer"]) >= 3
+             and d["verdict"] in ("fused", "unprofitable")]
+    assert len(whole) == 16                                                    # the 16 blocks with an expansion
