@@ -1,12 +1,26 @@
 """`opfuse.compile(model, example_inputs, config) -> nn.Module`: the whole pipeline, stage by stage.
 
-capture -> cast + passes -> fusion plan (`opfuse.api.analyze`) -> Triton codegen per group -> autotune
-(resource-checked) -> compiled runtime (+ CUDA graph) -> verification against eager
+capture -> cast + passes -> fusion plan (`opfuse.api.analyze`) -> memory pre-flight -> Triton codegen per group
+-> autotune (resource-checked) -> compiled runtime (+ CUDA graph) -> verification against eager
 
 Verification runs on every compile unless `config.verify` is False: each kernel is checked alone against the
 reference values of its group (fresh random inputs), a failing kernel is dropped so its group runs through
 PyTorch (and the model's `fallbacks` say why), then the whole model is compared with eager. The user's model is
 never changed: capture works on a copy, and the eager reference runs on another copy in eval mode.
+
+Before any kernel is built, the plan's memory need (weights, inputs, peak intermediates, verification's reference
+values) is compared with what the device has (`opfuse.runtime.memory`): a model that would not fit is refused
+with the breakdown instead of crashing out of memory half-way.
+
+Inputs: the compiled model runs inputs of exactly the shapes, dtypes and devices it was compiled for. Others are
+refused with an error naming the input, unless `config.recompile` (compile again for them, once per signature) or
+`config.fallback == "eager"` (run them eagerly, the reason recorded in `fallbacks`). An empty batch (a zero-size
+dimension) is never compiled: compiling one is an error, and calling with one is refused like any other shape
+(with fallback="eager" it runs eagerly and gives eager's empty result).
+
+`config.fallback == "eager"` returns a model that always runs: a failed compile gives `EagerFallback` (the model
+run eagerly, in eval mode, on a private copy); a compiled model runs eagerly any call it cannot run. Every such
+fallback is recorded with its reason in `.fallbacks`.
 """
 
 from __future__ import annotations
@@ -23,21 +37,16 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from opfuse.api import Analysis, analyze
 from opfuse.config import FusionConfig, resolve_dtype
 from opfuse.ir.graph import GraphError, dtype_name, torch_dtype
-from opfuse.numerics import (GroupCheck, check_groups, random_inputs_like, reference_dtype, relative_error,
-                             tolerance)
-
-
-# a compiled model may differ from the high-precision reference by this much more than eager at the same
-# precision does, when both are over the tolerance (an ill-conditioned model, not a wrong kernel)
-EAGER_ERROR_MARGIN = 1.25
+from opfuse.numerics import (EAGER_ERROR_MARGIN, GroupCheck, check_groups, random_inputs_like, reference_dtype,
+                             relative_error, tolerance)
 
 
 class OpfuseModule(torch.nn.Module):
     """The compiled model the user gets: same call signature and output structure as the original."""
 
-    def __init__(self, compiled: torch.nn.Module, analysis: Analysis, input_dtypes: list[torch.dtype],
+    def __init__(self, compiled: torch.nn.Module, analysis: Analysis, example_inputs: Sequence[torch.Tensor],
                  output_spec: Any, output_dtypes: list[torch.dtype], checks: list[GroupCheck],
-                 end_to_end_error: float | None, seconds: dict[str, float]):
+                 end_to_end_error: float | None, seconds: dict[str, float], eager: torch.nn.Module | None = None):
         super().__init__()
         self.compiled = compiled
         self.analysis = analysis
@@ -45,9 +54,15 @@ class OpfuseModule(torch.nn.Module):
         self.end_to_end_error = end_to_end_error
         self.seconds = seconds
         self._compute_dtype = torch_dtype(analysis.config.dtype)
-        self._input_dtypes = input_dtypes
+        self._signature = [_describe(x) for x in example_inputs]   # what the user passes, before the cast
+        self._input_names = [spec.name for spec in compiled.signature]
         self._output_spec = output_spec
         self._output_dtypes = output_dtypes
+        # a private eval-mode copy of the model, kept only for config.recompile or fallback="eager"; a plain
+        # attribute (not a submodule) so .to()/.half() on this module and its state_dict never see it
+        self.__dict__["_eager"] = eager
+        self._variants: dict[tuple, torch.nn.Module | str] = {}   # recompiled per signature, or why that failed
+        self.call_fallbacks: dict[str, str] = {}    # calls run eagerly (fallback="eager"), and why
 
     @property
     def plan(self):
@@ -55,32 +70,117 @@ class OpfuseModule(torch.nn.Module):
 
     @property
     def fallbacks(self) -> dict[str, str]:
-        """Groups that run through PyTorch, and why."""
-        return dict(self.compiled.fallbacks)
+        """What runs through PyTorch, and why: groups without a kernel, and calls run eagerly."""
+        return dict(self.compiled.fallbacks) | self.call_fallbacks
 
     @property
     def launches(self) -> int:
         return self.compiled.launches
 
     def forward(self, *inputs: torch.Tensor) -> Any:
+        problem = self._mismatch(inputs)
+        if problem is not None:
+            return self._other_inputs(inputs, problem)
         args = [x.to(self._compute_dtype) if x.is_floating_point() else x for x in inputs]
-        outputs = self.compiled(*args)
+        try:
+            outputs = self.compiled(*args)
+        except Exception as error:
+            if self._eager is None:
+                raise
+            return self._run_eagerly(inputs, f"the compiled model failed ({type(error).__name__}: {error})")
         flat = list(outputs) if isinstance(outputs, tuple) else [outputs]
         flat = [out.to(dtype) if out.dtype != dtype else out for out, dtype in zip(flat, self._output_dtypes)]
         return tree_unflatten(flat, self._output_spec)
 
+    def _mismatch(self, inputs: Sequence[Any]) -> str | None:
+        """Why these inputs are not the ones compiled for (naming the first offending input), or None."""
+        if len(inputs) != len(self._signature):
+            return f"the model was compiled for {len(self._signature)} inputs, got {len(inputs)}"
+        for index, (x, want) in enumerate(zip(inputs, self._signature)):
+            name = self._input_names[index] if index < len(self._input_names) else str(index)
+            if not isinstance(x, torch.Tensor):
+                return f"input {index} ({name}) must be a tensor, got {type(x).__name__}"
+            got = _describe(x)
+            if x.numel() == 0:
+                return (f"input {index} ({name}) is empty ({_format(got)}): opfuse does not run empty batches "
+                        f"(compiled for {_format(want)})")
+            if got != want:
+                return f"input {index} ({name}) is {_format(got)}, but the model was compiled for {_format(want)}"
+        return None
+
+    def _other_inputs(self, inputs: Sequence[Any], problem: str) -> Any:
+        """Inputs unlike the compiled ones: compile for them (config.recompile), run them eagerly
+        (fallback="eager"), or refuse them."""
+        config = self.analysis.config
+        eager_fallback = config.fallback == "eager" and self._eager is not None
+        recompilable = (len(inputs) == len(self._signature)
+                        and all(isinstance(x, torch.Tensor) and x.numel() > 0 for x in inputs))
+        if config.recompile and self._eager is not None and recompilable:
+            signature = tuple(_describe(x) for x in inputs)
+            if signature not in self._variants:   # a variant keeps no eager copy of its own: this module has one
+                try:
+                    self._variants[signature] = compile(self._eager, inputs,
+                                                        replace(config, recompile=False, fallback="error"))
+                except Exception as error:
+                    if not eager_fallback:
+                        raise GraphError(f"{problem}; compiling again for these inputs failed: "
+                                         f"{type(error).__name__}: {error}") from error
+                    self._variants[signature] = f"compiling for these inputs failed ({type(error).__name__}: {error})"
+            variant = self._variants[signature]
+            if isinstance(variant, str):
+                return self._run_eagerly(inputs, variant)
+            try:
+                return variant(*inputs)
+            except Exception as error:
+                if not eager_fallback:
+                    raise
+                return self._run_eagerly(inputs, f"the compiled model failed ({type(error).__name__}: {error})")
+        if eager_fallback:
+            return self._run_eagerly(inputs, problem)
+        raise GraphError(f"{problem}; compile again for these inputs, or compile with FusionConfig(recompile=True) "
+                         "to do so automatically (or fallback='eager' to run them eagerly)")
+
+    def _run_eagerly(self, inputs: Sequence[Any], reason: str) -> Any:
+        key = _call_key(inputs)
+        if key not in self.call_fallbacks:
+            self.call_fallbacks[key] = reason
+            warnings.warn(f"opfuse: running {self.analysis.name} eagerly for this call: {reason}", stacklevel=3)
+        with torch.no_grad():
+            return self._eager(*inputs)
+
+
+def _describe(x: torch.Tensor) -> tuple:
+    return (tuple(x.shape), x.dtype, str(x.device))
+
+
+def _format(description: tuple) -> str:
+    shape, dtype, device = description
+    return f"{dtype_name(dtype)}[{','.join(map(str, shape))}] on {device}"
+
+
+def _call_key(inputs: Sequence[Any]) -> str:
+    parts = [_format(_describe(x)) if isinstance(x, torch.Tensor) else type(x).__name__ for x in inputs]
+    return f"<call with ({', '.join(parts)})>"
+
 
 class EagerFallback(torch.nn.Module):
-    """What `fallback="eager"` returns when compiling failed: the model, run as it is, with the reason."""
+    """What `fallback="eager"` returns when compiling failed: the model run eagerly (eval mode, no autograd, as the
+    compiled model would), on a private copy so running it never touches the user's model; `reason` says why."""
 
     def __init__(self, model: torch.nn.Module, reason: str):
         super().__init__()
-        self.model = model
+        try:
+            private = _eager_copy(model)
+        except Exception as error:   # a model that cannot be copied is run as it is, and the reason says so
+            private = model
+            reason += f" (the model could not be copied ({type(error).__name__}), so it is run as it is)"
+        self.model = private
         self.reason = reason
         self.fallbacks = {"<whole model>": reason}
 
     def forward(self, *inputs: Any) -> Any:
-        return self.model(*inputs)
+        with torch.no_grad():
+            return self.model(*inputs)
 
 
 def compile(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
@@ -100,9 +200,21 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
 
 def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, quiet: bool) -> OpfuseModule:
     from opfuse.runtime.compiled import build_compiled_model
+    from opfuse.runtime.memory import check_memory
 
+    for index, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor) and x.numel() == 0:
+            raise GraphError(f"example input {index} is empty (shape {list(x.shape)}): opfuse compiles non-empty "
+                             "inputs only; compile with a batch of at least 1 (fallback='eager' runs empty batches "
+                             "eagerly)")
     seconds: dict[str, float] = {}
     device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+    start = time.perf_counter()
+    analysis = analyze(model, example_inputs, config)    # on fake tensors: allocates nothing the size of the model
+    seconds["analyze"] = time.perf_counter() - start
+    check_memory(analysis, example_inputs, device, config)
+
     eager = _eager_copy(model)
     with torch.no_grad():
         eager_out = eager(*example_inputs)
@@ -110,10 +222,8 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
     if not all(isinstance(o, torch.Tensor) for o in flat_out):
         raise GraphError("opfuse.compile supports models whose outputs are tensors (or nested tuples/lists/dicts "
                          "of tensors)")
-
-    start = time.perf_counter()
-    analysis = analyze(model, example_inputs, config)
-    seconds["analyze"] = time.perf_counter() - start
+    output_dtypes = [o.dtype for o in flat_out]
+    del eager_out, flat_out
 
     compute = torch_dtype(config.dtype)
     examples = [x.to(compute) if x.is_floating_point() else x for x in example_inputs]
@@ -148,8 +258,9 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
                                  f"{bound:.0e} (eager in {config.dtype}: "
                                  f"{'-' if eager_error is None else f'{eager_error:.2e}'}) although every "
                                  "kernel passed its own check; please report this model")
-    return OpfuseModule(compiled, analysis, [x.dtype for x in example_inputs], output_spec,
-                        [o.dtype for o in flat_out], checks, end_to_end, seconds)
+    keep_eager = config.recompile or config.fallback == "eager"
+    return OpfuseModule(compiled, analysis, example_inputs, output_spec, output_dtypes, checks, end_to_end, seconds,
+                        eager if keep_eager else None)
 
 
 def _eager_copy(model: torch.nn.Module) -> torch.nn.Module:

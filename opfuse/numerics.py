@@ -2,6 +2,9 @@
 
 Errors are relative: ||out - ref|| / ||ref||, the reference computed in float32 (float64 for float32 models).
 Thresholds (METHOD.md): 1e-4 for float32, 1e-3 where tf32 is used, 1e-2 for float16/bfloat16.
+A result over the threshold still passes when PyTorch at the same precision is as far off (within
+EAGER_ERROR_MARGIN): the computation is ill-conditioned there (e.g. the mean of a normalised row is rounding noise
+around zero), and no kernel can do better than the precision it computes in.
 Entry points: `check_groups`, `relative_error`, `tolerance`, `random_inputs_like`.
 """
 
@@ -14,6 +17,10 @@ import torch
 
 from opfuse.ir.graph import Graph, GraphError, torch_dtype
 from opfuse.ir.ops import get_op
+
+# a result may differ from the high-precision reference by this much more than PyTorch at the same precision
+# does, when both are over the tolerance (an ill-conditioned computation, not a wrong kernel)
+EAGER_ERROR_MARGIN = 1.25
 
 TOLERANCE = {"float32": 1e-4, "tf32": 1e-3, "float16": 1e-2, "bfloat16": 1e-2, "float64": 1e-10}
 
@@ -91,10 +98,13 @@ class GroupCheck:
     error: float
     tolerance: float
     detail: str = ""          # the exception, where the kernel crashed
+    eager_error: float | None = None   # the group's ops run by PyTorch at the compute dtype, when error > tolerance
 
     @property
     def passed(self) -> bool:
-        return self.error <= self.tolerance
+        if self.error <= self.tolerance:
+            return True
+        return self.eager_error is not None and self.error <= EAGER_ERROR_MARGIN * self.eager_error
 
 
 def check_groups(graph: Graph, kernels: Mapping[str, object], inputs: Sequence[torch.Tensor],
@@ -119,5 +129,36 @@ def check_groups(graph: Graph, kernels: Mapping[str, object], inputs: Sequence[t
         except Exception as crash:  # a kernel that crashes is as wrong as one that miscomputes: record why
             error, detail = float("inf"), f"{type(crash).__name__}: {crash}"
         bound = tolerance(dtype, inputs[0].device if inputs else None)
-        checks.append(GroupCheck(name, kernel.name, error, bound, detail))
+        check = GroupCheck(name, kernel.name, error, bound, detail)
+        if bound < error < float("inf"):
+            try:
+                check.eager_error = _eager_group_error(graph, kernel.group, reference, compute)
+            except Exception:   # no PyTorch figure to compare with: the check stands as measured
+                pass
+            if check.passed:
+                check.detail = (f"ill-conditioned: PyTorch in {dtype} differs from the reference by "
+                                f"{check.eager_error:.2e} too")
+        checks.append(check)
     return checks
+
+
+def _eager_group_error(graph: Graph, group, reference: Mapping[str, torch.Tensor], compute: torch.dtype) -> float:
+    """Relative error of the group's outputs when PyTorch computes its nodes at the compute dtype from the same
+    (rounded) inputs the kernel got: what the kernel's error is to be compared with."""
+    values: dict[str, torch.Tensor] = {}
+
+    def value(name: str) -> torch.Tensor:
+        if name not in values:
+            tensor = reference[name]
+            values[name] = tensor.to(compute) if tensor.is_floating_point() else tensor
+        return values[name]
+
+    for name in group.nodes:
+        node = graph[name]
+        if node.op in ("input", "constant"):
+            continue
+        attrs = dict(node.attrs)
+        if node.op == "cast" and torch_dtype(attrs["dtype"]).is_floating_point:
+            attrs["dtype"] = str(compute).removeprefix("torch.")
+        values[name] = get_op(node.op).run([value(i) for i in node.inputs], attrs)
+    return max(relative_error(values[o], reference[o]) for o in group.outputs)

@@ -239,17 +239,27 @@ def resolve_model(spec: str, batch: int = 1) -> tuple[nn.Module, tuple, str]:
         raise GraphError(f"unknown model {spec!r}: give a built-in ({', '.join(BUILTIN_MODELS)}) "
                          "or package.module:factory")
     module_name, _, factory_name = spec.partition(":")
+    if not module_name or not factory_name or not factory_name.isidentifier():
+        raise GraphError(f"model spec {spec!r}: give it as package.module:factory (a module to import and the name "
+                         "of a function in it)")
+    # import_module runs the named module (and its parent packages' __init__), nothing else: no sibling modules
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise GraphError(f"model spec {spec!r}: cannot import module {module_name!r} ({error})") from error
+    except Exception as error:   # the module itself failed: a syntax error, an exception at import time
+        raise GraphError(f"model spec {spec!r}: importing module {module_name!r} failed "
+                         f"({type(error).__name__}: {error})") from error
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise GraphError(f"model spec {spec!r}: module {module_name} ({module.__file__}) has no callable "
                          f"{factory_name!r}")
     parameters = inspect.signature(factory).parameters
     takes_batch = "batch" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-    result = factory(batch=batch) if takes_batch else factory()
+    try:
+        result = factory(batch=batch) if takes_batch else factory()
+    except Exception as error:
+        raise GraphError(f"model spec {spec!r}: {factory_name}() raised {type(error).__name__}: {error}") from error
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
         raise GraphError(f"model spec {spec!r}: {factory_name}() in {module.__file__} must return "
                          f"(model, example_inputs), got {type(result).__name__}")

@@ -319,7 +319,9 @@ class PoolKernel(TemplateKernel):
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, padding, dilation
         tap = emitter.region("[BLOCK_P, BLOCK_C]", "mask")
         value = tap.value(x.name, (batch, channel, "ih", "iw"))
-        combine = (f"acc = tl.maximum(acc, tl.where(mask, {value}, {NEG_INF}))" if self.is_max
+        # a NaN in the window makes PyTorch's max pool NaN: propagate it as PyTorch does
+        combine = (f"acc = tl.maximum(acc, tl.where(mask, {value}, {NEG_INF}), propagate_nan=tl.PropagateNan.ALL)"
+                   if self.is_max
                    else f"acc += tl.where(mask, {value}, 0.0)")
         body += [f"for kh in tl.static_range({kh}):", f"    ih = {oh} * {sh} + (kh * {dh} - {ph})",
                  f"    for kw in tl.static_range({kw}):", f"        iw = {ow} * {sw} + (kw * {dw} - {pw})",

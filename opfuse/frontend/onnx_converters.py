@@ -4,6 +4,10 @@ Each converter gets the importer, the ONNX node, the IR names of its inputs (Non
 and its attributes as Python values, adds IR nodes through `importer.emit`, and returns the IR name of each ONNX
 output (None for one it does not produce). It raises `Unsupported` when this use of the op has no IR
 equivalent: the importer then makes the node opaque and records the reason. Entry point: `CONVERTERS`.
+
+Each converter names the attributes it understands (`converts(..., attributes=...)`, kept in `ATTRIBUTES`). A node
+carrying any other attribute (one of an older or newer opset, such as Add's `broadcast`/`axis` before opset 7) is
+not converted but made opaque with the attribute named, since ignoring it could silently change the result.
 """
 
 from __future__ import annotations
@@ -31,14 +35,21 @@ class Unsupported(Exception):
 
 Converter = Callable[["Importer", onnx.NodeProto, list, dict], list]
 CONVERTERS: dict[str, Converter] = {}
+ATTRIBUTES: dict[str, frozenset[str]] = {}   # op type -> the attributes its converter understands
 
 
-def converts(*op_types: str) -> Callable[[Converter], Converter]:
+def converts(*op_types: str, attributes: tuple[str, ...] = ()) -> Callable[[Converter], Converter]:
     def register(fn: Converter) -> Converter:
         for op_type in op_types:
             CONVERTERS[op_type] = fn
+            ATTRIBUTES[op_type] = frozenset(attributes)
         return fn
     return register
+
+
+def unknown_attributes(op_type: str, attrs: dict) -> list[str]:
+    """The attributes of a node that its converter does not understand (sorted)."""
+    return sorted(set(attrs) - ATTRIBUTES.get(op_type, frozenset()))
 
 
 # ---- converters: one per ONNX op (or family), returning the IR name of each output ---------------------
@@ -50,8 +61,13 @@ BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", 
           "Min": "minimum", "Sum": "add"}
 
 
-@converts(*UNARY)
+# Dropout: `seed` and the old `ratio`/`is_test` do nothing at inference; a training_mode input is checked below
+@converts(*UNARY, attributes=("seed", "ratio", "is_test"))
 def _unary(importer: Importer, node, xs, attrs):
+    if node.op_type == "Dropout" and len(xs) > 2 and xs[2] is not None:
+        training = importer.constant(xs[2])
+        if training is None or bool(training.reshape(-1)[0]):
+            raise Unsupported("Dropout in training mode (random) has no inference equivalent")
     return [importer.emit(UNARY[node.op_type], [xs[0]])]
 
 
@@ -65,12 +81,12 @@ def _binary(importer: Importer, node, xs, attrs):
     return [result]
 
 
-@converts("Gelu")
+@converts("Gelu", attributes=("approximate",))
 def _gelu(importer: Importer, node, xs, attrs):
     return [importer.emit("gelu", [xs[0]], {"approximate": attrs.get("approximate", "none")})]
 
 
-@converts("LeakyRelu")
+@converts("LeakyRelu", attributes=("alpha",))
 def _leaky_relu(importer: Importer, node, xs, attrs):
     alpha = attrs.get("alpha", 0.01)
     if not 0 <= alpha <= 1:
@@ -79,7 +95,7 @@ def _leaky_relu(importer: Importer, node, xs, attrs):
     return [importer.emit("maximum", [xs[0], importer.emit("mul", [xs[0], importer.scalar(alpha, xs[0])])])]
 
 
-@converts("HardSigmoid")
+@converts("HardSigmoid", attributes=("alpha", "beta"))
 def _hard_sigmoid(importer: Importer, node, xs, attrs):
     alpha, beta = attrs.get("alpha", 0.2), attrs.get("beta", 0.5)
     if math.isclose(alpha, 1 / 6, rel_tol=1e-6) and math.isclose(beta, 0.5):
@@ -89,7 +105,7 @@ def _hard_sigmoid(importer: Importer, node, xs, attrs):
     return [importer.emit("clamp", [scaled], {"min": 0.0, "max": 1.0})]
 
 
-@converts("Clip")
+@converts("Clip", attributes=("min", "max"))
 def _clip(importer: Importer, node, xs, attrs):
     result, bounds = xs[0], {"min": attrs.get("min"), "max": attrs.get("max")}  # attributes before opset 11
     for index, key, op in ((1, "min", "maximum"), (2, "max", "minimum")):
@@ -104,7 +120,8 @@ def _clip(importer: Importer, node, xs, attrs):
     return [importer.emit("clamp", [result], bounds)]
 
 
-@converts("Cast", "CastLike")
+# saturate and round_mode only apply to float8 targets, which are refused below
+@converts("Cast", "CastLike", attributes=("to", "saturate", "round_mode"))
 def _cast(importer: Importer, node, xs, attrs):
     if node.op_type == "CastLike":
         dtype = importer.type(xs[1]).dtype
@@ -142,21 +159,24 @@ def _window(importer: Importer, xs, attrs, kernel) -> dict:
     return {"stride": strides, "padding": padding, "dilation": dilations}
 
 
-@converts("Conv")
+@converts("Conv", attributes=("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"))
 def _conv(importer: Importer, node, xs, attrs):
     window = _window(importer, xs, attrs, importer.type(xs[1]).shape[2:])
     inputs = [x for x in xs[:3] if x is not None]
     return [importer.emit("conv2d", inputs, {**window, "groups": attrs.get("group", 1)})]
 
 
-@converts("MaxPool")
+# storage_order only changes the optional Indices output, which is not mapped
+@converts("MaxPool", attributes=("auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads", "strides",
+                                 "storage_order"))
 def _max_pool(importer: Importer, node, xs, attrs):
     window = _window(importer, xs, attrs, attrs["kernel_shape"])
     pool = {"kernel_size": tuple(attrs["kernel_shape"]), **window, "ceil_mode": bool(attrs.get("ceil_mode", 0))}
     return [importer.emit("max_pool2d", [xs[0]], pool)]
 
 
-@converts("AveragePool")
+@converts("AveragePool", attributes=("auto_pad", "ceil_mode", "count_include_pad", "dilations", "kernel_shape",
+                                     "pads", "strides"))
 def _average_pool(importer: Importer, node, xs, attrs):
     window = _window(importer, xs, attrs, attrs["kernel_shape"])
     if window.pop("dilation") != (1, 1):
@@ -174,14 +194,17 @@ def _global_average_pool(importer: Importer, node, xs, attrs):
     return [importer.emit("mean", [xs[0]], {"dims": list(range(2, rank)), "keepdim": True})]
 
 
-@converts("BatchNormalization")
+@converts("BatchNormalization", attributes=("epsilon", "momentum", "training_mode", "spatial", "is_test"))
 def _batch_norm(importer: Importer, node, xs, attrs):
     if attrs.get("training_mode", 0):
         raise Unsupported("training-mode batch norm")
+    if attrs.get("spatial", 1) != 1:   # opset < 9: statistics per element rather than per channel
+        raise Unsupported("BatchNormalization with spatial=0")
     return [importer.emit("batch_norm", xs[:5], {"eps": attrs.get("epsilon", 1e-5)})]
 
 
-@converts("LayerNormalization")
+# stash_type is the precision of the mean/variance; the IR computes them in at least float32
+@converts("LayerNormalization", attributes=("axis", "epsilon", "stash_type"))
 def _layer_norm(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape
     normalized = shape[attrs.get("axis", -1) % len(shape):]
@@ -195,7 +218,7 @@ def _layer_norm(importer: Importer, node, xs, attrs):
     return [result]
 
 
-@converts("Softmax")
+@converts("Softmax", attributes=("axis",))
 def _softmax(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape
     axis = attrs.get("axis", -1 if importer.opset >= 13 else 1) % len(shape)
@@ -206,7 +229,7 @@ def _softmax(importer: Importer, node, xs, attrs):
     return [importer.emit("reshape", [importer.emit("softmax", [flat], {"dim": 1})], {"shape": shape})]
 
 
-@converts("ReduceMean", "ReduceSum")
+@converts("ReduceMean", "ReduceSum", attributes=("axes", "keepdims", "noop_with_empty_axes"))
 def _reduce(importer: Importer, node, xs, attrs):
     rank = len(importer.type(xs[0]).shape)
     axes = importer.ints(node, xs, attrs, "axes", 1)
@@ -227,7 +250,7 @@ def _matmul(importer: Importer, node, xs, attrs):
     return [importer.emit("matmul", xs[:2])]
 
 
-@converts("Gemm")
+@converts("Gemm", attributes=("alpha", "beta", "transA", "transB"))
 def _gemm(importer: Importer, node, xs, attrs):
     a, b = xs[0], xs[1]
     c = xs[2] if len(xs) > 2 else None
@@ -256,7 +279,7 @@ def _gemm(importer: Importer, node, xs, attrs):
 
 # ---- layout ------------------------------------------------------------------------------------------
 
-@converts("Flatten")
+@converts("Flatten", attributes=("axis",))
 def _flatten(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape
     axis = attrs.get("axis", 1)
@@ -264,7 +287,7 @@ def _flatten(importer: Importer, node, xs, attrs):
     return [importer.emit("reshape", [xs[0]], {"shape": (math.prod(shape[:axis]), math.prod(shape[axis:]))})]
 
 
-@converts("Reshape")
+@converts("Reshape", attributes=("shape", "allowzero"))
 def _reshape(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape
     target = importer.ints(node, xs, attrs, "shape", 1)
@@ -278,7 +301,7 @@ def _reshape(importer: Importer, node, xs, attrs):
     return [importer.emit("reshape", [xs[0]], {"shape": tuple(target)})]
 
 
-@converts("Unsqueeze")
+@converts("Unsqueeze", attributes=("axes",))
 def _unsqueeze(importer: Importer, node, xs, attrs):
     shape = list(importer.type(xs[0]).shape)
     axes = importer.ints(node, xs, attrs, "axes", 1)
@@ -288,7 +311,7 @@ def _unsqueeze(importer: Importer, node, xs, attrs):
     return [importer.emit("reshape", [xs[0]], {"shape": tuple(shape)})]
 
 
-@converts("Squeeze")
+@converts("Squeeze", attributes=("axes",))
 def _squeeze(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape
     axes = importer.ints(node, xs, attrs, "axes", 1)
@@ -296,7 +319,7 @@ def _squeeze(importer: Importer, node, xs, attrs):
     return [importer.emit("reshape", [xs[0]], {"shape": tuple(d for i, d in enumerate(shape) if i not in drop)})]
 
 
-@converts("Transpose")
+@converts("Transpose", attributes=("perm",))
 def _transpose(importer: Importer, node, xs, attrs):
     rank = len(importer.type(xs[0]).shape)
     return [importer.emit("permute", [xs[0]], {"dims": tuple(attrs.get("perm", range(rank - 1, -1, -1)))})]
@@ -309,13 +332,13 @@ def _expand(importer: Importer, node, xs, attrs):
     return [importer.emit("expand", [xs[0]], {"shape": shape})]
 
 
-@converts("Concat")
+@converts("Concat", attributes=("axis",))
 def _concat(importer: Importer, node, xs, attrs):
     inputs = [x for x in xs if x is not None]
     return [importer.emit("cat", inputs, {"dim": attrs["axis"] % len(importer.type(inputs[0]).shape)})]
 
 
-@converts("Split")
+@converts("Split", attributes=("axis", "split", "num_outputs"))
 def _split(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape
     axis = attrs.get("axis", 0) % len(shape)
@@ -332,7 +355,7 @@ def _split(importer: Importer, node, xs, attrs):
     return outputs
 
 
-@converts("Slice")
+@converts("Slice", attributes=("starts", "ends", "axes"))
 def _slice(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape
     starts = importer.ints(node, xs, attrs, "starts", 1)
@@ -349,7 +372,7 @@ def _slice(importer: Importer, node, xs, attrs):
     return [result if result != xs[0] else importer.emit("identity", [xs[0]])]
 
 
-@converts("Gather")
+@converts("Gather", attributes=("axis",))
 def _gather(importer: Importer, node, xs, attrs):
     table, indices = importer.constant(xs[0]), importer.constant(xs[1])
     shape = importer.type(xs[0]).shape

@@ -9,9 +9,10 @@ node is reported here, by name), then convert node by node:
   exporters emit in front of `Reshape`;
 - mapped ops become IR ops, typed by `opfuse.ir.ops.infer_type`; each result is checked against ONNX's own
   shape inference, so a mapping that differs from ONNX semantics fails loudly instead of computing wrong values;
-- everything else (and a mapped op used in a way the IR cannot express, such as asymmetric conv padding)
-  becomes an `opaque` node, attrs {"target": "onnx::<OpType>", "onnx_attrs": {...}, "reason"?: str}, typed by
-  ONNX shape inference. It can be analysed but not run.
+- everything else (and a mapped op used in a way the IR cannot express, such as asymmetric conv padding, or
+  carrying an attribute its converter does not understand) becomes an `opaque` node, attrs
+  {"target": "onnx::<OpType>", "onnx_attrs": {...}, "reason"?: str}, typed by ONNX shape inference. It can be
+  analysed but not run.
 Afterwards the Erf form of GELU is rewritten to one `gelu` node and dead nodes are dropped.
 
 Choices worth knowing: MatMul (and Gemm) with a constant 2-D right-hand side become `linear` with the weight
@@ -30,7 +31,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from opfuse.frontend.onnx_converters import CONVERTERS, ONNX_DTYPES, Unsupported
+from opfuse.frontend.onnx_converters import CONVERTERS, ONNX_DTYPES, Unsupported, unknown_attributes
 from opfuse.ir.graph import Graph, GraphError, TensorType, torch_dtype
 from opfuse.ir.ops import infer_type
 from opfuse.ir.verify import verify
@@ -202,6 +203,10 @@ class Importer:
             converter = CONVERTERS.get(node.op_type)
             if outputs is None and converter is not None:
                 try:
+                    unknown = unknown_attributes(node.op_type, attrs)
+                    if unknown:   # ignoring an attribute could change the result silently
+                        raise Unsupported(f"attribute {', '.join(map(repr, unknown))} of {node.op_type} is not "
+                                          "understood by opfuse's converter")
                     outputs = converter(self, node, inputs, attrs)
                     missing = [o for i, o in enumerate(node.output) if o in self.used and
                                (i >= len(outputs) or outputs[i] is None)]
