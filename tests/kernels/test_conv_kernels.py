@@ -12,39 +12,15 @@ import torch
 from opfuse.codegen.conv import ConvKernel, DepthwiseConvKernel, lower_conv_group
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import GemmKernel
-from opfuse.fusion.plan import FusionGroup, GroupKind
-from opfuse.ir.graph import Graph, TensorType, torch_dtype
+from opfuse.fusion.plan import GroupKind
+from opfuse.ir.graph import torch_dtype
 from opfuse.ir.interpret import interpret
-from opfuse.ir.ops import FusionKind, infer_type, kind_of
+
+from tests.kernels.builders import KernelGraph
 
 
-class Builder:
-    """A graph built op by op, all tensors in one dtype, with random constants and inputs."""
-
-    def __init__(self, dtype: str = "float32", seed: int = 0):
-        self.graph = Graph("test")
-        self.dtype = dtype
-        self.generator = torch.Generator().manual_seed(seed)
-        self.feeds: dict[str, torch.Tensor] = {}
-
-    def random(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.generator)
-
-    def input(self, name: str, shape: tuple[int, ...], value: torch.Tensor | None = None) -> str:
-        """A graph input; `value` (any strides) is what the test feeds, default a channels-last random tensor."""
-        if value is None:
-            value = self.random(*shape).to(torch_dtype(self.dtype))
-            if len(shape) == 4:
-                value = value.to(memory_format=torch.channels_last)
-        self.feeds[name] = value
-        return self.graph.add_input(name, TensorType(shape, self.dtype)).name
-
-    def const(self, name: str, tensor: torch.Tensor) -> str:
-        return self.graph.add_constant(name, tensor.to(torch_dtype(self.dtype))).name
-
-    def op(self, op: str, *inputs: str, **attrs) -> str:
-        node_type = infer_type(op, [self.graph[i].type for i in inputs], attrs)
-        return self.graph.add_node(op, inputs, node_type, attrs).name
+class Builder(KernelGraph):
+    default_kind = GroupKind.ANCHOR_EPILOGUE
 
     def conv(self, x: str, cout: int, kernel: int | tuple[int, int] = 3, stride=1, padding=0, dilation=1,
              groups: int = 1, bias: bool = True) -> str:
@@ -54,17 +30,6 @@ class Builder:
         inputs = [x, w] + ([self.const("b", self.random(cout))] if bias else [])
         return self.op("conv2d", *inputs, stride=_pair(stride), padding=_pair(padding),
                        dilation=_pair(dilation), groups=groups)
-
-    def group(self, outputs: list[str], kind: GroupKind = GroupKind.ANCHOR_EPILOGUE) -> FusionGroup:
-        self.graph.outputs = list(outputs)
-        nodes = [n.name for n in self.graph if n.op not in ("input", "constant")]
-        inputs: list[str] = []
-        for name in nodes:
-            for i in self.graph[name].inputs:
-                if i not in nodes and i not in inputs:
-                    inputs.append(i)
-        anchor = next(n for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR)
-        return FusionGroup(0, kind, nodes, anchor=anchor, inputs=inputs, outputs=list(outputs))
 
 
 def _pair(v):

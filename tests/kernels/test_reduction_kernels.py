@@ -16,10 +16,11 @@ import torch
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.reduction import PoolKernel, RowReductionKernel, lower_reduction_group
-from opfuse.fusion.plan import FusionGroup, GroupKind
-from opfuse.ir.graph import Graph, TensorType, torch_dtype
+from opfuse.fusion.plan import GroupKind
+from opfuse.ir.graph import torch_dtype
 from opfuse.ir.interpret import interpret
-from opfuse.ir.ops import infer_type
+
+from tests.kernels.builders import KernelGraph
 
 DEVICE = "cuda" if os.environ.get("OPFUSE_GPU_TESTS") == "1" else "cpu"
 # masked-off lanes (rows past the end) may compute inf/NaN that is never stored
@@ -27,43 +28,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 SMALL_CHUNKS = KernelConfig.of(BLOCK_M=2, BLOCK_L=16, num_warps=1)
 
 
-class Builder:
-    """A graph built op by op, all tensors in one dtype, with random constants and inputs."""
-
-    def __init__(self, dtype: str = "float32", seed: int = 0):
-        self.graph = Graph("test")
-        self.dtype = dtype
-        self.generator = torch.Generator().manual_seed(seed)
-        self.feeds: dict[str, torch.Tensor] = {}
-
-    def random(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.generator)
-
-    def input(self, name: str, shape: tuple[int, ...], value: torch.Tensor | None = None) -> str:
-        """A graph input; `value` (any strides) is what the test feeds, default channels-last when 4-D."""
-        if value is None:
-            value = self.random(*shape)
-            if len(shape) == 4:
-                value = value.to(memory_format=torch.channels_last)
-        self.feeds[name] = value.to(torch_dtype(self.dtype))
-        return self.graph.add_input(name, TensorType(shape, self.dtype)).name
-
-    def const(self, name: str, tensor: torch.Tensor) -> str:
-        return self.graph.add_constant(name, tensor.to(torch_dtype(self.dtype))).name
-
-    def op(self, op: str, *inputs: str, **attrs) -> str:
-        node_type = infer_type(op, [self.graph[i].type for i in inputs], attrs)
-        return self.graph.add_node(op, inputs, node_type, attrs).name
-
-    def group(self, outputs: list[str]) -> FusionGroup:
-        self.graph.outputs = list(outputs)
-        nodes = [n.name for n in self.graph if n.op not in ("input", "constant")]
-        inputs: list[str] = []
-        for name in nodes:
-            for i in self.graph[name].inputs:
-                if i not in nodes and i not in inputs:
-                    inputs.append(i)
-        return FusionGroup(0, GroupKind.REDUCTION, nodes, inputs=inputs, outputs=list(outputs))
+class Builder(KernelGraph):
+    default_kind = GroupKind.REDUCTION
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -1,0 +1,52 @@
+"""A graph built op by op for kernel tests: all tensors in one dtype, seeded random constants and inputs, and the
+FusionGroup of everything computed (what the planner would hand a kernel template)."""
+
+from __future__ import annotations
+
+import torch
+
+from opfuse.fusion.plan import FusionGroup, GroupKind
+from opfuse.ir.graph import Graph, TensorType, torch_dtype
+from opfuse.ir.ops import FusionKind, infer_type, kind_of
+
+
+class KernelGraph:
+    default_kind = GroupKind.SINGLE
+
+    def __init__(self, dtype: str = "float32", seed: int = 0):
+        self.graph = Graph("test")
+        self.dtype = dtype
+        self.generator = torch.Generator().manual_seed(seed)
+        self.feeds: dict[str, torch.Tensor] = {}
+
+    def random(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator)
+
+    def input(self, name: str, shape: tuple[int, ...], value: torch.Tensor | None = None) -> str:
+        """A graph input; `value` (any strides) is what the test feeds, default channels-last when 4-D."""
+        if value is None:
+            value = self.random(*shape)
+            if len(shape) == 4:
+                value = value.to(memory_format=torch.channels_last)
+        self.feeds[name] = value.to(torch_dtype(self.dtype))
+        return self.graph.add_input(name, TensorType(shape, self.dtype)).name
+
+    def const(self, name: str, tensor: torch.Tensor) -> str:
+        return self.graph.add_constant(name, tensor.to(torch_dtype(self.dtype))).name
+
+    def op(self, op: str, *inputs: str, **attrs) -> str:
+        node_type = infer_type(op, [self.graph[i].type for i in inputs], attrs)
+        return self.graph.add_node(op, inputs, node_type, attrs).name
+
+    def group(self, outputs: list[str], kind: GroupKind | None = None) -> FusionGroup:
+        """One group of every computed node; inputs in first-use order; the anchor, if any, found by kind."""
+        self.graph.outputs = list(outputs)
+        nodes = [n.name for n in self.graph if n.op not in ("input", "constant")]
+        inputs: list[str] = []
+        for name in nodes:
+            for i in self.graph[name].inputs:
+                if i not in nodes and i not in inputs:
+                    inputs.append(i)
+        anchor = next((n for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR), None)
+        return FusionGroup(0, kind or self.default_kind, nodes, anchor=anchor, inputs=inputs,
+                           outputs=list(outputs))
