@@ -9,7 +9,6 @@ Multi-output source ops (split) are lowered by the frontends to several single-o
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
