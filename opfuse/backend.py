@@ -4,6 +4,10 @@ Dynamo hands over an FX GraphModule whose parameters and buffers arrive as extra
 constants: they are bound into a small wrapper module (so torch.export lifts them as constants and BN folding
 and weight packing apply), and the opfuse-compiled wrapper is called with the user's inputs only. A graph opfuse
 cannot compile runs as dynamo gave it (the reason is kept in `last_fallback_reasons`), never wrongly.
+
+Dynamo does not recompile when a weight's values change (`load_state_dict`, an in-place update, `.data = ...`),
+and the compiled kernels hold the weights they were built with: each call compares the weights dynamo passes with
+the bound ones (storage and version counter, no data read) and runs a graph whose weights changed as dynamo gave it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ def _is_weight(placeholder: torch.fx.Node, value: Any) -> bool:
     """Parameters and buffers dynamo lifted into inputs (named L_self_..._parameters_/_buffers_ by dynamo)."""
     name = str(placeholder.target)
     return isinstance(value, torch.nn.Parameter) or "_parameters_" in name or "_buffers_" in name
+
+
+def _stamp(weight: torch.Tensor) -> tuple:
+    """What changes when a weight's values may have: its storage, and its version counter (bumped by every
+    in-place write; inference tensors have none)."""
+    try:
+        version = weight._version
+    except RuntimeError:
+        version = None
+    return weight.data_ptr(), version
 
 
 class _BoundWeights(torch.nn.Module):
@@ -63,7 +77,18 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **op
         warnings.warn(f"opfuse backend: running this graph unfused through PyTorch: {reason}", stacklevel=2)
         return gm.forward
 
+    placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    stamps = {i: _stamp(example_inputs[i]) for i, (kind, _) in enumerate(bound.slots) if kind == "weight"}
+
     def run(*args: Any) -> Any:
+        changed = next((i for i, stamp in stamps.items() if _stamp(args[i]) != stamp), None)
+        if changed is not None:   # the kernels hold the old values: running them would be silently wrong
+            reason = (f"weight {placeholders[changed]} changed since compiling; call torch._dynamo.reset() to "
+                      "compile again")
+            if reason not in last_fallback_reasons:
+                last_fallback_reasons.append(reason)
+                warnings.warn(f"opfuse backend: running this graph unfused through PyTorch: {reason}", stacklevel=2)
+            return gm(*args)
         out = compiled(*[args[i] for i in bound.runtime_positions])
         return out if isinstance(out, (tuple, list)) else (out,)
 

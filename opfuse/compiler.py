@@ -85,7 +85,7 @@ class OpfuseModule(torch.nn.Module):
         try:
             outputs = self.compiled(*args)
         except Exception as error:
-            if self._eager is None:
+            if self.analysis.config.fallback != "eager" or self._eager is None:   # recompile alone keeps _eager
                 raise
             return self._run_eagerly(inputs, f"the compiled model failed ({type(error).__name__}: {error})")
         flat = list(outputs) if isinstance(outputs, tuple) else [outputs]
@@ -292,10 +292,12 @@ def _end_to_end_error(eager: torch.nn.Module, compiled, inputs: list[torch.Tenso
     def run(model, dtype_: torch.dtype) -> list[torch.Tensor]:
         with torch.no_grad():
             out = model(*[x.to(dtype_) if x.is_floating_point() else x for x in inputs])
-        return list(out) if isinstance(out, tuple) else tree_flatten(out)[0]
+        return tree_flatten(out)[0]   # nested tuples/dicts too: the compiled model's outputs are flat
 
     reference = run(copy.deepcopy(eager).to(reference_type), reference_type)
     outputs = run(compiled, compute)
+    if len(outputs) != len(reference):   # zip would compare only the first few and pass
+        raise GraphError(f"compiled {compiled.graph.name} has {len(outputs)} outputs, eager has {len(reference)}")
     error = max(relative_error(o, r) for o, r in zip(outputs, reference))
     if error <= tolerance(dtype, inputs[0].device if inputs else None):
         return error, None

@@ -125,6 +125,8 @@ def check_groups(graph: Graph, kernels: Mapping[str, object], inputs: Sequence[t
         detail = ""
         try:
             outputs = kernel.run(args, config)
+            if len(outputs) != len(kernel.group.outputs):   # zip would check only some of them
+                raise GraphError(f"returned {len(outputs)} outputs, the group has {len(kernel.group.outputs)}")
             error = max(relative_error(out, reference[o]) for out, o in zip(outputs, kernel.group.outputs))
         except Exception as crash:  # a kernel that crashes is as wrong as one that miscomputes: record why
             error, detail = float("inf"), f"{type(crash).__name__}: {crash}"
