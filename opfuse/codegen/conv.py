@@ -24,8 +24,8 @@ import torch
 import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info
-from opfuse.codegen.epilogue import (Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting,
-                                     siblings_and_chains)
+from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, TileLayout, compute_dtype, generate_kernel,
+                                     interpreting, siblings_and_chains)
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import GROUP_M, GemmKernel, anchor_biases, gemm_configs
 from opfuse.fusion.plan import FusionGroup, GroupKind
@@ -191,7 +191,7 @@ def _cudnn_allows_tf32() -> bool:
     return torch.backends.cudnn.allow_tf32
 
 
-class ConvKernel(GroupKernel):
+class ConvKernel(EpilogueKernel):
     """Implicit-GEMM convolution (+ epilogue) of one group."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue, x: str,
@@ -209,15 +209,10 @@ class ConvKernel(GroupKernel):
             gather = KernelConfig.of(num_warps=4, num_stages=4, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
             self._configs = [gather] + [c for c in self._configs if c != gather]
 
-    def configs(self) -> list[KernelConfig]:
-        return list(self._configs)
-
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
-        config = config or self._configs[0]
+        config, values, args, outputs = self.bind(inputs, config)
         g = self.geometry
-        values = dict(zip(self.runtime_inputs, inputs)) | self.constants
         x = values[self.x]
-        args, outputs = self.epilogue.launch_args(values)
         m, channels = self.layout.rows, self.layout.channels
         cout_per_group = channels // g.groups
         _, r1, r2 = self.layout.row_sizes()
@@ -232,7 +227,7 @@ class ConvKernel(GroupKernel):
         return outputs
 
 
-class DepthwiseConvKernel(GroupKernel):
+class DepthwiseConvKernel(EpilogueKernel):
     """Direct depthwise convolution (+ epilogue) of one group: one channel per column, no reduction over Cin."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue, x: str,
@@ -246,15 +241,10 @@ class DepthwiseConvKernel(GroupKernel):
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
         self._configs = DEPTHWISE_CONFIGS if not interpreting() else [KernelConfig.of(BLOCK_M=32, BLOCK_N=16)]
 
-    def configs(self) -> list[KernelConfig]:
-        return list(self._configs)
-
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
-        config = config or self._configs[0]
+        config, values, args, outputs = self.bind(inputs, config)
         g = self.geometry
-        values = dict(zip(self.runtime_inputs, inputs)) | self.constants
         x = values[self.x]
-        args, outputs = self.epilogue.launch_args(values)
         m, channels = self.layout.rows, self.layout.channels
         _, r1, r2 = self.layout.row_sizes()
         grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(channels, config["BLOCK_N"]))

@@ -32,7 +32,7 @@ import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, kernel_name, load_source
 from opfuse.codegen.conv import ConvGeometry
-from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, interpreting
+from opfuse.codegen.epilogue import Epilogue, EpilogueKernel, TileLayout, compute_dtype, interpreting
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import anchor_biases
 from opfuse.fusion.legality import conv_chain_problem, conv_stages
@@ -150,7 +150,7 @@ class InnerStage:
         return self.epilogue.channel_vectors
 
 
-class ConvConvKernel(GroupKernel):
+class ConvConvKernel(EpilogueKernel):
     """[expand 1x1 ->] depthwise -> pointwise 1x1 (+ epilogue) of one group, the intermediates kept on chip."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, chain: list[str]):
@@ -216,15 +216,10 @@ class ConvConvKernel(GroupKernel):
             tiles = [dict(planned)] + [t for t in tiles if t != planned]
         return list(dict.fromkeys(_config(t) for t in tiles))
 
-    def configs(self) -> list[KernelConfig]:
-        return list(self._configs)
-
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
-        config = config or self._configs[0]
+        config, values, args, outputs = self.bind(inputs, config)
         g = self.geometry
-        values = dict(zip(self.runtime_inputs, inputs)) | self.constants
         x = values[self.x]
-        args, outputs = self.epilogue.launch_args(values)
         m, n = self.layout.rows, self.layout.channels
         _, r1, r2 = self.layout.row_sizes()
         grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)

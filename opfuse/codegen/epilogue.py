@@ -28,10 +28,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
-from opfuse.codegen.base import kernel_name, load_source
+from opfuse.codegen.base import GroupKernel, KernelConfig, kernel_name, load_source
 from opfuse.codegen.expr import Unsupported, emit, triton_dtype
 from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import Graph, Node, torch_dtype
@@ -354,3 +355,22 @@ def compute_dtype(graph: Graph, value: str, node: Node) -> str:
     if dtype not in ("float16", "bfloat16", "float32"):
         raise Unsupported(f"{node.describe()} computes in {dtype}; anchor kernels take float16/bfloat16/float32")
     return dtype
+
+
+class EpilogueKernel(GroupKernel):
+    """Base of the anchor kernels (conv, depthwise, conv-conv, GEMM): the config list fixed at build time, and the
+    binding of one call's runtime inputs and the held constants to the epilogue's arguments and outputs."""
+
+    _configs: list[KernelConfig]
+    constants: dict[str, torch.Tensor]
+    epilogue: "Epilogue"
+
+    def configs(self) -> list[KernelConfig]:
+        return list(self._configs)
+
+    def bind(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None
+             ) -> tuple[KernelConfig, dict[str, torch.Tensor], list, list[torch.Tensor]]:
+        """(the config to launch, every value by name, the epilogue's launch arguments, the allocated outputs)."""
+        values = dict(zip(self.runtime_inputs, inputs)) | self.constants
+        args, outputs = self.epilogue.launch_args(values)
+        return config or self._configs[0], values, args, outputs

@@ -20,9 +20,9 @@ from typing import Callable, Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info
-from opfuse.codegen.epilogue import (Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting,
-                                     siblings_and_chains)
+from opfuse.codegen.base import KernelConfig, compiled_info
+from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, TileLayout, compute_dtype, generate_kernel,
+                                     interpreting, siblings_and_chains)
 from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.ir.graph import Graph, torch_dtype
@@ -130,7 +130,7 @@ def gemm_configs(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2) -> l
     return [first] + [c for c in candidates if c != first]
 
 
-class GemmKernel(GroupKernel):
+class GemmKernel(EpilogueKernel):
     """C = A @ B (+ epilogue) for one group; A is a tensor read through strides, B packed or read through strides."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue,
@@ -156,12 +156,8 @@ class GemmKernel(GroupKernel):
         allowed = self.tf32_allowed() if self.tf32_allowed else torch.get_float32_matmul_precision() != "highest"
         return "tf32" if allowed else "ieee"
 
-    def configs(self) -> list[KernelConfig]:
-        return list(self._configs)
-
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
-        config = config or self._configs[0]
-        values = dict(zip(self.runtime_inputs, inputs)) | self.constants
+        config, values, args, outputs = self.bind(inputs, config)
         a = values[self.a] if self.a_view is None else self.a_view(values[self.a])
         a, a_strides = self.layout.strides(a, channels=self.k)
         if not self.layout.batch_dims:
@@ -171,7 +167,6 @@ class GemmKernel(GroupKernel):
         else:
             b, strides = self.b_layout.strides(values[self.b])
             b_strides = strides[:2] + strides[-2:]      # batch 0, batch 1, k (last row dim), n
-        args, outputs = self.epilogue.launch_args(values)
         m, n, r1, r2, b1 = self._sizes
         grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), self.layout.batch)
         compiled = self.kernel[grid](

@@ -7,6 +7,7 @@ import torch
 
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.ir.graph import Graph, TensorType, torch_dtype
+from opfuse.ir.interpret import interpret
 from opfuse.ir.ops import FusionKind, infer_type, kind_of
 
 
@@ -50,3 +51,22 @@ class KernelGraph:
         anchor = next((n for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR), None)
         return FusionGroup(0, kind or self.default_kind, nodes, anchor=anchor, inputs=inputs,
                            outputs=list(outputs))
+
+    def check(self, outputs: list[str], results: list[torch.Tensor]) -> None:
+        """The kernel's results against the float32 reference of the whole graph: shape, dtype, every element
+        written (outputs are NaN-poisoned before the kernel runs), relative error 1e-4 (float32) or 1e-2."""
+        reference_graph = self.graph.copy()
+        reference_graph.constants = {k: v.float() for k, v in self.graph.constants.items()}
+        expected = interpret(reference_graph, [self.feeds[n.name].float() for n in self.graph.input_nodes])
+        tolerance = 1e-4 if self.dtype == "float32" else 1e-2
+        assert len(results) == len(expected) == len(outputs)
+        for name, got, want in zip(outputs, results, expected):
+            assert got.shape == want.shape, name
+            assert got.dtype == torch_dtype(self.graph[name].type.dtype), name
+            assert not torch.isnan(got).any(), f"{name}: unwritten (NaN) elements"
+            assert rel_err(got, want) < tolerance, (name, rel_err(got, want))
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))

@@ -13,8 +13,6 @@ from opfuse.codegen.conv import ConvKernel, DepthwiseConvKernel, lower_conv_grou
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import GemmKernel
 from opfuse.fusion.plan import GroupKind
-from opfuse.ir.graph import torch_dtype
-from opfuse.ir.interpret import interpret
 
 from tests.kernels.builders import KernelGraph
 
@@ -36,11 +34,6 @@ def _pair(v):
     return (v, v) if isinstance(v, int) else tuple(v)
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.double(), expected.double()
-    return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
-
-
 def run_group(builder: Builder, outputs: list[str], kind: GroupKind = GroupKind.ANCHOR_EPILOGUE, lower=None):
     """Lower, run with poisoned outputs, check against the float32 reference; returns (kernel, results)."""
     lower = lower or lower_conv_group
@@ -48,17 +41,7 @@ def run_group(builder: Builder, outputs: list[str], kind: GroupKind = GroupKind.
     kernel = lower(builder.graph, group, "cpu")
     kernel.epilogue.output_fill = float("nan")
     results = kernel.run([builder.feeds[name] for name in kernel.runtime_inputs])
-    reference_graph = builder.graph.copy()
-    reference_graph.constants = {k: v.float() for k, v in builder.graph.constants.items()}
-    feeds = [builder.feeds[n.name].float() for n in builder.graph.input_nodes]
-    expected = interpret(reference_graph, feeds)
-    tolerance = 1e-4 if builder.dtype == "float32" else 1e-2
-    assert len(results) == len(expected)
-    for name, got, want in zip(outputs, results, expected):
-        assert got.shape == want.shape, name
-        assert got.dtype == torch_dtype(builder.graph[name].type.dtype), name
-        assert not torch.isnan(got).any(), f"{name}: unwritten (NaN) elements"
-        assert rel_err(got, want) < tolerance, (name, rel_err(got, want))
+    builder.check(outputs, results)
     return kernel, results
 
 

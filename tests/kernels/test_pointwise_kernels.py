@@ -16,8 +16,7 @@ from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.pointwise import lower_pointwise_group
 from opfuse.fusion.plan import GroupKind
-from opfuse.ir.graph import GraphError, torch_dtype
-from opfuse.ir.interpret import interpret
+from opfuse.ir.graph import GraphError
 
 from tests.kernels.builders import KernelGraph
 
@@ -30,11 +29,6 @@ class Builder(KernelGraph):
     default_kind = GroupKind.POINTWISE
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.double().cpu(), expected.double().cpu()
-    return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
-
-
 def run_group(builder: Builder, outputs: list[str], kind: GroupKind = GroupKind.POINTWISE,
               config: KernelConfig | None = None):
     """Lower, run with NaN-poisoned outputs, check against the float32 reference; returns (kernel, results)."""
@@ -43,16 +37,7 @@ def run_group(builder: Builder, outputs: list[str], kind: GroupKind = GroupKind.
     kernel.output_fill = float("nan")
     results = kernel.run([builder.feeds[name].to(DEVICE) for name in kernel.runtime_inputs], config)
     assert kernel.last_compiled is not None
-    reference_graph = builder.graph.copy()
-    reference_graph.constants = {k: v.float() for k, v in builder.graph.constants.items()}
-    expected = interpret(reference_graph, [builder.feeds[n.name].float() for n in builder.graph.input_nodes])
-    tolerance = 1e-4 if builder.dtype == "float32" else 1e-2
-    assert len(results) == len(expected) == len(outputs)
-    for name, got, want in zip(outputs, results, expected):
-        assert got.shape == want.shape, name
-        assert got.dtype == torch_dtype(builder.graph[name].type.dtype), name
-        assert not torch.isnan(got).any(), f"{name}: unwritten (NaN) elements"
-        assert rel_err(got, want) < tolerance, (name, rel_err(got, want))
+    builder.check(outputs, results)
     return kernel, results
 
 
