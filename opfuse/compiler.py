@@ -229,6 +229,10 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
     examples = [x.to(compute) if x.is_floating_point() else x for x in example_inputs]
     start = time.perf_counter()
     compiled = build_compiled_model(analysis.plan, device, examples, config=config, quiet=quiet)
+    over_budget = dict(getattr(compiled.tuning, "over_budget", None) or {})
+    if over_budget:   # every config of these kernels spilled on this GPU: plan again with them split back
+        analysis = split_back(analysis, over_budget)
+        compiled = build_compiled_model(analysis.plan, device, examples, config=config, quiet=quiet)
     seconds["codegen+tune"] = time.perf_counter() - start
 
     checks: list[GroupCheck] = []
@@ -261,6 +265,20 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
     keep_eager = config.recompile or config.fallback == "eager"
     return OpfuseModule(compiled, analysis, example_inputs, output_spec, output_dtypes, checks, end_to_end, seconds,
                         eager if keep_eager else None)
+
+
+def split_back(analysis: Analysis, over_budget: dict[str, str]) -> Analysis:
+    """The analysis re-planned so that no kernel brings together again the nodes of a group whose every config
+    failed the resource check (`over_budget`: group name -> why); the plan's decisions say which and why."""
+    from dataclasses import replace as replace_field
+
+    from opfuse.analysis.traffic import summarize_plan
+    from opfuse.fusion.planner import plan_fusion
+
+    groups = {g.name: g for g in analysis.plan.groups}
+    measured = {frozenset(groups[name].nodes): why for name, why in over_budget.items()}
+    plan = plan_fusion(analysis.prepared, analysis.config, analysis.hardware, measured)
+    return replace_field(analysis, plan=plan, fused=summarize_plan(plan, analysis.hardware))
 
 
 def _eager_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -22,6 +22,7 @@ Inductor-style greedy fusion, with Hidet's anchor vocabulary and XLA's resource 
 from __future__ import annotations
 
 import heapq
+from typing import Mapping
 from dataclasses import dataclass
 
 from opfuse.config import FusionConfig, for_graph
@@ -35,13 +36,17 @@ from opfuse.ir.ops import FusionKind, kind_of, view_copies
 from opfuse.ir.verify import verify
 
 
-def plan_fusion(graph: Graph, config: FusionConfig | None = None,
-                hw: HardwareProfile | None = None) -> FusionPlan:
-    """Group the graph's nodes into kernels and record every fusion decision."""
+def plan_fusion(graph: Graph, config: FusionConfig | None = None, hw: HardwareProfile | None = None,
+                measured_over_budget: Mapping[frozenset[str], str] | None = None) -> FusionPlan:
+    """Group the graph's nodes into kernels and record every fusion decision.
+
+    `measured_over_budget` maps node sets whose compiled kernel failed the resource check on the GPU (every
+    config spilled) to why: no merge may bring such a set together again, so those groups are split back.
+    """
     config = for_graph(config, graph)
     hw = hw or get_hardware(config.hardware)
     verify(graph, check_types=False)   # unknown ops and dangling inputs fail here, naming the node
-    planner = _Planner(graph, config, hw)
+    planner = _Planner(graph, config, hw, measured_over_budget or {})
     if config.vertical:
         planner.vertical()
     if config.horizontal:
@@ -62,8 +67,10 @@ class _Candidate:
 class _Planner:
     """The mutable state of one planning run: groups, decisions, cached estimates."""
 
-    def __init__(self, graph: Graph, config: FusionConfig, hw: HardwareProfile):
+    def __init__(self, graph: Graph, config: FusionConfig, hw: HardwareProfile,
+                 measured_over_budget: Mapping[frozenset[str], str]):
         self.graph, self.config, self.hw = graph, config, hw
+        self.measured_over_budget = measured_over_budget
         self.users = graph.users()
         self.index = node_index(graph)
         self.groups: dict[int, list[str]] = {}        # group id -> node names in topological order
@@ -184,6 +191,11 @@ class _Planner:
             return False
         apart = self.estimate(a).time + self.estimate(b).time
         fused = self.estimate(a + b)
+        for nodes, why in self.measured_over_budget.items():
+            if nodes <= set(a + b):
+                self.record(a, b, fusion, Verdict.OVER_BUDGET,
+                            f"split back: the compiled kernel of {', '.join(sorted(nodes))} was {why}", fused.time)
+                return False
         resources = fused.resources
         if resources is not None and not resources.fits:
             self.record(a, b, fusion, Verdict.OVER_BUDGET,

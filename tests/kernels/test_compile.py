@@ -124,3 +124,22 @@ def test_torch_compile_backend():
         warnings.simplefilter("error")   # a fallback to PyTorch would warn
         out = fn(x)
         assert relative_error(out, model(x)) < 1e-5
+
+
+def test_a_group_whose_every_config_spills_is_split_back():
+    """What the autotuner reports on a GPU (every config of a kernel spilled) re-plans with that group split."""
+    from opfuse.api import analyze
+    from opfuse.compiler import split_back
+    from opfuse.fusion.plan import Verdict
+
+    model = Residual().eval()
+    analysis = analyze(model, (torch.randn(1, 6, 7, 5),), opfuse.FusionConfig(dtype="float32"))
+    residual = next(g for g in analysis.plan.groups if len(g.nodes) == 3)   # conv2 + add + relu
+    assert analysis.plan.kernel_launches == 2
+
+    again = split_back(analysis, {residual.name: "over budget: every config spills"})
+    assert again.plan.kernel_launches == 3          # the residual group split back into two kernels
+    assert not any(set(residual.nodes) <= set(g.nodes) for g in again.plan.groups)
+    refused = [d for d in again.plan.decisions if d.verdict is Verdict.OVER_BUDGET]
+    assert refused and "split back" in refused[0].reason and "every config spills" in refused[0].reason
+    assert again.fused.kernel_launches == 3
