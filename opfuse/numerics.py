@@ -61,9 +61,11 @@ def random_inputs_like(examples: Sequence[torch.Tensor], seed: int = 1234) -> li
     for x in examples:
         if x.is_floating_point():
             value = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(x.dtype)
-        else:
-            high = int(x.max().item()) + 1 if x.numel() else 1
-            value = torch.randint(0, max(high, 2), x.shape, generator=generator, dtype=x.dtype)
+        elif x.dtype == torch.bool:
+            value = torch.rand(x.shape, generator=generator) < 0.5
+        else:   # indices and the like: stay inside what the example used (a table may be no larger)
+            low, high = (int(x.min().item()), int(x.max().item()) + 1) if x.numel() else (0, 1)
+            value = torch.randint(low, high, x.shape, generator=generator, dtype=x.dtype)
         fresh.append(value.to(x.device))
     return fresh
 

@@ -116,9 +116,13 @@ def load_source(source: str, module_name: str) -> ModuleType:
     path = kernel_source_dir() / f"{unique}.py"
     if not path.exists():
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(source)
+            os.replace(tmp, path)
+        finally:   # interrupted before the rename: leave no half-written file behind
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     spec = importlib.util.spec_from_file_location(unique, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

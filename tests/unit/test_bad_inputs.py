@@ -672,3 +672,18 @@ def test_a_factory_spec_that_cannot_be_used_is_a_clear_error(package, spec, word
 
     with pytest.raises(GraphError, match=words.format(p=package)):
         resolve_model(spec.format(p=package))
+
+
+def test_verification_inputs_stay_in_the_examples_integer_range():
+    """Fresh verification inputs for indices keep to the example's [min, max]: a negative-offset or narrow
+    index range is never overrun (an embedding table is no larger than what the example used)."""
+    from opfuse.numerics import random_inputs_like
+
+    indices = torch.tensor([[-3, 5, 2], [0, -1, 4]])
+    flags = torch.tensor([True, False, True])
+    fresh_indices, fresh_flags = random_inputs_like([indices, flags])
+    assert fresh_indices.dtype == indices.dtype and fresh_indices.shape == indices.shape
+    assert int(fresh_indices.min()) >= -3 and int(fresh_indices.max()) <= 5
+    assert fresh_flags.dtype == torch.bool
+    floats = random_inputs_like([torch.zeros(64)])[0]
+    assert floats.abs().sum() > 0          # never zeros, whatever the example was
