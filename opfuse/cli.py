@@ -125,13 +125,17 @@ def groups_table(plan) -> Table:
     return table
 
 
-def refused_table(plan) -> Table:
+def refused_table(plan, limit: int | None = None) -> Table:
     table = Table(title=f"Fusions refused: {len(plan.refused)}")
     for column in ("producer", "consumer", "fusion", "verdict", "reason"):
         table.add_column(column, overflow="fold")
-    for d in plan.refused:
+    rows = plan.refused if limit is None else plan.refused[:limit]
+    for d in rows:
         table.add_row(escape(", ".join(d.producer)), escape(", ".join(d.consumer)), d.fusion, d.verdict.value,
                       escape(d.reason))
+    if len(rows) < len(plan.refused):
+        table.caption = (f"{len(plan.refused) - len(rows)} more refusals not shown (--refused all to show every "
+                         "one; --json and the HTML report have them all)")
     return table
 
 
@@ -174,7 +178,7 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
         console.print(ops_table(analysis, args.ops))
         console.print(groups_table(analysis.plan))
         if analysis.plan.refused:
-            console.print(refused_table(analysis.plan))
+            console.print(refused_table(analysis.plan, args.refused))
         else:
             console.print("Fusions refused: none")
         if analysis.opaque_ops:
@@ -252,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = sub.add_parser("analyze", help="where the model wastes traffic and launches, and what opfuse fuses")
     _model_arguments(analyze)
     analyze.add_argument("--ops", default=40, type=row_limit, help="how many per-op rows to print, or 'all'")
+    analyze.add_argument("--refused", default=30, type=row_limit,
+                         help="how many refused fusions to print, or 'all'")
     analyze.add_argument("--html", metavar="FILE", help="also write the HTML fusion report")
     analyze.set_defaults(handler=cmd_analyze)
 
@@ -278,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def row_limit(text: str) -> int | None:
-    """--ops: a row count, or 'all' (None)."""
+    """--ops, --refused: a row count, or 'all' (None)."""
     if text == "all":
         return None
     try:

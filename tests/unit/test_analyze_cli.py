@@ -46,3 +46,11 @@ def test_analyze_prints_the_seed_table_for_conv_bn_relu(monkeypatch, capsys, tmp
     for row in ("bytes read", "bytes written", "total traffic", "kernel launches", "peak intermediate memory",
                 "compute density", "predicted time"):
         assert row in printed
+
+
+def test_refused_fusions_are_capped_unless_asked_for_all(capsys):
+    assert main(["analyze", "resnet18", "--refused", "3", "--ops", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "more refusals not shown (--refused all" in printed
+    assert main(["analyze", "resnet18", "--refused", "all", "--ops", "0"]) == 0
+    assert "more refusals not shown" not in capsys.readouterr().out
