@@ -70,3 +70,14 @@ class KernelGraph:
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.double().cpu(), expected.double().cpu()
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
+
+
+def with_random_batch_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with non-trivial BatchNorm statistics and scales (so folding them matters), changed in place."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.running_mean.normal_(0, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+                module.weight.uniform_(0.5, 1.5)
+    return model

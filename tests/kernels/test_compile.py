@@ -10,6 +10,8 @@ import opfuse
 from opfuse.ir.graph import GraphError
 from opfuse.numerics import relative_error
 
+from tests.kernels.builders import with_random_batch_norms
+
 
 def small_cnn() -> nn.Module:
     torch.manual_seed(0)
@@ -18,12 +20,7 @@ def small_cnn() -> nn.Module:
         nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=8), nn.BatchNorm2d(8), nn.ReLU6(),
         nn.Conv2d(8, 12, 1), nn.Hardswish(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 5))
-    for module in model.modules():   # non-trivial BN statistics, so folding matters
-        if isinstance(module, nn.BatchNorm2d):
-            module.running_mean.normal_(0, 0.5)
-            module.running_var.uniform_(0.5, 2.0)
-            module.weight.data.uniform_(0.5, 1.5)
-    return model.eval()
+    return with_random_batch_norms(model).eval()
 
 
 class Residual(nn.Module):

@@ -17,6 +17,8 @@ from opfuse.codegen.conv_conv import ConvConvKernel, lower_conv_conv_group
 from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.plan import GroupKind
 from opfuse.numerics import relative_error
+
+from tests.kernels.builders import with_random_batch_norms
 from test_conv_kernels import Builder, run_group
 
 
@@ -144,12 +146,7 @@ def tiny_mobilenet() -> nn.Module:
         InvertedResidual(8, 8, stride=1, expand_ratio=1),
         InvertedResidual(8, 12, stride=2, expand_ratio=3),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 5))
-    for module in model.modules():   # non-trivial BN statistics, so folding matters
-        if isinstance(module, nn.BatchNorm2d):
-            module.running_mean.normal_(0, 0.5)
-            module.running_var.uniform_(0.5, 2.0)
-            module.weight.data.uniform_(0.5, 1.5)
-    return model.eval()
+    return with_random_batch_norms(model).eval()
 
 
 def test_compile_small_mobilenet_uses_the_conv_conv_kernels():
