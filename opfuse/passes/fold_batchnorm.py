@@ -81,16 +81,22 @@ def _per_channel_affine(graph: Graph, follower: Node, producer: Node
     """float64 vectors (scale, shift), one value per output channel of `producer`, or None."""
     axis = _channel_axis(producer)
     channels = producer.type.shape[axis]
+    # on the weight's device: a model's parameters may sit on the GPU while constants the frontend made (python
+    # scalars, a batch norm's missing affine) are on the CPU
+    device = graph.constants[producer.inputs[1]].device
     if follower.op == "batch_norm":
         if axis != 1:  # batch norm normalises dim 1; a linear's features are dim 1 only for 2-D outputs
             return None
-        gamma, beta, mean, var = (graph.constants[p].double() for p in follower.inputs[1:])
+        gamma, beta, mean, var = (graph.constants[p].double().to(device) for p in follower.inputs[1:])
         scale = gamma / torch.sqrt(var + follower.attrs["eps"])
         return scale, beta - mean * scale
     constant = next(i for i in follower.inputs if i != producer.name)
     c = _per_channel_vector(graph.constants[constant], producer.type.shape, axis)
     if c is None:
         return None
+    if follower.op == "div" and bool((c == 0).any()):  # x / 0 is inf or nan, which no finite weight reproduces
+        return None
+    c = c.to(device)
     ones = torch.ones(channels, dtype=torch.float64, device=c.device)
     zeros = torch.zeros_like(ones)
     if follower.op == "mul":
@@ -99,8 +105,6 @@ def _per_channel_affine(graph: Graph, follower: Node, producer: Node
         return ones, c
     if follower.op == "sub":
         return ones, -c
-    if bool((c == 0).any()):  # x / 0 is inf or nan, which no finite weight reproduces
-        return None
     return 1 / c, zeros
 
 
@@ -123,7 +127,7 @@ def _fold_into(graph: Graph, producer: Node, scale: torch.Tensor, shift: torch.T
     _set_constant(graph, producer, 1, (weight.double() * per_row).to(weight.dtype), "weight")
     if len(producer.inputs) > 2:
         bias = graph.constants[producer.inputs[2]]
-        _set_constant(graph, producer, 2, (bias.double() * scale + shift).to(bias.dtype), "bias")
+        _set_constant(graph, producer, 2, (bias.double().to(scale.device) * scale + shift).to(bias.dtype), "bias")
     else:
         bias = graph.add_constant(graph.unique_name(f"{producer.name}_bias"), shift.to(weight.dtype))
         producer.inputs.append(bias.name)

@@ -15,6 +15,7 @@ the compiled model captures a CUDA graph on an early call and replays it, new in
 
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -50,8 +51,9 @@ def test_random_models_fp16_on_cuda(shard):
             check_compiles_to_eager(spec, dtype="float16", device="cuda", tolerance=1e-2,
                                     use_cost_model=use_cost_model, layout=layout, calls=3)
         except Exception as error:
+            where = "".join(traceback.format_tb(error.__traceback__)[-3:])   # the frames that raised it
             failures.append(f"{spec!r}\n  use_cost_model={use_cost_model} layout={layout}\n  "
-                            f"{type(error).__name__}: {str(error)[:2000]}")
+                            f"{type(error).__name__}: {str(error)[:2000]}\n{where}")
 
     run()
     print(f"shard {shard}: {len(ran)} examples, {len(failures)} failures")

@@ -323,6 +323,28 @@ def test_fold_keeps_float32_weight_dtype():
     assert_same_numerics(before, after, tolerance=1e-5)
 
 
+
+@pytest.mark.parametrize("follower", ["div_scalar", "batch_norm", "batch_norm_biased_conv"])
+def test_fold_keeps_the_weights_device_when_other_constants_are_on_the_cpu(follower):
+    """A model on the GPU has its weights there while the frontend's scalar constants (and a batch norm's
+    missing affine) are made on the CPU: folding must compute on the weight's device (the H200 property run
+    found `x / 2` after a linear crashing analyze). "meta" stands in for the GPU here."""
+    graph = Graph("devices")
+    x = graph.add_input("x", TensorType((2, 4, 5, 5), "float32")).name
+    weight = const(graph, "w", rand(6, 4, 3, 3, dtype=torch.float32).to("meta"))
+    bias = const(graph, "b", rand(6, dtype=torch.float32).to("meta")) if follower.endswith("biased_conv") else None
+    y = conv(graph, "conv", x, weight, bias)
+    if follower == "div_scalar":
+        graph.outputs = [op(graph, "div", "div", [y, const(graph, "two", torch.tensor(2.0))])]
+    else:
+        params = [const(graph, "gamma", torch.ones(6)), const(graph, "beta", torch.zeros(6)),
+                  const(graph, "mean", rand(6, dtype=torch.float32).to("meta")),
+                  const(graph, "var", rand(6, dtype=torch.float32, positive=True).to("meta"))]
+        graph.outputs = [op(graph, "bn", "batch_norm", [y, *params], eps=1e-5)]
+    after, changes = fold_batchnorm(graph)     # not run_pass: torch.equal has no meta kernel
+    assert len(changes) == 1
+    assert [after.constants[i].device.type for i in after["conv"].inputs[1:]] == ["meta", "meta"]
+
 # ---- eliminate_dead_code -------------------------------------------------------------------------------
 
 def test_dce_removes_unused_branch_and_its_constants():
