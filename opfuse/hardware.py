@@ -31,6 +31,10 @@ class HardwareProfile:
     matrix_efficiency: float = 0.7
     memory_efficiency: float = 0.85
     vector_efficiency: float = 0.6
+    # seconds one iteration of a loop takes when it waits for its own loads (no pipelining across iterations):
+    # the floor of a program that walks a long reduction alone. The H200's value is the conv-conv kernels'
+    # per-iteration time measured on mobilenet_v2 at batch 1 (2026-11-30: ~0.6 ms over 446 serial iterations)
+    serial_step: float = 1.3e-6
     notes: str = field(default="", compare=False)
 
     def matrix_peak(self, dtype: str) -> float:

@@ -29,7 +29,10 @@ The compute part is the tensor-core time plus the CUDA-core time (they share the
 traffic. The depthwise (and expansion) work moves from its own kernel's grid into the pointwise conv's grid (pixel
 tiles x output-channel tiles), usually far fewer programs, each of which runs the whole mid-channel loop itself:
 when that grid has fewer programs than the GPU has SMs, the moved work runs on only that many SMs (`busy`). The
-pointwise GEMM keeps the grid it would have alone, so it is priced as any GEMM. Every candidate tile that fits is
+pointwise GEMM keeps the grid it would have alone, so it is priced as any GEMM. Each program walks the mid channels
+in BLOCK_K chunks, one after the other, and each chunk waits for its taps: the kernel takes at least
+(chunks) x `serial_step`, the floor that makes the fusion lose where few programs run long loops
+(mobilenet_v2's late blocks at batch 1). Every candidate tile that fits is
 priced and the fastest is taken; the re-reads of the input that the recomputation causes are served by L2 and are
 not counted as device-memory traffic (as for any implicit-GEMM conv).
 All hardware numbers come from `opfuse.hardware.HardwareProfile`.
@@ -175,6 +178,7 @@ class ConvConvWork:
     depthwise_repeats: int                # output-channel tiles: how often each depthwise value is computed
     expansion_repeats: float              # expansion FLOPs executed / needed (0 without a fused expansion)
     programs: int                         # the grid: pixel tiles x output-channel tiles
+    iterations: int                       # mid-channel chunks each program walks, one after the other
 
     def compute_seconds(self, hw: HardwareProfile) -> float:
         """Tensor-core plus CUDA-core time; the moved work only on the SMs the pointwise grid keeps busy."""
@@ -182,6 +186,11 @@ class ConvConvWork:
         vector_rate = hw.vector_flops * hw.vector_efficiency
         moved = self.moved_matrix_seconds_at_peak + self.moved_vector_flops / vector_rate
         return self.matrix_seconds_at_peak + (self.vector_flops - self.moved_vector_flops) / vector_rate + moved / busy
+
+    def serial_seconds(self, hw: HardwareProfile) -> float:
+        """The floor of the loop: every program walks all mid-channel chunks in turn, each chunk waiting for its
+        taps (what makes the fused kernel slow when few programs run long loops; many programs hide it)."""
+        return self.iterations * hw.serial_step
 
 
 def conv_conv_work(graph: Graph, nodes: Sequence[str], chain: list[str], tile: Mapping[str, int],
@@ -213,7 +222,9 @@ def conv_conv_work(graph: Graph, nodes: Sequence[str], chain: list[str], tile: M
     vector += moved_vector
     executed += vector
     programs = -(-pixels // tile["BLOCK_M"]) * repeats
-    return ConvConvWork(matrix, moved_matrix, vector, moved_vector, executed, repeats, expansion_repeats, programs)
+    iterations = -(-graph[chain[-2]].type.shape[1] // tile["BLOCK_K"])
+    return ConvConvWork(matrix, moved_matrix, vector, moved_vector, executed, repeats, expansion_repeats, programs,
+                        iterations)
 
 
 def conv_conv_estimate(graph: Graph, nodes: Sequence[str], chain: list[str], traffic: GroupTraffic,
@@ -227,20 +238,21 @@ def conv_conv_estimate(graph: Graph, nodes: Sequence[str], chain: list[str], tra
         if not resources.fits:
             continue
         work = conv_conv_work(graph, nodes, chain, tile, peak)
-        time = max(work.compute_seconds(hw), memory) + hw.launch_overhead
+        time = max(work.compute_seconds(hw), memory, work.serial_seconds(hw)) + hw.launch_overhead
         if best is None or time < best[0]:
             best = (time, resources, work)
     if best is None:   # nothing fits: the planner refuses it as over budget; price the smallest tile anyway
         resources = estimate_resources(graph, nodes, chain[0], hw, dtype)
         work = conv_conv_work(graph, nodes, chain, resources.tile, peak)
-        best = (max(work.compute_seconds(hw), memory) + hw.launch_overhead, resources, work)
+        best = (max(work.compute_seconds(hw), memory, work.serial_seconds(hw)) + hw.launch_overhead, resources,
+                work)
     time, resources, work = best
     note = (f"tile {describe_tile(resources.tile)}: depthwise computed {work.depthwise_repeats}x "
             f"(once per output-channel tile)")
     if work.expansion_repeats:
         note += f", expansion {work.expansion_repeats:.2f}x (halo recompute per depthwise tap)"
     note += (f"; {work.executed_flops / max(1, traffic.flops):.2f}x the useful FLOPs executed by "
-             f"{work.programs} programs")
+             f"{work.programs} programs of {work.iterations} loop steps")
     return KernelEstimate(traffic, resources, time, chain[0], note)
 
 
