@@ -1,28 +1,35 @@
 #!/usr/bin/env bash
 # Everything the open issues need from the GPU machine, in stages that each fit one device call (10 min):
 #   bash benchmarks/gpu_session.sh tests     # gpu tests: whole models, conv-conv kernels, runtime (issues 3, 5)
+#   bash benchmarks/gpu_session.sh correctness  # `tests` and `property` side by side (no timings in either)
 #   bash benchmarks/gpu_session.sh bench     # benchmarks/run_all.py, all workloads, autotuned (issues 3, 4)
 #   bash benchmarks/gpu_session.sh profile   # opfuse profile --calibrate on resnet50 (issue 4)
 #   bash benchmarks/gpu_session.sh property  # the >= 500-example property run (issue 7)
 #   BLOCKS=1-8 bash benchmarks/gpu_session.sh blocks   # mobilenet_v2 per-block table (issue 5); then
 #   BLOCKS=9-17, then BLOCKS= WHOLE=1,64 (whole model at batch 1 and 64)
 # Results land under $OUT (the device tool's folder that comes back); each stage stops itself before the call's
-# limit so that what it wrote still comes back.
+# limit so that what it wrote still comes back (these variables shorten a stage so that two share one call:
+# TESTS_TIMEOUT, PROPERTY_TIMEOUT, BENCH_TIMEOUT, BLOCKS_TIMEOUT).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-stage=${1:?stage: tests | bench | profile | property | blocks}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/gpu-$stage.txt" 2>&1
+stage=${1:?stage: tests | correctness | bench | profile | property | blocks}
+[ -e "$OUT/gpu.txt" ] || nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/gpu.txt" 2>&1
 case "$stage" in
   tests)
-    OPFUSE_GPU_TESTS=1 timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    OPFUSE_GPU_TESTS=1 timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -n "${TEST_WORKERS:-4}" \
       tests/gpu/test_models_gpu.py tests/gpu/test_runtime_gpu.py tests/gpu/test_conv_conv_gpu.py \
       > "$OUT/gpu-tests.log" 2>&1
     tail -30 "$OUT/gpu-tests.log" ;;
+  correctness)
+    OUT="$OUT" bash "$0" tests > /dev/null 2>&1 &
+    OUT="$OUT" bash "$0" property > /dev/null 2>&1 &
+    wait
+    tail -15 "$OUT/gpu-tests.log"; tail -15 "$OUT/property.log" ;;
   bench)
-    timeout 560 python3 benchmarks/run_all.py --out "$OUT" --tune-top "${TUNE_TOP:-2}" \
+    timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/run_all.py --out "$OUT" --tune-top "${TUNE_TOP:-2}" \
       --workloads "${WORKLOADS:-resnet50:1,mobilenet_v2:1,bert-base:1,resnet50:64,mobilenet_v2:64,bert-base:64,resnet18:1,resnet18:64}" \
       > "$OUT/bench.log" 2>&1
     cat "$OUT/RESULTS.md" ;;
@@ -31,12 +38,12 @@ case "$stage" in
       --html "$OUT/profile.html" > "$OUT/profile.log" 2>&1
     tail -40 "$OUT/profile.log" ;;
   property)
-    OPFUSE_GPU_TESTS=1 timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -n 10 \
+    OPFUSE_GPU_TESTS=1 timeout "${PROPERTY_TIMEOUT:-560}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 10 \
       tests/gpu/test_property_gpu.py > "$OUT/property.log" 2>&1
     tail -30 "$OUT/property.log" ;;
   blocks)
-    timeout 560 python3 benchmarks/mobilenet_blocks.py --out "$OUT/blocks" --blocks "${BLOCKS:-1-8}" \
-      --whole "${WHOLE:-}" > "$OUT/blocks.log" 2>&1
+    timeout "${BLOCKS_TIMEOUT:-560}" python3 benchmarks/mobilenet_blocks.py --out "$OUT/blocks" --blocks "${BLOCKS:-1-8}" \
+      --whole "${WHOLE:-}" --tune-top "${TUNE_TOP:-2}" > "$OUT/blocks.log" 2>&1
     tail -30 "$OUT/blocks.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
