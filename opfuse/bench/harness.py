@@ -212,6 +212,9 @@ def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workloa
     if unknown:
         raise ValueError(f"unknown contenders {sorted(unknown)}; known: {', '.join(CONTENDERS)}")
     torch.manual_seed(0)
+    # each workload starts from a fresh dynamo: an earlier workload's torch.compile of the same model class must
+    # not leave it recompiling with dynamic shapes (run 3 on the H200: bert-base bs64 after bs1 exported a SymInt)
+    torch._dynamo.reset()
     model, inputs, reference_model, reference_inputs = prepare(model, inputs, torch_dtype(config.dtype))
     with torch.inference_mode():
         reference = first_tensor(reference_model(*reference_inputs)).float()
