@@ -33,7 +33,8 @@ class HardwareProfile:
     vector_efficiency: float = 0.6
     # seconds one iteration of a loop takes when it waits for its own loads (no pipelining across iterations):
     # the floor of a program that walks a long reduction alone. The H200's value is the conv-conv kernels'
-    # per-iteration time measured on mobilenet_v2 at batch 1 (2026-11-30: ~0.6 ms over 446 serial iterations)
+    # per-iteration time measured on mobilenet_v2 at batch 1 (2026-11-30: ~0.6 ms over 446 serial iterations);
+    # the other profiles share it unmeasured
     serial_step: float = 1.3e-6
     notes: str = field(default="", compare=False)
 
