@@ -2,7 +2,8 @@
 # Everything the open issues need from the GPU machine, in stages that each fit one device call (10 min):
 #   bash benchmarks/gpu_session.sh tests     # gpu tests: whole models, conv-conv kernels, runtime (issues 3, 5)
 #   bash benchmarks/gpu_session.sh correctness  # `tests` and `property` side by side (no timings in either)
-#   bash benchmarks/gpu_session.sh bench     # benchmarks/run_all.py, all workloads, autotuned (issues 3, 4)
+#   bash benchmarks/gpu_session.sh bench     # benchmarks/run_all.py, all workloads, autotuned (issues 3, 4);
+#                                            # SPLIT_K=1 turns split-K on (FusionConfig.split_k, off by default)
 #   bash benchmarks/gpu_session.sh profile   # opfuse profile --calibrate on resnet50 (issue 4)
 #   bash benchmarks/gpu_session.sh property  # the >= 500-example property run (issue 7)
 #   BLOCKS=1-8 bash benchmarks/gpu_session.sh blocks   # mobilenet_v2 per-block table (issue 5); then
@@ -20,7 +21,7 @@ stage=${1:?stage: tests | correctness | bench | profile | property | blocks}
 case "$stage" in
   tests)
     OPFUSE_GPU_TESTS=1 timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -n "${TEST_WORKERS:-4}" \
-      tests/gpu/test_models_gpu.py tests/gpu/test_runtime_gpu.py tests/gpu/test_conv_conv_gpu.py \
+      tests/gpu/test_models_gpu.py tests/gpu/test_runtime_gpu.py tests/gpu/test_conv_conv_gpu.py tests/gpu/test_split_k_gpu.py \
       > "$OUT/gpu-tests.log" 2>&1
     tail -30 "$OUT/gpu-tests.log" ;;
   correctness)
@@ -30,6 +31,7 @@ case "$stage" in
     tail -15 "$OUT/gpu-tests.log"; tail -15 "$OUT/property.log" ;;
   bench)
     timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/run_all.py --out "$OUT" --tune-top "${TUNE_TOP:-2}" \
+      ${SPLIT_K:+--split-k} \
       --workloads "${WORKLOADS:-resnet50:1,mobilenet_v2:1,bert-base:1,resnet50:64,mobilenet_v2:64,bert-base:64,resnet18:1,resnet18:64}" \
       > "$OUT/bench.log" 2>&1
     cat "$OUT/RESULTS.md" ;;

@@ -85,6 +85,8 @@ def main() -> int:
     parser.add_argument("--results", help="also write the table into this markdown file (replacing it)")
     parser.add_argument("--tune-top", type=int, default=4,
                         help="autotune among each kernel's first N configs; 0 turns autotuning off")
+    parser.add_argument("--split-k", action="store_true",
+                        help="let anchors whose tile grid leaves most SMs idle split K (FusionConfig.split_k)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("run_all.py needs an NVIDIA GPU (CUDA): torch.cuda.is_available() is False", file=sys.stderr)
@@ -95,14 +97,16 @@ def main() -> int:
     env = environment()
     ceilings = measure_ceilings()
     contenders = set(args.contenders.split(","))
-    config = opfuse.FusionConfig(dtype="float16", autotune=args.tune_top > 0, tune_top=args.tune_top or None)
+    config = opfuse.FusionConfig(dtype="float16", autotune=args.tune_top > 0, tune_top=args.tune_top or None,
+                                 split_k=args.split_k)
     results = []
     for spec in args.workloads.split(","):
         name, batch = spec.rsplit(":", 1)
         print(f"== {name} batch {batch}", flush=True)
         results.append(run_builtin(name, int(batch), ceilings, contenders, config))
         (out / "results.json").write_text(json.dumps({"env": env, "ceilings": ceilings, "results": results,
-                                                      "tune_top": args.tune_top}, indent=1, default=str))
+                                                      "tune_top": args.tune_top, "split_k": args.split_k},
+                                                     indent=1, default=str))
         (out / "RESULTS.md").write_text(markdown(results, env, ceilings))
         print(markdown(results[-1:], env, ceilings), flush=True)
     table = markdown(results, env, ceilings)

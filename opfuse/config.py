@@ -16,6 +16,7 @@ class FusionConfig:
     horizontal: bool = True             # sibling anchors on one input; independent small pointwise ops
     conv_conv: bool = True              # depthwise + pointwise convolution in one kernel
     conv_conv_expand: bool = True       # ... and the 1x1 expansion before it (whole inverted residual), where it pays
+    split_k: bool = False               # anchors whose tile grid leaves most SMs idle split K (off until measured)
     use_cost_model: bool = True         # False: take every legal fusion (for tests and experiments)
     # code generation and runtime
     autotune: bool = True

@@ -75,6 +75,10 @@ class GroupKernel(ABC):
         """The group inputs the caller passes to `run` (constants are held by the kernel)."""
         return [i for i in self.group.inputs if not self.graph.is_constant(i)]
 
+    def launches(self, config: KernelConfig | None = None) -> int:
+        """Kernel launches of one `run` with `config` (default: the first config)."""
+        return 1
+
     @abstractmethod
     def configs(self) -> list[KernelConfig]:
         """Candidate configs for autotuning; the first is the default when tuning is off."""

@@ -24,10 +24,10 @@ import torch
 import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info
-from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, TileLayout, compute_dtype, generate_kernel,
-                                     interpreting, siblings_and_chains)
+from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, SplitK, TileLayout, compute_dtype, generate_kernel,
+                                     interpreting, siblings_and_chains, slices_of, with_slices)
 from opfuse.codegen.expr import Unsupported
-from opfuse.codegen.gemm import GROUP_M, GemmKernel, anchor_biases, gemm_configs
+from opfuse.codegen.gemm import GROUP_M, STREAMING_MULTIPROCESSORS, GemmKernel, anchor_biases, gemm_configs
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.ir.graph import Graph, Node, torch_dtype
 
@@ -42,6 +42,7 @@ def KERNEL_NAME(
     M, N_TOTAL, COUT_G, CIN_G, H, W, R1, R2,
     s_xn, s_xc, s_xh, s_xw,
     {params}
+    SLICE_STEPS,
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
     PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -49,6 +50,7 @@ def KERNEL_NAME(
 ):
     pid = tl.program_id(0)
     group = tl.program_id(1)
+    pid_k = tl.program_id(2)                                # the K slice (split-K; else 0 and one slice of all K)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(COUT_G, BLOCK_N)
     group_width = GROUP_M * num_pid_n
@@ -74,7 +76,8 @@ def KERNEL_NAME(
         # few input channels per group: each K block gathers across taps, so no MMA lane idles on padding
         k_total = KH * KW * CIN_G
         x_origin = x_rows + ih0 * s_xh + iw0 * s_xw          # [BLOCK_M] the window's top-left tap
-        for k0 in range(0, k_total, BLOCK_K):
+        k_first = pid_k * SLICE_STEPS * BLOCK_K
+        for k0 in range(k_first, tl.minimum(k_total, k_first + SLICE_STEPS * BLOCK_K), BLOCK_K):
             k = k0 + offs_k
             k_ok = k < k_total
             c = k % CIN_G
@@ -91,7 +94,8 @@ def KERNEL_NAME(
     else:
         # one tap and one block of input channels per step: the gather is a strided 2-D tile load
         c_blocks = tl.cdiv(CIN_G, BLOCK_K)
-        for t in range(0, KH * KW * c_blocks):
+        t_first = pid_k * SLICE_STEPS
+        for t in range(t_first, tl.minimum(KH * KW * c_blocks, t_first + SLICE_STEPS)):
             tap = t // c_blocks
             c = (t % c_blocks) * BLOCK_K + offs_k
             c_ok = c < CIN_G
@@ -106,6 +110,11 @@ def KERNEL_NAME(
 
 {epilogue}
 '''
+
+# split-K: each K slice stores its fp32 partial tile to ws[slice, 0, pixel, output channel] instead of the epilogue
+CONV_PARTIAL = '''\
+    ws = ws_ptr + pid_k * M * N_TOTAL + offs_m[:, None] * N_TOTAL + offs_n[None, :]
+    tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])'''
 
 DEPTHWISE_TEMPLATE = '''
 import triton
@@ -208,6 +217,22 @@ class ConvKernel(EpilogueKernel):
             # gathering taps (few input channels): 32-deep K blocks measured best (ResNet's 7x7 stem on an H200)
             gather = KernelConfig.of(num_warps=4, num_stages=4, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
             self._configs = [gather] + [c for c in self._configs if c != gather]
+        self.split = None
+        if group.split_k > 1:    # the planner split K: each config gets the slices its own tile grid needs
+            self.split = SplitK(CONV_TEMPLATE, CONV_PARTIAL, epilogue)
+            self._configs = with_slices(self._configs, self._programs_and_steps, STREAMING_MULTIPROCESSORS)
+
+    def _steps(self, config: KernelConfig) -> int:
+        """K-loop steps of the template for `config` (the gather form walks taps x channels in BLOCK_K blocks)."""
+        g = self.geometry
+        if g.cin_per_group < config["BLOCK_K"]:
+            return triton.cdiv(g.kh * g.kw * g.cin_per_group, config["BLOCK_K"])
+        return g.kh * g.kw * triton.cdiv(g.cin_per_group, config["BLOCK_K"])
+
+    def _programs_and_steps(self, config: KernelConfig) -> tuple[int, int]:
+        cout_per_group = self.layout.channels // self.geometry.groups
+        tiles = triton.cdiv(self.layout.rows, config["BLOCK_M"]) * triton.cdiv(cout_per_group, config["BLOCK_N"])
+        return tiles * self.geometry.groups, self._steps(config)
 
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)
@@ -216,13 +241,21 @@ class ConvKernel(EpilogueKernel):
         m, channels = self.layout.rows, self.layout.channels
         cout_per_group = channels // g.groups
         _, r1, r2 = self.layout.row_sizes()
-        grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(cout_per_group, config["BLOCK_N"]), g.groups)
-        compiled = self.kernel[grid](
-            x, self.weight, m, channels, cout_per_group, g.cin_per_group, g.height, g.width, r1, r2,
-            *x.stride(), *args, **g.constexprs(),
-            BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=GROUP_M,
-            K_GATHER=g.cin_per_group < config["BLOCK_K"], PRECISION="tf32" if _cudnn_allows_tf32() else "ieee",
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(cout_per_group, config["BLOCK_N"])
+        steps, slices = self._steps(config), slices_of(config)
+        launch = dict(**g.constexprs(), BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+                      BLOCK_K=config["BLOCK_K"], GROUP_M=GROUP_M, K_GATHER=g.cin_per_group < config["BLOCK_K"],
+                      PRECISION="tf32" if _cudnn_allows_tf32() else "ieee",
+                      num_warps=config.num_warps, num_stages=config.num_stages)
+        common = (x, self.weight, m, channels, cout_per_group, g.cin_per_group, g.height, g.width, r1, r2,
+                  *x.stride())
+        if slices > 1:   # K slices store fp32 partial tiles; the reduce kernel sums them and runs the epilogue
+            workspace = torch.empty((slices, 1, m, channels), dtype=torch.float32, device=x.device)
+            compiled = self.split.partial[(tiles, g.groups, slices)](
+                *common, workspace, SLICE_STEPS=triton.cdiv(steps, slices), **launch)
+            self.split.run_reduce(workspace, self.layout, args)
+        else:
+            compiled = self.kernel[(tiles, g.groups, 1)](*common, *args, SLICE_STEPS=steps, **launch)
         self.last_compiled = compiled_info(compiled)
         return outputs
 

@@ -28,9 +28,10 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, kernel_name, load_source
 from opfuse.codegen.expr import Unsupported, emit, triton_dtype
@@ -344,6 +345,83 @@ def generate_kernel(template: str, epilogue: Epilogue) -> tuple[str, str, object
     return name, source, getattr(load_source(source, name), name)
 
 
+# split-K's second kernel: the K slices' fp32 partial tiles ws[slice, batch, row, column] summed in slice order
+# (the same order every run), then the group's epilogue, under the same contract as the anchor templates
+REDUCE_TEMPLATE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def KERNEL_NAME(
+    ws_ptr, M, N, SLICES, R1, R2, B1,
+    {params}
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    b0 = pid_b // B1
+    b1 = pid_b % B1
+    r2 = offs_m % R2
+    r1 = (offs_m // R2) % R1
+    r0 = offs_m // (R2 * R1)
+    ws = ws_ptr + pid_b * M * N + offs_m[:, None] * N + offs_n[None, :]
+    slice_size = tl.num_programs(2) * M * N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(SLICES):
+        acc += tl.load(ws + s * slice_size, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+
+{epilogue}
+'''
+REDUCE_BLOCK_M, REDUCE_BLOCK_N = 32, 64
+
+
+class SplitK:
+    """The split-K form of an anchor kernel: `template` with each K slice storing its partial tile (`partial`, the
+    template's code for it) in place of the epilogue, and the reduce kernel that sums the slices and runs the
+    epilogue. Built only for groups the planner split (`FusionGroup.split_k`)."""
+
+    def __init__(self, template: str, partial: str, epilogue: "Epilogue"):
+        source = template.format(params="ws_ptr, ", epilogue=partial)
+        self.name = kernel_name("splitk", epilogue.ops, source)
+        source = source.replace("KERNEL_NAME", self.name)
+        self.partial = getattr(load_source(source, self.name), self.name)
+        self.reduce_name, self.reduce_source, self.reduce = generate_kernel(REDUCE_TEMPLATE, epilogue)
+        self.source = source
+
+    def run_reduce(self, workspace: torch.Tensor, layout: "TileLayout", args: list) -> None:
+        """Sum the slices of `workspace` [slices, batch, rows, columns] into the epilogue's outputs (`args`)."""
+        slices, batch, rows, columns = workspace.shape
+        _, r1, r2 = layout.row_sizes()
+        b1 = layout.batch_sizes()[1] if layout.batch_dims else 1
+        grid = (triton.cdiv(rows, REDUCE_BLOCK_M), triton.cdiv(columns, REDUCE_BLOCK_N), batch)
+        self.reduce[grid](workspace, rows, columns, slices, r1, r2, b1, *args,
+                          BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N)
+
+
+def with_slices(configs: Sequence[KernelConfig], steps: Callable[[KernelConfig], tuple[int, int]],
+                sm_count: int) -> list[KernelConfig]:
+    """`configs` with each one's SPLIT_K: the K slices its own tile grid needs (`split_k_slices` of its
+    (programs, K steps)); configs that need none keep SPLIT_K=1 and run as one kernel."""
+    from opfuse.fusion.resources import split_k_slices
+
+    split = []
+    for config in configs:
+        programs, k_steps = steps(config)
+        params = dict(config.params) | {"SPLIT_K": split_k_slices(programs, k_steps, sm_count)}
+        split.append(KernelConfig.of(config.num_warps, config.num_stages, **params))
+    return list(dict.fromkeys(split))
+
+
+def slices_of(config: KernelConfig) -> int:
+    return dict(config.params).get("SPLIT_K", 1)
+
+
 def interpreting() -> bool:
     """Whether Triton runs through its CPU interpreter (tests): tuning spaces shrink to one tiny config."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -365,8 +443,14 @@ class EpilogueKernel(GroupKernel):
     constants: dict[str, torch.Tensor]
     epilogue: "Epilogue"
 
+    split: "SplitK | None" = None
+
     def configs(self) -> list[KernelConfig]:
         return list(self._configs)
+
+    def launches(self, config: KernelConfig | None = None) -> int:
+        """Two with K slices (the slices, then their sum with the epilogue), else one."""
+        return 2 if self.split is not None and slices_of(config or self._configs[0]) > 1 else 1
 
     def bind(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None
              ) -> tuple[KernelConfig, dict[str, torch.Tensor], list, list[torch.Tensor]]:

@@ -21,8 +21,8 @@ import torch
 import triton
 
 from opfuse.codegen.base import KernelConfig, compiled_info
-from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, TileLayout, compute_dtype, generate_kernel,
-                                     interpreting, siblings_and_chains)
+from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, SplitK, TileLayout, compute_dtype, generate_kernel,
+                                     interpreting, siblings_and_chains, slices_of, with_slices)
 from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.ir.graph import Graph, torch_dtype
@@ -41,11 +41,13 @@ def KERNEL_NAME(
     s_ab0, s_ab1, s_ar0, s_ar1, s_ar2, s_ak,
     s_bb0, s_bb1, s_bk, s_bn,
     {params}
+    SLICE_STEPS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_b = tl.program_id(1)
+    pid_k = tl.program_id(2)                                # the K slice (split-K; else 0 and one slice of all K)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     group_width = GROUP_M * num_pid_n
@@ -65,11 +67,13 @@ def KERNEL_NAME(
     r1 = (offs_m // R2) % R1
     r0 = offs_m // (R2 * R1)
 
+    k_first = pid_k * SLICE_STEPS * BLOCK_K
+    k_last = tl.minimum(K, k_first + SLICE_STEPS * BLOCK_K)
     a_ptrs = a_ptr + (b0 * s_ab0 + b1 * s_ab1) + (r0 * s_ar0 + r1 * s_ar1 + r2 * s_ar2)[:, None] \\
-        + offs_k[None, :] * s_ak
-    b_ptrs = b_ptr + (b0 * s_bb0 + b1 * s_bb1) + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
+        + (k_first + offs_k[None, :]) * s_ak
+    b_ptrs = b_ptr + (b0 * s_bb0 + b1 * s_bb1) + (k_first + offs_k[:, None]) * s_bk + offs_n[None, :] * s_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_first, k_last, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
@@ -83,6 +87,12 @@ def KERNEL_NAME(
 
 {epilogue}
 '''
+
+
+# split-K: each K slice stores its fp32 partial tile to ws[slice, batch, row, column] instead of running the epilogue
+GEMM_PARTIAL = '''\
+    ws = ws_ptr + (pid_k * tl.num_programs(1) + pid_b) * M * N + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])'''
 
 
 def _tile(m: int, n: int, k: int, warps: int, stages: int) -> KernelConfig:
@@ -146,10 +156,18 @@ class GemmKernel(EpilogueKernel):
         self.tf32_allowed = tf32_allowed    # conv passes cuDNN's switch; GEMMs follow torch's matmul precision
         self._configs = gemm_configs(self.layout.rows, self.layout.channels, k, self.layout.batch,
                                      graph[a].type.itemsize)
+        self.split = None
+        if group.split_k > 1:    # the planner split K: each config gets the slices its own tile grid needs
+            self.split = SplitK(GEMM_TEMPLATE, GEMM_PARTIAL, epilogue)
+            self._configs = with_slices(self._configs, self._programs_and_steps, STREAMING_MULTIPROCESSORS)
         self._sizes = (self.layout.rows, self.layout.channels, *self.layout.row_sizes()[1:],
                        self.layout.batch_sizes()[1] if self.layout.batch_dims else 1)
         # constant operands (a matmul with a constant side) are held by the kernel, on the device
         self.constants = {v: graph.constants[v].to(device) for v in (a, b) if v is not None and graph.is_constant(v)}
+
+    def _programs_and_steps(self, config: KernelConfig) -> tuple[int, int]:
+        tiles = triton.cdiv(self.layout.rows, config["BLOCK_M"]) * triton.cdiv(self.layout.channels, config["BLOCK_N"])
+        return tiles * self.layout.batch, triton.cdiv(self.k, config["BLOCK_K"])
 
     def precision(self) -> str:
         """tl.dot precision of float32 operands: TF32 where PyTorch's own kernel would use it."""
@@ -168,12 +186,20 @@ class GemmKernel(EpilogueKernel):
             b, strides = self.b_layout.strides(values[self.b])
             b_strides = strides[:2] + strides[-2:]      # batch 0, batch 1, k (last row dim), n
         m, n, r1, r2, b1 = self._sizes
-        grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), self.layout.batch)
-        compiled = self.kernel[grid](
-            a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, *args,
-            BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=GROUP_M,
-            EVEN_K=self.k % config["BLOCK_K"] == 0, PRECISION=self.precision(),
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+        steps, slices = triton.cdiv(self.k, config["BLOCK_K"]), slices_of(config)
+        launch = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+                      GROUP_M=GROUP_M, EVEN_K=self.k % config["BLOCK_K"] == 0, PRECISION=self.precision(),
+                      num_warps=config.num_warps, num_stages=config.num_stages)
+        if slices > 1:   # K slices store fp32 partial tiles; the reduce kernel sums them and runs the epilogue
+            workspace = torch.empty((slices, self.layout.batch, m, n), dtype=torch.float32, device=a.device)
+            compiled = self.split.partial[(tiles, self.layout.batch, slices)](
+                a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, workspace,
+                SLICE_STEPS=triton.cdiv(steps, slices), **launch)
+            self.split.run_reduce(workspace, self.layout, args)
+        else:
+            compiled = self.kernel[(tiles, self.layout.batch, 1)](
+                a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, *args, SLICE_STEPS=steps, **launch)
         self.last_compiled = compiled_info(compiled)
         return outputs
 

@@ -59,7 +59,8 @@ class FusionGroup:
     bytes_read: int = 0
     bytes_written: int = 0
     predicted_time: float = 0.0             # seconds, cost model
-    launches: int = 1                       # 0 for views
+    launches: int = 1                       # 0 for views; 2 for a split-K anchor (its K slices, then their sum)
+    split_k: int = 1                        # K slices the planner's tile gives an anchor kernel (1: no split)
     resources: ResourceEstimate | None = None
     reason: str = ""                        # why the group is what it is
 

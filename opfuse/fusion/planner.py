@@ -29,7 +29,7 @@ from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
 from opfuse.fusion.legality import can_fuse, in_order, is_view, node_index, path_outside, skip_operands
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
-from opfuse.fusion.resources import anchor_of, conv_chain
+from opfuse.fusion.resources import anchor_of, conv_chain, gemm_view, split_k_slices
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph
 from opfuse.ir.ops import FusionKind, kind_of, view_copies
@@ -439,11 +439,38 @@ class _Planner:
             kind = self.classify(group)
             estimate = self.estimate(nodes)
             traffic = estimate.traffic
+            reason = self.explain(group, kind, refusals)
+            slices, time = self.split_k(nodes, kind, estimate)
+            if slices > 1:
+                reason += (f"; split-K: {slices} slices of the reduction, summed with the epilogue by a second "
+                           "kernel (the tile grid alone would leave most SMs idle)")
             groups.append(FusionGroup(
                 id=new_id, kind=kind, nodes=list(nodes), anchor=estimate.anchor, inputs=list(traffic.inputs),
                 outputs=list(traffic.outputs), flops=traffic.flops, bytes_read=traffic.bytes_read,
-                bytes_written=traffic.bytes_written, predicted_time=estimate.time,
-                launches=0 if kind is GroupKind.VIEW and not self.copies(nodes) else 1, resources=estimate.resources,
-                reason=self.explain(group, kind, refusals)))
+                bytes_written=traffic.bytes_written, predicted_time=time,
+                launches=0 if kind is GroupKind.VIEW and not self.copies(nodes) else 1 + (slices > 1),
+                split_k=slices, resources=estimate.resources, reason=reason))
         return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config)
+
+    def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate) -> tuple[int, float]:
+        """(K slices, predicted seconds) of the group's kernel: an anchor whose tiles (the resource model's) fill
+        less than half the SMs splits its reduction (`split_k_slices`); the second kernel costs a launch and the
+        fp32 partial tiles written and read once."""
+        tile = estimate.resources.tile if estimate.resources is not None else {}
+        if (not self.config.split_k or estimate.anchor is None or kind is GroupKind.CONV_CONV
+                or not {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= tile.keys()):
+            return 1, estimate.time
+        view = gemm_view(self.graph, estimate.anchor)
+        if view is None:
+            return 1, estimate.time
+        rows, columns, reduction, batch = view
+        if kind is GroupKind.HORIZONTAL:   # sibling anchors run as one GEMM over their concatenated columns
+            columns = sum(self.graph[n].type.shape[-1 if self.graph[n].op == "linear" else 1]
+                          for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR) // max(1, batch)
+        programs = -(-rows // tile["BLOCK_M"]) * -(-columns // tile["BLOCK_N"]) * batch
+        slices = split_k_slices(programs, -(-reduction // tile["BLOCK_K"]), self.hw.sm_count)
+        if slices == 1:
+            return 1, estimate.time
+        partials = 2 * slices * rows * columns * batch * 4
+        return slices, estimate.time + self.hw.launch_overhead + partials / self.hw.memory_bandwidth
 

@@ -95,6 +95,44 @@ def anchor_of(graph: Graph, nodes: Iterable[str]) -> str | None:
     return next((n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR), None)
 
 
+MAX_SPLIT_K = 16          # K slices at most: each slice's partial tile goes through device memory once
+MIN_STEPS_PER_SLICE = 4   # K blocks a slice walks at least, so the pipeline fills
+MIN_SPLIT_K = 3           # fewer slices do not pay for the second kernel's launch
+
+
+def split_k_slices(programs: int, steps: int, sm_count: int) -> int:
+    """How many K slices an anchor kernel of `programs` tiles and `steps` K blocks runs: 1 unless the tiles leave
+    three quarters of the SMs idle and the reduction is long, else enough slices to fill the SMs (each at least
+    MIN_STEPS_PER_SLICE blocks, at most MAX_SPLIT_K), none of them empty. The slices' fp32 partial tiles are summed
+    in slice order by a second kernel that runs the epilogue (so the result does not depend on timing)."""
+    if 4 * programs > sm_count or steps < 4 * MIN_STEPS_PER_SLICE:
+        return 1
+    slices = min(-(-sm_count // programs), steps // MIN_STEPS_PER_SLICE, MAX_SPLIT_K)
+    if slices < MIN_SPLIT_K:
+        return 1
+    per_slice = -(-steps // slices)
+    return -(-steps // per_slice)
+
+
+def gemm_view(graph: Graph, anchor: str) -> tuple[int, int, int, int] | None:
+    """(rows, columns, reduction length, independent GEMMs) of an anchor as its kernel computes it: a linear or
+    matmul directly, a conv as implicit GEMM per conv group (pixels x output channels of a group x taps * input
+    channels of a group); None for other anchors and depthwise convs (their kernel reduces nothing across channels)."""
+    node = graph[anchor]
+    shape = node.type.shape
+    if node.op == "linear":
+        return math.prod(shape[:-1]), shape[-1], graph[node.inputs[1]].type.shape[1], 1
+    if node.op == "matmul" and len(shape) >= 2:
+        return shape[-2], shape[-1], graph[node.inputs[0]].type.shape[-1], math.prod(shape[:-2])
+    if node.op == "conv2d" and len(shape) == 4:
+        groups = int(node.attrs.get("groups", 1))
+        cin_g, kh, kw = graph[node.inputs[1]].type.shape[1:]
+        if groups > 1 and cin_g == 1:
+            return None
+        return shape[0] * shape[2] * shape[3], shape[1] // groups, cin_g * kh * kw, groups
+    return None
+
+
 def conv_chain(graph: Graph, nodes: Iterable[str]) -> list[str]:
     """The convs of a conv-conv group in order ([expand,] depthwise, pointwise) when each one feeds the next, else
     [] (one anchor, or sibling anchors of a horizontal group)."""

@@ -171,7 +171,8 @@ class CompiledModel(torch.nn.Module):
     @property
     def launches(self) -> int:
         """Kernel launches per forward: one per kernel, one per PyTorch-run node that is not a view."""
-        return sum(1 if s.kernel is not None else int(launches_kernel(self.graph, s.node)) for s in self._steps)
+        return sum(s.kernel.launches(self.configs.get(s.group.name)) if s.kernel is not None
+                   else int(launches_kernel(self.graph, s.node)) for s in self._steps)
 
     def set_configs(self, configs: Mapping[str, KernelConfig]) -> None:
         """Use these kernel configs from now on (drops a captured CUDA graph, which baked the old ones in)."""

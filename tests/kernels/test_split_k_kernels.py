@@ -1,0 +1,128 @@
+"""Split-K anchor kernels on the interpreter: K slices store fp32 partial tiles, a second kernel sums them in slice
+order and runs the epilogue. Every config (including uneven and empty slices) must match the float32 reference and
+the unsplit kernel, write every output element (NaN-poisoned), and give identical results run after run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from opfuse.codegen.base import KernelConfig
+from opfuse.codegen.conv import ConvKernel, lower_conv_group
+from opfuse.codegen.epilogue import slices_of
+from opfuse.codegen.gemm import GemmKernel, lower_gemm_group
+from opfuse.fusion.plan import GroupKind
+from opfuse.fusion.resources import split_k_slices
+from tests.kernels.test_conv_kernels import Builder
+from tests.kernels.test_gemm_kernels import linear
+
+
+def run_split(b: Builder, outputs: list[str], lower, kind: GroupKind = GroupKind.ANCHOR_EPILOGUE):
+    """The group lowered as the planner's split-K group; run with each config, then with explicit slice counts."""
+    group = replace(b.group(outputs, kind), split_k=4)
+    kernel = lower(b.graph, group, "cpu")
+    kernel.epilogue.output_fill = float("nan")
+    feeds = [b.feeds[name] for name in kernel.runtime_inputs]
+    base = kernel.configs()[0]
+    assert slices_of(base) > 1, base           # the tiny interpreter tile leaves the grid small: it splits
+    unsplit = None
+    for slices in (slices_of(base), 1, 3, 7):   # the planned count, none, uneven slices, more slices than needed
+        config = KernelConfig.of(base.num_warps, base.num_stages, **(dict(base.params) | {"SPLIT_K": slices}))
+        results = kernel.run(feeds, config)
+        b.check(outputs, results)
+        if slices == 1:
+            unsplit = results
+        again = kernel.run(feeds, config)
+        assert all(torch.equal(x, y) for x, y in zip(results, again)), "split-K results changed between runs"
+    return kernel, unsplit
+
+
+def test_linear_split_k_with_bias_relu_and_residual():
+    b = Builder()
+    x = b.input("x", (3, 520))                 # K = 520: 33 blocks of 16, the last one partial
+    r = b.input("r", (3, 24))
+    y = b.op("relu", b.op("add", linear(b, x, 24), r))
+    kernel, _ = run_split(b, [y], lower_gemm_group, GroupKind.RESIDUAL)
+    assert isinstance(kernel, GemmKernel) and kernel.split is not None
+
+
+def test_linear_split_k_two_outputs():
+    """An epilogue that stores two values (the pre-activation is read outside the group too)."""
+    b = Builder()
+    x = b.input("x", (2, 5, 300))
+    pre = linear(b, x, 18)
+    run_split(b, [pre, b.op("gelu", pre)], lower_gemm_group)
+
+
+def test_batched_matmul_split_k():
+    b = Builder()
+    a = b.input("a", (2, 3, 4, 400))
+    m = b.input("m", (2, 3, 400, 9))
+    run_split(b, [b.op("mul", b.op("matmul", a, m), b.const("s", torch.tensor(0.5)))], lower_gemm_group)
+
+
+@pytest.mark.parametrize("cin,groups,kernel_size,stride", [
+    (40, 1, 3, 2),     # tap-by-tap loop (Cin >= BLOCK_K) with a channel tail, stride 2
+    (6, 1, 7, 2),      # the gather loop (few input channels): taps x channels in BLOCK_K blocks
+    (40, 2, 3, 1),     # grouped: slices and conv groups on two grid axes
+])
+def test_conv_split_k_with_bias_relu(cin, groups, kernel_size, stride):
+    b = Builder()
+    x = b.input("x", (1, cin, 9, 7))
+    y = b.op("relu", b.conv(x, 10, kernel_size, stride, kernel_size // 2, groups=groups))
+    kernel, (out,) = run_split(b, [y], lower_conv_group)
+    assert isinstance(kernel, ConvKernel) and kernel.split is not None
+    assert out.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_pointwise_conv_split_k_runs_as_gemm_with_residual():
+    b = Builder()
+    x = b.input("x", (1, 300, 3, 3))
+    r = b.input("r", (1, 12, 3, 3))
+    y = b.op("add", b.conv(x, 12, 1, padding=0), r)
+    kernel, _ = run_split(b, [y], lower_conv_group, GroupKind.RESIDUAL)
+    assert isinstance(kernel, GemmKernel)
+
+
+def test_unsplit_groups_keep_one_kernel_and_configs_without_slices():
+    b = Builder()
+    x = b.input("x", (3, 520))
+    group = b.group([linear(b, x, 24)])
+    kernel = lower_gemm_group(b.graph, group, "cpu")
+    assert kernel.split is None and all(slices_of(c) == 1 for c in kernel.configs())
+
+
+@pytest.mark.parametrize("programs,steps,sms,expected", [
+    (132, 100, 132, 1),     # the tiles fill the GPU
+    (40, 100, 132, 1),      # over a quarter of the SMs busy already
+    (8, 12, 132, 1),        # a short reduction
+    (8, 96, 132, 16),       # few tiles, long reduction: as many slices as fill the SMs, at most 16
+    (20, 40, 132, 7),       # ceil(132 / 20) = 7 slices of 6 steps (the last one 4)
+    (30, 17, 132, 4),       # 17 steps allow 4 slices of at least 4 steps: 5, 5, 5, 2
+])
+def test_split_k_slices(programs, steps, sms, expected):
+    slices = split_k_slices(programs, steps, sms)
+    assert slices == expected
+    if slices > 1:
+        per_slice = -(-steps // slices)
+        assert (slices - 1) * per_slice < steps <= slices * per_slice    # no empty slice
+
+
+def test_compile_with_split_k_matches_eager_and_counts_its_second_kernel():
+    import opfuse
+    from opfuse.config import FusionConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(600, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8)).eval()
+    x = torch.randn(2, 600)
+    plain = opfuse.compile(model, (x,), FusionConfig(autotune=False))
+    split = opfuse.compile(model, (x,), FusionConfig(autotune=False, split_k=True))
+    assert all(g.split_k == 1 for g in plain.plan.groups)          # off by default
+    (group,) = [g for g in split.plan.groups if g.split_k > 1]      # the 600-deep linear, not the 24-deep one
+    assert group.launches == 2 and "split-K" in group.reason
+    assert split.plan.kernel_launches == plain.plan.kernel_launches + 1 == split.launches
+    assert all(check.passed for check in split.checks)
+    with torch.no_grad():
+        torch.testing.assert_close(split(x), model(x), rtol=1e-4, atol=1e-5)
