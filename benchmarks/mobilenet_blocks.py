@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import datetime
 import gc
 import json
@@ -120,8 +119,8 @@ def traffic(groups: list[FusionGroup]) -> tuple[int, int, float]:
     return flops, moved, sum(g.predicted_time for g in groups)
 
 
-# the H200 profile without the conv-conv loop floor (`HardwareProfile.serial_step`): the plan fuses every block
-hardware.PROFILES["h200forced"] = dataclasses.replace(hardware.PROFILES["h200"], serial_step=0.0)
+# the H200 profile without the conv-conv measurements (`with_ideal_conv_conv`): the plan fuses every block
+hardware.PROFILES["h200forced"] = hardware.PROFILES["h200"].with_ideal_conv_conv()
 
 # opfuse variants of the table: the plan's choice, conv-conv fusion in every block (the planner without its loop
 # floor), depthwise + pointwise only, and no conv-conv fusion at all

@@ -30,11 +30,12 @@ traffic. The depthwise (and expansion) work moves from its own kernel's grid int
 tiles x output-channel tiles), usually far fewer programs, each of which runs the whole mid-channel loop itself:
 when that grid has fewer programs than the GPU has SMs, the moved work runs on only that many SMs (`busy`). The
 pointwise GEMM keeps the grid it would have alone, so it is priced as any GEMM. Each program walks the mid channels
-in BLOCK_K chunks, one after the other, and each chunk waits for its taps: the kernel takes at least
-(chunks) x `serial_step`, the floor that makes the fusion lose where few programs run long loops
-(mobilenet_v2's late blocks at batch 1). Every candidate tile that fits is
-priced and the fastest is taken; the re-reads of the input that the recomputation causes are served by L2 and are
-not counted as device-memory traffic (as for any implicit-GEMM conv).
+in BLOCK_K chunks, one after the other, and each chunk waits for its taps: the kernel takes at least (chunks) x
+`serial_step`, the floor that makes the fusion lose where few programs run long loops (mobilenet_v2's late blocks at
+batch 1). A depthwise + pointwise kernel without the expansion is priced at `conv_conv_efficiency` of the model's
+rates (measured: about half the efficiency of the kernels it replaces). Every candidate tile that fits is priced and
+the fastest is taken; the re-reads of the input that the recomputation causes are served by L2 and are not counted
+as device-memory traffic (as for any implicit-GEMM conv).
 All hardware numbers come from `opfuse.hardware.HardwareProfile`.
 """
 
@@ -232,20 +233,24 @@ def conv_conv_estimate(graph: Graph, nodes: Sequence[str], chain: list[str], tra
     """The fastest fitting tile of a conv-conv kernel; over budget (and priced at the smallest tile) if none fits."""
     peak = hw.matrix_peak(dtype) * hw.matrix_efficiency
     memory = traffic.bytes_moved / (hw.memory_bandwidth * hw.memory_efficiency)
+    efficiency = hw.conv_conv_efficiency if len(chain) == 2 else 1.0   # measured: see HardwareProfile
+
+    def seconds(work: ConvConvWork) -> float:
+        return max(work.compute_seconds(hw), memory, work.serial_seconds(hw)) / efficiency + hw.launch_overhead
+
     best: tuple[float, ResourceEstimate, ConvConvWork] | None = None
     for tile in conv_conv_tiles(graph, chain):
         resources = estimate_resources(graph, nodes, chain[0], hw, dtype, tile)
         if not resources.fits:
             continue
         work = conv_conv_work(graph, nodes, chain, tile, peak)
-        time = max(work.compute_seconds(hw), memory, work.serial_seconds(hw)) + hw.launch_overhead
+        time = seconds(work)
         if best is None or time < best[0]:
             best = (time, resources, work)
     if best is None:   # nothing fits: the planner refuses it as over budget; price the smallest tile anyway
         resources = estimate_resources(graph, nodes, chain[0], hw, dtype)
         work = conv_conv_work(graph, nodes, chain, resources.tile, peak)
-        best = (max(work.compute_seconds(hw), memory, work.serial_seconds(hw)) + hw.launch_overhead, resources,
-                work)
+        best = (seconds(work), resources, work)
     time, resources, work = best
     note = (f"tile {describe_tile(resources.tile)}: depthwise computed {work.depthwise_repeats}x "
             f"(once per output-channel tile)")

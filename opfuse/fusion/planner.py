@@ -202,7 +202,8 @@ class _Planner:
                         f"fused kernel over budget, kept apart: {resources.reason}", fused.time)
             return False
         note = f" ({fused.note})" if fused.note else ""   # the recompute a conv-conv kernel pays
-        if self.config.use_cost_model and fused.time >= apart:
+        step = self.whole_block_pays(a, b) if fusion == "conv-conv" else None
+        if self.config.use_cost_model and fused.time >= apart and step is None:
             tile = f" ({resources.reason})" if resources is not None and resources.reason else ""
             self.record(a, b, fusion, Verdict.UNPROFITABLE,
                         f"predicted {fused.time * 1e6:.2f} us fused >= {apart * 1e6:.2f} us apart{tile}{note}",
@@ -210,9 +211,33 @@ class _Planner:
             return False
         saved = self.bytes_saved(a, b)
         reason = f"saves {saved:,} B and 1 launch: {apart * 1e6:.2f} -> {fused.time * 1e6:.2f} us{note}"
+        if self.config.use_cost_model and fused.time >= apart:
+            reason = (f"saves {saved:,} B and 1 launch, a step to the whole block ({step}); alone "
+                      f"{apart * 1e6:.2f} -> {fused.time * 1e6:.2f} us{note}")
         self.record(a, b, fusion, Verdict.FUSED, reason, fused.time)
         self.merge(first, second, f"{fusion}: {', '.join(b)} into {', '.join(a)} ({reason})", kind)
         return True
+
+    def whole_block_pays(self, depthwise: list[str], pointwise: list[str]) -> str | None:
+        """Why a depthwise + pointwise pair that does not pay alone is still worth fusing: with the block's 1x1
+        expansion conv it makes one kernel predicted faster than the three apart (the expansion then joins in a
+        later round, on its own merits), or None. The planner merges pairs, so it looks this one step ahead."""
+        if not (self.config.conv_conv and self.config.conv_conv_expand):
+            return None
+        anchor = next((n for n in depthwise if kind_of(self.graph[n]) is FusionKind.ANCHOR), None)
+        expansion = self.group_of.get(self.graph[anchor].inputs[0]) if anchor is not None else None
+        if expansion is None or self.is_view_group(expansion):
+            return None
+        first = self.groups[expansion]
+        if can_fuse(self.graph, first, depthwise + pointwise, self.users, self.config, self.index) is not None:
+            return None
+        whole = self.estimate(first + depthwise + pointwise)
+        if whole.resources is not None and not whole.resources.fits:
+            return None
+        apart = self.estimate(first).time + self.estimate(depthwise).time + self.estimate(pointwise).time
+        if whole.time >= apart:
+            return None
+        return f"predicted {apart * 1e6:.2f} -> {whole.time * 1e6:.2f} us with {', '.join(first)}"
 
     def record(self, first: list[str], second: list[str], fusion: str, verdict: Verdict, reason: str,
                time_fused: float = 0.0) -> None:

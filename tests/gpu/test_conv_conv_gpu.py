@@ -15,16 +15,15 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
 from graph_builders import GraphBuilder  # noqa: E402
-from dataclasses import replace  # noqa: E402
 from opfuse import hardware  # noqa: E402
 from opfuse.fusion.plan import FusionGroup, GroupKind  # noqa: E402
 from opfuse.ir.graph import torch_dtype  # noqa: E402
 from opfuse.numerics import relative_error, tolerance  # noqa: E402
 
 
-# the H200 profile without the conv-conv loop floor (`serial_step`): the planner then fuses all 17 blocks, so every
-# fused kernel is checked here, also those the real profile keeps apart
-hardware.PROFILES.setdefault("h200nofloor", replace(hardware.PROFILES["h200"], serial_step=0.0))
+# the H200 profile without the conv-conv measurements (`with_ideal_conv_conv`): the planner then fuses all 17
+# blocks, so every fused kernel is checked here, also those the real profile keeps apart
+hardware.PROFILES.setdefault("h200nofloor", hardware.PROFILES["h200"].with_ideal_conv_conv())
 
 
 def mobilenet_analysis(batch: int):
