@@ -1,9 +1,9 @@
 """`opfuse bench` and `opfuse profile`: the GPU commands of the CLI (arguments, handlers and their tables).
 
     opfuse bench MODEL [--batch N] [--dtype fp16] [--contenders eager,eager_graph,inductor,opfuse] [--tune-top N]
-                       [--json FILE] [--quiet]
-    opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--ops N|all] [--calibrate] [--html FILE]
-                         [--json FILE] [--quiet]
+                       [--split-k] [--json FILE] [--quiet]
+    opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--split-k] [--ops N|all] [--calibrate]
+                         [--html FILE] [--json FILE] [--quiet]
 
 bench measures one workload with `opfuse.bench.harness.run_workload` (the code benchmarks/run_all.py runs); profile
 times every eager op and every opfuse kernel alone (`opfuse.bench.profile`) and, with --calibrate, fits the
@@ -61,7 +61,7 @@ def _config(args: argparse.Namespace):
     from opfuse.ir.graph import dtype_name
 
     return FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold,
-                        autotune=args.tune_top > 0, tune_top=args.tune_top or None)
+                        autotune=args.tune_top > 0, tune_top=args.tune_top or None, split_k=args.split_k)
 
 
 def _progress(args: argparse.Namespace) -> Progress:
@@ -72,6 +72,8 @@ def _progress(args: argparse.Namespace) -> Progress:
 def _tune_top_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune-top", type=int, default=4, metavar="N",
                         help="autotune opfuse's kernels among their first N configs; 0 turns tuning off (default 4)")
+    parser.add_argument("--split-k", action="store_true",
+                        help="let anchors whose tile grid leaves most SMs idle split K (FusionConfig.split_k)")
 
 
 def _ms(value: float | None, digits: int = 3) -> str:
