@@ -479,8 +479,8 @@ class _Planner:
 
     def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate) -> tuple[int, float]:
         """(K slices, predicted seconds) of the group's kernel: an anchor whose tiles (the resource model's) fill
-        less than half the SMs splits its reduction (`split_k_slices`); the second kernel costs a launch and the
-        fp32 partial tiles written and read once."""
+        under a quarter of the SMs splits a long reduction (`split_k_slices`); the second kernel costs a launch and
+        the fp32 partial tiles written and read once."""
         tile = estimate.resources.tile if estimate.resources is not None else {}
         if (not self.config.split_k or estimate.anchor is None or kind is GroupKind.CONV_CONV
                 or not {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= tile.keys()):
@@ -489,9 +489,9 @@ class _Planner:
         if view is None:
             return 1, estimate.time
         rows, columns, reduction, batch = view
-        if kind is GroupKind.HORIZONTAL:   # sibling anchors run as one GEMM over their concatenated columns
+        if kind is GroupKind.HORIZONTAL:   # sibling anchors (ungrouped) run as one GEMM over their columns together
             columns = sum(self.graph[n].type.shape[-1 if self.graph[n].op == "linear" else 1]
-                          for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR) // max(1, batch)
+                          for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR)
         programs = -(-rows // tile["BLOCK_M"]) * -(-columns // tile["BLOCK_N"]) * batch
         slices = split_k_slices(programs, -(-reduction // tile["BLOCK_K"]), self.hw.sm_count)
         if slices == 1:

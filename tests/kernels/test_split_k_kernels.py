@@ -56,6 +56,15 @@ def test_linear_split_k_two_outputs():
     run_split(b, [pre, b.op("gelu", pre)], lower_gemm_group)
 
 
+def test_horizontal_linears_split_k_with_per_sibling_epilogues():
+    """Sibling linears on one input (q, k, v style), their columns concatenated, outputs handed on as views."""
+    b = Builder()
+    x = b.input("x", (2, 400))
+    ys = [b.op("relu", b.op("mul", linear(b, x, n), b.const("s", b.random(n)))) for n in (5, 9)]
+    kernel, outs = run_split(b, ys, lower_gemm_group, GroupKind.HORIZONTAL)
+    assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
+
+
 def test_batched_matmul_split_k():
     b = Builder()
     a = b.input("a", (2, 3, 4, 400))
