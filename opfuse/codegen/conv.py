@@ -25,7 +25,7 @@ import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info
 from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, SplitK, TileLayout, compute_dtype, generate_kernel,
-                                     interpreting, siblings_and_chains, slices_of, with_slices)
+                                     interpreting, siblings_and_chains, sliced_template, slices_of, with_slices)
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import GROUP_M, STREAMING_MULTIPROCESSORS, GemmKernel, anchor_biases, gemm_configs
 from opfuse.fusion.plan import FusionGroup, GroupKind
@@ -42,7 +42,6 @@ def KERNEL_NAME(
     M, N_TOTAL, COUT_G, CIN_G, H, W, R1, R2,
     s_xn, s_xc, s_xh, s_xw,
     {params}
-    SLICE_STEPS,
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
     PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -50,7 +49,6 @@ def KERNEL_NAME(
 ):
     pid = tl.program_id(0)
     group = tl.program_id(1)
-    pid_k = tl.program_id(2)                                # the K slice (split-K; else 0 and one slice of all K)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(COUT_G, BLOCK_N)
     group_width = GROUP_M * num_pid_n
@@ -76,8 +74,7 @@ def KERNEL_NAME(
         # few input channels per group: each K block gathers across taps, so no MMA lane idles on padding
         k_total = KH * KW * CIN_G
         x_origin = x_rows + ih0 * s_xh + iw0 * s_xw          # [BLOCK_M] the window's top-left tap
-        k_first = pid_k * SLICE_STEPS * BLOCK_K
-        for k0 in range(k_first, tl.minimum(k_total, k_first + SLICE_STEPS * BLOCK_K), BLOCK_K):
+        for k0 in range(0, k_total, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < k_total
             c = k % CIN_G
@@ -94,8 +91,7 @@ def KERNEL_NAME(
     else:
         # one tap and one block of input channels per step: the gather is a strided 2-D tile load
         c_blocks = tl.cdiv(CIN_G, BLOCK_K)
-        t_first = pid_k * SLICE_STEPS
-        for t in range(t_first, tl.minimum(KH * KW * c_blocks, t_first + SLICE_STEPS)):
+        for t in range(0, KH * KW * c_blocks):
             tap = t // c_blocks
             c = (t % c_blocks) * BLOCK_K + offs_k
             c_ok = c < CIN_G
@@ -111,7 +107,17 @@ def KERNEL_NAME(
 {epilogue}
 '''
 
-# split-K: each K slice stores its fp32 partial tile to ws[slice, 0, pixel, output channel] instead of the epilogue
+# split-K: the same kernel with its K loop restricted to one slice (grid axis 2) that stores its fp32 partial tile to
+# ws[slice, 0, pixel, output channel] instead of running the epilogue (CONV_TEMPLATE itself stays as it is)
+CONV_SLICE_TEMPLATE = sliced_template(CONV_TEMPLATE, [
+    ("    {params}\n", "    {params}\n    SLICE_STEPS,\n"),
+    ("    group = tl.program_id(1)\n", "    group = tl.program_id(1)\n    pid_k = tl.program_id(2)\n"),
+    ("        for k0 in range(0, k_total, BLOCK_K):\n",
+     "        k_first = pid_k * SLICE_STEPS * BLOCK_K\n"
+     "        for k0 in range(k_first, tl.minimum(k_total, k_first + SLICE_STEPS * BLOCK_K), BLOCK_K):\n"),
+    ("        for t in range(0, KH * KW * c_blocks):\n",
+     "        t_first = pid_k * SLICE_STEPS\n"
+     "        for t in range(t_first, tl.minimum(KH * KW * c_blocks, t_first + SLICE_STEPS)):\n")])
 CONV_PARTIAL = '''\
     ws = ws_ptr + pid_k * M * N_TOTAL + offs_m[:, None] * N_TOTAL + offs_n[None, :]
     tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])'''
@@ -219,7 +225,7 @@ class ConvKernel(EpilogueKernel):
             self._configs = [gather] + [c for c in self._configs if c != gather]
         self.split = None
         if group.split_k > 1:    # the planner split K: each config gets the slices its own tile grid needs
-            self.split = SplitK(CONV_TEMPLATE, CONV_PARTIAL, epilogue)
+            self.split = SplitK(CONV_SLICE_TEMPLATE, CONV_PARTIAL, epilogue)
             self._configs = with_slices(self._configs, self._programs_and_steps, STREAMING_MULTIPROCESSORS)
 
     def _steps(self, config: KernelConfig) -> int:
@@ -255,7 +261,7 @@ class ConvKernel(EpilogueKernel):
                 *common, workspace, SLICE_STEPS=triton.cdiv(steps, slices), **launch)
             self.split.run_reduce(workspace, self.layout, args)
         else:
-            compiled = self.kernel[(tiles, g.groups, 1)](*common, *args, SLICE_STEPS=steps, **launch)
+            compiled = self.kernel[(tiles, g.groups)](*common, *args, **launch)
         self.last_compiled = compiled_info(compiled)
         return outputs
 

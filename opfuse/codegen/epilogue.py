@@ -404,6 +404,16 @@ class SplitK:
                           BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N)
 
 
+def sliced_template(template: str, edits: Sequence[tuple[str, str]]) -> str:
+    """`template` edited into its split-K form: each (old, new) line edit must apply exactly once, so a change to
+    the template that breaks the derivation fails at import, not on a GPU."""
+    for old, new in edits:
+        if template.count(old) != 1:
+            raise AssertionError(f"split-K template edit: {old.strip()!r} occurs {template.count(old)} times")
+        template = template.replace(old, new)
+    return template
+
+
 def with_slices(configs: Sequence[KernelConfig], steps: Callable[[KernelConfig], tuple[int, int]],
                 sm_count: int) -> list[KernelConfig]:
     """`configs` with each one's SPLIT_K: the K slices its own tile grid needs (`split_k_slices` of its

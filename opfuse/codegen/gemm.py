@@ -22,7 +22,7 @@ import triton
 
 from opfuse.codegen.base import KernelConfig, compiled_info
 from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, SplitK, TileLayout, compute_dtype, generate_kernel,
-                                     interpreting, siblings_and_chains, slices_of, with_slices)
+                                     interpreting, siblings_and_chains, sliced_template, slices_of, with_slices)
 from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.ir.graph import Graph, torch_dtype
@@ -41,13 +41,11 @@ def KERNEL_NAME(
     s_ab0, s_ab1, s_ar0, s_ar1, s_ar2, s_ak,
     s_bb0, s_bb1, s_bk, s_bn,
     {params}
-    SLICE_STEPS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_b = tl.program_id(1)
-    pid_k = tl.program_id(2)                                # the K slice (split-K; else 0 and one slice of all K)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     group_width = GROUP_M * num_pid_n
@@ -67,13 +65,11 @@ def KERNEL_NAME(
     r1 = (offs_m // R2) % R1
     r0 = offs_m // (R2 * R1)
 
-    k_first = pid_k * SLICE_STEPS * BLOCK_K
-    k_last = tl.minimum(K, k_first + SLICE_STEPS * BLOCK_K)
     a_ptrs = a_ptr + (b0 * s_ab0 + b1 * s_ab1) + (r0 * s_ar0 + r1 * s_ar1 + r2 * s_ar2)[:, None] \\
-        + (k_first + offs_k[None, :]) * s_ak
-    b_ptrs = b_ptr + (b0 * s_bb0 + b1 * s_bb1) + (k_first + offs_k[:, None]) * s_bk + offs_n[None, :] * s_bn
+        + offs_k[None, :] * s_ak
+    b_ptrs = b_ptr + (b0 * s_bb0 + b1 * s_bb1) + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_first, k_last, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
@@ -89,7 +85,14 @@ def KERNEL_NAME(
 '''
 
 
-# split-K: each K slice stores its fp32 partial tile to ws[slice, batch, row, column] instead of running the epilogue
+# split-K: the same kernel with its K loop restricted to one slice (grid axis 2) that stores its fp32 partial tile to
+# ws[slice, batch, row, column] instead of running the epilogue (GEMM_TEMPLATE itself stays as it is)
+GEMM_SLICE_TEMPLATE = sliced_template(GEMM_TEMPLATE, [
+    ("    {params}\n", "    {params}\n    SLICE_STEPS,\n"),
+    ("    pid_b = tl.program_id(1)\n", "    pid_b = tl.program_id(1)\n    pid_k = tl.program_id(2)\n"),
+    ("    for k0 in range(0, K, BLOCK_K):\n",
+     "    k_first = pid_k * SLICE_STEPS * BLOCK_K\n    a_ptrs += k_first * s_ak\n    b_ptrs += k_first * s_bk\n"
+     "    for k0 in range(k_first, tl.minimum(K, k_first + SLICE_STEPS * BLOCK_K), BLOCK_K):\n")])
 GEMM_PARTIAL = '''\
     ws = ws_ptr + (pid_k * tl.num_programs(1) + pid_b) * M * N + offs_m[:, None] * N + offs_n[None, :]
     tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])'''
@@ -159,7 +162,7 @@ class GemmKernel(EpilogueKernel):
                                      graph[a].type.itemsize)
         self.split = None
         if group.split_k > 1:    # the planner split K: each config gets the slices its own tile grid needs
-            self.split = SplitK(GEMM_TEMPLATE, GEMM_PARTIAL, epilogue)
+            self.split = SplitK(GEMM_SLICE_TEMPLATE, GEMM_PARTIAL, epilogue)
             self._configs = with_slices(self._configs, self._programs_and_steps, STREAMING_MULTIPROCESSORS)
         self._sizes = (self.layout.rows, self.layout.channels, *self.layout.row_sizes()[1:],
                        self.layout.batch_sizes()[1] if self.layout.batch_dims else 1)
@@ -199,8 +202,8 @@ class GemmKernel(EpilogueKernel):
                 SLICE_STEPS=triton.cdiv(steps, slices), **launch)
             self.split.run_reduce(workspace, self.layout, args)
         else:
-            compiled = self.kernel[(tiles, self.layout.batch, 1)](
-                a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, *args, SLICE_STEPS=steps, **launch)
+            compiled = self.kernel[(tiles, self.layout.batch)](
+                a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, *args, **launch)
         self.last_compiled = compiled_info(compiled)
         return outputs
 
