@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh correctness  # `tests` and `property` side by side (no timings in either)
 #   bash benchmarks/gpu_session.sh bench     # benchmarks/run_all.py, all workloads, autotuned (issues 3, 4);
 #                                            # SPLIT_K=1 turns split-K on (FusionConfig.split_k, off by default)
+#   bash benchmarks/gpu_session.sh splitk    # batch-1 workloads with split-K off and on (issue 4)
 #   bash benchmarks/gpu_session.sh profile   # opfuse profile --calibrate on resnet50 (issue 4)
 #   bash benchmarks/gpu_session.sh property  # the >= 500-example property run (issue 7)
 #   BLOCKS=1-8 bash benchmarks/gpu_session.sh blocks   # mobilenet_v2 per-block table (issue 5); then
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-stage=${1:?stage: tests | correctness | bench | profile | property | blocks}
+stage=${1:?stage: tests | correctness | bench | splitk | profile | property | blocks}
 [ -e "$OUT/gpu.txt" ] || nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/gpu.txt" 2>&1
 case "$stage" in
   tests)
@@ -35,6 +36,14 @@ case "$stage" in
       --workloads "${WORKLOADS:-resnet50:1,mobilenet_v2:1,bert-base:1,resnet50:64,mobilenet_v2:64,bert-base:64,resnet18:1,resnet18:64}" \
       > "$OUT/bench.log" 2>&1
     cat "$OUT/RESULTS.md" ;;
+  splitk)   # batch-1 workloads: every contender with split-K off, then opfuse alone with it on (issue 4)
+    mkdir -p "$OUT/split-off" "$OUT/split-on"
+    workloads=${WORKLOADS:-resnet50:1,bert-base:1,mobilenet_v2:1,resnet18:1}
+    timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/run_all.py --out "$OUT/split-off" --tune-top "${TUNE_TOP:-0}" \
+      --workloads "$workloads" > "$OUT/split-off/bench.log" 2>&1
+    timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/run_all.py --out "$OUT/split-on" --tune-top "${TUNE_TOP:-0}" \
+      --split-k --contenders opfuse --workloads "$workloads" > "$OUT/split-on/bench.log" 2>&1
+    cat "$OUT/split-off/RESULTS.md" "$OUT/split-on/RESULTS.md" ;;
   profile)
     timeout 560 python3 -m opfuse.cli profile "${MODEL:-resnet50}" --calibrate --json "$OUT/profile.json" \
       --html "$OUT/profile.html" > "$OUT/profile.log" 2>&1
