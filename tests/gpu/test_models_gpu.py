@@ -15,6 +15,14 @@ MODELS = ["resnet18", "resnet50", "mobilenet_v2", "bert-base"]
 @pytest.mark.parametrize("batch", [1, 64])
 @pytest.mark.parametrize("name", MODELS)
 def test_model_matches_eager_and_plan(name, batch):
+    # tuning picks among configs that compute the same function; it is off here to keep the run short
+    compile_and_check(name, batch, dict(autotune=False))
+
+
+def compile_and_check(name: str, batch: int, config: dict):
+    """Compile a built-in model in fp16 with `FusionConfig(dtype="float16", **config)` and check it: the model's
+    state is unchanged, the output matches fp32 eager within 1e-2, and the kernels launched per forward
+    (torch.profiler) are no more than the plan says. Returns the compiled model."""
     import opfuse
     from opfuse.bench.harness import kernel_profile
     from opfuse.bench.zoo import load_builtin
@@ -28,8 +36,7 @@ def test_model_matches_eager_and_plan(name, batch):
                         for x in inputs)
     state = {k: v.clone() for k, v in model.state_dict().items()}
 
-    # tuning picks among configs that compute the same function; it is off here to keep the run short
-    compiled = opfuse.compile(model, fp16_inputs, opfuse.FusionConfig(dtype="float16", autotune=False))
+    compiled = opfuse.compile(model, fp16_inputs, opfuse.FusionConfig(dtype="float16", **config))
 
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     with torch.inference_mode():
@@ -40,3 +47,4 @@ def test_model_matches_eager_and_plan(name, batch):
     with torch.inference_mode():
         kernels, _ = kernel_profile(compiled, fp16_inputs)
     assert kernels <= compiled.plan.kernel_launches, compiled.fallbacks
+    return compiled
