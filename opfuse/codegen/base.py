@@ -95,6 +95,14 @@ def kernel_name(prefix: str, ops: Sequence[str], source: str) -> str:
     return f"{prefix}_{body}_{digest}"
 
 
+def load_kernel(prefix: str, ops: Sequence[str], source: str) -> tuple[str, str, Any]:
+    """(name, source, jitted function) of generated `source` whose function is called KERNEL_NAME: the name is
+    `kernel_name` of the source as given, then written into it, so profiles show fused_conv2d_relu_1a2b3c4d."""
+    name = kernel_name(prefix, ops, source)
+    source = source.replace("KERNEL_NAME", name)
+    return name, source, getattr(load_source(source, name), name)
+
+
 def compiled_info(compiled: Any) -> CompiledInfo:
     """Registers, spills and shared memory of a Triton compiled kernel (None under the interpreter)."""
     if compiled is None:

@@ -248,7 +248,7 @@ class ConvKernel(EpilogueKernel):
         cout_per_group = channels // g.groups
         _, r1, r2 = self.layout.row_sizes()
         tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(cout_per_group, config["BLOCK_N"])
-        steps, slices = self._steps(config), slices_of(config)
+        slices = slices_of(config)
         launch = dict(**g.constexprs(), BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
                       BLOCK_K=config["BLOCK_K"], GROUP_M=GROUP_M, K_GATHER=g.cin_per_group < config["BLOCK_K"],
                       PRECISION="tf32" if _cudnn_allows_tf32() else "ieee",
@@ -258,7 +258,7 @@ class ConvKernel(EpilogueKernel):
         if slices > 1:   # K slices store fp32 partial tiles; the reduce kernel sums them and runs the epilogue
             workspace = torch.empty((slices, 1, m, channels), dtype=torch.float32, device=x.device)
             compiled = self.split.partial[(tiles, g.groups, slices)](
-                *common, workspace, SLICE_STEPS=triton.cdiv(steps, slices), **launch)
+                *common, workspace, SLICE_STEPS=triton.cdiv(self._steps(config), slices), **launch)
             self.split.run_reduce(workspace, self.layout, args)
         else:
             compiled = self.kernel[(tiles, g.groups)](*common, *args, **launch)

@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, kernel_name, load_source
+from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel
 from opfuse.codegen.conv import ConvGeometry
 from opfuse.codegen.epilogue import Epilogue, EpilogueKernel, TileLayout, compute_dtype, interpreting
 from opfuse.codegen.expr import Unsupported
@@ -198,10 +198,8 @@ class ConvConvKernel(EpilogueKernel):
             params=self.epilogue.params, epilogue=self.epilogue.code())
         roles = (["expand_conv"] + self.expansion.epilogue.ops[1:] if expansion else []) + \
             ["dw_conv"] + self.depthwise.epilogue.ops[1:] + ["pw_conv"] + self.epilogue.ops[1:]
-        name = kernel_name("fused", roles, source)
-        source = source.replace("KERNEL_NAME", name)
+        name, source, self.kernel = load_kernel("fused", roles, source)
         super().__init__(graph, group, name, source)
-        self.kernel = getattr(load_source(source, name), name)
         self.stage_vectors = [v for stage in inner for v in stage.vectors]
         self._configs = self._candidate_configs(graph, group, chain)
 

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import GroupKernel, KernelConfig, kernel_name, load_source
+from opfuse.codegen.base import GroupKernel, KernelConfig, load_kernel
 from opfuse.codegen.expr import Unsupported, emit, triton_dtype
 from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import Graph, Node, torch_dtype
@@ -336,13 +336,9 @@ class Epilogue:
 def generate_kernel(template: str, epilogue: Epilogue) -> tuple[str, str, object]:
     """(name, source, jitted function) of `template` with the epilogue inserted.
 
-    The template has `{params}` and `{epilogue}` slots and calls its function KERNEL_NAME; the name is derived
-    from the source (op names + hash) and then written into it, so profiles show fused_conv2d_relu_1a2b3c4d.
+    The template has `{params}` and `{epilogue}` slots and calls its function KERNEL_NAME (see `load_kernel`).
     """
-    source = template.format(params=epilogue.params, epilogue=epilogue.code())
-    name = kernel_name("fused", epilogue.ops, source)
-    source = source.replace("KERNEL_NAME", name)
-    return name, source, getattr(load_source(source, name), name)
+    return load_kernel("fused", epilogue.ops, template.format(params=epilogue.params, epilogue=epilogue.code()))
 
 
 # split-K's second kernel: the K slices' fp32 partial tiles ws[slice, batch, row, column] summed in slice order
@@ -387,12 +383,9 @@ class SplitK:
     epilogue. Built only for groups the planner split (`FusionGroup.split_k`)."""
 
     def __init__(self, template: str, partial: str, epilogue: "Epilogue"):
-        source = template.format(params="ws_ptr, ", epilogue=partial)
-        self.name = kernel_name("splitk", epilogue.ops, source)
-        source = source.replace("KERNEL_NAME", self.name)
-        self.partial = getattr(load_source(source, self.name), self.name)
+        self.name, self.source, self.partial = load_kernel(
+            "splitk", epilogue.ops, template.format(params="ws_ptr, ", epilogue=partial))
         self.reduce_name, self.reduce_source, self.reduce = generate_kernel(REDUCE_TEMPLATE, epilogue)
-        self.source = source
 
     def run_reduce(self, workspace: torch.Tensor, layout: "TileLayout", args: list) -> None:
         """Sum the slices of `workspace` [slices, batch, rows, columns] into the epilogue's outputs (`args`)."""

@@ -191,7 +191,7 @@ class GemmKernel(EpilogueKernel):
             b_strides = strides[:2] + strides[-2:]      # batch 0, batch 1, k (last row dim), n
         m, n, r1, r2, b1 = self._sizes
         tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
-        steps, slices = triton.cdiv(self.k, config["BLOCK_K"]), slices_of(config)
+        slices = slices_of(config)
         launch = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                       GROUP_M=GROUP_M, EVEN_K=self.k % config["BLOCK_K"] == 0, PRECISION=self.precision(),
                       num_warps=config.num_warps, num_stages=config.num_stages)
@@ -199,7 +199,7 @@ class GemmKernel(EpilogueKernel):
             workspace = torch.empty((slices, self.layout.batch, m, n), dtype=torch.float32, device=a.device)
             compiled = self.split.partial[(tiles, self.layout.batch, slices)](
                 a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, workspace,
-                SLICE_STEPS=triton.cdiv(steps, slices), **launch)
+                SLICE_STEPS=triton.cdiv(self._programs_and_steps(config)[1], slices), **launch)
             self.split.run_reduce(workspace, self.layout, args)
         else:
             compiled = self.kernel[(tiles, self.layout.batch)](

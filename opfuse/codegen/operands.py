@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, kernel_name, load_source
+from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel
 from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, emit
 from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, torch_dtype
@@ -383,9 +383,7 @@ def build_kernel(graph: Graph, group: FusionGroup, emitter: Emitter, body: list[
     template = (f"{header}\n@triton.jit\ndef KERNEL_NAME({signature}):\n"
                 + "\n".join("    " + line for line in body) + "\n")
     ops = [graph[n].op for n in group.nodes if graph[n].op not in VIEW_OPS] or ["copy"]
-    name = kernel_name("fused", ops, template)
-    source = template.replace("KERNEL_NAME", name)
-    return name, source, getattr(load_source(source, name), name)
+    return load_kernel("fused", ops, template)
 
 
 class TemplateKernel(GroupKernel):
