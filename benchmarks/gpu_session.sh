@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_session.sh tests     # gpu tests: whole models, conv-conv kernels, runtime (issues 3, 5)
 #   bash benchmarks/gpu_session.sh correctness  # `tests` and `property` side by side (no timings in either)
 #   bash benchmarks/gpu_session.sh bench     # benchmarks/run_all.py, all workloads, autotuned (issues 3, 4);
-#                                            # SPLIT_K=1 turns split-K on (FusionConfig.split_k, off by default)
+#                                            # NO_SPLIT_K=1 turns split-K off, NO_LIBRARY=1 the cuBLAS/cuDNN form
 #   bash benchmarks/gpu_session.sh splitk    # batch-1 workloads with split-K off and on (issue 4)
 #   bash benchmarks/gpu_session.sh profile   # opfuse profile --calibrate on resnet50 (issue 4)
 #   bash benchmarks/gpu_session.sh property  # the >= 500-example property run (issue 7)
@@ -11,7 +11,7 @@
 #   BLOCKS=9-17, then BLOCKS= WHOLE=1,64 (whole model at batch 1 and 64)
 # Results land under $OUT (the device tool's folder that comes back); each stage stops itself before the call's
 # limit so that what it wrote still comes back (these variables shorten a stage so that two share one call:
-# TESTS_TIMEOUT, PROPERTY_TIMEOUT, BENCH_TIMEOUT, BLOCKS_TIMEOUT).
+# TESTS_TIMEOUT, PROPERTY_TIMEOUT, BENCH_TIMEOUT, BLOCKS_TIMEOUT, PROFILE_TIMEOUT).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -32,7 +32,7 @@ case "$stage" in
     tail -15 "$OUT/gpu-tests.log"; tail -15 "$OUT/property.log" ;;
   bench)
     timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/run_all.py --out "$OUT" --tune-top "${TUNE_TOP:-2}" \
-      ${SPLIT_K:+--split-k} \
+      ${NO_SPLIT_K:+--no-split-k} ${NO_LIBRARY:+--no-library} \
       --workloads "${WORKLOADS:-resnet50:1,mobilenet_v2:1,bert-base:1,resnet50:64,mobilenet_v2:64,bert-base:64,resnet18:1,resnet18:64}" \
       > "$OUT/bench.log" 2>&1
     cat "$OUT/RESULTS.md" ;;
@@ -40,13 +40,13 @@ case "$stage" in
     mkdir -p "$OUT/split-off" "$OUT/split-on"
     workloads=${WORKLOADS:-resnet50:1,bert-base:1,mobilenet_v2:1,resnet18:1}
     timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/run_all.py --out "$OUT/split-off" --tune-top "${TUNE_TOP:-0}" \
-      --workloads "$workloads" > "$OUT/split-off/bench.log" 2>&1
+      --no-split-k --workloads "$workloads" > "$OUT/split-off/bench.log" 2>&1
     timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/run_all.py --out "$OUT/split-on" --tune-top "${TUNE_TOP:-0}" \
-      --split-k --contenders opfuse --workloads "$workloads" > "$OUT/split-on/bench.log" 2>&1
+      --contenders opfuse --workloads "$workloads" > "$OUT/split-on/bench.log" 2>&1
     cat "$OUT/split-off/RESULTS.md" "$OUT/split-on/RESULTS.md" ;;
   profile)
-    timeout 560 python3 -m opfuse.cli profile "${MODEL:-resnet50}" --calibrate --json "$OUT/profile.json" \
-      --html "$OUT/profile.html" > "$OUT/profile.log" 2>&1
+    timeout "${PROFILE_TIMEOUT:-560}" python3 -m opfuse.cli profile "${MODEL:-resnet50}" --calibrate \
+      --tune-top "${TUNE_TOP:-4}" --json "$OUT/profile.json" --html "$OUT/profile.html" > "$OUT/profile.log" 2>&1
     tail -40 "$OUT/profile.log" ;;
   property)
     OPFUSE_GPU_TESTS=1 timeout "${PROPERTY_TIMEOUT:-560}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 10 \

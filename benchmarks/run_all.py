@@ -59,8 +59,9 @@ def markdown(results: list[dict], env: dict, ceilings: dict) -> str:
              "speedups are how many times faster opfuse ran.",
              "",
              "| workload | eager | eager + graph | torch.compile + graph | opfuse | speedup vs torch.compile | "
-             "speedup vs eager + graph | floor (compute / memory) | opfuse rel. err | plan launches |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "speedup vs eager + graph | floor (compute / memory) | opfuse rel. err | plan launches | "
+             "library anchors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results:
         floor = (f"{row['floor_compute_ms']:.3f} / {row['floor_memory_ms']:.3f}" if "floor_compute_ms" in row
                  else "-")
@@ -69,7 +70,8 @@ def markdown(results: list[dict], env: dict, ceilings: dict) -> str:
                      f"{ms(row, 'eager_graph')} | {ms(row, 'inductor')} ({kernels(row, 'inductor')}) | "
                      f"{ms(row, 'opfuse')} ({kernels(row, 'opfuse')}) | {times(speedup(row, 'inductor'))} | "
                      f"{times(speedup(row, 'eager_graph'))} | {floor} | "
-                     f"{'-' if error is None else f'{error:.1e}'} | {row.get('plan_launches', '-')} |")
+                     f"{'-' if error is None else f'{error:.1e}'} | {row.get('plan_launches', '-')} | "
+                     f"{len(row['library_anchors']) if 'library_anchors' in row else '-'} |")
     mean = geometric_mean([speedup(row, "inductor") for row in results])
     if mean is not None and len(results) > 1:
         lines += ["", f"Geometric mean speedup of opfuse over torch.compile + graph: {mean:.2f}x "
@@ -85,8 +87,10 @@ def main() -> int:
     parser.add_argument("--results", help="also write the table into this markdown file (replacing it)")
     parser.add_argument("--tune-top", type=int, default=4,
                         help="autotune among each kernel's first N configs; 0 turns autotuning off")
-    parser.add_argument("--split-k", action="store_true",
-                        help="let anchors whose tile grid leaves most SMs idle split K (FusionConfig.split_k)")
+    parser.add_argument("--no-split-k", action="store_true",
+                        help="no anchor splits K, however idle its tile grid leaves the SMs (FusionConfig.split_k)")
+    parser.add_argument("--no-library", action="store_true",
+                        help="autotuning does not time anchors through cuBLAS/cuDNN (FusionConfig.library_anchors)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("run_all.py needs an NVIDIA GPU (CUDA): torch.cuda.is_available() is False", file=sys.stderr)
@@ -98,14 +102,16 @@ def main() -> int:
     ceilings = measure_ceilings()
     contenders = set(args.contenders.split(","))
     config = opfuse.FusionConfig(dtype="float16", autotune=args.tune_top > 0, tune_top=args.tune_top or None,
-                                 split_k=args.split_k)
+                                 split_k=not args.no_split_k, library_anchors=not args.no_library)
     results = []
     for spec in args.workloads.split(","):
         name, batch = spec.rsplit(":", 1)
         print(f"== {name} batch {batch}", flush=True)
         results.append(run_builtin(name, int(batch), ceilings, contenders, config))
         (out / "results.json").write_text(json.dumps({"env": env, "ceilings": ceilings, "results": results,
-                                                      "tune_top": args.tune_top, "split_k": args.split_k},
+                                                      "tune_top": args.tune_top,
+                                                      "split_k": not args.no_split_k,
+                                                      "library_anchors": not args.no_library},
                                                      indent=1, default=str))
         (out / "RESULTS.md").write_text(markdown(results, env, ceilings))
         print(markdown(results[-1:], env, ceilings), flush=True)

@@ -2,8 +2,8 @@
 
     opfuse analyze MODEL [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--html FILE] [--quiet]
     opfuse report  MODEL -o report.html [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--quiet]
-    opfuse bench   MODEL [--batch N] [--dtype fp16] [--contenders eager,...] [--tune-top N] [--split-k] [--json FILE]
-    opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--split-k] [--calibrate] [--html FILE] [--json FILE]
+    opfuse bench   MODEL [--batch N] [--dtype fp16] [--contenders eager,...] [--tune-top N] [--no-split-k] [--json FILE]
+    opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--no-split-k] [--calibrate] [--html FILE] [--json FILE]
 
 MODEL is a built-in name (resnet18, resnet50, mobilenet_v2, bert-base), an .onnx file (analyze and report only),
 ``package.module:factory`` (the current directory is on the import path) or ``path/to/file.py:factory``; a factory

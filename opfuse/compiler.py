@@ -81,9 +81,11 @@ class OpfuseModule(torch.nn.Module):
         problem = self._mismatch(inputs)
         if problem is not None:
             return self._other_inputs(inputs, problem)
-        args = [x.to(self._compute_dtype) if x.is_floating_point() else x for x in inputs]
+        compute = self._compute_dtype
+        args = [x.to(compute) if x.dtype != compute and x.is_floating_point() else x for x in inputs]
         try:
-            outputs = self.compiled(*args)
+            # the inputs match the compiled signature (checked above, cast here): skip the module call's second check
+            outputs = self.compiled.run_matching(args)
         except Exception as error:
             if self.analysis.config.fallback != "eager" or self._eager is None:   # recompile alone keeps _eager
                 raise

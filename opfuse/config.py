@@ -16,11 +16,14 @@ class FusionConfig:
     horizontal: bool = True             # sibling anchors on one input; independent small pointwise ops
     conv_conv: bool = True              # depthwise + pointwise convolution in one kernel
     conv_conv_expand: bool = True       # ... and the 1x1 expansion before it (whole inverted residual), where it pays
-    split_k: bool = False               # anchors whose tile grid leaves most SMs idle split K (off until measured)
+    split_k: bool = True                # anchors whose tile grid leaves most SMs idle split K (the autotuner also
+                                        # times them unsplit and keeps the faster)
     use_cost_model: bool = True         # False: take every legal fusion (for tests and experiments)
     # code generation and runtime
     autotune: bool = True
     tune_top: int | None = 4            # autotune among each kernel's first N configs (None: all); compiling is slow
+    library_anchors: bool = True        # autotuning also times each conv/GEMM anchor through cuBLAS/cuDNN with its
+                                        # epilogue as a generated kernel, and keeps that where it is faster
     cuda_graph: bool = True
     verify: bool = True
     fallback: str = "error"             # "error": raise on a failed compile; "eager": return the eager model

@@ -1,8 +1,8 @@
 """`opfuse bench` and `opfuse profile`: the GPU commands of the CLI (arguments, handlers and their tables).
 
     opfuse bench MODEL [--batch N] [--dtype fp16] [--contenders eager,eager_graph,inductor,opfuse] [--tune-top N]
-                       [--split-k] [--json FILE] [--quiet]
-    opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--split-k] [--ops N|all] [--calibrate]
+                       [--no-split-k] [--json FILE] [--quiet]
+    opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--no-split-k] [--ops N|all] [--calibrate]
                          [--html FILE] [--json FILE] [--quiet]
 
 bench measures one workload with `opfuse.bench.harness.run_workload` (the code benchmarks/run_all.py runs); profile
@@ -61,7 +61,8 @@ def _config(args: argparse.Namespace):
     from opfuse.ir.graph import dtype_name
 
     return FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold,
-                        autotune=args.tune_top > 0, tune_top=args.tune_top or None, split_k=args.split_k)
+                        autotune=args.tune_top > 0, tune_top=args.tune_top or None,
+                        split_k=not args.no_split_k, library_anchors=not args.no_library)
 
 
 def _progress(args: argparse.Namespace) -> Progress:
@@ -72,8 +73,10 @@ def _progress(args: argparse.Namespace) -> Progress:
 def _tune_top_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune-top", type=int, default=4, metavar="N",
                         help="autotune opfuse's kernels among their first N configs; 0 turns tuning off (default 4)")
-    parser.add_argument("--split-k", action="store_true",
-                        help="let anchors whose tile grid leaves most SMs idle split K (FusionConfig.split_k)")
+    parser.add_argument("--no-split-k", action="store_true",
+                        help="no anchor splits K, however idle its tile grid leaves the SMs (FusionConfig.split_k)")
+    parser.add_argument("--no-library", action="store_true",
+                        help="autotuning does not time anchors through cuBLAS/cuDNN (FusionConfig.library_anchors)")
 
 
 def _ms(value: float | None, digits: int = 3) -> str:
@@ -157,7 +160,8 @@ def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
         notes.append(f"floor: compute {row['floor_compute_ms']:.3f} ms, memory {row['floor_memory_ms']:.3f} ms")
     if "plan_launches" in row:
         pytorch_groups = sum(1 for reason in row.get("fallbacks", {}).values() if not reason.startswith("view"))
-        notes.append(f"opfuse plan: {row['plan_launches']} launches, {pytorch_groups} groups through PyTorch")
+        notes.append(f"opfuse plan: {row['plan_launches']} launches, {pytorch_groups} groups through PyTorch, "
+                     f"{len(row.get('library_anchors', {}))} anchors through cuBLAS/cuDNN (measured faster)")
     table.caption = "; ".join(notes)
     return table
 

@@ -79,6 +79,11 @@ class GroupKernel(ABC):
         """Kernel launches of one `run` with `config` (default: the first config)."""
         return 1
 
+    def alternatives(self, library: bool = True) -> list[KernelConfig]:
+        """Configs the autotuner times besides the first N of `configs()`: other forms of the kernel (anchor
+        kernels: the unsplit form of a split-K kernel, and with `library` the anchor through cuBLAS/cuDNN)."""
+        return []
+
     @abstractmethod
     def configs(self) -> list[KernelConfig]:
         """Candidate configs for autotuning; the first is the default when tuning is off."""

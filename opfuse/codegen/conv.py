@@ -24,8 +24,9 @@ import torch
 import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info
-from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, SplitK, TileLayout, compute_dtype, generate_kernel,
-                                     interpreting, siblings_and_chains, sliced_template, slices_of, with_slices)
+from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, LibraryAnchor, SplitK, TileLayout, compute_dtype,
+                                     generate_kernel, interpreting, siblings_and_chains, sliced_template, slices_of,
+                                     with_slices)
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import GROUP_M, STREAMING_MULTIPROCESSORS, GemmKernel, anchor_biases, gemm_configs
 from opfuse.fusion.plan import FusionGroup, GroupKind
@@ -240,7 +241,7 @@ class ConvKernel(EpilogueKernel):
         tiles = triton.cdiv(self.layout.rows, config["BLOCK_M"]) * triton.cdiv(cout_per_group, config["BLOCK_N"])
         return tiles * self.geometry.groups, self._steps(config)
 
-    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)
         g = self.geometry
         x = values[self.x]
@@ -280,7 +281,7 @@ class DepthwiseConvKernel(EpilogueKernel):
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
         self._configs = DEPTHWISE_CONFIGS if not interpreting() else [KernelConfig.of(BLOCK_M=32, BLOCK_N=16)]
 
-    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)
         g = self.geometry
         x = values[self.x]
@@ -322,11 +323,24 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
     epilogue = Epilogue(graph, group, chains, layout, device, anchor_biases(graph, anchors))
 
     g = geometry
+    library = conv_library_anchor(x, weight, geometry)
     if g.groups > 1 and g.groups == g.cin and layout.channels % g.cin == 0:
-        return DepthwiseConvKernel(graph, group, device, epilogue, x, geometry, weight)
-    if (g.kh, g.kw) == (1, 1) and g.padding == (0, 0) and g.groups == 1:
+        kernel = DepthwiseConvKernel(graph, group, device, epilogue, x, geometry, weight)
+    elif (g.kh, g.kw) == (1, 1) and g.padding == (0, 0) and g.groups == 1:
         stride_h, stride_w = g.stride
         a_view = None if g.stride == (1, 1) else (lambda t: t[:, :, ::stride_h, ::stride_w])
         return GemmKernel(graph, group, device, epilogue, a=x, k=g.cin, b_packed=weight[:, :, 0, 0].t().contiguous(),
-                          a_view=a_view, tf32_allowed=_cudnn_allows_tf32)
-    return ConvKernel(graph, group, device, epilogue, x, geometry, weight)
+                          a_view=a_view, tf32_allowed=_cudnn_allows_tf32, library_anchor=library)
+    else:
+        kernel = ConvKernel(graph, group, device, epilogue, x, geometry, weight)
+    kernel.library_anchor = library
+    return kernel
+
+
+def conv_library_anchor(x: str, weight: torch.Tensor, g: ConvGeometry) -> LibraryAnchor:
+    """The convolution through PyTorch (cuDNN), as [1, pixels, channels]: its channels-last output, flattened."""
+    def run(values: dict[str, torch.Tensor]) -> torch.Tensor:
+        y = torch.nn.functional.conv2d(values[x], weight, None, g.stride, g.padding, g.dilation, g.groups)
+        y = y.contiguous(memory_format=torch.channels_last)
+        return y.permute(0, 2, 3, 1).reshape(1, -1, y.shape[1])
+    return run

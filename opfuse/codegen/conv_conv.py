@@ -214,7 +214,7 @@ class ConvConvKernel(EpilogueKernel):
             tiles = [dict(planned)] + [t for t in tiles if t != planned]
         return list(dict.fromkeys(_config(t) for t in tiles))
 
-    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)
         g = self.geometry
         x = values[self.x]

@@ -382,10 +382,16 @@ class SplitK:
     template's code for it) in place of the epilogue, and the reduce kernel that sums the slices and runs the
     epilogue. Built only for groups the planner split (`FusionGroup.split_k`)."""
 
-    def __init__(self, template: str, partial: str, epilogue: "Epilogue"):
-        self.name, self.source, self.partial = load_kernel(
-            "splitk", epilogue.ops, template.format(params="ws_ptr, ", epilogue=partial))
+    def __init__(self, template: str | None, partial: str, epilogue: "Epilogue"):
+        if template is not None:
+            self.name, self.source, self.partial = load_kernel(
+                "splitk", epilogue.ops, template.format(params="ws_ptr, ", epilogue=partial))
         self.reduce_name, self.reduce_source, self.reduce = generate_kernel(REDUCE_TEMPLATE, epilogue)
+
+    @classmethod
+    def reduce_only(cls, epilogue: "Epilogue") -> "SplitK":
+        """Just the second kernel: what the library form runs over the library's result (one slice)."""
+        return cls(None, "", epilogue)
 
     def run_reduce(self, workspace: torch.Tensor, layout: "TileLayout", args: list) -> None:
         """Sum the slices of `workspace` [slices, batch, rows, columns] into the epilogue's outputs (`args`)."""
@@ -438,22 +444,71 @@ def compute_dtype(graph: Graph, value: str, node: Node) -> str:
     return dtype
 
 
+# The library form of an anchor kernel: the anchor alone through PyTorch (cuBLAS / cuDNN) into a buffer, then one
+# generated kernel (REDUCE_TEMPLATE over a single slice) reads it and runs the group's epilogue. Two launches and one
+# round trip of the anchor's result instead of one fused kernel: the autotuner measures it beside the Triton configs
+# and keeps it only where it is faster (the shapes where the library's GEMM or convolution beats the template's).
+LIBRARY = KernelConfig.of(num_warps=4, num_stages=1, LIBRARY=1)
+LibraryAnchor = Callable[[dict[str, torch.Tensor]], torch.Tensor]   # values by name -> [batch, rows, columns]
+
+
+def is_library(config: KernelConfig | None) -> bool:
+    return config is not None and dict(config.params).get("LIBRARY", 0) == 1
+
+
 class EpilogueKernel(GroupKernel):
-    """Base of the anchor kernels (conv, depthwise, conv-conv, GEMM): the config list fixed at build time, and the
-    binding of one call's runtime inputs and the held constants to the epilogue's arguments and outputs."""
+    """Base of the anchor kernels (conv, depthwise, conv-conv, GEMM): the config list fixed at build time, the
+    binding of one call's runtime inputs and the held constants to the epilogue's arguments and outputs, and the
+    library form (`LIBRARY`) where the subclass gives its anchor through PyTorch (`library_anchor`)."""
 
     _configs: list[KernelConfig]
     constants: dict[str, torch.Tensor]
     epilogue: "Epilogue"
 
     split: "SplitK | None" = None
+    library_anchor: LibraryAnchor | None = None
+    _library_epilogue: object = None     # the epilogue kernel of the library form, generated on first use
 
     def configs(self) -> list[KernelConfig]:
         return list(self._configs)
 
+    def alternatives(self, library: bool = True) -> list[KernelConfig]:
+        """The unsplit form of a split-K kernel's first config, and the library form where there is one."""
+        forms = []
+        if self.split is not None:
+            first = self._configs[0]
+            forms.append(KernelConfig.of(first.num_warps, first.num_stages, **(dict(first.params) | {"SPLIT_K": 1})))
+        if library and self.library_anchor is not None:
+            forms.append(LIBRARY)
+        return forms
+
     def launches(self, config: KernelConfig | None = None) -> int:
-        """Two with K slices (the slices, then their sum with the epilogue), else one."""
+        """Two with K slices (the slices, then their sum with the epilogue) or in the library form (the library's
+        kernel, then the epilogue), else one."""
+        if is_library(config):
+            return 2
         return 2 if self.split is not None and slices_of(config or self._configs[0]) > 1 else 1
+
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+        if is_library(config):
+            return self.run_library(inputs)
+        return self.run_triton(inputs, config)
+
+    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def run_library(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The anchor through PyTorch, then the generated epilogue kernel over its result."""
+        if self.library_anchor is None:
+            raise ValueError(f"kernel {self.name} has no library form")
+        _, values, args, outputs = self.bind(inputs, None)
+        result = self.library_anchor(values)
+        batch, rows, columns = result.shape
+        if self._library_epilogue is None:
+            self._library_epilogue = SplitK.reduce_only(self.epilogue)
+        self._library_epilogue.run_reduce(result.contiguous().reshape(1, batch, rows, columns), self.layout, args)
+        self.last_compiled = None
+        return outputs
 
     def bind(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None
              ) -> tuple[KernelConfig, dict[str, torch.Tensor], list, list[torch.Tensor]]:

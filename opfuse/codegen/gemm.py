@@ -21,8 +21,9 @@ import torch
 import triton
 
 from opfuse.codegen.base import KernelConfig, compiled_info
-from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, SplitK, TileLayout, compute_dtype, generate_kernel,
-                                     interpreting, siblings_and_chains, sliced_template, slices_of, with_slices)
+from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, LibraryAnchor, SplitK, TileLayout, compute_dtype,
+                                     generate_kernel, interpreting, siblings_and_chains, sliced_template, slices_of,
+                                     with_slices)
 from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.ir.graph import Graph, torch_dtype
@@ -151,13 +152,14 @@ class GemmKernel(EpilogueKernel):
                  a: str, k: int, b_packed: torch.Tensor | None = None, b: str | None = None,
                  b_layout: TileLayout | None = None,
                  a_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 tf32_allowed: Callable[[], bool] | None = None):
+                 tf32_allowed: Callable[[], bool] | None = None, library_anchor: LibraryAnchor | None = None):
         name, source, self.kernel = generate_kernel(GEMM_TEMPLATE, epilogue)
         super().__init__(graph, group, name, source)
         self.device, self.epilogue, self.layout = device, epilogue, epilogue.layout
         self.a, self.k, self.a_view = a, k, a_view
         self.b, self.b_packed, self.b_layout = b, b_packed, b_layout
         self.tf32_allowed = tf32_allowed    # conv passes cuDNN's switch; GEMMs follow torch's matmul precision
+        self.library_anchor = library_anchor
         self._configs = gemm_configs(self.layout.rows, self.layout.channels, k, self.layout.batch,
                                      graph[a].type.itemsize)
         self.split = None
@@ -178,7 +180,7 @@ class GemmKernel(EpilogueKernel):
         allowed = self.tf32_allowed() if self.tf32_allowed else torch.get_float32_matmul_precision() != "highest"
         return "tf32" if allowed else "ieee"
 
-    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)
         a = values[self.a] if self.a_view is None else self.a_view(values[self.a])
         a, a_strides = self.layout.strides(a, channels=self.k)
@@ -245,7 +247,9 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
     shape = first.type.shape[:-1] + (n,)
     layout = TileLayout(shape, channel_dim=len(shape) - 1)
     epilogue = Epilogue(graph, group, chains, layout, device, anchor_biases(graph, anchors))
-    return GemmKernel(graph, group, device, epilogue, a=x, k=k, b_packed=weight)
+    rows = layout.rows
+    return GemmKernel(graph, group, device, epilogue, a=x, k=k, b_packed=weight,
+                      library_anchor=lambda values: torch.matmul(values[x], weight).reshape(1, rows, n))
 
 
 def _lower_matmul(graph: Graph, group: FusionGroup, device: torch.device, anchor: str,
@@ -264,7 +268,9 @@ def _lower_matmul(graph: Graph, group: FusionGroup, device: torch.device, anchor
     k = a_type.shape[-1]
     b_layout = TileLayout(shape[:-2] + (k, shape[-1]), channel_dim=len(shape) - 1, batch_dims=batch_dims)
     epilogue = Epilogue(graph, group, chains, layout, device)
-    return GemmKernel(graph, group, device, epilogue, a=a, k=k, b=b, b_layout=b_layout)
+    batch, m, n = layout.batch, layout.rows, layout.channels
+    return GemmKernel(graph, group, device, epilogue, a=a, k=k, b=b, b_layout=b_layout,
+                      library_anchor=lambda values: torch.matmul(values[a], values[b]).reshape(batch, m, n))
 
 
 def lower_gemm_group(graph: Graph, group: FusionGroup, device: torch.device | str) -> GemmKernel:

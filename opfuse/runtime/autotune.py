@@ -115,10 +115,18 @@ def timing_available(device: torch.device | str) -> bool:
 
 
 def cuda_median_time(fn: Callable[[], Any]) -> float:
-    """Median seconds per call of fn, measured by triton.testing.do_bench."""
-    from triton.testing import do_bench
+    """Median seconds per call of fn, replayed in a CUDA graph (triton.testing.do_bench_cudagraph) as the compiled
+    model runs it: timed by plain launches, a microsecond kernel measures the host's launch cost, which would
+    favour one-launch forms over two-launch ones (split-K, library) that the graph runs just as fast; where fn
+    cannot be captured, plain launches (do_bench)."""
+    from triton.testing import do_bench, do_bench_cudagraph
     # short windows: a fused kernel runs for microseconds, and a whole model has ~50 of them to tune
-    return do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3
+    torch.cuda.synchronize()    # the side stream the graph is captured on must see the inputs finished
+    try:
+        return do_bench_cudagraph(fn, rep=10, return_mode="median") / 1e3
+    except Exception:
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3
 
 
 def _out_of_resources() -> tuple[type[BaseException], ...]:
@@ -141,10 +149,12 @@ def _restore(entry: dict[str, Any] | None, configs: list[KernelConfig]) -> Kerne
 
 def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: HardwareProfile, benchmark: Benchmark,
                 result: TuningResult, cache: TuningCache | None = None, gpu_name: str = "",
-                top: int | None = None) -> KernelConfig:
-    """Choose the config of one kernel among its first `top` configs (see module docstring); record it."""
+                top: int | None = None, library: bool = False) -> KernelConfig:
+    """Choose the config of one kernel among its first `top` configs and its other forms (`alternatives`: unsplit,
+    and with `library` the anchor through cuBLAS/cuDNN; see module docstring); record it."""
     name = kernel.group.name
     configs = kernel.configs()[:top] if top else kernel.configs()
+    configs = configs + [c for c in kernel.alternatives(library) if c not in configs]
     if not configs:
         raise GraphError(f"kernel {kernel.name} (group {name}) offers no configs")
     key = tuning_key(kernel.source, inputs, gpu_name) if cache is not None else None
@@ -224,6 +234,7 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
                 raise GraphError(f"autotuning kernel {kernel.name} (group {kernel.group.name}) needs values "
                                  f"{missing}, which the example values lack")
             inputs = [example_values[n] for n in kernel.runtime_inputs]
-            tune_kernel(kernel, inputs, hardware, benchmark, result, cache, gpu_name, config.tune_top)
+            tune_kernel(kernel, inputs, hardware, benchmark, result, cache, gpu_name, config.tune_top,
+                        config.library_anchors)
             progress.advance(task)
     return result

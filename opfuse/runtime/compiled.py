@@ -174,6 +174,31 @@ class CompiledModel(torch.nn.Module):
         return sum(s.kernel.launches(self.configs.get(s.group.name)) if s.kernel is not None
                    else int(launches_kernel(self.graph, s.node)) for s in self._steps)
 
+    @property
+    def library_anchors(self) -> dict[str, str]:
+        """Groups whose anchor runs through PyTorch's library (cuBLAS/cuDNN) with the epilogue as a generated
+        kernel (the autotuner measured that faster than every Triton config it tried), and the timings."""
+        from opfuse.codegen.epilogue import is_library
+        from opfuse.runtime.autotune import format_config
+
+        chosen = {}
+        for name, config in self.configs.items():
+            if not is_library(config):
+                continue
+            kernel = self.kernels[name]
+            timings = dict(getattr(self.tuning, "timings", {}).get(name, {}))
+            library = timings.pop(config, None)
+            measured = ""
+            if name in getattr(self.tuning, "from_cache", ()):
+                measured = ": the tuning cache's choice (measured when this kernel was first tuned)"
+            elif library is not None and timings:
+                best = min(timings, key=timings.__getitem__)
+                measured = (f": {library * 1e6:.1f} us measured against {timings[best] * 1e6:.1f} us for the best "
+                            f"Triton config ({format_config(best)})")
+            chosen[name] = (f"anchor {kernel.group.anchor or '?'} through PyTorch (cuBLAS/cuDNN), then its epilogue "
+                            f"as a generated kernel{measured}")
+        return chosen
+
     def set_configs(self, configs: Mapping[str, KernelConfig]) -> None:
         """Use these kernel configs from now on (drops a captured CUDA graph, which baked the old ones in)."""
         unknown = set(configs) - set(self.kernels)
@@ -204,6 +229,11 @@ class CompiledModel(torch.nn.Module):
         signature = self.input_signature(inputs)
         if signature != self.signature:
             return self._other_signature(signature, inputs)
+        return self.run_matching(inputs)
+
+    def run_matching(self, inputs: Sequence[torch.Tensor]) -> Any:
+        """The forward pass for inputs the caller has already checked against `signature` (OpfuseModule does, so
+        a call pays for one check: on a CUDA graph at batch 1, host time before the replay is latency)."""
         prepared = [to_channels_last(x) for x in inputs]
         with torch.no_grad():
             if self.use_cuda_graph and self.cuda_graph_error is None:

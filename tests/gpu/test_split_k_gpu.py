@@ -1,6 +1,6 @@
-"""Split-K on the GPU (FusionConfig.split_k, off by default until measured): whole models at batch 1, where the
-planner splits most convs and linears, compiled in fp16, must match fp32 eager and launch no more kernels than the
-plan (which counts each split group's second kernel).
+"""Split-K on the GPU (FusionConfig.split_k, on by default since the H200 runs of 2026-11-30): whole models at
+batch 1, where the planner splits most convs and linears, compiled in fp16, must match fp32 eager and launch no more
+kernels than the plan (which counts each split group's second kernel).
 
 Run on the device machine: OPFUSE_GPU_TESTS=1 PYTHONPATH=. python3 -m pytest -q -m gpu tests/gpu/test_split_k_gpu.py
 """

@@ -95,6 +95,16 @@ def test_pointwise_conv_split_k_runs_as_gemm_with_residual():
     assert isinstance(kernel, GemmKernel)
 
 
+def test_split_kernels_offer_their_unsplit_form_to_the_autotuner():
+    b = Builder()
+    x = b.input("x", (3, 520))
+    kernel = lower_gemm_group(b.graph, replace(b.group([linear(b, x, 24)]), split_k=4), "cpu")
+    unsplit, library = kernel.alternatives(library=True)
+    assert slices_of(kernel.configs()[0]) > 1 and slices_of(unsplit) == 1 and kernel.launches(unsplit) == 1
+    assert dict(unsplit.params) == dict(kernel.configs()[0].params) | {"SPLIT_K": 1}
+    b.check([kernel.group.outputs[0]], kernel.run([b.feeds["x"]], unsplit))
+
+
 def test_unsplit_groups_keep_one_kernel_and_configs_without_slices():
     b = Builder()
     x = b.input("x", (3, 520))
@@ -126,9 +136,9 @@ def test_compile_with_split_k_matches_eager_and_counts_its_second_kernel():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(600, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8)).eval()
     x = torch.randn(2, 600)
-    plain = opfuse.compile(model, (x,), FusionConfig(autotune=False))
-    split = opfuse.compile(model, (x,), FusionConfig(autotune=False, split_k=True))
-    assert all(g.split_k == 1 for g in plain.plan.groups)          # off by default
+    plain = opfuse.compile(model, (x,), FusionConfig(autotune=False, split_k=False))
+    split = opfuse.compile(model, (x,), FusionConfig(autotune=False))     # on by default
+    assert all(g.split_k == 1 for g in plain.plan.groups)
     (group,) = [g for g in split.plan.groups if g.split_k > 1]      # the 600-deep linear, not the 24-deep one
     assert group.launches == 2 and "split-K" in group.reason
     assert split.plan.kernel_launches == plain.plan.kernel_launches + 1 == split.launches

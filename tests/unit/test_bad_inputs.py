@@ -424,7 +424,9 @@ def test_a_compile_failing_half_way_leaves_no_temp_or_partial_files(tmp_path, mo
     monkeypatch.setenv("OPFUSE_KERNEL_DIR", str(kernels))
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="the GPU fell off the bus"):
-        opfuse.compile(small_model(), (X5,), opfuse.FusionConfig(dtype="float32", cache_dir=str(cache), tune_top=2))
+        # one timing per kernel: the library form (a second timing) is not offered
+        opfuse.compile(small_model(), (X5,), opfuse.FusionConfig(dtype="float32", cache_dir=str(cache), tune_top=2,
+                                                                 library_anchors=False))
     assert len(list(cache.glob("*.json"))) == 1 and not cache_problems(cache)
     assert not [p.name for p in kernels.glob("*") if p.suffix != ".py"]   # generated sources: whole files only
 

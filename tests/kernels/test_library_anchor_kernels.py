@@ -1,0 +1,121 @@
+"""The library form of anchor kernels on the interpreter: the anchor through PyTorch (cuBLAS/cuDNN on a GPU, ATen
+on the CPU here), its result read by a generated epilogue kernel. Every anchor kind (linear, horizontal linears,
+batched matmul, conv, grouped, depthwise, strided 1x1) must match the float32 reference with every output
+element written (NaN-poisoned), count two launches, and be offered to the autotuner only when asked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opfuse.codegen.conv import lower_conv_group
+from opfuse.codegen.epilogue import LIBRARY, is_library
+from opfuse.codegen.gemm import lower_gemm_group
+from opfuse.config import FusionConfig
+from opfuse.fusion.plan import GroupKind
+from opfuse.runtime.autotune import tune
+from tests.kernels.test_conv_kernels import Builder
+from tests.kernels.test_gemm_kernels import linear
+
+
+def run_library(b: Builder, outputs: list[str], lower, kind: GroupKind = GroupKind.ANCHOR_EPILOGUE):
+    """The group lowered and run in its library form; checked against the reference and the Triton form."""
+    kernel = lower(b.graph, b.group(outputs, kind), "cpu")
+    kernel.epilogue.output_fill = float("nan")
+    feeds = [b.feeds[name] for name in kernel.runtime_inputs]
+    assert kernel.alternatives(library=True) == [LIBRARY] and kernel.alternatives(library=False) == []
+    assert kernel.launches(LIBRARY) == 2
+    assert kernel.launches(kernel.configs()[0]) == 1
+    results = kernel.run(feeds, LIBRARY)
+    b.check(outputs, results)
+    for x, y in zip(results, kernel.run(feeds)):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    return kernel, results
+
+
+def test_linear_with_bias_residual_and_relu():
+    b = Builder()
+    x = b.input("x", (2, 3, 40))
+    r = b.input("r", (2, 3, 24))
+    run_library(b, [b.op("relu", b.op("add", linear(b, x, 24), r))], lower_gemm_group, GroupKind.RESIDUAL)
+
+
+def test_horizontal_linears_keep_their_per_sibling_epilogues():
+    b = Builder()
+    x = b.input("x", (5, 32))
+    ys = [b.op("gelu", b.op("mul", linear(b, x, n), b.const(f"s{n}", b.random(n)))) for n in (7, 12)]
+    _, outs = run_library(b, ys, lower_gemm_group, GroupKind.HORIZONTAL)
+    assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
+
+
+def test_batched_matmul_two_outputs():
+    b = Builder()
+    a = b.input("a", (2, 3, 5, 16))
+    m = b.input("m", (2, 3, 16, 9))
+    product = b.op("matmul", a, m)
+    run_library(b, [product, b.op("mul", product, b.const("s", torch.tensor(0.5)))], lower_gemm_group)
+
+
+@pytest.mark.parametrize("cin,cout,kernel_size,stride,groups", [
+    (6, 10, 3, 2, 1),      # implicit GEMM
+    (8, 12, 3, 1, 2),      # grouped
+    (8, 8, 3, 2, 8),       # depthwise
+    (12, 10, 1, 2, 1),     # strided 1x1: a GEMM kernel over a strided view
+])
+def test_conv_with_bias_and_relu6(cin, cout, kernel_size, stride, groups):
+    b = Builder()
+    x = b.input("x", (2, cin, 7, 9))
+    y = b.op("clamp", b.conv(x, cout, kernel_size, stride, kernel_size // 2, groups=groups), min=0.0, max=6.0)
+    _, (out,) = run_library(b, [y], lower_conv_group)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_autotuner_times_the_library_form_only_when_asked():
+    """With a fake clock that makes the library form fastest, the tuner picks it; with library_anchors off it is
+    never run."""
+    b = Builder()
+    x = b.input("x", (4, 32))
+    kernel = lower_gemm_group(b.graph, b.group([b.op("relu", linear(b, x, 16))]), "cpu")
+    values = {name: b.feeds[name] for name in kernel.runtime_inputs}
+    timed = []
+
+    def clock(fn):
+        fn()
+        timed.append(fn)
+        return 1e-6 if len(timed) == len(kernel.configs()) + 1 else 5e-6   # the library form is timed last
+
+    chosen = tune({"g": kernel}, values, FusionConfig(tune_top=None), benchmark=clock, quiet=True)
+    assert is_library(chosen[kernel.group.name]) and len(timed) == len(kernel.configs()) + 1
+    timed.clear()
+    chosen = tune({"g": kernel}, values, FusionConfig(tune_top=None, library_anchors=False), benchmark=clock,
+                  quiet=True)
+    assert not is_library(chosen[kernel.group.name]) and len(timed) == len(kernel.configs())
+
+
+def test_compile_where_the_library_form_wins_matches_eager_and_says_so(monkeypatch, tmp_path):
+    """A whole compile whose (fake) clock finds the library form fastest for every anchor: the model runs it,
+    verification passes, the launches count the epilogue kernels, and `library_anchors` names each group."""
+    import opfuse
+    from opfuse.runtime import autotune, compiled as runtime
+
+    monkeypatch.setattr(runtime, "timing_available", lambda device: True)
+
+    def clock(fn) -> float:
+        # the tuner's closures bind the config as a default argument
+        config = fn.__defaults__[0] if fn.__defaults__ else None
+        return 1e-6 if is_library(config) else 1e-3
+
+    monkeypatch.setattr(runtime, "tune", lambda *a, **k: autotune.tune(*a, **k | {"benchmark": clock}))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3, padding=1, groups=8), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 5 * 5, 3), torch.nn.Tanh()).eval()
+    x = torch.randn(2, 3, 5, 5)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(cache_dir=str(tmp_path)))
+    anchors = [g.name for g in compiled.plan.groups if g.anchor is not None]
+    assert len(anchors) == 3 and set(compiled.compiled.library_anchors) == set(anchors)
+    assert all("cuBLAS/cuDNN" in why and "measured" in why for why in compiled.compiled.library_anchors.values())
+    assert compiled.launches == compiled.plan.kernel_launches + 3
+    assert all(check.passed for check in compiled.checks)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
