@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from opfuse.bench.calibrate import Calibration, Sample, calibrate
+from opfuse.codegen.epilogue import is_library
 from opfuse.config import FusionConfig
 from opfuse.fusion.cost import estimate_kernel, predict_time, tile_efficiency
 from opfuse.hardware import HardwareProfile
@@ -50,7 +51,7 @@ class ProfileRow:
     name: str                       # node name (eager) or group name (opfuse)
     ops: str                        # the op, or the group's ops joined by " + "
     kind: str                       # fusion kind of the op, or group kind
-    runs_as: str                    # "pytorch", or the opfuse kernel's name
+    runs_as: str                    # "pytorch", or the opfuse kernel's name (noting its library form)
     flops: int
     bytes_moved: int
     predicted: float                # seconds, cost model
@@ -273,14 +274,16 @@ def opfuse_rows(compiled_model: Any, values: dict[str, torch.Tensor], hardware: 
     for index, group in enumerate(groups):
         predicted, matrix, tile, roofline = _prediction(graph, group.nodes, users, hardware, dtype)
         kernel = compiled_model.kernels.get(group.name)
+        config = compiled_model.configs.get(group.name)
         ops = " + ".join(graph[n].op for n in group.nodes)
-        row = ProfileRow(group.name, ops, group.kind.value, kernel.name if kernel else "pytorch", group.flops,
-                         group.bytes_moved, predicted, matrix, tile, roofline)
+        library = " (cuBLAS/cuDNN + epilogue)" if is_library(config) else ""
+        runs_as = "pytorch" if kernel is None else kernel.name + library
+        row = ProfileRow(group.name, ops, group.kind.value, runs_as, group.flops, group.bytes_moved, predicted,
+                         matrix, tile, roofline)
         if progress is not None:
             progress(f"opfuse {group.name}", index, len(groups))
         if kernel is not None:
             args = [values[n] for n in kernel.runtime_inputs]
-            config = compiled_model.configs.get(group.name)
             _time_row(row, lambda: kernel.run(args, config), timer)
         else:      # runs through PyTorch, node by node, as the runtime does
             nodes = [graph[n] for n in group.nodes if graph[n].op not in ("input", "constant")]
