@@ -393,14 +393,15 @@ class SplitK:
         """Just the second kernel: what the library form runs over the library's result (one slice)."""
         return cls(None, "", epilogue)
 
-    def run_reduce(self, workspace: torch.Tensor, layout: "TileLayout", args: list) -> None:
+    def run_reduce(self, workspace: torch.Tensor, layout: "TileLayout", args: list, block_m: int = REDUCE_BLOCK_M,
+                   block_n: int = REDUCE_BLOCK_N, num_warps: int = 4) -> None:
         """Sum the slices of `workspace` [slices, batch, rows, columns] into the epilogue's outputs (`args`)."""
         slices, batch, rows, columns = workspace.shape
         _, r1, r2 = layout.row_sizes()
         b1 = layout.batch_sizes()[1] if layout.batch_dims else 1
-        grid = (triton.cdiv(rows, REDUCE_BLOCK_M), triton.cdiv(columns, REDUCE_BLOCK_N), batch)
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(columns, block_n), batch)
         self.reduce[grid](workspace, rows, columns, slices, r1, r2, b1, *args,
-                          BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N)
+                          BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
 
 
 def sliced_template(template: str, edits: Sequence[tuple[str, str]]) -> str:
@@ -448,7 +449,11 @@ def compute_dtype(graph: Graph, value: str, node: Node) -> str:
 # generated kernel (REDUCE_TEMPLATE over a single slice) reads it and runs the group's epilogue. Two launches and one
 # round trip of the anchor's result instead of one fused kernel: the autotuner measures it beside the Triton configs
 # and keeps it only where it is faster (the shapes where the library's GEMM or convolution beats the template's).
-LIBRARY = KernelConfig.of(num_warps=4, num_stages=1, LIBRARY=1)
+# Two tiles for its epilogue kernel, which streams the anchor's whole output: the split-K reduce's small tile, and a
+# wider one for large outputs (bert-base's 8192 x 3072 FFN activations at batch 64)
+LIBRARY_CONFIGS = (KernelConfig.of(num_warps=4, num_stages=1, LIBRARY=1, BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N),
+                   KernelConfig.of(num_warps=8, num_stages=1, LIBRARY=1, BLOCK_M=64, BLOCK_N=128))
+LIBRARY = LIBRARY_CONFIGS[0]
 LibraryAnchor = Callable[[dict[str, torch.Tensor]], torch.Tensor]   # values by name -> [batch, rows, columns]
 
 
@@ -479,7 +484,7 @@ class EpilogueKernel(GroupKernel):
             first = self._configs[0]
             forms.append(KernelConfig.of(first.num_warps, first.num_stages, **(dict(first.params) | {"SPLIT_K": 1})))
         if library and self.library_anchor is not None:
-            forms.append(LIBRARY)
+            forms.extend(LIBRARY_CONFIGS)
         return forms
 
     def launches(self, config: KernelConfig | None = None) -> int:
@@ -491,14 +496,14 @@ class EpilogueKernel(GroupKernel):
 
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         if is_library(config):
-            return self.run_library(inputs)
+            return self.run_library(inputs, config)
         return self.run_triton(inputs, config)
 
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         raise NotImplementedError
 
-    def run_library(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The anchor through PyTorch, then the generated epilogue kernel over its result."""
+    def run_library(self, inputs: Sequence[torch.Tensor], config: KernelConfig = LIBRARY) -> list[torch.Tensor]:
+        """The anchor through PyTorch, then the generated epilogue kernel (with `config`'s tile) over its result."""
         if self.library_anchor is None:
             raise ValueError(f"kernel {self.name} has no library form")
         _, values, args, outputs = self.bind(inputs, None)
@@ -506,7 +511,8 @@ class EpilogueKernel(GroupKernel):
         batch, rows, columns = result.shape
         if self._library_epilogue is None:
             self._library_epilogue = SplitK.reduce_only(self.epilogue)
-        self._library_epilogue.run_reduce(result.contiguous().reshape(1, batch, rows, columns), self.layout, args)
+        self._library_epilogue.run_reduce(result.contiguous().reshape(1, batch, rows, columns), self.layout, args,
+                                          config["BLOCK_M"], config["BLOCK_N"], config.num_warps)
         self.last_compiled = None
         return outputs
 
