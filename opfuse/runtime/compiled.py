@@ -188,6 +188,7 @@ class CompiledModel(torch.nn.Module):
             kernel = self.kernels[name]
             timings = dict(getattr(self.tuning, "timings", {}).get(name, {}))
             library = timings.pop(config, None)
+            timings = {c: t for c, t in timings.items() if not is_library(c)}   # the Triton forms alone
             measured = ""
             if name in getattr(self.tuning, "from_cache", ()):
                 measured = ": the tuning cache's choice (measured when this kernel was first tuned)"
