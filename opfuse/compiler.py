@@ -85,6 +85,7 @@ class OpfuseModule(torch.nn.Module):
         args = [x.to(compute) if x.dtype != compute and x.is_floating_point() else x for x in inputs]
         try:
             # the inputs match the compiled signature (checked above, cast here): skip the module call's second check
+            # (so hooks registered on `.compiled` itself do not run; hooks on this module do)
             outputs = self.compiled.run_matching(args)
         except Exception as error:
             if self.analysis.config.fallback != "eager" or self._eager is None:   # recompile alone keeps _eager

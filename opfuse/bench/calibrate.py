@@ -109,6 +109,8 @@ def calibrate(samples: Sequence[Sample], hardware: HardwareProfile, dtype: str) 
     outliers = tuple(s.name or str(i) for i, (s, e) in enumerate(zip(samples, errors)) if e > cutoff)
     final = _fit(inliers, robust, dtype, robust=False)      # `hardware` with new factors, nothing else changed
     chosen = _physical_best(samples, hardware, [final, robust], dtype)
+    if factors_of(chosen) == factors_of(hardware):
+        outliers = ()                                        # nothing fitted: no sample was left out of anything
     return Calibration(chosen, factors_of(hardware), factors_of(chosen),
                        median_relative_error(samples, hardware, dtype),
                        median_relative_error(samples, chosen, dtype), len(samples), outliers)

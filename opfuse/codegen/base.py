@@ -84,6 +84,9 @@ class GroupKernel(ABC):
         kernels: the unsplit form of a split-K kernel, and with `library` the anchor through cuBLAS/cuDNN)."""
         return []
 
+    def keep_form(self, config: KernelConfig) -> None:
+        """Called once `config` is the config that runs: free what only other forms of the kernel need."""
+
     @abstractmethod
     def configs(self) -> list[KernelConfig]:
         """Candidate configs for autotuning; the first is the default when tuning is off."""

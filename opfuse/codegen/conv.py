@@ -323,7 +323,8 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
     epilogue = Epilogue(graph, group, chains, layout, device, anchor_biases(graph, anchors))
 
     g = geometry
-    library = conv_library_anchor(x, weight, geometry)
+    library = ConvLibraryAnchor(x, [graph.constants[graph[a].inputs[1]] for a in anchors], weight.dtype, device,
+                                geometry)
     if g.groups > 1 and g.groups == g.cin and layout.channels % g.cin == 0:
         kernel = DepthwiseConvKernel(graph, group, device, epilogue, x, geometry, weight)
     elif (g.kh, g.kw) == (1, 1) and g.padding == (0, 0) and g.groups == 1:
@@ -337,10 +338,24 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
     return kernel
 
 
-def conv_library_anchor(x: str, weight: torch.Tensor, g: ConvGeometry) -> LibraryAnchor:
-    """The convolution through PyTorch (cuDNN), as [1, pixels, channels]: its channels-last output, flattened."""
-    def run(values: dict[str, torch.Tensor]) -> torch.Tensor:
-        y = torch.nn.functional.conv2d(values[x], weight, None, g.stride, g.padding, g.dilation, g.groups)
+class ConvLibraryAnchor:
+    """The convolution through PyTorch (cuDNN), as [1, pixels, channels]: its channels-last output, flattened.
+
+    Its weight in PyTorch's layout goes to the device on first use and `release` drops it, so a conv kernel holds
+    one device copy of its weight (the packed one) unless the autotuner keeps its library form."""
+
+    def __init__(self, x: str, weights: list[torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 geometry: ConvGeometry):
+        self.x, self.weights, self.dtype, self.device, self.geometry = x, weights, dtype, device, geometry
+        self.weight: torch.Tensor | None = None
+
+    def __call__(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.weight is None:
+            self.weight = torch.cat(self.weights, 0).to(device=self.device, dtype=self.dtype)
+        g = self.geometry
+        y = torch.nn.functional.conv2d(values[self.x], self.weight, None, g.stride, g.padding, g.dilation, g.groups)
         y = y.contiguous(memory_format=torch.channels_last)
         return y.permute(0, 2, 3, 1).reshape(1, -1, y.shape[1])
-    return run
+
+    def release(self) -> None:
+        self.weight = None

@@ -489,7 +489,7 @@ class EpilogueKernel(GroupKernel):
 
     def launches(self, config: KernelConfig | None = None) -> int:
         """Two with K slices (the slices, then their sum with the epilogue) or in the library form (the library's
-        kernel, then the epilogue), else one."""
+        kernel, then the epilogue; cuBLAS/cuDNN may add helper kernels of their own), else one."""
         if is_library(config):
             return 2
         return 2 if self.split is not None and slices_of(config or self._configs[0]) > 1 else 1
@@ -501,6 +501,11 @@ class EpilogueKernel(GroupKernel):
 
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    def keep_form(self, config: KernelConfig) -> None:
+        """Free what only the other forms need once `config` is the one that runs (the library form's own weight)."""
+        if not is_library(config) and hasattr(self.library_anchor, "release"):
+            self.library_anchor.release()
 
     def run_library(self, inputs: Sequence[torch.Tensor], config: KernelConfig = LIBRARY) -> list[torch.Tensor]:
         """The anchor through PyTorch, then the generated epilogue kernel (with `config`'s tile) over its result."""

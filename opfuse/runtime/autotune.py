@@ -157,7 +157,8 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
     configs = configs + [c for c in kernel.alternatives(library) if c not in configs]
     if not configs:
         raise GraphError(f"kernel {kernel.name} (group {name}) offers no configs")
-    key = tuning_key(kernel.source, inputs, gpu_name) if cache is not None else None
+    key = tuning_key(kernel.source, inputs, gpu_name, candidates=[c.as_dict() for c in configs]) \
+        if cache is not None else None
     if cache is not None:
         entry = cache.load(key)
         cached = _restore(entry, configs)

@@ -206,6 +206,8 @@ class CompiledModel(torch.nn.Module):
         if unknown:
             raise GraphError(f"configs given for groups without a kernel: {sorted(unknown)}")
         self.configs.update(configs)
+        for name, config in configs.items():
+            self.kernels[name].keep_form(config)
         self._reset_cuda_graph()
 
     def set_cuda_graph(self, enabled: bool) -> None:

@@ -68,8 +68,13 @@ def test_conv_with_bias_and_relu6(cin, cout, kernel_size, stride, groups):
     b = Builder()
     x = b.input("x", (2, cin, 7, 9))
     y = b.op("clamp", b.conv(x, cout, kernel_size, stride, kernel_size // 2, groups=groups), min=0.0, max=6.0)
-    _, (out,) = run_library(b, [y], lower_conv_group)
+    kernel, (out,) = run_library(b, [y], lower_conv_group)
     assert out.is_contiguous(memory_format=torch.channels_last)
+    # its PyTorch-layout weight exists only while the library form may run
+    assert kernel.library_anchor.weight is not None
+    kernel.keep_form(kernel.configs()[0])
+    assert kernel.library_anchor.weight is None
+    b.check([y], kernel.run([b.feeds["x"]], LIBRARY_CONFIGS[1]))
 
 
 def test_autotuner_times_the_library_form_only_when_asked():

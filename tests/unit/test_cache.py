@@ -48,6 +48,10 @@ def test_describe_inputs_records_strides():
     (described,) = describe_inputs([x])
     assert described == {"shape": [2, 3, 4, 5], "dtype": "float32", "strides": list(x.stride())}
     assert tuning_key("s", [x], "gpu", VERSIONS) != tuning_key("s", [x.contiguous()], "gpu", VERSIONS)
+    # another set of candidates (e.g. tuned without the library form) is another key
+    offered = [{"BLOCK_M": 32, "num_warps": 4}]
+    assert tuning_key("s", [x], "gpu", VERSIONS, offered) != \
+        tuning_key("s", [x], "gpu", VERSIONS, offered + [{"LIBRARY": 1, "num_warps": 4}])
 
 
 def test_corrupt_entry_is_ignored_and_rewritten(tmp_path):
