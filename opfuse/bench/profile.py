@@ -34,6 +34,7 @@ import torch
 
 from opfuse.bench.calibrate import Calibration, Sample, calibrate
 from opfuse.codegen.epilogue import is_library
+from opfuse.runtime.autotune import recover_rng_after_failed_capture
 from opfuse.config import FusionConfig
 from opfuse.fusion.cost import estimate_kernel, predict_time, tile_efficiency
 from opfuse.hardware import HardwareProfile
@@ -185,18 +186,9 @@ def _time_row(row: ProfileRow, fn: Callable[[], object], timer: Timer | None) ->
     try:
         row.measured, row.timing = cuda_graph_time(fn), "cuda graph"
     except Exception:      # e.g. an op that syncs with the host: time it eagerly
-        _recover_rng()
+        recover_rng_after_failed_capture()
         torch.cuda.synchronize()
         row.measured, row.timing = event_time(fn), "events"
-
-
-def _recover_rng() -> None:
-    """After a failed capture, give the device's RNG a fresh copy of its state (see CompiledModel, torch 2.11)."""
-    try:
-        generator = torch.cuda.default_generators[torch.cuda.current_device()]
-        generator.graphsafe_set_state(generator.clone_state())
-    except Exception:
-        pass
 
 
 # ---- the rows ----------------------------------------------------------------------------------------------

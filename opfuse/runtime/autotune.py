@@ -114,6 +114,18 @@ def timing_available(device: torch.device | str) -> bool:
             and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 
 
+def recover_rng_after_failed_capture(device_index: int | None = None) -> None:
+    """Undo what a CUDA graph capture that raised leaves behind in PyTorch (seen with torch 2.11):
+    CUDAGraph.capture_end throws before its epilogue, so the device's default RNG stays marked as capturing (every
+    later torch.randn on the device then fails); give it a fresh copy of its own state (same seed and offset)."""
+    try:
+        index = device_index if device_index is not None else torch.cuda.current_device()
+        generator = torch.cuda.default_generators[index]
+        generator.graphsafe_set_state(generator.clone_state())
+    except Exception:   # other torch versions may not need it, or spell it differently
+        pass
+
+
 def cuda_median_time(fn: Callable[[], Any]) -> float:
     """Median seconds per call of fn, replayed in a CUDA graph (triton.testing.do_bench_cudagraph) as the compiled
     model runs it: timed by plain launches, a microsecond kernel measures the host's launch cost, which would
@@ -124,7 +136,8 @@ def cuda_median_time(fn: Callable[[], Any]) -> float:
     torch.cuda.synchronize()    # the side stream the graph is captured on must see the inputs finished
     try:
         return do_bench_cudagraph(fn, rep=10, return_mode="median") / 1e3
-    except Exception:
+    except Exception:   # not capturable: plain launches (this kernel's other candidates may be graph-timed)
+        recover_rng_after_failed_capture()
         torch.cuda.synchronize()
         return do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3
 

@@ -27,7 +27,7 @@ from opfuse.config import FusionConfig
 from opfuse.fusion.plan import FusionGroup, FusionPlan
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name
 from opfuse.ir.ops import get_op, launches_kernel
-from opfuse.runtime.autotune import timing_available, tune
+from opfuse.runtime.autotune import recover_rng_after_failed_capture, timing_available, tune
 from opfuse.runtime.cache import TuningCache
 
 
@@ -341,19 +341,10 @@ class CompiledModel(torch.nn.Module):
         self._cuda_graph, self._static_inputs, self._static_outputs = graph, static, outputs
 
     def _recover_from_failed_capture(self, graph: torch.cuda.CUDAGraph) -> None:
-        """Undo what a capture that raised leaves behind in PyTorch (seen with torch 2.11).
-
-        CUDAGraph.capture_end throws before its epilogue, so the device's default RNG stays marked as capturing
-        (every later torch.randn on the device then fails): give it a fresh copy of its own state (same seed and
-        offset). The allocator may still hold a pool filter that refers to the graph object, so it is kept alive.
-        """
+        """Undo what a capture that raised leaves behind in PyTorch (`recover_rng_after_failed_capture`). The
+        allocator may still hold a pool filter that refers to the graph object, so it is kept alive."""
         self._failed_captures.append(graph)
-        try:
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            generator = torch.cuda.default_generators[index]
-            generator.graphsafe_set_state(generator.clone_state())
-        except Exception:   # other torch versions may not need it, or spell it differently
-            pass
+        recover_rng_after_failed_capture(self.device.index)
 
     def extra_repr(self) -> str:
         return (f"graph={self.graph.name}, device={self.device}, kernels={len(self.kernels)}, "
