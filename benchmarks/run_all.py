@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import opfuse  # noqa: E402
+from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs  # noqa: E402
 from opfuse.bench.harness import (CONTENDERS, environment, geometric_mean, measure_ceilings,  # noqa: E402
                                   run_workload, speedup)
 from opfuse.bench.zoo import load_builtin  # noqa: E402
@@ -85,12 +86,7 @@ def main() -> int:
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--results", help="also write the table into this markdown file (replacing it)")
-    parser.add_argument("--tune-top", type=int, default=4,
-                        help="autotune among each kernel's first N configs; 0 turns autotuning off")
-    parser.add_argument("--no-split-k", action="store_true",
-                        help="no anchor splits K, however idle its tile grid leaves the SMs (FusionConfig.split_k)")
-    parser.add_argument("--no-library", action="store_true",
-                        help="autotuning does not time anchors through cuBLAS/cuDNN (FusionConfig.library_anchors)")
+    add_tuning_arguments(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("run_all.py needs an NVIDIA GPU (CUDA): torch.cuda.is_available() is False", file=sys.stderr)
@@ -101,17 +97,16 @@ def main() -> int:
     env = environment()
     ceilings = measure_ceilings()
     contenders = set(args.contenders.split(","))
-    config = opfuse.FusionConfig(dtype="float16", autotune=args.tune_top > 0, tune_top=args.tune_top or None,
-                                 split_k=not args.no_split_k, library_anchors=not args.no_library)
+    knobs = tuning_knobs(args)
+    config = opfuse.FusionConfig(dtype="float16", **knobs)
     results = []
     for spec in args.workloads.split(","):
         name, batch = spec.rsplit(":", 1)
         print(f"== {name} batch {batch}", flush=True)
         results.append(run_builtin(name, int(batch), ceilings, contenders, config))
         (out / "results.json").write_text(json.dumps({"env": env, "ceilings": ceilings, "results": results,
-                                                      "tune_top": args.tune_top,
-                                                      "split_k": not args.no_split_k,
-                                                      "library_anchors": not args.no_library},
+                                                      "tune_top": args.tune_top, "split_k": knobs["split_k"],
+                                                      "library_anchors": knobs["library_anchors"]},
                                                      indent=1, default=str))
         (out / "RESULTS.md").write_text(markdown(results, env, ceilings))
         print(markdown(results[-1:], env, ceilings), flush=True)

@@ -61,8 +61,7 @@ def _config(args: argparse.Namespace):
     from opfuse.ir.graph import dtype_name
 
     return FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold,
-                        autotune=args.tune_top > 0, tune_top=args.tune_top or None,
-                        split_k=not args.no_split_k, library_anchors=not args.no_library)
+                        **tuning_knobs(args))
 
 
 def _progress(args: argparse.Namespace) -> Progress:
@@ -70,13 +69,20 @@ def _progress(args: argparse.Namespace) -> Progress:
     return Progress(*columns, console=Console(stderr=True), disable=args.quiet, transient=True)
 
 
-def _tune_top_argument(parser: argparse.ArgumentParser) -> None:
+def add_tuning_arguments(parser: argparse.ArgumentParser) -> None:
+    """--tune-top, --no-split-k, --no-library: the FusionConfig knobs of `tuning_knobs` (bench, profile, run_all)."""
     parser.add_argument("--tune-top", type=int, default=4, metavar="N",
                         help="autotune opfuse's kernels among their first N configs; 0 turns tuning off (default 4)")
     parser.add_argument("--no-split-k", action="store_true",
                         help="no anchor splits K, however idle its tile grid leaves the SMs (FusionConfig.split_k)")
     parser.add_argument("--no-library", action="store_true",
                         help="autotuning does not time anchors through cuBLAS/cuDNN (FusionConfig.library_anchors)")
+
+
+def tuning_knobs(args: argparse.Namespace) -> dict:
+    """The FusionConfig fields the `add_tuning_arguments` flags set."""
+    return dict(autotune=args.tune_top > 0, tune_top=args.tune_top or None, split_k=not args.no_split_k,
+                library_anchors=not args.no_library)
 
 
 def _ms(value: float | None, digits: int = 3) -> str:
@@ -90,7 +96,7 @@ def bench_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
-    _tune_top_argument(parser)
+    add_tuning_arguments(parser)
 
 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
@@ -169,7 +175,7 @@ def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
 # ---- profile -----------------------------------------------------------------------------------------------
 
 def profile_arguments(parser: argparse.ArgumentParser) -> None:
-    _tune_top_argument(parser)
+    add_tuning_arguments(parser)
     parser.add_argument("--ops", default=40, type=row_limit,
                         help="rows per table, slowest first, or 'all' (default 40)")
     parser.add_argument("--calibrate", action="store_true",

@@ -24,9 +24,8 @@ import torch
 import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info
-from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, LibraryAnchor, SplitK, TileLayout, compute_dtype,
-                                     generate_kernel, interpreting, siblings_and_chains, sliced_template, slices_of,
-                                     with_slices)
+from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, SplitK, TileLayout, compute_dtype, generate_kernel,
+                                     interpreting, siblings_and_chains, sliced_template, slices_of, with_slices)
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import GROUP_M, STREAMING_MULTIPROCESSORS, GemmKernel, anchor_biases, gemm_configs
 from opfuse.fusion.plan import FusionGroup, GroupKind
@@ -316,22 +315,22 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
     if len(anchors) > 1 and geometry.groups != 1:
         raise Unsupported(f"horizontal group {group.name}: grouped convolutions are not concatenated")
     dtype = compute_dtype(graph, x, first)
-    weight = torch.cat([graph.constants[graph[a].inputs[1]] for a in anchors], 0)
-    weight = weight.to(device=device, dtype=torch_dtype(dtype))
+    weights = [graph.constants[graph[a].inputs[1]] for a in anchors]
+    weight = torch.cat(weights, 0).to(device=device, dtype=torch_dtype(dtype))
     n, _, h_out, w_out = first.type.shape
     layout = TileLayout((n, weight.shape[0], h_out, w_out), channel_dim=1, channels_last=True)
     epilogue = Epilogue(graph, group, chains, layout, device, anchor_biases(graph, anchors))
 
     g = geometry
-    library = ConvLibraryAnchor(x, [graph.constants[graph[a].inputs[1]] for a in anchors], weight.dtype, device,
-                                geometry)
+    library = ConvLibraryAnchor(x, weights, weight.dtype, device, geometry)
     if g.groups > 1 and g.groups == g.cin and layout.channels % g.cin == 0:
         kernel = DepthwiseConvKernel(graph, group, device, epilogue, x, geometry, weight)
     elif (g.kh, g.kw) == (1, 1) and g.padding == (0, 0) and g.groups == 1:
         stride_h, stride_w = g.stride
         a_view = None if g.stride == (1, 1) else (lambda t: t[:, :, ::stride_h, ::stride_w])
-        return GemmKernel(graph, group, device, epilogue, a=x, k=g.cin, b_packed=weight[:, :, 0, 0].t().contiguous(),
-                          a_view=a_view, tf32_allowed=_cudnn_allows_tf32, library_anchor=library)
+        kernel = GemmKernel(graph, group, device, epilogue, a=x, k=g.cin,
+                            b_packed=weight[:, :, 0, 0].t().contiguous(), a_view=a_view,
+                            tf32_allowed=_cudnn_allows_tf32)
     else:
         kernel = ConvKernel(graph, group, device, epilogue, x, geometry, weight)
     kernel.library_anchor = library

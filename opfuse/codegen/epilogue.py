@@ -451,8 +451,9 @@ def compute_dtype(graph: Graph, value: str, node: Node) -> str:
 # and keeps it only where it is faster (the shapes where the library's GEMM or convolution beats the template's).
 # Two tiles for its epilogue kernel, which streams the anchor's whole output: the split-K reduce's small tile, and a
 # wider one for large outputs (bert-base's 8192 x 3072 FFN activations at batch 64)
-LIBRARY_CONFIGS = (KernelConfig.of(num_warps=4, num_stages=1, LIBRARY=1, BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N),
-                   KernelConfig.of(num_warps=8, num_stages=1, LIBRARY=1, BLOCK_M=64, BLOCK_N=128))
+LIBRARY_CONFIGS = (
+    KernelConfig.of(num_warps=4, num_stages=1, LIBRARY=1, BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N),
+    KernelConfig.of(num_warps=8, num_stages=1, LIBRARY=1, BLOCK_M=64, BLOCK_N=128))
 LIBRARY = LIBRARY_CONFIGS[0]
 LibraryAnchor = Callable[[dict[str, torch.Tensor]], torch.Tensor]   # values by name -> [batch, rows, columns]
 
@@ -514,8 +515,8 @@ class EpilogueKernel(GroupKernel):
         _, values, args, outputs = self.bind(inputs, None)
         result = self.library_anchor(values)
         batch, rows, columns = result.shape
-        if self._library_epilogue is None:
-            self._library_epilogue = SplitK.reduce_only(self.epilogue)
+        if self._library_epilogue is None:   # a split kernel's reduce kernel is that same kernel
+            self._library_epilogue = self.split or SplitK.reduce_only(self.epilogue)
         self._library_epilogue.run_reduce(result.contiguous().reshape(1, batch, rows, columns), self.layout, args,
                                           config["BLOCK_M"], config["BLOCK_N"], config.num_warps)
         self.last_compiled = None

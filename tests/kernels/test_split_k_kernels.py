@@ -104,6 +104,9 @@ def test_split_kernels_offer_their_unsplit_form_to_the_autotuner():
     assert slices_of(kernel.configs()[0]) > 1 and slices_of(unsplit) == 1 and kernel.launches(unsplit) == 1
     assert dict(unsplit.params) == dict(kernel.configs()[0].params) | {"SPLIT_K": 1}
     b.check([kernel.group.outputs[0]], kernel.run([b.feeds["x"]], unsplit))
+    for config in library:      # the library form's epilogue is the split form's reduce kernel
+        b.check([kernel.group.outputs[0]], kernel.run([b.feeds["x"]], config))
+    assert kernel._library_epilogue is kernel.split
 
 
 def test_unsplit_groups_keep_one_kernel_and_configs_without_slices():
