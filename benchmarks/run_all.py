@@ -61,7 +61,7 @@ def markdown(results: list[dict], env: dict, ceilings: dict) -> str:
              "",
              "| workload | eager | eager + graph | torch.compile + graph | opfuse | speedup vs torch.compile | "
              "speedup vs eager + graph | floor (compute / memory) | opfuse rel. err | plan launches | "
-             "library anchors |",
+             "library anchors / unfused |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results:
         floor = (f"{row['floor_compute_ms']:.3f} / {row['floor_memory_ms']:.3f}" if "floor_compute_ms" in row
@@ -72,7 +72,8 @@ def markdown(results: list[dict], env: dict, ceilings: dict) -> str:
                      f"{ms(row, 'opfuse')} ({kernels(row, 'opfuse')}) | {times(speedup(row, 'inductor'))} | "
                      f"{times(speedup(row, 'eager_graph'))} | {floor} | "
                      f"{'-' if error is None else f'{error:.1e}'} | {row.get('plan_launches', '-')} | "
-                     f"{len(row['library_anchors']) if 'library_anchors' in row else '-'} |")
+                     f"{len(row.get('library_anchors', ())) if 'library_anchors' in row else '-'} / "
+                     f"{len(row['unfused']) if 'unfused' in row else '-'} |")
     mean = geometric_mean([speedup(row, "inductor") for row in results])
     if mean is not None and len(results) > 1:
         lines += ["", f"Geometric mean speedup of opfuse over torch.compile + graph: {mean:.2f}x "

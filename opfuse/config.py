@@ -23,7 +23,8 @@ class FusionConfig:
     autotune: bool = True
     tune_top: int | None = 4            # autotune among each kernel's first N configs (None: all); compiling is slow
     library_anchors: bool = True        # autotuning also times each conv/GEMM anchor through cuBLAS/cuDNN with its
-                                        # epilogue as a generated kernel, and keeps that where it is faster
+                                        # epilogue as a generated kernel, and the group unfused (its ops through
+                                        # PyTorch), and keeps either where it is faster than the fused kernel
     cuda_graph: bool = True
     verify: bool = True
     fallback: str = "error"             # "error": raise on a failed compile; "eager": return the eager model

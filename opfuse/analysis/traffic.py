@@ -80,11 +80,12 @@ def summarize_unfused(graph: Graph, hw: HardwareProfile | None = None, config: F
     """Every kernel-launching node its own kernel."""
     rows = op_table(graph, hw, config)
     kernels = [(graph[r.name].inputs, [r.name]) for r in rows]
-    return _summary(graph, rows, kernels, sum(r.predicted_time for r in rows))
+    return _summary(graph, rows, kernels, sum(r.predicted_time for r in rows), len(rows))
 
 
 def summarize_plan(plan: FusionPlan, hw: HardwareProfile | None = None) -> TrafficSummary:
-    """Every group of the plan one kernel (views none); times recomputed when another `hw` is given."""
+    """Every group of the plan one kernel (views none, split-K groups two launches); times recomputed when another
+    `hw` is given."""
     graph = plan.graph
     kernels = [g for g in plan.groups if g.launches]
     if hw is None:
@@ -93,7 +94,7 @@ def summarize_plan(plan: FusionPlan, hw: HardwareProfile | None = None) -> Traff
         users = graph.users()
         dtype = for_graph(plan.config, graph).dtype
         time = sum(estimate_kernel(graph, g.nodes, users, hw, dtype).time for g in kernels)
-    return _summary(graph, kernels, [(g.inputs, g.outputs) for g in kernels], time)
+    return _summary(graph, kernels, [(g.inputs, g.outputs) for g in kernels], time, plan.kernel_launches)
 
 
 def compare(unfused: TrafficSummary, fused: TrafficSummary) -> dict[str, float]:
@@ -152,10 +153,10 @@ def peak_intermediate_bytes(graph: Graph, kernels: Sequence[tuple[Iterable[str],
 
 
 def _summary(graph: Graph, rows: Sequence, kernels: list[tuple[Iterable[str], Iterable[str]]],
-             time: float) -> TrafficSummary:
+             time: float, launches: int) -> TrafficSummary:
     read = sum(r.bytes_read for r in rows)
     written = sum(r.bytes_written for r in rows)
     flops = sum(r.flops for r in rows)
     total = read + written
-    return TrafficSummary(read, written, total, len(rows), peak_intermediate_bytes(graph, kernels), flops,
+    return TrafficSummary(read, written, total, launches, peak_intermediate_bytes(graph, kernels), flops,
                           flops / total if total else 0.0, time)

@@ -76,7 +76,8 @@ def add_tuning_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-split-k", action="store_true",
                         help="no anchor splits K, however idle its tile grid leaves the SMs (FusionConfig.split_k)")
     parser.add_argument("--no-library", action="store_true",
-                        help="autotuning does not time anchors through cuBLAS/cuDNN (FusionConfig.library_anchors)")
+                        help="autotuning times neither anchors through cuBLAS/cuDNN nor groups unfused "
+                             "(FusionConfig.library_anchors)")
 
 
 def tuning_knobs(args: argparse.Namespace) -> dict:
@@ -167,7 +168,8 @@ def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
     if "plan_launches" in row:
         pytorch_groups = sum(1 for reason in row.get("fallbacks", {}).values() if not reason.startswith("view"))
         notes.append(f"opfuse plan: {row['plan_launches']} launches, {pytorch_groups} groups through PyTorch, "
-                     f"{len(row.get('library_anchors', {}))} anchors through cuBLAS/cuDNN (measured faster)")
+                     f"{len(row.get('library_anchors', {}))} anchors through cuBLAS/cuDNN and "
+                     f"{len(row.get('unfused', {}))} groups unfused (measured faster)")
     table.caption = "; ".join(notes)
     return table
 

@@ -244,6 +244,7 @@ def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workloa
         row["runtime_launches"] = compiled.launches
         row["fallbacks"] = compiled.fallbacks
         row["library_anchors"] = compiled.compiled.library_anchors
+        row["unfused"] = compiled.compiled.unfused
         row["opfuse_compile_seconds"] = compiled.seconds
         row["floor_compute_ms"], row["floor_memory_ms"] = floor_ms(compiled.analysis, ceilings)
         result = measure(compiled, inputs, reference, compile_s=seconds)

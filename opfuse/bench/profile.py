@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from opfuse.bench.calibrate import Calibration, Sample, calibrate
-from opfuse.codegen.epilogue import is_library
+from opfuse.codegen.epilogue import is_library, is_unfused
 from opfuse.runtime.autotune import recover_rng_after_failed_capture
 from opfuse.config import FusionConfig
 from opfuse.fusion.cost import estimate_kernel, predict_time, tile_efficiency
@@ -268,7 +268,8 @@ def opfuse_rows(compiled_model: Any, values: dict[str, torch.Tensor], hardware: 
         kernel = compiled_model.kernels.get(group.name)
         config = compiled_model.configs.get(group.name)
         ops = " + ".join(graph[n].op for n in group.nodes)
-        library = " (cuBLAS/cuDNN + epilogue)" if is_library(config) else ""
+        library = " (cuBLAS/cuDNN + epilogue)" if is_library(config) else " (unfused: PyTorch ops)" \
+            if is_unfused(config) else ""
         runs_as = "pytorch" if kernel is None else kernel.name + library
         row = ProfileRow(group.name, ops, group.kind.value, runs_as, group.flops, group.bytes_moved, predicted,
                          matrix, tile, roofline)

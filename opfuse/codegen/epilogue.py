@@ -37,7 +37,7 @@ from opfuse.codegen.base import GroupKernel, KernelConfig, load_kernel
 from opfuse.codegen.expr import Unsupported, emit, triton_dtype
 from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import Graph, Node, torch_dtype
-from opfuse.ir.ops import FusionKind, kind_of
+from opfuse.ir.ops import FusionKind, get_op, kind_of, launches_kernel
 
 ROW_GROUPS = 3      # row dims a kernel decomposes its row index into (N, H, W for images)
 BATCH_GROUPS = 2    # batch dims a batched kernel decomposes its batch grid index into (batch, heads)
@@ -456,10 +456,18 @@ LIBRARY_CONFIGS = (
     KernelConfig.of(num_warps=8, num_stages=1, LIBRARY=1, BLOCK_M=64, BLOCK_N=128))
 LIBRARY = LIBRARY_CONFIGS[0]
 LibraryAnchor = Callable[[dict[str, torch.Tensor]], torch.Tensor]   # values by name -> [batch, rows, columns]
+# The unfused form: the group's ops one by one through PyTorch, as eager runs them (cuBLAS with its bias epilogue,
+# then PyTorch's own elementwise kernels). The autotuner times it too, so a fusion that measures slower than the
+# ops it merges is refused at run time (bert-base's K=768 linears, where cuBLAS's main loop beats the template's).
+UNFUSED = KernelConfig.of(num_warps=1, num_stages=1, UNFUSED=1)
 
 
 def is_library(config: KernelConfig | None) -> bool:
     return config is not None and dict(config.params).get("LIBRARY", 0) == 1
+
+
+def is_unfused(config: KernelConfig | None) -> bool:
+    return config is not None and dict(config.params).get("UNFUSED", 0) == 1
 
 
 class EpilogueKernel(GroupKernel):
@@ -474,28 +482,37 @@ class EpilogueKernel(GroupKernel):
     split: "SplitK | None" = None
     library_anchor: LibraryAnchor | None = None
     _library_epilogue: object = None     # the epilogue kernel of the library form, generated on first use
+    _unfused_constants: dict[str, torch.Tensor] | None = None   # the unfused form's weights, on first use
 
     def configs(self) -> list[KernelConfig]:
         return list(self._configs)
 
     def alternatives(self, library: bool = True) -> list[KernelConfig]:
-        """The unsplit form of a split-K kernel's first config, and the library form where there is one."""
+        """The unsplit form of a split-K kernel's first config; with `library`, the library form where there is
+        one and the unfused form."""
         forms = []
         if self.split is not None:
             first = self._configs[0]
             forms.append(KernelConfig.of(first.num_warps, first.num_stages, **(dict(first.params) | {"SPLIT_K": 1})))
-        if library and self.library_anchor is not None:
-            forms.extend(LIBRARY_CONFIGS)
+        if library:
+            if self.library_anchor is not None:
+                forms.extend(LIBRARY_CONFIGS)
+            forms.append(UNFUSED)
         return forms
 
     def launches(self, config: KernelConfig | None = None) -> int:
         """Two with K slices (the slices, then their sum with the epilogue) or in the library form (the library's
-        kernel, then the epilogue; cuBLAS/cuDNN may add helper kernels of their own), else one."""
+        kernel, then the epilogue; cuBLAS/cuDNN may add helper kernels of their own); one per launching op in the
+        unfused form; else one."""
+        if is_unfused(config):
+            return sum(launches_kernel(self.graph, node) for node in self._unfused_nodes())
         if is_library(config):
             return 2
         return 2 if self.split is not None and slices_of(config or self._configs[0]) > 1 else 1
 
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+        if is_unfused(config):
+            return self.run_unfused(inputs)
         if is_library(config):
             return self.run_library(inputs, config)
         return self.run_triton(inputs, config)
@@ -504,9 +521,28 @@ class EpilogueKernel(GroupKernel):
         raise NotImplementedError
 
     def keep_form(self, config: KernelConfig) -> None:
-        """Free what only the other forms need once `config` is the one that runs (the library form's own weight)."""
+        """Free what only the other forms need once `config` is the one that runs (the library form's own weight,
+        the unfused form's constants)."""
         if not is_library(config) and hasattr(self.library_anchor, "release"):
             self.library_anchor.release()
+        if not is_unfused(config):
+            self._unfused_constants = None
+
+    def _unfused_nodes(self) -> list[Node]:
+        return [self.graph[n] for n in self.group.nodes if self.graph[n].op not in ("input", "constant")]
+
+    def run_unfused(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The group's ops one by one through their PyTorch references, as the runtime runs a group it has no kernel
+        for; the constants they read (the graph's, BN already folded) go to the device on first use."""
+        nodes = self._unfused_nodes()
+        if self._unfused_constants is None:
+            self._unfused_constants = {name: self.graph.constants[name].to(self.epilogue.device) for node in nodes
+                                       for name in node.inputs if self.graph.is_constant(name)}
+        values = dict(zip(self.runtime_inputs, inputs)) | self._unfused_constants
+        for node in nodes:
+            values[node.name] = get_op(node.op).run([values[name] for name in node.inputs], node.attrs)
+        self.last_compiled = None
+        return [values[name] for name in self.group.outputs]
 
     def run_library(self, inputs: Sequence[torch.Tensor], config: KernelConfig = LIBRARY) -> list[torch.Tensor]:
         """The anchor through PyTorch, then the generated epilogue kernel (with `config`'s tile) over its result."""

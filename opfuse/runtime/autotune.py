@@ -2,8 +2,10 @@
 
 For each kernel and each of its candidate configs: compile and run it once, read what the compiler reports
 (registers, spills, shared memory; `GroupKernel.last_compiled`), reject configs that spill or exceed the hardware
-profile (`screen_configs`, a pure function), time the rest with `triton.testing.do_bench` (median) and keep the
-fastest. A group whose every config is rejected is reported in `TuningResult.over_budget` ("over budget: every
+profile (`screen_configs`, a pure function), time the rest in a CUDA graph (`cuda_median_time`, median) and keep
+the fastest. Besides its own configs a kernel offers other forms (`GroupKernel.alternatives`): an anchor kernel's
+unsplit form, its anchor through cuBLAS/cuDNN with a generated epilogue, and its group unfused (the ops through
+PyTorch): a fusion that measures slower than the ops it merges is not kept. A group whose every config is rejected is reported in `TuningResult.over_budget` ("over budget: every
 config spills") so the caller can split it; it still gets the least bad config, so the model runs either way.
 Results are kept in the on-disk `TuningCache`. Without a GPU (Triton's interpreter) nothing is timed and each
 kernel gets its first config.
@@ -164,7 +166,7 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
                 result: TuningResult, cache: TuningCache | None = None, gpu_name: str = "",
                 top: int | None = None, library: bool = False) -> KernelConfig:
     """Choose the config of one kernel among its first `top` configs and its other forms (`alternatives`: unsplit,
-    and with `library` the anchor through cuBLAS/cuDNN; see module docstring); record it."""
+    and with `library` the anchor through cuBLAS/cuDNN and the group unfused; see module docstring); record it."""
     name = kernel.group.name
     configs = kernel.configs()[:top] if top else kernel.configs()
     configs = configs + [c for c in kernel.alternatives(library) if c not in configs]

@@ -2,7 +2,9 @@
 
 A group with a kernel calls `kernel.run(runtime inputs, config)`; a group without one (view, opaque, attention,
 unsupported) runs its nodes through their PyTorch references, and is listed in `compiled.fallbacks` with the
-reason. The schedule (which values each step reads, and after which step each value is dead) is worked out once
+reason. A kernel whose autotuning kept another form names it: `library_anchors` (anchor through cuBLAS/cuDNN,
+generated epilogue) and `unfused` (the fusion measured slower than its ops run one by one through PyTorch).
+The schedule (which values each step reads, and after which step each value is dead) is worked out once
 at build time, so a forward pass is a plain loop that frees every intermediate right after its last reader.
 
 Inputs are checked against the signature the model was compiled for. A mismatch is an error naming the input,
@@ -179,26 +181,36 @@ class CompiledModel(torch.nn.Module):
         """Groups whose anchor runs through PyTorch's library (cuBLAS/cuDNN) with the epilogue as a generated
         kernel (the autotuner measured that faster than every Triton config it tried), and the timings."""
         from opfuse.codegen.epilogue import is_library
+
+        return {name: f"anchor {self.kernels[name].group.anchor or '?'} through PyTorch (cuBLAS/cuDNN), then its "
+                      f"epilogue as a generated kernel{self._measured_against_triton(name)}"
+                for name, config in self.configs.items() if is_library(config)}
+
+    @property
+    def unfused(self) -> dict[str, str]:
+        """Groups that run unfused, their ops one by one through PyTorch, because the autotuner measured that
+        faster than the fused kernel, and the timings."""
+        from opfuse.codegen.epilogue import is_unfused
+
+        return {name: f"{self.kernels[name].launches(config)} PyTorch ops unfused (fusion refused: "
+                      f"measured slower){self._measured_against_triton(name)}"
+                for name, config in self.configs.items() if is_unfused(config)}
+
+    def _measured_against_triton(self, name: str) -> str:
+        """': X us measured against Y us for the best Triton config (...)' for group `name`'s chosen form."""
+        from opfuse.codegen.epilogue import is_library, is_unfused
         from opfuse.runtime.autotune import format_config
 
-        chosen = {}
-        for name, config in self.configs.items():
-            if not is_library(config):
-                continue
-            kernel = self.kernels[name]
-            timings = dict(getattr(self.tuning, "timings", {}).get(name, {}))
-            library = timings.pop(config, None)
-            timings = {c: t for c, t in timings.items() if not is_library(c)}   # the Triton forms alone
-            measured = ""
-            if name in getattr(self.tuning, "from_cache", ()):
-                measured = ": the tuning cache's choice (measured when this kernel was first tuned)"
-            elif library is not None and timings:
-                best = min(timings, key=timings.__getitem__)
-                measured = (f": {library * 1e6:.1f} us measured against {timings[best] * 1e6:.1f} us for the best "
-                            f"Triton config ({format_config(best)})")
-            chosen[name] = (f"anchor {kernel.group.anchor or '?'} through PyTorch (cuBLAS/cuDNN), then its epilogue "
-                            f"as a generated kernel{measured}")
-        return chosen
+        if name in getattr(self.tuning, "from_cache", ()):
+            return ": the tuning cache's choice (measured when this kernel was first tuned)"
+        timings = dict(getattr(self.tuning, "timings", {}).get(name, {}))
+        chosen = timings.pop(self.configs[name], None)
+        timings = {c: t for c, t in timings.items() if not (is_library(c) or is_unfused(c))}   # the Triton forms
+        if chosen is None or not timings:
+            return ""
+        best = min(timings, key=timings.__getitem__)
+        return (f": {chosen * 1e6:.1f} us measured against {timings[best] * 1e6:.1f} us for the best Triton config "
+                f"({format_config(best)})")
 
     def set_configs(self, configs: Mapping[str, KernelConfig]) -> None:
         """Use these kernel configs from now on (drops a captured CUDA graph, which baked the old ones in)."""

@@ -1,7 +1,8 @@
-"""The library form of anchor kernels on the interpreter: the anchor through PyTorch (cuBLAS/cuDNN on a GPU, ATen
-on the CPU here), its result read by a generated epilogue kernel. Every anchor kind (linear, horizontal linears,
-batched matmul, conv, grouped, depthwise, strided 1x1) must match the float32 reference with every output
-element written (NaN-poisoned), count two launches, and be offered to the autotuner only when asked."""
+"""The library and unfused forms of anchor kernels on the interpreter. Library: the anchor through PyTorch
+(cuBLAS/cuDNN on a GPU, ATen on the CPU here), its result read by a generated epilogue kernel; unfused: the group's
+ops one by one through PyTorch. For every anchor kind (linear, horizontal linears, batched matmul, conv, grouped,
+depthwise, strided 1x1) both must match the float32 reference (the library form with every output element written,
+NaN-poisoned), count their launches, and be offered to the autotuner only when asked."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from opfuse.codegen.conv import lower_conv_group
-from opfuse.codegen.epilogue import LIBRARY_CONFIGS, is_library
+from opfuse.codegen.epilogue import LIBRARY_CONFIGS, UNFUSED, is_library, is_unfused
 from opfuse.codegen.gemm import lower_gemm_group
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import GroupKind
@@ -18,12 +19,15 @@ from tests.kernels.test_conv_kernels import Builder
 from tests.kernels.test_gemm_kernels import linear
 
 
-def run_library(b: Builder, outputs: list[str], lower, kind: GroupKind = GroupKind.ANCHOR_EPILOGUE):
-    """The group lowered and run in its library form; checked against the reference and the Triton form."""
+def run_library(b: Builder, outputs: list[str], lower, unfused_launches: int,
+                kind: GroupKind = GroupKind.ANCHOR_EPILOGUE):
+    """The group lowered and run in its library and unfused forms; checked against the reference and the Triton
+    form. Returns the kernel and the library form's results."""
     kernel = lower(b.graph, b.group(outputs, kind), "cpu")
     kernel.epilogue.output_fill = float("nan")
     feeds = [b.feeds[name] for name in kernel.runtime_inputs]
-    assert kernel.alternatives(library=True) == list(LIBRARY_CONFIGS) and kernel.alternatives(library=False) == []
+    assert kernel.alternatives(library=True) == [*LIBRARY_CONFIGS, UNFUSED]
+    assert kernel.alternatives(library=False) == []
     assert kernel.launches(kernel.configs()[0]) == 1
     triton_form = kernel.run(feeds)
     for config in LIBRARY_CONFIGS:     # each epilogue tile
@@ -32,6 +36,11 @@ def run_library(b: Builder, outputs: list[str], lower, kind: GroupKind = GroupKi
         b.check(outputs, results)
         for x, y in zip(results, triton_form):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    assert kernel.launches(UNFUSED) == unfused_launches
+    unfused = kernel.run(feeds, UNFUSED)
+    b.check(outputs, unfused)
+    for x, y in zip(unfused, triton_form):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
     return kernel, results
 
 
@@ -39,14 +48,14 @@ def test_linear_with_bias_residual_and_relu():
     b = Builder()
     x = b.input("x", (2, 3, 40))
     r = b.input("r", (2, 3, 24))
-    run_library(b, [b.op("relu", b.op("add", linear(b, x, 24), r))], lower_gemm_group, GroupKind.RESIDUAL)
+    run_library(b, [b.op("relu", b.op("add", linear(b, x, 24), r))], lower_gemm_group, 3, GroupKind.RESIDUAL)
 
 
 def test_horizontal_linears_keep_their_per_sibling_epilogues():
     b = Builder()
     x = b.input("x", (5, 32))
     ys = [b.op("gelu", b.op("mul", linear(b, x, n), b.const(f"s{n}", b.random(n)))) for n in (7, 12)]
-    _, outs = run_library(b, ys, lower_gemm_group, GroupKind.HORIZONTAL)
+    _, outs = run_library(b, ys, lower_gemm_group, 6, GroupKind.HORIZONTAL)
     assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
 
 
@@ -55,7 +64,7 @@ def test_batched_matmul_two_outputs():
     a = b.input("a", (2, 3, 5, 16))
     m = b.input("m", (2, 3, 16, 9))
     product = b.op("matmul", a, m)
-    run_library(b, [product, b.op("mul", product, b.const("s", torch.tensor(0.5)))], lower_gemm_group)
+    run_library(b, [product, b.op("mul", product, b.const("s", torch.tensor(0.5)))], lower_gemm_group, 2)
 
 
 @pytest.mark.parametrize("cin,cout,kernel_size,stride,groups", [
@@ -68,13 +77,17 @@ def test_conv_with_bias_and_relu6(cin, cout, kernel_size, stride, groups):
     b = Builder()
     x = b.input("x", (2, cin, 7, 9))
     y = b.op("clamp", b.conv(x, cout, kernel_size, stride, kernel_size // 2, groups=groups), min=0.0, max=6.0)
-    kernel, (out,) = run_library(b, [y], lower_conv_group)
+    kernel, (out,) = run_library(b, [y], lower_conv_group, 2)
     assert out.is_contiguous(memory_format=torch.channels_last)
-    # its PyTorch-layout weight exists only while the library form may run
-    assert kernel.library_anchor.weight is not None
+    # its PyTorch-layout weight exists only while the library form may run, the unfused form's constants only
+    # while that may run
+    assert kernel.library_anchor.weight is not None and kernel._unfused_constants
     kernel.keep_form(kernel.configs()[0])
-    assert kernel.library_anchor.weight is None
+    assert kernel.library_anchor.weight is None and kernel._unfused_constants is None
     b.check([y], kernel.run([b.feeds["x"]], LIBRARY_CONFIGS[1]))
+    kernel.keep_form(UNFUSED)
+    assert kernel.library_anchor.weight is None and kernel._unfused_constants is None
+    b.check([y], kernel.run([b.feeds["x"]], UNFUSED))
 
 
 def test_autotuner_times_the_library_form_only_when_asked():
@@ -93,25 +106,28 @@ def test_autotuner_times_the_library_form_only_when_asked():
 
     chosen = tune({"g": kernel}, values, FusionConfig(tune_top=None), benchmark=clock, quiet=True)
     assert chosen[kernel.group.name] == LIBRARY_CONFIGS[0]
-    assert len(timed) == len(kernel.configs()) + len(LIBRARY_CONFIGS)
+    assert len(timed) == len(kernel.configs()) + len(LIBRARY_CONFIGS) + 1     # and the unfused form
     timed.clear()
     chosen = tune({"g": kernel}, values, FusionConfig(tune_top=None, library_anchors=False), benchmark=clock,
                   quiet=True)
     assert not is_library(chosen[kernel.group.name]) and len(timed) == len(kernel.configs())
 
 
-def test_compile_where_the_library_form_wins_matches_eager_and_says_so(monkeypatch, tmp_path):
-    """A whole compile whose (fake) clock finds the library form fastest for every anchor: the model runs it,
-    verification passes, the launches count the epilogue kernels, and `library_anchors` names each group."""
+@pytest.mark.parametrize("form", ["library", "unfused"])
+def test_compile_where_another_form_wins_matches_eager_and_says_so(monkeypatch, tmp_path, form):
+    """A whole compile whose (fake) clock finds the library (or the unfused) form fastest for every anchor: the
+    model runs it, verification passes, the launches count the extra kernels, and `library_anchors` (or `unfused`)
+    names each group with its timing against the best Triton config."""
     import opfuse
     from opfuse.runtime import autotune, compiled as runtime
 
     monkeypatch.setattr(runtime, "timing_available", lambda device: True)
+    wins = is_library if form == "library" else is_unfused
 
     def clock(fn) -> float:
         # the tuner's closures bind the config as a default argument
         config = fn.__defaults__[0] if fn.__defaults__ else None
-        return 1e-6 if is_library(config) else 1e-3
+        return 1e-6 if wins(config) else 1e-3
 
     monkeypatch.setattr(runtime, "tune", lambda *a, **k: autotune.tune(*a, **k | {"benchmark": clock}))
     torch.manual_seed(0)
@@ -121,11 +137,16 @@ def test_compile_where_the_library_form_wins_matches_eager_and_says_so(monkeypat
     x = torch.randn(2, 3, 5, 5)
     compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(cache_dir=str(tmp_path)))
     anchors = [g.name for g in compiled.plan.groups if g.anchor is not None]
-    assert len(anchors) == 3 and set(compiled.compiled.library_anchors) == set(anchors)
-    for why in compiled.compiled.library_anchors.values():    # compared with the Triton configs, not its sibling
-        assert "cuBLAS/cuDNN" in why and "1.0 us measured against 1000.0 us" in why, why
-        assert "LIBRARY" not in why.split("best Triton config")[1], why
-    assert compiled.launches == compiled.plan.kernel_launches + 3
+    chosen = compiled.compiled.library_anchors if form == "library" else compiled.compiled.unfused
+    other = compiled.compiled.unfused if form == "library" else compiled.compiled.library_anchors
+    assert len(anchors) == 3 and set(chosen) == set(anchors) and not other
+    for why in chosen.values():    # compared with the Triton configs, not the other forms
+        assert ("cuBLAS/cuDNN" if form == "library" else "unfused") in why, why
+        assert "1.0 us measured against 1000.0 us" in why, why
+        assert not {"LIBRARY", "UNFUSED"} & set(why.split("best Triton config")[1].replace("=", " ").split()), why
+    # library: one epilogue kernel more per anchor; unfused: conv+relu and linear+tanh are two ops each, the
+    # depthwise conv one
+    assert compiled.launches == compiled.plan.kernel_launches + (3 if form == "library" else 2)
     assert all(check.passed for check in compiled.checks)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)

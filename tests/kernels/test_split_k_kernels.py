@@ -11,7 +11,7 @@ import torch
 
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.conv import ConvKernel, lower_conv_group
-from opfuse.codegen.epilogue import slices_of
+from opfuse.codegen.epilogue import is_unfused, slices_of
 from opfuse.codegen.gemm import GemmKernel, lower_gemm_group
 from opfuse.fusion.plan import GroupKind
 from opfuse.fusion.resources import split_k_slices
@@ -99,8 +99,8 @@ def test_split_kernels_offer_their_unsplit_form_to_the_autotuner():
     b = Builder()
     x = b.input("x", (3, 520))
     kernel = lower_gemm_group(b.graph, replace(b.group([linear(b, x, 24)]), split_k=4), "cpu")
-    unsplit, *library = kernel.alternatives(library=True)
-    assert library and all(kernel.launches(c) == 2 for c in library)
+    unsplit, *library, unfused = kernel.alternatives(library=True)
+    assert library and all(kernel.launches(c) == 2 for c in library) and is_unfused(unfused)
     assert slices_of(kernel.configs()[0]) > 1 and slices_of(unsplit) == 1 and kernel.launches(unsplit) == 1
     assert dict(unsplit.params) == dict(kernel.configs()[0].params) | {"SPLIT_K": 1}
     b.check([kernel.group.outputs[0]], kernel.run([b.feeds["x"]], unsplit))
