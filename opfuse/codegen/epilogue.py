@@ -456,6 +456,9 @@ LIBRARY_CONFIGS = (
     KernelConfig.of(num_warps=8, num_stages=1, LIBRARY=1, BLOCK_M=64, BLOCK_N=128))
 LIBRARY = LIBRARY_CONFIGS[0]
 LibraryAnchor = Callable[[dict[str, torch.Tensor]], torch.Tensor]   # values by name -> [batch, rows, columns]
+# the whole library form of a group that is its anchors alone (the bias inside the library call): values by name ->
+# the group's outputs, with no epilogue kernel
+LibraryOutputs = Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]
 # The unfused form: the group's ops one by one through PyTorch, as eager runs them (cuBLAS with its bias epilogue,
 # then PyTorch's own elementwise kernels). The autotuner times it too, so a fusion that measures slower than the
 # ops it merges is refused at run time (bert-base's K=768 linears, where cuBLAS's main loop beats the template's).
@@ -481,6 +484,7 @@ class EpilogueKernel(GroupKernel):
 
     split: "SplitK | None" = None
     library_anchor: LibraryAnchor | None = None
+    library_outputs: LibraryOutputs | None = None   # set where the library form needs no epilogue kernel
     _library_epilogue: object = None     # the epilogue kernel of the library form, generated on first use
     _unfused_constants: dict[str, torch.Tensor] | None = None   # the unfused form's weights, on first use
 
@@ -495,19 +499,21 @@ class EpilogueKernel(GroupKernel):
             first = self._configs[0]
             forms.append(KernelConfig.of(first.num_warps, first.num_stages, **(dict(first.params) | {"SPLIT_K": 1})))
         if library:
-            if self.library_anchor is not None:
+            if self.library_outputs is not None:
+                forms.append(LIBRARY)              # no epilogue kernel, so no epilogue tile to choose
+            elif self.library_anchor is not None:
                 forms.extend(LIBRARY_CONFIGS)
             forms.append(UNFUSED)
         return forms
 
     def launches(self, config: KernelConfig | None = None) -> int:
         """Two with K slices (the slices, then their sum with the epilogue) or in the library form (the library's
-        kernel, then the epilogue; cuBLAS/cuDNN may add helper kernels of their own); one per launching op in the
-        unfused form; else one."""
+        kernel, then the epilogue, which a group of bare anchors does without; cuBLAS/cuDNN may add helper kernels
+        of their own); one per launching op in the unfused form; else one."""
         if is_unfused(config):
             return sum(launches_kernel(self.graph, node) for node in self._unfused_nodes())
         if is_library(config):
-            return 2
+            return 1 if self.library_outputs is not None else 2
         return 2 if self.split is not None and slices_of(config or self._configs[0]) > 1 else 1
 
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
@@ -546,6 +552,9 @@ class EpilogueKernel(GroupKernel):
 
     def run_library(self, inputs: Sequence[torch.Tensor], config: KernelConfig = LIBRARY) -> list[torch.Tensor]:
         """The anchor through PyTorch, then the generated epilogue kernel (with `config`'s tile) over its result."""
+        if self.library_outputs is not None:
+            self.last_compiled = None
+            return self.library_outputs(dict(zip(self.runtime_inputs, inputs)) | self.constants)
         if self.library_anchor is None:
             raise ValueError(f"kernel {self.name} has no library form")
         _, values, args, outputs = self.bind(inputs, None)

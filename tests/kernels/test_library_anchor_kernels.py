@@ -59,6 +59,24 @@ def test_horizontal_linears_keep_their_per_sibling_epilogues():
     assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
 
 
+@pytest.mark.parametrize("widths,biases", [((7, 12, 5), (True, False, True)), ((9,), (True,))])
+def test_bare_linears_take_one_library_gemm_and_no_epilogue_kernel(widths, biases):
+    """Linears with nothing after them but their biases (bert's QKV siblings, one with no bias here): the library
+    form is one GEMM with the concatenated bias, its outputs column slices of one result."""
+    b = Builder()
+    x = b.input("x", (2, 3, 24))
+    ys = [linear(b, x, n, bias) for n, bias in zip(widths, biases)]
+    kind = GroupKind.HORIZONTAL if len(ys) > 1 else GroupKind.SINGLE
+    kernel = lower_gemm_group(b.graph, b.group(ys, kind), "cpu")
+    assert kernel.alternatives(library=True) == [LIBRARY_CONFIGS[0], UNFUSED]
+    assert kernel.launches(LIBRARY_CONFIGS[0]) == 1 and kernel.launches(UNFUSED) == len(ys)
+    outs = kernel.run([b.feeds["x"]], LIBRARY_CONFIGS[0])
+    b.check(ys, outs)
+    assert [o.shape[-1] for o in outs] == list(widths)
+    assert len({o.untyped_storage().data_ptr() for o in outs}) == 1
+    b.check(ys, kernel.run([b.feeds["x"]], UNFUSED))
+
+
 def test_batched_matmul_two_outputs():
     b = Builder()
     a = b.input("a", (2, 3, 5, 16))
