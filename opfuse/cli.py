@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -307,10 +308,20 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="print nothing on stdout (use with --json)")
 
 
+# the width of the tables when stdout is a file or a pipe: rich would otherwise wrap them at 80 columns, one
+# character per line in the profile's eleven columns (COLUMNS, where set, still wins)
+PIPED_WIDTH = 200
+
+
+def stdout_console() -> Console:
+    piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
+    return Console(stderr=False, width=PIPED_WIDTH if piped else None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    console = Console(stderr=False)
+    console = stdout_console()
     try:
         return args.handler(args, console)
     except (GraphError, FileNotFoundError, ValueError, ImportError, RuntimeError) as problem:

@@ -48,6 +48,19 @@ def test_analyze_prints_the_seed_table_for_conv_bn_relu(monkeypatch, capsys, tmp
         assert row in printed
 
 
+def test_tables_piped_to_a_file_are_not_wrapped_at_80_columns(monkeypatch, capsys):
+    """Redirected output (capsys is not a terminal) gets wide tables, so the same report takes far fewer lines
+    than at 80 columns, which COLUMNS (the user's width) still asks for."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["analyze", "resnet18", "--refused", "3", "--ops", "0"]) == 0
+    wide = capsys.readouterr().out.splitlines()
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["analyze", "resnet18", "--refused", "3", "--ops", "0"]) == 0
+    narrow = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in wide) > 80 >= max(len(line) for line in narrow)
+    assert len(wide) < 0.75 * len(narrow), (len(wide), len(narrow))
+
+
 def test_refused_fusions_are_capped_unless_asked_for_all(capsys):
     assert main(["analyze", "resnet18", "--refused", "3", "--ops", "0"]) == 0
     printed = capsys.readouterr().out
