@@ -268,8 +268,11 @@ def opfuse_rows(compiled_model: Any, values: dict[str, torch.Tensor], hardware: 
         kernel = compiled_model.kernels.get(group.name)
         config = compiled_model.configs.get(group.name)
         ops = " + ".join(graph[n].op for n in group.nodes)
-        library = " (cuBLAS/cuDNN + epilogue)" if is_library(config) else " (unfused: PyTorch ops)" \
-            if is_unfused(config) else ""
+        library = ""
+        if is_library(config):
+            library = " (cuBLAS)" if getattr(kernel, "library_outputs", None) else " (cuBLAS/cuDNN + epilogue)"
+        elif is_unfused(config):
+            library = " (unfused: PyTorch ops)"
         runs_as = "pytorch" if kernel is None else kernel.name + library
         row = ProfileRow(group.name, ops, group.kind.value, runs_as, group.flops, group.bytes_moved, predicted,
                          matrix, tile, roofline)

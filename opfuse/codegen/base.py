@@ -81,7 +81,8 @@ class GroupKernel(ABC):
 
     def alternatives(self, library: bool = True) -> list[KernelConfig]:
         """Configs the autotuner times besides the first N of `configs()`: other forms of the kernel (anchor
-        kernels: the unsplit form of a split-K kernel, and with `library` the anchor through cuBLAS/cuDNN)."""
+        kernels: the unsplit form of a split-K kernel, and with `library` the anchor through cuBLAS/cuDNN and the
+        group's ops unfused through PyTorch)."""
         return []
 
     def keep_form(self, config: KernelConfig) -> None:

@@ -475,8 +475,9 @@ def is_unfused(config: KernelConfig | None) -> bool:
 
 class EpilogueKernel(GroupKernel):
     """Base of the anchor kernels (conv, depthwise, conv-conv, GEMM): the config list fixed at build time, the
-    binding of one call's runtime inputs and the held constants to the epilogue's arguments and outputs, and the
-    library form (`LIBRARY`) where the subclass gives its anchor through PyTorch (`library_anchor`)."""
+    binding of one call's runtime inputs and the held constants to the epilogue's arguments and outputs, the
+    library form (`LIBRARY`) where the subclass gives its anchor through PyTorch (`library_anchor`, or
+    `library_outputs` for a group of bare anchors), and the unfused form (`UNFUSED`) of every group."""
 
     _configs: list[KernelConfig]
     constants: dict[str, torch.Tensor]
@@ -537,16 +538,31 @@ class EpilogueKernel(GroupKernel):
     def _unfused_nodes(self) -> list[Node]:
         return [self.graph[n] for n in self.group.nodes if self.graph[n].op not in ("input", "constant")]
 
+    def _unfused_frees(self) -> list[list[str]]:
+        """Per node of the unfused form, the group's intermediates dead after it (read by no later node, not an
+        output): freed there, as the runtime frees values between groups."""
+        nodes = self._unfused_nodes()
+        produced, outputs = {node.name for node in nodes}, set(self.group.outputs)
+        last_reader = {name: i for i, node in enumerate(nodes) for name in node.inputs if name in produced}
+        frees: list[list[str]] = [[] for _ in nodes]
+        for name, i in last_reader.items():
+            if name not in outputs:
+                frees[i].append(name)
+        return frees
+
     def run_unfused(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The group's ops one by one through their PyTorch references, as the runtime runs a group it has no kernel
-        for; the constants they read (the graph's, BN already folded) go to the device on first use."""
+        for (each intermediate freed after its last reader); the constants they read (the graph's, BN already
+        folded) go to the device on first use."""
         nodes = self._unfused_nodes()
         if self._unfused_constants is None:
             self._unfused_constants = {name: self.graph.constants[name].to(self.epilogue.device) for node in nodes
                                        for name in node.inputs if self.graph.is_constant(name)}
         values = dict(zip(self.runtime_inputs, inputs)) | self._unfused_constants
-        for node in nodes:
+        for node, dead in zip(nodes, self._unfused_frees()):
             values[node.name] = get_op(node.op).run([values[name] for name in node.inputs], node.attrs)
+            for name in dead:
+                del values[name]
         self.last_compiled = None
         return [values[name] for name in self.group.outputs]
 

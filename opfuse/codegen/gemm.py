@@ -252,23 +252,25 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
     kernel = GemmKernel(graph, group, device, epilogue, a=x, k=k, b_packed=weight,
                         library_anchor=lambda values: torch.matmul(values[x], weight).reshape(1, rows, n))
     if all(len(chain) == 1 for chain in chains):
-        kernel.library_outputs = _bare_linears(x, weight, biases, [graph[a].type.shape[-1] for a in anchors],
-                                               shape[:-1])
+        kernel.library_outputs = _bare_linears(graph, x, weight, anchors, biases, group.outputs)
     return kernel
 
 
-def _bare_linears(x: str, weight: torch.Tensor, biases: list[torch.Tensor | None], widths: list[int],
-                  leading: tuple[int, ...]) -> Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]:
+def _bare_linears(graph: Graph, x: str, weight: torch.Tensor, anchors: list[str],
+                  biases: list[torch.Tensor | None], outputs: list[str]
+                  ) -> Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]:
     """The library form of linears with no epilogue but their biases (bert's QKV siblings): one cuBLAS GEMM over
-    the packed [K, sum N] weight with the concatenated bias in its epilogue; each sibling's output a column slice
-    of the result, as the fused kernel's are."""
-    bias = torch.cat([b if b is not None else torch.zeros(w) for b, w in zip(biases, widths)])
-    bias = bias.to(device=weight.device, dtype=weight.dtype)
-    starts = [sum(widths[:i]) for i in range(len(widths))]
+    the packed [K, sum N] weight with the concatenated bias (zeros for a sibling without one) in its epilogue; each
+    sibling's output a column slice of the result, as the fused kernel's are, in the group's output order."""
+    widths = [graph[a].type.shape[-1] for a in anchors]
+    bias = torch.cat([torch.zeros(w, dtype=weight.dtype, device=weight.device) if b is None else b.to(weight)
+                      for b, w in zip(biases, widths)])
+    spans = {a: (sum(widths[:i]), w) for i, (a, w) in enumerate(zip(anchors, widths))}
+    leading = graph[anchors[0]].type.shape[:-1]
 
     def run(values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         result = torch.addmm(bias, values[x].reshape(-1, weight.shape[0]), weight).reshape(*leading, -1)
-        return [result.narrow(-1, start, width) for start, width in zip(starts, widths)]
+        return [result.narrow(-1, *spans[name]) for name in outputs]
     return run
 
 

@@ -168,8 +168,8 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
     """Choose the config of one kernel among its first `top` configs and its other forms (`alternatives`: unsplit,
     and with `library` the anchor through cuBLAS/cuDNN and the group unfused; see module docstring); record it."""
     name = kernel.group.name
-    configs = kernel.configs()[:top] if top else kernel.configs()
-    configs = configs + [c for c in kernel.alternatives(library) if c not in configs]
+    own = kernel.configs()[:top] if top else kernel.configs()
+    configs = own + [c for c in kernel.alternatives(library) if c not in own]
     if not configs:
         raise GraphError(f"kernel {kernel.name} (group {name}) offers no configs")
     key = tuning_key(kernel.source, inputs, gpu_name, candidates=[c.as_dict() for c in configs]) \
@@ -200,16 +200,22 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
     result.rejected[name] = screening.rejected
     timings = {config: benchmark(lambda config=config: kernel.run(inputs, config)) for config in screening.accepted}
     result.timings[name] = timings
+    # the fused kernel's own configs all over budget: reported (the caller splits the group into smaller fused
+    # kernels) even where another form, the unfused ops say, was accepted and runs meanwhile
+    over_budget = screen_configs({c: compiled[c] for c in own if c in compiled}, hardware).over_budget \
+        if any(c in compiled for c in own) else None
     if timings:
         chosen = min(timings, key=timings.__getitem__)
     else:
         chosen = screening.fallback
-        result.over_budget[name] = screening.over_budget
+        over_budget = screening.over_budget
+    if over_budget:
+        result.over_budget[name] = over_budget
     result[name] = chosen
     if cache is not None:
         cache.store(key, {
             "kernel": kernel.name, "group": name, "config": chosen.as_dict(),
-            "time_s": timings.get(chosen), "over_budget": screening.over_budget,
+            "time_s": timings.get(chosen), "over_budget": over_budget,
             "timings": {format_config(c): t for c, t in timings.items()},
             "rejected": {format_config(c): r for c, r in screening.rejected.items()},
         })

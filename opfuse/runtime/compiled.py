@@ -179,11 +179,17 @@ class CompiledModel(torch.nn.Module):
     @property
     def library_anchors(self) -> dict[str, str]:
         """Groups whose anchor runs through PyTorch's library (cuBLAS/cuDNN) with the epilogue as a generated
-        kernel (the autotuner measured that faster than every Triton config it tried), and the timings."""
+        kernel, or with its bias and no epilogue kernel for a group of bare linears (the autotuner measured that
+        faster than every Triton config it tried), and the timings."""
         from opfuse.codegen.epilogue import is_library
 
-        return {name: f"anchor {self.kernels[name].group.anchor or '?'} through PyTorch (cuBLAS/cuDNN), then its "
-                      f"epilogue as a generated kernel{self._measured_against_triton(name)}"
+        def form(kernel: GroupKernel) -> str:
+            if getattr(kernel, "library_outputs", None) is not None:
+                return f"{kernel.group.anchor or '?'} through PyTorch (cuBLAS) with its bias, no epilogue kernel"
+            return (f"anchor {kernel.group.anchor or '?'} through PyTorch (cuBLAS/cuDNN), then its epilogue as a "
+                    "generated kernel")
+
+        return {name: form(self.kernels[name]) + self._measured_against_triton(name)
                 for name, config in self.configs.items() if is_library(config)}
 
     @property

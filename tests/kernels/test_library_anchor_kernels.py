@@ -11,7 +11,7 @@ import torch
 
 from opfuse.codegen.conv import lower_conv_group
 from opfuse.codegen.epilogue import LIBRARY_CONFIGS, UNFUSED, is_library, is_unfused
-from opfuse.codegen.gemm import lower_gemm_group
+from opfuse.codegen.gemm import _bare_linears, lower_gemm_group
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import GroupKind
 from opfuse.runtime.autotune import tune
@@ -77,6 +77,37 @@ def test_bare_linears_take_one_library_gemm_and_no_epilogue_kernel(widths, biase
     b.check(ys, kernel.run([b.feeds["x"]], UNFUSED))
 
 
+def test_bare_linears_in_another_output_order_with_constants_on_the_device():
+    """The outputs follow the group's order, not the anchors'; a sibling without a bias gets zeros made where
+    the other biases live (the graph's constants are on the model's device: "meta" stands in for a GPU)."""
+    b = Builder()
+    x = b.input("x", (4, 16))
+    ys = [linear(b, x, 6, True), linear(b, x, 3, False)]
+    group = b.group(ys[::-1], GroupKind.HORIZONTAL)
+    assert group.outputs == ys[::-1]
+    kernel = lower_gemm_group(b.graph, group, "cpu")
+    small, large = kernel.run([b.feeds["x"]], LIBRARY_CONFIGS[0])
+    assert (small.shape[-1], large.shape[-1]) == (3, 6)
+    b.check(ys[::-1], [small, large])
+    weight = torch.empty(16, 9, device="meta", dtype=torch.float16)      # the packed [K, 6 + 3] weight
+    bias = b.graph.constants[b.graph[ys[0]].inputs[2]].to("meta")
+    run = _bare_linears(b.graph, x, weight, ys, [bias, None], ys[::-1])
+    outs = run({x: torch.empty(4, 16, device="meta", dtype=torch.float16)})
+    assert [(o.device.type, o.dtype, tuple(o.shape)) for o in outs] == [("meta", torch.float16, (4, 3)),
+                                                                         ("meta", torch.float16, (4, 6))]
+
+
+def test_the_unfused_form_frees_each_intermediate_after_its_last_reader():
+    b = Builder()
+    x = b.input("x", (3, 8))
+    y = linear(b, x, 5)
+    kernel = lower_gemm_group(b.graph, b.group([b.op("relu", b.op("add", y, b.op("mul", y, y)))]), "cpu")
+    names = [node.name for node in kernel._unfused_nodes()]     # linear, mul, add, relu
+    frees = dict(zip(names, kernel._unfused_frees()))
+    assert frees == {names[0]: [], names[1]: [], names[2]: [names[0], names[1]], names[3]: [names[2]]}
+    b.check(kernel.group.outputs, kernel.run([b.feeds["x"]], UNFUSED))
+
+
 def test_batched_matmul_two_outputs():
     b = Builder()
     a = b.input("a", (2, 3, 5, 16))
@@ -103,9 +134,9 @@ def test_conv_with_bias_and_relu6(cin, cout, kernel_size, stride, groups):
     kernel.keep_form(kernel.configs()[0])
     assert kernel.library_anchor.weight is None and kernel._unfused_constants is None
     b.check([y], kernel.run([b.feeds["x"]], LIBRARY_CONFIGS[1]))
-    kernel.keep_form(UNFUSED)
-    assert kernel.library_anchor.weight is None and kernel._unfused_constants is None
     b.check([y], kernel.run([b.feeds["x"]], UNFUSED))
+    kernel.keep_form(UNFUSED)     # the form that runs keeps its constants
+    assert kernel.library_anchor.weight is None and kernel._unfused_constants
 
 
 def test_autotuner_times_the_library_form_only_when_asked():

@@ -147,6 +147,7 @@ def test_compile_with_split_k_matches_eager_and_counts_its_second_kernel():
     (group,) = [g for g in split.plan.groups if g.split_k > 1]      # the 600-deep linear, not the 24-deep one
     assert group.launches == 2 and "split-K" in group.reason
     assert split.plan.kernel_launches == plain.plan.kernel_launches + 1 == split.launches
+    assert split.analysis.fused.kernel_launches == split.plan.kernel_launches     # what `opfuse analyze` prints
     assert all(check.passed for check in split.checks)
     with torch.no_grad():
         torch.testing.assert_close(split(x), model(x), rtol=1e-4, atol=1e-5)

@@ -445,6 +445,24 @@ def test_tune_reports_a_group_whose_every_config_spills(tmp_path):
     assert cached.over_budget == {"g0": EVERY_CONFIG_SPILLS} and cached.from_cache == {"g0"}
 
 
+def test_a_group_whose_own_configs_all_spill_is_reported_even_when_another_form_runs(tmp_path):
+    """Every Triton config spills but another form (the unfused ops, say: no compiled info) was accepted: that form
+    runs, and the group is still reported over budget so the compiler splits it into smaller fused kernels."""
+    cfgs = [KernelConfig.of(BLOCK=16 * (i + 1)) for i in range(3)]
+    other = KernelConfig.of(num_warps=1, num_stages=1, UNFUSED=1)
+    kernel, values = tuned_kernel({c: CompiledInfo(255, 10 + i, 0) for i, c in enumerate(cfgs)})
+    kernel.alternatives = lambda library=True: [other] if library else []
+    cache = TuningCache(tmp_path)
+    result = tune([kernel], values, FusionConfig(), cache, quiet=True, benchmark=lambda fn: 1.0)
+    assert result["g0"] == other and result.over_budget == {"g0": EVERY_CONFIG_SPILLS}
+    cached = tune([kernel], values, FusionConfig(), cache, quiet=True, benchmark=lambda fn: 1.0)
+    assert cached["g0"] == other and cached.over_budget == {"g0": EVERY_CONFIG_SPILLS}
+    # one own config that fits: nothing to report
+    kernel.infos[cfgs[1]] = CompiledInfo(64, 0, 1024)
+    fits = tune([kernel], values, FusionConfig(), quiet=True, benchmark=lambda fn: 1.0)
+    assert fits.over_budget == {}
+
+
 def test_tune_with_autotune_off_and_missing_values():
     kernel, values = tuned_kernel()
     off = tune([kernel], values, FusionConfig(autotune=False), quiet=True, benchmark=lambda fn: 1.0)
