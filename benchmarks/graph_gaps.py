@@ -1,0 +1,72 @@
+"""Where the CUDA graph replays of opfuse and of eager idle: one replay of each under torch.profiler, its time split
+into kernels, copies/memsets and idle gaps, and the largest gaps with the activities on both sides.
+
+    python benchmarks/graph_gaps.py --out DIR [--workloads bert-base:64,bert-base:1] [--tune-top 1]
+
+Why: in run 12 (benchmarks/RESULTS.md) opfuse's bert-base bs64 graph replayed in 3.491 ms with 3.317 ms of kernels,
+eager's in 3.705 ms with 3.705 ms of kernels. Writes DIR/gaps.json and prints a summary per workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import opfuse  # noqa: E402
+from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs  # noqa: E402
+from opfuse.bench.gaps import idle_gaps, replay_activities, summarize  # noqa: E402
+from opfuse.bench.harness import cuda_graphed, prepare  # noqa: E402
+from opfuse.bench.zoo import load_builtin  # noqa: E402
+
+
+def report(label: str, replay) -> dict:
+    activities = replay_activities(replay)
+    totals = summarize(activities)
+    gaps = idle_gaps(activities)
+    print(f"  {label}: span {totals['span_us']:.1f} us = kernels {totals['kernels_us']:.1f} ({totals['kernels']}) "
+          f"+ copies/memsets {totals['copies_us']:.1f} ({totals['copies']}) + idle {totals['idle_us']:.1f} "
+          f"(overlaps make these sum to more)")
+    for gap in gaps[:8]:
+        print(f"    {gap.microseconds:7.1f} us idle after {gap.before[:70]}  before {gap.after[:70]}")
+    return {"totals": totals, "gaps": [asdict(g) for g in gaps[:40]],
+            "copies": sorted({a.name for a in activities if a.is_copy})}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--workloads", default="bert-base:64,bert-base:1")
+    add_tuning_arguments(parser)
+    args = parser.parse_args()
+    torch.backends.cudnn.benchmark = True
+    results = {}
+    for workload in args.workloads.split(","):
+        name, batch = workload.split(":")
+        model, inputs = load_builtin(name, batch=int(batch))
+        model, inputs, _, _ = prepare(model, inputs)
+        print(f"== {name} bs{batch}")
+        compiled = opfuse.compile(model, inputs, opfuse.FusionConfig(dtype="float16", **tuning_knobs(args)))
+        with torch.inference_mode():
+            for _ in range(3):            # warm-up, then the capture
+                compiled(*inputs)
+            graph = compiled.compiled._cuda_graph
+            row = {"opfuse": report("opfuse graph", graph.replay) if graph is not None else
+                   {"error": compiled.compiled.cuda_graph_error or "no CUDA graph"}}
+            row["eager"] = report("eager graph", cuda_graphed(model, inputs))
+        results[f"{name} bs{batch}"] = row
+        del compiled
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gaps.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
