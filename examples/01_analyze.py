@@ -38,7 +38,7 @@ def main() -> None:
 
     # 2. What opfuse fuses: one kernel per group (two where the reduction is split, summed by a second kernel).
     kinds = Counter(g.kind.value for g in analysis.plan.groups if g.launches)
-    split = sum(1 for g in analysis.plan.groups if g.split_k > 1)
+    split = sum(1 for g in analysis.plan.groups if g.launches > 1)
     print(f"\nopfuse runs {analysis.plan.kernel_launches} kernels for {sum(kinds.values())} groups: "
           + ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
           + (f" ({split} of them split-K: two kernels each)" if split else ""))

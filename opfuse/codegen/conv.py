@@ -27,8 +27,9 @@ from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info
 from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, SplitK, TileLayout, compute_dtype, generate_kernel,
                                      interpreting, siblings_and_chains, sliced_template, slices_of, with_slices)
 from opfuse.codegen.expr import Unsupported
-from opfuse.codegen.gemm import GROUP_M, STREAMING_MULTIPROCESSORS, GemmKernel, anchor_biases, gemm_configs
+from opfuse.codegen.gemm import GROUP_M, GemmKernel, anchor_biases, gemm_configs
 from opfuse.fusion.plan import FusionGroup, GroupKind
+from opfuse.fusion.tiles import GATHER_CHANNELS, STREAMING_MULTIPROCESSORS, anchor_steps, conv_as_gemm
 from opfuse.ir.graph import Graph, Node, torch_dtype
 
 CONV_TEMPLATE = '''
@@ -218,11 +219,8 @@ class ConvKernel(EpilogueKernel):
         self.weight = weight.permute(2, 3, 1, 0).reshape(-1, weight.shape[0]).contiguous()
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
         self._configs = gemm_configs(self.layout.rows, self.layout.channels // geometry.groups,
-                                     self.weight.shape[0], geometry.groups, self.weight.element_size())
-        if geometry.cin_per_group < 32 and not interpreting():
-            # gathering taps (few input channels): 32-deep K blocks measured best (ResNet's 7x7 stem on an H200)
-            gather = KernelConfig.of(num_warps=4, num_stages=4, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
-            self._configs = [gather] + [c for c in self._configs if c != gather]
+                                     self.weight.shape[0], geometry.groups, self.weight.element_size(),
+                                     gather=geometry.cin_per_group < GATHER_CHANNELS)
         self.split = None
         if group.split_k > 1:    # the planner split K: each config gets the slices its own tile grid needs
             self.split = SplitK(CONV_SLICE_TEMPLATE, CONV_PARTIAL, epilogue)
@@ -231,9 +229,7 @@ class ConvKernel(EpilogueKernel):
     def _steps(self, config: KernelConfig) -> int:
         """K-loop steps of the template for `config` (the gather form walks taps x channels in BLOCK_K blocks)."""
         g = self.geometry
-        if g.cin_per_group < config["BLOCK_K"]:
-            return triton.cdiv(g.kh * g.kw * g.cin_per_group, config["BLOCK_K"])
-        return g.kh * g.kw * triton.cdiv(g.cin_per_group, config["BLOCK_K"])
+        return anchor_steps(g.kh * g.kw, g.cin_per_group, config["BLOCK_K"])
 
     def _programs_and_steps(self, config: KernelConfig) -> tuple[int, int]:
         cout_per_group = self.layout.channels // self.geometry.groups
@@ -325,7 +321,7 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
     library = ConvLibraryAnchor(x, weights, weight.dtype, device, geometry)
     if g.groups > 1 and g.groups == g.cin and layout.channels % g.cin == 0:
         kernel = DepthwiseConvKernel(graph, group, device, epilogue, x, geometry, weight)
-    elif (g.kh, g.kw) == (1, 1) and g.padding == (0, 0) and g.groups == 1:
+    elif conv_as_gemm((g.kh, g.kw), g.padding, g.groups):
         stride_h, stride_w = g.stride
         a_view = None if g.stride == (1, 1) else (lambda t: t[:, :, ::stride_h, ::stride_w])
         kernel = GemmKernel(graph, group, device, epilogue, a=x, k=g.cin,

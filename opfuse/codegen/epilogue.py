@@ -26,7 +26,6 @@ and each sibling's outputs are views (narrow on the channel dim) of one buffer p
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -36,6 +35,7 @@ import triton
 from opfuse.codegen.base import GroupKernel, KernelConfig, load_kernel
 from opfuse.codegen.expr import Unsupported, emit, triton_dtype
 from opfuse.fusion.plan import FusionGroup
+from opfuse.fusion.tiles import interpreting  # noqa: F401  (the codegen modules take it from here)
 from opfuse.ir.graph import Graph, Node, torch_dtype
 from opfuse.ir.ops import FusionKind, get_op, kind_of, launches_kernel
 
@@ -430,11 +430,6 @@ def with_slices(configs: Sequence[KernelConfig], steps: Callable[[KernelConfig],
 
 def slices_of(config: KernelConfig) -> int:
     return dict(config.params).get("SPLIT_K", 1)
-
-
-def interpreting() -> bool:
-    """Whether Triton runs through its CPU interpreter (tests): tuning spaces shrink to one tiny config."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def compute_dtype(graph: Graph, value: str, node: Node) -> str:

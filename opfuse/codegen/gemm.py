@@ -26,6 +26,7 @@ from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, LibraryAnchor, Sp
                                      with_slices)
 from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.plan import FusionGroup, GroupKind
+from opfuse.fusion.tiles import STREAMING_MULTIPROCESSORS, anchor_steps, anchor_tiles
 from opfuse.ir.graph import Graph, torch_dtype
 
 GROUP_M = 8   # tiles of 8 consecutive row blocks share B in L2 (the Triton matmul tutorial's swizzle)
@@ -99,50 +100,12 @@ GEMM_PARTIAL = '''\
     tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])'''
 
 
-def _tile(m: int, n: int, k: int, warps: int, stages: int) -> KernelConfig:
-    return KernelConfig.of(num_warps=warps, num_stages=stages, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k)
-
-
-# Hopper-friendly tiles: 128x128 (x256) with 8 warps for big GEMMs, 4-warp 64/128 tiles for few output channels,
-# short reductions or few tiles, and 16/32-row tiles for batch-1 GEMMs (M of 1 to 32: reading the weight is
-# the whole cost). The autotuner measures them in this order (the first N of them with tune_top=N); `gemm_configs`
-# only picks the default. The 128x256 tile comes second so that a short tuning still tries the wide tile.
-LARGE = [_tile(128, 128, 64, 8, 4), _tile(128, 256, 64, 8, 3), _tile(128, 128, 64, 8, 3)]
-MEDIUM = [_tile(128, 64, 32, 4, 4), _tile(64, 128, 32, 4, 4), _tile(64, 64, 64, 4, 3), _tile(64, 64, 32, 4, 4)]
-SMALL_M = [_tile(16, 32, 128, 4, 4), _tile(16, 64, 128, 4, 4), _tile(16, 32, 256, 4, 3), _tile(16, 128, 64, 4, 4),
-           _tile(32, 64, 64, 4, 4), _tile(32, 128, 64, 4, 3)]
-STREAMING_MULTIPROCESSORS = 132   # an H200's; only picks the default, the autotuner measures
-SHARED_MEMORY_BYTES = 200 * 1024  # operand tiles of all pipeline stages must fit (227 KiB per block, less slack)
-
-
-def _fits(config: KernelConfig, itemsize: int) -> bool:
-    tile = (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * itemsize
-    return tile * config.num_stages <= SHARED_MEMORY_BYTES
-
-
-def gemm_configs(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2) -> list[KernelConfig]:
-    """Tile candidates for an M x N (x batch) output reducing over K with operands of `itemsize` bytes; the
-    first is the default. Tiles whose pipeline would not fit in shared memory (float32) are left out.
-
-    The default rules were read off H200 fp16 measurements (CUDA-graph timed, 2026-11-30): ResNet-50 convs
-    (3x3 64ch 56x56: 128x64x32 31.8 us vs 128x128x64 54.9 us; 1x1 64->256: 64x128x32 44.6 us vs 70.9 us),
-    4096^3 linear (128x128x64 s4 258 us, 4-warp tiles 350+ us), batch-1 4096x4096 linear (16x32x128 10.3 us,
-    16x128x64 18.1 us).
-    """
-    if interpreting():
-        return [_tile(32, 32, 16, 4, 1)]
-    if m <= 32:
-        return [c for c in SMALL_M + MEDIUM[3:] if _fits(c, itemsize)]
-    candidates = [c for c in LARGE + MEDIUM + SMALL_M[4:] if _fits(c, itemsize)]
-    if n <= 64:         # a 128-wide tile would leave half its columns idle
-        first = _tile(64, 64, 64, 4, 3) if k <= 256 else _tile(128, 64, 32, 4, 4)
-    elif k <= 256:      # short reduction: the output store dominates, small tiles keep more of it in flight
-        first = _tile(64, 128, 32, 4, 4)
-    elif triton.cdiv(m, 128) * triton.cdiv(n, 128) * batch < 2 * STREAMING_MULTIPROCESSORS:
-        first = _tile(64, 64, 64, 4, 3)   # too few big tiles to fill the GPU
-    else:
-        first = candidates[0]
-    return [first] + [c for c in candidates if c != first]
+def gemm_configs(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gather: bool = False
+                 ) -> list[KernelConfig]:
+    """The anchor tiles (`opfuse.fusion.tiles.anchor_tiles`, the default first) as launch configs."""
+    return [KernelConfig.of(num_warps=t["num_warps"], num_stages=t["num_stages"], BLOCK_M=t["BLOCK_M"],
+                            BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"])
+            for t in anchor_tiles(m, n, k, batch, itemsize, gather)]
 
 
 class GemmKernel(EpilogueKernel):
@@ -173,7 +136,7 @@ class GemmKernel(EpilogueKernel):
 
     def _programs_and_steps(self, config: KernelConfig) -> tuple[int, int]:
         tiles = triton.cdiv(self.layout.rows, config["BLOCK_M"]) * triton.cdiv(self.layout.channels, config["BLOCK_N"])
-        return tiles * self.layout.batch, triton.cdiv(self.k, config["BLOCK_K"])
+        return tiles * self.layout.batch, anchor_steps(1, self.k, config["BLOCK_K"])
 
     def precision(self) -> str:
         """tl.dot precision of float32 operands: TF32 where PyTorch's own kernel would use it."""

@@ -59,8 +59,10 @@ class FusionGroup:
     bytes_read: int = 0
     bytes_written: int = 0
     predicted_time: float = 0.0             # seconds, cost model
-    launches: int = 1                       # 0 for views; 2 for a split-K anchor (its K slices, then their sum)
-    split_k: int = 1                        # K slices the planner's tile gives an anchor kernel (1: no split)
+    launches: int = 1                       # 0 for views; 2 where the kernel's default tile splits K (its K
+                                            # slices, then their sum)
+    split_k: int = 1                        # K slices the resource model's tile offers an anchor kernel (1: none):
+                                            # the kernel then gets a split form, each config its own slices
     resources: ResourceEstimate | None = None
     reason: str = ""                        # why the group is what it is
 

@@ -1,0 +1,107 @@
+"""The tiles an anchor kernel (GEMM, 1x1 conv, implicit-GEMM conv) tries, the one it runs untuned, and its K loop:
+one source for the Triton templates (`opfuse.codegen.gemm.gemm_configs`, `opfuse.codegen.conv.ConvKernel`) and for
+the planner, which counts split-K's second launch only where that default tile splits the reduction.
+
+A tile is a dict: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages. `anchor_tiles(m, n, k, batch, itemsize,
+gather)` lists the candidates, the default first; `anchor_steps(taps, channels, block_k)` counts the K-loop steps of
+a tile; `anchor_loop(graph, anchor)` says which loop a graph's anchor gets. Under Triton's interpreter (tests) every
+anchor kernel has one tiny tile, and so does the plan.
+"""
+
+from __future__ import annotations
+
+import os
+
+from opfuse.ir.graph import Graph
+
+
+def _tile(m: int, n: int, k: int, warps: int, stages: int) -> dict[str, int]:
+    return {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
+
+
+# Hopper-friendly tiles: 128x128 (x256) with 8 warps for big GEMMs, 4-warp 64/128 tiles for few output channels,
+# short reductions or few tiles, and 16/32-row tiles for batch-1 GEMMs (M of 1 to 32: reading the weight is
+# the whole cost). The autotuner measures them in this order (the first N of them with tune_top=N); the rules of
+# `anchor_tiles` only pick the default. The 128x256 tile comes second so that a short tuning still tries it.
+LARGE = [_tile(128, 128, 64, 8, 4), _tile(128, 256, 64, 8, 3), _tile(128, 128, 64, 8, 3)]
+MEDIUM = [_tile(128, 64, 32, 4, 4), _tile(64, 128, 32, 4, 4), _tile(64, 64, 64, 4, 3), _tile(64, 64, 32, 4, 4)]
+SMALL_M = [_tile(16, 32, 128, 4, 4), _tile(16, 64, 128, 4, 4), _tile(16, 32, 256, 4, 3), _tile(16, 128, 64, 4, 4),
+           _tile(32, 64, 64, 4, 4), _tile(32, 128, 64, 4, 3)]
+# convolutions that gather taps (few input channels): 32-deep K blocks measured best (ResNet's 7x7 stem, H200)
+GATHER = _tile(64, 64, 32, 4, 4)
+GATHER_CHANNELS = 32                # input channels per group under which a conv gathers taps
+INTERPRETER = _tile(32, 32, 16, 4, 1)
+STREAMING_MULTIPROCESSORS = 132     # an H200's; picks the default tile only, the autotuner measures
+SHARED_MEMORY_BYTES = 200 * 1024    # operand tiles of all pipeline stages must fit (227 KiB per block, less slack)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs through its CPU interpreter (tests): tuning spaces shrink to one tiny config."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fits(tile: dict[str, int], itemsize: int) -> bool:
+    """Whether the operand tiles of every pipeline stage fit in shared memory."""
+    return (tile["BLOCK_M"] + tile["BLOCK_N"]) * tile["BLOCK_K"] * itemsize * tile["num_stages"] \
+        <= SHARED_MEMORY_BYTES
+
+
+def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gather: bool = False
+                 ) -> list[dict[str, int]]:
+    """Tile candidates for an M x N (x batch) output reducing over K with operands of `itemsize` bytes; the first is
+    the default (`gather`: a convolution with under GATHER_CHANNELS input channels per group). Tiles whose pipeline
+    would not fit in shared memory (float32) are left out.
+
+    The default rules were read off H200 fp16 measurements (CUDA-graph timed, 2026-11-30): ResNet-50 convs
+    (3x3 64ch 56x56: 128x64x32 31.8 us vs 128x128x64 54.9 us; 1x1 64->256: 64x128x32 44.6 us vs 70.9 us),
+    4096^3 linear (128x128x64 s4 258 us, 4-warp tiles 350+ us), batch-1 4096x4096 linear (16x32x128 10.3 us,
+    16x128x64 18.1 us).
+    """
+    if interpreting():
+        return [INTERPRETER]
+    if m <= 32:
+        candidates = [t for t in SMALL_M + MEDIUM[3:] if fits(t, itemsize)]
+        first = candidates[0]
+    else:
+        candidates = [t for t in LARGE + MEDIUM + SMALL_M[4:] if fits(t, itemsize)]
+        if n <= 64:         # a 128-wide tile would leave half its columns idle
+            first = _tile(64, 64, 64, 4, 3) if k <= 256 else _tile(128, 64, 32, 4, 4)
+        elif k <= 256:      # short reduction: the output store dominates, small tiles keep more of it in flight
+            first = _tile(64, 128, 32, 4, 4)
+        elif -(-m // 128) * -(-n // 128) * batch < 2 * STREAMING_MULTIPROCESSORS:
+            first = _tile(64, 64, 64, 4, 3)   # too few big tiles to fill the GPU
+        else:
+            first = candidates[0]
+    ordered = [first] + [t for t in candidates if t != first]
+    if gather:
+        ordered = [GATHER] + [t for t in ordered if t != GATHER]
+    return ordered
+
+
+def anchor_steps(taps: int, channels: int, block_k: int) -> int:
+    """K-loop steps of an anchor kernel reducing over `taps` x `channels` (a GEMM or 1x1 conv: one tap): a loop of
+    BLOCK_K channels per tap, or, where the channels are fewer than BLOCK_K, over taps x channels at once (the
+    conv template's gather form)."""
+    if channels < block_k:
+        return -(-(taps * channels) // block_k)
+    return taps * -(-channels // block_k)
+
+
+def conv_as_gemm(kernel_size: tuple[int, int], padding: object, groups: int) -> bool:
+    """Whether a convolution runs as the GEMM template over its pixels (1x1, no padding, one group) rather than the
+    implicit-GEMM conv template (`padding`: an int or a pair, as the graph's conv2d attribute holds it)."""
+    pad = (padding, padding) if isinstance(padding, int) else tuple(padding)
+    return tuple(kernel_size) == (1, 1) and pad == (0, 0) and groups == 1
+
+
+def anchor_loop(graph: Graph, anchor: str) -> tuple[int, bool]:
+    """(taps the K loop walks, whether it gathers them) of an anchor's kernel: one tap for a linear, a matmul and a
+    conv that runs as the GEMM template; a conv's kernel taps otherwise, gathered across taps when it has under
+    GATHER_CHANNELS input channels per group."""
+    node = graph[anchor]
+    if node.op != "conv2d":
+        return 1, False
+    cin_per_group, kh, kw = graph[node.inputs[1]].type.shape[1:]
+    if conv_as_gemm((kh, kw), node.attrs.get("padding", 0), int(node.attrs.get("groups", 1))):
+        return 1, False
+    return kh * kw, cin_per_group < GATHER_CHANNELS
