@@ -35,7 +35,7 @@ import triton
 from opfuse.codegen.base import GroupKernel, KernelConfig, load_kernel
 from opfuse.codegen.expr import Unsupported, emit, triton_dtype
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.tiles import interpreting  # noqa: F401  (the codegen modules take it from here)
+from opfuse.fusion.tiles import interpreting  # noqa: F401  (the anchor templates take it from here)
 from opfuse.ir.graph import Graph, Node, torch_dtype
 from opfuse.ir.ops import FusionKind, get_op, kind_of, launches_kernel
 

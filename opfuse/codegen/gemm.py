@@ -26,7 +26,7 @@ from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, LibraryAnchor, Sp
                                      with_slices)
 from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.plan import FusionGroup, GroupKind
-from opfuse.fusion.tiles import STREAMING_MULTIPROCESSORS, anchor_steps, anchor_tiles
+from opfuse.fusion.tiles import INTERPRETER, STREAMING_MULTIPROCESSORS, anchor_steps, anchor_tiles
 from opfuse.ir.graph import Graph, torch_dtype
 
 GROUP_M = 8   # tiles of 8 consecutive row blocks share B in L2 (the Triton matmul tutorial's swizzle)
@@ -102,10 +102,11 @@ GEMM_PARTIAL = '''\
 
 def gemm_configs(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gather: bool = False
                  ) -> list[KernelConfig]:
-    """The anchor tiles (`opfuse.fusion.tiles.anchor_tiles`, the default first) as launch configs."""
+    """The anchor tiles (`opfuse.fusion.tiles.anchor_tiles`, the default first) as launch configs; under Triton's
+    interpreter the one tiny tile."""
+    tiles = [INTERPRETER] if interpreting() else anchor_tiles(m, n, k, batch, itemsize, gather)
     return [KernelConfig.of(num_warps=t["num_warps"], num_stages=t["num_stages"], BLOCK_M=t["BLOCK_M"],
-                            BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"])
-            for t in anchor_tiles(m, n, k, batch, itemsize, gather)]
+                            BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"]) for t in tiles]
 
 
 class GemmKernel(EpilogueKernel):

@@ -14,7 +14,6 @@ and checked, outputs allocated in the layout of the largest input, and the launc
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -23,17 +22,13 @@ import torch
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel
 from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, emit
 from opfuse.fusion.plan import FusionGroup
+from opfuse.fusion.tiles import interpreting  # noqa: F401  (pointwise and reduction take it from here)
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, torch_dtype
 
 Coords = tuple  # tuple[str | None, ...]: a Triton expression per dimension, None meaning 0
 
 VIEW_OPS = frozenset({"reshape", "identity", "permute", "expand", "slice"})
 INT32_LIMIT = 2**31 - 1
-
-
-def interpreting() -> bool:
-    """Whether Triton runs on the CPU interpreter (tests): tiny tuning spaces then."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def next_power_of_2(n: int) -> int:

@@ -29,7 +29,7 @@ from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
 from opfuse.fusion.legality import can_fuse, in_order, is_view, node_index, path_outside, skip_operands
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
-from opfuse.fusion.resources import anchor_of, conv_chain, gemm_view, split_k_slices
+from opfuse.fusion.resources import MIN_SPLIT_STEPS, anchor_of, conv_chain, gemm_view, split_k_slices
 from opfuse.fusion.tiles import STREAMING_MULTIPROCESSORS, anchor_loop, anchor_steps, anchor_tiles
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import DTYPE_BYTES, Graph
@@ -466,14 +466,14 @@ class _Planner:
             estimate = self.estimate(nodes)
             traffic = estimate.traffic
             reason = self.explain(group, kind, refusals)
-            slices, default_slices, time = self.split_k(nodes, kind, estimate)
+            slices, default_slices, time, unsplit = self.split_k(nodes, kind, estimate)
             if default_slices > 1:
                 reason += (f"; split-K: {default_slices} slices of the reduction, summed with the epilogue by a "
                            "second kernel (the tile grid alone would leave most SMs idle)")
             elif slices > 1:
-                reason += ("; split-K offered (the resource model's tile would leave most SMs idle), but the "
-                           "kernel's default tile fills them unsplit: one kernel unless the autotuner measures a "
-                           "split faster")
+                reason += (f"; split-K offered (the resource model's tile would leave most SMs idle), but the "
+                           f"kernel's default tile runs unsplit ({unsplit}): one kernel unless the autotuner "
+                           "measures a split faster")
             groups.append(FusionGroup(
                 id=new_id, kind=kind, nodes=list(nodes), anchor=estimate.anchor, inputs=list(traffic.inputs),
                 outputs=list(traffic.outputs), flops=traffic.flops, bytes_read=traffic.bytes_read,
@@ -482,8 +482,10 @@ class _Planner:
                 split_k=slices, resources=estimate.resources, reason=reason))
         return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config)
 
-    def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate) -> tuple[int, int, float]:
-        """(K slices offered, K slices of the kernel's default tile, predicted seconds) of the group's kernel.
+    def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate
+                ) -> tuple[int, int, float, str]:
+        """(K slices offered, K slices of the kernel's default tile, predicted seconds, why that tile runs unsplit
+        where it does) of the group's kernel.
 
         An anchor whose tiles (the resource model's) fill under a quarter of the SMs splits a long reduction
         (`split_k_slices`): the kernel then gets a split form, each of its configs the slices its own grid needs,
@@ -493,27 +495,35 @@ class _Planner:
         tile = estimate.resources.tile if estimate.resources is not None else {}
         if (not self.config.split_k or estimate.anchor is None or kind is GroupKind.CONV_CONV
                 or not {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= tile.keys()):
-            return 1, 1, estimate.time
+            return 1, 1, estimate.time, ""
         view = gemm_view(self.graph, estimate.anchor)
         if view is None:
-            return 1, 1, estimate.time
+            return 1, 1, estimate.time, ""
         rows, columns, reduction, batch = view
         if kind is GroupKind.HORIZONTAL:   # sibling anchors (ungrouped) run as one GEMM over their columns together
             columns = sum(self.graph[n].type.shape[-1 if self.graph[n].op == "linear" else 1]
                           for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR)
 
-        def slices_of(tile: Mapping[str, int], sm_count: int, taps: int = 1) -> int:
-            programs = -(-rows // tile["BLOCK_M"]) * -(-columns // tile["BLOCK_N"]) * batch
-            return split_k_slices(programs, anchor_steps(taps, reduction // taps, tile["BLOCK_K"]), sm_count)
+        def grid(tile: Mapping[str, int], taps: int = 1) -> tuple[int, int]:     # (programs, K steps)
+            return (-(-rows // tile["BLOCK_M"]) * -(-columns // tile["BLOCK_N"]) * batch,
+                    anchor_steps(taps, reduction // taps, tile["BLOCK_K"]))
 
-        slices = slices_of(tile, self.hw.sm_count)
+        slices = split_k_slices(*grid(tile), self.hw.sm_count)
         if slices == 1:
-            return 1, 1, estimate.time
+            return 1, 1, estimate.time, ""
         taps, gather = anchor_loop(self.graph, estimate.anchor)
         default = anchor_tiles(rows, columns, reduction, batch, DTYPE_BYTES[self.config.dtype], gather)[0]
-        default_slices = slices_of(default, STREAMING_MULTIPROCESSORS, taps)    # as the kernel counts them
+        programs, steps = grid(default, taps)
+        default_slices = split_k_slices(programs, steps, STREAMING_MULTIPROCESSORS)     # as the kernel counts them
         if default_slices == 1:
-            return slices, 1, estimate.time
+            if 4 * programs > STREAMING_MULTIPROCESSORS:
+                unsplit = f"its {programs} tiles keep over a quarter of the SMs busy"
+            elif steps < MIN_SPLIT_STEPS:
+                unsplit = f"its reduction is {steps} K blocks, under the {MIN_SPLIT_STEPS} a split needs"
+            else:
+                unsplit = "too few slices would fit to pay for a second kernel"
+            return slices, 1, estimate.time, unsplit
         partials = 2 * default_slices * rows * columns * batch * 4
-        return slices, default_slices, estimate.time + self.hw.launch_overhead + partials / self.hw.memory_bandwidth
+        return (slices, default_slices, estimate.time + self.hw.launch_overhead + partials / self.hw.memory_bandwidth,
+                "")
 

@@ -4,8 +4,9 @@ the planner, which counts split-K's second launch only where that default tile s
 
 A tile is a dict: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages. `anchor_tiles(m, n, k, batch, itemsize,
 gather)` lists the candidates, the default first; `anchor_steps(taps, channels, block_k)` counts the K-loop steps of
-a tile; `anchor_loop(graph, anchor)` says which loop a graph's anchor gets. Under Triton's interpreter (tests) every
-anchor kernel has one tiny tile, and so does the plan.
+a tile; `anchor_loop(graph, anchor)` says which loop a graph's anchor gets. These are the GPU's rules, and the plan
+always follows them; only the kernels, under Triton's interpreter (tests, `interpreting()`), run one tiny tile
+instead (`INTERPRETER`), so there an interpreted model may launch other split-K kernels than its plan counts.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ SMALL_M = [_tile(16, 32, 128, 4, 4), _tile(16, 64, 128, 4, 4), _tile(16, 32, 256
 GATHER = _tile(64, 64, 32, 4, 4)
 GATHER_CHANNELS = 32                # input channels per group under which a conv gathers taps
 INTERPRETER = _tile(32, 32, 16, 4, 1)
-STREAMING_MULTIPROCESSORS = 132     # an H200's; picks the default tile only, the autotuner measures
+STREAMING_MULTIPROCESSORS = 132     # an H200's: picks the default tile, and every tile's K slices (the kernels'
+                                    # `with_slices`, the plan's launch count); the autotuner measures
 SHARED_MEMORY_BYTES = 200 * 1024    # operand tiles of all pipeline stages must fit (227 KiB per block, less slack)
 
 
@@ -48,17 +50,15 @@ def fits(tile: dict[str, int], itemsize: int) -> bool:
 
 def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gather: bool = False
                  ) -> list[dict[str, int]]:
-    """Tile candidates for an M x N (x batch) output reducing over K with operands of `itemsize` bytes; the first is
-    the default (`gather`: a convolution with under GATHER_CHANNELS input channels per group). Tiles whose pipeline
-    would not fit in shared memory (float32) are left out.
+    """Tile candidates on a GPU for an M x N (x batch) output reducing over K with operands of `itemsize` bytes; the
+    first is the default (`gather`: a convolution with under GATHER_CHANNELS input channels per group). Tiles whose
+    pipeline would not fit in shared memory (float32) are left out.
 
     The default rules were read off H200 fp16 measurements (CUDA-graph timed, 2026-11-30): ResNet-50 convs
     (3x3 64ch 56x56: 128x64x32 31.8 us vs 128x128x64 54.9 us; 1x1 64->256: 64x128x32 44.6 us vs 70.9 us),
     4096^3 linear (128x128x64 s4 258 us, 4-warp tiles 350+ us), batch-1 4096x4096 linear (16x32x128 10.3 us,
     16x128x64 18.1 us).
     """
-    if interpreting():
-        return [INTERPRETER]
     if m <= 32:
         candidates = [t for t in SMALL_M + MEDIUM[3:] if fits(t, itemsize)]
         first = candidates[0]
