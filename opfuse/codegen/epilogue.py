@@ -341,6 +341,18 @@ def generate_kernel(template: str, epilogue: Epilogue) -> tuple[str, str, object
     return load_kernel("fused", epilogue.ops, template.format(params=epilogue.params, epilogue=epilogue.code()))
 
 
+# The row and batch indices of the contract (module docstring), for templates whose tile covers rows offs_m of M and
+# columns offs_n of N in batch pid_b (GEMM and the split-K reduce); they paste it in after defining those.
+TILE_INDEX = '''\
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    b0 = pid_b // B1
+    b1 = pid_b % B1
+    r2 = offs_m % R2
+    r1 = (offs_m // R2) % R1
+    r0 = offs_m // (R2 * R1)
+'''
+
 # split-K's second kernel: the K slices' fp32 partial tiles ws[slice, batch, row, column] summed in slice order
 # (the same order every run), then the group's epilogue, under the same contract as the anchor templates
 REDUCE_TEMPLATE = '''
@@ -359,13 +371,7 @@ def KERNEL_NAME(
     pid_b = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    b0 = pid_b // B1
-    b1 = pid_b % B1
-    r2 = offs_m % R2
-    r1 = (offs_m // R2) % R1
-    r0 = offs_m // (R2 * R1)
+''' + TILE_INDEX + '''\
     ws = ws_ptr + pid_b * M * N + offs_m[:, None] * N + offs_n[None, :]
     slice_size = tl.num_programs(2) * M * N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -21,9 +21,9 @@ import torch
 import triton
 
 from opfuse.codegen.base import KernelConfig, compiled_info
-from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, LibraryAnchor, SplitK, TileLayout, compute_dtype,
-                                     generate_kernel, interpreting, siblings_and_chains, sliced_template, slices_of,
-                                     with_slices)
+from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, EpilogueKernel, LibraryAnchor, SplitK, TileLayout,
+                                     compute_dtype, generate_kernel, interpreting, siblings_and_chains,
+                                     sliced_template, slices_of, with_slices)
 from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.fusion.tiles import INTERPRETER, STREAMING_MULTIPROCESSORS, anchor_steps, anchor_tiles
@@ -59,13 +59,7 @@ def KERNEL_NAME(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    b0 = pid_b // B1
-    b1 = pid_b % B1
-    r2 = offs_m % R2
-    r1 = (offs_m // R2) % R1
-    r0 = offs_m // (R2 * R1)
+''' + TILE_INDEX + '''\
 
     a_ptrs = a_ptr + (b0 * s_ab0 + b1 * s_ab1) + (r0 * s_ar0 + r1 * s_ar1 + r2 * s_ar2)[:, None] \\
         + offs_k[None, :] * s_ak
