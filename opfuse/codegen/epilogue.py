@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Sequence
 
 import torch
@@ -513,7 +514,7 @@ class EpilogueKernel(GroupKernel):
         kernel, then the epilogue, which a group of bare anchors does without; cuBLAS/cuDNN may add helper kernels
         of their own); one per launching op in the unfused form; else one."""
         if is_unfused(config):
-            return sum(launches_kernel(self.graph, node) for node in self._unfused_nodes())
+            return sum(launches_kernel(self.graph, node) for node in self._unfused_nodes)
         if is_library(config):
             return 1 if self.library_outputs is not None else 2
         return 2 if self.split is not None and slices_of(config or self._configs[0]) > 1 else 1
@@ -536,13 +537,15 @@ class EpilogueKernel(GroupKernel):
         if not is_unfused(config):
             self._unfused_constants = None
 
+    @cached_property
     def _unfused_nodes(self) -> list[Node]:
         return [self.graph[n] for n in self.group.nodes if self.graph[n].op not in ("input", "constant")]
 
+    @cached_property
     def _unfused_frees(self) -> list[list[str]]:
         """Per node of the unfused form, the group's intermediates dead after it (read by no later node, not an
-        output): freed there, as the runtime frees values between groups."""
-        nodes = self._unfused_nodes()
+        output): freed there, as the runtime frees values between groups. Worked out once, not every call."""
+        nodes = self._unfused_nodes
         produced, outputs = {node.name for node in nodes}, set(self.group.outputs)
         last_reader = {name: i for i, node in enumerate(nodes) for name in node.inputs if name in produced}
         frees: list[list[str]] = [[] for _ in nodes]
@@ -555,12 +558,12 @@ class EpilogueKernel(GroupKernel):
         """The group's ops one by one through their PyTorch references, as the runtime runs a group it has no kernel
         for (each intermediate freed after its last reader); the constants they read (the graph's, BN already
         folded) go to the device on first use."""
-        nodes = self._unfused_nodes()
+        nodes = self._unfused_nodes
         if self._unfused_constants is None:
             self._unfused_constants = {name: self.graph.constants[name].to(self.epilogue.device) for node in nodes
                                        for name in node.inputs if self.graph.is_constant(name)}
         values = dict(zip(self.runtime_inputs, inputs)) | self._unfused_constants
-        for node, dead in zip(nodes, self._unfused_frees()):
+        for node, dead in zip(nodes, self._unfused_frees):
             values[node.name] = get_op(node.op).run([values[name] for name in node.inputs], node.attrs)
             for name in dead:
                 del values[name]

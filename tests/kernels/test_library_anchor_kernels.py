@@ -102,8 +102,8 @@ def test_the_unfused_form_frees_each_intermediate_after_its_last_reader():
     x = b.input("x", (3, 8))
     y = linear(b, x, 5)
     kernel = lower_gemm_group(b.graph, b.group([b.op("relu", b.op("add", y, b.op("mul", y, y)))]), "cpu")
-    names = [node.name for node in kernel._unfused_nodes()]     # linear, mul, add, relu
-    frees = dict(zip(names, kernel._unfused_frees()))
+    names = [node.name for node in kernel._unfused_nodes]     # linear, mul, add, relu
+    frees = dict(zip(names, kernel._unfused_frees))
     assert frees == {names[0]: [], names[1]: [], names[2]: [names[0], names[1]], names[3]: [names[2]]}
     b.check(kernel.group.outputs, kernel.run([b.feeds["x"]], UNFUSED))
 
