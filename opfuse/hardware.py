@@ -32,14 +32,22 @@ class HardwareProfile:
     memory_efficiency: float = 0.85
     vector_efficiency: float = 0.6
     # seconds one iteration of a loop takes when it waits for its own loads (no pipelining across iterations):
-    # the floor of a program that walks a long reduction alone. The H200's value is the conv-conv kernels'
-    # per-iteration time measured on mobilenet_v2 at batch 1 (2026-11-30: ~0.6 ms over 446 serial iterations);
-    # the other profiles share it unmeasured
+    # the floor of a program that walks a long reduction alone. The H200's value is the whole-block conv-conv
+    # kernels' per-iteration time measured on mobilenet_v2 at batch 1 (2026-11-30: ~0.6 ms over 446 serial
+    # iterations); the other profiles share it unmeasured
     serial_step: float = 1.3e-6
-    # the depthwise + pointwise kernel's efficiency relative to what the model assumes of other kernels: on the
-    # H200 it ran 4.7x slower than predicted (median of mobilenet_v2's 14 such blocks at batch 64, 2026-11-30)
-    # where the blocks' unfused kernels ran 2.2x slower, so 0.47; the whole-block kernel (with the
-    # expansion) matched the others and keeps 1.0. The other profiles share it unmeasured
+    # the same for one mid-channel chunk of a depthwise + pointwise kernel, by its tile: a fixed part, per element
+    # of the BLOCK_M x BLOCK_K depthwise tile (its taps) and per multiply-add of the BLOCK_M x BLOCK_N x BLOCK_K dot.
+    # Fitted on the H200 to 576 timings of such kernels (2026-11-30, `benchmarks/conv_conv_sweep.py`: mobilenet_v2's
+    # 17 blocks at batch 1 and 64, 4-warp tiles, median error 11% at batch 1); the other profiles share it unmeasured
+    conv_conv_step: float = 0.15e-6
+    conv_conv_tap_step: float = 0.35e-9
+    conv_conv_mac_step: float = 1.8e-12
+    # the depthwise + pointwise kernel's efficiency relative to what the model assumes of other kernels (its
+    # traffic and FLOPs; the chain above is its own floor): on the H200 it ran 4.7x slower than predicted (median
+    # of mobilenet_v2's 14 such blocks at batch 64, 2026-11-30, with the old wide tiles) where the blocks' unfused
+    # kernels ran 2.2x slower, so 0.47; the whole-block kernel (with the expansion) matched the others and keeps
+    # 1.0. The other profiles share it unmeasured
     conv_conv_efficiency: float = 0.47
     notes: str = field(default="", compare=False)
 
@@ -52,7 +60,8 @@ class HardwareProfile:
     def with_ideal_conv_conv(self) -> "HardwareProfile":
         """This profile without the conv-conv measurements (loop floor, efficiency): the planner then fuses every
         block where the fusion saves traffic; what benchmarks and tests compare the calibrated choice with."""
-        return replace(self, serial_step=0.0, conv_conv_efficiency=1.0)
+        return replace(self, serial_step=0.0, conv_conv_step=0.0, conv_conv_tap_step=0.0, conv_conv_mac_step=0.0,
+                       conv_conv_efficiency=1.0)
 
 
 PROFILES: dict[str, HardwareProfile] = {

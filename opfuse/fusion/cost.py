@@ -178,8 +178,13 @@ class ConvConvWork:
     executed_flops: int                   # everything executed, for the note
     depthwise_repeats: int                # output-channel tiles: how often each depthwise value is computed
     expansion_repeats: float              # expansion FLOPs executed / needed (0 without a fused expansion)
-    programs: int                         # the grid: pixel tiles x output-channel tiles
-    iterations: int                       # mid-channel chunks each program walks, one after the other
+    programs: int                         # the grid: pixel tiles x output-channel tiles x mid-channel slices
+    iterations: int                       # steps each program walks one after the other: its slice's mid-channel
+    #                                       chunks, plus the last slice's sum of the partial tiles when split
+    slices: int                           # mid-channel slices (SPLIT_K)
+    tile_taps: int                        # BLOCK_M x BLOCK_K: the depthwise tile of one chunk
+    tile_macs: int                        # BLOCK_M x BLOCK_N x BLOCK_K: the pointwise dot of one chunk
+    whole_block: bool                     # the expansion conv is fused too
 
     def compute_seconds(self, hw: HardwareProfile) -> float:
         """Tensor-core plus CUDA-core time; the moved work only on the SMs the pointwise grid keeps busy."""
@@ -189,9 +194,14 @@ class ConvConvWork:
         return self.matrix_seconds_at_peak + (self.vector_flops - self.moved_vector_flops) / vector_rate + moved / busy
 
     def serial_seconds(self, hw: HardwareProfile) -> float:
-        """The floor of the loop: every program walks all mid-channel chunks in turn, each chunk waiting for its
-        taps (what makes the fused kernel slow when few programs run long loops; many programs hide it)."""
-        return self.iterations * hw.serial_step
+        """The floor of the loop: every program walks its steps in turn, each chunk waiting for its taps (what makes
+        the fused kernel slow when few programs run long loops; many programs hide it). A depthwise + pointwise
+        step costs what the H200 measured for its tile (`HardwareProfile.conv_conv_step`); a whole block's
+        `serial_step`."""
+        if self.whole_block:
+            return self.iterations * hw.serial_step
+        step = hw.conv_conv_step + self.tile_taps * hw.conv_conv_tap_step + self.tile_macs * hw.conv_conv_mac_step
+        return self.iterations * step
 
 
 def conv_conv_work(graph: Graph, nodes: Sequence[str], chain: list[str], tile: Mapping[str, int],
@@ -222,24 +232,29 @@ def conv_conv_work(graph: Graph, nodes: Sequence[str], chain: list[str], tile: M
         expansion_repeats = flops / max(1, node_flops(graph, expand))
     vector += moved_vector
     executed += vector
-    programs = -(-pixels // tile["BLOCK_M"]) * repeats
-    iterations = -(-graph[chain[-2]].type.shape[1] // tile["BLOCK_K"])
+    slices = tile.get("SPLIT_K", 1)
+    programs = -(-pixels // tile["BLOCK_M"]) * repeats * slices
+    chunks = -(-graph[chain[-2]].type.shape[1] // tile["BLOCK_K"])
+    iterations = -(-chunks // slices) + (1 if slices > 1 else 0)
+    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     return ConvConvWork(matrix, moved_matrix, vector, moved_vector, executed, repeats, expansion_repeats, programs,
-                        iterations)
+                        iterations, slices, bm * bk, bm * bn * bk, len(chain) == 3)
 
 
 def conv_conv_estimate(graph: Graph, nodes: Sequence[str], chain: list[str], traffic: GroupTraffic,
                        hw: HardwareProfile, dtype: str) -> KernelEstimate:
-    """The fastest fitting tile of a conv-conv kernel; over budget (and priced at the smallest tile) if none fits."""
+    """The fastest fitting tile of a conv-conv kernel, of those measured (the smallest tile, last in the list, only
+    where none of them fits); over budget (and priced at the smallest tile) if none fits."""
     peak = hw.matrix_peak(dtype) * hw.matrix_efficiency
     memory = traffic.bytes_moved / (hw.memory_bandwidth * hw.memory_efficiency)
     efficiency = hw.conv_conv_efficiency if len(chain) == 2 else 1.0   # measured: see HardwareProfile
 
     def seconds(work: ConvConvWork) -> float:
-        return max(work.compute_seconds(hw), memory, work.serial_seconds(hw)) / efficiency + hw.launch_overhead
+        return max(max(work.compute_seconds(hw), memory) / efficiency, work.serial_seconds(hw)) + hw.launch_overhead
 
     best: tuple[float, ResourceEstimate, ConvConvWork] | None = None
-    for tile in conv_conv_tiles(graph, chain):
+    *measured, smallest = conv_conv_tiles(graph, chain, sm_count=hw.sm_count)
+    for tile in measured or [smallest]:
         resources = estimate_resources(graph, nodes, chain[0], hw, dtype, tile)
         if not resources.fits:
             continue
@@ -247,8 +262,9 @@ def conv_conv_estimate(graph: Graph, nodes: Sequence[str], chain: list[str], tra
         time = seconds(work)
         if best is None or time < best[0]:
             best = (time, resources, work)
-    if best is None:   # nothing fits: the planner refuses it as over budget; price the smallest tile anyway
-        resources = estimate_resources(graph, nodes, chain[0], hw, dtype)
+    if best is None:   # the smallest tile (last) only where no other fits; if it does not fit either, the planner
+        #                refuses the fusion as over budget, priced at that tile anyway
+        resources = estimate_resources(graph, nodes, chain[0], hw, dtype, smallest)
         work = conv_conv_work(graph, nodes, chain, resources.tile, peak)
         best = (seconds(work), resources, work)
     time, resources, work = best
@@ -256,8 +272,9 @@ def conv_conv_estimate(graph: Graph, nodes: Sequence[str], chain: list[str], tra
             f"(once per output-channel tile)")
     if work.expansion_repeats:
         note += f", expansion {work.expansion_repeats:.2f}x (halo recompute per depthwise tap)"
+    slices = f", mid channels in {work.slices} slices summed in the kernel" if work.slices > 1 else ""
     note += (f"; {work.executed_flops / max(1, traffic.flops):.2f}x the useful FLOPs executed by "
-             f"{work.programs} programs of {work.iterations} loop steps")
+             f"{work.programs} programs of {work.iterations} loop steps{slices}")
     return KernelEstimate(traffic, resources, time, chain[0], note)
 
 

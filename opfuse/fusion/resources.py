@@ -35,6 +35,7 @@ from typing import Iterable, Mapping
 
 from opfuse.fusion.legality import conv_stages
 from opfuse.fusion.plan import ResourceEstimate
+from opfuse.fusion.tiles import STREAMING_MULTIPROCESSORS
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import DTYPE_BYTES, Graph, dtype_name
 from opfuse.ir.ops import FusionKind, get_op, kind_of
@@ -53,7 +54,19 @@ ATTENTION_TILES = (  # the Triton fused-attention tutorial's configurations
     {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2, "num_warps": 4},
     {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4},
 )
-CONV_CONV_TILES = (  # pixels x output channels x mid channels; wide BLOCK_N first: each N tile recomputes the depthwise
+# conv-conv tiles: pixels x output channels x mid channels. A depthwise + pointwise kernel walks its mid channels
+# in a chain of BLOCK_K chunks, each waiting for its taps, so small pixel tiles with 4 warps win at both batch sizes;
+# 3 stages put the taps in shared memory (126 registers where 2 stages took 237). Measured on the H200 (2026-11-30,
+# triton 3.6, `benchmarks/conv_conv_sweep.py`, mobilenet_v2 at batch 1 and 64): the old wide tiles (128 x 256, 8
+# warps, still the whole block's, below) ran 1.3x to 5.6x slower than the best of these in every block.
+DEPTHWISE_POINTWISE_TILES = (
+    {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "num_stages": 3, "num_warps": 4},
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_stages": 2, "num_warps": 4},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "num_stages": 2, "num_warps": 4},
+    {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 32, "num_stages": 2, "num_warps": 4},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "num_stages": 1, "num_warps": 4},   # the smallest, to fit
+)
+WHOLE_BLOCK_TILES = (  # with the expansion fused too; wide BLOCK_N first: each N tile recomputes the depthwise
     {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "num_stages": 2, "num_warps": 8},
     {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 32, "num_stages": 2, "num_warps": 8},
     {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_stages": 2, "num_warps": 4},
@@ -61,6 +74,7 @@ CONV_CONV_TILES = (  # pixels x output channels x mid channels; wide BLOCK_N fir
     {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "num_stages": 2, "num_warps": 4},   # few pixels, long loops
     {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "num_stages": 1, "num_warps": 4},
 )
+CONV_CONV_SLICES = (1, 2, 4, 8)   # mid-channel slices a depthwise + pointwise tile grid may run (`conv_conv_slices`)
 POINTWISE_BLOCKS = (1024, 512, 256, 128)
 POINTWISE_WARPS = 4
 REDUCTION_WARPS = (4, 8, 16, 32)
@@ -80,7 +94,8 @@ def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, h
     if anchor is not None and graph[anchor].op == "sdpa":
         candidates = [_attention(graph, nodes, anchor, hw, itemsize, t) for t in _tiles(ATTENTION_TILES, tile)]
     elif anchor is not None and (chain := conv_chain(graph, nodes)):
-        candidates = [_conv_conv(graph, nodes, chain, hw, itemsize, t) for t in conv_conv_tiles(graph, chain, tile)]
+        candidates = [_conv_conv(graph, nodes, chain, hw, itemsize, t)
+                      for t in conv_conv_tiles(graph, chain, tile, hw.sm_count)]
     elif anchor is not None:
         candidates = [_gemm(graph, nodes, anchor, hw, itemsize, t) for t in _gemm_tiles(graph, anchor, tile)]
     elif (reduction := row_reduction(graph, nodes)) is not None:
@@ -218,27 +233,49 @@ def _gemm(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile, item
     return _check(hw, tile, threads, registers, shared)
 
 
-def conv_conv_tiles(graph: Graph, chain: list[str], tile: Mapping[str, int] | None = None) -> list[dict[str, int]]:
+def conv_conv_tiles(graph: Graph, chain: list[str], tile: Mapping[str, int] | None = None,
+                    sm_count: int = STREAMING_MULTIPROCESSORS) -> list[dict[str, int]]:
     """Candidate conv-conv tiles clipped to the problem: BLOCK_M to the pixels, BLOCK_N to the output channels,
-    BLOCK_K to the mid (depthwise) channels, each at least 16 (Triton's smallest dot)."""
+    BLOCK_K to the mid (depthwise) channels, each at least 16 (Triton's smallest dot), with the mid-channel slices
+    (SPLIT_K) their grid runs: `conv_conv_slices` for a depthwise + pointwise kernel, 1 for a whole block."""
     pointwise = graph[chain[-1]]
     n, c_out, h, w = pointwise.type.shape
     c_mid = graph[chain[-2]].type.shape[1]
+    whole = len(chain) == 3
     clipped = []
-    for t in _tiles(CONV_CONV_TILES, tile):
+    for t in _tiles(WHOLE_BLOCK_TILES if whole else DEPTHWISE_POINTWISE_TILES, tile):
         t = dict(t, BLOCK_M=min(t["BLOCK_M"], _pow2(n * h * w)), BLOCK_N=min(t["BLOCK_N"], _pow2(c_out)),
                  BLOCK_K=min(t["BLOCK_K"], _pow2(c_mid)))
-        if tile is None and len(chain) == 3 and t["BLOCK_K"] > 32 and expansion_block(graph, chain[0]) > 16:
+        if tile is None and whole and t["BLOCK_K"] > 32 and expansion_block(graph, chain[0]) > 16:
             continue   # 64-deep mid chunks of an expansion over more than 16 channels: 255 registers and 50 to 74
             #            spills measured (H200, triton 3.6, mobilenet_v2's blocks 3 to 7 at batch 1)
-        if tile is None and len(chain) == 3 and t["BLOCK_N"] > 32 and t["num_warps"] > 4:
+        if tile is None and whole and t["BLOCK_N"] > 32 and t["num_warps"] > 4:
             # a fused expansion is a second MMA in the loop: with 8 warps and more than 32 output channels Triton
             # held 255 registers and spilled (H200, triton 3.6: 64x64 and 128x64 tiles of mobilenet_v2's block 7
             # at batch 64), where 4 warps took 220 and did not; the register count below does not see layouts
             t["num_warps"] = 4
+        if "SPLIT_K" not in t:
+            programs = -(-(n * h * w) // t["BLOCK_M"]) * -(-c_out // t["BLOCK_N"])
+            t["SPLIT_K"] = 1 if whole else conv_conv_slices(programs, -(-c_mid // t["BLOCK_K"]), sm_count)
         if t not in clipped:
             clipped.append(t)
     return clipped
+
+
+def conv_conv_slices(programs: int, chunks: int, sm_count: int) -> int:
+    """Mid-channel slices of a depthwise + pointwise kernel with `programs` tiles over `chunks` BLOCK_K chunks: of
+    CONV_CONV_SLICES, the count whose programs walk the shortest chain (their slice's chunks, plus one step for the
+    last slice's sum when split) without more programs than SMs and without an empty slice; ties keep fewer slices.
+    Measured on the H200 (2026-11-30, mobilenet_v2 at batch 1): blocks 15-17 took 17.5 us unsplit and 5.6 us with
+    8 slices; at batch 64, where the tiles fill the GPU, slicing only added work (0.6x to 0.9x)."""
+    best, chain = 1, chunks
+    for slices in CONV_CONV_SLICES[1:]:
+        per_slice = -(-chunks // slices)
+        if programs * slices > sm_count or per_slice * (slices - 1) >= chunks:
+            continue
+        if per_slice + 1 < chain:
+            best, chain = slices, per_slice + 1
+    return best
 
 
 def expansion_block(graph: Graph, expand: str) -> int:
@@ -429,7 +466,8 @@ def describe_tile(tile: Mapping[str, int]) -> str:
     dims = "x".join(str(tile[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in tile) or \
         f"BLOCK {tile.get('BLOCK')}"
     stages = f"{tile['num_stages']} stages, " if "num_stages" in tile else ""
-    return f"{dims} ({stages}{tile['num_warps']} warps)"
+    slices = f", {tile['SPLIT_K']} slices" if tile.get("SPLIT_K", 1) > 1 else ""
+    return f"{dims} ({stages}{tile['num_warps']} warps{slices})"
 
 
 def _tiles(family: tuple[dict[str, int], ...], tile: Mapping[str, int] | None) -> list[dict[str, int]]:

@@ -22,7 +22,9 @@ from opfuse.numerics import relative_error, tolerance  # noqa: E402
 
 
 # the H200 profile without the conv-conv measurements (`with_ideal_conv_conv`): the planner then fuses all 17
-# blocks, so every fused kernel is checked here, also those the real profile keeps apart
+# blocks (16 at batch 64: the last one's 320 outputs would compute its depthwise 3 times), so every fused kernel is
+# checked here, also those the real profile keeps apart
+FUSED_BLOCKS = {1: 17, 64: 16}
 hardware.PROFILES.setdefault("h200nofloor", hardware.PROFILES["h200"].with_ideal_conv_conv())
 
 
@@ -43,7 +45,7 @@ def test_every_config_of_every_mobilenet_block(batch):
     analysis, x = mobilenet_analysis(batch)
     graph, plan = analysis.prepared, analysis.plan
     groups = [g for g in plan.groups if g.kind is GroupKind.CONV_CONV]
-    assert len(groups) == 17
+    assert len(groups) == FUSED_BLOCKS[batch]
     kernels = {g.name: lower_conv_conv_group(graph, g, "cuda") for g in groups}
     inputs = [x.cuda().half().contiguous(memory_format=torch.channels_last)]
     failures, spills = [], []
@@ -65,17 +67,18 @@ def test_every_config_of_every_mobilenet_block(batch):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32-tf32", "float32-ieee"])
 @pytest.mark.parametrize("expand,stride", [(False, 1), (False, 2), (True, 1), (True, 2)])
 def test_hand_built_chain(dtype, expand, stride):
-    """Odd channel counts (24 in, 40 mid, 20 out), a residual at stride 1, every config of the kernel."""
+    """Odd channel counts (24 in, 200 mid, 20 out), a residual at stride 1, every config of the kernel (without
+    the expansion the grid is small: every config runs 2 or 4 mid-channel slices)."""
     from opfuse.codegen.conv_conv import lower_conv_conv_group
     from opfuse.ir.interpret import interpret
 
     name, _, precision = dtype.partition("-")
     b = GraphBuilder("chain", dtype=name)
-    x = b.input("x", (3, 24 if expand else 40, 15, 13))
+    x = b.input("x", (3, 24 if expand else 200, 15, 13))
     y = x
     if expand:
-        y = b.unary("clamp", b.conv(x, 40, 1, name="expand"), "relu6_1", min=0.0, max=6.0)
-    y = b.unary("clamp", b.conv(y, 40, 3, stride=stride, padding=1, groups=40, name="dw"), "relu6_2",
+        y = b.unary("clamp", b.conv(x, 200, 1, name="expand"), "relu6_1", min=0.0, max=6.0)
+    y = b.unary("clamp", b.conv(y, 200, 3, stride=stride, padding=1, groups=200, name="dw"), "relu6_2",
                 min=0.0, max=6.0)
     y = b.conv(y, 24 if stride == 1 and expand else 20, 1, name="pw")
     if stride == 1 and expand:
@@ -99,9 +102,10 @@ def test_hand_built_chain(dtype, expand, stride):
         bound = 1e-2 if name != "float32" else tolerance("float32", "cuda" if precision == "tf32" else None)
         errors = []
         for config in kernel.configs():
-            (out,) = kernel.run([feed], config)
-            assert not torch.isnan(out).any(), config
-            errors.append((config, relative_error(out.double(), expected)))
+            for _ in range(2):   # a second launch finds the split tiles' arrival counts back at zero
+                (out,) = kernel.run([feed], config)
+                assert not torch.isnan(out).any(), config
+                errors.append((config, relative_error(out.double(), expected)))
         assert all(error < bound for _, error in errors), errors
     finally:
         torch.backends.cudnn.allow_tf32 = previous
@@ -122,7 +126,7 @@ def test_mobilenet_v2_fp16_matches_eager_with_the_fused_kernels(batch):
     compiled = opfuse.compile(model, (x16,), opfuse.FusionConfig(dtype="float16", autotune=False,
                                                                hardware="h200nofloor"))
     groups = [g for g in compiled.plan.groups if g.kind is GroupKind.CONV_CONV]
-    assert len(groups) == 17 and compiled.plan.kernel_launches <= 40
+    assert len(groups) == FUSED_BLOCKS[batch] and compiled.plan.kernel_launches <= 40
     for group in groups:
         assert isinstance(compiled.compiled.kernels.get(group.name), ConvConvKernel), compiled.fallbacks
     with torch.inference_mode():

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import opfuse
 from opfuse.codegen import lower
+from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.conv_conv import ConvConvKernel, lower_conv_conv_group
 from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.plan import GroupKind
@@ -65,6 +66,27 @@ def test_whole_inverted_residual_with_expansion(stride, residual):
     kernel = run_conv_conv(b, [y])
     assert kernel.expansion is not None and kernel.block_cin == 16
     assert kernel.name.startswith("fused_expand_conv_clamp_dw_conv_pw_conv")
+
+
+@pytest.mark.parametrize("expand,slices", [(False, 2), (False, 3), (True, 2)])
+def test_mid_channel_slices_summed_in_the_same_launch(expand, slices):
+    """SPLIT_K slices of the 40 mid channels (three 16-channel chunks: uneven slices with 2): each slice stores its
+    partial tile, the last of a tile to arrive sums them and alone runs the epilogue, then resets the tile's count.
+    Run twice: the second launch must find the counts back at zero, the results right both times."""
+    b = Builder()
+    x = b.input("x", (2, 6 if expand else 40, 5, 4))
+    skip = x if expand else b.input("skip", (2, 6, 5, 4))
+    y = inverted_residual(b, x, 40, 6, expand=expand, skip=skip)
+    kernel = lower_conv_conv_group(b.graph, b.group([y], GroupKind.CONV_CONV), "cpu")
+    kernel.epilogue.output_fill = float("nan")
+    config = KernelConfig.of(4, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=slices)
+    counts = None
+    for _ in range(2):
+        b.check([y], kernel.run([b.feeds[name] for name in kernel.runtime_inputs], config))
+        assert kernel._counts is not None and int(kernel._counts.abs().sum()) == 0
+        assert counts is None or kernel._counts is counts     # one buffer: a captured CUDA graph keeps pointing at it
+        counts = kernel._counts
+    assert kernel.launches(config) == 1
 
 
 def test_five_by_five_depthwise_and_an_nchw_input():
