@@ -27,15 +27,18 @@ traffic as any group (the intermediate tensors are gone), and the work actually 
 
 The compute part is the tensor-core time plus the CUDA-core time (they share the SM's issue slots), against the
 traffic. The depthwise (and expansion) work moves from its own kernel's grid into the pointwise conv's grid (pixel
-tiles x output-channel tiles), usually far fewer programs, each of which runs the whole mid-channel loop itself:
-when that grid has fewer programs than the GPU has SMs, the moved work runs on only that many SMs (`busy`). The
-pointwise GEMM keeps the grid it would have alone, so it is priced as any GEMM. Each program walks the mid channels
-in BLOCK_K chunks, one after the other, and each chunk waits for its taps: the kernel takes at least (chunks) x
-`serial_step`, the floor that makes the fusion lose where few programs run long loops (mobilenet_v2's late blocks at
-batch 1). A depthwise + pointwise kernel without the expansion is priced at `conv_conv_efficiency` of the model's
-rates (measured: about half the efficiency of the kernels it replaces). Every candidate tile that fits is priced and
-the fastest is taken; the re-reads of the input that the recomputation causes are served by L2 and are not counted
-as device-memory traffic (as for any implicit-GEMM conv).
+tiles x output-channel tiles x mid-channel slices), usually far fewer programs, each of which runs its mid-channel
+loop itself: when that grid has fewer programs than the GPU has SMs, the moved work runs on only that many SMs
+(`busy`). The pointwise GEMM keeps the grid it would have alone, so it is priced as any GEMM. A depthwise + pointwise
+kernel without the expansion is priced at `conv_conv_efficiency` of the model's rates (measured: about half the
+efficiency of the kernels it replaces). Each program walks its mid channels in BLOCK_K chunks, one after the other,
+each chunk waiting for its taps: the kernel takes at least its chain of steps (the floor that makes the fusion lose
+where few programs run long loops, as in mobilenet_v2's late blocks at batch 1). A whole block's step is
+`serial_step`; a depthwise + pointwise step is fitted per tile (`conv_conv_step` plus per depthwise-tile element and
+per multiply-add), and its grid may split the mid channels into slices (`opfuse.fusion.resources.conv_conv_slices`)
+whose chain is their slice plus one step for the sum. Every candidate tile that fits is priced and the fastest is
+taken; the re-reads of the input that the recomputation causes are served by L2 and are not counted as
+device-memory traffic (as for any implicit-GEMM conv).
 All hardware numbers come from `opfuse.hardware.HardwareProfile`.
 """
 

@@ -313,6 +313,9 @@ def _conv_conv(graph: Graph, nodes: list[str], chain: list[str], hw: HardwarePro
                       (f"{role} input tap", _per_thread(bm * tap * itemsize // 4, threads)),
                       (f"{stage_vectors} {role} per-channel vector(s)", stage_vectors * _per_thread(bk, threads)),
                       (f"{stage_twice} {role} value(s) used twice", stage_twice * _per_thread(bm * bk, threads))]
+    slices = tile.get("SPLIT_K", 1)
+    if slices > 1:   # the last slice's sum loads every partial tile at once (the loop is unrolled)
+        registers.append((f"{slices} partial tiles summed", slices * _per_thread(bm * bn, threads)))
     registers.append(("addressing", ADDRESSING_REGISTERS))
     return _check(hw, tile, threads, registers, shared)
 

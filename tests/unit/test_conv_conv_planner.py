@@ -173,6 +173,11 @@ def test_conv_conv_tile_registers_and_shared_memory_by_hand():
     assert estimate.registers_per_thread == 16 + 8 + 1 + 16 + 8 + 1 + ADDRESSING_REGISTERS
     # pointwise weight chunks (2 stages), the depthwise result as the MMA's A operand, the residual's staging tile
     assert estimate.shared_memory_bytes == 2 * 32 * 32 * 2 + 64 * 32 * 2 + 64 * 32 * 2
+    # mid-channel slices: the last slice's unrolled sum holds every partial tile (4 x 64*32/128); on the H200 a
+    # 32x128 tile with 8 slices held 255 registers and spilled 38 (2026-11-30) where the model had not counted them
+    sliced = estimate_resources(graph, nodes, "depthwise", H200, "float16", dict(tile, SPLIT_K=4))
+    assert sliced.registers_per_thread == estimate.registers_per_thread + 4 * 16
+    assert sliced.shared_memory_bytes == estimate.shared_memory_bytes
 
 
 def test_over_budget_when_depthwise_tile_and_pointwise_accumulator_do_not_fit_together():
