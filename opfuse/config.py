@@ -17,7 +17,8 @@ class FusionConfig:
     conv_conv: bool = True              # depthwise + pointwise convolution in one kernel
     conv_conv_expand: bool = True       # ... and the 1x1 expansion before it (whole inverted residual), where it pays
     split_k: bool = True                # anchors whose tile grid leaves most SMs idle split K (the autotuner also
-                                        # times them unsplit and keeps the faster)
+                                        # times them unsplit and keeps the faster); conv-conv kernels' mid-channel
+                                        # slices are part of their tile (one launch) and do not follow this switch
     use_cost_model: bool = True         # False: take every legal fusion (for tests and experiments)
     # code generation and runtime
     autotune: bool = True

@@ -36,9 +36,10 @@ each chunk waiting for its taps: the kernel takes at least its chain of steps (t
 where few programs run long loops, as in mobilenet_v2's late blocks at batch 1). A whole block's step is
 `serial_step`; a depthwise + pointwise step is fitted per tile (`conv_conv_step` plus per depthwise-tile element and
 per multiply-add), and its grid may split the mid channels into slices (`opfuse.fusion.resources.conv_conv_slices`)
-whose chain is their slice plus one step for the sum. Every candidate tile that fits is priced and the fastest is
-taken; the re-reads of the input that the recomputation causes are served by L2 and are not counted as
-device-memory traffic (as for any implicit-GEMM conv).
+whose chain is their slice plus one step for the sum (their partial tiles go through L2 and are not counted as
+device-memory traffic). Every candidate tile that fits is priced and the fastest is taken (the smallest tile, last,
+only where none of the others fits: it was never measured fastest); the re-reads of the input that the
+recomputation causes are served by L2 and are not counted either (as for any implicit-GEMM conv).
 All hardware numbers come from `opfuse.hardware.HardwareProfile`.
 """
 
@@ -275,9 +276,8 @@ def conv_conv_estimate(graph: Graph, nodes: Sequence[str], chain: list[str], tra
             f"(once per output-channel tile)")
     if work.expansion_repeats:
         note += f", expansion {work.expansion_repeats:.2f}x (halo recompute per depthwise tap)"
-    slices = f", mid channels in {work.slices} slices summed in the kernel" if work.slices > 1 else ""
     note += (f"; {work.executed_flops / max(1, traffic.flops):.2f}x the useful FLOPs executed by "
-             f"{work.programs} programs of {work.iterations} loop steps{slices}")
+             f"{work.programs} programs of {work.iterations} loop steps")
     return KernelEstimate(traffic, resources, time, chain[0], note)
 
 

@@ -75,6 +75,10 @@ WHOLE_BLOCK_TILES = (  # with the expansion fused too; wide BLOCK_N first: each 
     {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "num_stages": 1, "num_warps": 4},
 )
 CONV_CONV_SLICES = (1, 2, 4, 8)   # mid-channel slices a depthwise + pointwise tile grid may run (`conv_conv_slices`)
+# registers per thread the last slice's unrolled sum may hold (all partial tiles at once): on the H200 (2026-11-30,
+# runs 16, 17, 19) 64 ran without spills (16x64 with 8 slices, 32x64 with 4, 4 warps), 128 spilled up to 2 values
+# (32x256 with 2 slices) and 256 spilled 32 to 360 (32x128 with 8, 32x256 with 4, 64x64 with 8)
+SLICE_SUM_REGISTERS = 64
 POINTWISE_BLOCKS = (1024, 512, 256, 128)
 POINTWISE_WARPS = 4
 REDUCTION_WARPS = (4, 8, 16, 32)
@@ -256,22 +260,24 @@ def conv_conv_tiles(graph: Graph, chain: list[str], tile: Mapping[str, int] | No
             t["num_warps"] = 4
         if "SPLIT_K" not in t:
             programs = -(-(n * h * w) // t["BLOCK_M"]) * -(-c_out // t["BLOCK_N"])
-            t["SPLIT_K"] = 1 if whole else conv_conv_slices(programs, -(-c_mid // t["BLOCK_K"]), sm_count)
+            most = SLICE_SUM_REGISTERS // _per_thread(t["BLOCK_M"] * t["BLOCK_N"], 32 * t["num_warps"])
+            t["SPLIT_K"] = 1 if whole else conv_conv_slices(programs, -(-c_mid // t["BLOCK_K"]), sm_count, most)
         if t not in clipped:
             clipped.append(t)
     return clipped
 
 
-def conv_conv_slices(programs: int, chunks: int, sm_count: int) -> int:
+def conv_conv_slices(programs: int, chunks: int, sm_count: int, most: int = CONV_CONV_SLICES[-1]) -> int:
     """Mid-channel slices of a depthwise + pointwise kernel with `programs` tiles over `chunks` BLOCK_K chunks: of
-    CONV_CONV_SLICES, the count whose programs walk the shortest chain (their slice's chunks, plus one step for the
-    last slice's sum when split) without more programs than SMs and without an empty slice; ties keep fewer slices.
-    Measured on the H200 (2026-11-30, mobilenet_v2 at batch 1): blocks 15-17 took 17.5 us unsplit and 5.6 us with
-    8 slices; at batch 64, where the tiles fill the GPU, slicing only added work (0.6x to 0.9x)."""
+    CONV_CONV_SLICES up to `most` (what the sum's registers allow, SLICE_SUM_REGISTERS), the count whose programs
+    walk the shortest chain (their slice's chunks, plus one step for the last slice's sum when split) without more
+    programs than SMs and without an empty slice; ties keep fewer slices. Measured on the H200 (2026-11-30,
+    mobilenet_v2 at batch 1): blocks 15-17 took 17.5 us unsplit and 5.6 us with 8 slices; at batch 64, where the
+    tiles fill the GPU, slicing only added work (0.6x to 0.9x)."""
     best, chain = 1, chunks
     for slices in CONV_CONV_SLICES[1:]:
         per_slice = -(-chunks // slices)
-        if programs * slices > sm_count or per_slice * (slices - 1) >= chunks:
+        if slices > most or programs * slices > sm_count or per_slice * (slices - 1) >= chunks:
             continue
         if per_slice + 1 < chain:
             best, chain = slices, per_slice + 1

@@ -33,7 +33,9 @@ GATHER = _tile(64, 64, 32, 4, 4)
 GATHER_CHANNELS = 32                # input channels per group under which a conv gathers taps
 INTERPRETER = _tile(32, 32, 16, 4, 1)
 STREAMING_MULTIPROCESSORS = 132     # an H200's: picks the default tile, and every tile's K slices (the kernels'
-                                    # `with_slices`, the plan's launch count); the autotuner measures
+                                    # `with_slices`, the plan's launch count, the conv-conv candidates' mid-channel
+                                    # slices after the planned tile, which follows the profile); the autotuner measures
+                                    # what they give on the GPU at hand
 SHARED_MEMORY_BYTES = 200 * 1024    # operand tiles of all pipeline stages must fit (227 KiB per block, less slack)
 
 

@@ -129,9 +129,11 @@ def test_mobilenet_v2_fp16_matches_eager_with_the_fused_kernels(batch):
     assert len(groups) == FUSED_BLOCKS[batch] and compiled.plan.kernel_launches <= 40
     for group in groups:
         assert isinstance(compiled.compiled.kernels.get(group.name), ConvConvKernel), compiled.fallbacks
-    with torch.inference_mode():
-        out = compiled(x16)
-    assert relative_error(out.float(), reference) < 1e-2
+    with torch.inference_mode():   # eager, then captured into a CUDA graph, then replayed: the split tiles' counts
+        for _ in range(3):          # and workspace must work from the graph as well
+            assert relative_error(compiled(x16).float(), reference) < 1e-2
+    split = [g for g in groups if dict(compiled.compiled.kernels[g.name].configs()[0].params).get("SPLIT_K", 1) > 1]
+    assert split if batch == 1 else not split    # few tiles at batch 1: most blocks split their mid channels
     compiled.compiled.set_cuda_graph(False)
     with torch.inference_mode():
         kernels, _ = kernel_profile(compiled, (x16,))

@@ -83,10 +83,33 @@ def test_mid_channel_slices_summed_in_the_same_launch(expand, slices):
     counts = None
     for _ in range(2):
         b.check([y], kernel.run([b.feeds[name] for name in kernel.runtime_inputs], config))
-        assert kernel._counts is not None and int(kernel._counts.abs().sum()) == 0
+        assert int(kernel._counts.abs().sum()) == 0
         assert counts is None or kernel._counts is counts     # one buffer: a captured CUDA graph keeps pointing at it
         counts = kernel._counts
     assert kernel.launches(config) == 1
+
+
+def test_only_the_last_slice_to_arrive_runs_the_epilogue():
+    """Launch every tile but one slice short: no tile's count reaches SPLIT_K, so no program may sum or store, and
+    each count is left at the slices that arrived. (The interpreter runs programs one after another, so the full
+    launch above cannot tell "the last to arrive" from "the last in launch order"; this can.)"""
+    b = Builder()
+    x = b.input("x", (2, 40, 5, 4))
+    y = inverted_residual(b, x, 40, 6, skip=b.input("skip", (2, 6, 5, 4)))
+    kernel = lower_conv_conv_group(b.graph, b.group([y], GroupKind.CONV_CONV), "cpu")
+    kernel.epilogue.output_fill = float("nan")
+    launch = kernel.kernel
+
+    class OneSliceShort:
+        def __getitem__(self, grid):
+            return launch[(grid[0], grid[1] - 1)]
+
+    kernel.kernel = OneSliceShort()
+    config = KernelConfig.of(4, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=3)
+    (out,) = kernel.run([b.feeds[name] for name in kernel.runtime_inputs], config)
+    tiles = -(-2 * 5 * 4 // 16)                                          # 40 pixels x 6 channels: 3 tiles of 16 x 16
+    assert torch.isnan(out).all()
+    assert kernel._counts[:tiles].tolist() == [2] * tiles and int(kernel._counts[tiles:].abs().sum()) == 0
 
 
 def test_five_by_five_depthwise_and_an_nchw_input():

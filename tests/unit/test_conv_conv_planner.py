@@ -211,15 +211,16 @@ def test_depthwise_recomputed_once_per_output_channel_tile():
     assert conv_conv_work(graph, nodes, ["dw", "pw"], wide, peak=1.0).depthwise_repeats == 1
 
 
-@pytest.mark.parametrize("programs, chunks, slices", [
-    (12, 15, 8),    # mobilenet_v2's block 15 at batch 1 (16x64 tiles): 15 chunks -> 2 a slice, then the sum
-    (7, 12, 4),     # 8 slices of 2 chunks would leave the eighth empty; 6 would not be a candidate
-    (98, 30, 1),    # two slices would need 196 programs on 132 SMs (at batch 64 slicing only added work)
-    (13, 3, 1),     # 2 slices: 2 chunks + the sum is no shorter than 3 chunks
-    (40, 40, 2),    # 4 slices would need 160 programs
+@pytest.mark.parametrize("programs, chunks, most, slices", [
+    (12, 15, 8, 8),    # mobilenet_v2's block 15 at batch 1 (16x64 tiles): 15 chunks -> 2 a slice, then the sum
+    (7, 12, 8, 4),     # 8 slices of 2 chunks would leave the eighth empty; 6 would not be a candidate
+    (98, 30, 8, 1),    # two slices would need 196 programs on 132 SMs (at batch 64 slicing only added work)
+    (13, 3, 8, 1),     # 2 slices: 2 chunks + the sum is no shorter than 3 chunks
+    (40, 40, 8, 2),    # 4 slices would need 160 programs
+    (12, 15, 2, 2),    # a 32x128 tile of 4 warps: the sum's registers allow 2 partial tiles (32 registers each)
 ])
-def test_mid_channel_slices_shorten_the_chain_without_oversubscribing(programs, chunks, slices):
-    assert conv_conv_slices(programs, chunks, sm_count=132) == slices
+def test_mid_channel_slices_shorten_the_chain_without_oversubscribing(programs, chunks, most, slices):
+    assert conv_conv_slices(programs, chunks, sm_count=132, most=most) == slices
 
 
 def test_sliced_work_and_its_measured_step():
@@ -239,10 +240,14 @@ def test_sliced_work_and_its_measured_step():
     step = H200.conv_conv_step + 32 * 16 * H200.conv_conv_tap_step + 32 * 32 * 16 * H200.conv_conv_mac_step
     assert split.serial_seconds(H200) == pytest.approx(split.iterations * step)
     assert not split.whole_block and split.executed_flops == whole.executed_flops   # slicing recomputes nothing
-    # the planner's candidates carry their slices, the rule's for their own grid
-    for t in conv_conv_tiles(graph, chain, sm_count=132):
-        programs = math.ceil(pixels / t["BLOCK_M"]) * math.ceil(graph["project"].type.shape[1] / t["BLOCK_N"])
-        assert t["SPLIT_K"] == conv_conv_slices(programs, math.ceil(c_mid / t["BLOCK_K"]), 132)
+    # the planner's candidates carry their slices, each for its own grid and within the sum's registers
+    # 192 mid channels, 784 pixels, 32 outputs. 32x32x32: 25 programs of 6 chunks -> 2 slices (4 slices of 2 chunks
+    # would leave the fourth empty); 16- and 32-row tiles of 64-deep chunks walk 3 chunks, no longer than 2 + the
+    # sum: unsplit; 16-deep chunks: 12 -> 4 slices (8 would need 200 programs on 132 SMs)
+    tiles = {(t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"], t["num_stages"]): t["SPLIT_K"]
+             for t in conv_conv_tiles(graph, chain)}
+    assert tiles == {(32, 32, 32, 3): 2, (16, 32, 64, 2): 1, (32, 32, 64, 2): 1, (32, 32, 32, 2): 2,
+                     (32, 32, 16, 1): 4}
 
 
 def test_fused_group_estimate_counts_traffic_once_and_picks_the_fastest_tile():
