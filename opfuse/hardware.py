@@ -38,8 +38,9 @@ class HardwareProfile:
     serial_step: float = 1.3e-6
     # the same for one mid-channel chunk of a depthwise + pointwise kernel, by its tile: a fixed part, per element
     # of the BLOCK_M x BLOCK_K depthwise tile (its taps) and per multiply-add of the BLOCK_M x BLOCK_N x BLOCK_K dot.
-    # Fitted on the H200 to 576 timings of such kernels (2026-11-30, `benchmarks/conv_conv_sweep.py`: mobilenet_v2's
-    # 17 blocks at batch 1 and 64, 4-warp tiles, median error 11% at batch 1); the other profiles share it unmeasured
+    # Fitted on the H200 to the spill-free 4-warp kernels of 576 timings (2026-11-30, `benchmarks/conv_conv_sweep.py`,
+    # runs 16-17: mobilenet_v2's blocks at batch 1 and 64; median error 11% at batch 1, 16% at batch 64); the other
+    # profiles share it unmeasured
     conv_conv_step: float = 0.15e-6
     conv_conv_tap_step: float = 0.35e-9
     conv_conv_mac_step: float = 1.8e-12

@@ -58,7 +58,7 @@ ATTENTION_TILES = (  # the Triton fused-attention tutorial's configurations
 # in a chain of BLOCK_K chunks, each waiting for its taps, so small pixel tiles with 4 warps win at both batch sizes;
 # 3 stages put the taps in shared memory (126 registers where 2 stages took 237). Measured on the H200 (2026-11-30,
 # triton 3.6, `benchmarks/conv_conv_sweep.py`, mobilenet_v2 at batch 1 and 64): the old wide tiles (128 x 256, 8
-# warps, still the whole block's, below) ran 1.3x to 5.6x slower than the best of these in every block.
+# warps, still the whole block's, below) ran 1.25x to 9.4x slower than the best measured config in every block.
 DEPTHWISE_POINTWISE_TILES = (
     {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "num_stages": 3, "num_warps": 4},
     {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_stages": 2, "num_warps": 4},
