@@ -41,7 +41,7 @@ from opfuse.fusion.legality import is_depthwise_conv  # noqa: E402
 from opfuse.fusion.plan import GroupKind  # noqa: E402
 from opfuse.numerics import relative_error  # noqa: E402
 
-from mobilenet_blocks import BLOCKS, block_runner, environment, parse_blocks  # noqa: E402  (registers h200forced)
+from mobilenet_blocks import BLOCKS, block_runner, parse_blocks  # noqa: E402  (registers h200forced)
 
 REPEAT = 20
 SPLITS = (1, 2, 4, 8)
@@ -182,13 +182,10 @@ def main() -> int:
     parser.add_argument("--blocks", default="1-17")
     parser.add_argument("--sweep", default="base", choices=sorted(SWEEPS))
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("conv_conv_sweep.py needs an NVIDIA GPU (CUDA)", file=sys.stderr)
-        return 3
-    torch.backends.cudnn.benchmark = True
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = environment()
+    out = harness.start_gpu_run("conv_conv_sweep.py", args.out)
+    if out is None:
+        return 3     # the exit code `opfuse bench` uses for the same case
+    env = harness.environment()
     rows: list[dict] = []
 
     def write() -> None:

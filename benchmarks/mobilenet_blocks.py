@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import gc
 import json
 import sys
@@ -50,15 +49,6 @@ from opfuse.ir.ops import get_op  # noqa: E402
 from opfuse.numerics import relative_error  # noqa: E402
 
 BLOCKS = range(1, 18)   # model.features[1..17] are the InvertedResidual blocks
-
-
-def environment() -> dict[str, str]:
-    if hasattr(harness, "environment"):
-        return harness.environment()
-    import triton
-
-    return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__}
 
 
 def block_groups(plan, depthwise: str) -> list[FusionGroup]:
@@ -325,13 +315,10 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--blocks", default="1-17", help="which blocks: '1-17', '1,3,5' ('' for none)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("mobilenet_blocks.py needs an NVIDIA GPU (CUDA)", file=sys.stderr)
-        return 3
-    torch.backends.cudnn.benchmark = True
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = environment()
+    out = harness.start_gpu_run("mobilenet_blocks.py", args.out)
+    if out is None:
+        return 3     # the exit code `opfuse bench` uses for the same case
+    env = harness.environment()
     blocks = parse_blocks(args.blocks)
     rows: list[dict] = []
     whole: list[dict] = []

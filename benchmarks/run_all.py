@@ -20,14 +20,12 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import opfuse  # noqa: E402
 from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs  # noqa: E402
 from opfuse.bench.harness import (CONTENDERS, environment, geometric_mean, measure_ceilings,  # noqa: E402
-                                  run_workload, speedup)
+                                  run_workload, speedup, start_gpu_run)
 from opfuse.bench.zoo import load_builtin  # noqa: E402
 
 DEFAULT_WORKLOADS = ("resnet50:1,resnet50:64,mobilenet_v2:1,mobilenet_v2:64,bert-base:1,bert-base:64")
@@ -89,12 +87,9 @@ def main() -> int:
     parser.add_argument("--results", help="also write the table into this markdown file (replacing it)")
     add_tuning_arguments(parser)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("run_all.py needs an NVIDIA GPU (CUDA): torch.cuda.is_available() is False", file=sys.stderr)
+    out = start_gpu_run("run_all.py", args.out)
+    if out is None:
         return 3     # the exit code `opfuse bench` uses for the same case
-    torch.backends.cudnn.benchmark = True
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     env = environment()
     ceilings = measure_ceilings()
     contenders = set(args.contenders.split(","))

@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -282,6 +283,18 @@ def speedup(row: dict, baseline: str, contender: str = "opfuse") -> float | None
 def geometric_mean(values: Sequence[float]) -> float | None:
     values = [v for v in values if v is not None and v > 0]
     return statistics.geometric_mean(values) if values else None
+
+
+def start_gpu_run(script: str, out: str) -> Path | None:
+    """A benchmark script's start on the GPU: None (after saying so on stderr) without CUDA, else cuDNN's benchmark
+    mode on and the output folder `out` made and returned."""
+    if not torch.cuda.is_available():
+        print(f"{script} needs an NVIDIA GPU (CUDA): torch.cuda.is_available() is False", file=sys.stderr)
+        return None
+    torch.backends.cudnn.benchmark = True
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def environment() -> dict[str, str]:
