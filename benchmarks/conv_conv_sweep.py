@@ -39,16 +39,13 @@ from opfuse.bench.zoo import load_builtin  # noqa: E402
 from opfuse.codegen.base import KernelConfig  # noqa: E402
 from opfuse.fusion.legality import is_depthwise_conv  # noqa: E402
 from opfuse.fusion.plan import GroupKind  # noqa: E402
+from opfuse.fusion.resources import _pow2, leaves_a_slice_empty  # noqa: E402
 from opfuse.numerics import relative_error  # noqa: E402
 
 from mobilenet_blocks import BLOCKS, block_runner, parse_blocks  # noqa: E402  (registers h200forced)
 
 REPEAT = 20
 SPLITS = (1, 2, 4, 8)
-
-
-def pow2(x: int) -> int:
-    return 1 << max(4, (x - 1).bit_length())
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, slices); BLOCK_N 0: all output channels (up to 256), no depthwise recompute
@@ -68,13 +65,12 @@ def sweep_configs(kernel, sweep: str = "base") -> list[KernelConfig]:
     tiles = [dict(first.params, num_warps=first.num_warps, num_stages=first.num_stages)]
     for bm, bn, bk, warps, stages, splits in SWEEPS[sweep]:
         for split in splits:
-            tiles.append({"BLOCK_M": min(bm, pow2(m)), "BLOCK_N": min(bn or 256, pow2(n)),
-                          "BLOCK_K": min(bk, pow2(c_mid)), "num_stages": stages, "num_warps": warps, "SPLIT_K": split})
+            tiles.append({"BLOCK_M": min(bm, _pow2(m)), "BLOCK_N": min(bn or 256, _pow2(n)),
+                          "BLOCK_K": min(bk, _pow2(c_mid)), "num_stages": stages, "num_warps": warps, "SPLIT_K": split})
     configs = []
     for t in tiles:
-        chunks = -(-c_mid // t["BLOCK_K"])
-        if t["SPLIT_K"] > 1 and -(-chunks // t["SPLIT_K"]) * (t["SPLIT_K"] - 1) >= chunks:
-            continue   # a slice would be empty
+        if t["SPLIT_K"] > 1 and leaves_a_slice_empty(-(-c_mid // t["BLOCK_K"]), t["SPLIT_K"]):
+            continue
         config = KernelConfig.of(t["num_warps"], t["num_stages"], BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
                                  BLOCK_K=t["BLOCK_K"], SPLIT_K=t["SPLIT_K"])
         if config not in configs:

@@ -277,11 +277,16 @@ def conv_conv_slices(programs: int, chunks: int, sm_count: int, most: int = CONV
     best, chain = 1, chunks
     for slices in CONV_CONV_SLICES[1:]:
         per_slice = -(-chunks // slices)
-        if slices > most or programs * slices > sm_count or per_slice * (slices - 1) >= chunks:
+        if slices > most or programs * slices > sm_count or leaves_a_slice_empty(chunks, slices):
             continue
         if per_slice + 1 < chain:
             best, chain = slices, per_slice + 1
     return best
+
+
+def leaves_a_slice_empty(chunks: int, slices: int) -> bool:
+    """Whether `slices` slices of ceil(chunks / slices) chunks each leave the last one nothing to walk."""
+    return -(-chunks // slices) * (slices - 1) >= chunks
 
 
 def expansion_block(graph: Graph, expand: str) -> int:
