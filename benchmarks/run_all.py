@@ -1,8 +1,10 @@
 """opfuse against eager, eager in a CUDA graph, and torch.compile on one GPU, in one process.
 
-Protocol (issue 4): fp16, channels-last image inputs, cudnn.benchmark, eval, inference mode, fixed-seed random
-weights, never zeros. For each contender: median latency of CUDA-event-timed forwards after warm-up, kernels per
-forward and GPU busy time (torch.profiler), peak memory, compile time, relative error against eager in float32.
+Protocol (opfuse/bench/harness.py, issue 14): fp16, channels-last image inputs, cudnn.benchmark, eval, fixed-seed
+random weights, never zeros; every contender compiled, warmed, captured into a CUDA graph and timed under one
+inference mode, timing rounds interleaved across contenders. For each contender: median and spread of CUDA-event-
+timed forwards, kernels per forward and GPU busy time (torch.profiler), extra memory, compile time, relative error
+against eager in float32; opfuse both through its module call and as its bare graph replay.
 The floor of each workload is measured too: FLOPs over the measured fp16 matrix rate, and the fewest bytes
 (weights, inputs and outputs once) over the measured copy bandwidth.
 
@@ -24,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import opfuse  # noqa: E402
 from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs  # noqa: E402
-from opfuse.bench.harness import (CONTENDERS, environment, geometric_mean, measure_ceilings,  # noqa: E402
+from opfuse.bench.harness import (CONTENDERS, TIMED, environment, geometric_mean, measure_ceilings,  # noqa: E402
                                   run_workload, speedup, start_gpu_run)
 from opfuse.bench.zoo import load_builtin  # noqa: E402
 
@@ -50,25 +52,33 @@ def markdown(results: list[dict], env: dict, ceilings: dict) -> str:
     def times(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}x"
 
+    def spread(row: dict) -> str:
+        timed = [row[k] for k in TIMED if "p10_ms" in row.get(k, {})]
+        worst = max(((t["p90_ms"] - t["p10_ms"]) / t["median_ms"] for t in timed), default=None)
+        return "-" if worst is None else f"{worst * 100:.0f}%"
+
     lines = [f"### {env['date']}, {env['gpu']} (driver {env['driver']}), torch {env['torch']}, "
              f"triton {env['triton']}",
              "",
              f"Measured ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), fp16 matrix "
-             f"{ceilings['fp16_matrix_flops'] / 1e12:.0f} TFLOP/s. Median ms per forward (kernels per forward); "
-             "speedups are how many times faster opfuse ran.",
+             f"{ceilings['fp16_matrix_flops'] / 1e12:.0f} TFLOP/s. Fair protocol (opfuse/bench/harness.py): every "
+             "contender compiled, warmed, captured and timed under one inference mode, rounds interleaved. Median ms "
+             "per forward (kernels per forward, profiled on what is timed); spread is the largest (p90 - p10) / "
+             "median among the contenders; speedups are how many times faster opfuse's module call ran.",
              "",
-             "| workload | eager | eager + graph | torch.compile + graph | opfuse | speedup vs torch.compile | "
-             "speedup vs eager + graph | floor (compute / memory) | opfuse rel. err | plan launches | "
-             "library anchors / unfused |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| workload | eager | eager + graph | torch.compile + graph | opfuse call | opfuse replay | "
+             "speedup vs torch.compile (call / replay) | speedup vs eager + graph | spread | "
+             "floor (compute / memory) | opfuse rel. err | plan launches | library anchors / unfused |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results:
         floor = (f"{row['floor_compute_ms']:.3f} / {row['floor_memory_ms']:.3f}" if "floor_compute_ms" in row
                  else "-")
         error = row.get("opfuse", {}).get("rel_error")
         lines.append(f"| {row['workload']} | {ms(row, 'eager')} ({kernels(row, 'eager')}) | "
                      f"{ms(row, 'eager_graph')} | {ms(row, 'inductor')} ({kernels(row, 'inductor')}) | "
-                     f"{ms(row, 'opfuse')} ({kernels(row, 'opfuse')}) | {times(speedup(row, 'inductor'))} | "
-                     f"{times(speedup(row, 'eager_graph'))} | {floor} | "
+                     f"{ms(row, 'opfuse')} | {ms(row, 'opfuse_replay')} ({kernels(row, 'opfuse')}) | "
+                     f"{times(speedup(row, 'inductor'))} / {times(speedup(row, 'inductor', 'opfuse_replay'))} | "
+                     f"{times(speedup(row, 'eager_graph'))} | {spread(row)} | {floor} | "
                      f"{'-' if error is None else f'{error:.1e}'} | {row.get('plan_launches', '-')} | "
                      f"{len(row.get('library_anchors', ())) if 'library_anchors' in row else '-'} / "
                      f"{len(row['unfused']) if 'unfused' in row else '-'} |")

@@ -119,14 +119,16 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     torch.backends.cudnn.benchmark = True
     workload = f"{args.model} bs{args.batch}"
     with _progress(args) as progress:
-        task = progress.add_task(f"{workload}: loading the model", total=1 + len(contenders))
+        steps = [c for c in CONTENDERS if c in contenders] + ["timing"]
+        task = progress.add_task(f"{workload}: loading the model", total=1 + len(steps))
         model, inputs, name = load_model(args.model, args.batch)
         progress.update(task, description="measuring the GPU's copy bandwidth and matrix rate")
         env, ceilings = environment(), measure_ceilings()
 
         def on_step(label: str) -> None:
-            progress.update(task, description=f"{workload}: {CONTENDER_LABELS[label]}",
-                            completed=1 + [c for c in CONTENDERS if c in contenders].index(label))
+            what = "timing every contender in interleaved rounds" if label == "timing" else \
+                f"compiling, warming and capturing {CONTENDER_LABELS[label]}"
+            progress.update(task, description=f"{workload}: {what}", completed=1 + steps.index(label))
 
         row = {"workload": workload, "model": name, "batch": args.batch}
         row |= run_workload(model, inputs, workload, ceilings, contenders, _config(args), on_step)
@@ -141,27 +143,32 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
 def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
     """One workload, one line per contender, plus opfuse's speedup over each and the floor."""
-    from opfuse.bench.harness import CONTENDER_LABELS, CONTENDERS, speedup
+    from opfuse.bench.harness import CONTENDER_LABELS, TIMED, speedup
 
     table = Table(title=f"{escape(row['workload'])} ({row.get('dtype', '')}), {escape(env.get('gpu', '?'))}, "
                         f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}")
-    for column in ("contender", "median ms", "opfuse speedup", "kernels", "GPU busy ms", "peak MB", "compile s",
-                   "rel. error"):
+    for column in ("contender", "median ms", "p10-p90 ms", "opfuse speedup", "kernels", "GPU busy ms", "extra MB",
+                   "compile s", "rel. error"):
         table.add_column(column, justify="left" if column == "contender" else "right")
-    for label in CONTENDERS:
+    for label in TIMED:
         if label not in row:
             continue
         value = row[label]
         if "error" in value:
-            table.add_row(CONTENDER_LABELS[label], "[red]failed[/]", "", "", "", "", "", escape(value["error"][:60]))
+            table.add_row(CONTENDER_LABELS[label], "[red]failed[/]", "", "", "", "", "", "",
+                          escape(value["error"][:60]))
             continue
-        ratio = speedup(row, label) if label != "opfuse" else None
+        ratio = speedup(row, label) if not label.startswith("opfuse") else None
         error_value = value.get("rel_error")
-        table.add_row(CONTENDER_LABELS[label], _ms(value["median_ms"]), "-" if ratio is None else f"{ratio:.2f}x",
+        spread = f"{_ms(value['p10_ms'])}-{_ms(value['p90_ms'])}" if "p10_ms" in value else "-"
+        table.add_row(CONTENDER_LABELS[label], _ms(value["median_ms"]), spread,
+                      "-" if ratio is None else f"{ratio:.2f}x",
                       str(value.get("kernels", "-")), _ms(value.get("gpu_busy_ms")),
                       _ms(value.get("peak_memory_mb"), 0), _ms(value.get("compile_s"), 1),
                       "-" if error_value is None else f"{error_value:.1e}")
-    notes = [f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, fp16 matrix "
+    notes = ["fair protocol: every contender compiled, warmed, captured and timed under one inference mode, "
+             "rounds interleaved; speedups are of opfuse's module call",
+             f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, fp16 matrix "
              f"{ceilings['fp16_matrix_flops'] / 1e12:.0f} TFLOP/s"]
     if "floor_compute_ms" in row:
         notes.append(f"floor: compute {row['floor_compute_ms']:.3f} ms, memory {row['floor_memory_ms']:.3f} ms")
@@ -170,6 +177,9 @@ def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
         notes.append(f"opfuse plan: {row['plan_launches']} launches, {pytorch_groups} groups through PyTorch, "
                      f"{len(row.get('library_anchors', {}))} anchors through cuBLAS/cuDNN and "
                      f"{len(row.get('unfused', {}))} groups unfused (measured faster)")
+    if "predicted_ms" in row and "median_ms" in row.get("opfuse_replay", {}):
+        notes.append(f"opfuse predicted {row['predicted_ms']:.3f} ms, its replay measured "
+                     f"{row['opfuse_replay']['median_ms']:.3f} ms")
     table.caption = "; ".join(notes)
     return table
 

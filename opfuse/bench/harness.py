@@ -1,18 +1,31 @@
-"""Measurement on a GPU, one protocol for every contender: CUDA-event medians after warm-up, kernels per forward
-and GPU busy time from torch.profiler, peak memory, and the relative error against an eager reference.
+"""Measurement on a GPU, one fair protocol for every contender (issue 14).
 
-Entry points: `measure(fn, inputs) -> Measurement`, `cuda_graphed(fn, inputs)`, `torch_compiled(model, inputs)`,
-and `run_workload(model, inputs, ...)`: one workload against every contender (eager, eager in a CUDA graph,
-torch.compile in a CUDA graph, opfuse), shared by `opfuse bench` and benchmarks/run_all.py.
+Entry points: `run_workload(model, inputs, ...)`: one workload against every contender (eager, eager in a CUDA
+graph, torch.compile in a CUDA graph, opfuse), shared by `opfuse bench`, benchmarks/run_all.py and
+benchmarks/zoo.py; `measure(fn, inputs)` for one function alone; `torch_compiled(model, inputs)`.
 
-Protocol (issue 4): fp16 (or the dtype asked for), channels-last image inputs, cudnn.benchmark, eval, inference
-mode, fixed-seed random weights (never zeros), relative error against eager in the reference precision (float32
-for fp16/bf16, float64 for fp32). The floor of a workload is its FLOPs over the measured fp16 matrix rate and its
-fewest bytes (weights, inputs and outputs once) over the measured copy bandwidth (`measure_ceilings`).
+The protocol:
+- one set of inputs, one dtype (fp16 unless asked), channels-last image inputs and weights, for every contender
+  (`prepare`); eval mode; cuDNN benchmark mode (set by the scripts); fixed-seed random weights, never zeros;
+- every contender is compiled, warmed, captured into a CUDA graph and timed inside one `torch.inference_mode()`:
+  torch.compile is compiled once, with inductor's freezing on, and never recompiles (warming or capturing it in
+  grad mode would recompile it unfrozen, which made every torch.compile figure before issue 14 5-20% slow);
+- timing rounds interleaved across contenders (A, B, C, A, B, C, ...: `timing.interleaved_samples`), each sample
+  one forward between CUDA events; the median and the 10th-90th percentile spread are reported;
+- opfuse is timed twice: through its module call (input copy, replay, output copy: what a user's call costs) and
+  as its bare CUDA graph replay (as the other graphed contenders are timed);
+- kernels per forward are counted by torch.profiler on what is timed (a graph replay is profiled kernel by
+  kernel), copies and memsets left out; the relative error of each contender's output is taken against eager in
+  the reference precision (float32 for fp16/bf16, float64 for fp32).
+The floor of a workload is its FLOPs over the measured fp16 matrix rate and its fewest bytes (weights, inputs and
+outputs once) over the measured copy bandwidth (`measure_ceilings`).
+
+On the CPU (tests) the same code runs without graphs or kernel counts, timed by the host clock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import gc
@@ -21,13 +34,14 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-Forward = Callable[..., object]
+from opfuse.bench.timing import (Forward, cuda_graphed, interleaved_samples, kernel_profile, median_ms,  # noqa: F401
+                                 summarize)
 
 
 @dataclass
@@ -50,42 +64,10 @@ def first_tensor(out: object) -> torch.Tensor:
     raise TypeError(f"no tensor in {type(out).__name__}")
 
 
-def median_ms(fn: Forward, inputs: Sequence[torch.Tensor], warmup: int = 10, iters: int = 50) -> float:
-    """Median of event-timed forwards after warm-up."""
-    for _ in range(warmup):
-        fn(*inputs)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*inputs)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def kernel_profile(fn: Forward, inputs: Sequence[torch.Tensor], runs: int = 3) -> tuple[int, float]:
-    """(kernels per forward, GPU busy ms per forward) from torch.profiler; copies and memsets are not kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn(*inputs)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            fn(*inputs)
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.lower().startswith(("memcpy", "memset"))]
-    busy_us = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-                  for e in kernels)
-    return round(len(kernels) / runs), busy_us / runs / 1e3
-
-
 def measure(fn: Forward, inputs: Sequence[torch.Tensor], reference: torch.Tensor | None = None,
             compile_s: float = 0.0, profile_fn: Forward | None = None) -> Measurement:
-    """Time `fn`; count kernels on `profile_fn` (default `fn`; pass the un-graphed forward for graph-replayed fns)."""
+    """Time `fn` alone (under inference mode); count kernels on `profile_fn` (default `fn`). Build and capture
+    `fn` under inference mode too: a torch.compile'd function warmed in grad mode has been compiled unfrozen."""
     from opfuse.numerics import relative_error
 
     torch.cuda.reset_peak_memory_stats()
@@ -98,43 +80,42 @@ def measure(fn: Forward, inputs: Sequence[torch.Tensor], reference: torch.Tensor
     return Measurement(ms, kernels, busy, peak, compile_s, error)
 
 
-def cuda_graphed(fn: Forward, inputs: Sequence[torch.Tensor], warmup: int = 3) -> Forward:
-    """`fn` captured once into a CUDA graph over `inputs`; the returned callable replays it (same input buffers)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn(*inputs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fn(*inputs)
-
-    def replay(*_: torch.Tensor) -> object:
-        graph.replay()
-        return static_out
-
-    return replay
-
-
-def torch_compiled(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> tuple[Forward, float]:
-    """torch.compile (inductor, freezing on), warmed up; returns (fn, compile seconds)."""
+def frozen_inductor() -> contextlib.AbstractContextManager:
+    """The setting torch.compile runs under in every benchmark: inductor's freezing on (the weights folded into the
+    compiled graph as constants, as inductor does for inference; it takes effect only with grad mode off)."""
     import torch._inductor.config as inductor_config
 
-    inductor_config.freezing = True
-    compiled = torch.compile(model)
-    start = time.perf_counter()
-    with torch.inference_mode():
+    return inductor_config.patch(freezing=True)
+
+
+def torch_compiled(model: torch.nn.Module, inputs: Sequence[torch.Tensor], backend: Any = "inductor",
+                   warmup: int = 2) -> tuple[Forward, float]:
+    """torch.compile(model), compiled and warmed under inference mode with freezing on; (fn, compile seconds).
+
+    The caller must run (and capture) `fn` under inference mode as well, or dynamo compiles it again."""
+    with frozen_inductor(), torch.inference_mode():
+        compiled = torch.compile(model, backend=backend)
+        start = time.perf_counter()
         compiled(*inputs)
+        _synchronize(inputs)
+        seconds = time.perf_counter() - start
+        for _ in range(warmup):
+            compiled(*inputs)
+    return compiled, seconds
+
+
+def _synchronize(inputs: Sequence[Any]) -> None:
+    if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
         torch.cuda.synchronize()
-    return compiled, time.perf_counter() - start
 
 
 # ---- one workload, every contender -------------------------------------------------------------------------
 
 CONTENDERS = ("eager", "eager_graph", "inductor", "opfuse")
 CONTENDER_LABELS = {"eager": "eager", "eager_graph": "eager + CUDA graph",
-                    "inductor": "torch.compile + CUDA graph", "opfuse": "opfuse"}
+                    "inductor": "torch.compile + CUDA graph", "opfuse": "opfuse",
+                    "opfuse_replay": "opfuse (graph replay)"}
+TIMED = (*CONTENDERS, "opfuse_replay")    # opfuse is timed twice: its module call and its bare replay
 
 
 def measure_ceilings() -> dict[str, float]:
@@ -166,20 +147,21 @@ def measure_ceilings() -> dict[str, float]:
     return ceilings
 
 
-def prepare(model: torch.nn.Module, inputs: Sequence[torch.Tensor], dtype: torch.dtype = torch.float16
-            ) -> tuple[torch.nn.Module, tuple, torch.nn.Module, tuple]:
-    """(model, inputs, reference model, reference inputs) on the GPU by the protocol: the model in `dtype` and
+def prepare(model: torch.nn.Module, inputs: Sequence[torch.Tensor], dtype: torch.dtype = torch.float16,
+            device: str = "cuda") -> tuple[torch.nn.Module, tuple, torch.nn.Module, tuple]:
+    """(model, inputs, reference model, reference inputs) on `device` by the protocol: the model in `dtype` and
     channels-last when it takes images, the reference a copy in the reference precision."""
     from opfuse.ir.graph import dtype_name
     from opfuse.numerics import reference_dtype
 
     reference_type = reference_dtype(dtype_name(dtype))
-    reference = copy.deepcopy(model).to(device="cuda", dtype=reference_type).eval()
-    reference_inputs = tuple(x.cuda().to(reference_type) if x.is_floating_point() else x.cuda() for x in inputs)
-    model = model.to(device="cuda", dtype=dtype).eval()
+    reference = copy.deepcopy(model).to(device=device, dtype=reference_type).eval()
+    reference_inputs = tuple(x.to(device).to(reference_type) if x.is_floating_point() else x.to(device)
+                             for x in inputs)
+    model = model.to(device=device, dtype=dtype).eval()
     prepared = []
     for x in inputs:
-        x = x.cuda()
+        x = x.to(device)
         if x.is_floating_point():
             x = x.to(dtype)
             if x.dim() == 4:
@@ -199,71 +181,134 @@ def floor_ms(analysis: Any, ceilings: dict[str, float]) -> tuple[float, float]:
             minimal / ceilings["copy_bytes_per_s"] * 1e3)
 
 
-def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workload: str, ceilings: dict[str, float],
-                 contenders: Sequence[str], config: Any, on_step: Callable[[str], None] | None = None) -> dict:
-    """Measure one workload against each contender (`CONTENDERS`); a contender that fails records its error.
+@dataclass
+class Built:
+    """A contender ready to time: its timed forwards (label -> call), what to profile for its kernel count, its
+    output (for the error), compile seconds, the extra memory it took, and facts for the result row."""
 
-    `config` is the opfuse FusionConfig (its dtype is the protocol's dtype); `on_step(contender)` is called before
-    each contender runs (progress display). Returns the row run_all.py and `opfuse bench` write as JSON.
-    """
+    forwards: dict[str, Callable[[], object]]
+    profiled: Callable[[], object]
+    output: torch.Tensor
+    compile_s: float = 0.0
+    memory_mb: float = 0.0
+    row: dict = field(default_factory=dict)
+
+
+def _build_eager(model, inputs, cuda: bool, **_: Any) -> Built:
+    forward = lambda: model(*inputs)    # noqa: E731
+    return Built({"eager": forward}, forward, first_tensor(forward()))
+
+
+def _build_eager_graph(model, inputs, cuda: bool, **_: Any) -> Built:
+    if not cuda:
+        raise RuntimeError("a CUDA graph needs a CUDA device")
+    replay = cuda_graphed(model, inputs)
+    forward = lambda: replay()    # noqa: E731
+    return Built({"eager_graph": forward}, forward, first_tensor(forward()))
+
+
+def _build_inductor(model, inputs, cuda: bool, backend: Any = "inductor", **_: Any) -> Built:
+    compiled, seconds = torch_compiled(model, inputs, backend)
+    with frozen_inductor():   # a recompile (there should be none) would be frozen too
+        replay = cuda_graphed(compiled, inputs) if cuda else (lambda *_: compiled(*inputs))
+    forward = lambda: replay()    # noqa: E731
+    return Built({"inductor": forward}, forward, first_tensor(forward()), compile_s=seconds)
+
+
+def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict | None = None, **_: Any) -> Built:
     import opfuse
+
+    start = time.perf_counter()
+    compiled = opfuse.compile(model, inputs, config)
+    seconds = time.perf_counter() - start
+    call = lambda: compiled(*inputs)    # noqa: E731
+    for _ in range(1 + compiled.compiled.cuda_graph_warmup):    # the warm-up call(s), then the capture
+        call()
+    forwards = {"opfuse": call}
+    graph = compiled.compiled._cuda_graph
+    if graph is not None:
+        forwards["opfuse_replay"] = graph.replay
+    row = {"plan_launches": compiled.plan.kernel_launches, "runtime_launches": compiled.launches,
+           "fallbacks": compiled.fallbacks, "library_anchors": compiled.compiled.library_anchors,
+           "unfused": compiled.compiled.unfused, "opfuse_compile_seconds": compiled.seconds,
+           "predicted_ms": compiled.analysis.fused.predicted_time * 1e3,
+           "cuda_graph_error": compiled.compiled.cuda_graph_error}
+    if ceilings:
+        row["floor_compute_ms"], row["floor_memory_ms"] = floor_ms(compiled.analysis, ceilings)
+    profiled = graph.replay if graph is not None else call
+    return Built(forwards, profiled, first_tensor(call()), compile_s=seconds, row=row)
+
+
+BUILDERS = {"eager": _build_eager, "eager_graph": _build_eager_graph, "inductor": _build_inductor,
+            "opfuse": _build_opfuse}
+
+
+def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workload: str, ceilings: dict[str, float],
+                 contenders: Sequence[str], config: Any, on_step: Callable[[str], None] | None = None, *,
+                 device: str = "cuda", compile_backend: Any = "inductor", rounds: int = 20, per_round: int = 5
+                 ) -> dict:
+    """Measure one workload against each contender (`CONTENDERS`) by the protocol of the module docstring; a
+    contender that fails records its error and the others go on.
+
+    `config` is the opfuse FusionConfig (its dtype is the protocol's dtype); `on_step(label)` is called before each
+    contender is built and with "timing" before the interleaved rounds (progress display); `compile_backend` is
+    torch.compile's backend (tests pass a counting one). Returns the row run_all.py, zoo.py and `opfuse bench`
+    write as JSON: per contender median_ms, p10_ms, p90_ms, samples, kernels, gpu_busy_ms, peak_memory_mb (the
+    extra memory it took while built), compile_s, rel_error; "opfuse_replay" the bare replay's timing.
+    """
     from opfuse.ir.graph import torch_dtype
+    from opfuse.numerics import relative_error
 
     unknown = set(contenders) - set(CONTENDERS)
     if unknown:
         raise ValueError(f"unknown contenders {sorted(unknown)}; known: {', '.join(CONTENDERS)}")
+    cuda = torch.device(device).type == "cuda"
     torch.manual_seed(0)
     # each workload starts from a fresh dynamo: an earlier workload's torch.compile of the same model class must
     # not leave it recompiling with dynamic shapes (run 3 on the H200: bert-base bs64 after bs1 exported a SymInt)
     torch._dynamo.reset()
-    model, inputs, reference_model, reference_inputs = prepare(model, inputs, torch_dtype(config.dtype))
+    model, inputs, reference_model, reference_inputs = prepare(model, inputs, torch_dtype(config.dtype), device)
+    row: dict = {"workload": workload, "dtype": config.dtype, "protocol": "fair (issue 14)"}
     with torch.inference_mode():
         reference = first_tensor(reference_model(*reference_inputs)).float()
-    del reference_model
-    row: dict = {"workload": workload, "dtype": config.dtype}
-
-    def record(label: str, fn: Callable[[], Measurement]) -> None:
+        del reference_model
+        built: dict[str, Built] = {}
+        for label in CONTENDERS:          # always in this order: the table reads left to right
+            if label not in contenders:
+                continue
+            if on_step is not None:
+                on_step(label)
+            before = torch.cuda.memory_allocated() if cuda else 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                built[label] = BUILDERS[label](model, inputs, cuda, config=config, ceilings=ceilings,
+                                               backend=compile_backend)
+                if cuda:
+                    built[label].memory_mb = (torch.cuda.max_memory_allocated() - before) / 1e6
+            except Exception as error:
+                row[label] = {"error": f"{type(error).__name__}: {error}"}
+                traceback.print_exc()
+            gc.collect()
         if on_step is not None:
-            on_step(label)
-        try:
-            row[label] = asdict(fn())
-        except Exception as error:
-            row[label] = {"error": f"{type(error).__name__}: {error}"}
-            traceback.print_exc()
-        gc.collect()
+            on_step("timing")
+        forwards = {name: fn for label in built for name, fn in built[label].forwards.items()}
+        samples = interleaved_samples(forwards, rounds=rounds, per_round=per_round, cuda=cuda)
+        for label, contender in built.items():
+            kernels, busy = kernel_profile(lambda: contender.profiled(), ()) if cuda else (None, None)
+            timing = summarize(samples[label])
+            row[label] = asdict(timing) | {
+                "kernels": kernels, "gpu_busy_ms": busy, "peak_memory_mb": contender.memory_mb,
+                "compile_s": contender.compile_s,
+                "rel_error": relative_error(contender.output.float(), reference)}
+            row.update(contender.row)
+        if "opfuse_replay" in samples and samples["opfuse_replay"]:
+            row["opfuse_replay"] = asdict(summarize(samples["opfuse_replay"]))
+            row["opfuse_replay_ms"] = row["opfuse_replay"]["median_ms"]
+    del built, forwards
+    gc.collect()
+    if cuda:
         torch.cuda.empty_cache()
-
-    def inductor() -> Measurement:
-        compiled, seconds = torch_compiled(model, inputs)
-        return measure(cuda_graphed(compiled, inputs), inputs, reference, compile_s=seconds, profile_fn=compiled)
-
-    def run_opfuse() -> Measurement:
-        start = time.perf_counter()
-        compiled = opfuse.compile(model, inputs, config)
-        seconds = time.perf_counter() - start
-        row["plan_launches"] = compiled.plan.kernel_launches
-        row["runtime_launches"] = compiled.launches
-        row["fallbacks"] = compiled.fallbacks
-        row["library_anchors"] = compiled.compiled.library_anchors
-        row["unfused"] = compiled.compiled.unfused
-        row["opfuse_compile_seconds"] = compiled.seconds
-        row["floor_compute_ms"], row["floor_memory_ms"] = floor_ms(compiled.analysis, ceilings)
-        result = measure(compiled, inputs, reference, compile_s=seconds)
-        graph = compiled.compiled._cuda_graph
-        if graph is not None:   # the replay alone, as the other graphed contenders are timed: the rest is host work
-            row["opfuse_replay_ms"] = median_ms(lambda *_: graph.replay(), inputs)
-        compiled.compiled.set_cuda_graph(False)     # count kernels on the un-graphed forward
-        with torch.inference_mode():
-            result.kernels, result.gpu_busy_ms = kernel_profile(compiled, inputs)
-        row["cuda_graph_error"] = compiled.compiled.cuda_graph_error
-        return result
-
-    runs = {"eager": lambda: measure(model, inputs, reference),
-            "eager_graph": lambda: measure(cuda_graphed(model, inputs), inputs, reference, profile_fn=model),
-            "inductor": inductor, "opfuse": run_opfuse}
-    for label in CONTENDERS:          # always in this order: the table reads left to right
-        if label in contenders:
-            record(label, runs[label])
     return row
 
 

@@ -226,12 +226,14 @@ def test_profile_calibrates_to_the_fake_measurements(profiled, capsys):
 
 def fake_row(opfuse_ms: float = 0.5, failed: str | None = None) -> dict:
     def result(ms: float, kernels: int) -> dict:
-        return {"median_ms": ms, "kernels": kernels, "gpu_busy_ms": ms * 0.8, "peak_memory_mb": 100.0,
-                "compile_s": 1.0, "rel_error": 1e-3}
+        return {"median_ms": ms, "p10_ms": ms * 0.95, "p90_ms": ms * 1.1, "samples": 50, "kernels": kernels,
+                "gpu_busy_ms": ms * 0.8, "peak_memory_mb": 100.0, "compile_s": 1.0, "rel_error": 1e-3}
 
     row = {"workload": "resnet50 bs1", "model": "resnet50", "batch": 1, "dtype": "float16",
            "eager": result(5.0, 280), "eager_graph": result(1.0, 280), "inductor": result(0.45, 104),
-           "opfuse": result(opfuse_ms, 56), "plan_launches": 56, "floor_compute_ms": 0.011, "floor_memory_ms": 0.012,
+           "opfuse": result(opfuse_ms, 56), "opfuse_replay": {"median_ms": opfuse_ms * 0.9, "p10_ms": opfuse_ms * 0.85,
+                                                               "p90_ms": opfuse_ms * 0.95, "samples": 50},
+           "plan_launches": 56, "floor_compute_ms": 0.011, "floor_memory_ms": 0.012,
            "fallbacks": {"g55": "view: metadata only, no kernel needed", "g3": "attention (sdpa) runs through ..."}}
     if failed:
         row[failed] = {"error": "TypeError: boom"}
@@ -261,7 +263,8 @@ def test_run_all_markdown_shares_the_numbers():
     run_all = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_all)
     text = run_all.markdown([fake_row(0.5), fake_row(0.3)], ENV, CEILINGS)
-    assert "| resnet50 bs1 | 5.000 (280) | 1.000 | 0.450 (104) | 0.500 (56) | 0.90x | 2.00x |" in text
+    assert "| resnet50 bs1 | 5.000 (280) | 1.000 | 0.450 (104) | 0.500 | 0.450 (56) | 0.90x / 1.00x | 2.00x | 15% |" \
+        in text
     assert "Geometric mean speedup of opfuse over torch.compile + graph: 1.16x (2 workloads)" in text
     assert run_all.run_builtin.__doc__ and run_all.run_workload is harness.run_workload
 

@@ -1,0 +1,127 @@
+"""Timing primitives shared by every benchmark: one clock, CUDA graphs, interleaved rounds, kernel counts.
+
+Entry points: `interleaved_samples(forwards, rounds, per_round) -> {name: [ms, ...]}` (contenders timed in turns,
+A, B, C, A, B, C, ..., so that clock drift, thermal state and other tenants weigh on all of them alike),
+`summarize(samples) -> Timing` (median and spread), `cuda_graphed(fn, inputs)`, `kernel_profile(fn, inputs)` and
+`median_ms(fn, inputs)` for one function alone.
+
+A sample is one forward between two CUDA events, the GPU idle before it (the previous sample synchronised): it
+measures latency as a caller sees it, host work before the launches included. On the CPU (tests) the clock is
+`time.perf_counter` around the call and nothing is captured into a graph.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+Forward = Callable[..., object]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds per forward over all samples: median, 10th and 90th percentiles, and how many samples."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    samples: int
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median: 0.05 means the middle 80% of samples lie within 5% of the median's size."""
+        return (self.p90_ms - self.p10_ms) / self.median_ms if self.median_ms else 0.0
+
+
+def summarize(samples: Sequence[float]) -> Timing:
+    if not samples:
+        raise ValueError("no samples to summarize")
+    ordered = sorted(samples)
+
+    def percentile(q: float) -> float:       # nearest rank: a value that was measured, never an interpolation
+        return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+    return Timing(statistics.median(ordered), percentile(0.1), percentile(0.9), len(ordered))
+
+
+def time_once(fn: Callable[[], object], cuda: bool) -> float:
+    """Milliseconds of one call of `fn`, starting from an idle device."""
+    if not cuda:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def interleaved_samples(forwards: Mapping[str, Callable[[], object]], rounds: int = 20, per_round: int = 5,
+                        warmup_rounds: int = 1, cuda: bool | None = None) -> dict[str, list[float]]:
+    """Milliseconds per call of each forward, timed in turns: each round times `per_round` calls of every forward,
+    in the mapping's order; the first `warmup_rounds` rounds are thrown away."""
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    samples: dict[str, list[float]] = {name: [] for name in forwards}
+    for round_index in range(warmup_rounds + rounds):
+        for name, fn in forwards.items():
+            if cuda:
+                torch.cuda.synchronize()
+            times = [time_once(fn, cuda) for _ in range(per_round)]
+            if round_index >= warmup_rounds:
+                samples[name].extend(times)
+    return samples
+
+
+def median_ms(fn: Forward, inputs: Sequence[torch.Tensor], warmup: int = 10, iters: int = 50) -> float:
+    """Median of event-timed forwards of one function after warm-up (for a contender alone; comparisons between
+    contenders use `interleaved_samples`)."""
+    for _ in range(warmup):
+        fn(*inputs)
+    samples = interleaved_samples({"fn": lambda: fn(*inputs)}, rounds=1, per_round=iters, warmup_rounds=0)
+    return statistics.median(samples["fn"])
+
+
+def cuda_graphed(fn: Forward, inputs: Sequence[torch.Tensor], warmup: int = 3) -> Forward:
+    """`fn` captured once into a CUDA graph over `inputs`; the returned callable replays it (same input buffers)
+    and returns the graph's static output. Capture under the grad mode the forward will be timed in: a
+    torch.compile'd `fn` warmed in another mode recompiles (issue 14)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fn(*inputs)
+
+    def replay(*_: torch.Tensor) -> object:
+        graph.replay()
+        return static_out
+
+    return replay
+
+
+def kernel_profile(fn: Forward, inputs: Sequence[torch.Tensor], runs: int = 3) -> tuple[int, float]:
+    """(kernels per call, GPU busy ms per call) of `fn` from torch.profiler; copies and memsets are not kernels.
+    A CUDA graph replay is profiled kernel by kernel, so this counts what a replay really launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*inputs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn(*inputs)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.lower().startswith(("memcpy", "memset"))]
+    busy_us = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                  for e in kernels)
+    return round(len(kernels) / runs), busy_us / runs / 1e3

@@ -1,0 +1,86 @@
+"""The benchmark protocol of issue 14 on the CPU: torch.compile compiled once, frozen, under inference mode;
+contenders timed in interleaved rounds; medians and spreads."""
+
+import torch
+import torch._inductor.config as inductor_config
+import torch.nn as nn
+from torch._dynamo.testing import CompileCounter
+
+from opfuse.bench import harness
+from opfuse.bench.timing import interleaved_samples, summarize
+from opfuse.config import FusionConfig
+
+
+class RecordingBackend(CompileCounter):
+    """Counts dynamo's compiles and records the modes each one ran under: (grad on, inductor's freezing on). The
+    backend runs inside dynamo's own context, where inference mode reads off; grad off is what inductor's freezing
+    needs."""
+
+    def __init__(self):
+        super().__init__()
+        self.modes = []
+
+    def __call__(self, gm, example_inputs):
+        self.modes.append((torch.is_grad_enabled(), inductor_config.freezing))
+        return super().__call__(gm, example_inputs)
+
+
+def tiny_mlp() -> tuple[nn.Module, tuple]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    return model, (torch.randn(4, 16),)
+
+
+def test_torch_compile_is_compiled_once_frozen_under_inference_mode():
+    model, inputs = tiny_mlp()
+    backend = RecordingBackend()
+    steps = []
+    row = harness.run_workload(model, inputs, "tiny bs4", {}, ["eager", "inductor", "opfuse"],
+                               FusionConfig(dtype="float32"), steps.append, device="cpu",
+                               compile_backend=backend, rounds=3, per_round=2)
+    assert backend.frame_count == 1, backend.modes       # compiled, warmed, "captured" and timed: one compile
+    assert backend.modes == [(False, True)]              # grad off and inductor's freezing on
+    assert steps == ["eager", "inductor", "opfuse", "timing"]
+    for label in ("eager", "inductor", "opfuse"):
+        entry = row[label]
+        assert "error" not in entry, entry
+        assert entry["samples"] == 6 and 0 < entry["p10_ms"] <= entry["median_ms"] <= entry["p90_ms"]
+        assert entry["rel_error"] < 1e-5
+    assert row["inductor"]["compile_s"] > 0 and row["opfuse"]["compile_s"] > 0
+    assert row["plan_launches"] >= 1 and row["runtime_launches"] >= 1 and "predicted_ms" in row
+    assert "opfuse_replay" not in row                    # no CUDA graph on the CPU
+
+
+def test_a_forward_outside_inference_mode_compiles_again():
+    """What the old harness did (warm and capture in grad mode): the counting backend sees it, so the test above
+    can fail."""
+    model, inputs = tiny_mlp()
+    backend = RecordingBackend()
+    compiled, _ = harness.torch_compiled(model, inputs, backend)
+    compiled(*inputs)                                    # outside inference mode, grad on
+    assert backend.frame_count == 2
+    assert backend.modes[1][0] is True                   # the second compile ran with grad on: inductor would not freeze
+
+
+def test_a_failing_contender_records_its_error_and_the_others_run():
+    model, inputs = tiny_mlp()
+    row = harness.run_workload(model, inputs, "tiny bs4", {}, ["eager", "eager_graph"],
+                               FusionConfig(dtype="float32"), device="cpu", rounds=1, per_round=1)
+    assert "CUDA" in row["eager_graph"]["error"]
+    assert row["eager"]["samples"] == 1
+    assert harness.failed_contenders(row) == {"eager_graph": row["eager_graph"]["error"]}
+
+
+def test_rounds_interleave_the_contenders():
+    calls = []
+    forwards = {name: (lambda name=name: calls.append(name)) for name in "ABC"}
+    samples = interleaved_samples(forwards, rounds=2, per_round=2, warmup_rounds=1, cuda=False)
+    assert calls == ["A", "A", "B", "B", "C", "C"] * 3
+    assert {name: len(times) for name, times in samples.items()} == {"A": 4, "B": 4, "C": 4}
+
+
+def test_summary_is_the_median_and_measured_percentiles():
+    timing = summarize([5.0, 1.0, 2.0, 3.0, 4.0, 100.0, 6.0, 7.0, 8.0, 9.0, 10.0])
+    assert timing.median_ms == 6.0 and timing.samples == 11
+    assert (timing.p10_ms, timing.p90_ms) == (2.0, 10.0)          # nearest rank: values that were measured
+    assert timing.spread == (10.0 - 2.0) / 6.0
