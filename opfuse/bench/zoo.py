@@ -4,10 +4,15 @@ Entry points: `load_builtin(name, batch, seq_len, image_size) -> (model, inputs)
 `resolve_model(spec, batch) -> (model, inputs, display_name)`, where a spec is a built-in name or
 ``package.module:factory``.
 
-Weights are random but fixed (seeded) and, for the CNNs, the batch norms are made non-trivial: random affine
-parameters, then running statistics measured on a seeded calibration batch. That keeps activations of the order
-of one through the whole network, as in a trained model, so fp16 stays finite and BN folding changes the numbers.
-The BERT encoder is written here (no transformers dependency) and is configurable, so tests can use a tiny one.
+Weights are random but fixed (seeded) and made to look trained (`opfuse.bench.zoo_models`, which also holds the
+builders): batch norms with random affine parameters and the running statistics of a seeded calibration batch,
+small residual branches, layer norms near (1, 0). That keeps activations of the order of one through the whole
+network, as in a trained model, so fp16 stays finite and BN folding changes the numbers.
+
+`ZOO_MODELS` names the benchmark zoo: ten torchvision models and three transformers models built from their
+Config classes (`bert`, `gpt2`, `t5_encoder`; transformers is imported only when one is built:
+``pip install 'opfuse[zoo]'``). `bert-base` is the project's own BERT encoder, written here and configurable so
+tests can use a tiny one.
 """
 
 from __future__ import annotations
@@ -22,9 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 
+from opfuse.bench.zoo_models import SEED, TEXT_MODELS, randomise_layer_norms, text_builder, vision_builder
 from opfuse.ir.graph import GraphError
-
-SEED = 0
 
 
 # ---- BERT ----------------------------------------------------------------------------------------
@@ -112,68 +116,11 @@ class BertEncoder(nn.Module):
         return x
 
 
-# ---- seeded weights and inputs ---------------------------------------------------------------------
-
-def _randomise_layer_norms(model: nn.Module) -> None:
-    """LayerNorm affine parameters near (1, 0) but not equal to them, so folding or fusing them is visible."""
-    for module in model.modules():
-        if isinstance(module, nn.LayerNorm) and module.elementwise_affine:
-            module.weight.copy_(1.0 + 0.1 * torch.randn_like(module.weight))
-            module.bias.copy_(0.1 * torch.randn_like(module.bias))
-
-
-def _residual_tail_batch_norms(model: nn.Module) -> list[nn.BatchNorm2d]:
-    """The last BN of every residual branch. Trained networks keep these branches small; random ones with full-size
-    branches are chaotic: fp16 rounding grows layer after layer. Relative error of eager fp16 against fp64 at
-    batch 2 on the CPU, BN scales in [0.5, 1] everywhere: resnet50 2.8e-2, mobilenet_v2 1.3e-2; with the tails in
-    [0.1, 0.2]: 1.5e-3 and 3.5e-3."""
-    from torchvision.models.mobilenetv2 import InvertedResidual
-    from torchvision.models.resnet import BasicBlock, Bottleneck
-
-    tails = []
-    for module in model.modules():
-        if isinstance(module, Bottleneck):
-            tails.append(module.bn3)
-        elif isinstance(module, BasicBlock):
-            tails.append(module.bn2)
-        elif isinstance(module, InvertedResidual) and module.use_res_connect:
-            tails.append(module.conv[-1])
-    return tails
-
-
-def _calibrate_batch_norms(model: nn.Module, image_size: int = 128) -> None:
-    """Random BN affine parameters, then running statistics set to those of a seeded calibration batch.
-
-    With momentum None a BN's running statistics after one training-mode batch are exactly that batch's, so in
-    eval mode every BN normalises its input much like a trained one: activations stay of the order of one.
-    """
-    batch_norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    for bn in batch_norms:
-        bn.weight.uniform_(0.5, 1.0)
-        bn.bias.normal_(0.0, 0.1)
-        bn.reset_running_stats()
-        bn.momentum = None
-    for bn in _residual_tail_batch_norms(model):
-        bn.weight.uniform_(0.1, 0.2)
-    generator = torch.Generator().manual_seed(SEED + 1)
-    model.train()
-    model(torch.randn(2, 3, image_size, image_size, generator=generator))
-    for bn in batch_norms:
-        bn.momentum = 0.1
-    model.eval()
-
-
-def _image_model(factory: Callable[..., nn.Module]) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        model = factory(weights=None)
-        _calibrate_batch_norms(model)
-        return model
-    return build
-
+# ---- seeded inputs and the registry -----------------------------------------------------------------
 
 def _bert_base() -> nn.Module:
     model = BertEncoder(BertConfig())
-    _randomise_layer_norms(model)
+    randomise_layer_norms(model)
     return model
 
 
@@ -198,13 +145,37 @@ class BuiltinModel:
     description: str
 
 
+def _text(name: str) -> BuiltinModel:
+    return BuiltinModel(text_builder(name), "tokens", TEXT_MODELS[name][3])
+
+
+_vision = torchvision.models
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    "resnet18": BuiltinModel(_image_model(torchvision.models.resnet18), "image", "torchvision ResNet-18"),
-    "resnet50": BuiltinModel(_image_model(torchvision.models.resnet50), "image", "torchvision ResNet-50"),
-    "mobilenet_v2": BuiltinModel(_image_model(torchvision.models.mobilenet_v2), "image",
-                                 "torchvision MobileNetV2"),
+    "resnet18": BuiltinModel(vision_builder(_vision.resnet18), "image", "torchvision ResNet-18"),
+    "resnet50": BuiltinModel(vision_builder(_vision.resnet50), "image", "torchvision ResNet-50"),
+    "mobilenet_v2": BuiltinModel(vision_builder(_vision.mobilenet_v2), "image", "torchvision MobileNetV2"),
     "bert-base": BuiltinModel(_bert_base, "tokens", "BERT-base encoder (12 layers, hidden 768, 12 heads)"),
+    "efficientnet_b0": BuiltinModel(vision_builder(_vision.efficientnet_b0), "image", "torchvision EfficientNet-B0"),
+    "convnext_tiny": BuiltinModel(vision_builder(_vision.convnext_tiny), "image",
+                                  "torchvision ConvNeXt-Tiny (layer scales in [0.1, 0.2])"),
+    "regnet_y_400mf": BuiltinModel(vision_builder(_vision.regnet_y_400mf), "image", "torchvision RegNetY-400MF"),
+    "resnext50_32x4d": BuiltinModel(vision_builder(_vision.resnext50_32x4d), "image",
+                                    "torchvision ResNeXt-50 32x4d"),
+    "densenet121": BuiltinModel(vision_builder(_vision.densenet121), "image", "torchvision DenseNet-121"),
+    "shufflenet_v2_x1_0": BuiltinModel(vision_builder(_vision.shufflenet_v2_x1_0), "image",
+                                       "torchvision ShuffleNetV2 x1.0"),
+    "vit_b_16": BuiltinModel(vision_builder(_vision.vit_b_16), "image", "torchvision ViT-B/16 (224 px only)"),
+    "swin_t": BuiltinModel(vision_builder(_vision.swin_t), "image", "torchvision Swin-T"),
+    "bert": _text("bert"),
+    "gpt2": _text("gpt2"),
+    "t5_encoder": _text("t5_encoder"),
 }
+
+# The benchmark zoo: CNNs, vision transformers and transformers' text models (transformers needed for the last 3)
+ZOO_MODELS: tuple[str, ...] = (
+    "resnet50", "mobilenet_v2", "efficientnet_b0", "convnext_tiny", "regnet_y_400mf", "resnext50_32x4d",
+    "densenet121", "shufflenet_v2_x1_0", "vit_b_16", "swin_t", "bert", "gpt2", "t5_encoder",
+)
 
 
 def build_seeded(build: Callable[[], nn.Module]) -> nn.Module:
