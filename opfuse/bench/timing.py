@@ -64,13 +64,15 @@ def time_once(fn: Callable[[], object], cuda: bool) -> float:
 
 def interleaved_samples(forwards: Mapping[str, Callable[[], object]], rounds: int = 20, per_round: int = 5,
                         warmup_rounds: int = 1, cuda: bool | None = None) -> dict[str, list[float]]:
-    """Milliseconds per call of each forward, timed in turns: each round times `per_round` calls of every forward,
-    in the mapping's order; the first `warmup_rounds` rounds are thrown away."""
+    """Milliseconds per call of each forward, timed in turns: each round calls every forward once untimed (its
+    weights back into L2 after the other contenders' turns: each contender holds its own copy of them), then times
+    `per_round` calls of it, in the mapping's order; the first `warmup_rounds` rounds are thrown away."""
     if cuda is None:
         cuda = torch.cuda.is_available()
     samples: dict[str, list[float]] = {name: [] for name in forwards}
     for round_index in range(warmup_rounds + rounds):
         for name, fn in forwards.items():
+            fn()
             if cuda:
                 torch.cuda.synchronize()
             times = [time_once(fn, cuda) for _ in range(per_round)]
