@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh property  # the >= 500-example property run (issue 7)
 #   BLOCKS=1-8 bash benchmarks/gpu_session.sh blocks   # mobilenet_v2 per-block table (issue 5); then
 #   BLOCKS=9-17, then BLOCKS= WHOLE=1,64 (whole model at batch 1 and 64)
+#   MODELS=resnet50,gpt2 COLD_PARALLEL=4 bash benchmarks/gpu_session.sh zoo   # benchmarks/zoo.py (issue 14)
 # Results land under $OUT (the device tool's folder that comes back); each stage stops itself before the call's
 # limit so that what it wrote still comes back (these variables shorten a stage so that two share one call:
 # TESTS_TIMEOUT, PROPERTY_TIMEOUT, BENCH_TIMEOUT, BLOCKS_TIMEOUT, PROFILE_TIMEOUT).
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-stage=${1:?stage: tests | correctness | bench | splitk | profile | property | blocks}
+stage=${1:?stage: tests | correctness | bench | splitk | profile | property | blocks | zoo}
 [ -e "$OUT/gpu.txt" ] || nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/gpu.txt" 2>&1
 case "$stage" in
   tests)
@@ -56,5 +57,11 @@ case "$stage" in
     timeout "${BLOCKS_TIMEOUT:-560}" python3 benchmarks/mobilenet_blocks.py --out "$OUT/blocks" --blocks "${BLOCKS:-1-8}" \
       --whole "${WHOLE:-}" --tune-top "${TUNE_TOP:-2}" > "$OUT/blocks.log" 2>&1
     tail -30 "$OUT/blocks.log" ;;
+  zoo)      # the model-zoo benchmark (issue 14): MODELS=a,b BATCHES=1,64 or WORKLOADS=a:1,b:64; ends by ZOO_BUDGET s
+    timeout "${ZOO_TIMEOUT:-585}" python3 benchmarks/zoo.py --out "$OUT" ${MODELS:+--models "$MODELS"} \
+      ${WORKLOADS:+--workloads "$WORKLOADS"} \
+      --batches "${BATCHES:-1,64}" --cold-parallel "${COLD_PARALLEL:-1}" --budget "${ZOO_BUDGET:-560}" \
+      --tune-top "${TUNE_TOP:-4}" > "$OUT/zoo-run.log" 2>&1
+    cat "$OUT/ZOO.md" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -271,8 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     from opfuse.bench import cli_bench
 
     bench = sub.add_parser("bench", help="on a GPU: eager, eager + CUDA graph, torch.compile and opfuse, side by "
-                                         "side (exit code 3 without one)")
-    _model_arguments(bench)
+                                         "side (exit code 3 without one); --zoo: the model-zoo benchmark")
+    _model_arguments(bench, model_optional=True)
     cli_bench.bench_arguments(bench)
     bench.set_defaults(handler=cli_bench.cmd_bench)
 
@@ -294,11 +294,12 @@ def row_limit(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected a number of rows or 'all', got {text!r}") from None
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
+def _model_arguments(parser: argparse.ArgumentParser, model_optional: bool = False) -> None:
     """The model and planning arguments every command shares, plus --json and --quiet."""
-    parser.add_argument("model", help="built-in name (resnet18, resnet50, mobilenet_v2, bert-base), a .onnx file, "
-                                      "package.module:factory or path/file.py:factory returning "
-                                      "(model, example_inputs)")
+    parser.add_argument("model", nargs="?" if model_optional else None,
+                        help="built-in name (resnet18, resnet50, mobilenet_v2, bert-base, and the zoo's: "
+                             "`opfuse bench --zoo --help`), a .onnx file, package.module:factory or "
+                             "path/file.py:factory returning (model, example_inputs)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"])
     parser.add_argument("--hw", default="h200", choices=sorted(PROFILES), help="hardware profile of the cost model")

@@ -95,13 +95,23 @@ def _ms(value: float | None, digits: int = 3) -> str:
 def bench_arguments(parser: argparse.ArgumentParser) -> None:
     from opfuse.bench.harness import CONTENDERS
 
+    from opfuse.bench.zoo_bench import add_zoo_arguments
+
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
     add_tuning_arguments(parser)
+    zoo = parser.add_argument_group("the model-zoo benchmark (--zoo: no MODEL; each workload in processes of its "
+                                    "own; writes zoo.json, ZOO.md and zoo.log)")
+    zoo.add_argument("--zoo", action="store_true", help="run the model-zoo benchmark instead of one model")
+    zoo.add_argument("--out", default="zoo-out", metavar="DIR", help="the zoo's output folder (default zoo-out)")
+    add_zoo_arguments(zoo)
 
 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from opfuse.bench.harness import CONTENDER_LABELS, CONTENDERS
+
+    if args.zoo or args.model is None:
+        return _bench_zoo(args)
 
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = sorted(set(contenders) - set(CONTENDERS))
@@ -139,6 +149,23 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     for label, message in failed.items():
         error("bench", f"{CONTENDER_LABELS[label]} failed on {workload}: {message}")
     return EXIT_MODEL_ERROR if failed else EXIT_OK
+
+
+def _bench_zoo(args: argparse.Namespace) -> int:
+    """`opfuse bench --zoo`: the model-zoo benchmark (opfuse.bench.zoo_bench)."""
+    if not args.zoo:
+        error("bench", "give a MODEL, or --zoo for the model-zoo benchmark")
+        return EXIT_USAGE
+    if args.model is not None:
+        error("bench", f"--zoo runs the zoo's models (--models to choose), not {args.model!r}")
+        return EXIT_USAGE
+    problem = gpu_problem()
+    if problem is not None:
+        error("bench", f"--zoo needs an NVIDIA GPU: {problem} (exit code {EXIT_NEEDS_GPU})")
+        return EXIT_NEEDS_GPU
+    from opfuse.bench.zoo_bench import run_zoo_command
+
+    return run_zoo_command(args)
 
 
 def bench_table(row: dict, env: dict, ceilings: dict) -> Table:

@@ -61,10 +61,20 @@ def test_usage_errors_come_before_the_gpu_check(tmp_path, capsys):
     assert main(["bench", str(tmp_path / "model.onnx")]) == 2
     assert "opfuse analyze" in capsys.readouterr().err
     assert main(["profile", "resnet50", "--json", str(tmp_path / "no" / "such" / "dir" / "p.json")]) == 2
-    for argv in (["profile", "resnet50", "--ops", "many"], ["bench"], ["bench", "resnet50", "--tune-top", "x"]):
+    assert main(["bench"]) == 2
+    assert "give a MODEL, or --zoo" in capsys.readouterr().err
+    assert main(["bench", "resnet50", "--zoo"]) == 2
+    assert "--zoo runs the zoo's models" in capsys.readouterr().err
+    for argv in (["profile", "resnet50", "--ops", "many"], ["bench", "resnet50", "--tune-top", "x"]):
         with pytest.raises(SystemExit) as usage:
             main(argv)
         assert usage.value.code == 2
+
+
+def test_the_zoo_needs_a_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(cli_bench, "gpu_problem", lambda: "no CUDA device")
+    assert main(["bench", "--zoo", "--models", "resnet50", "--batches", "1"]) == 3
+    assert "--zoo needs an NVIDIA GPU: no CUDA device" in capsys.readouterr().err
 
 
 def test_help_documents_exit_code_3(capsys):

@@ -1,0 +1,40 @@
+"""The model-zoo benchmark (issue 14): every zoo model at batch 1 and 64, eager, torch.compile and opfuse, each
+workload in processes of its own, by the fair protocol of opfuse/bench/harness.py.
+
+    python benchmarks/zoo.py --out DIR [--models resnet50,gpt2,...] [--batches 1,64] [--cold-parallel N]
+                             [--budget SECONDS] [--tune-top N]
+    python benchmarks/zoo.py --report RUN.json [RUN.json ...] -o benchmarks/ZOO.md
+
+The first form runs the workloads and writes DIR/zoo.json, DIR/ZOO.md and DIR/zoo.log after every child process
+(`--budget` stops starting children after that many seconds, to fit one call of a lent GPU machine); the second
+writes ZOO.md from the zoo.json of one or several runs (a later run's workload replaces an earlier one's). The
+work itself is in opfuse/bench/zoo_bench.py, which `opfuse bench --zoo` runs too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from opfuse.bench.zoo_bench import main as run_main, zoo_markdown  # noqa: E402
+
+
+def report(paths: list[str], output: str) -> int:
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    Path(output).write_text(zoo_markdown(runs))
+    print(f"wrote {output} from {len(runs)} run(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    if "--report" in sys.argv[1:]:
+        parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--report", nargs="+", required=True, metavar="ZOO_JSON")
+        parser.add_argument("-o", "--output", default="benchmarks/ZOO.md")
+        args = parser.parse_args()
+        sys.exit(report(args.report, args.output))
+    sys.exit(run_main(sys.argv[1:]))

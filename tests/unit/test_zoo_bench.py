@@ -1,0 +1,88 @@
+"""The model-zoo benchmark's orchestration on the CPU: child processes per workload (cold, then measured), time
+caps and budget, results written as they come, ZOO.md from one or several runs."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from opfuse.bench.zoo_bench import ZooSettings, parse_workloads, run_zoo, workload_key
+from opfuse.bench.zoo_report import cost_model_error, render
+
+HERE = Path(__file__).parent
+TINY = "zoo_factory_example:tiny_mlp"
+CPU = dict(device="cpu", compile_backend="eager", tune_top=0, rounds=2, per_round=1)
+
+
+@pytest.fixture
+def factory_on_path(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.mark.slow
+def test_a_workload_is_compiled_cold_then_measured_in_children(tmp_path, factory_on_path):
+    seen = []
+    results = run_zoo(tmp_path / "out", [(TINY, 2)], ZooSettings(cold_parallel=2, **CPU), tmp_path / "cache",
+                      progress=seen.append)
+    entry = results["workloads"][workload_key(TINY, 2)]
+    assert entry["cold"]["inductor"]["compile_s"] > 0 and entry["cold"]["opfuse"]["compile_s"] > 0
+    row = entry["measure"]["row"]
+    for label in ("eager", "inductor", "opfuse"):
+        assert row[label]["samples"] == 2 and row[label]["rel_error"] < 1e-5
+    assert "CUDA" in row["eager_graph"]["error"]                      # no graphs on the CPU: said, not hidden
+    assert seen == [f"{workload_key(TINY, 2)} cold: " + seen[0].split(": ", 1)[1], seen[1]]
+    written = json.loads((tmp_path / "out" / "zoo.json").read_text())
+    assert written["workloads"] == results["workloads"] and written["settings"]["cold_parallel"] == 2
+    page = (tmp_path / "out" / "ZOO.md").read_text()
+    assert f"| {workload_key(TINY, 2)} |" in page and "Geometric mean" in page
+    assert "eager_graph: RuntimeError: a CUDA graph needs a CUDA device" in page
+    assert "==== zoo_factory_example:tiny_mlp-bs2 measure: done" in (tmp_path / "out" / "zoo.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_child_past_its_time_cap_is_stopped_and_reported(tmp_path, factory_on_path):
+    settings = ZooSettings(cold_timeout_s=0.5, measure_timeout_s=0.5, **CPU)
+    results = run_zoo(tmp_path / "out", [(TINY, 1)], settings, tmp_path / "cache", progress=lambda _: None)
+    entry = results["workloads"][workload_key(TINY, 1)]
+    assert entry["cold"]["error"].startswith("stopped after its time cap of 0 s") or \
+        entry["cold"]["error"].startswith("stopped after its time cap of 1 s")
+    assert "time cap" in entry["measure"]["error"]
+    assert "time cap" in (tmp_path / "out" / "ZOO.md").read_text()
+
+
+def test_a_spent_budget_starts_nothing_and_says_so(tmp_path):
+    results = run_zoo(tmp_path / "out", parse_workloads(["a", "b"], [1, 64]), ZooSettings(budget_s=0, **CPU),
+                      tmp_path / "cache", progress=lambda _: None)
+    assert list(results["workloads"]) == ["a-bs1", "a-bs64", "b-bs1", "b-bs64"]
+    assert all(entry[stage]["error"].startswith("not run") for entry in results["workloads"].values()
+               for stage in ("cold", "measure"))
+    assert "a-bs64, measure: not run" in (tmp_path / "out" / "ZOO.md").read_text()
+
+
+def timed(ms: float, kernels: int = 10) -> dict:
+    return {"median_ms": ms, "p10_ms": ms * 0.9, "p90_ms": ms * 1.2, "samples": 50, "kernels": kernels,
+            "rel_error": 1e-3, "compile_s": 2.0}
+
+
+def zoo_run(date: str, rows: dict) -> dict:
+    return {"env": {"date": date, "gpu": "NVIDIA H200"}, "settings": {"tune_top": 1, "cold_parallel": 4},
+            "workloads": {key: {"model": key.split("-")[0], "batch": 1, "cold": {"opfuse": {"compile_s": 30.0}},
+                                "measure": {"row": row} if row else {"error": "failed (exit code 1)"}}
+                          for key, row in rows.items()}}
+
+
+def test_zoo_md_headline_cost_model_and_merging():
+    fast = {"inductor": timed(1.0), "opfuse": timed(0.5), "opfuse_replay": timed(0.4), "predicted_ms": 0.3}
+    slow = {"inductor": timed(1.0), "opfuse": timed(2.0), "opfuse_replay": timed(1.0), "predicted_ms": 1.5}
+    assert cost_model_error(fast) == pytest.approx(0.25) and cost_model_error(slow) == pytest.approx(0.5)
+    first = zoo_run("2026-12-01", {"a-bs1": fast, "b-bs1": None})
+    second = zoo_run("2026-12-02", {"b-bs1": slow, "a-bs1": None})
+    page = render([first, second])
+    assert "**1.00x** (module call)" in page                     # sqrt(2.0 * 0.5): a from run 1, b from run 2
+    assert "Under 1.0x (module call): b-bs1 (0.50x)" in page
+    assert "over 2 workloads: **38%**" in page                    # median of 25% and 50%
+    assert "| a-bs1 | - | - | 1.000 | 0.500 | 0.400 | 2.00x / 2.50x | 30% / 30% / 30% |" in page
+    assert "- run 2: 2026-12-02, NVIDIA H200" in page
+    assert "b-bs1, measure" not in page                           # run 2 measured what run 1 could not
+    assert "a-bs1, measure: failed (exit code 1)" not in page     # ... and run 2's failure does not hide run 1's row
