@@ -61,6 +61,7 @@ case "$stage" in
     timeout "${ZOO_TIMEOUT:-585}" python3 benchmarks/zoo.py --out "$OUT" ${MODELS:+--models "$MODELS"} \
       ${WORKLOADS:+--workloads "$WORKLOADS"} \
       --batches "${BATCHES:-1,64}" --cold-parallel "${COLD_PARALLEL:-1}" --budget "${ZOO_BUDGET:-560}" \
+      --cold-timeout "${COLD_TIMEOUT:-420}" \
       --tune-top "${TUNE_TOP:-4}" > "$OUT/zoo-run.log" 2>&1
     cat "$OUT/ZOO.md" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

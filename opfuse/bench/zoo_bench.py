@@ -254,6 +254,9 @@ def add_zoo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="exactly these workloads (e.g. gpt2:1,swin_t:64) instead of every model at every batch")
     parser.add_argument("--cold-parallel", type=int, default=1, metavar="N",
                         help="cold-compile children running at once (default 1: each compile alone)")
+    parser.add_argument("--cold-timeout", type=float, default=ZooSettings.cold_timeout_s, metavar="S",
+                        help=f"a cold child's time cap (default {ZooSettings.cold_timeout_s:.0f} s; the measuring "
+                             f"one's is {ZooSettings.measure_timeout_s:.0f} s)")
     parser.add_argument("--budget", type=float, default=None, metavar="S",
                         help="start no child after S seconds (to fit one call of a lent GPU machine)")
 
@@ -274,7 +277,8 @@ def run_zoo_command(args: argparse.Namespace) -> int:
         print(f"zoo: give --models among {', '.join(BUILTIN_MODELS)} (unknown: {unknown}) and --batches as "
               "positive integers, or --workloads MODEL:BATCH,...", file=sys.stderr)
         return 2
-    settings = ZooSettings(tune_top=args.tune_top, cold_parallel=args.cold_parallel, budget_s=args.budget)
+    settings = ZooSettings(tune_top=args.tune_top, cold_parallel=args.cold_parallel, budget_s=args.budget,
+                           cold_timeout_s=args.cold_timeout)
     results = run_zoo(Path(args.out), workloads, settings)
     if getattr(args, "quiet", False):
         return 0
