@@ -3,7 +3,7 @@
 The headline is the geometric mean of opfuse's speedup over torch.compile + CUDA graph (opfuse through its module
 call, what a user's call costs; and as its bare graph replay, as torch.compile is timed) and the list of workloads
 under 1.0x; then the cost model's median error (|predicted - measured replay| / measured replay); then one row per
-workload, then what failed or did not run and why.
+workload, then what failed or did not run and why, and which of the zoo's workloads no run has measured.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import statistics
 from typing import Sequence
 
 from opfuse.bench.harness import geometric_mean, speedup
+from opfuse.bench.zoo import ZOO_MODELS
+from opfuse.bench.zoo_bench import ZOO_BATCHES, workload_key
 
 
 def merge(runs: Sequence[dict]) -> tuple[dict[str, dict], list[dict]]:
@@ -135,6 +137,11 @@ def render(runs: Sequence[dict]) -> str:
             for label in ("eager", "eager_graph", "inductor", "opfuse"):
                 if "error" in values.get(label, {}):
                     problems.append(f"- {key}, {stage}, {label}: {values[label]['error'].splitlines()[0][:300]}")
+    missing = [workload_key(model, batch) for model in ZOO_MODELS for batch in ZOO_BATCHES
+               if workload_key(model, batch) not in rows]
+    if missing:
+        problems.append(f"- not measured in any run yet ({len(missing)} of the zoo's {len(ZOO_MODELS) * len(ZOO_BATCHES)} "
+                        f"workloads): {', '.join(missing)}")
     if problems:
         lines += ["", "## Failed or not run", "", *problems]
     return "\n".join(lines) + "\n"

@@ -86,3 +86,4 @@ def test_zoo_md_headline_cost_model_and_merging():
     assert "- run 2: 2026-12-02, NVIDIA H200" in page
     assert "b-bs1, measure" not in page                           # run 2 measured what run 1 could not
     assert "a-bs1, measure: failed (exit code 1)" not in page     # ... and run 2's failure does not hide run 1's row
+    assert "not measured in any run yet (26 of the zoo's 26 workloads): resnet50-bs1, resnet50-bs64," in page
