@@ -33,9 +33,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from opfuse import __version__
 from opfuse.config import FusionConfig
 from opfuse.hardware import PROFILES
-from opfuse.ir.graph import GraphError, dtype_name
 
 EXIT_OK, EXIT_MODEL_ERROR, EXIT_USAGE, EXIT_NEEDS_GPU = 0, 1, 2, 3
 EXIT_CODES = {
@@ -167,6 +167,8 @@ def summary_table(analysis) -> Table:
 def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     if not _writable(args.json, args.html):
         return EXIT_USAGE
+    from opfuse.ir.graph import dtype_name
+
     config = FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold)
     with status(args, f"capturing and planning {escape(args.model)}"):
         analysis = load_analysis(args, config)
@@ -198,6 +200,8 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
 
     if not _writable(args.output, args.json):
         return EXIT_USAGE
+    from opfuse.ir.graph import dtype_name
+
     config = FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold)
     with status(args, f"capturing and planning {escape(args.model)}") as spinner:
         analysis = load_analysis(args, config)
@@ -248,13 +252,44 @@ class _null:
         return False
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="opfuse", description="Operator-fusion compiler for DL inference.",
-        epilog="exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()))
-    sub = parser.add_subparsers(dest="command", required=True)
+class Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (the command, the problem, where help is) and exit code 2."""
 
-    analyze = sub.add_parser("analyze", help="where the model wastes traffic and launches, and what opfuse fuses")
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """An option's help ends with its default, unless it has none (None, off) or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False) or "default" in text:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def positive_int(text: str) -> int:
+    """--batch: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; builds without importing torch, so --help, --version and usage errors are quick."""
+    parser = Parser(
+        prog="opfuse", description="Operator-fusion compiler for DL inference.", formatter_class=HelpFormatter,
+        epilog="exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()))
+    parser.add_argument("--version", action="version", version=f"opfuse {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    analyze = sub.add_parser("analyze", help="where the model wastes traffic and launches, and what opfuse fuses",
+                             formatter_class=HelpFormatter)
     _model_arguments(analyze)
     analyze.add_argument("--ops", default=40, type=row_limit, help="how many per-op rows to print, or 'all'")
     analyze.add_argument("--refused", default=30, type=row_limit,
@@ -262,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--html", metavar="FILE", help="also write the HTML fusion report")
     analyze.set_defaults(handler=cmd_analyze)
 
-    report = sub.add_parser("report", help="one self-contained HTML page: what was fused, why, what it bought")
+    report = sub.add_parser("report", help="one self-contained HTML page: what was fused, why, what it bought",
+                            formatter_class=HelpFormatter)
     _model_arguments(report)
     report.add_argument("-o", "--output", default="report.html", metavar="FILE",
                         help="where to write the report (default report.html)")
@@ -271,13 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
     from opfuse.bench import cli_bench
 
     bench = sub.add_parser("bench", help="on a GPU: eager, eager + CUDA graph, torch.compile and opfuse, side by "
-                                         "side (exit code 3 without one); --zoo: the model-zoo benchmark")
+                                         "side (exit code 3 without one); --zoo: the model-zoo benchmark",
+                           formatter_class=HelpFormatter)
     _model_arguments(bench, model_optional=True)
     cli_bench.bench_arguments(bench)
     bench.set_defaults(handler=cli_bench.cmd_bench)
 
     profile = sub.add_parser("profile", help="on a GPU: time per eager op and per opfuse kernel against the cost "
-                                             "model, and calibrate it (exit code 3 without one)")
+                                             "model, and calibrate it (exit code 3 without one)",
+                             formatter_class=HelpFormatter)
     _model_arguments(profile)
     cli_bench.profile_arguments(profile)
     profile.set_defaults(handler=cli_bench.cmd_profile)
@@ -300,8 +338,10 @@ def _model_arguments(parser: argparse.ArgumentParser, model_optional: bool = Fal
                         help="built-in name (resnet18, resnet50, mobilenet_v2, bert-base, and the zoo's: "
                              "`opfuse bench --zoo --help`), a .onnx file, package.module:factory or "
                              "path/file.py:factory returning (model, example_inputs)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"])
+    parser.add_argument("--batch", type=positive_int, default=1, metavar="N",
+                        help="batch size of the built-in model's example inputs (an .onnx file's dynamic batch)")
+    parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"],
+                        help="compute dtype of activations and weights")
     parser.add_argument("--hw", default="h200", choices=sorted(PROFILES), help="hardware profile of the cost model")
     parser.add_argument("--threshold", type=float, default=10.0,
                         help="FLOPs/Byte under which an op is a fusion candidate (default 10, the seed's rule)")
@@ -323,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     console = stdout_console()
+    from opfuse.ir.graph import GraphError     # torch: only once a command runs, never for --help or a usage error
+
     try:
         return args.handler(args, console)
     except (GraphError, FileNotFoundError, ValueError, ImportError, RuntimeError) as problem:

@@ -93,8 +93,7 @@ def _ms(value: float | None, digits: int = 3) -> str:
 # ---- bench -------------------------------------------------------------------------------------------------
 
 def bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from opfuse.bench.harness import CONTENDERS
-
+    from opfuse.bench.contenders import CONTENDERS
     from opfuse.bench.zoo_bench import add_zoo_arguments
 
     parser.add_argument("--contenders", default=",".join(CONTENDERS),

@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from opfuse.bench.contenders import CONTENDER_LABELS, CONTENDERS, TIMED  # noqa: F401
 from opfuse.bench.timing import (Forward, cuda_graphed, interleaved_samples, kernel_profile, median_ms,  # noqa: F401
                                  summarize)
 
@@ -110,13 +111,6 @@ def _synchronize(inputs: Sequence[Any]) -> None:
 
 
 # ---- one workload, every contender -------------------------------------------------------------------------
-
-CONTENDERS = ("eager", "eager_graph", "inductor", "opfuse")
-CONTENDER_LABELS = {"eager": "eager", "eager_graph": "eager + CUDA graph",
-                    "inductor": "torch.compile + CUDA graph", "opfuse": "opfuse",
-                    "opfuse_replay": "opfuse (graph replay)"}
-TIMED = (*CONTENDERS, "opfuse_replay")    # opfuse is timed twice: its module call and its bare replay
-
 
 def measure_ceilings() -> dict[str, float]:
     """Copy bandwidth (bytes read + written per second) and the fp16 matrix rate, measured on random data."""
