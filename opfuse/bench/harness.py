@@ -41,8 +41,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from opfuse.bench.contenders import CONTENDER_LABELS, CONTENDERS, TIMED  # noqa: F401
-from opfuse.bench.timing import (Forward, cuda_graphed, interleaved_samples, kernel_profile, median_ms,  # noqa: F401
-                                 summarize)
+from opfuse.bench.timing import (Forward, cuda_graphed, host_replay, interleaved_samples,  # noqa: F401
+                                 kernel_profile, median_ms, summarize)
 
 
 @dataclass
@@ -204,7 +204,7 @@ def _build_eager_graph(model, inputs, cuda: bool, **_: Any) -> Built:
 def _build_inductor(model, inputs, cuda: bool, backend: Any = "inductor", **_: Any) -> Built:
     compiled, seconds = torch_compiled(model, inputs, backend)
     with frozen_inductor():   # a recompile (there should be none) would be frozen too
-        replay = cuda_graphed(compiled, inputs) if cuda else (lambda *_: compiled(*inputs))
+        replay = (cuda_graphed if cuda else host_replay)(compiled, inputs)
     forward = lambda: replay()    # noqa: E731
     return Built({"inductor": forward}, forward, first_tensor(forward()), compile_s=seconds)
 
@@ -287,23 +287,39 @@ def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workloa
         if on_step is not None:
             on_step("timing")
         forwards = {name: fn for label in built for name, fn in built[label].forwards.items()}
-        samples = interleaved_samples(forwards, rounds=rounds, per_round=per_round, cuda=cuda)
+        failed: dict[str, str] = {}
+        samples = interleaved_samples(forwards, rounds=rounds, per_round=per_round, cuda=cuda, errors=failed)
         for label, contender in built.items():
-            kernels, busy = kernel_profile(lambda: contender.profiled(), ()) if cuda else (None, None)
-            timing = summarize(samples[label])
-            row[label] = asdict(timing) | {
-                "kernels": kernels, "gpu_busy_ms": busy, "peak_memory_mb": contender.memory_mb,
-                "compile_s": contender.compile_s,
-                "rel_error": relative_error(contender.output.float(), reference)}
             row.update(contender.row)
-        if "opfuse_replay" in samples and samples["opfuse_replay"]:
+            try:
+                if label in failed:
+                    raise RuntimeError(f"failed while timed: {failed[label]}")
+                kernels, busy = kernel_profile(lambda: contender.profiled(), ()) if cuda else (None, None)
+                row[label] = asdict(summarize(samples[label])) | {
+                    "kernels": kernels, "gpu_busy_ms": busy, "peak_memory_mb": contender.memory_mb,
+                    "compile_s": contender.compile_s,
+                    "rel_error": relative_error(contender.output.float(), reference)}
+            except Exception as error:
+                row[label] = {"error": f"{type(error).__name__}: {error}"}
+                traceback.print_exc()
+        if samples.get("opfuse_replay"):
             row["opfuse_replay"] = asdict(summarize(samples["opfuse_replay"]))
             row["opfuse_replay_ms"] = row["opfuse_replay"]["median_ms"]
+        elif "opfuse_replay" in failed:
+            row["opfuse_replay"] = {"error": failed["opfuse_replay"]}
     del built, forwards
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return row
+
+
+def groups_through_pytorch(row: dict) -> int | None:
+    """How many of opfuse's groups ran through PyTorch in a result row (views, which launch nothing, not counted);
+    None when opfuse did not compile."""
+    if "fallbacks" not in row:
+        return None
+    return sum(1 for reason in row["fallbacks"].values() if not reason.startswith("view"))
 
 
 def failed_contenders(row: dict) -> dict[str, str]:

@@ -63,22 +63,46 @@ def time_once(fn: Callable[[], object], cuda: bool) -> float:
 
 
 def interleaved_samples(forwards: Mapping[str, Callable[[], object]], rounds: int = 20, per_round: int = 5,
-                        warmup_rounds: int = 1, cuda: bool | None = None) -> dict[str, list[float]]:
+                        warmup_rounds: int = 1, cuda: bool | None = None,
+                        errors: dict[str, str] | None = None) -> dict[str, list[float]]:
     """Milliseconds per call of each forward, timed in turns: each round calls every forward once untimed (its
     weights back into L2 after the other contenders' turns: each contender holds its own copy of them), then times
-    `per_round` calls of it, in the mapping's order; the first `warmup_rounds` rounds are thrown away."""
+    `per_round` calls of it, in the mapping's order; the first `warmup_rounds` rounds are thrown away.
+
+    A forward that raises is dropped from the rounds and has no samples; with `errors` given, its error is recorded
+    there (name -> "Type: message") and the others go on, else the exception propagates."""
     if cuda is None:
         cuda = torch.cuda.is_available()
     samples: dict[str, list[float]] = {name: [] for name in forwards}
+    failed: dict[str, str] = {}
     for round_index in range(warmup_rounds + rounds):
         for name, fn in forwards.items():
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-            times = [time_once(fn, cuda) for _ in range(per_round)]
+            if name in failed:
+                continue
+            try:
+                fn()
+                if cuda:
+                    torch.cuda.synchronize()
+                times = [time_once(fn, cuda) for _ in range(per_round)]
+            except Exception as error:
+                if errors is None:
+                    raise
+                failed[name] = f"{type(error).__name__}: {error}"
+                samples[name] = []
+                continue
             if round_index >= warmup_rounds:
                 samples[name].extend(times)
+    if errors is not None:
+        errors.update(failed)
     return samples
+
+
+def host_replay(fn: Forward, inputs: Sequence[torch.Tensor], warmup: int = 3) -> Forward:
+    """What `cuda_graphed` does, on the CPU (tests): `fn` called `warmup` times, as a capture warms it, then a
+    callable that runs it again on `inputs`."""
+    for _ in range(warmup):
+        fn(*inputs)
+    return lambda *_: fn(*inputs)
 
 
 def median_ms(fn: Forward, inputs: Sequence[torch.Tensor], warmup: int = 10, iters: int = 50) -> float:

@@ -71,6 +71,25 @@ def test_a_failing_contender_records_its_error_and_the_others_run():
     assert harness.failed_contenders(row) == {"eager_graph": row["eager_graph"]["error"]}
 
 
+def test_a_contender_failing_while_timed_records_its_error_and_the_others_are_timed(monkeypatch):
+    model, inputs = tiny_mlp()
+    calls = []
+
+    def flaky(model, inputs, cuda, **_):
+        def forward():
+            calls.append(1)
+            if len(calls) > 2:
+                raise RuntimeError("device lost")
+            return model(*inputs)
+        return harness.Built({"eager_graph": forward}, forward, forward())
+
+    monkeypatch.setitem(harness.BUILDERS, "eager_graph", flaky)
+    row = harness.run_workload(model, inputs, "tiny bs4", {}, ["eager", "eager_graph"],
+                               FusionConfig(dtype="float32"), device="cpu", rounds=2, per_round=2)
+    assert row["eager_graph"] == {"error": "RuntimeError: failed while timed: RuntimeError: device lost"}
+    assert row["eager"]["samples"] == 4
+
+
 def test_rounds_interleave_the_contenders():
     calls = []
     forwards = {name: (lambda name=name: calls.append(name)) for name in "ABC"}
