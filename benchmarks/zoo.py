@@ -20,12 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from opfuse.bench.zoo_bench import main as run_main, zoo_markdown  # noqa: E402
+from opfuse.bench.zoo_bench import main as run_main  # noqa: E402
+from opfuse.bench.zoo_report import render  # noqa: E402
 
 
 def report(paths: list[str], output: str) -> int:
     runs = [json.loads(Path(p).read_text()) for p in paths]
-    Path(output).write_text(zoo_markdown(runs))
+    Path(output).write_text(render(runs))
     print(f"wrote {output} from {len(runs)} run(s)")
     return 0
 

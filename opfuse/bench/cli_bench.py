@@ -158,6 +158,16 @@ def _bench_zoo(args: argparse.Namespace) -> int:
     if args.model is not None:
         error("bench", f"--zoo runs the zoo's models (--models to choose), not {args.model!r}")
         return EXIT_USAGE
+    from opfuse.bench.contenders import CONTENDERS
+
+    ignored = {"--batch": args.batch != 1, "--dtype": args.dtype != "fp16", "--hw": args.hw != "h200",
+               "--threshold": args.threshold != 10.0, "--json": args.json is not None,
+               "--contenders": args.contenders != ",".join(CONTENDERS), "--no-split-k": args.no_split_k,
+               "--no-library": args.no_library}
+    if any(ignored.values()):
+        error("bench", f"--zoo measures every contender in fp16 with opfuse's default planning (--batches, --models "
+                       f"and --tune-top choose); it does not take {', '.join(f for f, on in ignored.items() if on)}")
+        return EXIT_USAGE
     problem = gpu_problem()
     if problem is not None:
         error("bench", f"--zoo needs an NVIDIA GPU: {problem} (exit code {EXIT_NEEDS_GPU})")
@@ -169,7 +179,7 @@ def _bench_zoo(args: argparse.Namespace) -> int:
 
 def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
     """One workload, one line per contender, plus opfuse's speedup over each and the floor."""
-    from opfuse.bench.harness import CONTENDER_LABELS, TIMED, speedup
+    from opfuse.bench.harness import CONTENDER_LABELS, TIMED, groups_through_pytorch, speedup
 
     table = Table(title=f"{escape(row['workload'])} ({row.get('dtype', '')}), {escape(env.get('gpu', '?'))}, "
                         f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}")
@@ -199,8 +209,8 @@ def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
     if "floor_compute_ms" in row:
         notes.append(f"floor: compute {row['floor_compute_ms']:.3f} ms, memory {row['floor_memory_ms']:.3f} ms")
     if "plan_launches" in row:
-        pytorch_groups = sum(1 for reason in row.get("fallbacks", {}).values() if not reason.startswith("view"))
-        notes.append(f"opfuse plan: {row['plan_launches']} launches, {pytorch_groups} groups through PyTorch, "
+        notes.append(f"opfuse plan: {row['plan_launches']} launches, {groups_through_pytorch(row) or 0} groups "
+                     "through PyTorch, "
                      f"{len(row.get('library_anchors', {}))} anchors through cuBLAS/cuDNN and "
                      f"{len(row.get('unfused', {}))} groups unfused (measured faster)")
     if "predicted_ms" in row and "median_ms" in row.get("opfuse_replay", {}):

@@ -1,18 +1,21 @@
 """The model-zoo benchmark (issue 14): every zoo model at each batch, eager against torch.compile against opfuse,
 by the fair protocol of `opfuse.bench.harness`, each workload in processes of its own.
 
-Entry points: `run_zoo(out, workloads, settings)` (what `benchmarks/zoo.py` and `opfuse bench --zoo` run) and
-`zoo_markdown(results) -> str` (ZOO.md from one or several runs' zoo.json).
+Entry point: `run_zoo(out, workloads, settings)` (what `benchmarks/zoo.py` and `opfuse bench --zoo` run); ZOO.md is
+rendered by `opfuse.bench.zoo_report.render`, from one or several runs' zoo.json.
 
-For each workload (model, batch), two child processes, each with a time cap, sharing the workload's own cache
-folders (inductor's, Triton's and opfuse's tuning cache, all empty at the start):
-1. cold: opfuse.compile and torch.compile, each from empty caches; only their compile seconds are kept. Several
-   workloads' cold children may run at once (`cold_parallel`, recorded with the results): both compilers then
-   share the machine's CPUs and GPU, alike.
-2. measure: alone on the machine, `run_workload` with every contender (both compilers now compile with warm
-   caches: their warm compile seconds), timed in interleaved rounds.
-Results are written to OUT/zoo.json and OUT/ZOO.md after every child, so a run stopped by a time limit keeps what
-it measured; a workload that failed or ran out of time says so, with the end of its log in OUT/zoo.log.
+Workloads (model, batch) go in chunks of `cold_parallel`. For each, two child processes with time caps, sharing the
+workload's own cache folders (inductor's, Triton's and opfuse's tuning cache, all empty at the start):
+1. cold: torch.compile and opfuse.compile from empty caches, after one eager forward (the process's one-time costs
+   fall on neither); only their compile seconds are kept. A chunk's cold children run at once: both compilers then
+   share the machine's CPUs and GPU alike (recorded with the results), and opfuse tunes into a throwaway cache,
+   since kernel timings on a shared GPU are noise.
+2. measure: alone on the machine, `run_workload` with every contender (both compilers compile again: Triton's and
+   inductor's caches warm; opfuse's tuning cache warm only where the cold compile ran alone, `cold_parallel` 1).
+A chunk is measured before the next one's cold compiles start, so a run with a deadline (`budget_s`) ends with
+whole workloads. Results are written (atomically) to OUT/zoo.json and OUT/ZOO.md after every child, so a run
+stopped by a time limit keeps what it measured; a workload that failed or ran out of time says so, with the end
+of its log in OUT/zoo.log. A child runs in a process group of its own and is killed with it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,7 +69,8 @@ def run_zoo(out: Path, workloads: Sequence[tuple[str, int]], settings: ZooSettin
     out.mkdir(parents=True, exist_ok=True)
     cache_root = Path(cache_root or tempfile.mkdtemp(prefix="opfuse-zoo-"))
     started = time.monotonic()
-    results: dict = {"settings": asdict(settings), "env": None, "workloads": {}}
+    # tuned_alone: opfuse's autotuning timed its kernels with the GPU to itself (see the module docstring)
+    results: dict = {"settings": asdict(settings), "env": None, "tuned_alone": True, "workloads": {}}
     for model, batch in workloads:
         results["workloads"][workload_key(model, batch)] = {"model": model, "batch": batch}
     log = out / "zoo.log"
@@ -81,8 +86,10 @@ def run_zoo(out: Path, workloads: Sequence[tuple[str, int]], settings: ZooSettin
         return left() < MIN_CHILD_S
 
     def save() -> None:
-        (out / "zoo.json").write_text(json.dumps(results, indent=1, default=str))
-        (out / "ZOO.md").write_text(zoo_markdown([results]))
+        from opfuse.bench.zoo_report import render
+
+        write_atomically(out / "zoo.json", json.dumps(results, indent=1, default=str))
+        write_atomically(out / "ZOO.md", render([results]))
 
     def finished(key: str, stage: str, child: "Child") -> None:
         entry = results["workloads"][key]
@@ -94,26 +101,35 @@ def run_zoo(out: Path, workloads: Sequence[tuple[str, int]], settings: ZooSettin
         progress(f"{key} {stage}: {child.status()}")
         save()
 
-    pending = list(results["workloads"])
+    keys = list(results["workloads"])
+    chunk = max(1, settings.cold_parallel)
     running: list[tuple[str, Child]] = []
-    while pending or running:                             # pass 1: cold compiles, `cold_parallel` at a time
-        while pending and len(running) < max(1, settings.cold_parallel) and not over_budget():
-            key = pending.pop(0)
-            entry = results["workloads"][key]
-            running.append((key, Child("cold", entry["model"], entry["batch"], cache_root / key, settings, left())))
-        if not running:
-            break
-        time.sleep(0.5)
-        for key, child in [(k, c) for k, c in running if c.done()]:
-            running.remove((key, child))
-            finished(key, "cold", child)
-    for key, entry in results["workloads"].items():      # pass 2: measured one at a time, alone
-        if over_budget():
-            break
-        child = Child("measure", entry["model"], entry["batch"], cache_root / key, settings, left())
-        while not child.done():
-            time.sleep(0.5)
-        finished(key, "measure", child)
+    try:
+        for first in range(0, len(keys), chunk):      # a chunk's cold compiles at once, then each measured alone
+            if over_budget():
+                break
+            for key in keys[first:first + chunk]:
+                entry = results["workloads"][key]
+                running.append((key, Child("cold", entry["model"], entry["batch"], cache_root / key, settings,
+                                           left())))
+            while running:
+                time.sleep(0.5)
+                for key, child in [(k, c) for k, c in running if c.done()]:
+                    running.remove((key, child))
+                    finished(key, "cold", child)
+            for key in keys[first:first + chunk]:
+                if over_budget():
+                    break
+                entry = results["workloads"][key]
+                child = Child("measure", entry["model"], entry["batch"], cache_root / key, settings, left())
+                running.append((key, child))
+                while not child.done():
+                    time.sleep(0.5)
+                running.remove((key, child))
+                finished(key, "measure", child)
+    finally:                                          # interrupted: no child may go on holding the GPU
+        for _, child in running:
+            child.stop()
     for entry in results["workloads"].values():
         for stage in ("cold", "measure"):
             entry.setdefault(stage, {"error": "not run: the run's time budget was spent"})
@@ -121,14 +137,24 @@ def run_zoo(out: Path, workloads: Sequence[tuple[str, int]], settings: ZooSettin
     return results
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """`path` holds the old text or the new, never half of one (a run stopped mid-write keeps what it had)."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
 class Child:
-    """One child process (`python -m opfuse.bench.zoo_bench child ...`) with its time cap, log and result file."""
+    """One child process (`python -m opfuse.bench.zoo_bench child ...`) with its time cap, log and result file.
+
+    It runs in a process group of its own, so stopping it also stops the compile workers it started."""
 
     def __init__(self, stage: str, model: str, batch: int, cache: Path, settings: ZooSettings,
                  deadline_s: float = float("inf")):
         cache.mkdir(parents=True, exist_ok=True)
         self.stage, self.cache = stage, cache
         self.result_path = cache / f"{stage}.json"
+        self.result_path.unlink(missing_ok=True)      # never report an earlier run's result as this one's
         self.log_path = cache / f"{stage}.log"
         cap = settings.cold_timeout_s if stage == "cold" else settings.measure_timeout_s
         self.timeout = min(cap, deadline_s)
@@ -141,17 +167,26 @@ class Child:
         self.started = time.monotonic()
         self.timed_out = False
         with self.log_path.open("w") as handle:
-            self.process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
 
     def done(self) -> bool:
         if self.process.poll() is not None:
             return True
         if time.monotonic() - self.started > self.timeout:
             self.timed_out = True
-            self.process.kill()
-            self.process.wait()
+            self.stop()
             return True
         return False
+
+    def stop(self) -> None:
+        """Kill the child and everything it started (its process group)."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
 
     def status(self) -> str:
         seconds = time.monotonic() - self.started
@@ -165,9 +200,9 @@ class Child:
         return "\n".join(text.splitlines()[-lines:])
 
     def result(self) -> dict:
-        if self.result_path.exists():
-            data = json.loads(self.result_path.read_text())
-        else:
+        try:
+            data = json.loads(self.result_path.read_text()) if self.result_path.exists() else {}
+        except ValueError:                            # written atomically, so only a foreign file gets here
             data = {}
         if self.timed_out or self.process.returncode != 0:
             tail = self.log_tail(3).strip().splitlines()
@@ -189,20 +224,24 @@ def child_main(stage: str, model_name: str, batch: int, cache: Path, settings: Z
     result: dict = {"model": model_name, "batch": batch}
 
     def write() -> None:
-        result_path.write_text(json.dumps(result, indent=1, default=str))
+        write_atomically(result_path, json.dumps(result, indent=1, default=str))
 
     cuda = settings.device == "cuda"
     if cuda:
         torch.backends.cudnn.benchmark = True
         result["env"] = harness.environment()
+    # opfuse's autotuner times kernels: with other cold children sharing the GPU those timings are noise, so a
+    # parallel cold compile tunes into a cache of its own and the measuring child tunes again, alone
+    tuning_cache = cache / ("opfuse-cold" if stage == "cold" and settings.cold_parallel > 1 else "opfuse")
     config = FusionConfig(dtype="float16" if cuda else "float32", autotune=settings.tune_top > 0,
-                          tune_top=settings.tune_top or None, cache_dir=str(cache / "opfuse"))
+                          tune_top=settings.tune_top or None, cache_dir=str(tuning_cache))
     model, inputs, _ = resolve_model(model_name, batch=batch)
     write()
     if stage == "cold":
         model, inputs, _, _ = harness.prepare(model, inputs, torch.float16 if cuda else torch.float32,
                                               settings.device)
         with torch.inference_mode():
+            model(*inputs)    # the process's one-time costs (CUDA context, cuDNN's choices) paid by neither compiler
             for label in ("inductor", "opfuse"):
                 try:
                     built = harness.BUILDERS[label](model, inputs, cuda, config=config,
@@ -220,15 +259,6 @@ def child_main(stage: str, model_name: str, batch: int, cache: Path, settings: Z
                                          per_round=settings.per_round)
     write()
     return 0
-
-
-# ---- ZOO.md ------------------------------------------------------------------------------------------------------
-
-def zoo_markdown(runs: Sequence[dict]) -> str:
-    """ZOO.md from the zoo.json of one or several runs (a later run's workload replaces an earlier one's)."""
-    from opfuse.bench.zoo_report import render
-
-    return render(runs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -280,9 +310,10 @@ def run_zoo_command(args: argparse.Namespace) -> int:
     settings = ZooSettings(tune_top=args.tune_top, cold_parallel=args.cold_parallel, budget_s=args.budget,
                            cold_timeout_s=args.cold_timeout)
     results = run_zoo(Path(args.out), workloads, settings)
-    if getattr(args, "quiet", False):
-        return 0
-    print(zoo_markdown([results]))
+    if not getattr(args, "quiet", False):
+        from opfuse.bench.zoo_report import render
+
+        print(render([results]))
     return 0
 
 

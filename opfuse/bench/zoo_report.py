@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
-from opfuse.bench.harness import geometric_mean, speedup
+from opfuse.bench.harness import geometric_mean, groups_through_pytorch, speedup
 from opfuse.bench.zoo import ZOO_MODELS
 from opfuse.bench.zoo_bench import ZOO_BATCHES, workload_key
 
@@ -22,7 +22,9 @@ def merge(runs: Sequence[dict]) -> tuple[dict[str, dict], list[dict]]:
     workloads: dict[str, dict] = {}
     headers = []
     for run in runs:
-        headers.append({"env": run.get("env"), "settings": run.get("settings", {})})
+        settings = run.get("settings", {})
+        headers.append({"env": run.get("env"), "settings": settings,
+                        "tuned_alone": run.get("tuned_alone", settings.get("cold_parallel", 1) <= 1)})
         for key, entry in run.get("workloads", {}).items():
             if key not in workloads or measured(entry) or not measured(workloads[key]):
                 workloads[key] = entry | {"run": len(headers)}
@@ -85,23 +87,30 @@ def render(runs: Sequence[dict]) -> str:
                      f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, Python {env.get('python', '?')}; "
                      f"opfuse tune_top {settings.get('tune_top')}, cold compiles {settings.get('cold_parallel')} at "
                      f"a time, {settings.get('rounds')} rounds x {settings.get('per_round')} samples")
+        if header.get("tuned_alone") is False:
+            lines[-1] += ("; opfuse's kernels were tuned in the cold compiles, several at once on one GPU (only "
+                          "opfuse can have lost by it)")
     calls = {key: speedup(row, "inductor", "opfuse") for key, row in rows.items()}
     replays = {key: speedup(row, "inductor", "opfuse_replay") for key, row in rows.items()}
     errors = [e for e in (cost_model_error(row) for row in rows.values()) if e is not None]
     mean_call, mean_replay = geometric_mean(list(calls.values())), geometric_mean(list(replays.values()))
     under = [f"{key} ({value:.2f}x)" for key, value in calls.items() if value is not None and value < 1.0]
+    counted_calls = sum(v is not None for v in calls.values())
+    counted_replays = sum(v is not None for v in replays.values())
     lines += ["", "## Headline", "",
-              f"Geometric mean of opfuse over torch.compile + CUDA graph over "
-              f"{sum(v is not None for v in calls.values())} workload(s): **{_times(mean_call)}** (module call), {_times(mean_replay)} (bare graph replay).", "",
+              f"Geometric mean of opfuse over torch.compile + CUDA graph: **{_times(mean_call)}** through opfuse's "
+              f"module call (its input and output copies included; {counted_calls} workloads), "
+              f"{_times(mean_replay)} as its bare graph replay, as torch.compile is timed ({counted_replays} "
+              "workloads).", "",
               f"Under 1.0x (module call): {', '.join(under) if under else 'none'}.", "",
               f"Cost model: median |predicted - measured| / measured of opfuse's replay over {len(errors)} workloads: "
               f"**{statistics.median(errors) * 100:.0f}%**." if errors else "Cost model: no workload measured.",
               "", "## Per workload", "",
-              "| workload | eager | eager + graph | torch.compile + graph | opfuse call | opfuse replay | speedup "
+              "| workload | run | eager | eager + graph | torch.compile + graph | opfuse call | opfuse replay | speedup "
               "(call / replay) | spread: torch.compile / call / replay | compile s, torch.compile cold / warm | compile s, opfuse cold / warm | "
               "opfuse launches: plan / runtime / measured | torch.compile kernels | rel. error opfuse / "
               "torch.compile | predicted / measured ms | groups through PyTorch |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, entry in workloads.items():
         if not measured(entry):
             continue
@@ -109,7 +118,7 @@ def render(runs: Sequence[dict]) -> str:
         spread = " / ".join(_spread(row.get(k, {})) for k in ("inductor", "opfuse", "opfuse_replay"))
         opfuse, inductor = row.get("opfuse", {}), row.get("inductor", {})
         error = cost_model_error(row)
-        through = sum(1 for reason in row.get("fallbacks", {}).values() if not reason.startswith("view"))
+        through = groups_through_pytorch(row)
 
         def rel(entry_: dict) -> str:
             return f"{entry_['rel_error']:.1e}" if entry_.get("rel_error") is not None else "-"
@@ -118,7 +127,7 @@ def render(runs: Sequence[dict]) -> str:
             return f"{entry_['compile_s']:.1f}" if "compile_s" in entry_ else "failed"
 
         lines.append(
-            f"| {key} | {_ms(row.get('eager', {}))} | {_ms(row.get('eager_graph', {}))} | {_ms(inductor)} | "
+            f"| {key} | {entry['run']} | {_ms(row.get('eager', {}))} | {_ms(row.get('eager_graph', {}))} | {_ms(inductor)} | "
             f"{_ms(opfuse)} | {_ms(row.get('opfuse_replay', {}))} | {_times(calls[key])} / {_times(replays[key])} | "
             f"{spread} | {_seconds(cold, 'inductor')} / {warm(inductor)} | "
             f"{_seconds(cold, 'opfuse')} / {warm(opfuse)} | {row.get('plan_launches', '-')} / "
@@ -126,7 +135,7 @@ def render(runs: Sequence[dict]) -> str:
             f"{rel(opfuse)} / {rel(inductor)} | "
             + (f"{row['predicted_ms']:.3f} / {row['opfuse_replay']['median_ms']:.3f} ({error * 100:.0f}%)"
                if error is not None else "-")
-            + f" | {through if 'fallbacks' in row else '-'} |")
+            + f" | {'-' if through is None else through} |")
     problems = []
     for key, entry in workloads.items():
         row = rows.get(key, {})

@@ -65,6 +65,8 @@ def test_usage_errors_come_before_the_gpu_check(tmp_path, capsys):
     assert "give a MODEL, or --zoo" in capsys.readouterr().err
     assert main(["bench", "resnet50", "--zoo"]) == 2
     assert "--zoo runs the zoo's models" in capsys.readouterr().err
+    assert main(["bench", "--zoo", "--dtype", "bf16", "--no-split-k"]) == 2
+    assert "it does not take --dtype, --no-split-k" in " ".join(capsys.readouterr().err.split())
     for argv in (["profile", "resnet50", "--ops", "many"], ["bench", "resnet50", "--tune-top", "x"]):
         with pytest.raises(SystemExit) as usage:
             main(argv)

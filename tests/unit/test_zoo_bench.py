@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from opfuse.bench import zoo_bench
 from opfuse.bench.zoo_bench import ZooSettings, parse_workloads, run_zoo, workload_key
 from opfuse.bench.zoo_report import cost_model_error, render
 
@@ -31,7 +32,9 @@ def test_a_workload_is_compiled_cold_then_measured_in_children(tmp_path, factory
     for label in ("eager", "inductor", "opfuse"):
         assert row[label]["samples"] == 2 and row[label]["rel_error"] < 1e-5
     assert "CUDA" in row["eager_graph"]["error"]                      # no graphs on the CPU: said, not hidden
-    assert seen == [f"{workload_key(TINY, 2)} cold: " + seen[0].split(": ", 1)[1], seen[1]]
+    key = workload_key(TINY, 2)
+    assert [m.split(": ")[0] for m in seen] == [f"{key} cold", f"{key} measure"]
+    assert all(m.split(": ")[1].startswith("done in") for m in seen)
     written = json.loads((tmp_path / "out" / "zoo.json").read_text())
     assert written["workloads"] == results["workloads"] and written["settings"]["cold_parallel"] == 2
     page = (tmp_path / "out" / "ZOO.md").read_text()
@@ -60,6 +63,62 @@ def test_a_spent_budget_starts_nothing_and_says_so(tmp_path):
     assert "a-bs64, measure: not run" in (tmp_path / "out" / "ZOO.md").read_text()
 
 
+class FakeChild:
+    """A child that finishes at once, advancing a fake clock by `seconds`; records what was started, in order."""
+
+    started: list = []
+    clock = [0.0]
+    seconds = 20.0
+
+    def __init__(self, stage, model, batch, cache, settings, deadline_s=float("inf")):
+        self.stage, self.key = stage, zoo_bench.workload_key(model, batch)
+        FakeChild.started.append((stage, self.key))
+        FakeChild.clock[0] += FakeChild.seconds
+
+    def done(self):
+        return True
+
+    def stop(self):
+        pass
+
+    def status(self):
+        return "done in 20 s"
+
+    def log_tail(self, lines=25):
+        return ""
+
+    def result(self):
+        return {"row": {}} if self.stage == "measure" else {"opfuse": {"compile_s": 1.0}}
+
+
+@pytest.fixture
+def fake_children(monkeypatch):
+    FakeChild.started, FakeChild.clock = [], [0.0]
+    monkeypatch.setattr(zoo_bench, "Child", FakeChild)
+    monkeypatch.setattr(zoo_bench.time, "monotonic", lambda: FakeChild.clock[0])
+    monkeypatch.setattr(zoo_bench.time, "sleep", lambda seconds: None)
+    return FakeChild.started
+
+
+def test_a_chunk_is_measured_before_the_next_chunk_compiles(tmp_path, fake_children):
+    run_zoo(tmp_path / "out", parse_workloads(["a", "b", "c"], [1]), ZooSettings(cold_parallel=2, **CPU),
+            tmp_path / "cache", progress=lambda _: None)
+    assert fake_children == [("cold", "a-bs1"), ("cold", "b-bs1"), ("measure", "a-bs1"), ("measure", "b-bs1"),
+                             ("cold", "c-bs1"), ("measure", "c-bs1")]
+
+
+def test_the_deadline_ends_the_run_with_whole_workloads(tmp_path, fake_children):
+    """20 s a child, a 70 s budget, no child started with under MIN_CHILD_S (30 s) left: a measured, b compiled
+    but not measured, c not started."""
+    results = run_zoo(tmp_path / "out", parse_workloads(["a", "b", "c"], [1]), ZooSettings(budget_s=70, **CPU),
+                      tmp_path / "cache", progress=lambda _: None)
+    assert fake_children == [("cold", "a-bs1"), ("measure", "a-bs1"), ("cold", "b-bs1")]
+    workloads = results["workloads"]
+    assert "row" in workloads["a-bs1"]["measure"] and "compile_s" in workloads["b-bs1"]["cold"]["opfuse"]
+    assert workloads["b-bs1"]["measure"]["error"].startswith("not run")
+    assert workloads["c-bs1"]["cold"]["error"].startswith("not run")
+
+
 def timed(ms: float, kernels: int = 10) -> dict:
     return {"median_ms": ms, "p10_ms": ms * 0.9, "p90_ms": ms * 1.2, "samples": 50, "kernels": kernels,
             "rel_error": 1e-3, "compile_s": 2.0}
@@ -79,10 +138,11 @@ def test_zoo_md_headline_cost_model_and_merging():
     first = zoo_run("2026-12-01", {"a-bs1": fast, "b-bs1": None})
     second = zoo_run("2026-12-02", {"b-bs1": slow, "a-bs1": None})
     page = render([first, second])
-    assert "**1.00x** (module call)" in page                     # sqrt(2.0 * 0.5): a from run 1, b from run 2
+    assert "**1.00x** through opfuse's module call" in page      # sqrt(2.0 * 0.5): a from run 1, b from run 2
     assert "Under 1.0x (module call): b-bs1 (0.50x)" in page
     assert "over 2 workloads: **38%**" in page                    # median of 25% and 50%
-    assert "| a-bs1 | - | - | 1.000 | 0.500 | 0.400 | 2.00x / 2.50x | 30% / 30% / 30% |" in page
+    assert "| a-bs1 | 1 | - | - | 1.000 | 0.500 | 0.400 | 2.00x / 2.50x | 30% / 30% / 30% |" in page
+    assert "tuned in the cold compiles, several at once" in page     # the fake runs' cold_parallel is 4
     assert "- run 2: 2026-12-02, NVIDIA H200" in page
     assert "b-bs1, measure" not in page                           # run 2 measured what run 1 could not
     assert "a-bs1, measure: failed (exit code 1)" not in page     # ... and run 2's failure does not hide run 1's row
