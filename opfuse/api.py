@@ -112,7 +112,9 @@ def analyze(model: Any, example_inputs: Sequence[Any] | None = None, config: Fus
 
 
 def _debug_dir(config: FusionConfig, stage: str) -> str | None:
-    root = config.debug_dir or os.environ.get("OPFUSE_DEBUG_DIR")
+    from opfuse.environment import debug_dir
+
+    root = config.debug_dir or debug_dir()
     if not root:
         return None
     path = Path(root) / stage

@@ -212,6 +212,7 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
                              "eagerly)")
     seconds: dict[str, float] = {}
     device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    check_kernels_can_run(device)
 
     start = time.perf_counter()
     analysis = analyze(model, example_inputs, config)    # on fake tensors: allocates nothing the size of the model
@@ -268,6 +269,19 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
     keep_eager = config.recompile or config.fallback == "eager"
     return OpfuseModule(compiled, analysis, example_inputs, output_spec, output_dtypes, checks, end_to_end, seconds,
                         eager if keep_eager else None)
+
+
+def check_kernels_can_run(device: torch.device) -> None:
+    """Refuse, naming the fix, a compile whose Triton kernels could not run: inputs on the CPU without Triton's
+    interpreter (every kernel would fail with Triton's "0 active drivers" and the model would run through PyTorch,
+    which a compile must not do silently)."""
+    from opfuse.environment import triton_interpreter
+
+    if device.type == "cpu" and not triton_interpreter():
+        raise GraphError("opfuse.compile generates Triton kernels for NVIDIA GPUs and the example inputs are on the "
+                         "CPU: move the model and its inputs to a CUDA device, or set TRITON_INTERPRET=1 before "
+                         "triton is first imported to run the kernels through Triton's CPU interpreter (slow: for "
+                         "tests and small models). opfuse.analyze plans and predicts without either.")
 
 
 def split_back(analysis: Analysis, over_budget: dict[str, str]) -> Analysis:

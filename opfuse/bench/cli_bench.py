@@ -14,7 +14,6 @@ code 3 (`EXIT_NEEDS_GPU`) before loading anything.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any, Sequence
 
 from rich.console import Console
@@ -34,7 +33,9 @@ def gpu_problem() -> str | None:
 
     if not torch.cuda.is_available():
         return "no CUDA device (torch.cuda.is_available() is False)"
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from opfuse.environment import triton_interpreter
+
+    if triton_interpreter():
         return "TRITON_INTERPRET=1 is set: Triton kernels would run in the CPU interpreter, and timing them " \
                "means nothing"
     return None

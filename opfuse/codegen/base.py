@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
+from opfuse.environment import kernel_dir
 from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import Graph
 
@@ -122,7 +123,7 @@ def compiled_info(compiled: Any) -> CompiledInfo:
 
 
 def kernel_source_dir() -> Path:
-    root = os.environ.get("OPFUSE_KERNEL_DIR") or os.path.join(tempfile.gettempdir(), f"opfuse-kernels-{os.getuid()}")
+    root = kernel_dir() or os.path.join(tempfile.gettempdir(), f"opfuse-kernels-{os.getuid()}")
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -11,8 +11,7 @@ instead (`INTERPRETER`), so there an interpreted model may launch other split-K 
 
 from __future__ import annotations
 
-import os
-
+from opfuse.environment import triton_interpreter
 from opfuse.ir.graph import Graph
 
 
@@ -41,7 +40,7 @@ SHARED_MEMORY_BYTES = 200 * 1024    # operand tiles of all pipeline stages must 
 
 def interpreting() -> bool:
     """Whether Triton runs through its CPU interpreter (tests): tuning spaces shrink to one tiny config."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_interpreter()
 
 
 def fits(tile: dict[str, int], itemsize: int) -> bool:

@@ -13,7 +13,6 @@ kernel gets its first config.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -21,6 +20,7 @@ import torch
 
 from opfuse.codegen.base import CompiledInfo, GroupKernel, KernelConfig
 from opfuse.config import FusionConfig
+from opfuse.environment import triton_interpreter
 from opfuse.hardware import KIB, HardwareProfile, get_hardware
 from opfuse.ir.graph import GraphError
 from opfuse.runtime.cache import TuningCache, tuning_key
@@ -112,8 +112,7 @@ def screen_configs(candidates: Mapping[KernelConfig, CompiledInfo | str | None],
 
 def timing_available(device: torch.device | str) -> bool:
     """Whether kernels on `device` can be timed: a real GPU, not Triton's interpreter."""
-    return (torch.device(device).type == "cuda" and torch.cuda.is_available()
-            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+    return torch.device(device).type == "cuda" and torch.cuda.is_available() and not triton_interpreter()
 
 
 def recover_rng_after_failed_capture(device_index: int | None = None) -> None:

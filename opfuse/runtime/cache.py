@@ -28,7 +28,9 @@ def default_cache_dir(config: Any = None) -> Path:
     configured = getattr(config, "cache_dir", None)
     if configured:
         return Path(configured).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    from opfuse.environment import cache_home
+
+    xdg = cache_home()
     base = Path(xdg) if xdg else Path.home() / ".cache"
     return base / "opfuse"
 
