@@ -136,6 +136,12 @@ class _Slot:
     index: int
 
 
+def _out_of_place(target: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The out-of-place twin of an in-place overload (aten.dropout_.default -> aten.dropout.default), if any."""
+    packet = getattr(torch.ops.aten, op_name(target)[:-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
 def _bind(target: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
     """Arguments by schema name, defaults filled in."""
     bound = {}
@@ -302,7 +308,7 @@ class Translator:
 
     def _call(self, node: fx.Node) -> str | MultiOutput:
         if _mutates(node):  # only rebindable ones are left (see _rebindable): run the out-of-place twin
-            result = self._translate(node, op_name(node.target)[:-1])
+            result = self._translate(node, op_name(node.target)[:-1], _out_of_place(node.target))
             root = node.args[0]
             while _mutates(root):
                 root = root.args[0]
@@ -312,7 +318,10 @@ class Translator:
             return result
         return self._translate(node, op_name(node.target))
 
-    def _translate(self, node: fx.Node, name: str) -> str | MultiOutput:
+    def _translate(self, node: fx.Node, name: str, schema: torch._ops.OpOverload | None = None
+                   ) -> str | MultiOutput:
+        """`node` in IR, mapped by the handler of op `name` with its arguments bound by `schema`'s names (default
+        the node's own op: an in-place op is mapped as its out-of-place twin, whose argument names may differ)."""
         if node.target is operator.getitem:
             return self._getitem(node)
         if not node.all_input_nodes and _is_deterministic(node.target):
@@ -321,11 +330,15 @@ class Translator:
         self.op_name = name
         if handler is None:
             return self._opaque_call(node, f"no IR mapping for {node.target}")
-        return self._attempt(lambda: handler(self, _bind(node.target, node.args, node.kwargs)),
+        return self._attempt(node, lambda: handler(self, _bind(schema or node.target, node.args, node.kwargs)),
                              lambda reason: self._opaque_call(node, f"{node.target}: {reason}"))
 
-    def _attempt(self, mapping: Callable[[], Any], fallback: Callable[[str], Any]) -> Any:
-        """Run a mapping and check its type against torch's; on any failure undo it and take the fallback."""
+    def _attempt(self, node: fx.Node, mapping: Callable[[], Any], fallback: Callable[[str], Any],
+                 strict: bool = True) -> Any:
+        """Run a mapping and check its type against torch's. A mapping that declines (`Unmapped`: an op or a
+        setting the IR does not cover) is undone and `fallback` runs the call as an opaque op, with the reason; any
+        other failure of an op's mapping (`strict`) is a bug of the mapping and an error naming the node, never
+        silently an opaque op. Folding a call and unpacking a tuple are not mappings: they fall back on any error."""
         count = len(self.graph.nodes)
         try:
             result = mapping()
@@ -334,11 +347,14 @@ class Translator:
                     raise Unmapped(f"the IR mapping gives {self.type_of(result)}, torch gives {self.out_type}")
                 result = self.take_name(result)
             return result
-        except Exception as error:  # never fail a capture over a mapping: the call still runs as opaque
+        except Exception as error:
+            if strict and not isinstance(error, Unmapped):
+                raise GraphError(f"capturing node {node.name} ({node.target}): its IR mapping failed with "
+                                 f"{type(error).__name__}: {error}; please report this model") from error
             for name in list(self.graph.nodes)[count:]:  # nodes are only appended: undo what it added
                 self.graph.remove(name)
             return fallback(str(error) if isinstance(error, Unmapped)
-                            else f"mapping failed ({type(error).__name__}: {error})")
+                            else f"{type(error).__name__}: {error}")
 
     def _opaque_call(self, node: fx.Node, reason: str) -> str | MultiOutput:
         if tensor_value(node) is None and isinstance(node.meta.get("val"), (tuple, list)):
@@ -350,15 +366,15 @@ class Translator:
         multi = self.env.get(source)
         if not isinstance(multi, MultiOutput):
             return self.opaque(node, "getitem on a value that is not a tuple")
-        return self._attempt(lambda: multi.item(index),
+        return self._attempt(node, lambda: multi.item(index),
                              lambda reason: self.opaque(multi.node, f"{multi.node.target}[{index}]: {reason}",
-                                                        index, node))
+                                                        index, node), strict=False)
 
     def _fold(self, node: fx.Node) -> str:
         """A call that reads no tensor (arange, zeros, full) is computed now and kept as a constant."""
-        return self._attempt(lambda: self.graph.add_constant(node.name, node.target(*node.args, **node.kwargs),
-                                                             source=node.name).name,
-                             lambda reason: self.opaque(node, f"{node.target} not folded: {reason}"))
+        return self._attempt(node, lambda: self.graph.add_constant(node.name, node.target(*node.args, **node.kwargs),
+                                                                   source=node.name).name,
+                             lambda reason: self.opaque(node, f"{node.target} not folded: {reason}"), strict=False)
 
     def _outputs(self, node: fx.Node, signature: Any) -> None:
         for arg, spec in zip(node.args[0], signature.output_specs):

@@ -215,6 +215,28 @@ def test_inplace_residual_is_rebound_without_functionalising(monkeypatch):
     assert len(calls) == 0 and ops["add"] == 1 and ops["relu"] == 2
 
 
+def test_inplace_dropout_maps_through_its_out_of_place_twin(monkeypatch):
+    """aten.dropout_ names its tensor `self`, aten.dropout `input`: bound by the twin's schema (issue 16: it became
+    an opaque op with "mapping failed (KeyError: 'input')")."""
+    calls = count_functionalisations(monkeypatch)
+    model = Lambda(lambda m, x: F.dropout(torch.tanh(x), p=0.5, training=False, inplace=True) * 2)
+    graph, ops = capture_and_check(model, X2)
+    assert ops["opaque"] == 0 and ops["tanh"] == 1 and len(calls) == 0
+
+
+def test_a_failing_mapping_is_an_error_naming_the_node(monkeypatch):
+    """A mapping that breaks (not one that declines with Unmapped) is a bug: an error, never an opaque op."""
+    from opfuse.frontend import torch_export
+
+    def broken(translator, args):
+        raise KeyError("input")
+
+    monkeypatch.setitem(torch_export.HANDLERS, "tanh", broken)
+    with pytest.raises(GraphError, match=r"capturing node tanh \(aten.tanh.default\): its IR mapping failed with "
+                                         r"KeyError: 'input'"):
+        capture_torch(Lambda(lambda m, x: torch.tanh(x) * 2), (X2,))
+
+
 def test_unsupported_ops_become_opaque_and_still_run():
     def forward(m, x):
         return torch.cumsum(x, dim=1) * 2, torch.sort(x, dim=-1).values, torch.sort(x, dim=0)[1]
