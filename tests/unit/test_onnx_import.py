@@ -60,6 +60,23 @@ def ops(graph: Graph) -> list[str]:
 
 # ---- numerics against the ONNX reference --------------------------------------------------------
 
+def test_a_model_exported_with_torch_onnx_export_is_analysed(tmp_path):
+    """The documented ONNX path works in the pinned environment (issue 19: torch.onnx.export needs onnxscript,
+    which the install now brings): export, import, run, plan."""
+    from opfuse.api import analyze
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    path = tmp_path / "conv_bn_relu.onnx"
+    torch.onnx.export(model, (x,), str(path))
+    graph = load_onnx(path)
+    (out,) = interpret(graph, [x])
+    with torch.no_grad():
+        assert torch.allclose(out, model(x), atol=1e-5)
+    analysis = analyze(str(path))
+    assert analysis.plan.kernel_launches == 1      # conv, folded BN and ReLU: one kernel
+
+
 def test_conv_bn_relu(tmp_path):
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
              helper.make_node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], ["n"], epsilon=1e-3),
