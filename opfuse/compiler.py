@@ -25,7 +25,9 @@ fallback is recorded with its reason in `.fallbacks`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
 import time
 import warnings
 from dataclasses import replace
@@ -214,6 +216,8 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
     device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
     check_kernels_can_run(device)
 
+    say = _stage_printer(quiet)
+    say("capturing the model and planning its fusions")
     start = time.perf_counter()
     analysis = analyze(model, example_inputs, config)    # on fake tensors: allocates nothing the size of the model
     seconds["analyze"] = time.perf_counter() - start
@@ -231,6 +235,8 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
 
     compute = torch_dtype(config.dtype)
     examples = [x.to(compute) if x.is_floating_point() else x for x in example_inputs]
+    say(f"{analysis.name}: {analysis.plan.kernel_launches} launches planned; generating the kernels"
+        + (" and autotuning them" if config.autotune and device.type == "cuda" else ""))
     start = time.perf_counter()
     compiled = build_compiled_model(analysis.plan, device, examples, config=config, quiet=quiet)
     over_budget = dict(getattr(compiled.tuning, "over_budget", None) or {})
@@ -244,7 +250,11 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
     if config.verify:
         start = time.perf_counter()
         fresh = random_inputs_like(example_inputs)
-        checks = check_groups(analysis.prepared, compiled.kernels, fresh, config.dtype, compiled.configs)
+        say(f"verifying {len(compiled.kernels)} kernels, then the whole model, against the reference"
+            + (" (Triton's CPU interpreter: slow)" if device.type == "cpu" else ""))
+        with _kernel_progress(quiet, len(compiled.kernels)) as on_kernel:
+            checks = check_groups(analysis.prepared, compiled.kernels, fresh, config.dtype, compiled.configs,
+                                  on_kernel)
         failed = [c for c in checks if not c.passed]
         if failed:   # un-fuse: the failing groups run through PyTorch, and say why
             reasons = {c.group: (f"kernel {c.kernel} failed verification (relative error {c.error:.2e} > "
@@ -269,6 +279,32 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
     keep_eager = config.recompile or config.fallback == "eager"
     return OpfuseModule(compiled, analysis, example_inputs, output_spec, output_dtypes, checks, end_to_end, seconds,
                         eager if keep_eager else None)
+
+
+def _stage_printer(quiet: bool):
+    """say(text): one line on stderr per stage of a compile, unless quiet (long compiles show where they are)."""
+    def say(text: str) -> None:
+        if not quiet:
+            print(f"opfuse: {text}", file=sys.stderr, flush=True)
+    return say
+
+
+@contextlib.contextmanager
+def _kernel_progress(quiet: bool, total: int):
+    """A progress bar over the kernels being verified (a terminal only); yields on_kernel(name)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("[bold]verifying[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), disable=quiet, transient=True) as progress:
+        task = progress.add_task("", total=total)
+        started = []
+
+        def on_kernel(name: str) -> None:     # called as each kernel starts: the ones before it are done
+            progress.update(task, description=name, completed=len(started))
+            started.append(name)
+        yield on_kernel
 
 
 def check_kernels_can_run(device: torch.device) -> None:

@@ -11,7 +11,7 @@ Entry points: `check_groups`, `relative_error`, `tolerance`, `random_inputs_like
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -110,12 +110,16 @@ class GroupCheck:
 
 
 def check_groups(graph: Graph, kernels: Mapping[str, object], inputs: Sequence[torch.Tensor],
-                 dtype: str, configs: Mapping[str, object] | None = None) -> list[GroupCheck]:
-    """Run each kernel on reference inputs and compare its outputs with the reference values of the same nodes."""
+                 dtype: str, configs: Mapping[str, object] | None = None,
+                 on_kernel: Callable[[str], None] | None = None) -> list[GroupCheck]:
+    """Run each kernel on reference inputs and compare its outputs with the reference values of the same nodes;
+    `on_kernel(name)` is called before each kernel runs (progress)."""
     reference = interpret_all(graph, inputs, reference_dtype(dtype))
     compute = torch_dtype(dtype)
     checks = []
     for name, kernel in kernels.items():
+        if on_kernel is not None:
+            on_kernel(kernel.name)
         args = []
         for value_name in kernel.runtime_inputs:
             value = reference[value_name]

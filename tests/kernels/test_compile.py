@@ -140,3 +140,16 @@ def test_a_group_whose_every_config_spills_is_split_back():
     refused = [d for d in again.plan.decisions if d.verdict is Verdict.OVER_BUDGET]
     assert refused and "split back" in refused[0].reason and "every config spills" in refused[0].reason
     assert again.fused.kernel_launches == 3
+
+
+def test_a_compile_says_where_it_is_unless_quiet(capsys):
+    """Issue 19: a long compile (minutes through the interpreter) printed nothing; each stage now says itself."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    x = torch.randn(2, 8)
+    opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"), quiet=False)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "opfuse: capturing the model and planning its fusions"
+    assert "launches planned; generating the kernels" in lines[1]
+    assert lines[2].startswith("opfuse: verifying 2 kernels, then the whole model") and "interpreter" in lines[2]
+    opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    assert capsys.readouterr().err == ""
