@@ -35,8 +35,10 @@ class Analysis:
     plan: FusionPlan
     op_rows: list[Any]              # opfuse.analysis.traffic.OpMetrics per kernel-launching op of `captured`
     unfused: Any                    # TrafficSummary of `captured`, one kernel per op
-    fused: Any                      # TrafficSummary of `plan`, one kernel per group
+    fused: Any                      # TrafficSummary of what the compiled model runs: a kernel per group, node by
+                                    # node for the groups in `pytorch_groups`
     seconds: dict[str, float] = field(default_factory=dict)
+    pytorch_groups: dict[str, str] = field(default_factory=dict)   # groups without an opfuse kernel, and why
 
     @property
     def opaque_ops(self) -> list[str]:
@@ -55,6 +57,7 @@ class Analysis:
             "ops": [asdict(row) for row in self.op_rows],
             "plan": self.plan.to_dict(),
             "opaque_ops": self.opaque_ops,
+            "pytorch_groups": self.pytorch_groups,
             "passes": [{"name": r.name, "changes": r.changes} for r in self.pass_records],
             "unfused": asdict(self.unfused),
             "fused": asdict(self.fused),
@@ -85,6 +88,7 @@ def analyze(model: Any, example_inputs: Sequence[Any] | None = None, config: Fus
             batch: int | None = None, name: str | None = None) -> Analysis:
     """Capture, prepare and plan `model`; quantify traffic and launches before and after fusion."""
     from opfuse.analysis.traffic import op_table, summarize_plan, summarize_unfused
+    from opfuse.codegen.lower import groups_through_pytorch
     from opfuse.fusion.planner import plan_fusion
     from opfuse.passes.cast_precision import cast_precision
     from opfuse.passes.manager import prepare_graph
@@ -105,10 +109,13 @@ def analyze(model: Any, example_inputs: Sequence[Any] | None = None, config: Fus
     plan = plan_fusion(prepared, config, hardware)
     seconds["plan"] = time.perf_counter() - start
 
+    start = time.perf_counter()
+    pytorch_groups = groups_through_pytorch(plan)
+    seconds["lower"] = time.perf_counter() - start
     display_name = name or graph.name
     return Analysis(display_name, config, hardware, captured, prepared, records, plan,
                     op_table(captured, hardware, config), summarize_unfused(captured, hardware, config),
-                    summarize_plan(plan, hardware), seconds)
+                    summarize_plan(plan, hardware, pytorch_groups), seconds, pytorch_groups)
 
 
 def _debug_dir(config: FusionConfig, stage: str) -> str | None:

@@ -184,8 +184,13 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
             console.print(refused_table(analysis.plan, args.refused))
         else:
             console.print("Fusions refused: none")
-        if analysis.opaque_ops:
-            console.print("[bold]Runs through PyTorch (no opfuse kernel):[/] " + escape("; ".join(analysis.opaque_ops)))
+        if analysis.pytorch_groups:
+            console.print(f"[bold]Runs through PyTorch (no opfuse kernel), {len(analysis.pytorch_groups)} groups, "
+                          "node by node:[/]")
+            groups = {g.name: g for g in analysis.plan.groups}
+            for group, why in analysis.pytorch_groups.items():
+                ops = " + ".join(analysis.plan.graph[n].op for n in groups[group].nodes)
+                console.print(f"  {escape(group)} ({escape(ops)}): {escape(why)}")
         console.print(summary_table(analysis))
         console.print(f"unfused: {analysis.unfused.kernel_launches} kernel launches (one per op) -> fused: "
                       f"{analysis.fused.kernel_launches}; capture {analysis.seconds['capture']:.1f} s, passes "

@@ -326,12 +326,15 @@ def split_back(analysis: Analysis, over_budget: dict[str, str]) -> Analysis:
     from dataclasses import replace as replace_field
 
     from opfuse.analysis.traffic import summarize_plan
+    from opfuse.codegen.lower import groups_through_pytorch
     from opfuse.fusion.planner import plan_fusion
 
     groups = {g.name: g for g in analysis.plan.groups}
     measured = {frozenset(groups[name].nodes): why for name, why in over_budget.items()}
     plan = plan_fusion(analysis.prepared, analysis.config, analysis.hardware, measured)
-    return replace_field(analysis, plan=plan, fused=summarize_plan(plan, analysis.hardware))
+    pytorch_groups = groups_through_pytorch(plan)
+    return replace_field(analysis, plan=plan, fused=summarize_plan(plan, analysis.hardware, pytorch_groups),
+                         pytorch_groups=pytorch_groups)
 
 
 def _eager_copy(model: torch.nn.Module) -> torch.nn.Module:

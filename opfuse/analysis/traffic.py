@@ -83,18 +83,27 @@ def summarize_unfused(graph: Graph, hw: HardwareProfile | None = None, config: F
     return _summary(graph, rows, kernels, sum(r.predicted_time for r in rows), len(rows))
 
 
-def summarize_plan(plan: FusionPlan, hw: HardwareProfile | None = None) -> TrafficSummary:
-    """Every group of the plan one kernel (views none, split-K groups two launches); times recomputed when another
-    `hw` is given."""
+def summarize_plan(plan: FusionPlan, hw: HardwareProfile | None = None,
+                   through_pytorch: Iterable[str] = ()) -> TrafficSummary:
+    """What the compiled model runs: every group of the plan one kernel (views none, split-K groups two launches),
+    except the groups in `through_pytorch`, which get no kernel and run node by node (each launching node its own
+    kernel, priced as in `op_table`); times recomputed when another `hw` is given."""
     graph = plan.graph
-    kernels = [g for g in plan.groups if g.launches]
+    config = for_graph(plan.config, graph)
+    pytorch = set(through_pytorch)
+    kernels = [g for g in plan.groups if g.launches and g.name not in pytorch]
+    users = graph.users()
     if hw is None:
         time = sum(g.predicted_time for g in kernels)
     else:
-        users = graph.users()
-        dtype = for_graph(plan.config, graph).dtype
-        time = sum(estimate_kernel(graph, g.nodes, users, hw, dtype).time for g in kernels)
-    return _summary(graph, kernels, [(g.inputs, g.outputs) for g in kernels], time, plan.kernel_launches)
+        time = sum(estimate_kernel(graph, g.nodes, users, hw, config.dtype).time for g in kernels)
+    nodes = {name for g in plan.groups if g.name in pytorch for name in g.nodes}
+    rows = [r for r in op_table(graph, hw or get_hardware(config.hardware), config) if r.name in nodes] \
+        if nodes else []
+    time += sum(r.predicted_time for r in rows)
+    launches = sum(g.launches for g in kernels) + len(rows)
+    return _summary(graph, [*kernels, *rows], [(g.inputs, g.outputs) for g in kernels]
+                    + [(graph[r.name].inputs, [r.name]) for r in rows], time, launches)
 
 
 def compare(unfused: TrafficSummary, fused: TrafficSummary) -> dict[str, float]:

@@ -111,6 +111,13 @@ def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
     return None
 
 
+def groups_through_pytorch(plan: FusionPlan) -> dict[str, str]:
+    """{group name: why} for every group that launches work but gets no opfuse kernel, found by lowering the plan
+    (on the CPU: nothing runs or compiles): the compiled model runs those groups' nodes one by one through PyTorch."""
+    _, reasons = lower_plan(plan, "cpu")
+    return {group.name: reasons[group.name] for group in plan.groups if group.launches and group.name in reasons}
+
+
 def lower_plan(plan: FusionPlan, device: torch.device | str
                ) -> tuple[dict[str, GroupKernel], dict[str, str]]:
     """Lower every group: ({group name: kernel}, {group name: why it runs through PyTorch})."""
