@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -104,6 +105,9 @@ def run_zoo(out: Path, workloads: Sequence[tuple[str, int]], settings: ZooSettin
     keys = list(results["workloads"])
     chunk = max(1, settings.cold_parallel)
     running: list[tuple[str, Child]] = []
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:     # `timeout`'s SIGTERM raises SystemExit, so the `finally` below stops the children
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         for first in range(0, len(keys), chunk):      # a chunk's cold compiles at once, then each measured alone
             if over_budget():
@@ -130,6 +134,8 @@ def run_zoo(out: Path, workloads: Sequence[tuple[str, int]], settings: ZooSettin
     finally:                                          # interrupted: no child may go on holding the GPU
         for _, child in running:
             child.stop()
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     for entry in results["workloads"].values():
         for stage in ("cold", "measure"):
             entry.setdefault(stage, {"error": "not run: the run's time budget was spent"})

@@ -147,3 +147,25 @@ def test_zoo_md_headline_cost_model_and_merging():
     assert "b-bs1, measure" not in page                           # run 2 measured what run 1 could not
     assert "a-bs1, measure: failed (exit code 1)" not in page     # ... and run 2's failure does not hide run 1's row
     assert "not measured in any run yet (26 of the zoo's 26 workloads): resnet50-bs1, resnet50-bs64," in page
+
+
+@pytest.mark.slow
+def test_a_terminated_run_stops_its_children(tmp_path, factory_on_path):
+    """`timeout` sends SIGTERM: the children run in sessions of their own (so a time cap can kill their workers
+    too), which a plain exit would leave running on the GPU."""
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    before = signal.getsignal(signal.SIGTERM)
+    timer = threading.Timer(4, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    timer.start()
+    with pytest.raises(SystemExit) as done:
+        run_zoo(tmp_path / "out", [(TINY, 1)], ZooSettings(**CPU), tmp_path / "cache", progress=lambda _: None)
+    assert done.value.code == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", f"opfuse.bench.zoo_bench child .* {tmp_path}"], capture_output=True,
+                          text=True).stdout.split()
+    assert left == []
+    assert signal.getsignal(signal.SIGTERM) is before                 # the caller's handler is back
