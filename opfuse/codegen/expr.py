@@ -63,6 +63,17 @@ def _gelu(attrs: dict, x: str) -> str:
     return f"(0.5 * ({x}) * (1.0 + tl.math.erf(({x}) * 0.7071067811865476)))"
 
 
+def _pow(x: str, y: str) -> str:
+    """torch.pow on float32 values: |x|^y as exp(y·log|x|); a negative base keeps its sign for odd integer
+    exponents, is NaN for non-integer ones; x^0 = 1 for every x (NaN included), as PyTorch has it. The exponent is
+    usually a constant (GELU-tanh's x^3, RMSNorm's x^2), but any operand works."""
+    magnitude = f"tl.exp(({y}) * tl.log(tl.abs({x})))"
+    integer = f"(({y}) == tl.floor({y}))"
+    odd = f"({integer} & ((({y}) - 2.0 * tl.floor(({y}) * 0.5)) == 1.0))"
+    negative_base = f"tl.where({integer}, tl.where({odd}, -{magnitude}, {magnitude}), float('nan'))"
+    return f"tl.where(({y}) == 0.0, 1.0, tl.where(({x}) < 0.0, {negative_base}, {magnitude}))"
+
+
 def _batch_norm(attrs: dict, x: str, weight: str, bias: str, mean: str, var: str) -> str:
     return f"((({x}) - ({mean})) * tl.rsqrt(({var}) + {_literal(attrs['eps'])}) * ({weight}) + ({bias}))"
 
@@ -96,6 +107,7 @@ _BINARY: dict[str, Callable[[dict, str, str], str]] = {
     "div": lambda a, x, y: f"(({x}) / ({y}))",
     "maximum": lambda a, x, y: f"tl.maximum({x}, {y}, {PROPAGATE_NAN})",
     "minimum": lambda a, x, y: f"tl.minimum({x}, {y}, {PROPAGATE_NAN})",
+    "pow": lambda a, x, y: _pow(x, y),
 }
 
 SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | {"batch_norm"}

@@ -79,6 +79,32 @@ def test_activation_chain():
     run_group(b, [y])
 
 
+def test_pow_with_constant_exponents():
+    """GELU-tanh's x + 0.044715 x^3 (GPT-2) and RMSNorm's x^2 (T5), negative bases included; x^-1 and x^0.5."""
+    b = Builder()
+    x = b.input("x", (3, 7, 11), b.random(3, 7, 11) * 2)
+    cube = b.op("pow", x, b.const("three", torch.tensor(3.0)))
+    gelu_inner = b.op("add", x, b.op("mul", cube, b.const("c", torch.tensor(0.044715))))
+    square = b.op("pow", x, b.const("two", torch.tensor(2.0)))
+    away = b.op("add", b.op("abs", x), b.const("half", torch.tensor(0.5)))
+    inverse = b.op("pow", away, b.const("minus_one", torch.tensor(-1.0)))
+    root = b.op("pow", away, b.const("one_half", torch.tensor(0.5)))
+    run_group(b, [gelu_inner, square, inverse, root])
+
+
+def test_pow_special_values_follow_pytorch():
+    """Odd and even integer powers of negative bases, a fractional power of one (NaN), zero bases, x^0 = 1 (NaN
+    base included), a tensor exponent."""
+    base = torch.tensor([-2.0, -2.0, -0.5, 0.0, 0.0, 0.0, 2.0, float("nan"), -3.0, 1.5])
+    exponent = torch.tensor([3.0, 2.0, 0.5, 2.0, -1.0, 0.0, -2.5, 0.0, 0.0, 1.25])
+    b = Builder()
+    y = b.op("pow", b.input("x", (10,), base), b.input("e", (10,), exponent))
+    group = b.group([y])
+    kernel = lower_pointwise_group(b.graph, group, DEVICE)
+    (out,) = kernel.run([b.feeds[name].to(DEVICE) for name in kernel.runtime_inputs])
+    torch.testing.assert_close(out.cpu(), torch.pow(base, exponent), equal_nan=True, rtol=1e-5, atol=0)
+
+
 def test_batch_norm_relu():
     b = Builder()
     x = b.input("x", (2, 6, 5, 5))
