@@ -3,11 +3,13 @@
     opfuse analyze MODEL [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--html FILE] [--quiet]
     opfuse report  MODEL -o report.html [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--quiet]
     opfuse bench   MODEL [--batch N] [--dtype fp16] [--contenders eager,...] [--tune-top N] [--no-split-k] [--json FILE]
+    opfuse bench   --zoo [--models a,b] [--batches 1,64] [--workloads a:1,b:64] [--cold-parallel N] [--out DIR]
     opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--no-split-k] [--calibrate] [--html FILE] [--json FILE]
+    opfuse --version
 
-MODEL is a built-in name (resnet18, resnet50, mobilenet_v2, bert-base), an .onnx file (analyze and report only),
-``package.module:factory`` (the current directory is on the import path) or ``path/to/file.py:factory``; a factory
-returns (model, example_inputs) and may take ``batch``. bench and profile live in opfuse/bench/cli_bench.py.
+MODEL is a built-in name (resnet18, bert-base and the zoo's: opfuse.bench.zoo.BUILTIN_MODELS), an .onnx file
+(analyze and report only), ``package.module:factory`` (the current directory is on the import path) or
+``path/to/file.py:factory``; a factory returns (model, example_inputs) and may take ``batch``. bench and profile live in opfuse/bench/cli_bench.py.
 
 Every command takes --json FILE (write its results as JSON) and --quiet (print nothing on stdout; errors still go
 to stderr). Progress (capture, compile, tuning, measuring) shows on stderr when it is a terminal.
