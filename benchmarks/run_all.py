@@ -28,6 +28,7 @@ import opfuse  # noqa: E402
 from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs  # noqa: E402
 from opfuse.bench.harness import (CONTENDERS, TIMED, environment, geometric_mean, measure_ceilings,  # noqa: E402
                                   run_workload, speedup, start_gpu_run)
+from opfuse.bench.timing import spread_of  # noqa: E402
 from opfuse.bench.zoo import load_builtin  # noqa: E402
 
 DEFAULT_WORKLOADS = ("resnet50:1,resnet50:64,mobilenet_v2:1,mobilenet_v2:64,bert-base:1,bert-base:64")
@@ -53,8 +54,7 @@ def markdown(results: list[dict], env: dict, ceilings: dict) -> str:
         return "-" if value is None else f"{value:.2f}x"
 
     def spread(row: dict) -> str:
-        timed = [row[k] for k in TIMED if "p10_ms" in row.get(k, {})]
-        worst = max(((t["p90_ms"] - t["p10_ms"]) / t["median_ms"] for t in timed), default=None)
+        worst = max((s for s in (spread_of(row.get(k, {})) for k in TIMED) if s is not None), default=None)
         return "-" if worst is None else f"{worst * 100:.0f}%"
 
     lines = [f"### {env['date']}, {env['gpu']} (driver {env['driver']}), torch {env['torch']}, "

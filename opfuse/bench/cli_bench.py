@@ -180,7 +180,7 @@ def _bench_zoo(args: argparse.Namespace) -> int:
 
 def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
     """One workload, one line per contender, plus opfuse's speedup over each and the floor."""
-    from opfuse.bench.harness import CONTENDER_LABELS, TIMED, groups_through_pytorch, speedup
+    from opfuse.bench.harness import CONTENDER_LABELS, TIMED, pytorch_group_count, speedup
 
     table = Table(title=f"{escape(row['workload'])} ({row.get('dtype', '')}), {escape(env.get('gpu', '?'))}, "
                         f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}")
@@ -210,7 +210,7 @@ def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
     if "floor_compute_ms" in row:
         notes.append(f"floor: compute {row['floor_compute_ms']:.3f} ms, memory {row['floor_memory_ms']:.3f} ms")
     if "plan_launches" in row:
-        notes.append(f"opfuse plan: {row['plan_launches']} launches, {groups_through_pytorch(row) or 0} groups "
+        notes.append(f"opfuse plan: {row['plan_launches']} launches, {pytorch_group_count(row) or 0} groups "
                      "through PyTorch, "
                      f"{len(row.get('library_anchors', {}))} anchors through cuBLAS/cuDNN and "
                      f"{len(row.get('unfused', {}))} groups unfused (measured faster)")

@@ -314,7 +314,7 @@ def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workloa
     return row
 
 
-def groups_through_pytorch(row: dict) -> int | None:
+def pytorch_group_count(row: dict) -> int | None:
     """How many of opfuse's groups ran through PyTorch in a result row (views, which launch nothing, not counted);
     None when opfuse did not compile."""
     if "fallbacks" not in row:

@@ -34,7 +34,14 @@ class Timing:
     @property
     def spread(self) -> float:
         """(p90 - p10) / median: 0.05 means the middle 80% of samples lie within 5% of the median's size."""
-        return (self.p90_ms - self.p10_ms) / self.median_ms if self.median_ms else 0.0
+        return spread_of(self.__dict__) or 0.0
+
+
+def spread_of(entry: Mapping[str, float]) -> float | None:
+    """`Timing.spread` of a result row's entry (its JSON: median_ms, p10_ms, p90_ms); None without them."""
+    if "p10_ms" not in entry or not entry.get("median_ms"):
+        return None
+    return (entry["p90_ms"] - entry["p10_ms"]) / entry["median_ms"]
 
 
 def summarize(samples: Sequence[float]) -> Timing:

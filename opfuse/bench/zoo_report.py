@@ -11,7 +11,8 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
-from opfuse.bench.harness import geometric_mean, groups_through_pytorch, speedup
+from opfuse.bench.harness import geometric_mean, pytorch_group_count, speedup
+from opfuse.bench.timing import spread_of
 from opfuse.bench.zoo import ZOO_MODELS
 from opfuse.bench.zoo_bench import ZOO_BATCHES, workload_key
 
@@ -58,9 +59,8 @@ def _seconds(stage: dict, label: str) -> str:
 
 
 def _spread(entry: dict) -> str:
-    if "p10_ms" not in entry or not entry.get("median_ms"):
-        return "-"
-    return f"{(entry['p90_ms'] - entry['p10_ms']) / entry['median_ms'] * 100:.0f}%"
+    value = spread_of(entry)
+    return "-" if value is None else f"{value * 100:.0f}%"
 
 
 def _count(entry: dict) -> str:
@@ -118,7 +118,7 @@ def render(runs: Sequence[dict]) -> str:
         spread = " / ".join(_spread(row.get(k, {})) for k in ("inductor", "opfuse", "opfuse_replay"))
         opfuse, inductor = row.get("opfuse", {}), row.get("inductor", {})
         error = cost_model_error(row)
-        through = groups_through_pytorch(row)
+        through = pytorch_group_count(row)
 
         def rel(entry_: dict) -> str:
             return f"{entry_['rel_error']:.1e}" if entry_.get("rel_error") is not None else "-"
