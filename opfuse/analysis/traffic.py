@@ -92,10 +92,10 @@ def summarize_plan(plan: FusionPlan, hw: HardwareProfile | None = None,
     config = for_graph(plan.config, graph)
     pytorch = set(through_pytorch)
     kernels = [g for g in plan.groups if g.launches and g.name not in pytorch]
-    users = graph.users()
     if hw is None:
         time = sum(g.predicted_time for g in kernels)
     else:
+        users = graph.users()
         time = sum(estimate_kernel(graph, g.nodes, users, hw, config.dtype).time for g in kernels)
     nodes = {name for g in plan.groups if g.name in pytorch for name in g.nodes}
     rows = [r for r in op_table(graph, hw or get_hardware(config.hardware), config) if r.name in nodes] \
