@@ -87,23 +87,34 @@ def summarize_plan(plan: FusionPlan, hw: HardwareProfile | None = None,
                    through_pytorch: Iterable[str] = ()) -> TrafficSummary:
     """What the compiled model runs: every group of the plan one kernel (views none, split-K groups two launches),
     except the groups in `through_pytorch`, which get no kernel and run node by node (each launching node its own
-    kernel, priced as in `op_table`); times recomputed when another `hw` is given."""
+    kernel, priced as in `op_table`); times recomputed when a `hw` other than the plan's is given (by the cost
+    model's kernel estimates and a launch for each split-K reduce kernel, without the partial tiles the planner
+    prices too)."""
     graph = plan.graph
     config = for_graph(plan.config, graph)
-    pytorch = set(through_pytorch)
-    kernels = [g for g in plan.groups if g.launches and g.name not in pytorch]
-    if hw is None:
+    kernels, nodes = runtime_kernels(plan, through_pytorch)
+    profile = get_hardware(config.hardware)
+    if hw is None or hw == profile:      # the planner's prices (split-K's reduce kernel and partial tiles in)
         time = sum(g.predicted_time for g in kernels)
     else:
         users = graph.users()
         time = sum(estimate_kernel(graph, g.nodes, users, hw, config.dtype).time for g in kernels)
-    nodes = {name for g in plan.groups if g.name in pytorch for name in g.nodes}
-    rows = [r for r in op_table(graph, hw or get_hardware(config.hardware), config) if r.name in nodes] \
+        time += sum(g.launches - 1 for g in kernels) * hw.launch_overhead     # split-K's reduce kernels
+    rows = [r for r in op_table(graph, hw or profile, config) if r.name in nodes] \
         if nodes else []
     time += sum(r.predicted_time for r in rows)
     launches = sum(g.launches for g in kernels) + len(rows)
     return _summary(graph, [*kernels, *rows], [(g.inputs, g.outputs) for g in kernels]
                     + [(graph[r.name].inputs, [r.name]) for r in rows], time, launches)
+
+
+def runtime_kernels(plan: FusionPlan, through_pytorch: Iterable[str] = ()) -> tuple[list, set[str]]:
+    """What the compiled model launches: (the groups that get a kernel, the nodes of the groups in
+    `through_pytorch`, which run node by node and launch one kernel each where `launches_kernel` says so)."""
+    pytorch = set(through_pytorch)
+    kernels = [g for g in plan.groups if g.launches and g.name not in pytorch]
+    nodes = {name for g in plan.groups if g.name in pytorch for name in g.nodes}
+    return kernels, nodes
 
 
 def compare(unfused: TrafficSummary, fused: TrafficSummary) -> dict[str, float]:

@@ -135,3 +135,25 @@ def test_graph_outputs_stay_live_and_views_allocate_nothing():
     graph.add_node("abs", ["x"], graph["a"].type, name="e")
     assert peak_intermediate_bytes(graph, kernels) == 3 * 2048
     assert summarize_unfused(graph, H200).kernel_launches == 4     # the reshape launches nothing
+
+
+def test_the_plan_priced_on_its_own_profile_keeps_the_split_k_reduce_kernels():
+    """summarize_plan given the plan's own profile (as the analysis passes it) prices what the planner priced:
+    a split-K group's second kernel and partial tiles included; another profile is priced again."""
+    import opfuse
+    from opfuse.bench.zoo import load_builtin
+
+    model, inputs = load_builtin("resnet18", 1)
+    analysis = opfuse.analyze(model, inputs, FusionConfig(dtype="float16", hardware="h200"))
+    plan = analysis.plan
+    split = [g for g in plan.groups if g.launches == 2]
+    assert split, "resnet18 at batch 1 should have split-K groups"
+    planned = sum(g.predicted_time for g in plan.groups if g.launches and g.name not in analysis.pytorch_groups)
+    assert not analysis.pytorch_groups
+    assert analysis.fused.predicted_time == pytest.approx(planned, rel=1e-12)
+    assert summarize_plan(plan, H200).predicted_time == pytest.approx(planned, rel=1e-12)
+    # another profile: priced again, every launch of the plan charged (the split groups' second ones too)
+    one, two = (H200.with_calibration(launch_overhead=H200.launch_overhead + extra) for extra in (1e-6, 2e-6))
+    added = summarize_plan(plan, two).predicted_time - summarize_plan(plan, one).predicted_time
+    assert added == pytest.approx(plan.kernel_launches * 1e-6, rel=1e-9)
+    assert plan.kernel_launches > sum(1 for g in plan.groups if g.launches)
