@@ -4,10 +4,13 @@ workload in processes of its own, by the fair protocol of opfuse/bench/harness.p
     python benchmarks/zoo.py --out DIR [--models resnet50,gpt2,...] [--batches 1,64] [--cold-parallel N]
                              [--budget SECONDS] [--tune-top N]
     python benchmarks/zoo.py --report RUN.json [RUN.json ...] -o benchmarks/ZOO.md
+    python benchmarks/zoo.py --fit RUN.json [RUN.json ...] [--json FIT.json]
 
 The first form runs the workloads and writes DIR/zoo.json, DIR/ZOO.md and DIR/zoo.log after every child process
 (`--budget` stops starting children after that many seconds, to fit one call of a lent GPU machine); the second
-writes ZOO.md from the zoo.json of one or several runs (a later run's workload replaces an earlier one's). The
+writes ZOO.md from the zoo.json of one or several runs (a later run's workload replaces an earlier one's); the
+third fits the H200 profile's cost factors to the runs' measured replays (opfuse/bench/zoo_fit.py; no GPU needed:
+each workload is planned again here) and prints how well the given and the fitted factors predict them. The
 work itself is in opfuse/bench/zoo_bench.py, which `opfuse bench --zoo` runs too.
 """
 
@@ -31,7 +34,29 @@ def report(paths: list[str], output: str) -> int:
     return 0
 
 
+def fit(paths: list[str], output: str | None) -> int:
+    from opfuse.bench.zoo_fit import factors_of, fit_report, format_report, workloads_of_runs
+    from opfuse.hardware import get_hardware
+
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    workloads, left_out = workloads_of_runs(runs)
+    if len(workloads) < 2:
+        print(f"error: {len(workloads)} workload(s) to fit, at least 2 needed", file=sys.stderr)
+        return 1
+    result = fit_report(workloads, factors_of(get_hardware("h200")))
+    print(format_report(result, left_out))
+    if output:
+        Path(output).write_text(json.dumps(result | {"left_out": left_out}, indent=1))
+    return 0
+
+
 if __name__ == "__main__":
+    if "--fit" in sys.argv[1:]:
+        parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--fit", nargs="+", required=True, metavar="ZOO_JSON")
+        parser.add_argument("--json", default=None, metavar="FILE", help="also write the fit as JSON")
+        args = parser.parse_args()
+        sys.exit(fit(args.fit, args.json))
     if "--report" in sys.argv[1:]:
         parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("--report", nargs="+", required=True, metavar="ZOO_JSON")
