@@ -1,6 +1,6 @@
 """opfuse: an operator-fusion compiler for deep-learning inference.
 
-capture (torch.export | ONNX) -> IR graph -> passes (fold BN, DCE, verify) -> fusion plan
+capture (torch.export | ONNX) -> IR graph -> passes (fold constants and BN, DCE, verify) -> fusion plan
    -> Triton codegen per group -> autotune (resource-checked) -> compiled runtime (+ CUDA graph)
                                   \\-> analysis (traffic, launches, memory, roofline) -> report
 

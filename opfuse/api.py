@@ -1,6 +1,6 @@
 """The front half of the pipeline as one call: `analyze(model_or_path, ...) -> Analysis`.
 
-capture (torch.export | ONNX) -> IR graph -> cast to the compute dtype -> passes (fold BN, DCE, verify)
+capture (torch.export | ONNX) -> IR graph -> cast to the compute dtype -> passes (fold constants and BN, DCE, verify)
     -> fusion plan -> analysis (per-op table, traffic unfused vs fused)
 
 `Analysis` holds every stage's product, so `opfuse analyze`, `opfuse.compile` and the report all read the same facts.

@@ -3,8 +3,9 @@
 from opfuse.passes.cast_precision import cast_precision
 from opfuse.passes.eliminate_dead_code import eliminate_dead_code
 from opfuse.passes.fold_batchnorm import fold_batchnorm
+from opfuse.passes.fold_constants import fold_constants
 from opfuse.passes.manager import PassRecord, default_pipeline, prepare_graph, run_passes
 from opfuse.passes.remove_noop_layout import remove_noop_layout
 
-__all__ = ["cast_precision", "eliminate_dead_code", "fold_batchnorm", "remove_noop_layout",
-           "PassRecord", "default_pipeline", "prepare_graph", "run_passes"]
+__all__ = ["cast_precision", "eliminate_dead_code", "fold_batchnorm", "fold_constants",
+           "remove_noop_layout", "PassRecord", "default_pipeline", "prepare_graph", "run_passes"]

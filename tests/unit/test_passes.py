@@ -13,8 +13,9 @@ from opfuse.ir.graph import Graph, GraphError, TensorType
 from opfuse.ir.interpret import interpret
 from opfuse.ir.ops import infer_type
 from opfuse.ir.verify import verify
-from opfuse.passes import (cast_precision, default_pipeline, eliminate_dead_code, fold_batchnorm, prepare_graph,
-                           remove_noop_layout, run_passes)
+from opfuse.passes import (cast_precision, default_pipeline, eliminate_dead_code, fold_batchnorm, fold_constants,
+                           prepare_graph, remove_noop_layout, run_passes)
+from opfuse.passes.fold_constants import SMALL_BYTES
 
 F64 = torch.float64
 
@@ -446,6 +447,146 @@ def test_reshape_of_shared_reshape_keeps_the_shared_one():
     assert_same_numerics(before, after)
 
 
+# ---- fold_constants ------------------------------------------------------------------------------------
+
+def _conv1d(weight_ops: list[tuple[str, dict]], weight: torch.Tensor, bias: torch.Tensor | None = None) -> Graph:
+    """x[4,8] -> linear(x, ops(W), b): GPT-2's Conv1D as captured, W stored [K, N] and permuted to [N, K]."""
+    graph = Graph("conv1d")
+    x = graph.add_input("x", TensorType((4, 8), "float64")).name
+    w = const(graph, "w", weight)
+    for i, (kind, attrs) in enumerate(weight_ops):
+        w = op(graph, f"{kind}{i}", kind, [w], **attrs)
+    graph.outputs = [op(graph, "fc", "linear", [x, w, const(graph, "b", rand(6) if bias is None else bias)])]
+    return graph
+
+
+def test_fold_constants_gives_a_linear_its_transposed_weight_as_a_constant():
+    before = _conv1d([("permute", {"dims": (1, 0)})], rand(8, 6))
+    after, changes = run_pass(fold_constants, before)
+
+    expected = _conv1d([], before.constants["w"].t(), before.constants["b"])
+    assert_graphs_equal(after, expected)
+    assert changes == ["folded permute permute0 of constants into constant w_permute"]
+    weight = after.constants[after["fc"].inputs[1]]
+    assert after["fc"].inputs[1] == "w_permute" and after["w_permute"].source == "permute0"
+    assert weight.is_contiguous() and weight.shape == (6, 8)
+    assert "w" not in after.nodes and "w" not in after.constants   # the original is dropped, not kept twice
+    assert_same_numerics(before, after)
+
+
+def test_fold_constants_folds_a_chain_step_by_step():
+    before = _conv1d([("cast", {"dtype": "float32"}), ("reshape", {"shape": (48,)}),
+                      ("reshape", {"shape": (8, 6)}), ("permute", {"dims": (1, 0)}), ("cast", {"dtype": "float64"})],
+                     rand(8, 6))
+    after, changes = run_pass(fold_constants, before)
+    assert len(changes) == 5
+    assert [n.op for n in after] == ["input", "constant", "constant", "linear"]
+    name = after["fc"].inputs[1]
+    assert name == "w_cast_reshape_reshape_permute_cast"
+    assert torch.equal(after.constants[name], before.constants["w"].float().double().t())
+    assert set(after.constants) == {name, "b"}
+    again, _ = run_pass(fold_constants, before)   # names depend on the graph only
+    assert again.format() == after.format()
+    assert_same_numerics(before, after, tolerance=1e-6)
+
+
+def test_fold_constants_keeps_a_constant_that_another_node_reads():
+    before = _conv1d([("permute", {"dims": (1, 0)})], rand(8, 8), rand(8))
+    fc = before["fc"].name
+    before.outputs = [fc, op(before, "tied", "matmul", [fc, "w"])]   # the unpermuted W, read as it is
+    after, _ = run_pass(fold_constants, before)
+    assert after["tied"].inputs == [fc, "w"] and torch.equal(after.constants["w"], before.constants["w"])
+    assert torch.equal(after.constants[after["fc"].inputs[1]], before.constants["w"].t())
+    assert "permute" not in {n.op for n in after}
+    assert_same_numerics(before, after)
+
+
+def test_fold_constants_gives_a_slice_its_own_storage():
+    before = Graph()
+    x = before.add_input("x", TensorType((2, 4), "float64")).name
+    half = op(before, "half", "slice", [const(before, "table", rand(1000, 4))], dim=0, start=0, end=2, step=1)
+    before.outputs = [op(before, "add", "add", [x, half])]
+    after, _ = run_pass(fold_constants, before)
+    sliced = after.constants[after["add"].inputs[1]]
+    assert "table" not in after.constants
+    assert sliced.untyped_storage().nbytes() == 2 * 4 * 8     # not the whole table kept alive behind a view
+    assert_same_numerics(before, after)
+
+
+def _expand_bias(rows: int) -> Graph:
+    graph = Graph()
+    x = graph.add_input("x", TensorType((rows, 16), "float64")).name
+    bias = op(graph, "wide", "expand", [const(graph, "bias", rand(1, 16))], shape=(rows, 16))
+    graph.outputs = [op(graph, "add", "add", [x, bias])]
+    return graph
+
+
+def _opaque_of_constant() -> Graph:
+    graph = Graph()
+    x = graph.add_input("x", TensorType((3,), "float64")).name
+    c = const(graph, "c", rand(3))
+    twice = graph.add_node("opaque", [c], graph[c].type, {"target": "double", "fn": lambda xs: xs[0] * 2},
+                           name="twice").name
+    graph.outputs = [op(graph, "add", "add", [x, twice])]
+    return graph
+
+
+def test_fold_constants_leaves_opaque_calls_and_growth_past_the_limit():
+    for before in (_opaque_of_constant(), _expand_bias(SMALL_BYTES // (16 * 8) + 1)):
+        after, changes = run_pass(fold_constants, before)
+        assert changes == []
+        assert_graphs_equal(after, before)
+    small = _expand_bias(4)          # a small broadcast is folded: it saves a node and costs little
+    after, changes = run_pass(fold_constants, small)
+    assert changes == ["folded expand wide of constants into constant bias_expand"]
+    assert_same_numerics(small, after)
+
+
+def test_fold_constants_leaves_nodes_that_read_an_input():
+    before = _conv1d([], rand(6, 8))
+    after, changes = run_pass(fold_constants, before)
+    assert changes == []
+    assert_graphs_equal(after, before)
+
+
+class _Conv1D(torch.nn.Module):
+    """transformers' GPT-2 Conv1D: addmm(b, x, W) with W stored [in, out]."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_in, n_out) * 0.2)
+        self.bias = torch.nn.Parameter(torch.randn(n_out) * 0.1)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], -1)
+
+
+class _MatmulTransposed(torch.nn.Module):
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_out, n_in) * 0.2)
+        self.bias = torch.nn.Parameter(torch.randn(n_out) * 0.1)
+
+    def forward(self, x):
+        return x @ self.weight.t() + self.bias
+
+
+@pytest.mark.parametrize("module", [_Conv1D, _MatmulTransposed])
+def test_a_transposed_parameter_reaches_the_gemm_template_as_a_constant(module):
+    import opfuse
+
+    model = module(8, 6).eval()
+    weight = model.weight.detach().clone()
+    analysis = opfuse.analyze(model, (torch.randn(2, 3, 8),), opfuse.FusionConfig(dtype="float32"))
+    prepared = analysis.prepared
+    assert "permute" not in {n.op for n in prepared}
+    (anchor,) = [n for n in prepared if n.op in ("linear", "matmul")]
+    assert prepared.is_constant(anchor.inputs[1])
+    assert analysis.pytorch_groups == {}                            # the GEMM group gets its kernel
+    assert analysis.fused.kernel_launches == 1
+    assert torch.equal(model.weight, weight)                        # the user's parameter is untouched
+
+
 # ---- cast_precision ------------------------------------------------------------------------------------
 
 def _mixed_model() -> Graph:
@@ -531,13 +672,15 @@ def test_run_passes_names_the_pass_that_broke_the_graph(tmp_path):
 def test_run_passes_records_and_debug_files(tmp_path):
     before = _conv_bn_model()
     after, records = run_passes(before, default_pipeline(), debug_dir=tmp_path)
-    assert [r.name for r in records] == ["remove_noop_layout", "fold_batchnorm", "eliminate_dead_code"]
-    assert records[0].changes == ["removed no-op identity dropout"]
-    assert records[1].changes == ["folded batch_norm bn into conv2d conv"]
-    assert records[2].changes == ["removed dead tanh unused"]
+    assert [r.name for r in records] == ["fold_constants", "remove_noop_layout", "fold_batchnorm",
+                                         "eliminate_dead_code"]
+    assert records[0].changes == []
+    assert records[1].changes == ["removed no-op identity dropout"]
+    assert records[2].changes == ["folded batch_norm bn into conv2d conv"]
+    assert records[3].changes == ["removed dead tanh unused"]
     assert all(r.seconds >= 0 for r in records)
     assert [n.op for n in after if n.op not in ("input", "constant")] == ["conv2d", "relu"]
-    assert (tmp_path / "03_eliminate_dead_code.txt").read_text() == after.format() + "\n"
+    assert (tmp_path / "04_eliminate_dead_code.txt").read_text() == after.format() + "\n"
     assert (tmp_path / "00_input.txt").read_text() == before.format() + "\n"
     assert_same_numerics(before, after)
 
@@ -545,7 +688,7 @@ def test_run_passes_records_and_debug_files(tmp_path):
 def test_prepare_graph_casts_then_runs_the_pipeline(tmp_path):
     before = _conv_bn_model("float32")
     after, records = prepare_graph(before, "float16", debug_dir=tmp_path)
-    assert [r.name for r in records] == ["cast_precision", "remove_noop_layout", "fold_batchnorm",
+    assert [r.name for r in records] == ["cast_precision", "fold_constants", "remove_noop_layout", "fold_batchnorm",
                                          "eliminate_dead_code"]
     assert (tmp_path / "01_cast_precision.txt").exists()
     assert [n.op for n in after if n.op not in ("input", "constant")] == ["conv2d", "relu"]
