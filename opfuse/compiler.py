@@ -55,10 +55,13 @@ class OpfuseModule(torch.nn.Module):
         self.checks = checks
         self.end_to_end_error = end_to_end_error
         self.seconds = seconds
-        self._compute_dtype = torch_dtype(analysis.config.dtype)
         self._signature = [_describe(x) for x in example_inputs]   # what the user passes, before the cast
+        # the same, as a call compares it: (shape, dtype, torch.device); an empty shape never matches, so an empty
+        # input is always described by _mismatch (compile refuses empty examples, so it is only a safeguard)
+        self._expected = [(tuple(x.shape) if x.numel() > 0 else None, x.dtype, x.device) for x in example_inputs]
         self._input_names = [spec.name for spec in compiled.signature]
         self._output_spec = output_spec
+        self._output_is_leaf = output_spec.is_leaf()
         self._output_dtypes = output_dtypes
         # a private eval-mode copy of the model, kept only for config.recompile or fallback="eager"; a plain
         # attribute (not a submodule) so .to()/.half() on this module and its state_dict never see it
@@ -80,22 +83,34 @@ class OpfuseModule(torch.nn.Module):
         return self.compiled.launches
 
     def forward(self, *inputs: torch.Tensor) -> Any:
-        problem = self._mismatch(inputs)
-        if problem is not None:
-            return self._other_inputs(inputs, problem)
-        compute = self._compute_dtype
-        args = [x.to(compute) if x.dtype != compute and x.is_floating_point() else x for x in inputs]
+        if not self._matches(inputs):
+            problem = self._mismatch(inputs)
+            if problem is not None:
+                return self._other_inputs(inputs, problem)
         try:
-            # the inputs match the compiled signature (checked above, cast here): skip the module call's second check
-            # (so hooks registered on `.compiled` itself do not run; hooks on this module do)
-            outputs = self.compiled.run_matching(args)
+            # the inputs match the compiled signature but for the float cast to the compute dtype, which run_matching
+            # does as it lays them out (so hooks registered on `.compiled` itself do not run; hooks on this module do);
+            # `_modules` is where nn.Module keeps `.compiled`, read without the detour through its __getattr__
+            outputs = self._modules["compiled"].run_matching(inputs)
         except Exception as error:
             if self.analysis.config.fallback != "eager" or self._eager is None:   # recompile alone keeps _eager
                 raise
             return self._run_eagerly(inputs, f"the compiled model failed ({type(error).__name__}: {error})")
         flat = list(outputs) if isinstance(outputs, tuple) else [outputs]
-        flat = [out.to(dtype) if out.dtype != dtype else out for out, dtype in zip(flat, self._output_dtypes)]
+        flat = [out if out.dtype == dtype else out.to(dtype) for out, dtype in zip(flat, self._output_dtypes)]
+        if self._output_is_leaf:
+            return flat[0]
         return tree_unflatten(flat, self._output_spec)
+
+    def _matches(self, inputs: Sequence[Any]) -> bool:
+        """Whether these inputs are the ones compiled for: the check every call pays, so it builds nothing
+        (`_mismatch` says what differs when it is False)."""
+        if len(inputs) != len(self._expected):
+            return False
+        for x, (shape, dtype, device) in zip(inputs, self._expected):
+            if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.shape != shape or x.device != device:
+                return False
+        return True
 
     def _mismatch(self, inputs: Sequence[Any]) -> str | None:
         """Why these inputs are not the ones compiled for (naming the first offending input), or None."""

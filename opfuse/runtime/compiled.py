@@ -10,7 +10,8 @@ at build time, so a forward pass is a plain loop that frees every intermediate r
 Inputs are checked against the signature the model was compiled for. A mismatch is an error naming the input,
 unless a `recompile` callback was given: it then builds a model for the new signature, cached per signature.
 On CUDA (config.cuda_graph) the first call after the warm-up captures the whole forward into a CUDA graph over
-static input buffers; later calls copy their inputs in and replay it.
+static input buffers; later calls copy their inputs in (the copy casts and lays them out as compiled, and an input
+that is its static buffer is not copied), replay it, and return a copy of each static output.
 
 `build_compiled_model(plan, device, example_inputs)` is the whole runtime stage: lower, build, autotune.
 """
@@ -27,7 +28,7 @@ from opfuse.codegen.base import GroupKernel, KernelConfig
 from opfuse.codegen.lower import choose_lowering, lower_plan
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import FusionGroup, FusionPlan
-from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name
+from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 from opfuse.ir.ops import get_op, launches_kernel
 from opfuse.runtime.autotune import recover_rng_after_failed_capture, timing_available, tune
 from opfuse.runtime.cache import TuningCache
@@ -85,6 +86,15 @@ def to_channels_last(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def input_form(spec: InputSpec) -> tuple[torch.dtype | None, torch.memory_format]:
+    """How an input is brought to what the kernels read: (the float dtype a floating input is cast to, or None
+    for an integer or bool input; the memory format, channels-last for a 4-D float image)."""
+    dtype = torch_dtype(spec.type.dtype)
+    if not dtype.is_floating_point:
+        return None, torch.preserve_format
+    return dtype, torch.channels_last if len(spec.type.shape) == 4 else torch.preserve_format
+
+
 class CompiledModel(torch.nn.Module):
     """A fusion plan's kernels, run in plan order (see module docstring)."""
 
@@ -116,6 +126,7 @@ class CompiledModel(torch.nn.Module):
         self.input_names = [n.name for n in self.graph.input_nodes]
         self.signature: Signature = tuple(InputSpec(n.name, n.type, device_key(self.device))
                                           for n in self.graph.input_nodes)
+        self._input_forms = [input_form(spec) for spec in self.signature]
         self._steps = self._schedule()
         # constants read by PyTorch-run nodes: on the device once, as private copies (never the user's tensors,
         # and never registered as parameters, so .to()/.half() on this module cannot reach the user's model)
@@ -253,17 +264,34 @@ class CompiledModel(torch.nn.Module):
         return self.run_matching(inputs)
 
     def run_matching(self, inputs: Sequence[torch.Tensor]) -> Any:
-        """The forward pass for inputs the caller has already checked against `signature` (OpfuseModule does, so
-        a call pays for one check: on a CUDA graph at batch 1, host time before the replay is latency)."""
-        prepared = [to_channels_last(x) for x in inputs]
-        with torch.no_grad():
-            if self.use_cuda_graph and self.cuda_graph_error is None:
-                outputs = self._run_cuda_graph(prepared)
-            else:
-                outputs = self._execute(prepared)
+        """The forward pass for inputs the caller has already checked against `signature` in shape and device
+        (OpfuseModule does, so a call pays for one check: on a CUDA graph at batch 1, host time before the replay
+        is latency). A floating input may come in another float dtype: it is cast to the compiled one, in the same
+        step that lays it out channels-last (the copy into the static buffer, on a captured CUDA graph)."""
+        if torch.is_grad_enabled():      # entering no_grad costs host time: only when grad mode is on
+            with torch.no_grad():
+                outputs = self._run(inputs)
+        else:
+            outputs = self._run(inputs)
         if self.unflatten is not None:
             return self.unflatten(outputs)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self._cuda_graph is not None:
+            return self._replay(inputs)
+        prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
+        if self.use_cuda_graph and self.cuda_graph_error is None:
+            return self._run_cuda_graph(prepared)
+        return self._execute(prepared)
+
+    @staticmethod
+    def _prepare(x: torch.Tensor, form: tuple[torch.dtype | None, torch.memory_format]) -> torch.Tensor:
+        """`x` in the compiled dtype and layout: itself when it already is (one `to` call, no copy)."""
+        dtype, memory_format = form
+        if dtype is None or not x.is_floating_point():
+            return x
+        return x.to(dtype=dtype, memory_format=memory_format)
 
     def _other_signature(self, signature: Signature, inputs: Sequence[torch.Tensor]) -> Any:
         if self.recompile is None:
@@ -325,22 +353,33 @@ class CompiledModel(torch.nn.Module):
         self._static_outputs: list[torch.Tensor] = []
         self._eager_calls = 0
 
+    @property
+    def static_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The captured CUDA graph's input buffers (none before the capture): a caller that writes its next inputs
+        into them in place and passes them saves the copy in."""
+        return tuple(self._static_inputs)
+
     def _run_cuda_graph(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self._cuda_graph is None:
-            if self._eager_calls < self.cuda_graph_warmup:   # compiles the Triton kernels outside any capture
-                self._eager_calls += 1
-                return self._execute(inputs)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                self._capture(graph, inputs)
-            except Exception as error:   # e.g. an opaque op that syncs with the host
-                self._recover_from_failed_capture(graph)
-                self.cuda_graph_error = f"CUDA graph capture failed, running eagerly: {error}"
-                warnings.warn(f"opfuse: {self.cuda_graph_error}", stacklevel=3)
-                self._reset_cuda_graph()
-                return self._execute(inputs)
-        else:
-            for static, x in zip(self._static_inputs, inputs):
+        """The warm-up calls, then the capture (inputs prepared); `_replay` runs every call after it."""
+        if self._eager_calls < self.cuda_graph_warmup:   # compiles the Triton kernels outside any capture
+            self._eager_calls += 1
+            return self._execute(inputs)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            self._capture(graph, inputs)
+        except Exception as error:   # e.g. an opaque op that syncs with the host
+            self._recover_from_failed_capture(graph)
+            self.cuda_graph_error = f"CUDA graph capture failed, running eagerly: {error}"
+            warnings.warn(f"opfuse: {self.cuda_graph_error}", stacklevel=4)
+            self._reset_cuda_graph()
+            return self._execute(inputs)
+        return self._replay(self._static_inputs)
+
+    def _replay(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """One replay on these inputs (shape and device checked). `copy_` casts and lays out as it copies, so an
+        input needs no preparing first; one that is its static buffer is not copied at all."""
+        for static, x in zip(self._static_inputs, inputs):
+            if x is not static:
                 static.copy_(x)
         self._cuda_graph.replay()
         # the static outputs are overwritten by the next replay: the caller gets its own copies
