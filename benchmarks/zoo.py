@@ -9,8 +9,8 @@ workload in processes of its own, by the fair protocol of opfuse/bench/harness.p
 The first form runs the workloads and writes DIR/zoo.json, DIR/ZOO.md and DIR/zoo.log after every child process
 (`--budget` stops starting children after that many seconds, to fit one call of a lent GPU machine); the second
 writes ZOO.md from the zoo.json of one or several runs (a later run's workload replaces an earlier one's); the
-third fits the H200 profile's cost factors to the runs' measured replays (opfuse/bench/zoo_fit.py; no GPU needed:
-each workload is planned again here) and prints how well the given and the fitted factors predict them. The
+third fits the H200 profile's time factor to the runs' measured replays (opfuse/bench/zoo_fit.py; no GPU needed:
+each workload is planned again here) and prints how well the given and the fitted factor predict them. The
 work itself is in opfuse/bench/zoo_bench.py, which `opfuse bench --zoo` runs too.
 """
 
@@ -35,7 +35,7 @@ def report(paths: list[str], output: str) -> int:
 
 
 def fit(paths: list[str], output: str | None) -> int:
-    from opfuse.bench.zoo_fit import factors_of, fit_report, format_report, workloads_of_runs
+    from opfuse.bench.zoo_fit import fit_report, format_report, workloads_of_runs
     from opfuse.hardware import get_hardware
 
     runs = [json.loads(Path(p).read_text()) for p in paths]
@@ -43,7 +43,7 @@ def fit(paths: list[str], output: str | None) -> int:
     if len(workloads) < 2:
         print(f"error: {len(workloads)} workload(s) to fit, at least 2 needed", file=sys.stderr)
         return 1
-    result = fit_report(workloads, factors_of(get_hardware("h200")))
+    result = fit_report(workloads, get_hardware("h200").time_factor)
     print(format_report(result, left_out))
     if output:
         Path(output).write_text(json.dumps(result | {"left_out": left_out}, indent=1))

@@ -50,10 +50,19 @@ class HardwareProfile:
     # kernels ran 2.2x slower, so 0.47; the whole-block kernel (with the expansion) matched the others and keeps
     # 1.0. The other profiles share it unmeasured
     conv_conv_efficiency: float = 0.47
+    # what the kernels take in a CUDA graph replay over what the model above says (roofline at these efficiencies,
+    # loop floors, launch): every kernel time is multiplied by it, so it moves no decision of the planner, only
+    # the predicted times. Fitted to the zoo's measured replays by `benchmarks/zoo.py --fit` where measured
+    time_factor: float = 1.0
     notes: str = field(default="", compare=False)
 
     def matrix_peak(self, dtype: str) -> float:
         return self.matrix_flops.get(dtype, self.vector_flops)
+
+    @property
+    def launch_time(self) -> float:
+        """Seconds one launch adds to a kernel's predicted time."""
+        return self.launch_overhead * self.time_factor
 
     def with_calibration(self, **factors: float) -> "HardwareProfile":
         return replace(self, **factors)

@@ -99,7 +99,7 @@ def summarize_plan(plan: FusionPlan, hw: HardwareProfile | None = None,
     else:
         users = graph.users()
         time = sum(estimate_kernel(graph, g.nodes, users, hw, config.dtype).time for g in kernels)
-        time += sum(g.launches - 1 for g in kernels) * hw.launch_overhead     # split-K's reduce kernels
+        time += sum(g.launches - 1 for g in kernels) * hw.launch_time     # split-K's reduce kernels
     rows = [r for r in op_table(graph, hw or profile, config) if r.name in nodes] \
         if nodes else []
     time += sum(r.predicted_time for r in rows)

@@ -98,11 +98,13 @@ def factors_of(hardware: HardwareProfile) -> dict[str, float]:
 
 
 def calibrate(samples: Sequence[Sample], hardware: HardwareProfile, dtype: str) -> Calibration:
-    """`hardware` with launch_overhead, memory_efficiency and matrix_efficiency fitted to the samples."""
+    """`hardware` with launch_overhead, memory_efficiency and matrix_efficiency fitted to the samples (and its
+    `time_factor` 1: the fitted factors price the measured kernels themselves)."""
     samples = [s for s in samples if s.measured > 0]
     if not samples:
         raise ValueError("calibration needs at least one measured kernel time")
-    robust = _fit(samples, hardware, dtype, robust=True)
+    # the factors are fitted to what the kernels take themselves: no whole-model time factor on top
+    robust = _fit(samples, hardware.with_calibration(time_factor=1.0), dtype, robust=True)
     errors = relative_errors(samples, robust, dtype)
     cutoff = max(OUTLIER_FACTOR * statistics.median(errors), OUTLIER_FLOOR)
     inliers = [s for s, e in zip(samples, errors) if e <= cutoff]

@@ -93,13 +93,14 @@ class KernelEstimate:
 
 def predict_time(flops: float, bytes_moved: float, hw: HardwareProfile, dtype: str, matrix: bool,
                  tile_efficiency: float = 1.0) -> float:
-    """Roofline seconds of one kernel plus its launch; `matrix` selects the tensor-core peak."""
+    """Roofline seconds of one kernel plus its launch, times the profile's `time_factor`; `matrix` selects the
+    tensor-core peak."""
     if matrix:
         flop_rate = hw.matrix_peak(dtype) * hw.matrix_efficiency * tile_efficiency
     else:
         flop_rate = hw.vector_flops * hw.vector_efficiency
     byte_rate = hw.memory_bandwidth * hw.memory_efficiency
-    return max(flops / flop_rate, bytes_moved / byte_rate) + hw.launch_overhead
+    return (max(flops / flop_rate, bytes_moved / byte_rate) + hw.launch_overhead) * hw.time_factor
 
 
 def group_traffic(graph: Graph, nodes: Iterable[str], users: Users) -> GroupTraffic:
@@ -254,7 +255,8 @@ def conv_conv_estimate(graph: Graph, nodes: Sequence[str], chain: list[str], tra
     efficiency = hw.conv_conv_efficiency if len(chain) == 2 else 1.0   # measured: see HardwareProfile
 
     def seconds(work: ConvConvWork) -> float:
-        return max(max(work.compute_seconds(hw), memory) / efficiency, work.serial_seconds(hw)) + hw.launch_overhead
+        return (max(max(work.compute_seconds(hw), memory) / efficiency, work.serial_seconds(hw))
+                + hw.launch_overhead) * hw.time_factor
 
     best: tuple[float, ResourceEstimate, ConvConvWork] | None = None
     *measured, smallest = conv_conv_tiles(graph, chain, sm_count=hw.sm_count)

@@ -373,7 +373,7 @@ class _Planner:
             return False
         if not all(kind_of(self.graph[n]).elementwise for n in nodes):
             return False
-        return self.estimate(nodes).time - self.hw.launch_overhead < self.hw.launch_overhead
+        return self.estimate(nodes).time - self.hw.launch_time < self.hw.launch_time
 
     # ---- the result ---------------------------------------------------------------------------------
     def copies(self, nodes: list[str]) -> bool:
@@ -524,6 +524,7 @@ class _Planner:
                 unsplit = "too few slices would fit to pay for a second kernel"
             return slices, 1, estimate.time, unsplit
         partials = 2 * default_slices * rows * columns * batch * 4
-        return (slices, default_slices, estimate.time + self.hw.launch_overhead + partials / self.hw.memory_bandwidth,
+        return (slices, default_slices,
+                estimate.time + (self.hw.launch_overhead + partials / self.hw.memory_bandwidth) * self.hw.time_factor,
                 "")
 

@@ -28,7 +28,7 @@ from opfuse.hardware import get_hardware
 
 ROOT = Path(__file__).resolve().parents[2]
 H200 = get_hardware("h200")
-TRUE = H200.with_calibration(launch_overhead=4.2e-6, memory_efficiency=0.63, matrix_efficiency=0.41)
+TRUE = H200.with_calibration(launch_overhead=4.2e-6, memory_efficiency=0.63, matrix_efficiency=0.41, time_factor=1.0)
 
 
 def render(table) -> str:
@@ -106,7 +106,8 @@ def test_calibration_recovers_the_factors_of_a_known_profile():
     assert result.after["launch_overhead"] == pytest.approx(4.2e-6, rel=1e-6)
     assert result.after["memory_efficiency"] == pytest.approx(0.63, rel=1e-6)
     assert result.after["matrix_efficiency"] == pytest.approx(0.41, rel=1e-6)
-    assert result.before == {"launch_overhead": 2.5e-6, "memory_efficiency": 0.85, "matrix_efficiency": 0.7}
+    assert result.before == {"launch_overhead": H200.launch_overhead, "memory_efficiency": H200.memory_efficiency,
+                             "matrix_efficiency": H200.matrix_efficiency}
     assert result.error_before > 0.1 and result.error_after < 1e-9
     assert result.profile == TRUE.with_calibration(**result.after)     # everything else of the profile untouched
     assert median_relative_error(synthetic_samples(TRUE), result.profile, "float16") < 1e-9
