@@ -17,8 +17,10 @@ H200 = get_hardware("h200")
 
 # ---- roofline ----------------------------------------------------------------------------------------
 
-def test_predict_time_is_the_roofline_plus_one_launch():
-    hw = H200
+def test_predict_time_is_the_roofline_plus_one_launch_times_the_time_factor():
+    assert predict_time(1e9, 1e9, H200, "float16", matrix=False) == pytest.approx(
+        H200.time_factor * predict_time(1e9, 1e9, H200.with_calibration(time_factor=1.0), "float16", matrix=False))
+    hw = H200.with_calibration(time_factor=1.0)
     memory_rate = hw.memory_bandwidth * hw.memory_efficiency
     # memory bound: 1 GB, 1 GFLOP
     assert predict_time(1e9, 1e9, hw, "float16", matrix=False) == pytest.approx(1e9 / memory_rate

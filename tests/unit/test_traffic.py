@@ -93,8 +93,8 @@ def test_op_table_rows():
     assert relu.density == pytest.approx(0.25) and relu.candidate
     assert rows["bn"].bytes_read == s + 4 * 64 * 2 and rows["bn"].candidate
     assert not rows["conv"].candidate
-    assert relu.predicted_time == pytest.approx(2 * s / (H200.memory_bandwidth * H200.memory_efficiency)
-                                                + H200.launch_overhead)
+    assert relu.predicted_time == pytest.approx((2 * s / (H200.memory_bandwidth * H200.memory_efficiency)
+                                                 + H200.launch_overhead) * H200.time_factor)
 
 
 # ---- peak intermediate memory by hand ------------------------------------------------------------------
@@ -155,5 +155,5 @@ def test_the_plan_priced_on_its_own_profile_keeps_the_split_k_reduce_kernels():
     # another profile: priced again, every launch of the plan charged (the split groups' second ones too)
     one, two = (H200.with_calibration(launch_overhead=H200.launch_overhead + extra) for extra in (1e-6, 2e-6))
     added = summarize_plan(plan, two).predicted_time - summarize_plan(plan, one).predicted_time
-    assert added == pytest.approx(plan.kernel_launches * 1e-6, rel=1e-9)
+    assert added == pytest.approx(plan.kernel_launches * 1e-6 * H200.time_factor, rel=1e-9)
     assert plan.kernel_launches > sum(1 for g in plan.groups if g.launches)
