@@ -10,6 +10,7 @@
 #   BLOCKS=1-8 bash benchmarks/gpu_session.sh blocks   # mobilenet_v2 per-block table (issue 5); then
 #   BLOCKS=9-17, then BLOCKS= WHOLE=1,64 (whole model at batch 1 and 64)
 #   MODELS=resnet50,gpt2 COLD_PARALLEL=4 bash benchmarks/gpu_session.sh zoo   # benchmarks/zoo.py (issue 14)
+#   bash benchmarks/gpu_session.sh check     # compile seconds without and with the compile workers, GPU tests (17)
 # Results land under $OUT (the device tool's folder that comes back); each stage stops itself before the call's
 # limit so that what it wrote still comes back (these variables shorten a stage so that two share one call:
 # TESTS_TIMEOUT, PROPERTY_TIMEOUT, BENCH_TIMEOUT, BLOCKS_TIMEOUT, PROFILE_TIMEOUT).
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-stage=${1:?stage: tests | correctness | bench | splitk | profile | property | blocks | zoo}
+stage=${1:?stage: tests | correctness | bench | splitk | profile | property | blocks | check | zoo}
 [ -e "$OUT/gpu.txt" ] || nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/gpu.txt" 2>&1
 case "$stage" in
   tests)
@@ -57,6 +58,13 @@ case "$stage" in
     timeout "${BLOCKS_TIMEOUT:-560}" python3 benchmarks/mobilenet_blocks.py --out "$OUT/blocks" --blocks "${BLOCKS:-1-8}" \
       --whole "${WHOLE:-}" --tune-top "${TUNE_TOP:-2}" > "$OUT/blocks.log" 2>&1
     tail -30 "$OUT/blocks.log" ;;
+  check)    # the compile workers and the call path (issue 17): cold compile seconds of opfuse without and with
+            # the workers (benchmarks/compile_time.py), then the GPU tests of the runtime and of the workers
+    timeout "${COMPILE_TIMEOUT:-300}" python3 benchmarks/compile_time.py --workloads "${WORKLOADS:-resnet50:1}" \
+      --workers "${WORKERS:-1,8}" --out "$OUT" > "$OUT/compile-time.log" 2>&1
+    OPFUSE_GPU_TESTS=1 timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 2 \
+      tests/gpu/test_precompile_gpu.py tests/gpu/test_runtime_gpu.py > "$OUT/gpu-tests.log" 2>&1
+    cat "$OUT/compile-time.log"; tail -15 "$OUT/gpu-tests.log" ;;
   zoo)      # the model-zoo benchmark (issue 14): MODELS=a,b BATCHES=1,64 or WORKLOADS=a:1,b:64; ends by ZOO_BUDGET s
     timeout "${ZOO_TIMEOUT:-585}" python3 benchmarks/zoo.py --out "$OUT" ${MODELS:+--models "$MODELS"} \
       ${WORKLOADS:+--workloads "$WORKLOADS"} \

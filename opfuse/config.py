@@ -26,6 +26,8 @@ class FusionConfig:
     library_anchors: bool = True        # autotuning also times each conv/GEMM anchor through cuBLAS/cuDNN with its
                                         # epilogue as a generated kernel, and the group unfused (its ops through
                                         # PyTorch), and keeps either where it is faster than the fused kernel
+    compile_workers: int | None = None  # processes compiling the autotuner's candidates in parallel before it times
+                                        # them (opfuse.runtime.precompile; None: half the CPUs, at most 8; 1: none)
     cuda_graph: bool = True
     verify: bool = True
     fallback: str = "error"             # "error": raise on a failed compile; "eager": return the eager model

@@ -20,10 +20,12 @@ import os
 import sys
 import tempfile
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -105,12 +107,74 @@ def kernel_name(prefix: str, ops: Sequence[str], source: str) -> str:
     return f"{prefix}_{body}_{digest}"
 
 
-def load_kernel(prefix: str, ops: Sequence[str], source: str) -> tuple[str, str, Any]:
-    """(name, source, jitted function) of generated `source` whose function is called KERNEL_NAME: the name is
-    `kernel_name` of the source as given, then written into it, so profiles show fused_conv2d_relu_1a2b3c4d."""
+def load_kernel(prefix: str, ops: Sequence[str], source: str) -> tuple[str, str, "Launcher"]:
+    """(name, source, launcher of the jitted function) of generated `source` whose function is called KERNEL_NAME:
+    the name is `kernel_name` of the source as given, then written into it, so profiles show
+    fused_conv2d_relu_1a2b3c4d."""
     name = kernel_name(prefix, ops, source)
     source = source.replace("KERNEL_NAME", name)
-    return name, source, getattr(load_source(source, name), name)
+    module = load_source(source, name)
+    return name, source, Launcher(getattr(module, name), module.__file__, name)
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """A launch as a compile worker needs it (`opfuse.runtime.precompile`): the kernel's module file and function,
+    its arguments with every tensor replaced by a `TensorArg`, and its keyword options."""
+
+    path: str
+    function: str
+    args: tuple
+    kwargs: tuple[tuple[str, Any], ...]
+
+
+_RECORDING: ContextVar[list[LaunchRecord] | None] = ContextVar("opfuse_recording_launches", default=None)
+
+
+@contextmanager
+def recording_launches() -> Iterator[list[LaunchRecord]]:
+    """Inside, generated kernels are not launched: each launch is appended to the list yielded (and returns None)."""
+    records: list[LaunchRecord] = []
+    token = _RECORDING.set(records)
+    try:
+        yield records
+    finally:
+        _RECORDING.reset(token)
+
+
+class Launcher:
+    """A generated Triton kernel, launched as `launcher[grid](*args, **options)` like the jitted function it holds;
+    inside `recording_launches()` a launch is recorded instead."""
+
+    def __init__(self, function: Any, path: str, name: str):
+        self.function, self.path, self.name = function, path, name
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            records = _RECORDING.get()
+            if records is None:
+                return self.function[grid](*args, **kwargs)
+            records.append(LaunchRecord(self.path, self.name, tuple(_describe(a) for a in args),
+                                        tuple(sorted(kwargs.items()))))
+            return None
+        return launch
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self.function, attribute)
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A tensor argument of a recorded launch: what Triton specialises a kernel on (dtype, alignment)."""
+
+    dtype: str              # torch's name, e.g. "float16"
+    offset: int             # data pointer modulo 16
+
+
+def _describe(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return TensorArg(str(arg.dtype).removeprefix("torch."), arg.data_ptr() % 16)
+    return arg
 
 
 def compiled_info(compiled: Any) -> CompiledInfo:

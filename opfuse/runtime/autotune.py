@@ -7,8 +7,9 @@ the fastest. Besides its own configs a kernel offers other forms (`GroupKernel.a
 unsplit form, its anchor through cuBLAS/cuDNN with a generated epilogue, and its group unfused (the ops through
 PyTorch): a fusion that measures slower than the ops it merges is not kept. A group whose every config is rejected is reported in `TuningResult.over_budget` ("over budget: every
 config spills") so the caller can split it; it still gets the least bad config, so the model runs either way.
-Results are kept in the on-disk `TuningCache`. Without a GPU (Triton's interpreter) nothing is timed and each
-kernel gets its first config.
+Results are kept in the on-disk `TuningCache`. On a GPU the candidates of every kernel not in the cache are first
+compiled in parallel by worker processes (`opfuse.runtime.precompile`), so the tuner's own runs load them from
+Triton's cache. Without a GPU (Triton's interpreter) nothing is timed and each kernel gets its first config.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from opfuse.environment import triton_interpreter
 from opfuse.hardware import KIB, HardwareProfile, get_hardware
 from opfuse.ir.graph import GraphError
 from opfuse.runtime.cache import TuningCache, tuning_key
+from opfuse.runtime.precompile import Precompiled, default_workers, precompile
 
 SPILLS = "register spills"
 EVERY_CONFIG_SPILLS = "over budget: every config spills"
@@ -40,6 +42,7 @@ class TuningResult(dict):
         self.rejected: dict[str, dict[KernelConfig, str]] = {}    # group name -> {config: reason}
         self.timings: dict[str, dict[KernelConfig, float]] = {}   # group name -> {config: seconds (median)}
         self.from_cache: set[str] = set()
+        self.precompiled: Precompiled | None = None                 # what the compile workers did, if they ran
 
 
 def format_config(config: KernelConfig) -> str:
@@ -161,27 +164,39 @@ def _restore(entry: dict[str, Any] | None, configs: list[KernelConfig]) -> Kerne
     return None
 
 
+def candidates(kernel: GroupKernel, top: int | None, library: bool) -> tuple[list[KernelConfig], list[KernelConfig]]:
+    """(the kernel's own first `top` configs, those and its other forms): what `tune_kernel` times."""
+    own = kernel.configs()[:top] if top else kernel.configs()
+    configs = own + [c for c in kernel.alternatives(library) if c not in own]
+    if not configs:
+        raise GraphError(f"kernel {kernel.name} (group {kernel.group.name}) offers no configs")
+    return own, configs
+
+
+def cached_choice(kernel: GroupKernel, inputs: list[torch.Tensor], configs: list[KernelConfig],
+                  cache: TuningCache | None, gpu_name: str) -> tuple[str | None, dict | None, KernelConfig | None]:
+    """(tuning key, cache entry, the cached config if it is still a candidate) of a kernel."""
+    if cache is None:
+        return None, None, None
+    key = tuning_key(kernel.source, inputs, gpu_name, candidates=[c.as_dict() for c in configs])
+    entry = cache.load(key)
+    return key, entry, _restore(entry, configs)
+
+
 def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: HardwareProfile, benchmark: Benchmark,
                 result: TuningResult, cache: TuningCache | None = None, gpu_name: str = "",
                 top: int | None = None, library: bool = False) -> KernelConfig:
     """Choose the config of one kernel among its first `top` configs and its other forms (`alternatives`: unsplit,
     and with `library` the anchor through cuBLAS/cuDNN and the group unfused; see module docstring); record it."""
     name = kernel.group.name
-    own = kernel.configs()[:top] if top else kernel.configs()
-    configs = own + [c for c in kernel.alternatives(library) if c not in own]
-    if not configs:
-        raise GraphError(f"kernel {kernel.name} (group {name}) offers no configs")
-    key = tuning_key(kernel.source, inputs, gpu_name, candidates=[c.as_dict() for c in configs]) \
-        if cache is not None else None
-    if cache is not None:
-        entry = cache.load(key)
-        cached = _restore(entry, configs)
-        if cached is not None:
-            result[name] = cached
-            result.from_cache.add(name)
-            if entry.get("over_budget"):
-                result.over_budget[name] = entry["over_budget"]
-            return cached
+    own, configs = candidates(kernel, top, library)
+    key, entry, cached = cached_choice(kernel, inputs, configs, cache, gpu_name)
+    if cached is not None:
+        result[name] = cached
+        result.from_cache.add(name)
+        if entry.get("over_budget"):
+            result.over_budget[name] = entry["over_budget"]
+        return cached
 
     compiled: dict[KernelConfig, CompiledInfo | str | None] = {}
     for config in configs:
@@ -246,16 +261,29 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
 
     columns = (TextColumn("[bold]autotuning[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
+    inputs = {kernel.group.name: kernel_inputs(kernel, example_values) for kernel in kernels}
+    workers = config.compile_workers if config.compile_workers is not None else default_workers()
+    if on_gpu and workers > 1:
+        jobs = []
+        for kernel in kernels:
+            _, configs = candidates(kernel, config.tune_top, config.library_anchors)
+            if cached_choice(kernel, inputs[kernel.group.name], configs, cache, gpu_name)[2] is None:
+                jobs.append((kernel, inputs[kernel.group.name], configs))
+        result.precompiled = precompile(jobs, workers, gpu.index if gpu.index is not None else 0)
     with Progress(*columns, disable=quiet, transient=True) as progress:
         task = progress.add_task("", total=len(kernels))
         for kernel in kernels:
             progress.update(task, description=kernel.name)
-            missing = [n for n in kernel.runtime_inputs if n not in example_values]
-            if missing:
-                raise GraphError(f"autotuning kernel {kernel.name} (group {kernel.group.name}) needs values "
-                                 f"{missing}, which the example values lack")
-            inputs = [example_values[n] for n in kernel.runtime_inputs]
-            tune_kernel(kernel, inputs, hardware, benchmark, result, cache, gpu_name, config.tune_top,
-                        config.library_anchors)
+            tune_kernel(kernel, inputs[kernel.group.name], hardware, benchmark, result, cache, gpu_name,
+                        config.tune_top, config.library_anchors)
             progress.advance(task)
     return result
+
+
+def kernel_inputs(kernel: GroupKernel, example_values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The example values a kernel runs on, in its `runtime_inputs` order."""
+    missing = [n for n in kernel.runtime_inputs if n not in example_values]
+    if missing:
+        raise GraphError(f"autotuning kernel {kernel.name} (group {kernel.group.name}) needs values "
+                         f"{missing}, which the example values lack")
+    return [example_values[n] for n in kernel.runtime_inputs]

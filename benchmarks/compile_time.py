@@ -1,0 +1,77 @@
+"""Cold-compile seconds of opfuse with and without the parallel compile workers (issue 17), on a GPU.
+
+    python benchmarks/compile_time.py --workloads resnet50:1,efficientnet_b0:1 --workers 1,8 [--out DIR]
+
+Each (workload, workers) compiles in a process of its own from empty caches (Triton's and opfuse's tuning cache),
+after one eager forward (the process's one-time costs fall on no compile), fp16, channels-last, FusionConfig's
+defaults but `compile_workers`; it prints one JSON line per compile (seconds by stage, what the workers compiled)
+and writes them to DIR/compile_time.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def child(model_name: str, batch: int, workers: int, cache: str) -> dict:
+    import torch
+
+    import opfuse
+    from opfuse.bench import harness
+    from opfuse.bench.zoo import resolve_model
+
+    torch.backends.cudnn.benchmark = True
+    model, inputs, _ = resolve_model(model_name, batch=batch)
+    model, inputs, _, _ = harness.prepare(model, inputs, torch.float16, "cuda")
+    config = opfuse.FusionConfig(dtype="float16", compile_workers=workers, cache_dir=cache)
+    with torch.inference_mode():
+        model(*inputs)
+        start = time.perf_counter()
+        compiled = opfuse.compile(model, inputs, config)
+        seconds = time.perf_counter() - start
+    precompiled = compiled.compiled.tuning.precompiled
+    return {"workload": f"{model_name}-bs{batch}", "workers": workers, "compile_s": seconds,
+            "stages": compiled.seconds, "precompiled": vars(precompiled) if precompiled else None,
+            "kernels": len(compiled.compiled.kernels)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="resnet50:1")
+    parser.add_argument("--workers", default="1,8")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--child", nargs=4, metavar=("MODEL", "BATCH", "WORKERS", "CACHE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        model, batch, workers, cache = args.child
+        print(json.dumps(child(model, int(batch), int(workers), cache)), flush=True)
+        return 0
+    rows = []
+    for workload in args.workloads.split(","):
+        model, _, batch = workload.rpartition(":")
+        for workers in args.workers.split(","):
+            cache = tempfile.mkdtemp(prefix="opfuse-compile-")
+            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1")
+            done = subprocess.run([sys.executable, __file__, "--child", model, batch, workers, cache], env=env,
+                                  capture_output=True, text=True)
+            line = next((l for l in reversed(done.stdout.splitlines()) if l.startswith("{")), None)
+            row = json.loads(line) if line else {"workload": workload, "workers": workers,
+                                                 "error": (done.stderr or done.stdout)[-2000:]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "compile_time.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Recording launches for the compile workers (opfuse.runtime.precompile), on Triton's interpreter: a recorded run
+launches nothing, and records what Triton specialises the kernel on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opfuse.codegen.base import LaunchRecord, TensorArg, recording_launches
+from opfuse.codegen.pointwise import lower_pointwise_group
+from opfuse.fusion.plan import GroupKind
+from opfuse.runtime.precompile import precompile, record_launches
+
+from tests.kernels.builders import KernelGraph
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def relu_kernel():
+    b = KernelGraph()
+    b.default_kind = GroupKind.POINTWISE
+    y = b.op("relu", b.op("add", b.input("x", (3, 50)), b.const("shift", b.random(50))))
+    kernel = lower_pointwise_group(b.graph, b.group([y], GroupKind.POINTWISE), "cpu")
+    return kernel, [b.feeds[name] for name in kernel.runtime_inputs]
+
+
+def test_a_recorded_run_launches_nothing_and_records_the_launch():
+    kernel, inputs = relu_kernel()
+    kernel.output_fill = float("nan")
+    config = kernel.configs()[0]
+    with recording_launches() as launches:
+        (out,) = kernel.run(inputs, config)
+    assert torch.isnan(out).all()                               # nothing ran
+    assert len(launches) == 1
+    record = launches[0]
+    assert isinstance(record, LaunchRecord) and record.function == kernel.name and record.path.endswith(".py")
+    tensors = [a for a in record.args if isinstance(a, TensorArg)]
+    assert [t.dtype for t in tensors] == ["float32"] * len(tensors) and len(tensors) >= 3   # x, shift, out
+    assert all(t.offset == 0 for t in tensors)
+    assert dict(record.kwargs)["num_warps"] == config.num_warps
+    (again,) = kernel.run(inputs, config)                       # outside the recording it runs
+    assert torch.equal(again, torch.relu(inputs[0] + kernel.graph.constants["shift"]))
+
+
+def test_a_misaligned_tensor_is_recorded_as_misaligned():
+    kernel, (x,) = relu_kernel()
+    storage = torch.randn(x.numel() + 1)
+    shifted = storage[1:].view_as(x)                            # 4 bytes past a 16-byte boundary
+    with recording_launches() as launches:
+        kernel.run([shifted], kernel.configs()[0])
+    assert launches[0].args[0] == TensorArg("float32", 4)
+
+
+def test_distinct_launches_of_several_configs_and_no_pool_for_few():
+    kernel, inputs = relu_kernel()
+    configs = kernel.configs()[:2] if len(kernel.configs()) > 1 else kernel.configs()
+    records = record_launches([(kernel, inputs, configs + configs)])    # a config given twice is one launch
+    assert len(records) == len(configs)
+    result = precompile([(kernel, inputs, configs)], workers=4, device_index=0)
+    assert result.launches == len(configs) and result.compiled == 0 and result.failed == 0   # too few for a pool
