@@ -3,7 +3,7 @@ workload in processes of its own, by the fair protocol of opfuse/bench/harness.p
 
     python benchmarks/zoo.py --out DIR [--models resnet50,gpt2,...] [--batches 1,64] [--cold-parallel N]
                              [--budget SECONDS] [--tune-top N]
-    python benchmarks/zoo.py --report RUN.json [RUN.json ...] -o benchmarks/ZOO.md
+    python benchmarks/zoo.py --report RUN.json [RUN.json ...] -o benchmarks/ZOO.md [--held-out-from N]
     python benchmarks/zoo.py --fit RUN.json [RUN.json ...] [--json FIT.json]
 
 The first form runs the workloads and writes DIR/zoo.json, DIR/ZOO.md and DIR/zoo.log after every child process
@@ -27,9 +27,9 @@ from opfuse.bench.zoo_bench import main as run_main  # noqa: E402
 from opfuse.bench.zoo_report import render  # noqa: E402
 
 
-def report(paths: list[str], output: str) -> int:
+def report(paths: list[str], output: str, held_out_from: int | None = None) -> int:
     runs = [json.loads(Path(p).read_text()) for p in paths]
-    Path(output).write_text(render(runs))
+    Path(output).write_text(render(runs, held_out_from))
     print(f"wrote {output} from {len(runs)} run(s)")
     return 0
 
@@ -61,6 +61,9 @@ if __name__ == "__main__":
         parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("--report", nargs="+", required=True, metavar="ZOO_JSON")
         parser.add_argument("-o", "--output", default="benchmarks/ZOO.md")
+        parser.add_argument("--held-out-from", type=int, default=None, metavar="N",
+                            help="also give the cost model's error over runs N on (numbered as given), measured "
+                                 "after it was fitted to the runs before them")
         args = parser.parse_args()
-        sys.exit(report(args.report, args.output))
+        sys.exit(report(args.report, args.output, args.held_out_from))
     sys.exit(run_main(sys.argv[1:]))

@@ -45,6 +45,18 @@ def cost_model_error(row: dict) -> float | None:
     return abs(predicted - replay) / replay
 
 
+def _cost_model_line(workloads: dict[str, dict], rows: dict[str, dict], held_out_from: int | None) -> str:
+    errors = {key: e for key, e in ((key, cost_model_error(row)) for key, row in rows.items()) if e is not None}
+    line = (f"Cost model: median |predicted - measured| / measured of opfuse's replay over {len(errors)} workloads, "
+            f"as predicted when measured: **{statistics.median(errors.values()) * 100:.0f}%**.")
+    if held_out_from is not None:
+        held_out = [e for key, e in errors.items() if workloads[key]["run"] >= held_out_from]
+        if held_out:
+            line += (f" Over the {len(held_out)} workloads of runs {held_out_from} on, measured after the cost model "
+                     f"was fitted to the runs before them: **{statistics.median(held_out) * 100:.0f}%**.")
+    return line
+
+
 def _ms(entry: dict) -> str:
     if "error" in entry:
         return "failed"
@@ -71,7 +83,10 @@ def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def render(runs: Sequence[dict]) -> str:
+def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
+    """ZOO.md of `runs`; with `held_out_from` N, the cost model's error is also given over the workloads of runs N
+    on alone (the runs measured after the cost model was last fitted, on the runs before them: its error out of
+    sample)."""
     workloads, headers = merge(runs)
     rows = {key: entry["measure"]["row"] for key, entry in workloads.items() if measured(entry)}
     lines = ["# Model zoo benchmark", "",
@@ -103,8 +118,7 @@ def render(runs: Sequence[dict]) -> str:
               f"{_times(mean_replay)} as its bare graph replay, as torch.compile is timed ({counted_replays} "
               "workloads).", "",
               f"Under 1.0x (module call): {', '.join(under) if under else 'none'}.", "",
-              f"Cost model: median |predicted - measured| / measured of opfuse's replay over {len(errors)} workloads: "
-              f"**{statistics.median(errors) * 100:.0f}%**." if errors else "Cost model: no workload measured.",
+              _cost_model_line(workloads, rows, held_out_from) if errors else "Cost model: no workload measured.",
               "", "## Per workload", "",
               "| workload | run | eager | eager + graph | torch.compile + graph | opfuse call | opfuse replay | speedup "
               "(call / replay) | spread: torch.compile / call / replay | compile s, torch.compile cold / warm | compile s, opfuse cold / warm | "

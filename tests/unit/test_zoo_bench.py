@@ -140,13 +140,17 @@ def test_zoo_md_headline_cost_model_and_merging():
     page = render([first, second])
     assert "**1.00x** through opfuse's module call" in page      # sqrt(2.0 * 0.5): a from run 1, b from run 2
     assert "Under 1.0x (module call): b-bs1 (0.50x)" in page
-    assert "over 2 workloads: **38%**" in page                    # median of 25% and 50%
+    assert "over 2 workloads, as predicted when measured: **38%**" in page      # median of 25% and 50%
     assert "| a-bs1 | 1 | - | - | 1.000 | 0.500 | 0.400 | 2.00x / 2.50x | 30% / 30% / 30% |" in page
     assert "tuned in the cold compiles, several at once" in page     # the fake runs' cold_parallel is 4
     assert "- run 2: 2026-12-02, NVIDIA H200" in page
     assert "b-bs1, measure" not in page                           # run 2 measured what run 1 could not
     assert "a-bs1, measure: failed (exit code 1)" not in page     # ... and run 2's failure does not hide run 1's row
     assert "not measured in any run yet (26 of the zoo's 26 workloads): resnet50-bs1, resnet50-bs64," in page
+    assert "runs 2 on" not in page
+    held_out = render([first, second], held_out_from=2)              # b-bs1 alone was measured in run 2
+    assert "over 2 workloads, as predicted when measured: **38%**. Over the 1 workloads of runs 2 on" in held_out
+    assert "fitted to the runs before them: **50%**." in held_out
 
 
 @pytest.mark.slow
