@@ -7,6 +7,8 @@ every input is a constant; its value is `get_op(op).run` on those constants, in 
 through a view: GPT-2's Conv1D is ``addmm(b, x, W)`` with W stored [K, N], captured as a linear whose weight is
 ``permute(W)``; folded, the GEMM and conv templates see a constant weight.
 
+A graph output is never folded: the compiled model would hand every caller the same tensor, its own.
+
 Rules that keep folding from costing memory or traffic:
 
 - a folded constant is contiguous and holds no more storage than its own elements (a slice of a large weight
@@ -56,6 +58,8 @@ def fold_constants(graph: Graph) -> tuple[Graph, list[str]]:
 
 def _foldable(graph: Graph, node: Node) -> bool:
     if node.op == "opaque" or get_op(node.op).kind is FusionKind.SOURCE or not node.inputs:
+        return False
+    if node.name in graph.outputs:   # an output stays computed: a constant output would be the model's own tensor
         return False
     if not all(graph.is_constant(i) for i in node.inputs):
         return False

@@ -490,6 +490,14 @@ def test_fold_constants_folds_a_chain_step_by_step():
     assert_same_numerics(before, after, tolerance=1e-6)
 
 
+def test_fold_constants_leaves_a_graph_output_computed():
+    """A folded output would be a constant: the compiled model would return its own tensor to every caller."""
+    before = _conv1d([], rand(6, 8))
+    before.outputs = [before["fc"].name, op(before, "doubled", "mul", ["b", const(before, "two", torch.tensor(2.0))])]
+    after, changes = run_pass(fold_constants, before)
+    assert changes == [] and after["doubled"].op == "mul" and after.outputs == before.outputs
+
+
 def test_fold_constants_keeps_a_constant_that_another_node_reads():
     before = _conv1d([("permute", {"dims": (1, 0)})], rand(8, 8), rand(8))
     fc = before["fc"].name
