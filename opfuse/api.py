@@ -9,6 +9,7 @@ capture (torch.export | ONNX) -> IR graph -> cast to the compute dtype -> passes
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,6 +72,9 @@ def capture(model: Any, example_inputs: Sequence[Any] | None = None, batch: int 
     """An IR graph from an nn.Module (+ example inputs), an .onnx path, or an IR Graph (returned as is)."""
     if isinstance(model, Graph):
         return model
+    onnx_module = sys.modules.get("opfuse.frontend.onnx_module")    # no OnnxModule exists before it is imported
+    if onnx_module is not None and isinstance(model, onnx_module.OnnxModule):
+        return model.graph          # imported already: its graph, not a trace of the interpreter running it
     if isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx"):
         from opfuse.frontend.onnx_import import load_onnx
 

@@ -8,7 +8,8 @@
     opfuse --version
 
 MODEL is a built-in name (resnet18, bert-base and the zoo's: opfuse.bench.zoo.BUILTIN_MODELS), an .onnx file
-(analyze and report only), ``package.module:factory`` (the current directory is on the import path) or
+(bench and profile run its graph through PyTorch as eager, on seeded inputs; integer inputs are zeros),
+``package.module:factory`` (the current directory is on the import path) or
 ``path/to/file.py:factory``; a factory returns (model, example_inputs) and may take ``batch``. bench and profile live in opfuse/bench/cli_bench.py.
 
 Every command takes --json FILE (write its results as JSON) and --quiet (print nothing on stdout; errors still go
@@ -70,8 +71,15 @@ def human_time(seconds: float) -> str:
 
 
 def load_model(spec: str, batch: int):
-    """(model, example inputs, display name) of a built-in name, package.module:factory or path/file.py:factory."""
+    """(model, example inputs, display name) of a built-in name, package.module:factory, path/file.py:factory or an
+    .onnx file (its graph run through PyTorch, `opfuse.frontend.onnx_module`; seeded example inputs)."""
     from opfuse.bench.zoo import resolve_model
+
+    if spec.endswith(".onnx"):
+        from opfuse.frontend.onnx_module import example_inputs_of, onnx_module
+
+        model = onnx_module(spec, batch=batch)
+        return model, example_inputs_of(model), Path(spec).stem
 
     module, _, factory = spec.rpartition(":")
     if module.endswith(".py"):           # a file: import it by its stem from its folder

@@ -3,6 +3,9 @@
 capture -> cast + passes -> fusion plan (`opfuse.api.analyze`) -> memory pre-flight -> Triton codegen per group
 -> autotune (resource-checked) -> compiled runtime (+ CUDA graph) -> verification against eager
 
+`model` is an nn.Module or an ONNX model (a path, the file's bytes or an onnx.ModelProto): that one is imported
+(`opfuse.frontend.onnx_module`), and its eager reference is the imported graph run op by op through PyTorch.
+
 Verification runs on every compile unless `config.verify` is False: each kernel is checked alone against the
 reference values of its group (fresh random inputs), a failing kernel is dropped so its group runs through
 PyTorch (and the model's `fallbacks` say why), then the whole model is compared with eager. The user's model is
@@ -203,12 +206,17 @@ class EagerFallback(torch.nn.Module):
             return self.model(*inputs)
 
 
-def compile(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
+def compile(model: Any, example_inputs: Sequence[torch.Tensor],
             config: FusionConfig = FusionConfig(), quiet: bool = True) -> torch.nn.Module:
-    """A faster model computing what `model` computes, for inputs like `example_inputs` (see module docstring)."""
+    """A faster model computing what `model` computes, for inputs like `example_inputs` (see module docstring);
+    `model` is an nn.Module or an ONNX model (a path to an .onnx file, its bytes, or an onnx.ModelProto)."""
     if config.fallback not in ("error", "eager"):
         raise ValueError(f"fallback must be 'error' or 'eager', not {config.fallback!r}")
     example_inputs = tuple(example_inputs)
+    if not isinstance(model, torch.nn.Module):
+        from opfuse.frontend.onnx_module import onnx_module
+
+        model = onnx_module(model, example_inputs)
     config = resolve_dtype(config, example_inputs)
     try:
         return _compile(model, example_inputs, config, quiet)

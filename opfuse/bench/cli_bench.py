@@ -45,10 +45,6 @@ def _preflight(args: argparse.Namespace, *outputs: str | None) -> int | None:
     """The exit code that stops the command before any work (usage, then GPU), or None to go on."""
     if not _writable(*outputs):
         return EXIT_USAGE
-    if args.model.endswith(".onnx"):
-        error(args.command, f"{args.command} runs a PyTorch model (a built-in name or a factory); an .onnx file "
-                            f"can be analysed (opfuse analyze {args.model}) but not benchmarked")
-        return EXIT_USAGE
     problem = gpu_problem()
     if problem is not None:
         error(args.command, f"needs an NVIDIA GPU: {problem} (exit code {EXIT_NEEDS_GPU}); "

@@ -1,6 +1,7 @@
 """ONNX frontend: an ONNX file becomes the same opfuse IR graph the torch.export frontend makes.
 
-Entry point: `load_onnx(path, batch=None)`.
+Entry point: `load_onnx(source, batch=None)`, the source a path, the file's bytes or an onnx.ModelProto (never
+changed); `opfuse.frontend.onnx_module` makes a runnable module of it, which `opfuse.compile` compiles.
 
 Steps: read and check the model, fix the symbolic batch dimension, run ONNX shape inference (strict: a malformed
 node is reported here, by name), then convert node by node:
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import onnx
@@ -43,13 +44,17 @@ NOT_FOLDABLE = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUnif
                 "Bernoulli"}
 
 
-def load_onnx(path: str | os.PathLike, batch: int | None = None) -> Graph:
-    """The IR graph of the ONNX model at `path`; a symbolic first dim of an input becomes `batch` (default 1)."""
-    path = os.fspath(path)
+OnnxSource = Union[str, os.PathLike, bytes, onnx.ModelProto]
+
+
+def load_onnx(source: OnnxSource, batch: int | None = None) -> Graph:
+    """The IR graph of an ONNX model (a file's path, its bytes or an onnx.ModelProto); a symbolic first dim of an
+    input becomes `batch` (default 1)."""
+    path = describe_source(source)
     batch = 1 if batch is None else int(batch)
     if batch < 1:
         raise GraphError(f"{path}: batch must be at least 1, got {batch}")
-    model = _read_model(path)
+    model = _read_model(source)
     _fix_batch_dim(model, path, batch)
     try:
         model = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
@@ -65,16 +70,33 @@ def load_onnx(path: str | os.PathLike, batch: int | None = None) -> Graph:
     return graph
 
 
-def _read_model(path: str) -> onnx.ModelProto:
-    """The parsed and checked model; any problem becomes a GraphError naming the file."""
-    if not os.path.exists(path):
-        raise GraphError(f"{path}: no such ONNX file")
-    if not os.path.isfile(path):
-        raise GraphError(f"{path}: not a file, so not an ONNX model")
-    try:
-        model = onnx.load(path)
-    except Exception as error:  # DecodeError for truncated or garbage files, OSError, bad external data
-        raise GraphError(f"{path}: not a readable ONNX model ({type(error).__name__}: {error})") from error
+def describe_source(source: OnnxSource) -> str:
+    """How messages name an ONNX source: its path, or what it is."""
+    if isinstance(source, onnx.ModelProto):
+        return f"ONNX model {source.graph.name or '(unnamed)'}"
+    if isinstance(source, (bytes, bytearray)):
+        return f"ONNX model of {len(source)} bytes"
+    return os.fspath(source)
+
+
+def _read_model(source: OnnxSource) -> onnx.ModelProto:
+    """The parsed and checked model (a copy: the caller's ModelProto is never changed); any problem becomes a
+    GraphError naming the file."""
+    path = describe_source(source)
+    if isinstance(source, onnx.ModelProto):
+        model = onnx.ModelProto()
+        model.CopyFrom(source)
+    else:
+        if not isinstance(source, (bytes, bytearray)):
+            if not os.path.exists(path):
+                raise GraphError(f"{path}: no such ONNX file")
+            if not os.path.isfile(path):
+                raise GraphError(f"{path}: not a file, so not an ONNX model")
+        try:
+            model = onnx.load_from_string(bytes(source)) if isinstance(source, (bytes, bytearray)) \
+                else onnx.load(path)
+        except Exception as error:  # DecodeError for truncated or garbage files, OSError, bad external data
+            raise GraphError(f"{path}: not a readable ONNX model ({type(error).__name__}: {error})") from error
     if model.ByteSize() >= TWO_GIB:
         raise GraphError(f"{path}: models of 2 GiB or more are not supported (protobuf limit)")
     try:

@@ -5,7 +5,7 @@ This is the semantics every fused kernel is checked against, and the path for an
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -13,9 +13,10 @@ from opfuse.ir.graph import Graph, GraphError
 from opfuse.ir.ops import get_op
 
 
-def interpret(graph: Graph, inputs: Sequence[torch.Tensor], device: torch.device | str | None = None
-              ) -> list[torch.Tensor]:
-    """Outputs of `graph` for `inputs` (one per input node, in order); constants move to the inputs' device."""
+def interpret(graph: Graph, inputs: Sequence[torch.Tensor], device: torch.device | str | None = None,
+              constants: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Outputs of `graph` for `inputs` (one per input node, in order); constants (the graph's, or `constants` by
+    name) move to the inputs' device."""
     input_nodes = graph.input_nodes
     if len(inputs) != len(input_nodes):
         raise GraphError(f"graph {graph.name} takes {len(input_nodes)} inputs, got {len(inputs)}")
@@ -31,7 +32,7 @@ def interpret(graph: Graph, inputs: Sequence[torch.Tensor], device: torch.device
         if node.op == "input":
             continue
         if node.op == "constant":
-            values[node.name] = graph.constants[node.name].to(device)
+            values[node.name] = (constants if constants is not None else graph.constants)[node.name].to(device)
             continue
         args = [values[i] for i in node.inputs]
         try:

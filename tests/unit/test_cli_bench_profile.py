@@ -58,8 +58,8 @@ def test_without_a_gpu_exit_code_3_before_loading_anything(command, monkeypatch,
 def test_usage_errors_come_before_the_gpu_check(tmp_path, capsys):
     assert main(["bench", "resnet50", "--contenders", "eager,warp_drive"]) == 2
     assert "warp_drive" in capsys.readouterr().err
-    assert main(["bench", str(tmp_path / "model.onnx")]) == 2
-    assert "opfuse analyze" in capsys.readouterr().err
+    assert main(["bench", str(tmp_path / "model.onnx")]) == 3                  # an .onnx file is benchmarked too
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err
     assert main(["profile", "resnet50", "--json", str(tmp_path / "no" / "such" / "dir" / "p.json")]) == 2
     assert main(["bench"]) == 2
     assert "give a MODEL, or --zoo" in capsys.readouterr().err

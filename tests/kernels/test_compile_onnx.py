@@ -1,0 +1,89 @@
+"""opfuse.compile of an ONNX model (a path, its bytes or an onnx.ModelProto), on Triton's interpreter: the result
+matches ONNX's own reference evaluator, and a wrong example input is an error naming it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import opfuse
+from opfuse.frontend.onnx_module import OnnxModule, example_inputs_of, onnx_module
+from opfuse.ir.graph import GraphError
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def small_cnn() -> onnx.ModelProto:
+    """Conv + BatchNorm + Relu, global average pool, Flatten, Gemm: a dynamic batch, opset 17 (onnx 1.23's reference
+    evaluator computes BatchNormalization of opsets 9-13 differently from their definition)."""
+    rng = np.random.default_rng(0)
+    weights = {"w": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3,
+               "b": rng.standard_normal(8).astype(np.float32) * 0.1,
+               "scale": rng.uniform(0.5, 1.5, 8).astype(np.float32), "shift": rng.standard_normal(8).astype(np.float32),
+               "mean": rng.standard_normal(8).astype(np.float32) * 0.1, "var": rng.uniform(0.5, 1.5, 8).astype(np.float32),
+               "fc": rng.standard_normal((8, 4)).astype(np.float32) * 0.3, "fc_b": np.zeros(4, np.float32) + 0.1}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "scale", "shift", "mean", "var"], ["n"]),
+             helper.make_node("Relu", ["n"], ["r"]),
+             helper.make_node("GlobalAveragePool", ["r"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["f"]),
+             helper.make_node("Gemm", ["f", "fc", "fc_b"], ["y"])]
+    graph = helper.make_graph(nodes, "small_cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                                  ["N", 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+                              initializer=[numpy_helper.from_array(a, n) for n, a in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("form", ["path", "bytes", "proto"])
+def test_compiled_onnx_model_matches_onnx_reference(tmp_path, form):
+    proto = small_cnn()
+    path = tmp_path / "small_cnn.onnx"
+    onnx.save(proto, path)
+    before = proto.SerializeToString()
+    source = {"path": str(path), "bytes": path.read_bytes(), "proto": proto}[form]
+    x = torch.randn(2, 3, 8, 8)
+    compiled = opfuse.compile(source, (x,), opfuse.FusionConfig(dtype="float32"))
+    expected = ReferenceEvaluator(str(path)).run(None, {"x": x.numpy()})[0]
+    got = compiled(x)
+    assert got.shape == (2, 4)
+    error = np.linalg.norm(got.detach().numpy() - expected) / np.linalg.norm(expected)
+    assert error < 1e-4
+    assert compiled.compiled.kernels, "the plan got no opfuse kernel"
+    assert proto.SerializeToString() == before                          # the caller's ModelProto is untouched
+
+
+def test_the_module_runs_the_graph_and_moves_like_a_module(tmp_path):
+    module = onnx_module(small_cnn(), batch=3)
+    (x,) = example_inputs_of(module)
+    assert isinstance(module, OnnxModule) and x.shape == (3, 3, 8, 8) and x.dtype == torch.float32
+    reference = ReferenceEvaluator(small_cnn()).run(None, {"x": x.numpy()})[0]
+    np.testing.assert_allclose(module(x).numpy(), reference, rtol=1e-4, atol=1e-5)
+    doubled = module.to(torch.float64)                                  # weights are buffers: cast with the module
+    assert doubled(x.double()).dtype == torch.float64
+
+
+def test_wrong_example_inputs_are_named(tmp_path):
+    with pytest.raises(GraphError, match=r"input 'x' is float32\[2,3,8,8\] in the model, the example input is "
+                                         r"float32\[2, 3, 9, 9\]"):
+        opfuse.compile(small_cnn(), (torch.randn(2, 3, 9, 9),))
+    with pytest.raises(GraphError, match="the model takes 1 inputs"):
+        opfuse.compile(small_cnn(), (torch.randn(2, 3, 8, 8), torch.randn(2)))
+    with pytest.raises(GraphError, match="no such ONNX file"):
+        opfuse.compile(str(tmp_path / "missing.onnx"), (torch.randn(2, 3, 8, 8),))
+    with pytest.raises(GraphError, match="not a readable ONNX model"):
+        opfuse.compile(b"not a model", (torch.randn(2, 3, 8, 8),))
+
+
+def test_the_cli_loads_an_onnx_file_as_a_model_with_inputs(tmp_path):
+    from opfuse.cli import load_model
+
+    path = tmp_path / "small_cnn.onnx"
+    onnx.save(small_cnn(), path)
+    model, inputs, name = load_model(str(path), batch=4)
+    assert isinstance(model, OnnxModule) and name == "small_cnn" and inputs[0].shape == (4, 3, 8, 8)
+    assert model(*inputs).shape == (4, 4)
