@@ -2,29 +2,38 @@
 
 Compiling is most of a cold compile: every candidate config of every kernel is a Triton compile of its own, and
 the autotuner compiles them one after the other as it first runs each. Here each candidate is run once with its
-launches recorded instead of launched (`opfuse.codegen.base.recording_launches`: nothing runs on the GPU and
-nothing is compiled in this process), and a pool of worker processes compiles the recorded launches
-(`warmup` of the jitted function, on stand-in tensors of the same dtype and alignment, so Triton specialises the
-kernel as the real launch will), writing Triton's on-disk cache; the tuner's own launches then load the compiled
-kernels from that cache. It only warms a cache: a launch a worker could not compile is compiled by the tuner as
-before, and a pool that fails costs time, never a result.
+launches recorded instead of launched (`opfuse.codegen.base.recording_launches`: no generated kernel runs and
+nothing is compiled in this process; a library form's cuBLAS/cuDNN call still runs, the unfused form is skipped),
+and worker processes compile the recorded launches (`warmup` of the jitted function, on stand-in tensors of the
+same dtype and alignment, so Triton specialises the kernel as the real launch will), writing Triton's on-disk
+cache; the tuner's own launches then load the compiled kernels from that cache. It only warms a cache: a launch a
+worker could not compile is compiled by the tuner as before, and workers that fail or outlast `TIMEOUT_S` (killed
+then) cost time, never a result.
 
-Workers are spawned (CUDA does not survive a fork), `compile_workers` of them, each on the caller's GPU.
+Workers are `python -m opfuse.runtime.precompile` processes (not multiprocessing's spawn, which would run the
+user's script again in each), `compile_workers` of them, each on the caller's GPU, each given its share of the
+launches in a file.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from concurrent.futures import ProcessPoolExecutor
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, LaunchRecord, TensorArg, recording_launches
 
-MIN_LAUNCHES = 8        # fewer distinct launches than this compile faster in the tuner than a pool starts
+MIN_LAUNCHES = 8        # fewer distinct launches than this compile faster in the tuner than workers start
+TIMEOUT_S = 300.0       # the workers of one precompile are killed after this long
 
 
 def default_workers() -> int:
@@ -43,16 +52,21 @@ class Precompiled:
 
 def record_launches(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[KernelConfig]]]
                     ) -> list[LaunchRecord]:
-    """The distinct launches of running each kernel once with each of its configs (none of them run)."""
+    """The distinct launches of running each kernel once with each of its configs but the unfused form (none of
+    the generated kernels runs)."""
+    from opfuse.codegen.epilogue import is_unfused
+
     records: dict[LaunchRecord, None] = {}
     for kernel, inputs, configs in jobs:
         for config in configs:
+            if is_unfused(config):      # PyTorch's ops one by one: nothing to compile
+                continue
             try:
                 with recording_launches() as launches:
                     kernel.run(inputs, config)
+                records.update(dict.fromkeys(launches))
             except Exception:   # the tuner runs this config itself and reports what is wrong with it
                 continue
-            records.update(dict.fromkeys(launches))
     return list(records)
 
 
@@ -64,28 +78,32 @@ def precompile(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[Ke
     result = Precompiled(launches=len(records))
     if workers < 2 or len(records) < MIN_LAUNCHES:
         return result
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    try:
-        with ProcessPoolExecutor(max_workers=min(workers, len(records)), mp_context=context,
-                                 initializer=_start_worker, initargs=(device_index,)) as pool:
-            for ok in pool.map(_compile, records, chunksize=1):
-                result.compiled += ok
-                result.failed += not ok
-    except Exception:           # a broken pool (a worker killed, no CUDA there): the tuner compiles as before
-        result.failed = result.launches - result.compiled
+    count = min(workers, len(records))
+    root = str(Path(__file__).resolve().parents[2])      # where the opfuse package is, for the workers' import
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    deadline = time.monotonic() + TIMEOUT_S
+    with tempfile.TemporaryDirectory(prefix="opfuse-precompile-") as folder:
+        processes = []
+        for index in range(count):
+            share = Path(folder) / f"launches-{index}.pickle"
+            share.write_bytes(pickle.dumps(records[index::count]))
+            processes.append(subprocess.Popen([sys.executable, "-m", "opfuse.runtime.precompile", str(share),
+                                               str(device_index)], env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.DEVNULL, text=True))
+        for process in processes:
+            try:
+                output, _ = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+                continue
+            if process.returncode == 0 and output.strip().isdigit():
+                result.compiled += int(output.strip())
+    result.failed = result.launches - result.compiled
     return result
 
 
 # ---- in the workers ------------------------------------------------------------------------------------------
-
-_MODULES: dict[str, object] = {}
-
-
-def _start_worker(device_index: int) -> None:
-    torch.cuda.set_device(device_index)
-
 
 class _StandIn:
     """A tensor as Triton's launcher sees it when it specialises a kernel: a dtype and an aligned or not pointer."""
@@ -102,18 +120,35 @@ class _StandIn:
         return [1]
 
 
-def _compile(record: LaunchRecord) -> bool:
+def _stand_in(value):
+    return _StandIn(value) if isinstance(value, TensorArg) else value
+
+
+def _compile(record: LaunchRecord, modules: dict[str, object]) -> bool:
     """Compile one recorded launch into Triton's cache; whether that worked."""
     try:
-        module = _MODULES.get(record.path)
+        module = modules.get(record.path)
         if module is None:
             spec = importlib.util.spec_from_file_location(os.path.basename(record.path)[:-3], record.path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            _MODULES[record.path] = module
+            modules[record.path] = module
         function = getattr(module, record.function)
-        args = [_StandIn(a) if isinstance(a, TensorArg) else a for a in record.args]
-        function.warmup(*args, grid=(1,), **dict(record.kwargs))
+        function.warmup(*map(_stand_in, record.args), grid=(1,),
+                        **{name: _stand_in(value) for name, value in record.kwargs})
         return True
     except Exception:
         return False
+
+
+def _worker(share: str, device_index: int) -> int:
+    """Compile the launches pickled in `share`; print how many compiled."""
+    torch.cuda.set_device(device_index)
+    records = pickle.loads(Path(share).read_bytes())
+    modules: dict[str, object] = {}
+    print(sum(_compile(record, modules) for record in records), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1], int(sys.argv[2])))
