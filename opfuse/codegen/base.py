@@ -155,11 +155,13 @@ class Launcher:
             if records is None:
                 return self.function[grid](*args, **kwargs)
             records.append(LaunchRecord(self.path, self.name, tuple(_describe(a) for a in args),
-                                        tuple(sorted(kwargs.items()))))
+                                        tuple(sorted((k, _describe(v)) for k, v in kwargs.items()))))
             return None
         return launch
 
     def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__") or attribute == "function":   # copy and pickle look these up before __init__
+            raise AttributeError(attribute)
         return getattr(self.function, attribute)
 
 

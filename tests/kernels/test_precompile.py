@@ -58,3 +58,24 @@ def test_distinct_launches_of_several_configs_and_no_pool_for_few():
     assert len(records) == len(configs)
     result = precompile([(kernel, inputs, configs)], workers=4, device_index=0)
     assert result.launches == len(configs) and result.compiled == 0 and result.failed == 0   # too few for a pool
+
+
+def test_workers_that_cannot_compile_cost_nothing_but_time(monkeypatch):
+    """On the CPU the workers find no GPU and compile nothing: every launch is left to the tuner, no error."""
+    from opfuse.runtime import precompile as module
+
+    kernel, inputs = relu_kernel()
+    monkeypatch.setattr(module, "MIN_LAUNCHES", 1)
+    result = precompile([(kernel, inputs, kernel.configs())], workers=2, device_index=0)
+    assert result.launches >= 1 and result.compiled == 0 and result.failed == result.launches
+    monkeypatch.setattr(module, "TIMEOUT_S", 0.0)                       # workers killed at once
+    result = precompile([(kernel, inputs, kernel.configs())], workers=2, device_index=0)
+    assert result.compiled == 0 and result.failed == result.launches
+
+
+def test_a_kernel_with_its_launcher_copies():
+    import copy
+
+    kernel, inputs = relu_kernel()
+    clone = copy.deepcopy(kernel)
+    assert torch.equal(clone.run(inputs)[0], kernel.run(inputs)[0])
