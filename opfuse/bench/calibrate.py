@@ -44,6 +44,7 @@ from opfuse.fusion.cost import predict_time
 from opfuse.hardware import HardwareProfile
 
 FITTED = ("launch_overhead", "memory_efficiency", "matrix_efficiency")
+REPORTED = FITTED + ("time_factor",)      # a fitted profile prices the kernels themselves: its time factor is 1
 OUTLIER_FACTOR = 3.0        # relative error over this many medians (and over OUTLIER_FLOOR) is an outlier
 OUTLIER_FLOOR = 0.2
 MAX_ROUNDS = 200
@@ -94,7 +95,7 @@ def median_relative_error(samples: Sequence[Sample], hardware: HardwareProfile, 
 
 
 def factors_of(hardware: HardwareProfile) -> dict[str, float]:
-    return {name: getattr(hardware, name) for name in FITTED}
+    return {name: getattr(hardware, name) for name in REPORTED}
 
 
 def calibrate(samples: Sequence[Sample], hardware: HardwareProfile, dtype: str) -> Calibration:

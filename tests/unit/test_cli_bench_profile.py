@@ -107,7 +107,7 @@ def test_calibration_recovers_the_factors_of_a_known_profile():
     assert result.after["memory_efficiency"] == pytest.approx(0.63, rel=1e-6)
     assert result.after["matrix_efficiency"] == pytest.approx(0.41, rel=1e-6)
     assert result.before == {"launch_overhead": H200.launch_overhead, "memory_efficiency": H200.memory_efficiency,
-                             "matrix_efficiency": H200.matrix_efficiency}
+                             "matrix_efficiency": H200.matrix_efficiency, "time_factor": 1.0}
     assert result.error_before > 0.1 and result.error_after < 1e-9
     assert result.profile == TRUE.with_calibration(**result.after)     # everything else of the profile untouched
     assert median_relative_error(synthetic_samples(TRUE), result.profile, "float16") < 1e-9
@@ -136,6 +136,17 @@ def test_a_factor_no_kernel_constrains_keeps_its_value():
     assert calibrate(quick, H200, "float16").after["launch_overhead"] >= 0
     with pytest.raises(ValueError, match="at least one"):
         calibrate([], H200, "float16")
+
+
+def test_a_calibration_of_the_h200_profile_prices_kernels_at_time_factor_1():
+    """The per-kernel fit prices the measured kernels themselves: the profile it returns (and the recipe `opfuse
+    profile` prints from `after`) has time factor 1, whatever the given profile's."""
+    given = get_hardware("h200")
+    assert given.time_factor != 1.0
+    result = calibrate(synthetic_samples(TRUE), given, "float16")
+    assert result.before["time_factor"] == given.time_factor
+    assert result.after["time_factor"] == 1.0 == result.profile.time_factor
+    assert median_relative_error(synthetic_samples(TRUE), given.with_calibration(**result.after), "float16") < 1e-9
 
 
 def test_calibration_keeps_efficiencies_physical_and_never_predicts_worse():
