@@ -1,4 +1,4 @@
-"""Fit the hardware profile's `time_factor` to whole-model times across the zoo (`fit_time_factor`).
+"""Fit the hardware profile's `time_factor` to whole-model times across the zoo (`fit_report`).
 
 `opfuse profile --calibrate` (`opfuse.bench.calibrate`) fits one model's kernels; this fits the factor that turns
 the cost model's kernel times into what the kernels take in a CUDA graph replay, on the measured replays of many

@@ -28,7 +28,7 @@ def test_leave_one_out_predicts_each_workload_without_it():
     workloads = [Workload("a", 1.0, 2.0), Workload("b", 1.0, 2.0), Workload("c", 1.0, 4.0)]
     held_out = zoo_fit.leave_one_out(workloads)
     assert held_out["c"] == pytest.approx(0.5)          # fitted to a and b alone: 2x, so 2 against 4
-    assert held_out["a"] == pytest.approx(0.0) or held_out["a"] == pytest.approx(1.0)
+    assert held_out["a"] == pytest.approx(0.0)           # fitted to b and c: 2x (c, measured 4x, weighs half)
     report = zoo_fit.fit_report(workloads, given_factor=1.5)
     assert report["time_factor_fitted"] == pytest.approx(1.5 * zoo_fit.fit_multiplier(workloads))
     assert report["median_error_given"] == pytest.approx(0.5)
