@@ -97,8 +97,9 @@ def precompile(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[Ke
                 process.kill()
                 process.communicate()
                 continue
-            if process.returncode == 0 and output.strip().isdigit():
-                result.compiled += int(output.strip())
+            last = output.strip().splitlines()[-1:] if output else []    # the count, after anything else printed
+            if process.returncode == 0 and last and last[0].isdigit():
+                result.compiled += int(last[0])
     result.failed = result.launches - result.compiled
     return result
 
