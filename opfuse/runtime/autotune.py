@@ -269,7 +269,11 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
             _, configs = candidates(kernel, config.tune_top, config.library_anchors)
             if cached_choice(kernel, inputs[kernel.group.name], configs, cache, gpu_name)[2] is None:
                 jobs.append((kernel, inputs[kernel.group.name], configs))
-        result.precompiled = precompile(jobs, workers, gpu.index if gpu.index is not None else 0)
+        with Progress(TextColumn("[bold]compiling[/] {task.description}"), TimeElapsedColumn(), disable=quiet,
+                      transient=True) as progress:
+            progress.add_task(f"the candidates of {len(jobs)} kernels in {workers} processes", total=None)
+            result.precompiled = precompile(jobs, workers,
+                                            gpu.index if gpu.index is not None else torch.cuda.current_device())
     with Progress(*columns, disable=quiet, transient=True) as progress:
         task = progress.add_task("", total=len(kernels))
         for kernel in kernels:
