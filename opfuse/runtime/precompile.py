@@ -12,14 +12,14 @@ then) cost time, never a result.
 
 Workers are `python -m opfuse.runtime.precompile` processes (not multiprocessing's spawn, which would run the
 user's script again in each), `compile_workers` of them, each on the caller's GPU, each given its share of the
-launches in a file.
+launches in a JSON file.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import pickle
+import json
 import subprocess
 import sys
 import tempfile
@@ -85,8 +85,8 @@ def precompile(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[Ke
     with tempfile.TemporaryDirectory(prefix="opfuse-precompile-") as folder:
         processes = []
         for index in range(count):
-            share = Path(folder) / f"launches-{index}.pickle"
-            share.write_bytes(pickle.dumps(records[index::count]))
+            share = Path(folder) / f"launches-{index}.json"
+            share.write_text(json.dumps([_encode(record) for record in records[index::count]]))
             processes.append(subprocess.Popen([sys.executable, "-m", "opfuse.runtime.precompile", str(share),
                                                str(device_index)], env=env, stdout=subprocess.PIPE,
                                               stderr=subprocess.DEVNULL, text=True))
@@ -102,6 +102,24 @@ def precompile(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[Ke
                 result.compiled += int(last[0])
     result.failed = result.launches - result.compiled
     return result
+
+
+def _encode(record: LaunchRecord) -> dict:
+    """A launch record as JSON (the workers read data, never code): a tensor argument as {"tensor": [dtype,
+    offset]}, every other argument (ints, floats, bools, strings, None) as it is."""
+    def value(arg):
+        return {"tensor": [arg.dtype, arg.offset]} if isinstance(arg, TensorArg) else arg
+
+    return {"path": record.path, "function": record.function, "args": [value(a) for a in record.args],
+            "kwargs": [[name, value(v)] for name, v in record.kwargs]}
+
+
+def _decode(item: dict) -> LaunchRecord:
+    def value(arg):
+        return TensorArg(*arg["tensor"]) if isinstance(arg, dict) else arg
+
+    return LaunchRecord(item["path"], item["function"], tuple(value(a) for a in item["args"]),
+                        tuple((name, value(v)) for name, v in item["kwargs"]))
 
 
 # ---- in the workers ------------------------------------------------------------------------------------------
@@ -143,9 +161,9 @@ def _compile(record: LaunchRecord, modules: dict[str, object]) -> bool:
 
 
 def _worker(share: str, device_index: int) -> int:
-    """Compile the launches pickled in `share`; print how many compiled."""
+    """Compile the launches written to `share`; print how many compiled."""
     torch.cuda.set_device(device_index)
-    records = pickle.loads(Path(share).read_bytes())
+    records = [_decode(item) for item in json.loads(Path(share).read_text())]
     modules: dict[str, object] = {}
     print(sum(_compile(record, modules) for record in records), flush=True)
     return 0

@@ -79,3 +79,15 @@ def test_a_kernel_with_its_launcher_copies():
     kernel, inputs = relu_kernel()
     clone = copy.deepcopy(kernel)
     assert torch.equal(clone.run(inputs)[0], kernel.run(inputs)[0])
+
+
+def test_a_record_goes_to_the_workers_as_json_and_back():
+    import json
+
+    from opfuse.runtime.precompile import _decode, _encode
+
+    kernel, inputs = relu_kernel()
+    with recording_launches() as launches:
+        kernel.run(inputs, kernel.configs()[0])
+    (record,) = launches
+    assert _decode(json.loads(json.dumps(_encode(record)))) == record
