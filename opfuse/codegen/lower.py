@@ -4,8 +4,8 @@ Dispatch reads the group's kind and anchor op: CONV_CONV groups -> `lower_conv_c
 `lower_conv_group`, linear/matmul -> `lower_gemm_group`, elementwise groups -> `lower_pointwise_group`, reductions
 -> `lower_reduction_group`. A group that gets no kernel (a view, an opaque op, attention, concat/gather, or a
 template that raised `Unsupported`) runs through PyTorch at run time; the reason is recorded so the report can say
-why. The template modules are imported lazily: one that is missing or broken at import time only sends its groups
-to PyTorch, it does not stop the compile.
+why. The template modules are imported lazily; one that cannot be imported (a broken install, or a bug in opfuse) is
+an error naming the group and the template, never a silent run through PyTorch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from opfuse.codegen.base import GroupKernel
 from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
-from opfuse.ir.graph import Graph
+from opfuse.ir.graph import Graph, GraphError
 from opfuse.ir.ops import FusionKind, kind_of
 
 # anchor op -> (module, function) of its template
@@ -92,20 +92,20 @@ def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
         module, function = choice
         try:
             lower = _load(module, function)
-        except (ImportError, AttributeError) as error:
-            # a template module not written yet, or one that fails to import: only its groups fall back
-            reason = f"{module}.{function} is not available: {error}"
+        except (ImportError, AttributeError) as error:   # every template exists: this install or opfuse is broken
+            raise GraphError(f"group {group.name}: the kernel template {module}.{function} cannot be loaded "
+                             f"({type(error).__name__}: {error})") from error
+        try:
+            kernel = lower(graph, group, torch.device(device))
+        except Unsupported as error:
+            reason = f"unsupported by {function}: {error}"
+        except ImportError as error:
+            raise GraphError(f"group {group.name}: the kernel template {module}.{function} needs what this "
+                             f"install lacks ({error})") from error
         else:
-            try:
-                kernel = lower(graph, group, torch.device(device))
-            except Unsupported as error:
-                reason = f"unsupported by {function}: {error}"
-            except ImportError as error:  # the template needs something this install lacks
-                reason = f"{function} cannot run here: {error}"
-            else:
-                if kernel is not None:
-                    return kernel
-                reason = f"{function} made no kernel for it"
+            if kernel is not None:
+                return kernel
+            reason = f"{function} made no kernel for it"
     if reasons is not None:
         reasons[group.name] = reason
     return None

@@ -314,7 +314,7 @@ def test_dispatch_gives_a_reason_for_groups_without_a_kernel(kind, nodes, anchor
     assert words in reasons["g7"]
 
 
-def test_lower_group_records_unsupported_and_missing_templates(monkeypatch):
+def test_lower_group_records_unsupported_and_refuses_missing_templates(monkeypatch):
     graph = build_graph()
     group = build_plan(graph).groups[0]
     reasons = {}
@@ -329,9 +329,10 @@ def test_lower_group_records_unsupported_and_missing_templates(monkeypatch):
     def missing(module, function):
         raise ModuleNotFoundError(f"No module named {module!r}")
 
-    monkeypatch.setattr(lower, "_load", missing)
-    assert lower.lower_group(graph, group, "cpu", reasons) is None
-    assert "opfuse.codegen.conv.lower_conv_group is not available" in reasons["g0"]
+    monkeypatch.setattr(lower, "_load", missing)              # a template that cannot be loaded is an error
+    with pytest.raises(GraphError, match=r"group g0: the kernel template opfuse\.codegen\.conv\.lower_conv_group "
+                                         r"cannot be loaded \(ModuleNotFoundError"):
+        lower.lower_group(graph, group, "cpu", reasons)
 
     made = {}
     monkeypatch.setattr(lower, "_load", lambda module, function: lambda g, grp, dev: made.setdefault(
@@ -343,15 +344,16 @@ def test_build_compiled_model_on_cpu(monkeypatch):
     graph = build_graph()
     plan = build_plan(graph)
 
+    def refuse(g, group, device):
+        raise Unsupported("not this group")
+
     def fake_load(module, function):
-        if function == "lower_conv_group":
-            return lambda g, group, device: FakeKernel(g, group)
-        raise ImportError(f"{module} not written yet")
+        return (lambda g, group, device: FakeKernel(g, group)) if function == "lower_conv_group" else refuse
 
     monkeypatch.setattr(lower, "_load", fake_load)
     model = build_compiled_model(plan, "cpu", example_inputs())
     assert list(model.kernels) == ["g0"] and set(model.fallbacks) == {"g1", "g2"}
-    assert "not written yet" in model.fallbacks["g2"]
+    assert "not this group" in model.fallbacks["g2"]
     assert model.tuning is None          # nothing to time on the CPU
     x, y = example_inputs()
     assert_same(model(x, y), interpret(graph, [x, y]))
