@@ -34,7 +34,6 @@ REDUCTION_LOWERING = ("opfuse.codegen.reduction", "lower_reduction_group")
 # kinds that never get a kernel of ours, and why
 NO_KERNEL_KINDS = {
     GroupKind.VIEW: "view: metadata only, no kernel needed",
-    GroupKind.OPAQUE: "opaque op: runs through PyTorch",
     GroupKind.INJECTIVE: "injective (concat/gather/copy): no Triton template, runs through PyTorch",
 }
 
@@ -51,6 +50,8 @@ def find_anchor(graph: Graph, group: FusionGroup) -> str | None:
 
 def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | str:
     """(module, function) of the template for `group`, or the reason it has none."""
+    if group.kind is GroupKind.OPAQUE:      # name the op: "opaque" alone does not say what runs through PyTorch
+        return f"opaque op {', '.join(graph[n].describe() for n in group.nodes)}: runs through PyTorch"
     if group.kind in NO_KERNEL_KINDS:
         return NO_KERNEL_KINDS[group.kind]
     kinds = {name: kind_of(graph[name]) for name in group.nodes}
