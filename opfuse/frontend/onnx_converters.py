@@ -218,6 +218,13 @@ def _layer_norm(importer: Importer, node, xs, attrs):
     return [result]
 
 
+@converts("LRN", attributes=("alpha", "beta", "bias", "size"))
+def _lrn(importer: Importer, node, xs, attrs):
+    return [importer.emit("local_response_norm", [xs[0]], {
+        "size": int(attrs["size"]), "alpha": attrs.get("alpha", 1e-4), "beta": attrs.get("beta", 0.75),
+        "bias": attrs.get("bias", 1.0)})]
+
+
 @converts("Softmax", attributes=("axis",))
 def _softmax(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape

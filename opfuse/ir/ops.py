@@ -179,6 +179,17 @@ def _run_mean(xs, a):
     return torch.mean(xs[0], dim=a["dims"], keepdim=a.get("keepdim", False))
 
 
+def _run_local_response_norm(xs, a):
+    """ONNX's LRN: x / (bias + alpha / size * sum of x^2 over the channels c - floor((size-1)/2) to
+    c + ceil((size-1)/2))^beta; PyTorch's local_response_norm centres an even window one channel earlier."""
+    x = xs[0]
+    size = a["size"]
+    squares = x.float().pow(2).reshape(x.shape[0], 1, x.shape[1], -1)
+    padded = F.pad(squares, (0, 0, (size - 1) // 2, size // 2))
+    window_mean = F.avg_pool2d(padded, (size, 1), stride=1).reshape(x.shape)
+    return (x.float() / (a["bias"] + a["alpha"] * window_mean).pow(a["beta"])).to(x.dtype)
+
+
 def _run_opaque(xs, a):
     fn = a.get("fn")
     if fn is None:
@@ -239,6 +250,8 @@ register(OpDef("layer_norm", R, lambda xs, a: F.layer_norm(xs[0], a["normalized_
 register(OpDef("mean", R, _run_mean, per_input_element(1), doc="attrs dims, keepdim"))
 register(OpDef("sum", R, lambda xs, a: torch.sum(xs[0], dim=a["dims"], keepdim=a.get("keepdim", False)),
                per_input_element(1), doc="attrs dims, keepdim"))
+register(OpDef("local_response_norm", O, _run_local_response_norm, lambda ins, out, a: (a["size"] + 4) * out.numel,
+               doc="ONNX LRN over dim 1; attrs size, alpha, beta, bias"))
 register(OpDef("max_pool2d", R, lambda xs, a: F.max_pool2d(xs[0], a["kernel_size"], a["stride"], a["padding"],
                                                           a["dilation"], a["ceil_mode"]),
                pool_flops, doc="attrs kernel_size, stride, padding, dilation, ceil_mode"))

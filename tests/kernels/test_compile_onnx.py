@@ -87,3 +87,24 @@ def test_the_cli_loads_an_onnx_file_as_a_model_with_inputs(tmp_path):
     model, inputs, name = load_model(str(path), batch=4)
     assert isinstance(model, OnnxModule) and name == "small_cnn" and inputs[0].shape == (4, 3, 8, 8)
     assert model(*inputs).shape == (4, 4)
+
+
+def test_an_lrn_model_compiles_and_its_lrn_runs_through_pytorch():
+    """AlexNet-style Conv -> Relu -> LRN -> Conv: the convs get kernels, the LRN runs through PyTorch, said so."""
+    rng = np.random.default_rng(1)
+    weights = {"w1": rng.standard_normal((6, 3, 3, 3)).astype(np.float32) * 0.3,
+               "w2": rng.standard_normal((4, 6, 1, 1)).astype(np.float32) * 0.3}
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("LRN", ["r"], ["n"], size=5, alpha=1e-3, beta=0.75, bias=1.0),
+             helper.make_node("Conv", ["n", "w2"], ["y"])]
+    graph = helper.make_graph(nodes, "lrn_net", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])],
+                              initializer=[numpy_helper.from_array(a, n) for n, a in weights.items()])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = torch.randn(1, 3, 6, 6)
+    compiled = opfuse.compile(proto, (x,), opfuse.FusionConfig(dtype="float32"))
+    lrn = [reason for reason in compiled.fallbacks.values() if "local_response_norm" in reason]
+    assert len(lrn) == 1 and "runs through PyTorch" in lrn[0]
+    assert len(compiled.compiled.kernels) == 2
+    reference = onnx_module(proto, (x,))(x)
+    assert torch.allclose(compiled(x), reference, rtol=1e-4, atol=1e-5)

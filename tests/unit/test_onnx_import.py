@@ -370,3 +370,29 @@ def test_graph_input_that_is_an_initializer_is_a_constant(tmp_path):
     path = save(tmp_path, nodes, [value("x", [2, 3]), value("bias", [3])], [value("y", [2, 3])], {"bias": random(3)})
     graph = check_against_reference(path, {"x": random(2, 3)})
     assert [n.name for n in graph.input_nodes] == ["x"] and graph["bias"].op == "constant"
+
+
+def lrn_by_the_spec(x: np.ndarray, size: int, alpha: float, beta: float, bias: float) -> np.ndarray:
+    """ONNX's LRN definition, channel by channel (onnx 1.23's reference evaluator loops over the batch dim instead
+    of the channels, so it cannot be the reference here)."""
+    squares = np.zeros_like(x)
+    for c in range(x.shape[1]):
+        begin, end = max(0, c - (size - 1) // 2), min(x.shape[1], c + math.ceil((size - 1) / 2) + 1)
+        squares[:, c] = (x[:, begin:end] ** 2).sum(axis=1)
+    return x / (bias + alpha / size * squares) ** beta
+
+
+@pytest.mark.parametrize("size", [5, 4])
+def test_lrn_matches_the_onnx_definition(tmp_path, size):
+    """AlexNet's and GoogLeNet's LRN: an odd window, and an even one (ONNX centres it one channel later than
+    PyTorch's local_response_norm); it runs through PyTorch."""
+    nodes = [helper.make_node("LRN", ["x"], ["y"], size=size, alpha=2e-3, beta=0.75, bias=2.0)]
+    path = save(tmp_path, nodes, [value("x", [2, 7, 4, 3])], [value("y", [2, 7, 4, 3])])
+    x = random(2, 7, 4, 3) * 3
+    graph = load_onnx(path)
+    assert ops(graph) == ["local_response_norm"]
+    (got,) = interpret(graph, [torch.from_numpy(x)])
+    np.testing.assert_allclose(got.numpy(), lrn_by_the_spec(x, size, 2e-3, 0.75, 2.0), rtol=1e-5, atol=1e-6)
+    if size % 2:        # the same as PyTorch's where the window is symmetric
+        expected = torch.nn.functional.local_response_norm(torch.from_numpy(x), size, 2e-3, 0.75, 2.0)
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
