@@ -34,7 +34,7 @@ REDUCTION_LOWERING = ("opfuse.codegen.reduction", "lower_reduction_group")
 # kinds that never get a kernel of ours, and why
 NO_KERNEL_KINDS = {
     GroupKind.VIEW: "view: metadata only, no kernel needed",
-    GroupKind.INJECTIVE: "injective (concat/gather/copy): no Triton template, runs through PyTorch",
+    GroupKind.INJECTIVE: "injective (concat/gather/pad/copy): no Triton template, runs through PyTorch",
 }
 
 

@@ -132,37 +132,43 @@ def _cast(importer: Importer, node, xs, attrs):
     return [importer.emit("cast", [xs[0]], {"dtype": dtype})]
 
 
-def _symmetric_padding(attrs: dict, size: tuple[int, ...], kernel, strides, dilations) -> tuple[int, int]:
-    """PyTorch's (pad_h, pad_w) for ONNX pads/auto_pad; raises Unsupported where begin and end differ."""
+def _pads(attrs: dict, size: tuple[int, ...], kernel, strides, dilations) -> tuple[int, int, int, int]:
+    """ONNX's pads/auto_pad of a 2-D window as [top, left, bottom, right]."""
     auto_pad = attrs.get("auto_pad", "NOTSET")
     if auto_pad == "VALID":
-        return (0, 0)
+        return (0, 0, 0, 0)
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         totals = [max((math.ceil(n / s) - 1) * s + (k - 1) * d + 1 - n, 0)
                   for n, k, s, d in zip(size, kernel, strides, dilations)]
-        if any(t % 2 for t in totals):
-            raise Unsupported(f"auto_pad {auto_pad} pads {totals} unevenly; opfuse needs symmetric padding")
-        return (totals[0] // 2, totals[1] // 2)
-    pads = list(attrs.get("pads", [0, 0, 0, 0]))
-    if pads[:2] != pads[2:]:
-        raise Unsupported(f"asymmetric pads {pads} ([top, left, bottom, right]); opfuse needs symmetric padding")
-    return (pads[0], pads[1])
+        small = [t // 2 for t in totals]
+        large = [t - t // 2 for t in totals]
+        begin, end = (small, large) if auto_pad == "SAME_UPPER" else (large, small)   # UPPER: the extra at the end
+        return (begin[0], begin[1], end[0], end[1])
+    return tuple(attrs.get("pads", [0, 0, 0, 0]))
 
 
-def _window(importer: Importer, xs, attrs, kernel) -> dict:
-    """stride, padding and dilation of a 2-D conv or pool, checked to be expressible in PyTorch."""
+def _window(importer: Importer, xs, attrs, kernel, pad_value: float | None = None) -> tuple[str, dict]:
+    """(input, its stride, padding and dilation) of a 2-D conv or pool: ONNX's padding where PyTorch's symmetric
+    one expresses it, else an explicit `pad` of the input by `pad_value` (None: unsupported) and no padding."""
     if len(importer.type(xs[0]).shape) != 4:
         raise Unsupported("only 2-D convolution and pooling are mapped")
     strides = tuple(attrs.get("strides", (1, 1)))
     dilations = tuple(attrs.get("dilations", (1, 1)))
-    padding = _symmetric_padding(attrs, importer.type(xs[0]).shape[2:], kernel, strides, dilations)
-    return {"stride": strides, "padding": padding, "dilation": dilations}
+    top, left, bottom, right = _pads(attrs, importer.type(xs[0]).shape[2:], kernel, strides, dilations)
+    window = {"stride": strides, "dilation": dilations}
+    if (top, left) == (bottom, right):
+        return xs[0], window | {"padding": (top, left)}
+    if pad_value is None:
+        raise Unsupported(f"asymmetric pads {[top, left, bottom, right]} ([top, left, bottom, right]); opfuse "
+                          "needs symmetric padding here")
+    padded = importer.emit("pad", [xs[0]], {"pads": (left, right, top, bottom), "value": pad_value})
+    return padded, window | {"padding": (0, 0)}
 
 
 @converts("Conv", attributes=("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"))
 def _conv(importer: Importer, node, xs, attrs):
-    window = _window(importer, xs, attrs, importer.type(xs[1]).shape[2:])
-    inputs = [x for x in xs[:3] if x is not None]
+    x, window = _window(importer, xs, attrs, importer.type(xs[1]).shape[2:], pad_value=0.0)
+    inputs = [x] + [w for w in xs[1:3] if w is not None]
     return [importer.emit("conv2d", inputs, {**window, "groups": attrs.get("group", 1)})]
 
 
@@ -170,20 +176,23 @@ def _conv(importer: Importer, node, xs, attrs):
 @converts("MaxPool", attributes=("auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads", "strides",
                                  "storage_order"))
 def _max_pool(importer: Importer, node, xs, attrs):
-    window = _window(importer, xs, attrs, attrs["kernel_shape"])
+    x, window = _window(importer, xs, attrs, attrs["kernel_shape"], pad_value=float("-inf"))
     pool = {"kernel_size": tuple(attrs["kernel_shape"]), **window, "ceil_mode": bool(attrs.get("ceil_mode", 0))}
-    return [importer.emit("max_pool2d", [xs[0]], pool)]
+    return [importer.emit("max_pool2d", [x], pool)]
 
 
 @converts("AveragePool", attributes=("auto_pad", "ceil_mode", "count_include_pad", "dilations", "kernel_shape",
                                      "pads", "strides"))
 def _average_pool(importer: Importer, node, xs, attrs):
-    window = _window(importer, xs, attrs, attrs["kernel_shape"])
+    include_pad, ceil_mode = bool(attrs.get("count_include_pad", 0)), bool(attrs.get("ceil_mode", 0))
+    # explicit zeros average like counted padding; windows past the end (ceil mode) would count them too
+    x, window = _window(importer, xs, attrs, attrs["kernel_shape"],
+                        pad_value=0.0 if include_pad and not ceil_mode else None)
     if window.pop("dilation") != (1, 1):
         raise Unsupported("dilated average pooling")
-    pool = {"kernel_size": tuple(attrs["kernel_shape"]), **window, "ceil_mode": bool(attrs.get("ceil_mode", 0)),
-            "count_include_pad": bool(attrs.get("count_include_pad", 0))}
-    return [importer.emit("avg_pool2d", [xs[0]], pool)]
+    pool = {"kernel_size": tuple(attrs["kernel_shape"]), **window, "ceil_mode": ceil_mode,
+            "count_include_pad": include_pad}
+    return [importer.emit("avg_pool2d", [x], pool)]
 
 
 @converts("GlobalAveragePool")

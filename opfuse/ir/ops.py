@@ -268,6 +268,8 @@ register(OpDef("expand", I, lambda xs, a: xs[0].expand(a["shape"]), alias=True, 
 register(OpDef("slice", I, _run_slice, alias=True, doc="attrs dim, start, end, step"))
 register(OpDef("identity", I, lambda xs, a: xs[0], alias=True, doc="dropout in eval, Identity"))
 register(OpDef("cat", I, lambda xs, a: torch.cat(xs, a["dim"]), doc="attrs dim"))
+register(OpDef("pad", I, lambda xs, a: F.pad(xs[0], a["pads"], value=a["value"]),
+               doc="constant padding; attrs pads (F.pad's order: last dim's begin and end first), value"))
 register(OpDef("embedding", I, lambda xs, a: F.embedding(xs[1], xs[0]), bytes_read=embedding_bytes,
                doc="inputs weight[V, D], indices"))
 

@@ -106,13 +106,33 @@ def test_conv_auto_pad_same_and_dilation(tmp_path):
     assert next(n for n in graph if n.op == "conv2d").attrs["padding"] == (2, 2)
 
 
-def test_asymmetric_conv_padding_becomes_opaque_with_reason(tmp_path):
-    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="odd", pads=[0, 0, 1, 1])]
-    path = save(tmp_path, nodes, [value("x", [1, 2, 6, 6])], [value("y", [1, 3, 6, 6])], {"w": random(3, 2, 2, 2)})
+@pytest.mark.parametrize("op, attrs, inputs", [
+    ("Conv", {"pads": [0, 0, 1, 1]}, 2), ("Conv", {"auto_pad": "SAME_LOWER"}, 2),
+    ("Conv", {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, 2),
+    ("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [0, 0, 1, 1]}, 1),
+    ("MaxPool", {"kernel_shape": [2, 2], "auto_pad": "SAME_LOWER"}, 1),
+    ("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 0, 0, 1], "ceil_mode": 1}, 1),
+    ("AveragePool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [0, 0, 1, 1], "count_include_pad": 1}, 1)])
+def test_asymmetric_padding_becomes_an_explicit_pad(tmp_path, op, attrs, inputs):
+    """Caffe-era exports pad one side more (pads [top, left, bottom, right], or auto_pad with an even total): the
+    input is padded explicitly (zeros for conv and counted average padding, -inf for max) and the window unpadded."""
+    nodes = [helper.make_node(op, ["x", "w"][:inputs], ["y"], name="odd", **attrs)]
+    path = save(tmp_path, nodes, [value("x", [1, 2, 9, 9])], [value("y", ["n", "c", "h", "w"])],
+                {"w": random(3, 2, 2, 2)} if inputs == 2 else None)
+    graph = check_against_reference(path, {"x": random(1, 2, 9, 9)})
+    pad, window = [n for n in graph if n.op not in ("input", "constant")]
+    assert pad.op == "pad" and window.attrs["padding"] == (0, 0)
+    assert pad.attrs["value"] == (float("-inf") if op == "MaxPool" else 0.0)
+
+
+def test_uncounted_asymmetric_average_padding_becomes_opaque_with_reason(tmp_path):
+    nodes = [helper.make_node("AveragePool", ["x"], ["y"], name="odd", kernel_shape=[3, 3], strides=[2, 2],
+                              pads=[0, 0, 1, 1])]
+    path = save(tmp_path, nodes, [value("x", [1, 2, 9, 9])], [value("y", [1, 2, 4, 4])])
     graph = load_onnx(path)
     (node,) = [n for n in graph if n.op == "opaque"]
-    assert node.attrs["target"] == "onnx::Conv" and "asymmetric" in node.attrs["reason"]
-    assert node.type.shape == (1, 3, 6, 6) and node.source == "odd"
+    assert node.attrs["target"] == "onnx::AveragePool" and "asymmetric" in node.attrs["reason"]
+    assert node.type.shape == (1, 2, 4, 4) and node.source == "odd"
 
 
 def test_mlp_gemm_relu_softmax(tmp_path):
