@@ -47,6 +47,8 @@ def cost_model_error(row: dict) -> float | None:
 
 def _cost_model_line(workloads: dict[str, dict], rows: dict[str, dict], held_out_from: int | None) -> str:
     errors = {key: e for key, e in ((key, cost_model_error(row)) for key, row in rows.items()) if e is not None}
+    if not errors:
+        return "Cost model: no workload measured."
     line = (f"Cost model: median |predicted - measured| / measured of opfuse's replay over {len(errors)} workloads, "
             f"as predicted when measured: **{statistics.median(errors.values()) * 100:.0f}%**.")
     if held_out_from is not None:
@@ -107,7 +109,6 @@ def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
                           "opfuse can have lost by it)")
     calls = {key: speedup(row, "inductor", "opfuse") for key, row in rows.items()}
     replays = {key: speedup(row, "inductor", "opfuse_replay") for key, row in rows.items()}
-    errors = [e for e in (cost_model_error(row) for row in rows.values()) if e is not None]
     mean_call, mean_replay = geometric_mean(list(calls.values())), geometric_mean(list(replays.values()))
     under = [f"{key} ({value:.2f}x)" for key, value in calls.items() if value is not None and value < 1.0]
     counted_calls = sum(v is not None for v in calls.values())
@@ -118,7 +119,7 @@ def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
               f"{_times(mean_replay)} as its bare graph replay, as torch.compile is timed ({counted_replays} "
               "workloads).", "",
               f"Under 1.0x (module call): {', '.join(under) if under else 'none'}.", "",
-              _cost_model_line(workloads, rows, held_out_from) if errors else "Cost model: no workload measured.",
+              _cost_model_line(workloads, rows, held_out_from),
               "", "## Per workload", "",
               "| workload | run | eager | eager + graph | torch.compile + graph | opfuse call | opfuse replay | speedup "
               "(call / replay) | spread: torch.compile / call / replay | compile s, torch.compile cold / warm | compile s, opfuse cold / warm | "
