@@ -92,7 +92,9 @@ def summarize_plan(plan: FusionPlan, hw: HardwareProfile | None = None,
     prices too)."""
     graph = plan.graph
     config = for_graph(plan.config, graph)
-    kernels, nodes = runtime_kernels(plan, through_pytorch)
+    pytorch = set(through_pytorch)
+    kernels = [g for g in plan.groups if g.launches and g.name not in pytorch]
+    nodes = {name for g in plan.groups if g.name in pytorch for name in g.nodes}
     profile = get_hardware(config.hardware)
     if hw is None or hw == profile:      # the planner's prices (split-K's reduce kernel and partial tiles in)
         time = sum(g.predicted_time for g in kernels)
@@ -106,15 +108,6 @@ def summarize_plan(plan: FusionPlan, hw: HardwareProfile | None = None,
     launches = sum(g.launches for g in kernels) + len(rows)
     return _summary(graph, [*kernels, *rows], [(g.inputs, g.outputs) for g in kernels]
                     + [(graph[r.name].inputs, [r.name]) for r in rows], time, launches)
-
-
-def runtime_kernels(plan: FusionPlan, through_pytorch: Iterable[str] = ()) -> tuple[list, set[str]]:
-    """What the compiled model launches: (the groups that get a kernel, the nodes of the groups in
-    `through_pytorch`, which run node by node and launch one kernel each where `launches_kernel` says so)."""
-    pytorch = set(through_pytorch)
-    kernels = [g for g in plan.groups if g.launches and g.name not in pytorch]
-    nodes = {name for g in plan.groups if g.name in pytorch for name in g.nodes}
-    return kernels, nodes
 
 
 def compare(unfused: TrafficSummary, fused: TrafficSummary) -> dict[str, float]:
