@@ -211,8 +211,14 @@ def load_source(source: str, module_name: str) -> ModuleType:
         finally:   # interrupted before the rename: leave no half-written file behind
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    spec = importlib.util.spec_from_file_location(unique, path)
+    module = import_file(path, unique)
+    sys.modules[unique] = module
+    return module
+
+
+def import_file(path: str | os.PathLike, name: str) -> ModuleType:
+    """The module of a Python file, executed under `name` (not registered in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    sys.modules[unique] = module
     return module

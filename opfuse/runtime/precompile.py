@@ -17,9 +17,8 @@ launches in a JSON file.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,8 @@ from typing import Sequence
 
 import torch
 
-from opfuse.codegen.base import GroupKernel, KernelConfig, LaunchRecord, TensorArg, recording_launches
+from opfuse.codegen.base import (GroupKernel, KernelConfig, LaunchRecord, TensorArg, import_file,
+                                 recording_launches)
 
 MIN_LAUNCHES = 8        # fewer distinct launches than this compile faster in the tuner than workers start
 TIMEOUT_S = 300.0       # the workers of one precompile are killed after this long
@@ -148,10 +148,7 @@ def _compile(record: LaunchRecord, modules: dict[str, object]) -> bool:
     try:
         module = modules.get(record.path)
         if module is None:
-            spec = importlib.util.spec_from_file_location(os.path.basename(record.path)[:-3], record.path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            modules[record.path] = module
+            module = modules[record.path] = import_file(record.path, Path(record.path).stem)
         function = getattr(module, record.function)
         function.warmup(*map(_stand_in, record.args), grid=(1,),
                         **{name: _stand_in(value) for name, value in record.kwargs})
