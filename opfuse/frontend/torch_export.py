@@ -269,7 +269,8 @@ class Translator:
         label = str(target) if index is None else f"{target}[{index}]"
         name = (type_node or node).name
         return self.graph.add_node("opaque", inputs, TensorType.of(val), {"target": label, "fn": run,
-                                   "reason": reason}, name=name, source=name).name
+                                   "reason": reason, "pure": _is_deterministic(target)},
+                                   name=name, source=name).name
 
     # ---- the walk ----
     def run(self) -> Graph:

@@ -274,7 +274,8 @@ register(OpDef("embedding", I, lambda xs, a: F.embedding(xs[1], xs[0]), bytes_re
                doc="inputs weight[V, D], indices"))
 
 register(OpDef("opaque", O, _run_opaque,
-               doc="runs through PyTorch: attrs target (name), fn (callable on the input list), or none"))
+               doc="runs through PyTorch: attrs target (name), fn (callable on the input list), or none; pure "
+                   "(fn is a deterministic function of its inputs: it may fold at compile time)"))
 
 
 # ---- per-node helpers ------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Constant folding: compute every node whose inputs are all constants once, at compile time, as a new constant.
 
-Entry point: `fold_constants(graph)`. A node folds when its op has a reference implementation that is a pure
-function of its inputs (every registered op but sources and ``opaque``, whose PyTorch call may be anything) and
-every input is a constant; its value is `get_op(op).run` on those constants, in the graph's order, so chains
-(a parameter cast, transposed, reshaped) fold step by step. The main customer is a weight that reaches an anchor
-through a view: GPT-2's Conv1D is ``addmm(b, x, W)`` with W stored [K, N], captured as a linear whose weight is
-``permute(W)``; folded, the GEMM and conv templates see a constant weight.
+Entry point: `fold_constants(graph)`. A node folds when it is a pure function of its inputs (every registered op
+but sources, and the ``opaque`` calls the frontend marked ``pure``: a deterministic ATen op) and every input is a
+constant; its value is `node_value` of those constants, in the graph's order, so chains (a parameter cast,
+transposed, reshaped) fold step by step. Customers: a weight that reaches an anchor through a view (GPT-2's
+Conv1D is ``addmm(b, x, W)`` with W stored [K, N], captured as a linear whose weight is ``permute(W)``; folded, the
+GEMM and conv templates see a constant weight), and what a model computes from shapes alone (the attention masks
+and position ids of transformers' models, T5's relative-position bias: `simplify_attention_masks` reads them).
 
 A graph output is never folded: the compiled model would hand every caller the same tensor, its own.
 
@@ -14,8 +15,11 @@ Rules that keep folding from costing memory or traffic:
 - a folded constant is contiguous and holds no more storage than its own elements (a slice of a large weight
   does not keep the weight alive); an input constant nothing else reads any more is dropped, so a transposed
   weight replaces its original instead of doubling it;
-- a node whose result would be larger than its largest input and than `SMALL_BYTES` stays a node: an expand of
-  a bias to an activation's shape is a broadcast inside a kernel, materialised it is memory and read traffic;
+- a broadcast (an expand, an elementwise op) whose result would be larger than its largest input and than
+  `SMALL_BYTES` stays a node: an expand of a bias to an activation's shape is a broadcast inside a kernel,
+  materialised it is memory and read traffic. Any other op (a gather, a concat, an opaque call) writes its result
+  at every run anyway: it folds up to `GROWTH_BYTES`, past which the memory a constant holds for good outweighs
+  one kernel;
 - a folded constant is named after its largest input and the op (GPT-2's ``model_h_0_attn_c_attn_weight_permute``;
   a chain appends one op a step), so names depend on the graph alone; it keeps the folded node's ``source``.
 
@@ -31,7 +35,8 @@ from opfuse.ir.graph import Graph, Node, TensorType
 from opfuse.ir.ops import FusionKind, get_op
 from opfuse.passes.eliminate_dead_code import remove_if_unused
 
-SMALL_BYTES = 64 * 1024   # results up to this size fold even when they grow (masks, position ids)
+SMALL_BYTES = 64 * 1024          # broadcasts up to this size fold even when they grow (masks, position ids)
+GROWTH_BYTES = 16 * 1024 * 1024  # other ops' results up to this size fold even when they grow
 
 
 def fold_constants(graph: Graph) -> tuple[Graph, list[str]]:
@@ -56,15 +61,28 @@ def fold_constants(graph: Graph) -> tuple[Graph, list[str]]:
     return graph, changes
 
 
+def is_pure(node: Node) -> bool:
+    """Whether the node's value is a function of its input values alone (so it may be computed at compile time)."""
+    if node.op == "opaque":
+        return bool(node.attrs.get("pure")) and callable(node.attrs.get("fn"))
+    return get_op(node.op).kind is not FusionKind.SOURCE
+
+
+def growth_limit(node: Node) -> int:
+    """The most bytes a folded result of `node` may hold beyond its largest input (module docstring)."""
+    definition = get_op(node.op)
+    return SMALL_BYTES if definition.alias or definition.kind.elementwise else GROWTH_BYTES
+
+
 def _foldable(graph: Graph, node: Node) -> bool:
-    if node.op == "opaque" or get_op(node.op).kind is FusionKind.SOURCE or not node.inputs:
+    if not is_pure(node) or not node.inputs:
         return False
     if node.name in graph.outputs:   # an output stays computed: a constant output would be the model's own tensor
         return False
     if not all(graph.is_constant(i) for i in node.inputs):
         return False
     largest = max(graph[i].type.nbytes for i in node.inputs)
-    return node.type.nbytes <= max(largest, SMALL_BYTES)
+    return node.type.nbytes <= max(largest, growth_limit(node))
 
 
 def _largest_input(graph: Graph, node: Node) -> str:
@@ -72,18 +90,24 @@ def _largest_input(graph: Graph, node: Node) -> str:
     return max(node.inputs, key=lambda i: graph[i].type.numel)
 
 
-def _evaluate(graph: Graph, node: Node) -> torch.Tensor | None:
-    """The node's value on its constants (on the largest one's device), contiguous, its storage no larger than
-    itself (a full view of an input may share the input's: constants are never written). None where the reference
-    cannot run here (a float16 op with no CPU kernel) or gives another type than the node's: the node then stays."""
-    tensors = [graph.constants[i] for i in node.inputs]
-    device = graph.constants[_largest_input(graph, node)].device  # python scalars become CPU constants
+def node_value(node: Node, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """A pure node's value on these input values (moved to the largest one's device: python scalars become CPU
+    constants), contiguous. None where the reference cannot run here (a float16 op with no CPU kernel) or gives
+    another type than the node's."""
+    device = max(tensors, key=lambda t: t.numel()).device
     try:
         with torch.no_grad():
             value = get_op(node.op).run([t.to(device) for t in tensors], node.attrs).contiguous()
-    except (RuntimeError, NotImplementedError):
+    except Exception:  # noqa: BLE001 - an opaque call's failure is PyTorch's: the node stays and runs as it is
         return None
-    if TensorType.of(value) != node.type:
+    return value if TensorType.of(value) == node.type else None
+
+
+def _evaluate(graph: Graph, node: Node) -> torch.Tensor | None:
+    """The node's value on its constants, its storage no larger than itself (a full view of an input may share
+    the input's: constants are never written); None where `node_value` is: the node then stays."""
+    value = node_value(node, [graph.constants[i] for i in node.inputs])
+    if value is None:
         return None
     if value.untyped_storage().nbytes() > value.numel() * value.element_size():
         value = value.clone()  # a view into part of an input: it would keep the whole input alive

@@ -15,7 +15,7 @@ from opfuse.ir.ops import infer_type
 from opfuse.ir.verify import verify
 from opfuse.passes import (cast_precision, default_pipeline, eliminate_dead_code, fold_batchnorm, fold_constants,
                            prepare_graph, remove_noop_layout, run_passes)
-from opfuse.passes.fold_constants import SMALL_BYTES
+from opfuse.passes.fold_constants import GROWTH_BYTES, SMALL_BYTES
 
 F64 = torch.float64
 
@@ -557,6 +557,39 @@ def test_fold_constants_leaves_nodes_that_read_an_input():
     assert_graphs_equal(after, before)
 
 
+def _opaque(graph: Graph, name: str, inputs: list[str], fn, type: TensorType, pure: bool) -> str:
+    return graph.add_node("opaque", inputs, type, {"target": name, "fn": fn, "pure": pure}, name=name).name
+
+
+def test_pure_opaque_calls_of_constants_fold_and_impure_ones_stay():
+    graph = Graph()
+    x = graph.add_input("x", TensorType((4,), "float64")).name
+    ids = const(graph, "ids", torch.arange(4))
+    ge = _opaque(graph, "ge", [ids], lambda xs: xs[0] >= 2, TensorType((4,), "bool"), pure=True)
+    rand = _opaque(graph, "noise", [ids], lambda xs: torch.rand(4, dtype=torch.float64), TensorType((4,), "float64"),
+                   pure=False)
+    picked = _opaque(graph, "where", [ge, x, rand], lambda xs: torch.where(*xs), TensorType((4,), "float64"), pure=True)
+    graph.outputs = [picked]
+    after, changes = run_pass(fold_constants, graph)
+    assert changes == ["folded opaque ge of constants into constant ids_opaque"]
+    assert torch.equal(after.constants["ids_opaque"], torch.tensor([False, False, True, True]))
+    assert after["noise"].op == "opaque" and after["where"].op == "opaque"
+
+
+def test_a_gather_of_constants_folds_past_the_broadcast_limit():
+    """An embedding of constant ids writes its result at every call anyway; an expand is free in a kernel."""
+    rows = SMALL_BYTES // (16 * 8) + 1
+    graph = Graph()
+    x = graph.add_input("x", TensorType((rows, 16), "float64")).name
+    table = const(graph, "table", torch.randn(3, 16, dtype=torch.float64))
+    gathered = op(graph, "gathered", "embedding", [table, const(graph, "ids", torch.arange(rows) % 3)])
+    assert graph[gathered].type.nbytes > SMALL_BYTES and graph[gathered].type.nbytes < GROWTH_BYTES
+    graph.outputs = [op(graph, "add", "add", [x, gathered])]
+    after, changes = run_pass(fold_constants, graph)
+    assert changes == ["folded embedding gathered of constants into constant ids_embedding"]
+    assert_same_numerics(graph, after)
+
+
 class _Conv1D(torch.nn.Module):
     """transformers' GPT-2 Conv1D: addmm(b, x, W) with W stored [in, out]."""
 
@@ -680,15 +713,15 @@ def test_run_passes_names_the_pass_that_broke_the_graph(tmp_path):
 def test_run_passes_records_and_debug_files(tmp_path):
     before = _conv_bn_model()
     after, records = run_passes(before, default_pipeline(), debug_dir=tmp_path)
-    assert [r.name for r in records] == ["fold_constants", "remove_noop_layout", "fold_batchnorm",
-                                         "eliminate_dead_code"]
-    assert records[0].changes == []
-    assert records[1].changes == ["removed no-op identity dropout"]
-    assert records[2].changes == ["folded batch_norm bn into conv2d conv"]
-    assert records[3].changes == ["removed dead tanh unused"]
+    assert [r.name for r in records] == ["fold_constants", "simplify_attention_masks", "remove_noop_layout",
+                                         "fold_batchnorm", "eliminate_dead_code"]
+    assert records[0].changes == [] and records[1].changes == []
+    assert records[2].changes == ["removed no-op identity dropout"]
+    assert records[3].changes == ["folded batch_norm bn into conv2d conv"]
+    assert records[4].changes == ["removed dead tanh unused"]
     assert all(r.seconds >= 0 for r in records)
     assert [n.op for n in after if n.op not in ("input", "constant")] == ["conv2d", "relu"]
-    assert (tmp_path / "04_eliminate_dead_code.txt").read_text() == after.format() + "\n"
+    assert (tmp_path / "05_eliminate_dead_code.txt").read_text() == after.format() + "\n"
     assert (tmp_path / "00_input.txt").read_text() == before.format() + "\n"
     assert_same_numerics(before, after)
 
@@ -696,8 +729,8 @@ def test_run_passes_records_and_debug_files(tmp_path):
 def test_prepare_graph_casts_then_runs_the_pipeline(tmp_path):
     before = _conv_bn_model("float32")
     after, records = prepare_graph(before, "float16", debug_dir=tmp_path)
-    assert [r.name for r in records] == ["cast_precision", "fold_constants", "remove_noop_layout", "fold_batchnorm",
-                                         "eliminate_dead_code"]
+    assert [r.name for r in records] == ["cast_precision", "fold_constants", "simplify_attention_masks",
+                                         "remove_noop_layout", "fold_batchnorm", "eliminate_dead_code"]
     assert (tmp_path / "01_cast_precision.txt").exists()
     assert [n.op for n in after if n.op not in ("input", "constant")] == ["conv2d", "relu"]
     assert all(t.dtype == torch.float16 for t in after.constants.values())
