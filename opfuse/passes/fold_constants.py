@@ -16,10 +16,11 @@ Rules that keep folding from costing memory or traffic:
   does not keep the weight alive); an input constant nothing else reads any more is dropped, so a transposed
   weight replaces its original instead of doubling it;
 - a broadcast (an expand, an elementwise op) whose result would be larger than its largest input and than
-  `SMALL_BYTES` stays a node: an expand of a bias to an activation's shape is a broadcast inside a kernel,
-  materialised it is memory and read traffic. Any other op (a gather, a concat, an opaque call) writes its result
-  at every run anyway: it folds up to `GROWTH_BYTES`, past which the memory a constant holds for good outweighs
-  one kernel;
+  `SMALL_BYTES` stays a node where a computed node reads it: an expand of a bias to an activation's shape is a
+  broadcast inside a kernel, materialised it is memory and read traffic. Any other op (a gather, a concat, an
+  opaque call), and a broadcast whose every reader folds too (a step of a mask computed from constants, as
+  Swin's window mask ``a.unsqueeze(1) - a.unsqueeze(2)``), writes its result at every run anyway: it folds up to
+  `GROWTH_BYTES`, past which the memory a constant holds for good outweighs one kernel;
 - a folded constant is named after its largest input and the op (GPT-2's ``model_h_0_attn_c_attn_weight_permute``;
   a chain appends one op a step), so names depend on the graph alone; it keeps the folded node's ``source``.
 
@@ -43,8 +44,9 @@ def fold_constants(graph: Graph) -> tuple[Graph, list[str]]:
     """A copy of `graph` with each node whose inputs are all constants replaced by its value, as a constant."""
     graph = graph.copy()
     changes = []
+    frontier = _frontier(graph)
     for node in graph:  # a snapshot in topological order: a folded node makes its readers foldable in turn
-        if not _foldable(graph, node):
+        if not _foldable(graph, node, node.name in frontier):
             continue
         value = _evaluate(graph, node)
         if value is None:
@@ -68,13 +70,24 @@ def is_pure(node: Node) -> bool:
     return get_op(node.op).kind is not FusionKind.SOURCE
 
 
-def growth_limit(node: Node) -> int:
+def growth_limit(node: Node, read_by_computed_nodes: bool) -> int:
     """The most bytes a folded result of `node` may hold beyond its largest input (module docstring)."""
     definition = get_op(node.op)
-    return SMALL_BYTES if definition.alias or definition.kind.elementwise else GROWTH_BYTES
+    broadcast = definition.alias or definition.kind.elementwise
+    return SMALL_BYTES if broadcast and read_by_computed_nodes else GROWTH_BYTES
 
 
-def _foldable(graph: Graph, node: Node) -> bool:
+def _frontier(graph: Graph) -> set[str]:
+    """The nodes computable from constants alone that a node not so computable reads (or that are outputs)."""
+    derived: set[str] = set()
+    for node in graph:
+        if graph.is_constant(node.name) or (is_pure(node) and node.inputs and all(i in derived for i in node.inputs)):
+            derived.add(node.name)
+    read_outside = {i for node in graph if node.name not in derived for i in node.inputs}
+    return {name for name in derived if name in read_outside or name in graph.outputs}
+
+
+def _foldable(graph: Graph, node: Node, on_frontier: bool) -> bool:
     if not is_pure(node) or not node.inputs:
         return False
     if node.name in graph.outputs:   # an output stays computed: a constant output would be the model's own tensor
@@ -82,7 +95,7 @@ def _foldable(graph: Graph, node: Node) -> bool:
     if not all(graph.is_constant(i) for i in node.inputs):
         return False
     largest = max(graph[i].type.nbytes for i in node.inputs)
-    return node.type.nbytes <= max(largest, growth_limit(node))
+    return node.type.nbytes <= max(largest, growth_limit(node, on_frontier))
 
 
 def _largest_input(graph: Graph, node: Node) -> str:

@@ -550,6 +550,23 @@ def test_fold_constants_leaves_opaque_calls_and_growth_past_the_limit():
     assert_same_numerics(small, after)
 
 
+def test_a_broadcast_that_only_folding_nodes_read_folds_past_the_limit():
+    """Swin's window mask: a.unsqueeze(1) - a.unsqueeze(2) grows, but what reads it folds too; only the finished
+    mask is read at run time, and it is materialised either way."""
+    n = 100
+    graph = Graph()
+    x = graph.add_input("x", TensorType((n, n), "float64")).name
+    table = const(graph, "table", rand(n))
+    rows, cols = op(graph, "rows", "reshape", [table], shape=(n, 1)), op(graph, "cols", "reshape", [table], shape=(1, n))
+    grid = op(graph, "grid", "sub", [rows, cols])
+    assert graph[grid].type.nbytes > SMALL_BYTES
+    scaled = op(graph, "scaled", "mul", [grid, const(graph, "two", torch.tensor(2.0, dtype=F64))])
+    graph.outputs = [op(graph, "add", "add", [x, scaled])]
+    after, changes = run_pass(fold_constants, graph)
+    assert [n.op for n in after] == ["input", "constant", "add"] and len(changes) == 4
+    assert_same_numerics(graph, after)
+
+
 def test_fold_constants_leaves_nodes_that_read_an_input():
     before = _conv1d([], rand(6, 8))
     after, changes = run_pass(fold_constants, before)
