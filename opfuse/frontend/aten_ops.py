@@ -270,6 +270,21 @@ def _identity(t: Translator, a: dict) -> str:
     return t.emit("identity", [a["self"]])
 
 
+FILLS = {"new_zeros": 0, "zeros_like": 0, "new_ones": 1, "ones_like": 1}   # new_full and full_like: fill_value
+
+
+@maps("new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like")
+def _filled(t: Translator, a: dict) -> str:
+    """One value in a shape: the argument lends its shape, dtype and device only, so the result is a constant
+    (Swin's window mask starts as ``x.new_zeros``; folded, all it is built from folds)."""
+    value = FILLS.get(t.op_name, a.get("fill_value"))
+    if not isinstance(value, (bool, int, float)):
+        raise Unmapped(f"fill value {value!r} is not a number")
+    out = t.out_type
+    tensor = torch.full(out.shape, value, dtype=torch_dtype(out.dtype))
+    return t.graph.add_constant(t.node.name, tensor, source=t.node.name).name
+
+
 # reductions
 
 @maps("softmax", "_softmax")
@@ -395,6 +410,19 @@ def _split(t: Translator, a: dict) -> MultiOutput:
 @maps("unbind")
 def _unbind(t: Translator, a: dict) -> MultiOutput:
     return _split_like(t, a, squeeze=True)
+
+
+@maps("pad", "constant_pad_nd")
+def _pad(t: Translator, a: dict) -> str:
+    """Constant padding (F.pad's order); padding by nothing (Swin pads its windows up to a multiple of their size,
+    often by zero) is no op at all."""
+    if a.get("mode", "constant") != "constant":
+        raise Unmapped(f"{a['mode']} padding")
+    pads = tuple(int(p) for p in a["pad"])
+    if not any(pads):
+        return t.emit("identity", [a["self"]])
+    value = a.get("value")
+    return t.emit("pad", [a["self"]], {"pads": pads, "value": 0.0 if value is None else float(value)})
 
 
 @maps("embedding")

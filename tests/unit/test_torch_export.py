@@ -140,7 +140,16 @@ CASES = [
     ("folded_sources", Lambda(lambda m, x: torch.arange(5.0) * x + torch.full((5,), 2.0)), (X2,), {"mul", "add"}),
     ("inplace_on_fresh_tensor", Lambda(lambda m, x: torch.relu_(x * 2).add_(1).mul_(x)), (X2,),
      {"relu", "add", "mul"}),
+    ("fills", Lambda(lambda m, x: (x.new_zeros(2, 3) + x[:2, :3], torch.ones_like(x) * x, x.new_full((5,), 2.5) + x,
+                                   torch.full_like(x, 7.0) - x, torch.zeros_like(x, dtype=torch.int64))), (X2,),
+     {"constant", "add", "mul", "sub"}),
+    ("pads", Lambda(lambda m, x: (F.pad(x, (1, 2, 0, 1)), F.pad(x, (0, 0, 0, 0)) * 2,
+                                  F.pad(x, (1, 1), value=-3.0), torch.constant_pad_nd(x, [0, 1], 0.5))), (X4,),
+     {"pad", "mul"}),
 ]
+
+
+CASES_BY_NAME = {c[0]: c for c in CASES}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -245,6 +254,14 @@ def test_unsupported_ops_become_opaque_and_still_run():
     assert len(opaque) == 3 and ops["mul"] == 1
     assert any("cumsum" in n.attrs["target"] for n in opaque)
     assert all(n.attrs["reason"] and callable(n.attrs["fn"]) for n in opaque)
+
+
+def test_fills_are_constants_and_padding_by_nothing_is_no_op():
+    graph, ops = capture_and_check(CASES_BY_NAME["fills"][1], X2)
+    assert ops["constant"] >= 5 and not any(n.op == "opaque" for n in graph)
+    graph, ops = capture_and_check(CASES_BY_NAME["pads"][1], X4)
+    pads = sorted(n.attrs["pads"] for n in graph if n.op == "pad")
+    assert pads == [(0, 1), (1, 1), (1, 2, 0, 1)] and ops["identity"] == 1
 
 
 def test_unmappable_arguments_fall_back_to_opaque():
