@@ -52,6 +52,8 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | str:
     """(module, function) of the template for `group`, or the reason it has none."""
     if group.kind is GroupKind.OPAQUE:      # name the op: "opaque" alone does not say what runs through PyTorch
         return f"opaque op {', '.join(graph[n].describe() for n in group.nodes)}: runs through PyTorch"
+    if group.kind is GroupKind.VIEW and group.launches and group.reason:   # PyTorch copies it: the planner says why
+        return group.reason
     if group.kind in NO_KERNEL_KINDS:
         return NO_KERNEL_KINDS[group.kind]
     kinds = {name: kind_of(graph[name]) for name in group.nodes}

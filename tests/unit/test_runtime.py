@@ -314,6 +314,14 @@ def test_dispatch_gives_a_reason_for_groups_without_a_kernel(kind, nodes, anchor
     assert words in reasons["g7"]
 
 
+def test_a_view_that_copies_says_so():
+    copying = FusionGroup(7, GroupKind.VIEW, ["flat"], launches=1, reason="reshape of a permuted tensor is no view: "
+                          "PyTorch copies it (one kernel)")
+    assert lower.choose_lowering(dispatch_graph(), copying) == copying.reason
+    free = FusionGroup(8, GroupKind.VIEW, ["flat"], launches=0, reason="view (reshape): no kernel, no traffic")
+    assert lower.choose_lowering(dispatch_graph(), free) == "view: metadata only, no kernel needed"
+
+
 def test_lower_group_records_unsupported_and_refuses_missing_templates(monkeypatch):
     graph = build_graph()
     group = build_plan(graph).groups[0]
