@@ -17,9 +17,10 @@ import torch
 
 from opfuse.codegen.base import GroupKernel
 from opfuse.codegen.expr import Unsupported
+from opfuse.fusion.legality import joins_as_map
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
 from opfuse.ir.graph import Graph, GraphError
-from opfuse.ir.ops import FusionKind, kind_of
+from opfuse.ir.ops import FusionKind, kind_of, view_copies
 
 # anchor op -> (module, function) of its template
 ANCHOR_LOWERINGS = {
@@ -72,9 +73,10 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | str:
         return ANCHOR_LOWERINGS[op]
     if group.kind is GroupKind.REDUCTION or any(k is FusionKind.REDUCTION for k in kinds.values()):
         return REDUCTION_LOWERING
-    if all(k.elementwise for k in kinds.values()):
-        if group.kind in (GroupKind.POINTWISE, GroupKind.HORIZONTAL_POINTWISE, GroupKind.SINGLE):
-            return POINTWISE_LOWERING
+    if all(k.elementwise or joins_as_map(graph[name]) for name, k in kinds.items()):
+        computes = any(k.elementwise or view_copies(graph, graph[name]) for name, k in kinds.items())
+        if computes and group.kind in (GroupKind.POINTWISE, GroupKind.HORIZONTAL_POINTWISE, GroupKind.SINGLE):
+            return POINTWISE_LOWERING   # (a cat with free views only is PyTorch's cat)
     if all(graph[name].op == "identity" or kind is FusionKind.INJECTIVE for name, kind in kinds.items()):
         return NO_KERNEL_KINDS[GroupKind.INJECTIVE]
     return f"no Triton template for a {group.kind.value} group of ops " \

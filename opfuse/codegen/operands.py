@@ -193,13 +193,13 @@ class Region:
 
     def bind(self, name: str, coords: Coords, variable: str) -> None:
         """Declare that `variable` holds value `name` at `coords` (a reduction result, say)."""
-        self.cache[(name, tuple(coords))] = variable
+        self.cache[(name, tuple(coords), self.mask)] = variable
 
     # ---- values -----------------------------------------------------------------------------------
     def value(self, name: str, coords: Coords) -> str:
         """A float32 Triton expression for value `name` at `coords`, emitting the lines it needs."""
         coords = tuple(coords)
-        key = (name, coords)
+        key = (name, coords, self.mask)     # a value loaded under a cat branch's narrower mask is another value
         if key in self.cache:
             return self.cache[key]
         if name in self.emitter.scalars:
@@ -209,6 +209,8 @@ class Region:
             result = self._load(name, coords)
         elif node.op in VIEW_OPS:
             result = self.value(node.inputs[0], self.view_coords(node, coords))
+        elif node.op == "cat":
+            result = self._cat(node, coords)
         elif node.op in SUPPORTED_OPS:
             args = [self.value(i, self.operand_coords(node, position, coords))
                     for position, i in enumerate(node.inputs)]
@@ -217,6 +219,33 @@ class Region:
             raise Unsupported(f"node {node.describe()} cannot be computed elementwise inside this kernel")
         self.cache[key] = result
         return result
+
+    def _cat(self, node: Node, coords: Coords) -> str:
+        """A cat at `coords`: each input computed (loaded) at its own coordinates under the mask of its slice of
+        the cat dim, the one whose slice holds the coordinate picked."""
+        dim = node.attrs["dim"] % len(node.type.shape)
+        position = coords[dim]
+        if position is None:
+            raise Unsupported(f"cat {node.describe()} along a dimension of size 1")
+        branches: list[tuple[int, str]] = []
+        start, outer = 0, self.mask
+        for name in node.inputs:
+            size = self.graph[name].type.shape[dim]
+            end = start + size
+            if size == 0:
+                continue
+            local = None if size == 1 else (position if start == 0 else f"({position} - {start})")
+            inside = self.assign(f"({position} >= {start}) & ({position} < {end})", "inside")
+            self.mask = f"{outer} & {inside}"
+            try:
+                branches.append((end, self.value(name, coords[:dim] + (local,) + coords[dim + 1:])))
+            finally:
+                self.mask = outer
+            start = end
+        result = branches[-1][1]
+        for end, value in reversed(branches[:-1]):
+            result = f"tl.where({position} < {end}, {value}, {result})"
+        return self.assign(result)
 
     def operand_coords(self, node: Node, position: int, coords: Coords) -> Coords:
         """Coordinates of input `position` of elementwise `node` for its output element at `coords`."""

@@ -1,5 +1,8 @@
 """Elementwise groups (POINTWISE, SINGLE, HORIZONTAL_POINTWISE) as one Triton kernel: `lower_pointwise_group`.
 
+The nodes: elementwise ops, views (coordinate maps) and concatenations (each input loaded under the mask of its
+slice of the output).
+
 Each connected part of the group (one for a chain; several independent chains for a horizontal group) is an
 iteration space: the shape of its largest output, walked by a flat index in the memory order its outputs get
 (NHWC when the largest input is channels-last 4-D, else row-major). Programs [start_k, end_k) of the one launch take
@@ -94,7 +97,7 @@ class PointwiseKernel(TemplateKernel):
         group_operands(graph, group)
         for name in group.nodes:
             node = graph[name]
-            if node.op not in SUPPORTED_OPS and node.op not in VIEW_OPS:
+            if node.op not in SUPPORTED_OPS and node.op not in VIEW_OPS and node.op != "cat":
                 raise Unsupported(f"node {node.describe()} is not elementwise; the pointwise template cannot "
                                   "compute it")
         if not group.outputs:

@@ -22,12 +22,16 @@ Everything else is refused with a reason: any other pair of anchors, an anchor a
 opaque ops, a value the consumer reads that someone outside the pair reads too (several users), and a merge that
 would put a group outside the pair both after and before the fused kernel (a cycle). Choices made here, and why:
 
-- injective ops that copy (cat, embedding) stay single kernels: they write their output in pieces or gather
-  rows, so an epilogue would need its own indexing; the traffic an epilogue would save is one elementwise pass.
-- views (reshape, permute, slice, expand, identity) never join a kernel group: they cost nothing unfused, and
-  the kernel templates index the anchor's output tile or one elementwise index space. A view between two
-  groups therefore blocks their fusion; the passes remove no-op views (identity, reshape to the same shape)
-  before planning, so only real layout changes remain in the way.
+- injective ops that copy stay single kernels (an embedding gathers rows; an epilogue would need its own
+  indexing), but a concatenation joins an elementwise chain without a hub: the elementwise template loads each
+  of its inputs under the mask of its slice (DenseNet's cat -> batch norm -> relu, ShuffleNet's cat -> channel
+  shuffle). Each element is still computed once: inside the group a node has as many elements as each value it
+  reads, a cat's inputs being its slices, and what the group writes has the size of its largest value.
+- views that keep every element (reshape, permute, identity) join elementwise and reduction kernels, whose
+  templates evaluate values at coordinates and map them through views (a reshape of a permuted tensor is then no
+  copy but an index map on a load); they never join an anchor's kernel, whose template indexes its output tile
+  as it is. Slices and expands stay outside (they would drop or repeat elements). The passes remove no-op views
+  before planning, and `sink_reshapes` moves reshapes off an anchor's output where it can.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import FusionKind, get_op, kind_of
 
 Users = Mapping[str, Sequence[Node]]
+ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
 
 
 def can_fuse(graph: Graph, producer_nodes: Iterable[str], consumer_nodes: Iterable[str], users: Users,
@@ -83,20 +88,38 @@ def opaque_rule(graph: Graph, nodes: Iterable[str]) -> str | None:
 
 
 def injective_rule(graph: Graph, nodes: Iterable[str]) -> str | None:
-    """Copying injective ops (cat, embedding) stay single kernels (see the module docstring)."""
-    for name in sorted(nodes):
+    """Copying injective ops stay single kernels, but a cat in a chain without a hub (see the module docstring)."""
+    nodes = sorted(nodes)
+    hub = next((n for n in nodes if kind_of(graph[n]) in (FusionKind.ANCHOR, FusionKind.REDUCTION)), None)
+    for name in nodes:
         node = graph[name]
         if kind_of(node) is FusionKind.INJECTIVE and not get_op(node.op).alias:
-            return f"injective op {name} ({node.op}) stays its own kernel"
+            if node.op != "cat":
+                return f"injective op {name} ({node.op}) stays its own kernel"
+            if hub is not None:
+                return f"{name} (cat) joins elementwise chains only, not the kernel of {hub} ({graph[hub].op})"
     return None
 
 
 def view_rule(graph: Graph, nodes: Iterable[str]) -> str | None:
-    """Views never join a kernel group (see the module docstring)."""
-    for name in sorted(nodes):
-        if is_view(graph[name]):
-            return f"view {name} ({graph[name].op}) cannot join a kernel"
+    """Views that keep every element join kernels without an anchor (see the module docstring)."""
+    nodes = sorted(nodes)
+    anchor = next((n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR), None)
+    for name in nodes:
+        node = graph[name]
+        if not is_view(node):
+            continue
+        if anchor is not None:
+            return f"view {name} ({node.op}) cannot join anchor {anchor}'s kernel"
+        if node.op not in ELEMENT_KEEPING_VIEWS:
+            return f"view {name} ({node.op}) cannot join a kernel: it does not keep every element"
     return None
+
+
+def joins_as_map(node: Node) -> bool:
+    """A node an elementwise or reduction kernel evaluates through coordinates: a view keeping every element or
+    a cat."""
+    return node.op in ELEMENT_KEEPING_VIEWS or node.op == "cat"
 
 
 def is_view(node: Node) -> bool:
@@ -263,10 +286,10 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
     if len(reductions) > 1:
         return f"two reductions ({reductions[0]}, {reductions[1]}) in one kernel"
     for name in order:
-        if not kind_of(graph[name]).elementwise and name not in anchors + reductions:
+        if not kind_of(graph[name]).elementwise and name not in anchors + reductions and not joins_as_map(graph[name]):
             return f"{name} ({graph[name].op}) is not elementwise"
     if not anchors and not reductions:
-        return same_size_rule(graph, order, graph[order[0]].type.numel, "the chain")
+        return element_flow_rule(graph, order, merged, users)
     hub = (anchors + reductions)[0]
     after = reachable(graph, hub, merged, users) - {hub}
     before = reachable_backwards(graph, hub, merged) - {hub}
@@ -281,6 +304,26 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
     hub_input = graph[graph[hub].inputs[0]].type.numel
     return (same_size_rule(graph, epilogue, graph[hub].type.numel, f"{hub}'s output")
             or same_size_rule(graph, prologue, hub_input, f"{hub}'s input"))
+
+
+def element_flow_rule(graph: Graph, order: Sequence[str], merged: set[str], users: Users) -> str | None:
+    """A chain computes each element once: a node has as many elements as each value it reads inside the group
+    (a cat's inputs are its slices), and every value the group writes has the size of its largest."""
+    for name in order:
+        node = graph[name]
+        if node.op == "cat":
+            continue
+        for value in node.inputs:
+            if value in merged and graph[value].type.numel != node.type.numel:
+                return (f"broadcast growth: {name} has {node.type.numel} elements, {value} "
+                        f"{graph[value].type.numel} ({graph[value].type})")
+    largest = max(graph[n].type.numel for n in order)
+    for name in order:
+        written = name in graph.outputs or any(u.name not in merged for u in users[name])
+        if written and graph[name].type.numel != largest:
+            return (f"{name} is written with {graph[name].type.numel} elements, the kernel iterates over "
+                    f"{largest}")
+    return None
 
 
 def same_size_rule(graph: Graph, names: Sequence[str], numel: int, what: str) -> str | None:

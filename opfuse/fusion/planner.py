@@ -5,7 +5,9 @@ Inductor-style greedy fusion, with Hidet's anchor vocabulary and XLA's resource 
 1. every kernel-launching node starts as its own group; every view (reshape, permute, ...) is a VIEW group
    that launches nothing; graph inputs and constants belong to no group.
 2. vertical rounds (`config.vertical`): the candidates are producer -> consumer pairs of groups that share a
-   buffer (seen through views), sorted by the bytes the fusion would save. Each is merged when it is legal
+   buffer (seen through views), sorted by the bytes the fusion would save. Views between two groups without an
+   anchor join the consumer as coordinate maps (`legality`); after the rounds, a view PyTorch would copy joins
+   the elementwise group it is a view of, which then writes it directly. Each is merged when it is legal
    (`legality.can_fuse`), fits the hardware (`resources.estimate_resources`; otherwise OVER_BUDGET and the
    pair is "split back", i.e. stays two kernels) and pays (the cost model predicts the fused kernel faster
    than the two apart; skipped when `config.use_cost_model` is False). Rounds repeat until nothing changes.
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 
 from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
-from opfuse.fusion.legality import can_fuse, in_order, is_view, node_index, path_outside, skip_operands
+from opfuse.fusion.legality import (can_fuse, in_order, is_view, joins_as_map, node_index, path_outside,
+                                    skip_operands)
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.resources import MIN_SPLIT_STEPS, anchor_of, conv_chain, gemm_view, split_k_slices
 from opfuse.fusion.tiles import STREAMING_MULTIPROCESSORS, anchor_loop, anchor_steps, anchor_tiles
@@ -50,6 +53,7 @@ def plan_fusion(graph: Graph, config: FusionConfig | None = None, hw: HardwarePr
     planner = _Planner(graph, config, hw, measured_over_budget or {})
     if config.vertical:
         planner.vertical()
+        planner.absorb_copying_views()
     if config.horizontal:
         planner.horizontal_anchors()
         planner.horizontal_pointwise()
@@ -149,9 +153,62 @@ class _Planner:
         return found
 
     def _candidate_saving(self, candidate: _Candidate) -> int:
-        if candidate.views:
+        if candidate.views and self.views_blocked(candidate):
             return 0   # blocked: saves nothing
-        return self.bytes_saved(self.groups[candidate.producer], self.groups[candidate.consumer])
+        return self.bytes_saved(self.groups[candidate.producer],
+                                list(candidate.views) + self.groups[candidate.consumer])
+
+    def views_blocked(self, candidate: _Candidate) -> str | None:
+        """Why the views between the pair cannot join the consumer as coordinate maps, or None when they can:
+        neither side has an anchor, each view keeps every element, and the consumer (or a view on the way) is
+        all that reads it."""
+        producer, consumer = self.groups[candidate.producer], self.groups[candidate.consumer]
+        anchor = next((n for n in producer + consumer if kind_of(self.graph[n]) is FusionKind.ANCHOR), None)
+        within = set(consumer) | set(candidate.views)
+        for name in reversed(candidate.views):     # from the producer's side
+            view = self.graph[name]
+            if anchor is not None:
+                return f"view {name} ({view.op}) between them blocks fusion: an anchor's kernel maps no views"
+            if not joins_as_map(view):
+                return f"view {name} ({view.op}) between them blocks fusion: it does not keep every element"
+            readers = [u.name for u in self.users[name] if u.name not in within]
+            if readers or name in self.graph.outputs:
+                return (f"view {name} ({view.op}) between them blocks fusion: "
+                        f"{', '.join(readers) or 'the graph outputs'} read it too")
+        if any(kind_of(self.graph[n]) is FusionKind.OPAQUE for n in consumer):
+            return f"views between them block fusion: {consumer[0]} runs through PyTorch"
+        return None
+
+    def absorb_copying_views(self) -> None:
+        """A view PyTorch would copy (a reshape of a permuted tensor: ShuffleNet's channel shuffle), reached
+        from an elementwise group (no anchor, no reduction) through views only that group's value passes, joins
+        that group with the views on the way: its kernel writes the copy's value directly, one launch and one
+        round trip fewer."""
+        for group in list(self.groups):
+            if group not in self.groups or not self.is_view_group(group) or not self.copies(self.groups[group]):
+                continue
+            chain, value = [], self.groups[group][0]
+            while self.group_of.get(value) is not None and self.is_view_group(self.group_of[value]):
+                node = self.graph[value]
+                if not joins_as_map(node) or (chain and [u.name for u in self.users[value]] != [chain[-1]]):
+                    break
+                chain.append(value)
+                value = node.inputs[0]
+            else:
+                producer = self.group_of.get(value)
+                nodes = self.groups.get(producer, []) if producer is not None else []
+                if (nodes and chain and [u.name for u in self.users[value]] == [chain[-1]]
+                        and value not in self.graph.outputs
+                        and all(kind_of(self.graph[n]).elementwise or joins_as_map(self.graph[n]) for n in nodes)):
+                    for name in chain:
+                        self.merge(producer, self.group_of[name], f"view {name} ({self.graph[name].op}) written "
+                                   "directly: no copy kernel")
+
+    def absorb_views(self, candidate: _Candidate) -> None:
+        """Fold the candidate's view groups into its consumer group: the consumer's kernel maps them."""
+        for name in candidate.views:
+            self.merge(candidate.consumer, self.group_of[name], f"view {name} ({self.graph[name].op}) read through "
+                       "as a coordinate map")
 
     def try_vertical(self, candidate: _Candidate) -> bool:
         """Decide one pair: record the decision, merge when legal, within budget and profitable."""
@@ -162,10 +219,13 @@ class _Planner:
         self.seen.add(key)
         fusion = self.fusion_label(producer, consumer)
         if candidate.views:
-            view = self.graph[candidate.views[-1]]
-            reason = f"view {view.name} ({view.op}) between them blocks fusion: views never join a kernel"
-            self.record(producer, consumer, fusion, Verdict.ILLEGAL, reason)
-            return False
+            blocked = self.views_blocked(candidate) or can_fuse(
+                self.graph, producer, list(candidate.views) + consumer, self.users, self.config, self.index)
+            if blocked:
+                self.record(producer, consumer, fusion, Verdict.ILLEGAL, blocked)
+                return False
+            self.absorb_views(candidate)     # the consumer reads through them whether or not the pair merges
+            consumer = self.groups[candidate.consumer]
         return self.decide(candidate.producer, candidate.consumer, fusion,
                            can_fuse(self.graph, producer, consumer, self.users, self.config, self.index))
 
@@ -418,8 +478,9 @@ class _Planner:
             return GroupKind.VIEW
         if FusionKind.OPAQUE in kinds:
             return GroupKind.OPAQUE
-        if FusionKind.INJECTIVE in kinds:
-            return GroupKind.INJECTIVE
+        copies = [n for n in nodes if kind_of(self.graph[n]) is FusionKind.INJECTIVE and not is_view(self.graph[n])]
+        if copies and (len(nodes) == 1 or any(self.graph[n].op != "cat" for n in copies)):
+            return GroupKind.INJECTIVE      # a lone cat or another copy runs through PyTorch; a fused cat does not
         if len(nodes) == 1:
             return GroupKind.SINGLE
         if conv_chain(self.graph, nodes):
@@ -442,6 +503,8 @@ class _Planner:
             return f"view ({first.op}): no kernel, no traffic"
         if kind is GroupKind.OPAQUE:
             return f"opaque op {first.name} runs through PyTorch"
+        if kind is GroupKind.INJECTIVE and first.op == "cat":
+            return f"{first.name} (cat) runs alone through PyTorch: a cat joins elementwise chains only"
         if kind is GroupKind.INJECTIVE:
             return f"{first.name} ({first.op}) stays its own kernel: copying injective ops take no fusion here"
         if group in self.notes:

@@ -203,3 +203,37 @@ def test_tiny_gpt2_runs_its_conv1d_gemms_as_kernels_and_matches_eager():
     fresh = (fresh * 7 + 3) % 50                             # other tokens than the example's
     with torch.no_grad():
         assert relative_error(compiled(fresh), model(fresh)) < 1e-5
+
+
+class ShuffleAndDense(nn.Module):
+    """ShuffleNet's unit (chunk, branch, cat, channel shuffle) and DenseNet's layer (cat -> BN -> ReLU -> 1x1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.branch = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.ReLU(),
+                                    nn.Conv2d(4, 4, 3, padding=1, groups=4), nn.BatchNorm2d(4))
+        self.norm = nn.BatchNorm2d(16)
+        self.dense = nn.Conv2d(16, 6, 1)
+
+    def forward(self, x):
+        kept, rest = x.chunk(2, dim=1)
+        joined = torch.cat([kept, torch.relu(self.branch(rest))], dim=1)
+        b, c, h, w = joined.shape
+        shuffled = joined.view(b, 2, c // 2, h, w).transpose(1, 2).reshape(b, c, h, w)
+        features = torch.cat([shuffled, x], dim=1)
+        return self.dense(torch.relu(self.norm(features)))
+
+
+def test_cat_and_channel_shuffle_fuse_and_match_eager():
+    torch.manual_seed(3)
+    model = with_random_batch_norms(ShuffleAndDense()).eval()
+    x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    with torch.no_grad():
+        fresh = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+        assert relative_error(compiled(fresh), model(fresh)) < 1e-5
+    assert compiled.checks and all(c.passed for c in compiled.checks)
+    cats = [g for g in compiled.plan.groups if any(compiled.plan.graph[n].op == "cat" for n in g.nodes)]
+    assert cats and all(len(g.nodes) > 1 and g.name not in compiled.fallbacks for g in cats)   # kernels of ours
+    assert not any("copies" in why for why in compiled.fallbacks.values())    # the shuffle is written directly
+    assert compiled.launches == compiled.plan.kernel_launches

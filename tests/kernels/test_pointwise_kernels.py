@@ -152,6 +152,32 @@ def test_view_nodes_inside_the_group():
     run_group(b, [b.op("mul", y, z)])
 
 
+def test_concat_and_channel_shuffle_in_one_kernel():
+    """ShuffleNet's unit tail: cat(passthrough, branch) then view, transpose, view; odd channel counts."""
+    b = Builder()
+    wide = b.random(2, 6, 3, 5).to(memory_format=torch.channels_last)
+    passthrough = b.input("x1", (2, 3, 3, 5), wide[:, 3:])           # a channel slice of the previous output
+    branch = b.input("x2", (2, 3, 3, 5))
+    joined = b.op("cat", passthrough, branch, dim=1)
+    grouped = b.op("reshape", joined, shape=[2, 2, 3, 3, 5])
+    shuffled = b.op("reshape", b.op("permute", grouped, dims=[0, 2, 1, 3, 4]), shape=[2, 6, 3, 5])
+    _, (out,) = run_group(b, [shuffled])
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    run_group(b, [shuffled], config=KernelConfig.of(BLOCK=32, num_warps=1))
+
+
+def test_concat_of_several_inputs_with_an_epilogue_and_a_computed_input():
+    """DenseNet: cat of every earlier feature map, then batch norm and relu; one input computed in the group."""
+    b = Builder()
+    a, c = b.input("a", (1, 4, 2, 3)), b.input("c", (1, 1, 2, 3))
+    computed = b.op("sigmoid", b.input("d", (1, 3, 2, 3)))
+    joined = b.op("cat", a, c, computed, a, dim=1)                     # 12 channels, one input twice
+    params = [b.const(n, b.random(12) if n != "var" else b.random(12).abs() + 0.5) for n in ("w", "b", "mean", "var")]
+    out = b.op("relu", b.op("batch_norm", joined, *params, eps=1e-5))
+    run_group(b, [out])
+    run_group(b, [joined, out])                                        # the cat itself is an output too
+
+
 def test_two_outputs_and_a_flattened_one():
     b = Builder()
     x = b.input("x", (2, 4, 3, 3))

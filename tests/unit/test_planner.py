@@ -184,10 +184,32 @@ def test_opaque_op_never_fuses():
         assert reason == "opaque op mystery (aten.mystery) runs through PyTorch"
 
 
-def test_cat_stays_its_own_kernel():
+def test_a_cat_of_anchor_outputs_stays_its_own_kernel():
     plan = plan_fusion(inception_siblings(), FusionConfig(), H200)
     assert plan.group_of("cat").nodes == ["cat"] and plan.group_of("cat").kind is GroupKind.INJECTIVE
-    assert "injective op cat (cat) stays its own kernel" in decisions_between(plan, "relu_pool", "cat")[0].reason
+    assert "cat (cat) joins elementwise chains only, not the kernel of conv_pool" in \
+        decisions_between(plan, "relu_pool", "cat")[0].reason
+    assert "runs alone through PyTorch" in plan.group_of("cat").reason
+
+
+def test_a_cat_joins_the_elementwise_chain_after_it_and_the_shuffle_views_before_a_copy():
+    """DenseNet's cat -> batch norm -> relu, and ShuffleNet's cat -> view, transpose, view (a copy in PyTorch)."""
+    b = GraphBuilder("cat_chains")
+    x, y = b.input("x", (1, 8, 6, 6)), b.input("y", (1, 8, 6, 6))
+    scaled = b.op("mul", [b.unary("relu", x, "rx"), b.constant("s", (8, 1, 1))], name="scaled")
+    joined = b.op("cat", [scaled, b.unary("sigmoid", y, "sy")], {"dim": 1}, "joined")
+    grouped = b.op("reshape", [joined], {"shape": (1, 2, 8, 6, 6)}, "grouped")
+    swapped = b.op("permute", [grouped], {"dims": (0, 2, 1, 3, 4)}, "swapped")
+    shuffled = b.op("reshape", [swapped], {"shape": (1, 16, 6, 6)}, "shuffled")
+    graph = b.output(b.unary("tanh", b.op("slice", [shuffled], {"dim": 1, "start": 0, "end": 8, "step": 1}, "half"),
+                             "out"))
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    group = plan.group_of("joined")
+    assert set(group.nodes) == {"rx", "scaled", "sy", "joined", "grouped", "swapped", "shuffled"}
+    assert group.kind is GroupKind.POINTWISE and group.outputs == ["shuffled"] and group.launches == 1
+    assert "written directly: no copy kernel" in group.reason
+    assert plan.group_of("half").kind is GroupKind.VIEW          # a slice keeps its own (free) view
+    assert sum(g.launches for g in plan.groups) == 2
 
 
 def test_merge_that_would_make_a_cycle_is_refused():
