@@ -96,6 +96,7 @@ _UNARY: dict[str, Callable[[dict, str], str]] = {
     "abs": lambda a, x: f"tl.abs({x})",
     "reciprocal": lambda a, x: f"(1.0 / ({x}))",
     "identity": lambda a, x: x,
+    "isinf": lambda a, x: f"tl.where(tl.abs({x}) == float('inf'), 1.0, 0.0)",   # a bool as 1.0 / 0.0
     # a cast inside a fused kernel rounds through the target type, then continues in float32
     "cast": lambda a, x: f"({x}).to({triton_dtype(a['dtype'])}).to(tl.float32)",
 }
@@ -109,8 +110,14 @@ _BINARY: dict[str, Callable[[dict, str, str], str]] = {
     "minimum": lambda a, x, y: f"tl.minimum({x}, {y}, {PROPAGATE_NAN})",
     "pow": lambda a, x, y: _pow(x, y),
 }
+for _name, _symbol in {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}.items():
+    _BINARY[_name] = (lambda symbol: lambda a, x, y: f"tl.where(({x}) {symbol} ({y}), 1.0, 0.0)")(_symbol)  # bools
 
-SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | {"batch_norm"}
+_TERNARY: dict[str, Callable[[dict, str, str, str], str]] = {
+    "where": lambda a, c, x, y: f"tl.where(({c}) != 0.0, {x}, {y})",
+}
+
+SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_TERNARY) | {"batch_norm"}
 
 
 def emit(op: str, attrs: dict, args: Sequence[str]) -> str:
@@ -119,6 +126,8 @@ def emit(op: str, attrs: dict, args: Sequence[str]) -> str:
         return _UNARY[op](attrs, args[0])
     if op in _BINARY and len(args) == 2:
         return _BINARY[op](attrs, args[0], args[1])
+    if op in _TERNARY and len(args) == 3:
+        return _TERNARY[op](attrs, *args)
     if op == "batch_norm" and len(args) == 5:
         return _batch_norm(attrs, *args)
     raise Unsupported(f"no Triton lowering for {op} with {len(args)} operands")

@@ -1,8 +1,8 @@
 """Reduction groups with an elementwise prologue and epilogue as one Triton kernel: `lower_reduction_group`.
 
 Two templates:
-- rows (`RowReductionKernel`): softmax over any dim, layer_norm over the last dims (weight, bias), mean/sum over
-  given dims, and adaptive_avg_pool2d to (1,1) (global average pool = mean over H, W). The reduction input is viewed
+- rows (`RowReductionKernel`): softmax over any dim, layer_norm over the last dims (weight, bias), mean/sum/any
+  over given dims, and adaptive_avg_pool2d to (1,1) (global average pool = mean over H, W). The reduction input is viewed
   as [rows, L] (kept dims x reduced dims, through its strides); a program takes BLOCK_M rows and walks each row in
   chunks of BLOCK_L. When one chunk holds the row (ONE_PASS) it stays in registers: one read, one write. Otherwise
   softmax keeps an online max and sum, layer norm merges per-chunk mean and M2 (Chan et al.), and a second sweep
@@ -29,7 +29,7 @@ from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import FusionKind, kind_of
 
-ROW_OPS = ("softmax", "layer_norm", "mean", "sum")
+ROW_OPS = ("softmax", "layer_norm", "mean", "sum", "any")
 POOL_OPS = ("max_pool2d", "avg_pool2d")
 NEG_INF = 'float("-inf")'
 # softmax's running max never drops below this finite floor: a chunk of only -inf (a padding mask) would
@@ -142,7 +142,7 @@ class RowReductionKernel(TemplateKernel):
         elif mode == "layer_norm":
             body += self._layer_norm()
         else:
-            body += self._sum(divide=mode == "mean")
+            body += self._sum(mode)
         constexprs = ["BLOCK_M", "BLOCK_L", "ONE_PASS", "INT64"]
         name, source, function = build_kernel(graph, group, emitter, body, constexprs)
         super().__init__(graph, group, name, source, device, emitter.args, constants, function)
@@ -229,11 +229,15 @@ class RowReductionKernel(TemplateKernel):
              "seen = tl.zeros([1, 1], dtype=tl.float32)"] + self._loop(stats)
             + [f"rstd = tl.rsqrt(m2 / {n} + {eps})"] + self._loop(write)))
 
-    def _sum(self, divide: bool) -> list[str]:
+    def _sum(self, mode: str) -> list[str]:
+        """mean, sum, or any (a running max of x != 0, as 1.0 / 0.0)."""
         chunk, region, _, x = self._chunk("start + lanes", True)
         lines = ["acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)"]
-        lines += self._loop(chunk + region.lines + [f"acc += tl.where(mask, {x}, 0.0)"])
-        lines.append("result = tl.sum(acc, axis=1)[:, None]" + (f" / {self.length}" if divide else ""))
+        step = (f"acc = tl.maximum(acc, tl.where(mask & (({x}) != 0.0), 1.0, 0.0))" if mode == "any"
+                else f"acc += tl.where(mask, {x}, 0.0)")
+        lines += self._loop(chunk + region.lines + [step])
+        total = "tl.max(acc, axis=1)[:, None]" if mode == "any" else "tl.sum(acc, axis=1)[:, None]"
+        lines.append(f"result = {total}" + (f" / {self.length}" if mode == "mean" else ""))
         out_shape = self.node.type.shape
         if len(out_shape) == len(self._shape):       # keepdim: reduced dims stay with size 1
             coords = tuple(None if d in self.reduced else self._kept[d] for d in range(len(out_shape)))

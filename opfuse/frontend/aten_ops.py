@@ -196,8 +196,13 @@ def _layer_norm_with_statistics(t: Translator, a: dict) -> MultiOutput:
 
 # elementwise
 
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+
+
 def _binary(op: str, reverse: bool = False) -> Handler:
-    """add/sub/mul/div (Tensor and Scalar overloads): `alpha` scales `other` first; rsub swaps the operands."""
+    """add/sub/mul/div/comparisons (Tensor and Scalar overloads): `alpha` scales `other` first; rsub swaps the
+    operands. A python scalar takes the result's dtype, or for a comparison (whose result is bool) the dtype the
+    comparison is made in."""
     def handle(t: Translator, a: dict) -> str:
         if a.get("rounding_mode") is not None:
             raise Unmapped("division with a rounding mode")
@@ -205,11 +210,19 @@ def _binary(op: str, reverse: bool = False) -> Handler:
         alpha = a.get("alpha", 1)
         if alpha is not None and alpha != 1:  # add: self + alpha·other; rsub: other - alpha·self
             second = t.emit("mul", [second, t.operand(alpha)]) if isinstance(second, fx.Node) else second * alpha
-        return t.emit(op, [t.operand(first), t.operand(second)])
+        dtype = None
+        if op in COMPARISONS:
+            tensor = next((v for v in (first, second) if isinstance(v, fx.Node)), None)
+            if tensor is None:
+                raise Unmapped("a comparison of two python scalars")
+            other = second if tensor is first else first
+            probe = torch.empty((), dtype=torch_dtype(t.type_of(t.value(tensor)).dtype))
+            dtype = dtype_name(torch.result_type(probe, other if not isinstance(other, fx.Node) else probe))
+        return t.emit(op, [t.operand(first, dtype), t.operand(second, dtype)])
     return handle
 
 
-for _name in ("add", "sub", "mul", "div", "maximum", "minimum"):
+for _name in ("add", "sub", "mul", "div", "maximum", "minimum") + COMPARISONS:
     HANDLERS[_name] = _binary(_name)
 HANDLERS["rsub"] = _binary("sub", reverse=True)
 
@@ -238,9 +251,42 @@ def _clamp(t: Translator, a: dict) -> str:
         low, high = a["min_val"], a["max_val"]
     else:
         low, high = a.get("min"), a.get("max")
-    if isinstance(low, fx.Node) or isinstance(high, fx.Node):
-        raise Unmapped("clamp with tensor bounds")
+    if isinstance(low, fx.Node) or isinstance(high, fx.Node):   # tensor bounds: T5's fp16 overflow clamp
+        x = t.value(a["self"])
+        if low is not None:
+            x = t.emit("maximum", [x, t.operand(low)])
+        if high is not None:
+            x = t.emit("minimum", [x, t.operand(high)])
+        return x
     return t.emit("clamp", [a["self"]], {"min": low, "max": high})
+
+
+@maps("isinf")
+def _isinf(t: Translator, a: dict) -> str:
+    return t.emit("isinf", [a["self"]])
+
+
+@maps("where")
+def _where(t: Translator, a: dict) -> str:
+    """where(condition, self, other); either value may be a python scalar (of the result's dtype)."""
+    if "condition" not in a or a.get("self") is None or a.get("other") is None:
+        raise Unmapped("where with one argument (nonzero)")
+    return t.emit("where", [a["condition"], t.operand(a["self"]), t.operand(a["other"])])
+
+
+@maps("any")
+def _any(t: Translator, a: dict) -> str:
+    """any over some dims (all when none are given). Over more dims than the last, it runs in two steps, the last
+    dim first: rows in parallel, then the few values left (a full reduction in one program would be serial)."""
+    x = t.value(a["self"])
+    rank = t.rank(x)
+    dims = a.get("dim")
+    dims = list(range(rank)) if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
+    dims = sorted({_dim(d, rank) for d in dims})
+    keepdim = bool(a.get("keepdim"))
+    if len(dims) > 1 and dims[-1] == rank - 1:
+        x = t.emit("any", [x], {"dims": [rank - 1], "keepdim": True})
+    return t.emit("any", [x], {"dims": dims, "keepdim": keepdim})
 
 
 @maps("_to_copy", "to", "type_as", "_cast_Float", "_cast_Half")

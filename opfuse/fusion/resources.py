@@ -84,7 +84,7 @@ POINTWISE_WARPS = 4
 REDUCTION_WARPS = (4, 8, 16, 32)
 
 # reduced quantities a row reduction keeps per row (max and sum, mean and variance): its cross-warp scratch
-ROW_STATISTICS = {"softmax": 2, "layer_norm": 2, "mean": 1, "sum": 1, "adaptive_avg_pool2d": 1}
+ROW_STATISTICS = {"softmax": 2, "layer_norm": 2, "mean": 1, "sum": 1, "any": 1, "adaptive_avg_pool2d": 1}
 
 
 def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, hw: HardwareProfile,

@@ -227,6 +227,11 @@ for _name, _fn in {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": 
     register(OpDef(_name, B, _binary(_fn), per_output_element(1)))
 register(OpDef("pow", B, _binary(torch.pow), per_output_element(4)))
 register(OpDef("maximum", B, _binary(torch.maximum), per_output_element(1)))
+for _name, _fn in {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq,
+                   "ne": torch.ne}.items():
+    register(OpDef(_name, B, _binary(_fn), per_output_element(1), doc="bool comparison, broadcast"))
+register(OpDef("where", B, lambda xs, a: torch.where(xs[0], xs[1], xs[2]), per_output_element(1),
+               doc="inputs condition (bool), value where true, value where false; broadcast"))
 register(OpDef("minimum", B, _binary(torch.minimum), per_output_element(1)))
 for _name, _fn, _cost in [
     ("relu", F.relu, 1), ("sigmoid", torch.sigmoid, 4), ("tanh", torch.tanh, 4), ("silu", F.silu, 5),
@@ -235,6 +240,7 @@ for _name, _fn, _cost in [
     ("neg", torch.neg, 1), ("abs", torch.abs, 1), ("reciprocal", torch.reciprocal, 1),
 ]:
     register(OpDef(_name, P, _unary(_fn), per_output_element(_cost)))
+register(OpDef("isinf", P, _unary(torch.isinf), per_output_element(1), doc="bool: |x| is infinite"))
 register(OpDef("gelu", P, lambda xs, a: F.gelu(xs[0], approximate=a.get("approximate", "none")),
                per_output_element(10), doc="attrs approximate: 'none' (erf) or 'tanh'"))
 register(OpDef("clamp", P, _run_clamp, per_output_element(2), doc="attrs min, max (None for unbounded); relu6"))
@@ -248,6 +254,8 @@ register(OpDef("layer_norm", R, lambda xs, a: F.layer_norm(xs[0], a["normalized_
                                                           _optional(xs, 2), a["eps"]),
                per_output_element(8), doc="inputs x, weight?, bias?; attrs normalized_shape, eps"))
 register(OpDef("mean", R, _run_mean, per_input_element(1), doc="attrs dims, keepdim"))
+register(OpDef("any", R, lambda xs, a: torch.amax(xs[0] != 0, dim=a["dims"], keepdim=a.get("keepdim", False)),
+               per_input_element(1), doc="bool: any element non-zero over dims; attrs dims, keepdim"))
 register(OpDef("sum", R, lambda xs, a: torch.sum(xs[0], dim=a["dims"], keepdim=a.get("keepdim", False)),
                per_input_element(1), doc="attrs dims, keepdim"))
 register(OpDef("local_response_norm", O, _run_local_response_norm, lambda ins, out, a: (a["size"] + 4) * out.numel,

@@ -237,3 +237,37 @@ def test_cat_and_channel_shuffle_fuse_and_match_eager():
     assert cats and all(len(g.nodes) > 1 and g.name not in compiled.fallbacks for g in cats)   # kernels of ours
     assert not any("copies" in why for why in compiled.fallbacks.values())    # the shuffle is written directly
     assert compiled.launches == compiled.plan.kernel_launches
+
+
+class OverflowClamp(nn.Module):
+    """transformers' T5 in float16: after each residual add, clamp to the dtype's range, 1000 narrower where
+    something overflowed; then its RMS norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc(x) + x
+        bound = torch.where(torch.isinf(h).any(), 60000.0, 65504.0)
+        h = torch.clamp(h, min=-bound, max=bound)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_the_overflow_clamp_runs_as_kernels_and_matches_eager_with_and_without_an_overflow():
+    torch.manual_seed(4)
+    model = OverflowClamp().eval()
+    x = torch.randn(2, 6, 16)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    assert compiled.checks and all(c.passed for c in compiled.checks)
+    graph = compiled.plan.graph
+    assert not any(n.op == "opaque" for n in graph) and {"isinf", "any", "where"} <= {n.op for n in graph}
+    assert not compiled.fallbacks
+    for overflow in (False, True):
+        fresh = torch.randn(2, 6, 16)
+        if overflow:
+            fresh[1, 3] = 3e38                          # fc(x) + x overflows to inf in that row
+        with torch.no_grad():
+            assert bool(torch.isinf(model.fc(fresh) + fresh).any()) == overflow
+            want, got = model(fresh), compiled(fresh)
+        assert torch.isfinite(want).all() and relative_error(got, want) < 1e-5

@@ -120,6 +120,20 @@ def test_sum_over_middle_dim_with_epilogue():
     run_group(b, [b.op("mul", y, b.input("g", (4, 3)))])
 
 
+@pytest.mark.parametrize("config", [None, SMALL_CHUNKS], ids=["one-pass", "looped"])
+@pytest.mark.parametrize("overflow", [False, True])
+def test_any_isinf_over_the_last_dim_then_a_where_epilogue(overflow, config):
+    """T5's fp16 overflow check, its first step: any(isinf(h)) per row, then where(., a, b) on the result."""
+    b = Builder()
+    value = b.random(4, 3, 40)
+    if overflow:
+        value[1, 2, 7], value[3, 0, 39] = float("inf"), float("-inf")
+    seen = b.op("any", b.op("isinf", b.input("h", (4, 3, 40), value)), dims=[2], keepdim=True)
+    picked = b.op("where", seen, b.const("a", torch.tensor(1.5)), b.const("b", torch.tensor(-2.0)))
+    _, (flags, values) = run_group(b, [seen, picked], config)
+    assert flags.dtype == torch.bool and bool(flags.any()) == overflow
+
+
 def test_global_average_pool_on_channels_last_input():
     b = Builder()
     y = b.op("adaptive_avg_pool2d", b.input("x", (2, 40, 7, 7)), output_size=[1, 1])

@@ -71,6 +71,12 @@ W = torch.randn(6, 5, generator=_generator)
 B = torch.randn(6, generator=_generator)
 
 # (id, module, inputs, IR ops that must appear); every case must run without an opaque node
+def _overflow_clamp(x: torch.Tensor) -> torch.Tensor:
+    """transformers' T5 in float16: clamp to the dtype's range, narrower where something overflowed."""
+    bound = torch.where(torch.isinf(x).any(), 1.0, 2.0)
+    return torch.clamp(x, min=-bound, max=bound)
+
+
 CASES = [
     ("conv2d", nn.Conv2d(4, 6, 3, stride=2, padding=1), (X4,), {"conv2d"}),
     ("conv2d_grouped_dilated", nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=4, bias=False), (X4,), {"conv2d"}),
@@ -143,6 +149,12 @@ CASES = [
     ("fills", Lambda(lambda m, x: (x.new_zeros(2, 3) + x[:2, :3], torch.ones_like(x) * x, x.new_full((5,), 2.5) + x,
                                    torch.full_like(x, 7.0) - x, torch.zeros_like(x, dtype=torch.int64))), (X2,),
      {"constant", "add", "mul", "sub"}),
+    ("comparisons", Lambda(lambda m, x, i: (x < 0.5, x.abs() >= 1.25, 0.3 > x, x == x, i != 2, i > 1.5,
+                                            torch.where(x > 0.25, x, -x))), (X2, torch.arange(3)),
+     {"lt", "ge", "gt", "eq", "ne", "where"}),
+    ("overflow_clamp", Lambda(lambda m, x: _overflow_clamp(x) + torch.where(x.abs() < 2.0, x, 0.0)
+                              * torch.isinf(x).any(dim=-1, keepdim=True)), (X2,),
+     {"isinf", "any", "where", "maximum", "minimum"}),
     ("pads", Lambda(lambda m, x: (F.pad(x, (1, 2, 0, 1)), F.pad(x, (0, 0, 0, 0)) * 2,
                                   F.pad(x, (1, 1), value=-3.0), torch.constant_pad_nd(x, [0, 1], 0.5))), (X4,),
      {"pad", "mul"}),
