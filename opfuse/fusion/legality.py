@@ -31,7 +31,7 @@ would put a group outside the pair both after and before the fused kernel (a cyc
   templates evaluate values at coordinates and map them through views (a reshape of a permuted tensor is then no
   copy but an index map on a load); they never join an anchor's kernel, whose template indexes its output tile
   as it is. Slices and expands stay outside (they would drop or repeat elements). The passes remove no-op views
-  before planning, and `sink_reshapes` moves reshapes off an anchor's output where it can.
+  before planning.
 """
 
 from __future__ import annotations

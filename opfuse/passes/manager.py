@@ -21,7 +21,6 @@ from opfuse.passes.fold_batchnorm import fold_batchnorm
 from opfuse.passes.fold_constants import fold_constants
 from opfuse.passes.remove_noop_layout import remove_noop_layout
 from opfuse.passes.simplify_attention import simplify_attention_masks
-from opfuse.passes.sink_reshapes import sink_reshapes
 
 Pass = Callable[[Graph], tuple[Graph, list[str]]]
 
@@ -37,11 +36,9 @@ class PassRecord:
 
 def default_pipeline() -> list[Pass]:
     """The passes run after `cast_precision`: constants first, so a weight reached through a view or a cast is a
-    constant for what follows, and attention masks built from shapes are known; reshapes sink below elementwise
-    ops, so those meet their producers; then layout no-ops go (merging what sinking left), so BN folding sees
-    conv -> bn directly."""
-    return [fold_constants, simplify_attention_masks, sink_reshapes, remove_noop_layout, fold_batchnorm,
-            eliminate_dead_code]
+    constant for what follows, and attention masks built from shapes are known; then layout no-ops, so BN folding
+    sees conv -> bn directly."""
+    return [fold_constants, simplify_attention_masks, remove_noop_layout, fold_batchnorm, eliminate_dead_code]
 
 
 def pass_name(graph_pass: Pass) -> str:
