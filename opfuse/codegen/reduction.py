@@ -1,8 +1,8 @@
 """Reduction groups with an elementwise prologue and epilogue as one Triton kernel: `lower_reduction_group`.
 
 Two templates:
-- rows (`RowReductionKernel`): softmax over any dim, layer_norm over the last dims (weight, bias), mean/sum/any
-  over given dims, and adaptive_avg_pool2d to (1,1) (global average pool = mean over H, W). The reduction input is viewed
+- rows (`RowReductionKernel`): softmax over any dim, layer_norm over the last dims (weight, bias), rms_norm over
+  the last dim (weight), mean/sum/any over given dims, and adaptive_avg_pool2d to (1,1) (global average pool = mean over H, W). The reduction input is viewed
   as [rows, L] (kept dims x reduced dims, through its strides); a program takes BLOCK_M rows and walks each row in
   chunks of BLOCK_L. When one chunk holds the row (ONE_PASS) it stays in registers: one read, one write. Otherwise
   softmax keeps an online max and sum, layer norm merges per-chunk mean and M2 (Chan et al.), and a second sweep
@@ -29,7 +29,7 @@ from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import FusionKind, kind_of
 
-ROW_OPS = ("softmax", "layer_norm", "mean", "sum", "any")
+ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "any")
 POOL_OPS = ("max_pool2d", "avg_pool2d")
 NEG_INF = 'float("-inf")'
 # softmax's running max never drops below this finite floor: a chunk of only -inf (a padding mask) would
@@ -75,6 +75,8 @@ def reduced_dims(node: Node, rank: int) -> list[int]:
     if node.op == "layer_norm":
         normalized = node.attrs["normalized_shape"]
         return list(range(rank - (1 if isinstance(normalized, int) else len(normalized)), rank))
+    if node.op == "rms_norm":
+        return [rank - 1]
     dims = node.attrs.get("dims")
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         return list(range(rank))
@@ -141,6 +143,8 @@ class RowReductionKernel(TemplateKernel):
             body += self._softmax()
         elif mode == "layer_norm":
             body += self._layer_norm()
+        elif mode == "rms_norm":
+            body += self._rms_norm()
         else:
             body += self._sum(mode)
         constexprs = ["BLOCK_M", "BLOCK_L", "ONE_PASS", "INT64"]
@@ -228,6 +232,30 @@ class RowReductionKernel(TemplateKernel):
             ["mean = tl.zeros([BLOCK_M, 1], dtype=tl.float32)", "m2 = tl.zeros([BLOCK_M, 1], dtype=tl.float32)",
              "seen = tl.zeros([1, 1], dtype=tl.float32)"] + self._loop(stats)
             + [f"rstd = tl.rsqrt(m2 / {n} + {eps})"] + self._loop(write)))
+
+    def _rms_norm(self) -> list[str]:
+        """x * rsqrt(mean(x^2) + eps) * weight: one sweep when the row fits a chunk, else sum the squares, then a
+        second sweep recomputes the prologue and writes."""
+        eps, n = repr(float(self.node.attrs["eps"])), self.length
+        one, region, full, x = self._chunk("lanes", True)
+        region.lines += [f"t = tl.where(mask, {x}, 0.0)",
+                         f"rstd = tl.rsqrt(tl.sum(t * t, axis=1)[:, None] / {n} + {eps})"]
+        one = self._finish(one, region, full, self._scaled(region, full, region.assign("t * rstd")))
+        stats, region, _, x = self._chunk("start + lanes", True)
+        stats += region.lines + [f"t = tl.where(mask, {x}, 0.0)", "squares += tl.sum(t * t, axis=1)[:, None]"]
+        write, region, full, x = self._chunk("start + lanes", False)
+        write = self._finish(write, region, full, self._scaled(region, full, region.assign(f"({x}) * rstd")))
+        return (["if ONE_PASS:"] + indent(one) + ["else:"] + indent(
+            ["squares = tl.zeros([BLOCK_M, 1], dtype=tl.float32)"] + self._loop(stats)
+            + [f"rstd = tl.rsqrt(squares / {n} + {eps})"] + self._loop(write)))
+
+    def _scaled(self, region: Region, full: Coords, normalized: str) -> str:
+        """rms_norm's optional weight (input 1) over the last dim."""
+        if len(self.node.inputs) < 2:
+            return normalized
+        name = self.node.inputs[1]
+        weight = region.value(name, broadcast_coords(full, self._shape, self._shape_of(name)))
+        return region.assign(f"{normalized} * {weight}")
 
     def _sum(self, mode: str) -> list[str]:
         """mean, sum, or any (a running max of x != 0, as 1.0 / 0.0)."""

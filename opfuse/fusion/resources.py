@@ -84,7 +84,8 @@ POINTWISE_WARPS = 4
 REDUCTION_WARPS = (4, 8, 16, 32)
 
 # reduced quantities a row reduction keeps per row (max and sum, mean and variance): its cross-warp scratch
-ROW_STATISTICS = {"softmax": 2, "layer_norm": 2, "mean": 1, "sum": 1, "any": 1, "adaptive_avg_pool2d": 1}
+ROW_STATISTICS = {"softmax": 2, "layer_norm": 2, "rms_norm": 1, "mean": 1, "sum": 1, "any": 1,
+                  "adaptive_avg_pool2d": 1}
 
 
 def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, hw: HardwareProfile,
@@ -184,6 +185,8 @@ def row_length(graph: Graph, reduction: str) -> int:
         return shape[node.attrs["dim"]]
     if node.op == "layer_norm":
         return math.prod(node.attrs["normalized_shape"])
+    if node.op == "rms_norm":
+        return shape[-1]
     if node.op == "adaptive_avg_pool2d":
         out_h, out_w = node.type.shape[-2:]
         return math.ceil(shape[-2] / out_h) * math.ceil(shape[-1] / out_w)

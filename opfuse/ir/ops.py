@@ -175,6 +175,12 @@ def _run_slice(xs, a):
     return xs[0][tuple(index)]
 
 
+def _run_rms_norm(xs, a):
+    x = xs[0]
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + a["eps"])
+    return y * xs[1] if len(xs) > 1 else y
+
+
 def _run_mean(xs, a):
     return torch.mean(xs[0], dim=a["dims"], keepdim=a.get("keepdim", False))
 
@@ -253,6 +259,8 @@ register(OpDef("softmax", R, lambda xs, a: torch.softmax(xs[0], a["dim"]), per_o
 register(OpDef("layer_norm", R, lambda xs, a: F.layer_norm(xs[0], a["normalized_shape"], _optional(xs, 1),
                                                           _optional(xs, 2), a["eps"]),
                per_output_element(8), doc="inputs x, weight?, bias?; attrs normalized_shape, eps"))
+register(OpDef("rms_norm", R, lambda xs, a: _run_rms_norm(xs, a), per_output_element(4),
+               doc="x * rsqrt(mean(x^2 over the last dim) + eps) [* weight]; inputs x, weight?; attrs eps"))
 register(OpDef("mean", R, _run_mean, per_input_element(1), doc="attrs dims, keepdim"))
 register(OpDef("any", R, lambda xs, a: torch.amax(xs[0] != 0, dim=a["dims"], keepdim=a.get("keepdim", False)),
                per_input_element(1), doc="bool: any element non-zero over dims; attrs dims, keepdim"))

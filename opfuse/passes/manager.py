@@ -19,6 +19,7 @@ from opfuse.passes.cast_precision import cast_precision
 from opfuse.passes.eliminate_dead_code import eliminate_dead_code
 from opfuse.passes.fold_batchnorm import fold_batchnorm
 from opfuse.passes.fold_constants import fold_constants
+from opfuse.passes.recognize_rms_norm import recognize_rms_norm
 from opfuse.passes.remove_noop_layout import remove_noop_layout
 from opfuse.passes.simplify_attention import simplify_attention_masks
 
@@ -37,8 +38,9 @@ class PassRecord:
 def default_pipeline() -> list[Pass]:
     """The passes run after `cast_precision`: constants first, so a weight reached through a view or a cast is a
     constant for what follows, and attention masks built from shapes are known; then layout no-ops, so BN folding
-    sees conv -> bn directly."""
-    return [fold_constants, simplify_attention_masks, remove_noop_layout, fold_batchnorm, eliminate_dead_code]
+    sees conv -> bn directly and RMS norms are written without their casts."""
+    return [fold_constants, simplify_attention_masks, remove_noop_layout, recognize_rms_norm, fold_batchnorm,
+            eliminate_dead_code]
 
 
 def pass_name(graph_pass: Pass) -> str:

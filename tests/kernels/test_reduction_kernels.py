@@ -134,6 +134,16 @@ def test_any_isinf_over_the_last_dim_then_a_where_epilogue(overflow, config):
     assert flags.dtype == torch.bool and bool(flags.any()) == overflow
 
 
+@pytest.mark.parametrize("config", [None, SMALL_CHUNKS], ids=["one-pass", "looped"])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_with_a_residual_prologue_and_a_clamp_epilogue(weighted, config):
+    b = Builder()
+    x = b.op("add", b.input("x", (3, 5, 37)), b.input("skip", (3, 5, 37)))
+    inputs = [x] + ([b.const("w", b.random(37))] if weighted else [])
+    normed = b.op("rms_norm", *inputs, eps=1e-6)
+    run_group(b, [x, b.op("clamp", normed, min=-1.0, max=1.0)], config)
+
+
 def test_global_average_pool_on_channels_last_input():
     b = Builder()
     y = b.op("adaptive_avg_pool2d", b.input("x", (2, 40, 7, 7)), output_size=[1, 1])
