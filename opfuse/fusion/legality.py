@@ -308,13 +308,14 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
 
 def element_flow_rule(graph: Graph, order: Sequence[str], merged: set[str], users: Users) -> str | None:
     """A chain computes each element once: a node has as many elements as each value it reads inside the group
-    (a cat's inputs are its slices), and every value the group writes has the size of its largest."""
+    (a cat's inputs are its slices; a one-element value, recomputed for every element it meets, costs no more than
+    loading it: T5's -bound of its overflow clamp), and every value the group writes has the size of its largest."""
     for name in order:
         node = graph[name]
         if node.op == "cat":
             continue
         for value in node.inputs:
-            if value in merged and graph[value].type.numel != node.type.numel:
+            if value in merged and graph[value].type.numel not in (node.type.numel, 1):
                 return (f"broadcast growth: {name} has {node.type.numel} elements, {value} "
                         f"{graph[value].type.numel} ({graph[value].type})")
     largest = max(graph[n].type.numel for n in order)
