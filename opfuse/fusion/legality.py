@@ -1,4 +1,4 @@
-"""Fusion legality: may a producer group and a consumer group become one kernel? (`can_fuse` -> None | reason).
+"""Fusion legality: may a producer group and a consumer group become one kernel? (`can_fuse` -> None | Reason).
 
 The rules are written over fusion kinds (`opfuse.ir.ops.FusionKind`), TVM style, never over op names. A legal
 group has at most one *hub*: an anchor (conv, gemm, attention) or a reduction.
@@ -20,7 +20,8 @@ group has at most one *hub*: an anchor (conv, gemm, attention) or a reduction.
 
 Everything else is refused with a reason: any other pair of anchors, an anchor and a reduction, two reductions,
 opaque ops, a value the consumer reads that someone outside the pair reads too (several users), and a merge that
-would put a group outside the pair both after and before the fused kernel (a cycle). Choices made here, and why:
+would put a group outside the pair both after and before the fused kernel (a cycle). Each reason is an
+`opfuse.fusion.reasons.Reason`: a stable code (listed there) and the words. Choices made here, and why:
 
 - injective ops that copy stay single kernels (an embedding gathers rows; an epilogue would need its own
   indexing), but a concatenation joins an elementwise chain without a hub: the elementwise template loads each
@@ -39,6 +40,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Sequence
 
 from opfuse.config import FusionConfig
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import FusionKind, get_op, kind_of
 
@@ -47,8 +49,8 @@ ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
 
 
 def can_fuse(graph: Graph, producer_nodes: Iterable[str], consumer_nodes: Iterable[str], users: Users,
-             config: FusionConfig | None = None, index: Mapping[str, int] | None = None) -> str | None:
-    """None when the consumer group may join the producer group in one kernel, else the reason in words.
+             config: FusionConfig | None = None, index: Mapping[str, int] | None = None) -> Reason | None:
+    """None when the consumer group may join the producer group in one kernel, else the reason (code and words).
 
     `users` is `graph.users()`; `index` (node name -> position in the graph) makes the cycle check cheaper.
     """
@@ -77,17 +79,17 @@ def in_order(names: Iterable[str], index: Mapping[str, int]) -> list[str]:
 
 # ---- rules on single nodes -----------------------------------------------------------------------------
 
-def opaque_rule(graph: Graph, nodes: Iterable[str]) -> str | None:
+def opaque_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
     """Opaque ops run through PyTorch and never share a kernel."""
     for name in sorted(nodes):
         node = graph[name]
         if kind_of(node) is FusionKind.OPAQUE:
             target = node.attrs.get("target")
-            return f"opaque op {name}{f' ({target})' if target else ''} runs through PyTorch"
+            return Reason(Code.OPAQUE, f"opaque op {name}{f' ({target})' if target else ''} runs through PyTorch")
     return None
 
 
-def injective_rule(graph: Graph, nodes: Iterable[str]) -> str | None:
+def injective_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
     """Copying injective ops stay single kernels, but a cat in a chain without a hub (see the module docstring)."""
     nodes = sorted(nodes)
     hub = next((n for n in nodes if kind_of(graph[n]) in (FusionKind.ANCHOR, FusionKind.REDUCTION)), None)
@@ -95,13 +97,14 @@ def injective_rule(graph: Graph, nodes: Iterable[str]) -> str | None:
         node = graph[name]
         if kind_of(node) is FusionKind.INJECTIVE and not get_op(node.op).alias:
             if node.op != "cat":
-                return f"injective op {name} ({node.op}) stays its own kernel"
+                return Reason(Code.COPYING_OP, f"injective op {name} ({node.op}) stays its own kernel")
             if hub is not None:
-                return f"{name} (cat) joins elementwise chains only, not the kernel of {hub} ({graph[hub].op})"
+                return Reason(Code.CAT_WITH_HUB,
+                              f"{name} (cat) joins elementwise chains only, not the kernel of {hub} ({graph[hub].op})")
     return None
 
 
-def view_rule(graph: Graph, nodes: Iterable[str]) -> str | None:
+def view_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
     """Views that keep every element join kernels without an anchor (see the module docstring)."""
     nodes = sorted(nodes)
     anchor = next((n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR), None)
@@ -110,9 +113,10 @@ def view_rule(graph: Graph, nodes: Iterable[str]) -> str | None:
         if not is_view(node):
             continue
         if anchor is not None:
-            return f"view {name} ({node.op}) cannot join anchor {anchor}'s kernel"
+            return Reason(Code.VIEW_IN_ANCHOR, f"view {name} ({node.op}) cannot join anchor {anchor}'s kernel")
         if node.op not in ELEMENT_KEEPING_VIEWS:
-            return f"view {name} ({node.op}) cannot join a kernel: it does not keep every element"
+            return Reason(Code.VIEW_DROPS_ELEMENTS,
+                          f"view {name} ({node.op}) cannot join a kernel: it does not keep every element")
     return None
 
 
@@ -129,7 +133,7 @@ def is_view(node: Node) -> bool:
 # ---- rules on the pair ---------------------------------------------------------------------------------
 
 def several_users_rule(graph: Graph, producer: set[str], consumer: set[str], users: Users,
-                       index: Mapping[str, int]) -> str | None:
+                       index: Mapping[str, int]) -> Reason | None:
     """Each value passed from producer to consumer must be read by the consumer group only."""
     merged = producer | consumer
     shares = False
@@ -139,62 +143,64 @@ def several_users_rule(graph: Graph, producer: set[str], consumer: set[str], use
             continue
         shares = True
         if any(r not in merged for r in readers):
-            return f"{name} has several users: {', '.join(dict.fromkeys(readers))}"
+            return Reason(Code.SEVERAL_USERS, f"{name} has several users: {', '.join(dict.fromkeys(readers))}")
     if not shares:
-        return "the consumer reads no value of the producer"
+        return Reason(Code.NO_SHARED_VALUE, "the consumer reads no value of the producer")
     return None
 
 
 def two_anchor_rule(graph: Graph, merged: set[str], anchors: Sequence[str], users: Users, config: FusionConfig,
-                    index: Mapping[str, int]) -> str | None:
+                    index: Mapping[str, int]) -> Reason | None:
     """Several anchors in one kernel: only a conv-conv chain ([expand 1x1 ->] depthwise -> 1x1) is legal."""
     names = ", ".join(anchors)
     prefix = f"two anchors ({names})" if len(anchors) == 2 else f"{len(anchors)} anchors ({names})"
     if not config.conv_conv:
-        return f"{prefix}: conv-conv fusion disabled (config.conv_conv)"
+        return Reason(Code.DISABLED, f"{prefix}: conv-conv fusion disabled (config.conv_conv)")
     if len(anchors) > 2 and not config.conv_conv_expand:
-        return f"{prefix}: fusing the expansion conv too is disabled (config.conv_conv_expand)"
+        return Reason(Code.DISABLED, f"{prefix}: fusing the expansion conv too is disabled (config.conv_conv_expand)")
     problem = conv_chain_problem(graph, merged, list(anchors), users)
-    return f"{prefix}: {problem}" if problem else None
+    return Reason(problem.code, f"{prefix}: {problem.text}") if problem else None
 
 
-def conv_chain_problem(graph: Graph, merged: set[str], anchors: list[str], users: Users) -> str | None:
+def conv_chain_problem(graph: Graph, merged: set[str], anchors: list[str], users: Users) -> Reason | None:
     """Why `anchors` (in order) with the rest of `merged` are no conv-conv kernel, or None when they are one."""
     for name in anchors:
         if graph[name].op != "conv2d":
-            return f"{name} ({graph[name].op}) is no convolution: only convolutions chain in one kernel"
+            return Reason(Code.TWO_ANCHORS,
+                          f"{name} ({graph[name].op}) is no convolution: only convolutions chain in one kernel")
     if len(anchors) > 3:
-        return "at most three convolutions (expand, depthwise, pointwise) chain in one kernel"
+        return Reason(Code.TWO_ANCHORS, "at most three convolutions (expand, depthwise, pointwise) chain in one kernel")
     stages = conv_stages(graph, merged, anchors)
     owner = {name: i for i, stage in enumerate(stages) for name in stage}
     for i, (earlier, later) in enumerate(zip(anchors, anchors[1:])):
         if owner.get(graph[later].inputs[0]) != i:
-            return (f"{earlier} does not feed {later}: convolutions share a kernel only as a chain, each reading "
-                    "the previous one's result (depthwise into 1x1)")
+            return Reason(Code.TWO_ANCHORS, f"{earlier} does not feed {later}: convolutions share a kernel only as "
+                          "a chain, each reading the previous one's result (depthwise into 1x1)")
     if len(anchors) == 2 and is_pointwise_conv(graph, anchors[0]) and is_depthwise_conv(graph, anchors[1]):
-        return (f"the 1x1 conv {anchors[0]} joins the depthwise conv {anchors[1]} only together with "
-                f"{anchors[1]}'s pointwise conv (the whole inverted-residual block)")
+        return Reason(Code.EXPAND_ALONE, f"the 1x1 conv {anchors[0]} joins the depthwise conv {anchors[1]} only "
+                      f"together with {anchors[1]}'s pointwise conv (the whole inverted-residual block)")
     *expand, depthwise, pointwise = anchors
     if not is_depthwise_conv(graph, depthwise):
-        return (f"{depthwise} is not a depthwise conv (groups == in == out channels): conv-conv fusion takes a "
-                "depthwise conv feeding a 1x1 conv")
+        return Reason(Code.CONV_SHAPE, f"{depthwise} is not a depthwise conv (groups == in == out channels): "
+                      "conv-conv fusion takes a depthwise conv feeding a 1x1 conv")
     for name in expand + [pointwise]:
         if not is_pointwise_conv(graph, name):
-            return f"{name} is not a 1x1 conv (stride 1, no padding, groups 1)"
+            return Reason(Code.CONV_SHAPE, f"{name} is not a 1x1 conv (stride 1, no padding, groups 1)")
     for name in anchors:
         for value in graph[name].inputs[1:]:
             if not graph.is_constant(value):
-                return f"{name} reads {value} as weight or bias, not a constant"
+                return Reason(Code.INNER_OPERAND, f"{name} reads {value} as weight or bias, not a constant")
     for name in sorted(merged - set(owner)):
-        return f"{name} would be a prologue of {anchors[0]}: anchors take epilogues only"
+        return Reason(Code.ANCHOR_PROLOGUE, f"{name} would be a prologue of {anchors[0]}: anchors take epilogues only")
     for i, stage in enumerate(stages):
         anchor = stage[0]
         for name in stage[1:]:
             if not kind_of(graph[name]).elementwise:
-                return f"{name} ({graph[name].op}) is not elementwise"
+                return Reason(Code.NOT_ELEMENTWISE, f"{name} ({graph[name].op}) is not elementwise")
             for value in graph[name].inputs:
                 if owner.get(value, i) < i:
-                    return f"{name} reads {value} from the chain of {stages[owner[value]][0]}, which is never written"
+                    return Reason(Code.INNER_READ, f"{name} reads {value} from the chain of {stages[owner[value]][0]}, "
+                                  "which is never written")
         problem = same_size_rule(graph, stage[1:], graph[anchor].type.numel, f"{anchor}'s output")
         if problem:
             return problem
@@ -207,15 +213,15 @@ def conv_chain_problem(graph: Graph, merged: set[str], anchors: list[str], users
                        (name == handed and u.name == following)]
             if readers or name in graph.outputs:
                 who = ", ".join(dict.fromkeys(readers)) or "the graph's outputs"
-                return (f"{name} is read by {who}: the {graph[anchor].op} result of {anchor} stays in registers "
-                        "in a conv-conv kernel")
+                return Reason(Code.INNER_READ, f"{name} is read by {who}: the {graph[anchor].op} result of {anchor} "
+                              "stays in registers in a conv-conv kernel")
         problem = constant_operands_only(graph, stage, owner)
         if problem:
             return problem
     return None
 
 
-def constant_operands_only(graph: Graph, stage: Sequence[str], owner: Mapping[str, int]) -> str | None:
+def constant_operands_only(graph: Graph, stage: Sequence[str], owner: Mapping[str, int]) -> Reason | None:
     """An inner stage is recomputed per tile from constants: scalars and per-channel vectors only."""
     for name in stage[1:]:
         node = graph[name]
@@ -223,13 +229,14 @@ def constant_operands_only(graph: Graph, stage: Sequence[str], owner: Mapping[st
             if value in owner:
                 continue
             if not graph.is_constant(value):
-                return (f"{name} reads activation {value}: an inner conv's epilogue takes constant operands only "
-                        "(bias, scale, clamp bounds)")
+                return Reason(Code.INNER_OPERAND, f"{name} reads activation {value}: an inner conv's epilogue takes "
+                              "constant operands only (bias, scale, clamp bounds)")
             shape = graph[value].type.shape
             aligned = (1,) * (len(node.type.shape) - len(shape)) + tuple(shape)   # broadcasting aligns right
             per_channel = all(size == 1 for dim, size in enumerate(aligned) if dim != 1)
             if not (per_channel or node.op == "batch_norm" and position > 0):
-                return f"{name} reads constant {value} {graph[value].type}, which varies along more than the channels"
+                return Reason(Code.INNER_OPERAND, f"{name} reads constant {value} {graph[value].type}, which varies "
+                              "along more than the channels")
     return None
 
 
@@ -273,7 +280,7 @@ def is_pointwise_conv(graph: Graph, name: str) -> bool:
 
 
 def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionConfig,
-                   index: Mapping[str, int]) -> str | None:
+                   index: Mapping[str, int]) -> Reason | None:
     """The merged group must be one hub with elementwise prologue/epilogue, or an elementwise chain."""
     order = in_order(merged, index)
     anchors = [n for n in order if kind_of(graph[n]) is FusionKind.ANCHOR]
@@ -281,13 +288,13 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
     if len(anchors) > 1:
         return two_anchor_rule(graph, merged, anchors, users, config, index)
     if anchors and reductions:
-        return (f"reduction {reductions[0]} and anchor {anchors[0]} in one kernel: anchors take elementwise "
-                "epilogues only")
+        return Reason(Code.ANCHOR_AND_REDUCTION, f"reduction {reductions[0]} and anchor {anchors[0]} in one kernel: "
+                      "anchors take elementwise epilogues only")
     if len(reductions) > 1:
-        return f"two reductions ({reductions[0]}, {reductions[1]}) in one kernel"
+        return Reason(Code.TWO_REDUCTIONS, f"two reductions ({reductions[0]}, {reductions[1]}) in one kernel")
     for name in order:
         if not kind_of(graph[name]).elementwise and name not in anchors + reductions and not joins_as_map(graph[name]):
-            return f"{name} ({graph[name].op}) is not elementwise"
+            return Reason(Code.NOT_ELEMENTWISE, f"{name} ({graph[name].op}) is not elementwise")
     if not anchors and not reductions:
         return element_flow_rule(graph, order, merged, users)
     hub = (anchors + reductions)[0]
@@ -298,15 +305,17 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
     for name in order:
         if name == hub or name in after or name in before:
             continue
-        return f"{name} reaches {hub}'s epilogue from a side branch (neither before nor after {hub})"
+        return Reason(Code.SIDE_BRANCH,
+                      f"{name} reaches {hub}'s epilogue from a side branch (neither before nor after {hub})")
     if prologue and anchors:
-        return f"{prologue[0]} would be a prologue of anchor {hub}: anchors take epilogues only"
+        return Reason(Code.ANCHOR_PROLOGUE,
+                      f"{prologue[0]} would be a prologue of anchor {hub}: anchors take epilogues only")
     hub_input = graph[graph[hub].inputs[0]].type.numel
     return (same_size_rule(graph, epilogue, graph[hub].type.numel, f"{hub}'s output")
             or same_size_rule(graph, prologue, hub_input, f"{hub}'s input"))
 
 
-def element_flow_rule(graph: Graph, order: Sequence[str], merged: set[str], users: Users) -> str | None:
+def element_flow_rule(graph: Graph, order: Sequence[str], merged: set[str], users: Users) -> Reason | None:
     """A chain computes each element once: a node has as many elements as each value it reads inside the group
     (a cat's inputs are its slices; a one-element value, recomputed for every element it meets, costs no more than
     loading it: T5's -bound of its overflow clamp), and every value the group writes has the size of its largest."""
@@ -316,23 +325,23 @@ def element_flow_rule(graph: Graph, order: Sequence[str], merged: set[str], user
             continue
         for value in node.inputs:
             if value in merged and graph[value].type.numel not in (node.type.numel, 1):
-                return (f"broadcast growth: {name} has {node.type.numel} elements, {value} "
-                        f"{graph[value].type.numel} ({graph[value].type})")
+                return Reason(Code.BROADCAST_GROWTH, f"broadcast growth: {name} has {node.type.numel} elements, "
+                              f"{value} {graph[value].type.numel} ({graph[value].type})")
     largest = max(graph[n].type.numel for n in order)
     for name in order:
         written = name in graph.outputs or any(u.name not in merged for u in users[name])
         if written and graph[name].type.numel != largest:
-            return (f"{name} is written with {graph[name].type.numel} elements, the kernel iterates over "
-                    f"{largest}")
+            return Reason(Code.OUTPUT_SIZE, f"{name} is written with {graph[name].type.numel} elements, the kernel "
+                          f"iterates over {largest}")
     return None
 
 
-def same_size_rule(graph: Graph, names: Sequence[str], numel: int, what: str) -> str | None:
+def same_size_rule(graph: Graph, names: Sequence[str], numel: int, what: str) -> Reason | None:
     """Every node has `numel` elements: no broadcast growth inside a kernel."""
     for name in names:
         if graph[name].type.numel != numel:
-            return (f"broadcast growth: {name} has {graph[name].type.numel} elements, {what} {numel} "
-                    f"({graph[name].type})")
+            return Reason(Code.BROADCAST_GROWTH, f"broadcast growth: {name} has {graph[name].type.numel} elements, "
+                          f"{what} {numel} ({graph[name].type})")
     return None
 
 
@@ -351,7 +360,7 @@ def skip_operands(graph: Graph, nodes: Iterable[str], anchor: str, users: Users,
 
 
 def residual_rule(graph: Graph, merged: set[str], users: Users, config: FusionConfig,
-                  index: Mapping[str, int]) -> str | None:
+                  index: Mapping[str, int]) -> Reason | None:
     """An epilogue that reads a skip activation is a residual fusion: allowed only with config.residual."""
     if config.residual:
         return None
@@ -359,18 +368,18 @@ def residual_rule(graph: Graph, merged: set[str], users: Users, config: FusionCo
         if kind_of(graph[name]) is FusionKind.ANCHOR:
             skips = skip_operands(graph, merged, name, users, index)
             if skips:
-                return f"residual fusion disabled (epilogue of {name} reads {skips[0]})"
+                return Reason(Code.DISABLED, f"residual fusion disabled (epilogue of {name} reads {skips[0]})")
     return None
 
 
 def cycle_rule(graph: Graph, producer: set[str], consumer: set[str], users: Users,
-               index: Mapping[str, int]) -> str | None:
+               index: Mapping[str, int]) -> Reason | None:
     """Merging must not put a node outside the pair both after and before the fused kernel."""
     merged = producer | consumer
     via = path_outside(graph, producer, consumer, merged, users, index) or \
         path_outside(graph, consumer, producer, merged, users, index)
     if via:
-        return f"cycle through {via}: it reads one side of the pair and feeds the other"
+        return Reason(Code.CYCLE, f"cycle through {via}: it reads one side of the pair and feeds the other")
     return None
 
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from opfuse.fusion.reasons import Code
 from opfuse.ir.graph import Graph
 
 
@@ -81,13 +82,15 @@ class FusionGroup:
 
 @dataclass
 class FusionDecision:
-    """One candidate fusion, taken or refused, and why."""
+    """One candidate fusion, taken or refused, and why: in words (`reason`) and as a stable code (`code`, one of
+    `opfuse.fusion.reasons.Code`, whose module lists what each means)."""
 
     producer: list[str]                     # node names of the producing side
     consumer: list[str]                     # node names of the consuming side
     fusion: str                             # "vertical", "residual", "prologue", "horizontal", "conv-conv"
     verdict: Verdict
     reason: str
+    code: Code
     bytes_saved: int = 0                    # traffic the fusion removes (if taken)
     time_unfused: float = 0.0               # predicted seconds of the two parts
     time_fused: float = 0.0                 # predicted seconds of the fused kernel

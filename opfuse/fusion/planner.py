@@ -18,7 +18,8 @@ Inductor-style greedy fusion, with Hidet's anchor vocabulary and XLA's resource 
    identical epilogues, become one HORIZONTAL group (weights concatenated at codegen time); then small
    independent elementwise groups, each dominated by its launch overhead, share one launch.
 4. the groups are listed in topological order, each with its kind, anchor, traffic, predicted time, resources
-   and the reason it is what it is; every candidate considered is a FusionDecision, taken or refused.
+   and the reason it is what it is; every candidate considered is a FusionDecision, taken or refused, with its
+   reason in words and as a stable code (`opfuse.fusion.reasons`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, gr
 from opfuse.fusion.legality import (can_fuse, in_order, is_view, joins_as_map, node_index, path_outside,
                                     skip_operands)
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import MIN_SPLIT_STEPS, anchor_of, conv_chain, gemm_view, split_k_slices
 from opfuse.fusion.tiles import STREAMING_MULTIPROCESSORS, anchor_loop, anchor_steps, anchor_tiles
 from opfuse.hardware import HardwareProfile, get_hardware
@@ -158,7 +160,7 @@ class _Planner:
         return self.bytes_saved(self.groups[candidate.producer],
                                 list(candidate.views) + self.groups[candidate.consumer])
 
-    def views_blocked(self, candidate: _Candidate) -> str | None:
+    def views_blocked(self, candidate: _Candidate) -> Reason | None:
         """Why the views between the pair cannot join the consumer as coordinate maps, or None when they can:
         neither side has an anchor, each view keeps every element, and the consumer (or a view on the way) is
         all that reads it."""
@@ -167,16 +169,16 @@ class _Planner:
         within = set(consumer) | set(candidate.views)
         for name in reversed(candidate.views):     # from the producer's side
             view = self.graph[name]
+            blocks = f"view {name} ({view.op}) between them blocks fusion"
             if anchor is not None:
-                return f"view {name} ({view.op}) between them blocks fusion: an anchor's kernel maps no views"
+                return Reason(Code.VIEW_IN_ANCHOR, f"{blocks}: an anchor's kernel maps no views")
             if not joins_as_map(view):
-                return f"view {name} ({view.op}) between them blocks fusion: it does not keep every element"
+                return Reason(Code.VIEW_DROPS_ELEMENTS, f"{blocks}: it does not keep every element")
             readers = [u.name for u in self.users[name] if u.name not in within]
             if readers or name in self.graph.outputs:
-                return (f"view {name} ({view.op}) between them blocks fusion: "
-                        f"{', '.join(readers) or 'the graph outputs'} read it too")
+                return Reason(Code.VIEW_SHARED, f"{blocks}: {', '.join(readers) or 'the graph outputs'} read it too")
         if any(kind_of(self.graph[n]) is FusionKind.OPAQUE for n in consumer):
-            return f"views between them block fusion: {consumer[0]} runs through PyTorch"
+            return Reason(Code.OPAQUE, f"views between them block fusion: {consumer[0]} runs through PyTorch")
         return None
 
     def absorb_copying_views(self) -> None:
@@ -243,7 +245,7 @@ class _Planner:
         return "vertical"
 
     # ---- taking or refusing one fusion --------------------------------------------------------------
-    def decide(self, first: int, second: int, fusion: str, illegal: str | None,
+    def decide(self, first: int, second: int, fusion: str, illegal: Reason | None,
                kind: GroupKind | None = None) -> bool:
         """Check budget and profit of merging groups `first` and `second`; merge and record."""
         a, b = self.groups[first], self.groups[second]
@@ -254,29 +256,29 @@ class _Planner:
         fused = self.estimate(a + b)
         for nodes, why in self.measured_over_budget.items():
             if nodes <= set(a + b):
-                self.record(a, b, fusion, Verdict.OVER_BUDGET,
-                            f"split back: the compiled kernel of {', '.join(sorted(nodes))} was {why}", fused.time)
+                split = f"split back: the compiled kernel of {', '.join(sorted(nodes))} was {why}"
+                self.record(a, b, fusion, Verdict.OVER_BUDGET, Reason(Code.SPLIT_BACK, split), fused.time)
                 return False
         resources = fused.resources
         if resources is not None and not resources.fits:
-            self.record(a, b, fusion, Verdict.OVER_BUDGET,
-                        f"fused kernel over budget, kept apart: {resources.reason}", fused.time)
+            over = f"fused kernel over budget, kept apart: {resources.reason}"
+            self.record(a, b, fusion, Verdict.OVER_BUDGET, Reason(Code.OVER_BUDGET, over), fused.time)
             return False
         note = f" ({fused.note})" if fused.note else ""   # the recompute a conv-conv kernel pays
         step = self.whole_block_pays(a, b) if fusion == "conv-conv" else None
         if self.config.use_cost_model and fused.time >= apart and step is None:
             tile = f" ({resources.reason})" if resources is not None and resources.reason else ""
-            self.record(a, b, fusion, Verdict.UNPROFITABLE,
-                        f"predicted {fused.time * 1e6:.2f} us fused >= {apart * 1e6:.2f} us apart{tile}{note}",
-                        fused.time)
+            slower = f"predicted {fused.time * 1e6:.2f} us fused >= {apart * 1e6:.2f} us apart{tile}{note}"
+            self.record(a, b, fusion, Verdict.UNPROFITABLE, Reason(Code.UNPROFITABLE, slower), fused.time)
             return False
         saved = self.bytes_saved(a, b)
-        reason = f"saves {saved:,} B and 1 launch: {apart * 1e6:.2f} -> {fused.time * 1e6:.2f} us{note}"
+        reason = Reason(Code.FUSED,
+                        f"saves {saved:,} B and 1 launch: {apart * 1e6:.2f} -> {fused.time * 1e6:.2f} us{note}")
         if self.config.use_cost_model and fused.time >= apart:
-            reason = (f"saves {saved:,} B and 1 launch, a step to the whole block ({step}); alone "
-                      f"{apart * 1e6:.2f} -> {fused.time * 1e6:.2f} us{note}")
+            reason = Reason(Code.WHOLE_BLOCK, f"saves {saved:,} B and 1 launch, a step to the whole block ({step}); "
+                            f"alone {apart * 1e6:.2f} -> {fused.time * 1e6:.2f} us{note}")
         self.record(a, b, fusion, Verdict.FUSED, reason, fused.time)
-        self.merge(first, second, f"{fusion}: {', '.join(b)} into {', '.join(a)} ({reason})", kind)
+        self.merge(first, second, f"{fusion}: {', '.join(b)} into {', '.join(a)} ({reason.text})", kind)
         return True
 
     def whole_block_pays(self, depthwise: list[str], pointwise: list[str]) -> str | None:
@@ -300,12 +302,12 @@ class _Planner:
             return None
         return f"predicted {apart * 1e6:.2f} -> {whole.time * 1e6:.2f} us with {', '.join(first)}"
 
-    def record(self, first: list[str], second: list[str], fusion: str, verdict: Verdict, reason: str,
+    def record(self, first: list[str], second: list[str], fusion: str, verdict: Verdict, reason: Reason,
                time_fused: float = 0.0) -> None:
         """Append a decision; `time_fused` stays 0 when no fused kernel was estimated (illegal pairs)."""
         self.decisions.append(FusionDecision(
             producer=in_order(first, self.index), consumer=in_order(second, self.index), fusion=fusion,
-            verdict=verdict, reason=reason, bytes_saved=self.bytes_saved(first, second),
+            verdict=verdict, reason=reason.text, code=reason.code, bytes_saved=self.bytes_saved(first, second),
             time_unfused=self.estimate(first).time + self.estimate(second).time, time_fused=time_fused))
 
     def merge(self, keep: int, gone: int, note: str, kind: GroupKind | None = None) -> None:
@@ -361,16 +363,16 @@ class _Planner:
         ranked = sorted(classes.values(), key=len, reverse=True)
         for other in ranked[1:]:   # one refusal per differing epilogue, against the largest class
             self.record(self.groups[ranked[0][0]], self.groups[other[0]], "horizontal", Verdict.ILLEGAL,
-                        f"different epilogues: {self.describe_epilogue(ranked[0][0])} vs "
-                        f"{self.describe_epilogue(other[0])}")
+                        Reason(Code.DIFFERENT_EPILOGUES, f"different epilogues: {self.describe_epilogue(ranked[0][0])} "
+                               f"vs {self.describe_epilogue(other[0])}"))
         for siblings in ranked:
             base = siblings[0]
             for group in siblings[1:]:
                 dependency = self.dependency(base, group)
-                illegal = f"siblings are not independent: {dependency}" if dependency else None
+                illegal = Reason(Code.DEPENDENT, f"siblings are not independent: {dependency}") if dependency else None
                 self.decide(base, group, "horizontal", illegal, GroupKind.HORIZONTAL)
 
-    def epilogue_signature(self, group: int) -> tuple[tuple, str | None]:
+    def epilogue_signature(self, group: int) -> tuple[tuple, Reason | None]:
         """The epilogue's ops, attributes and operand pattern; a problem when it reads a non-constant."""
         nodes = self.groups[group]
         position = {name: i for i, name in enumerate(nodes)}
@@ -384,8 +386,8 @@ class _Planner:
                 elif self.graph.is_constant(value):
                     operands.append("scalar" if self.graph[value].type.numel == 1 else "constant")
                 else:
-                    return (), (f"epilogue of {nodes[0]} reads {value}, not a constant: concatenated siblings "
-                                "take constant per-channel operands only")
+                    return (), Reason(Code.SIBLING_OPERAND, f"epilogue of {nodes[0]} reads {value}, not a constant: "
+                                      "concatenated siblings take constant per-channel operands only")
             attrs = tuple(sorted((k, repr(v)) for k, v in node.attrs.items() if not callable(v)))
             signature.append((node.op, attrs, node.type.dtype, tuple(operands)))
         return tuple(signature), None
@@ -406,7 +408,7 @@ class _Planner:
             dependency = self.dependency(cluster, group)
             if dependency:
                 self.record(self.groups[cluster], self.groups[group], "horizontal", Verdict.ILLEGAL,
-                            f"not independent: {dependency}")
+                            Reason(Code.DEPENDENT, f"not independent: {dependency}"))
                 cluster = group
                 continue
             if not self.decide(cluster, group, "horizontal", None, GroupKind.HORIZONTAL_POINTWISE):

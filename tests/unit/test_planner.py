@@ -1,4 +1,5 @@
-"""The fusion planner on hand-built graphs: groups, kinds, kernel counts, and every refusal with its reason."""
+"""The fusion planner on hand-built graphs: groups, kinds, kernel counts, and every refusal with its reason (its
+code, `opfuse.fusion.reasons`: the words may change)."""
 
 import dataclasses
 import json
@@ -14,6 +15,7 @@ from graph_builders import (GraphBuilder, attention_block, bert_like, conv_bn_re
 from opfuse import config
 from opfuse.fusion.legality import can_fuse
 from opfuse.fusion.plan import FusionPlan, GroupKind, Verdict
+from opfuse.fusion.reasons import Code
 from opfuse.fusion.planner import plan_fusion
 from opfuse.hardware import get_hardware
 from opfuse.ir.graph import GraphError
@@ -223,8 +225,9 @@ def test_merge_that_would_make_a_cycle_is_refused():
     graph = b.output(b.op("add", [p2, x], name="c"))
     users = graph.users()
     assert can_fuse(graph, ["p2"], ["c"], users) is None
-    assert can_fuse(graph, ["p1", "p2"], ["c"], users) == \
-        "cycle through x: it reads one side of the pair and feeds the other"
+    refusal = can_fuse(graph, ["p1", "p2"], ["c"], users)
+    assert refusal.code is Code.CYCLE
+    assert refusal.text == "cycle through x: it reads one side of the pair and feeds the other"   # names the node
 
 
 def test_independent_small_groups_on_both_sides_of_a_conv_do_not_share_a_launch():
@@ -360,9 +363,11 @@ def test_every_decision_and_group_is_data():
     plan = plan_fusion(resnet_bottleneck(fold_bn=False), FusionConfig(), H200)
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["kernel_launches"] == 4
+    assert [d["code"] for d in data["decisions"]] == [d.code.value for d in plan.decisions]
     for decision in plan.decisions:
         assert decision.reason and decision.fusion in ("vertical", "residual", "prologue", "horizontal",
                                                        "conv-conv")
+        assert (decision.code in (Code.FUSED, Code.WHOLE_BLOCK)) == (decision.verdict is Verdict.FUSED)
         if decision.verdict is Verdict.FUSED:
             assert decision.bytes_saved > 0 and decision.time_fused < decision.time_unfused
     for group in plan.groups:

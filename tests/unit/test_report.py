@@ -14,6 +14,7 @@ from opfuse.analysis.roofline import attainable, ridge_point, roofline
 from opfuse.api import analyze
 from opfuse.cli import main, refused_table
 from opfuse.fusion.plan import FusionDecision, Verdict
+from opfuse.fusion.reasons import Code
 from opfuse.hardware import get_hardware
 from opfuse.ir.graph import Node, TensorType
 from opfuse.ir.ops import get_op
@@ -181,7 +182,8 @@ def test_cli_exit_codes(tmp_path, capsys):
 
 def test_cli_prints_brackets_in_reasons_literally(block_analysis):
     plan = block_analysis.plan
-    decision = FusionDecision(["conv[0]"], ["add"], "vertical", Verdict.ILLEGAL, "needs [bold]x[/bold] and [red]")
+    decision = FusionDecision(["conv[0]"], ["add"], "vertical", Verdict.ILLEGAL, "needs [bold]x[/bold] and [red]",
+                              Code.SEVERAL_USERS)
     original = plan.decisions
     plan.decisions = [*original, decision]
     try:
