@@ -220,7 +220,7 @@ def run_whole(batch: int, tune_top: int) -> dict:
                 result.kernels, result.gpu_busy_ms = harness.kernel_profile(compiled, (x,))
             row[label] = asdict(result) | {"plan_launches": compiled.plan.kernel_launches,
                                            "predicted_ms": compiled.analysis.fused.predicted_time * 1e3,
-                                           "fallbacks": compiled.fallbacks}
+                                           "fallbacks": {g: str(why) for g, why in compiled.fallbacks.items()}}
         except Exception as error:
             row[label] = {"error": f"{type(error).__name__}: {error}"}
             traceback.print_exc()

@@ -19,6 +19,7 @@ import torch
 
 from opfuse.config import FusionConfig, for_graph, resolve_dtype
 from opfuse.fusion.plan import FusionPlan
+from opfuse.fusion.reasons import Reason
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph
 
@@ -39,7 +40,7 @@ class Analysis:
     fused: Any                      # TrafficSummary of what the compiled model runs: a kernel per group, node by
                                     # node for the groups in `pytorch_groups`
     seconds: dict[str, float] = field(default_factory=dict)
-    pytorch_groups: dict[str, str] = field(default_factory=dict)   # groups without an opfuse kernel, and why
+    pytorch_groups: dict[str, Reason] = field(default_factory=dict)    # groups without an opfuse kernel, and why
 
     @property
     def opaque_ops(self) -> list[str]:
@@ -58,7 +59,7 @@ class Analysis:
             "ops": [asdict(row) for row in self.op_rows],
             "plan": self.plan.to_dict(),
             "opaque_ops": self.opaque_ops,
-            "pytorch_groups": self.pytorch_groups,
+            "pytorch_groups": {group: reason.to_dict() for group, reason in self.pytorch_groups.items()},
             "passes": [{"name": r.name, "changes": r.changes} for r in self.pass_records],
             "unfused": asdict(self.unfused),
             "fused": asdict(self.fused),

@@ -200,7 +200,7 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
             groups = {g.name: g for g in analysis.plan.groups}
             for group, why in analysis.pytorch_groups.items():
                 ops = " + ".join(analysis.plan.graph[n].op for n in groups[group].nodes)
-                console.print(f"  {escape(group)} ({escape(ops)}): {escape(why)}")
+                console.print(f"  {escape(group)} ({escape(ops)}): {escape(why.text)} [dim]({why.code.value})[/]")
         console.print(summary_table(analysis))
         console.print(f"unfused: {analysis.unfused.kernel_launches} kernel launches (one per op) -> fused: "
                       f"{analysis.fused.kernel_launches}; capture {analysis.seconds['capture']:.1f} s, passes "

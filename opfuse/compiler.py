@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from opfuse.api import Analysis, analyze
 from opfuse.config import FusionConfig, resolve_dtype
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import GraphError, dtype_name, torch_dtype
 from opfuse.numerics import (EAGER_ERROR_MARGIN, GroupCheck, check_groups, random_inputs_like, reference_dtype,
                              relative_error, tolerance)
@@ -77,9 +78,10 @@ class OpfuseModule(torch.nn.Module):
         return self.analysis.plan
 
     @property
-    def fallbacks(self) -> dict[str, str]:
+    def fallbacks(self) -> dict[str, Reason]:
         """What runs through PyTorch, and why: groups without a kernel, and calls run eagerly."""
-        return dict(self.compiled.fallbacks) | self.call_fallbacks
+        calls = {key: Reason(Code.EAGER_CALL, why) for key, why in self.call_fallbacks.items()}
+        return dict(self.compiled.fallbacks) | calls
 
     @property
     def launches(self) -> int:
@@ -199,7 +201,7 @@ class EagerFallback(torch.nn.Module):
             reason += f" (the model could not be copied ({type(error).__name__}), so it is run as it is)"
         self.model = private
         self.reason = reason
-        self.fallbacks = {"<whole model>": reason}
+        self.fallbacks = {"<whole model>": Reason(Code.NOT_COMPILED, reason)}
 
     def forward(self, *inputs: Any) -> Any:
         with torch.no_grad():
@@ -280,8 +282,9 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
                                   on_kernel)
         failed = [c for c in checks if not c.passed]
         if failed:   # un-fuse: the failing groups run through PyTorch, and say why
-            reasons = {c.group: (f"kernel {c.kernel} failed verification (relative error {c.error:.2e} > "
-                                 f"{c.tolerance:.0e}){': ' + c.detail if c.detail else ''}; runs through PyTorch")
+            reasons = {c.group: Reason(Code.FAILED_VERIFICATION,
+                                       f"kernel {c.kernel} failed verification (relative error {c.error:.2e} > "
+                                       f"{c.tolerance:.0e}){': ' + c.detail if c.detail else ''}; runs through PyTorch")
                        for c in failed}
             compiled = _without_kernels(compiled, reasons)
         end_to_end, eager_error = _end_to_end_error(eager, compiled, fresh, config.dtype)
@@ -365,7 +368,7 @@ def _eager_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).eval()
 
 
-def _without_kernels(compiled, reasons: dict[str, str]):
+def _without_kernels(compiled, reasons: dict[str, Reason]):
     """The same compiled model with these groups' kernels dropped (they run through PyTorch)."""
     from opfuse.runtime.compiled import CompiledModel
 

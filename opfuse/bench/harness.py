@@ -223,7 +223,8 @@ def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict 
     if graph is not None:
         forwards["opfuse_replay"] = graph.replay
     row = {"plan_launches": compiled.plan.kernel_launches, "runtime_launches": compiled.launches,
-           "fallbacks": compiled.fallbacks, "library_anchors": compiled.compiled.library_anchors,
+           "fallbacks": {group: str(why) for group, why in compiled.fallbacks.items()},     # text, as earlier runs recorded it
+           "library_anchors": compiled.compiled.library_anchors,
            "unfused": compiled.compiled.unfused, "opfuse_compile_seconds": compiled.seconds,
            "predicted_ms": compiled.analysis.fused.predicted_time * 1e3,
            "cuda_graph_error": compiled.compiled.cuda_graph_error}

@@ -104,7 +104,8 @@ def workloads_of_runs(runs: Sequence[dict], hardware: str = "h200", progress: Ca
             continue
         model, inputs = load_builtin(entry["model"], entry["batch"])
         analysis = analyze(model, inputs, FusionConfig(dtype="float16", hardware=hardware))
-        now = (analysis.plan.kernel_launches, pytorch_group_count({"fallbacks": analysis.pytorch_groups}))
+        through = {group: str(why) for group, why in analysis.pytorch_groups.items()}     # as a row holds them
+        now = (analysis.plan.kernel_launches, pytorch_group_count({"fallbacks": through}))
         then = (row.get("plan_launches"), pytorch_group_count(row))
         if now != then:
             left_out[key] = (f"the plan launches {now[0]} kernels and runs {now[1]} groups through PyTorch now, "

@@ -3,9 +3,10 @@
 Dispatch reads the group's kind and anchor op: CONV_CONV groups -> `lower_conv_conv_group`, conv2d ->
 `lower_conv_group`, linear/matmul -> `lower_gemm_group`, elementwise groups -> `lower_pointwise_group`, reductions
 -> `lower_reduction_group`. A group that gets no kernel (a view, an opaque op, attention, concat/gather, or a
-template that raised `Unsupported`) runs through PyTorch at run time; the reason is recorded so the report can say
-why. The template modules are imported lazily; one that cannot be imported (a broken install, or a bug in opfuse) is
-an error naming the group and the template, never a silent run through PyTorch.
+template that raised `Unsupported`) runs through PyTorch at run time; the reason (a stable code and the words,
+`opfuse.fusion.reasons.Reason`) is recorded so the report can say why. The template modules are imported lazily;
+one that cannot be imported (a broken install, or a bug in opfuse) is an error naming the group and the template,
+never a silent run through PyTorch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from opfuse.codegen.base import GroupKernel
 from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.legality import joins_as_map
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError
 from opfuse.ir.ops import FusionKind, kind_of, view_copies
 
@@ -34,8 +36,9 @@ REDUCTION_LOWERING = ("opfuse.codegen.reduction", "lower_reduction_group")
 
 # kinds that never get a kernel of ours, and why
 NO_KERNEL_KINDS = {
-    GroupKind.VIEW: "view: metadata only, no kernel needed",
-    GroupKind.INJECTIVE: "injective (concat/gather/pad/copy): no Triton template, runs through PyTorch",
+    GroupKind.VIEW: Reason(Code.VIEW, "view: metadata only, no kernel needed"),
+    GroupKind.INJECTIVE: Reason(Code.COPYING_OP,
+                                "injective (concat/gather/pad/copy): no Triton template, runs through PyTorch"),
 }
 
 
@@ -49,27 +52,28 @@ def find_anchor(graph: Graph, group: FusionGroup) -> str | None:
     return None
 
 
-def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | str:
+def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reason:
     """(module, function) of the template for `group`, or the reason it has none."""
     if group.kind is GroupKind.OPAQUE:      # name the op: "opaque" alone does not say what runs through PyTorch
-        return f"opaque op {', '.join(graph[n].describe() for n in group.nodes)}: runs through PyTorch"
+        ops = ", ".join(graph[n].describe() for n in group.nodes)
+        return Reason(Code.OPAQUE, f"opaque op {ops}: runs through PyTorch")
     if group.kind is GroupKind.VIEW and group.launches and group.reason:   # PyTorch copies it: the planner says why
-        return group.reason
+        return Reason(Code.VIEW_COPY, group.reason)
     if group.kind in NO_KERNEL_KINDS:
         return NO_KERNEL_KINDS[group.kind]
     kinds = {name: kind_of(graph[name]) for name in group.nodes}
     for name, kind in kinds.items():
         if kind is FusionKind.OPAQUE:
-            return f"opaque op {graph[name].describe()}: runs through PyTorch"
+            return Reason(Code.OPAQUE, f"opaque op {graph[name].describe()}: runs through PyTorch")
     if group.kind is GroupKind.CONV_CONV:
         return CONV_CONV_LOWERING
     anchor = find_anchor(graph, group)
     if anchor is not None:
         op = graph[anchor].op
         if op == "sdpa":
-            return "attention (sdpa) runs through PyTorch's fused attention kernel"
+            return Reason(Code.ATTENTION, "attention (sdpa) runs through PyTorch's fused attention kernel")
         if op not in ANCHOR_LOWERINGS:
-            return f"no Triton template for anchor op {op!r}"
+            return Reason(Code.NO_TEMPLATE, f"no Triton template for anchor op {op!r}")
         return ANCHOR_LOWERINGS[op]
     if group.kind is GroupKind.REDUCTION or any(k is FusionKind.REDUCTION for k in kinds.values()):
         return REDUCTION_LOWERING
@@ -79,8 +83,8 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | str:
             return POINTWISE_LOWERING   # (a cat with free views only is PyTorch's cat)
     if all(graph[name].op == "identity" or kind is FusionKind.INJECTIVE for name, kind in kinds.items()):
         return NO_KERNEL_KINDS[GroupKind.INJECTIVE]
-    return f"no Triton template for a {group.kind.value} group of ops " \
-           f"{', '.join(dict.fromkeys(graph[n].op for n in group.nodes))}"
+    return Reason(Code.NO_TEMPLATE, f"no Triton template for a {group.kind.value} group of ops "
+                  f"{', '.join(dict.fromkeys(graph[n].op for n in group.nodes))}")
 
 
 def _load(module: str, function: str) -> Callable[[Graph, FusionGroup, torch.device], GroupKernel]:
@@ -88,10 +92,10 @@ def _load(module: str, function: str) -> Callable[[Graph, FusionGroup, torch.dev
 
 
 def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
-                reasons: MutableMapping[str, str] | None = None) -> GroupKernel | None:
+                reasons: MutableMapping[str, Reason] | None = None) -> GroupKernel | None:
     """The group's kernel, or None (reason stored in `reasons[group.name]`) when it runs through PyTorch."""
     choice = choose_lowering(graph, group)
-    if isinstance(choice, str):
+    if isinstance(choice, Reason):
         reason = choice
     else:
         module, function = choice
@@ -103,20 +107,20 @@ def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
         try:
             kernel = lower(graph, group, torch.device(device))
         except Unsupported as error:
-            reason = f"unsupported by {function}: {error}"
+            reason = Reason(Code.UNSUPPORTED, f"unsupported by {function}: {error}")
         except ImportError as error:
             raise GraphError(f"group {group.name}: the kernel template {module}.{function} needs what this "
                              f"install lacks ({error})") from error
         else:
             if kernel is not None:
                 return kernel
-            reason = f"{function} made no kernel for it"
+            reason = Reason(Code.NO_KERNEL, f"{function} made no kernel for it")
     if reasons is not None:
         reasons[group.name] = reason
     return None
 
 
-def groups_through_pytorch(plan: FusionPlan) -> dict[str, str]:
+def groups_through_pytorch(plan: FusionPlan) -> dict[str, Reason]:
     """{group name: why} for every group that launches work but gets no opfuse kernel, found by lowering the plan
     (on the CPU: nothing runs or compiles): the compiled model runs those groups' nodes one by one through PyTorch."""
     _, reasons = lower_plan(plan, "cpu")
@@ -124,10 +128,10 @@ def groups_through_pytorch(plan: FusionPlan) -> dict[str, str]:
 
 
 def lower_plan(plan: FusionPlan, device: torch.device | str
-               ) -> tuple[dict[str, GroupKernel], dict[str, str]]:
+               ) -> tuple[dict[str, GroupKernel], dict[str, Reason]]:
     """Lower every group: ({group name: kernel}, {group name: why it runs through PyTorch})."""
     kernels: dict[str, GroupKernel] = {}
-    reasons: dict[str, str] = {}
+    reasons: dict[str, Reason] = {}
     for group in plan.groups:
         kernel = lower_group(plan.graph, group, device, reasons)
         if kernel is not None:

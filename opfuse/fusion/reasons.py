@@ -1,8 +1,9 @@
-"""Why a fusion was taken or refused: `Reason(code, text)`.
+"""Why a fusion was taken or refused, and why a group runs through PyTorch: `Reason(code, text)`.
 
 The text is for people and may change; the code is stable, for tests and tools (inductor's `WhyNoFuse` keeps a
-reason beside each refusal in the same spirit). A `FusionDecision` carries both (`code`, `reason`), and
-`opfuse analyze --json` writes them as `"code"` next to `"reason"`. The codes, and what each means:
+reason beside each refusal in the same spirit). A `FusionDecision` carries both (`code`, `reason`), so does every
+value of `Analysis.pytorch_groups` and of a compiled model's `fallbacks`; `opfuse analyze --json` and the report
+write them as `"code"` next to `"reason"`. The codes, and what each means:
 
 Fusions taken (verdict fused):
   fused                 the pair is legal, fits the hardware and the cost model predicts it faster (or is off)
@@ -45,6 +46,18 @@ Fusions refused for the hardware (verdict over budget) or the cost (verdict unpr
   split-back            the compiled kernel of these nodes failed the resource check on the GPU (every config
                         spilled), so the plan keeps them apart
   unprofitable          the cost model predicts the fused kernel no faster than the two apart
+
+Groups that run through PyTorch (`opfuse.codegen.lower.choose_lowering`, `lower_group`, `opfuse.compile`):
+  opaque, copying-op    as above: the op has no kernel of opfuse's
+  view                  a view: metadata only, nothing to launch
+  view-copy             a view PyTorch must copy (a reshape of a permuted tensor): one PyTorch kernel
+  attention             attention (sdpa) runs as PyTorch's fused attention kernel
+  no-template           no Triton template covers the group's anchor op or its mix of ops
+  unsupported           the template refused the group (`Unsupported`; the text says why)
+  no-kernel             no kernel was built for the group
+  failed-verification   its kernel failed the check against the group's reference values, so it was dropped
+  eager-call            a call the compiled model could not run was run eagerly (fallback="eager")
+  not-compiled          compiling failed, so the whole model runs eagerly (fallback="eager")
 """
 
 from __future__ import annotations
@@ -90,6 +103,15 @@ class Code(str, Enum):
     SPLIT_BACK = "split-back"
     UNPROFITABLE = "unprofitable"
 
+    VIEW = "view"
+    VIEW_COPY = "view-copy"
+    ATTENTION = "attention"
+    NO_TEMPLATE = "no-template"
+    UNSUPPORTED = "unsupported"
+    NO_KERNEL = "no-kernel"
+    FAILED_VERIFICATION = "failed-verification"
+    EAGER_CALL = "eager-call"
+    NOT_COMPILED = "not-compiled"
 
 
 @dataclass(frozen=True)

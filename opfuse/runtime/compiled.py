@@ -2,8 +2,9 @@
 
 A group with a kernel calls `kernel.run(runtime inputs, config)`; a group without one (view, opaque, attention,
 unsupported) runs its nodes through their PyTorch references, and is listed in `compiled.fallbacks` with the
-reason. A kernel whose autotuning kept another form names it: `library_anchors` (anchor through cuBLAS/cuDNN,
-generated epilogue) and `unfused` (the fusion measured slower than its ops run one by one through PyTorch).
+reason (`opfuse.fusion.reasons.Reason`: a stable code and the words). A kernel whose autotuning kept another form
+names it: `library_anchors` (anchor through cuBLAS/cuDNN, generated epilogue) and `unfused` (the fusion measured
+slower than its ops run one by one through PyTorch).
 The schedule (which values each step reads, and after which step each value is dead) is worked out once
 at build time, so a forward pass is a plain loop that frees every intermediate right after its last reader.
 
@@ -28,6 +29,7 @@ from opfuse.codegen.base import GroupKernel, KernelConfig
 from opfuse.codegen.lower import choose_lowering, lower_plan
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import FusionGroup, FusionPlan
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 from opfuse.ir.ops import get_op, launches_kernel
 from opfuse.runtime.autotune import recover_rng_after_failed_capture, timing_available, tune
@@ -74,10 +76,12 @@ class Step:
     free: list[str] = field(default_factory=list)     # values dead after this step
 
 
-def default_reason(graph: Graph, group: FusionGroup) -> str:
+def default_reason(graph: Graph, group: FusionGroup) -> Reason:
     """Why a group given no kernel runs through PyTorch, when the caller did not say."""
     choice = choose_lowering(graph, group)
-    return choice if isinstance(choice, str) else "no kernel was built for it: runs through PyTorch"
+    if isinstance(choice, Reason):
+        return choice
+    return Reason(Code.NO_KERNEL, "no kernel was built for it: runs through PyTorch")
 
 
 def to_channels_last(x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +103,7 @@ class CompiledModel(torch.nn.Module):
     """A fusion plan's kernels, run in plan order (see module docstring)."""
 
     def __init__(self, plan: FusionPlan, kernels: Mapping[str, GroupKernel | None], device: torch.device | str,
-                 *, configs: Mapping[str, KernelConfig] | None = None, fallbacks: Mapping[str, str] | None = None,
+                 *, configs: Mapping[str, KernelConfig] | None = None, fallbacks: Mapping[str, Reason] | None = None,
                  config: FusionConfig | None = None,
                  recompile: Callable[[Sequence[torch.Tensor]], Callable[..., Any]] | None = None,
                  unflatten: Callable[[list[torch.Tensor]], Any] | None = None, cuda_graph_warmup: int = 1):
@@ -114,7 +118,7 @@ class CompiledModel(torch.nn.Module):
         self.kernels: dict[str, GroupKernel] = {k: v for k, v in kernels.items() if v is not None}
         self.configs: dict[str, KernelConfig] = {name: k.configs()[0] for name, k in self.kernels.items()}
         self.configs.update(configs or {})
-        self.fallbacks: dict[str, str] = {}
+        self.fallbacks: dict[str, Reason] = {}
         for group in plan.groups:
             if group.name not in self.kernels:
                 self.fallbacks[group.name] = (fallbacks or {}).get(group.name) or default_reason(plan.graph, group)

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import opfuse
+from opfuse.fusion.reasons import Code
 from opfuse.ir.graph import GraphError
 from opfuse.numerics import relative_error
 
@@ -52,7 +53,7 @@ def test_compile_matches_eager_and_leaves_the_model_unchanged():
     # the kernels really ran: every group with a kernel passed its own check, and the plan fused BN and activations
     assert compiled.checks and all(c.passed for c in compiled.checks)
     assert compiled.launches == compiled.plan.kernel_launches < len(compiled.analysis.op_rows)
-    assert set(compiled.fallbacks.values()) <= {"view: metadata only, no kernel needed"}
+    assert {why.code for why in compiled.fallbacks.values()} <= {Code.VIEW}
 
 
 def test_residual_block_is_one_kernel_per_conv():
@@ -83,7 +84,8 @@ def test_fallback_eager_returns_a_model_that_runs_and_says_why():
         opfuse.compile(model, (x,))
     fallback = opfuse.compile(model, (x,), opfuse.FusionConfig(fallback="eager"))
     assert torch.equal(fallback(x), model(x))
-    assert "torch.export could not capture" in fallback.fallbacks["<whole model>"]
+    whole = fallback.fallbacks["<whole model>"]
+    assert whole.code is Code.NOT_COMPILED and "torch.export could not capture" in whole.text     # the error says why
 
 
 def test_a_wrong_kernel_is_unfused_and_named():
@@ -108,7 +110,7 @@ def test_a_wrong_kernel_is_unfused_and_named():
         lower.lower_group = original
     failed = [c for c in compiled.checks if not c.passed]
     assert len(failed) == 1
-    assert "failed verification" in compiled.fallbacks[failed[0].group]
+    assert compiled.fallbacks[failed[0].group].code is Code.FAILED_VERIFICATION
     with torch.no_grad():
         assert relative_error(compiled(x), model(x)) < 1e-5
 
@@ -138,7 +140,7 @@ def test_a_group_whose_every_config_spills_is_split_back():
     assert again.plan.kernel_launches == 3          # the residual group split back into two kernels
     assert not any(set(residual.nodes) <= set(g.nodes) for g in again.plan.groups)
     refused = [d for d in again.plan.decisions if d.verdict is Verdict.OVER_BUDGET]
-    assert refused and "split back" in refused[0].reason and "every config spills" in refused[0].reason
+    assert refused and refused[0].code is Code.SPLIT_BACK and "every config spills" in refused[0].reason   # and why
     assert again.fused.kernel_launches == 3
 
 
@@ -174,13 +176,15 @@ def test_analysis_counts_launches_as_the_compiled_model_runs_them():
     config = opfuse.FusionConfig(dtype="float32")
     analysis = opfuse.analyze(model, inputs, config)
     assert analysis.plan.kernel_launches == 1
-    assert list(analysis.pytorch_groups.values()) == ["unsupported by lower_gemm_group: addmm [linear]: the weight "
-                                                      "is not a constant"]
+    (why,) = analysis.pytorch_groups.values()
+    assert why.code is Code.UNSUPPORTED
+    assert why.text == "unsupported by lower_gemm_group: addmm [linear]: the weight is not a constant"   # names it
     compiled = opfuse.compile(model, inputs, config)
     assert analysis.fused.kernel_launches == compiled.launches == 3     # linear, relu, mul
     planned = sum(g.predicted_time for g in analysis.plan.groups)
     assert analysis.fused.predicted_time > planned          # three launches priced, not the one fused kernel
-    assert analysis.to_dict()["pytorch_groups"] == analysis.pytorch_groups
+    assert analysis.to_dict()["pytorch_groups"] == {group: {"code": "unsupported", "reason": why.text}
+                                                    for group in analysis.pytorch_groups}
 
 
 def test_tiny_gpt2_runs_its_conv1d_gemms_as_kernels_and_matches_eager():
@@ -235,7 +239,7 @@ def test_cat_and_channel_shuffle_fuse_and_match_eager():
     assert compiled.checks and all(c.passed for c in compiled.checks)
     cats = [g for g in compiled.plan.groups if any(compiled.plan.graph[n].op == "cat" for n in g.nodes)]
     assert cats and all(len(g.nodes) > 1 and g.name not in compiled.fallbacks for g in cats)   # kernels of ours
-    assert not any("copies" in why for why in compiled.fallbacks.values())    # the shuffle is written directly
+    assert not any(why.code is Code.VIEW_COPY for why in compiled.fallbacks.values())   # the shuffle is written
     assert compiled.launches == compiled.plan.kernel_launches
 
 

@@ -26,6 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import opfuse
 from opfuse.compiler import EagerFallback, OpfuseModule
+from opfuse.fusion.reasons import Code
 from opfuse.ir.graph import GraphError
 from opfuse.numerics import relative_error
 from opfuse.runtime.cache import TuningCache
@@ -236,7 +237,7 @@ def test_fallback_eager_runs_other_inputs_eagerly_and_records_why():
         assert torch.equal(out, model(x))
     (key, reason), = compiled.call_fallbacks.items()
     assert "float32[3,3,6,6]" in key and "compiled for float32[2,3,6,6]" in reason
-    assert compiled.fallbacks[key] == reason
+    assert compiled.fallbacks[key].code is Code.EAGER_CALL and compiled.fallbacks[key].text == reason
 
 
 # ---- NaN and Inf -----------------------------------------------------------------------------------------
@@ -302,7 +303,8 @@ def test_empty_batch_cannot_be_compiled_and_the_fallback_returns_eagers_empty_re
     with pytest.raises(GraphError, match=r"example input 0 is empty \(shape \[0, 3, 6, 6\]\).*batch of at least 1"):
         opfuse.compile(model, (empty,), F32)
     fallback = opfuse.compile(model, (empty,), opfuse.FusionConfig(dtype="float32", fallback="eager"))
-    assert isinstance(fallback, EagerFallback) and "is empty" in fallback.fallbacks["<whole model>"]
+    assert isinstance(fallback, EagerFallback) and fallback.fallbacks["<whole model>"].code is Code.NOT_COMPILED
+    assert "is empty" in fallback.reason
     assert fallback(empty).shape == (0, 5)
 
 
@@ -567,7 +569,8 @@ def test_fallback_eager_always_returns_a_model_that_runs_with_the_reason(how, wo
     config = opfuse.FusionConfig(dtype="float32", fallback="eager",
                                  memory_limit=1024 if how == "memory refused" else None)
     result = opfuse.compile(model, (x,), config)
-    assert isinstance(result, EagerFallback) and words in result.fallbacks["<whole model>"]
+    assert isinstance(result, EagerFallback) and result.fallbacks["<whole model>"].code is Code.NOT_COMPILED
+    assert words in result.reason                                   # the error that stopped the compile
     with torch.no_grad():
         assert torch.equal(result(x), model(x))
 
@@ -578,7 +581,7 @@ def test_fallback_eager_runs_a_call_the_compiled_model_fails_on(monkeypatch):
     assert isinstance(compiled, OpfuseModule)
     # every group that runs through PyTorch says why
     assert set(compiled.fallbacks) == {g.name for g in compiled.plan.groups} - set(compiled.compiled.kernels)
-    assert all(reason for reason in compiled.fallbacks.values())
+    assert all(isinstance(why.code, Code) and why.text for why in compiled.fallbacks.values())
     kernel = next(iter(compiled.compiled.kernels.values()))
 
     def crash(inputs, config=None):

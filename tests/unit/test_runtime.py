@@ -11,6 +11,7 @@ from opfuse.codegen.base import CompiledInfo, GroupKernel, KernelConfig
 from opfuse.codegen.expr import Unsupported
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.hardware import KIB, get_hardware
 from opfuse.ir.graph import Graph, GraphError, TensorType
 from opfuse.ir.interpret import interpret
@@ -93,12 +94,14 @@ def assert_same(outputs, expected):
 
 def test_all_groups_through_pytorch_match_interpret():
     graph = build_graph()
-    model = CompiledModel(build_plan(graph), {}, "cpu", fallbacks={"g2": "unsupported by lower_gemm_group: x"})
+    given = Reason(Code.UNSUPPORTED, "unsupported by lower_gemm_group: x")
+    model = CompiledModel(build_plan(graph), {}, "cpu", fallbacks={"g2": given})
     x, y = example_inputs()
     assert_same(model(x, y), interpret(graph, [x, y]))
     assert set(model.fallbacks) == {"g0", "g1", "g2"}
-    assert model.fallbacks["g2"] == "unsupported by lower_gemm_group: x"
-    assert model.fallbacks["g1"] and model.fallbacks["g0"]       # a default reason, never empty
+    assert model.fallbacks["g2"] is given
+    assert model.fallbacks["g1"].code is Code.VIEW and model.fallbacks["g0"].code is Code.NO_KERNEL   # defaults
+    assert model.fallbacks["g0"].text       # never empty
     assert model.launches == 5    # conv, relu, linear, add, sigmoid; the reshape is a view
 
 
@@ -110,7 +113,7 @@ def test_kernel_gets_runtime_inputs_in_group_order_and_outputs_are_mapped():
     x, y = example_inputs()
     assert_same(model(x, y), interpret(graph, [x, y]))
     assert model.fallbacks == {"g1": model.fallbacks["g1"]}
-    assert "view" in model.fallbacks["g1"]
+    assert model.fallbacks["g1"].code is Code.VIEW
     (conv_args, conv_config), = conv_kernel.calls
     assert len(conv_args) == 1 and torch.equal(conv_args[0], x)      # constants w, b are not passed
     assert conv_config == conv_kernel.configs()[0]
@@ -297,29 +300,29 @@ def test_dispatch_picks_the_template(kind, nodes, anchor, expected):
     assert isinstance(choice, tuple) and choice[1] == expected
 
 
-@pytest.mark.parametrize("kind, nodes, anchor, words", [
-    (GroupKind.VIEW, ["flat"], None, "view"),
-    (GroupKind.OPAQUE, ["custom"], None, "opaque"),
-    (GroupKind.SINGLE, ["custom"], None, "opaque"),
-    (GroupKind.INJECTIVE, ["joined"], None, "injective"),
-    (GroupKind.SINGLE, ["joined"], None, "injective"),
-    (GroupKind.ANCHOR_EPILOGUE, ["attn"], "attn", "sdpa"),
+@pytest.mark.parametrize("kind, nodes, anchor, code", [
+    (GroupKind.VIEW, ["flat"], None, Code.VIEW),
+    (GroupKind.OPAQUE, ["custom"], None, Code.OPAQUE),
+    (GroupKind.SINGLE, ["custom"], None, Code.OPAQUE),
+    (GroupKind.INJECTIVE, ["joined"], None, Code.COPYING_OP),
+    (GroupKind.SINGLE, ["joined"], None, Code.COPYING_OP),
+    (GroupKind.ANCHOR_EPILOGUE, ["attn"], "attn", Code.ATTENTION),
 ])
-def test_dispatch_gives_a_reason_for_groups_without_a_kernel(kind, nodes, anchor, words, monkeypatch):
+def test_dispatch_gives_a_reason_for_groups_without_a_kernel(kind, nodes, anchor, code, monkeypatch):
     monkeypatch.setattr(lower, "_load", lambda *a: pytest.fail("no template should be loaded"))
     graph = dispatch_graph()
     group = FusionGroup(7, kind, nodes, anchor=anchor)
     reasons = {}
     assert lower.lower_group(graph, group, "cpu", reasons) is None
-    assert words in reasons["g7"]
+    assert reasons["g7"].code is code
 
 
 def test_a_view_that_copies_says_so():
     copying = FusionGroup(7, GroupKind.VIEW, ["flat"], launches=1, reason="reshape of a permuted tensor is no view: "
                           "PyTorch copies it (one kernel)")
-    assert lower.choose_lowering(dispatch_graph(), copying) == copying.reason
+    assert lower.choose_lowering(dispatch_graph(), copying) == Reason(Code.VIEW_COPY, copying.reason)  # the planner's
     free = FusionGroup(8, GroupKind.VIEW, ["flat"], launches=0, reason="view (reshape): no kernel, no traffic")
-    assert lower.choose_lowering(dispatch_graph(), free) == "view: metadata only, no kernel needed"
+    assert lower.choose_lowering(dispatch_graph(), free).code is Code.VIEW
 
 
 def test_lower_group_records_unsupported_and_refuses_missing_templates(monkeypatch):
@@ -332,7 +335,7 @@ def test_lower_group_records_unsupported_and_refuses_missing_templates(monkeypat
 
     monkeypatch.setattr(lower, "_load", lambda module, function: unsupported)
     assert lower.lower_group(graph, group, "cpu", reasons) is None
-    assert reasons["g0"] == "unsupported by lower_conv_group: dilation 2 conv"
+    assert reasons["g0"] == Reason(Code.UNSUPPORTED, "unsupported by lower_conv_group: dilation 2 conv")   # its words
 
     def missing(module, function):
         raise ModuleNotFoundError(f"No module named {module!r}")
@@ -361,7 +364,7 @@ def test_build_compiled_model_on_cpu(monkeypatch):
     monkeypatch.setattr(lower, "_load", fake_load)
     model = build_compiled_model(plan, "cpu", example_inputs())
     assert list(model.kernels) == ["g0"] and set(model.fallbacks) == {"g1", "g2"}
-    assert "not this group" in model.fallbacks["g2"]
+    assert model.fallbacks["g2"].code is Code.UNSUPPORTED
     assert model.tuning is None          # nothing to time on the CPU
     x, y = example_inputs()
     assert_same(model(x, y), interpret(graph, [x, y]))
