@@ -138,12 +138,12 @@ def groups_table(plan) -> Table:
 
 def refused_table(plan, limit: int | None = None) -> Table:
     table = Table(title=f"Fusions refused: {len(plan.refused)}")
-    for column in ("producer", "consumer", "fusion", "verdict", "reason"):
+    for column in ("producer", "consumer", "fusion", "verdict", "code", "reason"):
         table.add_column(column, overflow="fold")
     rows = plan.refused if limit is None else plan.refused[:limit]
     for d in rows:
         table.add_row(escape(", ".join(d.producer)), escape(", ".join(d.consumer)), d.fusion, d.verdict.value,
-                      escape(d.reason))
+                      d.code.value, escape(d.reason))
     if len(rows) < len(plan.refused):
         table.caption = (f"{len(plan.refused) - len(rows)} more refusals not shown (--refused all to show every "
                          "one; --json and the HTML report have them all)")

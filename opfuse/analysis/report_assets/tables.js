@@ -67,17 +67,17 @@
     var refused = A.plan.decisions.filter(function (d) { return d.verdict !== "fused"; });
     document.getElementById("refused-title").textContent = "Refused fusions (" + refused.length + ")";
     var table = document.getElementById("refused-table"), head = el("tr");
-    ["producer", "consumer", "fusion", "verdict", "reason", "would save"].forEach(function (h) { head.appendChild(el("th", {}, h)); });
+    ["producer", "consumer", "fusion", "verdict", "code", "reason", "would save"].forEach(function (h) { head.appendChild(el("th", {}, h)); });
     table.appendChild(head);
     if (!refused.length) {
       var none = el("tr");
-      none.appendChild(el("td", {colspan: 6}, "None: every candidate fusion was taken."));
+      none.appendChild(el("td", {colspan: 7}, "None: every candidate fusion was taken."));
       table.appendChild(none);
     }
     var groupOf = {};
     G.nodes.forEach(function (n) { groupOf[n.name] = n.group; });
     refused.forEach(function (d) {
-      var text = [d.producer.join(" "), d.consumer.join(" "), d.fusion, d.verdict, d.reason].join(" ").toLowerCase();
+      var text = [d.producer.join(" "), d.consumer.join(" "), d.fusion, d.verdict, d.code, d.reason].join(" ").toLowerCase();
       var tr = el("tr", {"class": "clickable", "data-text": text});
       tr.appendChild(el("td", {}, d.producer.join(", ")));
       tr.appendChild(el("td", {}, d.consumer.join(", ")));
@@ -85,6 +85,7 @@
       var verdict = el("td");
       verdict.appendChild(verdictBadge(d.verdict));
       tr.appendChild(verdict);
+      tr.appendChild(el("td", {"class": "code"}, d.code));
       tr.appendChild(el("td", {}, d.reason));
       tr.appendChild(el("td", {"class": "num"}, fmtBytes(d.bytes_saved)));
       tr.addEventListener("click", function () { var g = groupOf[d.producer[0]]; if (g) select(g, true); });
