@@ -52,7 +52,7 @@ def test_depthwise_and_pointwise_become_one_conv_conv_group():
     assert plan.kernel_launches == 2
     # the depthwise result is neither written nor read again: exactly its two passes are saved
     fused = conv_conv_decisions(plan, "depthwise", "project")
-    assert [d.verdict for d in fused] == [Verdict.FUSED]
+    assert [(d.verdict, d.code) for d in fused] == [(Verdict.FUSED, Code.FUSED)]
     assert fused[0].bytes_saved == 2 * graph["relu6_2"].type.nbytes
     assert 0 < fused[0].time_fused < fused[0].time_unfused
     assert "depthwise computed 1x" in fused[0].reason
@@ -64,7 +64,7 @@ def test_whole_block_refused_when_the_halo_recompute_does_not_pay():
     plan = plan_fusion(mobilenet_inverted_residual(batch=64), FusionConfig(), H200)
     pair = conv_conv_decisions(plan, "expand", "depthwise")
     assert [d.verdict for d in pair] == [Verdict.ILLEGAL, Verdict.UNPROFITABLE]
-    assert "only together with depthwise's pointwise conv" in pair[0].reason   # expand + depthwise alone
+    assert [d.code for d in pair] == [Code.EXPAND_ALONE, Code.UNPROFITABLE]   # expand + depthwise alone, then all
     whole = pair[1]
     assert whole.consumer == ["depthwise", "relu6_2", "project", "add"]
     assert whole.bytes_saved > 0 and whole.time_fused >= whole.time_unfused > 0
@@ -87,8 +87,8 @@ def test_whole_block_fused_where_the_halo_recompute_pays():
     # alone, the depthwise + pointwise kernel is predicted slower (conv_conv_efficiency): the planner takes it as a
     # step to the whole block, which it predicted faster than the three convs apart, and says so
     pair = conv_conv_decisions(plan, "depthwise", "project")[0]
-    assert pair.verdict is Verdict.FUSED and pair.time_fused > pair.time_unfused
-    assert "a step to the whole block (predicted" in pair.reason and "with expand, relu6_1" in pair.reason
+    assert pair.verdict is Verdict.FUSED and pair.time_fused > pair.time_unfused and pair.code is Code.WHOLE_BLOCK
+    assert "with expand, relu6_1" in pair.reason                  # the words name the step's third convolution
 
 
 def test_depthwise_pointwise_pair_alone_is_refused_without_the_whole_block_step():
@@ -98,6 +98,7 @@ def test_depthwise_pointwise_pair_alone_is_refused_without_the_whole_block_step(
     assert all(g.kind is not GroupKind.CONV_CONV for g in plan.groups)
     pair = conv_conv_decisions(plan, "depthwise", "project")[0]
     assert pair.verdict is Verdict.UNPROFITABLE and pair.time_fused >= pair.time_unfused
+    assert pair.code is Code.UNPROFITABLE
 
 
 def test_whole_block_fusion_can_be_switched_off():
@@ -106,7 +107,7 @@ def test_whole_block_fusion_can_be_switched_off():
         (GroupKind.ANCHOR_EPILOGUE, ["expand", "relu6_1"]),
         (GroupKind.CONV_CONV, ["depthwise", "relu6_2", "project"])]
     refused = conv_conv_decisions(plan, "expand", "project")[-1]
-    assert refused.verdict is Verdict.ILLEGAL and "disabled (config.conv_conv_expand)" in refused.reason
+    assert refused.verdict is Verdict.ILLEGAL and refused.code is Code.DISABLED
 
 
 def test_conv_conv_disabled_or_unchained_convs_are_refused_with_the_reason():
@@ -186,8 +187,8 @@ def test_over_budget_when_depthwise_tile_and_pointwise_accumulator_do_not_fit_to
     plan = plan_fusion(mobilenet_inverted_residual(batch=64), FusionConfig(), tight)
     assert all(g.kind is not GroupKind.CONV_CONV for g in plan.groups) and plan.kernel_launches == 3
     over = conv_conv_decisions(plan, "depthwise", "project")
-    assert [d.verdict for d in over] == [Verdict.OVER_BUDGET]
-    assert "needs 60 registers/thread > 59" in over[0].reason
+    assert [(d.verdict, d.code) for d in over] == [(Verdict.OVER_BUDGET, Code.OVER_BUDGET)]
+    assert "needs 60 registers/thread > 59" in over[0].reason           # the resource model's count, in the words
     assert "pointwise accumulator 8" in over[0].reason and "depthwise tile 4" in over[0].reason
     assert over[0].bytes_saved > 0 and over[0].time_fused > 0 and over[0].time_unfused > 0
 
