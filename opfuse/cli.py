@@ -99,7 +99,11 @@ def load_analysis(args: argparse.Namespace, config: FusionConfig):
 
     if args.model.endswith(".onnx"):
         return analyze(args.model, config=config, batch=args.batch)
+    from opfuse.bench.harness import protocol_form
+    from opfuse.ir.graph import torch_dtype
+
     model, inputs, name = load_model(args.model, args.batch)
+    model, inputs = protocol_form(model, inputs, torch_dtype(config.dtype), "cpu")   # as `opfuse bench` compiles it
     return analyze(model, inputs, config=config, name=name)
 
 

@@ -143,8 +143,8 @@ def measure_ceilings() -> dict[str, float]:
 
 def prepare(model: torch.nn.Module, inputs: Sequence[torch.Tensor], dtype: torch.dtype = torch.float16,
             device: str = "cuda") -> tuple[torch.nn.Module, tuple, torch.nn.Module, tuple]:
-    """(model, inputs, reference model, reference inputs) on `device` by the protocol: the model in `dtype` and
-    channels-last when it takes images, the reference a copy in the reference precision."""
+    """(model, inputs, reference model, reference inputs) on `device` by the protocol (`protocol_form`), the
+    reference a copy in the reference precision."""
     from opfuse.ir.graph import dtype_name
     from opfuse.numerics import reference_dtype
 
@@ -152,6 +152,14 @@ def prepare(model: torch.nn.Module, inputs: Sequence[torch.Tensor], dtype: torch
     reference = copy.deepcopy(model).to(device=device, dtype=reference_type).eval()
     reference_inputs = tuple(x.to(device).to(reference_type) if x.is_floating_point() else x.to(device)
                              for x in inputs)
+    return (*protocol_form(model, inputs, dtype, device), reference, reference_inputs)
+
+
+def protocol_form(model: torch.nn.Module, inputs: Sequence[torch.Tensor], dtype: torch.dtype = torch.float16,
+                  device: str = "cuda") -> tuple[torch.nn.Module, tuple]:
+    """(model, inputs) as every benchmark compiles them: on `device`, in `dtype`, channels-last when the model
+    takes images. `opfuse analyze` of a built-in model captures this form too, so that it plans what bench runs
+    (a model's code may depend on its dtype: transformers' T5 clamps its float16 activations)."""
     model = model.to(device=device, dtype=dtype).eval()
     prepared = []
     for x in inputs:
@@ -162,7 +170,7 @@ def prepare(model: torch.nn.Module, inputs: Sequence[torch.Tensor], dtype: torch
                 x = x.contiguous(memory_format=torch.channels_last)
                 model = model.to(memory_format=torch.channels_last)
         prepared.append(x)
-    return model, tuple(prepared), reference, reference_inputs
+    return model, tuple(prepared)
 
 
 def floor_ms(analysis: Any, ceilings: dict[str, float]) -> tuple[float, float]:

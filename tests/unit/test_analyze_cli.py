@@ -95,3 +95,28 @@ def test_refusals_and_groups_through_pytorch_carry_their_codes(monkeypatch, caps
     printed = capsys.readouterr().out
     assert "several-users" in printed                              # the refused table's code column
     assert f"{through['reason']} (opaque)" in printed               # the groups run through PyTorch
+
+
+def test_analyze_captures_a_model_in_the_compute_dtype_as_bench_compiles_it(monkeypatch, tmp_path):
+    """A model whose code depends on its dtype (transformers' T5 clamps float16 activations) is planned as
+    `opfuse bench` runs it: in the compute dtype, not captured in float32 and cast afterwards."""
+    (tmp_path / "dtype_model.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        h = self.fc(x)\n"
+        "        if h.dtype == torch.float16:\n"
+        "            h = torch.clamp(h, -100.0, 100.0)\n"
+        "        return torch.tanh(h)\n"
+        "def build(batch=1):\n"
+        "    torch.manual_seed(0)\n"
+        "    return M().eval(), (torch.randn(batch, 8),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for dtype, clamps in (("fp16", 1), ("fp32", 0)):
+        out = tmp_path / f"{dtype}.json"
+        assert main(["analyze", "dtype_model:build", "--dtype", dtype, "--json", str(out), "--ops", "0"]) == 0
+        ops = [node for group in json.loads(out.read_text())["plan"]["groups"] for node in group["nodes"]]
+        assert sum(1 for n in ops if n.startswith("clamp")) == clamps, (dtype, ops)
