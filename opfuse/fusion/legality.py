@@ -28,10 +28,11 @@ would put a group outside the pair both after and before the fused kernel (a cyc
   of its inputs under the mask of its slice (DenseNet's cat -> batch norm -> relu, ShuffleNet's cat -> channel
   shuffle). Each element is still computed once: inside the group a node has as many elements as each value it
   reads, a cat's inputs being its slices, and what the group writes has the size of its largest value.
-- views that keep every element (reshape, permute, identity) join elementwise and reduction kernels, whose
-  templates evaluate values at coordinates and map them through views (a reshape of a permuted tensor is then no
-  copy but an index map on a load); they never join an anchor's kernel, whose template indexes its output tile
-  as it is. Slices and expands stay outside (they would drop or repeat elements). The passes remove no-op views
+- views that keep every element (reshape, permute, identity) join elementwise kernels and a reduction's prologue,
+  whose templates evaluate values at coordinates and map them through views (a reshape of a permuted tensor is
+  then no copy but an index map on a load). They never follow a reduction in its kernel (its epilogue is
+  computed at the reduction's own coordinates) and never join an anchor's kernel, whose template indexes its
+  output tile as it is. Slices and expands stay outside (they would drop or repeat elements). The passes remove no-op views
   before planning.
 """
 
@@ -310,6 +311,10 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
     if prologue and anchors:
         return Reason(Code.ANCHOR_PROLOGUE,
                       f"{prologue[0]} would be a prologue of anchor {hub}: anchors take epilogues only")
+    view = next((n for n in epilogue if is_view(graph[n])), None)
+    if view is not None and reductions:
+        return Reason(Code.VIEW_AFTER_REDUCTION, f"view {view} ({graph[view].op}) after reduction {hub}: its "
+                      "epilogue is computed at the reduction's own coordinates")
     hub_input = graph[graph[hub].inputs[0]].type.numel
     return (same_size_rule(graph, epilogue, graph[hub].type.numel, f"{hub}'s output")
             or same_size_rule(graph, prologue, hub_input, f"{hub}'s input"))

@@ -16,6 +16,8 @@ Fusions refused as illegal (`opfuse.fusion.legality.can_fuse`, and the planner's
   cat-with-hub          a cat joins elementwise chains only, not the kernel of an anchor or a reduction
   view-in-anchor        a view would join an anchor's kernel, whose template maps no views
   view-drops-elements   a view that drops or repeats elements (slice, expand) would join a kernel
+  view-after-reduction  a view would map a reduction's result in its epilogue, which the template writes at the
+                        reduction's own coordinates only
   view-shared           a view between the pair is read outside it too (or is a graph output)
   several-users         a value passed from producer to consumer is read outside the pair too
   no-shared-value       the consumer reads no value of the producer
@@ -78,6 +80,7 @@ class Code(str, Enum):
     CAT_WITH_HUB = "cat-with-hub"
     VIEW_IN_ANCHOR = "view-in-anchor"
     VIEW_DROPS_ELEMENTS = "view-drops-elements"
+    VIEW_AFTER_REDUCTION = "view-after-reduction"
     VIEW_SHARED = "view-shared"
     SEVERAL_USERS = "several-users"
     NO_SHARED_VALUE = "no-shared-value"

@@ -275,3 +275,24 @@ def test_the_overflow_clamp_runs_as_kernels_and_matches_eager_with_and_without_a
             assert bool(torch.isinf(model.fc(fresh) + fresh).any()) == overflow
             want, got = model(fresh), compiled(fresh)
         assert torch.isfinite(want).all() and relative_error(got, want) < 1e-5
+
+
+class ViewsAfterReductions(nn.Module):
+    def forward(self, x):
+        a = torch.relu(torch.softmax(x * 2, -1).permute(0, 2, 1)) + 1
+        b = nn.functional.layer_norm(x, (5,)).reshape(2, 15) + 1
+        return a, b
+
+
+def test_a_view_after_a_reduction_keeps_it_out_of_the_reductions_kernel():
+    """The reduction template writes its epilogue at the reduction's coordinates: a permute or a merging reshape
+    after it would leave the group without a kernel, so the planner keeps such views out."""
+    x = torch.randn(2, 3, 5)
+    compiled = opfuse.compile(ViewsAfterReductions(), (x,), opfuse.FusionConfig(dtype="float32"))
+    assert all(why.code.value == "view" for why in compiled.fallbacks.values()), compiled.fallbacks
+    refusals = {d.code.value for d in compiled.plan.decisions if d.verdict.value == "illegal"}
+    assert "view-after-reduction" in refusals
+    fresh = torch.randn(2, 3, 5)
+    for got, want in zip(compiled(fresh), ViewsAfterReductions()(fresh)):
+        assert relative_error(got, want) < 1e-5
+
