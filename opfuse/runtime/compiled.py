@@ -137,6 +137,7 @@ class CompiledModel(torch.nn.Module):
         needed = {r for s in self._steps for r in s.reads} | set(self.graph.outputs)
         self._constants = {name: self.graph.constants[name].detach().to(self.device, copy=True)
                            for name in self.graph.constants if name in needed}
+        self._constant_outputs = {name for name in self.graph.outputs if self._aliases_constant(name)}
 
         self.use_cuda_graph = bool(self.config.cuda_graph) and self.device.type == "cuda"
         self.cuda_graph_warmup = cuda_graph_warmup
@@ -145,6 +146,13 @@ class CompiledModel(torch.nn.Module):
         self._reset_cuda_graph()
 
     # ---- build time ---------------------------------------------------------------------------------------
+    def _aliases_constant(self, name: str) -> bool:
+        """Whether value `name` is a constant or a view of one (through alias ops run by PyTorch)."""
+        node = self.graph[name]
+        while get_op(node.op).alias and node.op not in ("input", "constant") and node.inputs:
+            node = self.graph[node.inputs[0]]
+        return node.op == "constant"
+
     def _schedule(self) -> list[Step]:
         graph = self.graph
         available = {n.name for n in graph if n.op in ("input", "constant")}
@@ -339,7 +347,10 @@ class CompiledModel(torch.nn.Module):
 
     def _execute(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         values = self._run_steps(inputs)
-        return [values[name] for name in self.graph.outputs]
+        # an output that is a constant or a view of one (a model returning x.new_zeros(..)) is the model's own
+        # tensor: each caller gets a copy, as eager gives each call a new tensor
+        return [values[name].clone() if name in self._constant_outputs else values[name]
+                for name in self.graph.outputs]
 
     def collect_values(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every value of one eager forward, by name: example inputs for the autotuner."""

@@ -296,3 +296,18 @@ def test_a_view_after_a_reduction_keeps_it_out_of_the_reductions_kernel():
     for got, want in zip(compiled(fresh), ViewsAfterReductions()(fresh)):
         assert relative_error(got, want) < 1e-5
 
+
+class ReturnsAFill(nn.Module):
+    def forward(self, x):
+        return x.new_zeros(2, 3), (x + 1).reshape(2, 2)
+
+
+def test_an_output_that_is_a_constant_is_a_new_tensor_at_every_call():
+    """x.new_zeros(...) becomes a constant at capture; a caller writing into the output it got must not change
+    what the next call returns (eager returns a new tensor each time)."""
+    x = torch.randn(4)
+    compiled = opfuse.compile(ReturnsAFill(), (x,), opfuse.FusionConfig(dtype="float32"))
+    zeros, _ = compiled(x)
+    zeros.add_(5)
+    again, _ = compiled(x)
+    assert torch.equal(again, torch.zeros(2, 3))
