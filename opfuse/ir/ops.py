@@ -176,9 +176,11 @@ def _run_slice(xs, a):
 
 
 def _run_rms_norm(xs, a):
+    """In float32 at least, as the models that write it out upcast (x^2 of a float16 value overflows past 256)."""
     x = xs[0]
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + a["eps"])
-    return y * xs[1] if len(xs) > 1 else y
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    y = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + a["eps"])
+    return (y * xs[1] if len(xs) > 1 else y).to(x.dtype)
 
 
 def _run_mean(xs, a):

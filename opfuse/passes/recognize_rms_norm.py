@@ -10,8 +10,11 @@ reduction like `layer_norm`, whose template writes the normalised row) it is one
 
 Matched: ``pow(x, 2)`` or ``mul(x, x)``; ``mean`` over the last dim with keepdim; ``add`` of a one-element constant
 eps; ``rsqrt``; ``mul`` by x (either operand order); optionally a ``mul`` by a constant weight that varies along
-the last dim only. Every intermediate is read by the next step alone, and no step changes the dtype (the casts of
-a float16 model to float32 and back are gone once `cast_precision` and `remove_noop_layout` ran).
+the last dim only. Every intermediate is read by the next step alone, and no step changes the dtype.
+
+A float16 model's norm upcasts to float32 before squaring (T5's ``x.to(float32).pow(2)``); `cast_precision`
+makes those casts no-ops, which would leave x^2 to overflow past 256 in float16. `rms_norm` computes in float32
+(its reference and its kernel), so the node restores what the model meant.
 """
 
 from __future__ import annotations

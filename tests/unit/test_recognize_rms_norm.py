@@ -80,3 +80,12 @@ def test_t5_layer_norms_become_rms_norm_kernels():
     for norm in norms:
         group = analysis.plan.group_of(norm.name)
         assert group.kind.value in ("single", "reduction") and group.name not in analysis.pytorch_groups
+
+
+def test_the_rms_norm_reference_computes_in_float32():
+    """x^2 of a float16 300 overflows; the models that write the norm out upcast first, and so does rms_norm."""
+    from opfuse.ir.ops import get_op
+
+    x = torch.full((2, 8), 300.0, dtype=torch.float16)
+    out = get_op("rms_norm").run([x, torch.full((8,), 2.0, dtype=torch.float16)], {"eps": 1e-6})
+    assert out.dtype == torch.float16 and torch.equal(out, torch.full((2, 8), 2.0, dtype=torch.float16))
