@@ -118,6 +118,9 @@ _TERNARY: dict[str, Callable[[dict, str, str, str], str]] = {
 }
 
 SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_TERNARY) | {"batch_norm"}
+# ops whose result is discrete (a bool): their operands are rounded to their own dtype first, since a value kept in
+# float32 inside a kernel may cross the threshold eager sees (inf, a comparison's bound) where eager's does not
+DISCRETE_OPS = frozenset({"isinf", "lt", "le", "gt", "ge", "eq", "ne"})
 
 
 def emit(op: str, attrs: dict, args: Sequence[str]) -> str:

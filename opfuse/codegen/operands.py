@@ -3,9 +3,10 @@
 A generated kernel evaluates group values at *coordinates*: one Triton expression per logical dimension of the
 value (None where the coordinate is always 0, e.g. a size-1 dimension). `Region.value(name, coords)` emits the
 lines computing a value there: a group input is loaded through its runtime strides, an elementwise node goes
-through `expr.emit` with its operands' coordinates broadcast (numpy rules), and a view node (reshape, permute,
-expand, slice, identity) only maps coordinates. Broadcast constants, channels-last activations and channel-slice
-views therefore need no special case, and no view is ever copied.
+through `expr.emit` with its operands' coordinates broadcast (numpy rules), a view node (reshape, permute,
+expand, slice, identity) only maps coordinates, and a cat picks the input whose slice holds the coordinate (each
+input evaluated under its slice's mask). Broadcast constants, channels-last activations and channel-slice views
+therefore need no special case, and no view is ever copied.
 
 `TemplateKernel` is the runtime half both kernel kinds share: constants held on the device, runtime inputs bound
 and checked, outputs allocated in the layout of the largest input, and the launch.
@@ -20,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel
-from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, emit
+from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, triton_dtype
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import interpreting  # noqa: F401  (pointwise and reduction take it from here)
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, torch_dtype
@@ -181,7 +182,7 @@ class Region:
         self.mask = mask
         self.flat = flat
         self.lines: list[str] = []
-        self.cache: dict[tuple[str, Coords], str] = {}
+        self.cache: dict[tuple[str, Coords, str], str] = {}    # (value, coordinates, mask) -> its variable
         self.zero = emitter.fresh("zero")
         # full-tile zero offsets: every pointer block gets the tile's shape even when an operand is broadcast
         self.lines.append(f"{self.zero} = tl.zeros({tile}, dtype=tl.int32)")
@@ -214,11 +215,21 @@ class Region:
         elif node.op in SUPPORTED_OPS:
             args = [self.value(i, self.operand_coords(node, position, coords))
                     for position, i in enumerate(node.inputs)]
+            if node.op in DISCRETE_OPS:    # decide on the value eager would hold: rounded to its dtype
+                args = [self._rounded(arg, i) for arg, i in zip(args, node.inputs)]
             result = self.assign(emit(node.op, node.attrs, args))
         else:
             raise Unsupported(f"node {node.describe()} cannot be computed elementwise inside this kernel")
         self.cache[key] = result
         return result
+
+    def _rounded(self, value: str, name: str) -> str:
+        """`value` (float32) rounded to the dtype of node `name` where that is narrower and the kernel computed it
+        (a float16 sum past 65504 is inf in eager, finite in float32)."""
+        dtype = self.graph[name].type.dtype
+        if name not in self.emitter.members or dtype not in ("float16", "bfloat16"):
+            return value
+        return f"({value}).to({triton_dtype(dtype)}).to(tl.float32)"
 
     def _cat(self, node: Node, coords: Coords) -> str:
         """A cat at `coords`: each input computed (loaded) at its own coordinates under the mask of its slice of

@@ -235,3 +235,17 @@ def test_unsupported_and_bad_inputs():
         kernel.run([torch.zeros(3, 5, device=DEVICE)])
     with pytest.raises(GraphError):
         kernel.run([])
+
+
+def test_a_float16_value_is_rounded_before_a_discrete_op_decides_on_it():
+    """isinf(a + b) and (a + b) > 65504 on float16: the kernel sums in float32 (120000, finite), eager in float16
+    (inf). The bools must be eager's."""
+    b = Builder("float16")
+    values = torch.tensor([[60000.0, 1.0, -60000.0, 2.0]])
+    total = b.op("add", b.input("a", (1, 4), values), b.input("b", (1, 4), values))
+    flags = [b.op("isinf", total), b.op("gt", total, b.const("bound", torch.tensor(65504.0)))]
+    kernel = lower_pointwise_group(b.graph, b.group(flags), DEVICE)
+    results = kernel.run([b.feeds[name].to(DEVICE) for name in kernel.runtime_inputs])
+    eager_total = values.half() + values.half()
+    assert results[0].cpu().tolist() == torch.isinf(eager_total).tolist() == [[True, False, True, False]]
+    assert results[1].cpu().tolist() == (eager_total > 65504).tolist() == [[True, False, False, False]]
