@@ -7,7 +7,7 @@ from opfuse.passes.fold_constants import fold_constants
 from opfuse.passes.manager import PassRecord, default_pipeline, prepare_graph, run_passes
 from opfuse.passes.recognize_rms_norm import recognize_rms_norm
 from opfuse.passes.remove_noop_layout import remove_noop_layout
-from opfuse.passes.simplify_attention import simplify_attention_masks
+from opfuse.passes.simplify_attention_masks import simplify_attention_masks
 
 __all__ = ["cast_precision", "eliminate_dead_code", "fold_batchnorm", "fold_constants",
            "recognize_rms_norm", "remove_noop_layout", "simplify_attention_masks", "PassRecord", "default_pipeline", "prepare_graph", "run_passes"]

@@ -15,6 +15,9 @@ Rules that keep folding from costing memory or traffic:
 - a folded constant is contiguous and holds no more storage than its own elements (a slice of a large weight
   does not keep the weight alive); an input constant nothing else reads any more is dropped, so a transposed
   weight replaces its original instead of doubling it;
+- a value a computed node reads that has grown past the constants it is computed from (and `SMALL_BYTES`) is
+  stored at its smallest broadcast shape, expanded back by a view (an expand of a bias times 2 is the bias times
+  2, broadcast in the kernel that reads it);
 - a broadcast (an expand, an elementwise op) whose result would be larger than its largest input and than
   `SMALL_BYTES` stays a node where a computed node reads it: an expand of a bias to an activation's shape is a
   broadcast inside a kernel, materialised it is memory and read traffic. Any other op (a gather, a concat, an
@@ -44,7 +47,8 @@ def fold_constants(graph: Graph) -> tuple[Graph, list[str]]:
     """A copy of `graph` with each node whose inputs are all constants replaced by its value, as a constant."""
     graph = graph.copy()
     changes = []
-    frontier = _frontier(graph)
+    frontier, sources = _frontier(graph)
+    users = graph.users()
     for node in graph:  # a snapshot in topological order: a folded node makes its readers foldable in turn
         if not _foldable(graph, node, node.name in frontier):
             continue
@@ -52,7 +56,14 @@ def fold_constants(graph: Graph) -> tuple[Graph, list[str]]:
         if value is None:
             continue
         name = graph.unique_name(f"{_largest_input(graph, node)}_{node.op}")
-        graph.add_constant(name, value, source=node.source)
+        compact = value
+        grown = value.numel() * value.element_size() > max(sources[node.name], SMALL_BYTES)
+        if grown and node.name in frontier and not any(u.name in sources for u in users[node.name]):
+            compact = smallest_broadcast(value)    # grown past its sources: perhaps a broadcast of a few values
+        graph.add_constant(name, compact, source=node.source)
+        if compact.shape != value.shape:
+            name = graph.add_node("expand", [name], node.type, {"shape": list(node.type.shape)},
+                                  name=f"{name}_expand", source=node.source).name
         graph.replace_uses(node.name, name)
         graph.remove(node.name)
         for i in dict.fromkeys(node.inputs):
@@ -77,14 +88,29 @@ def growth_limit(node: Node, read_by_computed_nodes: bool) -> int:
     return SMALL_BYTES if broadcast and read_by_computed_nodes else GROWTH_BYTES
 
 
-def _frontier(graph: Graph) -> set[str]:
-    """The nodes computable from constants alone that a node not so computable reads (or that are outputs)."""
-    derived: set[str] = set()
+def _frontier(graph: Graph) -> tuple[set[str], dict[str, int]]:
+    """The nodes computable from constants alone that a node not so computable reads (or that are outputs), and
+    for each node so computable the bytes of the largest constant it is computed from."""
+    sources: dict[str, int] = {}
     for node in graph:
-        if graph.is_constant(node.name) or (is_pure(node) and node.inputs and all(i in derived for i in node.inputs)):
-            derived.add(node.name)
-    read_outside = {i for node in graph if node.name not in derived for i in node.inputs}
-    return {name for name in derived if name in read_outside or name in graph.outputs}
+        if graph.is_constant(node.name):
+            sources[node.name] = node.type.nbytes
+        elif is_pure(node) and node.inputs and all(i in sources for i in node.inputs):
+            sources[node.name] = max(sources[i] for i in node.inputs)
+    read_outside = {i for node in graph if node.name not in sources for i in node.inputs}
+    return {name for name in sources if name in read_outside or name in graph.outputs}, sources
+
+
+def smallest_broadcast(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with every dim along which it does not change cut to size 1 (it broadcasts back to `tensor`), in
+    storage of its own size."""
+    for dim in range(tensor.dim()):
+        if tensor.shape[dim] > 1:
+            first = tensor.narrow(dim, 0, 1)
+            if bool((tensor == first).all()):
+                tensor = first
+    tensor = tensor.contiguous()
+    return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size() else tensor
 
 
 def _foldable(graph: Graph, node: Node, on_frontier: bool) -> bool:

@@ -21,7 +21,7 @@ from opfuse.passes.fold_batchnorm import fold_batchnorm
 from opfuse.passes.fold_constants import fold_constants
 from opfuse.passes.recognize_rms_norm import recognize_rms_norm
 from opfuse.passes.remove_noop_layout import remove_noop_layout
-from opfuse.passes.simplify_attention import simplify_attention_masks
+from opfuse.passes.simplify_attention_masks import simplify_attention_masks
 
 Pass = Callable[[Graph], tuple[Graph, list[str]]]
 

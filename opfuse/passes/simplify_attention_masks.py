@@ -25,7 +25,7 @@ import torch
 
 from opfuse.ir.graph import Graph, Node
 from opfuse.passes.eliminate_dead_code import remove_if_unused
-from opfuse.passes.fold_constants import GROWTH_BYTES, is_pure, node_value
+from opfuse.passes.fold_constants import GROWTH_BYTES, is_pure, node_value, smallest_broadcast
 
 MASK_BYTES = 16 * GROWTH_BYTES  # a mask larger than this is not evaluated at compile time
 
@@ -85,7 +85,7 @@ def _compact(graph: Graph, mask_name: str, mask: torch.Tensor, made: Iterable[st
     """The name of a constant holding `mask` at its smallest broadcast shape: one of those `made` before for other
     masks if equal (T5's layers each copy one bias), else a new one; None where that changes nothing (a constant
     already as small) or would hold more than `GROWTH_BYTES` that were not held before."""
-    compact = _smallest_broadcast(mask).contiguous()
+    compact = smallest_broadcast(mask)
     held = graph.is_constant(mask_name)
     if held and compact.shape == mask.shape:
         return None
@@ -134,13 +134,3 @@ def _is_causal(mask: torch.Tensor, queries: int, keys: int) -> bool:
         if not bool((allowed | blocked).all()):
             return False
     return bool((allowed == triangle).all())
-
-
-def _smallest_broadcast(mask: torch.Tensor) -> torch.Tensor:
-    """`mask` with every dim along which it does not change cut to size 1 (it broadcasts back to `mask`)."""
-    for dim in range(mask.dim()):
-        if mask.shape[dim] > 1:
-            first = mask.narrow(dim, 0, 1)
-            if bool((mask == first).all()):
-                mask = first
-    return mask

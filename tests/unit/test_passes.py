@@ -567,6 +567,22 @@ def test_a_broadcast_that_only_folding_nodes_read_folds_past_the_limit():
     assert_same_numerics(graph, after)
 
 
+def test_a_folded_broadcast_is_stored_at_its_smallest_shape():
+    """x + b.expand(8, 32, 64) * 2: the folded product is b * 2 broadcast, kept as [1, 1, 64] and expanded by a
+    view, not 128 KiB of repeats read at every call."""
+    graph = Graph()
+    x = graph.add_input("x", TensorType((8, 32, 64), "float64")).name
+    wide = op(graph, "wide", "expand", [const(graph, "b", rand(64))], shape=(8, 32, 64))
+    doubled = op(graph, "doubled", "mul", [wide, const(graph, "two", torch.tensor(2.0, dtype=F64))])
+    graph.outputs = [op(graph, "add", "add", [x, doubled])]
+    assert graph["doubled"].type.nbytes > SMALL_BYTES
+    after, _ = run_pass(fold_constants, graph)
+    assert max(t.numel() for t in after.constants.values()) == 64
+    (view,) = [n for n in after if n.op == "expand"]
+    assert after.constants[view.inputs[0]].shape == (1, 1, 64) and after["add"].inputs[1] == view.name
+    assert_same_numerics(graph, after)
+
+
 def test_fold_constants_leaves_nodes_that_read_an_input():
     before = _conv1d([], rand(6, 8))
     after, changes = run_pass(fold_constants, before)

@@ -58,10 +58,11 @@ def test_the_causal_triangle_becomes_is_causal(mask):
 
 
 def test_near_misses_of_the_causal_triangle_stay_masks():
-    shifted = torch.ones(L, S, dtype=torch.bool).tril(diagonal=1)          # bottom-right aligned would differ too
+    shifted = torch.ones(L, S, dtype=torch.bool).tril(diagonal=1)
     weak = torch.zeros(L, S, dtype=torch.float64).masked_fill(~_causal(), -1e4)   # not low enough to be -inf
-    for mask in (shifted, weak):
-        before = _attention(mask)
+    bottom_right = torch.ones(4, S, dtype=torch.bool).tril(diagonal=S - 4)       # a decode step's alignment
+    for mask in (shifted, weak, bottom_right):
+        before = _attention(mask, queries=mask.shape[0])
         after, changes = run_pass(simplify_attention_masks, before)
         assert changes == [] and after["attn"].inputs[3] == "mask" and not after["attn"].attrs["is_causal"]
 
@@ -84,6 +85,8 @@ def test_a_batch_uniform_bias_is_stored_once_and_shared():
     (mask,) = masks
     assert after.is_constant(mask) and after.constants[mask].shape == (1, 2, L, S)
     assert torch.equal(after.constants[mask], bias)
+    stored = after.constants[mask]
+    assert stored.untyped_storage().nbytes() == stored.numel() * stored.element_size()   # not the wide one's
     assert not {"wide0", "copy0", "wide1", "copy1"} & set(after.nodes)    # nothing left computing it per call
     assert len(changes) == 2 and "not computed at every call" in changes[0] and "as another mask" in changes[1]
     assert_same_numerics(graph, after)
