@@ -1,8 +1,8 @@
 """Reduction groups with an elementwise prologue and epilogue as one Triton kernel: `lower_reduction_group`.
 
 Two templates:
-- rows (`RowReductionKernel`): softmax over any dim, layer_norm over the last dims (weight, bias), rms_norm over
-  the last dim (weight), mean/sum/any over given dims, and adaptive_avg_pool2d to (1,1) (global average pool = mean over H, W). The reduction input is viewed
+- rows (`RowReductionKernel`): softmax over any dim, layer_norm over the last dims (weight, bias), rms_norm
+  over the last dim (weight), mean/sum/any over given dims, and adaptive_avg_pool2d to (1,1) (global average pool = mean over H, W). The reduction input is viewed
   as [rows, L] (kept dims x reduced dims, through its strides); a program takes BLOCK_M rows and walks each row in
   chunks of BLOCK_L. When one chunk holds the row (ONE_PASS) it stays in registers: one read, one write. Otherwise
   softmax keeps an online max and sum, layer norm merges per-chunk mean and M2 (Chan et al.), and a second sweep
@@ -114,7 +114,7 @@ def indent(lines: Sequence[str], depth: int = 1) -> list[str]:
 
 
 class RowReductionKernel(TemplateKernel):
-    """softmax / layer_norm / mean / sum over some dims of one input, BLOCK_M rows a program."""
+    """softmax / layer_norm / rms_norm / mean / sum / any over some dims of one input, BLOCK_M rows a program."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, mode: str, dims: list[int]):
         self.node, self.mode = node, mode
