@@ -1,0 +1,84 @@
+"""opfuse behind ONNX's backend interface (`opfuse.frontend.onnx_backend`): prepare / run on the reference path, and
+a clear refusal, naming operator, node and opset, of what opfuse cannot run."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from opfuse.frontend.onnx_backend import OpfuseBackend, UnsupportedOnnxNode
+from opfuse.ir.graph import GraphError
+
+FLOAT = TensorProto.FLOAT
+rng = np.random.default_rng(0)
+
+
+def model(nodes, inputs, outputs, opset=17, weights=None) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "backend_test", [helper.make_tensor_value_info(*i) for i in inputs],
+                              [helper.make_tensor_value_info(*o) for o in outputs],
+                              initializer=[numpy_helper.from_array(a, n) for n, a in (weights or {}).items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_prepare_and_run_give_the_outputs_as_arrays_by_position_and_name():
+    w = rng.standard_normal((4, 3)).astype(np.float32)
+    proto = model([helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Relu", ["m"], ["y"]),
+                   helper.make_node("Neg", ["m"], ["z"])],
+                  [("x", FLOAT, [2, 4])], [("y", FLOAT, [2, 3]), ("z", FLOAT, [2, 3])], weights={"w": w})
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    rep = OpfuseBackend.prepare(proto, "CPU")
+    y, z = rep.run([x])
+    np.testing.assert_allclose(y, np.maximum(x @ w, 0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(z, -(x @ w), rtol=1e-6, atol=1e-6)
+    assert isinstance(y, np.ndarray) and y.dtype == np.float32
+    outputs = OpfuseBackend.run_model(proto, {"x": x})          # inputs by name, outputs by name
+    np.testing.assert_array_equal(outputs["z"], z)
+
+
+def test_devices():
+    assert OpfuseBackend.supports_device("CPU")
+    assert OpfuseBackend.supports_device("CUDA") == torch.cuda.is_available()
+    assert not OpfuseBackend.supports_device("TPU")
+
+
+def test_an_operator_without_converter_is_refused_at_prepare_naming_operator_node_and_opset():
+    proto = model([helper.make_node("Hardmax", ["x"], ["y"], name="pick")], [("x", FLOAT, [2, 3])],
+                  [("y", FLOAT, [2, 3])], opset=13)
+    with pytest.raises(UnsupportedOnnxNode, match=r"ONNX operator Hardmax \(opset 13\) at node 'pick' is not "
+                                                  r"supported by opfuse: no converter for Hardmax; the supported "
+                                                  r"operators are Abs, Add, ") as refused:
+        OpfuseBackend.prepare(proto)
+    assert (refused.value.op_type, refused.value.node, refused.value.opset) == ("Hardmax", "pick", 13)
+
+
+def test_a_use_of_a_claimed_operator_its_converter_refuses_says_why():
+    proto = model([helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "mean", "var"],
+                                    training_mode=1)],
+                  [("x", FLOAT, [2, 3, 4]), ("s", FLOAT, [3]), ("b", FLOAT, [3]), ("m", FLOAT, [3]),
+                   ("v", FLOAT, [3])], [("y", FLOAT, [2, 3, 4]), ("mean", FLOAT, [3]), ("var", FLOAT, [3])])
+    with pytest.raises(UnsupportedOnnxNode, match=r"BatchNormalization \(opset 17\) at node "
+                                                  r"'BatchNormalization#0' .*training-mode batch norm"):
+        OpfuseBackend.prepare(proto)
+
+
+def test_a_wrong_input_is_named():
+    rep = OpfuseBackend.prepare(model([helper.make_node("Relu", ["x"], ["y"])], [("x", FLOAT, [2, 3])],
+                                      [("y", FLOAT, [2, 3])]))
+    with pytest.raises(GraphError, match=r"input 'x' is float32\[2,3\] in the model, got float64\[2, 3\]"):
+        rep.run([np.zeros((2, 3))])
+    with pytest.raises(GraphError, match="the model takes 1 inputs"):
+        rep.run([np.zeros((2, 3), np.float32)] * 2)
+    with pytest.raises(GraphError, match="no value given for input 'x'"):
+        rep.run({"other": np.zeros((2, 3), np.float32)})
+
+
+def test_inputs_may_be_tensor_protos_and_bfloat16_comes_back_as_bfloat16():
+    proto = model([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.BFLOAT16)], [("x", FLOAT, [3])],
+                  [("y", TensorProto.BFLOAT16, [3])])
+    x = np.array([1.0, -2.5, 3.0078125], np.float32)
+    (y,) = OpfuseBackend.prepare(proto).run([numpy_helper.from_array(x)])
+    assert y.dtype.name == "bfloat16"
+    np.testing.assert_array_equal(y.astype(np.float32), torch.from_numpy(x).bfloat16().float().numpy())
