@@ -8,22 +8,30 @@ through each op's PyTorch reference (`opfuse.frontend.onnx_module.OnnxModule`), 
 run's inputs as the example inputs, and runs the compiled module (on the CPU its kernels run through Triton's
 interpreter).
 
-What opfuse cannot run is refused at `prepare`, never at `run` and never with a wrong result: a node that imports as
-an opaque op (an operator without a converter, or a use of a mapped one its converter refuses) raises
-`UnsupportedOnnxNode`, which names the operator, the node and the model's opset, and says why.
+Shape inputs, graph inputs a node reads where its converter needs a constant (a Reshape's shape, a Slice's starts,
+`onnx_converters.CONSTANT_INPUTS`), are specialised on: opfuse's shapes are static, so the rep imports the model
+for the values each run gives them, as initializers, once per distinct value. ONNX's conformance cases pass shapes
+this way; exported models carry them as constants.
+
+What opfuse cannot run is refused before it runs, never with a wrong result: a node that imports as an opaque op
+(an operator without a converter, or a use of a mapped one its converter refuses) raises `UnsupportedOnnxNode`,
+which names the operator, the node and the model's opset, and says why. That is at `prepare`; for a model with
+shape inputs, an operator without a converter is refused at `prepare` and a use its converter refuses at the run
+that imports it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
 import torch
-from onnx import numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType, namedtupledict
 
-from opfuse.frontend.onnx_converters import CONVERTERS
+from opfuse.frontend.onnx_converters import CONSTANT_INPUTS, CONVERTERS
 from opfuse.frontend.onnx_import import describe_source, load_onnx
 from opfuse.frontend.onnx_module import OnnxModule
 from opfuse.ir.graph import Graph, GraphError, TensorType, dtype_name
@@ -87,39 +95,109 @@ def to_array(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy().copy()
 
 
+@dataclass
+class Imported:
+    """The model (with the shape inputs' values as initializers), its graph as a module, and its compiled form."""
+
+    model: onnx.ModelProto
+    module: OnnxModule
+    compiled: torch.nn.Module | None = None
+
+
 class OpfuseBackendRep(BackendRep):
     """A prepared model: `run(inputs)` (a sequence in the graph's input order, or a mapping by name) returns its
-    outputs as numpy arrays."""
+    outputs as numpy arrays. The graph is imported once per value of the shape inputs (none: at `prepare`)."""
 
-    def __init__(self, module: OnnxModule, model: onnx.ModelProto, device: torch.device, config: Any = None):
-        self.module, self.model, self.device, self.config = module.to(device), model, device, config
+    def __init__(self, model: onnx.ModelProto, device: torch.device, config: Any = None,
+                 shape_inputs: Sequence[str] = ()):
+        self.model, self.device, self.config = model, device, config
+        initializers = {t.name for t in model.graph.initializer}
+        self.inputs = {v.name: v for v in model.graph.input if v.name not in initializers}
+        self.shape_inputs = tuple(shape_inputs)
         self.output_names = [value.name for value in model.graph.output]
-        self.compiled: torch.nn.Module | None = None
+        self.where = describe_source(model)
+        self.imported: dict[tuple, Imported] = {}   # the values of the shape inputs -> the model imported for them
+        if not self.shape_inputs:
+            self.imported_for({})
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
-        tensors = [x.to(self.device) for x in self.input_tensors(inputs)]
-        if self.config is not None and self.compiled is None:
+        arrays = self.named_inputs(inputs)
+        imported = self.imported_for({name: arrays[name] for name in self.shape_inputs})
+        names = [name for name in self.inputs if name not in self.shape_inputs]
+        tensors = [to_tensor(arrays[name], name, node.type, self.where).to(self.device)
+                   for name, node in zip(names, imported.module.graph.input_nodes)]
+        if self.config is not None and imported.compiled is None:
             import opfuse
 
-            self.compiled = opfuse.compile(self.model, tensors, self.config)
+            imported.compiled = opfuse.compile(imported.model, tensors, self.config)
         with torch.inference_mode():
-            outputs = (self.compiled or self.module)(*tensors)
+            outputs = (imported.compiled or imported.module)(*tensors)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         return namedtupledict("Outputs", self.output_names)(*(to_array(y) for y in outputs))
 
-    def input_tensors(self, inputs: Sequence[Any] | Mapping[str, Any]) -> list[torch.Tensor]:
-        nodes = self.module.graph.input_nodes
+    def named_inputs(self, inputs: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(inputs, Mapping):
-            missing = [node.name for node in nodes if node.name not in inputs]
+            missing = [name for name in self.inputs if name not in inputs]
             if missing:
-                raise GraphError(f"{self.module.source}: no value given for input {missing[0]!r}")
-            inputs = [inputs[node.name] for node in nodes]
-        elif isinstance(inputs, np.ndarray):
+                raise GraphError(f"{self.where}: no value given for input {missing[0]!r}")
+            return {name: inputs[name] for name in self.inputs}
+        if isinstance(inputs, (np.ndarray, onnx.TensorProto)):
             inputs = [inputs]
-        if len(inputs) != len(nodes):
-            raise GraphError(f"{self.module.source}: the model takes {len(nodes)} inputs "
-                             f"({', '.join(node.name for node in nodes)}), {len(inputs)} given")
-        return [to_tensor(x, node.name, node.type, self.module.source) for node, x in zip(nodes, inputs)]
+        if len(inputs) != len(self.inputs):
+            raise GraphError(f"{self.where}: the model takes {len(self.inputs)} inputs ({', '.join(self.inputs)}), "
+                             f"{len(inputs)} given")
+        return dict(zip(self.inputs, inputs))
+
+    def imported_for(self, shape_values: Mapping[str, Any]) -> Imported:
+        """The imported graph for these values of the shape inputs, which become initializers of a copy."""
+        arrays = {name: numpy_helper.to_array(v) if isinstance(v, onnx.TensorProto) else np.asarray(v)
+                  for name, v in shape_values.items()}
+        key = tuple((name, a.dtype.str, a.shape, a.tobytes()) for name, a in arrays.items())
+        if key not in self.imported:
+            model = self.model
+            if arrays:
+                model = onnx.ModelProto()
+                model.CopyFrom(self.model)
+                for name, array in arrays.items():
+                    check_shape_input(array, self.inputs[name], self.where)
+                    model.graph.initializer.append(numpy_helper.from_array(array, name))
+            graph = load_onnx(model)
+            check_runnable(graph, model, self.where)
+            self.imported[key] = Imported(model, OnnxModule(graph, self.where).to(self.device))
+        return self.imported[key]
+
+
+def shape_inputs_of(model: onnx.ModelProto) -> list[str]:
+    """The graph inputs some node reads where its converter needs a constant (`CONSTANT_INPUTS`: a Reshape's shape,
+    a Slice's starts, ...)."""
+    initializers = {t.name for t in model.graph.initializer}
+    needed = {node.input[i] for node in model.graph.node if node.domain in ("", "ai.onnx")
+              for i in CONSTANT_INPUTS.get(node.op_type, ()) if i < len(node.input) and node.input[i]}
+    return [v.name for v in model.graph.input if v.name in needed and v.name not in initializers]
+
+
+def check_shape_input(array: np.ndarray, value: onnx.ValueInfoProto, where: str) -> None:
+    """A shape input's value must have the type the model declares for it."""
+    declared = value.type.tensor_type
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in declared.shape.dim]
+    if helper.np_dtype_to_tensor_dtype(array.dtype) != declared.elem_type or len(dims) != array.ndim or any(
+            d is not None and d != n for d, n in zip(dims, array.shape)):
+        raise GraphError(f"{where}: input {value.name!r} is {TensorProto.DataType.Name(declared.elem_type)}{dims} "
+                         f"in the model, got {array.dtype}{list(array.shape)}")
+
+
+def check_operators(model: onnx.ModelProto, where: str) -> None:
+    """Raise `UnsupportedOnnxNode` for the first node whose operator has no converter (before any import)."""
+    for index, node in enumerate(model.graph.node):
+        if node.domain not in ("", "ai.onnx"):
+            reason = f"the operator of domain {node.domain!r} is not supported"
+        elif node.op_type not in CONVERTERS:
+            reason = f"no converter for {node.op_type}; the supported operators are {', '.join(sorted(CONVERTERS))}"
+        else:
+            continue
+        op_type = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+        raise UnsupportedOnnxNode(where, op_type, node.name or f"{node.op_type}#{index}", standard_opset(model),
+                                  reason)
 
 
 class OpfuseBackend(Backend):
@@ -127,14 +205,17 @@ class OpfuseBackend(Backend):
 
     @classmethod
     def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> OpfuseBackendRep:
-        """Import `model` and check every node can run; `config` (a FusionConfig) compiles it at the first run, and
-        `batch` fixes a symbolic first input dimension (default 1)."""
+        """Import `model` and check every node can run; `config` (a FusionConfig) compiles it at the first run.
+
+        Shape inputs (graph inputs that fix a shape: a Reshape's shape, a Slice's starts) are read at each run and
+        the graph imported for their values, as constants: opfuse's shapes are static. Their operators are
+        checked here, the rest of the model at the first run."""
         if not cls.supports_device(device):
             raise GraphError(f"device {device!r} is not available to opfuse")
-        where = describe_source(model)
-        graph = load_onnx(model, batch=kwargs.get("batch"))
-        check_runnable(graph, model, where)
-        return OpfuseBackendRep(OnnxModule(graph, where), model, _device(device), kwargs.get("config"))
+        shape_inputs = shape_inputs_of(model)
+        if shape_inputs:
+            check_operators(model, describe_source(model))
+        return OpfuseBackendRep(model, _device(device), kwargs.get("config"), shape_inputs)
 
     @classmethod
     def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any) -> tuple:

@@ -8,6 +8,8 @@ equivalent: the importer then makes the node opaque and records the reason. Entr
 Each converter names the attributes it understands (`converts(..., attributes=...)`, kept in `ATTRIBUTES`). A node
 carrying any other attribute (one of an older or newer opset, such as Add's `broadcast`/`axis` before opset 7) is
 not converted but made opaque with the attribute named, since ignoring it could silently change the result.
+It also names the inputs whose values it must know at import (`constant_inputs`, kept in `CONSTANT_INPUTS`): those
+that fix a shape, such as Reshape's `shape` or Slice's `starts`; the IR's shapes are static.
 """
 
 from __future__ import annotations
@@ -36,13 +38,16 @@ class Unsupported(Exception):
 Converter = Callable[["Importer", onnx.NodeProto, list, dict], list]
 CONVERTERS: dict[str, Converter] = {}
 ATTRIBUTES: dict[str, frozenset[str]] = {}   # op type -> the attributes its converter understands
+CONSTANT_INPUTS: dict[str, frozenset[int]] = {}   # op type -> the input positions its converter needs constant
 
 
-def converts(*op_types: str, attributes: tuple[str, ...] = ()) -> Callable[[Converter], Converter]:
+def converts(*op_types: str, attributes: tuple[str, ...] = (), constant_inputs: tuple[int, ...] = ()
+             ) -> Callable[[Converter], Converter]:
     def register(fn: Converter) -> Converter:
         for op_type in op_types:
             CONVERTERS[op_type] = fn
             ATTRIBUTES[op_type] = frozenset(attributes)
+            CONSTANT_INPUTS[op_type] = frozenset(constant_inputs)
         return fn
     return register
 
@@ -62,7 +67,7 @@ BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", 
 
 
 # Dropout: `seed` and the old `ratio`/`is_test` do nothing at inference; a training_mode input is checked below
-@converts(*UNARY, attributes=("seed", "ratio", "is_test"))
+@converts(*UNARY, attributes=("seed", "ratio", "is_test"), constant_inputs=(2,))
 def _unary(importer: Importer, node, xs, attrs):
     if node.op_type == "Dropout" and len(xs) > 2 and xs[2] is not None:
         training = importer.constant(xs[2])
@@ -245,7 +250,7 @@ def _softmax(importer: Importer, node, xs, attrs):
     return [importer.emit("reshape", [importer.emit("softmax", [flat], {"dim": 1})], {"shape": shape})]
 
 
-@converts("ReduceMean", "ReduceSum", attributes=("axes", "keepdims", "noop_with_empty_axes"))
+@converts("ReduceMean", "ReduceSum", attributes=("axes", "keepdims", "noop_with_empty_axes"), constant_inputs=(1,))
 def _reduce(importer: Importer, node, xs, attrs):
     rank = len(importer.type(xs[0]).shape)
     axes = importer.ints(node, xs, attrs, "axes", 1)
@@ -303,7 +308,7 @@ def _flatten(importer: Importer, node, xs, attrs):
     return [importer.emit("reshape", [xs[0]], {"shape": (math.prod(shape[:axis]), math.prod(shape[axis:]))})]
 
 
-@converts("Reshape", attributes=("shape", "allowzero"))
+@converts("Reshape", attributes=("shape", "allowzero"), constant_inputs=(1,))
 def _reshape(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape
     target = importer.ints(node, xs, attrs, "shape", 1)
@@ -317,7 +322,7 @@ def _reshape(importer: Importer, node, xs, attrs):
     return [importer.emit("reshape", [xs[0]], {"shape": tuple(target)})]
 
 
-@converts("Unsqueeze", attributes=("axes",))
+@converts("Unsqueeze", attributes=("axes",), constant_inputs=(1,))
 def _unsqueeze(importer: Importer, node, xs, attrs):
     shape = list(importer.type(xs[0]).shape)
     axes = importer.ints(node, xs, attrs, "axes", 1)
@@ -327,7 +332,7 @@ def _unsqueeze(importer: Importer, node, xs, attrs):
     return [importer.emit("reshape", [xs[0]], {"shape": tuple(shape)})]
 
 
-@converts("Squeeze", attributes=("axes",))
+@converts("Squeeze", attributes=("axes",), constant_inputs=(1,))
 def _squeeze(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape
     axes = importer.ints(node, xs, attrs, "axes", 1)
@@ -341,7 +346,7 @@ def _transpose(importer: Importer, node, xs, attrs):
     return [importer.emit("permute", [xs[0]], {"dims": tuple(attrs.get("perm", range(rank - 1, -1, -1)))})]
 
 
-@converts("Expand")
+@converts("Expand", constant_inputs=(1,))
 def _expand(importer: Importer, node, xs, attrs):
     target = importer.ints(node, xs, attrs, "shape", 1)
     shape = tuple(np.broadcast_shapes(importer.type(xs[0]).shape, tuple(target)))  # ONNX broadcasts both ways
@@ -354,7 +359,7 @@ def _concat(importer: Importer, node, xs, attrs):
     return [importer.emit("cat", inputs, {"dim": attrs["axis"] % len(importer.type(inputs[0]).shape)})]
 
 
-@converts("Split", attributes=("axis", "split", "num_outputs"))
+@converts("Split", attributes=("axis", "split", "num_outputs"), constant_inputs=(1,))
 def _split(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape
     axis = attrs.get("axis", 0) % len(shape)
@@ -371,7 +376,7 @@ def _split(importer: Importer, node, xs, attrs):
     return outputs
 
 
-@converts("Slice", attributes=("starts", "ends", "axes"))
+@converts("Slice", attributes=("starts", "ends", "axes"), constant_inputs=(1, 2, 3, 4))
 def _slice(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape
     starts = importer.ints(node, xs, attrs, "starts", 1)

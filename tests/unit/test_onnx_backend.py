@@ -82,3 +82,25 @@ def test_inputs_may_be_tensor_protos_and_bfloat16_comes_back_as_bfloat16():
     (y,) = OpfuseBackend.prepare(proto).run([numpy_helper.from_array(x)])
     assert y.dtype.name == "bfloat16"
     np.testing.assert_array_equal(y.astype(np.float32), torch.from_numpy(x).bfloat16().float().numpy())
+
+
+def test_shape_inputs_are_specialised_on_at_each_run():
+    """ONNX's conformance cases give a Reshape's shape as a graph input: each value is imported as a constant."""
+    proto = model([helper.make_node("Reshape", ["x", "shape"], ["y"])],
+                  [("x", FLOAT, [2, 3, 4]), ("shape", TensorProto.INT64, [2])], [("y", FLOAT, ["a", "b"])])
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    rep = OpfuseBackend.prepare(proto)
+    (wide,) = rep.run([x, np.array([4, -1], np.int64)])
+    (tall,) = rep.run({"x": x, "shape": np.array([0, 12], np.int64)})   # 0 copies the input's dim
+    assert wide.shape == (4, 6) and tall.shape == (2, 12)
+    np.testing.assert_array_equal(wide, x.reshape(4, 6))
+    assert len(rep.imported) == 2 and rep.run([x, np.array([4, -1], np.int64)])[0].shape == (4, 6)
+    with pytest.raises(GraphError, match=r"input 'shape' is INT64\[2\] in the model, got int64\[3\]"):
+        rep.run([x, np.array([2, 3, 4], np.int64)])
+
+
+def test_a_model_with_shape_inputs_is_still_refused_at_prepare_for_an_unknown_operator():
+    proto = model([helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("Hardmax", ["r"], ["y"])],
+                  [("x", FLOAT, [2, 3]), ("shape", TensorProto.INT64, [2])], [("y", FLOAT, ["a", "b"])], opset=13)
+    with pytest.raises(UnsupportedOnnxNode, match=r"Hardmax \(opset 13\) at node 'Hardmax#1'"):
+        OpfuseBackend.prepare(proto)
