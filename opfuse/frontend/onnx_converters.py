@@ -217,19 +217,44 @@ def _batch_norm(importer: Importer, node, xs, attrs):
     return [importer.emit("batch_norm", xs[:5], {"eps": attrs.get("epsilon", 1e-5)})]
 
 
-# stash_type is the precision of the mean/variance; the IR computes them in at least float32
+# stash_type is the precision of the mean/variance: for Y the IR computes them in at least float32; the optional
+# Mean and InvStdDev outputs are computed in it
 @converts("LayerNormalization", attributes=("axis", "epsilon", "stash_type"))
 def _layer_norm(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape
-    normalized = shape[attrs.get("axis", -1) % len(shape):]
-    norm = {"normalized_shape": normalized, "eps": attrs.get("epsilon", 1e-5)}
+    axis = attrs.get("axis", -1) % len(shape)
+    normalized, eps = shape[axis:], attrs.get("epsilon", 1e-5)
+    norm = {"normalized_shape": normalized, "eps": eps}
     params = [x for x in xs[1:3] if x is not None]
     if all(importer.type(p).shape == normalized for p in params):
-        return [importer.emit("layer_norm", [xs[0], *params], norm)]
-    result = importer.emit("layer_norm", [xs[0]], norm)  # scale/bias that only broadcast: apply them separately
-    for param, op in zip(params, ("mul", "add")):
-        result = importer.emit(op, [result, param])
-    return [result]
+        result = importer.emit("layer_norm", [xs[0], *params], norm)
+    else:
+        result = importer.emit("layer_norm", [xs[0]], norm)  # scale/bias that only broadcast: apply them separately
+        for param, op in zip(params, ("mul", "add")):
+            result = importer.emit(op, [result, param])
+    if not any(name in importer.used for name in node.output[1:]):
+        return [result]
+    return [result, *_layer_norm_statistics(importer, node, xs[0], axis, eps, attrs.get("stash_type", 1))]
+
+
+def _layer_norm_statistics(importer: Importer, node, x: str, axis: int, eps: float, stash_type: int) -> list[str]:
+    """LayerNormalization's Mean and InvStdDev = 1 / sqrt(variance + epsilon), over the dims from `axis` on, kept
+    as size 1, in the stash type."""
+    if stash_type not in ONNX_DTYPES:
+        raise Unsupported(f"stash_type {TensorProto.DataType.Name(stash_type)}")
+    stash = ONNX_DTYPES[stash_type]
+    if importer.type(x).dtype != stash:
+        x = importer.emit("cast", [x], {"dtype": stash}, name=f"{node.output[0]}_stash")
+    dims = {"dims": list(range(axis, len(importer.type(x).shape))), "keepdim": True}
+    names = list(node.output[1:3]) + [""] * (3 - len(node.output))
+    mean = importer.emit("mean", [x], dims, name=names[0] or f"{node.output[0]}_mean")
+    centred = importer.emit("sub", [x, mean], name=f"{node.output[0]}_centred")
+    variance = importer.emit("mean", [importer.emit("mul", [centred, centred], name=f"{node.output[0]}_squares")],
+                             dims, name=f"{node.output[0]}_variance")
+    shifted = importer.emit("add", [variance, importer.scalar(eps, variance)], name=f"{node.output[0]}_shifted")
+    inverse = importer.emit("reciprocal", [importer.emit("sqrt", [shifted], name=f"{node.output[0]}_std")],
+                            name=names[1] or f"{node.output[0]}_inv_std_dev")
+    return [mean, inverse]
 
 
 @converts("LRN", attributes=("alpha", "beta", "bias", "size"))

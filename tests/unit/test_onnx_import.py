@@ -207,6 +207,15 @@ def test_layer_normalization(tmp_path):
     assert [n.attrs["normalized_shape"] for n in graph if n.op == "layer_norm"] == [(8,), (5, 8)]
 
 
+def test_layer_normalization_mean_and_inverse_std_dev_outputs(tmp_path):
+    """The optional outputs: the statistics over the normalised dims, kept as size 1, in the stash type."""
+    nodes = [helper.make_node("LayerNormalization", ["x", "scale"], ["y", "mean", "inv_std"], axis=1, epsilon=0.1)]
+    path = save(tmp_path, nodes, [value("x", [2, 3, 4])],
+                [value("y", [2, 3, 4]), value("mean", [2, 1, 1]), value("inv_std", [2, 1, 1])], {"scale": random(3, 4)})
+    graph = check_against_reference(path, {"x": random(2, 3, 4)})
+    assert [graph[name].type.shape for name in graph.outputs] == [(2, 3, 4), (2, 1, 1), (2, 1, 1)]
+
+
 def test_layout_ops(tmp_path):
     nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]),             # [2, 3, 4] -> [2, 12]
              helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1]),     # [2, 4, 3]
