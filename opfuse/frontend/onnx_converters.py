@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto
+
+from opfuse.ir.graph import torch_dtype
+from opfuse.ir.ops import get_op
 
 if TYPE_CHECKING:
     from opfuse.frontend.onnx_import import Importer
@@ -152,16 +156,19 @@ def _pads(attrs: dict, size: tuple[int, ...], kernel, strides, dilations) -> tup
     return tuple(attrs.get("pads", [0, 0, 0, 0]))
 
 
-def _window(importer: Importer, xs, attrs, kernel, pad_value: float | None = None) -> tuple[str, dict]:
+def _window(importer: Importer, xs, attrs, kernel, pad_value: float | None = None, pool: bool = False
+            ) -> tuple[str, dict]:
     """(input, its stride, padding and dilation) of a 2-D conv or pool: ONNX's padding where PyTorch's symmetric
-    one expresses it, else an explicit `pad` of the input by `pad_value` (None: unsupported) and no padding."""
+    one expresses it (for a pool, at most half the dilated window), else an explicit `pad` of the input by
+    `pad_value` (None: unsupported) and no padding."""
     if len(importer.type(xs[0]).shape) != 4:
         raise Unsupported("only 2-D convolution and pooling are mapped")
     strides = tuple(attrs.get("strides", (1, 1)))
     dilations = tuple(attrs.get("dilations", (1, 1)))
     top, left, bottom, right = _pads(attrs, importer.type(xs[0]).shape[2:], kernel, strides, dilations)
     window = {"stride": strides, "dilation": dilations}
-    if (top, left) == (bottom, right):
+    half = [((k - 1) * d + 1) // 2 for k, d in zip(kernel, dilations)] if pool else [top, left]
+    if (top, left) == (bottom, right) and top <= half[0] and left <= half[1]:
         return xs[0], window | {"padding": (top, left)}
     if pad_value is None:
         raise Unsupported(f"asymmetric pads {[top, left, bottom, right]} ([top, left, bottom, right]); opfuse "
@@ -181,23 +188,48 @@ def _conv(importer: Importer, node, xs, attrs):
 @converts("MaxPool", attributes=("auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads", "strides",
                                  "storage_order"))
 def _max_pool(importer: Importer, node, xs, attrs):
-    x, window = _window(importer, xs, attrs, attrs["kernel_shape"], pad_value=float("-inf"))
+    x, window = _window(importer, xs, attrs, attrs["kernel_shape"], pad_value=float("-inf"), pool=True)
     pool = {"kernel_size": tuple(attrs["kernel_shape"]), **window, "ceil_mode": bool(attrs.get("ceil_mode", 0))}
-    return [importer.emit("max_pool2d", [x], pool)]
+    return [_onnx_windows(importer, importer.emit("max_pool2d", [x], pool), xs, attrs)]
+
+
+def _onnx_windows(importer: Importer, pooled: str, xs, attrs) -> str:
+    """`pooled` without the windows ONNX does not have: in ceil mode, from opset 22, ONNX drops a last window that
+    starts past the input and its leading padding, PyTorch one that starts past its (here explicitly padded) input.
+    (Before opset 22 ONNX keeps it, as PyTorch does on an explicitly padded input.)"""
+    if not attrs.get("ceil_mode", 0) or importer.opset < 22:
+        return pooled
+    size = importer.type(xs[0]).shape[2:]
+    kernel, strides = attrs["kernel_shape"], tuple(attrs.get("strides", (1, 1)))
+    dilations = tuple(attrs.get("dilations", (1, 1)))
+    begin = _pads(attrs, size, kernel, strides, dilations)[:2]
+    shape = importer.type(pooled).shape
+    for dim, (n, b, stride, count) in enumerate(zip(size, begin, strides, shape[2:]), start=2):
+        if (count - 1) * stride >= n + b:
+            pooled = importer.emit("slice", [pooled], {"dim": dim, "start": 0, "end": count - 1, "step": 1})
+    return pooled
 
 
 @converts("AveragePool", attributes=("auto_pad", "ceil_mode", "count_include_pad", "dilations", "kernel_shape",
                                      "pads", "strides"))
 def _average_pool(importer: Importer, node, xs, attrs):
     include_pad, ceil_mode = bool(attrs.get("count_include_pad", 0)), bool(attrs.get("ceil_mode", 0))
-    # explicit zeros average like counted padding; windows past the end (ceil mode) would count them too
-    x, window = _window(importer, xs, attrs, attrs["kernel_shape"],
-                        pad_value=0.0 if include_pad and not ceil_mode else None)
+    x, window = _window(importer, xs, attrs, attrs["kernel_shape"], pad_value=0.0, pool=True)
     if window.pop("dilation") != (1, 1):
         raise Unsupported("dilated average pooling")
+    explicit = x != xs[0]
+    # PyTorch averages over the part of each window inside its (explicitly padded) input, so explicit zeros count
     pool = {"kernel_size": tuple(attrs["kernel_shape"]), **window, "ceil_mode": ceil_mode,
-            "count_include_pad": include_pad}
-    return [importer.emit("avg_pool2d", [x], pool)]
+            "count_include_pad": include_pad or explicit}
+    result = importer.emit("avg_pool2d", [x], pool)
+    if explicit and not include_pad:
+        # uncounted padding: divide by each window's share inside the input, the same pool of a mask (a constant)
+        dtype = torch_dtype(importer.type(xs[0]).dtype)
+        mask = get_op("pad").run([torch.ones((1, 1, *importer.type(xs[0]).shape[2:]), dtype=dtype)],
+                                 importer.graph[x].attrs | {"value": 0.0})
+        share = get_op("avg_pool2d").run([mask], pool)
+        result = importer.emit("div", [result, importer.add_constant(share, f"{node.output[0]}_window_share")])
+    return [_onnx_windows(importer, result, xs, attrs)]
 
 
 @converts("GlobalAveragePool")

@@ -10,7 +10,7 @@ node is reported here, by name), then convert node by node:
   exporters emit in front of `Reshape`;
 - mapped ops become IR ops, typed by `opfuse.ir.ops.infer_type`; each result is checked against ONNX's own
   shape inference, so a mapping that differs from ONNX semantics fails loudly instead of computing wrong values;
-- everything else (and a mapped op used in a way the IR cannot express, such as asymmetric conv padding, or
+- everything else (and a mapped op used in a way the IR cannot express, such as a 3-D pool, or
   carrying an attribute its converter does not understand) becomes an `opaque` node, attrs
   {"target": "onnx::<OpType>", "onnx_attrs": {...}, "reason"?: str}, typed by ONNX shape inference. It can be
   analysed but not run.

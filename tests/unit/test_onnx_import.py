@@ -112,10 +112,12 @@ def test_conv_auto_pad_same_and_dilation(tmp_path):
     ("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [0, 0, 1, 1]}, 1),
     ("MaxPool", {"kernel_shape": [2, 2], "auto_pad": "SAME_LOWER"}, 1),
     ("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 0, 0, 1], "ceil_mode": 1}, 1),
+    ("MaxPool", {"kernel_shape": [3, 3], "pads": [2, 2, 2, 2]}, 1),                 # over half the window
     ("AveragePool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [0, 0, 1, 1], "count_include_pad": 1}, 1)])
 def test_asymmetric_padding_becomes_an_explicit_pad(tmp_path, op, attrs, inputs):
-    """Caffe-era exports pad one side more (pads [top, left, bottom, right], or auto_pad with an even total): the
-    input is padded explicitly (zeros for conv and counted average padding, -inf for max) and the window unpadded."""
+    """Caffe-era exports pad one side more (pads [top, left, bottom, right], or auto_pad with an even total), or a
+    pool more than half its window, which PyTorch refuses: the input is padded explicitly (zeros for conv and counted
+    average padding, -inf for max) and the window unpadded."""
     nodes = [helper.make_node(op, ["x", "w"][:inputs], ["y"], name="odd", **attrs)]
     path = save(tmp_path, nodes, [value("x", [1, 2, 9, 9])], [value("y", ["n", "c", "h", "w"])],
                 {"w": random(3, 2, 2, 2)} if inputs == 2 else None)
@@ -125,14 +127,27 @@ def test_asymmetric_padding_becomes_an_explicit_pad(tmp_path, op, attrs, inputs)
     assert pad.attrs["value"] == (float("-inf") if op == "MaxPool" else 0.0)
 
 
-def test_uncounted_asymmetric_average_padding_becomes_opaque_with_reason(tmp_path):
+@pytest.mark.parametrize("pads, ceil_mode, n", [([0, 0, 1, 1], 0, 9), ([2, 1, 2, 1], 0, 9), ([1, 0, 1, 2], 1, 9),
+                                                ([2, 2, 2, 2], 1, 8)])
+def test_uncounted_padding_the_pool_cannot_express_is_divided_out(tmp_path, pads, ceil_mode, n):
+    """Average pooling that excludes asymmetric padding, or padding over half the window: the input is padded
+    explicitly, pooled counting the zeros, and divided by each window's share inside the input. Expected values: the
+    mean of each window's elements inside the input, as ONNX defines it; in ceil mode (opset 22) a last window that
+    would start in the trailing padding is dropped (the last case), which PyTorch keeps on an explicitly padded
+    input."""
     nodes = [helper.make_node("AveragePool", ["x"], ["y"], name="odd", kernel_shape=[3, 3], strides=[2, 2],
-                              pads=[0, 0, 1, 1])]
-    path = save(tmp_path, nodes, [value("x", [1, 2, 9, 9])], [value("y", [1, 2, 4, 4])])
-    graph = load_onnx(path)
-    (node,) = [n for n in graph if n.op == "opaque"]
-    assert node.attrs["target"] == "onnx::AveragePool" and "asymmetric" in node.attrs["reason"]
-    assert node.type.shape == (1, 2, 4, 4) and node.source == "odd"
+                              pads=pads, ceil_mode=ceil_mode)]
+    path = save(tmp_path, nodes, [value("x", [1, 2, n, n])], [value("y", ["n", "c", "h", "w"])], opset=22)
+    x = random(1, 2, n, n)
+    (got,) = interpret(load_onnx(path), [torch.from_numpy(x)])
+    top, left, bottom, right = pads
+    padded = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), constant_values=np.nan)
+    size = [(m - 3 + 2 - 1) // 2 + 1 if ceil_mode else (m - 3) // 2 + 1 for m in padded.shape[2:]]
+    size = [s - 1 if (s - 1) * 2 >= n + p else s for s, p in zip(size, (top, left))] if ceil_mode else size
+    expected = np.array([[[[np.nanmean(padded[0, c, 2 * i:2 * i + 3, 2 * j:2 * j + 3]) for j in range(size[1])]
+                           for i in range(size[0])] for c in range(2)]], np.float32)
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6, atol=1e-6)
+    assert "div" in ops(load_onnx(path))
 
 
 def test_mlp_gemm_relu_softmax(tmp_path):
