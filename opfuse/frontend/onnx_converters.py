@@ -65,19 +65,34 @@ def unknown_attributes(op_type: str, attrs: dict) -> list[str]:
 
 UNARY = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Erf": "erf", "Exp": "exp", "Log": "log",
          "Sqrt": "sqrt", "Neg": "neg", "Abs": "abs", "Reciprocal": "reciprocal", "HardSwish": "hardswish",
-         "Identity": "identity", "Dropout": "identity"}
+         "Identity": "identity"}
 BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "Max": "maximum",
           "Min": "minimum", "Sum": "add"}
 
 
-# Dropout: `seed` and the old `ratio`/`is_test` do nothing at inference; a training_mode input is checked below
-@converts(*UNARY, attributes=("seed", "ratio", "is_test"), constant_inputs=(2,))
+@converts(*UNARY)
 def _unary(importer: Importer, node, xs, attrs):
-    if node.op_type == "Dropout" and len(xs) > 2 and xs[2] is not None:
-        training = importer.constant(xs[2])
-        if training is None or bool(training.reshape(-1)[0]):
-            raise Unsupported("Dropout in training mode (random) has no inference equivalent")
     return [importer.emit(UNARY[node.op_type], [xs[0]])]
+
+
+# `seed` and the old `ratio`/`is_test` do nothing at inference
+@converts("Dropout", attributes=("seed", "ratio", "is_test"), constant_inputs=(1, 2))
+def _dropout(importer: Importer, node, xs, attrs):
+    """Inference Dropout: the input unchanged and a mask of ones. In training mode only a ratio of 0 (nothing
+    dropped) has that meaning; any other drops at random."""
+    training = importer.constant(xs[2]) if len(xs) > 2 and xs[2] is not None else False
+    if training is None:
+        raise Unsupported("Dropout with a training_mode computed at run time")
+    if training is not False and bool(training.reshape(-1)[0]):
+        ratio = importer.constant(xs[1]) if len(xs) > 1 and xs[1] is not None else 0.5
+        if ratio is None or float(ratio) != 0.0:
+            raise Unsupported("Dropout in training mode (random) has no inference equivalent")
+    outputs = [importer.emit("identity", [xs[0]])]
+    if len(node.output) > 1 and node.output[1] in importer.used:
+        mask_type = importer.onnx_types.get(node.output[1])    # bool from opset 10, the input's type before
+        mask = torch.ones(importer.type(xs[0]).shape, dtype=torch_dtype(mask_type.dtype if mask_type else "bool"))
+        outputs.append(importer.add_constant(mask, node.output[1]))
+    return outputs
 
 
 @converts(*BINARY)

@@ -327,6 +327,24 @@ def test_small_elementwise_ops(tmp_path):
     assert graph[graph.outputs[0]].type.dtype == "float64"
 
 
+def test_dropout_mask_and_training_mode(tmp_path):
+    """At inference Dropout passes its input and a mask of ones; in training mode only a ratio of 0 does that."""
+    nodes = [helper.make_node("Dropout", ["x"], ["y", "mask"]),
+             helper.make_node("Dropout", ["x", "zero", "yes"], ["z", "kept"])]
+    path = save(tmp_path, nodes, [value("x", [3, 4])], [value("y", [3, 4]), value("mask", [3, 4], TensorProto.BOOL),
+                                                        value("z", [3, 4]), value("kept", [3, 4], TensorProto.BOOL)],
+                {"zero": np.float32(0.0), "yes": np.bool_(True)}, opset=13)
+    x = random(3, 4)
+    y, mask, z, kept = interpret(load_onnx(path), [torch.from_numpy(x)])
+    assert torch.equal(y, torch.from_numpy(x)) and torch.equal(z, y) and mask.dtype == torch.bool
+    assert mask.all() and kept.all() and mask.shape == (3, 4)
+    random_dropout = [helper.make_node("Dropout", ["x", "half", "yes"], ["y"])]
+    path = save(tmp_path, random_dropout, [value("x", [3, 4])], [value("y", [3, 4])],
+                {"half": np.float32(0.5), "yes": np.bool_(True)}, opset=13)
+    (node,) = [n for n in load_onnx(path) if n.op == "opaque"]
+    assert "training mode (random)" in node.attrs["reason"]
+
+
 def test_softmax_before_opset_13_normalises_the_flattened_tail(tmp_path):
     nodes = [helper.make_node("Softmax", ["x"], ["y"], axis=1)]
     path = save(tmp_path, nodes, [value("x", [2, 3, 4])], [value("y", [2, 3, 4])], opset=11)
