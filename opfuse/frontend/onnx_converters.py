@@ -102,6 +102,9 @@ def _binary(importer: Importer, node, xs, attrs):
     result = xs[0]
     for other in xs[1:]:  # Max, Min and Sum are variadic
         result = importer.emit(BINARY[node.op_type], [result, other])
+    if node.op_type == "Pow" and importer.type(result).dtype != importer.type(xs[0]).dtype:
+        # ONNX's Pow has its base's type (an integer base to a float power truncates); torch.pow promotes
+        result = importer.emit("cast", [result], {"dtype": importer.type(xs[0]).dtype})
     return [result]
 
 

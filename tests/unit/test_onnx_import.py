@@ -327,6 +327,15 @@ def test_small_elementwise_ops(tmp_path):
     assert graph[graph.outputs[0]].type.dtype == "float64"
 
 
+def test_pow_has_its_base_type(tmp_path):
+    nodes = [helper.make_node("Pow", ["x", "y"], ["z"])]
+    path = save(tmp_path, nodes, [value("x", [4], TensorProto.INT32), value("y", [4])],
+                [value("z", [4], TensorProto.INT32)])
+    graph = check_against_reference(path, {"x": np.array([1, 2, 3, -3], np.int32),
+                                           "y": np.array([4.0, 0.5, 2.5, 3.0], np.float32)})
+    assert ops(graph) == ["pow", "cast"]
+
+
 def test_dropout_mask_and_training_mode(tmp_path):
     """At inference Dropout passes its input and a mask of ones; in training mode only a ratio of 0 does that."""
     nodes = [helper.make_node("Dropout", ["x"], ["y", "mask"]),
