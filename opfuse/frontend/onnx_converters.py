@@ -97,8 +97,8 @@ def _dropout(importer: Importer, node, xs, attrs):
 
 @converts(*BINARY)
 def _binary(importer: Importer, node, xs, attrs):
-    if node.op_type == "Div" and not importer.type(xs[0]).is_float:
-        raise Unsupported("integer Div truncates, torch.div does not")
+    if node.op_type == "Div" and not importer.type(xs[0]).is_float:   # integer Div truncates, torch.div does not
+        return [importer.emit("trunc_div", xs[:2])]
     result = xs[0]
     for other in xs[1:]:  # Max, Min and Sum are variadic
         result = importer.emit(BINARY[node.op_type], [result, other])

@@ -233,6 +233,8 @@ register(OpDef("batch_norm", B, _run_batch_norm, per_output_element(2),
                doc="eval-mode batch norm; inputs x, weight, bias, running_mean, running_var; attrs eps"))
 for _name, _fn in {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}.items():
     register(OpDef(_name, B, _binary(_fn), per_output_element(1)))
+register(OpDef("trunc_div", B, lambda xs, a: torch.div(xs[0], xs[1], rounding_mode="trunc"), per_output_element(1),
+               doc="division rounded toward zero: integer division as C and ONNX do it"))
 register(OpDef("pow", B, _binary(torch.pow), per_output_element(4)))
 register(OpDef("maximum", B, _binary(torch.maximum), per_output_element(1)))
 for _name, _fn in {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq,

@@ -327,6 +327,18 @@ def test_small_elementwise_ops(tmp_path):
     assert graph[graph.outputs[0]].type.dtype == "float64"
 
 
+def test_integer_div_truncates_toward_zero(tmp_path):
+    nodes = [helper.make_node("Div", ["x", "y"], ["z"])]
+    path = save(tmp_path, nodes, [value("x", [4], TensorProto.INT32), value("y", [4], TensorProto.INT32)],
+                [value("z", [4], TensorProto.INT32)])
+    graph = check_against_reference(path, {"x": np.array([7, -7, 7, -7], np.int32),
+                                           "y": np.array([2, 2, -2, -2], np.int32)})
+    assert ops(graph) == ["trunc_div"]
+    (z,) = interpret(graph, [torch.tensor([7, -7, 7, -7], dtype=torch.int32), torch.tensor([2, 2, -2, -2],
+                                                                                          dtype=torch.int32)])
+    assert z.tolist() == [3, -3, -3, 3]
+
+
 def test_pow_has_its_base_type(tmp_path):
     nodes = [helper.make_node("Pow", ["x", "y"], ["z"])]
     path = save(tmp_path, nodes, [value("x", [4], TensorProto.INT32), value("y", [4])],
