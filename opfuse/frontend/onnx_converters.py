@@ -479,4 +479,4 @@ def _gather(importer: Importer, node, xs, attrs):
         i = int(indices) % shape[axis]
         picked = importer.emit("slice", [xs[0]], {"dim": axis, "start": i, "end": i + 1, "step": 1})
         return [importer.emit("reshape", [picked], {"shape": shape[:axis] + shape[axis + 1:]})]
-    raise Unsupported("Gather from a computed table or with computed multi-dim indices")
+    return [importer.emit("take", [xs[0], xs[1]], {"axis": axis})]

@@ -132,7 +132,7 @@ def pool_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
 
 
 def embedding_bytes(ins: Types, out: TensorType, attrs: Attrs) -> int:
-    """Only the gathered rows of the table are read, plus the indices."""
+    """Only the gathered rows of the table are read, plus the indices (embedding, take)."""
     return out.nbytes + ins[1].nbytes
 
 
@@ -196,6 +196,14 @@ def _run_local_response_norm(xs, a):
     padded = F.pad(squares, (0, 0, (size - 1) // 2, size // 2))
     window_mean = F.avg_pool2d(padded, (size, 1), stride=1).reshape(x.shape)
     return (x.float() / (a["bias"] + a["alpha"] * window_mean).pow(a["beta"])).to(x.dtype)
+
+
+def _run_take(xs, a):
+    """numpy.take(x, indices, axis): negative indices count from the end of the axis."""
+    x, indices, axis = xs[0], xs[1], a["axis"]
+    flat = indices.reshape(-1).long()
+    flat = torch.where(flat < 0, flat + x.shape[axis], flat)
+    return torch.index_select(x, axis, flat).reshape(x.shape[:axis] + indices.shape + x.shape[axis + 1:])
 
 
 def _run_opaque(xs, a):
@@ -290,6 +298,8 @@ register(OpDef("identity", I, lambda xs, a: xs[0], alias=True, doc="dropout in e
 register(OpDef("cat", I, lambda xs, a: torch.cat(xs, a["dim"]), doc="attrs dim"))
 register(OpDef("pad", I, lambda xs, a: F.pad(xs[0], a["pads"], value=a["value"]),
                doc="constant padding; attrs pads (F.pad's order: last dim's begin and end first), value"))
+register(OpDef("take", I, _run_take, bytes_read=embedding_bytes,
+               doc="inputs x, indices (negative from the end); attrs axis: ONNX's Gather, numpy.take"))
 register(OpDef("embedding", I, lambda xs, a: F.embedding(xs[1], xs[0]), bytes_read=embedding_bytes,
                doc="inputs weight[V, D], indices"))
 

@@ -315,6 +315,14 @@ def test_gather_embedding(tmp_path):
     assert ops(graph) == ["embedding"]
 
 
+def test_gather_with_indices_known_at_run_time(tmp_path):
+    """Indices of any rank, negative ones counting from the end, along any axis: the IR's take."""
+    nodes = [helper.make_node("Gather", ["x", "ids"], ["y"], axis=1)]
+    path = save(tmp_path, nodes, [value("x", [2, 5, 3]), value("ids", [2, 2], INT64)], [value("y", [2, 2, 2, 3])])
+    graph = check_against_reference(path, {"x": random(2, 5, 3), "ids": np.array([[0, -1], [4, -5]], np.int64)})
+    assert ops(graph) == ["take"]
+
+
 def test_small_elementwise_ops(tmp_path):
     nodes = [helper.make_node("Sub", ["x", "c"], ["a"]), helper.make_node("Div", ["a", "c"], ["b"]),
              helper.make_node("Sigmoid", ["b"], ["s"]), helper.make_node("Tanh", ["s"], ["t"]),
