@@ -460,11 +460,17 @@ def _slice(importer: Importer, node, xs, attrs):
     steps = importer.ints(node, xs, attrs, "steps", 4) or [1] * len(starts)
     result = xs[0]
     for start, end, axis, step in zip(starts, ends, axes, steps):
-        if step < 1:
-            raise Unsupported("Slice with a negative step")
+        if step == 0:
+            raise Unsupported("Slice with a step of 0")
         axis, size = axis % len(shape), shape[axis % len(shape)]
-        start, end = (min(max(v + size if v < 0 else v, 0), size) for v in (start, end))  # ONNX clamps
-        result = importer.emit("slice", [result], {"dim": axis, "start": start, "end": end, "step": step})
+        start, end = (v + size if v < 0 else v for v in (start, end))
+        if step > 0:
+            start, end = (min(max(v, 0), size) for v in (start, end))  # ONNX clamps to [0, size]
+            result = importer.emit("slice", [result], {"dim": axis, "start": start, "end": end, "step": step})
+        else:  # backwards, clamped to [0, size - 1] and [-1, size - 1]; PyTorch slices only forwards: a take
+            picked = torch.arange(min(max(start, 0), size - 1), min(max(end, -1), size - 1), step)
+            result = importer.emit("take", [result, importer.add_constant(picked, f"{node.output[0]}_indices")],
+                                   {"axis": axis})
     return [result if result != xs[0] else importer.emit("identity", [xs[0]])]
 
 

@@ -253,6 +253,18 @@ def test_layout_ops(tmp_path):
     assert ops(graph).count("slice") >= 3  # one per used Split output, the Slice, the Gather
 
 
+@pytest.mark.parametrize("starts, ends, steps", [([-1], [-1000], [-1]), ([20], [0], [-2]), ([3], [-6], [-3])])
+def test_slice_backwards(tmp_path, starts, ends, steps):
+    """A negative step walks back from start (clamped to the last element) to before end (clamped to -1)."""
+    nodes = [helper.make_node("Slice", ["x", "starts", "ends", "axes", "steps"], ["y"])]
+    weights = {"starts": np.array(starts, np.int64), "ends": np.array(ends, np.int64),
+               "axes": np.array([1], np.int64), "steps": np.array(steps, np.int64)}
+    path = save(tmp_path, nodes, [value("x", [2, 7])], [value("y", [2, "n"])], weights)
+    x = random(2, 7)
+    (got,) = interpret(load_onnx(path), [torch.from_numpy(x)])
+    np.testing.assert_array_equal(got.numpy(), x[:, slice(starts[0], ends[0] if ends[0] > -7 else None, steps[0])])
+
+
 def test_shape_arithmetic_is_folded_into_reshape(tmp_path):
     """Exporters compute Reshape targets from Shape(x): that folds to a constant, then a plain reshape."""
     nodes = [helper.make_node("Shape", ["x"], ["s"]),
