@@ -180,7 +180,7 @@ def _window(importer: Importer, xs, attrs, kernel, pad_value: float | None = Non
     one expresses it (for a pool, at most half the dilated window), else an explicit `pad` of the input by
     `pad_value` (None: unsupported) and no padding."""
     if len(importer.type(xs[0]).shape) != 4:
-        raise Unsupported("only 2-D convolution and pooling are mapped")
+        raise Unsupported("only 2-D convolution and 1-D or 2-D pooling are mapped")
     strides = tuple(attrs.get("strides", (1, 1)))
     dilations = tuple(attrs.get("dilations", (1, 1)))
     top, left, bottom, right = _pads(attrs, importer.type(xs[0]).shape[2:], kernel, strides, dilations)
@@ -206,9 +206,23 @@ def _conv(importer: Importer, node, xs, attrs):
 @converts("MaxPool", attributes=("auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads", "strides",
                                  "storage_order"))
 def _max_pool(importer: Importer, node, xs, attrs):
+    if len(importer.type(xs[0]).shape) == 3:
+        return _pool_1d_as_2d(importer, node, xs, attrs, _max_pool)
     x, window = _window(importer, xs, attrs, attrs["kernel_shape"], pad_value=float("-inf"), pool=True)
     pool = {"kernel_size": tuple(attrs["kernel_shape"]), **window, "ceil_mode": bool(attrs.get("ceil_mode", 0))}
     return [_onnx_windows(importer, importer.emit("max_pool2d", [x], pool), xs, attrs)]
+
+
+def _pool_1d_as_2d(importer: Importer, node, xs, attrs, pool: Converter) -> list[str]:
+    """A 1-D pool of [N, C, L] as the 2-D one of [N, C, 1, L], its window 1 high."""
+    n, c, length = importer.type(xs[0]).shape
+    x = importer.emit("reshape", [xs[0]], {"shape": (n, c, 1, length)})
+    flat = {"kernel_shape": [1, *attrs["kernel_shape"]], "strides": [1, *attrs.get("strides", [1])],
+            "dilations": [1, *attrs.get("dilations", [1])]}
+    if "pads" in attrs:
+        flat["pads"] = [0, attrs["pads"][0], 0, attrs["pads"][1]]
+    (pooled,) = pool(importer, node, [x], {**attrs, **flat})
+    return [importer.emit("reshape", [pooled], {"shape": (n, c, importer.type(pooled).shape[3])})]
 
 
 def _onnx_windows(importer: Importer, pooled: str, xs, attrs) -> str:
@@ -231,6 +245,8 @@ def _onnx_windows(importer: Importer, pooled: str, xs, attrs) -> str:
 @converts("AveragePool", attributes=("auto_pad", "ceil_mode", "count_include_pad", "dilations", "kernel_shape",
                                      "pads", "strides"))
 def _average_pool(importer: Importer, node, xs, attrs):
+    if len(importer.type(xs[0]).shape) == 3:
+        return _pool_1d_as_2d(importer, node, xs, attrs, _average_pool)
     include_pad, ceil_mode = bool(attrs.get("count_include_pad", 0)), bool(attrs.get("ceil_mode", 0))
     x, window = _window(importer, xs, attrs, attrs["kernel_shape"], pad_value=0.0, pool=True)
     if window.pop("dilation") != (1, 1):

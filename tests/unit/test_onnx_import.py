@@ -291,6 +291,16 @@ def test_pools(tmp_path):
     assert ops(graph) == ["max_pool2d", "avg_pool2d", "avg_pool2d", "adaptive_avg_pool2d"]
 
 
+def test_1d_pools_are_2d_pools_one_high(tmp_path):
+    nodes = [helper.make_node("MaxPool", ["x"], ["m"], kernel_shape=[3], strides=[2]),
+             helper.make_node("AveragePool", ["x"], ["a"], kernel_shape=[3], pads=[1, 1]),
+             helper.make_node("AveragePool", ["x"], ["s"], kernel_shape=[2], auto_pad="SAME_UPPER")]
+    path = save(tmp_path, nodes, [value("x", [2, 3, 9])],
+                [value("m", [2, 3, 4]), value("a", [2, 3, 9]), value("s", [2, 3, 9])])
+    graph = check_against_reference(path, {"x": random(2, 3, 9)})
+    assert {"max_pool2d", "avg_pool2d"} <= set(ops(graph))
+
+
 def test_clip(tmp_path):
     nodes = [helper.make_node("Clip", ["x", "lo", "hi"], ["y"]),
              helper.make_node("Clip", ["x", "", "hi"], ["z"]),
