@@ -276,11 +276,34 @@ def _global_average_pool(importer: Importer, node, xs, attrs):
 
 @converts("BatchNormalization", attributes=("epsilon", "momentum", "training_mode", "spatial", "is_test"))
 def _batch_norm(importer: Importer, node, xs, attrs):
-    if attrs.get("training_mode", 0):
-        raise Unsupported("training-mode batch norm")
     if attrs.get("spatial", 1) != 1:   # opset < 9: statistics per element rather than per channel
         raise Unsupported("BatchNormalization with spatial=0")
-    return [importer.emit("batch_norm", xs[:5], {"eps": attrs.get("epsilon", 1e-5)})]
+    eps = attrs.get("epsilon", 1e-5)
+    if attrs.get("training_mode", 0):
+        return _batch_norm_training(importer, node, xs, eps, attrs.get("momentum", 0.9))
+    return [importer.emit("batch_norm", xs[:5], {"eps": eps})]
+
+
+def _batch_norm_training(importer: Importer, node, xs, eps: float, momentum: float) -> list[str]:
+    """Training-mode BatchNormalization (opset 14 on): Y normalised by the batch's own mean and (biased) variance
+    over every dim but the channels, and the running statistics moved toward them: running * momentum + batch *
+    (1 - momentum)."""
+    x, scale, bias, running_mean, running_var = xs[:5]
+    shape = importer.type(x).shape
+    dims = {"dims": [d for d in range(len(shape)) if d != 1], "keepdim": True}
+    out = node.output[0]
+    mean = importer.emit("mean", [x], dims, name=f"{out}_batch_mean")
+    centred = importer.emit("sub", [x, mean], name=f"{out}_centred")
+    variance = importer.emit("mean", [importer.emit("mul", [centred, centred], name=f"{out}_squares")], dims,
+                             name=f"{out}_batch_var")
+    mean, variance = (importer.emit("reshape", [v], {"shape": (shape[1],)}, name=f"{v}_flat")
+                      for v in (mean, variance))
+    outputs = [importer.emit("batch_norm", [x, scale, bias, mean, variance], {"eps": eps}, name=out)]
+    for running, batch, name in zip((running_mean, running_var), (mean, variance), node.output[1:3]):
+        kept = importer.emit("mul", [running, importer.scalar(momentum, running)], name=f"{name}_kept")
+        moved = importer.emit("mul", [batch, importer.scalar(1 - momentum, batch)], name=f"{name}_moved")
+        outputs.append(importer.emit("add", [kept, moved], name=name))
+    return outputs
 
 
 # stash_type is the precision of the mean/variance: for Y the IR computes them in at least float32; the optional

@@ -55,12 +55,10 @@ def test_an_operator_without_converter_is_refused_at_prepare_naming_operator_nod
 
 
 def test_a_use_of_a_claimed_operator_its_converter_refuses_says_why():
-    proto = model([helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "mean", "var"],
-                                    training_mode=1)],
-                  [("x", FLOAT, [2, 3, 4]), ("s", FLOAT, [3]), ("b", FLOAT, [3]), ("m", FLOAT, [3]),
-                   ("v", FLOAT, [3])], [("y", FLOAT, [2, 3, 4]), ("mean", FLOAT, [3]), ("var", FLOAT, [3])])
-    with pytest.raises(UnsupportedOnnxNode, match=r"BatchNormalization \(opset 17\) at node "
-                                                  r"'BatchNormalization#0' .*training-mode batch norm"):
+    proto = model([helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2, 2])], [("x", FLOAT, [1, 2, 4, 4, 4])],
+                  [("y", FLOAT, [1, 2, 3, 3, 3])])
+    with pytest.raises(UnsupportedOnnxNode, match=r"MaxPool \(opset 17\) at node 'MaxPool#0' .*only 2-D "
+                                                  r"convolution and 1-D or 2-D pooling are mapped"):
         OpfuseBackend.prepare(proto)
 
 

@@ -213,6 +213,23 @@ def test_gelu_op_opset_20(tmp_path, approximate):
     assert [n.attrs["approximate"] for n in graph if n.op == "gelu"] == [approximate]
 
 
+def test_training_mode_batch_norm_uses_the_batch_statistics(tmp_path):
+    nodes = [helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "running_mean", "running_var"],
+                              training_mode=1, momentum=0.8, epsilon=1e-2)]
+    weights = {"s": random(3), "b": random(3), "m": random(3), "v": rng.uniform(0.5, 2, 3).astype(np.float32)}
+    path = save(tmp_path, nodes, [value("x", [2, 3, 4, 5])],
+                [value("y", [2, 3, 4, 5]), value("running_mean", [3]), value("running_var", [3])], weights, opset=15)
+    x = random(2, 3, 4, 5)
+    y, running_mean, running_var = interpret(load_onnx(path), [torch.from_numpy(x)])
+    mean, var = x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3))
+    channel = (1, 3, 1, 1)
+    expected = (x - mean.reshape(channel)) / np.sqrt(var.reshape(channel) + 1e-2) * weights["s"].reshape(channel) \
+        + weights["b"].reshape(channel)
+    np.testing.assert_allclose(y.numpy(), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(running_mean.numpy(), weights["m"] * 0.8 + mean * 0.2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(running_var.numpy(), weights["v"] * 0.8 + var * 0.2, rtol=1e-5, atol=1e-6)
+
+
 def test_layer_normalization(tmp_path):
     nodes = [helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], axis=-1, epsilon=1e-5),
              helper.make_node("LayerNormalization", ["x", "scale2"], ["z"], axis=1)]
