@@ -159,40 +159,42 @@ def _cast(importer: Importer, node, xs, attrs):
     return [importer.emit("cast", [xs[0]], {"dtype": dtype})]
 
 
-def _pads(attrs: dict, size: tuple[int, ...], kernel, strides, dilations) -> tuple[int, int, int, int]:
-    """ONNX's pads/auto_pad of a 2-D window as [top, left, bottom, right]."""
-    auto_pad = attrs.get("auto_pad", "NOTSET")
+def _pads(attrs: dict, size: tuple[int, ...], kernel, strides, dilations) -> tuple[list[int], list[int]]:
+    """ONNX's pads/auto_pad of a window as (the padding before each spatial dim, the padding after it)."""
+    auto_pad, rank = attrs.get("auto_pad", "NOTSET"), len(size)
     if auto_pad == "VALID":
-        return (0, 0, 0, 0)
+        return [0] * rank, [0] * rank
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         totals = [max((math.ceil(n / s) - 1) * s + (k - 1) * d + 1 - n, 0)
                   for n, k, s, d in zip(size, kernel, strides, dilations)]
         small = [t // 2 for t in totals]
         large = [t - t // 2 for t in totals]
-        begin, end = (small, large) if auto_pad == "SAME_UPPER" else (large, small)   # UPPER: the extra at the end
-        return (begin[0], begin[1], end[0], end[1])
-    return tuple(attrs.get("pads", [0, 0, 0, 0]))
+        return (small, large) if auto_pad == "SAME_UPPER" else (large, small)   # UPPER: the extra at the end
+    pads = list(attrs.get("pads", [0] * 2 * rank))
+    return pads[:rank], pads[rank:]
 
 
 def _window(importer: Importer, xs, attrs, kernel, pad_value: float | None = None, pool: bool = False
             ) -> tuple[str, dict]:
-    """(input, its stride, padding and dilation) of a 2-D conv or pool: ONNX's padding where PyTorch's symmetric
-    one expresses it (for a pool, at most half the dilated window), else an explicit `pad` of the input by
-    `pad_value` (None: unsupported) and no padding."""
-    if len(importer.type(xs[0]).shape) != 4:
-        raise Unsupported("only 2-D convolution and 1-D or 2-D pooling are mapped")
-    strides = tuple(attrs.get("strides", (1, 1)))
-    dilations = tuple(attrs.get("dilations", (1, 1)))
-    top, left, bottom, right = _pads(attrs, importer.type(xs[0]).shape[2:], kernel, strides, dilations)
+    """(input, its stride, padding and dilation) of a 2-D conv or a 2-D or 3-D pool: ONNX's padding where PyTorch's
+    symmetric one expresses it (for a pool, at most half the dilated window), else an explicit `pad` of the input
+    by `pad_value` (None: unsupported) and no padding."""
+    spatial = len(importer.type(xs[0]).shape) - 2
+    if spatial not in ((2, 3) if pool else (2,)):
+        raise Unsupported("only 2-D convolution and 1-D, 2-D or 3-D pooling are mapped")
+    strides = tuple(attrs.get("strides", (1,) * spatial))
+    dilations = tuple(attrs.get("dilations", (1,) * spatial))
+    begin, end = _pads(attrs, importer.type(xs[0]).shape[2:], kernel, strides, dilations)
     window = {"stride": strides, "dilation": dilations}
-    half = [((k - 1) * d + 1) // 2 for k, d in zip(kernel, dilations)] if pool else [top, left]
-    if (top, left) == (bottom, right) and top <= half[0] and left <= half[1]:
-        return xs[0], window | {"padding": (top, left)}
+    half = [((k - 1) * d + 1) // 2 for k, d in zip(kernel, dilations)] if pool else begin
+    if begin == end and all(b <= h for b, h in zip(begin, half)):
+        return xs[0], window | {"padding": tuple(begin)}
     if pad_value is None:
-        raise Unsupported(f"asymmetric pads {[top, left, bottom, right]} ([top, left, bottom, right]); opfuse "
-                          "needs symmetric padding here")
-    padded = importer.emit("pad", [xs[0]], {"pads": (left, right, top, bottom), "value": pad_value})
-    return padded, window | {"padding": (0, 0)}
+        raise Unsupported(f"asymmetric pads {begin + end} (before each dim, then after); opfuse needs symmetric "
+                          "padding here")
+    pads = tuple(v for b, e in zip(reversed(begin), reversed(end)) for v in (b, e))   # F.pad: the last dim first
+    padded = importer.emit("pad", [xs[0]], {"pads": pads, "value": pad_value})
+    return padded, window | {"padding": (0,) * spatial}
 
 
 @converts("Conv", attributes=("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"))
@@ -210,7 +212,8 @@ def _max_pool(importer: Importer, node, xs, attrs):
         return _pool_1d_as_2d(importer, node, xs, attrs, _max_pool)
     x, window = _window(importer, xs, attrs, attrs["kernel_shape"], pad_value=float("-inf"), pool=True)
     pool = {"kernel_size": tuple(attrs["kernel_shape"]), **window, "ceil_mode": bool(attrs.get("ceil_mode", 0))}
-    return [_onnx_windows(importer, importer.emit("max_pool2d", [x], pool), xs, attrs)]
+    op = {2: "max_pool2d", 3: "max_pool3d"}[len(window["stride"])]
+    return [_onnx_windows(importer, importer.emit(op, [x], pool), xs, attrs)]
 
 
 def _pool_1d_as_2d(importer: Importer, node, xs, attrs, pool: Converter) -> list[str]:
@@ -232,9 +235,8 @@ def _onnx_windows(importer: Importer, pooled: str, xs, attrs) -> str:
     if not attrs.get("ceil_mode", 0) or importer.opset < 22:
         return pooled
     size = importer.type(xs[0]).shape[2:]
-    kernel, strides = attrs["kernel_shape"], tuple(attrs.get("strides", (1, 1)))
-    dilations = tuple(attrs.get("dilations", (1, 1)))
-    begin = _pads(attrs, size, kernel, strides, dilations)[:2]
+    kernel, strides = attrs["kernel_shape"], tuple(attrs.get("strides", (1,) * len(size)))
+    begin = _pads(attrs, size, kernel, strides, tuple(attrs.get("dilations", (1,) * len(size))))[0]
     shape = importer.type(pooled).shape
     for dim, (n, b, stride, count) in enumerate(zip(size, begin, strides, shape[2:]), start=2):
         if (count - 1) * stride >= n + b:
@@ -249,19 +251,20 @@ def _average_pool(importer: Importer, node, xs, attrs):
         return _pool_1d_as_2d(importer, node, xs, attrs, _average_pool)
     include_pad, ceil_mode = bool(attrs.get("count_include_pad", 0)), bool(attrs.get("ceil_mode", 0))
     x, window = _window(importer, xs, attrs, attrs["kernel_shape"], pad_value=0.0, pool=True)
-    if window.pop("dilation") != (1, 1):
-        raise Unsupported("dilated average pooling")
+    if any(d != 1 for d in window.pop("dilation")):
+        raise Unsupported("dilated average pooling (PyTorch has none)")
+    op = {2: "avg_pool2d", 3: "avg_pool3d"}[len(window["stride"])]
     explicit = x != xs[0]
     # PyTorch averages over the part of each window inside its (explicitly padded) input, so explicit zeros count
     pool = {"kernel_size": tuple(attrs["kernel_shape"]), **window, "ceil_mode": ceil_mode,
             "count_include_pad": include_pad or explicit}
-    result = importer.emit("avg_pool2d", [x], pool)
+    result = importer.emit(op, [x], pool)
     if explicit and not include_pad:
         # uncounted padding: divide by each window's share inside the input, the same pool of a mask (a constant)
         dtype = torch_dtype(importer.type(xs[0]).dtype)
         mask = get_op("pad").run([torch.ones((1, 1, *importer.type(xs[0]).shape[2:]), dtype=dtype)],
                                  importer.graph[x].attrs | {"value": 0.0})
-        share = get_op("avg_pool2d").run([mask], pool)
+        share = get_op(op).run([mask], pool)
         result = importer.emit("div", [result, importer.add_constant(share, f"{node.output[0]}_window_share")])
     return [_onnx_windows(importer, result, xs, attrs)]
 

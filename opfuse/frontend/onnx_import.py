@@ -18,7 +18,7 @@ Afterwards the Erf form of GELU is rewritten to one `gelu` node and dead nodes a
 
 Choices worth knowing: MatMul (and Gemm) with a constant 2-D right-hand side become `linear` with the weight
 transposed at import ([K, N] -> [N, K], PyTorch's layout), so the planner sees the same op as for nn.Linear.
-Convolution is mapped in 2-D, pooling in 1-D (as 2-D, one high) and 2-D; others are opaque.
+Convolution is mapped in 2-D, pooling in 1-D (as 2-D, one high), 2-D and 3-D; others are opaque.
 """
 
 from __future__ import annotations

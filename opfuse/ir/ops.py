@@ -127,8 +127,7 @@ def attention_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
 
 
 def pool_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
-    kh, kw = attrs["kernel_size"]
-    return out.numel * kh * kw
+    return out.numel * math.prod(attrs["kernel_size"])
 
 
 def embedding_bytes(ins: Types, out: TensorType, attrs: Attrs) -> int:
@@ -286,6 +285,12 @@ register(OpDef("max_pool2d", R, lambda xs, a: F.max_pool2d(xs[0], a["kernel_size
 register(OpDef("avg_pool2d", R, lambda xs, a: F.avg_pool2d(xs[0], a["kernel_size"], a["stride"], a["padding"],
                                                           a["ceil_mode"], a["count_include_pad"]),
                pool_flops, doc="attrs kernel_size, stride, padding, ceil_mode, count_include_pad"))
+register(OpDef("max_pool3d", R, lambda xs, a: F.max_pool3d(xs[0], a["kernel_size"], a["stride"], a["padding"],
+                                                          a["dilation"], a["ceil_mode"]),
+               pool_flops, doc="attrs kernel_size, stride, padding, dilation (triples), ceil_mode"))
+register(OpDef("avg_pool3d", R, lambda xs, a: F.avg_pool3d(xs[0], a["kernel_size"], a["stride"], a["padding"],
+                                                          a["ceil_mode"], a["count_include_pad"]),
+               pool_flops, doc="attrs kernel_size, stride, padding (triples), ceil_mode, count_include_pad"))
 register(OpDef("adaptive_avg_pool2d", R, lambda xs, a: F.adaptive_avg_pool2d(xs[0], a["output_size"]),
                per_input_element(1), doc="attrs output_size"))
 

@@ -318,6 +318,16 @@ def test_1d_pools_are_2d_pools_one_high(tmp_path):
     assert {"max_pool2d", "avg_pool2d"} <= set(ops(graph))
 
 
+def test_3d_pools(tmp_path):
+    nodes = [helper.make_node("MaxPool", ["x"], ["m"], kernel_shape=[2, 2, 2], dilations=[2, 2, 2]),
+             helper.make_node("AveragePool", ["x"], ["a"], kernel_shape=[3, 3, 3], strides=[2, 2, 2],
+                              pads=[1, 1, 1, 1, 1, 1], count_include_pad=1)]
+    path = save(tmp_path, nodes, [value("x", [1, 2, 6, 6, 6])],
+                [value("m", [1, 2, 4, 4, 4]), value("a", [1, 2, 3, 3, 3])])
+    graph = check_against_reference(path, {"x": random(1, 2, 6, 6, 6)})
+    assert ops(graph) == ["max_pool3d", "avg_pool3d"]
+
+
 def test_clip(tmp_path):
     nodes = [helper.make_node("Clip", ["x", "lo", "hi"], ["y"]),
              helper.make_node("Clip", ["x", "", "hi"], ["z"]),
