@@ -198,7 +198,8 @@ def row_length(graph: Graph, reduction: str) -> int:
 # ---- the anchor kernels --------------------------------------------------------------------------------
 
 def gemm_shape(graph: Graph, anchor: str) -> tuple[int, int, int]:
-    """(M, N, K) of the anchor's GEMM: conv2d as implicit GEMM (M = N*Hout*Wout, N = Cout, K = Cin/g*Kh*Kw)."""
+    """(M, N, K) of the anchor's GEMM: conv2d as implicit GEMM (M = N*Hout*Wout, N = Cout, K = Cin/g*Kh*Kw); a 1-D
+    matmul operand is one row (left) or one column (right), as torch.matmul reads it."""
     node = graph[anchor]
     out = node.type.shape
     x = graph[node.inputs[0]].type.shape
@@ -207,7 +208,8 @@ def gemm_shape(graph: Graph, anchor: str) -> tuple[int, int, int]:
         return out[0] * out[2] * out[3], out[1], math.prod(weight[1:])
     if node.op == "linear":
         return math.prod(out[:-1]), out[-1], x[-1]
-    return out[-2], out[-1], x[-1]   # matmul: per batch
+    w = graph[node.inputs[1]].type.shape
+    return (x[-2] if len(x) > 1 else 1), (w[-1] if len(w) > 1 else 1), x[-1]   # matmul: per batch
 
 
 def _gemm_tiles(graph: Graph, anchor: str, tile: Mapping[str, int] | None) -> list[dict[str, int]]:
