@@ -11,12 +11,13 @@ interpreter).
 Shape inputs, graph inputs a node reads where its converter needs a constant (a Reshape's shape, a Slice's starts,
 `onnx_converters.CONSTANT_INPUTS`), are specialised on: opfuse's shapes are static, so the rep imports the model
 for the values each run gives them, as initializers, once per distinct value. ONNX's conformance cases pass shapes
-this way; exported models carry them as constants.
+this way; exported models carry them as constants. `prepare(model, constants=[names])` treats other inputs so
+too: weights given as inputs, which opfuse's kernels want as constants (a conv's weight, a batch norm's scale).
 
 What opfuse cannot run is refused before it runs, never with a wrong result: a node that imports as an opaque op
 (an operator without a converter, or a use of a mapped one its converter refuses) raises `UnsupportedOnnxNode`,
 which names the operator, the node and the model's opset, and says why. That is at `prepare`; for a model with
-shape inputs, an operator without a converter is refused at `prepare` and a use its converter refuses at the run
+inputs read as constants, an operator without a converter is refused at `prepare` and a use its converter refuses at the run
 that imports it.
 """
 
@@ -97,7 +98,8 @@ def to_array(tensor: torch.Tensor) -> np.ndarray:
 
 @dataclass
 class Imported:
-    """The model (with the shape inputs' values as initializers), its graph as a module, and its compiled form."""
+    """The model (with the values of the inputs read as constants as initializers), its graph as a module, and its
+    compiled form."""
 
     model: onnx.ModelProto
     module: OnnxModule
@@ -106,24 +108,25 @@ class Imported:
 
 class OpfuseBackendRep(BackendRep):
     """A prepared model: `run(inputs)` (a sequence in the graph's input order, or a mapping by name) returns its
-    outputs as numpy arrays. The graph is imported once per value of the shape inputs (none: at `prepare`)."""
+    outputs as numpy arrays. The graph is imported once per value of the inputs read as constants (when there are
+    none, at `prepare`)."""
 
     def __init__(self, model: onnx.ModelProto, device: torch.device, config: Any = None,
-                 shape_inputs: Sequence[str] = ()):
+                 constant_inputs: Sequence[str] = ()):
         self.model, self.device, self.config = model, device, config
         initializers = {t.name for t in model.graph.initializer}
         self.inputs = {v.name: v for v in model.graph.input if v.name not in initializers}
-        self.shape_inputs = tuple(shape_inputs)
+        self.constant_inputs = tuple(constant_inputs)
         self.output_names = [value.name for value in model.graph.output]
         self.where = describe_source(model)
-        self.imported: dict[tuple, Imported] = {}   # the values of the shape inputs -> the model imported for them
-        if not self.shape_inputs:
+        self.imported: dict[tuple, Imported] = {}   # the constant inputs' values -> the model imported for them
+        if not self.constant_inputs:
             self.imported_for({})
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
         arrays = self.named_inputs(inputs)
-        imported = self.imported_for({name: arrays[name] for name in self.shape_inputs})
-        names = [name for name in self.inputs if name not in self.shape_inputs]
+        imported = self.imported_for({name: arrays[name] for name in self.constant_inputs})
+        names = [name for name in self.inputs if name not in self.constant_inputs]
         tensors = [to_tensor(arrays[name], name, node.type, self.where).to(self.device)
                    for name, node in zip(names, imported.module.graph.input_nodes)]
         if self.config is not None and imported.compiled is None:
@@ -149,7 +152,7 @@ class OpfuseBackendRep(BackendRep):
         return dict(zip(self.inputs, inputs))
 
     def imported_for(self, shape_values: Mapping[str, Any]) -> Imported:
-        """The imported graph for these values of the shape inputs, which become initializers of a copy."""
+        """The imported graph for these values of the constant inputs, which become initializers of a copy."""
         arrays = {name: numpy_helper.to_array(v) if isinstance(v, onnx.TensorProto) else np.asarray(v)
                   for name, v in shape_values.items()}
         key = tuple((name, a.dtype.str, a.shape, a.tobytes()) for name, a in arrays.items())
@@ -159,7 +162,7 @@ class OpfuseBackendRep(BackendRep):
                 model = onnx.ModelProto()
                 model.CopyFrom(self.model)
                 for name, array in arrays.items():
-                    check_shape_input(array, self.inputs[name], self.where)
+                    check_constant_input(array, self.inputs[name], self.where)
                     model.graph.initializer.append(numpy_helper.from_array(array, name))
             graph = load_onnx(model)
             check_runnable(graph, model, self.where)
@@ -176,8 +179,8 @@ def shape_inputs_of(model: onnx.ModelProto) -> list[str]:
     return [v.name for v in model.graph.input if v.name in needed and v.name not in initializers]
 
 
-def check_shape_input(array: np.ndarray, value: onnx.ValueInfoProto, where: str) -> None:
-    """A shape input's value must have the type the model declares for it."""
+def check_constant_input(array: np.ndarray, value: onnx.ValueInfoProto, where: str) -> None:
+    """The value of an input read as a constant must have the type the model declares for it."""
     declared = value.type.tensor_type
     dims = [d.dim_value if d.HasField("dim_value") else None for d in declared.shape.dim]
     if helper.np_dtype_to_tensor_dtype(array.dtype) != declared.elem_type or len(dims) != array.ndim or any(
@@ -207,15 +210,23 @@ class OpfuseBackend(Backend):
     def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> OpfuseBackendRep:
         """Import `model` and check every node can run; `config` (a FusionConfig) compiles it at the first run.
 
-        Shape inputs (graph inputs that fix a shape: a Reshape's shape, a Slice's starts) are read at each run and
-        the graph imported for their values, as constants: opfuse's shapes are static. Their operators are
-        checked here, the rest of the model at the first run."""
+        Shape inputs (graph inputs that fix a shape: a Reshape's shape, a Slice's starts) and the inputs named in
+        `constants` are read at each run and the graph imported for their values, as constants: opfuse's shapes
+        are static. The model's operators are then checked here, the rest at the first run."""
         if not cls.supports_device(device):
             raise GraphError(f"device {device!r} is not available to opfuse")
-        shape_inputs = shape_inputs_of(model)
-        if shape_inputs:
-            check_operators(model, describe_source(model))
-        return OpfuseBackendRep(model, _device(device), kwargs.get("config"), shape_inputs)
+        where = describe_source(model)
+        initializers = {t.name for t in model.graph.initializer}
+        inputs = [v.name for v in model.graph.input if v.name not in initializers]
+        constants = set(kwargs.get("constants", ()))
+        unknown = sorted(constants - set(inputs))
+        if unknown:
+            raise GraphError(f"{where}: constants {unknown} are not inputs of the model (it takes {inputs})")
+        constants |= set(shape_inputs_of(model))
+        constant_inputs = [name for name in inputs if name in constants]
+        if constant_inputs:
+            check_operators(model, where)
+        return OpfuseBackendRep(model, _device(device), kwargs.get("config"), constant_inputs)
 
     @classmethod
     def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any) -> tuple:

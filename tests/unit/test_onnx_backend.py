@@ -102,3 +102,16 @@ def test_a_model_with_shape_inputs_is_still_refused_at_prepare_for_an_unknown_op
                   [("x", FLOAT, [2, 3]), ("shape", TensorProto.INT64, [2])], [("y", FLOAT, ["a", "b"])], opset=13)
     with pytest.raises(UnsupportedOnnxNode, match=r"Hardmax \(opset 13\) at node 'Hardmax#1'"):
         OpfuseBackend.prepare(proto)
+
+
+def test_named_inputs_are_read_as_constants_like_an_exported_models_weights():
+    w = rng.standard_normal((4, 3)).astype(np.float32)
+    proto = model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", FLOAT, [2, 4]), ("w", FLOAT, [4, 3])],
+                  [("y", FLOAT, [2, 3])])
+    rep = OpfuseBackend.prepare(proto, constants=["w"])
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    np.testing.assert_allclose(rep.run([x, w])[0], x @ w, rtol=1e-6, atol=1e-6)
+    (imported,) = rep.imported.values()
+    assert [n.op for n in imported.module.graph if n.op not in ("input", "constant")] == ["linear"]  # a weight
+    with pytest.raises(GraphError, match=r"constants \['v'\] are not inputs of the model"):
+        OpfuseBackend.prepare(proto, constants=["v"])
