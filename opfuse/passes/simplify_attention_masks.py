@@ -3,7 +3,7 @@
 Entry point: `simplify_attention_masks(graph)`. Models build their attention masks from shapes alone when no mask
 is passed in (transformers' BERT and T5 an all-ones padding mask, GPT-2 its causal triangle, T5 adds its
 relative-position bias); once `fold_constants` ran, such a mask is a constant, or a broadcast of one. Each
-``sdpa`` whose mask is computable from constants alone (`compile_time_value`) is rewritten:
+``sdpa`` whose mask is computable from constants alone (`CompileTimeValues`) is rewritten:
 
 - a mask that masks nothing (bool all True, additive all zero) is dropped;
 - a mask that is exactly the causal triangle over (queries, keys), top-left aligned as `is_causal` means it (bool
@@ -34,13 +34,13 @@ def simplify_attention_masks(graph: Graph) -> tuple[Graph, list[str]]:
     """A copy of `graph` with each sdpa's compile-time mask dropped, made `is_causal`, or compacted."""
     graph = graph.copy()
     changes: list[str] = []
-    values: dict[str, torch.Tensor | None] = {}
+    values = CompileTimeValues(graph)
     compacted: dict[str, str | None] = {}    # a mask -> the constant that replaces it (None: it stays)
     for node in list(graph):
         if node.op != "sdpa" or len(node.inputs) < 4:
             continue
         mask_name = node.inputs[3]
-        mask = compile_time_value(graph, mask_name, values)
+        mask = values.value(mask_name)
         if mask is None:
             continue
         queries, keys = graph[node.inputs[0]].type.shape[-2], graph[node.inputs[1]].type.shape[-2]
@@ -63,21 +63,42 @@ def simplify_attention_masks(graph: Graph) -> tuple[Graph, list[str]]:
     return graph, changes
 
 
-def compile_time_value(graph: Graph, name: str, values: dict[str, torch.Tensor | None]) -> torch.Tensor | None:
-    """The value of node `name` if it depends on constants alone through pure nodes, none larger than
-    `MASK_BYTES`; else None. `values` memoises across calls (one graph)."""
-    if name in values:
-        return values[name]
-    node = graph[name]
-    value: torch.Tensor | None = None
-    if graph.is_constant(name):
-        value = graph.constants[name]
-    elif node.op != "input" and is_pure(node) and node.inputs and node.type.nbytes <= MASK_BYTES:
-        inputs = [compile_time_value(graph, i, values) for i in node.inputs]
-        if all(t is not None for t in inputs):
-            value = node_value(node, inputs)
-    values[name] = value
-    return value
+class CompileTimeValues:
+    """Values of the nodes that depend on constants alone through pure nodes, none larger than `MASK_BYTES`: the
+    set of them is found in one pass over the graph, so a mask computed from activations costs no walk; values are
+    computed on demand, in the graph's order, and kept."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.cone: set[str] = set()
+        for node in graph:
+            if graph.is_constant(node.name) or (node.op != "input" and is_pure(node) and node.inputs
+                                                and node.type.nbytes <= MASK_BYTES
+                                                and all(i in self.cone for i in node.inputs)):
+                self.cone.add(node.name)
+        self.values: dict[str, torch.Tensor | None] = {}
+
+    def value(self, name: str) -> torch.Tensor | None:
+        """The value of node `name`, or None when it is not computable at compile time (or its reference fails)."""
+        if name not in self.cone:
+            return None
+        pending = [name]
+        while pending:                      # depth-first over the cone, inputs before the node that reads them
+            current = pending[-1]
+            if current in self.values:
+                pending.pop()
+                continue
+            node = self.graph[current]
+            if self.graph.is_constant(current):
+                self.values[current] = self.graph.constants[current]
+                continue
+            missing = [i for i in node.inputs if i not in self.values]
+            if missing:
+                pending.extend(missing)
+                continue
+            inputs = [self.values[i] for i in node.inputs]
+            self.values[current] = node_value(node, inputs) if all(t is not None for t in inputs) else None
+        return self.values[name]
 
 
 def _compact(graph: Graph, mask_name: str, mask: torch.Tensor, made: Iterable[str | None], changes: list[str]

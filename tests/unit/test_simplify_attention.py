@@ -125,3 +125,14 @@ def test_transformers_masks_are_known_at_compile_time(name, expected):
     got = interpret(graph, list(inputs))[0]
     # PyTorch's CPU kernel for is_causal is less exact in float64 than its masked one (gpt2: 1.4e-9)
     assert ((got - want).norm() / want.norm()).item() < 1e-8
+
+
+def test_a_mask_computed_from_a_deep_chain_of_activations_costs_no_recursion():
+    graph = Graph("deep")
+    q, k, v = (graph.add_input(n, TensorType((1, 1, L, 4), "float64")).name for n in "qkv")
+    mask = graph.add_input("m", TensorType((L, S), "float64")).name
+    for i in range(3000):                              # deeper than Python's recursion limit
+        mask = op(graph, f"step{i}", "tanh", [mask])
+    graph.outputs = [op(graph, "attn", "sdpa", [q, k, v, mask], is_causal=False, scale=None)]
+    after, changes = run_pass(simplify_attention_masks, graph)
+    assert changes == [] and after["attn"].inputs[3] == mask
