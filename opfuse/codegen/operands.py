@@ -4,7 +4,7 @@ A generated kernel evaluates group values at *coordinates*: one Triton expressio
 value (None where the coordinate is always 0, e.g. a size-1 dimension). `Region.value(name, coords)` emits the
 lines computing a value there: a group input is loaded through its runtime strides, an elementwise node goes
 through `expr.emit` with its operands' coordinates broadcast (numpy rules), a view node (reshape, permute,
-expand, slice, identity) only maps coordinates, and a cat picks the input whose slice holds the coordinate (each
+expand, slice, identity) and a roll only map coordinates, and a cat picks the input whose slice holds the coordinate (each
 input evaluated under its slice's mask). Broadcast constants, channels-last activations and channel-slice views
 therefore need no special case, and no view is ever copied.
 
@@ -212,6 +212,8 @@ class Region:
             result = self.value(node.inputs[0], self.view_coords(node, coords))
         elif node.op == "cat":
             result = self._cat(node, coords)
+        elif node.op == "roll":
+            result = self.value(node.inputs[0], self._roll_coords(node, coords))
         elif node.op in SUPPORTED_OPS:
             args = [self.value(i, self.operand_coords(node, position, coords))
                     for position, i in enumerate(node.inputs)]
@@ -222,6 +224,16 @@ class Region:
             raise Unsupported(f"node {node.describe()} cannot be computed elementwise inside this kernel")
         self.cache[key] = result
         return result
+
+    def _roll_coords(self, node: Node, coords: Coords) -> Coords:
+        """Coordinates in the input of a roll: out[i] = in[(i - shift) mod n] along each rolled dim."""
+        result = list(coords)
+        for shift, dim in zip(node.attrs["shifts"], node.attrs["dims"]):
+            size = node.type.shape[dim]
+            offset = (-shift) % size
+            if coords[dim] is not None and offset:
+                result[dim] = f"(({coords[dim]} + {offset}) % {size})"
+        return tuple(result)
 
     def _rounded(self, value: str, name: str) -> str:
         """`value` (float32) rounded to the dtype of node `name` where that is narrower and the kernel computed it

@@ -1,7 +1,7 @@
 """Elementwise groups (POINTWISE, SINGLE, HORIZONTAL_POINTWISE) as one Triton kernel: `lower_pointwise_group`.
 
-The nodes: elementwise ops, views (coordinate maps) and concatenations (each input loaded under the mask of its
-slice of the output).
+The nodes: elementwise ops, views and rolls (coordinate maps) and concatenations (each input loaded under the
+mask of its slice of the output).
 
 Each connected part of the group (one for a chain; several independent chains for a horizontal group) is an
 iteration space: the shape of its largest output, walked by a flat index in the memory order its outputs get
@@ -97,7 +97,7 @@ class PointwiseKernel(TemplateKernel):
         group_operands(graph, group)
         for name in group.nodes:
             node = graph[name]
-            if node.op not in SUPPORTED_OPS and node.op not in VIEW_OPS and node.op != "cat":
+            if node.op not in SUPPORTED_OPS and node.op not in VIEW_OPS and node.op not in ("cat", "roll"):
                 raise Unsupported(f"node {node.describe()} is not elementwise; the pointwise template cannot "
                                   "compute it")
         if not group.outputs:

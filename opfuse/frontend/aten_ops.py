@@ -458,6 +458,18 @@ def _unbind(t: Translator, a: dict) -> MultiOutput:
     return _split_like(t, a, squeeze=True)
 
 
+@maps("roll")
+def _roll(t: Translator, a: dict) -> str:
+    """A cyclic shift along given dims (Swin's shifted windows); without dims torch flattens first: not mapped."""
+    shifts, dims = a["shifts"], a.get("dims")
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = [] if dims is None else [dims] if isinstance(dims, int) else list(dims)
+    if not dims or len(dims) != len(shifts) or not all(isinstance(v, int) for v in shifts):
+        raise Unmapped("roll of the flattened tensor, or with symbolic shifts")
+    rank = t.rank(a["self"])
+    return t.emit("roll", [a["self"]], {"shifts": shifts, "dims": [_dim(d, rank) for d in dims]})
+
+
 @maps("pad", "constant_pad_nd")
 def _pad(t: Translator, a: dict) -> str:
     """Constant padding (F.pad's order); padding by nothing (Swin pads its windows up to a multiple of their size,

@@ -24,7 +24,8 @@ would put a group outside the pair both after and before the fused kernel (a cyc
 `opfuse.fusion.reasons.Reason`: a stable code (listed there) and the words. Choices made here, and why:
 
 - injective ops that copy stay single kernels (an embedding gathers rows; an epilogue would need its own
-  indexing), but a concatenation joins an elementwise chain without a hub: the elementwise template loads each
+  indexing), but a roll (an index map: Swin's shifted windows) and a concatenation join an elementwise chain
+  without a hub: the elementwise template loads each
   of its inputs under the mask of its slice (DenseNet's cat -> batch norm -> relu, ShuffleNet's cat -> channel
   shuffle). Each element is still computed once: inside the group a node has as many elements as each value it
   reads, a cat's inputs being its slices, and what the group writes has the size of its largest value.
@@ -47,6 +48,7 @@ from opfuse.ir.ops import FusionKind, get_op, kind_of
 
 Users = Mapping[str, Sequence[Node]]
 ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
+MAPPED_COPIES = frozenset({"cat", "roll"})    # copying ops an elementwise kernel computes as index maps
 
 
 def can_fuse(graph: Graph, producer_nodes: Iterable[str], consumer_nodes: Iterable[str], users: Users,
@@ -97,11 +99,11 @@ def injective_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
     for name in nodes:
         node = graph[name]
         if kind_of(node) is FusionKind.INJECTIVE and not get_op(node.op).alias:
-            if node.op != "cat":
+            if node.op not in MAPPED_COPIES:
                 return Reason(Code.COPYING_OP, f"injective op {name} ({node.op}) stays its own kernel")
             if hub is not None:
-                return Reason(Code.CAT_WITH_HUB,
-                              f"{name} (cat) joins elementwise chains only, not the kernel of {hub} ({graph[hub].op})")
+                return Reason(Code.CAT_WITH_HUB, f"{name} ({node.op}) joins elementwise chains only, not the kernel "
+                              f"of {hub} ({graph[hub].op})")
     return None
 
 
@@ -122,9 +124,9 @@ def view_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
 
 
 def joins_as_map(node: Node) -> bool:
-    """A node an elementwise or reduction kernel evaluates through coordinates: a view keeping every element or
-    a cat."""
-    return node.op in ELEMENT_KEEPING_VIEWS or node.op == "cat"
+    """A node an elementwise or reduction kernel evaluates through coordinates: a view keeping every element, a
+    cat or a roll."""
+    return node.op in ELEMENT_KEEPING_VIEWS or node.op in MAPPED_COPIES
 
 
 def is_view(node: Node) -> bool:
@@ -326,7 +328,7 @@ def element_flow_rule(graph: Graph, order: Sequence[str], merged: set[str], user
     loading it: T5's -bound of its overflow clamp), and every value the group writes has the size of its largest."""
     for name in order:
         node = graph[name]
-        if node.op == "cat":
+        if node.op == "cat":      # (a roll keeps its element count)
             continue
         for value in node.inputs:
             if value in merged and graph[value].type.numel not in (node.type.numel, 1):

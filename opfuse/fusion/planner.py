@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
-from opfuse.fusion.legality import (can_fuse, in_order, is_view, joins_as_map, node_index, path_outside,
-                                    skip_operands)
+from opfuse.fusion.legality import (MAPPED_COPIES, can_fuse, in_order, is_view, joins_as_map, node_index,
+                                    path_outside, skip_operands)
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import MIN_SPLIT_STEPS, anchor_of, conv_chain, gemm_view, split_k_slices
@@ -481,8 +481,8 @@ class _Planner:
         if FusionKind.OPAQUE in kinds:
             return GroupKind.OPAQUE
         copies = [n for n in nodes if kind_of(self.graph[n]) is FusionKind.INJECTIVE and not is_view(self.graph[n])]
-        if copies and (len(nodes) == 1 or any(self.graph[n].op != "cat" for n in copies)):
-            return GroupKind.INJECTIVE      # a lone cat or another copy runs through PyTorch; a fused cat does not
+        if copies and (len(nodes) == 1 or any(self.graph[n].op not in MAPPED_COPIES for n in copies)):
+            return GroupKind.INJECTIVE      # a lone cat or roll, or another copy, runs through PyTorch; fused, not
         if len(nodes) == 1:
             return GroupKind.SINGLE
         if conv_chain(self.graph, nodes):
@@ -505,8 +505,8 @@ class _Planner:
             return f"view ({first.op}): no kernel, no traffic"
         if kind is GroupKind.OPAQUE:
             return f"opaque op {first.name} runs through PyTorch"
-        if kind is GroupKind.INJECTIVE and first.op == "cat":
-            return f"{first.name} (cat) runs alone through PyTorch: a cat joins elementwise chains only"
+        if kind is GroupKind.INJECTIVE and first.op in MAPPED_COPIES:
+            return f"{first.name} ({first.op}) runs alone through PyTorch: it joins elementwise chains only"
         if kind is GroupKind.INJECTIVE:
             return f"{first.name} ({first.op}) stays its own kernel: copying injective ops take no fusion here"
         if group in self.notes:

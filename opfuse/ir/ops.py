@@ -301,6 +301,8 @@ register(OpDef("expand", I, lambda xs, a: xs[0].expand(a["shape"]), alias=True, 
 register(OpDef("slice", I, _run_slice, alias=True, doc="attrs dim, start, end, step"))
 register(OpDef("identity", I, lambda xs, a: xs[0], alias=True, doc="dropout in eval, Identity"))
 register(OpDef("cat", I, lambda xs, a: torch.cat(xs, a["dim"]), doc="attrs dim"))
+register(OpDef("roll", I, lambda xs, a: torch.roll(xs[0], a["shifts"], a["dims"]),
+               doc="cyclic shift; attrs shifts, dims (lists of one length)"))
 register(OpDef("pad", I, lambda xs, a: F.pad(xs[0], a["pads"], value=a["value"]),
                doc="constant padding; attrs pads (F.pad's order: last dim's begin and end first), value"))
 register(OpDef("take", I, _run_take, bytes_read=embedding_bytes,

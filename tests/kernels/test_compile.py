@@ -311,3 +311,34 @@ def test_an_output_that_is_a_constant_is_a_new_tensor_at_every_call():
     zeros.add_(5)
     again, _ = compiled(x)
     assert torch.equal(again, torch.zeros(2, 3))
+
+
+class ShiftedWindows(nn.Module):
+    """Swin's shifted-window step: roll, partition into windows (view, permute, reshape: a copy in PyTorch), a
+    linear per token, windows back, roll back, residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):                                      # x: [1, 6, 9, 6] (N, H, W, C), windows of 3x3
+        shifted = torch.roll(torch.relu(x), shifts=(-1, -1), dims=(1, 2))
+        windows = shifted.view(1, 2, 3, 3, 3, 6).permute(0, 1, 3, 2, 4, 5).reshape(6, 9, 6)
+        windows = self.fc(windows)
+        back = windows.view(1, 2, 3, 3, 3, 6).permute(0, 1, 3, 2, 4, 5).reshape(1, 6, 9, 6)
+        return x + torch.roll(back, shifts=(1, 1), dims=(1, 2))
+
+
+def test_shifted_windows_roll_as_index_maps_and_match_eager():
+    torch.manual_seed(5)
+    model = ShiftedWindows().eval()
+    x = torch.randn(1, 6, 9, 6)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    assert compiled.checks and all(c.passed for c in compiled.checks)
+    rolls = [g for g in compiled.plan.groups if any(compiled.plan.graph[n].op == "roll" for n in g.nodes)]
+    assert len(rolls) == 2 and all(len(g.nodes) > 1 and g.name not in compiled.fallbacks for g in rolls)
+    forward = next(g for g in rolls if any(compiled.plan.graph[n].op == "permute" for n in g.nodes))
+    assert "written directly: no copy kernel" in forward.reason      # the partition's copy is the roll's kernel
+    fresh = torch.randn(1, 6, 9, 6)
+    with torch.no_grad():
+        assert relative_error(compiled(fresh), model(fresh)) < 1e-5

@@ -249,3 +249,11 @@ def test_a_float16_value_is_rounded_before_a_discrete_op_decides_on_it():
     eager_total = values.half() + values.half()
     assert results[0].cpu().tolist() == torch.isinf(eager_total).tolist() == [[True, False, True, False]]
     assert results[1].cpu().tolist() == (eager_total > 65504).tolist() == [[True, False, False, False]]
+
+
+@pytest.mark.parametrize("shifts, dims", [((-1, 2), (1, 2)), ((7,), (3,)), ((-4, 0), (0, 1))])
+def test_roll_is_an_index_map_on_the_load(shifts, dims):
+    b = Builder()
+    x = b.input("x", (2, 3, 5, 4))                                   # channels-last, odd sizes
+    rolled = b.op("roll", b.op("sigmoid", x), shifts=list(shifts), dims=list(dims))
+    run_group(b, [b.op("mul", rolled, b.const("s", b.random(3, 1, 1)))])

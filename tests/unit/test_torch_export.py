@@ -152,6 +152,8 @@ CASES = [
     ("comparisons", Lambda(lambda m, x, i: (x < 0.5, x.abs() >= 1.25, 0.3 > x, x == x, i != 2, i > 1.5,
                                             torch.where(x > 0.25, x, -x))), (X2, torch.arange(3)),
      {"lt", "ge", "gt", "eq", "ne", "where"}),
+    ("roll", Lambda(lambda m, x: (torch.roll(x, shifts=(-1, 2), dims=(1, 2)), torch.roll(x, 3, -1))), (X4,),
+     {"roll"}),
     ("overflow_clamp", Lambda(lambda m, x: _overflow_clamp(x) + torch.where(x.abs() < 2.0, x, 0.0)
                               * torch.isinf(x).any(dim=-1, keepdim=True)), (X2,),
      {"isinf", "any", "where", "maximum", "minimum"}),
