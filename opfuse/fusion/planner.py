@@ -206,6 +206,22 @@ class _Planner:
                         self.merge(producer, self.group_of[name], f"view {name} ({self.graph[name].op}) written "
                                    "directly: no copy kernel")
 
+    def copy_reads_through(self, candidate: _Candidate) -> bool:
+        """Whether views between a pair that cannot fuse (an anchor's output, say) include one PyTorch would copy
+        and may join the consumer alone: the consumer's kernel then reads the producer's output through them
+        (Swin's window reverse after its projection, read by the roll and residual add)."""
+        views, consumer = list(candidate.views), self.groups[candidate.consumer]
+        if not any(view_copies(self.graph, self.graph[v]) for v in views):
+            return False
+        if any(kind_of(self.graph[n]) in (FusionKind.ANCHOR, FusionKind.OPAQUE) for n in consumer):
+            return False
+        within = set(consumer) | set(views)
+        for name in views:
+            if not joins_as_map(self.graph[name]) or name in self.graph.outputs or \
+                    any(u.name not in within for u in self.users[name]):
+                return False
+        return can_fuse(self.graph, views, consumer, self.users, self.config, self.index) is None
+
     def absorb_views(self, candidate: _Candidate) -> None:
         """Fold the candidate's view groups into its consumer group: the consumer's kernel maps them."""
         for name in candidate.views:
@@ -224,6 +240,8 @@ class _Planner:
             blocked = self.views_blocked(candidate) or can_fuse(
                 self.graph, producer, list(candidate.views) + consumer, self.users, self.config, self.index)
             if blocked:
+                if self.copy_reads_through(candidate):
+                    self.absorb_views(candidate)   # no fusion, but no copy kernel: the consumer maps the views
                 self.record(producer, consumer, fusion, Verdict.ILLEGAL, blocked)
                 return False
             self.absorb_views(candidate)     # the consumer reads through them whether or not the pair merges
