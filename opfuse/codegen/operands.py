@@ -138,6 +138,17 @@ class KernelArgs:
 
 # ---- code emission ----------------------------------------------------------------------------------
 
+WIDE_INTEGERS = ("int64", "int32")
+
+
+def exact(node: Node) -> None:
+    """Refuse a value the float32 arithmetic of a generated kernel would not hold exactly: 32- and 64-bit integers
+    (token ids, positions) round past 2^24. Such a group runs through PyTorch instead, and says why."""
+    if node.type.dtype in WIDE_INTEGERS:
+        raise Unsupported(f"{node.describe()} holds {node.type.dtype} values, which a kernel's float32 arithmetic "
+                          "rounds past 2^24")
+
+
 class Emitter:
     """Shared state of one kernel's code generation: the group, its parameters and fresh variable names."""
 
@@ -277,6 +288,7 @@ class Region:
         return broadcast_coords(coords, node.type.shape, self.graph[node.inputs[position]].type.shape)
 
     def _load(self, name: str, coords: Coords) -> str:
+        exact(self.graph[name])
         target = self.emitter.fresh("x")
         self._addressed(self.emitter.args.input(name), coords,
                         lambda pointer: f"{target} = tl.load({pointer}, mask={self.mask}, other=0.0).to(tl.float32)")
@@ -284,6 +296,7 @@ class Region:
 
     def store(self, name: str, coords: Coords) -> None:
         """Write value `name` at `coords` to its output tensor (tl.store casts to the output dtype)."""
+        exact(self.graph[name])
         value = self.value(name, coords)
         self._addressed(self.emitter.args.output(name), tuple(coords),
                         lambda pointer: f"tl.store({pointer}, {value}, mask={self.mask})")

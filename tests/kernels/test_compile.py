@@ -344,3 +344,17 @@ def test_shifted_windows_roll_as_index_maps_and_match_eager():
     fresh = torch.randn(1, 6, 9, 6)
     with torch.no_grad():
         assert relative_error(compiled(fresh), model(fresh)) < 1e-5
+
+
+class LargeIds(nn.Module):
+    def forward(self, ids, x):
+        return torch.where((ids * 2 + 16777217) != 16777219, x, -x)
+
+
+def test_integer_arithmetic_past_two_to_the_24_runs_exactly():
+    """Kernels compute in float32, where 16777217 is 16777216: a group computing on int64 values runs through
+    PyTorch (and says so) rather than give another answer than eager."""
+    ids, x = torch.tensor([1, 2, 3, 1]), torch.randn(4)
+    compiled = opfuse.compile(LargeIds(), (ids, x), opfuse.FusionConfig(dtype="float32"))
+    assert torch.equal(compiled(ids, x), LargeIds()(ids, x))
+    assert any(why.code.value == "unsupported" and "int64" in why.text for why in compiled.fallbacks.values())
