@@ -160,12 +160,13 @@ class _Planner:
         return self.bytes_saved(self.groups[candidate.producer],
                                 list(candidate.views) + self.groups[candidate.consumer])
 
-    def views_blocked(self, candidate: _Candidate) -> Reason | None:
+    def views_blocked(self, candidate: _Candidate, with_producer: bool = True) -> Reason | None:
         """Why the views between the pair cannot join the consumer as coordinate maps, or None when they can:
-        neither side has an anchor, each view keeps every element, and the consumer (or a view on the way) is
-        all that reads it."""
+        neither side (the consumer alone, without `with_producer`) has an anchor, each view keeps every element,
+        and the consumer (or a view on the way) is all that reads it."""
         producer, consumer = self.groups[candidate.producer], self.groups[candidate.consumer]
-        anchor = next((n for n in producer + consumer if kind_of(self.graph[n]) is FusionKind.ANCHOR), None)
+        sides = producer + consumer if with_producer else consumer
+        anchor = next((n for n in sides if kind_of(self.graph[n]) is FusionKind.ANCHOR), None)
         within = set(consumer) | set(candidate.views)
         for name in reversed(candidate.views):     # from the producer's side
             view = self.graph[name]
@@ -213,14 +214,8 @@ class _Planner:
         views, consumer = list(candidate.views), self.groups[candidate.consumer]
         if not any(view_copies(self.graph, self.graph[v]) for v in views):
             return False
-        if any(kind_of(self.graph[n]) in (FusionKind.ANCHOR, FusionKind.OPAQUE) for n in consumer):
-            return False
-        within = set(consumer) | set(views)
-        for name in views:
-            if not joins_as_map(self.graph[name]) or name in self.graph.outputs or \
-                    any(u.name not in within for u in self.users[name]):
-                return False
-        return can_fuse(self.graph, views, consumer, self.users, self.config, self.index) is None
+        return (self.views_blocked(candidate, with_producer=False) is None
+                and can_fuse(self.graph, views, consumer, self.users, self.config, self.index) is None)
 
     def absorb_views(self, candidate: _Candidate) -> None:
         """Fold the candidate's view groups into its consumer group: the consumer's kernel maps them."""
