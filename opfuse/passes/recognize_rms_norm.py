@@ -29,10 +29,11 @@ def recognize_rms_norm(graph: Graph) -> tuple[Graph, list[str]]:
     """A copy of `graph` with each written-out RMS norm replaced by one rms_norm node."""
     graph = graph.copy()
     changes = []
+    users = graph.users()
     for node in graph:
         if node.name not in graph.nodes or node.op != "rsqrt":
             continue
-        match = _match(graph, node)
+        match = _match(graph, users, node)
         if match is None:
             continue
         x, eps, chain, weight = match
@@ -41,10 +42,10 @@ def recognize_rms_norm(graph: Graph) -> tuple[Graph, list[str]]:
         fused = graph.add_node("rms_norm", inputs, graph[last].type, {"eps": eps}, name=f"{last}_rms_norm",
                                source=graph[last].source)
         graph.replace_uses(last, fused.name)
-        fused.inputs = inputs          # replace_uses does not touch it (it reads x), but be explicit
         for name in reversed(chain):
             remove_if_unused(graph, name)
         changes.append(f"rms norm {', '.join(chain)} is one rms_norm {fused.name}")
+        users = graph.users()      # readers changed: x's, the weight's, and the norm's output
     if changes:
         graph.sort()
     return graph, changes
@@ -63,9 +64,8 @@ def _scalar(graph: Graph, name: str) -> float | None:
     return float(graph.constants[name].reshape(()).item())
 
 
-def _match(graph: Graph, rsqrt: Node) -> tuple[str, float, list[str], str | None] | None:
+def _match(graph: Graph, users: dict[str, list[Node]], rsqrt: Node) -> tuple[str, float, list[str], str | None] | None:
     """(x, eps, the matched nodes in order, the weight or None) for the RMS norm around `rsqrt`, or None."""
-    users = graph.users()
     add = graph[rsqrt.inputs[0]]
     if add.op != "add":
         return None
