@@ -109,7 +109,11 @@ def smallest_broadcast(tensor: torch.Tensor) -> torch.Tensor:
             first = tensor.narrow(dim, 0, 1)
             if bool((tensor == first).all()):
                 tensor = first
-    tensor = tensor.contiguous()
+    return own_storage(tensor.contiguous())
+
+
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in storage no larger than itself: a view into part of a larger tensor would keep all of it alive."""
     return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size() else tensor
 
 
@@ -146,8 +150,4 @@ def _evaluate(graph: Graph, node: Node) -> torch.Tensor | None:
     """The node's value on its constants, its storage no larger than itself (a full view of an input may share
     the input's: constants are never written); None where `node_value` is: the node then stays."""
     value = node_value(node, [graph.constants[i] for i in node.inputs])
-    if value is None:
-        return None
-    if value.untyped_storage().nbytes() > value.numel() * value.element_size():
-        value = value.clone()  # a view into part of an input: it would keep the whole input alive
-    return value
+    return None if value is None else own_storage(value)
