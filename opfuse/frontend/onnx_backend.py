@@ -33,36 +33,10 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType, namedtupledict
 
 from opfuse.frontend.onnx_converters import CONSTANT_INPUTS, CONVERTERS
-from opfuse.frontend.onnx_import import describe_source, load_onnx
+from opfuse.frontend.onnx_import import (UnsupportedOnnxNode, describe_source, load_onnx, standard_opset,
+                                         supported_operators)
 from opfuse.frontend.onnx_module import OnnxModule
-from opfuse.ir.graph import Graph, GraphError, TensorType, dtype_name
-
-
-class UnsupportedOnnxNode(GraphError):
-    """An ONNX node opfuse imports but cannot run; `op_type`, `node`, `opset` and `reason` say which and why."""
-
-    def __init__(self, where: str, op_type: str, node: str, opset: int, reason: str):
-        self.op_type, self.node, self.opset, self.reason = op_type, node, opset, reason
-        super().__init__(f"{where}: ONNX operator {op_type} (opset {opset}) at node {node!r} is not supported by "
-                         f"opfuse: {reason}")
-
-
-def standard_opset(model: onnx.ModelProto) -> int:
-    """The version of the standard ONNX domain the model imports (1 when it names none, as ONNX defaults)."""
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-
-
-def check_runnable(graph: Graph, model: onnx.ModelProto, where: str) -> None:
-    """Raise `UnsupportedOnnxNode` for the first opaque node of an imported graph: it has no PyTorch reference."""
-    for node in graph:
-        if node.op != "opaque":
-            continue
-        op_type = node.attrs.get("target", "onnx::?").removeprefix("onnx::")
-        reason = node.attrs.get("reason")
-        if reason is None:
-            reason = (f"the operator of domain {op_type.rpartition('.')[0]!r} is not supported" if "." in op_type
-                      else f"no converter for {op_type}; the supported operators are {', '.join(sorted(CONVERTERS))}")
-        raise UnsupportedOnnxNode(where, op_type, node.source or node.name, standard_opset(model), reason)
+from opfuse.ir.graph import GraphError, TensorType, dtype_name
 
 
 def _device(device: str) -> torch.device:
@@ -164,8 +138,7 @@ class OpfuseBackendRep(BackendRep):
                 for name, array in arrays.items():
                     check_constant_input(array, self.inputs[name], self.where)
                     model.graph.initializer.append(numpy_helper.from_array(array, name))
-            graph = load_onnx(model)
-            check_runnable(graph, model, self.where)
+            graph = load_onnx(model, runnable=True)
             self.imported[key] = Imported(model, OnnxModule(graph, self.where).to(self.device))
         return self.imported[key]
 
@@ -195,7 +168,7 @@ def check_operators(model: onnx.ModelProto, where: str) -> None:
         if node.domain not in ("", "ai.onnx"):
             reason = f"the operator of domain {node.domain!r} is not supported"
         elif node.op_type not in CONVERTERS:
-            reason = f"no converter for {node.op_type}; the supported operators are {', '.join(sorted(CONVERTERS))}"
+            reason = f"no converter for {node.op_type}; the supported operators are {supported_operators()}"
         else:
             continue
         op_type = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"

@@ -1,7 +1,10 @@
 """ONNX frontend: an ONNX file becomes the same opfuse IR graph the torch.export frontend makes.
 
-Entry point: `load_onnx(source, batch=None)`, the source a path, the file's bytes or an onnx.ModelProto (never
-changed); `opfuse.frontend.onnx_module` makes a runnable module of it, which `opfuse.compile` compiles.
+Entry point: `load_onnx(source, batch=None, runnable=False)`, the source a path, the file's bytes or an
+onnx.ModelProto (never changed); `opfuse.frontend.onnx_module` makes a runnable module of it, which
+`opfuse.compile` compiles. With `runnable=True` (the module, the backend) a node opfuse cannot run is an
+`UnsupportedOnnxNode` error naming the operator, the node and the opset, and listing the supported operators;
+without it (analysis) it stays in the graph as an opaque node.
 
 Steps: read and check the model, fix the symbolic batch dimension, run ONNX shape inference (strict: a malformed
 node is reported here, by name), then convert node by node:
@@ -47,9 +50,42 @@ NOT_FOLDABLE = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUnif
 OnnxSource = Union[str, os.PathLike, bytes, onnx.ModelProto]
 
 
-def load_onnx(source: OnnxSource, batch: int | None = None) -> Graph:
+class UnsupportedOnnxNode(GraphError):
+    """An ONNX node opfuse imports but cannot run; `op_type`, `node`, `opset` and `reason` say which and why."""
+
+    def __init__(self, where: str, op_type: str, node: str, opset: int, reason: str):
+        self.op_type, self.node, self.opset, self.reason = op_type, node, opset, reason
+        super().__init__(f"{where}: ONNX operator {op_type} (opset {opset}) at node {node!r} is not supported by "
+                         f"opfuse: {reason}")
+
+
+def standard_opset(model: onnx.ModelProto) -> int:
+    """The version of the standard ONNX domain the model imports (1 when it names none, as ONNX defaults)."""
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+def supported_operators() -> str:
+    """The standard-domain operators opfuse converts, for messages."""
+    return ", ".join(sorted(CONVERTERS))
+
+
+def check_runnable(graph: Graph, opset: int, where: str) -> None:
+    """Raise `UnsupportedOnnxNode` for the first opaque node of an imported graph: it has no PyTorch reference."""
+    for node in graph:
+        if node.op != "opaque":
+            continue
+        op_type = node.attrs.get("target", "onnx::?").removeprefix("onnx::")
+        reason = node.attrs.get("reason")
+        if reason is None:
+            reason = (f"the operator of domain {op_type.rpartition('.')[0]!r} is not supported" if "." in op_type
+                      else f"no converter for {op_type}; the supported operators are {supported_operators()}")
+        raise UnsupportedOnnxNode(where, op_type, node.source or node.name, opset, reason)
+
+
+def load_onnx(source: OnnxSource, batch: int | None = None, runnable: bool = False) -> Graph:
     """The IR graph of an ONNX model (a file's path, its bytes or an onnx.ModelProto); a symbolic first dim of an
-    input becomes `batch` (default 1)."""
+    input becomes `batch` (default 1). With `runnable`, a node opfuse cannot run is an `UnsupportedOnnxNode`
+    error; without, an opaque node (it can be analysed)."""
     path = describe_source(source)
     batch = 1 if batch is None else int(batch)
     if batch < 1:
@@ -61,6 +97,8 @@ def load_onnx(source: OnnxSource, batch: int | None = None) -> Graph:
     except Exception as error:  # InferenceError names the op type and node
         raise GraphError(f"{path}: ONNX shape inference failed: {error}".strip()) from error
     graph = Importer(model, path).run()
+    if runnable:
+        check_runnable(graph, standard_opset(model), path)
     _rewrite_erf_gelu(graph)
     graph, _ = eliminate_dead_code(graph)
     try:
@@ -93,8 +131,14 @@ def _read_model(source: OnnxSource) -> onnx.ModelProto:
             if not os.path.isfile(path):
                 raise GraphError(f"{path}: not a file, so not an ONNX model")
         try:
-            model = onnx.load_from_string(bytes(source)) if isinstance(source, (bytes, bytearray)) \
-                else onnx.load(path)
+            if isinstance(source, (bytes, bytearray)):
+                model = onnx.load_from_string(bytes(source))
+            else:
+                model = onnx.load(path, load_external_data=False)
+                _check_external_files(model, path)
+                onnx.load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
+        except GraphError:
+            raise
         except Exception as error:  # DecodeError for truncated or garbage files, OSError, bad external data
             raise GraphError(f"{path}: not a readable ONNX model ({type(error).__name__}: {error})") from error
     if model.ByteSize() >= TWO_GIB:
@@ -104,6 +148,21 @@ def _read_model(source: OnnxSource) -> onnx.ModelProto:
     except Exception as error:  # ValidationError: messages name the bad node and field
         raise GraphError(f"{path}: invalid ONNX model: {error}".strip()) from error
     return model
+
+
+def _check_external_files(model: onnx.ModelProto, path: str) -> None:
+    """A tensor whose data lives in a missing external file is an error naming the tensor and the file (one
+    outside the model's directory is left to onnx's loader, which refuses it)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    attribute_tensors = [a.t for n in model.graph.node for a in n.attribute if a.HasField("t")]
+    for tensor in [*model.graph.initializer, *attribute_tensors]:
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        full = os.path.normpath(os.path.join(directory, location))
+        if os.path.dirname(full).startswith(directory) and not os.path.isfile(full):
+            raise GraphError(f"{path}: tensor {tensor.name!r} keeps its data in the external file {location!r}, "
+                             f"which is missing (looked for {full}); copy it next to the model")
 
 
 def _fix_batch_dim(model: onnx.ModelProto, path: str, batch: int) -> None:

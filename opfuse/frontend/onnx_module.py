@@ -50,7 +50,7 @@ def onnx_module(source: OnnxSource, example_inputs: Sequence[torch.Tensor] = (),
         if not isinstance(first, torch.Tensor) or first.dim() == 0:
             raise GraphError(f"{where}: example inputs must be tensors with a batch dimension")
         batch = first.shape[0]
-    graph = load_onnx(source, batch=batch)
+    graph = load_onnx(source, batch=batch, runnable=True)   # a node it cannot run: an error naming it
     expected = graph.input_nodes
     if example_inputs:
         if len(example_inputs) != len(expected):

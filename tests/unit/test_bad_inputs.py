@@ -692,3 +692,84 @@ def test_verification_inputs_stay_in_the_examples_integer_range():
     assert fresh_flags.dtype == torch.bool
     floats = random_inputs_like([torch.zeros(64)])[0]
     assert floats.abs().sum() > 0          # never zeros, whatever the example was
+
+
+# ---- ONNX: what cannot be run is refused at import, naming it; nothing is left behind ----------------------
+
+def external_weight_model(tmp_path: Path) -> Path:
+    weight = numpy_helper.from_array(np.ones((4, 3), dtype=np.float32), "w")
+    model = onnx_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [tensor_info("x", [2, 4])],
+                       [tensor_info("y", [2, 3])], initializers=[weight])
+    path = tmp_path / "external.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, location="weights.bin", size_threshold=0)
+    return path
+
+
+def test_a_missing_external_data_file_is_named_with_its_tensor(tmp_path):
+    path = external_weight_model(tmp_path)
+    assert opfuse.analyze(str(path)).prepared is not None           # with the file there, it loads
+    (tmp_path / "weights.bin").unlink()
+    for load in (lambda: opfuse.analyze(str(path)), lambda: opfuse.compile(str(path), (torch.ones(2, 4),))):
+        with pytest.raises(GraphError, match=r"external\.onnx: tensor 'w' keeps its data in the external file "
+                                             r"'weights\.bin', which is missing"):
+            load()
+
+
+def test_an_onnx_operator_opfuse_cannot_run_is_refused_at_import_naming_operator_node_and_opset(tmp_path):
+    """analyze keeps it as an opaque node (it can be planned around); compile, the CLI's bench and the backend
+    refuse it before anything is built, listing the supported operators."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Hardmax", ["r"], ["y"], name="pick")]
+    path = write(tmp_path / "hardmax.onnx", onnx_model(nodes, [tensor_info("x", [2, 5])],
+                                                       [tensor_info("y", [2, 5])], opset=13))
+    assert any("onnx::Hardmax" in o for o in opfuse.analyze(str(path)).opaque_ops)
+    from opfuse.frontend.onnx_import import UnsupportedOnnxNode
+    from opfuse.frontend.onnx_module import onnx_module
+
+    cache = tmp_path / "cache"
+    for load in (lambda: onnx_module(str(path)),
+                 lambda: opfuse.compile(str(path), (torch.ones(2, 5),), opfuse.FusionConfig(cache_dir=str(cache),
+                                                                                            fallback="eager"))):
+        with pytest.raises(UnsupportedOnnxNode, match=r"hardmax\.onnx: ONNX operator Hardmax \(opset 13\) at node "
+                                                      r"'pick' is not supported by opfuse: no converter for Hardmax; "
+                                                      r"the supported operators are Abs, Add, .*Conv"
+                                                      ) as refused:
+            load()
+        assert (refused.value.op_type, refused.value.node, refused.value.opset) == ("Hardmax", "pick", 13)
+    assert not cache.exists() or not list(cache.iterdir())          # nothing cached for a refused model
+
+
+@pytest.mark.parametrize("case", ["truncated", "missing external data", "unknown operator"])
+def test_a_bad_onnx_file_leaves_nothing_in_the_cache(tmp_path, case):
+    if case == "truncated":
+        path = write(tmp_path / "m.onnx", relu_model().SerializeToString()[:20])
+    elif case == "missing external data":
+        path = external_weight_model(tmp_path)
+        (tmp_path / "weights.bin").unlink()
+    else:
+        path = write(tmp_path / "m.onnx", onnx_model([helper.make_node("Hardmax", ["x"], ["y"])],
+                                                     [tensor_info("x", [1, 4])], [tensor_info("y", [1, 4])]))
+    cache, kernels = tmp_path / "cache", tmp_path / "kernels"
+    with pytest.raises(GraphError, match=re.escape(str(path))):
+        opfuse.compile(str(path), (torch.ones(1, 4),), opfuse.FusionConfig(cache_dir=str(cache)))
+    assert not [p for d in (cache, kernels) if d.exists() for p in d.iterdir()]
+
+
+def test_an_onnx_model_with_int64_inputs_and_several_outputs_compiles_and_names_a_wrong_input(tmp_path):
+    table = numpy_helper.from_array(np.arange(40, dtype=np.float32).reshape(10, 4) - 20, "table")
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"]), helper.make_node("Relu", ["e"], ["r"]),
+             helper.make_node("Neg", ["e"], ["n"])]
+    model = onnx_model(nodes, [tensor_info("ids", ["batch", 3], TensorProto.INT64)],
+                       [tensor_info("r", ["batch", 3, 4]), tensor_info("n", ["batch", 3, 4])], initializers=[table])
+    path = str(write(tmp_path / "two_outputs.onnx", model))
+    ids = torch.tensor([[0, 9, 3], [4, 4, 1]])
+    compiled = opfuse.compile(path, (ids,), F32)
+    relu, neg = compiled(ids)
+    expected = torch.from_numpy(numpy_helper.to_array(table).copy())[ids]
+    assert torch.equal(relu, expected.relu()) and torch.equal(neg, -expected)
+    for wrong, words in ((ids.int(), r"input 'ids' is int64\[2,3\] in the model, the example input is int32"),
+                         (ids[:, :2], r"input 'ids' is int64\[2,3\] in the model, the example input is int64\[2, 2\]"),
+                         (ids.float(), r"input 'ids' is int64\[2,3\] in the model, the example input is float32")):
+        with pytest.raises(GraphError, match=r"two_outputs\.onnx: " + words):
+            opfuse.compile(path, (wrong,), F32)
+    with pytest.raises(GraphError, match=r"input 0 \(ids\) is int32\[2,3\]"):
+        compiled(ids.int())
