@@ -145,11 +145,17 @@ class OpfuseBackendRep(BackendRep):
 
 def shape_inputs_of(model: onnx.ModelProto) -> list[str]:
     """The graph inputs some node reads where its converter needs a constant (`CONSTANT_INPUTS`: a Reshape's shape,
-    a Slice's starts, ...)."""
+    a Slice's starts, ...), directly or through the arithmetic that computes it (a Pad's pads from a target shape)."""
     initializers = {t.name for t in model.graph.initializer}
     needed = {node.input[i] for node in model.graph.node if node.domain in ("", "ai.onnx")
               for i in CONSTANT_INPUTS.get(node.op_type, ()) if i < len(node.input) and node.input[i]}
-    return [v.name for v in model.graph.input if v.name in needed and v.name not in initializers]
+    computed = set(needed)
+    for node in reversed(model.graph.node):   # a value needed constant needs its node's inputs constant
+        if node.op_type not in ("Shape", "Size") and any(o in computed for o in node.output):
+            computed |= {name for name in node.input if name}
+    integer = (TensorProto.INT64, TensorProto.INT32)   # through arithmetic, only shape-like (integer) inputs
+    return [v.name for v in model.graph.input if v.name not in initializers and (
+        v.name in needed or (v.name in computed and v.type.tensor_type.elem_type in integer))]
 
 
 def check_constant_input(array: np.ndarray, value: onnx.ValueInfoProto, where: str) -> None:

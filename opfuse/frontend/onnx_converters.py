@@ -93,6 +93,27 @@ def _dropout(importer: Importer, node, xs, attrs):
     return outputs
 
 
+COMPARISON = {"Equal": "eq", "Less": "lt", "Greater": "gt", "LessOrEqual": "le", "GreaterOrEqual": "ge",
+              "Xor": "ne"}
+# on bools: And is min, Or is max; Not is x == false
+LOGICAL = {"And": "minimum", "Or": "maximum"}
+
+
+@converts(*COMPARISON, *LOGICAL)
+def _comparison(importer: Importer, node, xs, attrs):
+    return [importer.emit(COMPARISON.get(node.op_type) or LOGICAL[node.op_type], xs[:2])]
+
+
+@converts("Not")
+def _not(importer: Importer, node, xs, attrs):
+    return [importer.emit("eq", [xs[0], importer.add_constant(torch.tensor(False), f"{node.output[0]}_false")])]
+
+
+@converts("Where")
+def _where(importer: Importer, node, xs, attrs):
+    return [importer.emit("where", xs[:3])]
+
+
 @converts(*BINARY)
 def _binary(importer: Importer, node, xs, attrs):
     if node.op_type == "Div" and not importer.type(xs[0]).is_float:   # integer Div truncates, torch.div does not
@@ -118,6 +139,52 @@ def _leaky_relu(importer: Importer, node, xs, attrs):
         raise Unsupported("LeakyRelu with alpha outside [0, 1]")
     # max(x, alpha * x) equals leaky relu exactly when 0 <= alpha <= 1
     return [importer.emit("maximum", [xs[0], importer.emit("mul", [xs[0], importer.scalar(alpha, xs[0])])])]
+
+
+def _negative_part(importer: Importer, x: str, alpha: float, scale: float = 1.0) -> str:
+    """x where x > 0, else alpha * (exp(x) - 1); all times `scale` (Elu, Selu)."""
+    expm1 = importer.emit("sub", [importer.emit("exp", [x]), importer.scalar(1.0, x)])
+    below = importer.emit("mul", [expm1, importer.scalar(alpha * scale, x)])
+    above = x if scale == 1.0 else importer.emit("mul", [x, importer.scalar(scale, x)])
+    positive = importer.emit("gt", [x, importer.scalar(0.0, x)])
+    return importer.emit("where", [positive, above, below])
+
+
+@converts("Elu", attributes=("alpha",))
+def _elu(importer: Importer, node, xs, attrs):
+    return [_negative_part(importer, xs[0], attrs.get("alpha", 1.0))]
+
+
+@converts("Selu", attributes=("alpha", "gamma"))
+def _selu(importer: Importer, node, xs, attrs):
+    return [_negative_part(importer, xs[0], attrs.get("alpha", 1.67326319217681884765625),
+                           attrs.get("gamma", 1.05070102214813232421875))]
+
+
+@converts("Softplus")
+def _softplus(importer: Importer, node, xs, attrs):
+    """log(exp(x) + 1) as max(x, 0) + log(1 + exp(-|x|)): the same value, without exp overflowing for large x."""
+    x = xs[0]
+    tail = importer.emit("exp", [importer.emit("neg", [importer.emit("abs", [x])])])
+    log1p = importer.emit("log", [importer.emit("add", [tail, importer.scalar(1.0, x)])])
+    return [importer.emit("add", [importer.emit("relu", [x]), log1p])]
+
+
+@converts("PRelu")
+def _prelu(importer: Importer, node, xs, attrs):
+    """x where x >= 0, else slope * x; the slope broadcasts to x (opset 7 on)."""
+    x, slope = xs[0], xs[1]
+    negative = importer.emit("lt", [x, importer.scalar(0.0, x)])
+    return [importer.emit("where", [negative, importer.emit("mul", [x, slope]), x])]
+
+
+@converts("Mean")
+def _mean(importer: Importer, node, xs, attrs):
+    inputs = [x for x in xs if x is not None]
+    total = inputs[0] if len(inputs) > 1 else importer.emit("identity", inputs)
+    for other in inputs[1:]:
+        total = importer.emit("add", [total, other])
+    return [total if len(inputs) == 1 else importer.emit("div", [total, importer.scalar(len(inputs), total)])]
 
 
 @converts("HardSigmoid", attributes=("alpha", "beta"))
@@ -159,12 +226,20 @@ def _cast(importer: Importer, node, xs, attrs):
 
 @converts("BatchNormalization", attributes=("epsilon", "momentum", "training_mode", "spatial", "is_test"))
 def _batch_norm(importer: Importer, node, xs, attrs):
-    if attrs.get("spatial", 1) != 1:   # opset < 9: statistics per element rather than per channel
-        raise Unsupported("BatchNormalization with spatial=0")
     eps = attrs.get("epsilon", 1e-5)
+    if attrs.get("spatial", 1) != 1:   # opsets 7-8: statistics per element (shaped as x without its batch dim)
+        return [_batch_norm_per_element(importer, xs, eps)]
     if attrs.get("training_mode", 0):
         return _batch_norm_training(importer, node, xs, eps, attrs.get("momentum", 0.9))
     return [importer.emit("batch_norm", xs[:5], {"eps": eps})]
+
+
+def _batch_norm_per_element(importer: Importer, xs, eps: float) -> str:
+    """(x - mean) / sqrt(var + eps) * scale + bias, every parameter [C, D1, ...] broadcast over the batch."""
+    x, scale, bias, mean, variance = xs[:5]
+    std = importer.emit("sqrt", [importer.emit("add", [variance, importer.scalar(eps, variance)])])
+    normalised = importer.emit("div", [importer.emit("sub", [x, mean]), std])
+    return importer.emit("add", [importer.emit("mul", [normalised, scale]), bias])
 
 
 def _batch_norm_training(importer: Importer, node, xs, eps: float, momentum: float) -> list[str]:
@@ -236,18 +311,32 @@ def _lrn(importer: Importer, node, xs, attrs):
         "bias": attrs.get("bias", 1.0)})]
 
 
-@converts("Softmax", attributes=("axis",))
+def _log_softmax(importer: Importer, x: str, dim: int) -> str:
+    """x - max - log(sum(exp(x - max))) over `dim`: exact where log(softmax(x)) would underflow to -inf."""
+    largest = importer.emit("amax", [x], {"dims": [dim], "keepdim": True})
+    shifted = importer.emit("sub", [x, largest])
+    total = importer.emit("sum", [importer.emit("exp", [shifted])], {"dims": [dim], "keepdim": True})
+    return importer.emit("sub", [shifted, importer.emit("log", [total])])
+
+
+@converts("Softmax", "LogSoftmax", attributes=("axis",))
 def _softmax(importer: Importer, node, xs, attrs):
     shape = importer.type(xs[0]).shape
     axis = attrs.get("axis", -1 if importer.opset >= 13 else 1) % len(shape)
+    normalise = ((lambda x, dim: importer.emit("softmax", [x], {"dim": dim})) if node.op_type == "Softmax"
+                 else (lambda x, dim: _log_softmax(importer, x, dim)))
     if importer.opset >= 13 or axis == len(shape) - 1:
-        return [importer.emit("softmax", [xs[0]], {"dim": axis})]
-    # before opset 13, Softmax normalises over all dims from `axis` on, as one flattened dim
+        return [normalise(xs[0], axis)]
+    # before opset 13, (Log)Softmax normalises over all dims from `axis` on, as one flattened dim
     flat = importer.emit("reshape", [xs[0]], {"shape": (math.prod(shape[:axis]), math.prod(shape[axis:]))})
-    return [importer.emit("reshape", [importer.emit("softmax", [flat], {"dim": 1})], {"shape": shape})]
+    return [importer.emit("reshape", [normalise(flat, 1)], {"shape": shape})]
 
 
-@converts("ReduceMean", "ReduceSum", attributes=("axes", "keepdims", "noop_with_empty_axes"), constant_inputs=(1,))
+REDUCTIONS = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "amax", "ReduceMin": "amin"}
+
+
+# axes: an attribute before opset 13 (ReduceSum) or 18 (the others), an input after
+@converts(*REDUCTIONS, attributes=("axes", "keepdims", "noop_with_empty_axes"), constant_inputs=(1,))
 def _reduce(importer: Importer, node, xs, attrs):
     rank = len(importer.type(xs[0]).shape)
     axes = importer.ints(node, xs, attrs, "axes", 1)
@@ -255,9 +344,27 @@ def _reduce(importer: Importer, node, xs, attrs):
         if attrs.get("noop_with_empty_axes", 0):
             return [importer.emit("identity", [xs[0]])]
         axes = list(range(rank))
-    op = "mean" if node.op_type == "ReduceMean" else "sum"
+    op = REDUCTIONS[node.op_type]
     reduction = {"dims": sorted(a % rank for a in axes), "keepdim": bool(attrs.get("keepdims", 1))}
+    shape = importer.type(xs[0]).shape
+    if op in ("amax", "amin") and any(shape[d] == 0 for d in reduction["dims"]):
+        return [importer.add_constant(_empty_extreme(op, shape, reduction, importer.type(xs[0]).dtype),
+                                      node.output[0])]
     return [importer.emit(op, [xs[0]], reduction)]
+
+
+def _empty_extreme(op: str, shape, reduction: dict, dtype: str) -> torch.Tensor:
+    """ReduceMax (ReduceMin) over no element: the dtype's lowest (highest) value, -inf (inf) for floats."""
+    kept = [1 if d in reduction["dims"] else n for d, n in enumerate(shape)
+            if reduction["keepdim"] or d not in reduction["dims"]]
+    torch_type = torch_dtype(dtype)
+    if torch_type == torch.bool:
+        value = op == "amin"
+    else:
+        info = torch.finfo(torch_type) if torch_type.is_floating_point else torch.iinfo(torch_type)
+        value = (-math.inf if op == "amax" else math.inf) if torch_type.is_floating_point else \
+            (info.min if op == "amax" else info.max)
+    return torch.full(kept, value, dtype=torch_type)
 
 
 @converts("MatMul")

@@ -21,7 +21,9 @@ Afterwards the Erf form of GELU is rewritten to one `gelu` node and dead nodes a
 
 Choices worth knowing: MatMul (and Gemm) with a constant 2-D right-hand side become `linear` with the weight
 transposed at import ([K, N] -> [N, K], PyTorch's layout), so the planner sees the same op as for nn.Linear.
-Convolution is mapped in 2-D, pooling in 1-D (as 2-D, one high), 2-D and 3-D; others are opaque.
+Convolution is mapped in 1-D (as 2-D, one high) and 2-D, ConvTranspose in 1-D to 3-D, pooling in 1-D, 2-D and
+3-D; others are opaque. The converters live in `onnx_converters` (elementwise, normalisation, reductions, matrix
+products), `onnx_layout` and `onnx_spatial` (convolution, pooling).
 """
 
 from __future__ import annotations
@@ -360,13 +362,6 @@ class Importer:
     # ---- constant folding and opaque nodes ------------------------------------------------------
     def fold(self, node: onnx.NodeProto, inputs: list) -> list[str] | None:
         """Constant IR nodes for the outputs of a node computable now, else None."""
-        if node.op_type in ("Shape", "Size"):
-            shape = self.type(inputs[0]).shape
-            if node.op_type == "Size":
-                return [self.add_constant(torch.tensor(math.prod(shape)), node.output[0])]
-            attrs = _attribute_values(node)
-            start, end = attrs.get("start", 0), attrs.get("end", len(shape))
-            return [self.add_constant(torch.tensor(shape[start:end], dtype=torch.int64), node.output[0])]
         present = [self.constant(i) for i in inputs if i is not None]
         computable = node.op_type == "Constant" or (present and all(t is not None for t in present))
         # bfloat16 would reach the reference evaluator as float32 and come back with the wrong dtype

@@ -1,5 +1,6 @@
-"""ONNX converters of the layout operators: Reshape, Flatten, (Un)Squeeze, Transpose, Expand, Concat, Split, Slice
-and Gather. Registered in `opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
+"""ONNX converters of the layout operators: Reshape, Flatten, (Un)Squeeze, Transpose, Expand, Tile, Concat, Split,
+Slice, Gather, Pad and the constant makers (Shape, Size, Constant, ConstantOfShape). Registered in
+`opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
 """
 
 from __future__ import annotations
@@ -69,6 +70,55 @@ def _expand(importer: Importer, node, xs, attrs):
     return [importer.emit("expand", [xs[0]], {"shape": shape})]
 
 
+@converts("Tile", constant_inputs=(1,))
+def _tile(importer: Importer, node, xs, attrs):
+    """x repeated r times along each dim: a size-1 dim before each one, expanded to r, merged with it."""
+    shape = importer.type(xs[0]).shape
+    repeats = importer.ints(node, xs, attrs, "repeats", 1)
+    spread = importer.emit("reshape", [xs[0]], {"shape": tuple(v for d in shape for v in (1, d))})
+    spread = importer.emit("expand", [spread], {"shape": tuple(v for r, d in zip(repeats, shape) for v in (r, d))})
+    return [importer.emit("reshape", [spread], {"shape": tuple(r * d for r, d in zip(repeats, shape))})]
+
+
+@converts("Pad", attributes=("mode", "pads", "value"), constant_inputs=(1, 2, 3))
+def _pad(importer: Importer, node, xs, attrs):
+    """Pads as an attribute (before opset 11) or an input, with `axes` from opset 18; a negative pad crops. Mode
+    constant is the IR's pad; edge, reflect and wrap gather each padded dim's elements by a constant index."""
+    shape = importer.type(xs[0]).shape
+    rank = len(shape)
+    pads = importer.ints(node, xs, attrs, "pads", 1)
+    axes = [a % rank for a in (importer.ints(node, xs, attrs, "axes", 3) or range(rank))]
+    begin, end = [0] * rank, [0] * rank
+    for i, axis in enumerate(axes):
+        begin[axis], end[axis] = pads[i], pads[len(axes) + i]
+    mode = attrs.get("mode", "constant")
+    if mode == "constant":
+        value = attrs.get("value", 0.0)
+        if len(xs) > 2 and xs[2] is not None:
+            given = importer.constant(xs[2])
+            if given is None:
+                raise Unsupported("input 2 (constant_value) is not a constant")
+            value = given.item()
+        if not any(begin + end):
+            return [importer.emit("identity", [xs[0]])]
+        flat = tuple(v for b, e in zip(reversed(begin), reversed(end)) for v in (b, e))   # F.pad: last dim first
+        return [importer.emit("pad", [xs[0]], {"pads": flat, "value": value})]
+    numpy_mode = {"edge": "edge", "reflect": "reflect", "wrap": "wrap"}.get(mode)
+    if numpy_mode is None:
+        raise Unsupported(f"Pad mode {mode!r}")
+    result = xs[0]
+    for axis, (b, e) in enumerate(zip(begin, end)):
+        if b == 0 and e == 0:
+            continue
+        kept = np.arange(max(-b, 0), shape[axis] - max(-e, 0))      # a negative pad crops first
+        if numpy_mode == "reflect" and len(kept) < 2 and max(b, e) > 0:
+            raise Unsupported("reflect padding of a dim of size 1")
+        picked = np.pad(kept, (max(b, 0), max(e, 0)), mode=numpy_mode)
+        indices = importer.add_constant(torch.from_numpy(picked.astype(np.int64)), f"{node.output[0]}_axis{axis}")
+        result = importer.emit("take", [result, indices], {"axis": axis})
+    return [result]
+
+
 @converts("Concat", attributes=("axis",))
 def _concat(importer: Importer, node, xs, attrs):
     inputs = [x for x in xs if x is not None]
@@ -127,3 +177,33 @@ def _gather(importer: Importer, node, xs, attrs):
         picked = importer.emit("slice", [xs[0]], {"dim": axis, "start": i, "end": i + 1, "step": 1})
         return [importer.emit("reshape", [picked], {"shape": shape[:axis] + shape[axis + 1:]})]
     return [importer.emit("take", [xs[0], xs[1]], {"axis": axis})]
+
+
+# ---- constants: the importer evaluates these at import (`Importer.fold`); a converter is reached only when it
+# could not, so it says why
+
+@converts("Shape", attributes=("start", "end"))
+def _shape(importer: Importer, node, xs, attrs):
+    """The input's static shape, or the part [start:end] of it (opset 15 on), as an int64 constant."""
+    shape = importer.type(xs[0]).shape
+    part = shape[attrs.get("start", 0):attrs.get("end", len(shape))]
+    return [importer.add_constant(torch.tensor(part, dtype=torch.int64), node.output[0])]
+
+
+@converts("Size")
+def _size(importer: Importer, node, xs, attrs):
+    return [importer.add_constant(torch.tensor(math.prod(importer.type(xs[0]).shape)), node.output[0])]
+
+
+@converts("Constant", attributes=("value", "value_float", "value_floats", "value_int", "value_ints", "value_string",
+                                  "value_strings", "sparse_value"))
+def _constant(importer: Importer, node, xs, attrs):
+    raise Unsupported("a Constant of a kind opfuse has no tensor for (a string, a sparse tensor, or an unsupported "
+                      "dtype)")
+
+
+@converts("ConstantOfShape", attributes=("value",), constant_inputs=(0,))
+def _constant_of_shape(importer: Importer, node, xs, attrs):
+    if importer.constant(xs[0]) is None:
+        raise Unsupported("input 0 (shape) is not a constant")
+    raise Unsupported("its value has a dtype opfuse does not support")

@@ -1,4 +1,4 @@
-"""ONNX converters of the sliding-window operators: Conv and the pools. Registered in
+"""ONNX converters of the sliding-window operators: Conv, ConvTranspose and the pools. Registered in
 `opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
 """
 
@@ -55,11 +55,86 @@ def _window(importer: Importer, xs, attrs, kernel, pad_value: float | None = Non
     return padded, window | {"padding": (0,) * spatial}
 
 
+def _as_2d(importer: Importer, node, xs, attrs, convert: Converter) -> list[str]:
+    """A 1-D conv or pool of [N, C, L] as the 2-D one of [N, C, 1, L], its window (and weight) 1 high."""
+    n, c, length = importer.type(xs[0]).shape
+    x = importer.emit("reshape", [xs[0]], {"shape": (n, c, 1, length)})
+    flat = {key: [1, *attrs[key]] for key in ("kernel_shape", "strides", "dilations", "output_padding",
+                                              "output_shape") if key in attrs}
+    if "pads" in attrs:
+        flat["pads"] = [0, attrs["pads"][0], 0, attrs["pads"][1]]
+    inputs = [x, *xs[1:]]
+    if node.op_type == "Conv":   # the weight [A, B, K] as [A, B, 1, K]
+        inputs[1] = importer.emit("reshape", [xs[1]], {"shape": (*importer.type(xs[1]).shape[:2], 1,
+                                                                  importer.type(xs[1]).shape[2])},
+                                  name=f"{xs[1]}_2d")
+    (result,) = convert(importer, node, inputs, {**attrs, **flat})
+    out = importer.type(result).shape
+    return [importer.emit("reshape", [result], {"shape": (out[0], out[1], out[3])})]
+
+
 @converts("Conv", attributes=("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"))
 def _conv(importer: Importer, node, xs, attrs):
+    if len(importer.type(xs[0]).shape) == 3:
+        return _as_2d(importer, node, xs, attrs, _conv)
     x, window = _window(importer, xs, attrs, importer.type(xs[1]).shape[2:], pad_value=0.0)
     inputs = [x] + [w for w in xs[1:3] if w is not None]
     return [importer.emit("conv2d", inputs, {**window, "groups": attrs.get("group", 1)})]
+
+
+def _transposed_pads(attrs: dict, size, kernel, strides, dilations, output_padding) -> tuple[list[int], list[int]]:
+    """ConvTranspose's cropping of its full output, (before each spatial dim, after it), as ONNX's reference
+    computes it: from `pads`, else from `output_shape` or auto_pad SAME_* (the output `stride` times the input)."""
+    rank = len(size)
+    auto_pad = attrs.get("auto_pad", "NOTSET")
+    full = [s * (n - 1) + p + (k - 1) * d + 1
+            for n, k, s, d, p in zip(size, kernel, strides, dilations, output_padding)]
+    if "pads" in attrs or auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
+        if "pads" not in attrs and "output_shape" in attrs:   # the output's first output_shape elements
+            return [0] * rank, [f - o for f, o in zip(full, attrs["output_shape"][-rank:])]
+        pads = list(attrs.get("pads", [0] * 2 * rank))
+        return pads[:rank], pads[rank:]
+    target = attrs.get("output_shape", [n * s for n, s in zip(size, strides)])[-rank:]
+    totals = [f - o for f, o in zip(full, target)]
+    small, large = [t // 2 for t in totals], [t - t // 2 for t in totals]
+    return (small, large) if auto_pad == "SAME_UPPER" else (large, small)
+
+
+@converts("ConvTranspose", attributes=("auto_pad", "dilations", "group", "kernel_shape", "output_padding",
+                                       "output_shape", "pads", "strides"))
+def _conv_transpose(importer: Importer, node, xs, attrs):
+    """PyTorch's conv_transpose (1-D to 3-D), whose padding crops each end equally; other cropping (or an output_padding
+    PyTorch refuses) is the full output cropped or extended by a `pad` and the bias added after."""
+    size, kernel = importer.type(xs[0]).shape[2:], importer.type(xs[1]).shape[2:]
+    spatial = len(size)
+    if spatial not in (1, 2, 3):
+        raise Unsupported("only 1-D, 2-D and 3-D ConvTranspose are mapped")
+    strides, dilations = tuple(attrs.get("strides", (1,) * spatial)), tuple(attrs.get("dilations", (1,) * spatial))
+    extra = tuple(attrs.get("output_padding", (0,) * spatial))
+    begin, end = _transposed_pads(attrs, size, kernel, strides, dilations, extra)
+    window = {"stride": strides, "dilation": dilations, "groups": attrs.get("group", 1)}
+    bias = xs[2] if len(xs) > 2 else None
+    weights = [xs[1]] + ([bias] if bias is not None else [])
+    # PyTorch: output_padding below the stride or the dilation, added at the end after cropping `padding`
+    if all(b - e >= 0 and b - e < max(s, d) for b, e, s, d in zip(begin, end, strides, dilations)) and \
+            all(b >= 0 for b in begin):
+        padding = tuple(begin)
+        output_padding = tuple(b - e + p for b, e, p in zip(begin, end, extra))
+        if all(p < max(s, d) for p, s, d in zip(output_padding, strides, dilations)):
+            return [importer.emit("conv_transpose", [xs[0], *weights],
+                                  {**window, "padding": padding, "output_padding": output_padding})]
+    zeros = (0,) * spatial
+    full = importer.emit("conv_transpose", [xs[0], xs[1]], {**window, "padding": zeros, "output_padding": zeros},
+                         name=f"{node.output[0]}_full")
+    # a negative pad crops; output_padding adds rows no input reaches (only the bias)
+    pads = tuple(v for b, e, p in zip(reversed(begin), reversed(end), reversed(extra)) for v in (-b, p - e))
+    result = importer.emit("pad", [full], {"pads": pads, "value": 0.0},
+                           name=node.output[0] if bias is None else f"{node.output[0]}_cropped")
+    if bias is None:
+        return [result]
+    channels = importer.type(xs[1]).shape[1] * window["groups"]
+    shaped = importer.emit("reshape", [bias], {"shape": (channels,) + (1,) * spatial}, name=f"{bias}_per_channel")
+    return [importer.emit("add", [result, shaped])]
 
 
 # storage_order only changes the optional Indices output, which is not mapped
@@ -67,23 +142,11 @@ def _conv(importer: Importer, node, xs, attrs):
                                  "storage_order"))
 def _max_pool(importer: Importer, node, xs, attrs):
     if len(importer.type(xs[0]).shape) == 3:
-        return _pool_1d_as_2d(importer, node, xs, attrs, _max_pool)
+        return _as_2d(importer, node, xs, attrs, _max_pool)
     x, window = _window(importer, xs, attrs, attrs["kernel_shape"], pad_value=float("-inf"), pool=True)
     pool = {"kernel_size": tuple(attrs["kernel_shape"]), **window, "ceil_mode": bool(attrs.get("ceil_mode", 0))}
     op = {2: "max_pool2d", 3: "max_pool3d"}[len(window["stride"])]
     return [_onnx_windows(importer, importer.emit(op, [x], pool), xs, attrs)]
-
-
-def _pool_1d_as_2d(importer: Importer, node, xs, attrs, pool: Converter) -> list[str]:
-    """A 1-D pool of [N, C, L] as the 2-D one of [N, C, 1, L], its window 1 high."""
-    n, c, length = importer.type(xs[0]).shape
-    x = importer.emit("reshape", [xs[0]], {"shape": (n, c, 1, length)})
-    flat = {"kernel_shape": [1, *attrs["kernel_shape"]], "strides": [1, *attrs.get("strides", [1])],
-            "dilations": [1, *attrs.get("dilations", [1])]}
-    if "pads" in attrs:
-        flat["pads"] = [0, attrs["pads"][0], 0, attrs["pads"][1]]
-    (pooled,) = pool(importer, node, [x], {**attrs, **flat})
-    return [importer.emit("reshape", [pooled], {"shape": (n, c, importer.type(pooled).shape[3])})]
 
 
 def _onnx_windows(importer: Importer, pooled: str, xs, attrs) -> str:
@@ -106,11 +169,11 @@ def _onnx_windows(importer: Importer, pooled: str, xs, attrs) -> str:
                                      "pads", "strides"))
 def _average_pool(importer: Importer, node, xs, attrs):
     if len(importer.type(xs[0]).shape) == 3:
-        return _pool_1d_as_2d(importer, node, xs, attrs, _average_pool)
+        return _as_2d(importer, node, xs, attrs, _average_pool)
     include_pad, ceil_mode = bool(attrs.get("count_include_pad", 0)), bool(attrs.get("ceil_mode", 0))
     x, window = _window(importer, xs, attrs, attrs["kernel_shape"], pad_value=0.0, pool=True)
     if any(d != 1 for d in window.pop("dilation")):
-        raise Unsupported("dilated average pooling (PyTorch has none)")
+        return [_dilated_average_pool(importer, node, xs, attrs)]
     op = {2: "avg_pool2d", 3: "avg_pool3d"}[len(window["stride"])]
     explicit = x != xs[0]
     # PyTorch averages over the part of each window inside its (explicitly padded) input, so explicit zeros count
@@ -133,3 +196,47 @@ def _global_average_pool(importer: Importer, node, xs, attrs):
     if rank == 4:
         return [importer.emit("adaptive_avg_pool2d", [xs[0]], {"output_size": (1, 1)})]
     return [importer.emit("mean", [xs[0]], {"dims": list(range(2, rank)), "keepdim": True})]
+
+
+def _dilated_average_pool(importer: Importer, node, xs, attrs) -> str:
+    """A dilated 2-D AveragePool (opset 19 on; PyTorch has none) as a depthwise conv2d summing each window, divided
+    by the count of its elements ONNX divides by: those inside the input, or with count_include_pad inside the
+    input and its pads. In ceil mode the input is first padded at the end so that the last windows fit."""
+    shape = importer.type(xs[0]).shape
+    if len(shape) != 4:
+        raise Unsupported("dilated 3-D average pooling (PyTorch has none)")
+    size, kernel = shape[2:], tuple(attrs["kernel_shape"])
+    strides, dilations = tuple(attrs.get("strides", (1, 1))), tuple(attrs["dilations"])
+    begin, end = _pads(attrs, size, kernel, strides, dilations)
+    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    padded = [n + b + e for n, b, e in zip(size, begin, end)]
+    rounding = math.ceil if attrs.get("ceil_mode", 0) else math.floor
+    counts = [rounding((p - w) / s) + 1 for p, w, s in zip(padded, spans, strides)]
+    if attrs.get("ceil_mode", 0):   # ONNX drops a last window that starts in the trailing padding
+        counts = [c - 1 if (c - 1) * s >= n + b else c for c, s, n, b in zip(counts, strides, size, begin)]
+    tail = [max((c - 1) * s + w - p, 0) for c, s, w, p in zip(counts, strides, spans, padded)]
+    pads = (begin[1], end[1] + tail[1], begin[0], end[0] + tail[0])      # F.pad: the last dim first
+    x = importer.emit("pad", [xs[0]], {"pads": pads, "value": 0.0}, name=f"{node.output[0]}_padded")
+    dtype = torch_dtype(importer.type(xs[0]).dtype)
+    window = {"stride": strides, "padding": (0, 0), "dilation": dilations}
+    ones = torch.ones((shape[1], 1, *kernel), dtype=dtype)
+    summed = importer.emit("conv2d", [x, importer.add_constant(ones, f"{node.output[0]}_window")],
+                           {**window, "groups": shape[1]}, name=f"{node.output[0]}_sums")
+    counted = torch.zeros((1, 1, *(p + t for p, t in zip(padded, tail))), dtype=torch.float64)
+    if attrs.get("count_include_pad", 0):
+        counted[..., :padded[0], :padded[1]] = 1
+    else:
+        counted[..., begin[0]:begin[0] + size[0], begin[1]:begin[1] + size[1]] = 1
+    count = get_op("conv2d").run([counted, torch.ones((1, 1, *kernel), dtype=torch.float64)],
+                                 {**window, "groups": 1})[..., :counts[0], :counts[1]]
+    summed_shape = importer.type(summed).shape
+    if summed_shape[2:] != tuple(counts):
+        summed = importer.emit("slice", [summed], {"dim": 2, "start": 0, "end": counts[0], "step": 1})
+        summed = importer.emit("slice", [summed], {"dim": 3, "start": 0, "end": counts[1], "step": 1})
+    return importer.emit("div", [summed, importer.add_constant(count.to(dtype), f"{node.output[0]}_counts")])
+
+
+@converts("GlobalMaxPool")
+def _global_max_pool(importer: Importer, node, xs, attrs):
+    rank = len(importer.type(xs[0]).shape)
+    return [importer.emit("amax", [xs[0]], {"dims": list(range(2, rank)), "keepdim": True})]

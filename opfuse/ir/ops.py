@@ -105,6 +105,11 @@ def conv2d_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
     return 2 * n * h_out * w_out * c_out * c_in_per_group * kh * kw
 
 
+def conv_transpose_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
+    # every input element meets (C_out / groups) * the kernel's weights: weight [C_in, C_out / groups, *kernel]
+    return 2 * ins[0].numel * math.prod(ins[1].shape[1:])
+
+
 def linear_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
     """2·M·N·K, M = rows of x, N = output features, K = input features."""
     k = ins[0].shape[-1]
@@ -151,6 +156,12 @@ def _optional(xs: list[torch.Tensor], i: int) -> torch.Tensor | None:
 
 def _run_conv2d(xs, a):
     return F.conv2d(xs[0], xs[1], _optional(xs, 2), a["stride"], a["padding"], a["dilation"], a["groups"])
+
+
+def _run_conv_transpose(xs, a):
+    transpose = {3: F.conv_transpose1d, 4: F.conv_transpose2d, 5: F.conv_transpose3d}[xs[0].dim()]
+    return transpose(xs[0], xs[1], _optional(xs, 2), a["stride"], a["padding"], a["output_padding"], a["groups"],
+                     a["dilation"])
 
 
 def _run_batch_norm(xs, a):
@@ -229,6 +240,10 @@ register(OpDef("constant", S, _source_not_runnable, doc="compile-time tensor (we
 # anchors: inputs (x, weight[, bias]) with PyTorch's weight layouts
 register(OpDef("conv2d", A, _run_conv2d, conv2d_flops,
                doc="attrs stride, padding, dilation (pairs), groups; inputs x[N,C,H,W], w[Co,Ci/g,Kh,Kw], bias?"))
+# no Triton template: runs through PyTorch (cuDNN), never fused
+register(OpDef("conv_transpose", O, _run_conv_transpose, conv_transpose_flops,
+               doc="1-D, 2-D or 3-D transposed convolution; attrs stride, padding, output_padding, dilation (one "
+                   "per spatial dim), groups; inputs x[N,C,*spatial], w[C,Co/g,*kernel], bias?"))
 register(OpDef("linear", A, lambda xs, a: F.linear(xs[0], xs[1], _optional(xs, 2)), linear_flops,
                doc="inputs x[..., K], w[N, K], bias?[N]"))
 register(OpDef("matmul", A, _binary(torch.matmul), matmul_flops, doc="batched matmul with broadcasting"))
@@ -277,6 +292,10 @@ register(OpDef("any", R, lambda xs, a: torch.amax(xs[0] != 0, dim=a["dims"], kee
                per_input_element(1), doc="bool: any element non-zero over dims; attrs dims, keepdim"))
 register(OpDef("sum", R, lambda xs, a: torch.sum(xs[0], dim=a["dims"], keepdim=a.get("keepdim", False)),
                per_input_element(1), doc="attrs dims, keepdim"))
+for _name, _fn in {"amax": torch.amax, "amin": torch.amin}.items():
+    register(OpDef(_name, R, (lambda fn: lambda xs, a: fn(xs[0], dim=a["dims"], keepdim=a.get("keepdim", False)))(_fn),
+                   per_input_element(1), doc="largest (smallest) element over dims, NaN if any is; attrs dims, "
+                                             "keepdim"))
 register(OpDef("local_response_norm", O, _run_local_response_norm, lambda ins, out, a: (a["size"] + 4) * out.numel,
                doc="ONNX LRN over dim 1; attrs size, alpha, beta, bias"))
 register(OpDef("max_pool2d", R, lambda xs, a: F.max_pool2d(xs[0], a["kernel_size"], a["stride"], a["padding"],
