@@ -22,8 +22,9 @@ Afterwards the Erf form of GELU is rewritten to one `gelu` node and dead nodes a
 Choices worth knowing: MatMul (and Gemm) with a constant 2-D right-hand side become `linear` with the weight
 transposed at import ([K, N] -> [N, K], PyTorch's layout), so the planner sees the same op as for nn.Linear.
 Convolution is mapped in 1-D (as 2-D, one high) and 2-D, ConvTranspose in 1-D to 3-D, pooling in 1-D, 2-D and
-3-D; others are opaque. The converters live in `onnx_converters` (elementwise, normalisation, reductions, matrix
-products), `onnx_layout` and `onnx_spatial` (convolution, pooling).
+3-D; others are opaque. Resize and Upsample become constant gathers and weights (`onnx_resize`). The converters
+live in `onnx_converters` (elementwise, normalisation, reductions, matrix products), `onnx_layout` and
+`onnx_spatial` (convolution, pooling).
 """
 
 from __future__ import annotations

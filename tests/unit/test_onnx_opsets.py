@@ -439,6 +439,61 @@ def test_pad_wrap_opset_19():
     check([node("Pad", ["x", "pads"], mode="wrap")], {"x": floats(2, 3, 4)}, {"pads": ints(0, 1, 3, 0, 2, 2)}, 19)
 
 
+# ---- Resize and Upsample ---------------------------------------------------------------------------------
+
+RESIZE_11 = [dict(mode="nearest"), dict(mode="nearest", nearest_mode="ceil", coordinate_transformation_mode="asymmetric"),
+             dict(mode="nearest", nearest_mode="round_prefer_ceil", coordinate_transformation_mode="align_corners"),
+             dict(mode="linear"), dict(mode="linear", coordinate_transformation_mode="align_corners"),
+             dict(mode="linear", coordinate_transformation_mode="pytorch_half_pixel"),
+             dict(mode="cubic"), dict(mode="cubic", cubic_coeff_a=-0.5, exclude_outside=1)]
+
+
+@pytest.mark.parametrize("opset", [11, 13, 18, NEWEST])
+@pytest.mark.parametrize("attrs", RESIZE_11)
+@pytest.mark.parametrize("scales", [(1, 1, 2, 1.5), (1, 1, 0.6, 0.5)])
+def test_resize_scales(opset, attrs, scales):
+    check([node("Resize", ["x", "roi", "scales"], **attrs)], {"x": floats(1, 2, 5, 4)},
+          {"roi": np.array([], np.float32), "scales": np.array(scales, np.float32)}, opset)
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+def test_resize_sizes(opset, mode):
+    check([node("Resize", ["x", "", "", "sizes"], mode=mode)], {"x": floats(2, 1, 4, 6)},
+          {"sizes": ints(2, 1, 7, 3)}, opset)
+
+
+@pytest.mark.parametrize("attrs, sizes", [
+    (dict(mode="linear", antialias=1, axes=[2, 3]), (3, 2)),
+    (dict(mode="cubic", antialias=1), (1, 2, 3, 5)),
+    (dict(mode="nearest", axes=[3], keep_aspect_ratio_policy="not_larger"), (9,)),
+    (dict(mode="linear", axes=[2, 3], keep_aspect_ratio_policy="not_smaller"), (7, 5)),
+])
+def test_resize_opset_18_attributes(attrs, sizes):
+    check([node("Resize", ["x", "", "", "sizes"], **attrs)], {"x": floats(1, 2, 6, 8)}, {"sizes": ints(*sizes)}, 18)
+
+
+def test_resize_half_pixel_symmetric_and_tf_crop_and_resize():
+    check([node("Resize", ["x", "", "scales"], mode="linear", coordinate_transformation_mode="half_pixel_symmetric")],
+          {"x": floats(1, 1, 4, 5)}, {"scales": np.array([1, 1, 1.7, 0.7], np.float32)}, 19)
+    check([node("Resize", ["x", "roi", "", "sizes"], mode="linear", extrapolation_value=10.0,
+                coordinate_transformation_mode="tf_crop_and_resize")], {"x": floats(1, 1, 4, 4)},
+          {"roi": np.array([0, 0, 0.4, -0.2, 1, 1, 1.2, 0.8], np.float32), "sizes": ints(1, 1, 3, 3)}, 13)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_resize_10_and_upsample_are_asymmetric(mode):
+    """Resize 10, Upsample 7 (scales an attribute) and 9 (an input): x_in = x_out / scale, nearest rounding down;
+    the expected values are Resize 11's with those attributes (the reference's Upsample has nearest only)."""
+    x, scales = floats(1, 2, 3, 4), np.array([1, 1, 2, 3], np.float32)
+    same = ReferenceEvaluator(model([node("Resize", ["x", "", "scales"], mode=mode, nearest_mode="floor",
+                                          coordinate_transformation_mode="asymmetric")], {"x": x},
+                                    {"scales": scales}, 13)).run(None, {"x": x})
+    check([node("Resize", ["x", "scales"], mode=mode)], {"x": x}, {"scales": scales}, 10, same)
+    check([node("Upsample", ["x"], mode=mode, scales=scales.tolist())], {"x": x}, opset=7, expected=same)
+    check([node("Upsample", ["x", "scales"], mode=mode)], {"x": x}, {"scales": scales}, 9, same)
+
+
 # ---- dropout, constants, shape ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("opset, inputs, attrs", [(7, ["x"], dict(ratio=0.3)), (10, ["x"], {}),
