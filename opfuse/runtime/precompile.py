@@ -139,7 +139,8 @@ class _StandIn:
         return [1]
 
 
-def _stand_in(value):
+def stand_in(value):
+    """A recorded launch argument as the launch passes it: a `_StandIn` for a tensor, any other value as it is."""
     return _StandIn(value) if isinstance(value, TensorArg) else value
 
 
@@ -150,8 +151,8 @@ def _compile(record: LaunchRecord, modules: dict[str, object]) -> bool:
         if module is None:
             module = modules[record.path] = import_file(record.path, Path(record.path).stem)
         function = getattr(module, record.function)
-        function.warmup(*map(_stand_in, record.args), grid=(1,),
-                        **{name: _stand_in(value) for name, value in record.kwargs})
+        function.warmup(*map(stand_in, record.args), grid=(1,),
+                        **{name: stand_in(value) for name, value in record.kwargs})
         return True
     except Exception:
         return False
