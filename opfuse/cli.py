@@ -1,7 +1,9 @@
-"""The `opfuse` command: analyze | report | bench | profile.
+"""The `opfuse` command: analyze | report | compile | bench | profile.
 
     opfuse analyze MODEL [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--html FILE] [--quiet]
     opfuse report  MODEL -o report.html [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--quiet]
+    opfuse compile MODEL -o model.opfuse [--batch N | --batches 1,8,64] [--dtype fp16] [--tune-top N] [--json FILE]
+    opfuse bench   model.opfuse [--recompile] [--json FILE]
     opfuse bench   MODEL [--batch N] [--dtype fp16] [--contenders eager,...] [--tune-top N] [--no-split-k] [--json FILE]
     opfuse bench   --zoo [--models a,b] [--batches 1,64] [--workloads a:1,b:64] [--cold-parallel N] [--out DIR]
     opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--no-split-k] [--calibrate] [--html FILE] [--json FILE]
@@ -10,7 +12,8 @@
 MODEL is a built-in name (resnet18, bert-base and the zoo's: opfuse.bench.zoo.BUILTIN_MODELS), an .onnx file
 (bench and profile run its graph through PyTorch as eager, on seeded inputs; integer inputs are zeros),
 ``package.module:factory`` (the current directory is on the import path) or
-``path/to/file.py:factory``; a factory returns (model, example_inputs) and may take ``batch``. bench and profile live in opfuse/bench/cli_bench.py.
+``path/to/file.py:factory``; a factory returns (model, example_inputs) and may take ``batch``. bench and profile live in
+opfuse/bench/cli_bench.py, compile and bench of a package (a deployable compiled model) in opfuse/cli_package.py.
 
 Every command takes --json FILE (write its results as JSON) and --quiet (print nothing on stdout; errors still go
 to stderr). Progress (capture, compile, tuning, measuring) shows on stderr when it is a terminal.
@@ -323,7 +326,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where to write the report (default report.html)")
     report.set_defaults(handler=cmd_report)
 
+    from opfuse import cli_package
     from opfuse.bench import cli_bench
+
+    compile_ = sub.add_parser("compile", help="compile MODEL into one package file that opfuse.load runs without "
+                                              "compiling again (several batch sizes with --batches)",
+                              formatter_class=HelpFormatter)
+    _model_arguments(compile_)
+    cli_package.compile_arguments(compile_)
+    compile_.set_defaults(handler=cli_package.cmd_compile)
 
     bench = sub.add_parser("bench", help="on a GPU: eager, eager + CUDA graph, torch.compile and opfuse, side by "
                                          "side (exit code 3 without one); --zoo: the model-zoo benchmark",

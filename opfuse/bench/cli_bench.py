@@ -1,5 +1,6 @@
 """`opfuse bench` and `opfuse profile`: the GPU commands of the CLI (arguments, handlers and their tables).
 
+    opfuse bench model.opfuse [--recompile] [--json FILE]   (a package: opfuse.cli_package.cmd_bench_package)
     opfuse bench MODEL [--batch N] [--dtype fp16] [--contenders eager,eager_graph,inductor,opfuse] [--tune-top N]
                        [--no-split-k] [--json FILE] [--quiet]
     opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--no-split-k] [--ops N|all] [--calibrate]
@@ -96,6 +97,9 @@ def bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
     add_tuning_arguments(parser)
+    parser.add_argument("--recompile", action="store_true",
+                        help="a package (MODEL.opfuse) from another torch, Triton, GPU or opfuse: build its saved plan "
+                             "again here instead of refusing it")
     zoo = parser.add_argument_group("the model-zoo benchmark (--zoo: no MODEL; each workload in processes of its "
                                     "own; writes zoo.json, ZOO.md and zoo.log)")
     zoo.add_argument("--zoo", action="store_true", help="run the model-zoo benchmark instead of one model")
@@ -108,6 +112,10 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
     if args.zoo or args.model is None:
         return _bench_zoo(args)
+    if args.model.endswith(".opfuse"):
+        from opfuse.cli_package import cmd_bench_package
+
+        return cmd_bench_package(args, console)
 
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = sorted(set(contenders) - set(CONTENDERS))

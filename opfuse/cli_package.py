@@ -1,0 +1,119 @@
+"""`opfuse compile` and `opfuse bench PACKAGE`: the command line of deployable packages (`opfuse.runtime.package`).
+
+    opfuse compile MODEL -o model.opfuse [--batches 1,8,64] [--dtype fp16] [--tune-top N] [--json FILE] [--quiet]
+    opfuse bench model.opfuse [--recompile] [--json FILE] [--quiet]
+
+compile compiles MODEL (a built-in name, an .onnx file or a factory, as every command takes) once per batch size
+(--batches, else --batch) on the GPU, or through Triton's interpreter where TRITON_INTERPRET=1, and writes them as
+one package. bench (a GPU command) loads a package and times it at each batch size it holds: the load, the first
+call, and the median call after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from opfuse.cli import EXIT_NEEDS_GPU, EXIT_OK, EXIT_USAGE, _writable, error, human_bytes, load_model, write_json
+
+
+def batch_list(text: str) -> list[int]:
+    """--batches: comma-separated whole numbers of at least 1, e.g. 1,8,64."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected batch sizes like 1,8,64, got {text!r}") from None
+    if not values or min(values) < 1 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct batch sizes of at least 1, got {text!r}")
+    return sorted(values)
+
+
+def compile_arguments(parser: argparse.ArgumentParser) -> None:
+    from opfuse.bench.cli_bench import add_tuning_arguments
+
+    parser.add_argument("-o", "--output", default="model.opfuse", metavar="FILE",
+                        help="where to write the package (default model.opfuse)")
+    parser.add_argument("--batches", type=batch_list, metavar="N,N,...",
+                        help="compile one model per batch size into the package (a call pads its batch to the "
+                             "smallest that holds it); default: --batch")
+    add_tuning_arguments(parser)
+
+
+def cmd_compile(args: argparse.Namespace, console: Console) -> int:
+    if not _writable(args.output, args.json):
+        return EXIT_USAGE
+    import torch
+
+    import opfuse
+    from opfuse.bench.cli_bench import tuning_knobs
+    from opfuse.bench.harness import protocol_form
+    from opfuse.config import FusionConfig
+    from opfuse.environment import triton_interpreter
+    from opfuse.ir.graph import dtype_name, torch_dtype
+
+    config = FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold,
+                          **tuning_knobs(args))
+    device = "cuda" if torch.cuda.is_available() and not triton_interpreter() else "cpu"
+    start = time.perf_counter()
+    compiled, name = [], args.model
+    for batch in args.batches or [args.batch]:
+        model, inputs, name = load_model(args.model, batch)
+        model, inputs = protocol_form(model, inputs, torch_dtype(config.dtype), device)
+        compiled.append(opfuse.compile(model, inputs, config, quiet=args.quiet))
+    path = opfuse.save(compiled, args.output)
+    info = {"package": str(path), "model": name, "bytes": path.stat().st_size, "device": device,
+            "batch_sizes": args.batches or [args.batch], "kernels": [len(c.compiled.kernels) for c in compiled],
+            "seconds": time.perf_counter() - start}
+    write_json(args.json, info)
+    if not args.quiet:
+        console.print(f"wrote {escape(str(path))} ({human_bytes(info['bytes'])}): {escape(name)} on {device}, batch "
+                      f"sizes {', '.join(map(str, info['batch_sizes']))}, {sum(info['kernels'])} kernels, "
+                      f"compiled in {info['seconds']:.1f} s; run it with opfuse.load({str(path)!r})")
+    return EXIT_OK
+
+
+def cmd_bench_package(args: argparse.Namespace, console: Console) -> int:
+    """`opfuse bench model.opfuse`: load time, first call and median call at each batch size held."""
+    from opfuse.bench.cli_bench import gpu_problem
+
+    if not _writable(args.json):
+        return EXIT_USAGE
+    problem = gpu_problem()
+    if problem is not None:
+        error("bench", f"needs an NVIDIA GPU: {problem} (exit code {EXIT_NEEDS_GPU})")
+        return EXIT_NEEDS_GPU
+    import torch
+
+    import opfuse
+    from opfuse.bench.timing import interleaved_samples, summarize, time_once
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model = opfuse.load(args.model, recompile=args.recompile)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - start
+    rows = []
+    with torch.inference_mode():
+        for batch in model.batch_sizes or [None]:
+            inputs = model.example_inputs(batch)
+            first_ms = time_once(lambda: model(*inputs), cuda=True)
+            samples = interleaved_samples({"call": lambda: model(*inputs)}, rounds=10, per_round=10)["call"]
+            timing = summarize(samples)
+            rows.append({"batch": batch, "first_call_ms": first_ms, "median_ms": timing.median_ms,
+                         "p10_ms": timing.p10_ms, "p90_ms": timing.p90_ms})
+    write_json(args.json, {"package": args.model, "load_s": load_s, "rebuilt_because": model.rebuilt_because,
+                           "results": rows})
+    if not args.quiet:
+        table = Table(title=f"{escape(args.model)} ({escape(model.name)}): loaded in {load_s:.2f} s"
+                            + (" (rebuilt: " + escape(model.rebuilt_because) + ")" if model.rebuilt_because else ""))
+        for column in ("batch", "first call ms", "median ms", "p10-p90 ms"):
+            table.add_column(column, justify="right")
+        for row in rows:
+            table.add_row(str(row["batch"] or "-"), f"{row['first_call_ms']:.3f}", f"{row['median_ms']:.3f}",
+                          f"{row['p10_ms']:.3f}-{row['p90_ms']:.3f}")
+        console.print(table)
+    return EXIT_OK
