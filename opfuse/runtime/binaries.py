@@ -94,6 +94,8 @@ def _compiled_kernel(record: Any) -> Any:
     function = getattr(module, record.function)
     kernel = function.warmup(*map(stand_in, record.args), grid=(1,),
                              **{name: stand_in(value) for name, value in record.kwargs})
+    if hasattr(kernel, "result"):        # a compile future (Triton's async compile mode)
+        kernel = kernel.result()
     if kernel is None or not getattr(kernel, "metadata_group", None):
         raise LookupError(f"no compiled kernel for {record.function}")
     return kernel

@@ -40,7 +40,7 @@ import zlib
 from dataclasses import asdict, fields
 from enum import Enum
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -349,6 +349,12 @@ class PackageReader:
     def close(self) -> None:
         self.archive.close()
 
+    def __enter__(self) -> "PackageReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
 
 def load(path: str | os.PathLike[str], device: str | torch.device | None = None, *,
          recompile: bool = False) -> Any:
@@ -359,8 +365,7 @@ def load(path: str | os.PathLike[str], device: str | torch.device | None = None,
     from opfuse.runtime.compiled import device_key
     from opfuse.runtime.packaged import PackagedModel, Profile
 
-    package = PackageReader(path)
-    try:
+    with PackageReader(path) as package:
         manifest = package.manifest
         device = torch.device(device_key(device if device is not None else manifest.get("device", "cuda")))
         check_kernels_can_run(device)
@@ -385,19 +390,4 @@ def load(path: str | os.PathLike[str], device: str | torch.device | None = None,
                 raise PackageError(f"{package.path}: {entry['file']} does not describe a model this opfuse can "
                                    f"build ({type(error).__name__}: {error})") from error
             profiles.append(Profile.of(data, entry["batch"], compiled))
-    finally:
-        package.close()
     return PackagedModel(profiles, str(package.path), rebuilt_because=problem)
-
-
-def package_info(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest of a package (versions, GPU, batch sizes) without loading it."""
-    package = PackageReader(path)
-    try:
-        return dict(package.manifest)
-    finally:
-        package.close()
-
-
-def describe_signature(inputs: Sequence[dict[str, Any]]) -> str:
-    return ", ".join(f"{i['dtype']}[{','.join(map(str, i['shape']))}]" for i in inputs)
