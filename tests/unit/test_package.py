@@ -154,6 +154,23 @@ def test_the_package_holds_versions_plan_sources_configs_and_weights(compiled_co
     assert set(profile["graph"]["constants"]) == set(graph.constants)
     for name, entry in profile["graph"]["constants"].items():
         assert torch.equal(weights[entry["key"]], graph.constants[name])
+    with zipfile.ZipFile(package) as archive:       # the interpreter compiles no binaries
+        assert not [name for name in archive.namelist() if name.startswith("triton/")]
+
+
+def test_restored_binaries_land_in_tritons_cache_with_their_index_pointing_there(tmp_path, monkeypatch):
+    from opfuse.runtime.binaries import restore_binaries
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    index = {"child_paths": {"k.json": "/elsewhere/ABC/k.json", "k.cubin": "/elsewhere/ABC/k.cubin"}}
+    files = {"ABC/__grp__k.json": json.dumps(index).encode(), "ABC/k.json": b"{}", "ABC/k.cubin": b"\x7fELF"}
+    assert restore_binaries(files) == 3
+    folder = tmp_path / "cache" / "ABC"
+    assert (folder / "k.cubin").read_bytes() == b"\x7fELF"
+    assert json.loads((folder / "__grp__k.json").read_text())["child_paths"] == {
+        "k.json": str(folder / "k.json"), "k.cubin": str(folder / "k.cubin")}
+    assert restore_binaries(files) == 0           # already there: kept, not rewritten
+    assert sorted(p.name for p in folder.iterdir()) == ["__grp__k.json", "k.cubin", "k.json"]   # no temp files
 
 
 def test_integer_inputs_and_groups_run_through_pytorch_round_trip(tmp_path):
