@@ -103,6 +103,11 @@ class PackagedModel(torch.nn.Module):
         """The batch sizes the package holds, smallest first (empty for a model without a batch dimension)."""
         return [p.batch for p in self._profiles] if self.batched else []
 
+    @property
+    def input_dtypes(self) -> list[torch.dtype]:
+        """The dtype each input is passed in (as the model saved took it)."""
+        return [dtype for _, dtype in self._profiles[0].inputs]
+
     def compiled_for(self, batch: int | None = None) -> Any:
         """The CompiledModel a call of this batch runs on (None: the only one)."""
         return self._choose_batch(batch)[0].compiled if batch is not None else self._profiles[0].compiled

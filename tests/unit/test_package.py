@@ -409,3 +409,47 @@ def test_opfuse_bench_of_a_package_needs_a_gpu(package, capsys):
 
     assert main(["bench", str(package)]) == EXIT_NEEDS_GPU
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+# ---- docs/deploy.md's server -----------------------------------------------------------------------------------
+
+def server_source() -> str:
+    """The server of docs/deploy.md: its python block that starts with '# server.py'."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    blocks = [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
+    return next(block for block in blocks if block.startswith("# server.py"))
+
+
+def test_the_documented_server_loads_a_package_and_answers(compiled_convnet, package, tmp_path):
+    import urllib.error
+    import urllib.request
+
+    script = tmp_path / "server.py"
+    script.write_text(server_source())
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OPFUSE_KERNEL_DIR=str(tmp_path / "kernels"))
+    server = subprocess.Popen([sys.executable, str(script), str(package), "--port", "0"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        assert line.startswith("serving"), server.stderr.read()[-2000:] if server.poll() is not None else line
+        url = f"http://127.0.0.1:{int(line.split()[-1])}/predict"
+
+        def post(inputs):
+            request = urllib.request.Request(url, json.dumps({"inputs": inputs}).encode())
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    return response.status, json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                return error.code, json.loads(error.read())
+
+        x = images(2, 9)
+        status, body = post([x.tolist()])
+        assert status == 200, body
+        want = compiled_convnet(x)
+        assert torch.equal(torch.tensor(body["outputs"]["logits"]), want["logits"])
+        assert torch.equal(torch.tensor(body["outputs"]["features"][0]), want["features"][0])
+        status, body = post([torch.randn(2, 3, 5, 5).tolist()])
+        assert status == 400 and "takes float32[N,3,6,6]" in body["error"]
+    finally:
+        server.terminate()
+        server.communicate(timeout=30)
