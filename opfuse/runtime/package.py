@@ -215,30 +215,46 @@ def encode_profile(module: Any, weights: dict[str, torch.Tensor]) -> dict[str, A
 
 def build_profile(data: dict[str, Any], weights: dict[str, torch.Tensor], device: torch.device, rebuild: bool,
                   where: str) -> Any:
-    """The CompiledModel of a profile: its saved kernels and configs, or (`rebuild`) built again from its plan."""
+    """The CompiledModel of a profile, its kernels generated again from its plan: with the saved configs, each
+    source checked against the saved one; or (`rebuild`) tuned again here. Either way the groups the saved model
+    ran through PyTorch (a kernel that failed verification among them) run through PyTorch."""
     from opfuse.codegen.lower import lower_plan
-    from opfuse.runtime.compiled import CompiledModel, build_compiled_model
+    from opfuse.runtime.compiled import CompiledModel
 
     config = decode_fusion_config(data["config"])
     plan = FusionPlan(decode_graph(data["graph"], weights), [decode_group(g) for g in data["groups"]],
                       [decode_decision(d) for d in data["decisions"]], data["hardware"], config)
-    if rebuild:
-        from opfuse.runtime.binaries import example_inputs
-
-        examples = example_inputs([n.type for n in plan.graph.input_nodes], device)   # what the tuner runs on
-        return build_compiled_model(plan, device, examples, config=config, quiet=True)
     kernels, _ = lower_plan(plan, device)
     for group, saved in data["kernels"].items():
         kernel = kernels.get(group)
-        if kernel is None or kernel.source != saved["source"]:
+        if not rebuild and (kernel is None or kernel.source != saved["source"]):
             made = "no kernel" if kernel is None else f"kernel {kernel.name}"
             raise PackageError(f"{where}: this opfuse generates {made} for group {group}, the package holds "
                                f"{saved['name']}: its code generation changed since the package was written; "
                                "load with recompile=True to build the saved plan again")
-    compiled = CompiledModel(plan, {group: kernels[group] for group in data["kernels"]}, device, config=config,
+    compiled = CompiledModel(plan, {g: kernels[g] for g in data["kernels"] if g in kernels}, device, config=config,
                              fallbacks={g: Reason(r["code"], r["text"]) for g, r in data["fallbacks"].items()})
-    compiled.set_configs({group: decode_config(c) for group, c in data["configs"].items()})
+    if rebuild:
+        retune(compiled)
+    else:
+        compiled.set_configs({group: decode_config(c) for group, c in data["configs"].items()})
     return compiled
+
+
+def retune(compiled: Any) -> None:
+    """Autotune a rebuilt CompiledModel here, as `build_compiled_model` does, on example inputs of its signature
+    (nothing to time under the interpreter: each kernel keeps its first config)."""
+    from opfuse.runtime.autotune import timing_available, tune
+    from opfuse.runtime.binaries import example_inputs
+    from opfuse.runtime.cache import TuningCache
+
+    config = compiled.config
+    if not (config.autotune and compiled.kernels and timing_available(compiled.device)):
+        return
+    values = compiled.collect_values(*example_inputs([spec.type for spec in compiled.signature], compiled.device))
+    compiled.tuning = tune(compiled.kernels, values, config, TuningCache.for_config(config), quiet=True)
+    del values
+    compiled.set_configs(dict(compiled.tuning))
 
 
 # ---- the file ----------------------------------------------------------------------------------------------------
