@@ -2,7 +2,7 @@
 
 Dispatch reads the group's kind and anchor op: CONV_CONV groups -> `lower_conv_conv_group`, conv2d ->
 `lower_conv_group`, linear/matmul -> `lower_gemm_group`, elementwise groups -> `lower_pointwise_group`, reductions
--> `lower_reduction_group`. A group that gets no kernel (a view, an opaque op, attention, a lone concat or a
+-> `lower_reduction_group`. A group that gets no kernel (a view, an opaque op, attention, a
 gather, or a template that raised `Unsupported`) runs through PyTorch at run time; the reason (a stable code and the words,
 `opfuse.fusion.reasons.Reason`) is recorded so the report can say why. The template modules are imported lazily;
 one that cannot be imported (a broken install, or a bug in opfuse) is an error naming the group and the template,
@@ -18,7 +18,7 @@ import torch
 
 from opfuse.codegen.base import GroupKernel
 from opfuse.codegen.expr import Unsupported
-from opfuse.fusion.legality import joins_as_map
+from opfuse.fusion.legality import MAPPED_COPIES, joins_as_map
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError
@@ -38,7 +38,7 @@ REDUCTION_LOWERING = ("opfuse.codegen.reduction", "lower_reduction_group")
 NO_KERNEL_KINDS = {
     GroupKind.VIEW: Reason(Code.VIEW, "view: metadata only, no kernel needed"),
     GroupKind.INJECTIVE: Reason(Code.COPYING_OP,
-                                "injective (concat/gather/pad/copy): no Triton template, runs through PyTorch"),
+                                "injective (gather/pad/copy): no Triton template, runs through PyTorch"),
 }
 
 
@@ -78,9 +78,10 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reaso
     if group.kind is GroupKind.REDUCTION or any(k is FusionKind.REDUCTION for k in kinds.values()):
         return REDUCTION_LOWERING
     if all(k.elementwise or joins_as_map(graph[name]) for name, k in kinds.items()):
-        computes = any(k.elementwise or view_copies(graph, graph[name]) for name, k in kinds.items())
+        computes = any(k.elementwise or view_copies(graph, graph[name]) or graph[name].op in MAPPED_COPIES
+                       for name, k in kinds.items())
         if computes and group.kind in (GroupKind.POINTWISE, GroupKind.HORIZONTAL_POINTWISE, GroupKind.SINGLE):
-            return POINTWISE_LOWERING   # (a cat with free views only is PyTorch's cat)
+            return POINTWISE_LOWERING   # (free views alone are no kernel)
     if all(graph[name].op == "identity" or kind is FusionKind.INJECTIVE for name, kind in kinds.items()):
         return NO_KERNEL_KINDS[GroupKind.INJECTIVE]
     return Reason(Code.NO_TEMPLATE, f"no Triton template for a {group.kind.value} group of ops "

@@ -494,8 +494,9 @@ class _Planner:
         if FusionKind.OPAQUE in kinds:
             return GroupKind.OPAQUE
         copies = [n for n in nodes if kind_of(self.graph[n]) is FusionKind.INJECTIVE and not is_view(self.graph[n])]
-        if copies and (len(nodes) == 1 or any(self.graph[n].op not in MAPPED_COPIES for n in copies)):
-            return GroupKind.INJECTIVE      # a lone cat or roll, or another copy, runs through PyTorch; fused, not
+        if any(self.graph[n].op not in MAPPED_COPIES for n in copies):
+            return GroupKind.INJECTIVE      # a gather, pad or other copy runs through PyTorch; a cat or roll, even
+                                            # alone, is an index map of the elementwise template
         if len(nodes) == 1:
             return GroupKind.SINGLE
         if conv_chain(self.graph, nodes):
@@ -518,8 +519,6 @@ class _Planner:
             return f"view ({first.op}): no kernel, no traffic"
         if kind is GroupKind.OPAQUE:
             return f"opaque op {first.name} runs through PyTorch"
-        if kind is GroupKind.INJECTIVE and first.op in MAPPED_COPIES:
-            return f"{first.name} ({first.op}) runs alone through PyTorch: it joins elementwise chains only"
         if kind is GroupKind.INJECTIVE:
             return f"{first.name} ({first.op}) stays its own kernel: copying injective ops take no fusion here"
         if group in self.notes:

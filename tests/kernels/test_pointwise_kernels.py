@@ -257,3 +257,16 @@ def test_roll_is_an_index_map_on_the_load(shifts, dims):
     x = b.input("x", (2, 3, 5, 4))                                   # channels-last, odd sizes
     rolled = b.op("roll", b.op("sigmoid", x), shifts=list(shifts), dims=list(dims))
     run_group(b, [b.op("mul", rolled, b.const("s", b.random(3, 1, 1)))])
+
+
+def test_a_lone_cat_and_a_lone_roll_are_kernels_of_their_own():
+    """Nothing elementwise around them (Inception's cat of branch outputs, Swin's roll after a layer norm): the
+    template copies through the index map, a kernel of ours rather than PyTorch's cat or roll."""
+    b = Builder()
+    joined = b.op("cat", b.input("a", (1, 3, 2, 5)), b.input("c", (1, 2, 2, 5)), dim=1)
+    kernel, _ = run_group(b, [joined])
+    assert kernel.name.startswith("fused_cat_")
+    b = Builder()
+    rolled = b.op("roll", b.input("x", (2, 5, 4, 3)), shifts=[-2, 1], dims=[1, 2])
+    kernel, _ = run_group(b, [rolled])
+    assert kernel.name.startswith("fused_roll_")

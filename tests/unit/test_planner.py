@@ -13,6 +13,7 @@ import torch
 from graph_builders import (GraphBuilder, attention_block, bert_like, conv_bn_relu, conv_relu, inception_siblings,
                             mobilenet_inverted_residual, resnet_basic_block, resnet_bottleneck, transformer_ffn)
 from opfuse import config
+from opfuse.codegen.lower import POINTWISE_LOWERING, choose_lowering
 from opfuse.fusion.legality import can_fuse
 from opfuse.fusion.plan import FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code
@@ -187,10 +188,11 @@ def test_opaque_op_never_fuses():
 
 
 def test_a_cat_of_anchor_outputs_stays_its_own_kernel():
+    """It joins no anchor's kernel, and is a kernel of the elementwise template on its own, not PyTorch's cat."""
     plan = plan_fusion(inception_siblings(), FusionConfig(), H200)
-    assert plan.group_of("cat").nodes == ["cat"] and plan.group_of("cat").kind is GroupKind.INJECTIVE
+    assert plan.group_of("cat").nodes == ["cat"] and plan.group_of("cat").kind is GroupKind.SINGLE
     assert decisions_between(plan, "relu_pool", "cat")[0].code is Code.CAT_WITH_HUB
-    assert "runs alone through PyTorch" in plan.group_of("cat").reason
+    assert choose_lowering(plan.graph, plan.group_of("cat")) == POINTWISE_LOWERING
 
 
 def test_a_cat_joins_the_elementwise_chain_after_it_and_the_shuffle_views_before_a_copy():

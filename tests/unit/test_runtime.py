@@ -293,6 +293,7 @@ def dispatch_graph() -> Graph:
     (GroupKind.HORIZONTAL_POINTWISE, ["relu", "sig"], None, "lower_pointwise_group"),
     (GroupKind.REDUCTION, ["soft"], None, "lower_reduction_group"),
     (GroupKind.SINGLE, ["soft"], None, "lower_reduction_group"),
+    (GroupKind.SINGLE, ["joined"], None, "lower_pointwise_group"),     # a lone cat: an index map of the template
 ])
 def test_dispatch_picks_the_template(kind, nodes, anchor, expected):
     graph = dispatch_graph()
@@ -305,7 +306,6 @@ def test_dispatch_picks_the_template(kind, nodes, anchor, expected):
     (GroupKind.OPAQUE, ["custom"], None, Code.OPAQUE),
     (GroupKind.SINGLE, ["custom"], None, Code.OPAQUE),
     (GroupKind.INJECTIVE, ["joined"], None, Code.COPYING_OP),
-    (GroupKind.SINGLE, ["joined"], None, Code.COPYING_OP),
     (GroupKind.ANCHOR_EPILOGUE, ["attn"], "attn", Code.ATTENTION),
 ])
 def test_dispatch_gives_a_reason_for_groups_without_a_kernel(kind, nodes, anchor, code, monkeypatch):
