@@ -35,6 +35,7 @@ import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, load_kernel
 from opfuse.codegen.expr import Unsupported, emit, triton_dtype
+from opfuse.fusion.legality import operand_views
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import interpreting  # noqa: F401  (the anchor templates take it from here)
 from opfuse.ir.graph import Graph, Node, torch_dtype
@@ -150,10 +151,11 @@ def siblings_and_chains(graph: Graph, group: FusionGroup, anchor_ops: tuple[str,
                         ) -> tuple[list[str], list[list[str]]]:
     """The group's anchors (several only in horizontal groups) and, per anchor, the chain anchor + its epilogue.
 
-    Every non-anchor node must depend on exactly one anchor; a node before the anchor (a prologue) or joining
-    two siblings is refused.
+    Every non-anchor node must depend on exactly one anchor; a node before the anchor (a prologue, but the views
+    a linear reads its input through: `operand_views`) or joining two siblings is refused.
     """
-    computed = [n for n in group.nodes if graph[n].op not in ("input", "constant")]
+    mapped = operand_views(graph, group.nodes, graph.users())
+    computed = [n for n in group.nodes if graph[n].op not in ("input", "constant") and n not in mapped]
     anchors = [n for n in computed if kind_of(graph[n]) is FusionKind.ANCHOR]
     if not anchors:
         raise Unsupported(f"group {group.name} has no anchor")

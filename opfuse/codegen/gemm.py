@@ -5,10 +5,12 @@ also what `opfuse.codegen.conv` uses for 1x1 convolutions with no padding (a GEM
 
 One template computes C[b, m, n] = sum_k A[b, m, k] · B[b, k, n] on BLOCK_M x BLOCK_N tiles with float32
 accumulation, then runs the group's epilogue (`opfuse.codegen.epilogue`) on the tile. A is read through its
-strides with its row index split over 3 row dims (N, H, W of an NHWC activation, or the leading dims of a
-[..., K] input), so channels-last activations and channel-slice views need no copy. B is the weight packed at build
-time as [K, N] contiguous (linear, conv) or, for matmul, the second operand read through its strides. Batched
-matmul (with torch.matmul broadcasting of the batch dims) uses grid axis 1.
+strides with its row index split over 4 row groups and its reduction index over 2 (`opfuse.ir.strided`): N, H, W
+of an NHWC activation, the leading dims of a [..., K] input, or the views a linear reads its input through
+(`opfuse.fusion.legality.operand_chain`: the head merge after attention reads heads and head dim as two reduction
+groups), so channels-last activations, channel-slice views and reshapes PyTorch would copy need no copy. B is the
+weight packed at build time as [K, N] contiguous (linear, conv) or, for matmul, the second operand read through its
+strides. Batched matmul (with torch.matmul broadcasting of the batch dims) uses grid axis 1.
 
 Traffic per tile: BLOCK_M·K + K·BLOCK_N operand elements, BLOCK_M·BLOCK_N outputs; FLOPs 2·BLOCK_M·BLOCK_N·K.
 """
@@ -25,9 +27,12 @@ from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, EpilogueKernel, Libra
                                      compute_dtype, generate_kernel, interpreting, siblings_and_chains,
                                      sliced_template, slices_of, with_slices)
 from opfuse.codegen.expr import Unsupported
+from opfuse.fusion.legality import operand_chain
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.fusion.tiles import INTERPRETER, STREAMING_MULTIPROCESSORS, anchor_steps, anchor_tiles
+from opfuse.ir import strided
 from opfuse.ir.graph import Graph, torch_dtype
+from opfuse.ir.ops import get_op
 
 GROUP_M = 8   # tiles of 8 consecutive row blocks share B in L2 (the Triton matmul tutorial's swizzle)
 
@@ -40,11 +45,11 @@ import triton.language as tl
 def KERNEL_NAME(
     a_ptr, b_ptr,
     M, N, K, R1, R2, B1,
-    s_ab0, s_ab1, s_ar0, s_ar1, s_ar2, s_ak,
+    s_ab0, s_ab1, AR1, AR2, AR3, s_ar0, s_ar1, s_ar2, s_ar3, AK, s_ako, s_ak,
     s_bb0, s_bb1, s_bk, s_bn,
     {params}
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, A_SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -61,11 +66,17 @@ def KERNEL_NAME(
     offs_k = tl.arange(0, BLOCK_K)
 ''' + TILE_INDEX + '''\
 
-    a_ptrs = a_ptr + (b0 * s_ab0 + b1 * s_ab1) + (r0 * s_ar0 + r1 * s_ar1 + r2 * s_ar2)[:, None] \\
-        + offs_k[None, :] * s_ak
+    # A's rows: 4 groups of sizes (M / (AR1 AR2 AR3), AR1, AR2, AR3); its reduction: 2 groups (K / AK, AK), the
+    # outer one used only with A_SPLIT_K (else the reduction is one stride and the pointers just advance)
+    a_rows = a_ptr + (b0 * s_ab0 + b1 * s_ab1) + (offs_m // (AR1 * AR2 * AR3)) * s_ar0 \\
+        + ((offs_m // (AR2 * AR3)) % AR1) * s_ar1 + ((offs_m // AR3) % AR2) * s_ar2 + (offs_m % AR3) * s_ar3
+    a_ptrs = a_rows[:, None] + offs_k[None, :] * s_ak
     b_ptrs = b_ptr + (b0 * s_bb0 + b1 * s_bb1) + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        if A_SPLIT_K:
+            k_at = k0 + offs_k
+            a_ptrs = a_rows[:, None] + ((k_at // AK) * s_ako + (k_at % AK) * s_ak)[None, :]
         if EVEN_K:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
@@ -103,18 +114,43 @@ def gemm_configs(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
                             BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"]) for t in tiles]
 
 
+class OperandMap:
+    """How a linear reads its input through views (`operand_chain`): the views replayed on the source's strides
+    (`opfuse.ir.strided`) give the kernel's row and reduction groups; a source whose strides give more groups than
+    the kernel has (not the contiguous tensor the planner assumed) is read through PyTorch's copy instead."""
+
+    def __init__(self, graph: Graph, chain: Sequence[str], row_dims: int):
+        self.views = [graph[name] for name in chain]
+        self.row_dims = row_dims
+        self._groups: dict[tuple, tuple[list[strided.Atom], list[strided.Atom]] | None] = {}
+
+    def groups(self, source: torch.Tensor) -> tuple[list[strided.Atom], list[strided.Atom]] | None:
+        """(row groups, reduction groups) of the operand for this source, or None when it does not map."""
+        key = (tuple(source.shape), source.stride())
+        if key not in self._groups:
+            dims = strided.through_views(source.shape, source.stride(), self.views)
+            self._groups[key] = None if dims is None else strided.operand_groups(dims, self.row_dims)
+        return self._groups[key]
+
+    def materialize(self, source: torch.Tensor) -> torch.Tensor:
+        """The operand as PyTorch computes it (a copy where a reshape needs one)."""
+        for view in self.views:
+            source = get_op(view.op).run([source], view.attrs)
+        return source
+
+
 class GemmKernel(EpilogueKernel):
     """C = A @ B (+ epilogue) for one group; A is a tensor read through strides, B packed or read through strides."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue,
                  a: str, k: int, b_packed: torch.Tensor | None = None, b: str | None = None,
                  b_layout: TileLayout | None = None,
-                 a_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 a_view: Callable[[torch.Tensor], torch.Tensor] | None = None, a_map: OperandMap | None = None,
                  tf32_allowed: Callable[[], bool] | None = None, library_anchor: LibraryAnchor | None = None):
         name, source, self.kernel = generate_kernel(GEMM_TEMPLATE, epilogue)
         super().__init__(graph, group, name, source)
         self.device, self.epilogue, self.layout = device, epilogue, epilogue.layout
-        self.a, self.k, self.a_view = a, k, a_view
+        self.a, self.k, self.a_view, self.a_map = a, k, a_view, a_map
         self.b, self.b_packed, self.b_layout = b, b_packed, b_layout
         self.tf32_allowed = tf32_allowed    # conv passes cuDNN's switch; GEMMs follow torch's matmul precision
         self.library_anchor = library_anchor
@@ -138,12 +174,24 @@ class GemmKernel(EpilogueKernel):
         allowed = self.tf32_allowed() if self.tf32_allowed else torch.get_float32_matmul_precision() != "highest"
         return "tf32" if allowed else "ieee"
 
+    def operand_a(self, values: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[int], bool]:
+        """(A, its index arguments s_ab0 .. s_ak of the template, whether its reduction splits in two groups)."""
+        a = values[self.a] if self.a_view is None else self.a_view(values[self.a])
+        if self.a_map is not None:
+            groups = self.a_map.groups(a)
+            if groups is not None:
+                rows, (outer, inner) = groups
+                return a, [0, 0, *(size for size, _ in rows[1:]), *(stride for _, stride in rows),
+                           inner[0], outer[1], inner[1]], outer[0] > 1
+            a = self.a_map.materialize(a)
+        a, strides = self.layout.strides(a, channels=self.k)
+        batch, (r0, r1, r2, channel) = ([0, 0], strides) if not self.layout.batch_dims else (strides[:2], strides[2:])
+        _, size1, size2 = self.layout.row_sizes()
+        return a, [*batch, size1, size2, 1, r0, r1, r2, 0, self.k, 0, channel], False
+
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)
-        a = values[self.a] if self.a_view is None else self.a_view(values[self.a])
-        a, a_strides = self.layout.strides(a, channels=self.k)
-        if not self.layout.batch_dims:
-            a_strides = [0, 0] + a_strides
+        a, a_strides, a_split_k = self.operand_a(values)
         if self.b_packed is not None:
             b, b_strides = self.b_packed, [0, 0, self.b_packed.stride(0), self.b_packed.stride(1)]
         else:
@@ -153,7 +201,8 @@ class GemmKernel(EpilogueKernel):
         tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
         slices = slices_of(config)
         launch = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-                      GROUP_M=GROUP_M, EVEN_K=self.k % config["BLOCK_K"] == 0, PRECISION=self.precision(),
+                      GROUP_M=GROUP_M, EVEN_K=self.k % config["BLOCK_K"] == 0, A_SPLIT_K=a_split_k,
+                      PRECISION=self.precision(),
                       num_warps=config.num_warps, num_stages=config.num_stages)
         if slices > 1:   # K slices store fp32 partial tiles; the reduce kernel sums them and runs the epilogue
             workspace = torch.empty((slices, self.layout.batch, m, n), dtype=torch.float32, device=a.device)
@@ -207,14 +256,22 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
     biases = anchor_biases(graph, anchors)
     epilogue = Epilogue(graph, group, chains, layout, device, biases)
     rows = layout.rows
-    kernel = GemmKernel(graph, group, device, epilogue, a=x, k=k, b_packed=weight,
-                        library_anchor=lambda values: torch.matmul(values[x], weight).reshape(1, rows, n))
+    views = operand_chain(graph, anchors[0], group.nodes, graph.users())   # what the linear reads x through
+    a_map = OperandMap(graph, views, len(shape) - 1) if views else None
+    a = graph[views[0]].inputs[0] if views else x
+
+    def operand(values: dict[str, torch.Tensor]) -> torch.Tensor:       # x, as the library forms take it
+        return a_map.materialize(values[a]) if a_map is not None else values[x]
+
+    kernel = GemmKernel(graph, group, device, epilogue, a=a, k=k, b_packed=weight, a_map=a_map,
+                        library_anchor=lambda values: torch.matmul(operand(values), weight).reshape(1, rows, n))
     if all(len(chain) == 1 for chain in chains):
-        kernel.library_outputs = _bare_linears(graph, x, weight, anchors, biases, group.outputs)
+        kernel.library_outputs = _bare_linears(graph, operand, weight, anchors, biases, group.outputs)
     return kernel
 
 
-def _bare_linears(graph: Graph, x: str, weight: torch.Tensor, anchors: list[str],
+def _bare_linears(graph: Graph, operand: Callable[[dict[str, torch.Tensor]], torch.Tensor], weight: torch.Tensor,
+                  anchors: list[str],
                   biases: list[torch.Tensor | None], outputs: list[str]
                   ) -> Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]:
     """The library form of linears with no epilogue but their biases (bert's QKV siblings): one cuBLAS GEMM over
@@ -227,7 +284,7 @@ def _bare_linears(graph: Graph, x: str, weight: torch.Tensor, anchors: list[str]
     leading = graph[anchors[0]].type.shape[:-1]
 
     def run(values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        result = torch.addmm(bias, values[x].reshape(-1, weight.shape[0]), weight).reshape(*leading, -1)
+        result = torch.addmm(bias, operand(values).reshape(-1, weight.shape[0]), weight).reshape(*leading, -1)
         return [result.narrow(-1, *spans[name]) for name in outputs]
     return run
 

@@ -5,7 +5,7 @@ group has at most one *hub*: an anchor (conv, gemm, attention) or a reduction.
 
 - anchor + epilogue: the anchor followed by elementwise ops of its output's size. An epilogue may read other
   full-size activations from outside (the skip of a residual add: kind RESIDUAL, switch `config.residual`).
-  Anchors take no prologue: their operand tiles are loaded as they are.
+  Anchors take no prologue: their operand tiles are loaded as they are (through views, see below).
 - reduction + prologue/epilogue: elementwise ops of the reduction's input size before it (the residual add
   before a layer norm, the scale before a softmax), elementwise ops of its output size after it.
 - elementwise chain: elementwise ops that all have the same number of elements (no broadcast growth, so the
@@ -32,9 +32,10 @@ would put a group outside the pair both after and before the fused kernel (a cyc
 - views that keep every element (reshape, permute, identity) join elementwise kernels and a reduction's prologue,
   whose templates evaluate values at coordinates and map them through views (a reshape of a permuted tensor is
   then no copy but an index map on a load). They never follow a reduction in its kernel (its epilogue is
-  computed at the reduction's own coordinates) and never join an anchor's kernel, whose template indexes its
-  output tile as it is. Slices and expands stay outside (they would drop or repeat elements). The passes remove no-op views
-  before planning.
+  computed at the reduction's own coordinates). An anchor's kernel indexes its output tile as it is, but a linear
+  reads its input through views (`operand_views`: the head merge after attention, Swin's window partition) when
+  they make a strided index map of its operand load (`opfuse.ir.strided`). Slices and expands stay outside (they
+  would drop or repeat elements). The passes remove no-op views before planning.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from opfuse.config import FusionConfig
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import FusionKind, get_op, kind_of
+from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, through_views
 
 Users = Mapping[str, Sequence[Node]]
 ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
@@ -61,10 +63,13 @@ def can_fuse(graph: Graph, producer_nodes: Iterable[str], consumer_nodes: Iterab
     index = index if index is not None else node_index(graph)
     producer, consumer = set(producer_nodes), set(consumer_nodes)
     merged = producer | consumer
-    for rule in (opaque_rule, injective_rule, view_rule):
+    for rule in (opaque_rule, injective_rule):
         reason = rule(graph, merged)
         if reason:
             return reason
+    reason = view_rule(graph, merged, users)
+    if reason:
+        return reason
     return (several_users_rule(graph, producer, consumer, users, index)
             or structure_rule(graph, merged, users, config, index)
             or residual_rule(graph, merged, users, config, index)
@@ -107,13 +112,15 @@ def injective_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
     return None
 
 
-def view_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
-    """Views that keep every element join kernels without an anchor (see the module docstring)."""
+def view_rule(graph: Graph, nodes: Iterable[str], users: Users) -> Reason | None:
+    """Views that keep every element join kernels without an anchor, and a linear's operand views join its kernel
+    (see the module docstring)."""
     nodes = sorted(nodes)
     anchor = next((n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR), None)
+    mapped = operand_views(graph, nodes, users) if anchor is not None else set()
     for name in nodes:
         node = graph[name]
-        if not is_view(node):
+        if not is_view(node) or name in mapped:
             continue
         if anchor is not None:
             return Reason(Code.VIEW_IN_ANCHOR, f"view {name} ({node.op}) cannot join anchor {anchor}'s kernel")
@@ -121,6 +128,37 @@ def view_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
             return Reason(Code.VIEW_DROPS_ELEMENTS,
                           f"view {name} ({node.op}) cannot join a kernel: it does not keep every element")
     return None
+
+
+def operand_chain(graph: Graph, anchor: str, within: Iterable[str], users: Users) -> list[str]:
+    """The views of `within` through which linear `anchor` reads its input, source side first: a chain of
+    MAPPED_VIEWS, each read by the next alone (the last by the anchor alone), that replayed on the contiguous
+    source is a strided map of the operand load (`opfuse.ir.strided.operand_groups`); empty when there is none."""
+    node = graph[anchor]
+    within = set(within)
+    if node.op != "linear":
+        return []
+    chain: list[str] = []
+    value, reader = node.inputs[0], anchor
+    while value in within and graph[value].op in MAPPED_VIEWS and [u.name for u in users[value]] == [reader] \
+            and value not in graph.outputs:
+        chain.append(value)
+        value, reader = graph[value].inputs[0], value
+    chain.reverse()
+    if not chain:
+        return []
+    source = graph[value].type.shape
+    dims = through_views(source, contiguous_strides(source), [graph[v] for v in chain])
+    if dims is None or operand_groups(dims, len(node.type.shape) - 1) is None:
+        return []
+    return chain
+
+
+def operand_views(graph: Graph, nodes: Iterable[str], users: Users) -> set[str]:
+    """The views of `nodes` that are operand maps of a linear anchor among them (`operand_chain`)."""
+    nodes = list(nodes)
+    return {view for name in nodes if kind_of(graph[name]) is FusionKind.ANCHOR
+            for view in operand_chain(graph, name, nodes, users)}
 
 
 def joins_as_map(node: Node) -> bool:
@@ -303,8 +341,10 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
     hub = (anchors + reductions)[0]
     after = reachable(graph, hub, merged, users) - {hub}
     before = reachable_backwards(graph, hub, merged) - {hub}
+    # the views a linear reads its input through are part of its operand load, not a prologue
+    operand = set(operand_chain(graph, hub, merged, users)) if anchors else set()
     epilogue = [n for n in order if n in after]
-    prologue = [n for n in order if n in before]
+    prologue = [n for n in order if n in before and n not in operand]
     for name in order:
         if name == hub or name in after or name in before:
             continue

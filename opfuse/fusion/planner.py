@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
 from opfuse.fusion.legality import (MAPPED_COPIES, can_fuse, in_order, is_view, joins_as_map, node_index,
-                                    path_outside, skip_operands)
+                                    operand_chain, path_outside, skip_operands)
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import MIN_SPLIT_STEPS, anchor_of, conv_chain, gemm_view, split_k_slices
@@ -210,12 +210,19 @@ class _Planner:
     def copy_reads_through(self, candidate: _Candidate) -> bool:
         """Whether views between a pair that cannot fuse (an anchor's output, say) include one PyTorch would copy
         and may join the consumer alone: the consumer's kernel then reads the producer's output through them
-        (Swin's window reverse after its projection, read by the roll and residual add)."""
+        (Swin's window reverse after its projection, read by the roll and residual add; the head merge after
+        attention, read by the output projection's operand load)."""
         views, consumer = list(candidate.views), self.groups[candidate.consumer]
         if not any(view_copies(self.graph, self.graph[v]) for v in views):
             return False
-        return (self.views_blocked(candidate, with_producer=False) is None
-                and can_fuse(self.graph, views, consumer, self.users, self.config, self.index) is None)
+        anchor = anchor_of(self.graph, consumer)
+        if anchor is not None:
+            within = set(views) | set(consumer)
+            if not set(views) <= set(operand_chain(self.graph, anchor, within, self.users)):
+                return False
+        elif self.views_blocked(candidate, with_producer=False) is not None:
+            return False
+        return can_fuse(self.graph, views, consumer, self.users, self.config, self.index) is None
 
     def absorb_views(self, candidate: _Candidate) -> None:
         """Fold the candidate's view groups into its consumer group: the consumer's kernel maps them."""

@@ -144,3 +144,43 @@ def test_configs_pick_small_tiles_for_batch_one(monkeypatch):
         assert all(min(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) >= 16 for c in configs)
     for c in gemm_configs(8192, 8192, 8192, itemsize=4):      # float32 tiles: every pipeline fits in 227 KiB
         assert (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * 4 * c.num_stages <= 227 * 1024
+
+
+def head_merge(b: Builder, x: str) -> str:
+    """(B, H, S, D) -> (B, S, H, D) -> (B*S, H*D): the reshape PyTorch copies after attention."""
+    batch, heads, tokens, dim = b.graph[x].type.shape
+    moved = b.op("permute", x, dims=(0, 2, 1, 3))
+    return b.op("reshape", moved, shape=(batch * tokens, heads * dim))
+
+
+def test_linear_reads_the_head_merge_through_its_views():
+    """Heads and head dim are the two reduction groups of the operand load (6 per head: the 16-deep K blocks of
+    the interpreter's tile straddle heads); no copy, the source is the kernel's input."""
+    b = Builder()
+    attention = b.input("attention", (2, 3, 5, 6), b.random(2, 3, 5, 6))     # contiguous, as the planner assumes
+    r = b.input("r", (10, 7))
+    y = b.op("add", linear(b, head_merge(b, attention), 7), r)
+    kernel, _ = run_gemm(b, [y], GroupKind.RESIDUAL)
+    assert kernel.runtime_inputs == ["attention", "r"]
+    assert kernel.a_map is not None and kernel.a_map.groups(b.feeds["attention"])[1] == [(3, 30), (6, 1)]
+
+
+def test_linear_reads_swin_windows_through_four_row_groups():
+    b = Builder()
+    x = b.input("x", (2, 4, 6, 5), b.random(2, 4, 6, 5))         # (B, H, W, C), windows of 2 x 2
+    split = b.op("reshape", x, shape=(2, 2, 2, 3, 2, 5))
+    moved = b.op("permute", split, dims=(0, 1, 3, 2, 4, 5))
+    windows = b.op("reshape", moved, shape=(12, 4, 5))
+    kernel, _ = run_gemm(b, [b.op("gelu", linear(b, windows, 9))])
+    rows, _ = kernel.a_map.groups(b.feeds["x"])
+    assert len([size for size, _ in rows if size > 1]) == 4
+
+
+def test_a_source_whose_strides_do_not_map_is_copied_first():
+    """Fed a source of other strides than planned (every dim reversed in memory), the reshape's reduction needs
+    three groups, one more than the load has: the operand is materialised by PyTorch, and the result is right."""
+    b = Builder()
+    source = b.input("source", (2, 3, 4, 5), b.random(5, 4, 3, 2).permute(3, 2, 1, 0))
+    y = linear(b, b.op("reshape", source, shape=(2, 60)), 4)
+    kernel, _ = run_gemm(b, [b.op("relu", y)])
+    assert kernel.a_map is not None and kernel.a_map.groups(b.feeds["source"]) is None

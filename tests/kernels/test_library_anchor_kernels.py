@@ -91,7 +91,7 @@ def test_bare_linears_in_another_output_order_with_constants_on_the_device():
     b.check(ys[::-1], [small, large])
     weight = torch.empty(16, 9, device="meta", dtype=torch.float16)      # the packed [K, 6 + 3] weight
     bias = b.graph.constants[b.graph[ys[0]].inputs[2]].to("meta")
-    run = _bare_linears(b.graph, x, weight, ys, [bias, None], ys[::-1])
+    run = _bare_linears(b.graph, lambda values: values[x], weight, ys, [bias, None], ys[::-1])
     outs = run({x: torch.empty(4, 16, device="meta", dtype=torch.float16)})
     assert [(o.device.type, o.dtype, tuple(o.shape)) for o in outs] == [("meta", torch.float16, (4, 3)),
                                                                          ("meta", torch.float16, (4, 6))]
