@@ -18,6 +18,11 @@ varies along the channel dim only (a float32 vector the kernel loads with `offs_
 tensor such as a residual, or a constant of another broadcast pattern), read through its strides after
 broadcasting it to the output shape (`expand`, so broadcast dims cost nothing).
 
+A permute in the epilogue (ConvNeXt's linear, then back to NCHW for its layer scale and residual) moves nothing:
+every value stays at the tile's coordinates, and a node after the permute sees its operands and its output through
+the inverse permutation (`spaces`: per chain position, the anchor dims its dims are). An output after a permute is
+the permuted view of a buffer laid out as the anchor's output.
+
 Horizontal groups (sibling anchors on one input) run one kernel over the concatenated output channels: the
 siblings' epilogues must be structurally identical; their constant operands are concatenated along the channels,
 and each sibling's outputs are views (narrow on the channel dim) of one buffer per stored value.
@@ -195,6 +200,9 @@ class Epilogue:
             raise AssertionError("layout channels must be the siblings' channels summed")
         self.spans = [(sum(widths[:i]), w) for i, w in enumerate(widths)]
         self.ops = [graph[n].op for n in chains[0]]
+        rank = len(graph[chains[0][0]].type.shape)
+        self.spaces: list[tuple[int, ...]] = [tuple(range(rank))]   # per chain position: its dims as anchor dims
+        self.full_spaces: list[tuple[int, ...]] = []                 # per full operand: the space it is read in
         self.output_fill: float | None = None     # tests poison outputs (NaN) to catch unwritten elements
         self.channel_vectors: list[torch.Tensor] = []
         self.full_operands: list[str | torch.Tensor] = []   # runtime value names or kernel-held constants
@@ -208,7 +216,10 @@ class Epilogue:
         position = {name: p for chain in chains for p, name in enumerate(chain)}
         for p in range(1, len(chains[0])):
             nodes = [graph[chain[p]] for chain in chains]
-            self._check_node(nodes, position)
+            if nodes[0].op == "permute":
+                self.lines.append(f"x{p} = x{self._permute(nodes, position)}")
+                continue
+            self.spaces.append(self._check_node(nodes, position))
             args = [self._operand(nodes, i, position) for i in range(len(nodes[0].inputs))]
             self.lines.append(f"x{p} = {emit(nodes[0].op, nodes[0].attrs, args)}")
 
@@ -223,28 +234,52 @@ class Epilogue:
                 self.stored.append(p)
             self.outputs.append((sibling, self.stored.index(p)))
         self.dtypes = [torch_dtype(graph[chains[0][p]].type.dtype) for p in self.stored]
+        self.stored_spaces = [self.spaces[p] for p in self.stored]
         self.memory_format = torch.channels_last if layout.channels_last else torch.contiguous_format
         for j, p in enumerate(self.stored):
             self.lines.append(f"tl.store(out{j}_ptr + {layout.offset_expr(f'out{j}')}, "
                               f"x{p}.to({triton_dtype(graph[chains[0][p]].type.dtype)}), mask=mask)")
 
     # ---- analysis -----------------------------------------------------------------------------------
-    def _check_node(self, nodes: list[Node], position: dict[str, int]) -> None:
-        """Refuse a non-elementwise node, a shape change, and siblings whose nodes at one position differ."""
+    def _permute(self, nodes: list[Node], position: dict[str, int]) -> int:
+        """Record the space of a permute in the chain (no code: values stay where they are); the position it
+        reads."""
+        node = nodes[0]
+        if len(nodes) > 1:
+            raise Unsupported(f"horizontal group: {node.describe()} permutes a sibling's epilogue")
+        source = position.get(node.inputs[0])
+        if source is None:
+            raise Unsupported(f"{node.describe()} permutes a value the anchor does not compute")
+        self.spaces.append(tuple(self.spaces[source][d] for d in node.attrs["dims"]))
+        return source
+
+    def _shape_in(self, space: tuple[int, ...], chain: Sequence[str] | None = None) -> tuple[int, ...]:
+        """The shape of a value in `space`, of `chain`'s anchor (default: the first)."""
+        anchor_shape = self.graph[(chain or self.chains[0])[0]].type.shape
+        return tuple(anchor_shape[d] for d in space)
+
+    def _check_node(self, nodes: list[Node], position: dict[str, int]) -> tuple[int, ...]:
+        """Refuse a non-elementwise node, a shape change, values of two spaces, and siblings whose nodes at one
+        position differ; the node's space."""
         first = nodes[0]
         if not kind_of(first).elementwise:
             raise Unsupported(f"{first.describe()} is not elementwise; anchor epilogues take elementwise ops only")
+        spaces = {self.spaces[position[v]] for v in first.inputs if v in position}
+        if len(spaces) != 1:
+            raise Unsupported(f"{first.describe()} reads the anchor's values in two orders of their dims")
+        space = spaces.pop()
         for node, chain in zip(nodes, self.chains):
             if node.op != first.op or node.attrs != first.attrs or node.type.dtype != first.type.dtype:
                 raise Unsupported(f"horizontal group: {node.describe()} differs from {first.describe()}")
-            if node.type.shape != self.graph[chain[0]].type.shape:
+            if node.type.shape != self._shape_in(space, chain):
                 raise Unsupported(f"{node.describe()} changes the anchor's output shape "
-                                  f"{self.graph[chain[0]].type.shape} to {node.type.shape}")
+                                  f"{self._shape_in(space, chain)} to {node.type.shape}")
             for i, value in enumerate(node.inputs):
                 if (value in position) != (first.inputs[i] in position) or \
                         (value in position and position[value] != position[first.inputs[i]]):
                     raise Unsupported(f"horizontal group: {node.describe()} reads other values than "
                                       f"{first.describe()}")
+        return space
 
     def _channel_vector(self, parts: list[torch.Tensor | float]) -> str:
         """Load expression of a per-channel constant made of one part (tensor or scalar) per sibling."""
@@ -254,16 +289,18 @@ class Epilogue:
         self.channel_vectors.append(torch.cat(pieces).to(self.device).contiguous())
         return f"tl.load(cv{j}_ptr + offs_n, mask=mask_n, other=0.0)[None, :]"
 
-    def _classify(self, node: Node, index: int) -> tuple[str, object]:
-        """("scalar", float) | ("channel", [C] tensor) | ("full", value name or constant tensor)."""
+    def _classify(self, node: Node, index: int, space: tuple[int, ...]) -> tuple[str, object]:
+        """("scalar", float) | ("channel", [C] tensor) | ("full", value name or constant tensor), for an input of
+        a node whose dims are the anchor dims `space`."""
         value = node.inputs[index]
         source = self.graph[value]
         out_shape = node.type.shape
         channel = self.layout.channel_dim
         constant = self.graph.constants[value] if source.op == "constant" else None
+        identity = space == self.spaces[0]
         if node.op == "batch_norm" and index > 0:
             # batch-norm parameters are [C] along dim 1, not broadcast from the right
-            if constant is None or channel != 1 or tuple(constant.shape) != (out_shape[1],):
+            if constant is None or channel != 1 or not identity or tuple(constant.shape) != (out_shape[1],):
                 raise Unsupported(f"{node.describe()}: batch-norm parameter {value} is not a constant "
                                   "per-channel vector on the tile's channel dim")
             return "channel", constant
@@ -273,12 +310,14 @@ class Epilogue:
         aligned = (1,) * (len(out_shape) - len(shape)) + shape
         if any(s not in (1, o) for s, o in zip(aligned, out_shape)):
             raise Unsupported(f"{node.describe()}: operand {value} {shape} does not broadcast to {out_shape}")
+        inverse = [space.index(d) for d in range(len(space))]
+        anchor_aligned = [aligned[j] for j in inverse]       # the operand's shape seen from the anchor's dims
         if constant is not None:
             if constant.numel() == 1:
                 return "scalar", float(constant.reshape(()).item())
-            if all(s == 1 for d, s in enumerate(aligned) if d != channel):
+            if all(s == 1 for d, s in enumerate(anchor_aligned) if d != channel):
                 return "channel", constant.reshape(-1)
-            return "full", constant.to(self.device)
+            return "full", constant.reshape(aligned).permute(inverse).to(self.device)
         return "full", value
 
     def _operand(self, nodes: list[Node], index: int, position: dict[str, int]) -> str:
@@ -286,7 +325,8 @@ class Epilogue:
         value = nodes[0].inputs[index]
         if value in position:
             return f"x{position[value]}"
-        kinds = [self._classify(node, index) for node in nodes]
+        space = self.spaces[position[next(v for v in nodes[0].inputs if v in position)]]
+        kinds = [self._classify(node, index, space) for node in nodes]
         if all(k == "scalar" for k, _ in kinds) and len({v for _, v in kinds}) == 1:
             return _literal(kinds[0][1])
         if all(k in ("scalar", "channel") for k, _ in kinds):
@@ -296,6 +336,7 @@ class Epilogue:
                               "constants shared along the channels can be concatenated")
         j = len(self.full_operands)
         self.full_operands.append(kinds[0][1])
+        self.full_spaces.append(space if isinstance(kinds[0][1], str) else self.spaces[0])   # constants: moved
         return f"tl.load(fo{j}_ptr + {self.layout.offset_expr(f'fo{j}')}, mask=mask, other=0.0).to(tl.float32)"
 
     # ---- what the template and the launcher use -----------------------------------------------------
@@ -318,18 +359,23 @@ class Epilogue:
     def launch_args(self, values: dict[str, torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
         """(arguments for `params`, the group's outputs) for one run; `values` holds the runtime inputs."""
         args: list = list(self.channel_vectors)
-        for operand in self.full_operands:
-            tensor, strides = self.layout.strides(values[operand] if isinstance(operand, str) else operand)
+        identity = self.spaces[0]
+        for operand, space in zip(self.full_operands, self.full_spaces):
+            tensor = values[operand] if isinstance(operand, str) else operand
+            if space != identity:     # broadcast in the node's dims, then seen from the anchor's
+                tensor = tensor.reshape((1,) * (len(space) - tensor.dim()) + tuple(tensor.shape))
+                tensor = tensor.expand(self._shape_in(space)).permute([space.index(d) for d in range(len(space))])
+            tensor, strides = self.layout.strides(tensor)
             args += [tensor, *strides]
         buffers = []
-        for dtype in self.dtypes:
+        for dtype, space in zip(self.dtypes, self.stored_spaces):
             buffer = torch.empty(self.layout.shape, dtype=dtype, device=self.device,
                                  memory_format=self.memory_format)
             if self.output_fill is not None:
                 buffer.fill_(self.output_fill)
             _, strides = self.layout.strides(buffer)
             args += [buffer, *strides]
-            buffers.append(buffer)
+            buffers.append(buffer if space == identity else buffer.permute(space))
         if len(self.chains) == 1:
             return args, [buffers[b] for _, b in self.outputs]
         channel = self.layout.channel_dim

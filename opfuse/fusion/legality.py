@@ -32,9 +32,10 @@ would put a group outside the pair both after and before the fused kernel (a cyc
 - views that keep every element (reshape, permute, identity) join elementwise kernels and a reduction's prologue,
   whose templates evaluate values at coordinates and map them through views (a reshape of a permuted tensor is
   then no copy but an index map on a load). They never follow a reduction in its kernel (its epilogue is
-  computed at the reduction's own coordinates). An anchor's kernel indexes its output tile as it is, but a linear
-  reads its input through views (`operand_views`: the head merge after attention, Swin's window partition) when
-  they make a strided index map of its operand load (`opfuse.ir.strided`). Slices and expands stay outside (they
+  computed at the reduction's own coordinates). An anchor's kernel indexes its output tile as it is, but its
+  epilogue may permute (EPILOGUE_VIEWS: ConvNeXt's linear back to NCHW for the layer scale and residual), and a
+  linear reads its input through views (`operand_views`: the head merge after attention, Swin's window partition)
+  when they make a strided index map of its operand load (`opfuse.ir.strided`). Slices and expands stay outside (they
   would drop or repeat elements). The passes remove no-op views before planning.
 """
 
@@ -50,6 +51,7 @@ from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, 
 
 Users = Mapping[str, Sequence[Node]]
 ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
+EPILOGUE_VIEWS = frozenset({"permute"})      # views an anchor's epilogue maps: values stay at the tile's coordinates
 MAPPED_COPIES = frozenset({"cat", "roll"})    # copying ops an elementwise kernel computes as index maps
 
 
@@ -118,6 +120,8 @@ def view_rule(graph: Graph, nodes: Iterable[str], users: Users) -> Reason | None
     nodes = sorted(nodes)
     anchor = next((n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR), None)
     mapped = operand_views(graph, nodes, users) if anchor is not None else set()
+    if anchor is not None:
+        mapped |= {n for n in reachable(graph, anchor, set(nodes), users) if graph[n].op in EPILOGUE_VIEWS}
     for name in nodes:
         node = graph[name]
         if not is_view(node) or name in mapped:

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
-from opfuse.fusion.legality import (MAPPED_COPIES, can_fuse, in_order, is_view, joins_as_map, node_index,
-                                    operand_chain, path_outside, skip_operands)
+from opfuse.fusion.legality import (EPILOGUE_VIEWS, MAPPED_COPIES, can_fuse, in_order, is_view, joins_as_map,
+                                    node_index, operand_chain, path_outside, skip_operands)
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import MIN_SPLIT_STEPS, anchor_of, conv_chain, gemm_view, split_k_slices
@@ -162,16 +162,19 @@ class _Planner:
 
     def views_blocked(self, candidate: _Candidate, with_producer: bool = True) -> Reason | None:
         """Why the views between the pair cannot join the consumer as coordinate maps, or None when they can:
-        neither side (the consumer alone, without `with_producer`) has an anchor, each view keeps every element,
-        and the consumer (or a view on the way) is all that reads it."""
+        neither side (the consumer alone, without `with_producer`) has an anchor, or the producer's anchor may
+        take them into its epilogue (EPILOGUE_VIEWS, before an elementwise consumer); each view keeps every
+        element, and the consumer (or a view on the way) is all that reads it."""
         producer, consumer = self.groups[candidate.producer], self.groups[candidate.consumer]
         sides = producer + consumer if with_producer else consumer
         anchor = next((n for n in sides if kind_of(self.graph[n]) is FusionKind.ANCHOR), None)
+        hubs = (FusionKind.ANCHOR, FusionKind.REDUCTION)
+        epilogue = anchor in producer and not any(kind_of(self.graph[n]) in hubs for n in consumer)
         within = set(consumer) | set(candidate.views)
         for name in reversed(candidate.views):     # from the producer's side
             view = self.graph[name]
             blocks = f"view {name} ({view.op}) between them blocks fusion"
-            if anchor is not None:
+            if anchor is not None and not (epilogue and view.op in EPILOGUE_VIEWS):
                 return Reason(Code.VIEW_IN_ANCHOR, f"{blocks}: an anchor's kernel maps no views")
             if not joins_as_map(view):
                 return Reason(Code.VIEW_DROPS_ELEMENTS, f"{blocks}: it does not keep every element")

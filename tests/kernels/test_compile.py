@@ -361,3 +361,23 @@ def test_integer_arithmetic_past_two_to_the_24_runs_exactly():
     compiled = opfuse.compile(LargeIds(), (ids, x), opfuse.FusionConfig(dtype="float32"))
     assert torch.equal(compiled(ids, x), LargeIds()(ids, x))
     assert any(why.code.value == "unsupported" and "int64" in why.text for why in compiled.fallbacks.values())
+
+
+def test_convnext_block_scales_and_adds_its_residual_in_the_second_linear():
+    """torchvision's CNBlock: depthwise 7x7, permute to NHWC, layer norm, linear + GELU, linear, permute back,
+    layer scale, residual. The permute back, the scale and the residual are the second linear's epilogue."""
+    from torchvision.models.convnext import CNBlock
+
+    torch.manual_seed(6)
+    block = CNBlock(8, layer_scale=0.5, stochastic_depth_prob=0.0).eval()
+    x = torch.randn(1, 8, 5, 6).contiguous(memory_format=torch.channels_last)
+    compiled = opfuse.compile(block, (x,), opfuse.FusionConfig(dtype="float32"))
+    assert compiled.checks and all(c.passed for c in compiled.checks)
+    graph = compiled.plan.graph
+    second = [g for g in compiled.plan.groups if any(graph[n].op == "linear" for n in g.nodes)][-1]
+    assert [graph[n].op for n in second.nodes] == ["linear", "permute", "mul", "add"]
+    assert [why.code for why in compiled.fallbacks.values()] == [Code.VIEW]    # the free permute after the conv
+    assert compiled.launches == 4           # depthwise, layer norm, linear + GELU, linear + tail
+    fresh = torch.randn(1, 8, 5, 6).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        assert relative_error(compiled(fresh), block(fresh)) < 1e-5

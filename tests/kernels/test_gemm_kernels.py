@@ -184,3 +184,23 @@ def test_a_source_whose_strides_do_not_map_is_copied_first():
     y = linear(b, b.op("reshape", source, shape=(2, 60)), 4)
     kernel, _ = run_gemm(b, [b.op("relu", y)])
     assert kernel.a_map is not None and kernel.a_map.groups(b.feeds["source"]) is None
+
+
+def test_the_epilogue_permutes_back_to_nchw_for_a_layer_scale_and_residual():
+    """ConvNeXt's block tail: linear over (N, H, W, C), permute to (N, C, H, W), a (C, 1, 1) layer scale, the
+    residual (channels-last, as the block's input is). The permuted output is a view of the tile-ordered buffer."""
+    b = Builder()
+    x = b.input("x", (2, 3, 5, 6))
+    skip = b.input("skip", (2, 7, 3, 5))                         # channels-last by default
+    nchw = b.op("permute", linear(b, x, 7), dims=(0, 3, 1, 2))
+    scaled = b.op("mul", nchw, b.const("gamma", b.random(7, 1, 1)))
+    _, (out,) = run_gemm(b, [b.op("add", scaled, skip)], GroupKind.RESIDUAL)
+    assert out.shape == (2, 7, 3, 5) and out.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_value_read_in_two_orders_is_refused():
+    b = Builder()
+    x = b.input("x", (4, 4))
+    y = linear(b, x, 4)
+    with pytest.raises(Unsupported, match="two orders"):
+        lower_gemm_group(b.graph, b.group([b.op("add", y, b.op("permute", y, dims=(1, 0)))]), "cpu")
