@@ -27,7 +27,9 @@ from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info
 from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, SplitK, TileLayout, compute_dtype, generate_kernel,
                                      interpreting, siblings_and_chains, sliced_template, slices_of, with_slices)
 from opfuse.codegen.expr import Unsupported
-from opfuse.codegen.gemm import GROUP_M, GemmKernel, anchor_biases, gemm_configs
+from opfuse.codegen.gemm import GROUP_M, GemmKernel, prologue_source, anchor_biases, gemm_configs
+from opfuse.codegen.prologue import Prologue
+from opfuse.fusion.legality import anchor_prologue
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.fusion.tiles import GATHER_CHANNELS, STREAMING_MULTIPROCESSORS, anchor_steps, conv_as_gemm
 from opfuse.ir.graph import Graph, Node, torch_dtype
@@ -319,7 +321,16 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
 
     g = geometry
     library = ConvLibraryAnchor(x, weights, weight.dtype, device, geometry)
-    if g.groups > 1 and g.groups == g.cin and layout.channels % g.cin == 0:
+    ops = anchor_prologue(graph, anchors[0], group.nodes, graph.users())
+    if ops:     # a 1x1 conv computes them on its input tiles (the planner takes them for no other conv)
+        if len(anchors) > 1 or not (conv_as_gemm((g.kh, g.kw), g.padding, g.groups) and g.stride == (1, 1)):
+            raise Unsupported(f"group {group.name}: a prologue ({', '.join(ops)}) before {first.describe()}")
+        source = prologue_source(graph, ops)
+        input_layout = TileLayout(graph[x].type.shape, channel_dim=1, channels_last=True)
+        kernel = GemmKernel(graph, group, device, epilogue, a=source, k=g.cin,
+                            b_packed=weight[:, :, 0, 0].t().contiguous(), tf32_allowed=_cudnn_allows_tf32,
+                            prologue=Prologue(graph, ops, source, input_layout, g.cin, device))
+    elif g.groups > 1 and g.groups == g.cin and layout.channels % g.cin == 0:
         kernel = DepthwiseConvKernel(graph, group, device, epilogue, x, geometry, weight)
     elif conv_as_gemm((g.kh, g.kw), g.padding, g.groups):
         stride_h, stride_w = g.stride

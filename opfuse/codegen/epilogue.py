@@ -33,18 +33,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, load_kernel
 from opfuse.codegen.expr import Unsupported, emit, triton_dtype
-from opfuse.fusion.legality import operand_views
+from opfuse.fusion.legality import anchor_prologue, operand_views
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import interpreting  # noqa: F401  (the anchor templates take it from here)
 from opfuse.ir.graph import Graph, Node, torch_dtype
 from opfuse.ir.ops import FusionKind, get_op, kind_of, launches_kernel
+
+if TYPE_CHECKING:
+    from opfuse.codegen.prologue import Prologue
 
 ROW_GROUPS = 3      # row dims a kernel decomposes its row index into (N, H, W for images)
 BATCH_GROUPS = 2    # batch dims a batched kernel decomposes its batch grid index into (batch, heads)
@@ -156,12 +159,16 @@ def siblings_and_chains(graph: Graph, group: FusionGroup, anchor_ops: tuple[str,
                         ) -> tuple[list[str], list[list[str]]]:
     """The group's anchors (several only in horizontal groups) and, per anchor, the chain anchor + its epilogue.
 
-    Every non-anchor node must depend on exactly one anchor; a node before the anchor (a prologue, but the views
-    a linear reads its input through: `operand_views`) or joining two siblings is refused.
+    Every non-anchor node must depend on exactly one anchor; a node before the anchor (but the views a linear
+    reads its input through, `operand_views`, and a GEMM's prologue, `anchor_prologue`, which the templates take
+    apart) or joining two siblings is refused.
     """
-    mapped = operand_views(graph, group.nodes, graph.users())
+    users = graph.users()
+    anchors = [n for n in group.nodes if kind_of(graph[n]) is FusionKind.ANCHOR]
+    mapped = operand_views(graph, group.nodes, users)
+    for anchor in anchors:
+        mapped |= set(anchor_prologue(graph, anchor, group.nodes, users))
     computed = [n for n in group.nodes if graph[n].op not in ("input", "constant") and n not in mapped]
-    anchors = [n for n in computed if kind_of(graph[n]) is FusionKind.ANCHOR]
     if not anchors:
         raise Unsupported(f"group {group.name} has no anchor")
     for a in anchors:
@@ -536,6 +543,8 @@ class EpilogueKernel(GroupKernel):
     split: "SplitK | None" = None
     library_anchor: LibraryAnchor | None = None
     library_outputs: LibraryOutputs | None = None   # set where the library form needs no epilogue kernel
+    prologue: "Prologue | None" = None     # ops on the anchor's input tiles (GEMMs), computed by PyTorch first in the
+                                           # library form
     _library_epilogue: object = None     # the epilogue kernel of the library form, generated on first use
     _unfused_constants: dict[str, torch.Tensor] | None = None   # the unfused form's weights, on first use
 
@@ -622,11 +631,11 @@ class EpilogueKernel(GroupKernel):
         """The anchor through PyTorch, then the generated epilogue kernel (with `config`'s tile) over its result."""
         if self.library_outputs is not None:
             self.last_compiled = None
-            return self.library_outputs(dict(zip(self.runtime_inputs, inputs)) | self.constants)
+            return self.library_outputs(self._library_values(dict(zip(self.runtime_inputs, inputs)) | self.constants))
         if self.library_anchor is None:
             raise ValueError(f"kernel {self.name} has no library form")
         _, values, args, outputs = self.bind(inputs, None)
-        result = self.library_anchor(values)
+        result = self.library_anchor(self._library_values(values))
         batch, rows, columns = result.shape
         if self._library_epilogue is None:   # a split kernel's reduce kernel is that same kernel
             self._library_epilogue = self.split or SplitK.reduce_only(self.epilogue)
@@ -634,6 +643,10 @@ class EpilogueKernel(GroupKernel):
                                           config["BLOCK_M"], config["BLOCK_N"], config.num_warps)
         self.last_compiled = None
         return outputs
+
+    def _library_values(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`values` with the prologue's result, which the library reads as the anchor's input."""
+        return self.prologue.materialize(values) if self.prologue is not None else values
 
     def bind(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None
              ) -> tuple[KernelConfig, dict[str, torch.Tensor], list, list[torch.Tensor]]:

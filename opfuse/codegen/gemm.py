@@ -27,7 +27,8 @@ from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, EpilogueKernel, Libra
                                      compute_dtype, generate_kernel, interpreting, siblings_and_chains,
                                      sliced_template, slices_of, with_slices)
 from opfuse.codegen.expr import Unsupported
-from opfuse.fusion.legality import operand_chain
+from opfuse.codegen.prologue import Prologue
+from opfuse.fusion.legality import anchor_prologue, operand_chain
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.fusion.tiles import INTERPRETER, STREAMING_MULTIPROCESSORS, anchor_steps, anchor_tiles
 from opfuse.ir import strided
@@ -47,7 +48,7 @@ def KERNEL_NAME(
     M, N, K, R1, R2, B1,
     s_ab0, s_ab1, AR1, AR2, AR3, s_ar0, s_ar1, s_ar2, s_ar3, AK, s_ako, s_ak,
     s_bb0, s_bb1, s_bk, s_bn,
-    {params}
+    {params}{prologue_params}
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, A_SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -68,14 +69,17 @@ def KERNEL_NAME(
 
     # A's rows: 4 groups of sizes (M / (AR1 AR2 AR3), AR1, AR2, AR3); its reduction: 2 groups (K / AK, AK), the
     # outer one used only with A_SPLIT_K (else the reduction is one stride and the pointers just advance)
-    a_rows = a_ptr + (b0 * s_ab0 + b1 * s_ab1) + (offs_m // (AR1 * AR2 * AR3)) * s_ar0 \\
-        + ((offs_m // (AR2 * AR3)) % AR1) * s_ar1 + ((offs_m // AR3) % AR2) * s_ar2 + (offs_m % AR3) * s_ar3
+    a_g0 = offs_m // (AR1 * AR2 * AR3)
+    a_g1 = (offs_m // (AR2 * AR3)) % AR1
+    a_g2 = (offs_m // AR3) % AR2
+    a_g3 = offs_m % AR3
+    a_rows = a_ptr + (b0 * s_ab0 + b1 * s_ab1) + a_g0 * s_ar0 + a_g1 * s_ar1 + a_g2 * s_ar2 + a_g3 * s_ar3
     a_ptrs = a_rows[:, None] + offs_k[None, :] * s_ak
     b_ptrs = b_ptr + (b0 * s_bb0 + b1 * s_bb1) + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        k_at = k0 + offs_k
         if A_SPLIT_K:
-            k_at = k0 + offs_k
             a_ptrs = a_rows[:, None] + ((k_at // AK) * s_ako + (k_at % AK) * s_ak)[None, :]
         if EVEN_K:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
@@ -84,6 +88,7 @@ def KERNEL_NAME(
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
+{prologue}
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * s_ak
         b_ptrs += BLOCK_K * s_bk
@@ -95,7 +100,7 @@ def KERNEL_NAME(
 # split-K: the same kernel with its K loop restricted to one slice (grid axis 2) that stores its fp32 partial tile to
 # ws[slice, batch, row, column] instead of running the epilogue (GEMM_TEMPLATE itself stays as it is)
 GEMM_SLICE_TEMPLATE = sliced_template(GEMM_TEMPLATE, [
-    ("    {params}\n", "    {params}\n    SLICE_STEPS,\n"),
+    ("    {params}{prologue_params}\n", "    {params}{prologue_params}\n    SLICE_STEPS,\n"),
     ("    pid_b = tl.program_id(1)\n", "    pid_b = tl.program_id(1)\n    pid_k = tl.program_id(2)\n"),
     ("    for k0 in range(0, K, BLOCK_K):\n",
      "    k_first = pid_k * SLICE_STEPS * BLOCK_K\n    a_ptrs += k_first * s_ak\n    b_ptrs += k_first * s_bk\n"
@@ -112,6 +117,13 @@ def gemm_configs(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
     tiles = [INTERPRETER] if interpreting() else anchor_tiles(m, n, k, batch, itemsize, gather)
     return [KernelConfig.of(num_warps=t["num_warps"], num_stages=t["num_stages"], BLOCK_M=t["BLOCK_M"],
                             BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"]) for t in tiles]
+
+
+def _with_prologue(template: str, prologue: Prologue | None) -> str:
+    """`template` with the prologue's parameters and code in its slots (none without one)."""
+    params, code = (prologue.params, prologue.code()) if prologue is not None else ("", "")
+    code = code.replace("{", "{{").replace("}", "}}")     # the template is formatted again for the epilogue
+    return template.replace("{prologue_params}", params).replace("{prologue}", code)
 
 
 class OperandMap:
@@ -146,8 +158,12 @@ class GemmKernel(EpilogueKernel):
                  a: str, k: int, b_packed: torch.Tensor | None = None, b: str | None = None,
                  b_layout: TileLayout | None = None,
                  a_view: Callable[[torch.Tensor], torch.Tensor] | None = None, a_map: OperandMap | None = None,
+                 prologue: Prologue | None = None,
                  tf32_allowed: Callable[[], bool] | None = None, library_anchor: LibraryAnchor | None = None):
-        name, source, self.kernel = generate_kernel(GEMM_TEMPLATE, epilogue)
+        if prologue is not None and (a_view is not None or a_map is not None):
+            raise Unsupported(f"group {group.name}: a prologue on an operand read through views")
+        self.prologue = prologue
+        name, source, self.kernel = generate_kernel(_with_prologue(GEMM_TEMPLATE, prologue), epilogue)
         super().__init__(graph, group, name, source)
         self.device, self.epilogue, self.layout = device, epilogue, epilogue.layout
         self.a, self.k, self.a_view, self.a_map = a, k, a_view, a_map
@@ -158,7 +174,7 @@ class GemmKernel(EpilogueKernel):
                                      graph[a].type.itemsize)
         self.split = None
         if group.split_k > 1:    # the planner split K: each config gets the slices its own tile grid needs
-            self.split = SplitK(GEMM_SLICE_TEMPLATE, GEMM_PARTIAL, epilogue)
+            self.split = SplitK(_with_prologue(GEMM_SLICE_TEMPLATE, prologue), GEMM_PARTIAL, epilogue)
             self._configs = with_slices(self._configs, self._programs_and_steps, STREAMING_MULTIPROCESSORS)
         self._sizes = (self.layout.rows, self.layout.channels, *self.layout.row_sizes()[1:],
                        self.layout.batch_sizes()[1] if self.layout.batch_dims else 1)
@@ -192,6 +208,7 @@ class GemmKernel(EpilogueKernel):
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)
         a, a_strides, a_split_k = self.operand_a(values)
+        prologue = self.prologue.launch_args(values) if self.prologue is not None else []
         if self.b_packed is not None:
             b, b_strides = self.b_packed, [0, 0, self.b_packed.stride(0), self.b_packed.stride(1)]
         else:
@@ -207,12 +224,12 @@ class GemmKernel(EpilogueKernel):
         if slices > 1:   # K slices store fp32 partial tiles; the reduce kernel sums them and runs the epilogue
             workspace = torch.empty((slices, self.layout.batch, m, n), dtype=torch.float32, device=a.device)
             compiled = self.split.partial[(tiles, self.layout.batch, slices)](
-                a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, workspace,
+                a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, workspace, *prologue,
                 SLICE_STEPS=triton.cdiv(self._programs_and_steps(config)[1], slices), **launch)
             self.split.run_reduce(workspace, self.layout, args)
         else:
             compiled = self.kernel[(tiles, self.layout.batch)](
-                a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, *args, **launch)
+                a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, *args, *prologue, **launch)
         self.last_compiled = compiled_info(compiled)
         return outputs
 
@@ -256,18 +273,30 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
     biases = anchor_biases(graph, anchors)
     epilogue = Epilogue(graph, group, chains, layout, device, biases)
     rows = layout.rows
-    views = operand_chain(graph, anchors[0], group.nodes, graph.users())   # what the linear reads x through
+    users = graph.users()
+    views = operand_chain(graph, anchors[0], group.nodes, users)   # what the linear reads x through
     a_map = OperandMap(graph, views, len(shape) - 1) if views else None
     a = graph[views[0]].inputs[0] if views else x
+    prologue = None
+    ops = anchor_prologue(graph, anchors[0], group.nodes, users) if len(anchors) == 1 else []
+    if ops:     # what the linear computes on its input tiles: it reads the prologue's source
+        a = prologue_source(graph, ops)
+        prologue = Prologue(graph, ops, a, TileLayout(graph[x].type.shape, channel_dim=len(shape) - 1), k, device)
 
     def operand(values: dict[str, torch.Tensor]) -> torch.Tensor:       # x, as the library forms take it
         return a_map.materialize(values[a]) if a_map is not None else values[x]
 
-    kernel = GemmKernel(graph, group, device, epilogue, a=a, k=k, b_packed=weight, a_map=a_map,
+    kernel = GemmKernel(graph, group, device, epilogue, a=a, k=k, b_packed=weight, a_map=a_map, prologue=prologue,
                         library_anchor=lambda values: torch.matmul(operand(values), weight).reshape(1, rows, n))
     if all(len(chain) == 1 for chain in chains):
         kernel.library_outputs = _bare_linears(graph, operand, weight, anchors, biases, group.outputs)
     return kernel
+
+
+def prologue_source(graph: Graph, ops: Sequence[str]) -> str:
+    """The full-size value the first prologue op reads (`anchor_prologue`'s chain starts there)."""
+    first = graph[ops[0]]
+    return next(v for v in first.inputs if not graph.is_constant(v) and graph[v].type.numel == first.type.numel)
 
 
 def _bare_linears(graph: Graph, operand: Callable[[dict[str, torch.Tensor]], torch.Tensor], weight: torch.Tensor,

@@ -5,7 +5,9 @@ group has at most one *hub*: an anchor (conv, gemm, attention) or a reduction.
 
 - anchor + epilogue: the anchor followed by elementwise ops of its output's size. An epilogue may read other
   full-size activations from outside (the skip of a residual add: kind RESIDUAL, switch `config.residual`).
-  Anchors take no prologue: their operand tiles are loaded as they are (through views, see below).
+  A GEMM-shaped anchor (a linear, a 1x1 conv) takes a prologue of elementwise ops on its input that read nothing
+  else of full size (`anchor_prologue`: squeeze-and-excitation's channel scale before the project conv): they run
+  on each operand tile as it is loaded. Other anchors load their operand tiles as they are (through views, below).
 - reduction + prologue/epilogue: elementwise ops of the reduction's input size before it (the residual add
   before a layer norm, the scale before a softmax), elementwise ops of its output size after it.
 - elementwise chain: elementwise ops that all have the same number of elements (no broadcast growth, so the
@@ -155,6 +157,30 @@ def operand_chain(graph: Graph, anchor: str, within: Iterable[str], users: Users
     dims = through_views(source, contiguous_strides(source), [graph[v] for v in chain])
     if dims is None or operand_groups(dims, len(node.type.shape) - 1) is None:
         return []
+    return chain
+
+
+def anchor_prologue(graph: Graph, anchor: str, within: Iterable[str], users: Users) -> list[str]:
+    """The elementwise nodes of `within` that a linear or a 1x1 conv (stride 1, no padding, one group) applies to
+    its input tile as it loads it, source side first: a chain ending at the anchor's input, each node read by the
+    next alone (the last by the anchor alone), in the input's dtype, reading one full-size value (the previous
+    node, or the source) and otherwise only constants and smaller broadcasts; empty when there is none."""
+    node = graph[anchor]
+    within = set(within)
+    if not (node.op == "linear" or is_pointwise_conv(graph, anchor)):
+        return []
+    dtype = graph[node.inputs[0]].type.dtype
+    chain: list[str] = []
+    value, reader = node.inputs[0], anchor
+    while (value in within and kind_of(graph[value]).elementwise and graph[value].type.dtype == dtype
+           and [u.name for u in users[value]] == [reader] and value not in graph.outputs):
+        step = graph[value]
+        full = [v for v in step.inputs if not graph.is_constant(v) and graph[v].type.numel >= step.type.numel]
+        if len(full) != 1 or graph[full[0]].type.numel != step.type.numel:
+            break
+        chain.append(value)
+        value, reader = full[0], value
+    chain.reverse()
     return chain
 
 
@@ -345,8 +371,10 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
     hub = (anchors + reductions)[0]
     after = reachable(graph, hub, merged, users) - {hub}
     before = reachable_backwards(graph, hub, merged) - {hub}
-    # the views a linear reads its input through are part of its operand load, not a prologue
-    operand = set(operand_chain(graph, hub, merged, users)) if anchors else set()
+    # the views a linear reads its input through are part of its operand load, and what it computes on the tiles
+    # it loads is a prologue it may take
+    operand = set(operand_chain(graph, hub, merged, users)) | set(anchor_prologue(graph, hub, merged, users)) \
+        if anchors else set()
     epilogue = [n for n in order if n in after]
     prologue = [n for n in order if n in before and n not in operand]
     for name in order:

@@ -381,3 +381,32 @@ def test_convnext_block_scales_and_adds_its_residual_in_the_second_linear():
     fresh = torch.randn(1, 8, 5, 6).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         assert relative_error(compiled(fresh), block(fresh)) < 1e-5
+
+
+class SqueezeExcite(nn.Module):
+    """EfficientNet's MBConv tail: depthwise conv + SiLU, squeeze-and-excitation, the 1x1 project conv."""
+
+    def __init__(self):
+        super().__init__()
+        from torchvision.ops import SqueezeExcitation
+
+        self.depthwise = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1, groups=6), nn.SiLU())
+        self.excite = SqueezeExcitation(6, 2, activation=nn.SiLU)
+        self.project = nn.Conv2d(6, 5, 1)
+
+    def forward(self, x):
+        return self.project(self.excite(self.depthwise(x)))
+
+
+def test_squeeze_excitation_scales_the_project_convs_input_tiles():
+    torch.manual_seed(7)
+    model = SqueezeExcite().eval()
+    x = torch.randn(2, 6, 5, 4).contiguous(memory_format=torch.channels_last)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    assert compiled.checks and all(c.passed for c in compiled.checks)
+    graph = compiled.plan.graph
+    project = compiled.plan.groups[-1]
+    assert [graph[n].op for n in project.nodes] == ["mul", "conv2d"] and not compiled.fallbacks
+    fresh = torch.randn(2, 6, 5, 4).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        assert relative_error(compiled(fresh), model(fresh)) < 1e-5

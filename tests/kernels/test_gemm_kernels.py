@@ -204,3 +204,28 @@ def test_a_value_read_in_two_orders_is_refused():
     y = linear(b, x, 4)
     with pytest.raises(Unsupported, match="two orders"):
         lower_gemm_group(b.graph, b.group([b.op("add", y, b.op("permute", y, dims=(1, 0)))]), "cpu")
+
+
+def squeeze_excite_scale(b: Builder, x: str) -> str:
+    """x * s: the per-image, per-channel scale (N, C, 1, 1) squeeze-and-excitation computes."""
+    n, c = b.graph[x].type.shape[:2]
+    return b.op("mul", x, b.input("s", (n, c, 1, 1)))
+
+
+def test_a_1x1_conv_scales_its_input_tiles_as_it_loads_them():
+    """The SE scale before the project conv: a prologue on the A tiles (5 channels: the 16-deep K blocks of the
+    interpreter's tile are partial), batch 2 so the scale differs per image."""
+    b = Builder()
+    x = b.input("x", (2, 5, 3, 4))
+    kernel, _ = run_group(b, [b.op("relu", b.conv(squeeze_excite_scale(b, x), 7, 1))], lower=lower_conv_group)
+    assert isinstance(kernel, GemmKernel) and kernel.prologue is not None
+    assert sorted(kernel.runtime_inputs) == ["s", "x"]
+
+
+def test_a_linear_takes_a_prologue_with_a_constant_and_a_broadcast():
+    b = Builder()
+    x = b.input("x", (2, 3, 18))
+    shift = b.input("shift", (2, 1, 18))
+    scaled = b.op("add", b.op("mul", x, b.const("gamma", b.random(18))), shift)
+    kernel, _ = run_gemm(b, [b.op("gelu", linear(b, scaled, 5))])
+    assert [b.graph[n].op for n in kernel.prologue.nodes] == ["mul", "add"]

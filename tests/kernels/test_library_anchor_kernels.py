@@ -199,3 +199,12 @@ def test_compile_where_another_form_wins_matches_eager_and_says_so(monkeypatch, 
     assert all(check.passed for check in compiled.checks)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_library_forms_compute_the_prologue_first():
+    """cuBLAS/cuDNN read the anchor's input as PyTorch computes it: the SE scale, then the 1x1 conv."""
+    b = Builder()
+    x = b.input("x", (2, 6, 3, 4))
+    scaled = b.op("mul", x, b.input("s", (2, 6, 1, 1)))
+    kernel, _ = run_library(b, [b.op("relu", b.conv(scaled, 5, 1))], lower_conv_group, 3)
+    assert kernel.prologue is not None

@@ -154,3 +154,12 @@ def test_compile_with_split_k_matches_eager_and_counts_its_second_kernel():
     assert all(check.passed for check in split.checks)
     with torch.no_grad():
         torch.testing.assert_close(split(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_split_k_slices_apply_the_prologue_to_their_own_tiles():
+    """The SE scale before a long 1x1 conv: each K slice scales the tiles it loads."""
+    b = Builder()
+    x = b.input("x", (2, 300, 3, 3))
+    scaled = b.op("mul", x, b.input("s", (2, 300, 1, 1)))
+    kernel, _ = run_split(b, [b.op("relu", b.conv(scaled, 9, 1))], lower_conv_group)
+    assert kernel.prologue is not None
