@@ -9,7 +9,8 @@ group has at most one *hub*: an anchor (conv, gemm, attention) or a reduction.
   else of full size (`anchor_prologue`: squeeze-and-excitation's channel scale before the project conv): they run
   on each operand tile as it is loaded. Other anchors load their operand tiles as they are (through views, below).
 - reduction + prologue/epilogue: elementwise ops of the reduction's input size before it (the residual add
-  before a layer norm, the scale before a softmax), elementwise ops of its output size after it.
+  before a layer norm, the scale before a softmax; a prologue value read outside too is stored by the kernel),
+  elementwise ops of its output size after it.
 - elementwise chain: elementwise ops that all have the same number of elements (no broadcast growth, so the
   kernel iterates over one index space and recomputes nothing).
 
@@ -205,15 +206,20 @@ def is_view(node: Node) -> bool:
 
 def several_users_rule(graph: Graph, producer: set[str], consumer: set[str], users: Users,
                        index: Mapping[str, int]) -> Reason | None:
-    """Each value passed from producer to consumer must be read by the consumer group only."""
+    """Each value passed from producer to consumer must be read by the consumer group only, but for a reduction
+    reading an elementwise chain's value: its kernel stores the value as it reads it (the residual sum that a
+    layer norm normalizes and the next residual add reads again)."""
     merged = producer | consumer
+    hubs = (FusionKind.ANCHOR, FusionKind.REDUCTION)
+    stores = (any(kind_of(graph[n]) is FusionKind.REDUCTION for n in consumer)
+              and not any(kind_of(graph[n]) in hubs for n in producer))
     shares = False
     for name in in_order(producer, index):
         readers = [u.name for u in users[name]]
         if not any(r in consumer for r in readers):
             continue
         shares = True
-        if any(r not in merged for r in readers):
+        if any(r not in merged for r in readers) and not (stores and kind_of(graph[name]).elementwise):
             return Reason(Code.SEVERAL_USERS, f"{name} has several users: {', '.join(dict.fromkeys(readers))}")
     if not shares:
         return Reason(Code.NO_SHARED_VALUE, "the consumer reads no value of the producer")
