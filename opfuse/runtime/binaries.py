@@ -142,6 +142,8 @@ def restore_binaries(files: Mapping[str, bytes]) -> int:
     ordered = sorted(files, key=lambda name: (Path(name).name.startswith(GROUP_PREFIX), name))
     for name in ordered:
         folder_name, _, file_name = name.partition("/")
+        if not _plain(folder_name) or not _plain(file_name):
+            raise ValueError(f"binary entry {name!r} is not a folder/file name inside Triton's cache")
         folder = Path(root) / folder_name
         target = folder / file_name
         if target.exists():
@@ -156,6 +158,11 @@ def restore_binaries(files: Mapping[str, bytes]) -> int:
         _write_atomically(target, data)
         written += 1
     return written
+
+
+def _plain(name: str) -> bool:
+    """A single path component: no separator, not '.' or '..', not empty (a package names entries, never paths)."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and not name.startswith("~")
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -394,7 +394,10 @@ def load(path: str | os.PathLike[str], device: str | torch.device | None = None,
                                "recompile=True (opfuse bench --recompile) to build its saved plan again here")
         weights = package.weights()
         if problem is None:
-            restore_binaries(package.binaries())
+            try:
+                restore_binaries(package.binaries())
+            except ValueError as error:
+                raise PackageError(f"{package.path}: {error}: the package is corrupted or not opfuse's") from error
         profiles = []
         for entry in manifest["profiles"]:
             data = package.json(entry["file"])

@@ -10,8 +10,9 @@ was saved from. A call larger than the largest batch size is an error naming the
 
 Padding assumes what inference models do: each row of a batch is computed from that row's inputs alone (no batch
 statistics, nothing summed over the batch). The batch is dim 0 of every input and of every output: a package of
-several batch sizes must have one (`check_profiles` refuses it at save otherwise); a package of one compiled model
-that has one pads smaller batches too, one without takes exactly the shapes it was compiled for.
+several batch sizes must have one (`check_profiles` refuses it at save otherwise). A package of one compiled model
+takes exactly the shapes it was compiled for: nobody declared a batch there (dim 0 may be tokens), so nothing is
+padded.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class PackagedModel(torch.nn.Module):
         self._profiles = sorted(profiles, key=lambda p: p.batch or 0)
         self.models = torch.nn.ModuleList(p.compiled for p in self._profiles)
         self.device = self._profiles[0].compiled.device
-        self.batched = all(p.batch is not None for p in self._profiles)
+        self.batched = len(self._profiles) > 1 and all(p.batch is not None for p in self._profiles)
         self.rebuilt_because = rebuilt_because     # why the saved plan was built again here (recompile=True)
 
     @property

@@ -173,6 +173,32 @@ def test_restored_binaries_land_in_tritons_cache_with_their_index_pointing_there
     assert sorted(p.name for p in folder.iterdir()) == ["__grp__k.json", "k.cubin", "k.json"]   # no temp files
 
 
+def test_a_binary_entry_naming_a_path_outside_the_cache_is_refused(package, tmp_path, monkeypatch):
+    """A member "triton/../x" would be written outside Triton's cache: the package is refused, nothing written."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    evil = tmp_path / "evil.opfuse"
+    evil.write_bytes(Path(package).read_bytes())
+    with zipfile.ZipFile(evil, "a") as z:
+        z.writestr("triton/../outside.txt", b"x")
+    with pytest.raises(PackageError, match="evil.opfuse.*not a folder/file name"):
+        opfuse.load(evil, "cpu")
+    assert not (tmp_path / "outside.txt").exists()
+
+
+def test_a_package_of_one_model_takes_exactly_its_shapes(tmp_path):
+    """Nobody declared a batch: dim 0 may be tokens, and padding a (4, 3) softmax over dim 0 would change it."""
+    class Tokens(torch.nn.Module):
+        def forward(self, x):
+            return x.softmax(0) * 2.0
+
+    compiled = opfuse.compile(Tokens(), (torch.randn(4, 3),), opfuse.FusionConfig(dtype="float32"))
+    opfuse.save(compiled, tmp_path / "tokens.opfuse")
+    loaded = opfuse.load(tmp_path / "tokens.opfuse", "cpu")
+    assert loaded.batch_sizes == []
+    with pytest.raises(GraphError, match="compiled for"):
+        loaded(torch.randn(2, 3))
+
+
 def test_integer_inputs_and_groups_run_through_pytorch_round_trip(tmp_path):
     torch.manual_seed(0)
     ids = torch.randint(0, 10, (2, 3), generator=torch.Generator().manual_seed(3))
@@ -449,7 +475,7 @@ def test_the_documented_server_loads_a_package_and_answers(compiled_convnet, pac
         assert torch.equal(torch.tensor(body["outputs"]["logits"]), want["logits"])
         assert torch.equal(torch.tensor(body["outputs"]["features"][0]), want["features"][0])
         status, body = post([torch.randn(2, 3, 5, 5).tolist()])
-        assert status == 400 and "takes float32[N,3,6,6]" in body["error"]
+        assert status == 400 and "compiled for float32[2,3,6,6]" in body["error"]
     finally:
         server.terminate()
         server.communicate(timeout=30)
