@@ -40,8 +40,9 @@ import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, load_kernel
 from opfuse.codegen.expr import Unsupported, emit, triton_dtype
-from opfuse.fusion.legality import anchor_prologue, operand_views
+from opfuse.fusion.legality import EPILOGUE_VIEWS, anchor_prologue, epilogue_spaces, operand_views
 from opfuse.fusion.plan import FusionGroup
+from opfuse.fusion.reasons import Reason
 from opfuse.fusion.tiles import interpreting  # noqa: F401  (the anchor templates take it from here)
 from opfuse.ir.graph import Graph, Node, torch_dtype
 from opfuse.ir.ops import FusionKind, get_op, kind_of, launches_kernel
@@ -207,9 +208,11 @@ class Epilogue:
             raise AssertionError("layout channels must be the siblings' channels summed")
         self.spans = [(sum(widths[:i]), w) for i, w in enumerate(widths)]
         self.ops = [graph[n].op for n in chains[0]]
-        rank = len(graph[chains[0][0]].type.shape)
-        self.spaces: list[tuple[int, ...]] = [tuple(range(rank))]   # per chain position: its dims as anchor dims
-        self.full_spaces: list[tuple[int, ...]] = []                 # per full operand: the space it is read in
+        spaces = epilogue_spaces(graph, chains[0][0], chains[0][1:])
+        if isinstance(spaces, Reason):
+            raise Unsupported(spaces.text)
+        self.spaces = [spaces[n] for n in chains[0]]      # per chain position: its dims as the anchor's dims
+        self.full_spaces: list[tuple[int, ...]] = []    # per full operand: the space it is read in
         self.output_fill: float | None = None     # tests poison outputs (NaN) to catch unwritten elements
         self.channel_vectors: list[torch.Tensor] = []
         self.full_operands: list[str | torch.Tensor] = []   # runtime value names or kernel-held constants
@@ -223,10 +226,10 @@ class Epilogue:
         position = {name: p for chain in chains for p, name in enumerate(chain)}
         for p in range(1, len(chains[0])):
             nodes = [graph[chain[p]] for chain in chains]
-            if nodes[0].op == "permute":
+            if nodes[0].op in EPILOGUE_VIEWS:
                 self.lines.append(f"x{p} = x{self._permute(nodes, position)}")
                 continue
-            self.spaces.append(self._check_node(nodes, position))
+            self._check_node(nodes, position)
             args = [self._operand(nodes, i, position) for i in range(len(nodes[0].inputs))]
             self.lines.append(f"x{p} = {emit(nodes[0].op, nodes[0].attrs, args)}")
 
@@ -249,32 +252,23 @@ class Epilogue:
 
     # ---- analysis -----------------------------------------------------------------------------------
     def _permute(self, nodes: list[Node], position: dict[str, int]) -> int:
-        """Record the space of a permute in the chain (no code: values stay where they are); the position it
-        reads."""
+        """The chain position a permute reads (it needs no code: values stay where they are)."""
         node = nodes[0]
         if len(nodes) > 1:
             raise Unsupported(f"horizontal group: {node.describe()} permutes a sibling's epilogue")
-        source = position.get(node.inputs[0])
-        if source is None:
-            raise Unsupported(f"{node.describe()} permutes a value the anchor does not compute")
-        self.spaces.append(tuple(self.spaces[source][d] for d in node.attrs["dims"]))
-        return source
+        return position[node.inputs[0]]
 
     def _shape_in(self, space: tuple[int, ...], chain: Sequence[str] | None = None) -> tuple[int, ...]:
         """The shape of a value in `space`, of `chain`'s anchor (default: the first)."""
         anchor_shape = self.graph[(chain or self.chains[0])[0]].type.shape
         return tuple(anchor_shape[d] for d in space)
 
-    def _check_node(self, nodes: list[Node], position: dict[str, int]) -> tuple[int, ...]:
-        """Refuse a non-elementwise node, a shape change, values of two spaces, and siblings whose nodes at one
-        position differ; the node's space."""
+    def _check_node(self, nodes: list[Node], position: dict[str, int]) -> None:
+        """Refuse a non-elementwise node, a shape change, and siblings whose nodes at one position differ."""
         first = nodes[0]
         if not kind_of(first).elementwise:
             raise Unsupported(f"{first.describe()} is not elementwise; anchor epilogues take elementwise ops only")
-        spaces = {self.spaces[position[v]] for v in first.inputs if v in position}
-        if len(spaces) != 1:
-            raise Unsupported(f"{first.describe()} reads the anchor's values in two orders of their dims")
-        space = spaces.pop()
+        space = self.spaces[position[first.name]]
         for node, chain in zip(nodes, self.chains):
             if node.op != first.op or node.attrs != first.attrs or node.type.dtype != first.type.dtype:
                 raise Unsupported(f"horizontal group: {node.describe()} differs from {first.describe()}")
@@ -286,7 +280,6 @@ class Epilogue:
                         (value in position and position[value] != position[first.inputs[i]]):
                     raise Unsupported(f"horizontal group: {node.describe()} reads other values than "
                                       f"{first.describe()}")
-        return space
 
     def _channel_vector(self, parts: list[torch.Tensor | float]) -> str:
         """Load expression of a per-channel constant made of one part (tensor or scalar) per sibling."""
@@ -304,20 +297,22 @@ class Epilogue:
         out_shape = node.type.shape
         channel = self.layout.channel_dim
         constant = self.graph.constants[value] if source.op == "constant" else None
-        identity = space == self.spaces[0]
+        inverse = [space.index(d) for d in range(len(space))]
         if node.op == "batch_norm" and index > 0:
             # batch-norm parameters are [C] along dim 1, not broadcast from the right
-            if constant is None or channel != 1 or not identity or tuple(constant.shape) != (out_shape[1],):
+            if constant is None or tuple(constant.shape) != (out_shape[1],):
                 raise Unsupported(f"{node.describe()}: batch-norm parameter {value} is not a constant "
-                                  "per-channel vector on the tile's channel dim")
-            return "channel", constant
+                                  f"[{out_shape[1]}] vector")
+            if space[1] == channel:
+                return "channel", constant
+            along = [out_shape[1] if d == 1 else 1 for d in range(len(out_shape))]    # [C] on dim 1, as a tensor
+            return "full", constant.reshape(along).permute(inverse).to(self.device)
         shape = tuple(source.type.shape)
         if len(shape) > len(out_shape):
             raise Unsupported(f"{node.describe()}: operand {value} has more dims than the output")
         aligned = (1,) * (len(out_shape) - len(shape)) + shape
         if any(s not in (1, o) for s, o in zip(aligned, out_shape)):
             raise Unsupported(f"{node.describe()}: operand {value} {shape} does not broadcast to {out_shape}")
-        inverse = [space.index(d) for d in range(len(space))]
         anchor_aligned = [aligned[j] for j in inverse]       # the operand's shape seen from the anchor's dims
         if constant is not None:
             if constant.numel() == 1:

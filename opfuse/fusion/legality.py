@@ -192,6 +192,21 @@ def operand_views(graph: Graph, nodes: Iterable[str], users: Users) -> set[str]:
             for view in operand_chain(graph, name, nodes, users)}
 
 
+def epilogue_spaces(graph: Graph, anchor: str, epilogue: Sequence[str]) -> dict[str, tuple[int, ...]] | Reason:
+    """Per value of the anchor's epilogue (`epilogue` in topological order), the anchor dims its dims are: an
+    EPILOGUE_VIEWS permute reorders them, any other node has its inputs'. A Reason names a node that reads the
+    anchor's values in two orders (its template would need two coordinates per element)."""
+    spaces = {anchor: tuple(range(len(graph[anchor].type.shape)))}
+    for name in epilogue:
+        node = graph[name]
+        seen = {spaces[v] for v in node.inputs if v in spaces}
+        if len(seen) != 1:
+            return Reason(Code.VIEW_IN_ANCHOR, f"{name} ({node.op}) reads {anchor}'s values in two orders of their dims")
+        space = seen.pop()
+        spaces[name] = tuple(space[d] for d in node.attrs["dims"]) if node.op in EPILOGUE_VIEWS else space
+    return spaces
+
+
 def joins_as_map(node: Node) -> bool:
     """A node an elementwise or reduction kernel evaluates through coordinates: a view keeping every element, a
     cat or a roll."""
@@ -391,6 +406,10 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
     if prologue and anchors:
         return Reason(Code.ANCHOR_PROLOGUE,
                       f"{prologue[0]} would be a prologue of anchor {hub}: anchors take epilogues only")
+    if anchors and any(graph[n].op in EPILOGUE_VIEWS for n in epilogue):
+        spaces = epilogue_spaces(graph, hub, epilogue)
+        if isinstance(spaces, Reason):
+            return spaces
     view = next((n for n in epilogue if is_view(graph[n])), None)
     if view is not None and reductions:
         return Reason(Code.VIEW_AFTER_REDUCTION, f"view {view} ({graph[view].op}) after reduction {hub}: its "

@@ -362,6 +362,8 @@ class _Planner:
         if anchor is None or group in self.kinds or conv_chain(self.graph, nodes):
             return None   # no anchor, already horizontal, or a conv-conv chain (its first conv is no sibling)
         node = self.graph[anchor]
+        if nodes[0] != anchor or any(is_view(self.graph[n]) for n in nodes):
+            return None   # one kernel over concatenated siblings reads their input and writes their tiles as they are
         if not all(self.graph.is_constant(w) for w in node.inputs[1:]):
             return None   # weights are concatenated at codegen time: they must be known
         if node.op == "linear":

@@ -11,6 +11,7 @@ import torch
 from opfuse.codegen.conv import lower_conv_group
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import GemmKernel, gemm_configs, lower_gemm_group
+from opfuse.fusion.legality import can_fuse
 from opfuse.fusion.plan import GroupKind
 from tests.kernels.test_conv_kernels import Builder, run_group
 
@@ -199,11 +200,17 @@ def test_the_epilogue_permutes_back_to_nchw_for_a_layer_scale_and_residual():
 
 
 def test_a_value_read_in_two_orders_is_refused():
+    """An epilogue node reading the anchor's values through a permute and directly: no kernel, and the planner
+    never makes one (the same rule, `legality.epilogue_spaces`)."""
     b = Builder()
     x = b.input("x", (4, 4))
     y = linear(b, x, 4)
+    both = b.op("add", y, b.op("permute", y, dims=(1, 0)))
     with pytest.raises(Unsupported, match="two orders"):
-        lower_gemm_group(b.graph, b.group([b.op("add", y, b.op("permute", y, dims=(1, 0)))]), "cpu")
+        lower_gemm_group(b.graph, b.group([both]), "cpu")
+    group = b.group([both])
+    reason = can_fuse(b.graph, [y], [n for n in group.nodes if n != y], b.graph.users())
+    assert reason is not None and "two orders" in reason.text
 
 
 def squeeze_excite_scale(b: Builder, x: str) -> str:
@@ -229,3 +236,18 @@ def test_a_linear_takes_a_prologue_with_a_constant_and_a_broadcast():
     scaled = b.op("add", b.op("mul", x, b.const("gamma", b.random(18))), shift)
     kernel, _ = run_gemm(b, [b.op("gelu", linear(b, scaled, 5))])
     assert [b.graph[n].op for n in kernel.prologue.nodes] == ["mul", "add"]
+
+
+def test_a_batch_norm_after_the_epilogue_permute_reads_its_channels_where_they_are():
+    """BatchNorm1d over (N, C, L) after a linear over (N, L, C): its [C] parameters lie along the tile's channels;
+    after a conv's permute to (N, H, C, W) they lie along no tile axis and are read as a broadcast tensor."""
+    b = Builder()
+    x = b.input("x", (2, 5, 6))
+    params = [b.const(n, b.random(7) if n != "var" else b.random(7).abs() + 0.5) for n in ("w", "b", "mean", "var")]
+    y = b.op("batch_norm", b.op("permute", linear(b, x, 7), dims=(0, 2, 1)), *params, eps=1e-5)
+    run_gemm(b, [b.op("relu", y)])
+    b = Builder()
+    x = b.input("x", (1, 3, 4, 5))
+    params = [b.const(n, b.random(4) if n != "var" else b.random(4).abs() + 0.5) for n in ("w", "b", "mean", "var")]
+    y = b.op("batch_norm", b.op("permute", b.conv(x, 6, 1), dims=(0, 2, 1, 3)), *params, eps=1e-5)
+    run_group(b, [y], lower=lower_conv_group)

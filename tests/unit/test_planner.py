@@ -397,3 +397,18 @@ def test_planning_a_bert_sized_graph_is_fast():
     # per layer: qkv, sdpa, out_proj (reading the head merge) + residual add, layer norm, fc1 + gelu,
     # fc2 + residual add, layer norm
     assert plan.kernel_launches == 12 * 7
+
+
+def test_sibling_linears_whose_epilogues_permute_are_not_concatenated():
+    """One kernel over concatenated siblings writes their tiles as they are: a sibling whose epilogue permutes
+    keeps its own kernel (the review's case: before, the planner merged them and the template refused)."""
+    b = GraphBuilder("permuted_siblings")
+    x = b.input("x", (2, 6, 16))
+    outs = [b.op("mul", [b.op("permute", [b.linear(x, 8, name=f"fc{i}")], {"dims": [0, 2, 1]}, f"p{i}"),
+                         b.constant(f"s{i}", (8, 1))], name=f"scaled{i}") for i in range(2)]
+    graph = b.output(*outs)
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert_well_formed(plan)
+    for i in range(2):
+        assert plan.group_of(f"fc{i}").nodes == [f"fc{i}", f"p{i}", f"scaled{i}"]
+        assert plan.group_of(f"fc{i}").kind is not GroupKind.HORIZONTAL
