@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from opfuse.bench.calibrate import Calibration, Sample, calibrate
-from opfuse.codegen.epilogue import is_library, is_unfused
+from opfuse.codegen.forms import is_library, is_unfused
 from opfuse.runtime.autotune import recover_rng_after_failed_capture
 from opfuse.config import FusionConfig
 from opfuse.fusion.cost import estimate_kernel, predict_time, tile_efficiency

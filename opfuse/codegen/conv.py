@@ -24,8 +24,10 @@ import torch
 import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info
-from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, SplitK, TileLayout, compute_dtype, generate_kernel,
-                                     interpreting, siblings_and_chains, sliced_template, slices_of, with_slices)
+from opfuse.codegen.epilogue import (Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting,
+                                     siblings_and_chains)
+from opfuse.codegen.forms import EpilogueKernel
+from opfuse.codegen.split_k import SplitK, sliced_template, slices_of, with_slices
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import GROUP_M, GemmKernel, prologue_source, anchor_biases, gemm_configs
 from opfuse.codegen.prologue import Prologue

@@ -39,8 +39,9 @@ import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel
 from opfuse.codegen.conv import ConvGeometry
-from opfuse.codegen.epilogue import (Epilogue, EpilogueKernel, TileLayout, compute_dtype, interpreting,
-                                     slices_of)
+from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, interpreting
+from opfuse.codegen.forms import EpilogueKernel
+from opfuse.codegen.split_k import slices_of
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import anchor_biases
 from opfuse.fusion.legality import conv_chain_problem, conv_stages

@@ -26,29 +26,27 @@ the permuted view of a buffer laid out as the anchor's output.
 Horizontal groups (sibling anchors on one input) run one kernel over the concatenated output channels: the
 siblings' epilogues must be structurally identical; their constant operands are concatenated along the channels,
 and each sibling's outputs are views (narrow on the channel dim) of one buffer per stored value.
+
+The kernels' other forms live beside it: split-K (`opfuse.codegen.split_k`), the library and unfused forms and
+their base class `EpilogueKernel` (`opfuse.codegen.forms`), the GEMM prologue (`opfuse.codegen.prologue`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Sequence
 
 import torch
-import triton
 
-from opfuse.codegen.base import GroupKernel, KernelConfig, load_kernel
+from opfuse.codegen.base import load_kernel
 from opfuse.codegen.expr import Unsupported, emit, triton_dtype
 from opfuse.fusion.legality import EPILOGUE_VIEWS, anchor_prologue, epilogue_spaces, operand_views
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.reasons import Reason
 from opfuse.fusion.tiles import interpreting  # noqa: F401  (the anchor templates take it from here)
 from opfuse.ir.graph import Graph, Node, torch_dtype
-from opfuse.ir.ops import FusionKind, get_op, kind_of, launches_kernel
-
-if TYPE_CHECKING:
-    from opfuse.codegen.prologue import Prologue
+from opfuse.ir.ops import FusionKind, kind_of
 
 ROW_GROUPS = 3      # row dims a kernel decomposes its row index into (N, H, W for images)
 BATCH_GROUPS = 2    # batch dims a batched kernel decomposes its batch grid index into (batch, heads)
@@ -404,248 +402,9 @@ TILE_INDEX = '''\
     r0 = offs_m // (R2 * R1)
 '''
 
-# split-K's second kernel: the K slices' fp32 partial tiles ws[slice, batch, row, column] summed in slice order
-# (the same order every run), then the group's epilogue, under the same contract as the anchor templates
-REDUCE_TEMPLATE = '''
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def KERNEL_NAME(
-    ws_ptr, M, N, SLICES, R1, R2, B1,
-    {params}
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_b = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-''' + TILE_INDEX + '''\
-    ws = ws_ptr + pid_b * M * N + offs_m[:, None] * N + offs_n[None, :]
-    slice_size = tl.num_programs(2) * M * N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(SLICES):
-        acc += tl.load(ws + s * slice_size, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-
-{epilogue}
-'''
-REDUCE_BLOCK_M, REDUCE_BLOCK_N = 32, 64
-
-
-class SplitK:
-    """The split-K form of an anchor kernel: `template` with each K slice storing its partial tile (`partial`, the
-    template's code for it) in place of the epilogue, and the reduce kernel that sums the slices and runs the
-    epilogue. Built only for groups the planner split (`FusionGroup.split_k`)."""
-
-    def __init__(self, template: str | None, partial: str, epilogue: "Epilogue"):
-        if template is not None:
-            self.name, self.source, self.partial = load_kernel(
-                "splitk", epilogue.ops, template.format(params="ws_ptr, ", epilogue=partial))
-        self.reduce_name, self.reduce_source, self.reduce = generate_kernel(REDUCE_TEMPLATE, epilogue)
-
-    @classmethod
-    def reduce_only(cls, epilogue: "Epilogue") -> "SplitK":
-        """Just the second kernel: what the library form runs over the library's result (one slice)."""
-        return cls(None, "", epilogue)
-
-    def run_reduce(self, workspace: torch.Tensor, layout: "TileLayout", args: list, block_m: int = REDUCE_BLOCK_M,
-                   block_n: int = REDUCE_BLOCK_N, num_warps: int = 4) -> None:
-        """Sum the slices of `workspace` [slices, batch, rows, columns] into the epilogue's outputs (`args`)."""
-        slices, batch, rows, columns = workspace.shape
-        _, r1, r2 = layout.row_sizes()
-        b1 = layout.batch_sizes()[1] if layout.batch_dims else 1
-        grid = (triton.cdiv(rows, block_m), triton.cdiv(columns, block_n), batch)
-        self.reduce[grid](workspace, rows, columns, slices, r1, r2, b1, *args,
-                          BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-
-
-def sliced_template(template: str, edits: Sequence[tuple[str, str]]) -> str:
-    """`template` edited into its split-K form: each (old, new) line edit must apply exactly once, so a change to
-    the template that breaks the derivation fails at import, not on a GPU."""
-    for old, new in edits:
-        if template.count(old) != 1:
-            raise AssertionError(f"split-K template edit: {old.strip()!r} occurs {template.count(old)} times")
-        template = template.replace(old, new)
-    return template
-
-
-def with_slices(configs: Sequence[KernelConfig], steps: Callable[[KernelConfig], tuple[int, int]],
-                sm_count: int) -> list[KernelConfig]:
-    """`configs` with each one's SPLIT_K: the K slices its own tile grid needs (`split_k_slices` of its
-    (programs, K steps)); configs that need none keep SPLIT_K=1 and run as one kernel."""
-    from opfuse.fusion.resources import split_k_slices
-
-    split = []
-    for config in configs:
-        programs, k_steps = steps(config)
-        params = dict(config.params) | {"SPLIT_K": split_k_slices(programs, k_steps, sm_count)}
-        split.append(KernelConfig.of(config.num_warps, config.num_stages, **params))
-    return list(dict.fromkeys(split))
-
-
-def slices_of(config: KernelConfig) -> int:
-    return dict(config.params).get("SPLIT_K", 1)
-
-
 def compute_dtype(graph: Graph, value: str, node: Node) -> str:
     """The dtype the anchor's tensor-core inputs use: its activation's, if it is one the kernels take."""
     dtype = graph[value].type.dtype
     if dtype not in ("float16", "bfloat16", "float32"):
         raise Unsupported(f"{node.describe()} computes in {dtype}; anchor kernels take float16/bfloat16/float32")
     return dtype
-
-
-# The library form of an anchor kernel: the anchor alone through PyTorch (cuBLAS / cuDNN) into a buffer, then one
-# generated kernel (REDUCE_TEMPLATE over a single slice) reads it and runs the group's epilogue. Two launches and one
-# round trip of the anchor's result instead of one fused kernel: the autotuner measures it beside the Triton configs
-# and keeps it only where it is faster (the shapes where the library's GEMM or convolution beats the template's).
-# Two tiles for its epilogue kernel, which streams the anchor's whole output: the split-K reduce's small tile, and a
-# wider one for large outputs (bert-base's 8192 x 3072 FFN activations at batch 64)
-LIBRARY_CONFIGS = (
-    KernelConfig.of(num_warps=4, num_stages=1, LIBRARY=1, BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N),
-    KernelConfig.of(num_warps=8, num_stages=1, LIBRARY=1, BLOCK_M=64, BLOCK_N=128))
-LIBRARY = LIBRARY_CONFIGS[0]
-LibraryAnchor = Callable[[dict[str, torch.Tensor]], torch.Tensor]   # values by name -> [batch, rows, columns]
-# the whole library form of a group that is its anchors alone (the bias inside the library call): values by name ->
-# the group's outputs, with no epilogue kernel
-LibraryOutputs = Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]
-# The unfused form: the group's ops one by one through PyTorch, as eager runs them (cuBLAS with its bias epilogue,
-# then PyTorch's own elementwise kernels). The autotuner times it too, so a fusion that measures slower than the
-# ops it merges is refused at run time (bert-base's K=768 linears, where cuBLAS's main loop beats the template's).
-UNFUSED = KernelConfig.of(num_warps=1, num_stages=1, UNFUSED=1)
-
-
-def is_library(config: KernelConfig | None) -> bool:
-    return config is not None and dict(config.params).get("LIBRARY", 0) == 1
-
-
-def is_unfused(config: KernelConfig | None) -> bool:
-    return config is not None and dict(config.params).get("UNFUSED", 0) == 1
-
-
-class EpilogueKernel(GroupKernel):
-    """Base of the anchor kernels (conv, depthwise, conv-conv, GEMM): the config list fixed at build time, the
-    binding of one call's runtime inputs and the held constants to the epilogue's arguments and outputs, the
-    library form (`LIBRARY`) where the subclass gives its anchor through PyTorch (`library_anchor`, or
-    `library_outputs` for a group of bare anchors), and the unfused form (`UNFUSED`) of every group."""
-
-    _configs: list[KernelConfig]
-    constants: dict[str, torch.Tensor]
-    epilogue: "Epilogue"
-
-    split: "SplitK | None" = None
-    library_anchor: LibraryAnchor | None = None
-    library_outputs: LibraryOutputs | None = None   # set where the library form needs no epilogue kernel
-    prologue: "Prologue | None" = None     # ops on the anchor's input tiles (GEMMs), computed by PyTorch first in the
-                                           # library form
-    _library_epilogue: object = None     # the epilogue kernel of the library form, generated on first use
-    _unfused_constants: dict[str, torch.Tensor] | None = None   # the unfused form's weights, on first use
-
-    def configs(self) -> list[KernelConfig]:
-        return list(self._configs)
-
-    def alternatives(self, library: bool = True) -> list[KernelConfig]:
-        """The unsplit form of a split-K kernel's first config; with `library`, the library form where there is
-        one and the unfused form."""
-        forms = []
-        if self.split is not None:
-            first = self._configs[0]
-            forms.append(KernelConfig.of(first.num_warps, first.num_stages, **(dict(first.params) | {"SPLIT_K": 1})))
-        if library:
-            if self.library_outputs is not None:
-                forms.append(LIBRARY)              # no epilogue kernel, so no epilogue tile to choose
-            elif self.library_anchor is not None:
-                forms.extend(LIBRARY_CONFIGS)
-            forms.append(UNFUSED)
-        return forms
-
-    def launches(self, config: KernelConfig | None = None) -> int:
-        """Two with K slices (the slices, then their sum with the epilogue) or in the library form (the library's
-        kernel, then the epilogue, which a group of bare anchors does without; cuBLAS/cuDNN may add helper kernels
-        of their own); one per launching op in the unfused form; else one."""
-        if is_unfused(config):
-            return sum(launches_kernel(self.graph, node) for node in self._unfused_nodes)
-        if is_library(config):
-            return 1 if self.library_outputs is not None else 2
-        return 2 if self.split is not None and slices_of(config or self._configs[0]) > 1 else 1
-
-    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
-        if is_unfused(config):
-            return self.run_unfused(inputs)
-        if is_library(config):
-            return self.run_library(inputs, config)
-        return self.run_triton(inputs, config)
-
-    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def keep_form(self, config: KernelConfig) -> None:
-        """Free what only the other forms need once `config` is the one that runs (the library form's own weight,
-        the unfused form's constants)."""
-        if not is_library(config) and hasattr(self.library_anchor, "release"):
-            self.library_anchor.release()
-        if not is_unfused(config):
-            self._unfused_constants = None
-
-    @cached_property
-    def _unfused_nodes(self) -> list[Node]:
-        return [self.graph[n] for n in self.group.nodes if self.graph[n].op not in ("input", "constant")]
-
-    @cached_property
-    def _unfused_frees(self) -> list[list[str]]:
-        """Per node of the unfused form, the group's intermediates dead after it (read by no later node, not an
-        output): freed there, as the runtime frees values between groups. Worked out once, not every call."""
-        nodes = self._unfused_nodes
-        produced, outputs = {node.name for node in nodes}, set(self.group.outputs)
-        last_reader = {name: i for i, node in enumerate(nodes) for name in node.inputs if name in produced}
-        frees: list[list[str]] = [[] for _ in nodes]
-        for name, i in last_reader.items():
-            if name not in outputs:
-                frees[i].append(name)
-        return frees
-
-    def run_unfused(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The group's ops one by one through their PyTorch references, as the runtime runs a group it has no kernel
-        for (each intermediate freed after its last reader); the constants they read (the graph's, BN already
-        folded) go to the device on first use."""
-        nodes = self._unfused_nodes
-        if self._unfused_constants is None:
-            self._unfused_constants = {name: self.graph.constants[name].to(self.epilogue.device) for node in nodes
-                                       for name in node.inputs if self.graph.is_constant(name)}
-        values = dict(zip(self.runtime_inputs, inputs)) | self._unfused_constants
-        for node, dead in zip(nodes, self._unfused_frees):
-            values[node.name] = get_op(node.op).run([values[name] for name in node.inputs], node.attrs)
-            for name in dead:
-                del values[name]
-        self.last_compiled = None
-        return [values[name] for name in self.group.outputs]
-
-    def run_library(self, inputs: Sequence[torch.Tensor], config: KernelConfig = LIBRARY) -> list[torch.Tensor]:
-        """The anchor through PyTorch, then the generated epilogue kernel (with `config`'s tile) over its result."""
-        if self.library_outputs is not None:
-            self.last_compiled = None
-            return self.library_outputs(self._library_values(dict(zip(self.runtime_inputs, inputs)) | self.constants))
-        if self.library_anchor is None:
-            raise ValueError(f"kernel {self.name} has no library form")
-        _, values, args, outputs = self.bind(inputs, None)
-        result = self.library_anchor(self._library_values(values))
-        batch, rows, columns = result.shape
-        if self._library_epilogue is None:   # a split kernel's reduce kernel is that same kernel
-            self._library_epilogue = self.split or SplitK.reduce_only(self.epilogue)
-        self._library_epilogue.run_reduce(result.contiguous().reshape(1, batch, rows, columns), self.layout, args,
-                                          config["BLOCK_M"], config["BLOCK_N"], config.num_warps)
-        self.last_compiled = None
-        return outputs
-
-    def _library_values(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`values` with the prologue's result, which the library reads as the anchor's input."""
-        return self.prologue.materialize(values) if self.prologue is not None else values
-
-    def bind(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None
-             ) -> tuple[KernelConfig, dict[str, torch.Tensor], list, list[torch.Tensor]]:
-        """(the config to launch, every value by name, the epilogue's launch arguments, the allocated outputs)."""
-        values = dict(zip(self.runtime_inputs, inputs)) | self.constants
-        args, outputs = self.epilogue.launch_args(values)
-        return config or self._configs[0], values, args, outputs

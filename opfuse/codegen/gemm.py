@@ -23,9 +23,10 @@ import torch
 import triton
 
 from opfuse.codegen.base import KernelConfig, compiled_info
-from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, EpilogueKernel, LibraryAnchor, SplitK, TileLayout,
-                                     compute_dtype, generate_kernel, interpreting, siblings_and_chains,
-                                     sliced_template, slices_of, with_slices)
+from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting,
+                                     siblings_and_chains)
+from opfuse.codegen.forms import EpilogueKernel, LibraryAnchor
+from opfuse.codegen.split_k import SplitK, sliced_template, slices_of, with_slices
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.prologue import Prologue
 from opfuse.fusion.legality import anchor_prologue, operand_chain
@@ -67,8 +68,9 @@ def KERNEL_NAME(
     offs_k = tl.arange(0, BLOCK_K)
 ''' + TILE_INDEX + '''\
 
-    # A's rows: 4 groups of sizes (M / (AR1 AR2 AR3), AR1, AR2, AR3); its reduction: 2 groups (K / AK, AK), the
-    # outer one used only with A_SPLIT_K (else the reduction is one stride and the pointers just advance)
+    # A's rows: 4 groups (opfuse.ir.strided.OPERAND_ROW_GROUPS) of sizes (M / (AR1 AR2 AR3), AR1, AR2, AR3); its
+    # reduction: 2 groups (K / AK, AK), the outer one used only with A_SPLIT_K (else the reduction is one stride and
+    # the pointers just advance)
     a_g0 = offs_m // (AR1 * AR2 * AR3)
     a_g1 = (offs_m // (AR2 * AR3)) % AR1
     a_g2 = (offs_m // AR3) % AR2

@@ -2,8 +2,8 @@
 
 Dispatch reads the group's kind and anchor op: CONV_CONV groups -> `lower_conv_conv_group`, conv2d ->
 `lower_conv_group`, linear/matmul -> `lower_gemm_group`, elementwise groups -> `lower_pointwise_group`, reductions
--> `lower_reduction_group`. A group that gets no kernel (a view, an opaque op, attention, a
-gather, or a template that raised `Unsupported`) runs through PyTorch at run time; the reason (a stable code and the words,
+-> `lower_reduction_group`. A group that gets no kernel (a view, an opaque op, attention, a gather, or a template
+that raised `Unsupported`) runs through PyTorch at run time; the reason (a stable code and the words,
 `opfuse.fusion.reasons.Reason`) is recorded so the report can say why. The template modules are imported lazily;
 one that cannot be imported (a broken install, or a bug in opfuse) is an error naming the group and the template,
 never a silent run through PyTorch.

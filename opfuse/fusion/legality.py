@@ -201,7 +201,8 @@ def epilogue_spaces(graph: Graph, anchor: str, epilogue: Sequence[str]) -> dict[
         node = graph[name]
         seen = {spaces[v] for v in node.inputs if v in spaces}
         if len(seen) != 1:
-            return Reason(Code.VIEW_IN_ANCHOR, f"{name} ({node.op}) reads {anchor}'s values in two orders of their dims")
+            return Reason(Code.VIEW_IN_ANCHOR,
+                          f"{name} ({node.op}) reads {anchor}'s values in two orders of their dims")
         space = seen.pop()
         spaces[name] = tuple(space[d] for d in node.attrs["dims"]) if node.op in EPILOGUE_VIEWS else space
     return spaces

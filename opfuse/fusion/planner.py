@@ -402,7 +402,7 @@ class _Planner:
         nodes = self.groups[group]
         position = {name: i for i, name in enumerate(nodes)}
         signature = []
-        for name in nodes[1:]:   # nodes[0] is the anchor: the epilogue is all downstream of it
+        for name in nodes[1:]:   # nodes[0] is the anchor (`sibling_key`): the epilogue is all downstream of it
             node = self.graph[name]
             operands = []
             for value in node.inputs:

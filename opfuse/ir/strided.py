@@ -6,7 +6,8 @@ that PyTorch must copy (a reshape merging dims of a permuted tensor: the head me
 whose atoms do not fuse, and is still an index map on the original storage. `through_views(shape, strides,
 views)` replays reshapes, permutes and identities on atoms; `merged(atoms)` fuses the atoms that follow each
 other in memory; `operand_groups` splits the result into the row and reduction groups an anchor kernel indexes
-its operand with (`opfuse.codegen.gemm`: at most ROW_GROUPS row groups, at most K_GROUPS reduction groups).
+its operand with (`opfuse.codegen.gemm`: at most OPERAND_ROW_GROUPS row groups and OPERAND_K_GROUPS reduction
+groups).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Sequence
 from opfuse.ir.graph import Node
 
 Atom = tuple[int, int]          # (size, stride)
-ROW_GROUPS = 4                  # row groups an anchor kernel's operand load decomposes its row index into
-K_GROUPS = 2                    # reduction groups of that load (the head merge: heads, then head dim)
+OPERAND_ROW_GROUPS = 4          # row groups an anchor kernel's operand load decomposes its row index into
+OPERAND_K_GROUPS = 2            # reduction groups of that load (the head merge: heads, then head dim)
 MAPPED_VIEWS = frozenset({"reshape", "permute", "identity"})
 
 
@@ -88,12 +89,14 @@ def merged(atoms: Sequence[Atom]) -> list[Atom]:
 
 def operand_groups(dims: Sequence[Sequence[Atom]], row_dims: int) -> tuple[list[Atom], list[Atom]] | None:
     """(row groups, reduction groups) of an operand whose first `row_dims` dims are its rows and the rest its
-    reduction, each padded in front with (1, 0) to ROW_GROUPS and K_GROUPS; None when more groups are needed."""
+    reduction, each padded in front with (1, 0) to OPERAND_ROW_GROUPS and OPERAND_K_GROUPS; None when more groups
+    are needed."""
     rows = merged([atom for dim in dims[:row_dims] for atom in dim])
     reduction = merged([atom for dim in dims[row_dims:] for atom in dim])
-    if len(rows) > ROW_GROUPS or len(reduction) > K_GROUPS:
+    if len(rows) > OPERAND_ROW_GROUPS or len(reduction) > OPERAND_K_GROUPS:
         return None
-    return ([(1, 0)] * (ROW_GROUPS - len(rows)) + rows, [(1, 0)] * (K_GROUPS - len(reduction)) + reduction)
+    return ([(1, 0)] * (OPERAND_ROW_GROUPS - len(rows)) + rows,
+            [(1, 0)] * (OPERAND_K_GROUPS - len(reduction)) + reduction)
 
 
 def contiguous_strides(shape: Sequence[int]) -> list[int]:

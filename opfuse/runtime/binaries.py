@@ -36,7 +36,7 @@ GROUP_PREFIX = "__grp__"    # Triton's name for a cache folder's index file: {"c
 def collect_binaries(compiled: Any) -> dict[str, bytes]:
     """{"<cache folder>/<file>": contents} of every Triton cache entry `compiled` (a CompiledModel) launches with
     its chosen configs; empty on the CPU (the interpreter compiles nothing)."""
-    from opfuse.codegen.epilogue import is_unfused
+    from opfuse.codegen.forms import is_unfused
     from opfuse.environment import triton_interpreter
     from opfuse.runtime.autotune import kernel_inputs
 

@@ -204,7 +204,7 @@ class CompiledModel(torch.nn.Module):
         """Groups whose anchor runs through PyTorch's library (cuBLAS/cuDNN) with the epilogue as a generated
         kernel, or with its bias and no epilogue kernel for a group of bare linears (the autotuner measured that
         faster than every Triton config it tried), and the timings."""
-        from opfuse.codegen.epilogue import is_library
+        from opfuse.codegen.forms import is_library
 
         def form(kernel: GroupKernel) -> str:
             if getattr(kernel, "library_outputs", None) is not None:
@@ -219,7 +219,7 @@ class CompiledModel(torch.nn.Module):
     def unfused(self) -> dict[str, str]:
         """Groups that run unfused, their ops one by one through PyTorch, because the autotuner measured that
         faster than the fused kernel, and the timings."""
-        from opfuse.codegen.epilogue import is_unfused
+        from opfuse.codegen.forms import is_unfused
 
         return {name: f"{self.kernels[name].launches(config)} PyTorch ops unfused (fusion refused: "
                       f"measured slower){self._measured_against_triton(name)}"
@@ -227,7 +227,7 @@ class CompiledModel(torch.nn.Module):
 
     def _measured_against_triton(self, name: str) -> str:
         """': X us measured against Y us for the best Triton config (...)' for group `name`'s chosen form."""
-        from opfuse.codegen.epilogue import is_library, is_unfused
+        from opfuse.codegen.forms import is_library, is_unfused
         from opfuse.runtime.autotune import format_config
 
         if name in getattr(self.tuning, "from_cache", ()):

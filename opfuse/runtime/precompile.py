@@ -54,7 +54,7 @@ def record_launches(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequen
                     ) -> list[LaunchRecord]:
     """The distinct launches of running each kernel once with each of its configs but the unfused form (none of
     the generated kernels runs)."""
-    from opfuse.codegen.epilogue import is_unfused
+    from opfuse.codegen.forms import is_unfused
 
     records: dict[LaunchRecord, None] = {}
     for kernel, inputs, configs in jobs:

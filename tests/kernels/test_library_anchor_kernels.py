@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from opfuse.codegen.conv import lower_conv_group
-from opfuse.codegen.epilogue import LIBRARY_CONFIGS, UNFUSED, is_library, is_unfused
+from opfuse.codegen.forms import LIBRARY_CONFIGS, UNFUSED, is_library, is_unfused
 from opfuse.codegen.gemm import _bare_linears, lower_gemm_group
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import GroupKind

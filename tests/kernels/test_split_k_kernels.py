@@ -11,7 +11,8 @@ import torch
 
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.conv import ConvKernel, lower_conv_group
-from opfuse.codegen.epilogue import is_unfused, slices_of
+from opfuse.codegen.forms import is_unfused
+from opfuse.codegen.split_k import slices_of
 from opfuse.codegen.gemm import GemmKernel, lower_gemm_group
 from opfuse.fusion.plan import GroupKind
 from opfuse.fusion.resources import split_k_slices

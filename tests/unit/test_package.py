@@ -81,7 +81,7 @@ def compiled_convnet():
     """Compiled, then given other forms than each anchor kernel's default, as tuning on a GPU may choose (the anchor
     through PyTorch's library with a generated epilogue, the group unfused): the package must carry the chosen
     configs and forms, not fall back on the defaults."""
-    from opfuse.codegen.epilogue import is_library, is_unfused
+    from opfuse.codegen.forms import is_library, is_unfused
 
     compiled = opfuse.compile(convnet(), (images(2),))
     anchors = [(group, kernel) for group, kernel in compiled.compiled.kernels.items() if kernel.alternatives()]

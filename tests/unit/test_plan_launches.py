@@ -9,7 +9,7 @@ import pytest
 
 from opfuse.api import analyze
 from opfuse.bench.zoo import load_builtin
-from opfuse.codegen.epilogue import slices_of
+from opfuse.codegen.split_k import slices_of
 from opfuse.codegen.lower import lower_plan
 from opfuse.config import FusionConfig
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from opfuse.ir.graph import Node, TensorType
-from opfuse.ir.strided import (ROW_GROUPS, contiguous_strides, merged, operand_groups, through_views)
+from opfuse.ir.strided import (OPERAND_ROW_GROUPS, contiguous_strides, merged, operand_groups, through_views)
 
 
 def view(op: str, shape, **attrs) -> Node:
@@ -78,7 +78,7 @@ def test_the_head_merge_splits_the_reduction_in_two_groups():
     shape, chain = CASES["head_merge"]
     rows, reduction = operand_groups(through_views(shape, contiguous_strides(shape), chain), 1)
     assert reduction == [(3, 20), (5, 1)]                    # heads, then head dim
-    assert rows == [(1, 0)] * (ROW_GROUPS - 2) + [(2, 60), (4, 5)]
+    assert rows == [(1, 0)] * (OPERAND_ROW_GROUPS - 2) + [(2, 60), (4, 5)]
 
 
 def test_swin_windows_need_four_row_groups():

@@ -1,0 +1,104 @@
+"""Split-K forms of the anchor kernels: K cut into slices that each store an fp32 partial tile, then one reduce
+kernel that sums them in slice order and runs the group's epilogue (`SplitK`).
+
+`sliced_template` derives a template's slice form by line edits that must each apply once; `with_slices` gives each
+config the slices its own tile grid needs (`opfuse.fusion.resources.split_k_slices`), `slices_of` reads them back.
+The reduce kernel also serves the library form (`SplitK.reduce_only`): the library's result is one slice.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+import triton
+
+from opfuse.codegen.base import KernelConfig, load_kernel
+from opfuse.codegen.epilogue import TILE_INDEX, generate_kernel
+
+if TYPE_CHECKING:
+    from opfuse.codegen.epilogue import Epilogue, TileLayout
+
+# split-K's second kernel: the K slices' fp32 partial tiles ws[slice, batch, row, column] summed in slice order
+# (the same order every run), then the group's epilogue, under the same contract as the anchor templates
+REDUCE_TEMPLATE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def KERNEL_NAME(
+    ws_ptr, M, N, SLICES, R1, R2, B1,
+    {params}
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+''' + TILE_INDEX + '''\
+    ws = ws_ptr + pid_b * M * N + offs_m[:, None] * N + offs_n[None, :]
+    slice_size = tl.num_programs(2) * M * N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(SLICES):
+        acc += tl.load(ws + s * slice_size, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+
+{epilogue}
+'''
+REDUCE_BLOCK_M, REDUCE_BLOCK_N = 32, 64
+
+
+class SplitK:
+    """The split-K form of an anchor kernel: `template` with each K slice storing its partial tile (`partial`, the
+    template's code for it) in place of the epilogue, and the reduce kernel that sums the slices and runs the
+    epilogue. Built only for groups the planner split (`FusionGroup.split_k`)."""
+
+    def __init__(self, template: str | None, partial: str, epilogue: "Epilogue"):
+        if template is not None:
+            self.name, self.source, self.partial = load_kernel(
+                "splitk", epilogue.ops, template.format(params="ws_ptr, ", epilogue=partial))
+        self.reduce_name, self.reduce_source, self.reduce = generate_kernel(REDUCE_TEMPLATE, epilogue)
+
+    @classmethod
+    def reduce_only(cls, epilogue: "Epilogue") -> "SplitK":
+        """Just the second kernel: what the library form runs over the library's result (one slice)."""
+        return cls(None, "", epilogue)
+
+    def run_reduce(self, workspace: torch.Tensor, layout: "TileLayout", args: list, block_m: int = REDUCE_BLOCK_M,
+                   block_n: int = REDUCE_BLOCK_N, num_warps: int = 4) -> None:
+        """Sum the slices of `workspace` [slices, batch, rows, columns] into the epilogue's outputs (`args`)."""
+        slices, batch, rows, columns = workspace.shape
+        _, r1, r2 = layout.row_sizes()
+        b1 = layout.batch_sizes()[1] if layout.batch_dims else 1
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(columns, block_n), batch)
+        self.reduce[grid](workspace, rows, columns, slices, r1, r2, b1, *args,
+                          BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+
+
+def sliced_template(template: str, edits: Sequence[tuple[str, str]]) -> str:
+    """`template` edited into its split-K form: each (old, new) line edit must apply exactly once, so a change to
+    the template that breaks the derivation fails at import, not on a GPU."""
+    for old, new in edits:
+        if template.count(old) != 1:
+            raise AssertionError(f"split-K template edit: {old.strip()!r} occurs {template.count(old)} times")
+        template = template.replace(old, new)
+    return template
+
+
+def with_slices(configs: Sequence[KernelConfig], steps: Callable[[KernelConfig], tuple[int, int]],
+                sm_count: int) -> list[KernelConfig]:
+    """`configs` with each one's SPLIT_K: the K slices its own tile grid needs (`split_k_slices` of its
+    (programs, K steps)); configs that need none keep SPLIT_K=1 and run as one kernel."""
+    from opfuse.fusion.resources import split_k_slices
+
+    split = []
+    for config in configs:
+        programs, k_steps = steps(config)
+        params = dict(config.params) | {"SPLIT_K": split_k_slices(programs, k_steps, sm_count)}
+        split.append(KernelConfig.of(config.num_warps, config.num_stages, **params))
+    return list(dict.fromkeys(split))
+
+
+def slices_of(config: KernelConfig) -> int:
+    return dict(config.params).get("SPLIT_K", 1)
