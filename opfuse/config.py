@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from opfuse.hardware import DEFAULT_HARDWARE
+
 
 @dataclass(frozen=True)
 class FusionConfig:
     dtype: str | None = None            # compute dtype (activations and weights); None: the model's input dtype
-    hardware: str = "h200"              # key of opfuse.hardware.PROFILES used by the cost and resource models
+    hardware: str = DEFAULT_HARDWARE    # key of opfuse.hardware.PROFILES used by the cost and resource models
     density_threshold: float = 10.0     # FLOPs/Byte under which an op is flagged a fusion candidate (the seed's rule)
     # which fusions the planner may make
     vertical: bool = True               # anchor + epilogue, pointwise chains, prologue into reductions

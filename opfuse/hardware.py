@@ -103,7 +103,15 @@ PROFILES: dict[str, HardwareProfile] = {
 }
 
 
-def get_hardware(name: str) -> HardwareProfile:
+DEFAULT_HARDWARE = "h200"     # the profile a compile assumes unless told (FusionConfig.hardware)
+
+
+def get_hardware(name: str = DEFAULT_HARDWARE) -> HardwareProfile:
+    """The profile of a key of PROFILES (spelled loosely: "H200", "rtx-4090") or of a profile's full name (what a
+    FusionPlan records)."""
+    named = next((p for p in PROFILES.values() if p.name == name), None)
+    if named is not None:
+        return named
     key = name.lower().replace("-", "").replace("_", "").replace(" ", "")
     aliases = {"jetsonorin": "orin", "4090": "rtx4090", "h200sxm": "h200", "h100sxm": "h100"}
     key = aliases.get(key, key)

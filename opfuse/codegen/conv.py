@@ -33,7 +33,8 @@ from opfuse.codegen.gemm import GROUP_M, GemmKernel, prologue_source, anchor_bia
 from opfuse.codegen.prologue import Prologue
 from opfuse.fusion.legality import anchor_prologue
 from opfuse.fusion.plan import FusionGroup, GroupKind
-from opfuse.fusion.tiles import GATHER_CHANNELS, STREAMING_MULTIPROCESSORS, anchor_steps, conv_as_gemm
+from opfuse.fusion.tiles import GATHER_CHANNELS, anchor_steps, conv_as_gemm
+from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph, Node, torch_dtype
 
 CONV_TEMPLATE = '''
@@ -215,8 +216,9 @@ class ConvKernel(EpilogueKernel):
     """Implicit-GEMM convolution (+ epilogue) of one group."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue, x: str,
-                 geometry: ConvGeometry, weight: torch.Tensor):
+                 geometry: ConvGeometry, weight: torch.Tensor, hw: HardwareProfile | None = None):
         name, source, self.kernel = generate_kernel(CONV_TEMPLATE, epilogue)
+        hw = hw or get_hardware()
         super().__init__(graph, group, name, source)
         self.epilogue, self.layout, self.x, self.geometry = epilogue, epilogue.layout, x, geometry
         # [Cout, Cin/g, Kh, Kw] -> [Kh, Kw, Cin/g, Cout] -> [K, Cout]: K in the order the NHWC gathers walk it
@@ -224,11 +226,11 @@ class ConvKernel(EpilogueKernel):
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
         self._configs = gemm_configs(self.layout.rows, self.layout.channels // geometry.groups,
                                      self.weight.shape[0], geometry.groups, self.weight.element_size(),
-                                     gather=geometry.cin_per_group < GATHER_CHANNELS)
+                                     gather=geometry.cin_per_group < GATHER_CHANNELS, hw=hw)
         self.split = None
         if group.split_k > 1:    # the planner split K: each config gets the slices its own tile grid needs
             self.split = SplitK(CONV_SLICE_TEMPLATE, CONV_PARTIAL, epilogue)
-            self._configs = with_slices(self._configs, self._programs_and_steps, STREAMING_MULTIPROCESSORS)
+            self._configs = with_slices(self._configs, self._programs_and_steps, hw.sm_count)
 
     def _steps(self, config: KernelConfig) -> int:
         """K-loop steps of the template for `config` (the gather form walks taps x channels in BLOCK_K blocks)."""
@@ -295,8 +297,10 @@ class DepthwiseConvKernel(EpilogueKernel):
         return outputs
 
 
-def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | str) -> GroupKernel:
-    """The kernel of a group anchored on conv2d (horizontal: sibling convs of one geometry on one input)."""
+def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | str,
+                     hw: HardwareProfile | None = None) -> GroupKernel:
+    """The kernel of a group anchored on conv2d (horizontal: sibling convs of one geometry on one input), with
+    tiles for GPU `hw` (default: the default profile)."""
     device = torch.device(device)
     anchors, chains = siblings_and_chains(graph, group, ("conv2d",))
     if len(anchors) > 1 and group.kind is not GroupKind.HORIZONTAL:
@@ -331,17 +335,17 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
         input_layout = TileLayout(graph[x].type.shape, channel_dim=1, channels_last=True)
         kernel = GemmKernel(graph, group, device, epilogue, a=source, k=g.cin,
                             b_packed=weight[:, :, 0, 0].t().contiguous(), tf32_allowed=_cudnn_allows_tf32,
-                            prologue=Prologue(graph, ops, source, input_layout, g.cin, device))
+                            prologue=Prologue(graph, ops, source, input_layout, g.cin, device), hw=hw)
     elif g.groups > 1 and g.groups == g.cin and layout.channels % g.cin == 0:
         kernel = DepthwiseConvKernel(graph, group, device, epilogue, x, geometry, weight)
     elif conv_as_gemm((g.kh, g.kw), g.padding, g.groups):
         stride_h, stride_w = g.stride
         a_view = None if g.stride == (1, 1) else (lambda t: t[:, :, ::stride_h, ::stride_w])
         kernel = GemmKernel(graph, group, device, epilogue, a=x, k=g.cin,
-                            b_packed=weight[:, :, 0, 0].t().contiguous(), a_view=a_view,
+                            b_packed=weight[:, :, 0, 0].t().contiguous(), a_view=a_view, hw=hw,
                             tf32_allowed=_cudnn_allows_tf32)
     else:
-        kernel = ConvKernel(graph, group, device, epilogue, x, geometry, weight)
+        kernel = ConvKernel(graph, group, device, epilogue, x, geometry, weight, hw)
     kernel.library_anchor = library
     return kernel
 

@@ -47,6 +47,7 @@ from opfuse.codegen.gemm import anchor_biases
 from opfuse.fusion.legality import conv_chain_problem, conv_stages
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.resources import conv_chain, conv_conv_tiles, expansion_block
+from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph, torch_dtype
 
 CONV_CONV_TEMPLATE = '''
@@ -185,7 +186,8 @@ class InnerStage:
 class ConvConvKernel(EpilogueKernel):
     """[expand 1x1 ->] depthwise -> pointwise 1x1 (+ epilogue) of one group, the intermediates kept on chip."""
 
-    def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, chain: list[str]):
+    def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, chain: list[str],
+                 hw: HardwareProfile):
         *expansion, depthwise, pointwise = chain
         stages = conv_stages(graph, group.nodes, chain)
         self.x = graph[chain[0]].inputs[0]
@@ -238,14 +240,15 @@ class ConvConvKernel(EpilogueKernel):
         rows, channels = self.layout.rows, self.layout.channels
         self._counts = torch.zeros(triton.cdiv(rows, 16) * triton.cdiv(channels, 16), dtype=torch.int32,
                                    device=device)
-        self._configs = self._candidate_configs(graph, group, chain)
+        self._configs = self._candidate_configs(graph, group, chain, hw)
 
     @staticmethod
-    def _candidate_configs(graph: Graph, group: FusionGroup, chain: list[str]) -> list[KernelConfig]:
+    def _candidate_configs(graph: Graph, group: FusionGroup, chain: list[str], hw: HardwareProfile
+                           ) -> list[KernelConfig]:
         """The planner's tile first (the fastest that fits, by the cost model), then the resource model's others."""
         if interpreting():
             return [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=1)]
-        tiles = conv_conv_tiles(graph, chain)
+        tiles = conv_conv_tiles(graph, chain, hw.sm_count)
         planned = group.resources.tile if group.resources is not None else None
         if planned and all(k in planned for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")):
             tiles = [dict(planned)] + [t for t in tiles if t != planned]
@@ -287,12 +290,14 @@ class ConvConvKernel(EpilogueKernel):
         return torch.empty(size, dtype=torch.float32, device=device), self._counts
 
 
-def lower_conv_conv_group(graph: Graph, group: FusionGroup, device: torch.device | str) -> GroupKernel:
-    """The kernel of a CONV_CONV group: [expand 1x1 ->] depthwise -> pointwise 1x1 with their epilogues."""
+def lower_conv_conv_group(graph: Graph, group: FusionGroup, device: torch.device | str,
+                          hw: HardwareProfile | None = None) -> GroupKernel:
+    """The kernel of a CONV_CONV group: [expand 1x1 ->] depthwise -> pointwise 1x1 with their epilogues, with tiles
+    for GPU `hw` (default: the default profile)."""
     chain = conv_chain(graph, group.nodes)
     if not chain:
         raise Unsupported(f"group {group.name} ({group.kind.value}) holds no chain of convolutions")
     problem = conv_chain_problem(graph, set(group.nodes), chain, graph.users())
     if problem:
         raise Unsupported(f"group {group.name}: {problem}")
-    return ConvConvKernel(graph, group, torch.device(device), chain)
+    return ConvConvKernel(graph, group, torch.device(device), chain, hw or get_hardware())

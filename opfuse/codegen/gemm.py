@@ -31,7 +31,8 @@ from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.prologue import Prologue
 from opfuse.fusion.legality import anchor_prologue, operand_chain
 from opfuse.fusion.plan import FusionGroup, GroupKind
-from opfuse.fusion.tiles import INTERPRETER, STREAMING_MULTIPROCESSORS, anchor_steps, anchor_tiles
+from opfuse.fusion.tiles import INTERPRETER, anchor_steps, anchor_tiles
+from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir import strided
 from opfuse.ir.graph import Graph, torch_dtype
 from opfuse.ir.ops import get_op
@@ -112,11 +113,14 @@ GEMM_PARTIAL = '''\
     tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])'''
 
 
-def gemm_configs(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gather: bool = False
-                 ) -> list[KernelConfig]:
-    """The anchor tiles (`opfuse.fusion.tiles.anchor_tiles`, the default first) as launch configs; under Triton's
-    interpreter the one tiny tile."""
-    tiles = [INTERPRETER] if interpreting() else anchor_tiles(m, n, k, batch, itemsize, gather)
+def gemm_configs(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gather: bool = False,
+                 hw: HardwareProfile | None = None) -> list[KernelConfig]:
+    """The anchor tiles for GPU `hw` (`opfuse.fusion.tiles.anchor_tiles`, the default first; default: the default
+    profile) as launch configs; under Triton's interpreter the one tiny tile."""
+    if interpreting():
+        tiles = [INTERPRETER]
+    else:
+        tiles = anchor_tiles(m, n, k, batch, itemsize, gather, hw=hw or get_hardware())
     return [KernelConfig.of(num_warps=t["num_warps"], num_stages=t["num_stages"], BLOCK_M=t["BLOCK_M"],
                             BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"]) for t in tiles]
 
@@ -160,7 +164,7 @@ class GemmKernel(EpilogueKernel):
                  a: str, k: int, b_packed: torch.Tensor | None = None, b: str | None = None,
                  b_layout: TileLayout | None = None,
                  a_view: Callable[[torch.Tensor], torch.Tensor] | None = None, a_map: OperandMap | None = None,
-                 prologue: Prologue | None = None,
+                 prologue: Prologue | None = None, hw: HardwareProfile | None = None,
                  tf32_allowed: Callable[[], bool] | None = None, library_anchor: LibraryAnchor | None = None):
         if prologue is not None and (a_view is not None or a_map is not None):
             raise Unsupported(f"group {group.name}: a prologue on an operand read through views")
@@ -172,12 +176,13 @@ class GemmKernel(EpilogueKernel):
         self.b, self.b_packed, self.b_layout = b, b_packed, b_layout
         self.tf32_allowed = tf32_allowed    # conv passes cuDNN's switch; GEMMs follow torch's matmul precision
         self.library_anchor = library_anchor
+        hw = hw or get_hardware()
         self._configs = gemm_configs(self.layout.rows, self.layout.channels, k, self.layout.batch,
-                                     graph[a].type.itemsize)
+                                     graph[a].type.itemsize, hw=hw)
         self.split = None
         if group.split_k > 1:    # the planner split K: each config gets the slices its own tile grid needs
             self.split = SplitK(_with_prologue(GEMM_SLICE_TEMPLATE, prologue), GEMM_PARTIAL, epilogue)
-            self._configs = with_slices(self._configs, self._programs_and_steps, STREAMING_MULTIPROCESSORS)
+            self._configs = with_slices(self._configs, self._programs_and_steps, hw.sm_count)
         self._sizes = (self.layout.rows, self.layout.channels, *self.layout.row_sizes()[1:],
                        self.layout.batch_sizes()[1] if self.layout.batch_dims else 1)
         # constant operands (a matmul with a constant side) are held by the kernel, on the device
@@ -260,7 +265,7 @@ def anchor_biases(graph: Graph, anchors: list[str]) -> list[torch.Tensor | None]
 
 
 def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchors: list[str],
-                  chains: list[list[str]]) -> GemmKernel:
+                  chains: list[list[str]], hw: HardwareProfile | None) -> GemmKernel:
     first = graph[anchors[0]]
     x = first.inputs[0]
     for name in anchors[1:]:
@@ -289,6 +294,7 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
         return a_map.materialize(values[a]) if a_map is not None else values[x]
 
     kernel = GemmKernel(graph, group, device, epilogue, a=a, k=k, b_packed=weight, a_map=a_map, prologue=prologue,
+                        hw=hw,
                         library_anchor=lambda values: torch.matmul(operand(values), weight).reshape(1, rows, n))
     if all(len(chain) == 1 for chain in chains):
         kernel.library_outputs = _bare_linears(graph, operand, weight, anchors, biases, group.outputs)
@@ -321,7 +327,7 @@ def _bare_linears(graph: Graph, operand: Callable[[dict[str, torch.Tensor]], tor
 
 
 def _lower_matmul(graph: Graph, group: FusionGroup, device: torch.device, anchor: str,
-                  chains: list[list[str]]) -> GemmKernel:
+                  chains: list[list[str]], hw: HardwareProfile | None) -> GemmKernel:
     node = graph[anchor]
     a, b = node.inputs
     a_type, b_type = graph[a].type, graph[b].type
@@ -337,12 +343,14 @@ def _lower_matmul(graph: Graph, group: FusionGroup, device: torch.device, anchor
     b_layout = TileLayout(shape[:-2] + (k, shape[-1]), channel_dim=len(shape) - 1, batch_dims=batch_dims)
     epilogue = Epilogue(graph, group, chains, layout, device)
     batch, m, n = layout.batch, layout.rows, layout.channels
-    return GemmKernel(graph, group, device, epilogue, a=a, k=k, b=b, b_layout=b_layout,
+    return GemmKernel(graph, group, device, epilogue, a=a, k=k, b=b, b_layout=b_layout, hw=hw,
                       library_anchor=lambda values: torch.matmul(values[a], values[b]).reshape(batch, m, n))
 
 
-def lower_gemm_group(graph: Graph, group: FusionGroup, device: torch.device | str) -> GemmKernel:
-    """The kernel of a group anchored on linear or matmul (horizontal: sibling linears on one input)."""
+def lower_gemm_group(graph: Graph, group: FusionGroup, device: torch.device | str,
+                     hw: HardwareProfile | None = None) -> GemmKernel:
+    """The kernel of a group anchored on linear or matmul (horizontal: sibling linears on one input), with tiles
+    for GPU `hw` (default: the default profile)."""
     device = torch.device(device)
     anchors, chains = siblings_and_chains(graph, group, ("linear", "matmul"))
     if len(anchors) > 1 and group.kind is not GroupKind.HORIZONTAL:
@@ -350,7 +358,7 @@ def lower_gemm_group(graph: Graph, group: FusionGroup, device: torch.device | st
                           f"{', '.join(anchors)}")
     ops = {graph[a].op for a in anchors}
     if ops == {"linear"}:
-        return _lower_linear(graph, group, device, anchors, chains)
+        return _lower_linear(graph, group, device, anchors, chains, hw)
     if len(anchors) > 1:
         raise Unsupported(f"horizontal group {group.name}: only linear siblings are concatenated, not {ops}")
-    return _lower_matmul(graph, group, device, anchors[0], chains)
+    return _lower_matmul(graph, group, device, anchors[0], chains, hw)

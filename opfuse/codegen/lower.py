@@ -21,6 +21,7 @@ from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.legality import MAPPED_COPIES, joins_as_map
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
 from opfuse.fusion.reasons import Code, Reason
+from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph, GraphError
 from opfuse.ir.ops import FusionKind, kind_of, view_copies
 
@@ -31,6 +32,8 @@ ANCHOR_LOWERINGS = {
     "matmul": ("opfuse.codegen.gemm", "lower_gemm_group"),
 }
 CONV_CONV_LOWERING = ("opfuse.codegen.conv_conv", "lower_conv_conv_group")
+# the anchor templates pick tiles and K slices for a GPU: they take its profile (`hw`)
+ON_TILES = frozenset(ANCHOR_LOWERINGS.values()) | {CONV_CONV_LOWERING}
 POINTWISE_LOWERING = ("opfuse.codegen.pointwise", "lower_pointwise_group")
 REDUCTION_LOWERING = ("opfuse.codegen.reduction", "lower_reduction_group")
 
@@ -88,13 +91,15 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reaso
                   f"{', '.join(dict.fromkeys(graph[n].op for n in group.nodes))}")
 
 
-def _load(module: str, function: str) -> Callable[[Graph, FusionGroup, torch.device], GroupKernel]:
+def _load(module: str, function: str) -> Callable[..., GroupKernel]:
     return getattr(importlib.import_module(module), function)
 
 
 def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
-                reasons: MutableMapping[str, Reason] | None = None) -> GroupKernel | None:
-    """The group's kernel, or None (reason stored in `reasons[group.name]`) when it runs through PyTorch."""
+                reasons: MutableMapping[str, Reason] | None = None, hw: HardwareProfile | None = None
+                ) -> GroupKernel | None:
+    """The group's kernel for GPU `hw` (default: the default profile), or None (reason stored in
+    `reasons[group.name]`) when it runs through PyTorch."""
     choice = choose_lowering(graph, group)
     if isinstance(choice, Reason):
         reason = choice
@@ -106,7 +111,8 @@ def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
             raise GraphError(f"group {group.name}: the kernel template {module}.{function} cannot be loaded "
                              f"({type(error).__name__}: {error})") from error
         try:
-            kernel = lower(graph, group, torch.device(device))
+            kernel = lower(graph, group, torch.device(device), **({"hw": hw or get_hardware()} if choice in ON_TILES
+                                                                  else {}))
         except Unsupported as error:
             reason = Reason(Code.UNSUPPORTED, f"unsupported by {function}: {error}")
         except ImportError as error:
@@ -130,11 +136,12 @@ def groups_through_pytorch(plan: FusionPlan) -> dict[str, Reason]:
 
 def lower_plan(plan: FusionPlan, device: torch.device | str
                ) -> tuple[dict[str, GroupKernel], dict[str, Reason]]:
-    """Lower every group: ({group name: kernel}, {group name: why it runs through PyTorch})."""
+    """Lower every group for the plan's GPU: ({group name: kernel}, {group name: why it runs through PyTorch})."""
     kernels: dict[str, GroupKernel] = {}
     reasons: dict[str, Reason] = {}
+    hw = get_hardware(plan.hardware)
     for group in plan.groups:
-        kernel = lower_group(plan.graph, group, device, reasons)
+        kernel = lower_group(plan.graph, group, device, reasons, hw)
         if kernel is not None:
             kernels[group.name] = kernel
     return kernels, reasons

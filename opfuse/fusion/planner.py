@@ -35,7 +35,7 @@ from opfuse.fusion.legality import (EPILOGUE_VIEWS, MAPPED_COPIES, can_fuse, in_
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import MIN_SPLIT_STEPS, anchor_of, conv_chain, gemm_view, split_k_slices
-from opfuse.fusion.tiles import STREAMING_MULTIPROCESSORS, anchor_loop, anchor_steps, anchor_tiles
+from opfuse.fusion.tiles import anchor_loop, anchor_steps, anchor_tiles
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import DTYPE_BYTES, Graph
 from opfuse.ir.ops import FusionKind, kind_of, view_copies
@@ -601,11 +601,12 @@ class _Planner:
         if slices == 1:
             return 1, 1, estimate.time, ""
         taps, gather = anchor_loop(self.graph, estimate.anchor)
-        default = anchor_tiles(rows, columns, reduction, batch, DTYPE_BYTES[self.config.dtype], gather)[0]
+        default = anchor_tiles(rows, columns, reduction, batch, DTYPE_BYTES[self.config.dtype], gather,
+                               hw=self.hw)[0]
         programs, steps = grid(default, taps)
-        default_slices = split_k_slices(programs, steps, STREAMING_MULTIPROCESSORS)     # as the kernel counts them
+        default_slices = split_k_slices(programs, steps, self.hw.sm_count)     # as the kernel counts them
         if default_slices == 1:
-            if 4 * programs > STREAMING_MULTIPROCESSORS:
+            if 4 * programs > self.hw.sm_count:
                 unsplit = f"its {programs} tiles keep over a quarter of the SMs busy"
             elif steps < MIN_SPLIT_STEPS:
                 unsplit = f"its reduction is {steps} K blocks, under the {MIN_SPLIT_STEPS} a split needs"

@@ -35,7 +35,6 @@ from typing import Iterable, Mapping
 
 from opfuse.fusion.legality import conv_stages
 from opfuse.fusion.plan import ResourceEstimate
-from opfuse.fusion.tiles import STREAMING_MULTIPROCESSORS
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import DTYPE_BYTES, Graph, dtype_name
 from opfuse.ir.ops import FusionKind, get_op, kind_of
@@ -100,7 +99,7 @@ def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, h
         candidates = [_attention(graph, nodes, anchor, hw, itemsize, t) for t in _tiles(ATTENTION_TILES, tile)]
     elif anchor is not None and (chain := conv_chain(graph, nodes)):
         candidates = [_conv_conv(graph, nodes, chain, hw, itemsize, t)
-                      for t in conv_conv_tiles(graph, chain, tile, hw.sm_count)]
+                      for t in conv_conv_tiles(graph, chain, hw.sm_count, tile)]
     elif anchor is not None:
         candidates = [_gemm(graph, nodes, anchor, hw, itemsize, t) for t in _gemm_tiles(graph, anchor, tile)]
     elif (reduction := row_reduction(graph, nodes)) is not None:
@@ -242,8 +241,8 @@ def _gemm(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile, item
     return _check(hw, tile, threads, registers, shared)
 
 
-def conv_conv_tiles(graph: Graph, chain: list[str], tile: Mapping[str, int] | None = None,
-                    sm_count: int = STREAMING_MULTIPROCESSORS) -> list[dict[str, int]]:
+def conv_conv_tiles(graph: Graph, chain: list[str], sm_count: int, tile: Mapping[str, int] | None = None
+                    ) -> list[dict[str, int]]:
     """Candidate conv-conv tiles clipped to the problem: BLOCK_M to the pixels, BLOCK_N to the output channels,
     BLOCK_K to the mid (depthwise) channels, each at least 16 (Triton's smallest dot), with the mid-channel slices
     (SPLIT_K) their grid runs: `conv_conv_slices` for a depthwise + pointwise kernel, 1 for a whole block."""

@@ -3,8 +3,9 @@ one source for the Triton templates (`opfuse.codegen.gemm.gemm_configs`, `opfuse
 the planner, which counts split-K's second launch only where that default tile splits the reduction.
 
 A tile is a dict: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages. `anchor_tiles(m, n, k, batch, itemsize,
-gather)` lists the candidates, the default first; `anchor_steps(taps, channels, block_k)` counts the K-loop steps of
-a tile; `anchor_loop(graph, anchor)` says which loop a graph's anchor gets. These are the GPU's rules, and the plan
+gather, hw=...)` lists the candidates for a GPU (`opfuse.hardware.HardwareProfile`: its SMs pick the default, its
+shared memory bounds the pipelines), the default first; `anchor_steps(taps, channels, block_k)` counts the K-loop
+steps of a tile; `anchor_loop(graph, anchor)` says which loop a graph's anchor gets. These are the GPU's rules, and the plan
 always follows them; only the kernels, under Triton's interpreter (tests, `interpreting()`), run one tiny tile
 instead (`INTERPRETER`), so there an interpreted model may launch other split-K kernels than its plan counts.
 """
@@ -12,6 +13,7 @@ instead (`INTERPRETER`), so there an interpreted model may launch other split-K 
 from __future__ import annotations
 
 from opfuse.environment import triton_interpreter
+from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph
 
 
@@ -31,11 +33,7 @@ SMALL_M = [_tile(16, 32, 128, 4, 4), _tile(16, 64, 128, 4, 4), _tile(16, 32, 256
 GATHER = _tile(64, 64, 32, 4, 4)
 GATHER_CHANNELS = 32                # input channels per group under which a conv gathers taps
 INTERPRETER = _tile(32, 32, 16, 4, 1)
-STREAMING_MULTIPROCESSORS = 132     # an H200's: picks the default tile, and every tile's K slices (the kernels'
-                                    # `with_slices`, the plan's launch count, the conv-conv candidates' mid-channel
-                                    # slices after the planned tile, which follows the profile); the autotuner measures
-                                    # what they give on the GPU at hand
-SHARED_MEMORY_BYTES = 200 * 1024    # operand tiles of all pipeline stages must fit (227 KiB per block, less slack)
+SHARED_SLACK = 27 * 1024    # a block's shared memory the operand pipeline leaves to the epilogue and Triton itself
 
 
 def interpreting() -> bool:
@@ -43,17 +41,17 @@ def interpreting() -> bool:
     return triton_interpreter()
 
 
-def fits(tile: dict[str, int], itemsize: int) -> bool:
-    """Whether the operand tiles of every pipeline stage fit in shared memory."""
+def fits(tile: dict[str, int], itemsize: int, hw: HardwareProfile) -> bool:
+    """Whether the operand tiles of every pipeline stage fit in a block's shared memory, less SHARED_SLACK."""
     return (tile["BLOCK_M"] + tile["BLOCK_N"]) * tile["BLOCK_K"] * itemsize * tile["num_stages"] \
-        <= SHARED_MEMORY_BYTES
+        <= hw.shared_memory_per_block - SHARED_SLACK
 
 
-def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gather: bool = False
-                 ) -> list[dict[str, int]]:
-    """Tile candidates on a GPU for an M x N (x batch) output reducing over K with operands of `itemsize` bytes; the
-    first is the default (`gather`: a convolution with under GATHER_CHANNELS input channels per group). Tiles whose
-    pipeline would not fit in shared memory (float32) are left out.
+def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gather: bool = False, *,
+                 hw: HardwareProfile) -> list[dict[str, int]]:
+    """Tile candidates on GPU `hw` for an M x N (x batch) output reducing over K with operands of `itemsize` bytes;
+    the first is the default (`gather`: a convolution with under GATHER_CHANNELS input channels per group). Tiles
+    whose pipeline would not fit in shared memory (float32, or a GPU with less of it) are left out.
 
     The default rules were read off H200 fp16 measurements (CUDA-graph timed, 2026-11-30): ResNet-50 convs
     (3x3 64ch 56x56: 128x64x32 31.8 us vs 128x128x64 54.9 us; 1x1 64->256: 64x128x32 44.6 us vs 70.9 us),
@@ -61,15 +59,15 @@ def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
     16x128x64 18.1 us).
     """
     if m <= 32:
-        candidates = [t for t in SMALL_M + MEDIUM[3:] if fits(t, itemsize)]
+        candidates = [t for t in SMALL_M + MEDIUM[3:] if fits(t, itemsize, hw)]
         first = candidates[0]
     else:
-        candidates = [t for t in LARGE + MEDIUM + SMALL_M[4:] if fits(t, itemsize)]
+        candidates = [t for t in LARGE + MEDIUM + SMALL_M[4:] if fits(t, itemsize, hw)]
         if n <= 64:         # a 128-wide tile would leave half its columns idle
             first = _tile(64, 64, 64, 4, 3) if k <= 256 else _tile(128, 64, 32, 4, 4)
         elif k <= 256:      # short reduction: the output store dominates, small tiles keep more of it in flight
             first = _tile(64, 128, 32, 4, 4)
-        elif -(-m // 128) * -(-n // 128) * batch < 2 * STREAMING_MULTIPROCESSORS:
+        elif -(-m // 128) * -(-n // 128) * batch < 2 * hw.sm_count:
             first = _tile(64, 64, 64, 4, 3)   # too few big tiles to fill the GPU
         else:
             first = candidates[0]

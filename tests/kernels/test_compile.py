@@ -96,8 +96,8 @@ def test_a_wrong_kernel_is_unfused_and_named():
     x = torch.randn(1, 3, 8, 8)
     original = lower.lower_group
 
-    def sabotaged(graph, group, device, reasons=None):
-        kernel = original(graph, group, device, reasons)
+    def sabotaged(graph, group, device, reasons=None, hw=None):
+        kernel = original(graph, group, device, reasons, hw)
         if kernel is not None and group.anchor and graph[group.anchor].op == "linear":
             run = kernel.run
             kernel.run = lambda inputs, config=None: [out + 1.0 for out in run(inputs, config)]

@@ -251,3 +251,21 @@ def test_a_batch_norm_after_the_epilogue_permute_reads_its_channels_where_they_a
     params = [b.const(n, b.random(4) if n != "var" else b.random(4).abs() + 0.5) for n in ("w", "b", "mean", "var")]
     y = b.op("batch_norm", b.op("permute", b.conv(x, 6, 1), dims=(0, 2, 1, 3)), *params, eps=1e-5)
     run_group(b, [y], lower=lower_conv_group)
+
+
+def test_tiles_follow_the_gpu_profile(monkeypatch):
+    """The SM count picks the default tile and the shared memory bounds the pipelines: an RTX 4090's 99 KiB per
+    block leaves out float32 tiles an H200 takes; a grid that fills an Orin's 16 SMs keeps the big tile."""
+    from opfuse.fusion.tiles import fits
+    from opfuse.hardware import get_hardware
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    h200, rtx, orin = get_hardware("h200"), get_hardware("rtx4090"), get_hardware("orin")
+    big = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    assert fits(big, 4, h200) and not fits(big, 4, rtx)        # 192 KiB of operand stages
+    assert all(fits(c.as_dict(), 4, rtx) for c in gemm_configs(8192, 8192, 8192, itemsize=4, hw=rtx))
+    assert len(gemm_configs(8192, 8192, 8192, itemsize=4, hw=rtx)) < len(gemm_configs(8192, 8192, 8192, itemsize=4,
+                                                                                       hw=h200))
+    # 1024 x 1024: 64 tiles of 128 x 128, under 2 x 132 SMs (a 64 x 64 default) but over 2 x 16
+    assert gemm_configs(1024, 1024, 1024, hw=h200)[0]["BLOCK_M"] == 64
+    assert gemm_configs(1024, 1024, 1024, hw=orin)[0]["BLOCK_M"] == 128

@@ -245,7 +245,7 @@ def test_sliced_work_and_its_measured_step():
     # would leave the fourth empty); 16- and 32-row tiles of 64-deep chunks walk 3 chunks, no longer than 2 + the
     # sum: unsplit; 16-deep chunks: 12 -> 4 slices (8 would need 200 programs on 132 SMs)
     tiles = {(t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"], t["num_stages"]): t["SPLIT_K"]
-             for t in conv_conv_tiles(graph, chain)}
+             for t in conv_conv_tiles(graph, chain, H200.sm_count)}
     assert tiles == {(32, 32, 32, 3): 2, (16, 32, 64, 2): 1, (32, 32, 64, 2): 1, (32, 32, 32, 2): 2,
                      (32, 32, 16, 1): 4}
 

@@ -330,7 +330,7 @@ def test_lower_group_records_unsupported_and_refuses_missing_templates(monkeypat
     group = build_plan(graph).groups[0]
     reasons = {}
 
-    def unsupported(graph, group, device):
+    def unsupported(graph, group, device, hw=None):
         raise Unsupported("dilation 2 conv")
 
     monkeypatch.setattr(lower, "_load", lambda module, function: unsupported)
@@ -346,7 +346,7 @@ def test_lower_group_records_unsupported_and_refuses_missing_templates(monkeypat
         lower.lower_group(graph, group, "cpu", reasons)
 
     made = {}
-    monkeypatch.setattr(lower, "_load", lambda module, function: lambda g, grp, dev: made.setdefault(
+    monkeypatch.setattr(lower, "_load", lambda module, function: lambda g, grp, dev, hw=None: made.setdefault(
         "kernel", FakeKernel(g, grp)))
     assert lower.lower_group(graph, group, "cpu") is made["kernel"]
 
@@ -355,11 +355,11 @@ def test_build_compiled_model_on_cpu(monkeypatch):
     graph = build_graph()
     plan = build_plan(graph)
 
-    def refuse(g, group, device):
+    def refuse(g, group, device, hw=None):
         raise Unsupported("not this group")
 
     def fake_load(module, function):
-        return (lambda g, group, device: FakeKernel(g, group)) if function == "lower_conv_group" else refuse
+        return (lambda g, group, device, hw=None: FakeKernel(g, group)) if function == "lower_conv_group" else refuse
 
     monkeypatch.setattr(lower, "_load", fake_load)
     model = build_compiled_model(plan, "cpu", example_inputs())
