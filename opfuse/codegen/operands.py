@@ -24,7 +24,7 @@ from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_k
 from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, triton_dtype
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import interpreting  # noqa: F401  (pointwise and reduction take it from here)
-from opfuse.ir.graph import Graph, GraphError, Node, TensorType, torch_dtype
+from opfuse.ir.graph import WIDE_INTEGERS, Graph, GraphError, Node, TensorType, torch_dtype
 
 Coords = tuple  # tuple[str | None, ...]: a Triton expression per dimension, None meaning 0
 
@@ -137,9 +137,6 @@ class KernelArgs:
 
 
 # ---- code emission ----------------------------------------------------------------------------------
-
-WIDE_INTEGERS = ("int64", "int32")
-
 
 def exact(node: Node) -> None:
     """Refuse a value the float32 arithmetic of a generated kernel would not hold exactly: 32- and 64-bit integers

@@ -37,7 +37,7 @@ from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import MIN_SPLIT_STEPS, anchor_of, conv_chain, gemm_view, split_k_slices
 from opfuse.fusion.tiles import anchor_loop, anchor_steps, anchor_tiles
 from opfuse.hardware import HardwareProfile, get_hardware
-from opfuse.ir.graph import DTYPE_BYTES, Graph
+from opfuse.ir.graph import DTYPE_BYTES, WIDE_INTEGERS, Graph
 from opfuse.ir.ops import FusionKind, kind_of, view_copies
 from opfuse.ir.verify import verify
 
@@ -506,9 +506,11 @@ class _Planner:
         if FusionKind.OPAQUE in kinds:
             return GroupKind.OPAQUE
         copies = [n for n in nodes if kind_of(self.graph[n]) is FusionKind.INJECTIVE and not is_view(self.graph[n])]
-        if any(self.graph[n].op not in MAPPED_COPIES for n in copies):
-            return GroupKind.INJECTIVE      # a gather, pad or other copy runs through PyTorch; a cat or roll, even
-                                            # alone, is an index map of the elementwise template
+        if any(self.graph[n].op not in MAPPED_COPIES for n in copies) or \
+                (len(nodes) == 1 and copies and self.graph[nodes[0]].type.dtype in WIDE_INTEGERS):
+            return GroupKind.INJECTIVE      # a gather, pad or other copy runs through PyTorch, and a lone copy of
+                                            # wide integers too; a cat or roll, even alone, is an index map of the
+                                            # elementwise template
         if len(nodes) == 1:
             return GroupKind.SINGLE
         if conv_chain(self.graph, nodes):

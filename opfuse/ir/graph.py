@@ -20,6 +20,7 @@ DTYPE_BYTES = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+WIDE_INTEGERS = ("int64", "int32")     # round past 2^24 in a generated kernel's float32 arithmetic
 SHORT_DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}
 
 

@@ -412,3 +412,14 @@ def test_sibling_linears_whose_epilogues_permute_are_not_concatenated():
     for i in range(2):
         assert plan.group_of(f"fc{i}").nodes == [f"fc{i}", f"p{i}", f"scaled{i}"]
         assert plan.group_of(f"fc{i}").kind is not GroupKind.HORIZONTAL
+
+
+def test_a_lone_cat_of_token_ids_stays_pytorchs():
+    """Kernels compute in float32, which rounds int64 past 2^24: a lone copy of wide integers is PyTorch's cat
+    (a copy, said as one), not a kernel the template would then refuse."""
+    b = GraphBuilder("ids")
+    ids = [b.input(f"ids{i}", (2, 5), dtype="int64") for i in range(2)]
+    graph = b.output(b.op("cat", ids, {"dim": 1}, "joined"))
+    group = plan_fusion(graph, FusionConfig(), H200).group_of("joined")
+    assert group.kind is GroupKind.INJECTIVE
+    assert choose_lowering(graph, group).code is Code.COPYING_OP
