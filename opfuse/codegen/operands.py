@@ -4,8 +4,9 @@ A generated kernel evaluates group values at *coordinates*: one Triton expressio
 value (None where the coordinate is always 0, e.g. a size-1 dimension). `Region.value(name, coords)` emits the
 lines computing a value there: a group input is loaded through its runtime strides, an elementwise node goes
 through `expr.emit` with its operands' coordinates broadcast (numpy rules), a view node (reshape, permute,
-expand, slice, identity) and a roll only map coordinates, and a cat picks the input whose slice holds the coordinate (each
-input evaluated under its slice's mask). Broadcast constants, channels-last activations and channel-slice views
+expand, slice, identity) and a roll only map coordinates, a cat picks the input whose slice holds the coordinate
+(each input evaluated under its slice's mask), and an embedding loads its row index (exactly, as an integer) and
+then the table at that row. Broadcast constants, channels-last activations and channel-slice views
 therefore need no special case, and no view is ever copied.
 
 `TemplateKernel` is the runtime half both kernel kinds share: constants held on the device, runtime inputs bound
@@ -222,6 +223,8 @@ class Region:
             result = self._cat(node, coords)
         elif node.op == "roll":
             result = self.value(node.inputs[0], self._roll_coords(node, coords))
+        elif node.op == "embedding":
+            result = self.value(node.inputs[0], (self._row_index(node, coords[:-1]), coords[-1]))
         elif node.op in SUPPORTED_OPS:
             args = [self.value(i, self.operand_coords(node, position, coords))
                     for position, i in enumerate(node.inputs)]
@@ -242,6 +245,20 @@ class Region:
             if coords[dim] is not None and offset:
                 result[dim] = f"(({coords[dim]} + {offset}) % {size})"
         return tuple(result)
+
+    def _row_index(self, node: Node, coords: Coords) -> str:
+        """The table row an embedding reads at `coords` of its indices: loaded as the integer it is (the indices
+        must be a group input; positions 2^24 and up would not survive the float32 path of computed values)."""
+        indices = node.inputs[1]
+        if indices in self.emitter.members:
+            raise Unsupported(f"{node.describe()} gathers by indices computed in the kernel")
+        key = (indices, tuple(coords), self.mask)
+        if key not in self.cache:
+            target = self.emitter.fresh("row")
+            self._addressed(self.emitter.args.input(indices), tuple(coords),
+                            lambda pointer: f"{target} = tl.load({pointer}, mask={self.mask}, other=0)")
+            self.cache[key] = target
+        return self.cache[key]
 
     def _rounded(self, value: str, name: str) -> str:
         """`value` (float32) rounded to the dtype of node `name` where that is narrower and the kernel computed it

@@ -26,6 +26,7 @@ from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported
 from opfuse.codegen.operands import (VIEW_OPS, Emitter, FlatIndex, TemplateKernel, build_kernel, group_operands,
                                      held_constants, interpreting, is_channels_last, is_dense_in_order,
                                      layout_order, next_power_of_2, unravel_expressions)
+from opfuse.fusion.legality import MAPPED_COPIES
 from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import Graph
 
@@ -97,7 +98,7 @@ class PointwiseKernel(TemplateKernel):
         group_operands(graph, group)
         for name in group.nodes:
             node = graph[name]
-            if node.op not in SUPPORTED_OPS and node.op not in VIEW_OPS and node.op not in ("cat", "roll"):
+            if node.op not in SUPPORTED_OPS and node.op not in VIEW_OPS and node.op not in MAPPED_COPIES:
                 raise Unsupported(f"node {node.describe()} is not elementwise; the pointwise template cannot "
                                   "compute it")
         if not group.outputs:

@@ -26,11 +26,10 @@ opaque ops, a value the consumer reads that someone outside the pair reads too (
 would put a group outside the pair both after and before the fused kernel (a cycle). Each reason is an
 `opfuse.fusion.reasons.Reason`: a stable code (listed there) and the words. Choices made here, and why:
 
-- injective ops that copy stay single kernels (an embedding gathers rows; an epilogue would need its own
-  indexing), but a roll (an index map: Swin's shifted windows) and a concatenation join an elementwise chain
-  without a hub: the elementwise template loads each
-  of its inputs under the mask of its slice (DenseNet's cat -> batch norm -> relu, ShuffleNet's cat -> channel
-  shuffle). Each element is still computed once: inside the group a node has as many elements as each value it
+- injective ops that copy stay single kernels (a gather, a pad), but a roll (an index map: Swin's shifted windows),
+  a concatenation and an embedding (a row index loaded, then the row) join an elementwise chain without a hub: the
+  elementwise template loads each of a cat's inputs under the mask of its slice (DenseNet's cat -> batch norm ->
+  relu, ShuffleNet's cat -> channel shuffle), an embedding's table at the row it loads. Each element is still computed once: inside the group a node has as many elements as each value it
   reads, a cat's inputs being its slices, and what the group writes has the size of its largest value.
 - views that keep every element (reshape, permute, identity) join elementwise kernels and a reduction's prologue,
   whose templates evaluate values at coordinates and map them through views (a reshape of a permuted tensor is
@@ -55,7 +54,7 @@ from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, 
 Users = Mapping[str, Sequence[Node]]
 ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
 EPILOGUE_VIEWS = frozenset({"permute"})      # views an anchor's epilogue maps: values stay at the tile's coordinates
-MAPPED_COPIES = frozenset({"cat", "roll"})    # copying ops an elementwise kernel computes as index maps
+MAPPED_COPIES = frozenset({"cat", "roll", "embedding"})    # copying ops an elementwise kernel computes as index maps
 
 
 def can_fuse(graph: Graph, producer_nodes: Iterable[str], consumer_nodes: Iterable[str], users: Users,

@@ -410,3 +410,27 @@ def test_squeeze_excitation_scales_the_project_convs_input_tiles():
     fresh = torch.randn(2, 6, 5, 4).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         assert relative_error(compiled(fresh), model(fresh)) < 1e-5
+
+
+class TokenEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(50, 8)
+        self.positions = nn.Parameter(torch.randn(6, 8))
+
+    def forward(self, ids):
+        return torch.tanh(self.tokens(ids) + self.positions)
+
+
+def test_an_embedding_gathers_rows_in_the_kernel_of_what_follows():
+    """The token lookup, the position add and the activation are one kernel: the int64 ids are loaded as integers
+    and address the table's rows (no group through PyTorch)."""
+    torch.manual_seed(8)
+    model = TokenEmbedding().eval()
+    compiled = opfuse.compile(model, (torch.randint(0, 50, (2, 6)),), opfuse.FusionConfig(dtype="float32"))
+    graph = compiled.plan.graph
+    assert [[graph[n].op for n in g.nodes] for g in compiled.plan.groups] == [["embedding", "add", "tanh"]]
+    assert not compiled.fallbacks and compiled.launches == 1
+    ids = torch.tensor([[49, 0, 7, 7, 1, 48], [6, 2, 5, 4, 3, 30]])
+    with torch.no_grad():
+        assert relative_error(compiled(ids), model(ids)) < 1e-6

@@ -270,3 +270,4 @@ def test_a_lone_cat_and_a_lone_roll_are_kernels_of_their_own():
     rolled = b.op("roll", b.input("x", (2, 5, 4, 3)), shifts=[-2, 1], dims=[1, 2])
     kernel, _ = run_group(b, [rolled])
     assert kernel.name.startswith("fused_roll_")
+

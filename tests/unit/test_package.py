@@ -40,7 +40,7 @@ class TinyConvNet(torch.nn.Module):
 
 
 class TinyEncoder(torch.nn.Module):
-    """Integer token ids in: embedding, layer norm, linear, softmax."""
+    """Integer token ids in: embedding, layer norm, linear, softmax, and a pad (which runs through PyTorch)."""
 
     def __init__(self):
         super().__init__()
@@ -49,7 +49,7 @@ class TinyEncoder(torch.nn.Module):
         self.proj = torch.nn.Linear(8, 8)
 
     def forward(self, ids):
-        return torch.softmax(self.proj(self.norm(self.embed(ids))), -1)
+        return torch.nn.functional.pad(torch.softmax(self.proj(self.norm(self.embed(ids))), -1), (0, 1), value=0.5)
 
 
 def convnet():
@@ -203,7 +203,7 @@ def test_integer_inputs_and_groups_run_through_pytorch_round_trip(tmp_path):
     torch.manual_seed(0)
     ids = torch.randint(0, 10, (2, 3), generator=torch.Generator().manual_seed(3))
     compiled = opfuse.compile(TinyEncoder().eval(), (ids,))
-    assert compiled.fallbacks      # the embedding runs through PyTorch: its reason travels with the package
+    assert compiled.fallbacks      # the pad runs through PyTorch: its reason travels with the package
     loaded = opfuse.load(opfuse.save(compiled, tmp_path / "encoder.opfuse"))
     assert_identical(loaded(ids), compiled(ids))
     assert loaded.compiled_for().fallbacks == compiled.compiled.fallbacks
