@@ -405,7 +405,8 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
                       f"{name} reaches {hub}'s epilogue from a side branch (neither before nor after {hub})")
     if prologue and anchors:
         return Reason(Code.ANCHOR_PROLOGUE,
-                      f"{prologue[0]} would be a prologue of anchor {hub}: anchors take epilogues only")
+                      f"{prologue[0]} would be a prologue of anchor {hub}: only a linear or a 1x1 conv takes one, "
+                      "of elementwise ops reading nothing else of full size")
     if anchors and any(graph[n].op in EPILOGUE_VIEWS for n in epilogue):
         spaces = epilogue_spaces(graph, hub, epilogue)
         if isinstance(spaces, Reason):

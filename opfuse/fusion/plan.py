@@ -66,6 +66,8 @@ class FusionGroup:
                                             # the kernel then gets a split form, each config its own slices
     resources: ResourceEstimate | None = None
     reason: str = ""                        # why the group is what it is
+    code: Code = Code.NO_CANDIDATE          # the same as a stable code: fused for a merged group, the first refusal
+                                            # a lone node met, view, view-copy, opaque or copying-op
 
     @property
     def bytes_moved(self) -> int:

@@ -523,40 +523,42 @@ class _Planner:
             return GroupKind.REDUCTION
         return GroupKind.POINTWISE
 
-    def explain(self, group: int, kind: GroupKind, refusals: dict[str, str]) -> str:
-        """Why the group is what it is, in words."""
+    def explain(self, group: int, kind: GroupKind, refusals: dict[str, Reason]) -> Reason:
+        """Why the group is what it is: a merged group's code is fused, a lone node's the first refusal it met."""
         nodes = self.groups[group]
         first = self.graph[nodes[0]]
         if kind is GroupKind.VIEW and self.copies(nodes):
-            return f"{first.op} of a permuted tensor is no view: PyTorch copies it (one kernel)"
+            return Reason(Code.VIEW_COPY, f"{first.op} of a permuted tensor is no view: PyTorch copies it (one kernel)")
         if kind is GroupKind.VIEW:
-            return f"view ({first.op}): no kernel, no traffic"
+            return Reason(Code.VIEW, f"view ({first.op}): no kernel, no traffic")
         if kind is GroupKind.OPAQUE:
-            return f"opaque op {first.name} runs through PyTorch"
+            return Reason(Code.OPAQUE, f"opaque op {first.name} runs through PyTorch")
         if kind is GroupKind.INJECTIVE:
-            return f"{first.name} ({first.op}) stays its own kernel: copying injective ops take no fusion here"
+            return Reason(Code.COPYING_OP,
+                          f"{first.name} ({first.op}) stays its own kernel: copying injective ops take no fusion here")
         if group in self.notes:
-            return "; ".join(self.notes[group])
+            return Reason(Code.FUSED, "; ".join(self.notes[group]))
         if nodes[0] in refusals:
-            return f"alone: {refusals[nodes[0]]}"
-        return "alone: no fusion candidate"
+            return Reason(refusals[nodes[0]].code, f"alone: {refusals[nodes[0]].text}")
+        return Reason(Code.NO_CANDIDATE, "alone: no fusion candidate")
 
     def finish(self) -> FusionPlan:
         """The plan: groups in topological order with their numbers, and every decision."""
-        refusals: dict[str, str] = {}   # why a lone node stayed alone: what stopped its output first
+        refusals: dict[str, Reason] = {}   # why a lone node stayed alone: what stopped its output first
         refused = [d for d in self.decisions if d.verdict is not Verdict.FUSED]
         for side in ("producer", "consumer"):
             for decision in refused:
                 nodes = getattr(decision, side)
                 if len(nodes) == 1:
-                    refusals.setdefault(nodes[0], decision.reason)
+                    refusals.setdefault(nodes[0], Reason(decision.code, decision.reason))
         groups = []
         for new_id, group in enumerate(self.ordered_ids()):
             nodes = self.groups[group]
             kind = self.classify(group)
             estimate = self.estimate(nodes)
             traffic = estimate.traffic
-            reason = self.explain(group, kind, refusals)
+            why = self.explain(group, kind, refusals)
+            reason = why.text
             slices, default_slices, time, unsplit = self.split_k(nodes, kind, estimate)
             if default_slices > 1:
                 reason += (f"; split-K: {default_slices} slices of the reduction, summed with the epilogue by a "
@@ -570,7 +572,7 @@ class _Planner:
                 outputs=list(traffic.outputs), flops=traffic.flops, bytes_read=traffic.bytes_read,
                 bytes_written=traffic.bytes_written, predicted_time=time,
                 launches=0 if kind is GroupKind.VIEW and not self.copies(nodes) else 1 + (default_slices > 1),
-                split_k=slices, resources=estimate.resources, reason=reason))
+                split_k=slices, resources=estimate.resources, reason=reason, code=why.code))
         return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config)
 
     def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate

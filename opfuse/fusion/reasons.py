@@ -24,7 +24,8 @@ Fusions refused as illegal (`opfuse.fusion.legality.can_fuse`, and the planner's
   cycle                 a node outside the pair reads one side and feeds the other
   disabled              a FusionConfig switch turns this fusion off (residual, conv_conv, conv_conv_expand; the
                         text names it)
-  anchor-prologue       an op would run before an anchor in its kernel: anchors take epilogues only
+  anchor-prologue       an op would run before an anchor in its kernel that takes no such prologue (a linear or a
+                        1x1 conv takes elementwise ops that read nothing else of full size)
   anchor-and-reduction  an anchor and a reduction in one kernel
   two-reductions        two reductions in one kernel
   not-elementwise       an op beside the group's anchor or reduction is not elementwise
@@ -48,6 +49,9 @@ Fusions refused for the hardware (verdict over budget) or the cost (verdict unpr
   split-back            the compiled kernel of these nodes failed the resource check on the GPU (every config
                         spilled), so the plan keeps them apart
   unprofitable          the cost model predicts the fused kernel no faster than the two apart
+
+A group's code (`FusionGroup.code`): fused for a merged group, the code of the first refusal a lone node met, or
+  no-candidate          a lone node no fusion was ever considered for
 
 Groups that run through PyTorch (`opfuse.codegen.lower.choose_lowering`, `lower_group`, `opfuse.compile`):
   opaque, copying-op    as above: the op has no kernel of opfuse's
@@ -111,6 +115,7 @@ class Code(str, Enum):
     ATTENTION = "attention"
     NO_TEMPLATE = "no-template"
     UNSUPPORTED = "unsupported"
+    NO_CANDIDATE = "no-candidate"
     NO_KERNEL = "no-kernel"
     FAILED_VERIFICATION = "failed-verification"
     EAGER_CALL = "eager-call"

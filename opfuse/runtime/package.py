@@ -47,7 +47,7 @@ import torch
 from opfuse.codegen.base import KernelConfig
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, ResourceEstimate, Verdict
-from opfuse.fusion.reasons import Reason
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 
 FORMAT = 1      # bump when the layout changes: a package of another format is refused, never misread
@@ -171,14 +171,14 @@ def decode_config(data: dict[str, Any]) -> KernelConfig:
 
 
 def decode_group(data: dict[str, Any]) -> FusionGroup:
-    data = dict(data, kind=GroupKind(data["kind"]))
+    data = dict(data, kind=GroupKind(data["kind"]), code=Code(data["code"]))
     if data["resources"] is not None:
         data["resources"] = ResourceEstimate(**data["resources"])
     return FusionGroup(**data)
 
 
 def decode_decision(data: dict[str, Any]) -> FusionDecision:
-    return FusionDecision(**dict(data, verdict=Verdict(data["verdict"])))
+    return FusionDecision(**dict(data, verdict=Verdict(data["verdict"]), code=Code(data["code"])))
 
 
 def decode_fusion_config(data: dict[str, Any]) -> FusionConfig:

@@ -423,3 +423,13 @@ def test_a_lone_cat_of_token_ids_stays_pytorchs():
     group = plan_fusion(graph, FusionConfig(), H200).group_of("joined")
     assert group.kind is GroupKind.INJECTIVE
     assert choose_lowering(graph, group).code is Code.COPYING_OP
+
+
+def test_every_group_says_why_it_is_what_it_is_with_a_code():
+    """A merged group is fused, a lone node carries the code of the first refusal it met, a view its own."""
+    plan = plan_fusion(attention_block(), FusionConfig(), H200)
+    by_node = {n: g for g in plan.groups for n in g.nodes}
+    assert by_node["out_proj"].code is Code.FUSED                    # the head merge's views joined it
+    assert by_node["sdpa"].code is Code.VIEW_IN_ANCHOR and by_node["sdpa"].reason.startswith("alone: ")
+    assert by_node["q_heads"].code is Code.VIEW
+    assert {g.code for g in plan.groups} <= set(Code)
