@@ -40,7 +40,7 @@ from typing import Sequence
 import torch
 
 from opfuse.codegen.base import load_kernel
-from opfuse.codegen.expr import Unsupported, emit, triton_dtype
+from opfuse.codegen.expr import Unsupported, emit, literal, triton_dtype
 from opfuse.fusion.legality import EPILOGUE_VIEWS, anchor_prologue, epilogue_spaces, operand_views
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.reasons import Reason
@@ -145,13 +145,6 @@ class TileLayout:
         rows = f"r0 * {prefix}_sr0 + r1 * {prefix}_sr1 + r2 * {prefix}_sr2"
         batch = f"b0 * {prefix}_sb0 + b1 * {prefix}_sb1 + " if self.batch_dims else ""
         return f"{batch}({rows})[:, None] + offs_n[None, :] * {prefix}_sc"
-
-
-def _literal(value: float) -> str:
-    value = float(value)
-    if math.isnan(value) or math.isinf(value):
-        return f"float('{value}')"
-    return repr(value)
 
 
 def siblings_and_chains(graph: Graph, group: FusionGroup, anchor_ops: tuple[str, ...]
@@ -328,7 +321,7 @@ class Epilogue:
         space = self.spaces[position[next(v for v in nodes[0].inputs if v in position)]]
         kinds = [self._classify(node, index, space) for node in nodes]
         if all(k == "scalar" for k, _ in kinds) and len({v for _, v in kinds}) == 1:
-            return _literal(kinds[0][1])
+            return literal(kinds[0][1])
         if all(k in ("scalar", "channel") for k, _ in kinds):
             return self._channel_vector([v for _, v in kinds])
         if len(nodes) > 1:

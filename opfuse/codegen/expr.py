@@ -7,6 +7,8 @@ An op not in the table raises `Unsupported`; the group holding it then runs thro
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable, Sequence
 
 from opfuse.ir.graph import dtype_name
@@ -25,13 +27,11 @@ def triton_dtype(dtype: str) -> str:
     return TRITON_DTYPES[dtype_name(dtype)]
 
 
-def _literal(value: float) -> str:
-    """A float literal Triton parses (repr keeps full precision; inf has no literal)."""
+def literal(value: float) -> str:
+    """A float literal Triton parses (repr keeps full precision; inf and nan have no literal)."""
     value = float(value)
-    if value == float("inf"):
-        return "float('inf')"
-    if value == float("-inf"):
-        return "float('-inf')"
+    if math.isnan(value) or math.isinf(value):
+        return f"float('{value}')"
     return repr(value)
 
 
@@ -50,9 +50,9 @@ PROPAGATE_NAN = "propagate_nan=tl.PropagateNan.ALL"
 
 def _clamp(x: str, low: Any, high: Any) -> str:
     if low is not None:
-        x = f"tl.maximum({x}, {_literal(low)}, {PROPAGATE_NAN})"
+        x = f"tl.maximum({x}, {literal(low)}, {PROPAGATE_NAN})"
     if high is not None:
-        x = f"tl.minimum({x}, {_literal(high)}, {PROPAGATE_NAN})"
+        x = f"tl.minimum({x}, {literal(high)}, {PROPAGATE_NAN})"
     return x
 
 
@@ -75,7 +75,7 @@ def _pow(x: str, y: str) -> str:
 
 
 def _batch_norm(attrs: dict, x: str, weight: str, bias: str, mean: str, var: str) -> str:
-    return f"((({x}) - ({mean})) * tl.rsqrt(({var}) + {_literal(attrs['eps'])}) * ({weight}) + ({bias}))"
+    return f"((({x}) - ({mean})) * tl.rsqrt(({var}) + {literal(attrs['eps'])}) * ({weight}) + ({bias}))"
 
 
 _UNARY: dict[str, Callable[[dict, str], str]] = {

@@ -10,7 +10,9 @@ Contract with the template: at the prologue point `a` [BLOCK_M, BLOCK_K] is the 
 the global reduction index of its columns, `a_g0 .. a_g3` [BLOCK_M] its row index in A's four row groups, and
 `mask_m`, K the row mask and the reduction length. An operand of a prologue node is a scalar constant (a literal)
 or a tensor broadcast to A's shape (a (N, C, 1, 1) scale costs nothing along the pixels), read through its strides
-at the tile's coordinates. Each node's result is rounded to its dtype, as eager rounds the value it would write.
+at the tile's coordinates. Each node's result is rounded to its dtype, as eager rounds the value it would write, and
+the tile's elements past M or K are zero again after the prologue (x / s at a masked zero would be NaN, and NaN
+times B's masked zero is still NaN).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Sequence
 import torch
 
 from opfuse.codegen.epilogue import TileLayout
-from opfuse.codegen.expr import emit, triton_dtype
+from opfuse.codegen.expr import emit, literal, triton_dtype
 from opfuse.ir.graph import Graph
 from opfuse.ir.ops import get_op
 
@@ -33,6 +35,7 @@ class Prologue:
         self.graph, self.nodes, self.source, self.layout, self.k = graph, list(nodes), source, layout, k
         self.device = device
         self.operands: list[str | torch.Tensor] = []     # runtime value names, or constants held on the device
+        self.constants: dict[str, torch.Tensor] = {}     # the constants the nodes read, for `materialize`
         self.lines: list[str] = ["p = a.to(tl.float32)"]
         chain = {source}
         for name in self.nodes:
@@ -41,16 +44,16 @@ class Prologue:
             self.lines.append(f"p = ({emit(node.op, node.attrs, args)}).to({triton_dtype(node.type.dtype)})"
                               ".to(tl.float32)")
             chain.add(name)
-        self.lines.append("a = p.to(a.dtype)")
+        self.lines.append("a = tl.where(mask_m[:, None] & (k_at < K)[None, :], p, 0.0).to(a.dtype)")
         self.output = self.nodes[-1]
 
     def _operand(self, value: str) -> str:
         node = self.graph[value]
         if node.op == "constant":
-            constant = self.graph.constants[value]
+            constant = self.constants.setdefault(value, self.graph.constants[value].to(self.device))
             if constant.numel() == 1:
-                return repr(float(constant.reshape(()).item()))
-            self.operands.append(constant.to(self.device))
+                return literal(constant.reshape(()).item())
+            self.operands.append(constant)
         else:
             self.operands.append(value)
         j = len(self.operands) - 1
@@ -85,7 +88,7 @@ class Prologue:
 
     def materialize(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`values` with the prologue's output as PyTorch computes it: what the library forms read."""
-        values = dict(values)
+        values = dict(values) | self.constants
         for name in self.nodes:
             node = self.graph[name]
             values[name] = get_op(node.op).run([values[v] for v in node.inputs], node.attrs)

@@ -176,8 +176,8 @@ def anchor_prologue(graph: Graph, anchor: str, within: Iterable[str], users: Use
            and [u.name for u in users[value]] == [reader] and value not in graph.outputs):
         step = graph[value]
         full = [v for v in step.inputs if not graph.is_constant(v) and graph[v].type.numel >= step.type.numel]
-        if len(full) != 1 or graph[full[0]].type.numel != step.type.numel:
-            break
+        if len(full) != 1 or graph[full[0]].type.numel != step.type.numel or graph[full[0]].type.dtype != dtype:
+            break       # (a cast from another dtype stays out: the tile is loaded in the anchor's dtype)
         chain.append(value)
         value, reader = full[0], value
     chain.reverse()

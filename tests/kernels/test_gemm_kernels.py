@@ -269,3 +269,11 @@ def test_tiles_follow_the_gpu_profile(monkeypatch):
     # 1024 x 1024: 64 tiles of 128 x 128, under 2 x 132 SMs (a 64 x 64 default) but over 2 x 16
     assert gemm_configs(1024, 1024, 1024, hw=h200)[0]["BLOCK_M"] == 64
     assert gemm_configs(1024, 1024, 1024, hw=orin)[0]["BLOCK_M"] == 128
+
+
+def test_a_prologue_undefined_at_zero_leaves_the_tiles_padding_zero():
+    """K = 5 in 16-deep blocks: x / s at the masked columns is 0 / 0; the tile is zeroed again past K."""
+    b = Builder()
+    x, s = b.input("x", (4, 5)), b.input("s", (1, 5), b.random(1, 5).abs() + 0.5)
+    kernel, _ = run_gemm(b, [b.op("relu", linear(b, b.op("div", x, s), 3))])
+    assert kernel.prologue is not None

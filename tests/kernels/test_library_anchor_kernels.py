@@ -208,3 +208,11 @@ def test_library_forms_compute_the_prologue_first():
     scaled = b.op("mul", x, b.input("s", (2, 6, 1, 1)))
     kernel, _ = run_library(b, [b.op("relu", b.conv(scaled, 5, 1))], lower_conv_group, 3)
     assert kernel.prologue is not None
+
+
+def test_the_library_form_reads_the_prologues_constants():
+    """A [C] scale and a scalar: the library form computes the prologue with PyTorch from the held constants."""
+    b = Builder()
+    x = b.input("x", (2, 3, 6))
+    scaled = b.op("mul", b.op("mul", x, b.const("gamma", b.random(6))), b.const("half", torch.tensor(0.5)))
+    run_library(b, [b.op("relu", linear(b, scaled, 4))], lower_gemm_group, 4)
