@@ -53,6 +53,7 @@ from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, 
 
 Users = Mapping[str, Sequence[Node]]
 ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
+WINDOW_POOLS = frozenset({"max_pool2d", "avg_pool2d", "max_pool3d", "avg_pool3d"})
 EPILOGUE_VIEWS = frozenset({"permute"})      # views an anchor's epilogue maps: values stay at the tile's coordinates
 MAPPED_COPIES = frozenset({"cat", "roll", "embedding"})    # copying ops an elementwise kernel computes as index maps
 
@@ -221,12 +222,14 @@ def is_view(node: Node) -> bool:
 
 def several_users_rule(graph: Graph, producer: set[str], consumer: set[str], users: Users,
                        index: Mapping[str, int]) -> Reason | None:
-    """Each value passed from producer to consumer must be read by the consumer group only, but for a reduction
-    reading an elementwise chain's value: its kernel stores the value as it reads it (the residual sum that a
-    layer norm normalizes and the next residual add reads again)."""
+    """Each value passed from producer to consumer must be read by the consumer group only, but for a row
+    reduction reading an elementwise chain's value: its kernel stores the value as it reads it, each element once
+    (the residual sum that a layer norm normalizes and the next residual add reads again; pooling windows overlap
+    or skip elements, so a pool does not)."""
     merged = producer | consumer
     hubs = (FusionKind.ANCHOR, FusionKind.REDUCTION)
-    stores = (any(kind_of(graph[n]) is FusionKind.REDUCTION for n in consumer)
+    reductions = [graph[n] for n in consumer if kind_of(graph[n]) is FusionKind.REDUCTION]
+    stores = (bool(reductions) and not any(windowed(r) for r in reductions)
               and not any(kind_of(graph[n]) in hubs for n in producer))
     shares = False
     for name in in_order(producer, index):
@@ -239,6 +242,13 @@ def several_users_rule(graph: Graph, producer: set[str], consumer: set[str], use
     if not shares:
         return Reason(Code.NO_SHARED_VALUE, "the consumer reads no value of the producer")
     return None
+
+
+def windowed(node: Node) -> bool:
+    """A pool whose windows may overlap or skip input elements (an adaptive pool to 1 x 1 reduces whole rows)."""
+    if node.op == "adaptive_avg_pool2d":
+        return tuple(node.type.shape[-2:]) != (1, 1)
+    return node.op in WINDOW_POOLS
 
 
 def two_anchor_rule(graph: Graph, merged: set[str], anchors: Sequence[str], users: Users, config: FusionConfig,

@@ -433,3 +433,17 @@ def test_every_group_says_why_it_is_what_it_is_with_a_code():
     assert by_node["sdpa"].code is Code.VIEW_IN_ANCHOR and by_node["sdpa"].reason.startswith("alone: ")
     assert by_node["q_heads"].code is Code.VIEW
     assert {g.code for g in plan.groups} <= set(Code)
+
+
+def test_a_pool_does_not_take_a_value_others_read():
+    """Pooling windows overlap or skip elements, so a pool's kernel cannot store the prologue value a conv reads
+    too; a layer norm's can (the reduction-stored prologue)."""
+    b = GraphBuilder("pool_and_conv")
+    x = b.input("x", (1, 4, 8, 8))
+    t = b.unary("sigmoid", b.op("mul", [x, b.constant("two", (1,))], name="scaled"), "t")
+    pooled = b.op("max_pool2d", [t], {"kernel_size": (2, 2), "stride": (2, 2), "padding": (0, 0), "dilation": (1, 1),
+                                      "ceil_mode": False}, "pool")
+    graph = b.output(pooled, b.conv(t, 4, 1, name="conv"))
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert plan.group_of("pool").nodes == ["pool"]
+    assert [d.code for d in decisions_between(plan, "t", "pool")] == [Code.SEVERAL_USERS]
