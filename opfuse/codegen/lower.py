@@ -139,7 +139,7 @@ def lower_plan(plan: FusionPlan, device: torch.device | str
     """Lower every group for the plan's GPU: ({group name: kernel}, {group name: why it runs through PyTorch})."""
     kernels: dict[str, GroupKernel] = {}
     reasons: dict[str, Reason] = {}
-    hw = get_hardware(plan.hardware)
+    hw = plan.profile or get_hardware(plan.hardware)
     for group in plan.groups:
         kernel = lower_group(plan.graph, group, device, reasons, hw)
         if kernel is not None:

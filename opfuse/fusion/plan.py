@@ -103,8 +103,9 @@ class FusionPlan:
     graph: Graph                            # the graph the groups refer to (after passes)
     groups: list[FusionGroup]               # in an order that respects dependencies
     decisions: list[FusionDecision]
-    hardware: str
+    hardware: str                           # the profile's name
     config: Any = None                      # the FusionConfig used
+    profile: Any = None                     # the HardwareProfile planned for (its kernels' tiles follow it too)
 
     def group_of(self, node_name: str) -> FusionGroup:
         for group in self.groups:

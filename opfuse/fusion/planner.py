@@ -573,7 +573,7 @@ class _Planner:
                 bytes_written=traffic.bytes_written, predicted_time=time,
                 launches=0 if kind is GroupKind.VIEW and not self.copies(nodes) else 1 + (default_slices > 1),
                 split_k=slices, resources=estimate.resources, reason=reason, code=why.code))
-        return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config)
+        return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config, self.hw)
 
     def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate
                 ) -> tuple[int, int, float, str]:

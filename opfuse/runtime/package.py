@@ -48,6 +48,7 @@ from opfuse.codegen.base import KernelConfig
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, ResourceEstimate, Verdict
 from opfuse.fusion.reasons import Code, Reason
+from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 
 FORMAT = 1      # bump when the layout changes: a package of another format is refused, never misread
@@ -199,6 +200,7 @@ def encode_profile(module: Any, weights: dict[str, torch.Tensor]) -> dict[str, A
         "device": compiled.device.type,
         "config": asdict(compiled.config),
         "hardware": plan.hardware,
+        "profile": asdict(plan.profile) if plan.profile is not None else None,
         "graph": encode_graph(plan.graph, weights),
         "groups": [plain(asdict(g)) for g in plan.groups],
         "decisions": [plain(asdict(d)) for d in plan.decisions],
@@ -223,7 +225,8 @@ def build_profile(data: dict[str, Any], weights: dict[str, torch.Tensor], device
 
     config = decode_fusion_config(data["config"])
     plan = FusionPlan(decode_graph(data["graph"], weights), [decode_group(g) for g in data["groups"]],
-                      [decode_decision(d) for d in data["decisions"]], data["hardware"], config)
+                      [decode_decision(d) for d in data["decisions"]], data["hardware"], config,
+                      HardwareProfile(**data["profile"]) if data.get("profile") else None)
     kernels, _ = lower_plan(plan, device)
     for group, saved in data["kernels"].items():
         kernel = kernels.get(group)

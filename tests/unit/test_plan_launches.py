@@ -42,3 +42,21 @@ def test_plan_launches_are_what_the_default_configs_launch(gpu_tiles, name, batc
         why = next(g.reason for g in plan.groups if g.name in offered - split)
         assert "split-K offered" in why and "one kernel unless the autotuner" in why
         assert "K blocks, under the 16" in why or "quarter of the SMs busy" in why, why
+
+
+def test_kernels_follow_the_profile_the_plan_was_made_for(monkeypatch):
+    """A plan for a GPU of 4 SMs, under a name opfuse does not know: its kernels split K for those 4 SMs."""
+    import dataclasses
+
+    from graph_builders import GraphBuilder
+    from opfuse.fusion.planner import plan_fusion
+    from opfuse.hardware import get_hardware
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")       # the GPU's tiles, not the interpreter's
+    small = dataclasses.replace(get_hardware("h200"), name="my gpu", sm_count=4)
+    b = GraphBuilder("long_k")
+    graph = b.output(b.linear(b.input("x", (16, 4096)), 64, name="fc"))
+    plan = plan_fusion(graph, FusionConfig(), small)
+    kernels, reasons = lower_plan(plan, "cpu")
+    assert not reasons and plan.profile is small
+    assert all(slices_of(c) <= 4 for c in kernels[plan.group_of("fc").name].configs())
