@@ -224,7 +224,7 @@ class Region:
         elif node.op == "roll":
             result = self.value(node.inputs[0], self._roll_coords(node, coords))
         elif node.op == "embedding":
-            result = self.value(node.inputs[0], (self._row_index(node, coords[:-1]), coords[-1]))
+            result = self._embedding(node, coords)
         elif node.op in SUPPORTED_OPS:
             args = [self.value(i, self.operand_coords(node, position, coords))
                     for position, i in enumerate(node.inputs)]
@@ -246,6 +246,20 @@ class Region:
                 result[dim] = f"(({coords[dim]} + {offset}) % {size})"
         return tuple(result)
 
+    def _embedding(self, node: Node, coords: Coords) -> str:
+        """The table row the index at `coords` names; an index outside the table (eager raises) reads nothing and
+        gives NaN, never another row's values or memory past the table."""
+        row = self._row_index(node, coords[:-1])
+        rows = self.graph[node.inputs[0]].type.shape[0]
+        inside = self.assign(f"({row} >= 0) & ({row} < {rows})", "inside")
+        outer = self.mask
+        self.mask = f"{outer} & {inside}"
+        try:
+            value = self.value(node.inputs[0], (row, coords[-1]))
+        finally:
+            self.mask = outer
+        return self.assign(f"tl.where({inside}, {value}, float('nan'))")
+
     def _row_index(self, node: Node, coords: Coords) -> str:
         """The table row an embedding reads at `coords` of its indices: loaded as the integer it is (the indices
         must be a group input; positions 2^24 and up would not survive the float32 path of computed values)."""
@@ -256,7 +270,7 @@ class Region:
         if key not in self.cache:
             target = self.emitter.fresh("row")
             self._addressed(self.emitter.args.input(indices), tuple(coords),
-                            lambda pointer: f"{target} = tl.load({pointer}, mask={self.mask}, other=0)")
+                            lambda pointer: f"{target} = tl.load({pointer}, mask={self.mask}, other=0).to(tl.int64)")
             self.cache[key] = target
         return self.cache[key]
 

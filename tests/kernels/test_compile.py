@@ -434,3 +434,12 @@ def test_an_embedding_gathers_rows_in_the_kernel_of_what_follows():
     ids = torch.tensor([[49, 0, 7, 7, 1, 48], [6, 2, 5, 4, 3, 30]])
     with torch.no_grad():
         assert relative_error(compiled(ids), model(ids)) < 1e-6
+
+
+def test_an_index_outside_the_table_gives_nan_not_another_row():
+    """Eager raises for it; the kernel reads nothing past the table and marks the row NaN."""
+    torch.manual_seed(9)
+    model = TokenEmbedding().eval()
+    compiled = opfuse.compile(model, (torch.randint(0, 50, (2, 6)),), opfuse.FusionConfig(dtype="float32"))
+    out = compiled(torch.tensor([[1, 50, -1, 2, 3, 4], [0, 0, 0, 0, 0, 49]]))
+    assert torch.isnan(out[0, 1:3]).all() and not torch.isnan(out[0, 3:]).any() and not torch.isnan(out[1]).any()
