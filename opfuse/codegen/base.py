@@ -34,23 +34,30 @@ from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import Graph
 
 
+# the forms a group runs in (`KernelConfig.form`): its Triton kernel, the anchor through cuBLAS/cuDNN and the
+# epilogue as a kernel, or its ops one by one through PyTorch (`opfuse.codegen.forms`)
+FORM_TRITON, FORM_LIBRARY, FORM_UNFUSED = "triton", "library", "unfused"
+
+
 @dataclass(frozen=True)
 class KernelConfig:
-    """One point of a kernel's tuning space: constexpr block sizes plus launch options."""
+    """One point of a kernel's tuning space: the form it runs in (its Triton kernel, or another form of the
+    group: `opfuse.codegen.forms`), constexpr block sizes and launch options."""
 
     params: tuple[tuple[str, int], ...]          # e.g. (("BLOCK_M", 128), ("BLOCK_N", 64), ("BLOCK_K", 32))
     num_warps: int = 4
     num_stages: int = 2
+    form: str = FORM_TRITON
 
     @classmethod
-    def of(cls, num_warps: int = 4, num_stages: int = 2, **params: int) -> "KernelConfig":
-        return cls(tuple(sorted(params.items())), num_warps, num_stages)
+    def of(cls, num_warps: int = 4, num_stages: int = 2, form: str = FORM_TRITON, **params: int) -> "KernelConfig":
+        return cls(tuple(sorted(params.items())), num_warps, num_stages, form)
 
     def __getitem__(self, key: str) -> int:
         return dict(self.params)[key]
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.params) | {"num_warps": self.num_warps, "num_stages": self.num_stages}
+    def as_dict(self) -> dict[str, int | str]:
+        return dict(self.params) | {"num_warps": self.num_warps, "num_stages": self.num_stages, "form": self.form}
 
 
 @dataclass

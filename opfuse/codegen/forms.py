@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from opfuse.codegen.base import GroupKernel, KernelConfig
+from opfuse.codegen.base import FORM_LIBRARY, FORM_UNFUSED, GroupKernel, KernelConfig
 from opfuse.codegen.split_k import REDUCE_BLOCK_M, REDUCE_BLOCK_N, SplitK, slices_of
 from opfuse.ir.graph import Node
 from opfuse.ir.ops import get_op, launches_kernel
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 # Two tiles for its epilogue kernel, which streams the anchor's whole output: the split-K reduce's small tile, and a
 # wider one for large outputs (bert-base's 8192 x 3072 FFN activations at batch 64)
 LIBRARY_CONFIGS = (
-    KernelConfig.of(num_warps=4, num_stages=1, LIBRARY=1, BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N),
-    KernelConfig.of(num_warps=8, num_stages=1, LIBRARY=1, BLOCK_M=64, BLOCK_N=128))
+    KernelConfig.of(num_warps=4, num_stages=1, form=FORM_LIBRARY, BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N),
+    KernelConfig.of(num_warps=8, num_stages=1, form=FORM_LIBRARY, BLOCK_M=64, BLOCK_N=128))
 LIBRARY = LIBRARY_CONFIGS[0]
 LibraryAnchor = Callable[[dict[str, torch.Tensor]], torch.Tensor]   # values by name -> [batch, rows, columns]
 # the whole library form of a group that is its anchors alone (the bias inside the library call): values by name ->
@@ -39,15 +39,15 @@ LibraryOutputs = Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]
 # The unfused form: the group's ops one by one through PyTorch, as eager runs them (cuBLAS with its bias epilogue,
 # then PyTorch's own elementwise kernels). The autotuner times it too, so a fusion that measures slower than the
 # ops it merges is refused at run time (bert-base's K=768 linears, where cuBLAS's main loop beats the template's).
-UNFUSED = KernelConfig.of(num_warps=1, num_stages=1, UNFUSED=1)
+UNFUSED = KernelConfig.of(num_warps=1, num_stages=1, form=FORM_UNFUSED)
 
 
 def is_library(config: KernelConfig | None) -> bool:
-    return config is not None and dict(config.params).get("LIBRARY", 0) == 1
+    return config is not None and config.form == FORM_LIBRARY
 
 
 def is_unfused(config: KernelConfig | None) -> bool:
-    return config is not None and dict(config.params).get("UNFUSED", 0) == 1
+    return config is not None and config.form == FORM_UNFUSED
 
 
 class EpilogueKernel(GroupKernel):

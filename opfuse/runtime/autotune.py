@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from opfuse.codegen.base import CompiledInfo, GroupKernel, KernelConfig
+from opfuse.codegen.base import FORM_TRITON, CompiledInfo, GroupKernel, KernelConfig
 from opfuse.config import FusionConfig
 from opfuse.environment import triton_interpreter
 from opfuse.hardware import KIB, HardwareProfile, get_hardware
@@ -47,7 +47,8 @@ class TuningResult(dict):
 
 def format_config(config: KernelConfig) -> str:
     params = " ".join(f"{k}={v}" for k, v in config.params)
-    return f"{params} warps={config.num_warps} stages={config.num_stages}".strip()
+    form = f"{config.form}: " if config.form != FORM_TRITON else ""
+    return f"{form}{params} warps={config.num_warps} stages={config.num_stages}".strip()
 
 
 # ---- the resource check (pure) ---------------------------------------------------------------------------

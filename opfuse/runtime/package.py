@@ -51,7 +51,7 @@ from opfuse.fusion.reasons import Code, Reason
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 
-FORMAT = 1      # bump when the layout changes: a package of another format is refused, never misread
+FORMAT = 2      # bump when the layout changes: a package of another format is refused, never misread
 MANIFEST, WEIGHTS, BINARIES = "manifest.json", "weights.safetensors", "triton/"
 
 
@@ -163,12 +163,12 @@ def decode_graph(data: dict[str, Any], weights: dict[str, torch.Tensor]) -> Grap
 
 def encode_config(config: KernelConfig) -> dict[str, Any]:
     return {"params": [list(p) for p in config.params], "num_warps": config.num_warps,
-            "num_stages": config.num_stages}
+            "num_stages": config.num_stages, "form": config.form}
 
 
 def decode_config(data: dict[str, Any]) -> KernelConfig:
     return KernelConfig(tuple((name, value) for name, value in data["params"]), data["num_warps"],
-                        data["num_stages"])
+                        data["num_stages"], data["form"])
 
 
 def decode_group(data: dict[str, Any]) -> FusionGroup:

@@ -51,7 +51,7 @@ def test_describe_inputs_records_strides():
     # another set of candidates (e.g. tuned without the library form) is another key
     offered = [{"BLOCK_M": 32, "num_warps": 4}]
     assert tuning_key("s", [x], "gpu", VERSIONS, offered) != \
-        tuning_key("s", [x], "gpu", VERSIONS, offered + [{"LIBRARY": 1, "num_warps": 4}])
+        tuning_key("s", [x], "gpu", VERSIONS, offered + [{"num_warps": 4, "form": "library"}])
 
 
 def test_corrupt_entry_is_ignored_and_rewritten(tmp_path):

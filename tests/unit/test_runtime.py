@@ -462,7 +462,7 @@ def test_a_group_whose_own_configs_all_spill_is_reported_even_when_another_form_
     """Every Triton config spills but another form (the unfused ops, say: no compiled info) was accepted: that form
     runs, and the group is still reported over budget so the compiler splits it into smaller fused kernels."""
     cfgs = [KernelConfig.of(BLOCK=16 * (i + 1)) for i in range(3)]
-    other = KernelConfig.of(num_warps=1, num_stages=1, UNFUSED=1)
+    other = KernelConfig.of(num_warps=1, num_stages=1, form="unfused")
     kernel, values = tuned_kernel({c: CompiledInfo(255, 10 + i, 0) for i, c in enumerate(cfgs)})
     kernel.alternatives = lambda library=True: [other] if library else []
     cache = TuningCache(tmp_path)
