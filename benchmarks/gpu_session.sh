@@ -11,15 +11,18 @@
 #   BLOCKS=9-17, then BLOCKS= WHOLE=1,64 (whole model at batch 1 and 64)
 #   MODELS=resnet50,gpt2 COLD_PARALLEL=4 bash benchmarks/gpu_session.sh zoo   # benchmarks/zoo.py (issue 14)
 #   bash benchmarks/gpu_session.sh check     # compile seconds without and with the compile workers, GPU tests (17)
+#   MODELS=resnet50,mobilenet_v2 bash benchmarks/gpu_session.sh onnx   # benchmarks/onnx_zoo.py (issue 18, item 4):
+#                                            # opfuse from .onnx against opfuse from PyTorch, and onnxruntime;
+#                                            # BATCHES=1 (default), ends by ONNX_BUDGET s (default 540)
 # Results land under $OUT (the device tool's folder that comes back); each stage stops itself before the call's
 # limit so that what it wrote still comes back (these variables shorten a stage so that two share one call:
-# TESTS_TIMEOUT, PROPERTY_TIMEOUT, BENCH_TIMEOUT, BLOCKS_TIMEOUT, PROFILE_TIMEOUT).
+# TESTS_TIMEOUT, PROPERTY_TIMEOUT, BENCH_TIMEOUT, BLOCKS_TIMEOUT, PROFILE_TIMEOUT, ONNX_TIMEOUT).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-stage=${1:?stage: tests | correctness | bench | splitk | profile | property | blocks | check | zoo}
+stage=${1:?stage: tests | correctness | bench | splitk | profile | property | blocks | check | zoo | onnx}
 [ -e "$OUT/gpu.txt" ] || nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/gpu.txt" 2>&1
 case "$stage" in
   tests)
@@ -72,5 +75,10 @@ case "$stage" in
       --cold-timeout "${COLD_TIMEOUT:-420}" \
       --tune-top "${TUNE_TOP:-4}" > "$OUT/zoo-run.log" 2>&1
     cat "$OUT/ZOO.md" ;;
+  onnx)     # ONNX against PyTorch compiles of the zoo's torchvision models (issue 18, item 4), in one process
+    timeout "${ONNX_TIMEOUT:-585}" python3 benchmarks/onnx_zoo.py --out "$OUT" ${MODELS:+--models "$MODELS"} \
+      --batches "${BATCHES:-1}" --budget "${ONNX_BUDGET:-540}" --tune-top "${TUNE_TOP:-4}" \
+      > "$OUT/onnx-zoo.log" 2>&1
+    cat "$OUT/ONNX_ZOO.md" || tail -30 "$OUT/onnx-zoo.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
