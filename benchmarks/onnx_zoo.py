@@ -38,6 +38,7 @@ import gc
 import importlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -91,7 +92,9 @@ def export_onnx(model: torch.nn.Module, inputs: tuple, path: Path, exporter: str
             failures.append(f"the {name} exporter failed ({type(error).__name__}: {str(error)[:300]})")
             print(f"  {failures[-1]}", flush=True)
             continue
-        result = {"exporter": name, "export_s": time.perf_counter() - start, "onnx_mb": path.stat().st_size / 1e6}
+        # the dynamo exporter writes the weights beside the file (PATH.data): count them in
+        size = sum(f.stat().st_size for f in path.parent.glob(path.name + "*"))
+        result = {"exporter": name, "export_s": time.perf_counter() - start, "onnx_mb": size / 1e6}
         if failures:
             result["note"] = "; ".join(failures) + f"; exported by the {name} exporter"
         return result
@@ -127,7 +130,6 @@ def onnxruntime_output(model: torch.nn.Module, inputs: tuple, path: Path, export
     wide_path = path.with_name(path.stem + "-float32.onnx")
     export_onnx(wide, wide_inputs, wide_path, exporter)
     output, provider = run(wide_path, wide_inputs)
-    wide_path.unlink(missing_ok=True)
     return {"output": torch.from_numpy(output), "provider": provider, "dtype": "float32", "note": note}
 
 
@@ -152,7 +154,9 @@ def measure_model(name: str, model: torch.nn.Module, inputs: Sequence[torch.Tens
         reference = harness.first_tensor(reference_model(*reference_inputs)).float()
     del reference_model, reference_inputs
 
-    path = workdir / f"{name}-bs{row['batch']}.onnx"
+    folder = workdir / f"{name}-bs{row['batch']}"     # the .onnx file, its weights file, a float32 export
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.onnx"
     print(f"{name} batch {row['batch']}: exporting", flush=True)
     row.update(export_onnx(model, inputs, path, exporter))
 
@@ -210,7 +214,7 @@ def measure_model(name: str, model: torch.nn.Module, inputs: Sequence[torch.Tens
         row["onnxruntime"] = {"error": f"{type(error).__name__}: {error}"}
         traceback.print_exc()
     del built
-    path.unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -306,6 +310,7 @@ def run(out: Path, workloads: Sequence[tuple[str, int]], *, device: str = "cuda"
             results["rows"][running]["error"] = f"stopped mid-way: {why}"
         print(f"stopped: {why}", flush=True)
     save()
+    shutil.rmtree(workdir, ignore_errors=True)
     return results
 
 
