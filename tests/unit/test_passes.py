@@ -435,6 +435,22 @@ def test_transpose_of_square_tensor_is_kept():
     assert_graphs_equal(after, before)
 
 
+@pytest.mark.parametrize("indices, kept", [(torch.arange(3).reshape(1, 3, 1), False),   # in order: a reshape
+                                             (torch.tensor([0, 2, 1]), True),            # a real gather
+                                             (torch.tensor([0, 1]), True)])              # a part of the axis
+def test_a_take_of_every_element_in_order_is_a_reshape(indices, kept):
+    """The dynamo ONNX exporter's keepdim of a global average pool: flatten, then Gather(arange(C)) into
+    (1, C, 1, 1); with the flatten before it, the chain is a no-op."""
+    before = Graph()
+    x = op(before, "relu", "relu", [before.add_input("x", TensorType((2, 3, 4), "float64")).name])
+    index = before.add_constant("index", indices).name
+    before.outputs = [op(before, "out", "sigmoid", [op(before, "gather", "take", [x, index], axis=1)])]
+    after, changes = run_pass(remove_noop_layout, before)
+    assert (after["gather"].op == "take") is kept and ("index" in after.nodes) is kept
+    assert bool(changes) is not kept
+    assert_same_numerics(before, after)
+
+
 def test_reshape_of_shared_reshape_keeps_the_shared_one():
     before = Graph()
     x = before.add_input("x", TensorType((2, 3, 4), "float64")).name
