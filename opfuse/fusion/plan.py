@@ -14,6 +14,17 @@ from opfuse.fusion.reasons import Code
 from opfuse.ir.graph import Graph
 
 
+def plain(value: Any) -> Any:
+    """A dataclass's asdict() made JSON: enums as their values, tuples as lists."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
 class Verdict(str, Enum):
     FUSED = "fused"
     ILLEGAL = "illegal"                 # several users, shape mismatch, cycle, opaque op, kind rule
@@ -122,18 +133,9 @@ class FusionPlan:
         return [d for d in self.decisions if d.verdict is not Verdict.FUSED]
 
     def to_dict(self) -> dict[str, Any]:
-        def clean(value: Any) -> Any:
-            if isinstance(value, Enum):
-                return value.value
-            if isinstance(value, dict):
-                return {k: clean(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return [clean(v) for v in value]
-            return value
-
         return {
             "hardware": self.hardware,
             "kernel_launches": self.kernel_launches,
-            "groups": [clean(asdict(g)) | {"name": g.name, "density": g.density} for g in self.groups],
-            "decisions": [clean(asdict(d)) for d in self.decisions],
+            "groups": [plain(asdict(g)) | {"name": g.name, "density": g.density} for g in self.groups],
+            "decisions": [plain(asdict(d)) for d in self.decisions],
         }

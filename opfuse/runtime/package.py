@@ -38,7 +38,6 @@ import tempfile
 import zipfile
 import zlib
 from dataclasses import asdict, fields
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ import torch
 
 from opfuse.codegen.base import KernelConfig
 from opfuse.config import FusionConfig
-from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, ResourceEstimate, Verdict
+from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, ResourceEstimate, Verdict, plain
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
@@ -110,17 +109,6 @@ def decode_value(value: Any) -> Any:
             return {k: decode_value(v) for k, v in value["dict"].items()}
         if "dtype" in value:
             return torch_dtype(value["dtype"])
-    return value
-
-
-def plain(value: Any) -> Any:
-    """A dataclass's asdict() made JSON: enums as their values."""
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
     return value
 
 
