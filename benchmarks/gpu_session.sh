@@ -11,6 +11,7 @@
 #   BLOCKS=9-17, then BLOCKS= WHOLE=1,64 (whole model at batch 1 and 64)
 #   MODELS=resnet50,gpt2 COLD_PARALLEL=4 bash benchmarks/gpu_session.sh zoo   # benchmarks/zoo.py (issue 14)
 #   bash benchmarks/gpu_session.sh check     # compile seconds without and with the compile workers, GPU tests (17)
+#   WORKLOADS=resnet50:1 bash benchmarks/gpu_session.sh overhead   # benchmarks/call_overhead.py (issue 17, item 3)
 #   MODELS=resnet50,mobilenet_v2 bash benchmarks/gpu_session.sh onnx   # benchmarks/onnx_zoo.py (issue 18, item 4):
 #                                            # opfuse from .onnx against opfuse from PyTorch, and onnxruntime;
 #                                            # BATCHES=1 (default), ends by ONNX_BUDGET s (default 540)
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-stage=${1:?stage: tests | correctness | bench | splitk | profile | property | blocks | check | zoo | onnx}
+stage=${1:?stage: tests | correctness | bench | splitk | profile | property | blocks | check | zoo | onnx | overhead}
 [ -e "$OUT/gpu.txt" ] || nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/gpu.txt" 2>&1
 case "$stage" in
   tests)
@@ -75,6 +76,10 @@ case "$stage" in
       --cold-timeout "${COLD_TIMEOUT:-420}" \
       --tune-top "${TUNE_TOP:-4}" > "$OUT/zoo-run.log" 2>&1
     cat "$OUT/ZOO.md" ;;
+  overhead) # the module call's time over the bare replay, step by step (issue 17, item 3)
+    timeout "${OVERHEAD_TIMEOUT:-300}" python3 benchmarks/call_overhead.py --out "$OUT" \
+      --workloads "${WORKLOADS:-resnet50:1,resnext50_32x4d:1}" > "$OUT/call-overhead.log" 2>&1
+    cat "$OUT/call-overhead.log" ;;
   onnx)     # ONNX against PyTorch compiles of the zoo's torchvision models (issue 18, item 4), in one process
     timeout "${ONNX_TIMEOUT:-585}" python3 benchmarks/onnx_zoo.py --out "$OUT" ${MODELS:+--models "$MODELS"} \
       --batches "${BATCHES:-1}" --budget "${ONNX_BUDGET:-540}" --tune-top "${TUNE_TOP:-4}" \
