@@ -219,6 +219,7 @@ def _build_inductor(model, inputs, cuda: bool, backend: Any = "inductor", **_: A
 
 def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict | None = None, **_: Any) -> Built:
     import opfuse
+    from opfuse.fusion.reasons import Code
 
     start = time.perf_counter()
     compiled = opfuse.compile(model, inputs, config)
@@ -235,7 +236,9 @@ def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict 
            "library_anchors": compiled.compiled.library_anchors,
            "unfused": compiled.compiled.unfused, "opfuse_compile_seconds": compiled.seconds,
            "predicted_ms": compiled.analysis.fused.predicted_time * 1e3,
-           "cuda_graph_error": compiled.compiled.cuda_graph_error}
+           "cuda_graph_error": compiled.compiled.cuda_graph_error,
+           # fusions planned, then kept apart because every config of their compiled kernel spilled on this GPU
+           "split_back": [d.reason for d in compiled.plan.decisions if d.code is Code.SPLIT_BACK]}
     if ceilings:
         row["floor_compute_ms"], row["floor_memory_ms"] = floor_ms(compiled.analysis, ceilings)
     profiled = graph.replay if graph is not None else call
