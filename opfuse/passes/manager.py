@@ -19,6 +19,7 @@ from opfuse.passes.cast_precision import cast_precision
 from opfuse.passes.eliminate_dead_code import eliminate_dead_code
 from opfuse.passes.fold_batchnorm import fold_batchnorm
 from opfuse.passes.fold_constants import fold_constants
+from opfuse.passes.recognize_attention import recognize_attention
 from opfuse.passes.recognize_rms_norm import recognize_rms_norm
 from opfuse.passes.remove_noop_layout import remove_noop_layout
 from opfuse.passes.simplify_attention_masks import simplify_attention_masks
@@ -37,9 +38,10 @@ class PassRecord:
 
 def default_pipeline() -> list[Pass]:
     """The passes run after `cast_precision`: constants first, so a weight reached through a view or a cast is a
-    constant for what follows, and attention masks built from shapes are known; then layout no-ops, so BN folding
-    sees conv -> bn directly and RMS norms are written without their casts."""
-    return [fold_constants, simplify_attention_masks, remove_noop_layout, recognize_rms_norm, fold_batchnorm,
+    constant for what follows, and attention masks built from shapes are known; attention written out next, so its
+    mask is simplified like any other; then layout no-ops, so BN folding sees conv -> bn directly and RMS norms are
+    written without their casts."""
+    return [fold_constants, recognize_attention, simplify_attention_masks, remove_noop_layout, recognize_rms_norm, fold_batchnorm,
             eliminate_dead_code]
 
 
