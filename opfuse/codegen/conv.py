@@ -353,8 +353,9 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
 class ConvLibraryAnchor:
     """The convolution through PyTorch (cuDNN), as [1, pixels, channels]: its channels-last output, flattened.
 
-    Its weight in PyTorch's layout goes to the device on first use and `release` drops it, so a conv kernel holds
-    one device copy of its weight (the packed one) unless the autotuner keeps its library form."""
+    Its weight in PyTorch's layout, channels-last as the input is (whatever layout the frontend gave the constant:
+    ONNX initializers come contiguous), goes to the device on first use and `release` drops it, so a conv kernel
+    holds one device copy of its weight (the packed one) unless the autotuner keeps its library form."""
 
     def __init__(self, x: str, weights: list[torch.Tensor], dtype: torch.dtype, device: torch.device,
                  geometry: ConvGeometry):
@@ -362,8 +363,9 @@ class ConvLibraryAnchor:
         self.weight: torch.Tensor | None = None
 
     def __call__(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.weight is None:
-            self.weight = torch.cat(self.weights, 0).to(device=self.device, dtype=self.dtype)
+        if self.weight is None:   # channels-last like the input: cuDNN would transpose a mismatched one per call
+            weight = torch.cat(self.weights, 0).to(device=self.device, dtype=self.dtype)
+            self.weight = weight.contiguous(memory_format=torch.channels_last)
         g = self.geometry
         y = torch.nn.functional.conv2d(values[self.x], self.weight, None, g.stride, g.padding, g.dilation, g.groups)
         y = y.contiguous(memory_format=torch.channels_last)

@@ -128,6 +128,10 @@ def test_conv_with_bias_and_relu6(cin, cout, kernel_size, stride, groups):
     y = b.op("clamp", b.conv(x, cout, kernel_size, stride, kernel_size // 2, groups=groups), min=0.0, max=6.0)
     kernel, (out,) = run_library(b, [y], lower_conv_group, 2)
     assert out.is_contiguous(memory_format=torch.channels_last)
+    # the builder's weight is contiguous (as ONNX initializers come): cuDNN gets it channels-last like the input
+    (conv,) = [n for n in b.graph if n.op == "conv2d"]
+    assert b.graph.constants[conv.inputs[1]].is_contiguous()
+    assert kernel.library_anchor.weight.is_contiguous(memory_format=torch.channels_last)
     # its PyTorch-layout weight exists only while the library form may run, the unfused form's constants only
     # while that may run
     assert kernel.library_anchor.weight is not None and kernel._unfused_constants
