@@ -13,6 +13,9 @@ forwards that each add one step of the module call to the one before:
     call          OpfuseModule.__call__: what a user's call costs
     call static   the call given the graph's own input buffers (no copy in)
 
+With --with-inductor, torch.compile's model is built in the same process and timed in the same rounds, as the
+zoo does (an "inductor" row).
+
 Besides the GPU latency, `host us` is the host time of one forward (perf_counter over 200 calls, the GPU drained
 before and after), which is what a call adds when the GPU waits for it. Writes DIR/call_overhead.json.
 """
@@ -41,9 +44,9 @@ def host_us(fn, calls: int = 200) -> float:
     return elapsed / calls * 1e6
 
 
-def measure(name: str, batch: int, rounds: int) -> dict:
+def measure(name: str, batch: int, rounds: int, with_inductor: bool = False) -> dict:
     import opfuse
-    from opfuse.bench.harness import protocol_form
+    from opfuse.bench.harness import BUILDERS, protocol_form
     from opfuse.bench.timing import interleaved_samples, summarize
     from opfuse.cli import load_model
 
@@ -73,10 +76,12 @@ def measure(name: str, batch: int, rounds: int) -> dict:
                     "run_matching": lambda: compiled.compiled.run_matching(inputs),
                     "call": lambda: compiled(*inputs),
                     "call static": lambda: compiled(*statics)}
+        if with_inductor:   # the zoo's process holds torch.compile's model too, timed in the same rounds
+            forwards = BUILDERS["inductor"](model, inputs, cuda=True).forwards | forwards
         samples = interleaved_samples(forwards, rounds=rounds, per_round=5)
         hosts = {label: host_us(fn) for label, fn in forwards.items()}
     rows = {}
-    base = statistics.median(samples["replay"])
+    base = statistics.median(samples["replay"])   # (inductor's row: its bare replay over opfuse's)
     for label, values in samples.items():
         timing = summarize(values)
         rows[label] = {"median_ms": timing.median_ms, "over_replay_us": (timing.median_ms - base) * 1e3,
@@ -90,6 +95,8 @@ def main() -> int:
     parser.add_argument("--workloads", default="resnet50:1,resnext50_32x4d:1")
     parser.add_argument("--out", default="call-overhead-out")
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--with-inductor", action="store_true",
+                        help="also build torch.compile's model in the process and time its replay in the rounds")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -97,7 +104,7 @@ def main() -> int:
     for spec in args.workloads.split(","):
         name, _, batch = spec.partition(":")
         try:
-            result = measure(name, int(batch or 1), args.rounds)
+            result = measure(name, int(batch or 1), args.rounds, args.with_inductor)
         except Exception as error:   # one workload's failure must not lose the others' numbers
             result = {"workload": spec, "error": f"{type(error).__name__}: {error}"}
         results.append(result)

@@ -77,7 +77,7 @@ case "$stage" in
       --tune-top "${TUNE_TOP:-4}" > "$OUT/zoo-run.log" 2>&1
     cat "$OUT/ZOO.md" ;;
   overhead) # the module call's time over the bare replay, step by step (issue 17, item 3)
-    timeout "${OVERHEAD_TIMEOUT:-300}" python3 benchmarks/call_overhead.py --out "$OUT" \
+    timeout "${OVERHEAD_TIMEOUT:-300}" python3 benchmarks/call_overhead.py --out "$OUT" ${WITH_INDUCTOR:+--with-inductor} \
       --workloads "${WORKLOADS:-resnet50:1,resnext50_32x4d:1}" > "$OUT/call-overhead.log" 2>&1
     cat "$OUT/call-overhead.log" ;;
   onnx)     # ONNX against PyTorch compiles of the zoo's torchvision models (issue 18, item 4), in one process
