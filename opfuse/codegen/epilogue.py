@@ -84,6 +84,9 @@ class TileLayout:
     channel_dim: int
     batch_dims: tuple[int, ...] = ()
     channels_last: bool = False          # allocate outputs NHWC (4-D conv outputs)
+    # allocate outputs with their dims in this order in memory, outermost first (None: as `shape`, or NHWC with
+    # `channels_last`): attention's [B, H, S, D] output is laid out [B, S, H, D], so the head merge is a view
+    dim_order: tuple[int, ...] | None = None
     # (shape, strides, channels) of tensors seen -> their kernel strides: runs are launched many times with
     # the same layouts, and recomputing this was most of a launch's Python time
     _stride_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -135,6 +138,14 @@ class TileLayout:
             return tensor, strides
         tensor = tensor.contiguous()
         return tensor, [_group_stride(tensor, g) for g in groups] + [tensor.stride(self.channel_dim)]
+
+    def empty(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """A new output of this layout's shape in its memory layout (`dim_order`, `channels_last`)."""
+        if self.dim_order is not None:
+            physical = torch.empty([self.shape[d] for d in self.dim_order], dtype=dtype, device=device)
+            return physical.permute([self.dim_order.index(d) for d in range(len(self.shape))])
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        return torch.empty(self.shape, dtype=dtype, device=device, memory_format=memory_format)
 
     def stride_names(self, prefix: str) -> list[str]:
         batch = [f"{prefix}_sb0", f"{prefix}_sb1"] if self.batch_dims else []
@@ -236,7 +247,6 @@ class Epilogue:
             self.outputs.append((sibling, self.stored.index(p)))
         self.dtypes = [torch_dtype(graph[chains[0][p]].type.dtype) for p in self.stored]
         self.stored_spaces = [self.spaces[p] for p in self.stored]
-        self.memory_format = torch.channels_last if layout.channels_last else torch.contiguous_format
         for j, p in enumerate(self.stored):
             self.lines.append(f"tl.store(out{j}_ptr + {layout.offset_expr(f'out{j}')}, "
                               f"x{p}.to({triton_dtype(graph[chains[0][p]].type.dtype)}), mask=mask)")
@@ -362,8 +372,7 @@ class Epilogue:
             args += [tensor, *strides]
         buffers = []
         for dtype, space in zip(self.dtypes, self.stored_spaces):
-            buffer = torch.empty(self.layout.shape, dtype=dtype, device=self.device,
-                                 memory_format=self.memory_format)
+            buffer = self.layout.empty(dtype, self.device)
             if self.output_fill is not None:
                 buffer.fill_(self.output_fill)
             _, strides = self.layout.strides(buffer)
