@@ -95,6 +95,10 @@ class GroupKernel(ABC):
         group's ops unfused through PyTorch)."""
         return []
 
+    def describe_library_form(self) -> str:
+        """What the library form (FORM_LIBRARY) runs, in words, for `CompiledModel.library_anchors`."""
+        return f"anchor {self.group.anchor or '?'} through PyTorch's library"
+
     def keep_form(self, config: KernelConfig) -> None:
         """Called once `config` is the config that runs: free what only other forms of the kernel need."""
 

@@ -86,6 +86,13 @@ class EpilogueKernel(GroupKernel):
             forms.append(UNFUSED)
         return forms
 
+    def describe_library_form(self) -> str:
+        """What the library form runs, in words (`CompiledModel.library_anchors`)."""
+        if self.library_outputs is not None:
+            return f"{self.group.anchor or '?'} through PyTorch (cuBLAS) with its bias, no epilogue kernel"
+        return (f"anchor {self.group.anchor or '?'} through PyTorch (cuBLAS/cuDNN), then its epilogue as a "
+                "generated kernel")
+
     def launches(self, config: KernelConfig | None = None) -> int:
         """Two with K slices (the slices, then their sum with the epilogue) or in the library form (the library's
         kernel, then the epilogue, which a group of bare anchors does without; cuBLAS/cuDNN may add helper kernels

@@ -206,13 +206,7 @@ class CompiledModel(torch.nn.Module):
         faster than every Triton config it tried), and the timings."""
         from opfuse.codegen.forms import is_library
 
-        def form(kernel: GroupKernel) -> str:
-            if getattr(kernel, "library_outputs", None) is not None:
-                return f"{kernel.group.anchor or '?'} through PyTorch (cuBLAS) with its bias, no epilogue kernel"
-            return (f"anchor {kernel.group.anchor or '?'} through PyTorch (cuBLAS/cuDNN), then its epilogue as a "
-                    "generated kernel")
-
-        return {name: form(self.kernels[name]) + self._measured_against_triton(name)
+        return {name: self.kernels[name].describe_library_form() + self._measured_against_triton(name)
                 for name, config in self.configs.items() if is_library(config)}
 
     @property
