@@ -1,8 +1,9 @@
 """Pick the kernel template for each fusion group: `lower_group(graph, group, device)` and `lower_plan(plan, device)`.
 
 Dispatch reads the group's kind and anchor op: CONV_CONV groups -> `lower_conv_conv_group`, conv2d ->
-`lower_conv_group`, linear/matmul -> `lower_gemm_group`, elementwise groups -> `lower_pointwise_group`, reductions
--> `lower_reduction_group`. A group that gets no kernel (a view, an opaque op, attention, a gather, or a template
+`lower_conv_group`, linear/matmul -> `lower_gemm_group`, sdpa -> `lower_attention` (its forms: torch's attention
+and a Triton flash kernel), elementwise groups -> `lower_pointwise_group`, reductions -> `lower_reduction_group`.
+A group that gets no kernel (a view, an opaque op, a gather, or a template
 that raised `Unsupported`) runs through PyTorch at run time; the reason (a stable code and the words,
 `opfuse.fusion.reasons.Reason`) is recorded so the report can say why. The template modules are imported lazily;
 one that cannot be imported (a broken install, or a bug in opfuse) is an error naming the group and the template,
@@ -30,6 +31,7 @@ ANCHOR_LOWERINGS = {
     "conv2d": ("opfuse.codegen.conv", "lower_conv_group"),
     "linear": ("opfuse.codegen.gemm", "lower_gemm_group"),
     "matmul": ("opfuse.codegen.gemm", "lower_gemm_group"),
+    "sdpa": ("opfuse.codegen.attention", "lower_attention"),
 }
 CONV_CONV_LOWERING = ("opfuse.codegen.conv_conv", "lower_conv_conv_group")
 # the anchor templates pick tiles and K slices for a GPU: they take its profile (`hw`)
@@ -73,8 +75,6 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reaso
     anchor = find_anchor(graph, group)
     if anchor is not None:
         op = graph[anchor].op
-        if op == "sdpa":
-            return Reason(Code.ATTENTION, "attention (sdpa) runs through PyTorch's fused attention kernel")
         if op not in ANCHOR_LOWERINGS:
             return Reason(Code.NO_TEMPLATE, f"no Triton template for anchor op {op!r}")
         return ANCHOR_LOWERINGS[op]

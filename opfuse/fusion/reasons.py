@@ -57,7 +57,6 @@ Groups that run through PyTorch (`opfuse.codegen.lower.choose_lowering`, `lower_
   opaque, copying-op    as above: the op has no kernel of opfuse's
   view                  a view: metadata only, nothing to launch
   view-copy             a view PyTorch must copy (a reshape of a permuted tensor): one PyTorch kernel
-  attention             attention (sdpa) runs as PyTorch's fused attention kernel
   no-template           no Triton template covers the group's anchor op or its mix of ops
   unsupported           the template refused the group (`Unsupported`; the text says why)
   no-kernel             no kernel was built for the group
@@ -112,7 +111,6 @@ class Code(str, Enum):
 
     VIEW = "view"
     VIEW_COPY = "view-copy"
-    ATTENTION = "attention"
     NO_TEMPLATE = "no-template"
     UNSUPPORTED = "unsupported"
     NO_CANDIDATE = "no-candidate"

@@ -294,6 +294,8 @@ def dispatch_graph() -> Graph:
     (GroupKind.REDUCTION, ["soft"], None, "lower_reduction_group"),
     (GroupKind.SINGLE, ["soft"], None, "lower_reduction_group"),
     (GroupKind.SINGLE, ["joined"], None, "lower_pointwise_group"),     # a lone cat: an index map of the template
+    (GroupKind.ANCHOR_EPILOGUE, ["attn"], "attn", "lower_attention"),
+    (GroupKind.SINGLE, ["attn"], None, "lower_attention"),
 ])
 def test_dispatch_picks_the_template(kind, nodes, anchor, expected):
     graph = dispatch_graph()
@@ -306,7 +308,6 @@ def test_dispatch_picks_the_template(kind, nodes, anchor, expected):
     (GroupKind.OPAQUE, ["custom"], None, Code.OPAQUE),
     (GroupKind.SINGLE, ["custom"], None, Code.OPAQUE),
     (GroupKind.INJECTIVE, ["joined"], None, Code.COPYING_OP),
-    (GroupKind.ANCHOR_EPILOGUE, ["attn"], "attn", Code.ATTENTION),
 ])
 def test_dispatch_gives_a_reason_for_groups_without_a_kernel(kind, nodes, anchor, code, monkeypatch):
     monkeypatch.setattr(lower, "_load", lambda *a: pytest.fail("no template should be loaded"))

@@ -1,0 +1,273 @@
+"""Attention anchor kernels: a flash-style forward pass for groups anchored on `sdpa`, with a fused epilogue.
+
+Entry point: `lower_attention(graph, group, device, hw)`. One program takes BLOCK_M query rows of one (batch, head)
+and walks the keys in blocks of BLOCK_N with an online softmax (the running row maximum and sum, the accumulator
+rescaled as the maximum grows; scores in base 2, `exp2`), so the Sq x Sk score matrix never leaves the chip:
+
+    S = Q·Kᵀ · scale (+ additive mask, or -inf where a boolean mask or is_causal forbids)   [BLOCK_M, BLOCK_N]
+    m' = max(m, rowmax S);  P = exp(S - m');  l = l·exp(m - m') + rowsum P
+    acc = acc·exp(m - m') + P·V                                                               [BLOCK_M, D]
+    out = acc / l   (0 for a row every key of which is masked, as torch's sdpa gives)
+
+then the group's elementwise epilogue (`opfuse.codegen.epilogue`: the contract's acc, offs_n over the head dim,
+b0/b1 over batch and heads) runs on the tile and stores it. Both products accumulate in float32; P is cast to V's
+dtype for the second (fp16, bf16 or fp32 inputs; fp32 follows torch's matmul precision, as the GEMMs do).
+is_causal is top-left aligned like torch's (query i sees keys 0..i, also where Sq != Sk), and a causal program stops
+at its last visible key block. The mask (boolean: True attends; or float: added to the scores) is expanded to
+[..., Sq, Sk] and read through its strides, so a [Sq, Sk] or [B, 1, 1, Sk] mask costs stride 0 on the broadcast
+dims. Q, K and V are read through their strides (the head-split views before attention cost nothing). The head dim
+is padded to the next power of two (at least 16) and masked: 64 and 128 need no padding.
+
+Count, per (batch, head), with D the head dim and b bytes per element:
+  FLOPs:  4·Sq·Sk·D for the two products (half of it with is_causal) + about 5·Sq·Sk for scale, max, exp, sums
+          (`opfuse.ir.ops.attention_flops`, the plan's count).
+  Bytes:  Q read once, the output written once: 2·Sq·D·b; K and V read once per query block:
+          2·ceil(Sq / BLOCK_M)·Sk·D·b, of which DRAM sees 2·Sk·D·b when the heads' K and V stay in L2; a mask
+          Sq·Sk·(its bytes) per distinct (batch, head) it has. The unfused ops would also write and read the
+          Sq·Sk scores and probabilities (4 passes of Sq·Sk·b): the kernel is compute bound from Sk of a few
+          hundred on.
+
+Output layout: [B, H, Sq, D] stored with the heads inside the tokens ([B, Sq, H, D] in memory), as torch's flash
+attention returns it on a GPU, so the transformers' transpose(1, 2).reshape(B, Sq, H·D) before the output projection
+is a view and the projection reads contiguous rows; every opfuse kernel reads its inputs through their strides, so
+either layout is correct downstream.
+
+Forms (`KernelConfig.form`). A group of the sdpa alone: first the library form (`TORCH_ATTENTION`: torch's
+scaled_dot_product_attention, exactly as opfuse ran it before this kernel), then the Triton tiles. Untuned (tuning
+off, or no GPU to time on) it runs PyTorch's flash/cuDNN attention, which is the safest for speed: this kernel is
+only kept where the autotuner measures it faster. One launch either way, as the plan counts. A group with an
+epilogue: first the Triton tiles (one kernel, as the plan counts it), and with `library` the unfused form (the sdpa
+and the epilogue ops through PyTorch, what ran before) for the autotuner to measure against. The GEMMs' other library
+form (the library's result, then a generated epilogue kernel) is not offered: that epilogue kernel reads a
+contiguous result, and flash attention's is not, so it would cost a copy kernel too.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import triton
+
+from opfuse.codegen.base import FORM_LIBRARY, KernelConfig, compiled_info
+from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting, \
+    siblings_and_chains
+from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.forms import UNFUSED, EpilogueKernel
+from opfuse.fusion.plan import FusionGroup
+from opfuse.fusion.resources import ATTENTION_TILES, estimate_resources
+from opfuse.hardware import HardwareProfile, get_hardware
+from opfuse.ir.graph import Graph
+from opfuse.ir.ops import get_op
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 128
+# the mask input, as the template's MASK constexpr reads it
+NO_MASK, BOOLEAN_MASK, ADDITIVE_MASK = 0, 1, 2
+INTERPRETER_TILE = KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=16)
+# the library form of a bare sdpa: torch's attention picks its own kernel, so the config has no tile
+TORCH_ATTENTION = KernelConfig.of(num_warps=1, num_stages=1, form=FORM_LIBRARY)
+
+ATTENTION_TEMPLATE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def KERNEL_NAME(
+    q_ptr, k_ptr, v_ptr, m_ptr,
+    M, N_KEYS, D, B1, qk_scale,
+    s_qb0, s_qb1, s_qm, s_qd,
+    s_kb0, s_kb1, s_kn, s_kd,
+    s_vb0, s_vb1, s_vn, s_vd,
+    s_mb0, s_mb1, s_mm, s_mn,
+    {params}
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    b0 = pid_b // B1
+    b1 = pid_b % B1
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_D)          # the epilogue's columns: the head dim
+    offs_key = tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < D
+
+    q = tl.load(q_ptr + b0 * s_qb0 + b1 * s_qb1 + offs_m[:, None] * s_qm + offs_n[None, :] * s_qd,
+                mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+    k_base = k_ptr + b0 * s_kb0 + b1 * s_kb1
+    v_base = v_ptr + b0 * s_vb0 + b1 * s_vb1
+    m_base = m_ptr + b0 * s_mb0 + b1 * s_mb1 + offs_m[:, None] * s_mm
+
+    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if CAUSAL:    # top-left aligned: query i sees keys 0..i, none past this block's last row
+        key_end = tl.minimum(N_KEYS, (pid_m + 1) * BLOCK_M)
+    else:
+        key_end = N_KEYS
+    for start in range(0, key_end, BLOCK_N):
+        keys = start + offs_key
+        key_ok = keys < N_KEYS
+        k_t = tl.load(k_base + keys[None, :] * s_kn + offs_n[:, None] * s_kd,
+                      mask=key_ok[None, :] & mask_n[:, None], other=0.0)
+        scores = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale        # log2 units
+        allowed = key_ok[None, :] & mask_m[:, None]
+        if CAUSAL:
+            allowed = allowed & (keys[None, :] <= offs_m[:, None])
+        if MASK == 1:
+            allowed = allowed & (tl.load(m_base + keys[None, :] * s_mn, mask=allowed, other=0) != 0)
+        if MASK == 2:
+            bias = tl.load(m_base + keys[None, :] * s_mn, mask=allowed, other=0.0)
+            scores = scores + bias.to(tl.float32) * 1.4426950408889634
+        scores = tl.where(allowed, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        # a row with no allowed key so far keeps max -inf: subtract 0 there so exp2 gives 0, not NaN
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp2(row_max - shift)
+        p = tl.exp2(scores - shift[:, None])
+        row_sum = row_sum * rescale + tl.sum(p, 1)
+        v = tl.load(v_base + keys[:, None] * s_vn + offs_n[None, :] * s_vd,
+                    mask=key_ok[:, None] & mask_n[None, :], other=0.0)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        row_max = new_max
+    # a row with no allowed key has acc 0 and sum 0: it stays 0
+    acc = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+
+    r0 = 0
+    r1 = 0
+    r2 = offs_m
+{epilogue}
+'''
+
+
+def attention_configs(graph: Graph, group: FusionGroup, anchor: str, hw: HardwareProfile) -> list[KernelConfig]:
+    """The ATTENTION_TILES (`opfuse.fusion.resources`) whose registers and shared memory fit GPU `hw`, as launch
+    configs in their order, each query block cut to the queries (distinct tiles only); the interpreter's one small
+    tile under Triton's interpreter. None fitting: the smallest, so the group still has a kernel to measure."""
+    if interpreting():
+        return [INTERPRETER_TILE]
+    dtype = graph[graph[anchor].inputs[0]].type.dtype
+    configs: list[KernelConfig] = []
+    estimates = [estimate_resources(graph, group.nodes, anchor, hw, dtype, tile) for tile in ATTENTION_TILES]
+    for estimate in [e for e in estimates if e.fits] or estimates[-1:]:
+        tile = estimate.tile     # BLOCK_M already at most the queries' power of two
+        config = KernelConfig.of(num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+                                 BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"])
+        if config not in configs:
+            configs.append(config)
+    return configs
+
+
+def _head_dim_block(head_dim: int) -> int:
+    """The head dim padded to a power of two, at least 16 (tl.dot's smallest operand side)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+class AttentionKernel(EpilogueKernel):
+    """softmax(Q·Kᵀ·scale + mask)·V (+ epilogue) for one group (module docstring)."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, anchor: str,
+                 chains: list[list[str]], hw: HardwareProfile):
+        node = graph[anchor]
+        self.node = node
+        self.q, self.k, self.v = node.inputs[:3]
+        self.mask = node.inputs[3] if len(node.inputs) > 3 else None
+        q_shape, k_shape, v_shape = (graph[i].type.shape for i in node.inputs[:3])
+        if len(q_shape) < 3:
+            raise Unsupported(f"{node.describe()}: attention needs batch dims before [S, D]")
+        head_dim, value_dim = q_shape[-1], v_shape[-1]
+        if value_dim != head_dim or k_shape[-1] != head_dim:
+            raise Unsupported(f"{node.describe()}: q, k and v of different head dims ({head_dim}, {k_shape[-1]}, "
+                              f"{value_dim})")
+        if head_dim > MAX_HEAD_DIM:
+            raise Unsupported(f"{node.describe()}: head dim {head_dim} > {MAX_HEAD_DIM}")
+        dtype = compute_dtype(graph, self.q, node)
+        if any(graph[i].type.dtype != dtype for i in (self.k, self.v)):
+            raise Unsupported(f"{node.describe()}: q, k and v of different dtypes")
+        self.mask_kind = NO_MASK
+        if self.mask is not None:
+            mask_type = graph[self.mask].type
+            self.mask_kind = BOOLEAN_MASK if mask_type.dtype == "bool" else ADDITIVE_MASK
+            if self.mask_kind == ADDITIVE_MASK and mask_type.dtype not in ("float16", "bfloat16", "float32"):
+                raise Unsupported(f"{node.describe()}: a {mask_type.dtype} attention mask")
+        out_shape = node.type.shape
+        batch_dims = tuple(range(len(out_shape) - 2))
+        # heads inside the tokens in memory, as flash attention lays its output out (module docstring)
+        order = (0, 2, 1, 3) if len(out_shape) == 4 else None
+        layout = TileLayout(out_shape, channel_dim=len(out_shape) - 1, batch_dims=batch_dims, dim_order=order)
+        epilogue = Epilogue(graph, group, chains, layout, device)
+        name, source, self.kernel = generate_kernel(ATTENTION_TEMPLATE, epilogue)
+        super().__init__(graph, group, name, source)
+        self.device, self.epilogue, self.layout = device, epilogue, layout
+        self.s_q, self.s_k, self.head_dim = q_shape[-2], k_shape[-2], head_dim
+        self.block_d = _head_dim_block(head_dim)
+        leading = out_shape[:-2]
+        # operands broadcast to the output's batch dims, each read through the output layout's batch groups
+        self.q_layout = TileLayout(leading + (self.s_q, head_dim), len(out_shape) - 1, batch_dims)
+        self.kv_layout = TileLayout(leading + (self.s_k, head_dim), len(out_shape) - 1, batch_dims)
+        self.mask_layout = TileLayout(leading + (self.s_q, self.s_k), len(out_shape) - 1, batch_dims)
+        scale = node.attrs.get("scale")
+        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+        self.constants = {v: graph.constants[v].to(device) for v in node.inputs if graph.is_constant(v)}
+        self.bare = len(chains[0]) == 1 and group.outputs == [anchor]
+        self._configs = attention_configs(graph, group, anchor, hw)
+        if self.bare:   # torch's sdpa is the whole group: the library form, first (module docstring)
+            self.library_outputs = self._torch_attention
+            self._configs = [TORCH_ATTENTION, *self._configs]
+
+    def _torch_attention(self, values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The library form: torch's scaled_dot_product_attention, as the runtime runs an sdpa node."""
+        return [get_op("sdpa").run([values[i] for i in self.node.inputs], self.node.attrs)]
+
+    def describe_library_form(self) -> str:
+        return f"{self.node.name} through PyTorch's scaled_dot_product_attention (flash/cuDNN), no kernel of opfuse's"
+
+    def alternatives(self, library: bool = True) -> list[KernelConfig]:
+        """A bare sdpa has its library form among its configs (and nothing else to unfuse); a group with an
+        epilogue offers, with `library`, the unfused form: torch's sdpa, then the epilogue ops through PyTorch."""
+        return [UNFUSED] if library and not self.bare else []
+
+    def precision(self) -> str:
+        """tl.dot precision of float32 operands: TF32 where PyTorch's matmul would use it."""
+        return "tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee"
+
+    def _operand(self, layout: TileLayout, tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """`tensor` broadcast to `layout` and its (batch 0, batch 1, row, column) strides."""
+        tensor, strides = layout.strides(tensor)
+        return tensor, [strides[0], strides[1], strides[-2], strides[-1]]
+
+    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+        config, values, args, outputs = self.bind(inputs, config)
+        q, q_strides = self._operand(self.q_layout, values[self.q])
+        k, k_strides = self._operand(self.kv_layout, values[self.k])
+        v, v_strides = self._operand(self.kv_layout, values[self.v])
+        if self.mask is not None:
+            mask, m_strides = self._operand(self.mask_layout, values[self.mask])
+            if mask.dtype == torch.bool:     # read as bytes: one a key, nonzero attends
+                mask = mask.view(torch.uint8)
+        else:
+            mask, m_strides = q, [0, 0, 0, 0]    # never read
+        block_m = config["BLOCK_M"]
+        grid = (triton.cdiv(self.s_q, block_m), self.layout.batch)
+        compiled = self.kernel[grid](
+            q, k, v, mask, self.s_q, self.s_k, self.head_dim, self.layout.batch_sizes()[1], self.scale * LOG2E,
+            *q_strides, *k_strides, *v_strides, *m_strides, *args,
+            BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=self.block_d,
+            CAUSAL=bool(self.node.attrs.get("is_causal")), MASK=self.mask_kind, PRECISION=self.precision(),
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        self.last_compiled = compiled_info(compiled)
+        return outputs
+
+
+def lower_attention(graph: Graph, group: FusionGroup, device: torch.device | str,
+                    hw: HardwareProfile | None = None) -> AttentionKernel:
+    """The kernel of a group anchored on sdpa (with its elementwise epilogue), with tiles for GPU `hw` (default:
+    the default profile)."""
+    anchors, chains = siblings_and_chains(graph, group, ("sdpa",))
+    if len(anchors) > 1:
+        raise Unsupported(f"group {group.name} holds several attention anchors: {', '.join(anchors)}")
+    return AttentionKernel(graph, group, torch.device(device), anchors[0], chains, hw or get_hardware())
