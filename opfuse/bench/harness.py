@@ -12,8 +12,10 @@ The protocol:
   grad mode would recompile it unfrozen, which made every torch.compile figure before issue 14 5-20% slow);
 - timing rounds interleaved across contenders (A, B, C, A, B, C, ...: `timing.interleaved_samples`), each sample
   one forward between CUDA events; the median and the 10th-90th percentile spread are reported;
-- opfuse is timed twice: through its module call (input copy, replay, output copy: what a user's call costs) and
-  as its bare CUDA graph replay (as the other graphed contenders are timed);
+- opfuse is timed twice: through its module call (replay and output copies: what a user's call costs when it
+  passes the tensors it first called with, which the graph borrowed; other tensors are copied in, about 13 us more
+  at batch 1: benchmarks/call_overhead.py) and as its bare CUDA graph replay (as the other graphed contenders are
+  timed);
 - kernels per forward are counted by torch.profiler on what is timed (a graph replay is profiled kernel by
   kernel), copies and memsets left out; the relative error of each contender's output is taken against eager in
   the reference precision (float32 for fp16/bf16, float64 for fp32).

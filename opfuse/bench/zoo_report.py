@@ -115,7 +115,8 @@ def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
     counted_replays = sum(v is not None for v in replays.values())
     lines += ["", "## Headline", "",
               f"Geometric mean of opfuse over torch.compile + CUDA graph: **{_times(mean_call)}** through opfuse's "
-              f"module call (its input and output copies included; {counted_calls} workloads), "
+              f"module call (on the tensors it was captured with, which its graph reads in place; its output copies "
+              f"included; {counted_calls} workloads), "
               f"{_times(mean_replay)} as its bare graph replay, as torch.compile is timed ({counted_replays} "
               "workloads).", "",
               f"Under 1.0x (module call): {', '.join(under) if under else 'none'}.", "",

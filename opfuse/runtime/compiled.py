@@ -12,7 +12,11 @@ Inputs are checked against the signature the model was compiled for. A mismatch 
 unless a `recompile` callback was given: it then builds a model for the new signature, cached per signature.
 On CUDA (config.cuda_graph) the first call after the warm-up captures the whole forward into a CUDA graph over
 static input buffers; later calls copy their inputs in (the copy casts and lays them out as compiled, and an input
-that is its static buffer is not copied), replay it, and return a copy of each static output.
+that is its static buffer is not copied), replay it, and return a copy of each static output. An input the capturing
+call passed already in the compiled dtype and layout is its own static buffer (borrowed, kept alive): the graph reads
+it in place, so a caller that passes that very tensor again (whatever it wrote into it) pays no copy, as
+torch.compile's CUDA graphs skip inputs whose address they captured. The first call with any other tensor there (or
+with that tensor's storage moved) captures the graph again over private buffers, copied into from then on.
 
 `build_compiled_model(plan, device, example_inputs)` is the whole runtime stage: lower, build, autotune.
 """
@@ -288,7 +292,7 @@ class CompiledModel(torch.nn.Module):
             return self._replay(inputs)
         prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
         if self.use_cuda_graph and self.cuda_graph_error is None:
-            return self._run_cuda_graph(prepared)
+            return self._run_cuda_graph(prepared, [p is x for p, x in zip(prepared, inputs)])
         return self._execute(prepared)
 
     @staticmethod
@@ -360,7 +364,9 @@ class CompiledModel(torch.nn.Module):
         self._cuda_graph = None
         self._static_inputs: list[torch.Tensor] = []
         self._static_outputs: list[torch.Tensor] = []
+        self._borrowed: list[int | None] = []    # per input: the address of a borrowed caller's tensor, else None
         self._eager_calls = 0
+        self._borrow_inputs = True     # off once a call passed another tensor where a borrowed one was
 
     @property
     def static_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -368,14 +374,15 @@ class CompiledModel(torch.nn.Module):
         into them in place and passes them saves the copy in."""
         return tuple(self._static_inputs)
 
-    def _run_cuda_graph(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The warm-up calls, then the capture (inputs prepared); `_replay` runs every call after it."""
+    def _run_cuda_graph(self, inputs: list[torch.Tensor], own: list[bool]) -> list[torch.Tensor]:
+        """The warm-up calls, then the capture (inputs prepared; `own`: which of them are the caller's tensors, which
+        the graph may borrow); `_replay` runs every call after it."""
         if self._eager_calls < self.cuda_graph_warmup:   # compiles the Triton kernels outside any capture
             self._eager_calls += 1
             return self._execute(inputs)
         graph = torch.cuda.CUDAGraph()
         try:
-            self._capture(graph, inputs)
+            self._capture(graph, inputs, [mine and self._borrow_inputs for mine in own])
         except Exception as error:   # e.g. an opaque op that syncs with the host
             self._recover_from_failed_capture(graph)
             self.cuda_graph_error = f"CUDA graph capture failed, running eagerly: {error}"
@@ -386,16 +393,39 @@ class CompiledModel(torch.nn.Module):
 
     def _replay(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """One replay on these inputs (shape and device checked). `copy_` casts and lays out as it copies, so an
-        input needs no preparing first; one that is its static buffer is not copied at all."""
-        for static, x in zip(self._static_inputs, inputs):
-            if x is not static:
+        input needs no preparing first; one that is its static buffer is not copied at all. Another tensor where a
+        borrowed one was (or the borrowed one with its storage moved) captures again over private buffers."""
+        for static, x, address in zip(self._static_inputs, inputs, self._borrowed):
+            if address is not None:
+                if x is not static or x.data_ptr() != address:
+                    return self._capture_private(inputs)
+            elif x is not static:
                 static.copy_(x)
         self._cuda_graph.replay()
         # the static outputs are overwritten by the next replay: the caller gets its own copies
         return [out.clone() for out in self._static_outputs]
 
-    def _capture(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor]) -> None:
-        static = [x.clone() for x in inputs]     # clone keeps the (channels-last) strides of dense inputs
+    def _capture_private(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Capture again, every input in a private buffer (the borrowing graph is dropped), and run this call."""
+        self._reset_cuda_graph()
+        self._borrow_inputs = False
+        self._eager_calls = self.cuda_graph_warmup     # the kernels are compiled: no warm-up again
+        prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
+        return self._run_cuda_graph(prepared, [False] * len(prepared))
+
+    @staticmethod
+    def _static_buffers(inputs: Sequence[torch.Tensor], borrow: Sequence[bool]) -> list[torch.Tensor]:
+        """The graph's input buffers: a borrowed input itself, any other a clone (which keeps the channels-last
+        strides of dense inputs)."""
+        return [x if keep else x.clone() for x, keep in zip(inputs, borrow)]
+
+    def _captured(self, graph: Any, static: list[torch.Tensor], outputs: list[torch.Tensor],
+                  borrow: Sequence[bool]) -> None:
+        self._cuda_graph, self._static_inputs, self._static_outputs = graph, static, outputs
+        self._borrowed = [x.data_ptr() if keep else None for x, keep in zip(static, borrow)]
+
+    def _capture(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], borrow: list[bool]) -> None:
+        static = self._static_buffers(inputs, borrow)
         # one eager run on exactly these buffers, so no kernel is compiled for new strides during the capture
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -404,7 +434,7 @@ class CompiledModel(torch.nn.Module):
         torch.cuda.current_stream(self.device).wait_stream(side)
         with torch.cuda.graph(graph):
             outputs = self._execute(static)
-        self._cuda_graph, self._static_inputs, self._static_outputs = graph, static, outputs
+        self._captured(graph, static, outputs, borrow)
 
     def _recover_from_failed_capture(self, graph: torch.cuda.CUDAGraph) -> None:
         """Undo what a capture that raised leaves behind in PyTorch (`recover_rng_after_failed_capture`). The

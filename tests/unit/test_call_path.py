@@ -68,11 +68,11 @@ class CpuGraph:
                 log.in_replay = False
 
 
-def capture_on_cpu(self, graph, inputs):
+def capture_on_cpu(self, graph, inputs, borrow):
     """CompiledModel._capture without CUDA: static buffers as the real one makes them, bound to a CpuGraph."""
-    static = [x.clone() for x in inputs]
+    static = self._static_buffers(inputs, borrow)
     graph.model = self
-    self._cuda_graph, self._static_inputs, self._static_outputs = graph, static, self._execute(static)
+    self._captured(graph, static, self._execute(static), borrow)
 
 
 @pytest.fixture
@@ -116,14 +116,19 @@ def plain_model() -> CompiledModel:
     return CompiledModel(FusionPlan(build_graph(), groups, [], "h200", FusionConfig(dtype="float32")), {}, "cpu")
 
 
-def graphed_model() -> CompiledModel:
-    """The model on the CUDA graph path (as on a GPU), warmed up and captured on example inputs."""
+def graphed_model(private: bool = True) -> tuple[CompiledModel, tuple]:
+    """The model on the CUDA graph path (as on a GPU), warmed up and captured on example inputs, and those of the
+    capturing call. With `private`, a call with other tensors has moved it to private input buffers."""
     model = plain_model()
     model.use_cuda_graph = True
     for seed in range(1 + model.cuda_graph_warmup):      # the warm-up call(s), then the capture
-        model(*inputs(seed))
+        captured = inputs(seed)
+        model(*captured)
     assert isinstance(model._cuda_graph, CpuGraph) and len(model.static_inputs) == 2
-    return model
+    if private:
+        model(*inputs(99))
+        assert model._borrowed == [None, None]
+    return model, captured
 
 
 def inputs(seed: int, dtype=torch.float32):
@@ -139,7 +144,7 @@ def expected(x, y):
 # ---- CompiledModel on a captured graph ----------------------------------------------------------------------
 
 def test_a_replayed_call_copies_each_input_once_and_returns_outputs_the_caller_owns(cpu_graphs):
-    model = graphed_model()
+    model, _ = graphed_model()
     x, y = inputs(7)
     assert x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last)
     with logged() as log:
@@ -158,7 +163,7 @@ def test_a_replayed_call_copies_each_input_once_and_returns_outputs_the_caller_o
 
 
 def test_an_input_that_is_its_static_buffer_is_not_copied(cpu_graphs):
-    model = graphed_model()
+    model, _ = graphed_model()
     x, y = inputs(9)
     static_x, static_y = model.static_inputs
     static_x.copy_(x)                       # the caller writes its next input into the buffer in place
@@ -170,8 +175,39 @@ def test_an_input_that_is_its_static_buffer_is_not_copied(cpu_graphs):
     assert torch.equal(static_y, y)
 
 
+def test_the_capturing_calls_own_tensor_is_read_in_place_and_never_written(cpu_graphs):
+    model, (x0, y0) = graphed_model(private=False)
+    # x0 is contiguous where the model computes channels-last: its buffer is a private copy; y0 is borrowed
+    assert model._borrowed[0] is None and model._borrowed[1] == y0.data_ptr() and model.static_inputs[1] is y0
+    x, y = inputs(21)
+    y0.copy_(y)                              # the caller writes its next input into its own tensor
+    with logged() as log:
+        out, _ = model(x, y0)
+    before, _ = log.around_replay()
+    assert before == ["copy_"]               # x only
+    torch.testing.assert_close(out, expected(x, y)[0])
+    y_kept = y0.clone()
+    x2, y2 = inputs(22)
+    out, _ = model(x2, y2)                   # another tensor where y0 was: captured again over private buffers
+    torch.testing.assert_close(out, expected(x2, y2)[0])
+    assert model._borrowed == [None, None] and model.static_inputs[1] is not y0
+    assert torch.equal(y0, y_kept)           # the caller's tensor was never written
+    out, _ = model(x, y0)                    # y0 again: copied in now, like any other tensor
+    torch.testing.assert_close(out, expected(x, y)[0])
+    assert torch.equal(y0, y_kept)
+
+
+def test_a_borrowed_tensor_whose_storage_moved_is_not_read_at_its_old_address(cpu_graphs):
+    model, (_, y0) = graphed_model(private=False)
+    x, y = inputs(23)
+    y0.data = y.clone()                      # same tensor object, another storage
+    out, _ = model(x, y0)
+    torch.testing.assert_close(out, expected(x, y)[0])
+    assert model._borrowed == [None, None]
+
+
 def test_a_float_input_is_cast_and_laid_out_by_its_copy(cpu_graphs):
-    model = graphed_model()
+    model, _ = graphed_model()
     x, y = inputs(3, dtype=torch.float64)   # run_matching's contract: shape and device checked, float dtype cast
     with logged() as log:
         out, _ = model.run_matching([x, y])
@@ -194,7 +230,7 @@ def test_without_a_graph_a_float_input_is_cast_and_laid_out_in_one_step():
 
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
 def test_a_call_in_any_grad_mode_records_no_autograd_graph(cpu_graphs, mode):
-    model = graphed_model()
+    model, _ = graphed_model()
     x, y = inputs(11)
     x.requires_grad_(True)
     context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
