@@ -7,10 +7,15 @@ the configs) and then timed, by the zoo's clock (latency from an idle GPU, round
 forwards that each add one step of the module call to the one before:
 
     replay        the bare graph replay (what torch.compile + CUDA graph is timed as)
+    call          OpfuseModule.__call__ with the tensors the capture borrowed (the zoo's call): no copy in
+
+then, after one call with other tensors has moved the model to private input buffers (a second set of rounds):
+
+    replay        the bare replay of the graph captured again
     +copy in      the input copies into the static buffers, then the replay
     +clone out    ... and the copies of the outputs the caller gets
     run_matching  CompiledModel.run_matching: the same steps as the runtime does them
-    call          OpfuseModule.__call__: what a user's call costs
+    call copy     OpfuseModule.__call__ with tensors of the caller's own (copied in)
     call static   the call given the graph's own input buffers (no copy in)
 
 With --with-inductor, torch.compile's model is built in the same process and timed in the same rounds, as the
@@ -59,12 +64,21 @@ def measure(name: str, batch: int, rounds: int, with_inductor: bool = False) -> 
         for _ in range(2 + compiled.compiled.cuda_graph_warmup):
             compiled(*inputs)
         runtime = compiled.compiled
+        if runtime._cuda_graph is None:
+            return {"workload": f"{name}:{batch}", "error": runtime.cuda_graph_error}
+        others = {}
+        if with_inductor:   # the zoo's process holds torch.compile's model too, timed in the same rounds
+            others = BUILDERS["inductor"](model, inputs, cuda=True).forwards
+        borrowing = others | {"replay": runtime._cuda_graph.replay, "call": lambda: compiled(*inputs)}
+        samples = {"borrowed": interleaved_samples(borrowing, rounds=rounds, per_round=5)}
+        hosts = {"borrowed": {label: host_us(fn) for label, fn in borrowing.items()}}
+
+        mine = [x.clone() for x in inputs]      # the caller's own tensors: the model moves to private buffers
+        compiled(*mine)
         graph, statics, outs = runtime._cuda_graph, runtime._static_inputs, runtime._static_outputs
-        if graph is None:
-            return {"workload": f"{name}:{batch}", "error": compiled.compiled.cuda_graph_error}
 
         def copy_in():
-            for static, x in zip(statics, inputs):
+            for static, x in zip(statics, mine):
                 static.copy_(x)
             graph.replay()
 
@@ -72,22 +86,21 @@ def measure(name: str, batch: int, rounds: int, with_inductor: bool = False) -> 
             copy_in()
             return [o.clone() for o in outs]
 
-        forwards = {"replay": graph.replay, "+copy in": copy_in, "+clone out": copy_clone,
-                    "run_matching": lambda: compiled.compiled.run_matching(inputs),
-                    "call": lambda: compiled(*inputs),
-                    "call static": lambda: compiled(*statics)}
-        if with_inductor:   # the zoo's process holds torch.compile's model too, timed in the same rounds
-            forwards = BUILDERS["inductor"](model, inputs, cuda=True).forwards | forwards
-        samples = interleaved_samples(forwards, rounds=rounds, per_round=5)
-        hosts = {label: host_us(fn) for label, fn in forwards.items()}
-    rows = {}
-    base = statistics.median(samples["replay"])   # (inductor's row: its bare replay over opfuse's)
-    for label, values in samples.items():
-        timing = summarize(values)
-        rows[label] = {"median_ms": timing.median_ms, "over_replay_us": (timing.median_ms - base) * 1e3,
-                       "spread": timing.spread, "host_us": hosts[label]}
+        private = others | {"replay": graph.replay, "+copy in": copy_in, "+clone out": copy_clone,
+                            "run_matching": lambda: runtime.run_matching(mine),
+                            "call copy": lambda: compiled(*mine), "call static": lambda: compiled(*statics)}
+        samples["private"] = interleaved_samples(private, rounds=rounds, per_round=5)
+        hosts["private"] = {label: host_us(fn) for label, fn in private.items()}
+    ladder = {}
+    for phase, phase_samples in samples.items():
+        base = statistics.median(phase_samples["replay"])   # (inductor's row: its bare replay over opfuse's)
+        for label, values in phase_samples.items():
+            timing = summarize(values)
+            ladder[f"{phase}: {label}"] = {"median_ms": timing.median_ms,
+                                           "over_replay_us": (timing.median_ms - base) * 1e3,
+                                           "spread": timing.spread, "host_us": hosts[phase][label]}
     return {"workload": f"{name}:{batch}", "compile_s": compile_s, "inputs": len(inputs), "outputs": len(outs),
-            "ladder": rows}
+            "ladder": ladder}
 
 
 def main() -> int:
@@ -111,7 +124,7 @@ def main() -> int:
         (out / "call_overhead.json").write_text(json.dumps(results, indent=1))
         print(f"\n{result['workload']}: {result.get('error', '')}")
         for label, row in result.get("ladder", {}).items():
-            print(f"  {label:13s} {row['median_ms']:.4f} ms  +{row['over_replay_us']:6.1f} us over replay  "
+            print(f"  {label:23s} {row['median_ms']:.4f} ms  +{row['over_replay_us']:6.1f} us over replay  "
                   f"spread {row['spread']:.0%}  host {row['host_us']:6.1f} us")
     return 0
 
