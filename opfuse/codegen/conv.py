@@ -228,19 +228,14 @@ class ConvKernel(EpilogueKernel):
                                      self.weight.shape[0], geometry.groups, self.weight.element_size(),
                                      gather=geometry.cin_per_group < GATHER_CHANNELS, hw=hw)
         self.split = None
-        if group.split_k > 1:    # the planner split K: each config gets the slices its own tile grid needs
+        if group.split_k:    # the planner split K: each config runs the slices the plan gives its tile
             self.split = SplitK(CONV_SLICE_TEMPLATE, CONV_PARTIAL, epilogue)
-            self._configs = with_slices(self._configs, self._programs_and_steps, hw.sm_count)
+            self._configs = with_slices(self._configs, group)
 
     def _steps(self, config: KernelConfig) -> int:
         """K-loop steps of the template for `config` (the gather form walks taps x channels in BLOCK_K blocks)."""
         g = self.geometry
         return anchor_steps(g.kh * g.kw, g.cin_per_group, config["BLOCK_K"])
-
-    def _programs_and_steps(self, config: KernelConfig) -> tuple[int, int]:
-        cout_per_group = self.layout.channels // self.geometry.groups
-        tiles = triton.cdiv(self.layout.rows, config["BLOCK_M"]) * triton.cdiv(cout_per_group, config["BLOCK_N"])
-        return tiles * self.geometry.groups, self._steps(config)
 
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)

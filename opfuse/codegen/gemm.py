@@ -180,17 +180,17 @@ class GemmKernel(EpilogueKernel):
         self._configs = gemm_configs(self.layout.rows, self.layout.channels, k, self.layout.batch,
                                      graph[a].type.itemsize, hw=hw)
         self.split = None
-        if group.split_k > 1:    # the planner split K: each config gets the slices its own tile grid needs
+        if group.split_k:    # the planner split K: each config runs the slices the plan gives its tile
             self.split = SplitK(_with_prologue(GEMM_SLICE_TEMPLATE, prologue), GEMM_PARTIAL, epilogue)
-            self._configs = with_slices(self._configs, self._programs_and_steps, hw.sm_count)
+            self._configs = with_slices(self._configs, group)
         self._sizes = (self.layout.rows, self.layout.channels, *self.layout.row_sizes()[1:],
                        self.layout.batch_sizes()[1] if self.layout.batch_dims else 1)
         # constant operands (a matmul with a constant side) are held by the kernel, on the device
         self.constants = {v: graph.constants[v].to(device) for v in (a, b) if v is not None and graph.is_constant(v)}
 
-    def _programs_and_steps(self, config: KernelConfig) -> tuple[int, int]:
-        tiles = triton.cdiv(self.layout.rows, config["BLOCK_M"]) * triton.cdiv(self.layout.channels, config["BLOCK_N"])
-        return tiles * self.layout.batch, anchor_steps(1, self.k, config["BLOCK_K"])
+    def _steps(self, config: KernelConfig) -> int:
+        """K-loop steps of the template for `config`."""
+        return anchor_steps(1, self.k, config["BLOCK_K"])
 
     def precision(self) -> str:
         """tl.dot precision of float32 operands: TF32 where PyTorch's own kernel would use it."""
@@ -232,7 +232,7 @@ class GemmKernel(EpilogueKernel):
             workspace = torch.empty((slices, self.layout.batch, m, n), dtype=torch.float32, device=a.device)
             compiled = self.split.partial[(tiles, self.layout.batch, slices)](
                 a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, workspace, *prologue,
-                SLICE_STEPS=triton.cdiv(self._programs_and_steps(config)[1], slices), **launch)
+                SLICE_STEPS=triton.cdiv(self._steps(config), slices), **launch)
             self.split.run_reduce(workspace, self.layout, args)
         else:
             compiled = self.kernel[(tiles, self.layout.batch)](

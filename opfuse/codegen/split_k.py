@@ -2,22 +2,26 @@
 kernel that sums them in slice order and runs the group's epilogue (`SplitK`).
 
 `sliced_template` derives a template's slice form by line edits that must each apply once; `with_slices` gives each
-config the slices its own tile grid needs (`opfuse.fusion.resources.split_k_slices`), `slices_of` reads them back.
+config the slices the planner decided for its tile (`FusionGroup.split_k`, `opfuse.fusion.tiles.split_k_table`),
+`slices_of` reads them back.
 The reduce kernel also serves the library form (`SplitK.reduce_only`): the library's result is one slice.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import triton
 
 from opfuse.codegen.base import KernelConfig, load_kernel
 from opfuse.codegen.epilogue import TILE_INDEX, generate_kernel
+from opfuse.fusion.tiles import tile_key
+from opfuse.ir.graph import GraphError
 
 if TYPE_CHECKING:
     from opfuse.codegen.epilogue import Epilogue, TileLayout
+    from opfuse.fusion.plan import FusionGroup
 
 # split-K's second kernel: the K slices' fp32 partial tiles ws[slice, batch, row, column] summed in slice order
 # (the same order every run), then the group's epilogue, under the same contract as the anchor templates
@@ -86,16 +90,17 @@ def sliced_template(template: str, edits: Sequence[tuple[str, str]]) -> str:
     return template
 
 
-def with_slices(configs: Sequence[KernelConfig], steps: Callable[[KernelConfig], tuple[int, int]],
-                sm_count: int) -> list[KernelConfig]:
-    """`configs` with each one's SPLIT_K: the K slices its own tile grid needs (`split_k_slices` of its
-    (programs, K steps)); configs that need none keep SPLIT_K=1 and run as one kernel."""
-    from opfuse.fusion.resources import split_k_slices
-
+def with_slices(configs: Sequence[KernelConfig], group: "FusionGroup") -> list[KernelConfig]:
+    """`configs` each with the SPLIT_K the plan decided for its tile (`group.split_k`, by `tile_key`; 1: that
+    config runs as one kernel). Codegen derives no slice count of its own: a tile the plan has no count for is a
+    plan made for other tiles, an error."""
     split = []
     for config in configs:
-        programs, k_steps = steps(config)
-        params = dict(config.params) | {"SPLIT_K": split_k_slices(programs, k_steps, sm_count)}
+        key = tile_key(config)
+        if key not in group.split_k:
+            raise GraphError(f"group {group.name}: the plan decides no K slices for tile {key} "
+                             f"(it has {', '.join(group.split_k)})")
+        params = dict(config.params) | {"SPLIT_K": group.split_k[key]}
         split.append(KernelConfig.of(config.num_warps, config.num_stages, **params))
     return list(dict.fromkeys(split))
 

@@ -73,8 +73,9 @@ class FusionGroup:
     predicted_time: float = 0.0             # seconds, cost model
     launches: int = 1                       # 0 for views; 2 where the kernel's default tile splits K (its K
                                             # slices, then their sum)
-    split_k: int = 1                        # K slices the resource model's tile offers an anchor kernel (1: none):
-                                            # the kernel then gets a split form, each config its own slices
+    split_k: dict[str, int] = field(default_factory=dict)   # the planner's split-K decision for an anchor kernel:
+                                            # K slices per tile (`opfuse.fusion.tiles.split_k_table`, by tile_key),
+                                            # which its configs run; empty: no split form
     resources: ResourceEstimate | None = None
     reason: str = ""                        # why the group is what it is
     code: Code = Code.NO_CANDIDATE          # the same as a stable code: fused for a merged group, the first refusal

@@ -34,8 +34,9 @@ from opfuse.fusion.legality import (EPILOGUE_VIEWS, MAPPED_COPIES, can_fuse, in_
                                     node_index, operand_chain, path_outside, skip_operands)
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
-from opfuse.fusion.resources import MIN_SPLIT_STEPS, anchor_of, conv_chain, gemm_view, split_k_slices
-from opfuse.fusion.tiles import anchor_loop, anchor_steps, anchor_tiles
+from opfuse.fusion.resources import anchor_of, conv_chain, gemm_view
+from opfuse.fusion.tiles import (MIN_SPLIT_STEPS, anchor_grid, anchor_loop, anchor_tiles, split_k_slices,
+                                 split_k_table, tile_key)
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import DTYPE_BYTES, WIDE_INTEGERS, Graph
 from opfuse.ir.ops import FusionKind, kind_of, view_copies
@@ -559,11 +560,11 @@ class _Planner:
             traffic = estimate.traffic
             why = self.explain(group, kind, refusals)
             reason = why.text
-            slices, default_slices, time, unsplit = self.split_k(nodes, kind, estimate)
+            table, default_slices, time, unsplit = self.split_k(nodes, kind, estimate)
             if default_slices > 1:
                 reason += (f"; split-K: {default_slices} slices of the reduction, summed with the epilogue by a "
                            "second kernel (the tile grid alone would leave most SMs idle)")
-            elif slices > 1:
+            elif table:
                 reason += (f"; split-K offered (the resource model's tile would leave most SMs idle), but the "
                            f"kernel's default tile runs unsplit ({unsplit}): one kernel unless the autotuner "
                            "measures a split faster")
@@ -572,53 +573,49 @@ class _Planner:
                 outputs=list(traffic.outputs), flops=traffic.flops, bytes_read=traffic.bytes_read,
                 bytes_written=traffic.bytes_written, predicted_time=time,
                 launches=0 if kind is GroupKind.VIEW and not self.copies(nodes) else 1 + (default_slices > 1),
-                split_k=slices, resources=estimate.resources, reason=reason, code=why.code))
+                split_k=table, resources=estimate.resources, reason=reason, code=why.code))
         return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config, self.hw)
 
     def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate
-                ) -> tuple[int, int, float, str]:
-        """(K slices offered, K slices of the kernel's default tile, predicted seconds, why that tile runs unsplit
-        where it does) of the group's kernel.
+                ) -> tuple[dict[str, int], int, float, str]:
+        """(the K slices of each tile of the group's kernel, the K slices of its default tile, predicted seconds,
+        why that tile runs unsplit where it does); no slices ({}) where the planner does not split.
 
-        An anchor whose tiles (the resource model's) fill under a quarter of the SMs splits a long reduction
-        (`split_k_slices`): the kernel then gets a split form, each of its configs the slices its own grid needs,
-        and the autotuner measures them. Untuned, the kernel runs its default tile (`opfuse.fusion.tiles`), which
-        may need no slices: the plan counts the second launch, and prices it (a launch and the fp32 partial tiles
-        written and read once), only where that tile splits."""
+        The decision, made here once: an anchor whose tiles (the resource model's) fill under a quarter of the SMs
+        splits a long reduction (`split_k_slices`). Its kernel then gets a split form, and each config runs the
+        slices the plan gives its tile (`split_k_table`: every tile's own grid and K blocks), which the autotuner
+        measures. Untuned, the kernel runs its default tile (`opfuse.fusion.tiles`), which may need no slices: the
+        plan counts the second launch, and prices it (a launch and the fp32 partial tiles written and read once),
+        only where that tile splits."""
         tile = estimate.resources.tile if estimate.resources is not None else {}
         if (not self.config.split_k or estimate.anchor is None or kind is GroupKind.CONV_CONV
                 or not {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= tile.keys()):
-            return 1, 1, estimate.time, ""
+            return {}, 1, estimate.time, ""
         view = gemm_view(self.graph, estimate.anchor)
         if view is None:
-            return 1, 1, estimate.time, ""
+            return {}, 1, estimate.time, ""
         rows, columns, reduction, batch = view
         if kind is GroupKind.HORIZONTAL:   # sibling anchors (ungrouped) run as one GEMM over their columns together
             columns = sum(self.graph[n].type.shape[-1 if self.graph[n].op == "linear" else 1]
                           for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR)
-
-        def grid(tile: Mapping[str, int], taps: int = 1) -> tuple[int, int]:     # (programs, K steps)
-            return (-(-rows // tile["BLOCK_M"]) * -(-columns // tile["BLOCK_N"]) * batch,
-                    anchor_steps(taps, reduction // taps, tile["BLOCK_K"]))
-
-        slices = split_k_slices(*grid(tile), self.hw.sm_count)
-        if slices == 1:
-            return 1, 1, estimate.time, ""
+        if split_k_slices(*anchor_grid(tile, rows, columns, reduction, batch), self.hw.sm_count) == 1:
+            return {}, 1, estimate.time, ""
         taps, gather = anchor_loop(self.graph, estimate.anchor)
+        table = split_k_table(rows, columns, reduction, batch, taps, self.hw.sm_count)
         default = anchor_tiles(rows, columns, reduction, batch, DTYPE_BYTES[self.config.dtype], gather,
                                hw=self.hw)[0]
-        programs, steps = grid(default, taps)
-        default_slices = split_k_slices(programs, steps, self.hw.sm_count)     # as the kernel counts them
+        default_slices = table[tile_key(default)]
         if default_slices == 1:
+            programs, steps = anchor_grid(default, rows, columns, reduction, batch, taps)
             if 4 * programs > self.hw.sm_count:
                 unsplit = f"its {programs} tiles keep over a quarter of the SMs busy"
             elif steps < MIN_SPLIT_STEPS:
                 unsplit = f"its reduction is {steps} K blocks, under the {MIN_SPLIT_STEPS} a split needs"
             else:
                 unsplit = "too few slices would fit to pay for a second kernel"
-            return slices, 1, estimate.time, unsplit
+            return table, 1, estimate.time, unsplit
         partials = 2 * default_slices * rows * columns * batch * 4
-        return (slices, default_slices,
+        return (table, default_slices,
                 estimate.time + (self.hw.launch_overhead + partials / self.hw.memory_bandwidth) * self.hw.time_factor,
                 "")
 

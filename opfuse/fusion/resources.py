@@ -114,31 +114,6 @@ def anchor_of(graph: Graph, nodes: Iterable[str]) -> str | None:
     return next((n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR), None)
 
 
-MAX_SPLIT_K = 16          # K slices at most: each slice's partial tile goes through device memory once
-MIN_STEPS_PER_SLICE = 4   # K blocks a slice walks at least, so the pipeline fills
-MIN_SPLIT_K = 3           # fewer slices do not pay for the second kernel's launch
-# K blocks the unsplit loop must walk for a split to be planned. On the H200 (2026-11-30, batch 1, planner's tiles,
-# no tuning) splitting took resnet50 from 0.632 to 0.480 ms (0.516 -> 0.378 ms of kernels) and bert-base from 0.748
-# to 0.620 ms (0.589 -> 0.491); mobilenet_v2's kernels were unchanged (its planned splits' tiles need no slices).
-# The autotuner also times each split kernel unsplit and keeps the faster: a split planned here is an offer.
-MIN_SPLIT_STEPS = 16
-
-
-def split_k_slices(programs: int, steps: int, sm_count: int) -> int:
-    """How many K slices an anchor kernel of `programs` tiles and `steps` K blocks runs: 1 unless the tiles leave
-    three quarters of the SMs idle and the reduction is long (MIN_SPLIT_STEPS blocks), else enough slices to
-    fill the SMs (each at least MIN_STEPS_PER_SLICE blocks, at most MAX_SPLIT_K), none of them empty. The slices'
-    fp32 partial tiles are summed in slice order by a second kernel that runs the epilogue (so the result does not
-    depend on timing)."""
-    if 4 * programs > sm_count or steps < MIN_SPLIT_STEPS:
-        return 1
-    slices = min(-(-sm_count // programs), steps // MIN_STEPS_PER_SLICE, MAX_SPLIT_K)
-    if slices < MIN_SPLIT_K:
-        return 1
-    per_slice = -(-steps // slices)
-    return -(-steps // per_slice)
-
-
 def gemm_view(graph: Graph, anchor: str) -> tuple[int, int, int, int] | None:
     """(rows, columns, reduction length, independent GEMMs) of an anchor as its kernel computes it: a linear or
     matmul directly, a conv as implicit GEMM per conv group (pixels x output channels of a group x taps * input

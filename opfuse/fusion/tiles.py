@@ -1,13 +1,15 @@
 """The tiles an anchor kernel (GEMM, 1x1 conv, implicit-GEMM conv) tries, the one it runs untuned, and its K loop:
 one source for the Triton templates (`opfuse.codegen.gemm.gemm_configs`, `opfuse.codegen.conv.ConvKernel`) and for
-the planner, which counts split-K's second launch only where that default tile splits the reduction.
+the planner, which decides the K slices of each tile (`split_k_table`, carried by the plan) and counts split-K's
+second launch only where the default tile splits the reduction.
 
 A tile is a dict: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages. `anchor_tiles(m, n, k, batch, itemsize,
 gather, hw=...)` lists the candidates for a GPU (`opfuse.hardware.HardwareProfile`: its SMs pick the default, its
 shared memory bounds the pipelines), the default first; `anchor_steps(taps, channels, block_k)` counts the K-loop
-steps of a tile; `anchor_loop(graph, anchor)` says which loop a graph's anchor gets. These are the GPU's rules, and the plan
-always follows them; only the kernels, under Triton's interpreter (tests, `interpreting()`), run one tiny tile
-instead (`INTERPRETER`), so there an interpreted model may launch other split-K kernels than its plan counts.
+steps of a tile, `split_k_slices` its K slices; `anchor_loop(graph, anchor)` says which loop a graph's anchor
+gets. These are the GPU's rules, and the plan always follows them; only the kernels, under Triton's interpreter
+(tests, `interpreting()`), run one tiny tile instead (`INTERPRETER`, whose K slices the plan decides too), so
+there an interpreted model may launch other split-K kernels than its plan counts.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SMALL_M = [_tile(16, 32, 128, 4, 4), _tile(16, 64, 128, 4, 4), _tile(16, 32, 256
 GATHER = _tile(64, 64, 32, 4, 4)
 GATHER_CHANNELS = 32                # input channels per group under which a conv gathers taps
 INTERPRETER = _tile(32, 32, 16, 4, 1)
+KERNEL_TILES = LARGE + MEDIUM + SMALL_M + [GATHER, INTERPRETER]    # every tile an anchor kernel may run
 SHARED_SLACK = 27 * 1024    # a block's shared memory the operand pipeline leaves to the epilogue and Triton itself
 
 
@@ -84,6 +87,58 @@ def anchor_steps(taps: int, channels: int, block_k: int) -> int:
     if channels < block_k:
         return -(-(taps * channels) // block_k)
     return taps * -(-channels // block_k)
+
+
+MAX_SPLIT_K = 16          # K slices at most: each slice's partial tile goes through device memory once
+MIN_STEPS_PER_SLICE = 4   # K blocks a slice walks at least, so the pipeline fills
+MIN_SPLIT_K = 3           # fewer slices do not pay for the second kernel's launch
+# K blocks the unsplit loop must walk for a split to be planned. On the H200 (2026-11-30, batch 1, planner's tiles,
+# no tuning) splitting took resnet50 from 0.632 to 0.480 ms (0.516 -> 0.378 ms of kernels) and bert-base from 0.748
+# to 0.620 ms (0.589 -> 0.491); mobilenet_v2's kernels were unchanged (its planned splits' tiles need no slices).
+# The autotuner also times each split kernel unsplit and keeps the faster: a split planned here is an offer.
+MIN_SPLIT_STEPS = 16
+
+
+def split_k_slices(programs: int, steps: int, sm_count: int) -> int:
+    """How many K slices an anchor kernel of `programs` tiles and `steps` K blocks runs: 1 unless the tiles leave
+    three quarters of the SMs idle and the reduction is long (MIN_SPLIT_STEPS blocks), else enough slices to
+    fill the SMs (each at least MIN_STEPS_PER_SLICE blocks, at most MAX_SPLIT_K), none of them empty. The slices'
+    fp32 partial tiles are summed in slice order by a second kernel that runs the epilogue (so the result does not
+    depend on timing)."""
+    if 4 * programs > sm_count or steps < MIN_SPLIT_STEPS:
+        return 1
+    slices = min(-(-sm_count // programs), steps // MIN_STEPS_PER_SLICE, MAX_SPLIT_K)
+    if slices < MIN_SPLIT_K:
+        return 1
+    per_slice = -(-steps // slices)
+    return -(-steps // per_slice)
+
+
+def tile_key(tile) -> str:
+    """A tile's name in the plan's split-K table (`FusionGroup.split_k`): BLOCK_MxBLOCK_NxBLOCK_K, what its grid
+    and its K loop depend on (a dict tile or a kernel config)."""
+    return f"{tile['BLOCK_M']}x{tile['BLOCK_N']}x{tile['BLOCK_K']}"
+
+
+def anchor_grid(tile, rows: int, columns: int, reduction: int, batch: int, taps: int = 1) -> tuple[int, int]:
+    """(programs, K-loop steps) of an anchor kernel's `tile` over a rows x columns output (x batch) reducing over
+    `reduction` = taps x channels."""
+    return (-(-rows // tile["BLOCK_M"]) * -(-columns // tile["BLOCK_N"]) * batch,
+            anchor_steps(taps, reduction // taps, tile["BLOCK_K"]))
+
+
+def split_k_table(rows: int, columns: int, reduction: int, batch: int, taps: int, sm_count: int) -> dict[str, int]:
+    """{`tile_key`: K slices} of an anchor kernel the planner splits: for every tile an anchor kernel may run
+    (`KERNEL_TILES`), `split_k_slices` of that tile's own grid over the problem (`anchor_grid`). The autotuner
+    measures several tiles, whose grids and K blocks each need their own count, and the kernel's configs read
+    theirs from here (`opfuse.codegen.split_k.with_slices`). Every tile of the tables, not only the candidates
+    `anchor_tiles` keeps for a problem: those depend on the operands' itemsize and the GPU's shared memory, so a
+    kernel always finds its tiles here, the interpreter's one included."""
+    table: dict[str, int] = {}
+    for tile in KERNEL_TILES:
+        programs, steps = anchor_grid(tile, rows, columns, reduction, batch, taps)
+        table.setdefault(tile_key(tile), split_k_slices(programs, steps, sm_count))
+    return table
 
 
 def conv_as_gemm(kernel_size: tuple[int, int], padding: object, groups: int) -> bool:

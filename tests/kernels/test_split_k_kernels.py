@@ -15,19 +15,23 @@ from opfuse.codegen.forms import is_unfused
 from opfuse.codegen.split_k import slices_of
 from opfuse.codegen.gemm import GemmKernel, lower_gemm_group
 from opfuse.fusion.plan import GroupKind
-from opfuse.fusion.resources import split_k_slices
+from opfuse.fusion.tiles import INTERPRETER, split_k_slices, tile_key
 from tests.kernels.test_conv_kernels import Builder
 from tests.kernels.test_gemm_kernels import linear
 
 
+# a plan's split-K decision for the interpreter's tile (`FusionGroup.split_k`), made by hand
+PLANNED = {tile_key(INTERPRETER): 4}
+
+
 def run_split(b: Builder, outputs: list[str], lower, kind: GroupKind = GroupKind.ANCHOR_EPILOGUE):
     """The group lowered as the planner's split-K group; run with each config, then with explicit slice counts."""
-    group = replace(b.group(outputs, kind), split_k=4)
+    group = replace(b.group(outputs, kind), split_k=PLANNED)
     kernel = lower(b.graph, group, "cpu")
     kernel.epilogue.output_fill = float("nan")
     feeds = [b.feeds[name] for name in kernel.runtime_inputs]
     base = kernel.configs()[0]
-    assert slices_of(base) > 1, base           # the tiny interpreter tile leaves the grid small: it splits
+    assert slices_of(base) == 4, base          # the slices the plan gives the interpreter's tile
     unsplit = None
     for slices in (slices_of(base), 1, 3, 7):   # the planned count, none, uneven slices, more slices than needed
         config = KernelConfig.of(base.num_warps, base.num_stages, **(dict(base.params) | {"SPLIT_K": slices}))
@@ -100,7 +104,7 @@ def test_split_kernels_offer_their_unsplit_form_to_the_autotuner():
     b = Builder()
     x = b.input("x", (3, 520))
     # an epilogue (relu) to run: a bare linear's library form has no epilogue kernel
-    kernel = lower_gemm_group(b.graph, replace(b.group([b.op("relu", linear(b, x, 24))]), split_k=4), "cpu")
+    kernel = lower_gemm_group(b.graph, replace(b.group([b.op("relu", linear(b, x, 24))]), split_k=PLANNED), "cpu")
     unsplit, *library, unfused = kernel.alternatives(library=True)
     assert library and all(kernel.launches(c) == 2 for c in library) and is_unfused(unfused)
     assert slices_of(kernel.configs()[0]) > 1 and slices_of(unsplit) == 1 and kernel.launches(unsplit) == 1
@@ -144,8 +148,8 @@ def test_compile_with_split_k_matches_eager_and_counts_its_second_kernel():
     x = torch.randn(2, 600)
     plain = opfuse.compile(model, (x,), FusionConfig(autotune=False, split_k=False))
     split = opfuse.compile(model, (x,), FusionConfig(autotune=False))     # on by default
-    assert all(g.split_k == 1 for g in plain.plan.groups)
-    (group,) = [g for g in split.plan.groups if g.split_k > 1]      # the 600-deep linear, not the 24-deep one
+    assert not any(g.split_k for g in plain.plan.groups)
+    (group,) = [g for g in split.plan.groups if g.split_k]      # the 600-deep linear, not the 24-deep one
     # the interpreter's tiny tile walks 38 K blocks and splits: the runtime counts the second kernel
     assert split.launches == plain.launches + 1 and split.compiled.kernels[group.name].launches() == 2
     # the plan counts what a GPU's default tile launches: 5 K blocks of 128, no split

@@ -209,6 +209,21 @@ def test_integer_inputs_and_groups_run_through_pytorch_round_trip(tmp_path):
     assert loaded.compiled_for().fallbacks == compiled.compiled.fallbacks
 
 
+def test_a_split_k_plan_round_trips_and_its_kernels_run_the_saved_slices(tmp_path):
+    """The planner's K slices per tile (`FusionGroup.split_k`) travel with the plan: the loaded kernels split as the
+    saved ones did, and compute the same bits."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(600, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8)).eval()
+    x = torch.randn(2, 600)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(autotune=False))
+    (group,) = [g for g in compiled.plan.groups if g.split_k]
+    loaded = opfuse.load(opfuse.save(compiled, tmp_path / "split.opfuse")).compiled_for()
+    assert [g.split_k for g in loaded.plan.groups] == [g.split_k for g in compiled.plan.groups]
+    assert loaded.kernels[group.name].configs() == compiled.compiled.kernels[group.name].configs()
+    assert loaded.kernels[group.name].launches() == 2      # the interpreter's tile splits, as planned
+    assert_identical(loaded(x), compiled(x))
+
+
 # ---- refusals ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("what", ["torch", "triton", "gpu", "opfuse"])

@@ -34,7 +34,7 @@ def test_plan_launches_are_what_the_default_configs_launch(gpu_tiles, name, batc
     kernels, _ = lower_plan(plan, "cpu")
     assert set(kernels) == {g.name for g in plan.groups if g.launches}    # every launching group has a kernel
     assert sum(k.launches() for k in kernels.values()) == plan.kernel_launches == analysis.fused.kernel_launches
-    offered = {g.name for g in plan.groups if g.split_k > 1}
+    offered = {g.name for g in plan.groups if g.split_k}
     split = {name for name, k in kernels.items() if slices_of(k.configs()[0]) > 1}
     assert split <= offered and {g.name for g in plan.groups if g.launches == 2} == split
     if batch == 1:     # batch 1: the resource model's tile offers more splits than the default tile takes
@@ -60,3 +60,98 @@ def test_kernels_follow_the_profile_the_plan_was_made_for(monkeypatch):
     kernels, reasons = lower_plan(plan, "cpu")
     assert not reasons and plan.profile is small
     assert all(slices_of(c) <= 4 for c in kernels[plan.group_of("fc").name].configs())
+
+
+def split_linear_plan():
+    """The plan of a linear whose tiles leave the H200's SMs idle over a long reduction (K = 4096, 16 rows)."""
+    from graph_builders import GraphBuilder
+    from opfuse.fusion.planner import plan_fusion
+
+    b = GraphBuilder("long_k")
+    graph = b.output(b.linear(b.input("x", (16, 4096)), 64, name="fc"))
+    plan = plan_fusion(graph, FusionConfig())
+    return plan, plan.group_of("fc")
+
+
+def test_the_plan_decides_each_tiles_slices_and_the_kernel_runs_them(gpu_tiles):
+    """The slices are the planner's (every tile of the tables, `split_k_table`), the rule each tile's own grid
+    (`split_k_slices`) as before the plan carried them; the kernel's configs read theirs from the plan."""
+    from opfuse.fusion.tiles import KERNEL_TILES, anchor_grid, split_k_slices, tile_key
+
+    plan, group = split_linear_plan()
+    assert set(group.split_k) == {tile_key(t) for t in KERNEL_TILES}
+    for tile in KERNEL_TILES:
+        assert group.split_k[tile_key(tile)] == split_k_slices(*anchor_grid(tile, 16, 64, 4096, 1), 132)
+    kernels, _ = lower_plan(plan, "cpu")
+    configs = kernels[group.name].configs()
+    assert len(configs) > 1 and any(slices_of(c) > 1 for c in configs)
+    assert all(slices_of(c) == group.split_k[tile_key(c)] for c in configs)
+    assert kernels[group.name].launches() == group.launches
+
+
+def test_a_plan_whose_slices_are_changed_by_hand_gets_kernels_of_those_slices(gpu_tiles):
+    import dataclasses
+
+    plan, group = split_linear_plan()
+    edited = dataclasses.replace(group, split_k={key: 5 for key in group.split_k})
+    plan.groups[plan.groups.index(group)] = edited
+    kernels, _ = lower_plan(plan, "cpu")
+    assert {slices_of(c) for c in kernels[group.name].configs()} == {5}
+    unsplit = dataclasses.replace(group, split_k={key: 1 for key in group.split_k})
+    plan.groups[plan.groups.index(edited)] = unsplit
+    kernels, _ = lower_plan(plan, "cpu")
+    assert {slices_of(c) for c in kernels[group.name].configs()} == {1} and kernels[group.name].launches() == 1
+
+
+def test_a_plan_without_slices_for_a_kernels_tile_is_an_error(gpu_tiles):
+    import dataclasses
+
+    from opfuse.ir.graph import GraphError
+
+    plan, group = split_linear_plan()
+    plan.groups[plan.groups.index(group)] = dataclasses.replace(group, split_k={"1x1x1": 2})
+    with pytest.raises(GraphError, match="no K slices for tile"):
+        lower_plan(plan, "cpu")
+
+
+@pytest.mark.parametrize("m,n,k,batch,itemsize,gather", [
+    (16, 4096, 4096, 1, 2, False), (3136, 64, 576, 1, 2, False), (12544, 64, 147, 1, 2, True),
+    (49, 2048, 512, 64, 4, False), (8192, 3072, 768, 1, 4, False)])
+def test_every_tile_a_kernel_lists_has_its_slices_in_the_table(m, n, k, batch, itemsize, gather):
+    from opfuse.fusion.tiles import KERNEL_TILES, anchor_tiles, tile_key
+    from opfuse.hardware import get_hardware
+
+    for hw in (get_hardware("h200"), get_hardware("rtx4090"), get_hardware("orin")):
+        assert {tile_key(t) for t in anchor_tiles(m, n, k, batch, itemsize, gather, hw=hw)} <= \
+            {tile_key(t) for t in KERNEL_TILES}
+
+
+def test_each_config_runs_the_slices_its_own_grid_needs(gpu_tiles):
+    """No change from when codegen counted the slices itself: for a long linear, a grouped 3x3 conv, a 3x3 and a 1x1
+    conv over 7x7 pixels (resnet50's last stage at batch 1), every config of every split kernel runs
+    `split_k_slices` of its own tile grid and K loop, worked out here from the kernel's geometry."""
+    import triton
+
+    from graph_builders import GraphBuilder
+    from opfuse.codegen.conv import ConvKernel
+    from opfuse.fusion.planner import plan_fusion
+    from opfuse.fusion.tiles import anchor_steps, split_k_slices
+
+    b = GraphBuilder("split")
+    x = b.input("x", (1, 512, 7, 7))
+    wide = b.conv(b.unary("relu", b.conv(x, 512, 3, padding=1, name="c3")), 2048, 1, name="c1")
+    grouped = b.conv(x, 256, 3, padding=1, groups=4, name="grouped")
+    fc = b.linear(b.input("t", (16, 4096)), 64, name="fc")
+    plan = plan_fusion(b.output(wide, grouped, fc), FusionConfig())
+    kernels, _ = lower_plan(plan, "cpu")
+    split = [g for g in plan.groups if g.split_k]
+    assert {g.anchor for g in split} >= {"c3", "c1", "grouped", "fc"}
+    for group in split:
+        kernel = kernels[group.name]
+        layout, conv = kernel.layout, isinstance(kernel, ConvKernel)
+        groups = kernel.geometry.groups if conv else layout.batch
+        for config in kernel.configs():
+            programs = triton.cdiv(layout.rows, config["BLOCK_M"]) * \
+                triton.cdiv(layout.channels // (groups if conv else 1), config["BLOCK_N"]) * groups
+            steps = kernel._steps(config) if conv else anchor_steps(1, kernel.k, config["BLOCK_K"])
+            assert slices_of(config) == split_k_slices(programs, steps, 132), (group.anchor, config)
