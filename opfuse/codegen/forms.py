@@ -16,11 +16,11 @@ import torch
 from opfuse.codegen.base import FORM_LIBRARY, FORM_UNFUSED, GroupKernel, KernelConfig
 from opfuse.codegen.split_k import REDUCE_BLOCK_M, REDUCE_BLOCK_N, SplitK, slices_of
 from opfuse.ir.graph import Node
-from opfuse.ir.ops import get_op, launches_kernel
+from opfuse.ir.interpret import run_nodes
+from opfuse.ir.ops import launches_kernel
 
 if TYPE_CHECKING:
     from opfuse.codegen.epilogue import Epilogue
-    from opfuse.codegen.prologue import Prologue
 
 # The library form of an anchor kernel: the anchor alone through PyTorch (cuBLAS / cuDNN) into a buffer, then one
 # generated kernel (REDUCE_TEMPLATE over a single slice) reads it and runs the group's epilogue. Two launches and one
@@ -63,8 +63,11 @@ class EpilogueKernel(GroupKernel):
     split: "SplitK | None" = None
     library_anchor: LibraryAnchor | None = None
     library_outputs: LibraryOutputs | None = None   # set where the library form needs no epilogue kernel
-    prologue: "Prologue | None" = None     # ops on the anchor's input tiles (GEMMs), computed by PyTorch first in the
-                                           # library form
+    # the group's nodes the anchor's input is computed through (a linear's operand views, a GEMM's prologue), which
+    # the Triton forms fold into their operand loads, and the constants they read: the library forms run them
+    # through PyTorch first (`_library_values`)
+    operand_nodes: Sequence[Node] = ()
+    operand_constants: dict[str, torch.Tensor] | None = None
     _library_epilogue: object = None     # the epilogue kernel of the library form, generated on first use
     _unfused_constants: dict[str, torch.Tensor] | None = None   # the unfused form's weights, on first use
 
@@ -147,10 +150,7 @@ class EpilogueKernel(GroupKernel):
             self._unfused_constants = {name: self.graph.constants[name].to(self.epilogue.device) for node in nodes
                                        for name in node.inputs if self.graph.is_constant(name)}
         values = dict(zip(self.runtime_inputs, inputs)) | self._unfused_constants
-        for node, dead in zip(nodes, self._unfused_frees):
-            values[node.name] = get_op(node.op).run([values[name] for name in node.inputs], node.attrs)
-            for name in dead:
-                del values[name]
+        run_nodes(nodes, values, self._unfused_frees)
         self.last_compiled = None
         return [values[name] for name in self.group.outputs]
 
@@ -172,8 +172,10 @@ class EpilogueKernel(GroupKernel):
         return outputs
 
     def _library_values(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`values` with the prologue's result, which the library reads as the anchor's input."""
-        return self.prologue.materialize(values) if self.prologue is not None else values
+        """`values` with the anchor's input as PyTorch computes it (`operand_nodes`): what the library reads."""
+        if not self.operand_nodes:
+            return values
+        return run_nodes(self.operand_nodes, dict(values) | (self.operand_constants or {}))
 
     def bind(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None
              ) -> tuple[KernelConfig, dict[str, torch.Tensor], list, list[torch.Tensor]]:

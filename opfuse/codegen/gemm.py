@@ -35,7 +35,7 @@ from opfuse.fusion.tiles import INTERPRETER, anchor_steps, anchor_tiles
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir import strided
 from opfuse.ir.graph import Graph, torch_dtype
-from opfuse.ir.ops import get_op
+from opfuse.ir.interpret import run_nodes
 
 GROUP_M = 8   # tiles of 8 consecutive row blocks share B in L2 (the Triton matmul tutorial's swizzle)
 
@@ -152,9 +152,7 @@ class OperandMap:
 
     def materialize(self, source: torch.Tensor) -> torch.Tensor:
         """The operand as PyTorch computes it (a copy where a reshape needs one)."""
-        for view in self.views:
-            source = get_op(view.op).run([source], view.attrs)
-        return source
+        return run_nodes(self.views, {self.views[0].inputs[0]: source})[self.views[-1].name]
 
 
 class GemmKernel(EpilogueKernel):
@@ -169,6 +167,10 @@ class GemmKernel(EpilogueKernel):
         if prologue is not None and (a_view is not None or a_map is not None):
             raise Unsupported(f"group {group.name}: a prologue on an operand read through views")
         self.prologue = prologue
+        if prologue is not None:     # what the library forms compute the anchor's input through
+            self.operand_nodes, self.operand_constants = [graph[n] for n in prologue.nodes], prologue.constants
+        elif a_map is not None:
+            self.operand_nodes = a_map.views
         name, source, self.kernel = generate_kernel(_with_prologue(GEMM_TEMPLATE, prologue), epilogue)
         super().__init__(graph, group, name, source)
         self.device, self.epilogue, self.layout = device, epilogue, epilogue.layout
@@ -290,14 +292,11 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
         a = prologue_source(graph, ops)
         prologue = Prologue(graph, ops, a, TileLayout(graph[x].type.shape, channel_dim=len(shape) - 1), k, device)
 
-    def operand(values: dict[str, torch.Tensor]) -> torch.Tensor:       # x, as the library forms take it
-        return a_map.materialize(values[a]) if a_map is not None else values[x]
-
+    # the library forms read x itself: the kernel computes it through PyTorch first (`operand_nodes`)
     kernel = GemmKernel(graph, group, device, epilogue, a=a, k=k, b_packed=weight, a_map=a_map, prologue=prologue,
-                        hw=hw,
-                        library_anchor=lambda values: torch.matmul(operand(values), weight).reshape(1, rows, n))
+                        hw=hw, library_anchor=lambda values: torch.matmul(values[x], weight).reshape(1, rows, n))
     if all(len(chain) == 1 for chain in chains):
-        kernel.library_outputs = _bare_linears(graph, operand, weight, anchors, biases, group.outputs)
+        kernel.library_outputs = _bare_linears(graph, x, weight, anchors, biases, group.outputs)
     return kernel
 
 
@@ -307,8 +306,7 @@ def prologue_source(graph: Graph, ops: Sequence[str]) -> str:
     return next(v for v in first.inputs if not graph.is_constant(v) and graph[v].type.numel == first.type.numel)
 
 
-def _bare_linears(graph: Graph, operand: Callable[[dict[str, torch.Tensor]], torch.Tensor], weight: torch.Tensor,
-                  anchors: list[str],
+def _bare_linears(graph: Graph, x: str, weight: torch.Tensor, anchors: list[str],
                   biases: list[torch.Tensor | None], outputs: list[str]
                   ) -> Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]:
     """The library form of linears with no epilogue but their biases (bert's QKV siblings): one cuBLAS GEMM over
@@ -321,7 +319,7 @@ def _bare_linears(graph: Graph, operand: Callable[[dict[str, torch.Tensor]], tor
     leading = graph[anchors[0]].type.shape[:-1]
 
     def run(values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        result = torch.addmm(bias, operand(values).reshape(-1, weight.shape[0]), weight).reshape(*leading, -1)
+        result = torch.addmm(bias, values[x].reshape(-1, weight.shape[0]), weight).reshape(*leading, -1)
         return [result.narrow(-1, *spans[name]) for name in outputs]
     return run
 

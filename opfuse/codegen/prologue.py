@@ -24,7 +24,6 @@ import torch
 from opfuse.codegen.epilogue import TileLayout
 from opfuse.codegen.expr import emit, literal, triton_dtype
 from opfuse.ir.graph import Graph
-from opfuse.ir.ops import get_op
 
 
 class Prologue:
@@ -35,7 +34,8 @@ class Prologue:
         self.graph, self.nodes, self.source, self.layout, self.k = graph, list(nodes), source, layout, k
         self.device = device
         self.operands: list[str | torch.Tensor] = []     # runtime value names, or constants held on the device
-        self.constants: dict[str, torch.Tensor] = {}     # the constants the nodes read, for `materialize`
+        self.constants: dict[str, torch.Tensor] = {}     # the constants the nodes read (the library forms run
+                                                         # the nodes through PyTorch too)
         self.lines: list[str] = ["p = a.to(tl.float32)"]
         chain = {source}
         for name in self.nodes:
@@ -85,11 +85,3 @@ class Prologue:
             r0, r1, r2, channel = strides[-4:]
             args += [tensor, r0, r1, r2, 0, channel]
         return args
-
-    def materialize(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`values` with the prologue's output as PyTorch computes it: what the library forms read."""
-        values = dict(values) | self.constants
-        for name in self.nodes:
-            node = self.graph[name]
-            values[name] = get_op(node.op).run([values[v] for v in node.inputs], node.attrs)
-        return values

@@ -1,4 +1,5 @@
-"""Run a graph node by node through each op's PyTorch reference (`interpret`).
+"""Run a graph node by node through each op's PyTorch reference (`interpret`), or a list of its nodes over values
+given by name (`run_nodes`).
 
 This is the semantics every fused kernel is checked against, and the path for anything opfuse runs unfused.
 """
@@ -9,7 +10,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from opfuse.ir.graph import Graph, GraphError
+from opfuse.ir.graph import Graph, GraphError, Node
 from opfuse.ir.ops import get_op
 
 
@@ -46,3 +47,16 @@ def interpret(graph: Graph, inputs: Sequence[torch.Tensor], device: torch.device
             if remaining_uses[i] == 0:
                 values.pop(i, None)
     return [values[name] for name in graph.outputs]
+
+
+def run_nodes(nodes: Sequence[Node], values: dict[str, torch.Tensor],
+              frees: Sequence[Sequence[str]] | None = None) -> dict[str, torch.Tensor]:
+    """`values` (by name: every value the nodes read from outside them) with each of `nodes` computed in order
+    through its op's PyTorch reference, as eager runs it; `frees`: per node, the values dropped once it has run
+    (intermediates no later node reads). Updates `values` and returns it. The kernels' library and unfused forms
+    run a group's nodes through it."""
+    for i, node in enumerate(nodes):
+        values[node.name] = get_op(node.op).run([values[name] for name in node.inputs], node.attrs)
+        for name in frees[i] if frees is not None else ():
+            del values[name]
+    return values

@@ -16,7 +16,7 @@ from opfuse.config import FusionConfig
 from opfuse.fusion.plan import GroupKind
 from opfuse.runtime.autotune import tune
 from tests.kernels.test_conv_kernels import Builder
-from tests.kernels.test_gemm_kernels import linear
+from tests.kernels.test_gemm_kernels import head_merge, linear
 
 
 def run_library(b: Builder, outputs: list[str], lower, unfused_launches: int,
@@ -91,7 +91,7 @@ def test_bare_linears_in_another_output_order_with_constants_on_the_device():
     b.check(ys[::-1], [small, large])
     weight = torch.empty(16, 9, device="meta", dtype=torch.float16)      # the packed [K, 6 + 3] weight
     bias = b.graph.constants[b.graph[ys[0]].inputs[2]].to("meta")
-    run = _bare_linears(b.graph, lambda values: values[x], weight, ys, [bias, None], ys[::-1])
+    run = _bare_linears(b.graph, x, weight, ys, [bias, None], ys[::-1])
     outs = run({x: torch.empty(4, 16, device="meta", dtype=torch.float16)})
     assert [(o.device.type, o.dtype, tuple(o.shape)) for o in outs] == [("meta", torch.float16, (4, 3)),
                                                                          ("meta", torch.float16, (4, 6))]
@@ -220,3 +220,23 @@ def test_the_library_form_reads_the_prologues_constants():
     x = b.input("x", (2, 3, 6))
     scaled = b.op("mul", b.op("mul", x, b.const("gamma", b.random(6))), b.const("half", torch.tensor(0.5)))
     run_library(b, [b.op("relu", linear(b, scaled, 4))], lower_gemm_group, 4)
+
+
+def test_library_forms_read_a_linears_operand_through_its_views():
+    """The head merge before a linear (a permute, then a reshape PyTorch copies): the library forms compute the
+    linear's input through the kernel's operand nodes first, as they do a prologue."""
+    b = Builder()
+    attention = b.input("attention", (2, 3, 5, 6), b.random(2, 3, 5, 6))
+    r = b.input("r", (10, 7))
+    y = b.op("add", linear(b, head_merge(b, attention), 7), r)
+    kernel, _ = run_library(b, [y], lower_gemm_group, 3, GroupKind.RESIDUAL)
+    assert [node.op for node in kernel.operand_nodes] == ["permute", "reshape"]
+
+
+def test_bare_linears_read_their_operand_through_its_views():
+    b = Builder()
+    attention = b.input("attention", (2, 3, 5, 6), b.random(2, 3, 5, 6))
+    y = linear(b, head_merge(b, attention), 7)
+    kernel = lower_gemm_group(b.graph, b.group([y], GroupKind.SINGLE), "cpu")
+    assert kernel.library_outputs is not None and kernel.operand_nodes
+    b.check([y], kernel.run([b.feeds["attention"]], LIBRARY_CONFIGS[0]))
