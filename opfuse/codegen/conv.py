@@ -297,7 +297,8 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
     """The kernel of a group anchored on conv2d (horizontal: sibling convs of one geometry on one input), with
     tiles for GPU `hw` (default: the default profile)."""
     device = torch.device(device)
-    anchors, chains = siblings_and_chains(graph, group, ("conv2d",))
+    users = graph.users()      # once for the whole lowering: each step below reads it
+    anchors, chains = siblings_and_chains(graph, group, ("conv2d",), users)
     if len(anchors) > 1 and group.kind is not GroupKind.HORIZONTAL:
         raise Unsupported(f"group {group.name} ({group.kind.value}) holds several convolutions: "
                           f"{', '.join(anchors)}")
@@ -322,7 +323,7 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
 
     g = geometry
     library = ConvLibraryAnchor(x, weights, weight.dtype, device, geometry)
-    ops = anchor_prologue(graph, anchors[0], group.nodes, graph.users())
+    ops = anchor_prologue(graph, anchors[0], group.nodes, users)
     if ops:     # a 1x1 conv computes them on its input tiles (the planner takes them for no other conv)
         if len(anchors) > 1 or not (conv_as_gemm((g.kh, g.kw), g.padding, g.groups) and g.stride == (1, 1)):
             raise Unsupported(f"group {group.name}: a prologue ({', '.join(ops)}) before {first.describe()}")

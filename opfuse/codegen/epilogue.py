@@ -41,7 +41,7 @@ import torch
 
 from opfuse.codegen.base import load_kernel
 from opfuse.codegen.expr import Unsupported, emit, literal, triton_dtype
-from opfuse.fusion.legality import EPILOGUE_VIEWS, anchor_prologue, epilogue_spaces, operand_views
+from opfuse.fusion.legality import EPILOGUE_VIEWS, Users, anchor_prologue, epilogue_spaces, operand_views
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.reasons import Reason
 from opfuse.fusion.tiles import interpreting  # noqa: F401  (the anchor templates take it from here)
@@ -158,15 +158,15 @@ class TileLayout:
         return f"{batch}({rows})[:, None] + offs_n[None, :] * {prefix}_sc"
 
 
-def siblings_and_chains(graph: Graph, group: FusionGroup, anchor_ops: tuple[str, ...]
+def siblings_and_chains(graph: Graph, group: FusionGroup, anchor_ops: tuple[str, ...], users: Users | None = None
                         ) -> tuple[list[str], list[list[str]]]:
     """The group's anchors (several only in horizontal groups) and, per anchor, the chain anchor + its epilogue.
 
     Every non-anchor node must depend on exactly one anchor; a node before the anchor (but the views a linear
     reads its input through, `operand_views`, and a GEMM's prologue, `anchor_prologue`, which the templates take
-    apart) or joining two siblings is refused.
+    apart) or joining two siblings is refused. `users`: `graph.users()`, where the lowering has it already.
     """
-    users = graph.users()
+    users = graph.users() if users is None else users
     anchors = [n for n in group.nodes if kind_of(graph[n]) is FusionKind.ANCHOR]
     mapped = operand_views(graph, group.nodes, users)
     for anchor in anchors:

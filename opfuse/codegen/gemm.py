@@ -29,7 +29,7 @@ from opfuse.codegen.forms import EpilogueKernel, LibraryAnchor
 from opfuse.codegen.split_k import SplitK, sliced_template, slices_of, with_slices
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.prologue import Prologue
-from opfuse.fusion.legality import anchor_prologue, operand_chain
+from opfuse.fusion.legality import Users, anchor_prologue, operand_chain
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.fusion.tiles import INTERPRETER, anchor_steps, anchor_tiles
 from opfuse.hardware import HardwareProfile, get_hardware
@@ -267,7 +267,7 @@ def anchor_biases(graph: Graph, anchors: list[str]) -> list[torch.Tensor | None]
 
 
 def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchors: list[str],
-                  chains: list[list[str]], hw: HardwareProfile | None) -> GemmKernel:
+                  chains: list[list[str]], hw: HardwareProfile | None, users: Users) -> GemmKernel:
     first = graph[anchors[0]]
     x = first.inputs[0]
     for name in anchors[1:]:
@@ -282,7 +282,6 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
     biases = anchor_biases(graph, anchors)
     epilogue = Epilogue(graph, group, chains, layout, device, biases)
     rows = layout.rows
-    users = graph.users()
     views = operand_chain(graph, anchors[0], group.nodes, users)   # what the linear reads x through
     a_map = OperandMap(graph, views, len(shape) - 1) if views else None
     a = graph[views[0]].inputs[0] if views else x
@@ -350,13 +349,14 @@ def lower_gemm_group(graph: Graph, group: FusionGroup, device: torch.device | st
     """The kernel of a group anchored on linear or matmul (horizontal: sibling linears on one input), with tiles
     for GPU `hw` (default: the default profile)."""
     device = torch.device(device)
-    anchors, chains = siblings_and_chains(graph, group, ("linear", "matmul"))
+    users = graph.users()      # once for the whole lowering: each step below reads it
+    anchors, chains = siblings_and_chains(graph, group, ("linear", "matmul"), users)
     if len(anchors) > 1 and group.kind is not GroupKind.HORIZONTAL:
         raise Unsupported(f"group {group.name} ({group.kind.value}) holds several anchors: "
                           f"{', '.join(anchors)}")
     ops = {graph[a].op for a in anchors}
     if ops == {"linear"}:
-        return _lower_linear(graph, group, device, anchors, chains, hw)
+        return _lower_linear(graph, group, device, anchors, chains, hw, users)
     if len(anchors) > 1:
         raise Unsupported(f"horizontal group {group.name}: only linear siblings are concatenated, not {ops}")
     return _lower_matmul(graph, group, device, anchors[0], chains, hw)

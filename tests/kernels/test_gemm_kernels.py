@@ -277,3 +277,23 @@ def test_a_prologue_undefined_at_zero_leaves_the_tiles_padding_zero():
     x, s = b.input("x", (4, 5)), b.input("s", (1, 5), b.random(1, 5).abs() + 0.5)
     kernel, _ = run_gemm(b, [b.op("relu", linear(b, b.op("div", x, s), 3))])
     assert kernel.prologue is not None
+
+
+def test_an_anchor_lowering_finds_the_graphs_users_once(monkeypatch):
+    """siblings_and_chains, the operand views, the prologue: one `graph.users()` for a group's whole lowering."""
+    from opfuse.ir.graph import Graph
+
+    calls = []
+    users = Graph.users
+    monkeypatch.setattr(Graph, "users", lambda graph: calls.append(1) or users(graph))
+    linear_graph = Builder()
+    attention = linear_graph.input("attention", (2, 3, 5, 6), linear_graph.random(2, 3, 5, 6))
+    viewed = linear(linear_graph, head_merge(linear_graph, attention), 7)
+    conv_graph = Builder()
+    scaled = conv_graph.op("mul", conv_graph.input("x", (2, 6, 3, 4)), conv_graph.input("s", (2, 6, 1, 1)))
+    conv = conv_graph.op("relu", conv_graph.conv(scaled, 5, 1))
+    for b, output, lower in ((linear_graph, viewed, lower_gemm_group), (conv_graph, conv, lower_conv_group)):
+        group = b.group([output])
+        calls.clear()
+        kernel = lower(b.graph, group, "cpu")
+        assert len(calls) == 1 and kernel.operand_nodes, (group.nodes, len(calls))
