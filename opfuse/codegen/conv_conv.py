@@ -46,9 +46,9 @@ from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import anchor_biases
 from opfuse.fusion.legality import conv_chain_problem, conv_stages
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.resources import conv_chain, conv_conv_tiles, expansion_block
+from opfuse.fusion.resources import conv_chain, conv_conv_blocks, conv_conv_key, expansion_block
 from opfuse.hardware import HardwareProfile, get_hardware
-from opfuse.ir.graph import Graph, torch_dtype
+from opfuse.ir.graph import Graph, GraphError, torch_dtype
 
 CONV_CONV_TEMPLATE = '''
 import triton
@@ -245,14 +245,23 @@ class ConvConvKernel(EpilogueKernel):
     @staticmethod
     def _candidate_configs(graph: Graph, group: FusionGroup, chain: list[str], hw: HardwareProfile
                            ) -> list[KernelConfig]:
-        """The planner's tile first (the fastest that fits, by the cost model), then the resource model's others."""
+        """The planner's tile first (the fastest that fits, by the cost model), then the resource model's others,
+        each with the mid-channel slices the plan decided for it (`group.split_k`, by `conv_conv_key`)."""
         if interpreting():
             return [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=1)]
-        tiles = conv_conv_tiles(graph, chain, hw.sm_count)
+        tiles = conv_conv_blocks(graph, chain)
         planned = group.resources.tile if group.resources is not None else None
-        if planned and all(k in planned for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")):
-            tiles = [dict(planned)] + [t for t in tiles if t != planned]
-        return list(dict.fromkeys(_config(t) for t in tiles))
+        if planned and all(k in planned for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")):
+            planned = {k: v for k, v in planned.items() if k != "SPLIT_K"}
+            tiles = [planned] + [t for t in tiles if t != planned]
+        configs = []
+        for t in tiles:
+            key = conv_conv_key(t)
+            if key not in group.split_k:
+                raise GraphError(f"group {group.name}: the plan decides no mid-channel slices for tile {key} "
+                                 f"(it has {', '.join(group.split_k) or 'none'})")
+            configs.append(_config(dict(t, SPLIT_K=group.split_k[key])))
+        return list(dict.fromkeys(configs))
 
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)

@@ -34,7 +34,7 @@ from opfuse.fusion.legality import (EPILOGUE_VIEWS, MAPPED_COPIES, can_fuse, in_
                                     node_index, operand_chain, path_outside, skip_operands)
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
-from opfuse.fusion.resources import anchor_of, conv_chain, gemm_view
+from opfuse.fusion.resources import anchor_of, conv_chain, conv_conv_key, conv_conv_slice_table, gemm_view
 from opfuse.fusion.tiles import (MIN_SPLIT_STEPS, anchor_grid, anchor_loop, anchor_tiles, split_k_slices,
                                  split_k_table, tile_key)
 from opfuse.hardware import HardwareProfile, get_hardware
@@ -564,7 +564,7 @@ class _Planner:
             if default_slices > 1:
                 reason += (f"; split-K: {default_slices} slices of the reduction, summed with the epilogue by a "
                            "second kernel (the tile grid alone would leave most SMs idle)")
-            elif table:
+            elif table and kind is not GroupKind.CONV_CONV:
                 reason += (f"; split-K offered (the resource model's tile would leave most SMs idle), but the "
                            f"kernel's default tile runs unsplit ({unsplit}): one kernel unless the autotuner "
                            "measures a split faster")
@@ -579,7 +579,8 @@ class _Planner:
     def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate
                 ) -> tuple[dict[str, int], int, float, str]:
         """(the K slices of each tile of the group's kernel, the K slices of its default tile, predicted seconds,
-        why that tile runs unsplit where it does); no slices ({}) where the planner does not split.
+        why that tile runs unsplit where it does); no slices ({}) where the planner does not split. A conv-conv
+        kernel gets the mid-channel slices of each of its tiles (`conv_conv_slice_table`), summed inside the kernel.
 
         The decision, made here once: an anchor whose tiles (the resource model's) fill under a quarter of the SMs
         splits a long reduction (`split_k_slices`). Its kernel then gets a split form, and each config runs the
@@ -588,7 +589,13 @@ class _Planner:
         plan counts the second launch, and prices it (a launch and the fp32 partial tiles written and read once),
         only where that tile splits."""
         tile = estimate.resources.tile if estimate.resources is not None else {}
-        if (not self.config.split_k or estimate.anchor is None or kind is GroupKind.CONV_CONV
+        if kind is GroupKind.CONV_CONV:   # mid-channel slices, summed by the tile's last program: one launch
+            chain = conv_chain(self.graph, nodes)
+            table = conv_conv_slice_table(self.graph, chain, self.hw.sm_count)
+            if {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"} <= tile.keys():   # the planned tile, whatever it is
+                table[conv_conv_key(tile)] = tile.get("SPLIT_K", 1)
+            return table, 1, estimate.time, ""
+        if (not self.config.split_k or estimate.anchor is None
                 or not {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= tile.keys()):
             return {}, 1, estimate.time, ""
         view = gemm_view(self.graph, estimate.anchor)

@@ -218,9 +218,38 @@ def _gemm(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile, item
 
 def conv_conv_tiles(graph: Graph, chain: list[str], sm_count: int, tile: Mapping[str, int] | None = None
                     ) -> list[dict[str, int]]:
-    """Candidate conv-conv tiles clipped to the problem: BLOCK_M to the pixels, BLOCK_N to the output channels,
-    BLOCK_K to the mid (depthwise) channels, each at least 16 (Triton's smallest dot), with the mid-channel slices
-    (SPLIT_K) their grid runs: `conv_conv_slices` for a depthwise + pointwise kernel, 1 for a whole block."""
+    """Candidate conv-conv tiles clipped to the problem (`conv_conv_blocks`), with the mid-channel slices (SPLIT_K)
+    their grid runs: `conv_conv_slices` for a depthwise + pointwise kernel, 1 for a whole block."""
+    pointwise = graph[chain[-1]]
+    n, c_out, h, w = pointwise.type.shape
+    c_mid = graph[chain[-2]].type.shape[1]
+    tiles = []
+    for t in conv_conv_blocks(graph, chain, tile):
+        if "SPLIT_K" not in t:
+            programs = -(-(n * h * w) // t["BLOCK_M"]) * -(-c_out // t["BLOCK_N"])
+            most = SLICE_SUM_REGISTERS // _per_thread(t["BLOCK_M"] * t["BLOCK_N"], 32 * t["num_warps"])
+            t = dict(t, SPLIT_K=1 if len(chain) == 3 else
+                     conv_conv_slices(programs, -(-c_mid // t["BLOCK_K"]), sm_count, most))
+        tiles.append(t)
+    return tiles
+
+
+def conv_conv_slice_table(graph: Graph, chain: list[str], sm_count: int) -> dict[str, int]:
+    """The planner's decision for a conv-conv kernel: the mid-channel slices of each candidate tile, by
+    `conv_conv_key` (`FusionGroup.split_k`), which codegen reads and never works out again."""
+    return {conv_conv_key(t): t["SPLIT_K"] for t in conv_conv_tiles(graph, chain, sm_count)}
+
+
+def conv_conv_key(tile: Mapping[str, int]) -> str:
+    """A conv-conv tile's name in the slice table: its blocks and warps, what its grid and its slices' sum
+    registers depend on."""
+    return f"{tile['BLOCK_M']}x{tile['BLOCK_N']}x{tile['BLOCK_K']}w{tile['num_warps']}"
+
+
+def conv_conv_blocks(graph: Graph, chain: list[str], tile: Mapping[str, int] | None = None
+                     ) -> list[dict[str, int]]:
+    """Candidate conv-conv tiles clipped to the problem, without their slices: BLOCK_M to the pixels, BLOCK_N to
+    the output channels, BLOCK_K to the mid (depthwise) channels, each at least 16 (Triton's smallest dot)."""
     pointwise = graph[chain[-1]]
     n, c_out, h, w = pointwise.type.shape
     c_mid = graph[chain[-2]].type.shape[1]
@@ -237,10 +266,6 @@ def conv_conv_tiles(graph: Graph, chain: list[str], sm_count: int, tile: Mapping
             # held 255 registers and spilled (H200, triton 3.6: 64x64 and 128x64 tiles of mobilenet_v2's block 7
             # at batch 64), where 4 warps took 220 and did not; the register count below does not see layouts
             t["num_warps"] = 4
-        if "SPLIT_K" not in t:
-            programs = -(-(n * h * w) // t["BLOCK_M"]) * -(-c_out // t["BLOCK_N"])
-            most = SLICE_SUM_REGISTERS // _per_thread(t["BLOCK_M"] * t["BLOCK_N"], 32 * t["num_warps"])
-            t["SPLIT_K"] = 1 if whole else conv_conv_slices(programs, -(-c_mid // t["BLOCK_K"]), sm_count, most)
         if t not in clipped:
             clipped.append(t)
     return clipped

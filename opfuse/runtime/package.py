@@ -50,7 +50,7 @@ from opfuse.fusion.reasons import Code, Reason
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 
-FORMAT = 3      # bump when the layout changes: a package of another format is refused, never misread
+FORMAT = 4      # bump when the layout changes: a package of another format is refused, never misread
 MANIFEST, WEIGHTS, BINARIES = "manifest.json", "weights.safetensors", "triton/"
 
 
