@@ -38,11 +38,11 @@ class PassRecord:
 
 def default_pipeline() -> list[Pass]:
     """The passes run after `cast_precision`: constants first, so a weight reached through a view or a cast is a
-    constant for what follows, and attention masks built from shapes are known; attention written out next, so its
-    mask is simplified like any other; then layout no-ops, so BN folding sees conv -> bn directly and RMS norms are
-    written without their casts."""
-    return [fold_constants, recognize_attention, simplify_attention_masks, remove_noop_layout, recognize_rms_norm, fold_batchnorm,
-            eliminate_dead_code]
+    constant for what follows, and attention masks built from shapes are known; then layout no-ops, so attention
+    written out, BN and RMS norms are seen without their no-op expands, dropouts and casts; attention next, so its
+    mask is simplified like any other."""
+    return [fold_constants, remove_noop_layout, recognize_attention, simplify_attention_masks, recognize_rms_norm,
+            fold_batchnorm, eliminate_dead_code]
 
 
 def pass_name(graph_pass: Pass) -> str:

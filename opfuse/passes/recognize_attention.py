@@ -13,12 +13,14 @@ score matrix never leaves the chip.
 
 Matched, by ops and shapes (never by names): a softmax over the last dim whose only reader is a matmul by v, and
 whose input is reached from a matmul of two operands through single-reader steps `f` of the kinds mul or div by a
-one-element constant, add or sub of a constant, add of one non-constant tensor (a mask computed at run time; then
-no other step but scalar factors before it), and reshapes, as long as the chain ends in the score matrix's own shape.
+one-element constant, add or sub of a constant, add of one non-constant tensor (a mask computed at run time: no
+other shift, and no reshape or factor after it), and reshapes of the batch dims (a bmm over merged batch dims, as
+a capture may decompose a 4-D matmul; the second matmul may read the softmax through one reshape back).
 Such an f is affine, f(x) = alpha * x + M: alpha is the product of the scalar factors, M = f(0) (evaluated here,
-from constants alone; it is the mask, dropped when it is zero, and no larger than `MASK_BYTES`). The three operands keep equal batch dims (no
-broadcast between them) and one float dtype. The pass runs before `simplify_attention_masks`, which then drops,
-makes causal or compacts M as it does for any compile-time mask.
+from constants alone; it is the mask, dropped when it is zero, and no larger than `MASK_BYTES`). The three operands
+keep equal batch dims (no broadcast between them) and one float dtype. The pass runs after `remove_noop_layout`
+(a decomposed matmul's expands to the same shape are gone) and before `simplify_attention_masks`, which then
+drops, makes causal or compacts M as it does for any compile-time mask.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ def recognize_attention(graph: Graph) -> tuple[Graph, list[str]]:
         match = _match(graph, users, node)
         if match is None:
             continue
-        (q, q_steps), (key_t, k_steps), v, chain, mask, alpha, softmax, second = match
+        (q, q_steps), (key_t, k_steps), v, chain, mask, alpha, softmax, merge, second = match
         scale = alpha * _factor(graph, q_steps) * _factor(graph, k_steps)
+        lead = softmax.type.shape[:-2]       # the batch dims the softmax has (a bmm's are merged: reshaped back)
+        q, key_t, v = (_with_lead(graph, name, lead, second) for name in (q, key_t, v))
         shape = graph[key_t].type.shape
         dims = list(range(len(shape)))
         dims[-2], dims[-1] = dims[-1], dims[-2]
@@ -56,10 +60,13 @@ def recognize_attention(graph: Graph) -> tuple[Graph, list[str]]:
         keys = graph.add_node("permute", [key_t], k_type, {"dims": tuple(dims)}, name=f"{second.name}_keys",
                               source=second.source)
         inputs = [q, keys.name, v] + ([mask] if mask is not None else [])
-        fused = graph.add_node("sdpa", inputs, second.type, {"is_causal": False, "scale": scale},
+        out_type = TensorType(lead + second.type.shape[-2:], second.type.dtype)
+        fused = graph.add_node("sdpa", inputs, out_type, {"is_causal": False, "scale": scale},
                                name=f"{second.name}_sdpa", source=second.source)
-        graph.replace_uses(second.name, fused.name)
-        for name in reversed([*q_steps, *k_steps, node.name, *chain, softmax.name, second.name]):
+        result = _with_lead(graph, fused.name, second.type.shape[:-2], second)
+        graph.replace_uses(second.name, result)
+        steps = [*q_steps, *k_steps, node.name, *chain, softmax.name, *([merge] if merge else []), second.name]
+        for name in reversed(steps):
             remove_if_unused(graph, name)
         changes.append(f"attention {node.name} .. {second.name} is one sdpa {fused.name} (scale {scale:.4g}"
                        + (", masked)" if mask is not None else ")"))
@@ -93,23 +100,37 @@ def _scalar_operand(graph: Graph, node: Node) -> tuple[str, float] | None:
     return None
 
 
-def _peel_scales(graph: Graph, users: dict[str, list[Node]], name: str, reader: Node) -> tuple[str, list[str]]:
-    """The value under scalar muls/divs that only lead to `reader`, and those steps (outermost first)."""
-    steps = []
+def _peel_scales(graph: Graph, users: dict[str, list[Node]], name: str, reader: Node, scales: bool = True
+                 ) -> tuple[str, list[str]]:
+    """The value under scalar muls/divs (with `scales`) and reshapes of batch dims that only lead to `reader`, and
+    those steps (outermost first). The value may have other batch dims than `name`: the caller reshapes it, so a
+    decomposed bmm's merge (a copy where its source is permuted) is not kept."""
+    steps: list[str] = []
     node = graph[name]
-    while (scaled := _scalar_operand(graph, node)) is not None and _only_user(graph, users, node.name) is reader:
+    while _only_user(graph, users, node.name) is reader:
+        scaled = _scalar_operand(graph, node) if scales else None
+        if scaled is not None:
+            below = scaled[0]
+        elif node.op == "reshape" and graph[node.inputs[0]].type.shape[-2:] == node.type.shape[-2:]:
+            below = node.inputs[0]
+        else:
+            break
         steps.append(node.name)
-        reader, node = node, graph[scaled[0]]
+        reader, node = node, graph[below]
     return node.name, steps
 
 
 def _factor(graph: Graph, steps: list[str]) -> float:
-    return math.prod(_scalar_operand(graph, graph[name])[1] for name in steps)
+    """The product of the scalar factors among `steps` (reshapes are 1)."""
+    return math.prod(scaled[1] for name in steps if (scaled := _scalar_operand(graph, graph[name])) is not None)
 
 
 def _match(graph: Graph, users: dict[str, list[Node]], first: Node):
-    """((q, its scale steps), (kT, its scale steps), v, the score steps, the mask or None, alpha, the softmax, the
-    second matmul) of the attention that starts at matmul `first`, or None."""
+    """((q, its scale steps), (kT, its and v's peeled steps), v, the score steps, the mask or None, alpha, the softmax, the
+    reshape between the softmax and the second matmul or None, the second matmul) of the attention that starts at
+    matmul `first`, or None. Batched matmuls over merged batch dims (what `q @ k.transpose(-2, -1)` on 4-D tensors
+    becomes when a capture decomposes it: reshapes to 3-D, bmm, a reshape back) are matched as well: the softmax may
+    see the scores through reshapes of their batch dims, and the second matmul read it through one."""
     scores = first.type
     rank = len(scores.shape)
     if rank < 3 or not scores.dtype.startswith(("float", "bfloat")):
@@ -127,27 +148,45 @@ def _match(graph: Graph, users: dict[str, list[Node]], first: Node):
         chain.append(step.name)
         carrier = step
     softmax = step
-    if softmax.attrs.get("dim") not in (rank - 1, -1) or softmax.type != scores:
+    shape = softmax.type.shape
+    if (softmax.attrs.get("dim") not in (len(shape) - 1, -1) or len(shape) < 3 or softmax.type.dtype != scores.dtype
+            or shape[-2:] != scores.shape[-2:] or softmax.type.numel != scores.numel):
         return None
     second = _only_user(graph, users, softmax.name)
-    if second is None or second.op != "matmul" or second.inputs[0] != softmax.name or second.inputs[1] == softmax.name:
+    merge = None
+    if second is not None and second.op == "reshape" and second.type.shape == scores.shape:
+        merge, second = second.name, _only_user(graph, users, second.name)
+    probabilities = merge or softmax.name
+    if (second is None or second.op != "matmul" or second.inputs[0] != probabilities
+            or second.inputs[1] == probabilities):
         return None
-    q, q_steps = _peel_scales(graph, users, first.inputs[0], first)
-    key_t, k_steps = _peel_scales(graph, users, first.inputs[1], first)
     v = second.inputs[1]
-    shapes = [graph[name].type.shape for name in (q, key_t, v)]
+    shapes = [graph[name].type.shape for name in (*first.inputs[:2], v)]
     if any(len(s) != rank for s in shapes) or len({s[:-2] for s in shapes + [scores.shape]}) != 1:
         return None
     (queries, depth), (depth_k, keys), (keys_v, _) = (s[-2:] for s in shapes)
     if depth != depth_k or keys != keys_v or scores.shape[-2:] != (queries, keys):
         return None
-    if len({graph[name].type.dtype for name in (q, key_t, v)} | {scores.dtype}) != 1:
+    if len({graph[name].type.dtype for name in (*first.inputs[:2], v)} | {scores.dtype}) != 1:
         return None
-    affine = _affine(graph, [first.name, *chain], scores)
+    q, q_steps = _peel_scales(graph, users, first.inputs[0], first)
+    key_t, k_steps = _peel_scales(graph, users, first.inputs[1], first)
+    v, v_steps = _peel_scales(graph, users, v, second, scales=False)
+    affine = _affine(graph, [first.name, *chain], scores, shape)
     if affine is None:
         return None
     alpha, mask = affine
-    return (q, q_steps), (key_t, k_steps), v, chain, mask, alpha, softmax, second
+    return (q, q_steps), (key_t, k_steps + v_steps), v, chain, mask, alpha, softmax, merge, second
+
+
+def _with_lead(graph: Graph, name: str, lead: tuple[int, ...], near: Node) -> str:
+    """`name` with batch dims `lead` (a reshape of its batch dims, or itself when it has them)."""
+    node = graph[name]
+    if node.type.shape[:-2] == lead:
+        return name
+    shape = lead + node.type.shape[-2:]
+    return graph.add_node("reshape", [name], TensorType(shape, node.type.dtype), {"shape": shape},
+                          name=f"{name}_batched", source=near.source).name
 
 
 def _score_step(graph: Graph, node: Node, carrier: str) -> bool:
@@ -161,9 +200,10 @@ def _score_step(graph: Graph, node: Node, carrier: str) -> bool:
             and (node.op == "add" or node.inputs[0] == carrier) and node.type == graph[carrier].type)
 
 
-def _affine(graph: Graph, chain: list[str], scores: TensorType) -> tuple[float, str | None] | None:
-    """(alpha, the mask: a new constant, a run-time tensor, or None) of the chain f(x) = alpha * x + M that follows
-    the matmul `chain[0]`."""
+def _affine(graph: Graph, chain: list[str], scores: TensorType, shape: tuple[int, ...]
+            ) -> tuple[float, str | None] | None:
+    """(alpha, the mask at the softmax's `shape`: a new constant, a run-time tensor, or None) of the chain
+    f(x) = alpha * x + M that follows the matmul `chain[0]`."""
     alpha = 1.0
     runtime_mask = None
     shifted = False
@@ -176,13 +216,12 @@ def _affine(graph: Graph, chain: list[str], scores: TensorType) -> tuple[float, 
                 return None
             continue
         if node.op == "reshape":
-            if runtime_mask is not None:
+            if runtime_mask is not None:     # the mask must broadcast to the softmax's shape, as it was added
                 return None
             continue
         shift = next(i for i in node.inputs if i != carrier)
         if not graph.is_constant(shift):
-            if (node.op != "add" or shifted or graph[shift].type.dtype != scores.dtype
-                    or any(graph[n].op == "reshape" for n in chain)):
+            if node.op != "add" or shifted or graph[shift].type.dtype != scores.dtype:
                 return None
             runtime_mask = shift
         shifted = True
@@ -198,7 +237,7 @@ def _affine(graph: Graph, chain: list[str], scores: TensorType) -> tuple[float, 
         node = graph[name]
         args = [current if i == carrier else graph.constants[i].to(exact) for i in node.inputs]
         current = get_op(node.op).run(args, node.attrs)
-    if tuple(current.shape) != scores.shape:
+    if tuple(current.shape) != shape:
         return None
     if not torch.any(current != 0):
         return alpha, None

@@ -94,3 +94,34 @@ def test_the_mask_is_then_compacted_like_any_compile_time_mask():
     compact, changes = run_pass(simplify_attention_masks, after)
     (sdpa,) = [n for n in compact if n.op == "sdpa"]
     assert compact[sdpa.inputs[3]].type.shape == (1, H, S, S) and changes
+
+
+@pytest.mark.parametrize("mask", [None, "bias"])
+def test_a_decomposed_batched_matmul_attention_is_one_sdpa(mask):
+    """What `q @ k.transpose(-2, -1)` on 4-D tensors becomes when a capture decomposes it: the batch dims merged
+    for a bmm and split again after it, the softmax read back through a merge for the second bmm."""
+    graph = Graph("attention")
+    q, k, v = (graph.add_input(n, TensorType((B, H, S, D), "float64")).name for n in "qkv")
+    merged = (B * H, S, D)
+    q3 = op(graph, "q3", "reshape", [op(graph, "qs", "mul", [q, _scalar(graph, "c", 0.5)])], shape=merged)
+    k3 = op(graph, "k3", "reshape", [op(graph, "kt", "permute", [k], dims=(0, 1, 3, 2))], shape=(B * H, D, S))
+    scores = op(graph, "scores4", "reshape", [op(graph, "scores", "matmul", [q3, k3])], shape=(B, H, S, S))
+    if mask == "bias":
+        scores = op(graph, "biased", "add", [scores, const(graph, "bias", rand(1, H, S, S))])
+    probs = op(graph, "probs3", "reshape", [op(graph, "probs", "softmax", [scores], dim=3)], shape=(B * H, S, S))
+    out = op(graph, "context", "matmul", [probs, op(graph, "v3", "reshape", [v], shape=merged)])
+    graph.outputs = [op(graph, "out", "reshape", [out], shape=(B, H, S, D))]
+    after, changes = run_pass(recognize_attention, graph)
+    (sdpa,) = [n for n in after if n.op == "sdpa"]
+    assert after[sdpa.name].type.shape == (B, H, S, D) and sdpa.attrs["scale"] == pytest.approx(0.5)
+    assert not [n for n in after if n.op in ("softmax", "matmul")] and len(changes) == 1
+    # the bmm's merges are gone (a copy where the source is permuted, as kT is): sdpa reads q, k, v in 4-D
+    for name in sdpa.inputs[:3]:
+        node = after[name]
+        while node.op in ("permute", "reshape", "mul"):
+            assert len(node.type.shape) == 4, node
+            node = after[node.inputs[0]]
+        assert node.op == "input"
+    if mask == "bias":
+        assert after[sdpa.inputs[3]].type.shape == (B, H, S, S)
+    assert_same_numerics(graph, after)
