@@ -50,6 +50,12 @@ class HardwareProfile:
     # kernels ran 2.2x slower, so 0.47; the whole-block kernel (with the expansion) matched the others and keeps
     # 1.0. The other profiles share it unmeasured
     conv_conv_efficiency: float = 0.47
+    # what one program (one SM) streams alone from L2 or device memory, and the latency of a load it waits for:
+    # the floor of a kernel whose work ends in one program per sample (the squeeze's two small GEMMs,
+    # `opfuse.fusion.squeeze`). Estimates for Hopper (about 64 B per clock per SM; a device-memory round trip),
+    # unmeasured; the other profiles share them
+    program_bandwidth: float = 100e9
+    load_latency: float = 0.6e-6
     # what the kernels take in a CUDA graph replay over what the model above says (roofline at these efficiencies,
     # loop floors, launch): every kernel time is multiplied by it, so it moves no decision of the planner, only
     # the predicted times. Fitted to the zoo's measured replays by `benchmarks/zoo.py --fit` where measured

@@ -35,8 +35,9 @@ from opfuse.ir.graph import Graph
 
 
 # the forms a group runs in (`KernelConfig.form`): its Triton kernel, the anchor through cuBLAS/cuDNN and the
-# epilogue as a kernel, or its ops one by one through PyTorch (`opfuse.codegen.forms`)
-FORM_TRITON, FORM_LIBRARY, FORM_UNFUSED = "triton", "library", "unfused"
+# epilogue as a kernel, or its ops one by one through PyTorch (`opfuse.codegen.forms`); a squeeze group also runs
+# as the separate kernels its parts would be without that fusion (`opfuse.codegen.squeeze`)
+FORM_TRITON, FORM_LIBRARY, FORM_UNFUSED, FORM_SEPARATE = "triton", "library", "unfused", "separate"
 
 
 @dataclass(frozen=True)

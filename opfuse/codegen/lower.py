@@ -1,13 +1,13 @@
 """Pick the kernel template for each fusion group: `lower_group(graph, group, device)` and `lower_plan(plan, device)`.
 
-Dispatch reads the group's kind and anchor op: CONV_CONV groups -> `lower_conv_conv_group`, conv2d ->
-`lower_conv_group`, linear/matmul -> `lower_gemm_group`, sdpa -> `lower_attention` (its forms: torch's attention
-and a Triton flash kernel), elementwise groups -> `lower_pointwise_group`, reductions -> `lower_reduction_group`.
-A group that gets no kernel (a view, an opaque op, a gather, or a template
-that raised `Unsupported`) runs through PyTorch at run time; the reason (a stable code and the words,
-`opfuse.fusion.reasons.Reason`) is recorded so the report can say why. The template modules are imported lazily;
-one that cannot be imported (a broken install, or a bug in opfuse) is an error naming the group and the template,
-never a silent run through PyTorch.
+Dispatch reads the group's kind and anchor op: CONV_CONV groups -> `lower_conv_conv_group`, SQUEEZE groups (a
+global average pool and two small GEMMs) -> `lower_squeeze_group`, conv2d -> `lower_conv_group`, linear/matmul ->
+`lower_gemm_group`, sdpa -> `lower_attention` (its forms: torch's attention and a Triton flash kernel), elementwise
+groups -> `lower_pointwise_group`, reductions -> `lower_reduction_group`. A group that gets no kernel (a view, an
+opaque op, a gather, or a template that raised `Unsupported`) runs through PyTorch at run time; the reason (a stable
+code and the words, `opfuse.fusion.reasons.Reason`) is recorded so the report can say why. The template modules are
+imported lazily; one that cannot be imported (a broken install, or a bug in opfuse) is an error naming the group
+and the template, never a silent run through PyTorch.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ ANCHOR_LOWERINGS = {
     "sdpa": ("opfuse.codegen.attention", "lower_attention"),
 }
 CONV_CONV_LOWERING = ("opfuse.codegen.conv_conv", "lower_conv_conv_group")
+SQUEEZE_LOWERING = ("opfuse.codegen.squeeze", "lower_squeeze_group")
 # the anchor templates pick tiles and K slices for a GPU: they take its profile (`hw`)
-ON_TILES = frozenset(ANCHOR_LOWERINGS.values()) | {CONV_CONV_LOWERING}
+ON_TILES = frozenset(ANCHOR_LOWERINGS.values()) | {CONV_CONV_LOWERING, SQUEEZE_LOWERING}
 POINTWISE_LOWERING = ("opfuse.codegen.pointwise", "lower_pointwise_group")
 REDUCTION_LOWERING = ("opfuse.codegen.reduction", "lower_reduction_group")
 
@@ -72,6 +73,8 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reaso
             return Reason(Code.OPAQUE, f"opaque op {graph[name].describe()}: runs through PyTorch")
     if group.kind is GroupKind.CONV_CONV:
         return CONV_CONV_LOWERING
+    if group.kind is GroupKind.SQUEEZE:
+        return SQUEEZE_LOWERING
     anchor = find_anchor(graph, group)
     if anchor is not None:
         op = graph[anchor].op

@@ -38,6 +38,7 @@ class GroupKind(str, Enum):
     HORIZONTAL = "horizontal"               # sibling anchors on one input, concatenated weights
     HORIZONTAL_POINTWISE = "horizontal pointwise"   # independent small elementwise ops in one launch
     CONV_CONV = "conv-conv"                 # depthwise + pointwise convolution
+    SQUEEZE = "squeeze"                     # global average pool -> small GEMM -> small GEMM (SE's squeeze)
     POINTWISE = "pointwise"                 # elementwise chain
     REDUCTION = "reduction"                 # softmax / layer norm / mean / pooling with prologue/epilogue
     INJECTIVE = "injective"                 # concat, gather, copies

@@ -39,6 +39,8 @@ Fusions refused as illegal (`opfuse.fusion.legality.can_fuse`, and the planner's
   inner-read            a value inside a conv-conv chain (which stays in registers) is read outside its stage
   inner-operand         a conv-conv chain reads a weight that is no constant, or an inner stage an operand that
                         is no per-channel constant
+  not-squeeze           a global average pool and the two small GEMMs after it are no squeeze-and-excitation
+                        chain (`opfuse.fusion.squeeze`: the text says which part is not)
   different-epilogues   sibling anchors whose epilogues differ (horizontal fusion)
   sibling-operand       a sibling's epilogue reads an activation: concatenated siblings take constants only
   dependent             groups fused side by side (horizontal) depend on one another
@@ -101,6 +103,7 @@ class Code(str, Enum):
     EXPAND_ALONE = "expand-alone"
     INNER_READ = "inner-read"
     INNER_OPERAND = "inner-operand"
+    NOT_SQUEEZE = "not-squeeze"
     DIFFERENT_EPILOGUES = "different-epilogues"
     SIBLING_OPERAND = "sibling-operand"
     DEPENDENT = "dependent"
