@@ -15,6 +15,9 @@ kernel gets slower") shows up in the predictions: when the resource model has to
 fit a fused epilogue, the tensor-core rate drops with the tile's operand reuse (see `tile_efficiency`).
 Depthwise convolutions have one input channel per filter: no tensor-core GEMM, so they run at the CUDA-core rate.
 
+A squeeze-and-excitation squeeze (a global average pool and two small GEMMs in one kernel) is priced by
+`opfuse.fusion.squeeze.squeeze_seconds`: the pool at the roofline, then one program per sample runs the GEMMs.
+
 Conv-conv kernels (`conv_conv_estimate`) are counted as the kernel `opfuse.codegen.conv_conv` runs: device-memory
 traffic as any group (the intermediate tensors are gone), and the work actually executed, recomputation included:
 
@@ -54,6 +57,7 @@ from opfuse.fusion.legality import conv_stages, is_depthwise_conv
 from opfuse.fusion.plan import ResourceEstimate
 from opfuse.fusion.resources import (ATTENTION_TILES, GEMM_TILES, anchor_of, conv_chain, conv_conv_tiles,
                                      describe_tile, estimate_resources, expansion_block)
+from opfuse.fusion.squeeze import SqueezeChain, fitting_resources, squeeze_chain, squeeze_seconds
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import FusionKind, get_op, kind_of, launches_kernel, node_bytes, node_flops
@@ -160,6 +164,10 @@ def estimate_kernel(graph: Graph, nodes: Sequence[str], users: Users, hw: Hardwa
         return KernelEstimate(traffic, None, 0.0, None)
     anchor = anchor_of(graph, kernels)
     opaque = any(kind_of(graph[n]) is FusionKind.OPAQUE for n in kernels)
+    if not opaque and isinstance(squeeze := squeeze_chain(graph, kernels, users), SqueezeChain):
+        return KernelEstimate(traffic, fitting_resources(squeeze, hw, dtype),
+                              squeeze_seconds(squeeze, traffic.bytes_moved, traffic.flops, hw, dtype), squeeze.first,
+                              "global average pool and two small GEMMs: the last program of each sample runs them")
     if not opaque and (chain := conv_chain(graph, kernels)):
         return conv_conv_estimate(graph, kernels, chain, traffic, hw, dtype)
     resources = None

@@ -14,6 +14,9 @@ Inductor-style greedy fusion, with Hidet's anchor vocabulary and XLA's resource 
    Conv-conv fusion (`config.conv_conv`) is one more vertical pair: a depthwise conv group feeding a 1x1 conv
    group becomes one CONV_CONV group; the block's 1x1 expansion conv may then join it (the whole inverted
    residual) when the cost model, which counts the halo recompute, says it pays. Either way it is a decision.
+   Squeeze-and-excitation (`config.squeeze`): after the rounds, a global average pool alone, the GEMM group
+   reading its result and the GEMM group reading that one's (pool -> 1x1 conv + activation -> 1x1 conv + sigmoid)
+   become one SQUEEZE group when `opfuse.fusion.squeeze` recognises the chain, it fits and it pays.
 3. horizontal (`config.horizontal`): sibling anchors reading the same input, with compatible shapes and
    identical epilogues, become one HORIZONTAL group (weights concatenated at codegen time); then small
    independent elementwise groups, each dominated by its launch overhead, share one launch.
@@ -35,6 +38,7 @@ from opfuse.fusion.legality import (EPILOGUE_VIEWS, MAPPED_COPIES, can_fuse, in_
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, conv_chain, conv_conv_key, conv_conv_slice_table, gemm_view
+from opfuse.fusion.squeeze import global_average, squeeze_chain
 from opfuse.fusion.tiles import (MIN_SPLIT_STEPS, anchor_grid, anchor_loop, anchor_tiles, split_k_slices,
                                  split_k_table, tile_key)
 from opfuse.hardware import HardwareProfile, get_hardware
@@ -56,6 +60,7 @@ def plan_fusion(graph: Graph, config: FusionConfig | None = None, hw: HardwarePr
     planner = _Planner(graph, config, hw, measured_over_budget or {})
     if config.vertical:
         planner.vertical()
+        planner.squeeze()
         planner.absorb_copying_views()
     if config.horizontal:
         planner.horizontal_anchors()
@@ -344,6 +349,78 @@ class _Planner:
         if kind is not None:
             self.kinds[keep] = kind
 
+    # ---- squeeze-and-excitation ---------------------------------------------------------------------
+    def squeeze(self) -> None:
+        """A global average pool alone, the anchor group reading its result and the anchor group reading that
+        one's become one SQUEEZE kernel (`opfuse.fusion.squeeze`) where legal, within budget and profitable."""
+        for pool in list(self.groups):
+            nodes = self.groups.get(pool, [])
+            if len(nodes) != 1 or not global_average(self.graph, self.graph[nodes[0]]):
+                continue
+            first = self.reader_group(pool)
+            if first is None or anchor_of(self.graph, self.groups[first]) is None:
+                continue
+            second = self.reader_group(first)
+            if second is None or anchor_of(self.graph, self.groups[second]) is None:
+                continue
+            self.try_squeeze(pool, first, second)
+
+    def reader_group(self, group: int) -> int | None:
+        """The one group that reads the values of `group`, or None when no group or several do."""
+        nodes = self.groups[group]
+        readers = {self.group_of[u.name] for n in nodes for u in self.users[n] if u.name not in nodes}
+        return readers.pop() if len(readers) == 1 else None
+
+    def try_squeeze(self, pool: int, first: int, second: int) -> bool:
+        """Decide one pool -> GEMM -> GEMM chain: record the decision, merge the three groups when it is a squeeze
+        chain (`squeeze_chain`), fits and pays (the cost model's one kernel against its three apart)."""
+        parts = [self.groups[g] for g in (pool, first, second)]
+        producer, consumer = parts[0], in_order(parts[1] + parts[2], self.index)
+        key = (frozenset(producer), frozenset(consumer))
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        merged = in_order(producer + consumer, self.index)
+        apart = sum(self.estimate(p).time for p in parts)
+        saved = sum(self.traffic(p).bytes_moved for p in parts) - self.traffic(merged).bytes_moved
+
+        def record(verdict: Verdict, reason: Reason, time_fused: float = 0.0) -> None:
+            self.decisions.append(FusionDecision(producer=list(producer), consumer=consumer, fusion="squeeze",
+                                                 verdict=verdict, reason=reason.text, code=reason.code,
+                                                 bytes_saved=saved, time_unfused=apart, time_fused=time_fused))
+
+        chain = squeeze_chain(self.graph, merged, self.users)
+        if not self.config.squeeze:
+            chain = Reason(Code.DISABLED, "squeeze fusion disabled (config.squeeze)")
+        elif chain is None:
+            chain = Reason(Code.NOT_SQUEEZE, f"{', '.join(merged)} hold more than a global average and two GEMMs "
+                           "with elementwise epilogues")
+        if isinstance(chain, Reason):
+            record(Verdict.ILLEGAL, chain)
+            return False
+        fused = self.estimate(merged)
+        for nodes, why in self.measured_over_budget.items():
+            if nodes <= set(merged):
+                record(Verdict.OVER_BUDGET, Reason(Code.SPLIT_BACK, f"split back: the compiled kernel of "
+                                                   f"{', '.join(sorted(nodes))} was {why}"), fused.time)
+                return False
+        if fused.resources is not None and not fused.resources.fits:
+            record(Verdict.OVER_BUDGET, Reason(Code.OVER_BUDGET, f"squeeze kernel over budget, kept apart: "
+                                               f"{fused.resources.reason}"), fused.time)
+            return False
+        if self.config.use_cost_model and fused.time >= apart:
+            record(Verdict.UNPROFITABLE, Reason(Code.UNPROFITABLE, f"predicted {fused.time * 1e6:.2f} us fused >= "
+                                                f"{apart * 1e6:.2f} us apart ({fused.note})"), fused.time)
+            return False
+        reason = Reason(Code.FUSED, f"saves {saved:,} B and 2 launches: {apart * 1e6:.2f} -> {fused.time * 1e6:.2f} "
+                        f"us ({fused.note})")
+        record(Verdict.FUSED, reason, fused.time)
+        notes = [n for g in (pool, first, second) for n in self.notes.get(g, [])]
+        self.merge(pool, first, "")
+        self.merge(pool, second, "", GroupKind.SQUEEZE)
+        self.notes[pool] = notes + [f"squeeze: {', '.join(merged)} in one kernel ({reason.text})"]
+        return True
+
     # ---- horizontal fusion --------------------------------------------------------------------------
     def horizontal_anchors(self) -> None:
         """Sibling anchors on one input with identical epilogues become one HORIZONTAL group."""
@@ -595,7 +672,7 @@ class _Planner:
             if {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"} <= tile.keys():   # the planned tile, whatever it is
                 table[conv_conv_key(tile)] = tile.get("SPLIT_K", 1)
             return table, 1, estimate.time, ""
-        if (not self.config.split_k or estimate.anchor is None
+        if (not self.config.split_k or estimate.anchor is None or kind is GroupKind.SQUEEZE
                 or not {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= tile.keys()):
             return {}, 1, estimate.time, ""
         view = gemm_view(self.graph, estimate.anchor)

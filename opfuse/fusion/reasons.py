@@ -22,8 +22,8 @@ Fusions refused as illegal (`opfuse.fusion.legality.can_fuse`, and the planner's
   several-users         a value passed from producer to consumer is read outside the pair too
   no-shared-value       the consumer reads no value of the producer
   cycle                 a node outside the pair reads one side and feeds the other
-  disabled              a FusionConfig switch turns this fusion off (residual, conv_conv, conv_conv_expand; the
-                        text names it)
+  disabled              a FusionConfig switch turns this fusion off (residual, conv_conv, conv_conv_expand,
+                        squeeze; the text names it)
   anchor-prologue       an op would run before an anchor in its kernel that takes no such prologue (a linear or a
                         1x1 conv takes elementwise ops that read nothing else of full size)
   anchor-and-reduction  an anchor and a reduction in one kernel

@@ -412,6 +412,26 @@ def test_squeeze_excitation_scales_the_project_convs_input_tiles():
         assert relative_error(compiled(fresh), model(fresh)) < 1e-5
 
 
+def test_the_squeeze_is_one_kernel_that_matches_eager_call_after_call():
+    """The pool and the SE block's two small 1x1 convs run as one squeeze kernel (split form: atomics into its
+    workspace, which every call leaves zero, so the second call with new inputs is right too)."""
+    from opfuse.codegen.squeeze import SqueezeKernel
+    from opfuse.fusion.plan import GroupKind
+
+    torch.manual_seed(8)
+    model = SqueezeExcite().eval()
+    x = torch.randn(3, 6, 7, 5).contiguous(memory_format=torch.channels_last)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    squeeze = [g for g in compiled.plan.groups if g.kind is GroupKind.SQUEEZE]
+    assert len(squeeze) == 1 and isinstance(compiled.compiled.kernels[squeeze[0].name], SqueezeKernel)
+    assert compiled.launches == compiled.plan.kernel_launches == 3 and not compiled.fallbacks
+    assert compiled.checks and all(c.passed for c in compiled.checks)
+    for seed in (1, 2):
+        fresh = torch.randn(3, 6, 7, 5, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            assert relative_error(compiled(fresh.contiguous(memory_format=torch.channels_last)), model(fresh)) < 1e-5
+
+
 class TokenEmbedding(nn.Module):
     def __init__(self):
         super().__init__()

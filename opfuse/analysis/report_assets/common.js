@@ -20,7 +20,7 @@
   var KIND_COLORS = {
     "anchor+epilogue": "#4e79a7", "residual": "#9c6ade", "horizontal": "#f28e2b",
     "horizontal pointwise": "#d4b000", "conv-conv": "#59a14f", "pointwise": "#59a8a2",
-    "reduction": "#e377c2", "injective": "#b07a4f", "single": "#8c8c8c", "opaque": "#d62728", "view": "#c8c8c8"
+    "reduction": "#e377c2", "squeeze": "#ff9da7", "injective": "#b07a4f", "single": "#8c8c8c", "opaque": "#d62728", "view": "#c8c8c8"
   };
 
   function el(tag, attrs, text) {
