@@ -71,7 +71,9 @@ def run_zoo(out: Path, workloads: Sequence[tuple[str, int]], settings: ZooSettin
     cache_root = Path(cache_root or tempfile.mkdtemp(prefix="opfuse-zoo-"))
     started = time.monotonic()
     # tuned_alone: opfuse's autotuning timed its kernels with the GPU to itself (see the module docstring)
-    results: dict = {"settings": asdict(settings), "env": None, "tuned_alone": True, "workloads": {}}
+    # "call_inputs": the timed module call passes the tensors its graph was captured with, which it reads in place
+    results: dict = {"settings": asdict(settings), "env": None, "tuned_alone": True, "call_inputs": "captured",
+                     "workloads": {}}
     for model, batch in workloads:
         results["workloads"][workload_key(model, batch)] = {"model": model, "batch": batch}
     log = out / "zoo.log"

@@ -104,6 +104,10 @@ def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
                      f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, Python {env.get('python', '?')}; "
                      f"opfuse tune_top {settings.get('tune_top')}, cold compiles {settings.get('cold_parallel')} at "
                      f"a time, {settings.get('rounds')} rounds x {settings.get('per_round')} samples")
+        lines[-1] += ("; the module call reads the tensors its graph captured (no input copy)"
+                      if header.get("call_inputs") == "captured" else
+                      "; the module call copies its inputs in, unless the commit measured reads the captured "
+                      "tensors in place (715ce9d on: run 29 of RESULTS.md)")
         if header.get("tuned_alone") is False:
             lines[-1] += ("; opfuse's kernels were tuned in the cold compiles, several at once on one GPU (only "
                           "opfuse can have lost by it)")
@@ -115,8 +119,8 @@ def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
     counted_replays = sum(v is not None for v in replays.values())
     lines += ["", "## Headline", "",
               f"Geometric mean of opfuse over torch.compile + CUDA graph: **{_times(mean_call)}** through opfuse's "
-              f"module call (on the tensors it was captured with, which its graph reads in place; its output copies "
-              f"included; {counted_calls} workloads), "
+              f"module call (its output copies included, its input copies where the run says so; {counted_calls} "
+              f"workloads), "
               f"{_times(mean_replay)} as its bare graph replay, as torch.compile is timed ({counted_replays} "
               "workloads).", "",
               f"Under 1.0x (module call): {', '.join(under) if under else 'none'}.", "",
