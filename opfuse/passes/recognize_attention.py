@@ -232,7 +232,9 @@ def _affine(graph: Graph, chain: list[str], scores: TensorType, shape: tuple[int
     if scores.nbytes > MASK_BYTES:
         return None
     exact = torch.float64 if scores.dtype == "float64" else torch.float32
-    current = torch.zeros(scores.shape, dtype=exact)     # M = f(0)
+    # where the model's constants are (a model compiled on the GPU is captured with its weights there)
+    device = next(graph.constants[i].device for n in chain[1:] for i in graph[n].inputs if graph.is_constant(i))
+    current = torch.zeros(scores.shape, dtype=exact, device=device)     # M = f(0)
     for carrier, name in zip(chain, chain[1:]):
         node = graph[name]
         args = [current if i == carrier else graph.constants[i].to(exact) for i in node.inputs]

@@ -125,3 +125,4 @@ def test_a_decomposed_batched_matmul_attention_is_one_sdpa(mask):
     if mask == "bias":
         assert after[sdpa.inputs[3]].type.shape == (B, H, S, S)
     assert_same_numerics(graph, after)
+
