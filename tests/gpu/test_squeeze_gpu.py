@@ -28,7 +28,7 @@ def squeeze_kernels(name: str, batch: int, dtype: str):
     model, inputs = load_builtin(name, batch=batch)
     model = model.to(DTYPES[dtype])
     inputs = tuple(x.to(DTYPES[dtype]).contiguous(memory_format=torch.channels_last) for x in inputs)
-    plan = opfuse.analyze(model, inputs, opfuse.FusionConfig(dtype=dtype)).plan
+    plan = opfuse.analyze(model, inputs, opfuse.FusionConfig(dtype=dtype, squeeze=True)).plan
     groups = [g for g in plan.groups if g.kind is GroupKind.SQUEEZE]
     return plan, [(g, lower_group(plan.graph, g, "cuda", hw=plan.profile)) for g in groups]
 
@@ -112,7 +112,7 @@ def test_small_se_model_matches_eager_through_capture_and_replays(dtype, batch):
     reference = copy.deepcopy(model).double()
     model = model.to(DTYPES[dtype]).cuda()
     x = torch.randn(batch, 96, 56, 56, device="cuda", dtype=DTYPES[dtype]).contiguous(memory_format=torch.channels_last)
-    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype=dtype, autotune=False))
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype=dtype, autotune=False, squeeze=True))
     squeeze = [g for g in compiled.plan.groups if g.kind is GroupKind.SQUEEZE]
     assert len(squeeze) == 1 and isinstance(compiled.compiled.kernels[squeeze[0].name], SqueezeKernel)
     assert compiled.plan.kernel_launches == 3 and not compiled.fallbacks

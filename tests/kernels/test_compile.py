@@ -421,7 +421,7 @@ def test_the_squeeze_is_one_kernel_that_matches_eager_call_after_call():
     torch.manual_seed(8)
     model = SqueezeExcite().eval()
     x = torch.randn(3, 6, 7, 5).contiguous(memory_format=torch.channels_last)
-    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", squeeze=True))
     squeeze = [g for g in compiled.plan.groups if g.kind is GroupKind.SQUEEZE]
     assert len(squeeze) == 1 and isinstance(compiled.compiled.kernels[squeeze[0].name], SqueezeKernel)
     assert compiled.launches == compiled.plan.kernel_launches == 3 and not compiled.fallbacks
