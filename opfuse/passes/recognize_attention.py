@@ -18,9 +18,11 @@ other shift, and no reshape or factor after it), and reshapes of the batch dims 
 a capture may decompose a 4-D matmul; the second matmul may read the softmax through one reshape back).
 Such an f is affine, f(x) = alpha * x + M: alpha is the product of the scalar factors, M = f(0) (evaluated here,
 from constants alone; it is the mask, dropped when it is zero, and no larger than `MASK_BYTES`). The three operands
-keep equal batch dims (no broadcast between them) and one float dtype. The pass runs after `remove_noop_layout`
-(a decomposed matmul's expands to the same shape are gone) and before `simplify_attention_masks`, which then
-drops, makes causal or compacts M as it does for any compile-time mask.
+keep equal batch dims (no broadcast between them) and one float dtype, and no peeled step changes a dtype. One
+difference in meaning: a row whose every key a mask sets to -inf is NaN written out and 0 as sdpa (PyTorch's and
+opfuse's). The pass runs after `remove_noop_layout` (a decomposed matmul's expands to the same shape are gone) and
+before `simplify_attention_masks`, which then drops, makes causal or compacts M as it does for any compile-time
+mask.
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ def _peel_scales(graph: Graph, users: dict[str, list[Node]], name: str, reader: 
             below = node.inputs[0]
         else:
             break
+        if graph[below].type.dtype != node.type.dtype:   # a scale that promotes (a float64 [1] constant) stays
+            break
         steps.append(node.name)
         reader, node = node, graph[below]
     return node.name, steps
@@ -163,6 +167,10 @@ def _match(graph: Graph, users: dict[str, list[Node]], first: Node):
     v = second.inputs[1]
     shapes = [graph[name].type.shape for name in (*first.inputs[:2], v)]
     if any(len(s) != rank for s in shapes) or len({s[:-2] for s in shapes + [scores.shape]}) != 1:
+        return None
+    if math.prod(second.type.shape[:-2]) != math.prod(scores.shape[:-2]):   # v broadcast against other batches
+        return None
+    if second.type.dtype != scores.dtype:
         return None
     (queries, depth), (depth_k, keys), (keys_v, _) = (s[-2:] for s in shapes)
     if depth != depth_k or keys != keys_v or scores.shape[-2:] != (queries, keys):
@@ -220,6 +228,8 @@ def _affine(graph: Graph, chain: list[str], scores: TensorType, shape: tuple[int
                 return None
             continue
         shift = next(i for i in node.inputs if i != carrier)
+        if runtime_mask is not None:     # a run-time mask is the one shift: M = f(0) would leave it out
+            return None
         if not graph.is_constant(shift):
             if node.op != "add" or shifted or graph[shift].type.dtype != scores.dtype:
                 return None

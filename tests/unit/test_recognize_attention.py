@@ -126,3 +126,54 @@ def test_a_decomposed_batched_matmul_attention_is_one_sdpa(mask):
         assert after[sdpa.inputs[3]].type.shape == (B, H, S, S)
     assert_same_numerics(graph, after)
 
+
+
+def _attention_around(graph: Graph, q: str, k: str, v: str, shift=None) -> Graph:
+    scores = op(graph, "s", "matmul", [q, op(graph, "kt", "permute", [k], dims=(0, 1, 3, 2))])
+    if shift is not None:
+        scores = shift(graph, scores)
+    graph.outputs = [op(graph, "ctx", "matmul", [op(graph, "probs", "softmax", [scores], dim=3), v])]
+    return graph
+
+
+@pytest.mark.parametrize("order", ["runtime first", "constant first", "runtime then sub"])
+def test_a_run_time_mask_with_a_constant_shift_stays_written_out(order):
+    """Review: M = f(0) left the run-time mask out, or the run-time mask left the constant out."""
+    graph = Graph("attention")
+    q, k, v = (graph.add_input(n, TensorType((B, H, S, D), "float64")).name for n in "qkv")
+    m = graph.add_input("m", TensorType((B, 1, 1, S), "float64")).name
+
+    def shift(g, scores):
+        c = const(g, "c", 3.0 * rand(1, H, S, S))
+        if order == "constant first":
+            return op(g, "s3", "add", [op(g, "s2", "add", [scores, c]), m])
+        return op(g, "s3", "sub" if order == "runtime then sub" else "add", [op(g, "s2", "add", [scores, m]), c])
+
+    before = _attention_around(graph, q, k, v, shift)
+    after, changes = run_pass(recognize_attention, before)
+    assert changes == [] and not [n for n in after if n.op == "sdpa"]
+    assert_same_numerics(before, after)
+
+
+def test_a_second_matmul_that_broadcasts_the_probabilities_stays_written_out():
+    """Review: softmax [6, 1, S, S] @ v [6, S, D] pairs every softmax batch with every v batch: not attention."""
+    graph = Graph("attention")
+    q, k, v = (graph.add_input(n, TensorType((6, S, D), "float64")).name for n in "qkv")
+    scores = op(graph, "s", "matmul", [q, op(graph, "kt", "permute", [k], dims=(0, 2, 1))])
+    scores = op(graph, "r", "reshape", [scores], shape=(6, 1, S, S))
+    graph.outputs = [op(graph, "ctx", "matmul", [op(graph, "probs", "softmax", [scores], dim=3), v])]
+    after, changes = run_pass(recognize_attention, graph)
+    assert changes == [] and not [n for n in after if n.op == "sdpa"]
+
+
+def test_a_scale_that_promotes_the_dtype_is_not_peeled():
+    """Review: a float64 [1] scale on a float32 q made q float32 and k, v float64 for the sdpa."""
+    graph = Graph("attention")
+    q = graph.add_input("q", TensorType((B, H, S, D), "float32")).name
+    k, v = (graph.add_input(n, TensorType((B, H, S, D), "float64")).name for n in "kv")
+    q = op(graph, "qs", "mul", [q, const(graph, "c", torch.tensor([0.5], dtype=F64))])
+    before = _attention_around(graph, q, k, v)
+    after, _ = run_pass(recognize_attention, before)
+    for sdpa in (n for n in after if n.op == "sdpa"):
+        assert len({after[i].type.dtype for i in sdpa.inputs[:3]}) == 1
+    assert_same_numerics(before, after)
