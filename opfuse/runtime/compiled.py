@@ -16,7 +16,8 @@ that is its static buffer is not copied), replay it, and return a copy of each s
 call passed already in the compiled dtype and layout is its own static buffer (borrowed, kept alive): the graph reads
 it in place, so a caller that passes that very tensor again (whatever it wrote into it) pays no copy, as
 torch.compile's CUDA graphs skip inputs whose address they captured. The first call with any other tensor there (or
-with that tensor's storage moved) captures the graph again over private buffers, copied into from then on.
+with that tensor's storage moved or its strides changed in place) captures the graph again over private buffers,
+copied into from then on.
 
 `build_compiled_model(plan, device, example_inputs)` is the whole runtime stage: lower, build, autotune.
 """
@@ -364,7 +365,8 @@ class CompiledModel(torch.nn.Module):
         self._cuda_graph = None
         self._static_inputs: list[torch.Tensor] = []
         self._static_outputs: list[torch.Tensor] = []
-        self._borrowed: list[int | None] = []    # per input: the address of a borrowed caller's tensor, else None
+        # per input: (address, strides) of a borrowed caller's tensor as captured, else None
+        self._borrowed: list[tuple[int, tuple[int, ...]] | None] = []
         self._eager_calls = 0
         self._borrow_inputs = True     # off once a call passed another tensor where a borrowed one was
 
@@ -394,10 +396,11 @@ class CompiledModel(torch.nn.Module):
     def _replay(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """One replay on these inputs (shape and device checked). `copy_` casts and lays out as it copies, so an
         input needs no preparing first; one that is its static buffer is not copied at all. Another tensor where a
-        borrowed one was (or the borrowed one with its storage moved) captures again over private buffers."""
-        for static, x, address in zip(self._static_inputs, inputs, self._borrowed):
-            if address is not None:
-                if x is not static or x.data_ptr() != address:
+        borrowed one was (or the borrowed one with its storage moved or restrided) captures again over private
+        buffers."""
+        for static, x, where in zip(self._static_inputs, inputs, self._borrowed):
+            if where is not None:    # the very tensor, at the address and with the strides captured
+                if x is not static or x.data_ptr() != where[0] or x.stride() != where[1]:
                     return self._capture_private(inputs)
             elif x is not static:
                 static.copy_(x)
@@ -422,7 +425,7 @@ class CompiledModel(torch.nn.Module):
     def _captured(self, graph: Any, static: list[torch.Tensor], outputs: list[torch.Tensor],
                   borrow: Sequence[bool]) -> None:
         self._cuda_graph, self._static_inputs, self._static_outputs = graph, static, outputs
-        self._borrowed = [x.data_ptr() if keep else None for x, keep in zip(static, borrow)]
+        self._borrowed = [(x.data_ptr(), x.stride()) if keep else None for x, keep in zip(static, borrow)]
 
     def _capture(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], borrow: list[bool]) -> None:
         static = self._static_buffers(inputs, borrow)

@@ -178,7 +178,8 @@ def test_an_input_that_is_its_static_buffer_is_not_copied(cpu_graphs):
 def test_the_capturing_calls_own_tensor_is_read_in_place_and_never_written(cpu_graphs):
     model, (x0, y0) = graphed_model(private=False)
     # x0 is contiguous where the model computes channels-last: its buffer is a private copy; y0 is borrowed
-    assert model._borrowed[0] is None and model._borrowed[1] == y0.data_ptr() and model.static_inputs[1] is y0
+    assert model._borrowed[0] is None and model._borrowed[1] == (y0.data_ptr(), y0.stride())
+    assert model.static_inputs[1] is y0
     x, y = inputs(21)
     y0.copy_(y)                              # the caller writes its next input into its own tensor
     with logged() as log:
@@ -203,6 +204,18 @@ def test_a_borrowed_tensor_whose_storage_moved_is_not_read_at_its_old_address(cp
     y0.data = y.clone()                      # same tensor object, another storage
     out, _ = model(x, y0)
     torch.testing.assert_close(out, expected(x, y)[0])
+    assert model._borrowed == [None, None]
+
+
+def test_a_borrowed_tensor_restrided_in_place_is_not_read_with_its_old_strides(cpu_graphs):
+    """`t_()` or `as_strided_` keeps the object and its address; the captured kernels would read it with the old
+    strides (the CPU stand-in recomputes from the object, so what shows the fix is the capture again)."""
+    model, (_, y0) = graphed_model(private=False)
+    y0.as_strided_((2, 48), (1, 2))              # same object, same address, other strides
+    assert y0.data_ptr() == model._borrowed[1][0] and y0.stride() != model._borrowed[1][1]
+    x, _ = inputs(24)
+    out, _ = model(x, y0)
+    torch.testing.assert_close(out, expected(x, y0)[0])
     assert model._borrowed == [None, None]
 
 
