@@ -99,11 +99,13 @@ class EpilogueKernel(GroupKernel):
     def launches(self, config: KernelConfig | None = None) -> int:
         """Two with K slices (the slices, then their sum with the epilogue) or in the library form (the library's
         kernel, then the epilogue, which a group of bare anchors does without; cuBLAS/cuDNN may add helper kernels
-        of their own); one per launching op in the unfused form; else one."""
+        of their own), plus what PyTorch launches computing the anchor's input first (`operand_nodes`: a prologue's
+        ops, a view it must copy); one per launching op in the unfused form; else one."""
         if is_unfused(config):
             return sum(launches_kernel(self.graph, node) for node in self._unfused_nodes)
         if is_library(config):
-            return 1 if self.library_outputs is not None else 2
+            operand = sum(launches_kernel(self.graph, node) for node in self.operand_nodes)
+            return (1 if self.library_outputs is not None else 2) + operand
         return 2 if self.split is not None and slices_of(config or self._configs[0]) > 1 else 1
 
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
