@@ -36,6 +36,7 @@ from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir import strided
 from opfuse.ir.graph import Graph, torch_dtype
 from opfuse.ir.interpret import run_nodes
+from opfuse.ir.ops import get_op
 
 GROUP_M = 8   # tiles of 8 consecutive row blocks share B in L2 (the Triton matmul tutorial's swizzle)
 
@@ -79,6 +80,7 @@ def KERNEL_NAME(
     a_rows = a_ptr + (b0 * s_ab0 + b1 * s_ab1) + a_g0 * s_ar0 + a_g1 * s_ar1 + a_g2 * s_ar2 + a_g3 * s_ar3
     a_ptrs = a_rows[:, None] + offs_k[None, :] * s_ak
     b_ptrs = b_ptr + (b0 * s_bb0 + b1 * s_bb1) + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
+{prologue_stats}
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_at = k0 + offs_k
@@ -127,9 +129,12 @@ def gemm_configs(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
 
 def _with_prologue(template: str, prologue: Prologue | None) -> str:
     """`template` with the prologue's parameters and code in its slots (none without one)."""
-    params, code = (prologue.params, prologue.code()) if prologue is not None else ("", "")
+    params, code, stats = (prologue.params, prologue.code(), prologue.stats_code()) if prologue is not None \
+        else ("", "", "")
     code = code.replace("{", "{{").replace("}", "}}")     # the template is formatted again for the epilogue
-    return template.replace("{prologue_params}", params).replace("{prologue}", code)
+    stats = stats.replace("{", "{{").replace("}", "}}")
+    return (template.replace("{prologue_params}", params).replace("{prologue_stats}\n", stats + "\n" if stats else "")
+            .replace("{prologue}", code))
 
 
 class OperandMap:
@@ -164,7 +169,8 @@ class GemmKernel(EpilogueKernel):
                  a_view: Callable[[torch.Tensor], torch.Tensor] | None = None, a_map: OperandMap | None = None,
                  prologue: Prologue | None = None, hw: HardwareProfile | None = None,
                  tf32_allowed: Callable[[], bool] | None = None, library_anchor: LibraryAnchor | None = None):
-        if prologue is not None and (a_view is not None or a_map is not None):
+        if prologue is not None and (a_view is not None or a_map is not None and (prologue.norm is None
+                                                                                  or prologue.operands)):
             raise Unsupported(f"group {group.name}: a prologue on an operand read through views")
         self.prologue = prologue
         if prologue is not None:     # what the library forms compute the anchor's input through
@@ -182,7 +188,9 @@ class GemmKernel(EpilogueKernel):
         self._configs = gemm_configs(self.layout.rows, self.layout.channels, k, self.layout.batch,
                                      graph[a].type.itemsize, hw=hw)
         self.split = None
-        if group.split_k:    # the planner split K: each config runs the slices the plan gives its tile
+        # the planner split K: each config runs the slices the plan gives its tile (never with row statistics,
+        # which need all of K: the planner offers no split for them)
+        if group.split_k and (prologue is None or prologue.norm is None):
             self.split = SplitK(_with_prologue(GEMM_SLICE_TEMPLATE, prologue), GEMM_PARTIAL, epilogue)
             self._configs = with_slices(self._configs, group)
         self._sizes = (self.layout.rows, self.layout.channels, *self.layout.row_sizes()[1:],
@@ -282,11 +290,13 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
     biases = anchor_biases(graph, anchors)
     epilogue = Epilogue(graph, group, chains, layout, device, biases)
     rows = layout.rows
-    views = operand_chain(graph, anchors[0], group.nodes, users)   # what the linear reads x through
+    ops = anchor_prologue(graph, anchors[0], group.nodes, users) if len(anchors) == 1 else []
+    # what the linear reads x through: its operand views, or the row views between a layer norm prologue and it,
+    # mapped on the norm's input (of the norm's shape) as they would be on its output
+    views = [n for n in ops if get_op(graph[n].op).alias] or operand_chain(graph, anchors[0], group.nodes, users)
     a_map = OperandMap(graph, views, len(shape) - 1) if views else None
     a = graph[views[0]].inputs[0] if views else x
     prologue = None
-    ops = anchor_prologue(graph, anchors[0], group.nodes, users) if len(anchors) == 1 else []
     if ops:     # what the linear computes on its input tiles: it reads the prologue's source
         a = prologue_source(graph, ops)
         prologue = Prologue(graph, ops, a, TileLayout(graph[x].type.shape, channel_dim=len(shape) - 1), k, device)

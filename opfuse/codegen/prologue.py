@@ -13,6 +13,14 @@ or a tensor broadcast to A's shape (a (N, C, 1, 1) scale costs nothing along the
 at the tile's coordinates. Each node's result is rounded to its dtype, as eager rounds the value it would write, and
 the tile's elements past M or K are zero again after the prologue (x / s at a masked zero would be NaN, and NaN
 times B's masked zero is still NaN).
+
+A linear's chain may open with a layer norm over the last dim (`opfuse.fusion.legality.row_norm_prologue`): then
+`stats_code` gives lines the template runs before its K loop (a pass over K reading the tile's rows as the K loop
+does, through `a_rows`, `offs_k` and A's reduction strides: the A operand is the norm's input, read through the row
+views between the norm and the linear as the linear would read its output), and the code normalizes
+each tile with the rows' mean and rstd and the norm's weight and bias (`pn0_ptr`, `pn1_ptr`: [K] vectors), rounded
+to the norm's dtype as its stored output would be. The library form computes the norm through PyTorch first
+(the kernel's `operand_nodes`: F.layer_norm, one more launch, which its `launches` counts).
 """
 
 from __future__ import annotations
@@ -22,8 +30,9 @@ from typing import Sequence
 import torch
 
 from opfuse.codegen.epilogue import TileLayout
-from opfuse.codegen.expr import emit, literal, triton_dtype
+from opfuse.codegen.expr import Unsupported, emit, literal, triton_dtype
 from opfuse.ir.graph import Graph
+from opfuse.ir.ops import get_op
 
 
 class Prologue:
@@ -37,15 +46,70 @@ class Prologue:
         self.constants: dict[str, torch.Tensor] = {}     # the constants the nodes read (the library forms run
                                                          # the nodes through PyTorch too)
         self.lines: list[str] = ["p = a.to(tl.float32)"]
+        self.norm: str | None = None                     # the layer norm opening the chain, if any
+        self.norm_vectors: list[torch.Tensor] = []       # its weight and bias, [K] on the device
         chain = {source}
         for name in self.nodes:
             node = graph[name]
+            if get_op(node.op).alias:    # a row view between a layer norm and its linear: the same tile
+                chain.add(name)
+                continue
+            if node.op == "layer_norm":
+                self.lines.append(f"p = ({self._normalized(node)}).to({triton_dtype(node.type.dtype)}).to(tl.float32)")
+                chain.add(name)
+                continue
             args = ["p" if value in chain else self._operand(value) for value in node.inputs]
             self.lines.append(f"p = ({emit(node.op, node.attrs, args)}).to({triton_dtype(node.type.dtype)})"
                               ".to(tl.float32)")
             chain.add(name)
         self.lines.append("a = tl.where(mask_m[:, None] & (k_at < K)[None, :], p, 0.0).to(a.dtype)")
         self.output = self.nodes[-1]
+
+    def _normalized(self, node) -> str:
+        """(p - mean) * rstd [* weight] [+ bias] on the tile, the statistics from `stats_code`'s pass."""
+        if node is not self.graph[self.nodes[0]]:
+            raise Unsupported(f"{node.describe()}: a layer norm prologue must read the kernel's A operand")
+        self.norm = node.name
+        expression = "(p - ln_mean[:, None]) * ln_rstd[:, None]"
+        for value, op in zip(node.inputs[1:], ("*", "+")):
+            constant = self.constants.setdefault(value, self.graph.constants[value].to(self.device))
+            self.norm_vectors.append(constant.reshape(-1))
+            j = len(self.norm_vectors) - 1
+            expression = (f"({expression}) {op} tl.load(pn{j}_ptr + k_at, mask=k_at < K, other=0.0)"
+                          ".to(tl.float32)[None, :]")
+        return expression
+
+    def stats_code(self, indent: str = "    ") -> str:
+        """Lines run before the K loop when the chain opens with a layer norm: the mean and rstd of each of the
+        tile's rows in a pass over K of their own. Each K block's mean and sum of squared deviations are merged
+        into the running ones (Chan et al.), as the layer norm's own kernel does (`opfuse.codegen.reduction`): the
+        textbook E[x^2] - mean^2 loses the variance to cancellation where a row's mean is large against its spread
+        (transformer residual streams), the merge does not, at one more subtraction per element."""
+        if self.norm is None:
+            return ""
+        eps = repr(float(self.graph[self.norm].attrs["eps"]))
+        lines = ["ln_mean = tl.zeros([BLOCK_M], dtype=tl.float32)",
+                 "ln_m2 = tl.zeros([BLOCK_M], dtype=tl.float32)",
+                 "ln_seen = tl.zeros([BLOCK_M], dtype=tl.float32)",
+                 "for ks in range(0, K, BLOCK_K):",
+                 "    ln_k = ks + offs_k",
+                 "    ln_ok = ln_k < K",
+                 "    if A_SPLIT_K:",
+                 "        ln_ptrs = a_rows[:, None] + ((ln_k // AK) * s_ako + (ln_k % AK) * s_ak)[None, :]",
+                 "    else:",
+                 "        ln_ptrs = a_rows[:, None] + ln_k[None, :] * s_ak",
+                 "    ln_x = tl.load(ln_ptrs, mask=mask_m[:, None] & ln_ok[None, :], other=0.0).to(tl.float32)",
+                 "    ln_count = tl.sum(tl.where(ln_ok, 1.0, 0.0), axis=0)",
+                 "    ln_block_mean = tl.sum(ln_x, axis=1) / ln_count",
+                 "    ln_d = tl.where(ln_ok[None, :], ln_x - ln_block_mean[:, None], 0.0)",
+                 "    ln_total = ln_seen + ln_count",
+                 "    ln_delta = ln_block_mean - ln_mean",
+                 "    ln_mean = ln_mean + ln_delta * (ln_count / ln_total)",
+                 "    ln_m2 = (ln_m2 + tl.sum(ln_d * ln_d, axis=1)",
+                 "             + ln_delta * ln_delta * (ln_seen * ln_count / ln_total))",
+                 "    ln_seen = ln_total",
+                 f"ln_rstd = 1.0 / tl.sqrt(tl.maximum(ln_m2 / K, 0.0) + {eps})"]
+        return "\n".join(indent + line for line in lines)
 
     def _operand(self, value: str) -> str:
         node = self.graph[value]
@@ -66,7 +130,8 @@ class Prologue:
     def params(self) -> str:
         """Kernel parameters for the template signature (each followed by a comma)."""
         return "".join(f"po{j}_ptr, po{j}_s0, po{j}_s1, po{j}_s2, po{j}_s3, po{j}_sk, "
-                       for j in range(len(self.operands)))
+                       for j in range(len(self.operands))) + "".join(f"pn{j}_ptr, "
+                                                                      for j in range(len(self.norm_vectors)))
 
     def code(self, indent: str = "        ") -> str:
         return "\n".join(indent + line for line in self.lines)
@@ -84,4 +149,4 @@ class Prologue:
             tensor, strides = self.layout.strides(tensor, channels=self.k)
             r0, r1, r2, channel = strides[-4:]
             args += [tensor, r0, r1, r2, 0, channel]
-        return args
+        return args + list(self.norm_vectors)

@@ -14,6 +14,8 @@ One refinement, so that the seed's warning ("fuse too much and registers or shar
 kernel gets slower") shows up in the predictions: when the resource model has to shrink an anchor's tile to
 fit a fused epilogue, the tensor-core rate drops with the tile's operand reuse (see `tile_efficiency`).
 Depthwise convolutions have one input channel per filter: no tensor-core GEMM, so they run at the CUDA-core rate.
+A linear with a layer norm prologue recomputes the norm once per column tile: the repeats are priced at the
+CUDA-core rate on top of the roofline (`_row_norm_recompute`).
 
 A squeeze-and-excitation squeeze (a global average pool and two small GEMMs in one kernel) is priced by
 `opfuse.fusion.squeeze.squeeze_seconds`: the pool at the roofline, then one program per sample runs the GEMMs.
@@ -176,7 +178,22 @@ def estimate_kernel(graph: Graph, nodes: Sequence[str], users: Users, hw: Hardwa
     matrix = anchor is not None and not is_depthwise_conv(graph, anchor)
     time = predict_time(traffic.flops, traffic.bytes_moved, hw, dtype, matrix=matrix,
                         tile_efficiency=tile_efficiency(resources))
+    norm = next((n for n in kernels if graph[n].op == "layer_norm"), None) if anchor is not None else None
+    if norm is not None and resources is not None and "BLOCK_N" in resources.tile:
+        return _row_norm_recompute(graph, norm, anchor, traffic, resources, time, hw)
     return KernelEstimate(traffic, resources, time, anchor)
+
+
+def _row_norm_recompute(graph: Graph, norm: str, anchor: str, traffic: GroupTraffic, resources: ResourceEstimate,
+                        time: float, hw: HardwareProfile) -> KernelEstimate:
+    """A linear with a layer norm prologue (`opfuse.fusion.legality.row_norm_prologue`): every BLOCK_N column tile
+    recomputes the statistics and the normalization of its rows, on the CUDA cores (the extra pass over A is
+    served by L2 and not counted as device-memory traffic)."""
+    repeats = -(-graph[anchor].type.shape[-1] // resources.tile["BLOCK_N"])
+    extra = node_flops(graph, graph[norm]) * (repeats - 1)
+    seconds = extra / (hw.vector_flops * hw.vector_efficiency) * hw.time_factor
+    return KernelEstimate(traffic, resources, time + seconds, anchor,
+                          f"layer norm {norm} computed {repeats}x (once per column tile)")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,10 @@ group has at most one *hub*: an anchor (conv, gemm, attention) or a reduction.
   full-size activations from outside (the skip of a residual add: kind RESIDUAL, switch `config.residual`).
   A GEMM-shaped anchor (a linear, a 1x1 conv) takes a prologue of elementwise ops on its input that read nothing
   else of full size (`anchor_prologue`: squeeze-and-excitation's channel scale before the project conv): they run
-  on each operand tile as it is loaded. Other anchors load their operand tiles as they are (through views, below).
+  on each operand tile as it is loaded. A linear's prologue may open with a layer norm over the last dim whose
+  input comes from outside the group (pre-LN transformers' ln -> qkv / fc1, ConvNeXt's LN -> pwconv1): the kernel
+  computes the row statistics in a first pass over K, then normalizes each A tile before its dot. Other anchors
+  load their operand tiles as they are (through views, below).
 - reduction + prologue/epilogue: elementwise ops of the reduction's input size before it (the residual add
   before a layer norm, the scale before a softmax; a prologue value read outside too is stored by the kernel),
   elementwise ops of its output size after it.
@@ -123,7 +126,8 @@ def view_rule(graph: Graph, nodes: Iterable[str], users: Users) -> Reason | None
     nodes = sorted(nodes)
     anchor = next((n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR), None)
     mapped = operand_views(graph, nodes, users) if anchor is not None else set()
-    if anchor is not None:
+    if anchor is not None:     # and the row views between a layer norm prologue and its linear
+        mapped |= {n for n in anchor_prologue(graph, anchor, nodes, users) if is_view(graph[n])}
         mapped |= {n for n in reachable(graph, anchor, set(nodes), users) if graph[n].op in EPILOGUE_VIEWS}
     for name in nodes:
         node = graph[name]
@@ -165,7 +169,9 @@ def anchor_prologue(graph: Graph, anchor: str, within: Iterable[str], users: Use
     """The elementwise nodes of `within` that a linear or a 1x1 conv (stride 1, no padding, one group) applies to
     its input tile as it loads it, source side first: a chain ending at the anchor's input, each node read by the
     next alone (the last by the anchor alone), in the input's dtype, reading one full-size value (the previous
-    node, or the source) and otherwise only constants and smaller broadcasts; empty when there is none."""
+    node, or the source) and otherwise only constants and smaller broadcasts; a linear's chain may open with a
+    layer norm over the last dim (`is_row_norm_prologue`: the kernel computes its row statistics first); empty when
+    there is none."""
     node = graph[anchor]
     within = set(within)
     if not (node.op == "linear" or is_pointwise_conv(graph, anchor)):
@@ -181,8 +187,64 @@ def anchor_prologue(graph: Graph, anchor: str, within: Iterable[str], users: Use
             break       # (a cast from another dtype stays out: the tile is loaded in the anchor's dtype)
         chain.append(value)
         value, reader = full[0], value
+    if node.op == "linear":     # the layer norm the linear normalizes its tiles with, maybe through row views
+        # (only as the whole chain: the views map A's rows, which the other ops' operands are not read through)
+        views, norm, norm_reader = [], value, reader
+        while not chain and norm in within and keeps_rows(graph, graph[norm]) and [u.name for u in users[norm]] == [norm_reader] \
+                and norm not in graph.outputs:
+            views.append(norm)
+            norm, norm_reader = graph[norm].inputs[0], norm
+        if norm in within and is_row_norm_prologue(graph, norm, norm_reader, within, users) \
+                and (not views or maps_rows(graph, norm, views[::-1], len(node.type.shape) - 1)):
+            chain += views + [norm]
     chain.reverse()
     return chain
+
+
+def keeps_rows(graph: Graph, node: Node) -> bool:
+    """A view that regroups or reorders the leading dims and keeps the last one last (GPT-2's [1, T, C] -> [T, C]
+    before its addmm, ViT's [N, T, C] -> [T, N, C] before the attention's in_proj): a layer norm over the last dim
+    commutes with it, so the linear may normalize its rows read through it."""
+    source = graph[node.inputs[0]].type.shape
+    if node.op == "reshape":
+        return bool(node.type.shape) and bool(source) and node.type.shape[-1] == source[-1]
+    if node.op == "permute":
+        dims = list(node.attrs["dims"])
+        return bool(dims) and dims[-1] % len(dims) == len(dims) - 1
+    return False
+
+
+def maps_rows(graph: Graph, source: str, views: Sequence[str], row_dims: int) -> bool:
+    """Whether `views` (source side first) replayed on the contiguous `source` are a strided map of a GEMM operand
+    load (`opfuse.ir.strided.operand_groups`): the kernel reads through them, no copy."""
+    shape = graph[source].type.shape
+    dims = through_views(shape, contiguous_strides(shape), [graph[v] for v in views])
+    return dims is not None and operand_groups(dims, row_dims) is not None
+
+
+def row_norm_prologue(graph: Graph, anchor: str, within: Iterable[str], users: Users) -> str | None:
+    """The layer norm opening `anchor`'s prologue (`anchor_prologue`), or None."""
+    chain = anchor_prologue(graph, anchor, within, users)
+    return chain[0] if chain and graph[chain[0]].op == "layer_norm" else None
+
+
+def is_row_norm_prologue(graph: Graph, name: str, reader: str, within: Iterable[str], users: Users) -> bool:
+    """Whether layer norm `name` may open a linear's prologue (pre-LN transformers' ln_1 -> qkv, ConvNeXt's LN ->
+    pwconv1): it normalizes the last dim only, its weight and bias are constants (or absent), `reader` alone reads
+    it, and its input comes from outside `within` (the kernel computes the row statistics from that input in a
+    pass over K of its own; a residual sum others read is stored by the group that computes it)."""
+    node = graph[name]
+    if node.op != "layer_norm" or name in graph.outputs or [u.name for u in users[name]] != [reader]:
+        return False
+    normalized = node.attrs["normalized_shape"]
+    normalized = [normalized] if isinstance(normalized, int) else list(normalized)
+    shape = node.type.shape
+    if len(normalized) != 1 or not shape or normalized[0] != shape[-1]:
+        return False
+    source = node.inputs[0]
+    if source in set(within) or graph.is_constant(source) or graph[source].type.dtype != node.type.dtype:
+        return False
+    return all(graph.is_constant(v) and graph[v].type.numel == shape[-1] for v in node.inputs[1:])
 
 
 def operand_views(graph: Graph, nodes: Iterable[str], users: Users) -> set[str]:
@@ -389,9 +451,10 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
     reductions = [n for n in order if kind_of(graph[n]) is FusionKind.REDUCTION]
     if len(anchors) > 1:
         return two_anchor_rule(graph, merged, anchors, users, config, index)
-    if anchors and reductions:
+    if anchors and reductions and not set(reductions) <= set(anchor_prologue(graph, anchors[0], merged, users)):
         return Reason(Code.ANCHOR_AND_REDUCTION, f"reduction {reductions[0]} and anchor {anchors[0]} in one kernel: "
-                      "anchors take elementwise epilogues only")
+                      "anchors take elementwise epilogues only (and a linear the layer norm of an input from "
+                      "outside as its prologue)")
     if len(reductions) > 1:
         return Reason(Code.TWO_REDUCTIONS, f"two reductions ({reductions[0]}, {reductions[1]}) in one kernel")
     for name in order:

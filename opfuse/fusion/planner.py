@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
-from opfuse.fusion.legality import (EPILOGUE_VIEWS, MAPPED_COPIES, can_fuse, in_order, is_view, joins_as_map,
-                                    node_index, operand_chain, path_outside, skip_operands)
+from opfuse.fusion.legality import (EPILOGUE_VIEWS, MAPPED_COPIES, anchor_prologue, can_fuse, in_order, is_view,
+                                    joins_as_map, node_index, operand_chain, path_outside, row_norm_prologue,
+                                    skip_operands)
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, conv_chain, conv_conv_key, conv_conv_slice_table, gemm_view
@@ -177,10 +178,13 @@ class _Planner:
         hubs = (FusionKind.ANCHOR, FusionKind.REDUCTION)
         epilogue = anchor in producer and not any(kind_of(self.graph[n]) in hubs for n in consumer)
         within = set(consumer) | set(candidate.views)
+        # the row views between a layer norm and the linear that takes it as its prologue
+        rows = {n for n in anchor_prologue(self.graph, anchor, set(sides) | within, self.users)
+                if is_view(self.graph[n])} if anchor is not None and with_producer else set()
         for name in reversed(candidate.views):     # from the producer's side
             view = self.graph[name]
             blocks = f"view {name} ({view.op}) between them blocks fusion"
-            if anchor is not None and not (epilogue and view.op in EPILOGUE_VIEWS):
+            if anchor is not None and name not in rows and not (epilogue and view.op in EPILOGUE_VIEWS):
                 return Reason(Code.VIEW_IN_ANCHOR, f"{blocks}: an anchor's kernel maps no views")
             if not joins_as_map(view):
                 return Reason(Code.VIEW_DROPS_ELEMENTS, f"{blocks}: it does not keep every element")
@@ -293,6 +297,10 @@ class _Planner:
             over = f"fused kernel over budget, kept apart: {resources.reason}"
             self.record(a, b, fusion, Verdict.OVER_BUDGET, Reason(Code.OVER_BUDGET, over), fused.time)
             return False
+        instead = self.norm_joins_linear_instead(a, b) if fusion == "prologue" and self.config.use_cost_model else None
+        if instead is not None:
+            self.record(a, b, fusion, Verdict.UNPROFITABLE, instead, fused.time)
+            return False
         note = f" ({fused.note})" if fused.note else ""   # the recompute a conv-conv kernel pays
         step = self.whole_block_pays(a, b) if fusion == "conv-conv" else None
         if self.config.use_cost_model and fused.time >= apart and step is None:
@@ -309,6 +317,35 @@ class _Planner:
         self.record(a, b, fusion, Verdict.FUSED, reason, fused.time)
         self.merge(first, second, f"{fusion}: {', '.join(b)} into {', '.join(a)} ({reason.text})", kind)
         return True
+
+    def norm_joins_linear_instead(self, producer: list[str], consumer: list[str]) -> Reason | None:
+        """Why elementwise ops should not join a lone layer norm as its prologue: the norm may instead be the prologue
+        of the linear that alone reads it (`legality.row_norm_prologue`, through row views), which its input must
+        then come from outside of; the reason when the cost model predicts that split faster, else None. The
+        planner merges pairs greedily, so it compares the two plans of these three groups here."""
+        if len(consumer) != 1 or self.graph[consumer[0]].op != "layer_norm":
+            return None
+        norm, reader = consumer[0], consumer[0]
+        views: list[str] = []
+        while len(self.users[reader]) == 1 and is_view(self.users[reader][0]):
+            reader = self.users[reader][0].name
+            views.append(reader)
+        readers = self.users[reader]
+        if len(readers) != 1 or readers[0].op != "linear" or reader in self.graph.outputs:
+            return None
+        linear = self.groups[self.group_of[readers[0].name]]
+        between = [v for v in views if v not in linear]
+        if can_fuse(self.graph, [norm], between + linear, self.users, self.config, self.index) is not None:
+            return None
+        absorbed = self.estimate([norm] + between + linear)
+        if absorbed.resources is not None and not absorbed.resources.fits:
+            return None
+        stored = self.estimate(producer + consumer).time + self.estimate(linear).time
+        split = self.estimate(producer).time + absorbed.time
+        if split >= stored:
+            return None
+        return Reason(Code.UNPROFITABLE, f"{norm} joins {readers[0].name} as its prologue instead: predicted "
+                      f"{split * 1e6:.2f} us against {stored * 1e6:.2f} us with {', '.join(producer)} in its kernel")
 
     def whole_block_pays(self, depthwise: list[str], pointwise: list[str]) -> str | None:
         """Why a depthwise + pointwise pair that does not pay alone is still worth fusing: with the block's 1x1
@@ -675,6 +712,8 @@ class _Planner:
         if (not self.config.split_k or estimate.anchor is None or kind is GroupKind.SQUEEZE
                 or not {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= tile.keys()):
             return {}, 1, estimate.time, ""
+        if row_norm_prologue(self.graph, estimate.anchor, nodes, self.users):
+            return {}, 1, estimate.time, ""   # a slice sees part of K, and the layer norm's statistics need all of it
         view = gemm_view(self.graph, estimate.anchor)
         if view is None:
             return {}, 1, estimate.time, ""

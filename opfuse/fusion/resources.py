@@ -8,7 +8,9 @@ becomes, counted the way a Triton kernel holds data:
   `num_stages` buffers in shared memory. Registers per thread: the float32 accumulator (BM*BN/threads), each
   full-size epilogue operand held as a tile (a residual: BM*BN*itemsize/4/threads, two 16-bit values a
   register), each per-channel vector (bias, BN scale: BN/threads), each epilogue value alive twice (x*sigmoid(x))
-  as another float32 tile, and ADDRESSING_REGISTERS for pointers, offsets and masks.
+  as another float32 tile, and ADDRESSING_REGISTERS for pointers, offsets and masks. A layer norm prologue adds
+  its row statistics (mean and rstd, BM/threads each), its weight and bias per K tile (BK/threads each) and the
+  A tile normalized in float32 (BM*BK/threads).
 - conv-conv chains (depthwise -> 1x1, optionally after a 1x1 expansion; `opfuse.codegen.conv_conv`): a
   BLOCK_M pixels x BLOCK_N output channels accumulator for the pointwise conv, plus, per chunk of BLOCK_K mid
   channels, the depthwise tile computed on the fly (a float32 BLOCK_M x BLOCK_K accumulator and the input tap
@@ -210,6 +212,10 @@ def _gemm(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile, item
                  (f"{vectors} per-channel vector(s)", vectors * _per_thread(bn, threads)),
                  (f"{twice} value(s) used twice", twice * _per_thread(bm * bn, threads)),
                  ("addressing", ADDRESSING_REGISTERS)]
+    if any(graph[n].op == "layer_norm" for n in nodes):   # legal only as a linear's prologue (`anchor_prologue`)
+        registers += [("row statistics (mean, rstd)", 2 * _per_thread(bm, threads)),
+                      ("layer norm weight and bias per K tile", 2 * _per_thread(bk, threads)),
+                      ("normalized A tile in float32", _per_thread(bm * bk, threads))]
     shared = [(f"{tile['num_stages']} stages x ({bm}x{bk} + {bk}x{bn}) x {itemsize} B",
                tile["num_stages"] * (bm * bk + bk * bn) * itemsize),
               ("epilogue staging", bm * bn * itemsize if full else 0)]

@@ -365,7 +365,8 @@ def test_integer_arithmetic_past_two_to_the_24_runs_exactly():
 
 def test_convnext_block_scales_and_adds_its_residual_in_the_second_linear():
     """torchvision's CNBlock: depthwise 7x7, permute to NHWC, layer norm, linear + GELU, linear, permute back,
-    layer scale, residual. The permute back, the scale and the residual are the second linear's epilogue."""
+    layer scale, residual. The layer norm is the first linear's prologue (read through the permute); the permute
+    back, the scale and the residual are the second linear's epilogue."""
     from torchvision.models.convnext import CNBlock
 
     torch.manual_seed(6)
@@ -377,7 +378,9 @@ def test_convnext_block_scales_and_adds_its_residual_in_the_second_linear():
     second = [g for g in compiled.plan.groups if any(graph[n].op == "linear" for n in g.nodes)][-1]
     assert [graph[n].op for n in second.nodes] == ["linear", "permute", "mul", "add"]
     assert [why.code for why in compiled.fallbacks.values()] == [Code.VIEW]    # the free permute after the conv
-    assert compiled.launches == 4           # depthwise, layer norm, linear + GELU, linear + tail
+    first = [g for g in compiled.plan.groups if any(graph[n].op == "linear" for n in g.nodes)][0]
+    assert [graph[n].op for n in first.nodes] == ["layer_norm", "linear", "gelu"]   # the norm: its prologue
+    assert compiled.launches == 3           # depthwise, layer norm + linear + GELU, linear + tail
     fresh = torch.randn(1, 8, 5, 6).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         assert relative_error(compiled(fresh), block(fresh)) < 1e-5
@@ -463,3 +466,38 @@ def test_an_index_outside_the_table_gives_nan_not_another_row():
     compiled = opfuse.compile(model, (torch.randint(0, 50, (2, 6)),), opfuse.FusionConfig(dtype="float32"))
     out = compiled(torch.tensor([[1, 50, -1, 2, 3, 4], [0, 0, 0, 0, 0, 49]]))
     assert torch.isnan(out[0, 1:3]).all() and not torch.isnan(out[0, 3:]).any() and not torch.isnan(out[1]).any()
+
+
+class PreNormBlock(nn.Module):
+    """A pre-LN transformer block: x + attn(ln1(x)), then + mlp(ln2(.))."""
+
+    def __init__(self, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width, elementwise_affine=False)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.fc1, self.fc2 = nn.Linear(width, 3 * width), nn.Linear(3 * width, width)
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+def test_a_pre_norm_block_normalizes_in_its_linears_and_matches_eager():
+    """Each layer norm feeds one linear alone: it is that linear's prologue (its row statistics computed in the
+    GEMM's kernel), never a kernel of its own, and the block still matches eager."""
+    torch.manual_seed(7)
+    block = PreNormBlock().eval()
+    with torch.no_grad():
+        block.ln1.weight.normal_(1, 0.2)
+        block.ln1.bias.normal_(0, 0.2)
+    x = torch.randn(2, 5, 16)
+    compiled = opfuse.compile(block, (x,), opfuse.FusionConfig(dtype="float32"))
+    assert compiled.checks and all(c.passed for c in compiled.checks)
+    graph = compiled.plan.graph
+    norms = [g for g in compiled.plan.groups if any(graph[n].op == "layer_norm" for n in g.nodes)]
+    assert norms and all(g.anchor and graph[g.anchor].op == "linear" for g in norms), [g.nodes for g in norms]
+    assert compiled.launches == compiled.plan.kernel_launches
+    fresh = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        assert relative_error(compiled(fresh), block(fresh)) < 1e-5

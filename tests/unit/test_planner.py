@@ -447,3 +447,66 @@ def test_a_pool_does_not_take_a_value_others_read():
     plan = plan_fusion(graph, FusionConfig(), H200)
     assert plan.group_of("pool").nodes == ["pool"]
     assert [d.code for d in decisions_between(plan, "t", "pool")] == [Code.SEVERAL_USERS]
+
+
+# ---- a linear absorbs the layer norm before it -------------------------------------------------------------
+
+def test_a_linear_takes_the_layer_norm_before_it_as_its_prologue():
+    """ln -> linear (pre-LN transformers' ln -> qkv, ConvNeXt's LN -> pwconv1): one group, one launch, and the
+    kernel never writes the normalized activation."""
+    b = GraphBuilder("ln_linear")
+    x = b.input("x", (1, 128, 768))
+    graph = b.output(b.unary("gelu", b.linear(b.layer_norm(x, "ln"), 3072, name="fc"), "gelu"))
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert_well_formed(plan)
+    assert [g.nodes for g in plan.groups] == [["ln", "fc", "gelu"]]
+    assert plan.kernel_launches == 1 and not plan.groups[0].split_k
+    assert plan.groups[0].outputs == ["gelu"]
+    assert decisions_between(plan, "ln", "fc")[0].verdict is Verdict.FUSED
+
+
+def test_a_layer_norm_read_by_more_than_a_linear_stays_its_own_kernel():
+    """BERT's post-LN: the norm's output is the next residual too, so it must be written; the linear reads it."""
+    b = GraphBuilder("post_ln")
+    x = b.input("x", (1, 128, 768))
+    ln = b.layer_norm(x, "ln")
+    graph = b.output(b.op("add", [b.linear(ln, 768, name="fc"), ln], name="residual"))
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert_well_formed(plan)
+    assert groups_of(plan) == {"ln": ["ln"], "fc": ["fc", "residual"]}
+    assert plan.kernel_launches == 2
+    assert decisions_between(plan, "ln", "fc")[0].code is Code.ANCHOR_AND_REDUCTION   # the add reads it too
+    b = GraphBuilder("ln_two_readers")        # read by a linear and by something outside the linear's group
+    x = b.input("x", (1, 128, 768))
+    ln = b.layer_norm(x, "ln")
+    graph = b.output(b.linear(ln, 768, name="fc"), b.unary("tanh", ln, "other"))
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert plan.group_of("ln").nodes != plan.group_of("fc").nodes
+    assert decisions_between(plan, "ln", "fc")[0].code is Code.SEVERAL_USERS
+
+
+def test_the_residual_sum_before_a_layer_norm_stays_stored_by_the_previous_gemm():
+    """GPT-2's block: c_proj + bias + residual add is one kernel (it stores the sum the next residual reads), and
+    the next layer norm joins c_fc; the add cannot join the norm's group (the norm's input must come from outside)."""
+    b = GraphBuilder("pre_ln")
+    x, h = b.input("x", (1, 128, 768)), b.input("h", (1, 128, 768))
+    total = b.op("add", [b.linear(h, 768, name="proj"), x], name="residual")
+    fc = b.unary("gelu", b.linear(b.layer_norm(total, "ln"), 3072, name="fc"), "gelu")
+    graph = b.output(b.op("add", [b.linear(fc, 768, name="fc2"), total], name="residual2"))
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert_well_formed(plan)
+    assert groups_of(plan) == {"proj": ["proj", "residual"], "ln": ["ln", "fc", "gelu"],
+                               "fc2": ["fc2", "residual2"]}
+    assert plan.kernel_launches == 3
+    assert can_fuse(graph, ["residual"], ["ln", "fc", "gelu"], graph.users()).code is Code.ANCHOR_AND_REDUCTION
+
+
+def test_a_layer_norm_over_two_dims_stays_its_own_kernel():
+    b = GraphBuilder("ln_2d")
+    x = b.input("x", (1, 16, 64))
+    ln = b.op("layer_norm", [x, b.constant("w", (16, 64)), b.constant("b", (16, 64))],
+              {"normalized_shape": [16, 64], "eps": 1e-5}, "ln")
+    graph = b.output(b.linear(ln, 64, name="fc"))
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert groups_of(plan) == {"ln": ["ln"], "fc": ["fc"]}
+    assert decisions_between(plan, "ln", "fc")[0].code is Code.ANCHOR_AND_REDUCTION
