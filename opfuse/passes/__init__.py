@@ -4,11 +4,12 @@ from opfuse.passes.cast_precision import cast_precision
 from opfuse.passes.eliminate_dead_code import eliminate_dead_code
 from opfuse.passes.fold_batchnorm import fold_batchnorm
 from opfuse.passes.fold_constants import fold_constants
+from opfuse.passes.fold_linear_reshapes import fold_linear_reshapes
 from opfuse.passes.manager import PassRecord, default_pipeline, prepare_graph, run_passes
 from opfuse.passes.recognize_attention import recognize_attention
 from opfuse.passes.recognize_rms_norm import recognize_rms_norm
 from opfuse.passes.remove_noop_layout import remove_noop_layout
 from opfuse.passes.simplify_attention_masks import simplify_attention_masks
 
-__all__ = ["cast_precision", "eliminate_dead_code", "fold_batchnorm", "fold_constants",
+__all__ = ["cast_precision", "eliminate_dead_code", "fold_batchnorm", "fold_constants", "fold_linear_reshapes",
            "recognize_attention", "recognize_rms_norm", "remove_noop_layout", "simplify_attention_masks", "PassRecord", "default_pipeline", "prepare_graph", "run_passes"]

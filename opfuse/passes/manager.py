@@ -19,6 +19,7 @@ from opfuse.passes.cast_precision import cast_precision
 from opfuse.passes.eliminate_dead_code import eliminate_dead_code
 from opfuse.passes.fold_batchnorm import fold_batchnorm
 from opfuse.passes.fold_constants import fold_constants
+from opfuse.passes.fold_linear_reshapes import fold_linear_reshapes
 from opfuse.passes.recognize_attention import recognize_attention
 from opfuse.passes.recognize_rms_norm import recognize_rms_norm
 from opfuse.passes.remove_noop_layout import remove_noop_layout
@@ -40,9 +41,10 @@ def default_pipeline() -> list[Pass]:
     """The passes run after `cast_precision`: constants first, so a weight reached through a view or a cast is a
     constant for what follows, and attention masks built from shapes are known; then layout no-ops, so attention
     written out, BN and RMS norms are seen without their no-op expands, dropouts and casts; attention next, so its
-    mask is simplified like any other."""
-    return [fold_constants, remove_noop_layout, recognize_attention, simplify_attention_masks, recognize_rms_norm,
-            fold_batchnorm, eliminate_dead_code]
+    mask is simplified like any other; then the reshapes around a linear that flatten its rows (GPT-2's Conv1D),
+    so what reads it and what it reads may join its kernel."""
+    return [fold_constants, remove_noop_layout, recognize_attention, simplify_attention_masks, fold_linear_reshapes,
+            recognize_rms_norm, fold_batchnorm, eliminate_dead_code]
 
 
 def pass_name(graph_pass: Pass) -> str:

@@ -763,15 +763,15 @@ def test_run_passes_records_and_debug_files(tmp_path):
     before = _conv_bn_model()
     after, records = run_passes(before, default_pipeline(), debug_dir=tmp_path)
     assert [r.name for r in records] == ["fold_constants", "remove_noop_layout", "recognize_attention",
-                                         "simplify_attention_masks", "recognize_rms_norm", "fold_batchnorm",
-                                         "eliminate_dead_code"]
-    assert all(records[i].changes == [] for i in (0, 2, 3, 4))
+                                         "simplify_attention_masks", "fold_linear_reshapes", "recognize_rms_norm",
+                                         "fold_batchnorm", "eliminate_dead_code"]
+    assert all(records[i].changes == [] for i in (0, 2, 3, 4, 5))
     assert records[1].changes == ["removed no-op identity dropout"]
-    assert records[5].changes == ["folded batch_norm bn into conv2d conv"]
-    assert records[6].changes == ["removed dead tanh unused"]
+    assert records[6].changes == ["folded batch_norm bn into conv2d conv"]
+    assert records[7].changes == ["removed dead tanh unused"]
     assert all(r.seconds >= 0 for r in records)
     assert [n.op for n in after if n.op not in ("input", "constant")] == ["conv2d", "relu"]
-    assert (tmp_path / "07_eliminate_dead_code.txt").read_text() == after.format() + "\n"
+    assert (tmp_path / "08_eliminate_dead_code.txt").read_text() == after.format() + "\n"
     assert (tmp_path / "00_input.txt").read_text() == before.format() + "\n"
     assert_same_numerics(before, after)
 
@@ -780,10 +780,33 @@ def test_prepare_graph_casts_then_runs_the_pipeline(tmp_path):
     before = _conv_bn_model("float32")
     after, records = prepare_graph(before, "float16", debug_dir=tmp_path)
     assert [r.name for r in records] == ["cast_precision", "fold_constants", "remove_noop_layout",
-                                         "recognize_attention", "simplify_attention_masks", "recognize_rms_norm",
-                                         "fold_batchnorm", "eliminate_dead_code"]
+                                         "recognize_attention", "simplify_attention_masks", "fold_linear_reshapes",
+                                         "recognize_rms_norm", "fold_batchnorm", "eliminate_dead_code"]
     assert (tmp_path / "01_cast_precision.txt").exists()
     assert [n.op for n in after if n.op not in ("input", "constant")] == ["conv2d", "relu"]
     assert all(t.dtype == torch.float16 for t in after.constants.values())
     assert all(n.type.dtype == "float16" for n in after)
     assert before["x"].type.dtype == "float32"
+
+
+def test_a_linear_between_row_reshapes_reads_and_writes_its_rows_unflattened():
+    """GPT-2's Conv1D: view(-1, K), addmm, view(1, T, N) is one linear over [1, T, K]; a reshape that is more than
+    the flattening (a head merge [1, T, H, D] -> [T, H*D]) stays, reshaping to [1, T, H*D]."""
+    from opfuse.passes import fold_linear_reshapes
+
+    graph = Graph("conv1d")
+    x = graph.add_input("x", TensorType((1, 6, 8), "float32")).name
+    heads = graph.add_input("heads", TensorType((1, 6, 2, 4), "float32")).name
+    w = const(graph, "w", torch.randn(5, 8))
+    flat = op(graph, "flat", "reshape", [x], shape=[6, 8])
+    out = op(graph, "out", "reshape", [op(graph, "fc", "linear", [flat, w]), ], shape=[1, 6, 5])
+    merged = op(graph, "merge", "reshape", [heads], shape=[6, 8])
+    proj = op(graph, "proj_out", "reshape", [op(graph, "proj", "linear", [merged, w])], shape=[1, 6, 5])
+    graph.outputs = [op(graph, "sum", "add", [out, proj])]
+    feeds = [torch.randn(1, 6, 8), torch.randn(1, 6, 2, 4)]
+    after, changes = fold_linear_reshapes(graph)
+    verify(after)
+    assert len(changes) == 2
+    assert [n.name for n in after if n.op == "reshape"] == ["merge"] and after["merge"].attrs["shape"] == [1, 6, 8]
+    assert after["fc"].inputs[0] == "x" and after["fc"].type.shape == (1, 6, 5) == after["proj"].type.shape
+    torch.testing.assert_close(interpret(after, feeds)[0], interpret(graph, feeds)[0])
