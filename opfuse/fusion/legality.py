@@ -455,6 +455,9 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
         return Reason(Code.ANCHOR_AND_REDUCTION, f"reduction {reductions[0]} and anchor {anchors[0]} in one kernel: "
                       "anchors take elementwise epilogues only (and a linear the layer norm of an input from "
                       "outside as its prologue)")
+    if anchors and reductions and not config.norm_prologue:
+        return Reason(Code.DISABLED, f"layer norm {reductions[0]} as {anchors[0]}'s prologue: off "
+                      "(FusionConfig.norm_prologue)")
     if len(reductions) > 1:
         return Reason(Code.TWO_REDUCTIONS, f"two reductions ({reductions[0]}, {reductions[1]}) in one kernel")
     for name in order:

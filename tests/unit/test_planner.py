@@ -457,7 +457,7 @@ def test_a_linear_takes_the_layer_norm_before_it_as_its_prologue():
     b = GraphBuilder("ln_linear")
     x = b.input("x", (1, 128, 768))
     graph = b.output(b.unary("gelu", b.linear(b.layer_norm(x, "ln"), 3072, name="fc"), "gelu"))
-    plan = plan_fusion(graph, FusionConfig(), H200)
+    plan = plan_fusion(graph, FusionConfig(norm_prologue=True), H200)
     assert_well_formed(plan)
     assert [g.nodes for g in plan.groups] == [["ln", "fc", "gelu"]]
     assert plan.kernel_launches == 1 and not plan.groups[0].split_k
@@ -493,7 +493,7 @@ def test_the_residual_sum_before_a_layer_norm_stays_stored_by_the_previous_gemm(
     total = b.op("add", [b.linear(h, 768, name="proj"), x], name="residual")
     fc = b.unary("gelu", b.linear(b.layer_norm(total, "ln"), 3072, name="fc"), "gelu")
     graph = b.output(b.op("add", [b.linear(fc, 768, name="fc2"), total], name="residual2"))
-    plan = plan_fusion(graph, FusionConfig(), H200)
+    plan = plan_fusion(graph, FusionConfig(norm_prologue=True), H200)
     assert_well_formed(plan)
     assert groups_of(plan) == {"proj": ["proj", "residual"], "ln": ["ln", "fc", "gelu"],
                                "fc2": ["fc2", "residual2"]}
