@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu_session.sh property  # the >= 500-example property run (issue 7)
 #   BLOCKS=1-8 bash benchmarks/gpu_session.sh blocks   # mobilenet_v2 per-block table (issue 5); then
 #   BLOCKS=9-17, then BLOCKS= WHOLE=1,64 (whole model at batch 1 and 64)
-#   MODELS=resnet50,gpt2 COLD_PARALLEL=4 bash benchmarks/gpu_session.sh zoo   # benchmarks/zoo.py (issue 14)
+#   MODELS=resnet50,gpt2 COLD_PARALLEL=4 bash benchmarks/gpu_session.sh zoo   # benchmarks/zoo.py (issue 14);
+#                                            # ENABLE=squeeze,norm_prologue turns on fusions that are off by default
 #   bash benchmarks/gpu_session.sh check     # compile seconds without and with the compile workers, GPU tests (17)
 #   WORKLOADS=resnet50:1 bash benchmarks/gpu_session.sh overhead   # benchmarks/call_overhead.py (issue 17, item 3)
 #   MODELS=resnet50,mobilenet_v2 bash benchmarks/gpu_session.sh onnx   # benchmarks/onnx_zoo.py (issue 18, item 4):
@@ -73,7 +74,7 @@ case "$stage" in
     timeout "${ZOO_TIMEOUT:-585}" python3 benchmarks/zoo.py --out "$OUT" ${MODELS:+--models "$MODELS"} \
       ${WORKLOADS:+--workloads "$WORKLOADS"} \
       --batches "${BATCHES:-1,64}" --cold-parallel "${COLD_PARALLEL:-1}" --budget "${ZOO_BUDGET:-560}" \
-      --cold-timeout "${COLD_TIMEOUT:-420}" \
+      --cold-timeout "${COLD_TIMEOUT:-420}" ${ENABLE:+--enable "$ENABLE"} \
       --tune-top "${TUNE_TOP:-4}" > "$OUT/zoo-run.log" 2>&1
     cat "$OUT/ZOO.md" ;;
   overhead) # the module call's time over the bare replay, step by step (issue 17, item 3)

@@ -51,6 +51,23 @@ class ZooSettings:
     per_round: int = 5
     device: str = "cuda"            # "cpu" only for the orchestration's own tests, with
     compile_backend: str = "inductor"   # torch.compile's backend ("eager" there: no C++ compile on the CPU)
+    enable: tuple[str, ...] = ()    # FusionConfig switches off by default that opfuse compiles with on (an A/B of a
+                                    # fusion waiting for its measurement: `enable_switches`)
+
+
+def enable_switches(names: Sequence[str]) -> tuple[str, ...]:
+    """`names`, checked to be FusionConfig's boolean switches that are off by default (ValueError naming the
+    others)."""
+    from dataclasses import fields
+
+    from opfuse.config import FusionConfig
+
+    off = {f.name for f in fields(FusionConfig) if f.default is False}
+    unknown = [n for n in names if n not in off]
+    if unknown:
+        raise ValueError(f"not a FusionConfig switch that is off by default: {', '.join(unknown)} "
+                         f"(those are: {', '.join(sorted(off))})")
+    return tuple(names)
 
 
 def workload_key(model: str, batch: int) -> str:
@@ -242,7 +259,8 @@ def child_main(stage: str, model_name: str, batch: int, cache: Path, settings: Z
     # parallel cold compile tunes into a cache of its own and the measuring child tunes again, alone
     tuning_cache = cache / ("opfuse-cold" if stage == "cold" and settings.cold_parallel > 1 else "opfuse")
     config = FusionConfig(dtype="float16" if cuda else "float32", autotune=settings.tune_top > 0,
-                          tune_top=settings.tune_top or None, cache_dir=str(tuning_cache))
+                          tune_top=settings.tune_top or None, cache_dir=str(tuning_cache),
+                          **{name: True for name in settings.enable})
     model, inputs, _ = resolve_model(model_name, batch=batch)
     write()
     if stage == "cold":
@@ -297,6 +315,9 @@ def add_zoo_arguments(parser: argparse.ArgumentParser) -> None:
                              f"one's is {ZooSettings.measure_timeout_s:.0f} s)")
     parser.add_argument("--budget", type=float, default=None, metavar="S",
                         help="start no child after S seconds (to fit one call of a lent GPU machine)")
+    parser.add_argument("--enable", default="", metavar="SWITCH,...",
+                        help="FusionConfig switches that are off by default to compile opfuse with on (e.g. "
+                             "squeeze,norm_prologue: a fusion waiting for its measurement)")
 
 
 def run_zoo_command(args: argparse.Namespace) -> int:
@@ -310,13 +331,18 @@ def run_zoo_command(args: argparse.Namespace) -> int:
             workloads = parse_workloads(models, [int(b) for b in args.batches.split(",") if b.strip()])
     except ValueError:
         workloads = []
+    try:
+        enable = enable_switches([n.strip() for n in getattr(args, "enable", "").split(",") if n.strip()])
+    except ValueError as error:
+        print(f"zoo: --enable: {error}", file=sys.stderr)
+        return 2
     unknown = sorted({m for m, _ in workloads if m not in BUILTIN_MODELS and ":" not in m})
     if unknown or not workloads or min(b for _, b in workloads) < 1:
         print(f"zoo: give --models among {', '.join(BUILTIN_MODELS)} (unknown: {unknown}) and --batches as "
               "positive integers, or --workloads MODEL:BATCH,...", file=sys.stderr)
         return 2
     settings = ZooSettings(tune_top=args.tune_top, cold_parallel=args.cold_parallel, budget_s=args.budget,
-                           cold_timeout_s=args.cold_timeout)
+                           cold_timeout_s=args.cold_timeout, enable=enable)
     results = run_zoo(Path(args.out), workloads, settings)
     if not getattr(args, "quiet", False):
         from opfuse.bench.zoo_report import render

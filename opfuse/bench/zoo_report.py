@@ -104,6 +104,8 @@ def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
                      f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, Python {env.get('python', '?')}; "
                      f"opfuse tune_top {settings.get('tune_top')}, cold compiles {settings.get('cold_parallel')} at "
                      f"a time, {settings.get('rounds')} rounds x {settings.get('per_round')} samples")
+        if settings.get("enable"):
+            lines[-1] += f"; opfuse with {', '.join(settings['enable'])} on (off by default)"
         lines[-1] += ("; the module call reads the tensors its graph captured (no input copy)"
                       if header.get("call_inputs") == "captured" else
                       "; the module call copies its inputs in, unless the commit measured reads the captured "
