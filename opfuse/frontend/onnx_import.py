@@ -403,21 +403,14 @@ class Importer:
 
 # ---- the Erf form of GELU --------------------------------------------------------------------------
 
-def _scalar(graph: Graph, name: str) -> float | None:
-    node = graph[name]
-    if node.op != "constant" or graph.constants[name].numel() != 1:
-        return None
-    return float(graph.constants[name].reshape(()))
-
-
 def _erf_argument(graph: Graph, erf_input: str) -> str | None:
     """x when `erf_input` is x / sqrt(2) or x * (1 / sqrt(2)), else None."""
     node = graph[erf_input]
-    if node.op == "div" and math.isclose(_scalar(graph, node.inputs[1]) or 0, math.sqrt(2), rel_tol=1e-4):
+    if node.op == "div" and math.isclose(graph.scalar_value(node.inputs[1]) or 0, math.sqrt(2), rel_tol=1e-4):
         return node.inputs[0]
     if node.op == "mul":
         for x, c in (node.inputs, node.inputs[::-1]):
-            if math.isclose(_scalar(graph, c) or 0, math.sqrt(0.5), rel_tol=1e-4):
+            if math.isclose(graph.scalar_value(c) or 0, math.sqrt(0.5), rel_tol=1e-4):
                 return x
     return None
 
@@ -443,7 +436,7 @@ def _rewrite_erf_gelu(graph: Graph) -> int:
             continue
         plus_one = users[erf.name][0]
         one = [i for i in plus_one.inputs if i != erf.name]
-        if plus_one.op != "add" or len(one) != 1 or _scalar(graph, one[0]) != 1.0:
+        if plus_one.op != "add" or len(one) != 1 or graph.scalar_value(one[0]) != 1.0:
             continue
         candidate = plus_one
         for _ in range(2):  # the product's root is at most two muls above 1 + erf
@@ -453,7 +446,7 @@ def _rewrite_erf_gelu(graph: Graph) -> int:
             factors = _mul_factors(graph, users, candidate.name)
             others = [f for f in factors if f not in (x, plus_one.name)]
             if (len(factors) == 3 and x in factors and plus_one.name in factors and len(others) == 1
-                    and math.isclose(_scalar(graph, others[0]) or 0, 0.5, rel_tol=1e-6)
+                    and math.isclose(graph.scalar_value(others[0]) or 0, 0.5, rel_tol=1e-6)
                     and graph[x].type == candidate.type):
                 candidate.op, candidate.inputs, candidate.attrs = "gelu", [x], {"approximate": "none"}
                 rewritten += 1

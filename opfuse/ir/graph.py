@@ -168,6 +168,20 @@ class Graph:
     def is_constant(self, name: str) -> bool:
         return self.nodes[name].op == "constant"
 
+    def scalar_value(self, name: str) -> float | None:
+        """The value of `name` when it is a one-element constant, else None."""
+        if not self.is_constant(name) or self.nodes[name].type.numel != 1:
+            return None
+        return float(self.constants[name].reshape(()).item())
+
+    def only_reader(self, name: str, users: dict[str, list[Node]]) -> Node | None:
+        """The one node that reads `name` (`users` is `users()`), or None: several readers, none, or a graph
+        output."""
+        readers = users[name]
+        if len(readers) != 1 or name in self.outputs:
+            return None
+        return readers[0]
+
     # ---- editing --------------------------------------------------------------------------------
     def replace_uses(self, old: str, new: str) -> None:
         """Make every reader of `old` (and the graph outputs) read `new` instead."""

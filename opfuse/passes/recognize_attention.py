@@ -78,25 +78,12 @@ def recognize_attention(graph: Graph) -> tuple[Graph, list[str]]:
     return graph, changes
 
 
-def _only_user(graph: Graph, users: dict[str, list[Node]], name: str) -> Node | None:
-    readers = users[name]
-    if len(readers) != 1 or name in graph.outputs:
-        return None
-    return readers[0]
-
-
-def _scalar(graph: Graph, name: str) -> float | None:
-    if not graph.is_constant(name) or graph[name].type.numel != 1:
-        return None
-    return float(graph.constants[name].reshape(()).item())
-
-
 def _scalar_operand(graph: Graph, node: Node) -> tuple[str, float] | None:
     """(the other operand, the factor) of a mul or div of a value by a one-element constant."""
     if node.op not in SCALES or len(node.inputs) != 2:
         return None
     for position in (1, 0) if node.op == "mul" else (1,):
-        value = _scalar(graph, node.inputs[position])
+        value = graph.scalar_value(node.inputs[position])
         if value is not None and value != 0.0:
             return node.inputs[1 - position], value if node.op == "mul" else 1.0 / value
     return None
@@ -109,7 +96,7 @@ def _peel_scales(graph: Graph, users: dict[str, list[Node]], name: str, reader: 
     decomposed bmm's merge (a copy where its source is permuted) is not kept."""
     steps: list[str] = []
     node = graph[name]
-    while _only_user(graph, users, node.name) is reader:
+    while graph.only_reader(node.name, users) is reader:
         scaled = _scalar_operand(graph, node) if scales else None
         if scaled is not None:
             below = scaled[0]
@@ -142,7 +129,7 @@ def _match(graph: Graph, users: dict[str, list[Node]], first: Node):
     chain: list[str] = []           # the score steps after `first`, in order; each reads the one before it
     carrier = first
     while True:
-        step = _only_user(graph, users, carrier.name)
+        step = graph.only_reader(carrier.name, users)
         if step is None:
             return None
         if step.op == "softmax":
@@ -156,10 +143,10 @@ def _match(graph: Graph, users: dict[str, list[Node]], first: Node):
     if (softmax.attrs.get("dim") not in (len(shape) - 1, -1) or len(shape) < 3 or softmax.type.dtype != scores.dtype
             or shape[-2:] != scores.shape[-2:] or softmax.type.numel != scores.numel):
         return None
-    second = _only_user(graph, users, softmax.name)
+    second = graph.only_reader(softmax.name, users)
     merge = None
     if second is not None and second.op == "reshape" and second.type.shape == scores.shape:
-        merge, second = second.name, _only_user(graph, users, second.name)
+        merge, second = second.name, graph.only_reader(second.name, users)
     probabilities = merge or softmax.name
     if (second is None or second.op != "matmul" or second.inputs[0] != probabilities
             or second.inputs[1] == probabilities):

@@ -51,25 +51,12 @@ def recognize_rms_norm(graph: Graph) -> tuple[Graph, list[str]]:
     return graph, changes
 
 
-def _only_user(graph: Graph, users: dict[str, list[Node]], name: str) -> Node | None:
-    readers = users[name]
-    if len(readers) != 1 or name in graph.outputs:
-        return None
-    return readers[0]
-
-
-def _scalar(graph: Graph, name: str) -> float | None:
-    if not graph.is_constant(name) or graph[name].type.numel != 1:
-        return None
-    return float(graph.constants[name].reshape(()).item())
-
-
 def _match(graph: Graph, users: dict[str, list[Node]], rsqrt: Node) -> tuple[str, float, list[str], str | None] | None:
     """(x, eps, the matched nodes in order, the weight or None) for the RMS norm around `rsqrt`, or None."""
     add = graph[rsqrt.inputs[0]]
     if add.op != "add":
         return None
-    eps_position = next((i for i, v in enumerate(add.inputs) if _scalar(graph, v) is not None), None)
+    eps_position = next((i for i, v in enumerate(add.inputs) if graph.scalar_value(v) is not None), None)
     if eps_position is None:
         return None
     mean = graph[add.inputs[1 - eps_position]]
@@ -78,29 +65,29 @@ def _match(graph: Graph, users: dict[str, list[Node]], rsqrt: Node) -> tuple[str
             or rank == 0):
         return None
     square = graph[mean.inputs[0]]
-    if square.op == "pow" and _scalar(graph, square.inputs[1]) == 2.0:
+    if square.op == "pow" and graph.scalar_value(square.inputs[1]) == 2.0:
         x = square.inputs[0]
     elif square.op == "mul" and square.inputs[0] == square.inputs[1]:
         x = square.inputs[0]
     else:
         return None
-    scale = _only_user(graph, users, rsqrt.name)
+    scale = graph.only_reader(rsqrt.name, users)
     if scale is None or scale.op != "mul" or sorted(scale.inputs) != sorted([x, rsqrt.name]):
         return None
     for step, following in ((square, mean), (mean, add), (add, rsqrt)):
-        if _only_user(graph, users, step.name) is not following:
+        if graph.only_reader(step.name, users) is not following:
             return None
     chain = [square.name, mean.name, add.name, rsqrt.name, scale.name]
     if len({graph[n].type.dtype for n in chain + [x]}) != 1 or scale.type != graph[x].type:
         return None
     weight = None
-    then = _only_user(graph, users, scale.name)
+    then = graph.only_reader(scale.name, users)
     if then is not None and then.op == "mul" and then.type == scale.type:
         other = next((v for v in then.inputs if v != scale.name), None)
         if other is not None and _last_dim_weight(graph, other, scale.type.shape[-1]):
             weight = _flat_weight(graph, other)
             chain.append(then.name)
-    eps = _scalar(graph, add.inputs[eps_position])
+    eps = graph.scalar_value(add.inputs[eps_position])
     return x, eps, chain, weight
 
 
