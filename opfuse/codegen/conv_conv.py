@@ -41,14 +41,14 @@ from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_k
 from opfuse.codegen.conv import ConvGeometry
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, interpreting
 from opfuse.codegen.forms import EpilogueKernel
-from opfuse.codegen.split_k import slices_of
+from opfuse.codegen.split_k import planned_slices, slices_of
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import anchor_biases
 from opfuse.fusion.legality import conv_chain_problem, conv_stages
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.resources import conv_chain, conv_conv_blocks, conv_conv_key, expansion_block
 from opfuse.hardware import HardwareProfile, get_hardware
-from opfuse.ir.graph import Graph, GraphError, torch_dtype
+from opfuse.ir.graph import Graph, torch_dtype
 
 CONV_CONV_TEMPLATE = '''
 import triton
@@ -254,13 +254,8 @@ class ConvConvKernel(EpilogueKernel):
         if planned and all(k in planned for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")):
             planned = {k: v for k, v in planned.items() if k != "SPLIT_K"}
             tiles = [planned] + [t for t in tiles if t != planned]
-        configs = []
-        for t in tiles:
-            key = conv_conv_key(t)
-            if key not in group.split_k:
-                raise GraphError(f"group {group.name}: the plan decides no mid-channel slices for tile {key} "
-                                 f"(it has {', '.join(group.split_k) or 'none'})")
-            configs.append(_config(dict(t, SPLIT_K=group.split_k[key])))
+        configs = [_config(dict(t, SPLIT_K=planned_slices(group, conv_conv_key(t), "mid-channel slices")))
+                   for t in tiles]
         return list(dict.fromkeys(configs))
 
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:

@@ -96,13 +96,18 @@ def with_slices(configs: Sequence[KernelConfig], group: "FusionGroup") -> list[K
     plan made for other tiles, an error."""
     split = []
     for config in configs:
-        key = tile_key(config)
-        if key not in group.split_k:
-            raise GraphError(f"group {group.name}: the plan decides no K slices for tile {key} "
-                             f"(it has {', '.join(group.split_k)})")
-        params = dict(config.params) | {"SPLIT_K": group.split_k[key]}
+        params = dict(config.params) | {"SPLIT_K": planned_slices(group, tile_key(config), "K slices")}
         split.append(KernelConfig.of(config.num_warps, config.num_stages, **params))
     return list(dict.fromkeys(split))
+
+
+def planned_slices(group: "FusionGroup", key: str, what: str) -> int:
+    """The slices the plan decided for the tile named `key` (`group.split_k`: K slices, or a conv-conv kernel's
+    mid-channel slices); a tile the plan has none for is an error naming `what` and the tiles it has."""
+    if key not in group.split_k:
+        raise GraphError(f"group {group.name}: the plan decides no {what} for tile {key} "
+                         f"(it has {', '.join(group.split_k) or 'none'})")
+    return group.split_k[key]
 
 
 def slices_of(config: KernelConfig) -> int:
