@@ -1,11 +1,15 @@
-"""A/B one graph pass on one workload: opfuse compiled with the default pipeline and without PASS, same process.
+"""A/B one change on some workloads: opfuse compiled with the default pipeline and config (A), and with one graph
+pass left out or one off-by-default FusionConfig switch on (B), both in one process.
 
-    python benchmarks/ab_pass.py --model gpt2 --batch 1 --without sink_reshapes --out DIR
+    python benchmarks/ab_pass.py --workloads gpt2:1,vit_b_16:64 --without sink_reshapes --out DIR
+    python benchmarks/ab_pass.py --workloads efficientnet_b0:1 --enable squeeze --out DIR
 
 Both compiles follow the zoo's protocol (fp16, `opfuse.bench.harness.prepare`, inference mode, default
-FusionConfig but fp16); their bare CUDA graph replays are timed in interleaved rounds (`interleaved_samples`), and
-each replay's kernels are listed by GPU time (torch.profiler, summed over runs), so that a difference can be put on
-the kernels that make it. Writes ab.json and prints a table. A diagnostic: results go to RESULTS.md by hand.
+FusionConfig but fp16); each compiles cold, into a tuning cache of its own, and its seconds are recorded. Their
+bare CUDA graph replays and module calls are timed in interleaved rounds (`interleaved_samples`), B's output is
+compared with A's, and each replay's kernels are listed by GPU time (torch.profiler, summed over runs), so that a
+difference can be put on the kernels that make it. Writes ab.json after every workload and prints a table. A
+diagnostic: results go to RESULTS.md by hand.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -40,55 +46,102 @@ def kernel_times(replay, runs: int = 5) -> dict[str, float]:
     return dict(times)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--without", required=True, help="the pass left out of B, by name")
-    parser.add_argument("--out", default="ab-out")
-    parser.add_argument("--tune-top", type=int, default=4)
-    args = parser.parse_args()
-
+def ab_workload(name: str, batch: int, args: argparse.Namespace, cache_root: Path) -> dict:
     import opfuse
-    from opfuse.bench.harness import prepare
+    from opfuse.bench.harness import first_tensor, prepare
     from opfuse.bench.timing import interleaved_samples
     from opfuse.cli import load_model
+    from opfuse.numerics import relative_error
     from opfuse.passes import manager
 
-    model, inputs, _ = load_model(args.model, args.batch)
+    model, inputs, _ = load_model(name, batch)
     model, inputs, _, _ = prepare(model, inputs, torch.float16)
     default = manager.default_pipeline
-    results: dict = {"model": args.model, "batch": args.batch, "without": args.without, "variants": {}}
-    replays, kept = {}, []     # the compiled modules own the graphs' buffers: they must outlive the replays
+    label_b = f"without {args.without}" if args.without else f"with {args.enable}"
+    variants = {"default": (default, {}),
+                label_b: ((lambda: [p for p in default() if manager.pass_name(p) != args.without])
+                          if args.without else default, {args.enable: True} if args.enable else {})}
+    result: dict = {"model": name, "batch": batch, "variants": {}}
+    calls, replays, outputs, kept = {}, {}, {}, []   # the compiled modules own the graphs' buffers
     with torch.inference_mode():
-        for label, pipeline in (("default", default),
-                                (f"without {args.without}",
-                                 lambda: [p for p in default() if manager.pass_name(p) != args.without])):
+        model(*inputs)           # the process's one-time costs paid by neither variant
+        for label, (pipeline, switches) in variants.items():
             manager.default_pipeline = pipeline
-            compiled = opfuse.compile(model, inputs, opfuse.FusionConfig(dtype="fp16", tune_top=args.tune_top),
-                                      quiet=True)
+            config = opfuse.FusionConfig(dtype="fp16", tune_top=args.tune_top,
+                                         cache_dir=str(cache_root / f"{name}-{batch}-{len(kept)}"), **switches)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                compiled = opfuse.compile(model, inputs, config, quiet=True)
+            finally:
+                manager.default_pipeline = default
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - start
             for _ in range(1 + compiled.compiled.cuda_graph_warmup):
-                compiled(*inputs)
+                outputs[label] = first_tensor(compiled(*inputs)).float().clone()
             kept.append(compiled)
+            calls[f"{label} call"] = lambda compiled=compiled: compiled(*inputs)
             replays[label] = compiled.compiled._cuda_graph.replay
-            results["variants"][label] = {"plan_launches": compiled.plan.kernel_launches,
-                                          "library_anchors": len(compiled.compiled.library_anchors)}
-        manager.default_pipeline = default
-        samples = interleaved_samples(replays, rounds=10, per_round=5)
+            result["variants"][label] = {"compile_s": round(compile_s, 1),
+                                         "plan_launches": compiled.plan.kernel_launches,
+                                         "library_anchors": len(compiled.compiled.library_anchors)}
+        result["rel_error_b_vs_a"] = float(relative_error(outputs[label_b], outputs["default"]))
+        samples = interleaved_samples(replays | calls, rounds=10, per_round=5)
         for label, replay in replays.items():
-            entry = results["variants"][label]
+            entry = result["variants"][label]
             entry["median_ms"] = statistics.median(samples[label])
+            entry["call_ms"] = statistics.median(samples[f"{label} call"])
             entry["kernels_us"] = dict(sorted(kernel_times(replay).items(), key=lambda kv: -kv[1]))
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", required=True, help="model:batch,... (built-in names)")
+    change = parser.add_mutually_exclusive_group(required=True)
+    change.add_argument("--without", help="the graph pass left out of B, by name")
+    change.add_argument("--enable", help="the FusionConfig switch B turns on (off by default)")
+    parser.add_argument("--out", default="ab-out")
+    parser.add_argument("--tune-top", type=int, default=4)
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="start no further workload after this many seconds")
+    args = parser.parse_args()
+    if args.enable:
+        from opfuse.bench.zoo_bench import enable_switches
+
+        enable_switches([args.enable])     # raises on a name that is not an off-by-default switch
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ab.json").write_text(json.dumps(results, indent=1))
-    for label, entry in results["variants"].items():
-        busy = sum(entry["kernels_us"].values())
-        print(f"{label}: {entry['median_ms']:.3f} ms replay, {busy:.0f} us busy, {entry['plan_launches']} launches, "
-              f"{entry['library_anchors']} library anchors")
-        for name, us in list(entry["kernels_us"].items())[:12]:
-            print(f"    {us:8.1f} us  {name[:100]}")
+    started = time.perf_counter()
+    results = []
+    with tempfile.TemporaryDirectory() as cache_root:
+        for spec in args.workloads.split(","):
+            if args.budget is not None and time.perf_counter() - started > args.budget:
+                results.append({"workload": spec, "error": "not run: the time budget ran out"})
+                continue
+            name, _, batch = spec.partition(":")
+            try:
+                results.append(ab_workload(name, int(batch or 1), args, Path(cache_root)))
+            except Exception as error:     # one workload's failure is recorded; the others go on
+                results.append({"workload": spec, "error": f"{type(error).__name__}: {error}"})
+            (out / "ab.json").write_text(json.dumps(results, indent=1))
+            report(results[-1])
     return 0
+
+
+def report(result: dict) -> None:
+    if "error" in result:
+        print(f"{result['workload']}: {result['error']}", flush=True)
+        return
+    print(f"{result['model']} bs{result['batch']}: B vs A rel. error {result['rel_error_b_vs_a']:.1e}")
+    for label, entry in result["variants"].items():
+        busy = sum(entry["kernels_us"].values())
+        print(f"  {label}: {entry['median_ms']:.3f} ms replay, {entry['call_ms']:.3f} ms call, {busy:.0f} us busy, "
+              f"{entry['plan_launches']} launches, {entry['library_anchors']} library anchors, "
+              f"compiled cold in {entry['compile_s']} s")
+        for name, us in list(entry["kernels_us"].items())[:8]:
+            print(f"      {us:8.1f} us  {name[:100]}")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

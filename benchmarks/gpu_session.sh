@@ -13,6 +13,8 @@
 #                                            # ENABLE=squeeze,norm_prologue turns on fusions that are off by default
 #   bash benchmarks/gpu_session.sh check     # compile seconds without and with the compile workers, GPU tests (17)
 #   WORKLOADS=resnet50:1 bash benchmarks/gpu_session.sh overhead   # benchmarks/call_overhead.py (issue 17, item 3)
+#   WORKLOADS=gpt2:1 ENABLE=norm_prologue bash benchmarks/gpu_session.sh ab   # benchmarks/ab_pass.py: default
+#                                            # config against one switch on (or WITHOUT=pass left out), one process
 #   MODELS=resnet50,mobilenet_v2 bash benchmarks/gpu_session.sh onnx   # benchmarks/onnx_zoo.py (issue 18, item 4):
 #                                            # opfuse from .onnx against opfuse from PyTorch, and onnxruntime;
 #                                            # BATCHES=1 (default), ends by ONNX_BUDGET s (default 540)
@@ -24,7 +26,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-stage=${1:?stage: tests | correctness | bench | splitk | profile | property | blocks | check | zoo | onnx | overhead}
+stage=${1:?stage: tests | correctness | bench | splitk | profile | property | blocks | check | zoo | onnx | overhead | ab}
 [ -e "$OUT/gpu.txt" ] || nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/gpu.txt" 2>&1
 case "$stage" in
   tests)
@@ -81,6 +83,11 @@ case "$stage" in
     timeout "${OVERHEAD_TIMEOUT:-300}" python3 benchmarks/call_overhead.py --out "$OUT" ${WITH_INDUCTOR:+--with-inductor} \
       --workloads "${WORKLOADS:-resnet50:1,resnext50_32x4d:1}" > "$OUT/call-overhead.log" 2>&1
     cat "$OUT/call-overhead.log" ;;
+  ab)       # A/B of one change, both compiles cold and timed in one process (ends by AB_BUDGET s)
+    timeout "${AB_TIMEOUT:-585}" python3 benchmarks/ab_pass.py --out "$OUT" --workloads "${WORKLOADS:?WORKLOADS=model:batch,...}" \
+      ${ENABLE:+--enable "$ENABLE"} ${WITHOUT:+--without "$WITHOUT"} --budget "${AB_BUDGET:-400}" \
+      --tune-top "${TUNE_TOP:-4}" > "$OUT/ab.log" 2>&1
+    cat "$OUT/ab.log" ;;
   onnx)     # ONNX against PyTorch compiles of the zoo's torchvision models (issue 18, item 4), in one process
     timeout "${ONNX_TIMEOUT:-585}" python3 benchmarks/onnx_zoo.py --out "$OUT" ${MODELS:+--models "$MODELS"} \
       --batches "${BATCHES:-1}" --budget "${ONNX_BUDGET:-540}" --tune-top "${TUNE_TOP:-4}" \
