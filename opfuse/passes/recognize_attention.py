@@ -229,12 +229,14 @@ def _affine(graph: Graph, chain: list[str], scores: TensorType, shape: tuple[int
     if scores.nbytes > MASK_BYTES:
         return None
     exact = torch.float64 if scores.dtype == "float64" else torch.float32
-    # where the model's constants are (a model compiled on the GPU is captured with its weights there)
-    device = next(graph.constants[i].device for n in chain[1:] for i in graph[n].inputs if graph.is_constant(i))
+    # where the model's constants are (a model compiled on the GPU is captured with its weights there, while
+    # constants made at capture, such as a folded shift mask or a scalar, may be on the CPU: each is moved there)
+    devices = {graph.constants[i].device for n in chain[1:] for i in graph[n].inputs if graph.is_constant(i)}
+    device = min(devices, key=lambda d: d.type == "cpu")
     current = torch.zeros(scores.shape, dtype=exact, device=device)     # M = f(0)
     for carrier, name in zip(chain, chain[1:]):
         node = graph[name]
-        args = [current if i == carrier else graph.constants[i].to(exact) for i in node.inputs]
+        args = [current if i == carrier else graph.constants[i].to(device=device, dtype=exact) for i in node.inputs]
         current = get_op(node.op).run(args, node.attrs)
     if tuple(current.shape) != shape:
         return None

@@ -18,3 +18,16 @@ def test_the_mask_is_made_where_the_constants_are():
     after, _ = recognize_attention(graph)
     (sdpa,) = [n for n in after if n.op == "sdpa"]
     assert after.constants[sdpa.inputs[3]].device.type == "cuda"
+
+
+def test_constants_on_the_gpu_and_the_cpu_make_one_mask_on_the_gpu():
+    """Run 31: swin_t compiled on the GPU still failed so: its weights were on the GPU and a constant made at
+    capture on the CPU, and the mask was evaluated from both."""
+    graph = _written_out(mask="bias", reshaped=True)
+    names = [name for name, tensor in graph.constants.items() if tensor.numel() > 1]
+    assert names
+    graph.constants = {name: tensor.cuda() if name == names[0] else tensor
+                       for name, tensor in graph.constants.items()}
+    after, _ = recognize_attention(graph)
+    (sdpa,) = [n for n in after if n.op == "sdpa"]
+    assert after.constants[sdpa.inputs[3]].device.type == "cuda"
