@@ -45,7 +45,9 @@ class KernelConfig:
     """One point of a kernel's tuning space: the form it runs in (its Triton kernel, or another form of the
     group: `opfuse.codegen.forms`), constexpr block sizes and launch options."""
 
-    params: tuple[tuple[str, int], ...]          # e.g. (("BLOCK_M", 128), ("BLOCK_N", 64), ("BLOCK_K", 32))
+    # e.g. (("BLOCK_M", 128), ("BLOCK_N", 64), ("BLOCK_K", 32)), with a split kernel's K slices (SPLIT_K) or the
+    # conv groups one program of a grouped conv computes (BLOCK_G) where a config has them
+    params: tuple[tuple[str, int], ...]
     num_warps: int = 4
     num_stages: int = 2
     form: str = FORM_TRITON

@@ -9,6 +9,15 @@ sibling conv2ds on one input). Which kernel a conv gets:
   anything else                                          -> `ConvKernel`: implicit GEMM with M = N·Hout·Wout
       pixels, N = Cout/groups channels and K = Kh·Kw·Cin/groups, the weight packed at build time as [K, Cout]
       with K ordered (kh, kw, cin) to match NHWC gathers; conv groups run along grid axis 1.
+Group-blocked configs of a grouped conv (BLOCK_G = G > 1, `blocked_configs`): with few channels per group most of
+a BLOCK_N x BLOCK_K tile would be masked, so one program computes G consecutive groups as one implicit GEMM with
+N = G·Cout/groups and K = Kh·Kw·G·Cin/groups over a block-diagonal weight (`pack_conv_weight`: each column dense
+in its own group's rows, zeros elsewhere), ceil(groups/G) blocks along grid axis 1; where G does not divide the
+groups the last block is padded with groups that do not exist, whose input channels are never loaded and whose
+outputs are never stored. The plan, the resource model and the analysis do not see G: a program's tile (its
+registers, shared memory) is the same whatever G is, G changes the grid and the K loop's length, and the FLOPs
+counted are the conv's own; the zero rows a blocked program multiplies are executed work the roofline leaves out,
+as it leaves out the masked columns of an unblocked program.
 All kernels read the activation through its 4 strides (channels-last in practice; a channel-slice view works),
 load zeros for padding taps, and store channels-last outputs through the shared epilogue.
 
@@ -23,7 +32,7 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info
+from opfuse.codegen.base import FORM_TRITON, GroupKernel, KernelConfig, compiled_info
 from opfuse.codegen.epilogue import (Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting,
                                      siblings_and_chains)
 from opfuse.codegen.forms import EpilogueKernel
@@ -33,7 +42,7 @@ from opfuse.codegen.gemm import GROUP_M, GemmKernel, prologue_source, anchor_bia
 from opfuse.codegen.prologue import Prologue
 from opfuse.fusion.legality import anchor_prologue
 from opfuse.fusion.plan import FusionGroup, GroupKind
-from opfuse.fusion.tiles import GATHER_CHANNELS, anchor_steps, conv_as_gemm
+from opfuse.fusion.tiles import GATHER_CHANNELS, anchor_steps, conv_as_gemm, group_block
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph, Node, torch_dtype
 
@@ -45,7 +54,7 @@ import triton.language as tl
 @triton.jit
 def KERNEL_NAME(
     x_ptr, w_ptr,
-    M, N_TOTAL, COUT_G, CIN_G, H, W, R1, R2,
+    M, N_TOTAL, COUT_G, CIN_G, C_IN, H, W, R1, R2,
     s_xn, s_xc, s_xh, s_xw,
     {params}
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
@@ -64,11 +73,14 @@ def KERNEL_NAME(
     pid_n = (pid % group_width) // group_rows
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)       # output pixel
-    offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)       # output channel within the conv group
+    offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)       # output channel within the (blocked) conv group
     offs_n = group * COUT_G + offs_c                        # output channel
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
-    mask_n = offs_c < COUT_G
+    # the last block of conv groups may be padded with groups that do not exist: no channel of theirs is read or
+    # written (their weight rows are zeros in the real groups' columns)
+    mask_n = (offs_c < COUT_G) & (offs_n < N_TOTAL)
+    cin_here = tl.minimum(CIN_G, C_IN - group * CIN_G)      # input channels of this (blocked) group that exist
     r2 = offs_m % R2                                        # output column
     r1 = (offs_m // R2) % R1                                # output row
     r0 = offs_m // (R2 * R1)                                # image
@@ -89,7 +101,7 @@ def KERNEL_NAME(
             dw = (tap % KW) * DIL_W
             ih = ih0[:, None] + dh[None, :]
             iw = iw0[:, None] + dw[None, :]
-            a_ok = mask_m[:, None] & k_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            a_ok = mask_m[:, None] & (k_ok & (c < cin_here))[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             a = tl.load(x_origin[:, None] + (c * s_xc + dh * s_xh + dw * s_xw)[None, :], mask=a_ok, other=0.0)
             b = tl.load(w_ptr + k[:, None] * N_TOTAL + offs_n[None, :],
                         mask=k_ok[:, None] & mask_n[None, :], other=0.0)
@@ -100,7 +112,7 @@ def KERNEL_NAME(
         for t in range(0, KH * KW * c_blocks):
             tap = t // c_blocks
             c = (t % c_blocks) * BLOCK_K + offs_k
-            c_ok = c < CIN_G
+            c_ok = c < cin_here
             ih = ih0 + (tap // KW) * DIL_H
             iw = iw0 + (tap % KW) * DIL_W
             row_ok = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
@@ -212,53 +224,125 @@ def _cudnn_allows_tf32() -> bool:
     return torch.backends.cudnn.allow_tf32
 
 
+def group_block_of(config: KernelConfig) -> int:
+    """Conv groups one program of `config` computes (BLOCK_G; 1 where the config does not block groups)."""
+    return dict(config.params).get("BLOCK_G", 1)
+
+
+def pack_conv_weight(weight: torch.Tensor, groups: int, block: int = 1) -> torch.Tensor:
+    """A conv weight [Cout, Cin/g, Kh, Kw] packed as the implicit GEMM's B operand for programs of `block`
+    consecutive conv groups: [Kh·Kw·block·Cin/g, Cout] with K ordered (kh, kw, group within the block, cin) to match
+    NHWC gathers, each output channel's column dense in its own group's rows and zero in the other groups' (block
+    diagonal). One group a block is the plain packing [Kh·Kw·Cin/g, Cout]."""
+    cout, cin_per_group, kh, kw = weight.shape
+    if block > 1:
+        position = (torch.arange(cout, device=weight.device) // (cout // groups)) % block
+        dense = weight.new_zeros(cout, block, cin_per_group, kh, kw)
+        dense[torch.arange(cout, device=weight.device), position] = weight
+        weight = dense.reshape(cout, block * cin_per_group, kh, kw)
+    return weight.permute(2, 3, 1, 0).reshape(-1, cout).contiguous()
+
+
+def blocked_configs(configs: Sequence[KernelConfig], geometry: ConvGeometry, cout_per_group: int, pixels: int,
+                    sm_count: int) -> list[KernelConfig]:
+    """`configs` (the tiles, default first, with the plan's K slices where it split) each with its group-blocked
+    form beside it where blocking pays (`opfuse.fusion.tiles.group_block` of its BLOCK_N: few channels per group),
+    so a short tuning (`FusionConfig.tune_top`) times both forms of the first tiles.
+
+    Split-K and group blocking exclude each other, per tile: a tile the plan splits (its grid leaves most SMs idle)
+    gets no blocked form, which would shrink its grid G-fold more, and a blocked form runs unsplit (no SPLIT_K;
+    the plan's slices are counted for the one-group-a-program grid). The default (first) config is the default
+    tile blocked where its blocked grid still gives every SM a program (pixel tiles x blocks of groups >=
+    `sm_count`: a blocked program walks G groups' K loops one after the other, which only pays where programs wait
+    for SMs); else the default tile one group a program."""
+    ordered: list[KernelConfig] = []
+    for config in configs:
+        block = group_block(geometry.groups, cout_per_group, geometry.cin_per_group, config["BLOCK_N"])
+        if block > 1 and slices_of(config) == 1:
+            params = {k: v for k, v in config.params if k != "SPLIT_K"} | {"BLOCK_G": block}
+            ordered.append(KernelConfig.of(config.num_warps, config.num_stages, **params))
+        ordered.append(config)
+    first = ordered[0]
+    if group_block_of(first) > 1:
+        programs = triton.cdiv(pixels, first["BLOCK_M"]) * triton.cdiv(geometry.groups, group_block_of(first))
+        if programs < sm_count:
+            ordered[0], ordered[1] = ordered[1], ordered[0]
+    return ordered
+
+
 class ConvKernel(EpilogueKernel):
-    """Implicit-GEMM convolution (+ epilogue) of one group."""
+    """Implicit-GEMM convolution (+ epilogue) of one group; a grouped conv's configs may block its conv groups
+    (BLOCK_G: `blocked_configs`), each block size with its own packed weight (`packed_weight`)."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue, x: str,
-                 geometry: ConvGeometry, weight: torch.Tensor, hw: HardwareProfile | None = None):
+                 geometry: ConvGeometry, weights: Sequence[torch.Tensor], dtype: torch.dtype,
+                 hw: HardwareProfile | None = None):
         name, source, self.kernel = generate_kernel(CONV_TEMPLATE, epilogue)
         hw = hw or get_hardware()
         super().__init__(graph, group, name, source)
         self.epilogue, self.layout, self.x, self.geometry = epilogue, epilogue.layout, x, geometry
-        # [Cout, Cin/g, Kh, Kw] -> [Kh, Kw, Cin/g, Cout] -> [K, Cout]: K in the order the NHWC gathers walk it
-        self.weight = weight.permute(2, 3, 1, 0).reshape(-1, weight.shape[0]).contiguous()
+        # the anchors' weights as the graph holds them: each block size's packing starts from them, on first use
+        self.weights, self.device, self.dtype = list(weights), device, dtype
+        self._packed: dict[int, torch.Tensor] = {}
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
-        self._configs = gemm_configs(self.layout.rows, self.layout.channels // geometry.groups,
-                                     self.weight.shape[0], geometry.groups, self.weight.element_size(),
+        cout_per_group = self.layout.channels // geometry.groups
+        k = geometry.kh * geometry.kw * geometry.cin_per_group
+        self._configs = gemm_configs(self.layout.rows, cout_per_group, k, geometry.groups, dtype.itemsize,
                                      gather=geometry.cin_per_group < GATHER_CHANNELS, hw=hw)
         self.split = None
         if group.split_k:    # the planner split K: each config runs the slices the plan gives its tile
             self.split = SplitK(CONV_SLICE_TEMPLATE, CONV_PARTIAL, epilogue)
             self._configs = with_slices(self._configs, group)
+        self._configs = blocked_configs(self._configs, geometry, cout_per_group, self.layout.rows, hw.sm_count)
+        self.packed_weight(group_block_of(self._configs[0]))   # the default config's, packed at build time
+
+    def packed_weight(self, block: int) -> torch.Tensor:
+        """The weight packed for programs of `block` conv groups (`pack_conv_weight`), on the device."""
+        if block not in self._packed:
+            weight = torch.cat(self.weights, 0).to(device=self.device, dtype=self.dtype)
+            self._packed[block] = pack_conv_weight(weight, self.geometry.groups, block)
+        return self._packed[block]
+
+    def keep_form(self, config: KernelConfig) -> None:
+        """Also hold only the packed weight `config` runs, packed now if it was not (none for the library and
+        unfused forms): a block of G groups packs G times the weight. Another config packs its own again on first
+        use."""
+        super().keep_form(config)
+        keep = group_block_of(config) if config.form == FORM_TRITON else None
+        self._packed = {block: w for block, w in self._packed.items() if block == keep}
+        if keep is not None:
+            self.packed_weight(keep)
 
     def _steps(self, config: KernelConfig) -> int:
         """K-loop steps of the template for `config` (the gather form walks taps x channels in BLOCK_K blocks)."""
         g = self.geometry
-        return anchor_steps(g.kh * g.kw, g.cin_per_group, config["BLOCK_K"])
+        return anchor_steps(g.kh * g.kw, group_block_of(config) * g.cin_per_group, config["BLOCK_K"])
 
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)
         g = self.geometry
         x = values[self.x]
         m, channels = self.layout.rows, self.layout.channels
-        cout_per_group = channels // g.groups
+        block = group_block_of(config)
+        # a program's conv group is `block` consecutive groups (the last block padded where they do not divide)
+        cout_per_block, cin_per_block = block * (channels // g.groups), block * g.cin_per_group
         _, r1, r2 = self.layout.row_sizes()
-        tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(cout_per_group, config["BLOCK_N"])
+        tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(cout_per_block, config["BLOCK_N"])
+        blocks = triton.cdiv(g.groups, block)
         slices = slices_of(config)
         launch = dict(**g.constexprs(), BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
-                      BLOCK_K=config["BLOCK_K"], GROUP_M=GROUP_M, K_GATHER=g.cin_per_group < config["BLOCK_K"],
+                      BLOCK_K=config["BLOCK_K"], GROUP_M=GROUP_M, K_GATHER=cin_per_block < config["BLOCK_K"],
                       PRECISION="tf32" if _cudnn_allows_tf32() else "ieee",
                       num_warps=config.num_warps, num_stages=config.num_stages)
-        common = (x, self.weight, m, channels, cout_per_group, g.cin_per_group, g.height, g.width, r1, r2,
-                  *x.stride())
+        common = (x, self.packed_weight(block), m, channels, cout_per_block, cin_per_block, g.cin, g.height,
+                  g.width, r1, r2, *x.stride())
         if slices > 1:   # K slices store fp32 partial tiles; the reduce kernel sums them and runs the epilogue
             workspace = torch.empty((slices, 1, m, channels), dtype=torch.float32, device=x.device)
-            compiled = self.split.partial[(tiles, g.groups, slices)](
+            compiled = self.split.partial[(tiles, blocks, slices)](
                 *common, workspace, SLICE_STEPS=triton.cdiv(self._steps(config), slices), **launch)
             self.split.run_reduce(workspace, self.layout, args)
         else:
-            compiled = self.kernel[(tiles, g.groups)](*common, *args, **launch)
+            compiled = self.kernel[(tiles, blocks)](*common, *args, **launch)
         self.last_compiled = compiled_info(compiled)
         return outputs
 
@@ -341,7 +425,7 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
                             b_packed=weight[:, :, 0, 0].t().contiguous(), a_view=a_view, hw=hw,
                             tf32_allowed=_cudnn_allows_tf32)
     else:
-        kernel = ConvKernel(graph, group, device, epilogue, x, geometry, weight, hw)
+        kernel = ConvKernel(graph, group, device, epilogue, x, geometry, weights, weight.dtype, hw)
     kernel.library_anchor = library
     return kernel
 

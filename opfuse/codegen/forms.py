@@ -75,11 +75,12 @@ class EpilogueKernel(GroupKernel):
         return list(self._configs)
 
     def alternatives(self, library: bool = True) -> list[KernelConfig]:
-        """The unsplit form of a split-K kernel's first config; with `library`, the library form where there is
-        one and the unfused form."""
+        """The unsplit form of a split-K kernel's first config that takes the plan's slices (a conv's
+        group-blocked configs run unsplit anyway); with `library`, the library form where there is one and the
+        unfused form."""
         forms = []
         if self.split is not None:
-            first = self._configs[0]
+            first = next(c for c in self._configs if "SPLIT_K" in dict(c.params))
             forms.append(KernelConfig.of(first.num_warps, first.num_stages, **(dict(first.params) | {"SPLIT_K": 1})))
         if library:
             if self.library_outputs is not None:

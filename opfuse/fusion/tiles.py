@@ -6,10 +6,11 @@ second launch only where the default tile splits the reduction.
 A tile is a dict: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages. `anchor_tiles(m, n, k, batch, itemsize,
 gather, hw=...)` lists the candidates for a GPU (`opfuse.hardware.HardwareProfile`: its SMs pick the default, its
 shared memory bounds the pipelines), the default first; `anchor_steps(taps, channels, block_k)` counts the K-loop
-steps of a tile, `split_k_slices` its K slices; `anchor_loop(graph, anchor)` says which loop a graph's anchor
-gets. These are the GPU's rules, and the plan always follows them; only the kernels, under Triton's interpreter
-(tests, `interpreting()`), run one tiny tile instead (`INTERPRETER`, whose K slices the plan decides too), so
-there an interpreted model may launch other split-K kernels than its plan counts.
+steps of a tile, `split_k_slices` its K slices, `group_block` how many conv groups one program of a grouped
+conv computes together; `anchor_loop(graph, anchor)` says which loop a graph's anchor gets. These are the GPU's
+rules, and the plan always follows them; only the kernels, under Triton's interpreter (tests, `interpreting()`),
+run one tiny tile instead (`INTERPRETER`, whose K slices the plan decides too), so there an interpreted model may
+launch other split-K kernels than its plan counts.
 """
 
 from __future__ import annotations
@@ -139,6 +140,26 @@ def split_k_table(rows: int, columns: int, reduction: int, batch: int, taps: int
         programs, steps = anchor_grid(tile, rows, columns, reduction, batch, taps)
         table.setdefault(tile_key(tile), split_k_slices(programs, steps, sm_count))
     return table
+
+
+# input channels one program of a group-blocked conv reduces over at most (its K loop walks Kh·Kw times them)
+MAX_BLOCKED_CHANNELS = 256
+
+
+def group_block(groups: int, cout_per_group: int, cin_per_group: int, block_n: int) -> int:
+    """Conv groups one program of the implicit-GEMM conv computes together for a tile BLOCK_N wide (its BLOCK_G;
+    1: one group a program). Blocking G groups gives a program G·Cout/g columns and a block-diagonal weight over
+    G·Cin/g input channels: while the columns fit in BLOCK_N the grid's multiply-adds stay what they were (the
+    masked columns of G programs become zero rows of one program's K) and the grid has G times fewer programs,
+    each walking a G times longer K loop over G times the channels (contiguous in NHWC). So: as many groups as fit their output channels in BLOCK_N, with at most MAX_BLOCKED_CHANNELS input
+    channels together, spread evenly over the fewest blocks that take them all (13 groups of 8 channels in a
+    64-wide tile: blocks of 7, the second padded with one group that does not exist, rather than 8 and 8 with
+    three); 1 where fewer than two groups fit (wide groups, one group)."""
+    most = min(groups, block_n // cout_per_group, MAX_BLOCKED_CHANNELS // cin_per_group)
+    if most < 2:
+        return 1
+    blocks = -(-groups // most)
+    return -(-groups // blocks)
 
 
 def conv_as_gemm(kernel_size: tuple[int, int], padding: object, groups: int) -> bool:

@@ -224,6 +224,24 @@ def test_a_split_k_plan_round_trips_and_its_kernels_run_the_saved_slices(tmp_pat
     assert_identical(loaded(x), compiled(x))
 
 
+def test_a_group_blocked_config_round_trips_and_runs_its_blocks(tmp_path):
+    """A grouped conv tuned to compute several conv groups a program (BLOCK_G): the loaded model runs that config
+    (packing its block-diagonal weight again) and computes the same bits."""
+    from opfuse.codegen.conv import ConvKernel, group_block_of
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(10, 10, 3, padding=1, groups=5), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 10, 5, 5)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(autotune=False))
+    (name,) = [g for g, k in compiled.compiled.kernels.items() if isinstance(k, ConvKernel)]
+    blocked = next(c for c in compiled.compiled.kernels[name].configs() if group_block_of(c) > 1)
+    compiled.compiled.set_configs({name: blocked})
+    loaded = opfuse.load(opfuse.save(compiled, tmp_path / "grouped.opfuse")).compiled_for()
+    assert loaded.configs[name] == blocked and group_block_of(loaded.configs[name]) == 5
+    assert list(loaded.kernels[name]._packed) == [5]      # set_configs packed the blocked form's weight, only it
+    assert_identical(loaded(x), compiled(x))
+
+
 # ---- refusals ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("what", ["torch", "triton", "gpu", "opfuse"])
