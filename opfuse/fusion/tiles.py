@@ -151,10 +151,11 @@ def group_block(groups: int, cout_per_group: int, cin_per_group: int, block_n: i
     1: one group a program). Blocking G groups gives a program G·Cout/g columns and a block-diagonal weight over
     G·Cin/g input channels: while the columns fit in BLOCK_N the grid's multiply-adds stay what they were (the
     masked columns of G programs become zero rows of one program's K) and the grid has G times fewer programs,
-    each walking a G times longer K loop over G times the channels (contiguous in NHWC). So: as many groups as fit their output channels in BLOCK_N, with at most MAX_BLOCKED_CHANNELS input
-    channels together, spread evenly over the fewest blocks that take them all (13 groups of 8 channels in a
-    64-wide tile: blocks of 7, the second padded with one group that does not exist, rather than 8 and 8 with
-    three); 1 where fewer than two groups fit (wide groups, one group)."""
+    each walking a G times longer K loop over G times the channels (contiguous in NHWC). So: as many groups as fit
+    their output channels in BLOCK_N, with at most MAX_BLOCKED_CHANNELS input channels together, spread evenly over
+    the fewest blocks that take them all (13 groups of 8 channels in a 64-wide tile: blocks of 7, the second padded
+    with one group that does not exist, rather than 8 and 8 with three); 1 where fewer than two groups fit (wide
+    groups, one group)."""
     most = min(groups, block_n // cout_per_group, MAX_BLOCKED_CHANNELS // cin_per_group)
     if most < 2:
         return 1
