@@ -22,6 +22,7 @@ from opfuse.passes.fold_constants import fold_constants
 from opfuse.passes.fold_linear_reshapes import fold_linear_reshapes
 from opfuse.passes.recognize_attention import recognize_attention
 from opfuse.passes.recognize_rms_norm import recognize_rms_norm
+from opfuse.passes.recognize_roll import recognize_roll
 from opfuse.passes.remove_noop_layout import remove_noop_layout
 from opfuse.passes.simplify_attention_masks import simplify_attention_masks
 
@@ -40,10 +41,11 @@ class PassRecord:
 def default_pipeline() -> list[Pass]:
     """The passes run after `cast_precision`: constants first, so a weight reached through a view or a cast is a
     constant for what follows, and attention masks built from shapes are known; then layout no-ops, so attention
-    written out, BN and RMS norms are seen without their no-op expands, dropouts and casts; attention next, so its
+    written out, BN and RMS norms are seen without their no-op expands, dropouts and casts; rolls written as slices
+    and a cat (ONNX's) next, so they join the kernel that reads them like a captured roll; attention next, so its
     mask is simplified like any other; then the reshapes around a linear that flatten its rows (GPT-2's Conv1D),
     so what reads it and what it reads may join its kernel."""
-    return [fold_constants, remove_noop_layout, recognize_attention, simplify_attention_masks, fold_linear_reshapes,
+    return [fold_constants, remove_noop_layout, recognize_roll, recognize_attention, simplify_attention_masks, fold_linear_reshapes,
             recognize_rms_norm, fold_batchnorm, eliminate_dead_code]
 
 
