@@ -181,13 +181,32 @@ def KERNEL_NAME(
 '''
 
 
-# [pixels, channels] tiles; the first is the default (measured best on an H200 for MobileNet-sized layers)
+# [pixels, channels] tiles, in the order measured best on an H200 for MobileNet-sized layers, then
+# smaller ones for layers too small to fill the GPU with those (`depthwise_configs`)
 DEPTHWISE_CONFIGS = [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=128, BLOCK_N=32),
                      KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=64, BLOCK_N=64),
                      KernelConfig.of(num_warps=8, num_stages=1, BLOCK_M=256, BLOCK_N=32),
                      KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=32, BLOCK_N=128),
                      KernelConfig.of(num_warps=8, num_stages=1, BLOCK_M=128, BLOCK_N=64),
                      KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=128)]
+SMALL_DEPTHWISE_CONFIGS = [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=64),
+                           KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=32, BLOCK_N=32),
+                           KernelConfig.of(num_warps=2, num_stages=1, BLOCK_M=16, BLOCK_N=32)]
+
+
+def depthwise_configs(m: int, n: int, sm_count: int) -> list[KernelConfig]:
+    """Tile candidates of the direct depthwise kernel over `m` output pixels x `n` channels on a GPU of `sm_count`
+    SMs, the default first. A depthwise conv does a few multiply-adds per element it loads, so its speed is the
+    loads in flight: tiles whose grid has a program for every SM come first, in `DEPTHWISE_CONFIGS`' measured
+    order; the others follow by their number of programs, most first (a 7x7 layer of ConvNeXt's last stage, 49
+    pixels x 768 channels at batch 1, fills 24 of an H200's 132 SMs with the first measured tile)."""
+    def programs(config: KernelConfig) -> int:
+        return triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+
+    candidates = DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS
+    filling = [c for c in candidates if programs(c) >= sm_count]
+    rest = sorted((c for c in candidates if programs(c) < sm_count), key=programs, reverse=True)
+    return filling + rest
 
 
 def _pair(value, node: Node, attr: str) -> tuple[int, int]:
@@ -351,7 +370,7 @@ class DepthwiseConvKernel(EpilogueKernel):
     """Direct depthwise convolution (+ epilogue) of one group: one channel per column, no reduction over Cin."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue, x: str,
-                 geometry: ConvGeometry, weight: torch.Tensor):
+                 geometry: ConvGeometry, weight: torch.Tensor, hw: HardwareProfile | None = None):
         name, source, self.kernel = generate_kernel(DEPTHWISE_TEMPLATE, epilogue)
         super().__init__(graph, group, name, source)
         self.epilogue, self.layout, self.x, self.geometry = epilogue, epilogue.layout, x, geometry
@@ -359,7 +378,8 @@ class DepthwiseConvKernel(EpilogueKernel):
         self.weight = weight[:, 0].permute(1, 2, 0).reshape(-1, weight.shape[0]).contiguous()
         self.multiplier = self.layout.channels // geometry.cin
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
-        self._configs = DEPTHWISE_CONFIGS if not interpreting() else [KernelConfig.of(BLOCK_M=32, BLOCK_N=16)]
+        self._configs = (depthwise_configs(self.layout.rows, self.layout.channels, (hw or get_hardware()).sm_count)
+                         if not interpreting() else [KernelConfig.of(BLOCK_M=32, BLOCK_N=16)])
 
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)
@@ -417,7 +437,7 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
                             b_packed=weight[:, :, 0, 0].t().contiguous(), tf32_allowed=_cudnn_allows_tf32,
                             prologue=Prologue(graph, ops, source, input_layout, g.cin, device), hw=hw)
     elif g.groups > 1 and g.groups == g.cin and layout.channels % g.cin == 0:
-        kernel = DepthwiseConvKernel(graph, group, device, epilogue, x, geometry, weight)
+        kernel = DepthwiseConvKernel(graph, group, device, epilogue, x, geometry, weight, hw)
     elif conv_as_gemm((g.kh, g.kw), g.padding, g.groups):
         stride_h, stride_w = g.stride
         a_view = None if g.stride == (1, 1) else (lambda t: t[:, :, ::stride_h, ::stride_w])

@@ -172,3 +172,22 @@ def test_unsupported_cases():
     y = b.op("softmax", b.conv(x, 6, 3, padding=1), dim=1)
     with pytest.raises(Unsupported, match="not elementwise"):
         lower_conv_group(b.graph, b.group([y]), "cpu")
+
+
+def test_depthwise_tiles_fill_the_gpu_first():
+    """A layer the measured tiles fill keeps their order; one too small for them (ConvNeXt's last stage at batch 1:
+    49 pixels x 768 channels) gets the tiles with the most programs first."""
+    from opfuse.codegen.conv import DEPTHWISE_CONFIGS, depthwise_configs
+
+    def programs(config, m, n):
+        return -(-m // config["BLOCK_M"]) * -(-n // config["BLOCK_N"])
+
+    large = depthwise_configs(64 * 112 * 112, 96, sm_count=132)
+    assert large[:len(DEPTHWISE_CONFIGS)] == DEPTHWISE_CONFIGS
+    small = depthwise_configs(49, 768, sm_count=132)
+    assert sorted(small, key=str) == sorted(large, key=str)        # the same candidates, reordered
+    counts = [programs(c, 49, 768) for c in small]
+    assert counts == sorted(counts, reverse=True) and counts[0] > programs(DEPTHWISE_CONFIGS[0], 49, 768)
+    mixed = depthwise_configs(3136, 96, sm_count=132)
+    filling = [programs(c, 3136, 96) >= 132 for c in mixed]
+    assert filling == sorted(filling, reverse=True) and any(filling) and not all(filling)
