@@ -26,8 +26,9 @@ def _tile(m: int, n: int, k: int, warps: int, stages: int) -> dict[str, int]:
 
 # Hopper-friendly tiles: 128x128 (x256) with 8 warps for big GEMMs, 4-warp 64/128 tiles for few output channels,
 # short reductions or few tiles, and 16/32-row tiles for batch-1 GEMMs (M of 1 to 32: reading the weight is
-# the whole cost). The autotuner measures them in this order (the first N of them with tune_top=N); the rules of
-# `anchor_tiles` only pick the default. The 128x256 tile comes second so that a short tuning still tries it.
+# the whole cost). The autotuner measures them in this order where each fills the GPU (`by_occupancy`; the first
+# N of them with tune_top=N); the rules of `anchor_tiles` only pick the default. The 128x256 tile comes second so
+# that a short tuning still tries it.
 LARGE = [_tile(128, 128, 64, 8, 4), _tile(128, 256, 64, 8, 3), _tile(128, 128, 64, 8, 3)]
 MEDIUM = [_tile(128, 64, 32, 4, 4), _tile(64, 128, 32, 4, 4), _tile(64, 64, 64, 4, 3), _tile(64, 64, 32, 4, 4)]
 SMALL_M = [_tile(16, 32, 128, 4, 4), _tile(16, 64, 128, 4, 4), _tile(16, 32, 256, 4, 3), _tile(16, 128, 64, 4, 4),
@@ -54,8 +55,9 @@ def fits(tile: dict[str, int], itemsize: int, hw: HardwareProfile) -> bool:
 def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gather: bool = False, *,
                  hw: HardwareProfile) -> list[dict[str, int]]:
     """Tile candidates on GPU `hw` for an M x N (x batch) output reducing over K with operands of `itemsize` bytes;
-    the first is the default (`gather`: a convolution with under GATHER_CHANNELS input channels per group). Tiles
-    whose pipeline would not fit in shared memory (float32, or a GPU with less of it) are left out.
+    the first is the default (`gather`: a convolution with under GATHER_CHANNELS input channels per group), the
+    others `by_occupancy`. Tiles whose pipeline would not fit in shared memory (float32, or a GPU with less of it)
+    are left out.
 
     The default rules were read off H200 fp16 measurements (CUDA-graph timed, 2026-11-30): ResNet-50 convs
     (3x3 64ch 56x56: 128x64x32 31.8 us vs 128x128x64 54.9 us; 1x1 64->256: 64x128x32 44.6 us vs 70.9 us),
@@ -75,10 +77,22 @@ def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
             first = _tile(64, 64, 64, 4, 3)   # too few big tiles to fill the GPU
         else:
             first = candidates[0]
-    ordered = [first] + [t for t in candidates if t != first]
+    ordered = [first] + by_occupancy([t for t in candidates if t != first], m, n, batch, hw.sm_count)
     if gather:
         ordered = [GATHER] + [t for t in ordered if t != GATHER]
     return ordered
+
+
+def by_occupancy(tiles: list[dict[str, int]], m: int, n: int, batch: int, sm_count: int) -> list[dict[str, int]]:
+    """`tiles` whose grid over an M x N (x batch) output has a program for every SM, in their order, then the others
+    by their number of programs, most first: a short tuning (tune_top) times the tiles that can fill the GPU (a
+    batch-1 transformer's 128 x 3072 GEMM fills 24 of an H200's 132 SMs with a 128 x 128 tile, 192 with 32 x 64)
+    before those that cannot, and keeps the measured order where all can (large GEMMs)."""
+    def programs(tile: dict[str, int]) -> int:
+        return -(-m // tile["BLOCK_M"]) * -(-n // tile["BLOCK_N"]) * batch
+
+    filling = [t for t in tiles if programs(t) >= sm_count]
+    return filling + sorted((t for t in tiles if programs(t) < sm_count), key=programs, reverse=True)
 
 
 def anchor_steps(taps: int, channels: int, block_k: int) -> int:
