@@ -237,13 +237,17 @@ class Region:
         return result
 
     def _roll_coords(self, node: Node, coords: Coords) -> Coords:
-        """Coordinates in the input of a roll: out[i] = in[(i - shift) mod n] along each rolled dim."""
+        """Coordinates in the input of a roll: out[i] = in[(i - shift) mod n] along each rolled dim; shifts along
+        one dim named twice (or as d and d - rank) add up, as torch.roll applies them one after the other."""
         result = list(coords)
+        rank = len(node.type.shape)
+        offsets: dict[int, int] = {}
         for shift, dim in zip(node.attrs["shifts"], node.attrs["dims"]):
-            size = node.type.shape[dim]
-            offset = (-shift) % size
+            dim %= rank
+            offsets[dim] = (offsets.get(dim, 0) - shift) % node.type.shape[dim]
+        for dim, offset in offsets.items():
             if coords[dim] is not None and offset:
-                result[dim] = f"(({coords[dim]} + {offset}) % {size})"
+                result[dim] = f"(({coords[dim]} + {offset}) % {node.type.shape[dim]})"
         return tuple(result)
 
     def _embedding(self, node: Node, coords: Coords) -> str:

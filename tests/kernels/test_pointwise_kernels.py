@@ -251,7 +251,8 @@ def test_a_float16_value_is_rounded_before_a_discrete_op_decides_on_it():
     assert results[1].cpu().tolist() == (eager_total > 65504).tolist() == [[True, False, False, False]]
 
 
-@pytest.mark.parametrize("shifts, dims", [((-1, 2), (1, 2)), ((7,), (3,)), ((-4, 0), (0, 1))])
+@pytest.mark.parametrize("shifts, dims", [((-1, 2), (1, 2)), ((7,), (3,)), ((-4, 0), (0, 1)),
+                                          ((1, 2), (3, -1)), ((2, 4), (2, 2))])    # one dim twice: shifts add up
 def test_roll_is_an_index_map_on_the_load(shifts, dims):
     b = Builder()
     x = b.input("x", (2, 3, 5, 4))                                   # channels-last, odd sizes
