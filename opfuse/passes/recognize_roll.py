@@ -4,8 +4,9 @@ ONNX has no roll: exporters write torch.roll(x, k, d) as cat([x[n-k:], x[:n-k]],
 (Swin's shifted windows roll H, then W), and code written by hand does the same. For 0 < a < n along dim d,
 ``cat([x[a:], x[:a]], d) == roll(x, n - a, d)``. As a roll it is an index map that the elementwise kernel reading
 it computes (`opfuse.fusion.legality.MAPPED_COPIES`), with the views before it; as two slices and a cat it is a
-copy of its own, and the views before it must be copied first. A roll whose one reader rolls it along other dims
-becomes one roll over all of them.
+copy of its own, and the views before it must be copied first. A roll whose one reader is a roll (one this pass
+made or one captured) becomes one roll with the reader: the reader's shifts follow its own, as torch.roll applies a
+roll's shifts one after the other.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from opfuse.passes.eliminate_dead_code import remove_if_unused
 
 def recognize_roll(graph: Graph) -> tuple[Graph, list[str]]:
     """A copy of `graph` where each cat of x[a:] and x[:a] along one dim is roll(x, n - a) along it, and a roll
-    read only by a roll along other dims is merged into it."""
+    read only by a roll is merged into its reader."""
     graph = graph.copy()
     changes = []
     for node in list(graph):
@@ -28,15 +29,18 @@ def recognize_roll(graph: Graph) -> tuple[Graph, list[str]]:
         node.op, node.inputs, node.attrs = "roll", [source], {"shifts": [amount], "dims": [dim]}
         for name in dict.fromkeys(slices):
             remove_if_unused(graph, name)
-        words = f"cat {node.name} of two slices of {source} is roll({source}, {amount}, dim {dim})"
-        users = graph.users()
-        inner = graph[source]
-        if inner.op == "roll" and graph.only_reader(inner.name, users) is node and dim not in inner.attrs["dims"]:
+        changes.append(f"cat {node.name} of two slices of {source} is roll({source}, {amount}, dim {dim})")
+    users = graph.users()
+    for node in list(graph):
+        while node.op == "roll" and graph[node.inputs[0]].op == "roll" \
+                and graph.only_reader(node.inputs[0], users) is node:
+            inner = graph[node.inputs[0]]
             node.inputs = list(inner.inputs)
-            node.attrs = {"shifts": [*inner.attrs["shifts"], amount], "dims": [*inner.attrs["dims"], dim]}
+            node.attrs = {"shifts": [*inner.attrs["shifts"], *node.attrs["shifts"]],
+                          "dims": [*inner.attrs["dims"], *node.attrs["dims"]]}
             graph.remove(inner.name)
-            words += f", merged with roll {inner.name} before it"
-        changes.append(words)
+            users = graph.users()
+            changes.append(f"roll {inner.name} merged into roll {node.name}, which reads {node.inputs[0]}")
     return graph, changes
 
 

@@ -38,7 +38,7 @@ def test_two_swapped_slices_are_a_roll(exporter_bounds):
     (roll,) = [n for n in after if n.op == "roll"]
     assert roll.inputs == ["x"] and roll.attrs == {"shifts": [2], "dims": [1]}
     assert not any(n.op in ("slice", "cat") for n in after)
-    assert len(changes) == 1
+    assert changes == ["cat cat0 of two slices of x is roll(x, 2, dim 1)"]
     assert_same_numerics(before, after)
     assert torch.equal(torch.roll(torch.arange(6), 2), torch.cat([torch.arange(6)[4:], torch.arange(6)[:4]]))
 
@@ -46,9 +46,10 @@ def test_two_swapped_slices_are_a_roll(exporter_bounds):
 def test_rolls_along_two_dims_are_one_roll():
     """Swin's shifted windows from ONNX: H rolled, then W."""
     before = _rolled(dims=((1, 3), (2, 2)))
-    after, _ = run_pass(recognize_roll, before)
+    after, changes = run_pass(recognize_roll, before)
     (roll,) = [n for n in after if n.op == "roll"]
     assert roll.inputs == ["x"] and roll.attrs == {"shifts": [3, 2], "dims": [1, 2]}
+    assert changes[-1] == "roll cat0 merged into roll cat1, which reads x"
     assert_same_numerics(before, after)
 
 
@@ -111,3 +112,19 @@ def test_an_exported_roll_plans_like_a_captured_one(tmp_path):
     assert exported.plan.kernel_launches == captured.plan.kernel_launches == 1
     prepared, _ = prepare_graph(exported.captured, "float32")
     assert any(n.op == "roll" for n in prepared)
+
+
+@pytest.mark.parametrize("inner_dims, outer_dims", [([1], [2]), ([-1], [3]), ([1, 2], [1])])
+def test_a_roll_read_only_by_a_roll_is_merged_into_it(inner_dims, outer_dims):
+    """Captured rolls too, along other dims or the same one (its shifts add up: the kernel's index map adds them,
+    tests/kernels/test_pointwise_kernels.py), a negative dim included."""
+    graph = Graph("rolls")
+    x = graph.add_input("x", TensorType(SHAPE, "float64")).name
+    inner = op(graph, "inner", "roll", [x], shifts=[1] * len(inner_dims), dims=inner_dims)
+    outer = op(graph, "outer", "roll", [inner], shifts=[2] * len(outer_dims), dims=outer_dims)
+    graph.outputs = [op(graph, "out", "tanh", [outer])]
+    after, changes = run_pass(recognize_roll, graph)
+    (roll,) = [n for n in after if n.op == "roll"]
+    assert roll.inputs == ["x"] and roll.attrs["dims"] == inner_dims + outer_dims
+    assert changes == ["roll inner merged into roll outer, which reads x"]
+    assert_same_numerics(graph, after)
