@@ -5,10 +5,11 @@ pass left out or one off-by-default FusionConfig switch on (B), both in one proc
     python benchmarks/ab_pass.py --workloads efficientnet_b0:1 --enable squeeze --out DIR
 
 Both compiles follow the zoo's protocol (fp16, `opfuse.bench.harness.prepare`, inference mode, default
-FusionConfig but fp16); each compiles cold, into a tuning cache of its own, and its seconds are recorded. Their
-bare CUDA graph replays and module calls are timed in interleaved rounds (`interleaved_samples`), B's output is
-compared with A's, and each replay's kernels are listed by GPU time (torch.profiler, summed over runs), so that a
-difference can be put on the kernels that make it. Writes ab.json after every workload and prints a table. A
+FusionConfig but fp16); each tunes into a cache of its own, and its compile seconds are recorded (Triton's kernel
+cache is shared: where B compiles kernels A compiled, B's seconds are not a cold compile's). Their bare CUDA graph
+replays and module calls are timed in interleaved rounds (`interleaved_samples`), B's output is compared with A's,
+and each replay's kernels are listed by GPU time (torch.profiler, summed over runs), so that a difference can be
+put on the kernels that make it. Writes ab.json after every workload and prints a table. A
 diagnostic: results go to RESULTS.md by hand.
 """
 
