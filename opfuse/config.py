@@ -19,7 +19,7 @@ class FusionConfig:
     conv_conv: bool = True              # depthwise + pointwise convolution in one kernel
     conv_conv_expand: bool = True       # ... and the 1x1 expansion before it (whole inverted residual), where it pays
     norm_prologue: bool = False         # a linear absorbs the layer norm before it (row statistics in its GEMM);
-                                        # off until its speed is measured (RESULTS.md, run 30)
+                                        # off: measured 0.4-5% slower than without (RESULTS.md, run 32)
     squeeze: bool = False               # global average pool -> small GEMM -> small GEMM (squeeze-and-excitation)
                                         # as one kernel; off until its speed and compile time are measured
                                         # (RESULTS.md, run 30)
