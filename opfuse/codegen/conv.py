@@ -42,7 +42,7 @@ from opfuse.codegen.gemm import GROUP_M, GemmKernel, prologue_source, anchor_bia
 from opfuse.codegen.prologue import Prologue
 from opfuse.fusion.legality import anchor_prologue
 from opfuse.fusion.plan import FusionGroup, GroupKind
-from opfuse.fusion.tiles import GATHER_CHANNELS, anchor_steps, conv_as_gemm, group_block
+from opfuse.fusion.tiles import GATHER_CHANNELS, anchor_steps, by_occupancy, conv_as_gemm, group_block
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph, Node, torch_dtype
 
@@ -197,16 +197,10 @@ SMALL_DEPTHWISE_CONFIGS = [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16
 def depthwise_configs(m: int, n: int, sm_count: int) -> list[KernelConfig]:
     """Tile candidates of the direct depthwise kernel over `m` output pixels x `n` channels on a GPU of `sm_count`
     SMs, the default first. A depthwise conv does a few multiply-adds per element it loads, so its speed is the
-    loads in flight: tiles whose grid has a program for every SM come first, in `DEPTHWISE_CONFIGS`' measured
-    order; the others follow by their number of programs, most first (a 7x7 layer of ConvNeXt's last stage, 49
-    pixels x 768 channels at batch 1, fills 24 of an H200's 132 SMs with the first measured tile)."""
-    def programs(config: KernelConfig) -> int:
-        return triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
-
-    candidates = DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS
-    filling = [c for c in candidates if programs(c) >= sm_count]
-    rest = sorted((c for c in candidates if programs(c) < sm_count), key=programs, reverse=True)
-    return filling + rest
+    loads in flight: the tiles are ordered `by_occupancy`, those whose grid has a program for every SM first, in
+    `DEPTHWISE_CONFIGS`' measured order (a 7x7 layer of ConvNeXt's last stage, 49 pixels x 768 channels at batch 1,
+    fills 24 of an H200's 132 SMs with the first measured tile)."""
+    return by_occupancy(DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS, m, n, 1, sm_count)
 
 
 def _pair(value, node: Node, attr: str) -> tuple[int, int]:

@@ -15,9 +15,13 @@ launch other split-K kernels than its plan counts.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from opfuse.environment import triton_interpreter
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph
+
+Tile = TypeVar("Tile")      # a tile dict, or a kernel config: what has BLOCK_M and BLOCK_N items
 
 
 def _tile(m: int, n: int, k: int, warps: int, stages: int) -> dict[str, int]:
@@ -83,12 +87,13 @@ def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
     return ordered
 
 
-def by_occupancy(tiles: list[dict[str, int]], m: int, n: int, batch: int, sm_count: int) -> list[dict[str, int]]:
-    """`tiles` whose grid over an M x N (x batch) output has a program for every SM, in their order, then the others
-    by their number of programs, most first: a short tuning (tune_top) times the tiles that can fill the GPU (a
-    batch-1 transformer's 128 x 3072 GEMM fills 24 of an H200's 132 SMs with a 128 x 128 tile, 192 with 32 x 64)
-    before those that cannot, and keeps the measured order where all can (large GEMMs)."""
-    def programs(tile: dict[str, int]) -> int:
+def by_occupancy(tiles: list[Tile], m: int, n: int, batch: int, sm_count: int) -> list[Tile]:
+    """`tiles` (tile dicts or kernel configs) whose grid over an M x N (x batch) output has a program for every SM,
+    in their order, then the others by their number of programs, most first: a short tuning (tune_top) times the
+    tiles that can fill the GPU (a batch-1 transformer's 128 x 3072 GEMM fills 24 of an H200's 132 SMs with a
+    128 x 128 tile, 192 with 32 x 64) before those that cannot, and keeps the measured order where all can (large
+    GEMMs)."""
+    def programs(tile: Tile) -> int:
         return -(-m // tile["BLOCK_M"]) * -(-n // tile["BLOCK_N"]) * batch
 
     filling = [t for t in tiles if programs(t) >= sm_count]
