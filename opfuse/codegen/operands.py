@@ -33,6 +33,12 @@ VIEW_OPS = frozenset({"reshape", "identity", "permute", "expand", "slice"})
 INT32_LIMIT = 2**31 - 1
 
 
+def extent(tensor: torch.Tensor) -> int:
+    """Elements of memory `tensor` spans through its strides (its largest offset + 1): the offsets a kernel computes
+    for it need int64 past INT32_LIMIT."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -539,10 +545,9 @@ class TemplateKernel(GroupKernel):
     def launch(self, grid: tuple[int, ...], config: KernelConfig, tensors: dict[str, torch.Tensor],
                index_space: int, **constexprs) -> None:
         """Run the kernel; offsets switch to int64 when any tensor's extent or the index space passes int32."""
-        extent = max([index_space] + [1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-                                      for t in tensors.values() if t.numel()])
+        widest = max([index_space] + [extent(t) for t in tensors.values() if t.numel()])
         handle = self.function[grid](*self.args.values(tensors), **dict(config.params), **constexprs,
-                                     INT64=extent > INT32_LIMIT, num_warps=config.num_warps,
+                                     INT64=widest > INT32_LIMIT, num_warps=config.num_warps,
                                      num_stages=config.num_stages)
         self.last_compiled = compiled_info(handle)
 

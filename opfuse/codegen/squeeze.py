@@ -32,6 +32,7 @@ import torch
 from opfuse.codegen.base import (FORM_SEPARATE, FORM_UNFUSED, GroupKernel, KernelConfig, compiled_info,
                                  load_kernel)
 from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, literal
+from opfuse.codegen.operands import INT32_LIMIT, extent
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.fusion.squeeze import SqueezeChain, squeeze_chain, squeeze_tile
 from opfuse.fusion.tiles import interpreting
@@ -42,7 +43,6 @@ from opfuse.ir.ops import launches_kernel
 
 SEPARATE = KernelConfig.of(num_warps=1, num_stages=1, form=FORM_SEPARATE)
 UNFUSED = KernelConfig.of(num_warps=1, num_stages=1, form=FORM_UNFUSED)
-INT32_LIMIT = 2**31 - 1
 
 SQUEEZE_TEMPLATE = '''
 import triton
@@ -265,12 +265,12 @@ class SqueezeKernel(GroupKernel):
         chain, split = self.chain, config["SPLIT"]
         programs = -(-chain.channels // config["BLOCK_C"]) * split
         grid = (chain.batch, 1, 1) if split == 0 else (chain.batch, -(-chain.channels // config["BLOCK_C"]), split)
-        extent = max(1 + sum((s - 1) * st for s, st in zip(x.shape, x.stride())), x.shape[0] * x.stride(0))
+        widest = max(extent(x), x.shape[0] * x.stride(0))
         args = [x, *x.stride(), self.w1, self.w2, self.sums, self.tickets, *self.vectors]
         for out in outputs:
             args += [out, out.stride(0), out.stride(1)]
         handle = self.function[grid](*args, **dict(config.params), PROGRAMS=max(programs, 1),
-                                     INT64=extent > INT32_LIMIT, num_warps=config.num_warps,
+                                     INT64=widest > INT32_LIMIT, num_warps=config.num_warps,
                                      num_stages=config.num_stages)
         self.last_compiled = compiled_info(handle)
         return outputs
