@@ -41,6 +41,8 @@ class Analysis:
                                     # node for the groups in `pytorch_groups`
     seconds: dict[str, float] = field(default_factory=dict)
     pytorch_groups: dict[str, Reason] = field(default_factory=dict)    # groups without an opfuse kernel, and why
+    as_compiled: Any = None         # opfuse.analysis.as_compiled.AsCompiled: what the last compile of this plan
+                                    # runs (its launches, forms and groups through PyTorch), None if none was made
 
     @property
     def opaque_ops(self) -> list[str]:
@@ -65,6 +67,7 @@ class Analysis:
             "fused": asdict(self.fused),
             "savings": compare(self.unfused, self.fused),
             "seconds": self.seconds,
+            "as_compiled": None if self.as_compiled is None else self.as_compiled.to_dict(),
         }
 
 
@@ -91,7 +94,9 @@ def capture(model: Any, example_inputs: Sequence[Any] | None = None, batch: int 
 
 def analyze(model: Any, example_inputs: Sequence[Any] | None = None, config: FusionConfig = FusionConfig(),
             batch: int | None = None, name: str | None = None) -> Analysis:
-    """Capture, prepare and plan `model`; quantify traffic and launches before and after fusion."""
+    """Capture, prepare and plan `model`; quantify traffic and launches before and after fusion; and read what the
+    last compile of this plan runs, if one was made with this config's tuning settings (`as_compiled`)."""
+    from opfuse.analysis import as_compiled
     from opfuse.analysis.traffic import op_table, summarize_plan, summarize_unfused
     from opfuse.codegen.lower import groups_through_pytorch
     from opfuse.fusion.planner import plan_fusion
@@ -120,7 +125,8 @@ def analyze(model: Any, example_inputs: Sequence[Any] | None = None, config: Fus
     display_name = name or graph.name
     return Analysis(display_name, config, hardware, captured, prepared, records, plan,
                     op_table(captured, hardware, config), summarize_unfused(captured, hardware, config),
-                    summarize_plan(plan, hardware, pytorch_groups), seconds, pytorch_groups)
+                    summarize_plan(plan, hardware, pytorch_groups), seconds, pytorch_groups,
+                    as_compiled.load(plan, config))
 
 
 def _debug_dir(config: FusionConfig, stage: str) -> str | None:

@@ -212,9 +212,13 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
         console.print(f"unfused: {analysis.unfused.kernel_launches} kernel launches (one per op) -> fused: "
                       f"{analysis.fused.kernel_launches}; capture {analysis.seconds['capture']:.1f} s, passes "
                       f"{analysis.seconds['passes']:.1f} s, plan {analysis.seconds['plan']:.2f} s")
-        console.print("[dim]fused launches count every kernel in its generated form, as an untuned compile runs "
-                      "it; on a GPU the autotuner keeps a library (cuBLAS/cuDNN) or unfused form where it measures "
-                      "faster, which may launch more: a compiled model's `launches` is what it runs[/]")
+        if analysis.as_compiled is not None:
+            console.print(f"[bold]{escape(analysis.as_compiled.summary())}[/]")
+        else:
+            console.print("[dim]fused launches count every kernel in its generated form, as an untuned compile "
+                          "runs it; on a GPU the autotuner keeps a library (cuBLAS/cuDNN) or unfused form where it "
+                          "measures faster, which may launch more. No compile of this plan with these tuning "
+                          "settings is recorded here: once one is, analyze reports what it runs[/]")
         if args.html:
             console.print(f"report: {escape(args.html)}")
     return EXIT_OK

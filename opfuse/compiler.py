@@ -229,6 +229,7 @@ def compile(model: Any, example_inputs: Sequence[torch.Tensor],
 
 
 def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, quiet: bool) -> OpfuseModule:
+    from opfuse.analysis import as_compiled
     from opfuse.runtime.compiled import build_compiled_model
     from opfuse.runtime.memory import check_memory
 
@@ -247,6 +248,8 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
     analysis = analyze(model, example_inputs, config)    # on fake tensors: allocates nothing the size of the model
     seconds["analyze"] = time.perf_counter() - start
     check_memory(analysis, example_inputs, device, config)
+    planned = analysis.plan.kernel_launches
+    record_key = as_compiled.plan_key(analysis.plan, analysis.config)   # of the plan analyze makes: before split_back
 
     eager = _eager_copy(model)
     with torch.no_grad():
@@ -302,6 +305,8 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
                                  f"{bound:.0e} (eager in {config.dtype}: "
                                  f"{'-' if eager_error is None else f'{eager_error:.2e}'}) although every "
                                  "kernel passed its own check; please report this model")
+    analysis = replace(analysis, as_compiled=as_compiled.record(compiled, planned, device))
+    as_compiled.store(record_key, analysis.config, analysis.as_compiled)
     keep_eager = config.recompile or config.fallback == "eager"
     return OpfuseModule(compiled, analysis, example_inputs, output_spec, output_dtypes, checks, end_to_end, seconds,
                         eager if keep_eager else None)

@@ -2,9 +2,19 @@
 
 TRITON_INTERPRET must be set before triton is imported anywhere, so it is set here, at collection start.
 GPU tests (marked `gpu`) run on the device machine with OPFUSE_GPU_TESTS=1, which leaves the interpreter off.
+
+Every test session gets an empty cache home (XDG_CACHE_HOME, removed at exit; subprocesses inherit it), so that
+no tuning entry or compile record (opfuse.analysis.as_compiled) of an earlier run, or of the user's own compiles,
+changes what a test sees: the tests see a fresh machine, as CI does.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 if os.environ.get("OPFUSE_GPU_TESTS") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="opfuse-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)

@@ -21,9 +21,10 @@ def test_model_matches_eager_and_plan(name, batch):
 
 def compile_and_check(name: str, batch: int, config: dict):
     """Compile a built-in model in fp16 with `FusionConfig(dtype="float16", **config)` and check it: the model's
-    state is unchanged, the output matches fp32 eager within 1e-2, and the kernels launched per forward
-    (torch.profiler) are no more than the runtime counts, plus the helper kernels cuBLAS/cuDNN add to the groups
-    that run through them (profiled alone). Returns the compiled model."""
+    state is unchanged, `opfuse.analyze` then reports the compiled model's launches, the output matches fp32 eager
+    within 1e-2, and the kernels launched per forward (torch.profiler) are no more than the runtime counts, plus the
+    helper kernels cuBLAS/cuDNN add to the groups that run through them (profiled alone). Returns the compiled
+    model."""
     import opfuse
     from opfuse.bench.harness import kernel_profile
     from opfuse.bench.zoo import load_builtin
@@ -37,9 +38,13 @@ def compile_and_check(name: str, batch: int, config: dict):
                         for x in inputs)
     state = {k: v.clone() for k, v in model.state_dict().items()}
 
-    compiled = opfuse.compile(model, fp16_inputs, opfuse.FusionConfig(dtype="float16", **config))
+    fusion_config = opfuse.FusionConfig(dtype="float16", **config)
+    compiled = opfuse.compile(model, fp16_inputs, fusion_config)
 
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    # what analyze says after the compile is what the compiled model runs (its launches, whatever the tuning chose)
+    as_compiled = opfuse.analyze(model, fp16_inputs, fusion_config).as_compiled
+    assert as_compiled is not None and as_compiled.launches == compiled.launches, as_compiled
     with torch.inference_mode():
         out = compiled(*fp16_inputs)
         reference = reference_model(*inputs)

@@ -375,12 +375,14 @@ def fake_clock(fn) -> float:
 
 
 def cache_problems(directory: Path) -> list[str]:
-    """Files in the cache directory that are not complete, valid entries."""
+    """Files in the cache directory (and its `compiled/` records) that are not complete, valid entries."""
     problems = []
-    for path in directory.iterdir():
+    for path in directory.rglob("*"):
+        if path.is_dir():
+            continue
         if path.suffix != ".json":
             problems.append(f"stray file {path.name}")
-        elif TuningCache(directory).load(path.stem) is None:
+        elif TuningCache(path.parent).load(path.stem) is None:
             problems.append(f"invalid entry {path.name}")
     return problems
 
