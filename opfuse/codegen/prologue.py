@@ -9,8 +9,8 @@ turn the loaded tile `a` into the prologue's result (`code`, run on every K bloc
 Contract with the template: at the prologue point `a` [BLOCK_M, BLOCK_K] is the loaded A tile, `k_at` [BLOCK_K]
 the global reduction index of its columns, `a_g0 .. a_g3` [BLOCK_M] its row index in A's four row groups, and
 `mask_m`, K the row mask and the reduction length. An operand of a prologue node is a scalar constant (a literal)
-or a tensor broadcast to A's shape (a (N, C, 1, 1) scale costs nothing along the pixels), read through its strides
-at the tile's coordinates. Each node's result is rounded to its dtype, as eager rounds the value it would write, and
+or a tensor broadcast to A's shape (a (N, C, 1, 1) scale costs nothing along the pixels; a batch norm's [C]
+parameters lie along dim 1), read through its strides at the tile's coordinates. Each node's result is rounded to its dtype, as eager rounds the value it would write, and
 the tile's elements past M or K are zero again after the prologue (x / s at a masked zero would be NaN, and NaN
 times B's masked zero is still NaN).
 
@@ -58,7 +58,8 @@ class Prologue:
                 self.lines.append(f"p = ({self._normalized(node)}).to({triton_dtype(node.type.dtype)}).to(tl.float32)")
                 chain.add(name)
                 continue
-            args = ["p" if value in chain else self._operand(value) for value in node.inputs]
+            args = ["p" if value in chain else self._operand(value, node, position)
+                    for position, value in enumerate(node.inputs)]
             self.lines.append(f"p = ({emit(node.op, node.attrs, args)}).to({triton_dtype(node.type.dtype)})"
                               ".to(tl.float32)")
             chain.add(name)
@@ -111,13 +112,20 @@ class Prologue:
                  f"ln_rstd = 1.0 / tl.sqrt(tl.maximum(ln_m2 / K, 0.0) + {eps})"]
         return "\n".join(indent + line for line in lines)
 
-    def _operand(self, value: str) -> str:
-        node = self.graph[value]
-        if node.op == "constant":
+    def _operand(self, value: str, reader, position: int) -> str:
+        """Input `position` of node `reader`, loaded at the tile's coordinates. A batch norm's parameters are [C]
+        along dim 1 (not broadcast from the right, as other operands are): they are laid along it first."""
+        source = self.graph[value]
+        per_channel = reader.op == "batch_norm" and position > 0
+        if source.op == "constant":
             constant = self.constants.setdefault(value, self.graph.constants[value].to(self.device))
             if constant.numel() == 1:
                 return literal(constant.reshape(()).item())
+            if per_channel:
+                constant = constant.reshape([-1 if d == 1 else 1 for d in range(len(reader.type.shape))])
             self.operands.append(constant)
+        elif per_channel:
+            raise Unsupported(f"{reader.describe()}: batch-norm parameter {value} is not a constant")
         else:
             self.operands.append(value)
         j = len(self.operands) - 1

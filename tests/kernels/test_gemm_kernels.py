@@ -253,6 +253,26 @@ def test_a_batch_norm_after_the_epilogue_permute_reads_its_channels_where_they_a
     run_group(b, [y], lower=lower_conv_group)
 
 
+def test_a_batch_norm_prologue_reads_its_parameters_along_the_channels():
+    """DenseNet's batch norm + ReLU before the 1x1 conv (no conv before it to fold the norm into), and a
+    BatchNorm1d before a linear: the [C] parameters lie along dim 1, not broadcast from the right. Read as the
+    latter, densenet121 failed to compile (a [C] vector expanded along W); W != C here, and K (10 channels) spans
+    partial K blocks."""
+    def norm(b: Builder, x: str, channels: int) -> str:
+        params = [b.const(f"{n}{x}", b.random(channels) if n != "var" else b.random(channels).abs() + 0.5)
+                  for n in ("w", "b", "mean", "var")]
+        return b.op("relu", b.op("batch_norm", x, *params, eps=1e-5))
+
+    b = Builder()
+    x = b.input("x", (2, 10, 3, 4))
+    kernel, _ = run_group(b, [b.op("relu", b.conv(norm(b, x, 10), 7, 1))], lower=lower_conv_group)
+    assert [b.graph[n].op for n in kernel.prologue.nodes] == ["batch_norm", "relu"]
+    b = Builder()
+    x = b.input("x", (3, 10))
+    kernel, _ = run_gemm(b, [linear(b, norm(b, x, 10), 5)])
+    assert [b.graph[n].op for n in kernel.prologue.nodes] == ["batch_norm", "relu"]
+
+
 def test_tiles_follow_the_gpu_profile(monkeypatch):
     """The SM count picks the default tile and the shared memory bounds the pipelines: an RTX 4090's 99 KiB per
     block leaves out float32 tiles an H200 takes; a grid that fills an Orin's 16 SMs keeps the big tile."""
