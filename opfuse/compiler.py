@@ -11,9 +11,9 @@ reference values of its group (fresh random inputs), a failing kernel is dropped
 PyTorch (and the model's `fallbacks` say why), then the whole model is compared with eager. The user's model is
 never changed: capture works on a copy, and the eager reference runs on another copy in eval mode.
 
-Before any kernel is built, the plan's memory need (weights, inputs, peak intermediates, verification's reference
-values) is compared with what the device has (`opfuse.runtime.memory`): a model that would not fit is refused
-with the breakdown instead of crashing out of memory half-way.
+Before any kernel is built, the plan's memory need (weights, grouped convs' packed weights, inputs, peak
+intermediates, verification's reference values) is compared with what the device has (`opfuse.runtime.memory`):
+a model that would not fit is refused with the breakdown instead of crashing out of memory half-way.
 
 Inputs: the compiled model runs inputs of exactly the shapes, dtypes and devices it was compiled for. Others are
 refused with an error naming the input, unless `config.recompile` (compile again for them, once per signature) or

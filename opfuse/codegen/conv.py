@@ -17,7 +17,8 @@ groups the last block is padded with groups that do not exist, whose input chann
 outputs are never stored. The plan, the resource model and the analysis do not see G: a program's tile (its
 registers, shared memory) is the same whatever G is, G changes the grid and the K loop's length, and the FLOPs
 counted are the conv's own; the zero rows a blocked program multiplies are executed work the roofline leaves out,
-as it leaves out the masked columns of an unblocked program.
+as it leaves out the masked columns of an unblocked program. The memory pre-flight does count the packings, G
+times the weight each (`packed_weight_extra_bytes`, from the same configs the kernel gets: `implicit_gemm_configs`).
 All kernels read the activation through its 4 strides (channels-last in practice; a channel-slice view works),
 load zeros for padding taps, and store channels-last outputs through the shared epilogue.
 
@@ -27,6 +28,7 @@ weight once per pixel tile, the output written once; FLOPs as `opfuse.ir.ops.con
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -39,6 +41,7 @@ from opfuse.codegen.forms import EpilogueKernel
 from opfuse.codegen.split_k import SplitK, sliced_template, slices_of, with_slices
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import GROUP_M, GemmKernel, prologue_source, anchor_biases, gemm_configs
+from opfuse.codegen.lower import find_anchor
 from opfuse.codegen.prologue import Prologue
 from opfuse.fusion.legality import anchor_prologue
 from opfuse.fusion.plan import FusionGroup, GroupKind
@@ -228,6 +231,11 @@ class ConvGeometry:
     def key(self) -> tuple:
         return self.stride, self.padding, self.dilation, self.groups, self.cin_per_group, self.kh, self.kw
 
+    def is_depthwise(self, cout: int) -> bool:
+        """Whether the conv, with `cout` output channels, runs as `DepthwiseConvKernel`: one input channel a group
+        (groups == Cin > 1) and Cout a multiple of Cin."""
+        return self.groups > 1 and self.groups == self.cin and cout % self.cin == 0
+
     def constexprs(self) -> dict[str, int]:
         return dict(KH=self.kh, KW=self.kw, STRIDE_H=self.stride[0], STRIDE_W=self.stride[1],
                     PAD_H=self.padding[0], PAD_W=self.padding[1], DIL_H=self.dilation[0], DIL_W=self.dilation[1])
@@ -242,18 +250,26 @@ def group_block_of(config: KernelConfig) -> int:
     return dict(config.params).get("BLOCK_G", 1)
 
 
+def packed_shape(weight_shape: Sequence[int], block: int = 1) -> tuple[int, int]:
+    """The shape of `pack_conv_weight` of a weight of `weight_shape` [Cout, Cin/g, Kh, Kw] for programs of `block`
+    conv groups: [Kh·Kw·block·Cin/g, Cout], so a block of G groups packs G times the weight's elements."""
+    cout, cin_per_group, kh, kw = weight_shape
+    return kh * kw * block * cin_per_group, cout
+
+
 def pack_conv_weight(weight: torch.Tensor, groups: int, block: int = 1) -> torch.Tensor:
     """A conv weight [Cout, Cin/g, Kh, Kw] packed as the implicit GEMM's B operand for programs of `block`
-    consecutive conv groups: [Kh·Kw·block·Cin/g, Cout] with K ordered (kh, kw, group within the block, cin) to match
-    NHWC gathers, each output channel's column dense in its own group's rows and zero in the other groups' (block
-    diagonal). One group a block is the plain packing [Kh·Kw·Cin/g, Cout]."""
+    consecutive conv groups: `packed_shape` [Kh·Kw·block·Cin/g, Cout] with K ordered (kh, kw, group within the
+    block, cin) to match NHWC gathers, each output channel's column dense in its own group's rows and zero in the
+    other groups' (block diagonal). One group a block is the plain packing [Kh·Kw·Cin/g, Cout]."""
+    shape = packed_shape(weight.shape, block)
     cout, cin_per_group, kh, kw = weight.shape
     if block > 1:
         position = (torch.arange(cout, device=weight.device) // (cout // groups)) % block
         dense = weight.new_zeros(cout, block, cin_per_group, kh, kw)
         dense[torch.arange(cout, device=weight.device), position] = weight
         weight = dense.reshape(cout, block * cin_per_group, kh, kw)
-    return weight.permute(2, 3, 1, 0).reshape(-1, cout).contiguous()
+    return weight.permute(2, 3, 1, 0).reshape(shape).contiguous()
 
 
 def blocked_configs(configs: Sequence[KernelConfig], geometry: ConvGeometry, cout_per_group: int, pixels: int,
@@ -283,6 +299,41 @@ def blocked_configs(configs: Sequence[KernelConfig], geometry: ConvGeometry, cou
     return ordered
 
 
+def implicit_gemm_configs(group: FusionGroup, geometry: ConvGeometry, layout: TileLayout, itemsize: int,
+                          hw: HardwareProfile) -> list[KernelConfig]:
+    """`ConvKernel`'s configs for a conv of `geometry` whose output tiles as `layout`, computing in `itemsize`-byte
+    elements on GPU `hw`, the default first: the GEMM tiles (`gemm_configs`) with the plan's K slices where it split
+    (`group.split_k`), each with its group-blocked form beside it where blocking pays (`blocked_configs`)."""
+    cout_per_group = layout.channels // geometry.groups
+    k = geometry.kh * geometry.kw * geometry.cin_per_group
+    configs = gemm_configs(layout.rows, cout_per_group, k, geometry.groups, itemsize,
+                           gather=geometry.cin_per_group < GATHER_CHANNELS, hw=hw)
+    if group.split_k:
+        configs = with_slices(configs, group)
+    return blocked_configs(configs, geometry, cout_per_group, layout.rows, hw.sm_count)
+
+
+def packed_weight_extra_bytes(graph: Graph, group: FusionGroup, hw: HardwareProfile, tuning: bool,
+                              tune_top: int | None) -> int:
+    """Device bytes the packed weights of the kernel `lower_conv_group` makes for `group` on GPU `hw` take at most at
+    once, beyond one plain copy of the weight: 0 unless it is a grouped conv's `ConvKernel` with group-blocked
+    configs. That kernel holds one packing (`packed_shape`: G times the weight for G groups a program) per block
+    size it has run until the tuner's choice is kept (`ConvKernel.keep_form`): the default config's alone without
+    `tuning`; with it, those of the first `tune_top` configs (all where None or 0, as the tuner takes them) and one
+    group a program (the unsplit form the tuner also times)."""
+    node = graph[find_anchor(graph, group)]
+    geometry = ConvGeometry(graph, node)
+    layout = TileLayout(node.type.shape, channel_dim=1, channels_last=True)
+    if geometry.groups == 1 or geometry.is_depthwise(layout.channels):
+        return 0
+    dtype = torch_dtype(compute_dtype(graph, node.inputs[0], node))
+    blocks = [group_block_of(c) for c in implicit_gemm_configs(group, geometry, layout, dtype.itemsize, hw)]
+    held = (set(blocks[:tune_top] if tune_top else blocks) | {1}) if tuning else {blocks[0]}
+    weight_shape = graph[node.inputs[1]].type.shape
+    elements = sum(math.prod(packed_shape(weight_shape, block)) for block in held)
+    return (elements - math.prod(packed_shape(weight_shape))) * dtype.itemsize
+
+
 class ConvKernel(EpilogueKernel):
     """Implicit-GEMM convolution (+ epilogue) of one group; a grouped conv's configs may block its conv groups
     (BLOCK_G: `blocked_configs`), each block size with its own packed weight (`packed_weight`)."""
@@ -298,15 +349,9 @@ class ConvKernel(EpilogueKernel):
         self.weights, self.device, self.dtype = list(weights), device, dtype
         self._packed: dict[int, torch.Tensor] = {}
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
-        cout_per_group = self.layout.channels // geometry.groups
-        k = geometry.kh * geometry.kw * geometry.cin_per_group
-        self._configs = gemm_configs(self.layout.rows, cout_per_group, k, geometry.groups, dtype.itemsize,
-                                     gather=geometry.cin_per_group < GATHER_CHANNELS, hw=hw)
-        self.split = None
-        if group.split_k:    # the planner split K: each config runs the slices the plan gives its tile
-            self.split = SplitK(CONV_SLICE_TEMPLATE, CONV_PARTIAL, epilogue)
-            self._configs = with_slices(self._configs, group)
-        self._configs = blocked_configs(self._configs, geometry, cout_per_group, self.layout.rows, hw.sm_count)
+        self._configs = implicit_gemm_configs(group, geometry, self.layout, dtype.itemsize, hw)
+        # the planner split K: each config runs the slices the plan gives its tile
+        self.split = SplitK(CONV_SLICE_TEMPLATE, CONV_PARTIAL, epilogue) if group.split_k else None
         self.packed_weight(group_block_of(self._configs[0]))   # the default config's, packed at build time
 
     def packed_weight(self, block: int) -> torch.Tensor:
@@ -430,7 +475,7 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
         kernel = GemmKernel(graph, group, device, epilogue, a=source, k=g.cin,
                             b_packed=weight[:, :, 0, 0].t().contiguous(), tf32_allowed=_cudnn_allows_tf32,
                             prologue=Prologue(graph, ops, source, input_layout, g.cin, device), hw=hw)
-    elif g.groups > 1 and g.groups == g.cin and layout.channels % g.cin == 0:
+    elif g.is_depthwise(layout.channels):
         kernel = DepthwiseConvKernel(graph, group, device, epilogue, x, geometry, weight, hw)
     elif conv_as_gemm((g.kh, g.kw), g.padding, g.groups):
         stride_h, stride_w = g.stride

@@ -137,12 +137,17 @@ def groups_through_pytorch(plan: FusionPlan) -> dict[str, Reason]:
     return {group.name: reasons[group.name] for group in plan.groups if group.launches and group.name in reasons}
 
 
+def plan_hardware(plan: FusionPlan) -> HardwareProfile:
+    """The GPU profile a plan's kernels pick their tiles for: the one it was planned for."""
+    return plan.profile or get_hardware(plan.hardware)
+
+
 def lower_plan(plan: FusionPlan, device: torch.device | str
                ) -> tuple[dict[str, GroupKernel], dict[str, Reason]]:
     """Lower every group for the plan's GPU: ({group name: kernel}, {group name: why it runs through PyTorch})."""
     kernels: dict[str, GroupKernel] = {}
     reasons: dict[str, Reason] = {}
-    hw = plan.profile or get_hardware(plan.hardware)
+    hw = plan_hardware(plan)
     for group in plan.groups:
         kernel = lower_group(plan.graph, group, device, reasons, hw)
         if kernel is not None:

@@ -5,6 +5,9 @@ when `estimate_memory(...)` exceeds `available_memory(device, config)`.
 
 The estimate is what compiling adds on the device, from the plan alone (no tensor is allocated to find it):
 - weights: the compiled model's private copies of the constants, in the compute dtype;
+- packed weights: what a grouped conv's weight packed block-diagonally for programs of several conv groups takes
+  beyond that one copy (`opfuse.codegen.conv.packed_weight_extra_bytes`: every packing the build holds at once,
+  those of the configs the autotuner runs where it tunes);
 - inputs: the example inputs cast to the compute dtype;
 - intermediates: the plan's peak of live intermediate buffers (`peak_intermediate_bytes`, the same number the
   report shows), outputs included;
@@ -36,14 +39,17 @@ class MemoryEstimate:
     inputs: int
     intermediates: int
     verification: int = 0
+    packed_weights: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.inputs + self.intermediates + self.verification
+        return self.weights + self.packed_weights + self.inputs + self.intermediates + self.verification
 
     def describe(self) -> str:
         parts = [f"weights {format_bytes(self.weights)}", f"inputs {format_bytes(self.inputs)}",
                  f"peak intermediates {format_bytes(self.intermediates)}"]
+        if self.packed_weights:
+            parts.insert(1, f"grouped convs' packed weights {format_bytes(self.packed_weights)} more")
         if self.verification:
             parts.append(f"verification's reference values {format_bytes(self.verification)}")
         return ", ".join(parts)
@@ -57,13 +63,21 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def estimate_memory(analysis: Any, example_inputs: Sequence[torch.Tensor], verify: bool = True) -> MemoryEstimate:
-    """What compiling `analysis.plan` on these inputs needs on the device (see module docstring)."""
+def estimate_memory(analysis: Any, example_inputs: Sequence[torch.Tensor], verify: bool = True,
+                    tuning: bool = False) -> MemoryEstimate:
+    """What compiling `analysis.plan` on these inputs needs on the device, autotuning its kernels or not (see module
+    docstring)."""
+    from opfuse.codegen.conv import packed_weight_extra_bytes
+    from opfuse.codegen.lower import ANCHOR_LOWERINGS, choose_lowering, plan_hardware
     from opfuse.numerics import reference_dtype
 
     graph = analysis.prepared
     compute_size = DTYPE_BYTES[analysis.config.dtype]
     weights = sum(t.nbytes for t in graph.constants.values())
+    plan, hw = analysis.plan, plan_hardware(analysis.plan)
+    packed = sum(packed_weight_extra_bytes(plan.graph, group, hw, tuning, analysis.config.tune_top)
+                 for group in plan.groups if group.name not in analysis.pytorch_groups
+                 and choose_lowering(plan.graph, group) == ANCHOR_LOWERINGS["conv2d"])
     inputs = sum(x.numel() * (compute_size if x.is_floating_point() else x.element_size())
                  for x in example_inputs if isinstance(x, torch.Tensor))
     intermediates = analysis.fused.peak_intermediate_bytes
@@ -77,7 +91,7 @@ def estimate_memory(analysis: Any, example_inputs: Sequence[torch.Tensor], verif
         # every value the reference run makes is kept; views share their source's memory
         values = sum(at_reference(n.type) for n in graph if n.op == "input" or launches_kernel(graph, n))
         verification = values + sum(at_reference(n.type) for n in graph if n.op == "constant")
-    return MemoryEstimate(weights, inputs, intermediates, verification)
+    return MemoryEstimate(weights, inputs, intermediates, verification, packed)
 
 
 def host_available_memory() -> int | None:
@@ -109,7 +123,10 @@ def available_memory(device: torch.device | str, config: Any = None) -> tuple[in
 def check_memory(analysis: Any, example_inputs: Sequence[torch.Tensor], device: torch.device | str,
                  config: Any) -> MemoryEstimate:
     """The estimate, or GraphError when it is over what the device has (see module docstring)."""
-    estimate = estimate_memory(analysis, example_inputs, verify=getattr(config, "verify", True))
+    from opfuse.runtime.autotune import timing_available
+
+    tuning = getattr(config, "autotune", True) and timing_available(device)   # as `build_compiled_model` decides
+    estimate = estimate_memory(analysis, example_inputs, verify=getattr(config, "verify", True), tuning=tuning)
     limit, source = available_memory(device, config)
     if limit is not None and estimate.total > limit:
         hints = ["use a smaller batch or input"]
