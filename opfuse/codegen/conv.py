@@ -250,6 +250,13 @@ def group_block_of(config: KernelConfig) -> int:
     return dict(config.params).get("BLOCK_G", 1)
 
 
+def weights_on_device(weights: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The anchors' weights [Cout, Cin/g, Kh, Kw] (the graph's, on the host) as one tensor, concatenated along Cout,
+    on `device` in `dtype`: one copy to the device each call, so a kernel calls it once for each device copy it
+    holds."""
+    return torch.cat(list(weights), 0).to(device=device, dtype=dtype)
+
+
 def packed_shape(weight_shape: Sequence[int], block: int = 1) -> tuple[int, int]:
     """The shape of `pack_conv_weight` of a weight of `weight_shape` [Cout, Cin/g, Kh, Kw] for programs of `block`
     conv groups: [Kh·Kw·block·Cin/g, Cout], so a block of G groups packs G times the weight's elements."""
@@ -357,7 +364,7 @@ class ConvKernel(EpilogueKernel):
     def packed_weight(self, block: int) -> torch.Tensor:
         """The weight packed for programs of `block` conv groups (`pack_conv_weight`), on the device."""
         if block not in self._packed:
-            weight = torch.cat(self.weights, 0).to(device=self.device, dtype=self.dtype)
+            weight = weights_on_device(self.weights, self.device, self.dtype)
             self._packed[block] = pack_conv_weight(weight, self.geometry.groups, block)
         return self._packed[block]
 
@@ -457,34 +464,38 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
             raise Unsupported(f"{node.describe()}: the weight is not a constant")
     if len(anchors) > 1 and geometry.groups != 1:
         raise Unsupported(f"horizontal group {group.name}: grouped convolutions are not concatenated")
-    dtype = compute_dtype(graph, x, first)
+    dtype = torch_dtype(compute_dtype(graph, x, first))
+    # the graph's weights: each kernel below copies them to the device once (`weights_on_device`), ConvKernel as
+    # the packing of its default config
     weights = [graph.constants[graph[a].inputs[1]] for a in anchors]
-    weight = torch.cat(weights, 0).to(device=device, dtype=torch_dtype(dtype))
     n, _, h_out, w_out = first.type.shape
-    layout = TileLayout((n, weight.shape[0], h_out, w_out), channel_dim=1, channels_last=True)
+    layout = TileLayout((n, sum(w.shape[0] for w in weights), h_out, w_out), channel_dim=1, channels_last=True)
     epilogue = Epilogue(graph, group, chains, layout, device, anchor_biases(graph, anchors))
 
     g = geometry
-    library = ConvLibraryAnchor(x, weights, weight.dtype, device, geometry)
+    library = ConvLibraryAnchor(x, weights, dtype, device, geometry)
     ops = anchor_prologue(graph, anchors[0], group.nodes, users)
     if ops:     # a 1x1 conv computes them on its input tiles (the planner takes them for no other conv)
         if len(anchors) > 1 or not (conv_as_gemm((g.kh, g.kw), g.padding, g.groups) and g.stride == (1, 1)):
             raise Unsupported(f"group {group.name}: a prologue ({', '.join(ops)}) before {first.describe()}")
+        weight = weights_on_device(weights, device, dtype)
         source = prologue_source(graph, ops)
         input_layout = TileLayout(graph[x].type.shape, channel_dim=1, channels_last=True)
         kernel = GemmKernel(graph, group, device, epilogue, a=source, k=g.cin,
                             b_packed=weight[:, :, 0, 0].t().contiguous(), tf32_allowed=_cudnn_allows_tf32,
                             prologue=Prologue(graph, ops, source, input_layout, g.cin, device), hw=hw)
     elif g.is_depthwise(layout.channels):
-        kernel = DepthwiseConvKernel(graph, group, device, epilogue, x, geometry, weight, hw)
+        kernel = DepthwiseConvKernel(graph, group, device, epilogue, x, geometry,
+                                     weights_on_device(weights, device, dtype), hw)
     elif conv_as_gemm((g.kh, g.kw), g.padding, g.groups):
+        weight = weights_on_device(weights, device, dtype)
         stride_h, stride_w = g.stride
         a_view = None if g.stride == (1, 1) else (lambda t: t[:, :, ::stride_h, ::stride_w])
         kernel = GemmKernel(graph, group, device, epilogue, a=x, k=g.cin,
                             b_packed=weight[:, :, 0, 0].t().contiguous(), a_view=a_view, hw=hw,
                             tf32_allowed=_cudnn_allows_tf32)
     else:
-        kernel = ConvKernel(graph, group, device, epilogue, x, geometry, weights, weight.dtype, hw)
+        kernel = ConvKernel(graph, group, device, epilogue, x, geometry, weights, dtype, hw)
     kernel.library_anchor = library
     return kernel
 
@@ -503,7 +514,7 @@ class ConvLibraryAnchor:
 
     def __call__(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.weight is None:   # channels-last like the input: cuDNN would transpose a mismatched one per call
-            weight = torch.cat(self.weights, 0).to(device=self.device, dtype=self.dtype)
+            weight = weights_on_device(self.weights, self.device, self.dtype)
             self.weight = weight.contiguous(memory_format=torch.channels_last)
         g = self.geometry
         y = torch.nn.functional.conv2d(values[self.x], self.weight, None, g.stride, g.padding, g.dilation, g.groups)

@@ -5,6 +5,7 @@ Every config of a grouped conv's kernel, and block sizes the rule would not pick
 with groups that do not exist), must match torch.nn.functional.conv2d in float32 with every output element written
 (outputs NaN-poisoned) and no channel read past the conv's input (its input is a channel slice of a tensor whose
 other channels are NaN). The configs offer G > 1 exactly where a tile holds several groups' output channels.
+Lowering copies the weight to the device once, as the default config's packing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.conv import ConvKernel, group_block_of, lower_conv_group, pack_conv_weight
@@ -153,6 +155,40 @@ def test_the_default_blocks_groups_only_where_the_blocked_grid_fills_the_gpu():
     assert_matches(kernel.run(feeds)[0], expected, "default")
     _, kernel, _, _ = grouped_conv(13, 3, 2)     # 132 SMs: one block of 13 groups would run on one of them
     assert group_block_of(kernel.configs()[0]) == 1 and list(kernel._packed) == [1]
+
+
+class HostToDevice(TorchFunctionMode):
+    """Records the shape of every tensor a torch function copies from the host to another device."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        source = args[0] if args else None
+        if isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor) and source.device.type == "cpu" \
+                and out.device.type != "cpu":
+            self.shapes.append(tuple(source.shape))
+        return out
+
+
+@pytest.mark.parametrize("sm_count, default_block", [(132, 1), (2, 8)])
+def test_lowering_copies_the_weight_to_the_device_once(sm_count, default_block):
+    """Once, for the default config's packing, whether it blocks groups or not (lowered for the `meta` device, so
+    every copy off the host shows and nothing runs); another block size's packing is one copy more."""
+    b = Builder()
+    x = b.input("x", (2, 16, 6, 5))
+    y = b.op("relu", b.conv(x, 32, 3, padding=1, groups=8))
+    with HostToDevice() as copies:
+        kernel = lower_conv_group(b.graph, b.group([y]), "meta", hw=replace(get_hardware(), sm_count=sm_count))
+    assert isinstance(kernel, ConvKernel) and group_block_of(kernel.configs()[0]) == default_block
+    weight_shape = (32, 2, 3, 3)
+    assert copies.shapes.count(weight_shape) == 1
+    assert [(block, w.device.type) for block, w in kernel._packed.items()] == [(default_block, "meta")]
+    with HostToDevice() as copies:
+        kernel.packed_weight(8 if default_block == 1 else 1)
+    assert copies.shapes == [weight_shape]
 
 
 def test_split_k_and_group_blocking_exclude_each_other():
