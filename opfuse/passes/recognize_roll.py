@@ -30,7 +30,7 @@ def recognize_roll(graph: Graph) -> tuple[Graph, list[str]]:
         for name in dict.fromkeys(slices):
             remove_if_unused(graph, name)
         changes.append(f"cat {node.name} of two slices of {source} is roll({source}, {amount}, dim {dim})")
-    users = graph.users()
+    users = graph.users()      # once for the merges, each of which keeps it up to date
     for node in list(graph):
         while node.op == "roll" and graph[node.inputs[0]].op == "roll" \
                 and graph.only_reader(node.inputs[0], users) is node:
@@ -39,8 +39,11 @@ def recognize_roll(graph: Graph) -> tuple[Graph, list[str]]:
             node.attrs = {"shifts": [*inner.attrs["shifts"], *node.attrs["shifts"]],
                           "dims": [*inner.attrs["dims"], *node.attrs["dims"]]}
             graph.remove(inner.name)
-            users = graph.users()
-            changes.append(f"roll {inner.name} merged into roll {node.name}, which reads {node.inputs[0]}")
+            # the merged roll reads inner's input in inner's place; nothing reads inner any more
+            source = node.inputs[0]
+            users[source] = [node if reader is inner else reader for reader in users[source]]
+            del users[inner.name]
+            changes.append(f"roll {inner.name} merged into roll {node.name}, which reads {source}")
     return graph, changes
 
 

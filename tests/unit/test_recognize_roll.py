@@ -128,3 +128,25 @@ def test_a_roll_read_only_by_a_roll_is_merged_into_it(inner_dims, outer_dims):
     assert roll.inputs == ["x"] and roll.attrs["dims"] == inner_dims + outer_dims
     assert changes == ["roll inner merged into roll outer, which reads x"]
     assert_same_numerics(graph, after)
+
+
+def test_a_chain_of_rolls_is_merged_with_one_look_at_the_readers(monkeypatch):
+    """Four rolls in a row become one (each merge leaves the merged roll the only reader of the next one in): the
+    pass finds every value's readers once, not again after each merge. A roll read by two rolls stays apart."""
+    graph = Graph("chain")
+    value = graph.add_input("x", TensorType(SHAPE, "float64")).name
+    for i, dim in enumerate((1, 2, 3, 1)):
+        value = op(graph, f"roll{i}", "roll", [value], shifts=[i + 1], dims=[dim])
+    forked = [op(graph, f"fork{i}", "roll", [value], shifts=[1], dims=[2]) for i in range(2)]
+    graph.outputs = [op(graph, "out", "add", forked)]
+    calls = []
+    users = Graph.users
+    monkeypatch.setattr(Graph, "users", lambda self: calls.append(1) or users(self))
+    after, changes = run_pass(recognize_roll, graph)
+    assert len(calls) == 1
+    rolls = {n.name: n for n in after if n.op == "roll"}
+    assert sorted(rolls) == ["fork0", "fork1", "roll3"]
+    assert rolls["roll3"].inputs == ["x"] and rolls["roll3"].attrs == {"shifts": [1, 2, 3, 4], "dims": [1, 2, 3, 1]}
+    assert changes == [f"roll roll{i} merged into roll roll{i + 1}, which reads x" for i in range(3)]
+    monkeypatch.undo()
+    assert_same_numerics(graph, after)
