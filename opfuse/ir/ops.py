@@ -337,7 +337,39 @@ register(OpDef("opaque", O, _run_opaque,
 # ---- per-node helpers ------------------------------------------------------------------------------
 
 def infer_type(op: str, input_types: Sequence[TensorType], attrs: Attrs) -> TensorType:
-    """Output type of `op` on inputs of these types, found by running its reference on the meta device."""
+    """Output type of `op` on inputs of these types, found by running its reference on the meta device. The answer
+    is a function of the three, so it is kept where the attrs are plain values (`_INFERRED`): the verifier asks
+    again for every node after every pass, and some references are slow even on meta tensors (batch norm:
+    milliseconds)."""
+    try:
+        key = (op, tuple(input_types), _plain(attrs))
+    except TypeError:     # an attr that is not a plain value (a callable): not kept
+        return _infer_type(op, input_types, attrs)
+    inferred = _INFERRED.get(key)
+    if inferred is None:
+        inferred = _infer_type(op, input_types, attrs)
+        if len(_INFERRED) < _INFERRED_LIMIT:
+            _INFERRED[key] = inferred
+    return inferred
+
+
+_INFERRED: dict[tuple, TensorType] = {}
+_INFERRED_LIMIT = 1 << 16
+
+
+def _plain(value: Any) -> tuple:
+    """`value` as a hashable key of what it holds, each leaf with its type (1, 1.0 and True differ): a dict as its
+    sorted items, a list or tuple as a tuple; TypeError for anything but numbers, strings, None and dtypes."""
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _plain(v)) for k, v in sorted(value.items())))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_plain(v) for v in value))
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return (type(value).__name__, value)
+    raise TypeError(f"not a plain attr value: {type(value).__name__}")
+
+
+def _infer_type(op: str, input_types: Sequence[TensorType], attrs: Attrs) -> TensorType:
     fakes = [torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta") for t in input_types]
     try:
         result = get_op(op).run(fakes, attrs)

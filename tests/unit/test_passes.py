@@ -809,3 +809,28 @@ def test_a_linear_between_row_reshapes_reads_and_writes_its_rows_unflattened():
     assert [n.name for n in after if n.op == "reshape"] == ["merge"] and after["merge"].attrs["shape"] == [1, 6, 8]
     assert after["fc"].inputs[0] == "x" and after["fc"].type.shape == (1, 6, 5) == after["proj"].type.shape
     torch.testing.assert_close(interpret(after, feeds)[0], interpret(graph, feeds)[0])
+
+
+def test_infer_type_keeps_answers_by_op_types_and_attrs_of_their_type(monkeypatch):
+    """The verifier re-infers every node's type after every pass: answers are kept per (op, input types, attrs),
+    attrs compared with their types (1, 1.0 and True are different keys), and an attr that is not a
+    plain value (a callable) is inferred afresh each time."""
+    from opfuse.ir import ops
+    from opfuse.ir.graph import TensorType
+
+    calls = []
+    original = ops._infer_type
+    monkeypatch.setattr(ops, "_infer_type", lambda *args: calls.append(args[0]) or original(*args))
+    monkeypatch.setattr(ops, "_INFERRED", {})
+    x = TensorType((1, 2, 5, 5), "float32")
+    w = TensorType((3, 2, 3, 3), "float32")
+    conv = dict(stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=1)
+    first = infer_type("conv2d", [x, w], conv)
+    assert first == TensorType((1, 3, 5, 5), "float32") and infer_type("conv2d", [x, w], dict(conv)) == first
+    assert calls == ["conv2d"]                                   # the second answer was the kept one
+    assert infer_type("conv2d", [x, w], conv | {"padding": (0, 0)}) == TensorType((1, 3, 3, 3), "float32")
+    assert infer_type("clamp", [x], {"min": 0, "max": 6}) == infer_type("clamp", [x], {"min": 0.0, "max": 6.0})
+    assert calls == ["conv2d", "conv2d", "clamp", "clamp"]       # 0 and 0.0: two keys
+    opaque = {"fn": lambda xs: xs[0] * 2}
+    assert infer_type("opaque", [x], opaque) == x and infer_type("opaque", [x], opaque) == x
+    assert calls[-2:] == ["opaque", "opaque"]                    # never kept: the callable is not a plain value
