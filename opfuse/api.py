@@ -42,7 +42,8 @@ class Analysis:
     seconds: dict[str, float] = field(default_factory=dict)
     pytorch_groups: dict[str, Reason] = field(default_factory=dict)    # groups without an opfuse kernel, and why
     as_compiled: Any = None         # opfuse.analysis.as_compiled.AsCompiled: what the last compile of this plan
-                                    # runs (its launches, forms and groups through PyTorch), None if none was made
+                                    # runs on this device (launches, forms, groups through PyTorch) or why it
+                                    # failed; None if none was made
 
     @property
     def opaque_ops(self) -> list[str]:
@@ -95,7 +96,7 @@ def capture(model: Any, example_inputs: Sequence[Any] | None = None, batch: int 
 def analyze(model: Any, example_inputs: Sequence[Any] | None = None, config: FusionConfig = FusionConfig(),
             batch: int | None = None, name: str | None = None) -> Analysis:
     """Capture, prepare and plan `model`; quantify traffic and launches before and after fusion; and read what the
-    last compile of this plan runs, if one was made with this config's tuning settings (`as_compiled`)."""
+    last compile of this plan with this config's settings runs on this device, if one was made (`as_compiled`)."""
     from opfuse.analysis import as_compiled
     from opfuse.analysis.traffic import op_table, summarize_plan, summarize_unfused
     from opfuse.codegen.lower import groups_through_pytorch
@@ -126,7 +127,12 @@ def analyze(model: Any, example_inputs: Sequence[Any] | None = None, config: Fus
     return Analysis(display_name, config, hardware, captured, prepared, records, plan,
                     op_table(captured, hardware, config), summarize_unfused(captured, hardware, config),
                     summarize_plan(plan, hardware, pytorch_groups), seconds, pytorch_groups,
-                    as_compiled.load(plan, config))
+                    as_compiled.load(plan, config, as_compiled.device_name(_cuda_device(example_inputs))))
+
+
+def _cuda_device(example_inputs: Sequence[Any] | None) -> torch.device | None:
+    """The GPU the example inputs are on, if any (a compile of them runs there)."""
+    return next((x.device for x in example_inputs or () if isinstance(x, torch.Tensor) and x.is_cuda), None)
 
 
 def _debug_dir(config: FusionConfig, stage: str) -> str | None:

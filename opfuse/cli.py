@@ -181,12 +181,20 @@ def summary_table(analysis) -> Table:
     return table
 
 
+def analysis_config(args: argparse.Namespace) -> FusionConfig:
+    """The config `analyze` and `report` plan with: the model flags, and the tuning flags, which select the record
+    of a compile made with the same ones (`opfuse bench --tune-top 8` is found by `opfuse analyze --tune-top 8`)."""
+    from opfuse.bench.cli_bench import tuning_knobs
+    from opfuse.ir.graph import dtype_name
+
+    return FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold,
+                        **tuning_knobs(args))
+
+
 def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     if not _writable(args.json, args.html):
         return EXIT_USAGE
-    from opfuse.ir.graph import dtype_name
-
-    config = FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold)
+    config = analysis_config(args)
     with status(args, f"capturing and planning {escape(args.model)}"):
         analysis = load_analysis(args, config)
     write_json(args.json, analysis.to_dict())
@@ -217,8 +225,9 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
         else:
             console.print("[dim]fused launches count every kernel in its generated form, as an untuned compile "
                           "runs it; on a GPU the autotuner keeps a library (cuBLAS/cuDNN) or unfused form where it "
-                          "measures faster, which may launch more. No compile of this plan with these tuning "
-                          "settings is recorded here: once one is, analyze reports what it runs[/]")
+                          "measures faster, which may launch more. No compile of this plan with these settings "
+                          "(the tuning flags) is recorded on this device: once one is, analyze reports what it "
+                          "runs[/]")
         if args.html:
             console.print(f"report: {escape(args.html)}")
     return EXIT_OK
@@ -229,9 +238,7 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
 
     if not _writable(args.output, args.json):
         return EXIT_USAGE
-    from opfuse.ir.graph import dtype_name
-
-    config = FusionConfig(dtype=dtype_name(args.dtype), hardware=args.hw, density_threshold=args.threshold)
+    config = analysis_config(args)
     with status(args, f"capturing and planning {escape(args.model)}") as spinner:
         analysis = load_analysis(args, config)
         if spinner is not None:
@@ -316,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()))
     parser.add_argument("--version", action="version", version=f"opfuse {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    from opfuse import cli_package
+    from opfuse.bench import cli_bench
 
     analyze = sub.add_parser("analyze", help="where the model wastes traffic and launches, and what opfuse fuses",
                              formatter_class=HelpFormatter)
@@ -324,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--refused", default=30, type=row_limit,
                          help="how many refused fusions to print, or 'all'")
     analyze.add_argument("--html", metavar="FILE", help="also write the HTML fusion report")
+    cli_bench.add_tuning_arguments(analyze)
     analyze.set_defaults(handler=cmd_analyze)
 
     report = sub.add_parser("report", help="one self-contained HTML page: what was fused, why, what it bought",
@@ -331,10 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arguments(report)
     report.add_argument("-o", "--output", default="report.html", metavar="FILE",
                         help="where to write the report (default report.html)")
+    cli_bench.add_tuning_arguments(report)
     report.set_defaults(handler=cmd_report)
-
-    from opfuse import cli_package
-    from opfuse.bench import cli_bench
 
     compile_ = sub.add_parser("compile", help="compile MODEL into one package file that opfuse.load runs without "
                                               "compiling again (several batch sizes with --batches)",

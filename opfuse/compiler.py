@@ -230,8 +230,6 @@ def compile(model: Any, example_inputs: Sequence[torch.Tensor],
 
 def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, quiet: bool) -> OpfuseModule:
     from opfuse.analysis import as_compiled
-    from opfuse.runtime.compiled import build_compiled_model
-    from opfuse.runtime.memory import check_memory
 
     for index, x in enumerate(example_inputs):
         if isinstance(x, torch.Tensor) and x.numel() == 0:
@@ -247,9 +245,25 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
     start = time.perf_counter()
     analysis = analyze(model, example_inputs, config)    # on fake tensors: allocates nothing the size of the model
     seconds["analyze"] = time.perf_counter() - start
+    device_key = as_compiled.device_name(device)
+    record_key = as_compiled.plan_key(analysis.plan, analysis.config, device_key)
+    try:
+        return _build(model, example_inputs, config, quiet, analysis, seconds, device, record_key, device_key)
+    except Exception as error:   # the record says so: analyze reports no outcome of an earlier compile instead
+        as_compiled.store(record_key, analysis.config, as_compiled.failure(analysis, device_key, error))
+        raise
+
+
+def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, quiet: bool, analysis: Analysis,
+           seconds: dict[str, float], device: torch.device, record_key: str, device_key: str) -> OpfuseModule:
+    """The compile after analyze: memory pre-flight, kernels, tuning, verification; records its outcome."""
+    from opfuse.analysis import as_compiled
+    from opfuse.runtime.compiled import build_compiled_model
+    from opfuse.runtime.memory import check_memory
+
+    say = _stage_printer(quiet)
     check_memory(analysis, example_inputs, device, config)
-    planned = analysis.plan.kernel_launches
-    record_key = as_compiled.plan_key(analysis.plan, analysis.config)   # of the plan analyze makes: before split_back
+    analyzed = analysis      # the plan's record is of the plan analyze makes, before any split_back
 
     eager = _eager_copy(model)
     with torch.no_grad():
@@ -305,7 +319,7 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
                                  f"{bound:.0e} (eager in {config.dtype}: "
                                  f"{'-' if eager_error is None else f'{eager_error:.2e}'}) although every "
                                  "kernel passed its own check; please report this model")
-    analysis = replace(analysis, as_compiled=as_compiled.record(compiled, planned, device))
+    analysis = replace(analysis, as_compiled=as_compiled.record(compiled, analyzed, device_key))
     as_compiled.store(record_key, analysis.config, analysis.as_compiled)
     keep_eager = config.recompile or config.fallback == "eager"
     return OpfuseModule(compiled, analysis, example_inputs, output_spec, output_dtypes, checks, end_to_end, seconds,

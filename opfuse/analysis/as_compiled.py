@@ -1,16 +1,19 @@
-"""What the last compile of a plan runs, so that `opfuse analyze` can say it: `store(...)`, `load(plan, config)`.
+"""What the last compile of a plan runs, so that `opfuse analyze` can say it: `store(...)`, `load(...)`.
 
 A plan's launch count is what its groups launch in their generated forms. On a GPU the autotuner keeps a library
 form (the anchor through cuBLAS/cuDNN, its epilogue a kernel of its own) or the unfused form (the group's ops one by
 one through PyTorch) where it measures faster, and verification sends a failing kernel's group through PyTorch: the
-compiled model then launches more than the plan says. Every compile records what it ended with under the key of the
-plan it started from (`plan_key`), in the tuning cache's directory (`compiled/`); `opfuse.analyze` reads the record
-of its own plan, and reports those launches, forms and groups through PyTorch as the compiled model's.
+compiled model then launches more than the plan says. Every compile records what it ended with, or that it failed
+and why, under the key of the plan it started from (`plan_key`), in the tuning cache's directory (`compiled/`);
+`opfuse.analyze` reads the record of its own plan on its device, and reports those launches, forms and groups as
+the compiled model's.
 
-The key covers the prepared graph (every node's op and type), the plan (groups and decisions), the tuning settings
-(autotune, tune_top, library_anchors, split_k), the torch, Triton and opfuse versions: an analysis finds a record
-only of a compile that started from the same plan with the same tuning settings. Records of other GPUs are kept
-apart by the plan's hardware profile and named by the GPU that made them.
+The key covers the prepared graph (every node's op and type), the plan (groups and decisions), the settings that
+change what a compile of it runs (autotune, tune_top, library_anchors, split_k, verify), the device by name (the
+GPU's, or the CPU's interpreter), and the torch, Triton and opfuse versions: an analysis finds the record only of a
+compile that started from the same plan with the same settings on the same kind of device. A compile's device is
+that of its inputs; an analysis's is its inputs' GPU if they are on one, else this machine's GPU (a compile of the
+model would run there), else the CPU.
 """
 
 from __future__ import annotations
@@ -21,46 +24,64 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-TUNING_FIELDS = ("autotune", "tune_top", "library_anchors", "split_k")
+SETTINGS = ("autotune", "tune_top", "library_anchors", "split_k", "verify")
 
 
 @dataclass
 class AsCompiled:
-    """One compile's outcome: launches per forward and why they differ from the plan's."""
+    """One compile's outcome: launches per forward and why they differ from the plan's, or why it failed."""
 
     gpu: str                                # the device the compile ran on, by name
     date: str                               # when (ISO 8601, UTC)
-    launches: int                           # the compiled model's kernel launches per forward
-    planned: int                            # the plan's (`FusionPlan.kernel_launches`)
+    launches: int                           # the compiled model's kernel launches per forward (0: it failed)
+    planned: int                            # what analyze counts for the plan (`Analysis.fused.kernel_launches`)
     library: dict[str, str] = field(default_factory=dict)        # group -> its library form, and the timings
     unfused: dict[str, str] = field(default_factory=dict)        # group -> unfused by measurement, and the timings
-    through_pytorch: dict[str, str] = field(default_factory=dict)  # group -> why it has no kernel (verification...)
+    through_pytorch: dict[str, str] = field(default_factory=dict)  # group -> why it lost its kernel (verification),
+                                                                 # beyond the groups analyze lists already
+    failed: str = ""                        # why the compile failed ("": it did not)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def summary(self) -> str:
         """One line: the launches as compiled and where they differ from the plan's."""
+        when = f"on {self.gpu} ({self.date[:10]})"
+        if self.failed:
+            return f"the last compile of this plan {when} failed: {self.failed}"
         parts = []
         if self.library:
             parts.append(f"{len(self.library)} groups with the anchor in cuBLAS/cuDNN")
         if self.unfused:
-            parts.append(f"{len(self.unfused)} unfused")
+            parts.append(f"{len(self.unfused)} unfused, as the autotuner measured")
         if self.through_pytorch:
-            parts.append(f"{len(self.through_pytorch)} through PyTorch")
-        why = f" ({', '.join(parts)}, as the autotuner and verification decided)" if parts else ""
-        return (f"as compiled on {self.gpu} ({self.date[:10]}): {self.launches} kernel launches per forward, "
-                f"planned {self.planned}{why}")
+            parts.append(f"{len(self.through_pytorch)} through PyTorch after verification")
+        why = f" ({', '.join(parts)})" if parts else ""
+        return f"as compiled {when}: {self.launches} kernel launches per forward, planned {self.planned}{why}"
 
 
-def plan_key(plan: Any, config: Any) -> str:
-    """sha256 over the prepared graph, the plan, the tuning settings and the versions (module docstring)."""
+def device_name(device: Any = None) -> str:
+    """The name a record keys its device by: a CUDA device's (None: this machine's GPU, if it has one), else the
+    CPU's (Triton's interpreter)."""
+    import torch
+
+    if device is not None and torch.device(device).type != "cuda":
+        return "the CPU (Triton's interpreter)"
+    if device is None and not torch.cuda.is_available():
+        return "the CPU (Triton's interpreter)"
+    return torch.cuda.get_device_name(device)
+
+
+def plan_key(plan: Any, config: Any, device: str) -> str:
+    """sha256 over the prepared graph, the plan, the settings, the device's name and the versions (module
+    docstring)."""
     import opfuse
     from opfuse.runtime.cache import software_versions
 
     payload = {"graph": [[n.name, n.op, str(n.type), list(n.inputs)] for n in plan.graph],
                "plan": plan.to_dict(),
-               "tuning": {name: getattr(config, name, None) for name in TUNING_FIELDS},
+               "settings": {name: getattr(config, name, None) for name in SETTINGS},
+               "device": device,
                "versions": software_versions() | {"opfuse": opfuse.__version__}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -71,25 +92,33 @@ def _cache(config: Any):
     return TuningCache(default_cache_dir(config) / "compiled")
 
 
-def record(compiled: Any, planned: int, device: Any) -> AsCompiled:
-    """The outcome of a compiled model (`opfuse.runtime.compiled.CompiledModel`) built from a plan of `planned`
-    launches on `device`."""
-    import torch
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU (Triton's interpreter)"
-    return AsCompiled(gpu=gpu, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                      launches=compiled.launches, planned=planned, library=dict(compiled.library_anchors),
-                      unfused=dict(compiled.unfused),
-                      through_pytorch={g: r.text for g, r in compiled.fallbacks.items()})
+
+def record(compiled: Any, analysis: Any, device: str) -> AsCompiled:
+    """The outcome of a compiled model (`opfuse.runtime.compiled.CompiledModel`) built from `analysis` on the
+    device named `device`."""
+    launching = {g.name for g in compiled.plan.groups if g.launches}
+    lost = {g: r.text for g, r in compiled.fallbacks.items() if g in launching and g not in analysis.pytorch_groups}
+    return AsCompiled(gpu=device, date=_now(), launches=compiled.launches, planned=analysis.fused.kernel_launches,
+                      library=dict(compiled.library_anchors), unfused=dict(compiled.unfused), through_pytorch=lost)
+
+
+def failure(analysis: Any, device: str, error: BaseException) -> AsCompiled:
+    """The record of a compile of `analysis` that failed with `error`."""
+    return AsCompiled(gpu=device, date=_now(), launches=0, planned=analysis.fused.kernel_launches,
+                      failed=f"{type(error).__name__}: {error}")
 
 
 def store(key: str, config: Any, outcome: AsCompiled) -> None:
     _cache(config).store(key, outcome.to_dict())
 
 
-def load(plan: Any, config: Any) -> AsCompiled | None:
-    """The record of the last compile that started from this plan with this config's tuning settings, or None."""
-    entry = _cache(config).load(plan_key(plan, config))
+def load(plan: Any, config: Any, device: str) -> AsCompiled | None:
+    """The record of the last compile that started from this plan with this config's settings on `device`, or
+    None."""
+    entry = _cache(config).load(plan_key(plan, config, device))
     if entry is None:
         return None
     try:

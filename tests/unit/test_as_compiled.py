@@ -1,12 +1,14 @@
 """`opfuse.analyze` reports what the last compile of its plan runs (opfuse.analysis.as_compiled): the launches,
-and the groups that left their fused form, when they differ from the plan's."""
+and the groups that left their fused form, when they differ from the plan's; or that the compile failed."""
 
 import json
 
+import pytest
 import torch
 
 import opfuse
 from opfuse.codegen import lower
+from opfuse.ir.graph import GraphError
 
 
 def model_and_input():
@@ -15,44 +17,87 @@ def model_and_input():
     return model.eval(), torch.randn(2, 8)
 
 
+def sabotage_the_tanh_group(monkeypatch):
+    """Lower the second linear's group (+ tanh) to a kernel that is off by one: it fails verification."""
+    original = lower.lower_group
+
+    def wrong(graph, group, device, reasons=None, hw=None):
+        kernel = original(graph, group, device, reasons, hw)
+        if kernel is not None and any(graph[n].op == "tanh" for n in group.nodes) and len(group.nodes) > 1:
+            run = kernel.run
+            kernel.run = lambda inputs, config=None: [out + 1.0 for out in run(inputs, config)]
+        return kernel
+
+    monkeypatch.setattr(lower, "lower_group", wrong)
+    return original
+
+
 def test_analyze_reports_the_compiled_launches_where_verification_unfused_a_group(tmp_path, monkeypatch):
     model, x = model_and_input()
     config = opfuse.FusionConfig(dtype="float32", cache_dir=str(tmp_path))
     before = opfuse.analyze(model, (x,), config)
     assert before.as_compiled is None                     # nothing compiled yet: the plan is all analyze knows
 
-    original = lower.lower_group
-
-    def wrong_second_linear(graph, group, device, reasons=None, hw=None):   # fails its check: runs through PyTorch
-        kernel = original(graph, group, device, reasons, hw)
-        if kernel is not None and group.anchor and graph[group.anchor].op == "linear" and len(group.nodes) > 1 \
-                and any(graph[n].op == "tanh" for n in group.nodes):
-            run = kernel.run
-            kernel.run = lambda inputs, config=None: [out + 1.0 for out in run(inputs, config)]
-        return kernel
-
-    monkeypatch.setattr(lower, "lower_group", wrong_second_linear)
+    original = sabotage_the_tanh_group(monkeypatch)
     compiled = opfuse.compile(model, (x,), config)
     monkeypatch.setattr(lower, "lower_group", original)
     assert compiled.launches > compiled.plan.kernel_launches     # the unfused group launches one kernel per op
 
     after = opfuse.analyze(model, (x,), config)
     record = after.as_compiled
-    assert record.launches == compiled.launches and record.planned == before.plan.kernel_launches
-    assert list(record.through_pytorch) == [g for g in compiled.fallbacks]
+    assert record.launches == compiled.launches and record.planned == before.fused.kernel_launches
+    assert list(record.through_pytorch) == list(compiled.fallbacks) and not record.failed
     assert "failed verification" in next(iter(record.through_pytorch.values()))
-    assert f"{compiled.launches} kernel launches per forward, planned {record.planned}" in record.summary()
+    assert (f"{compiled.launches} kernel launches per forward, planned {record.planned} (1 through PyTorch after "
+            "verification)") in record.summary()
     assert json.loads(json.dumps(after.to_dict()))["as_compiled"]["launches"] == compiled.launches
     assert compiled.analysis.as_compiled == record               # the compiled model says the same
 
+    unverified = opfuse.FusionConfig(dtype="float32", cache_dir=str(tmp_path), verify=False)
+    assert opfuse.analyze(model, (x,), unverified).as_compiled is None   # unverified, the group keeps its kernel
 
-def test_a_record_is_only_of_the_same_plan_and_tuning_settings(tmp_path):
+
+def test_a_record_is_only_of_the_same_plan_settings_and_device(tmp_path):
+    from opfuse.analysis import as_compiled
+
     model, x = model_and_input()
     config = opfuse.FusionConfig(dtype="float32", cache_dir=str(tmp_path))
     compiled = opfuse.compile(model, (x,), config)
-    assert opfuse.analyze(model, (x,), config).as_compiled.launches == compiled.launches
-    other_tuning = opfuse.FusionConfig(dtype="float32", cache_dir=str(tmp_path), tune_top=1)
-    assert opfuse.analyze(model, (x,), other_tuning).as_compiled is None
+    analysis = opfuse.analyze(model, (x,), config)
+    assert analysis.as_compiled.launches == compiled.launches
+    for other in (dict(tune_top=1), dict(library_anchors=False), dict(vertical=False)):   # settings, the plan
+        assert opfuse.analyze(model, (x,), opfuse.FusionConfig(dtype="float32", cache_dir=str(tmp_path),
+                                                               **other)).as_compiled is None, other
     assert opfuse.analyze(model, (torch.randn(3, 8),), config).as_compiled is None     # another shape
-    unfused = opfuse.FusionConfig(dtype="float32", cache_dir=str(tmp_path), vertical=False)
-    assert opfuse.analyze(model, (x,), unfused).as_compiled is None                     # another plan
+    assert as_compiled.load(analysis.plan, config, as_compiled.device_name("cpu")) == analysis.as_compiled
+    assert as_compiled.load(analysis.plan, config, "NVIDIA H200") is None               # another device
+
+
+def test_a_group_analyze_already_sends_through_pytorch_is_planned_not_lost(tmp_path):
+    """A linear whose weight is an input runs through PyTorch by analyze's own count: the record's planned launches
+    are analyze's (`fused`), and it lists no group as lost."""
+    class InputWeight(torch.nn.Module):
+        def forward(self, x, w):
+            return torch.relu(torch.nn.functional.linear(x, w))
+
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    config = opfuse.FusionConfig(dtype="float32", cache_dir=str(tmp_path))
+    compiled = opfuse.compile(InputWeight(), (x, w), config)
+    record = opfuse.analyze(InputWeight(), (x, w), config).as_compiled
+    assert compiled.analysis.pytorch_groups and record.through_pytorch == {}
+    assert record.planned == compiled.analysis.fused.kernel_launches == record.launches == compiled.launches
+
+
+def test_a_failed_compile_is_recorded_as_failed(tmp_path):
+    """The record is of the last compile: one that fails after a good one replaces its record (memory_limit is no
+    setting of the key, so both compiles are of one plan)."""
+    model, x = model_and_input()
+    config = opfuse.FusionConfig(dtype="float32", cache_dir=str(tmp_path))
+    opfuse.compile(model, (x,), config)
+    assert opfuse.analyze(model, (x,), config).as_compiled.launches > 0
+    with pytest.raises(GraphError, match="memory"):
+        opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", cache_dir=str(tmp_path), memory_limit=1))
+    record = opfuse.analyze(model, (x,), config).as_compiled
+    assert record.launches == 0 and record.failed.startswith("GraphError: ")
+    assert "the last compile of this plan on the CPU (Triton's interpreter)" in record.summary()
+    assert "failed: GraphError" in record.summary()
