@@ -46,7 +46,7 @@ from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.reasons import Reason
 from opfuse.fusion.tiles import interpreting  # noqa: F401  (the anchor templates take it from here)
 from opfuse.ir.graph import Graph, Node, torch_dtype
-from opfuse.ir.ops import FusionKind, kind_of
+from opfuse.ir.ops import FusionKind, along_channels, kind_of
 
 ROW_GROUPS = 3      # row dims a kernel decomposes its row index into (N, H, W for images)
 BATCH_GROUPS = 2    # batch dims a batched kernel decomposes its batch grid index into (batch, heads)
@@ -299,8 +299,7 @@ class Epilogue:
         channel = self.layout.channel_dim
         constant = self.graph.constants[value] if source.op == "constant" else None
         inverse = [space.index(d) for d in range(len(space))]
-        if node.op == "batch_norm" and index > 0:
-            # batch-norm parameters are [C] along dim 1, not broadcast from the right
+        if along_channels(node, index):
             if constant is None or tuple(constant.shape) != (out_shape[1],):
                 raise Unsupported(f"{node.describe()}: batch-norm parameter {value} is not a constant "
                                   f"[{out_shape[1]}] vector")

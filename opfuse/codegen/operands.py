@@ -26,6 +26,7 @@ from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, 
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import interpreting  # noqa: F401  (pointwise and reduction take it from here)
 from opfuse.ir.graph import WIDE_INTEGERS, Graph, GraphError, Node, TensorType, torch_dtype
+from opfuse.ir.ops import along_channels
 
 Coords = tuple  # tuple[str | None, ...]: a Triton expression per dimension, None meaning 0
 
@@ -321,8 +322,8 @@ class Region:
 
     def operand_coords(self, node: Node, position: int, coords: Coords) -> Coords:
         """Coordinates of input `position` of elementwise `node` for its output element at `coords`."""
-        if node.op == "batch_norm" and position > 0:
-            return (coords[1],)     # weight, bias, mean, var are per channel (dim 1), not numpy-broadcast
+        if along_channels(node, position):
+            return (coords[1],)
         return broadcast_coords(coords, node.type.shape, self.graph[node.inputs[position]].type.shape)
 
     def _load(self, name: str, coords: Coords) -> str:

@@ -32,7 +32,7 @@ import torch
 from opfuse.codegen.epilogue import TileLayout
 from opfuse.codegen.expr import Unsupported, emit, literal, triton_dtype
 from opfuse.ir.graph import Graph
-from opfuse.ir.ops import get_op
+from opfuse.ir.ops import along_channels, get_op
 
 
 class Prologue:
@@ -113,10 +113,10 @@ class Prologue:
         return "\n".join(indent + line for line in lines)
 
     def _operand(self, value: str, reader, position: int) -> str:
-        """Input `position` of node `reader`, loaded at the tile's coordinates. A batch norm's parameters are [C]
-        along dim 1 (not broadcast from the right, as other operands are): they are laid along it first."""
+        """Input `position` of node `reader`, loaded at the tile's coordinates; one that lies along the channels
+        (`along_channels`: a batch norm's [C] parameters) is laid along dim 1 first."""
         source = self.graph[value]
-        per_channel = reader.op == "batch_norm" and position > 0
+        per_channel = along_channels(reader, position)
         if source.op == "constant":
             constant = self.constants.setdefault(value, self.graph.constants[value].to(self.device))
             if constant.numel() == 1:

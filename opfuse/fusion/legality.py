@@ -51,7 +51,7 @@ from typing import Iterable, Mapping, Sequence
 from opfuse.config import FusionConfig
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, Node
-from opfuse.ir.ops import FusionKind, get_op, kind_of
+from opfuse.ir.ops import FusionKind, along_channels, get_op, kind_of
 from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, through_views
 
 Users = Mapping[str, Sequence[Node]]
@@ -398,7 +398,7 @@ def constant_operands_only(graph: Graph, stage: Sequence[str], owner: Mapping[st
             shape = graph[value].type.shape
             aligned = (1,) * (len(node.type.shape) - len(shape)) + tuple(shape)   # broadcasting aligns right
             per_channel = all(size == 1 for dim, size in enumerate(aligned) if dim != 1)
-            if not (per_channel or node.op == "batch_norm" and position > 0):
+            if not (per_channel or along_channels(node, position)):
                 return Reason(Code.INNER_OPERAND, f"{name} reads constant {value} {graph[value].type}, which varies "
                               "along more than the channels")
     return None

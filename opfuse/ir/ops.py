@@ -336,6 +336,12 @@ register(OpDef("opaque", O, _run_opaque,
 
 # ---- per-node helpers ------------------------------------------------------------------------------
 
+def along_channels(node: Node, position: int) -> bool:
+    """Whether input `position` of `node` lies along dim 1 (the channels) instead of broadcasting from the right as
+    other operands do: a batch norm's weight, bias, mean and variance, [C] vectors."""
+    return node.op == "batch_norm" and position > 0
+
+
 def infer_type(op: str, input_types: Sequence[TensorType], attrs: Attrs) -> TensorType:
     """Output type of `op` on inputs of these types, found by running its reference on the meta device. The answer
     is a function of the three, so it is kept where the attrs are plain values (`_INFERRED`): the verifier asks
