@@ -16,7 +16,7 @@ import torch
 from opfuse.codegen.base import FORM_LIBRARY, FORM_UNFUSED, GroupKernel, KernelConfig
 from opfuse.codegen.split_k import REDUCE_BLOCK_M, REDUCE_BLOCK_N, SplitK, slices_of
 from opfuse.ir.graph import Node
-from opfuse.ir.interpret import run_nodes
+from opfuse.ir.interpret import device_constants, run_nodes
 from opfuse.ir.ops import launches_kernel
 
 if TYPE_CHECKING:
@@ -147,11 +147,10 @@ class EpilogueKernel(GroupKernel):
     def run_unfused(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The group's ops one by one through their PyTorch references, as the runtime runs a group it has no kernel
         for (each intermediate freed after its last reader); the constants they read (the graph's, BN already
-        folded) go to the device on first use."""
+        folded) go to the device on first use (`device_constants`)."""
         nodes = self._unfused_nodes
         if self._unfused_constants is None:
-            self._unfused_constants = {name: self.graph.constants[name].to(self.epilogue.device) for node in nodes
-                                       for name in node.inputs if self.graph.is_constant(name)}
+            self._unfused_constants = device_constants(self.graph, nodes, self.epilogue.device)
         values = dict(zip(self.runtime_inputs, inputs)) | self._unfused_constants
         run_nodes(nodes, values, self._unfused_frees)
         self.last_compiled = None

@@ -49,6 +49,25 @@ def interpret(graph: Graph, inputs: Sequence[torch.Tensor], device: torch.device
     return [values[name] for name in graph.outputs]
 
 
+CONV_OPS = ("conv2d", "conv_transpose")
+
+
+def device_constants(graph: Graph, nodes: Sequence[Node], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Private copies on `device` of the constants `nodes` read, for running them through PyTorch. A 4-D conv weight
+    is laid out channels-last, as the activations are: cuDNN transposes a mismatched weight on every call (a kernel
+    more per conv; an ONNX model's weights come contiguous)."""
+    weights = {node.inputs[1] for node in nodes if node.op in CONV_OPS and len(node.inputs) > 1}
+    copies = {}
+    for node in nodes:
+        for name in node.inputs:
+            if graph.is_constant(name) and name not in copies:
+                copy = graph.constants[name].detach().to(device, copy=True)
+                if name in weights and copy.dim() == 4:
+                    copy = copy.contiguous(memory_format=torch.channels_last)
+                copies[name] = copy
+    return copies
+
+
 def run_nodes(nodes: Sequence[Node], values: dict[str, torch.Tensor],
               frees: Sequence[Sequence[str]] | None = None) -> dict[str, torch.Tensor]:
     """`values` (by name: every value the nodes read from outside them) with each of `nodes` computed in order

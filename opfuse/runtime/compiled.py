@@ -36,6 +36,7 @@ from opfuse.config import FusionConfig
 from opfuse.fusion.plan import FusionGroup, FusionPlan
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
+from opfuse.ir.interpret import device_constants
 from opfuse.ir.ops import get_op, launches_kernel
 from opfuse.runtime.autotune import recover_rng_after_failed_capture, timing_available, tune
 from opfuse.runtime.cache import TuningCache
@@ -140,8 +141,10 @@ class CompiledModel(torch.nn.Module):
         # constants read by PyTorch-run nodes: on the device once, as private copies (never the user's tensors,
         # and never registered as parameters, so .to()/.half() on this module cannot reach the user's model)
         needed = {r for s in self._steps for r in s.reads} | set(self.graph.outputs)
-        self._constants = {name: self.graph.constants[name].detach().to(self.device, copy=True)
-                           for name in self.graph.constants if name in needed}
+        self._constants = device_constants(self.graph, [s.node for s in self._steps if s.node is not None],
+                                           self.device)
+        self._constants.update({name: self.graph.constants[name].detach().to(self.device, copy=True)
+                                for name in self.graph.constants if name in needed and name not in self._constants})
         self._constant_outputs = {name for name in self.graph.outputs if self._aliases_constant(name)}
 
         self.use_cuda_graph = bool(self.config.cuda_graph) and self.device.type == "cuda"

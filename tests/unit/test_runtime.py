@@ -228,6 +228,30 @@ def test_constants_are_private_copies_and_not_parameters():
     assert graph.constants["w"].dtype == torch.float32 and torch.equal(graph.constants["w"], w_before)
 
 
+def test_a_conv_run_through_pytorch_reads_its_weight_channels_last():
+    """cuDNN transposes a weight whose layout is not the activations' on every call: a conv a group runs through
+    PyTorch (no kernel, or the unfused form) holds its weight channels-last, like its input; other constants keep
+    their layout (densenet121 from ONNX, whose weights come contiguous: 58 kernels more, run 37)."""
+    from opfuse.codegen.forms import EpilogueKernel
+
+    graph = build_graph()
+    graph.add_constant("k", torch.randn(1, 4, 6, 6))
+    graph.add_node("mul", ["relu", "k"], TensorType((2, 4, 6, 6), "float32"), name="scaled")
+    graph.outputs = ["sig", "relu", "scaled"]
+    plan = build_plan(graph)
+    plan.groups.append(FusionGroup(3, GroupKind.POINTWISE, ["scaled"], inputs=["relu", "k"], outputs=["scaled"]))
+    model = CompiledModel(plan, {}, "cpu")
+    assert model._constants["w"].is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(model._constants["w"], graph.constants["w"])
+    assert model._constants["k"].is_contiguous() and model._constants["lw"].is_contiguous()
+    x, y = example_inputs()
+    assert_same(model(x, y), interpret(graph, [x, y]))
+    kernel = lower.lower_group(graph, plan.groups[0], "cpu")
+    assert isinstance(kernel, EpilogueKernel)
+    kernel.run_unfused([x.contiguous(memory_format=torch.channels_last)])
+    assert kernel._unfused_constants["w"].is_contiguous(memory_format=torch.channels_last)
+
+
 def test_plan_in_wrong_order_names_the_group():
     graph = build_graph()
     plan = build_plan(graph)
