@@ -70,6 +70,10 @@ class EpilogueKernel(GroupKernel):
     operand_constants: dict[str, torch.Tensor] | None = None
     _library_epilogue: object = None     # the epilogue kernel of the library form, generated on first use
     _unfused_constants: dict[str, torch.Tensor] | None = None   # the unfused form's weights, on first use
+    # kernel launches of the PyTorch-run nodes as their last run launched them ("operand": `operand_nodes`,
+    # "unfused": the unfused form's): a view copies or not by the strides its input came with, which the graph
+    # does not say; `launches` counts these once a form has run
+    _launched: dict[str, int] | None = None
 
     def configs(self) -> list[KernelConfig]:
         return list(self._configs)
@@ -101,11 +105,15 @@ class EpilogueKernel(GroupKernel):
         """Two with K slices (the slices, then their sum with the epilogue) or in the library form (the library's
         kernel, then the epilogue, which a group of bare anchors does without; cuBLAS/cuDNN may add helper kernels
         of their own), plus what PyTorch launches computing the anchor's input first (`operand_nodes`: a prologue's
-        ops, a view it must copy); one per launching op in the unfused form; else one."""
+        ops, a view it must copy); one per launching op in the unfused form; else one. What PyTorch launches is what
+        the form's last run launched (`run_nodes`' count), or before any run what the graph says."""
+        launched = self._launched or {}
         if is_unfused(config):
+            if "unfused" in launched:
+                return launched["unfused"]
             return sum(launches_kernel(self.graph, node) for node in self._unfused_nodes)
         if is_library(config):
-            operand = sum(launches_kernel(self.graph, node) for node in self.operand_nodes)
+            operand = launched.get("operand", sum(launches_kernel(self.graph, node) for node in self.operand_nodes))
             return (1 if self.library_outputs is not None else 2) + operand
         return 2 if self.split is not None and slices_of(config or self._configs[0]) > 1 else 1
 
@@ -152,7 +160,9 @@ class EpilogueKernel(GroupKernel):
         if self._unfused_constants is None:
             self._unfused_constants = device_constants(self.graph, nodes, self.epilogue.device)
         values = dict(zip(self.runtime_inputs, inputs)) | self._unfused_constants
-        run_nodes(nodes, values, self._unfused_frees)
+        launched: list[int] = []
+        run_nodes(nodes, values, self._unfused_frees, launched)
+        self._launched = (self._launched or {}) | {"unfused": sum(launched)}
         self.last_compiled = None
         return [values[name] for name in self.group.outputs]
 
@@ -177,7 +187,10 @@ class EpilogueKernel(GroupKernel):
         """`values` with the anchor's input as PyTorch computes it (`operand_nodes`): what the library reads."""
         if not self.operand_nodes:
             return values
-        return run_nodes(self.operand_nodes, dict(values) | (self.operand_constants or {}))
+        launched: list[int] = []
+        values = run_nodes(self.operand_nodes, dict(values) | (self.operand_constants or {}), launched=launched)
+        self._launched = (self._launched or {}) | {"operand": sum(launched)}
+        return values
 
     def bind(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None
              ) -> tuple[KernelConfig, dict[str, torch.Tensor], list, list[torch.Tensor]]:

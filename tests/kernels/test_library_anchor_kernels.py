@@ -242,3 +242,24 @@ def test_bare_linears_read_their_operand_through_its_views():
     kernel = lower_gemm_group(b.graph, b.group([y], GroupKind.SINGLE), "cpu")
     assert kernel.library_outputs is not None and kernel.operand_nodes
     b.check([y], kernel.run([b.feeds["attention"]], LIBRARY_CONFIGS[0]))
+
+
+def test_the_library_form_counts_the_copies_its_operand_views_made():
+    """Whether the head merge's reshape copies depends on the strides the attention came with, which the graph
+    does not say: an attention written head-merged already (our attention kernel's output) is merged by views
+    alone. The library form counts what its last run launched (bert-base bs64 on the GPU: counted 3, launched 2)."""
+    b = Builder()
+    attention = b.input("attention", (2, 3, 5, 6), b.random(2, 3, 5, 6))
+    r = b.input("r", (10, 7))
+    y = b.op("add", linear(b, head_merge(b, attention), 7), r)
+    kernel = lower_gemm_group(b.graph, b.group([y], GroupKind.RESIDUAL), "cpu")
+    library = LIBRARY_CONFIGS[0]
+    assert kernel.launches(library) == 3                       # before a run: the reshape of a permute copies
+    merged = b.feeds["attention"].permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)    # [B, T, H, D] in memory
+    b.check([y], kernel.run([merged if name == "attention" else b.feeds[name] for name in kernel.runtime_inputs],
+                            library))
+    assert kernel.launches(library) == 2                       # the views copied nothing
+    kernel.run([b.feeds[name] for name in kernel.runtime_inputs], library)
+    assert kernel.launches(library) == 3                       # a contiguous attention: the reshape copies
+    kernel.run([merged if name == "attention" else b.feeds[name] for name in kernel.runtime_inputs], UNFUSED)
+    assert kernel.launches(UNFUSED) == 2                       # the GEMM, the add: the views copied nothing
