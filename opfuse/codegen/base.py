@@ -63,6 +63,11 @@ class KernelConfig:
         return dict(self.params) | {"num_warps": self.num_warps, "num_stages": self.num_stages, "form": self.form}
 
 
+def tuned_configs(configs: Sequence[KernelConfig], top: int | None) -> list[KernelConfig]:
+    """The configs of its own a kernel's tuning times: its first `top` (all where None or 0)."""
+    return list(configs[:top] if top else configs)
+
+
 @dataclass
 class CompiledInfo:
     """Resource use of one compiled kernel, read from Triton's compiled metadata (None where unknown)."""

@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import FORM_TRITON, GroupKernel, KernelConfig, compiled_info
+from opfuse.codegen.base import FORM_TRITON, GroupKernel, KernelConfig, compiled_info, tuned_configs
 from opfuse.codegen.epilogue import (Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting,
                                      siblings_and_chains)
 from opfuse.codegen.forms import EpilogueKernel
@@ -335,7 +335,7 @@ def packed_weight_extra_bytes(graph: Graph, group: FusionGroup, hw: HardwareProf
         return 0
     dtype = torch_dtype(compute_dtype(graph, node.inputs[0], node))
     blocks = [group_block_of(c) for c in implicit_gemm_configs(group, geometry, layout, dtype.itemsize, hw)]
-    held = (set(blocks[:tune_top] if tune_top else blocks) | {1}) if tuning else {blocks[0]}
+    held = (set(tuned_configs(blocks, tune_top)) | {1}) if tuning else {blocks[0]}
     weight_shape = graph[node.inputs[1]].type.shape
     elements = sum(math.prod(packed_shape(weight_shape, block)) for block in held)
     return (elements - math.prod(packed_shape(weight_shape))) * dtype.itemsize

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from opfuse.codegen.base import FORM_TRITON, CompiledInfo, GroupKernel, KernelConfig
+from opfuse.codegen.base import FORM_TRITON, CompiledInfo, GroupKernel, KernelConfig, tuned_configs
 from opfuse.config import FusionConfig
 from opfuse.environment import triton_interpreter
 from opfuse.hardware import KIB, HardwareProfile, get_hardware
@@ -114,6 +114,11 @@ def screen_configs(candidates: Mapping[KernelConfig, CompiledInfo | str | None],
 
 # ---- measuring -------------------------------------------------------------------------------------------
 
+def tunes(config: FusionConfig, device: torch.device | str) -> bool:
+    """Whether a build of `config` on `device` autotunes its kernels: asked to, on a GPU that can time them."""
+    return bool(config.autotune) and timing_available(device)
+
+
 def timing_available(device: torch.device | str) -> bool:
     """Whether kernels on `device` can be timed: a real GPU, not Triton's interpreter."""
     return torch.device(device).type == "cuda" and torch.cuda.is_available() and not triton_interpreter()
@@ -167,7 +172,7 @@ def _restore(entry: dict[str, Any] | None, configs: list[KernelConfig]) -> Kerne
 
 def candidates(kernel: GroupKernel, top: int | None, library: bool) -> tuple[list[KernelConfig], list[KernelConfig]]:
     """(the kernel's own first `top` configs, those and its other forms): what `tune_kernel` times."""
-    own = kernel.configs()[:top] if top else kernel.configs()
+    own = tuned_configs(kernel.configs(), top)
     configs = own + [c for c in kernel.alternatives(library) if c not in own]
     if not configs:
         raise GraphError(f"kernel {kernel.name} (group {kernel.group.name}) offers no configs")

@@ -38,7 +38,7 @@ from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 from opfuse.ir.interpret import device_constants
 from opfuse.ir.ops import get_op, launches_kernel
-from opfuse.runtime.autotune import recover_rng_after_failed_capture, timing_available, tune
+from opfuse.runtime.autotune import recover_rng_after_failed_capture, tune, tunes
 from opfuse.runtime.cache import TuningCache
 
 
@@ -467,7 +467,7 @@ def build_compiled_model(plan: FusionPlan, device: torch.device | str,
     kernels, reasons = lower_plan(plan, device)
     model = CompiledModel(plan, kernels, device, fallbacks=reasons, config=config, recompile=recompile,
                           unflatten=unflatten)
-    if config.autotune and kernels and example_inputs is not None and timing_available(device):
+    if kernels and example_inputs is not None and tunes(config, device):
         values = model.collect_values(*example_inputs)
         model.tuning = tune(kernels, values, config, cache if cache is not None else TuningCache.for_config(config),
                             quiet=quiet)

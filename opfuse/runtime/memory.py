@@ -123,9 +123,9 @@ def available_memory(device: torch.device | str, config: Any = None) -> tuple[in
 def check_memory(analysis: Any, example_inputs: Sequence[torch.Tensor], device: torch.device | str,
                  config: Any) -> MemoryEstimate:
     """The estimate, or GraphError when it is over what the device has (see module docstring)."""
-    from opfuse.runtime.autotune import timing_available
+    from opfuse.runtime.autotune import tunes
 
-    tuning = getattr(config, "autotune", True) and timing_available(device)   # as `build_compiled_model` decides
+    tuning = tunes(config, device)
     estimate = estimate_memory(analysis, example_inputs, verify=getattr(config, "verify", True), tuning=tuning)
     limit, source = available_memory(device, config)
     if limit is not None and estimate.total > limit:

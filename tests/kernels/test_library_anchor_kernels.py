@@ -176,7 +176,7 @@ def test_compile_where_another_form_wins_matches_eager_and_says_so(monkeypatch, 
     import opfuse
     from opfuse.runtime import autotune, compiled as runtime
 
-    monkeypatch.setattr(runtime, "timing_available", lambda device: True)
+    monkeypatch.setattr(runtime, "tunes", lambda config, device: bool(config.autotune))
     wins = is_library if form == "library" else is_unfused
 
     def clock(fn) -> float:

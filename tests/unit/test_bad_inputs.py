@@ -366,7 +366,7 @@ def tune_on_the_cpu(monkeypatch, benchmark=None):
     """Make compile autotune on the CPU (interpreter), timing with a fake clock, so the tuning cache is used."""
     from opfuse.runtime import autotune, compiled as runtime
 
-    monkeypatch.setattr(runtime, "timing_available", lambda device: True)
+    monkeypatch.setattr(runtime, "tunes", lambda config, device: bool(config.autotune))
     monkeypatch.setattr(runtime, "tune", functools.partial(autotune.tune, benchmark=benchmark or fake_clock))
 
 
@@ -453,7 +453,7 @@ CONCURRENT_COMPILE = textwrap.dedent("""
     import torch, torch.nn as nn
     import opfuse
     from opfuse.runtime import autotune, compiled as runtime
-    runtime.timing_available = lambda device: True
+    runtime.tunes = lambda config, device: bool(config.autotune)
     runtime.tune = functools.partial(autotune.tune, benchmark=lambda fn: 1e-3)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.Sigmoid(),
