@@ -74,16 +74,22 @@ def run_nodes(nodes: Sequence[Node], values: dict[str, torch.Tensor],
     """`values` (by name: every value the nodes read from outside them) with each of `nodes` computed in order
     through its op's PyTorch reference, as eager runs it; `frees`: per node, the values dropped once it has run
     (intermediates no later node reads). Updates `values` and returns it. The kernels' library and unfused forms
-    run a group's nodes through it. With `launched`, each node's kernel launches as it ran are appended to it: one
-    for a computing op, and for a view one only where PyTorch copied (the view's output does not share its
-    input's storage), which depends on the input's strides as the producer wrote them."""
+    run a group's nodes through it. With `launched`, each node's kernel launches as it ran are appended to it
+    (`launches_of`: a view copies or not by the strides its input came with, as its producer wrote them)."""
     for i, node in enumerate(nodes):
         args = [values[name] for name in node.inputs]
         values[node.name] = out = get_op(node.op).run(args, node.attrs)
         if launched is not None:
-            op = get_op(node.op)
-            copied = op.alias and args and out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr()
-            launched.append(int(op.launches_kernel or bool(copied)))
+            launched.append(launches_of(node, args, out))
         for name in frees[i] if frees is not None else ():
             del values[name]
     return values
+
+
+def launches_of(node: Node, args: Sequence[torch.Tensor], out: torch.Tensor) -> int:
+    """Kernel launches of `node` as it just ran through PyTorch on `args` into `out`: one for a computing op; for a
+    view, one only where PyTorch copied (its output does not share its input's storage)."""
+    op = get_op(node.op)
+    if not op.alias:
+        return int(op.launches_kernel)
+    return int(bool(args) and out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr())

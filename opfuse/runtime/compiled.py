@@ -36,7 +36,7 @@ from opfuse.config import FusionConfig
 from opfuse.fusion.plan import FusionGroup, FusionPlan
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
-from opfuse.ir.interpret import device_constants
+from opfuse.ir.interpret import device_constants, launches_of
 from opfuse.ir.ops import get_op, launches_kernel
 from opfuse.runtime.autotune import recover_rng_after_failed_capture, tune, tunes
 from opfuse.runtime.cache import TuningCache
@@ -138,6 +138,7 @@ class CompiledModel(torch.nn.Module):
                                           for n in self.graph.input_nodes)
         self._input_forms = [input_form(spec) for spec in self.signature]
         self._steps = self._schedule()
+        self._launched: dict[str, int] = {}      # PyTorch-run node -> the kernels it launched as it last ran
         # constants read by PyTorch-run nodes: on the device once, as private copies (never the user's tensors,
         # and never registered as parameters, so .to()/.half() on this module cannot reach the user's model)
         needed = {r for s in self._steps for r in s.reads} | set(self.graph.outputs)
@@ -203,9 +204,11 @@ class CompiledModel(torch.nn.Module):
     # ---- introspection ------------------------------------------------------------------------------------
     @property
     def launches(self) -> int:
-        """Kernel launches per forward: one per kernel, one per PyTorch-run node that is not a view."""
+        """Kernel launches per forward: each kernel's, and one per PyTorch-run node that computes or (a view) copied
+        as it last ran (`launches_of`; before any run, as the graph says)."""
         return sum(s.kernel.launches(self.configs.get(s.group.name)) if s.kernel is not None
-                   else int(launches_kernel(self.graph, s.node)) for s in self._steps)
+                   else self._launched.get(s.node.name, int(launches_kernel(self.graph, s.node)))
+                   for s in self._steps)
 
     @property
     def library_anchors(self) -> dict[str, str]:
@@ -340,7 +343,8 @@ class CompiledModel(torch.nn.Module):
             values.update(zip(step.writes, outputs))
             return
         try:
-            values[step.node.name] = get_op(step.node.op).run(args, step.node.attrs)
+            values[step.node.name] = out = get_op(step.node.op).run(args, step.node.attrs)
+            self._launched[step.node.name] = launches_of(step.node, args, out)
         except GraphError:
             raise
         except Exception as error:

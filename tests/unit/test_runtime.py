@@ -96,13 +96,17 @@ def test_all_groups_through_pytorch_match_interpret():
     graph = build_graph()
     given = Reason(Code.UNSUPPORTED, "unsupported by lower_gemm_group: x")
     model = CompiledModel(build_plan(graph), {}, "cpu", fallbacks={"g2": given})
+    assert model.launches == 5    # conv, relu, linear, add, sigmoid; the graph says the reshape is a view
     x, y = example_inputs()
     assert_same(model(x, y), interpret(graph, [x, y]))
     assert set(model.fallbacks) == {"g0", "g1", "g2"}
     assert model.fallbacks["g2"] is given
     assert model.fallbacks["g1"].code is Code.VIEW and model.fallbacks["g0"].code is Code.NO_KERNEL   # defaults
     assert model.fallbacks["g0"].text       # never empty
-    assert model.launches == 5    # conv, relu, linear, add, sigmoid; the reshape is a view
+    # as it ran: the input went channels-last, so flattening the relu's output in NCHW order copied
+    assert model.launches == 6
+    model(x.contiguous(memory_format=torch.channels_last).contiguous(), y)
+    assert model.launches == 6
 
 
 def test_kernel_gets_runtime_inputs_in_group_order_and_outputs_are_mapped():
@@ -122,7 +126,7 @@ def test_kernel_gets_runtime_inputs_in_group_order_and_outputs_are_mapped():
     assert len(lin_args) == 2                                        # [flat, y]: group.inputs minus lw
     torch.testing.assert_close(lin_args[0], flat)
     assert torch.equal(lin_args[1], y)
-    assert model.launches == 2
+    assert model.launches == 3     # the two kernels, and the flatten's copy of the channels-last activation
 
 
 def test_chosen_config_is_passed_to_the_kernel():
