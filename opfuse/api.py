@@ -127,12 +127,7 @@ def analyze(model: Any, example_inputs: Sequence[Any] | None = None, config: Fus
     return Analysis(display_name, config, hardware, captured, prepared, records, plan,
                     op_table(captured, hardware, config), summarize_unfused(captured, hardware, config),
                     summarize_plan(plan, hardware, pytorch_groups), seconds, pytorch_groups,
-                    as_compiled.load(plan, config, as_compiled.device_name(_cuda_device(example_inputs))))
-
-
-def _cuda_device(example_inputs: Sequence[Any] | None) -> torch.device | None:
-    """The GPU the example inputs are on, if any (a compile of them runs there)."""
-    return next((x.device for x in example_inputs or () if isinstance(x, torch.Tensor) and x.is_cuda), None)
+                    as_compiled.load(plan, config, as_compiled.target(example_inputs, config)))
 
 
 def _debug_dir(config: FusionConfig, stage: str) -> str | None:

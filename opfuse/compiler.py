@@ -245,12 +245,12 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
     start = time.perf_counter()
     analysis = analyze(model, example_inputs, config)    # on fake tensors: allocates nothing the size of the model
     seconds["analyze"] = time.perf_counter() - start
-    device_key = as_compiled.device_name(device)
-    record_key = as_compiled.plan_key(analysis.plan, analysis.config, device_key)
+    where = as_compiled.target(example_inputs, analysis.config)
+    record_key = as_compiled.plan_key(analysis.plan, analysis.config, where)
     try:
-        return _build(model, example_inputs, config, quiet, analysis, seconds, device, record_key, device_key)
+        return _build(model, example_inputs, config, quiet, analysis, seconds, device, record_key, where.device)
     except Exception as error:   # the record says so: analyze reports no outcome of an earlier compile instead
-        as_compiled.store(record_key, analysis.config, as_compiled.failure(analysis, device_key, error))
+        as_compiled.store(record_key, analysis.config, as_compiled.failure(analysis, where.device, error))
         raise
 
 
@@ -263,7 +263,7 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
 
     say = _stage_printer(quiet)
     check_memory(analysis, example_inputs, device, config)
-    analyzed = analysis      # the plan's record is of the plan analyze makes, before any split_back
+    analyzed = analysis      # the record counts the launches of the plan analyze makes, before any split_back
 
     eager = _eager_copy(model)
     with torch.no_grad():
@@ -319,7 +319,8 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
                                  f"{bound:.0e} (eager in {config.dtype}: "
                                  f"{'-' if eager_error is None else f'{eager_error:.2e}'}) although every "
                                  "kernel passed its own check; please report this model")
-    analysis = replace(analysis, as_compiled=as_compiled.record(compiled, analyzed, device_key))
+    analysis = replace(analysis, as_compiled=as_compiled.record(compiled, analysis, analyzed.fused.kernel_launches,
+                                                                device_key))
     as_compiled.store(record_key, analysis.config, analysis.as_compiled)
     keep_eager = config.recompile or config.fallback == "eager"
     return OpfuseModule(compiled, analysis, example_inputs, output_spec, output_dtypes, checks, end_to_end, seconds,

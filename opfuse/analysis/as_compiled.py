@@ -9,11 +9,10 @@ and why, under the key of the plan it started from (`plan_key`), in the tuning c
 the compiled model's.
 
 The key covers the prepared graph (every node's op and type), the plan (groups and decisions), the settings that
-change what a compile of it runs (autotune, tune_top, library_anchors, split_k, verify), the device by name (the
-GPU's, or the CPU's interpreter), and the torch, Triton and opfuse versions: an analysis finds the record only of a
-compile that started from the same plan with the same settings on the same kind of device. A compile's device is
-that of its inputs; an analysis's is its inputs' GPU if they are on one, else this machine's GPU (a compile of the
-model would run there), else the CPU.
+change what a compile of it runs (split_k, verify; and where the build tunes, autotune, tune_top, library_anchors),
+the device by name (the GPU's, or the CPU's interpreter: `target`, one rule for compile and analyze), and the torch,
+Triton and opfuse versions: an analysis finds the record only of a compile that started from the same plan with the
+same settings on the same kind of device.
 """
 
 from __future__ import annotations
@@ -22,9 +21,10 @@ import datetime
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 SETTINGS = ("autotune", "tune_top", "library_anchors", "split_k", "verify")
+TUNING = ("autotune", "tune_top", "library_anchors")   # of SETTINGS: those that matter only where it tunes
 
 
 @dataclass
@@ -60,28 +60,49 @@ class AsCompiled:
         return f"as compiled {when}: {self.launches} kernel launches per forward, planned {self.planned}{why}"
 
 
-def device_name(device: Any = None) -> str:
-    """The name a record keys its device by: a CUDA device's (None: this machine's GPU, if it has one), else the
-    CPU's (Triton's interpreter)."""
+@dataclass(frozen=True)
+class Target:
+    """Where a compile of some example inputs runs, as a record keys it: the device by name, and whether the build
+    autotunes there."""
+
+    device: str
+    tuning: bool
+
+
+CPU = "the CPU (Triton's interpreter)"
+
+
+def target(example_inputs: Sequence[Any] | None, config: Any) -> Target:
+    """The device a compile of these inputs runs on, for compile and analyze alike: the GPU of the first input on
+    one; else the CPU where the inputs can run there (Triton's interpreter is on) or this machine has no GPU; else
+    this machine's GPU (a compile refuses CPU inputs without the interpreter: the model must move to the GPU)."""
     import torch
 
-    if device is not None and torch.device(device).type != "cuda":
-        return "the CPU (Triton's interpreter)"
-    if device is None and not torch.cuda.is_available():
-        return "the CPU (Triton's interpreter)"
-    return torch.cuda.get_device_name(device)
+    from opfuse.environment import triton_interpreter
+    from opfuse.runtime.autotune import tunes
+
+    device = next((x.device for x in example_inputs or () if isinstance(x, torch.Tensor) and x.is_cuda), None)
+    if device is None and (triton_interpreter() or not torch.cuda.is_available()):
+        return Target(CPU, False)
+    device = device if device is not None else torch.device("cuda")
+    return Target(torch.cuda.get_device_name(device), tunes(config, device))
 
 
-def plan_key(plan: Any, config: Any, device: str) -> str:
-    """sha256 over the prepared graph, the plan, the settings, the device's name and the versions (module
-    docstring)."""
+def plan_key(plan: Any, config: Any, where: Target) -> str:
+    """sha256 over the prepared graph, the plan, the settings that take effect on `where` (the tuning ones only
+    where it tunes; tune_top 0 and None alike), the device's name and the versions (module docstring)."""
     import opfuse
     from opfuse.runtime.cache import software_versions
 
+    settings = {name: getattr(config, name, None) for name in SETTINGS}
+    if not where.tuning:
+        settings = {name: value for name, value in settings.items() if name not in TUNING}
+    else:
+        settings["tune_top"] = settings["tune_top"] or None
     payload = {"graph": [[n.name, n.op, str(n.type), list(n.inputs)] for n in plan.graph],
                "plan": plan.to_dict(),
-               "settings": {name: getattr(config, name, None) for name in SETTINGS},
-               "device": device,
+               "settings": settings,
+               "device": where.device,
                "versions": software_versions() | {"opfuse": opfuse.__version__}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -96,12 +117,12 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def record(compiled: Any, analysis: Any, device: str) -> AsCompiled:
-    """The outcome of a compiled model (`opfuse.runtime.compiled.CompiledModel`) built from `analysis` on the
-    device named `device`."""
+def record(compiled: Any, analysis: Any, planned: int, device: str) -> AsCompiled:
+    """The outcome of a compiled model (`opfuse.runtime.compiled.CompiledModel`) built from `analysis` (the plan it
+    ran, after any split_back) on the device named `device`, of a plan analyze counted `planned` launches for."""
     launching = {g.name for g in compiled.plan.groups if g.launches}
     lost = {g: r.text for g, r in compiled.fallbacks.items() if g in launching and g not in analysis.pytorch_groups}
-    return AsCompiled(gpu=device, date=_now(), launches=compiled.launches, planned=analysis.fused.kernel_launches,
+    return AsCompiled(gpu=device, date=_now(), launches=compiled.launches, planned=planned,
                       library=dict(compiled.library_anchors), unfused=dict(compiled.unfused), through_pytorch=lost)
 
 
@@ -115,10 +136,10 @@ def store(key: str, config: Any, outcome: AsCompiled) -> None:
     _cache(config).store(key, outcome.to_dict())
 
 
-def load(plan: Any, config: Any, device: str) -> AsCompiled | None:
-    """The record of the last compile that started from this plan with this config's settings on `device`, or
+def load(plan: Any, config: Any, where: Target) -> AsCompiled | None:
+    """The record of the last compile that started from this plan with this config's settings on `where`, or
     None."""
-    entry = _cache(config).load(plan_key(plan, config, device))
+    entry = _cache(config).load(plan_key(plan, config, where))
     if entry is None:
         return None
     try:

@@ -65,12 +65,22 @@ def test_a_record_is_only_of_the_same_plan_settings_and_device(tmp_path):
     compiled = opfuse.compile(model, (x,), config)
     analysis = opfuse.analyze(model, (x,), config)
     assert analysis.as_compiled.launches == compiled.launches
-    for other in (dict(tune_top=1), dict(library_anchors=False), dict(vertical=False)):   # settings, the plan
+    for other in (dict(split_k=False), dict(verify=False), dict(vertical=False)):   # settings, the plan
         assert opfuse.analyze(model, (x,), opfuse.FusionConfig(dtype="float32", cache_dir=str(tmp_path),
                                                                **other)).as_compiled is None, other
     assert opfuse.analyze(model, (torch.randn(3, 8),), config).as_compiled is None     # another shape
-    assert as_compiled.load(analysis.plan, config, as_compiled.device_name("cpu")) == analysis.as_compiled
-    assert as_compiled.load(analysis.plan, config, "NVIDIA H200") is None               # another device
+    assert as_compiled.load(analysis.plan, config, as_compiled.Target(as_compiled.CPU, False)) == analysis.as_compiled
+    assert as_compiled.load(analysis.plan, config, as_compiled.Target("NVIDIA H200", True)) is None   # another device
+
+
+def test_where_nothing_tunes_the_tuning_settings_are_no_part_of_the_key(tmp_path):
+    """On the CPU nothing is tuned: a compile with tuning off finds the record of one with tune_top 8 (and the
+    CLI's --tune-top 0, tune_top None, is the same compile)."""
+    model, x = model_and_input()
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", cache_dir=str(tmp_path), tune_top=8))
+    for settings in (dict(autotune=False), dict(autotune=False, tune_top=None), dict(library_anchors=False)):
+        config = opfuse.FusionConfig(dtype="float32", cache_dir=str(tmp_path), **settings)
+        assert opfuse.analyze(model, (x,), config).as_compiled.launches == compiled.launches, settings
 
 
 def test_a_group_analyze_already_sends_through_pytorch_is_planned_not_lost(tmp_path):
