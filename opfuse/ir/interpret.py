@@ -52,20 +52,22 @@ def interpret(graph: Graph, inputs: Sequence[torch.Tensor], device: torch.device
 CONV_OPS = ("conv2d", "conv_transpose")
 
 
-def device_constants(graph: Graph, nodes: Sequence[Node], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Private copies on `device` of the constants `nodes` read, for running them through PyTorch. A 4-D conv weight
-    is laid out channels-last, as the activations are: cuDNN transposes a mismatched weight on every call (a kernel
-    more per conv; an ONNX model's weights come contiguous)."""
+def device_constants(graph: Graph, nodes: Sequence[Node], device: torch.device | str,
+                     private: bool = False) -> dict[str, torch.Tensor]:
+    """The constants `nodes` read, on `device`, for running them through PyTorch: the graph's own tensors where
+    they are there already, or with `private` copies of them. A 4-D conv weight is laid out channels-last, as the
+    activations are: cuDNN transposes a mismatched weight on every call (a kernel more per conv; an ONNX model's
+    weights come contiguous)."""
     weights = {node.inputs[1] for node in nodes if node.op in CONV_OPS and len(node.inputs) > 1}
-    copies = {}
+    found = {}
     for node in nodes:
         for name in node.inputs:
-            if graph.is_constant(name) and name not in copies:
-                copy = graph.constants[name].detach().to(device, copy=True)
-                if name in weights and copy.dim() == 4:
-                    copy = copy.contiguous(memory_format=torch.channels_last)
-                copies[name] = copy
-    return copies
+            if graph.is_constant(name) and name not in found:
+                tensor = graph.constants[name].detach().to(device, copy=private)
+                if name in weights and tensor.dim() == 4:
+                    tensor = tensor.contiguous(memory_format=torch.channels_last)
+                found[name] = tensor
+    return found
 
 
 def run_nodes(nodes: Sequence[Node], values: dict[str, torch.Tensor],

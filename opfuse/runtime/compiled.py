@@ -143,7 +143,7 @@ class CompiledModel(torch.nn.Module):
         # and never registered as parameters, so .to()/.half() on this module cannot reach the user's model)
         needed = {r for s in self._steps for r in s.reads} | set(self.graph.outputs)
         self._constants = device_constants(self.graph, [s.node for s in self._steps if s.node is not None],
-                                           self.device)
+                                           self.device, private=True)
         self._constants.update({name: self.graph.constants[name].detach().to(self.device, copy=True)
                                 for name in self.graph.constants if name in needed and name not in self._constants})
         self._constant_outputs = {name for name in self.graph.outputs if self._aliases_constant(name)}
