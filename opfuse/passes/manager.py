@@ -20,6 +20,7 @@ from opfuse.passes.eliminate_dead_code import eliminate_dead_code
 from opfuse.passes.fold_batchnorm import fold_batchnorm
 from opfuse.passes.fold_constants import fold_constants
 from opfuse.passes.fold_linear_reshapes import fold_linear_reshapes
+from opfuse.passes.fold_view_chains import fold_view_chains
 from opfuse.passes.recognize_attention import recognize_attention
 from opfuse.passes.recognize_rms_norm import recognize_rms_norm
 from opfuse.passes.recognize_roll import recognize_roll
@@ -44,9 +45,10 @@ def default_pipeline() -> list[Pass]:
     written out, BN and RMS norms are seen without their no-op expands, dropouts and casts; rolls written as slices
     and a cat (ONNX's) next, so they join the kernel that reads them like a captured roll; attention next, so its
     mask is simplified like any other; then the reshapes around a linear that flatten its rows (GPT-2's Conv1D),
-    so what reads it and what it reads may join its kernel."""
-    return [fold_constants, remove_noop_layout, recognize_roll, recognize_attention, simplify_attention_masks, fold_linear_reshapes,
-            recognize_rms_norm, fold_batchnorm, eliminate_dead_code]
+    so what reads it and what it reads may join its kernel; then view chains PyTorch would copy that are views of
+    their source (nn.MultiheadAttention's head split), once the reshapes around the linears are settled."""
+    return [fold_constants, remove_noop_layout, recognize_roll, recognize_attention, simplify_attention_masks,
+            fold_linear_reshapes, fold_view_chains, recognize_rms_norm, fold_batchnorm, eliminate_dead_code]
 
 
 def pass_name(graph_pass: Pass) -> str:

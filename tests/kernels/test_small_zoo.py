@@ -124,23 +124,21 @@ def swin():
                                               window_size=[4, 4], num_classes=10)
 
 
-# ViT's attention (nn.MultiheadAttention) splits its packed projection into q, k and v, each a slice reshaped to
-# [T, N * heads, head dim], which PyTorch copies at a batch over 1: 3 per layer here (vit_b_16 bs64: 13 groups
-# through PyTorch, ZOO.md). Issue 15's open item (read them through an index map), counted so a change shows
-VIT_HEAD_COPIES = 6
 
 
-@pytest.mark.parametrize("build, copies", [(vit, VIT_HEAD_COPIES), (swin, 0)], ids=["vit", "swin"])
-def test_a_small_zoo_vision_transformer_compiles_every_group_and_matches_eager(build, copies):
+
+@pytest.mark.parametrize("build", [vit, swin], ids=lambda build: build.__name__)
+def test_a_small_zoo_vision_transformer_compiles_every_group_and_matches_eager(build):
+    """At a batch over 1, so that ViT's head split (nn.MultiheadAttention's) is no view of its own
+    (`opfuse.passes.fold_view_chains` reads it as one)."""
     torch.manual_seed(0)
     model = build().eval()
     x = torch.randn(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
     failed = {c.group: c.detail for c in compiled.checks if not c.passed}
     assert compiled.checks and not failed, failed
-    through_pytorch = {g: why for g, why in compiled.fallbacks.items() if why.code is not Code.VIEW}
-    assert sum(why.code is Code.VIEW_COPY for why in through_pytorch.values()) == copies, through_pytorch
-    assert all(why.code is Code.VIEW_COPY for why in through_pytorch.values()), through_pytorch
+    through_pytorch = {g: why.text for g, why in compiled.fallbacks.items() if why.code is not Code.VIEW}
+    assert not through_pytorch, through_pytorch
     fresh = torch.randn_like(x)
     with torch.no_grad():
         assert relative_error(compiled(fresh), model(fresh)) < 1e-4
