@@ -12,8 +12,9 @@ it; a permute reorders the dims). Where every dim of the end is one run of conse
 in order (size-1 factors aside), the end equals: the source reshaped to those factors (a split: a view of any
 strided tensor), permuted into the end's order, reshaped to the end's shape (each merge joins consecutive factors
 of one source dim: a view). The chain's end then reads that instead, and the old chain goes where nothing else reads
-it. Chains are taken from a reshape that would copy, through readers that are its only reader, as long as they
-are reshapes or permutes.
+it; unless a reshape reading the end would then copy (from the strided views, once per such reader, where the
+chain copied once). Chains are taken from a reshape that would copy, through readers that are its only reader, as
+long as they are reshapes or permutes.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ def fold_view_chains(graph: Graph) -> tuple[Graph, list[str]]:
             continue
         graph.replace_uses(end.name, views.name)
         graph.sort()
+        readers = [r for r in users[end.name] if r.op == "reshape"]
+        if any(view_copies(graph, r) for r in readers):   # each would copy from the strided views instead
+            graph.replace_uses(views.name, end.name)
+            for dead in (views.name, views.inputs[0], graph[views.inputs[0]].inputs[0]):
+                graph.remove(dead)
+            continue
         for dead in reversed(chain):
             remove_if_unused(graph, dead.name)
         users = graph.users()

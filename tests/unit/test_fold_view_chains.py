@@ -88,3 +88,19 @@ def test_a_view_read_by_another_node_ends_the_chain():
     before = chain(SOURCE, HEAD_SPLIT, extra_reader=2)
     after, changes = fold_view_chains(before)
     assert not changes and copies(after) == copies(before)
+
+
+def test_no_rewrite_where_a_reshape_reading_the_end_would_copy_instead():
+    """The head-split end flattened by two reshapes: from the strided views each would copy, where the chain
+    copied once; the chain stays."""
+    before = chain(SOURCE, HEAD_SPLIT)
+    end = before["relu"].inputs[0]
+    for name in ("flat_a", "flat_b"):
+        flat = before.add_node("reshape", [end], TensorType((N * H, T, D), "float32"), {"shape": [N * H, T, D]},
+                               name=name)
+        before.outputs.append(before.add_node("relu", [flat.name], flat.type, name=f"{name}_out").name)
+    verify(before)
+    after, changes = fold_view_chains(before)
+    verify(after)
+    assert not changes and copies(after) == copies(before) == ["reshape"]
+    same_outputs(before, after, SOURCE)
