@@ -98,7 +98,8 @@ def report_data(analysis: Any, measured: Mapping[Any, Any] | None = None) -> dic
 
 
 def summary_rows(analysis: Any, measured: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The seed's table for the whole model, unfused vs fused (plus measured time when there is any)."""
+    """The seed's table for the whole model, unfused vs fused (plus measured time when there is any, and the
+    launches of the last compile of the plan when one is recorded: `Analysis.as_compiled`)."""
     rows = [{"metric": label, "unfused": getattr(analysis.unfused, field), "fused": getattr(analysis.fused, field),
              "unit": unit} for label, field, unit in SUMMARY_ROWS]
     kernels = [g for g in analysis.plan.groups if g.launches]
@@ -106,6 +107,10 @@ def summary_rows(analysis: Any, measured: Mapping[str, Mapping[str, Any]]) -> li
     if timed:
         rows.append({"metric": f"measured time ({len(timed)} of {len(kernels)} kernels)", "unfused": None,
                      "fused": sum(timed), "unit": "seconds"})
+    compiled = analysis.as_compiled
+    if compiled is not None and not compiled.failed:   # what the last compile of this plan runs
+        rows.append({"metric": f"kernel launches as compiled on {compiled.gpu} ({compiled.date[:10]})",
+                     "unfused": None, "fused": compiled.launches, "unit": "count"})
     return rows
 
 

@@ -157,6 +157,23 @@ def test_measured_numbers_are_rendered(block_analysis):
         report_data(block_analysis, {"g999": {"time": 1.0}})
 
 
+def test_the_launches_of_the_last_compile_are_a_summary_row(block_analysis):
+    """Where a compile of the plan is recorded (`Analysis.as_compiled`), the page's table shows its launches beside
+    the plan's; a failed compile adds no row."""
+    from dataclasses import replace
+
+    from opfuse.analysis.as_compiled import AsCompiled
+
+    assert not any("as compiled" in row["metric"] for row in report_data(block_analysis)["summary"])
+    compiled = AsCompiled(gpu="NVIDIA H200", date="2026-12-01T18:00:00+00:00", launches=7,
+                          planned=block_analysis.fused.kernel_launches)
+    row = report_data(replace(block_analysis, as_compiled=compiled))["summary"][-1]
+    assert row == {"metric": "kernel launches as compiled on NVIDIA H200 (2026-12-01)", "unfused": None,
+                   "fused": 7, "unit": "count"}
+    failed = replace(compiled, launches=0, failed="GraphError: out of memory")
+    assert report_data(replace(block_analysis, as_compiled=failed))["summary"] == report_data(block_analysis)["summary"]
+
+
 def test_cli_report_writes_the_page(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     out, js = tmp_path / "mlp.html", tmp_path / "mlp.json"
