@@ -188,15 +188,15 @@ def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
 
     table = Table(title=f"{escape(row['workload'])} ({row.get('dtype', '')}), {escape(env.get('gpu', '?'))}, "
                         f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}")
-    for column in ("contender", "median ms", "p10-p90 ms", "opfuse speedup", "kernels", "GPU busy ms", "extra MB",
-                   "compile s", "rel. error"):
+    for column in ("contender", "median ms", "p10-p90 ms", "opfuse speedup", "kernels", "GPU busy ms",
+                   "build peak MB", "held MB", "compile s", "rel. error"):
         table.add_column(column, justify="left" if column == "contender" else "right")
     for label in TIMED:
         if label not in row:
             continue
         value = row[label]
         if "error" in value:
-            table.add_row(CONTENDER_LABELS[label], "[red]failed[/]", "", "", "", "", "", "",
+            table.add_row(CONTENDER_LABELS[label], "[red]failed[/]", "", "", "", "", "", "", "",
                           escape(value["error"][:60]))
             continue
         ratio = speedup(row, label) if not label.startswith("opfuse") else None
@@ -205,7 +205,8 @@ def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
         table.add_row(CONTENDER_LABELS[label], _ms(value["median_ms"]), spread,
                       "-" if ratio is None else f"{ratio:.2f}x",
                       str(value.get("kernels", "-")), _ms(value.get("gpu_busy_ms")),
-                      _ms(value.get("peak_memory_mb"), 0), _ms(value.get("compile_s"), 1),
+                      _ms(value.get("peak_memory_mb"), 0), _ms(value.get("held_memory_mb"), 0),
+                      _ms(value.get("compile_s"), 1),
                       "-" if error_value is None else f"{error_value:.1e}")
     notes = ["fair protocol: every contender compiled, warmed, captured and timed under one inference mode, "
              "rounds interleaved; speedups are of opfuse's module call",

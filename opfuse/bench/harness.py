@@ -194,7 +194,8 @@ class Built:
     profiled: Callable[[], object]
     output: torch.Tensor
     compile_s: float = 0.0
-    memory_mb: float = 0.0
+    memory_mb: float = 0.0          # the most memory it took at once while built (verification, tuning)
+    held_mb: float = 0.0            # what it holds once built (its weights' copies, buffers, a CUDA graph's pool)
     row: dict = field(default_factory=dict)
 
 
@@ -262,7 +263,8 @@ def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workloa
     contender is built and with "timing" before the interleaved rounds (progress display); `compile_backend` is
     torch.compile's backend (tests pass a counting one). Returns the row run_all.py, zoo.py and `opfuse bench`
     write as JSON: per contender median_ms, p10_ms, p90_ms, samples, kernels, gpu_busy_ms, peak_memory_mb (the
-    extra memory it took while built), compile_s, rel_error; "opfuse_replay" the bare replay's timing.
+    most extra memory it took at once while built), held_memory_mb (the extra memory it holds once built),
+    compile_s, rel_error; "opfuse_replay" the bare replay's timing.
     """
     from opfuse.ir.graph import torch_dtype
     from opfuse.numerics import relative_error
@@ -298,6 +300,8 @@ def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workloa
                 row[label] = {"error": f"{type(error).__name__}: {error}"}
                 traceback.print_exc()
             gc.collect()
+            if cuda and label in built:
+                built[label].held_mb = (torch.cuda.memory_allocated() - before) / 1e6
         if on_step is not None:
             on_step("timing")
         forwards = {name: fn for label in built for name, fn in built[label].forwards.items()}
@@ -311,7 +315,7 @@ def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workloa
                 kernels, busy = kernel_profile(lambda: contender.profiled(), ()) if cuda else (None, None)
                 row[label] = asdict(summarize(samples[label])) | {
                     "kernels": kernels, "gpu_busy_ms": busy, "peak_memory_mb": contender.memory_mb,
-                    "compile_s": contender.compile_s,
+                    "held_memory_mb": contender.held_mb, "compile_s": contender.compile_s,
                     "rel_error": relative_error(contender.output.float(), reference)}
             except Exception as error:
                 row[label] = {"error": f"{type(error).__name__}: {error}"}

@@ -251,7 +251,8 @@ def test_profile_calibrates_to_the_fake_measurements(profiled, capsys):
 def fake_row(opfuse_ms: float = 0.5, failed: str | None = None) -> dict:
     def result(ms: float, kernels: int) -> dict:
         return {"median_ms": ms, "p10_ms": ms * 0.95, "p90_ms": ms * 1.1, "samples": 50, "kernels": kernels,
-                "gpu_busy_ms": ms * 0.8, "peak_memory_mb": 100.0, "compile_s": 1.0, "rel_error": 1e-3}
+                "gpu_busy_ms": ms * 0.8, "peak_memory_mb": 100.0, "held_memory_mb": 60.0, "compile_s": 1.0,
+                "rel_error": 1e-3}
 
     row = {"workload": "resnet50 bs1", "model": "resnet50", "batch": 1, "dtype": "float16",
            "eager": result(5.0, 280), "eager_graph": result(1.0, 280), "inductor": result(0.45, 104),
@@ -274,7 +275,9 @@ def test_bench_table_and_speedups():
     assert harness.speedup(row, "eager_graph") == pytest.approx(2.0)
     text = render(cli_bench.bench_table(row, ENV, CEILINGS))
     assert "0.90x" in text and "2.00x" in text and "10.00x" in text
-    assert "floor: compute 0.011 ms" in text and "1 groups through PyTorch" in text
+    caption = " ".join(text.split())           # the caption wraps at the table's width
+    assert "floor: compute 0.011 ms" in caption and "1 groups through PyTorch" in caption
+    assert "build peak MB" in text and "held MB" in text
     broken = fake_row(failed="inductor")
     assert harness.failed_contenders(broken) == {"inductor": "TypeError: boom"}
     assert harness.speedup(broken, "inductor") is None
