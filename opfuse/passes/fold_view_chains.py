@@ -37,12 +37,11 @@ def fold_view_chains(graph: Graph) -> tuple[Graph, list[str]]:
         if node.name not in graph.nodes or node.op != "reshape" or not view_copies(graph, node):
             continue
         chain = [node]
-        while len(users[chain[-1].name]) == 1 and users[chain[-1].name][0].op in ("reshape", "permute") \
-                and chain[-1].name not in graph.outputs:
-            chain.append(users[chain[-1].name][0])
+        while (reader := graph.only_reader(chain[-1].name, users)) is not None and reader.op in ("reshape", "permute"):
+            chain.append(reader)
         source = graph[node.inputs[0]]
-        dims = _follow(source.type.shape, chain)
-        if dims is None or len(chain) < 2:
+        dims = _follow(source.type.shape, chain) if len(chain) > 1 else None
+        if dims is None:
             continue
         end = chain[-1]
         views = _as_views(graph, source, dims, end)
