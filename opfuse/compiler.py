@@ -248,22 +248,25 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
     where = as_compiled.target(example_inputs, analysis.config)
     record_key = as_compiled.plan_key(analysis.plan, analysis.config, where)
     try:
-        return _build(model, example_inputs, config, quiet, analysis, seconds, device, record_key, where.device)
+        module = _build(model, example_inputs, config, quiet, analysis, seconds, device)
     except Exception as error:   # the record says so: analyze reports no outcome of an earlier compile instead
         as_compiled.store(record_key, analysis.config, as_compiled.failure(analysis, where.device, error))
         raise
+    # the record of the plan analyze makes (its launches, before any split_back) and of what the build ran
+    outcome = as_compiled.record(module.compiled, module.analysis, analysis.fused.kernel_launches, where.device)
+    module.analysis = replace(module.analysis, as_compiled=outcome)
+    as_compiled.store(record_key, analysis.config, outcome)
+    return module
 
 
 def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, quiet: bool, analysis: Analysis,
-           seconds: dict[str, float], device: torch.device, record_key: str, device_key: str) -> OpfuseModule:
-    """The compile after analyze: memory pre-flight, kernels, tuning, verification; records its outcome."""
-    from opfuse.analysis import as_compiled
+           seconds: dict[str, float], device: torch.device) -> OpfuseModule:
+    """The compile after analyze: memory pre-flight, kernels, tuning, verification."""
     from opfuse.runtime.compiled import build_compiled_model
     from opfuse.runtime.memory import check_memory
 
     say = _stage_printer(quiet)
     check_memory(analysis, example_inputs, device, config)
-    analyzed = analysis      # the record counts the launches of the plan analyze makes, before any split_back
 
     eager = _eager_copy(model)
     with torch.no_grad():
@@ -319,9 +322,6 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
                                  f"{bound:.0e} (eager in {config.dtype}: "
                                  f"{'-' if eager_error is None else f'{eager_error:.2e}'}) although every "
                                  "kernel passed its own check; please report this model")
-    analysis = replace(analysis, as_compiled=as_compiled.record(compiled, analysis, analyzed.fused.kernel_launches,
-                                                                device_key))
-    as_compiled.store(record_key, analysis.config, analysis.as_compiled)
     keep_eager = config.recompile or config.fallback == "eager"
     return OpfuseModule(compiled, analysis, example_inputs, output_spec, output_dtypes, checks, end_to_end, seconds,
                         eager if keep_eager else None)
