@@ -19,6 +19,18 @@ from tests.kernels.builders import with_random_batch_norms
 pytestmark = pytest.mark.slow
 
 
+def assert_compiles_whole(model, example, fresh):
+    """`model` compiled on `example` (float32): every kernel passed its check, nothing but views runs through
+    PyTorch, and the output on `fresh` matches eager."""
+    compiled = opfuse.compile(model, (example,), opfuse.FusionConfig(dtype="float32"))
+    failed = {c.group: c.detail for c in compiled.checks if not c.passed}
+    assert compiled.checks and not failed, failed
+    through_pytorch = {g: why.text for g, why in compiled.fallbacks.items() if why.code is not Code.VIEW}
+    assert not through_pytorch, through_pytorch
+    with torch.no_grad():
+        assert relative_error(compiled(fresh), model(fresh)) < 1e-4
+
+
 def densenet():
     return torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2), num_init_features=16, num_classes=10)
 
@@ -67,14 +79,7 @@ def test_a_small_zoo_convnet_compiles_every_group_and_matches_eager(build):
     torch.manual_seed(0)
     model = with_random_batch_norms(build()).eval().to(memory_format=torch.channels_last)
     x = torch.randn(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
-    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
-    failed = {c.group: c.detail for c in compiled.checks if not c.passed}
-    assert compiled.checks and not failed, failed
-    through_pytorch = {g: why.text for g, why in compiled.fallbacks.items() if why.code is not Code.VIEW}
-    assert not through_pytorch, through_pytorch
-    fresh = torch.randn_like(x)
-    with torch.no_grad():
-        assert relative_error(compiled(fresh), model(fresh)) < 1e-4
+    assert_compiles_whole(model, x, torch.randn_like(x))
 
 
 def bert():
@@ -104,14 +109,7 @@ def test_a_small_zoo_transformer_compiles_every_group_and_matches_eager(build):
 
     model = build_seeded(build)
     (ids,) = token_inputs(2, 8, 50)
-    compiled = opfuse.compile(model, (ids,), opfuse.FusionConfig(dtype="float32"))
-    failed = {c.group: c.detail for c in compiled.checks if not c.passed}
-    assert compiled.checks and not failed, failed
-    through_pytorch = {g: why.text for g, why in compiled.fallbacks.items() if why.code is not Code.VIEW}
-    assert not through_pytorch, through_pytorch
-    fresh = (ids * 7 + 3) % 50
-    with torch.no_grad():
-        assert relative_error(compiled(fresh), model(fresh)) < 1e-4
+    assert_compiles_whole(model, ids, (ids * 7 + 3) % 50)     # other tokens than the example's
 
 
 def vit():
@@ -124,9 +122,6 @@ def swin():
                                               window_size=[4, 4], num_classes=10)
 
 
-
-
-
 @pytest.mark.parametrize("build", [vit, swin], ids=lambda build: build.__name__)
 def test_a_small_zoo_vision_transformer_compiles_every_group_and_matches_eager(build):
     """At a batch over 1, so that ViT's head split (nn.MultiheadAttention's) is no view of its own
@@ -134,11 +129,4 @@ def test_a_small_zoo_vision_transformer_compiles_every_group_and_matches_eager(b
     torch.manual_seed(0)
     model = build().eval()
     x = torch.randn(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
-    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
-    failed = {c.group: c.detail for c in compiled.checks if not c.passed}
-    assert compiled.checks and not failed, failed
-    through_pytorch = {g: why.text for g, why in compiled.fallbacks.items() if why.code is not Code.VIEW}
-    assert not through_pytorch, through_pytorch
-    fresh = torch.randn_like(x)
-    with torch.no_grad():
-        assert relative_error(compiled(fresh), model(fresh)) < 1e-4
+    assert_compiles_whole(model, x, torch.randn_like(x))
