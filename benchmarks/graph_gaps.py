@@ -1,10 +1,12 @@
 """Where the CUDA graph replays of opfuse and of eager idle: one replay of each under torch.profiler, its time split
 into kernels, copies/memsets and idle gaps, and the largest gaps with the activities on both sides.
 
-    python benchmarks/graph_gaps.py --out DIR [--workloads bert-base:64,bert-base:1] [--tune-top 1]
+    python benchmarks/graph_gaps.py --out DIR [--workloads bert-base:64,bert-base:1] [--tune-top 1] [--with-inductor]
 
 Why: in run 12 (benchmarks/RESULTS.md) opfuse's bert-base bs64 graph replayed in 3.491 ms with 3.317 ms of kernels,
-eager's in 3.705 ms with 3.705 ms of kernels. Writes DIR/gaps.json and prints a summary per workload.
+eager's in 3.705 ms with 3.705 ms of kernels. Writes DIR/gaps.json (with every activity of each replay, in order,
+so that two contenders' kernels can be compared offline) and prints a summary per workload; `--with-inductor` adds
+torch.compile's replay, compiled as the benchmarks compile it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import opfuse  # noqa: E402
 from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs  # noqa: E402
 from opfuse.bench.gaps import idle_gaps, replay_activities, summarize  # noqa: E402
-from opfuse.bench.harness import cuda_graphed, prepare  # noqa: E402
+from opfuse.bench.harness import cuda_graphed, frozen_inductor, prepare, torch_compiled  # noqa: E402
 from opfuse.bench.zoo import load_builtin  # noqa: E402
 
 
@@ -35,14 +37,18 @@ def report(label: str, replay) -> dict:
           f"(overlaps make these sum to more)")
     for gap in gaps[:8]:
         print(f"    {gap.microseconds:7.1f} us idle after {gap.before[:70]}  before {gap.after[:70]}")
+    for activity in sorted(activities, key=lambda a: a.start - a.end)[:12]:
+        print(f"    {activity.end - activity.start:7.1f} us  {activity.name[:100]}")
     return {"totals": totals, "gaps": [asdict(g) for g in gaps[:40]],
-            "copies": sorted({a.name for a in activities if a.is_copy})}
+            "copies": sorted({a.name for a in activities if a.is_copy}),
+            "activities": [(a.name, round(a.end - a.start, 2)) for a in sorted(activities, key=lambda a: a.start)]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--workloads", default="bert-base:64,bert-base:1")
+    parser.add_argument("--with-inductor", action="store_true", help="profile torch.compile's replay too")
     add_tuning_arguments(parser)
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
@@ -60,6 +66,10 @@ def main() -> None:
             row = {"opfuse": report("opfuse graph", graph.replay) if graph is not None else
                    {"error": compiled.compiled.cuda_graph_error or "no CUDA graph"}}
             row["eager"] = report("eager graph", cuda_graphed(model, inputs))
+            if args.with_inductor:
+                compiled_tc, _ = torch_compiled(model, inputs)
+                with frozen_inductor():
+                    row["inductor"] = report("torch.compile graph", cuda_graphed(compiled_tc, inputs))
         results[f"{name} bs{batch}"] = row
         del compiled
         torch.cuda.empty_cache()
