@@ -1,11 +1,12 @@
 """Cold-compile seconds of opfuse with and without the parallel compile workers (issue 17), on a GPU.
 
-    python benchmarks/compile_time.py --workloads resnet50:1,efficientnet_b0:1 --workers 1,8 [--out DIR]
+    python benchmarks/compile_time.py --workloads resnet50:1,efficientnet_b0:1 --workers 1,8 [--out DIR] [--profile]
 
 Each (workload, workers) compiles in a process of its own from empty caches (Triton's and opfuse's tuning cache),
 after one eager forward (the process's one-time costs fall on no compile), fp16, channels-last, FusionConfig's
 defaults but `compile_workers`; it prints one JSON line per compile (seconds by stage, what the workers compiled)
-and writes them to DIR/compile_time.json.
+and writes them to DIR/compile_time.json. `--profile` runs each compile under cProfile and writes its statistics to
+DIR/<workload>-w<workers>.prof (read them with `python -m pstats`), to see where a cold compile spends its time.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def child(model_name: str, batch: int, workers: int, cache: str) -> dict:
+def child(model_name: str, batch: int, workers: int, cache: str, profile_to: str | None = None) -> dict:
+    import cProfile
+
     import torch
 
     import opfuse
@@ -35,9 +38,15 @@ def child(model_name: str, batch: int, workers: int, cache: str) -> dict:
     config = opfuse.FusionConfig(dtype="float16", compile_workers=workers, cache_dir=cache)
     with torch.inference_mode():
         model(*inputs)
+        profiler = cProfile.Profile() if profile_to else None
         start = time.perf_counter()
+        if profiler:
+            profiler.enable()
         compiled = opfuse.compile(model, inputs, config)
         seconds = time.perf_counter() - start
+        if profiler:
+            profiler.disable()
+            profiler.dump_stats(profile_to)
     precompiled = compiled.compiled.tuning.precompiled
     return {"workload": f"{model_name}-bs{batch}", "workers": workers, "compile_s": seconds,
             "stages": compiled.seconds, "precompiled": vars(precompiled) if precompiled else None,
@@ -49,11 +58,13 @@ def main() -> int:
     parser.add_argument("--workloads", default="resnet50:1")
     parser.add_argument("--workers", default="1,8")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--child", nargs=4, metavar=("MODEL", "BATCH", "WORKERS", "CACHE"), help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help="write each compile's cProfile statistics to --out")
+    parser.add_argument("--child", nargs=5, metavar=("MODEL", "BATCH", "WORKERS", "CACHE", "PROFILE"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        model, batch, workers, cache = args.child
-        print(json.dumps(child(model, int(batch), int(workers), cache)), flush=True)
+        model, batch, workers, cache, profile_to = args.child
+        print(json.dumps(child(model, int(batch), int(workers), cache, profile_to or None)), flush=True)
         return 0
     rows = []
     for workload in args.workloads.split(","):
@@ -61,8 +72,10 @@ def main() -> int:
         for workers in args.workers.split(","):
             cache = tempfile.mkdtemp(prefix="opfuse-compile-")
             env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1")
-            done = subprocess.run([sys.executable, __file__, "--child", model, batch, workers, cache], env=env,
-                                  capture_output=True, text=True)
+            profile_to = str(Path(args.out) / f"{model}-bs{batch}-w{workers}.prof") if args.profile else ""
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            done = subprocess.run([sys.executable, __file__, "--child", model, batch, workers, cache, profile_to],
+                                  env=env, capture_output=True, text=True)
             line = next((l for l in reversed(done.stdout.splitlines()) if l.startswith("{")), None)
             row = json.loads(line) if line else {"workload": workload, "workers": workers,
                                                  "error": (done.stderr or done.stdout)[-2000:]}
