@@ -1,0 +1,94 @@
+"""What opfuse's autotuner measured for every group of a workload, on a GPU: each candidate's time, each rejected
+config's reason, the form it kept; with `--profile`, where the cold compile spent its time.
+
+    python benchmarks/tuning_report.py --out DIR --workloads shufflenet_v2_x1_0:64,resnet50:1 [--tune-top 4] [--profile]
+
+Why: run 39's profiles (benchmarks/RESULTS.md) show most of shufflenet_v2's and regnet_y_400mf's convs at batch 64
+running unfused through PyTorch (cuDNN, then PyTorch's strided bias add), where torch.compile runs the same convs
+with fused epilogues. This says which forms the tuner timed there and why the others lost or were rejected.
+Each workload compiles from an empty tuning cache (Triton's cache is whatever TRITON_CACHE_DIR holds), fp16,
+channels-last, FusionConfig's defaults but the tuning flags. Writes DIR/tuning.json, and DIR/<workload>.prof
+(`python -m pstats`) with `--profile`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import opfuse  # noqa: E402
+from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs  # noqa: E402
+from opfuse.bench.harness import prepare  # noqa: E402
+from opfuse.bench.zoo import load_builtin  # noqa: E402
+from opfuse.runtime.autotune import format_config  # noqa: E402
+
+
+def tuning_rows(compiled) -> dict:
+    """{group: kind, nodes, chosen form, timings in us, rejected configs and why} of a compiled model."""
+    runtime = compiled.compiled
+    tuning = runtime.tuning
+    rows = {}
+    for group in compiled.plan.groups:
+        if group.name not in runtime.kernels:
+            continue
+        chosen = runtime.configs.get(group.name)
+        rows[group.name] = {
+            "kind": group.kind.value, "nodes": group.nodes, "planned_us": round(group.predicted_time * 1e6, 2),
+            "chosen": format_config(chosen) if chosen is not None else None,
+            "timings_us": {format_config(c): round(t * 1e6, 2)
+                           for c, t in (tuning.timings.get(group.name, {}) if tuning else {}).items()},
+            "rejected": {format_config(c): r for c, r in (tuning.rejected.get(group.name, {}) if tuning else {}).items()},
+            "over_budget": tuning.over_budget.get(group.name) if tuning else None}
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--workloads", default="shufflenet_v2_x1_0:64")
+    parser.add_argument("--profile", action="store_true", help="write each compile's cProfile statistics")
+    add_tuning_arguments(parser)
+    args = parser.parse_args()
+    torch.backends.cudnn.benchmark = True
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for workload in args.workloads.split(","):
+        name, batch = workload.split(":")
+        model, inputs = load_builtin(name, batch=int(batch))
+        model, inputs, _, _ = prepare(model, inputs)
+        config = opfuse.FusionConfig(dtype="float16", cache_dir=tempfile.mkdtemp(prefix="opfuse-tuning-"),
+                                     **tuning_knobs(args))
+        profiler = cProfile.Profile() if args.profile else None
+        with torch.inference_mode():
+            model(*inputs)
+            start = time.perf_counter()
+            if profiler:
+                profiler.enable()
+            compiled = opfuse.compile(model, inputs, config)
+            if profiler:
+                profiler.disable()
+                profiler.dump_stats(str(out / f"{name}-bs{batch}.prof"))
+            seconds = time.perf_counter() - start
+        results[f"{name}-bs{batch}"] = {"compile_s": seconds, "stages": compiled.seconds,
+                                        "groups": tuning_rows(compiled)}
+        print(f"== {name} bs{batch}: compiled in {seconds:.1f} s {compiled.seconds}", flush=True)
+        for group, row in results[f"{name}-bs{batch}"]["groups"].items():
+            print(f"  {group} {' '.join(row['nodes'])[:60]}: {row['chosen']}; {row['timings_us']}; "
+                  f"rejected {len(row['rejected'])}", flush=True)
+        (out / "tuning.json").write_text(json.dumps(results, indent=1))
+        del compiled
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
