@@ -2,7 +2,8 @@
 
 For each kernel and each of its candidate configs: compile and run it once, read what the compiler reports
 (registers, spills, shared memory; `GroupKernel.last_compiled`), reject configs that spill or exceed the hardware
-profile (`screen_configs`, a pure function), time the rest in a CUDA graph (`cuda_median_time`, median) and keep
+profile (`screen_configs`, a pure function; where every one of the first `tune_top` is rejected, the kernel's next
+configs are compiled too, `more_configs`, until one fits), time the rest in a CUDA graph (`cuda_median_time`, median) and keep
 the fastest. Besides its own configs a kernel offers other forms (`GroupKernel.alternatives`): an anchor kernel's
 unsplit form, its anchor through cuBLAS/cuDNN with a generated epilogue, and its group unfused (the ops through
 PyTorch): a fusion that measures slower than the ops it merges is not kept. A group whose every config is rejected is reported in `TuningResult.over_budget` ("over budget: every
@@ -179,14 +180,33 @@ def candidates(kernel: GroupKernel, top: int | None, library: bool) -> tuple[lis
     return own, configs
 
 
+def more_configs(kernel: GroupKernel, own: list[KernelConfig], compiled: dict[KernelConfig, CompiledInfo | str | None],
+                 hardware: HardwareProfile, top: int | None,
+                 compile_all: Callable[[list[KernelConfig]], None]) -> list[KernelConfig]:
+    """The kernel's own configs past its first `top` that tuning compiles because every one before them was
+    rejected (spills, registers, shared memory), `top` at a time until one fits: tiles are listed for aligned,
+    wide outputs first, and a kernel whose loads cannot be vectorized (ShuffleNet's 58 channels) spills in all of
+    those while a smaller tile fits. Each batch is compiled with `compile_all` (into `compiled`); returns those
+    tried."""
+    tried: list[KernelConfig] = []
+    rest = [c for c in kernel.configs() if c not in own]
+    step = top or len(rest)
+    while rest and screen_configs({c: compiled[c] for c in own + tried if c in compiled}, hardware).over_budget:
+        batch, rest = rest[:step], rest[step:]
+        compile_all(batch)
+        tried += batch
+    return tried
+
+
 def cached_choice(kernel: GroupKernel, inputs: list[torch.Tensor], configs: list[KernelConfig],
                   cache: TuningCache | None, gpu_name: str) -> tuple[str | None, dict | None, KernelConfig | None]:
-    """(tuning key, cache entry, the cached config if it is still a candidate) of a kernel."""
+    """(tuning key, cache entry, the cached config if it is still a candidate) of a kernel: one of `configs`, or
+    of the kernel's configs past them that the tuning went on to (`more_configs`)."""
     if cache is None:
         return None, None, None
     key = tuning_key(kernel.source, inputs, gpu_name, candidates=[c.as_dict() for c in configs])
     entry = cache.load(key)
-    return key, entry, _restore(entry, configs)
+    return key, entry, _restore(entry, configs + [c for c in kernel.configs() if c not in configs])
 
 
 def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: HardwareProfile, benchmark: Benchmark,
@@ -205,17 +225,22 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
         return cached
 
     compiled: dict[KernelConfig, CompiledInfo | str | None] = {}
-    for config in configs:
-        kernel.last_compiled = None
-        try:
-            kernel.run(inputs, config)
-        except _out_of_resources() as error:
-            compiled[config] = f"out of resources: {error}"
-            continue
-        except Exception as error:
-            raise GraphError(f"kernel {kernel.name} (group {name}) failed with config "
-                             f"{format_config(config)}: {error}") from error
-        compiled[config] = kernel.last_compiled
+
+    def compile_all(batch: list[KernelConfig]) -> None:
+        for config in batch:
+            kernel.last_compiled = None
+            try:
+                kernel.run(inputs, config)
+            except _out_of_resources() as error:
+                compiled[config] = f"out of resources: {error}"
+                continue
+            except Exception as error:
+                raise GraphError(f"kernel {kernel.name} (group {name}) failed with config "
+                                 f"{format_config(config)}: {error}") from error
+            compiled[config] = kernel.last_compiled
+
+    compile_all(configs)
+    own = own + more_configs(kernel, own, compiled, hardware, top, compile_all)
     screening = screen_configs(compiled, hardware)
     result.rejected[name] = screening.rejected
     timings = {config: benchmark(lambda config=config: kernel.run(inputs, config)) for config in screening.accepted}

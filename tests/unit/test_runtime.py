@@ -505,6 +505,28 @@ def test_a_group_whose_own_configs_all_spill_is_reported_even_when_another_form_
     assert fits.over_budget == {}
 
 
+def test_tune_goes_past_tune_top_while_every_config_so_far_spills(tmp_path):
+    """tune_top 2 of 5 configs: the first two spill, so the next two are compiled; the fourth fits and is kept,
+    the fifth is never compiled, and the cache restores the fourth."""
+    graph = build_graph()
+    kernel = FakeKernel(graph, build_plan(graph).groups[0], n_configs=5)
+    cfgs = kernel.configs()
+    kernel.infos = {c: CompiledInfo(255, 8, 0) for c in cfgs[:3]} | {c: CompiledInfo(64, 0, 0) for c in cfgs[3:]}
+    x, y = example_inputs()
+    cache = TuningCache(tmp_path)
+    result = tune([kernel], {"x": x, "y": y}, FusionConfig(tune_top=2), cache, quiet=True, benchmark=lambda fn: 1.0)
+    assert result["g0"] == cfgs[3] and result.over_budget == {}
+    assert cfgs[4] not in {config for _, config in kernel.calls}
+    assert set(result.rejected["g0"]) == set(cfgs[:3])
+    kernel.calls.clear()
+    again = tune([kernel], {"x": x, "y": y}, FusionConfig(tune_top=2), cache, quiet=True, benchmark=lambda fn: 1.0)
+    assert again["g0"] == cfgs[3] and again.from_cache == {"g0"} and kernel.calls == []
+    # every config spills: all five were tried, the group is over budget and runs the least bad one
+    kernel.infos = {c: CompiledInfo(255, 8 - i, 0) for i, c in enumerate(cfgs)}
+    spills = tune([kernel], {"x": x, "y": y}, FusionConfig(tune_top=2), quiet=True, benchmark=lambda fn: 1.0)
+    assert spills.over_budget == {"g0": EVERY_CONFIG_SPILLS} and spills["g0"] == cfgs[4]
+
+
 def test_tune_with_autotune_off_and_missing_values():
     kernel, values = tuned_kernel()
     off = tune([kernel], values, FusionConfig(autotune=False), quiet=True, benchmark=lambda fn: 1.0)
