@@ -88,16 +88,22 @@ def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
 
 
 def by_occupancy(tiles: list[Tile], m: int, n: int, batch: int, sm_count: int) -> list[Tile]:
-    """`tiles` (tile dicts or kernel configs) whose grid over an M x N (x batch) output has a program for every SM,
-    in their order, then the others by their number of programs, most first: a short tuning (tune_top) times the
-    tiles that can fill the GPU (a batch-1 transformer's 128 x 3072 GEMM fills 24 of an H200's 132 SMs with a
-    128 x 128 tile, 192 with 32 x 64) before those that cannot, and keeps the measured order where all can (large
-    GEMMs)."""
+    """`tiles` (tile dicts or kernel configs) whose grid over an M x N (x batch) output has a program for every SM
+    and computes mostly output, in their order; then those that fill the GPU but leave half their tile or more past
+    the output's edge (a 128-wide tile over ShuffleNet's 58 channels), least padding first; then the others by
+    their number of programs, most first. A short tuning (tune_top) so times the tiles that can fill the GPU (a
+    batch-1 transformer's 128 x 3072 GEMM fills 24 of an H200's 132 SMs with a 128 x 128 tile, 192 with 32 x 64)
+    and fit the output before the rest, and keeps the measured order where all do (large GEMMs)."""
     def programs(tile: Tile) -> int:
         return -(-m // tile["BLOCK_M"]) * -(-n // tile["BLOCK_N"]) * batch
 
+    def padded(tile: Tile) -> int:      # the elements the grid computes, the output's and those past its edge
+        return programs(tile) * tile["BLOCK_M"] * tile["BLOCK_N"]
+
     filling = [t for t in tiles if programs(t) >= sm_count]
-    return filling + sorted((t for t in tiles if programs(t) < sm_count), key=programs, reverse=True)
+    fitting = [t for t in filling if padded(t) < 2 * m * n * batch]
+    wasteful = sorted((t for t in filling if t not in fitting), key=padded)
+    return fitting + wasteful + sorted((t for t in tiles if programs(t) < sm_count), key=programs, reverse=True)
 
 
 def anchor_steps(taps: int, channels: int, block_k: int) -> int:

@@ -191,3 +191,8 @@ def test_depthwise_tiles_fill_the_gpu_first():
     mixed = depthwise_configs(3136, 96, sm_count=132)
     filling = [programs(c, 3136, 96) >= 132 for c in mixed]
     assert filling == sorted(filling, reverse=True) and any(filling) and not all(filling)
+    # ShuffleNet's 58 channels: the 128-channel tiles, mostly past the output's edge, come after those that fit
+    narrow = depthwise_configs(64 * 28 * 28, 58, sm_count=132)
+    wide = [c["BLOCK_N"] == 128 for c in narrow]
+    assert wide == sorted(wide) and any(wide)
+    assert [c for c in narrow if c["BLOCK_N"] < 128] == [c for c in large if c["BLOCK_N"] < 128]

@@ -126,6 +126,24 @@ def test_every_tile_a_kernel_lists_has_its_slices_in_the_table(m, n, k, batch, i
             {tile_key(t) for t in KERNEL_TILES}
 
 
+def test_tiles_mostly_past_the_output_edge_come_after_those_that_fit():
+    """A 1x1 conv of 58 channels at batch 64 (ShuffleNet): every tile fills the GPU, and those at least twice
+    the output's width (128 and 256 columns) come after the rest, so a short tuning times tiles that fit it; a
+    wide output keeps the listed order."""
+    from opfuse.fusion.tiles import LARGE, anchor_tiles
+    from opfuse.hardware import get_hardware
+
+    hw = get_hardware("h200")
+    narrow = anchor_tiles(64 * 28 * 28, 58, 58, hw=hw)
+    wide = [t["BLOCK_N"] >= 128 for t in narrow[1:]]
+    assert wide == sorted(wide) and any(wide) and not all(wide)
+    past = [t["BLOCK_N"] for t in narrow[1:] if t["BLOCK_N"] >= 128]
+    assert past == sorted(past) and past[-1] == 256      # least padding first
+    wide_output = anchor_tiles(64 * 28 * 28, 512, 58, hw=hw)
+    assert wide_output[1:4] == LARGE
+    assert sorted(map(str, narrow)) == sorted(map(str, wide_output))     # the same candidates
+
+
 def test_each_config_runs_the_slices_its_own_grid_needs(gpu_tiles):
     """No change from when codegen counted the slices itself: for a long linear, a grouped 3x3 conv, a 3x3 and a 1x1
     conv over 7x7 pixels (resnet50's last stage at batch 1), every config of every split kernel runs
