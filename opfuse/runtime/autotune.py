@@ -180,6 +180,37 @@ def candidates(kernel: GroupKernel, top: int | None, library: bool) -> tuple[lis
     return own, configs
 
 
+def compile_configs(kernel: GroupKernel, inputs: list[torch.Tensor], configs: Iterable[KernelConfig]
+                    ) -> dict[KernelConfig, CompiledInfo | str | None]:
+    """Run `kernel` once with each config: {config: what its compile reports (None: nothing to report, e.g. a
+    library form), or why it could not run (out of resources)}; any other failure is an error naming the config."""
+    compiled: dict[KernelConfig, CompiledInfo | str | None] = {}
+    for config in configs:
+        kernel.last_compiled = None
+        try:
+            kernel.run(inputs, config)
+        except _out_of_resources() as error:
+            compiled[config] = f"out of resources: {error}"
+            continue
+        except Exception as error:
+            raise GraphError(f"kernel {kernel.name} (group {kernel.group.name}) failed with config "
+                             f"{format_config(config)}: {error}") from error
+        compiled[config] = kernel.last_compiled
+    return compiled
+
+
+def next_configs(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: HardwareProfile, top: int | None
+                 ) -> list[KernelConfig]:
+    """The configs `more_configs` will compile first for this kernel (its next `top`) where every one of its first
+    `top` is rejected, else none; the first are run to see (`compile_configs`), from Triton's cache once the
+    compile workers have built them."""
+    own = tuned_configs(kernel.configs(), top)
+    if not screen_configs(compile_configs(kernel, inputs, own), hardware).over_budget:
+        return []
+    rest = [c for c in kernel.configs() if c not in own]
+    return rest[:top or len(rest)]
+
+
 def more_configs(kernel: GroupKernel, own: list[KernelConfig], compiled: dict[KernelConfig, CompiledInfo | str | None],
                  hardware: HardwareProfile, top: int | None,
                  compile_all: Callable[[list[KernelConfig]], None]) -> list[KernelConfig]:
@@ -227,17 +258,7 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
     compiled: dict[KernelConfig, CompiledInfo | str | None] = {}
 
     def compile_all(batch: list[KernelConfig]) -> None:
-        for config in batch:
-            kernel.last_compiled = None
-            try:
-                kernel.run(inputs, config)
-            except _out_of_resources() as error:
-                compiled[config] = f"out of resources: {error}"
-                continue
-            except Exception as error:
-                raise GraphError(f"kernel {kernel.name} (group {name}) failed with config "
-                                 f"{format_config(config)}: {error}") from error
-            compiled[config] = kernel.last_compiled
+        compiled.update(compile_configs(kernel, inputs, batch))
 
     compile_all(configs)
     own = own + more_configs(kernel, own, compiled, hardware, top, compile_all)
@@ -303,8 +324,13 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
         with Progress(TextColumn("[bold]compiling[/] {task.description}"), TimeElapsedColumn(), disable=quiet,
                       transient=True) as progress:
             progress.add_task(f"the candidates of {len(jobs)} kernels in {workers} processes", total=None)
-            result.precompiled = precompile(jobs, workers,
-                                            gpu.index if gpu.index is not None else torch.cuda.current_device())
+            device_index = gpu.index if gpu.index is not None else torch.cuda.current_device()
+            result.precompiled = precompile(jobs, workers, device_index)
+            # kernels whose first configs all spill: the workers compile the next ones the tuner will try too
+            more = [(kernel, kernel_args, batch) for kernel, kernel_args, _ in jobs
+                    if (batch := next_configs(kernel, kernel_args, hardware, config.tune_top))]
+            if more:
+                precompile(more, workers, device_index)
     with Progress(*columns, disable=quiet, transient=True) as progress:
         task = progress.add_task("", total=len(kernels))
         for kernel in kernels:
