@@ -137,20 +137,61 @@ def recover_rng_after_failed_capture(device_index: int | None = None) -> None:
         pass
 
 
+GRAPH_WINDOW_S = 1e-3     # GPU time one timed graph replay aims at: calls of fn per graph = this / a call's time
+GRAPH_MAX_CALLS = 100     # at most this many calls per graph (a microsecond kernel, whose estimate is the host's)
+GRAPH_REPLAYS = 5         # timed replays; their median is the time
+
+
 def cuda_median_time(fn: Callable[[], Any]) -> float:
-    """Median seconds per call of fn, replayed in a CUDA graph (triton.testing.do_bench_cudagraph) as the compiled
-    model runs it: timed by plain launches, a microsecond kernel measures the host's launch cost, which would
-    favour one-launch forms over two-launch ones (split-K, library) that the graph runs just as fast; where fn
-    cannot be captured, plain launches (do_bench)."""
-    from triton.testing import do_bench, do_bench_cudagraph
-    # short windows: a fused kernel runs for microseconds, and a whole model has ~50 of them to tune
+    """Median seconds per call of fn, replayed in a CUDA graph as the compiled model runs it (`graph_time`): timed
+    by plain launches, a microsecond kernel measures the host's launch cost, which would favour one-launch forms
+    over two-launch ones (split-K, library) that the graph runs just as fast; where fn cannot be captured, plain
+    launches (do_bench)."""
+    from triton.testing import do_bench
+
     torch.cuda.synchronize()    # the side stream the graph is captured on must see the inputs finished
     try:
-        return do_bench_cudagraph(fn, rep=10, return_mode="median") / 1e3
+        return graph_time(fn)
     except Exception:   # not capturable: plain launches (this kernel's other candidates may be graph-timed)
         recover_rng_after_failed_capture()
         torch.cuda.synchronize()
         return do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3
+
+
+def graph_time(fn: Callable[[], Any]) -> float:
+    """Seconds per call of fn: a CUDA graph of n calls (n from three plain calls' time, so that a replay runs about
+    GRAPH_WINDOW_S, at most GRAPH_MAX_CALLS), replayed once to warm, then the median of GRAPH_REPLAYS timed
+    replays over n. A model's kernels run for microseconds and a model has a hundred to tune: Triton's
+    do_bench_cudagraph spends 100 ms of replays and a graph of up to a thousand calls on each, most of a warm
+    compile's time (run 40, benchmarks/RESULTS.md)."""
+    import statistics
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            fn()
+        end.record()
+        end.synchronize()
+        estimate_s = max(start.elapsed_time(end) / 3 / 1e3, 1e-7)
+        calls = max(1, min(GRAPH_MAX_CALLS, int(GRAPH_WINDOW_S / estimate_s)))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        times = []
+        for _ in range(GRAPH_REPLAYS):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / calls)
+    torch.cuda.current_stream().wait_stream(stream)
+    return statistics.median(times)
 
 
 def _out_of_resources() -> tuple[type[BaseException], ...]:

@@ -51,8 +51,8 @@ def software_versions() -> dict[str, str]:
 
 
 # how the autotuner times candidates; part of every key, so a change of method re-tunes instead of reusing choices
-# made by another clock (1: do_bench, plain launches; 2: do_bench_cudagraph)
-TIMING_METHOD = 2
+# made by another clock (1: do_bench, plain launches; 2: do_bench_cudagraph; 3: autotune.graph_time)
+TIMING_METHOD = 3
 
 
 def tuning_key(source: str, inputs: Sequence[torch.Tensor] | Sequence[dict[str, Any]], gpu_name: str,
