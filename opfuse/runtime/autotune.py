@@ -160,8 +160,9 @@ def cuda_median_time(fn: Callable[[], Any]) -> float:
 
 def graph_time(fn: Callable[[], Any]) -> float:
     """Seconds per call of fn: a CUDA graph of n calls (n from three plain calls' time, so that a replay runs about
-    GRAPH_WINDOW_S, at most GRAPH_MAX_CALLS), replayed once to warm, then the median of GRAPH_REPLAYS timed
-    replays over n. A model's kernels run for microseconds and a model has a hundred to tune: Triton's
+    GRAPH_WINDOW_S, at most GRAPH_MAX_CALLS), then the median over GRAPH_REPLAYS of one replay's time over n, each
+    timed replay queued behind an untimed one (timed from an idle GPU, a replay would include its launch latency,
+    which weighs more on forms with fewer calls per graph). A model's kernels run for microseconds and a model has a hundred to tune: Triton's
     do_bench_cudagraph spends 100 ms of replays and a graph of up to a thousand calls on each, most of a warm
     compile's time (run 40, benchmarks/RESULTS.md)."""
     import statistics
@@ -182,9 +183,9 @@ def graph_time(fn: Callable[[], Any]) -> float:
         with torch.cuda.graph(graph, stream=stream):
             for _ in range(calls):
                 fn()
-        graph.replay()
         times = []
         for _ in range(GRAPH_REPLAYS):
+            graph.replay()      # queued ahead of the timed one, so its launch latency is not timed
             start.record()
             graph.replay()
             end.record()
