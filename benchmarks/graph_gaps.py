@@ -67,6 +67,7 @@ def main() -> None:
                    {"error": compiled.compiled.cuda_graph_error or "no CUDA graph"}}
             row["eager"] = report("eager graph", cuda_graphed(model, inputs))
             if args.with_inductor:
+                torch._dynamo.reset()   # a second workload of one model class would recompile with dynamic shapes
                 compiled_tc, _ = torch_compiled(model, inputs)
                 with frozen_inductor():
                     row["inductor"] = report("torch.compile graph", cuda_graphed(compiled_tc, inputs))

@@ -75,10 +75,10 @@ def main() -> None:
             if profiler:
                 profiler.enable()
             compiled = opfuse.compile(model, inputs, config)
+            seconds = time.perf_counter() - start
             if profiler:
                 profiler.disable()
                 profiler.dump_stats(str(out / f"{name}-bs{batch}.prof"))
-            seconds = time.perf_counter() - start
         results[f"{name}-bs{batch}"] = {"compile_s": seconds, "stages": compiled.seconds,
                                         "groups": tuning_rows(compiled)}
         print(f"== {name} bs{batch}: compiled in {seconds:.1f} s {compiled.seconds}", flush=True)

@@ -29,7 +29,8 @@ class FusionConfig:
     use_cost_model: bool = True         # False: take every legal fusion (for tests and experiments)
     # code generation and runtime
     autotune: bool = True
-    tune_top: int | None = 4            # autotune among each kernel's first N configs (None: all); compiling is slow
+    tune_top: int | None = 4            # autotune among each kernel's first N configs (None: all), and its next N
+                                        # while every one tried spills; compiling is slow
     library_anchors: bool = True        # autotuning also times each conv/GEMM anchor through cuBLAS/cuDNN with its
                                         # epilogue as a generated kernel, and the group unfused (its ops through
                                         # PyTorch), and keeps either where it is faster than the fused kernel

@@ -30,8 +30,8 @@ def _tile(m: int, n: int, k: int, warps: int, stages: int) -> dict[str, int]:
 
 # Hopper-friendly tiles: 128x128 (x256) with 8 warps for big GEMMs, 4-warp 64/128 tiles for few output channels,
 # short reductions or few tiles, and 16/32-row tiles for batch-1 GEMMs (M of 1 to 32: reading the weight is
-# the whole cost). The autotuner measures them in this order where each fills the GPU (`by_occupancy`; the first
-# N of them with tune_top=N); the rules of `anchor_tiles` only pick the default. The 128x256 tile comes second so
+# the whole cost). The autotuner measures them in this order where each fills the GPU and fits the output
+# (`by_occupancy`; the first N of them with tune_top=N); the rules of `anchor_tiles` only pick the default. The 128x256 tile comes second so
 # that a short tuning still tries it where its grid fills the GPU.
 LARGE = [_tile(128, 128, 64, 8, 4), _tile(128, 256, 64, 8, 3), _tile(128, 128, 64, 8, 3)]
 MEDIUM = [_tile(128, 64, 32, 4, 4), _tile(64, 128, 32, 4, 4), _tile(64, 64, 64, 4, 3), _tile(64, 64, 32, 4, 4)]
@@ -93,7 +93,9 @@ def by_occupancy(tiles: list[Tile], m: int, n: int, batch: int, sm_count: int) -
     the output's edge (a 128-wide tile over ShuffleNet's 58 channels), least padding first; then the others by
     their number of programs, most first. A short tuning (tune_top) so times the tiles that can fill the GPU (a
     batch-1 transformer's 128 x 3072 GEMM fills 24 of an H200's 132 SMs with a 128 x 128 tile, 192 with 32 x 64)
-    and fit the output before the rest, and keeps the measured order where all do (large GEMMs)."""
+    and fit the output before the rest, and keeps the measured order where all do (large GEMMs). Padding is weighed
+    for one GEMM only (`batch` 1): a grouped conv's tiles come with group-blocked forms that pack several of its
+    narrow groups into one tile, so their listed order stands."""
     def programs(tile: Tile) -> int:
         return -(-m // tile["BLOCK_M"]) * -(-n // tile["BLOCK_N"]) * batch
 
@@ -101,7 +103,7 @@ def by_occupancy(tiles: list[Tile], m: int, n: int, batch: int, sm_count: int) -
         return programs(tile) * tile["BLOCK_M"] * tile["BLOCK_N"]
 
     filling = [t for t in tiles if programs(t) >= sm_count]
-    fitting = [t for t in filling if padded(t) < 2 * m * n * batch]
+    fitting = [t for t in filling if batch > 1 or padded(t) < 2 * m * n]
     wasteful = sorted((t for t in filling if t not in fitting), key=padded)
     return fitting + wasteful + sorted((t for t in tiles if programs(t) < sm_count), key=programs, reverse=True)
 

@@ -285,8 +285,9 @@ def cached_choice(kernel: GroupKernel, inputs: list[torch.Tensor], configs: list
 def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: HardwareProfile, benchmark: Benchmark,
                 result: TuningResult, cache: TuningCache | None = None, gpu_name: str = "",
                 top: int | None = None, library: bool = False) -> KernelConfig:
-    """Choose the config of one kernel among its first `top` configs and its other forms (`alternatives`: unsplit,
-    and with `library` the anchor through cuBLAS/cuDNN and the group unfused; see module docstring); record it."""
+    """Choose the config of one kernel among its first `top` configs (and further ones while all of those are
+    rejected: `more_configs`) and its other forms (`alternatives`: unsplit, and with `library` the anchor through
+    cuBLAS/cuDNN and the group unfused; see module docstring); record it."""
     name = kernel.group.name
     own, configs = candidates(kernel, top, library)
     key, entry, cached = cached_choice(kernel, inputs, configs, cache, gpu_name)

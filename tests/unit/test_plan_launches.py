@@ -142,6 +142,8 @@ def test_tiles_mostly_past_the_output_edge_come_after_those_that_fit():
     wide_output = anchor_tiles(64 * 28 * 28, 512, 58, hw=hw)
     assert wide_output[1:4] == LARGE
     assert sorted(map(str, narrow)) == sorted(map(str, wide_output))     # the same candidates
+    # a grouped conv's groups (batch): its group-blocked forms pack groups into a tile, so no reordering
+    assert anchor_tiles(64 * 28 * 28, 58, 58, 8, hw=hw)[1:4] == LARGE
 
 
 def test_each_config_runs_the_slices_its_own_grid_needs(gpu_tiles):
