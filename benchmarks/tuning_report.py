@@ -46,7 +46,8 @@ def tuning_rows(compiled) -> dict:
             "chosen": format_config(chosen) if chosen is not None else None,
             "timings_us": {format_config(c): round(t * 1e6, 2)
                            for c, t in (tuning.timings.get(group.name, {}) if tuning else {}).items()},
-            "rejected": {format_config(c): r for c, r in (tuning.rejected.get(group.name, {}) if tuning else {}).items()},
+            "rejected": {format_config(c): r
+                         for c, r in (tuning.rejected.get(group.name, {}) if tuning else {}).items()},
             "over_budget": tuning.over_budget.get(group.name) if tuning else None}
     return rows
 

@@ -31,8 +31,8 @@ def _tile(m: int, n: int, k: int, warps: int, stages: int) -> dict[str, int]:
 # Hopper-friendly tiles: 128x128 (x256) with 8 warps for big GEMMs, 4-warp 64/128 tiles for few output channels,
 # short reductions or few tiles, and 16/32-row tiles for batch-1 GEMMs (M of 1 to 32: reading the weight is
 # the whole cost). The autotuner measures them in this order where each fills the GPU and fits the output
-# (`by_occupancy`; the first N of them with tune_top=N); the rules of `anchor_tiles` only pick the default. The 128x256 tile comes second so
-# that a short tuning still tries it where its grid fills the GPU.
+# (`by_occupancy`; the first N of them with tune_top=N); the rules of `anchor_tiles` only pick the default. The
+# 128x256 tile comes second so that a short tuning still tries it where its grid fills the GPU.
 LARGE = [_tile(128, 128, 64, 8, 4), _tile(128, 256, 64, 8, 3), _tile(128, 128, 64, 8, 3)]
 MEDIUM = [_tile(128, 64, 32, 4, 4), _tile(64, 128, 32, 4, 4), _tile(64, 64, 64, 4, 3), _tile(64, 64, 32, 4, 4)]
 SMALL_M = [_tile(16, 32, 128, 4, 4), _tile(16, 64, 128, 4, 4), _tile(16, 32, 256, 4, 3), _tile(16, 128, 64, 4, 4),

@@ -2,12 +2,13 @@
 
 For each kernel and each of its candidate configs: compile and run it once, read what the compiler reports
 (registers, spills, shared memory; `GroupKernel.last_compiled`), reject configs that spill or exceed the hardware
-profile (`screen_configs`, a pure function; where every one of the first `tune_top` is rejected, the kernel's next
-configs are compiled too, `more_configs`, until one fits), time the rest in a CUDA graph (`cuda_median_time`, median) and keep
-the fastest. Besides its own configs a kernel offers other forms (`GroupKernel.alternatives`): an anchor kernel's
-unsplit form, its anchor through cuBLAS/cuDNN with a generated epilogue, and its group unfused (the ops through
-PyTorch): a fusion that measures slower than the ops it merges is not kept. A group whose every config is rejected is reported in `TuningResult.over_budget` ("over budget: every
-config spills") so the caller can split it; it still gets the least bad config, so the model runs either way.
+profile (`screen_configs`, a pure function; where every one of the first `tune_top` is rejected, the kernel's
+next configs are compiled too, `more_configs`, until one fits), time the rest in a CUDA graph (`cuda_median_time`,
+median) and keep the fastest. Besides its own configs a kernel offers other forms (`GroupKernel.alternatives`):
+an anchor kernel's unsplit form, its anchor through cuBLAS/cuDNN with a generated epilogue, and its group unfused
+(the ops through PyTorch): a fusion that measures slower than the ops it merges is not kept. A group whose every
+config is rejected is reported in `TuningResult.over_budget` ("over budget: every config spills") so the caller
+can split it; it still gets the least bad config, so the model runs either way.
 Results are kept in the on-disk `TuningCache`. On a GPU the candidates of every kernel not in the cache are first
 compiled in parallel by worker processes (`opfuse.runtime.precompile`), so the tuner's own runs load them from
 Triton's cache. Without a GPU (Triton's interpreter) nothing is timed and each kernel gets its first config.
@@ -162,9 +163,8 @@ def graph_time(fn: Callable[[], Any]) -> float:
     """Seconds per call of fn: a CUDA graph of n calls (n from three plain calls' time, so that a replay runs about
     GRAPH_WINDOW_S, at most GRAPH_MAX_CALLS), then the median over GRAPH_REPLAYS of one replay's time over n, each
     timed replay queued behind an untimed one (timed from an idle GPU, a replay would include its launch latency,
-    which weighs more on forms with fewer calls per graph). A model's kernels run for microseconds and a model has a hundred to tune: Triton's
-    do_bench_cudagraph spends 100 ms of replays and a graph of up to a thousand calls on each, most of a warm
-    compile's time (run 40, benchmarks/RESULTS.md)."""
+    which weighs more on forms with fewer calls per graph). A model has a hundred kernels of microseconds to tune:
+    Triton's do_bench_cudagraph spends 100 ms of replays and a graph of up to a thousand calls on each."""
     import statistics
 
     stream = torch.cuda.Stream()
