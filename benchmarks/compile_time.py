@@ -17,19 +17,17 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def child(model_name: str, batch: int, workers: int, cache: str, profile_to: str | None = None) -> dict:
-    import cProfile
-
     import torch
 
     import opfuse
     from opfuse.bench import harness
+    from opfuse.bench.timing import timed_compile
     from opfuse.bench.zoo import resolve_model
 
     torch.backends.cudnn.benchmark = True
@@ -38,15 +36,7 @@ def child(model_name: str, batch: int, workers: int, cache: str, profile_to: str
     config = opfuse.FusionConfig(dtype="float16", compile_workers=workers, cache_dir=cache)
     with torch.inference_mode():
         model(*inputs)
-        profiler = cProfile.Profile() if profile_to else None
-        start = time.perf_counter()
-        if profiler:
-            profiler.enable()
-        compiled = opfuse.compile(model, inputs, config)
-        seconds = time.perf_counter() - start
-        if profiler:
-            profiler.disable()
-            profiler.dump_stats(profile_to)
+        compiled, seconds = timed_compile(model, inputs, config, profile_to)
     precompiled = compiled.compiled.tuning.precompiled
     return {"workload": f"{model_name}-bs{batch}", "workers": workers, "compile_s": seconds,
             "stages": compiled.seconds, "precompiled": vars(precompiled) if precompiled else None,

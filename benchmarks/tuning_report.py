@@ -14,11 +14,9 @@ channels-last, FusionConfig's defaults but the tuning flags. Writes DIR/tuning.j
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import opfuse  # noqa: E402
 from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs  # noqa: E402
 from opfuse.bench.harness import prepare  # noqa: E402
+from opfuse.bench.timing import timed_compile  # noqa: E402
 from opfuse.bench.zoo import load_builtin  # noqa: E402
 from opfuse.runtime.autotune import format_config  # noqa: E402
 
@@ -69,17 +68,10 @@ def main() -> None:
         model, inputs, _, _ = prepare(model, inputs)
         config = opfuse.FusionConfig(dtype="float16", cache_dir=tempfile.mkdtemp(prefix="opfuse-tuning-"),
                                      **tuning_knobs(args))
-        profiler = cProfile.Profile() if args.profile else None
         with torch.inference_mode():
             model(*inputs)
-            start = time.perf_counter()
-            if profiler:
-                profiler.enable()
-            compiled = opfuse.compile(model, inputs, config)
-            seconds = time.perf_counter() - start
-            if profiler:
-                profiler.disable()
-                profiler.dump_stats(str(out / f"{name}-bs{batch}.prof"))
+            compiled, seconds = timed_compile(model, inputs, config,
+                                              str(out / f"{name}-bs{batch}.prof") if args.profile else None)
         results[f"{name}-bs{batch}"] = {"compile_s": seconds, "stages": compiled.seconds,
                                         "groups": tuning_rows(compiled)}
         print(f"== {name} bs{batch}: compiled in {seconds:.1f} s {compiled.seconds}", flush=True)

@@ -44,7 +44,7 @@ import torch
 
 from opfuse.bench.contenders import CONTENDER_LABELS, CONTENDERS, TIMED  # noqa: F401
 from opfuse.bench.timing import (Forward, cuda_graphed, host_replay, interleaved_samples,  # noqa: F401
-                                 kernel_profile, median_ms, summarize)
+                                 kernel_profile, median_ms, summarize, timed_compile)
 
 
 @dataclass
@@ -221,12 +221,9 @@ def _build_inductor(model, inputs, cuda: bool, backend: Any = "inductor", **_: A
 
 
 def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict | None = None, **_: Any) -> Built:
-    import opfuse
     from opfuse.fusion.reasons import Code
 
-    start = time.perf_counter()
-    compiled = opfuse.compile(model, inputs, config)
-    seconds = time.perf_counter() - start
+    compiled, seconds = timed_compile(model, inputs, config)
     call = lambda: compiled(*inputs)    # noqa: E731
     for _ in range(1 + compiled.compiled.cuda_graph_warmup):    # the warm-up call(s), then the capture
         call()

@@ -3,7 +3,7 @@
 Entry points: `interleaved_samples(forwards, rounds, per_round) -> {name: [ms, ...]}` (contenders timed in turns,
 A, B, C, A, B, C, ..., so that clock drift, thermal state and other tenants weigh on all of them alike),
 `summarize(samples) -> Timing` (median and spread), `cuda_graphed(fn, inputs)`, `kernel_profile(fn, inputs)` and
-`median_ms(fn, inputs)` for one function alone.
+`median_ms(fn, inputs)` for one function alone; `timed_compile(model, inputs, config)` for opfuse's compile.
 
 A sample is one forward between two CUDA events, the GPU idle before it (the previous sample synchronised): it
 measures latency as a caller sees it, host work before the launches included. On the CPU (tests) the clock is
@@ -158,3 +158,23 @@ def kernel_profile(fn: Forward, inputs: Sequence[torch.Tensor], runs: int = 3) -
     busy_us = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
                   for e in kernels)
     return round(len(kernels) / runs), busy_us / runs / 1e3
+
+
+def timed_compile(model: torch.nn.Module, inputs: Sequence[torch.Tensor], config: object,
+                  profile_to: str | None = None) -> tuple[object, float]:
+    """(`opfuse.compile(model, inputs, config)`, its seconds); with `profile_to`, the compile runs under cProfile
+    and its statistics are written there (`python -m pstats`), after the seconds are taken."""
+    import cProfile
+
+    import opfuse
+
+    profiler = cProfile.Profile() if profile_to else None
+    start = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    compiled = opfuse.compile(model, inputs, config)
+    seconds = time.perf_counter() - start
+    if profiler:
+        profiler.disable()
+        profiler.dump_stats(profile_to)
+    return compiled, seconds
