@@ -13,6 +13,14 @@ Contract with the templates. At the epilogue point a template has defined:
   r0, r1, r2 [BLOCK_M]             the row index split over the layout's 3 row dims (see `TileLayout`)
   b0, b1 (scalars)                 the batch index split over the 2 batch dims (batched layouts only)
 
+A flat epilogue (`Epilogue(..., flat=True)`, `Epilogue.flat_form()`) is the same code over a 1-D block of the
+output's elements in memory order: there `acc`, `offs_n` (each element's channel), `r0, r1, r2` and `mask` are
+[BLOCK] vectors, and `offs_dense` is each element's offset in a dense [batch, rows, channels] tensor. Every tensor
+it reads or writes gets a constexpr flag (`<prefix>_DENSE`, set at launch from its strides): a dense one is
+addressed by `offs_dense`, which Triton vectorises, any other through its strides. This is how a pointwise kernel
+over a library call's result streams it at full width whatever the channel count (58 channels leave no row of a
+2-D tile aligned).
+
 Every extra operand of an epilogue node is one of: a scalar constant (a literal in the source), a constant that
 varies along the channel dim only (a float32 vector the kernel loads with `offs_n`), or anything else (a runtime
 tensor such as a residual, or a constant of another broadcast pattern), read through its strides after
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -151,11 +160,26 @@ class TileLayout:
         batch = [f"{prefix}_sb0", f"{prefix}_sb1"] if self.batch_dims else []
         return batch + [f"{prefix}_sr0", f"{prefix}_sr1", f"{prefix}_sr2", f"{prefix}_sc"]
 
-    def offset_expr(self, prefix: str) -> str:
-        """Triton expression of the [BLOCK_M, BLOCK_N] element offsets of a tensor read through `prefix` strides."""
+    def offset_expr(self, prefix: str, flat: bool = False) -> str:
+        """Triton expression of the element offsets of a tensor read through `prefix` strides: of the
+        [BLOCK_M, BLOCK_N] tile, or with `flat` of the [BLOCK] elements (`offs_dense` where the tensor is dense)."""
         rows = f"r0 * {prefix}_sr0 + r1 * {prefix}_sr1 + r2 * {prefix}_sr2"
         batch = f"b0 * {prefix}_sb0 + b1 * {prefix}_sb1 + " if self.batch_dims else ""
+        if flat:
+            return f"(offs_dense if {prefix}_DENSE else {batch}{rows} + offs_n * {prefix}_sc)"
         return f"{batch}({rows})[:, None] + offs_n[None, :] * {prefix}_sc"
+
+    def dense(self, strides: Sequence[int]) -> bool:
+        """Whether kernel `strides` (as `strides` gives them) address a dense [batch, rows, channels] tensor: each
+        dim's stride the product of the sizes inside it, on every dim longer than 1."""
+        return all(stride == step for stride, step in zip(strides, self._dense_strides) if step is not None)
+
+    @cached_property
+    def _dense_strides(self) -> list[int | None]:
+        """The kernel strides of a dense tensor, None on dims of size 1 (any stride does there)."""
+        sizes = list(self.batch_sizes() if self.batch_dims else ()) + list(self.row_sizes()) + [self.channels]
+        steps = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+        return [step if size > 1 else None for size, step in zip(sizes, steps)]
 
 
 def siblings_and_chains(graph: Graph, group: FusionGroup, anchor_ops: tuple[str, ...], users: Users | None = None
@@ -200,10 +224,14 @@ class Epilogue:
     """The elementwise tail of an anchor group, as kernel parameters, Triton lines and launch arguments."""
 
     def __init__(self, graph: Graph, group: FusionGroup, chains: list[list[str]], layout: TileLayout,
-                 device: torch.device, bias: list[torch.Tensor | None] | None = None):
+                 device: torch.device, bias: list[torch.Tensor | None] | None = None, flat: bool = False):
         """`chains`: per sibling anchor, its name then its epilogue nodes; `bias`: per sibling, the anchor's
-        bias (a [channels] constant) or None; `layout`: the output's layout with all siblings' channels."""
+        bias (a [channels] constant) or None; `layout`: the output's layout with all siblings' channels; `flat`:
+        code for a 1-D block of elements instead of a 2-D tile (module docstring)."""
         self.graph, self.group, self.layout, self.device = graph, group, layout, device
+        self.flat = flat
+        self._arguments = (graph, group, chains, layout, device, bias)
+        self._flat_form: Epilogue | None = None
         self.chains = chains
         widths = [graph[c[0]].type.shape[layout.channel_dim] for c in chains]
         if sum(widths) != layout.channels:
@@ -218,7 +246,7 @@ class Epilogue:
         self.output_fill: float | None = None     # tests poison outputs (NaN) to catch unwritten elements
         self.channel_vectors: list[torch.Tensor] = []
         self.full_operands: list[str | torch.Tensor] = []   # runtime value names or kernel-held constants
-        self.lines: list[str] = ["mask = mask_m[:, None] & mask_n[None, :]"]
+        self.lines: list[str] = [] if flat else ["mask = mask_m[:, None] & mask_n[None, :]"]
 
         if bias is not None and any(b is not None for b in bias):
             vector = self._channel_vector([b if b is not None else 0.0 for b in bias])
@@ -248,8 +276,17 @@ class Epilogue:
         self.dtypes = [torch_dtype(graph[chains[0][p]].type.dtype) for p in self.stored]
         self.stored_spaces = [self.spaces[p] for p in self.stored]
         for j, p in enumerate(self.stored):
-            self.lines.append(f"tl.store(out{j}_ptr + {layout.offset_expr(f'out{j}')}, "
+            self.lines.append(f"tl.store(out{j}_ptr + {layout.offset_expr(f'out{j}', flat)}, "
                               f"x{p}.to({triton_dtype(graph[chains[0][p]].type.dtype)}), mask=mask)")
+
+    def flat_form(self) -> "Epilogue":
+        """This epilogue as flat code (module docstring), built on first use."""
+        if self.flat:
+            return self
+        if self._flat_form is None:
+            self._flat_form = Epilogue(*self._arguments, flat=True)
+        self._flat_form.output_fill = self.output_fill
+        return self._flat_form
 
     # ---- analysis -----------------------------------------------------------------------------------
     def _permute(self, nodes: list[Node], position: dict[str, int]) -> int:
@@ -288,6 +325,8 @@ class Epilogue:
                   else part.reshape(w).float().cpu() for part, (_, w) in zip(parts, self.spans)]
         j = len(self.channel_vectors)
         self.channel_vectors.append(torch.cat(pieces).to(self.device).contiguous())
+        if self.flat:
+            return f"tl.load(cv{j}_ptr + offs_n, mask=mask, other=0.0)"
         return f"tl.load(cv{j}_ptr + offs_n, mask=mask_n, other=0.0)[None, :]"
 
     def _classify(self, node: Node, index: int, space: tuple[int, ...]) -> tuple[str, object]:
@@ -339,7 +378,8 @@ class Epilogue:
         j = len(self.full_operands)
         self.full_operands.append(kinds[0][1])
         self.full_spaces.append(space if isinstance(kinds[0][1], str) else self.spaces[0])   # constants: moved
-        return f"tl.load(fo{j}_ptr + {self.layout.offset_expr(f'fo{j}')}, mask=mask, other=0.0).to(tl.float32)"
+        return (f"tl.load(fo{j}_ptr + {self.layout.offset_expr(f'fo{j}', self.flat)}, mask=mask, "
+                "other=0.0).to(tl.float32)")
 
     # ---- what the template and the launcher use -----------------------------------------------------
     @property
@@ -349,6 +389,8 @@ class Epilogue:
         for prefix in [f"fo{j}" for j in range(len(self.full_operands))] + \
                       [f"out{j}" for j in range(len(self.stored))]:
             names += [f"{prefix}_ptr"] + self.layout.stride_names(prefix)
+            if self.flat:
+                names.append(f"{prefix}_DENSE: tl.constexpr")
         return "".join(f"{n}, " for n in names)
 
     def code(self, indent: str = "    ") -> str:
@@ -368,14 +410,14 @@ class Epilogue:
                 tensor = tensor.reshape((1,) * (len(space) - tensor.dim()) + tuple(tensor.shape))
                 tensor = tensor.expand(self._shape_in(space)).permute([space.index(d) for d in range(len(space))])
             tensor, strides = self.layout.strides(tensor)
-            args += [tensor, *strides]
+            args += [tensor, *strides] + ([self.layout.dense(strides)] if self.flat else [])
         buffers = []
         for dtype, space in zip(self.dtypes, self.stored_spaces):
             buffer = self.layout.empty(dtype, self.device)
             if self.output_fill is not None:
                 buffer.fill_(self.output_fill)
             _, strides = self.layout.strides(buffer)
-            args += [buffer, *strides]
+            args += [buffer, *strides] + ([self.layout.dense(strides)] if self.flat else [])
             buffers.append(buffer if space == identity else buffer.permute(space))
         if len(self.chains) == 1:
             return args, [buffers[b] for _, b in self.outputs]

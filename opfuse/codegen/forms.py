@@ -12,25 +12,30 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
+import triton
 
 from opfuse.codegen.base import FORM_LIBRARY, FORM_UNFUSED, GroupKernel, KernelConfig
+from opfuse.codegen.epilogue import generate_kernel
 from opfuse.codegen.split_k import REDUCE_BLOCK_M, REDUCE_BLOCK_N, SplitK, slices_of
 from opfuse.ir.graph import Node
 from opfuse.ir.interpret import device_constants, run_nodes
 from opfuse.ir.ops import launches_kernel
 
 if TYPE_CHECKING:
-    from opfuse.codegen.epilogue import Epilogue
+    from opfuse.codegen.epilogue import Epilogue, TileLayout
 
 # The library form of an anchor kernel: the anchor alone through PyTorch (cuBLAS / cuDNN) into a buffer, then one
-# generated kernel (REDUCE_TEMPLATE over a single slice) reads it and runs the group's epilogue. Two launches and one
-# round trip of the anchor's result instead of one fused kernel: the autotuner measures it beside the Triton configs
-# and keeps it only where it is faster (the shapes where the library's GEMM or convolution beats the template's).
-# Two tiles for its epilogue kernel, which streams the anchor's whole output: the split-K reduce's small tile, and a
-# wider one for large outputs (bert-base's 8192 x 3072 FFN activations at batch 64)
+# generated kernel reads it and runs the group's epilogue. Two launches and one round trip of the anchor's result
+# instead of one fused kernel: the autotuner measures it beside the Triton configs and keeps it only where it is
+# faster (the shapes where the library's GEMM or convolution beats the template's). Three forms of its epilogue
+# kernel, which streams the anchor's whole output: 2-D tiles (REDUCE_TEMPLATE over a single slice), the split-K
+# reduce's small one and a wider one for large outputs (bert-base's 8192 x 3072 FFN activations at batch 64), and
+# a flat block of elements in memory order (FLAT_TEMPLATE, BLOCK), whose loads and stores are vectorised whatever the
+# channel count, as a pointwise kernel's are
 LIBRARY_CONFIGS = (
     KernelConfig.of(num_warps=4, num_stages=1, form=FORM_LIBRARY, BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N),
-    KernelConfig.of(num_warps=8, num_stages=1, form=FORM_LIBRARY, BLOCK_M=64, BLOCK_N=128))
+    KernelConfig.of(num_warps=8, num_stages=1, form=FORM_LIBRARY, BLOCK_M=64, BLOCK_N=128),
+    KernelConfig.of(num_warps=4, num_stages=1, form=FORM_LIBRARY, BLOCK=1024))
 LIBRARY = LIBRARY_CONFIGS[0]
 LibraryAnchor = Callable[[dict[str, torch.Tensor]], torch.Tensor]   # values by name -> [batch, rows, columns]
 # the whole library form of a group that is its anchors alone (the bias inside the library call): values by name ->
@@ -40,6 +45,60 @@ LibraryOutputs = Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]
 # then PyTorch's own elementwise kernels). The autotuner times it too, so a fusion that measures slower than the
 # ops it merges is refused at run time (bert-base's K=768 linears, where cuBLAS's main loop beats the template's).
 UNFUSED = KernelConfig.of(num_warps=1, num_stages=1, form=FORM_UNFUSED)
+
+
+# The library form's flat epilogue kernel: BLOCK consecutive elements of the library's result src[batch, rows,
+# columns] (dense) per program, batch pid_b, under the flat contract of `opfuse.codegen.epilogue`. TOTAL (rows x
+# columns) is an argument of its own so that Triton specialises on its divisibility: the mask's, which decides
+# whether loads and stores are vectorised
+FLAT_TEMPLATE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def KERNEL_NAME(
+    src_ptr, TOTAL, N, R1, R2, B1,
+    {params}
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    flat = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = flat < TOTAL
+    offs_dense = pid_b * TOTAL + flat
+    offs_m = flat // N
+    offs_n = flat % N
+    b0 = pid_b // B1
+    b1 = pid_b % B1
+    r2 = offs_m % R2
+    r1 = (offs_m // R2) % R1
+    r0 = offs_m // (R2 * R1)
+    acc = tl.load(src_ptr + offs_dense, mask=mask, other=0.0).to(tl.float32)
+
+{epilogue}
+'''
+
+
+class FlatEpilogue:
+    """The library form's flat epilogue kernel: FLAT_TEMPLATE with an epilogue's flat form."""
+
+    def __init__(self, epilogue: "Epilogue"):
+        self.epilogue = epilogue.flat_form()
+        self.name, self.source, self.kernel = generate_kernel(FLAT_TEMPLATE, self.epilogue)
+
+    def run(self, result: torch.Tensor, layout: "TileLayout", args: list, block: int, num_warps: int) -> None:
+        """The epilogue over `result` [batch, rows, columns] (contiguous) into the outputs `args` holds."""
+        batch, rows, columns = result.shape
+        _, r1, r2 = layout.row_sizes()
+        b1 = layout.batch_sizes()[1] if layout.batch_dims else 1
+        grid = (triton.cdiv(rows * columns, block), batch)
+        self.kernel[grid](result, rows * columns, columns, r1, r2, b1, *args, BLOCK=block, num_warps=num_warps)
+
+
+def is_flat(config: KernelConfig) -> bool:
+    """Whether a library config runs the flat epilogue kernel."""
+    return "BLOCK" in dict(config.params)
 
 
 def is_library(config: KernelConfig | None) -> bool:
@@ -69,6 +128,7 @@ class EpilogueKernel(GroupKernel):
     operand_nodes: Sequence[Node] = ()
     operand_constants: dict[str, torch.Tensor] | None = None
     _library_epilogue: object = None     # the epilogue kernel of the library form, generated on first use
+    _flat_epilogue: FlatEpilogue | None = None    # its flat form, likewise
     _unfused_constants: dict[str, torch.Tensor] | None = None   # the unfused form's weights, on first use
     # kernel launches of the PyTorch-run nodes as their last run launched them ("operand": `operand_nodes`,
     # "unfused": the unfused form's): a view copies or not by the strides its input came with, which the graph
@@ -173,6 +233,15 @@ class EpilogueKernel(GroupKernel):
             return self.library_outputs(self._library_values(dict(zip(self.runtime_inputs, inputs)) | self.constants))
         if self.library_anchor is None:
             raise ValueError(f"kernel {self.name} has no library form")
+        self.last_compiled = None
+        if is_flat(config):
+            if self._flat_epilogue is None:
+                self._flat_epilogue = FlatEpilogue(self.epilogue)
+            values = dict(zip(self.runtime_inputs, inputs)) | self.constants
+            args, outputs = self._flat_epilogue.epilogue.launch_args(values)
+            result = self.library_anchor(self._library_values(values))
+            self._flat_epilogue.run(result.contiguous(), self.layout, args, config["BLOCK"], config.num_warps)
+            return outputs
         _, values, args, outputs = self.bind(inputs, None)
         result = self.library_anchor(self._library_values(values))
         batch, rows, columns = result.shape
@@ -180,7 +249,6 @@ class EpilogueKernel(GroupKernel):
             self._library_epilogue = self.split or SplitK.reduce_only(self.epilogue)
         self._library_epilogue.run_reduce(result.contiguous().reshape(1, batch, rows, columns), self.layout, args,
                                           config["BLOCK_M"], config["BLOCK_N"], config.num_warps)
-        self.last_compiled = None
         return outputs
 
     def _library_values(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

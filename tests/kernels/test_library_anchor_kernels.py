@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from opfuse.codegen.conv import lower_conv_group
-from opfuse.codegen.forms import LIBRARY_CONFIGS, UNFUSED, is_library, is_unfused
+from opfuse.codegen.forms import LIBRARY_CONFIGS, UNFUSED, is_flat, is_library, is_unfused
 from opfuse.codegen.gemm import _bare_linears, lower_gemm_group
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import GroupKind
@@ -264,3 +264,54 @@ def test_the_library_form_counts_the_copies_its_operand_views_made():
     assert kernel.launches(library) == 3                       # a contiguous attention: the reshape copies
     kernel.run([merged if name == "attention" else b.feeds[name] for name in kernel.runtime_inputs], UNFUSED)
     assert kernel.launches(UNFUSED) == 2                       # the GEMM, the add: the views copied nothing
+
+
+def flat_launch(kernel, feeds: list[torch.Tensor]) -> tuple[bool, ...]:
+    """The DENSE flags the flat library form's epilogue kernel launches with (operands, then outputs)."""
+    from opfuse.codegen.base import recording_launches
+
+    with recording_launches() as launches:
+        kernel.run(feeds, FLAT)
+    (epilogue,) = [launch for launch in launches if launch.function == kernel._flat_epilogue.name]
+    return tuple(arg for arg in epilogue.args if isinstance(arg, bool))
+
+
+FLAT = next(config for config in LIBRARY_CONFIGS if is_flat(config))
+
+
+def test_the_flat_epilogue_addresses_dense_tensors_flat_and_others_through_their_strides():
+    """A conv + residual + ReLU: a channels-last residual is read (and the output written) at the element's
+    position in memory, an NCHW one through its strides; both give the reference."""
+    b = Builder()
+    x = b.input("x", (2, 5, 3, 7))
+    r = b.input("r", (2, 6, 3, 7))                   # channels-last, as the builder makes 4-D inputs
+    y = b.op("relu", b.op("add", b.conv(x, 6, 3, padding=1), r))
+    kernel = lower_conv_group(b.graph, b.group([y], GroupKind.RESIDUAL), "cpu")
+    kernel.epilogue.output_fill = float("nan")
+    feeds = {name: b.feeds[name] for name in kernel.runtime_inputs}
+    assert flat_launch(kernel, list(feeds.values())) == (True, True)
+    b.check([y], kernel.run(list(feeds.values()), FLAT))
+    nchw = [feed.contiguous() if name == r else feed for name, feed in feeds.items()]
+    assert flat_launch(kernel, nchw) == (False, True)
+    (out,) = kernel.run(nchw, FLAT)
+    b.check([y], [out])
+    assert out.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_the_flat_epilogue_of_a_batched_matmul_and_of_a_permuted_tail():
+    """Batch dims on the grid (a dense [B, H, M, N] output), and ConvNeXt's tail permuted back to NCHW, whose
+    [C, 1, 1] layer scale becomes a per-channel vector and whose residual is read through the permute."""
+    b = Builder()
+    a, m = b.input("a", (2, 3, 5, 16)), b.input("m", (2, 3, 16, 9))
+    product = b.op("matmul", a, m)
+    kernel, _ = run_library(b, [b.op("mul", product, b.const("s", torch.tensor(0.5)))], lower_gemm_group, 2)
+    assert flat_launch(kernel, [b.feeds[name] for name in kernel.runtime_inputs]) == (True,)
+
+    b = Builder()
+    x = b.input("x", (2, 3, 5, 6))
+    skip = b.input("skip", (2, 7, 3, 5))
+    nchw = b.op("permute", linear(b, x, 7), dims=(0, 3, 1, 2))
+    y = b.op("add", b.op("mul", nchw, b.const("gamma", b.random(7, 1, 1))), skip)
+    kernel, (out,) = run_library(b, [y], lower_gemm_group, 3, GroupKind.RESIDUAL)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert flat_launch(kernel, [b.feeds[name] for name in kernel.runtime_inputs]) == (True, True)
