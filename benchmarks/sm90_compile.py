@@ -1,0 +1,178 @@
+"""Compile a built-in model's Triton kernels for sm_90 (H100/H200) on a machine without a GPU, and report what
+ptxas made of each: registers, local memory (spills) and how wide its global loads and stores are.
+
+Triton's front end, LLVM and ptxas all run on the CPU; only loading and launching a kernel needs a GPU. A stand-in
+driver (`OfflineDriver`) answers Triton's questions about the device, each kernel runs once per config with its
+launches recorded (as for the compile workers, `opfuse.runtime.precompile`), and each recorded launch is compiled
+by `JITFunction.warmup`. The values a kernel reads are random tensors of their graph types (4-D activations
+channels-last, as opfuse's kernels write them), so a kernel is specialised as in a real compile except where a
+real value's strides or alignment differ. What this cannot say is the time: it finds spills and unvectorised
+memory access before a GPU session, it does not replace measuring.
+
+    python benchmarks/sm90_compile.py shufflenet_v2_x1_0 --batch 64 [--forms library] [--json out.json]
+
+Must run without TRITON_INTERPRET (the interpreter compiles nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+VECTOR = re.compile(r"\b(ld|st)\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.(?:b|f|u|s)(\d+)\b")
+RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+class OfflineDriver:
+    """Triton's active driver without a GPU: an sm_90 target on device 0; anything that needs the device fails."""
+
+    def __init__(self, arch: int = 90):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"no GPU here: Triton asked the offline driver for {name}")
+
+
+def access_widths(ptx: str) -> dict[str, float]:
+    """Mean bytes per global load and per global store instruction of a kernel's PTX (16: fully vectorised)."""
+    sizes: dict[str, list[int]] = {"ld": [], "st": []}
+    for kind, lanes, bits in VECTOR.findall(ptx):
+        sizes[kind].append(int(lanes or 1) * int(bits) // 8)
+    return {kind: (sum(v) / len(v) if v else 0.0) for kind, v in sizes.items()}
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers and local memory bytes per thread (its stack frame, where spills go, and local arrays: what
+    Triton reports as `n_spills`), from cuobjdump's resource usage of the cubin."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True).stdout
+    match = RESOURCES.search(out)
+    if match is None:
+        return {}
+    registers, stack, _, local = map(int, match.groups())
+    return {"registers": registers, "local": stack + local}
+
+
+def compile_record(record, modules: dict) -> dict:
+    """Compile one recorded launch for the offline target: its resources and access widths."""
+    from opfuse.codegen.base import import_file
+    from opfuse.runtime.precompile import stand_in
+
+    module = modules.get(record.path)
+    if module is None:
+        module = modules[record.path] = import_file(record.path, Path(record.path).stem)
+    function = getattr(module, record.function)
+    kernel = function.warmup(*map(stand_in, record.args), grid=(1,),
+                             **{name: stand_in(value) for name, value in record.kwargs})
+    return resources(kernel.asm["cubin"]) | {f"{k}_bytes": round(v, 1) for k, v in access_widths(kernel.asm["ptx"]).items()}
+
+
+def example_values(plan, kernels) -> dict:
+    """A random tensor of its graph type for every value a kernel reads, 4-D floats channels-last."""
+    import torch
+
+    from opfuse.runtime.binaries import example_inputs
+
+    names = sorted({name for kernel in kernels.values() for name in kernel.runtime_inputs})
+    tensors = example_inputs([plan.graph[name].type for name in names], torch.device("cpu"))
+    values = {}
+    for name, tensor in zip(names, tensors):
+        if tensor.dim() == 4 and tensor.is_floating_point():
+            tensor = tensor.contiguous(memory_format=torch.channels_last)
+        values[name] = tensor
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--forms", choices=("all", "library", "triton"), default="all",
+                        help="which configs to compile: all (the tuner's candidates), the library forms, or the "
+                             "kernels' own Triton configs")
+    parser.add_argument("--tune-top", type=int, default=None, help="the kernels' first configs (FusionConfig's "
+                        "tune_top by default)")
+    parser.add_argument("--json", help="write every compiled launch here")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        parser.error("run without TRITON_INTERPRET: the interpreter compiles nothing")
+
+    import torch
+    from triton.runtime.driver import driver
+
+    import opfuse
+    from opfuse.bench.harness import protocol_form
+    from opfuse.bench.zoo import load_builtin
+    from opfuse.codegen.base import recording_launches
+    from opfuse.codegen.forms import is_library, is_unfused
+    from opfuse.codegen.lower import lower_plan
+    from opfuse.runtime.autotune import candidates, kernel_inputs
+
+    driver.set_active(OfflineDriver())
+    model, inputs = load_builtin(args.model, args.batch)
+    model, inputs = protocol_form(model, inputs, torch.float32, device="cpu")
+    config = opfuse.FusionConfig(dtype="float16")
+    plan = opfuse.analyze(model, inputs, config).plan
+    kernels, _ = lower_plan(plan, "cpu")
+    values = example_values(plan, kernels)
+    top = args.tune_top if args.tune_top is not None else config.tune_top
+    rows, modules, failures = [], {}, Counter()
+    for name, kernel in kernels.items():
+        feeds = kernel_inputs(kernel, values)
+        for kernel_config in candidates(kernel, top, True)[1]:
+            if is_unfused(kernel_config) or (args.forms == "library") != is_library(kernel_config) \
+                    and args.forms != "all":
+                continue
+            with recording_launches() as launches:
+                kernel.run(feeds, kernel_config)
+            for record in launches:
+                row = {"group": name, "kernel": kernel.name, "config": kernel_config.as_dict(),
+                       "launch": record.function}
+                try:
+                    row |= compile_record(record, modules)
+                except Exception as error:       # reported, not fatal: the tuner would reject this config
+                    row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                    failures[type(error).__name__] += 1
+                rows.append(row)
+                print(f"{name:5} {record.function[:40]:40} {json.dumps(kernel_config.as_dict())[:70]:70} "
+                      f"regs {row.get('registers', '-'):>3} local {row.get('local', '-'):>4} "
+                      f"ld {row.get('ld_bytes', '-'):>4} st {row.get('st_bytes', '-'):>4} {row.get('error', '')}",
+                      flush=True)
+    print(f"{len(rows)} launches compiled for sm_90, {sum(failures.values())} failed {dict(failures)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""benchmarks/sm90_compile.py: kernels compiled for sm_90 without a GPU (Triton's front end, LLVM and ptxas on the
+CPU), and what it reads from the PTX and the cubin."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("sm90_compile", ROOT / "benchmarks" / "sm90_compile.py")
+sm90_compile = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sm90_compile)
+
+PTX = """
+    @%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+    @%p2 ld.global.b16 { %rs1 }, [ %rd2 + 0 ];
+    ld.global.nc.v2.f32 { %f1, %f2 }, [ %rd3 ];
+    @%p3 st.global.b16 [ %rd4 + 0 ], { %rs2 };
+    ld.shared.v4.b32 { %r5, %r6, %r7, %r8 }, [ %r9 ];
+"""
+
+
+def test_access_widths_average_the_bytes_of_global_loads_and_stores_only():
+    assert sm90_compile.access_widths(PTX) == {"ld": (16 + 2 + 8) / 3, "st": 2.0}
+    assert sm90_compile.access_widths("") == {"ld": 0.0, "st": 0.0}
+
+
+KERNEL = '''
+import json, sys
+import triton, triton.language as tl
+from triton.runtime.driver import driver
+from triton.runtime.jit import MockTensor
+import torch
+sys.path.insert(0, {root!r})
+import importlib.util
+spec = importlib.util.spec_from_file_location("sm90_compile", {script!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+driver.set_active(module.OfflineDriver())
+
+@triton.jit
+def add_one(x_ptr, y_ptr, n, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    value = tl.load(x_ptr + (offs * 3 if STRIDED else offs), mask=mask)
+    tl.store(y_ptr + offs, value + 1, mask=mask)
+
+report = {{}}
+for strided in (False, True):
+    kernel = add_one.warmup(MockTensor(torch.float16), MockTensor(torch.float16), 4096, strided, BLOCK=1024,
+                            grid=(1,))
+    report[str(strided)] = module.resources(kernel.asm["cubin"]) | module.access_widths(kernel.asm["ptx"])
+print(json.dumps(report))
+'''
+
+
+def test_a_kernel_compiles_for_sm90_on_the_cpu_and_its_widths_follow_its_indexing(tmp_path):
+    script = tmp_path / "offline.py"        # Triton reads a jitted function's source from its file
+    script.write_text(KERNEL.format(root=str(ROOT), script=str(ROOT / "benchmarks" / "sm90_compile.py")))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    dense, strided = report["False"], report["True"]
+    assert dense["ld"] == 16.0 and dense["st"] == 16.0          # 8 halves per instruction
+    assert strided["ld"] == 2.0 and strided["st"] == 16.0       # a gather: one half per instruction
+    assert 0 < dense["registers"] <= 255 and dense["local"] == 0 == strided["local"]
