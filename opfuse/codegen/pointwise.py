@@ -116,7 +116,7 @@ class PointwiseKernel(TemplateKernel):
             if len(self.parts) == 1:
                 body += lines
             else:
-                body.append(f"{'if' if part.key == 0 else 'elif'} pid < {end}:  # {', '.join(part.outputs)}")
+                body.append(f"{'if' if part.key == 0 else 'elif'} pid < {end}:  # part {part.key}")
                 body += ["    " + line for line in lines]
             if part.has_layout_choice:
                 constexprs.append(f"CL{part.key}")

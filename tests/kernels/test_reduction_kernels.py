@@ -9,6 +9,7 @@ looped (two-sweep) code path, picked by a small BLOCK_L. With OPFUSE_GPU_TESTS=1
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -222,3 +223,41 @@ def test_unsupported_groups():
     y = b.op("adaptive_avg_pool2d", b.input("x", (1, 2, 5, 5)), output_size=[2, 2])
     with pytest.raises(Unsupported, match="uneven"):
         lower_reduction_group(b.graph, b.group([y]), DEVICE)
+
+
+def test_groups_that_compute_the_same_share_one_kernel_and_one_tuning(tmp_path):
+    """Two layer norms of one shape on other values with other weights (a transformer's 25): one source naming no
+    value, one jitted function, and the second tuned from the first's cache entry; each computes its own result."""
+    from opfuse.config import FusionConfig
+    from opfuse.fusion.plan import FusionGroup
+    from opfuse.runtime.autotune import tune
+    from opfuse.runtime.cache import TuningCache
+
+    b = Builder()
+    norms = []
+    for i in (1, 2):
+        x = b.input(f"hidden_{i}", (3, 40))
+        norms.append(b.op("layer_norm", x, b.const(f"gamma_{i}", 1 + b.random(40)), b.const(f"beta_{i}", b.random(40)),
+                          normalized_shape=[40], eps=1e-5))
+    b.graph.outputs = norms
+    kernels = {}
+    for i, norm in enumerate(norms):
+        node = b.graph[norm]
+        group = FusionGroup(i, GroupKind.SINGLE, [norm], inputs=list(node.inputs), outputs=[norm])
+        kernels[group.name] = lower_reduction_group(b.graph, group, DEVICE)
+    first, second = kernels.values()
+    assert first.source == second.source and first.function.function is second.function.function
+    assert not {"hidden_1", "gamma_1", "g0"} & set(re.findall(r"\w+", first.source))
+    b.check(norms, [k.run([b.feeds[n].to(DEVICE) for n in k.runtime_inputs])[0] for k in (first, second)])
+
+    timed = []
+
+    def clock(fn):
+        fn()
+        timed.append(fn)
+        return 1e-6 * len(timed)
+
+    values = {name: b.feeds[name].to(DEVICE) for name in ("hidden_1", "hidden_2")}
+    result = tune(kernels, values, FusionConfig(tune_top=None), TuningCache(tmp_path), benchmark=clock, quiet=True)
+    assert result.from_cache == {second.group.name}
+    assert len(timed) == len(first.configs()) and result[first.group.name] == result[second.group.name]
