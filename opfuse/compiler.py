@@ -44,7 +44,7 @@ from opfuse.config import FusionConfig, resolve_dtype
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import GraphError, dtype_name, torch_dtype
 from opfuse.numerics import (EAGER_ERROR_MARGIN, GroupCheck, check_groups, random_inputs_like, reference_dtype,
-                             relative_error, tolerance)
+                             relative_error, tolerance, without_cudnn_search)
 
 
 class OpfuseModule(torch.nn.Module):
@@ -414,12 +414,14 @@ def _end_to_end_error(eager: torch.nn.Module, compiled, inputs: list[torch.Tenso
             out = model(*[x.to(dtype_) if x.is_floating_point() else x for x in inputs])
         return tree_flatten(out)[0]   # nested tuples/dicts too: the compiled model's outputs are flat
 
-    reference = run(copy.deepcopy(eager).to(reference_type), reference_type)
+    with without_cudnn_search():     # the compiled model's own convolutions keep the user's setting
+        reference = run(copy.deepcopy(eager).to(reference_type), reference_type)
     outputs = run(compiled, compute)
     if len(outputs) != len(reference):   # zip would compare only the first few and pass
         raise GraphError(f"compiled {compiled.graph.name} has {len(outputs)} outputs, eager has {len(reference)}")
     error = max(relative_error(o, r) for o, r in zip(outputs, reference))
     if error <= tolerance(dtype, inputs[0].device if inputs else None):
         return error, None
-    eager_outputs = run(copy.deepcopy(eager).to(compute), compute)
+    with without_cudnn_search():
+        eager_outputs = run(copy.deepcopy(eager).to(compute), compute)
     return error, max(relative_error(o, r) for o, r in zip(eager_outputs, reference))

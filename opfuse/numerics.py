@@ -5,13 +5,15 @@ Thresholds (METHOD.md): 1e-4 for float32, 1e-3 where tf32 is used, 1e-2 for floa
 A result over the threshold still passes when PyTorch at the same precision is as far off (within
 EAGER_ERROR_MARGIN): the computation is ill-conditioned there (e.g. the mean of a normalised row is rounding noise
 around zero), and no kernel can do better than the precision it computes in.
-Entry points: `check_groups`, `relative_error`, `tolerance`, `random_inputs_like`.
+Entry points: `check_groups`, `relative_error`, `tolerance`, `random_inputs_like`, `without_cudnn_search` (for
+reference runs).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -70,8 +72,27 @@ def random_inputs_like(examples: Sequence[torch.Tensor], seed: int = 1234) -> li
     return fresh
 
 
+@contextlib.contextmanager
+def without_cudnn_search() -> Iterator[None]:
+    """Inside, cuDNN picks convolution algorithms by its heuristics, not by timing them (`cudnn.benchmark`, the
+    benchmarks' setting, restored after). For reference runs: each runs every convolution shape once, in a
+    precision nothing else runs, so timing each shape's algorithms first would cost more than the run itself."""
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = saved
+
+
 def interpret_all(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every node's value, computed through the op references with floating values in `dtype`."""
+    """Every node's value, computed through the op references with floating values in `dtype` (cuDNN choosing
+    its algorithms by heuristics: `without_cudnn_search`)."""
+    with without_cudnn_search():
+        return _interpret_all(graph, inputs, dtype)
+
+
+def _interpret_all(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     device = inputs[0].device if inputs else torch.device("cpu")
     values: dict[str, torch.Tensor] = {}
     for node, x in zip(graph.input_nodes, inputs):
