@@ -373,7 +373,7 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
             more = [(kernel, kernel_args, batch) for kernel, kernel_args, _ in jobs
                     if (batch := next_configs(kernel, kernel_args, hardware, config.tune_top))]
             if more:
-                precompile(more, workers, device_index)
+                result.precompiled += precompile(more, workers, device_index)
     with Progress(*columns, disable=quiet, transient=True) as progress:
         task = progress.add_task("", total=len(kernels))
         for kernel in kernels:

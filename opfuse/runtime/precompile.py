@@ -49,6 +49,11 @@ class Precompiled:
     compiled: int = 0
     failed: int = 0
 
+    def __add__(self, other: "Precompiled") -> "Precompiled":
+        """Two precompiles' counts together (the tuner's second round: `opfuse.runtime.autotune.next_configs`)."""
+        return Precompiled(self.launches + other.launches, self.compiled + other.compiled,
+                           self.failed + other.failed)
+
 
 def record_launches(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[KernelConfig]]]
                     ) -> list[LaunchRecord]:
