@@ -1,12 +1,13 @@
 """Compile a built-in model's Triton kernels for sm_90 (H100/H200) on a machine without a GPU, and report what
-ptxas made of each: registers, local memory (spills) and how wide its global loads and stores are.
+ptxas made of each: registers, local memory (spills), how wide its global loads and stores are, and how long it
+took to compile (with an empty Triton cache: TRITON_CACHE_DIR).
 
 Triton's front end, LLVM and ptxas all run on the CPU; only loading and launching a kernel needs a GPU. A stand-in
 driver (`OfflineDriver`) answers Triton's questions about the device, each kernel runs once per config with its
 launches recorded (as for the compile workers, `opfuse.runtime.precompile`), and each recorded launch is compiled
 by `JITFunction.warmup`. The values a kernel reads are random tensors of their graph types (4-D activations
-channels-last, as opfuse's kernels write them), so a kernel is specialised as in a real compile except where a
-real value's strides or alignment differ. What this cannot say is the time: it finds spills and unvectorised
+channels-last as opfuse's kernels write them, `channels_last`), so a kernel is specialised as in a real compile
+except where a real value's strides or alignment differ (a slice of a larger tensor, say). What this cannot say is the time: it finds spills and unvectorised
 memory access before a GPU session, it does not replace measuring.
 
     python benchmarks/sm90_compile.py shufflenet_v2_x1_0 --batch 64 [--forms library] [--json out.json]
@@ -23,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -84,7 +86,7 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 
 def compile_record(record, modules: dict) -> dict:
-    """Compile one recorded launch for the offline target: its resources and access widths."""
+    """Compile one recorded launch for the offline target: its resources, access widths and compile time."""
     from opfuse.codegen.base import import_file
     from opfuse.runtime.precompile import stand_in
 
@@ -92,22 +94,50 @@ def compile_record(record, modules: dict) -> dict:
     if module is None:
         module = modules[record.path] = import_file(record.path, Path(record.path).stem)
     function = getattr(module, record.function)
+    start = time.perf_counter()
     kernel = function.warmup(*map(stand_in, record.args), grid=(1,),
                              **{name: stand_in(value) for name, value in record.kwargs})
-    return resources(kernel.asm["cubin"]) | {f"{k}_bytes": round(v, 1) for k, v in access_widths(kernel.asm["ptx"]).items()}
+    seconds = time.perf_counter() - start      # Triton's on-disk cache makes a second run fast
+    widths = {f"{k}_bytes": round(v, 1) for k, v in access_widths(kernel.asm["ptx"]).items()}
+    return resources(kernel.asm["cubin"]) | widths | {"compile_s": round(seconds, 3)}
+
+
+IMAGE_OPS = ("conv2d", "conv_transpose2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "batch_norm")
+
+
+def channels_last(graph, name: str, memo: dict) -> bool:
+    """Whether opfuse's compiled model holds a 4-D value channels-last: a 4-D image input, a convolution's or a
+    pooling's result, and what elementwise ops, concatenations and slices make of those (attention's 4-D heads
+    are contiguous views)."""
+    from opfuse.ir.ops import kind_of
+
+    if name not in memo:
+        node = graph[name]
+        if len(node.type.shape) != 4:
+            memo[name] = False
+        elif node.op == "input":
+            memo[name] = node.type.dtype.startswith(("float", "bfloat"))
+        elif node.op in IMAGE_OPS:
+            memo[name] = True
+        elif node.op in ("cat", "slice") or kind_of(node).elementwise:
+            memo[name] = any(channels_last(graph, i, memo) for i in node.inputs if graph[i].op != "constant")
+        else:
+            memo[name] = False
+    return memo[name]
 
 
 def example_values(plan, kernels) -> dict:
-    """A random tensor of its graph type for every value a kernel reads, 4-D floats channels-last."""
+    """A random tensor of its graph type for every value a kernel reads, laid out as the compiled model holds it
+    (`channels_last`; a real value may still be a strided view where this one is dense)."""
     import torch
 
     from opfuse.runtime.binaries import example_inputs
 
     names = sorted({name for kernel in kernels.values() for name in kernel.runtime_inputs})
     tensors = example_inputs([plan.graph[name].type for name in names], torch.device("cpu"))
-    values = {}
+    values, memo = {}, {}
     for name, tensor in zip(names, tensors):
-        if tensor.dim() == 4 and tensor.is_floating_point():
+        if channels_last(plan.graph, name, memo):
             tensor = tensor.contiguous(memory_format=torch.channels_last)
         values[name] = tensor
     return values
@@ -168,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"regs {row.get('registers', '-'):>3} local {row.get('local', '-'):>4} "
                       f"ld {row.get('ld_bytes', '-'):>4} st {row.get('st_bytes', '-'):>4} {row.get('error', '')}",
                       flush=True)
-    print(f"{len(rows)} launches compiled for sm_90, {sum(failures.values())} failed {dict(failures)}")
+    seconds = sum(row.get("compile_s", 0.0) for row in rows)
+    print(f"{len(rows)} launches compiled for sm_90 in {seconds:.1f} s, {sum(failures.values())} failed "
+          f"{dict(failures)}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -67,3 +67,21 @@ def test_a_kernel_compiles_for_sm90_on_the_cpu_and_its_widths_follow_its_indexin
     assert dense["ld"] == 16.0 and dense["st"] == 16.0          # 8 halves per instruction
     assert strided["ld"] == 2.0 and strided["st"] == 16.0       # a gather: one half per instruction
     assert 0 < dense["registers"] <= 255 and dense["local"] == 0 == strided["local"]
+
+
+def test_example_values_are_channels_last_where_the_compiled_model_holds_them_so():
+    """Images, convolutions and what elementwise ops make of them: channels-last; attention's 4-D heads (a
+    permute of a 3-D activation) and their matmul: contiguous."""
+    from tests.kernels.builders import KernelGraph
+
+    b = KernelGraph()
+    image = b.input("image", (1, 3, 8, 8))
+    conv = b.op("conv2d", image, b.const("w", b.random(4, 3, 3, 3)), stride=(1, 1), padding=(1, 1),
+                dilation=(1, 1), groups=1)
+    relu = b.op("relu", conv)
+    tokens = b.input("tokens", (1, 8, 2, 4))
+    heads = b.op("permute", tokens, dims=(0, 2, 1, 3))
+    scores = b.op("relu", b.op("matmul", heads, b.op("permute", heads, dims=(0, 1, 3, 2))))
+    memo = {}
+    found = {name: sm90_compile.channels_last(b.graph, name, memo) for name in (image, conv, relu, heads, scores)}
+    assert found == {image: True, conv: True, relu: True, heads: False, scores: False}
