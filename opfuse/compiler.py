@@ -286,8 +286,12 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
     compiled = build_compiled_model(analysis.plan, device, examples, config=config, quiet=quiet)
     over_budget = dict(getattr(compiled.tuning, "over_budget", None) or {})
     if over_budget:   # every config of these kernels spilled on this GPU: plan again with them split back
-        analysis = split_back(analysis, over_budget)
-        compiled = build_compiled_model(analysis.plan, device, examples, config=config, quiet=quiet)
+        replanned = split_back(analysis, over_budget)
+        # and build again where that changed the groups (a one-op group has nothing to split: it keeps the other
+        # form the tuner chose for it)
+        if [g.nodes for g in replanned.plan.groups] != [g.nodes for g in analysis.plan.groups]:
+            analysis = replanned
+            compiled = build_compiled_model(analysis.plan, device, examples, config=config, quiet=quiet)
     seconds["codegen+tune"] = time.perf_counter() - start
 
     checks: list[GroupCheck] = []

@@ -524,3 +524,32 @@ def test_the_references_choose_cudnn_algorithms_by_heuristics_and_the_setting_is
     references = [benchmark for dtype, benchmark in seen if dtype == torch.float64]
     assert len(references) >= 6 and not any(references)      # 3 convs in the graph, 3 in the eager copy
     assert torch.backends.cudnn.benchmark is True
+
+
+@pytest.mark.parametrize("which,builds", [("single", 1), ("fused", 2)])
+def test_a_compile_builds_again_only_where_splitting_back_changes_the_groups(monkeypatch, which, builds):
+    """The tuner reports a group whose every Triton config spilled: a fused group is split and the model built
+    again; a one-op group has nothing to split, so the first build (with the other form chosen) stands."""
+    from opfuse.runtime import compiled as runtime
+    from opfuse.runtime.autotune import EVERY_CONFIG_SPILLS, TuningResult
+
+    calls = []
+    build = runtime.build_compiled_model
+
+    def reporting(plan, *args, **kwargs):
+        model = build(plan, *args, **kwargs)
+        calls.append(plan)
+        model.tuning = TuningResult()
+        if len(calls) == 1:
+            size = 1 if which == "single" else 3       # the first conv alone; conv2 + add + relu
+            group = next(g for g in plan.groups if len(g.nodes) == size)
+            model.tuning.over_budget[group.name] = EVERY_CONFIG_SPILLS
+        return model
+
+    monkeypatch.setattr(runtime, "build_compiled_model", reporting)
+    model = nn.Sequential(nn.Conv2d(6, 6, 1), Residual()).eval()
+    x = torch.randn(1, 6, 6, 4)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    assert len(calls) == builds
+    with torch.no_grad():
+        assert relative_error(compiled(x), model(x)) < 1e-5
