@@ -288,6 +288,10 @@ class Epilogue:
         self._flat_form.output_fill = self.output_fill
         return self._flat_form
 
+    def drop_flat_form(self) -> None:
+        """Free the flat form (its device copies of the constants) where it will not run."""
+        self._flat_form = None
+
     # ---- analysis -----------------------------------------------------------------------------------
     def _permute(self, nodes: list[Node], position: dict[str, int]) -> int:
         """The chain position a permute reads (it needs no code: values stay where they are)."""

@@ -81,11 +81,11 @@ def KERNEL_NAME(
 
 
 class FlatEpilogue:
-    """The library form's flat epilogue kernel: FLAT_TEMPLATE with an epilogue's flat form."""
+    """The library form's flat epilogue kernel: FLAT_TEMPLATE with an epilogue's flat form (whose `launch_args`
+    bind each run)."""
 
     def __init__(self, epilogue: "Epilogue"):
-        self.epilogue = epilogue.flat_form()
-        self.name, self.source, self.kernel = generate_kernel(FLAT_TEMPLATE, self.epilogue)
+        self.name, self.source, self.kernel = generate_kernel(FLAT_TEMPLATE, epilogue.flat_form())
 
     def run(self, result: torch.Tensor, layout: "TileLayout", args: list, block: int, num_warps: int) -> None:
         """The epilogue over `result` [batch, rows, columns] (contiguous) into the outputs `args` holds."""
@@ -189,9 +189,15 @@ class EpilogueKernel(GroupKernel):
 
     def keep_form(self, config: KernelConfig) -> None:
         """Free what only the other forms need once `config` is the one that runs (the library form's own weight,
+        the epilogue kernel of each library form but the one kept, with the flat one's copies of the constants;
         the unfused form's constants)."""
         if not is_library(config) and hasattr(self.library_anchor, "release"):
             self.library_anchor.release()
+        if not (is_library(config) and is_flat(config)):
+            self._flat_epilogue = None
+            self.epilogue.drop_flat_form()
+        if not is_library(config) or is_flat(config):
+            self._library_epilogue = None        # a split kernel keeps its reduce kernel in `split`
         if not is_unfused(config):
             self._unfused_constants = None
 
@@ -238,7 +244,7 @@ class EpilogueKernel(GroupKernel):
             if self._flat_epilogue is None:
                 self._flat_epilogue = FlatEpilogue(self.epilogue)
             values = dict(zip(self.runtime_inputs, inputs)) | self.constants
-            args, outputs = self._flat_epilogue.epilogue.launch_args(values)
+            args, outputs = self.epilogue.flat_form().launch_args(values)
             result = self.library_anchor(self._library_values(values))
             self._flat_epilogue.run(result.contiguous(), self.layout, args, config["BLOCK"], config.num_warps)
             return outputs

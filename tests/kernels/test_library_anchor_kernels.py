@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from opfuse.codegen.base import recording_launches
 from opfuse.codegen.conv import lower_conv_group
 from opfuse.codegen.forms import LIBRARY_CONFIGS, UNFUSED, is_flat, is_library, is_unfused
 from opfuse.codegen.gemm import _bare_linears, lower_gemm_group
@@ -268,8 +269,6 @@ def test_the_library_form_counts_the_copies_its_operand_views_made():
 
 def flat_launch(kernel, feeds: list[torch.Tensor]) -> tuple[bool, ...]:
     """The DENSE flags the flat library form's epilogue kernel launches with (operands, then outputs)."""
-    from opfuse.codegen.base import recording_launches
-
     with recording_launches() as launches:
         kernel.run(feeds, FLAT)
     (epilogue,) = [launch for launch in launches if launch.function == kernel._flat_epilogue.name]
@@ -296,6 +295,25 @@ def test_the_flat_epilogue_addresses_dense_tensors_flat_and_others_through_their
     (out,) = kernel.run(nchw, FLAT)
     b.check([y], [out])
     assert out.is_contiguous(memory_format=torch.channels_last)
+    # the kept form keeps its epilogue kernel, any other frees it with its copies of the constants
+    kernel.keep_form(FLAT)
+    assert kernel._flat_epilogue is not None and kernel.epilogue._flat_form is not None
+    kernel.keep_form(UNFUSED)
+    assert kernel._flat_epilogue is None and kernel.epilogue._flat_form is None
+
+
+def test_the_flat_epilogue_poisons_its_outputs_whenever_the_test_asks():
+    """`output_fill` set after the flat form first ran still reaches it (tests poison outputs with NaN)."""
+    b = Builder()
+    x = b.input("x", (2, 5, 3, 4))
+    y = b.op("relu", b.conv(x, 6, 1))
+    kernel = lower_conv_group(b.graph, b.group([y]), "cpu")
+    feeds = [b.feeds[name] for name in kernel.runtime_inputs]
+    kernel.run(feeds, FLAT)
+    kernel.epilogue.output_fill = float("nan")
+    with recording_launches():               # no kernel runs: what it would have written stays poisoned
+        (out,) = kernel.run(feeds, FLAT)
+    assert torch.isnan(out).all()
 
 
 def test_the_flat_epilogue_of_a_batched_matmul_and_of_a_permuted_tail():
