@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VECTOR = re.compile(r"\b(ld|st)\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.(?:b|f|u|s)(\d+)\b")
+ASYNC_COPY = re.compile(r"\bcp\.async\.c[ag]\.shared\.global(?:\.[a-z0-9]+)*\s+\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-fA-F]+|\d+)")
 RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -61,10 +62,12 @@ class OfflineDriver:
 
 
 def access_widths(ptx: str) -> dict[str, float]:
-    """Mean bytes per global load and per global store instruction of a kernel's PTX (16: fully vectorised)."""
+    """Mean bytes per global load and per global store instruction of a kernel's PTX (16: fully vectorised); the
+    loads count the asynchronous copies to shared memory (`cp.async`) that pipelined dot operands go through."""
     sizes: dict[str, list[int]] = {"ld": [], "st": []}
     for kind, lanes, bits in VECTOR.findall(ptx):
         sizes[kind].append(int(lanes or 1) * int(bits) // 8)
+    sizes["ld"] += [int(size, 0) for size in ASYNC_COPY.findall(ptx)]
     return {kind: (sum(v) / len(v) if v else 0.0) for kind, v in sizes.items()}
 
 

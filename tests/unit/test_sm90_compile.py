@@ -19,11 +19,14 @@ PTX = """
     ld.global.nc.v2.f32 { %f1, %f2 }, [ %rd3 ];
     @%p3 st.global.b16 [ %rd4 + 0 ], { %rs2 };
     ld.shared.v4.b32 { %r5, %r6, %r7, %r8 }, [ %r9 ];
+    cp.async.cg.shared.global [ %r54 + 0 ], [ %rd13 + 0 ], 0x10, %r55;
+    cp.async.ca.shared.global [ %r56 + 0 ], [ %rd14 + 0 ], 4, %r57;
+    cp.async.commit_group;
 """
 
 
-def test_access_widths_average_the_bytes_of_global_loads_and_stores_only():
-    assert sm90_compile.access_widths(PTX) == {"ld": (16 + 2 + 8) / 3, "st": 2.0}
+def test_access_widths_average_the_bytes_of_global_loads_async_copies_and_stores():
+    assert sm90_compile.access_widths(PTX) == {"ld": (16 + 2 + 8 + 16 + 4) / 5, "st": 2.0}
     assert sm90_compile.access_widths("") == {"ld": 0.0, "st": 0.0}
 
 
