@@ -19,6 +19,7 @@ import torch
 
 from opfuse.codegen.base import GroupKernel
 from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.operands import INT32_LIMIT
 from opfuse.fusion.legality import MAPPED_COPIES, joins_as_map
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
 from opfuse.fusion.reasons import Code, Reason
@@ -58,6 +59,17 @@ def find_anchor(graph: Graph, group: FusionGroup) -> str | None:
     return None
 
 
+def _within_int32(graph: Graph, group: FusionGroup) -> Reason | None:
+    """None, or why an anchor group runs through PyTorch: the anchor templates index with int32 offsets (the
+    pointwise and reduction templates switch to int64), so no tensor they read or write may have more elements."""
+    values = list(dict.fromkeys(group.inputs + group.nodes))
+    largest = max(values, key=lambda name: graph[name].type.numel)
+    if graph[largest].type.numel > INT32_LIMIT:
+        return Reason(Code.UNSUPPORTED, f"{graph[largest].describe()} has {graph[largest].type.numel} elements, "
+                      f"more than the anchor templates' int32 offsets reach ({INT32_LIMIT})")
+    return None
+
+
 def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reason:
     """(module, function) of the template for `group`, or the reason it has none."""
     if group.kind is GroupKind.OPAQUE:      # name the op: "opaque" alone does not say what runs through PyTorch
@@ -72,7 +84,7 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reaso
         if kind is FusionKind.OPAQUE:
             return Reason(Code.OPAQUE, f"opaque op {graph[name].describe()}: runs through PyTorch")
     if group.kind is GroupKind.CONV_CONV:
-        return CONV_CONV_LOWERING
+        return _within_int32(graph, group) or CONV_CONV_LOWERING
     if group.kind is GroupKind.SQUEEZE:
         return SQUEEZE_LOWERING
     anchor = find_anchor(graph, group)
@@ -80,7 +92,7 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reaso
         op = graph[anchor].op
         if op not in ANCHOR_LOWERINGS:
             return Reason(Code.NO_TEMPLATE, f"no Triton template for anchor op {op!r}")
-        return ANCHOR_LOWERINGS[op]
+        return _within_int32(graph, group) or ANCHOR_LOWERINGS[op]
     if group.kind is GroupKind.REDUCTION or any(k is FusionKind.REDUCTION for k in kinds.values()):
         return REDUCTION_LOWERING
     if all(k.elementwise or joins_as_map(graph[name]) for name, k in kinds.items()):

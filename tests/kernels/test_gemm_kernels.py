@@ -317,3 +317,27 @@ def test_an_anchor_lowering_finds_the_graphs_users_once(monkeypatch):
         calls.clear()
         kernel = lower(b.graph, group, "cpu")
         assert len(calls) == 1 and kernel.operand_nodes, (group.nodes, len(calls))
+
+
+def test_an_anchor_group_past_int32_offsets_runs_through_pytorch_and_says_why():
+    """A linear over 2^25 rows of 64 (2^31 elements): the anchor templates' offsets are int32, so the group gets no
+    kernel and its reason names the tensor; one element fewer lowers (graph types only: nothing is allocated)."""
+    from opfuse.codegen.lower import lower_group
+    from opfuse.fusion.plan import FusionGroup
+    from opfuse.fusion.reasons import Code
+    from opfuse.ir.graph import Graph, TensorType
+    from opfuse.ir.ops import infer_type
+
+    for rows, fits in ((2 ** 25, False), (2 ** 25 - 1, True)):
+        graph = Graph("huge")
+        x = graph.add_input("x", TensorType((rows, 64), "float16")).name
+        w = graph.add_constant("w", torch.randn(16, 64).half()).name
+        y = graph.add_node("linear", [x, w], infer_type("linear", [graph[x].type, graph[w].type], {}), {}).name
+        graph.outputs = [y]
+        group = FusionGroup(0, GroupKind.SINGLE, [y], anchor=y, inputs=[x, w], outputs=[y])
+        reasons = {}
+        kernel = lower_group(graph, group, "cpu", reasons)
+        assert (kernel is not None) == fits
+        if not fits:
+            assert reasons[group.name].code is Code.UNSUPPORTED and "int32" in reasons[group.name].text
+            assert "x" in reasons[group.name].text
