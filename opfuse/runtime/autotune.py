@@ -321,6 +321,9 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
     if over_budget:
         result.over_budget[name] = over_budget
     result[name] = chosen
+    # the other forms' weights and constants go now, not after every kernel is tuned: one kernel's extra copies
+    # at a time (a form run again later makes them again)
+    kernel.keep_form(chosen)
     if cache is not None:
         cache.store(key, {
             "kernel": kernel.name, "group": name, "config": chosen.as_dict(),

@@ -333,3 +333,24 @@ def test_the_flat_epilogue_of_a_batched_matmul_and_of_a_permuted_tail():
     kernel, (out,) = run_library(b, [y], lower_gemm_group, 3, GroupKind.RESIDUAL)
     assert out.is_contiguous(memory_format=torch.channels_last)
     assert flat_launch(kernel, [b.feeds[name] for name in kernel.runtime_inputs]) == (True, True)
+
+
+def test_the_tuner_frees_the_other_forms_of_each_kernel_as_soon_as_it_has_chosen():
+    """Every form ran while the tuner timed a conv (cuDNN's channels-last weight, the flat epilogue's constants,
+    the unfused form's weights were made); once the Triton config wins, they are gone before the next kernel."""
+    b = Builder()
+    x = b.input("x", (2, 5, 4, 4))
+    kernel = lower_conv_group(b.graph, b.group([b.op("relu", b.conv(x, 6, 3, padding=1))]), "cpu")
+    made = {}
+
+    def clock(fn):
+        fn()
+        made.update(library=kernel.library_anchor.weight is not None, flat=kernel._flat_epilogue is not None,
+                    unfused=kernel._unfused_constants is not None) if is_unfused(fn.__defaults__[0]) else None
+        return 5e-6 if is_library(fn.__defaults__[0]) or is_unfused(fn.__defaults__[0]) else 1e-6
+
+    chosen = tune({"g": kernel}, {x: b.feeds[x]}, FusionConfig(tune_top=None), benchmark=clock, quiet=True)
+    assert made == {"library": True, "flat": True, "unfused": True}      # the unfused form is timed last
+    assert not is_library(chosen[kernel.group.name]) and not is_unfused(chosen[kernel.group.name])
+    assert kernel.library_anchor.weight is None and kernel._flat_epilogue is None
+    assert kernel._unfused_constants is None and kernel.epilogue._flat_form is None
