@@ -166,25 +166,39 @@ def main(argv: list[str] | None = None) -> int:
     import opfuse
     from opfuse.bench.harness import protocol_form
     from opfuse.bench.zoo import load_builtin
-    from opfuse.codegen.base import recording_launches
-    from opfuse.codegen.forms import is_library, is_unfused
-    from opfuse.codegen.lower import lower_plan
-    from opfuse.runtime.autotune import candidates, kernel_inputs
 
     driver.set_active(OfflineDriver())
     model, inputs = load_builtin(args.model, args.batch)
     model, inputs = protocol_form(model, inputs, torch.float32, device="cpu")
     config = opfuse.FusionConfig(dtype="float16")
     plan = opfuse.analyze(model, inputs, config).plan
+    top = args.tune_top if args.tune_top is not None else config.tune_top
+    rows = compile_plan(plan, args.forms, top, on_row=print_row)
+    failed = Counter(row["error"].split(":")[0] for row in rows if "error" in row)
+    seconds = sum(row.get("compile_s", 0.0) for row in rows)
+    print(f"{len(rows)} launches compiled for sm_90 in {seconds:.1f} s, {sum(failed.values())} failed {dict(failed)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def compile_plan(plan, forms: str = "all", top: int | None = None, on_row=None) -> list[dict]:
+    """Every launch of every candidate config (`forms`: all, library or triton; the first `top` of each kernel's
+    own) of the plan's kernels, compiled for the active driver's target: one row each, with an "error" where the
+    compile failed (the tuner would reject that config); `on_row(row)` as each is done."""
+    from opfuse.codegen.base import recording_launches
+    from opfuse.codegen.forms import is_library, is_unfused
+    from opfuse.codegen.lower import lower_plan
+    from opfuse.runtime.autotune import candidates, kernel_inputs
+
     kernels, _ = lower_plan(plan, "cpu")
     values = example_values(plan, kernels)
-    top = args.tune_top if args.tune_top is not None else config.tune_top
-    rows, modules, failures = [], {}, Counter()
+    wanted = {"all": lambda c: True, "library": is_library, "triton": lambda c: not is_library(c)}[forms]
+    rows, modules = [], {}
     for name, kernel in kernels.items():
         feeds = kernel_inputs(kernel, values)
         for kernel_config in candidates(kernel, top, True)[1]:
-            if is_unfused(kernel_config) or (args.forms == "library") != is_library(kernel_config) \
-                    and args.forms != "all":
+            if is_unfused(kernel_config) or not wanted(kernel_config):   # the unfused form compiles nothing
                 continue
             with recording_launches() as launches:
                 kernel.run(feeds, kernel_config)
@@ -195,18 +209,16 @@ def main(argv: list[str] | None = None) -> int:
                     row |= compile_record(record, modules)
                 except Exception as error:       # reported, not fatal: the tuner would reject this config
                     row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-                    failures[type(error).__name__] += 1
                 rows.append(row)
-                print(f"{name:5} {record.function[:40]:40} {json.dumps(kernel_config.as_dict())[:70]:70} "
-                      f"regs {row.get('registers', '-'):>3} local {row.get('local', '-'):>4} "
-                      f"ld {row.get('ld_bytes', '-'):>4} st {row.get('st_bytes', '-'):>4} {row.get('error', '')}",
-                      flush=True)
-    seconds = sum(row.get("compile_s", 0.0) for row in rows)
-    print(f"{len(rows)} launches compiled for sm_90 in {seconds:.1f} s, {sum(failures.values())} failed "
-          f"{dict(failures)}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+                if on_row is not None:
+                    on_row(row)
+    return rows
+
+
+def print_row(row: dict) -> None:
+    print(f"{row['group']:5} {row['launch'][:40]:40} {json.dumps(row['config'])[:70]:70} "
+          f"regs {row.get('registers', '-'):>3} local {row.get('local', '-'):>4} "
+          f"ld {row.get('ld_bytes', '-'):>4} st {row.get('st_bytes', '-'):>4} {row.get('error', '')}", flush=True)
 
 
 if __name__ == "__main__":
