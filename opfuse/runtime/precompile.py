@@ -4,11 +4,11 @@ Compiling is most of a cold compile: every candidate config of every kernel is a
 the autotuner compiles them one after the other as it first runs each. Here each candidate is run once with its
 launches recorded instead of launched (`opfuse.codegen.base.recording_launches`: no generated kernel runs and
 nothing is compiled in this process; a library form's cuBLAS/cuDNN call still runs, the unfused form is skipped),
-and worker processes compile the recorded launches (`warmup` of the jitted function, on stand-in tensors of the
-same dtype and alignment, so Triton specialises the kernel as the real launch will), writing Triton's on-disk
-cache; the tuner's own launches then load the compiled kernels from that cache. It only warms a cache: a launch a
-worker could not compile is compiled by the tuner as before, and workers that fail or outlast `TIMEOUT_S` (killed
-then) cost time, never a result.
+and worker processes compile the recorded launches, one of each `compile_key` (`warmup` of the jitted function, on
+stand-in tensors of the same dtype and alignment, so Triton specialises the kernel as the real launch will), writing
+Triton's on-disk cache; the tuner's own launches then load the compiled kernels from that cache. It only warms a
+cache: a launch a worker could not compile is compiled by the tuner as before, and workers that fail or outlast
+`TIMEOUT_S` (killed then) cost time, never a result.
 
 Workers are `python -m opfuse.runtime.precompile` processes (not multiprocessing's spawn, which would run the
 user's script again in each), `compile_workers` of them, each on the caller's GPU, each given its share of the
@@ -17,6 +17,7 @@ launches in a JSON file.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -25,7 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -43,7 +44,8 @@ def default_workers() -> int:
 
 @dataclass
 class Precompiled:
-    """What `precompile` did: distinct launches recorded, compiled by the workers, and those that failed there."""
+    """What `precompile` did: distinct compiles recorded (`compile_key`), compiled by the workers, and those that
+    failed there."""
 
     launches: int = 0
     compiled: int = 0
@@ -75,11 +77,44 @@ def record_launches(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequen
     return list(records)
 
 
+def compile_key(record: LaunchRecord) -> tuple:
+    """What Triton compiles a recorded launch into, as far as its arguments decide: each constexpr's value, each
+    tensor's dtype and 16-byte alignment, whether an integer is 1, a multiple of 16 and 32-bit, and the launch
+    options. Two launches of one kernel with one key (one template at other sizes) are one compile, which two
+    workers would otherwise both do at once. A key may separate launches Triton compiles once, never the reverse."""
+    module = sys.modules.get(Path(record.path).stem)
+    function = getattr(module, record.function, None)
+    raw = getattr(function, "fn", None)
+    if raw is None:                   # not loaded here: the launch is its own key
+        return (record,)
+    params = list(inspect.signature(raw).parameters.values())
+
+    def argument(param: inspect.Parameter, value: Any) -> tuple:
+        if "constexpr" in str(param.annotation):
+            return ("constexpr", value)
+        if isinstance(value, TensorArg):
+            return ("tensor", value.dtype, value.offset % 16 == 0)
+        if isinstance(value, bool) or not isinstance(value, int):
+            return (type(value).__name__,)
+        return ("int", value == 1, value % 16 == 0, -2 ** 31 <= value < 2 ** 31)
+
+    return (record.path, record.function, tuple(argument(p, a) for p, a in zip(params, record.args)),
+            record.kwargs)
+
+
+def distinct_compiles(records: Sequence[LaunchRecord]) -> list[LaunchRecord]:
+    """The first launch of each `compile_key`, in order."""
+    first: dict[tuple, LaunchRecord] = {}
+    for record in records:
+        first.setdefault(compile_key(record), record)
+    return list(first.values())
+
+
 def precompile(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[KernelConfig]]], workers: int,
                device_index: int) -> Precompiled:
-    """Compile every launch of `jobs` (kernel, its runtime inputs, the configs it will be timed with) in `workers`
-    processes on GPU `device_index`; see the module docstring."""
-    records = record_launches(jobs)
+    """Compile every distinct launch of `jobs` (kernel, its runtime inputs, the configs it will be timed with) in
+    `workers` processes on GPU `device_index`; see the module docstring."""
+    records = distinct_compiles(record_launches(jobs))
     result = Precompiled(launches=len(records))
     if workers < 2 or len(records) < MIN_LAUNCHES:
         return result

@@ -93,3 +93,27 @@ def test_a_record_goes_to_the_workers_as_json_and_back():
         kernel.run(inputs, kernel.configs()[0])
     (record,) = launches
     assert _decode(json.loads(json.dumps(_encode(record)))) == record
+
+
+def test_launches_that_compile_alike_are_compiled_once():
+    """One kernel whose stride is one multiple of 16 or another is one compile; a stride that is not, a misaligned
+    tensor or another constexpr is another compile (what Triton specialises a kernel on)."""
+    from opfuse.runtime.precompile import compile_key, distinct_compiles
+
+    kernel, (x,) = relu_kernel()
+    with recording_launches() as launches:
+        kernel.run([x], kernel.configs()[0])
+    (record,) = launches
+    assert record.args[1] == 50                      # x's row stride
+
+    def varied(stride: int = 50, pointer: TensorArg = record.args[0], **options) -> LaunchRecord:
+        args = (pointer, stride) + record.args[2:]
+        return LaunchRecord(record.path, record.function, args,
+                            tuple((k, options.get(k, v)) for k, v in record.kwargs))
+
+    sixteen, thirty_two, fifty, fifty_one = varied(160), varied(320), varied(50), varied(51)
+    assert compile_key(sixteen) == compile_key(thirty_two) != compile_key(fifty) == compile_key(fifty_one)
+    misaligned = varied(160, TensorArg("float32", 4))
+    wider = varied(160, BLOCK=2 * dict(record.kwargs)["BLOCK"])
+    assert len({compile_key(r) for r in (sixteen, misaligned, wider)}) == 3
+    assert distinct_compiles([sixteen, fifty, thirty_two, fifty_one, sixteen]) == [sixteen, fifty]
