@@ -429,12 +429,12 @@ class Epilogue:
         return args, [buffers[b].narrow(channel, *self.spans[s]) for s, b in self.outputs]
 
 
-def generate_kernel(template: str, epilogue: Epilogue) -> tuple[str, str, object]:
-    """(name, source, jitted function) of `template` with the epilogue inserted.
+def generate_kernel(template: str, epilogue: Epilogue, prefix: str = "fused") -> tuple[str, str, object]:
+    """(name, source, jitted function) of `template` with the epilogue inserted, named `prefix`_<ops>_<hash>.
 
     The template has `{params}` and `{epilogue}` slots and calls its function KERNEL_NAME (see `load_kernel`).
     """
-    return load_kernel("fused", epilogue.ops, template.format(params=epilogue.params, epilogue=epilogue.code()))
+    return load_kernel(prefix, epilogue.ops, template.format(params=epilogue.params, epilogue=epilogue.code()))
 
 
 # The row and batch indices of the contract (module docstring), for templates whose tile covers rows offs_m of M and

@@ -85,7 +85,8 @@ class FlatEpilogue:
     bind each run)."""
 
     def __init__(self, epilogue: "Epilogue"):
-        self.name, self.source, self.kernel = generate_kernel(FLAT_TEMPLATE, epilogue.flat_form())
+        # named flat_<ops>_<hash>: a profile tells it from the fused kernel of the same ops
+        self.name, self.source, self.kernel = generate_kernel(FLAT_TEMPLATE, epilogue.flat_form(), "flat")
 
     def run(self, result: torch.Tensor, layout: "TileLayout", args: list, block: int, num_warps: int) -> None:
         """The epilogue over `result` [batch, rows, columns] (contiguous) into the outputs `args` holds."""
