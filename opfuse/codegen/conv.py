@@ -321,24 +321,32 @@ def implicit_gemm_configs(group: FusionGroup, geometry: ConvGeometry, layout: Ti
 
 
 def packed_weight_extra_bytes(graph: Graph, group: FusionGroup, hw: HardwareProfile, tuning: bool,
-                              tune_top: int | None) -> int:
-    """Device bytes the packed weights of the kernel `lower_conv_group` makes for `group` on GPU `hw` take at most at
-    once, beyond one plain copy of the weight: 0 unless it is a grouped conv's `ConvKernel` with group-blocked
-    configs. That kernel holds one packing (`packed_shape`: G times the weight for G groups a program) per block
-    size it has run until the tuner's choice is kept (`ConvKernel.keep_form`): the default config's alone without
-    `tuning`; with it, those of the first `tune_top` configs (all where None or 0, as the tuner takes them) and one
-    group a program (the unsplit form the tuner also times)."""
+                              tune_top: int | None) -> tuple[int, int]:
+    """(held, while_tuned): device bytes beyond one plain copy of the weight that the packed weights of the kernel
+    `lower_conv_group` makes for `group` on GPU `hw` take; (0, 0) unless it is a grouped conv's `ConvKernel` with
+    group-blocked configs, whose every block size packs its own weight (`packed_shape`: G times the weight for G
+    groups a program). `held`: what it keeps outside its own recording and tuning: its default config's packing
+    without `tuning`, with it the largest packing of the configs it is tuned with (the kept one is one of them).
+    `while_tuned`: what it holds at once while its configs run one after the other (precompile's recording, then
+    its tuning; `ConvKernel.keep_form` frees the rest after each): the packings of its first `tune_top` configs
+    (all where None or 0) and of one group a program (the unsplit form the tuner also times)."""
     node = graph[find_anchor(graph, group)]
     geometry = ConvGeometry(graph, node)
     layout = TileLayout(node.type.shape, channel_dim=1, channels_last=True)
     if geometry.groups == 1 or geometry.is_depthwise(layout.channels):
-        return 0
+        return 0, 0
     dtype = torch_dtype(compute_dtype(graph, node.inputs[0], node))
     blocks = [group_block_of(c) for c in implicit_gemm_configs(group, geometry, layout, dtype.itemsize, hw)]
-    held = (set(tuned_configs(blocks, tune_top)) | {1}) if tuning else {blocks[0]}
     weight_shape = graph[node.inputs[1]].type.shape
-    elements = sum(math.prod(packed_shape(weight_shape, block)) for block in held)
-    return (elements - math.prod(packed_shape(weight_shape))) * dtype.itemsize
+    plain = math.prod(packed_shape(weight_shape))
+
+    def extra(held: set[int]) -> int:
+        return (sum(math.prod(packed_shape(weight_shape, block)) for block in held) - plain) * dtype.itemsize
+
+    if not tuning:
+        return extra({blocks[0]}), extra({blocks[0]})
+    tuned = set(tuned_configs(blocks, tune_top)) | {1}
+    return extra({max(tuned)}), extra(tuned)
 
 
 class ConvKernel(EpilogueKernel):

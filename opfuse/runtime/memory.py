@@ -6,8 +6,10 @@ when `estimate_memory(...)` exceeds `available_memory(device, config)`.
 The estimate is what compiling adds on the device, from the plan alone (no tensor is allocated to find it):
 - weights: the compiled model's private copies of the constants, in the compute dtype;
 - packed weights: what a grouped conv's weight packed block-diagonally for programs of several conv groups takes
-  beyond that one copy (`opfuse.codegen.conv.packed_weight_extra_bytes`: every packing the build holds at once,
-  those of the configs the autotuner runs where it tunes);
+  beyond that one copy (`opfuse.codegen.conv.packed_weight_extra_bytes`): each kernel's own, and those of the
+  configs the autotuner runs for one kernel at a time where it tunes;
+- other forms (where it tunes): the library form's copy of one kernel's weights and its unfused form's copies of
+  them, made while that kernel is timed and freed once its choice is made (`keep_form`);
 - inputs: the example inputs cast to the compute dtype;
 - intermediates: the plan's peak of live intermediate buffers (`peak_intermediate_bytes`, the same number the
   report shows), outputs included;
@@ -40,16 +42,20 @@ class MemoryEstimate:
     intermediates: int
     verification: int = 0
     packed_weights: int = 0
+    other_forms: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.packed_weights + self.inputs + self.intermediates + self.verification
+        return (self.weights + self.packed_weights + self.other_forms + self.inputs + self.intermediates
+                + self.verification)
 
     def describe(self) -> str:
         parts = [f"weights {format_bytes(self.weights)}", f"inputs {format_bytes(self.inputs)}",
                  f"peak intermediates {format_bytes(self.intermediates)}"]
         if self.packed_weights:
             parts.insert(1, f"grouped convs' packed weights {format_bytes(self.packed_weights)} more")
+        if self.other_forms:
+            parts.insert(1, f"the other forms of the kernel being tuned {format_bytes(self.other_forms)}")
         if self.verification:
             parts.append(f"verification's reference values {format_bytes(self.verification)}")
         return ", ".join(parts)
@@ -75,9 +81,18 @@ def estimate_memory(analysis: Any, example_inputs: Sequence[torch.Tensor], verif
     compute_size = DTYPE_BYTES[analysis.config.dtype]
     weights = sum(t.nbytes for t in graph.constants.values())
     plan, hw = analysis.plan, plan_hardware(analysis.plan)
-    packed = sum(packed_weight_extra_bytes(plan.graph, group, hw, tuning, analysis.config.tune_top)
-                 for group in plan.groups if group.name not in analysis.pytorch_groups
-                 and choose_lowering(plan.graph, group) == ANCHOR_LOWERINGS["conv2d"])
+    packings = [packed_weight_extra_bytes(plan.graph, group, hw, tuning, analysis.config.tune_top)
+                for group in plan.groups if group.name not in analysis.pytorch_groups
+                and choose_lowering(plan.graph, group) == ANCHOR_LOWERINGS["conv2d"]]
+    # every kernel holds its own, and one at a time all of those its configs run
+    packed = sum(held for held, _ in packings) + max((tuned - held for held, tuned in packings), default=0)
+    # while one kernel is recorded or tuned, its library form's weight (cuDNN's channels-last copy) and its unfused
+    # form's constants are made: its constants twice over, at most
+    other_forms = 0
+    if tuning:
+        constants = plan.graph.constants
+        other_forms = 2 * compute_size * max((sum(constants[name].numel() for name in group.inputs if name in constants)
+                                              for group in plan.groups if group.anchor is not None), default=0)
     inputs = sum(x.numel() * (compute_size if x.is_floating_point() else x.element_size())
                  for x in example_inputs if isinstance(x, torch.Tensor))
     intermediates = analysis.fused.peak_intermediate_bytes
@@ -91,7 +106,7 @@ def estimate_memory(analysis: Any, example_inputs: Sequence[torch.Tensor], verif
         # every value the reference run makes is kept; views share their source's memory
         values = sum(at_reference(n.type) for n in graph if n.op == "input" or launches_kernel(graph, n))
         verification = values + sum(at_reference(n.type) for n in graph if n.op == "constant")
-    return MemoryEstimate(weights, inputs, intermediates, verification, packed)
+    return MemoryEstimate(weights, inputs, intermediates, verification, packed, other_forms)
 
 
 def host_available_memory() -> int | None:

@@ -60,7 +60,7 @@ class Precompiled:
 def record_launches(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[KernelConfig]]]
                     ) -> list[LaunchRecord]:
     """The distinct launches of running each kernel once with each of its configs but the unfused form (none of
-    the generated kernels runs)."""
+    the generated kernels runs); each kernel then holds its default config's weights only (`keep_form`)."""
     from opfuse.codegen.forms import is_unfused
 
     records: dict[LaunchRecord, None] = {}
@@ -74,6 +74,9 @@ def record_launches(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequen
                 records.update(dict.fromkeys(launches))
             except Exception:   # the tuner runs this config itself and reports what is wrong with it
                 continue
+        # what those runs made (other forms' weights, other block sizes' packings) goes before the next kernel's:
+        # the tuner makes them again, one kernel at a time
+        kernel.keep_form(kernel.configs()[0])
     return list(records)
 
 

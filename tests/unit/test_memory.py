@@ -46,8 +46,8 @@ def extra_packed_bytes(kernels: list[ConvKernel]) -> int:
 @pytest.mark.parametrize("hardware, blocked_default", [("orin", True), ("h200", False)])
 def test_the_estimate_counts_the_packings_the_build_holds(hardware, blocked_default):
     """Without tuning: the default config's packing (8 groups a program where its grid fills the 16 SMs of an Orin,
-    one where an H200's 132 would idle). With tuning: the packing of every block size the tuner runs, all held until
-    its choice is kept."""
+    one where an H200's 132 would idle). With tuning: the packing of every block size the tuner runs, all held while
+    that kernel's configs run (the recording for the compile workers, then its tuning), freed before the next's."""
     config = opfuse.FusionConfig(dtype="float32", hardware=hardware, tune_top=2)
     x = image()
     analysis = opfuse.analyze(grouped_model(), (x,), config)
@@ -62,10 +62,20 @@ def test_the_estimate_counts_the_packings_the_build_holds(hardware, blocked_defa
         inputs = [torch.randn(analysis.plan.graph[name].type.shape).to(memory_format=torch.channels_last)
                   for name in kernel.runtime_inputs]
         jobs.append((kernel, inputs, candidates(kernel, config.tune_top, config.library_anchors)[1]))
-    record_launches(jobs)
+    held = []
+    keep_form = ConvKernel.keep_form
+
+    def recorded(kernel, config):            # what each kernel holds when its recording is done
+        held.append(extra_packed_bytes([kernel]))
+        keep_form(kernel, config)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ConvKernel, "keep_form", recorded)
+        record_launches(jobs)
     assert {group_block_of(c) for c in jobs[kernels.index(grouped)][2] if c.form == FORM_TRITON} == {1, 8}
     tuned = estimate_memory(analysis, (x,), tuning=True).packed_weights
-    assert tuned == extra_packed_bytes(kernels) == 8 * 32 * 2 * 9 * 4
+    assert max(held) == tuned == 8 * 32 * 2 * 9 * 4     # one packing per group and another of 8 groups a program
+    assert extra_packed_bytes(kernels) == built         # then only the default config's
 
 
 def test_check_memory_refuses_what_the_packed_weights_would_not_leave_room_for():
@@ -84,3 +94,17 @@ def test_check_memory_refuses_what_the_packed_weights_would_not_leave_room_for()
     with pytest.raises(GraphError, match="grouped convs' packed weights"):
         check_memory(analysis, (x,), "cpu", limited(unpacked + packed - 1))
     assert check_memory(analysis, (x,), "cpu", limited(unpacked + packed)).total == unpacked + packed
+
+
+def test_tuning_counts_the_other_forms_of_the_largest_kernel_once():
+    """While a kernel is tuned its library and unfused forms hold copies of its weights, one kernel at a time: the
+    estimate adds twice the largest anchor group's constants, in the compute dtype, and only where it tunes."""
+    x = image()
+    analysis = opfuse.analyze(grouped_model(), (x,), opfuse.FusionConfig(dtype="float32"))
+    graph = analysis.plan.graph
+    largest = max(sum(graph.constants[n].numel() for n in g.inputs if n in graph.constants)
+                  for g in analysis.plan.groups if g.anchor is not None)
+    assert estimate_memory(analysis, (x,)).other_forms == 0
+    tuned = estimate_memory(analysis, (x,), tuning=True)
+    assert tuned.other_forms == 2 * 4 * largest > 0
+    assert "the other forms of the kernel being tuned" in tuned.describe()
