@@ -1,0 +1,56 @@
+"""The library forms on the GPU: cuDNN/cuBLAS, then each epilogue kernel (the 2-D tiles and the flat one) over their
+result, in fp16, against the float32 reference, every output element written (NaN-poisoned first). Channel counts
+that leave no row 16-byte aligned (ShuffleNet's 58, 116) are the case the flat epilogue is for.
+
+Run on the device machine: OPFUSE_GPU_TESTS=1 PYTHONPATH=. python3 -m pytest -q -m gpu tests/gpu/test_library_forms_gpu.py
+"""
+
+import pytest
+import torch
+
+from opfuse.codegen.conv import lower_conv_group
+from opfuse.codegen.forms import LIBRARY_CONFIGS, is_flat
+from opfuse.codegen.gemm import lower_gemm_group
+from opfuse.fusion.plan import GroupKind
+from tests.kernels.test_conv_kernels import Builder
+from tests.kernels.test_gemm_kernels import linear
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+
+def check_every_library_form(b: Builder, outputs: list[str], kernel) -> None:
+    kernel.epilogue.output_fill = float("nan")
+    feeds = [b.feeds[name].cuda() for name in kernel.runtime_inputs]
+    assert any(is_flat(config) for config in LIBRARY_CONFIGS)
+    for config in LIBRARY_CONFIGS:
+        results = kernel.run(feeds, config)
+        torch.cuda.synchronize()
+        b.check(outputs, [r.cpu() for r in results])
+
+
+@pytest.mark.parametrize("cin,cout,residual", [(58, 58, True), (116, 232, False), (64, 96, True)])
+def test_a_conv_with_bias_residual_and_relu(cin, cout, residual):
+    b = Builder("float16")
+    x = b.input("x", (4, cin, 14, 14))
+    y = b.conv(x, cout, 1)
+    if residual:
+        y = b.op("add", y, b.input("r", (4, cout, 14, 14)))
+    y = b.op("relu", y)
+    kind = GroupKind.RESIDUAL if residual else GroupKind.ANCHOR_EPILOGUE
+    check_every_library_form(b, [y], lower_conv_group(b.graph, b.group([y], kind), "cuda"))
+
+
+@pytest.mark.parametrize("n", [1000, 768])
+def test_a_linear_with_gelu(n):
+    b = Builder("float16")
+    x = b.input("x", (2, 64, 256))
+    y = b.op("gelu", linear(b, x, n))
+    check_every_library_form(b, [y], lower_gemm_group(b.graph, b.group([y]), "cuda"))
+
+
+def test_a_batched_matmul_scaled():
+    b = Builder("float16")
+    a, m = b.input("a", (2, 12, 128, 64)), b.input("m", (2, 12, 64, 128))
+    y = b.op("mul", b.op("matmul", a, m), b.const("s", torch.tensor(0.125)))
+    check_every_library_form(b, [y], lower_gemm_group(b.graph, b.group([y]), "cuda"))
