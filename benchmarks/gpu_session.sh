@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the open issues need from the GPU machine, in stages that each fit one device call (10 min):
-#   bash benchmarks/gpu_session.sh tests     # gpu tests: whole models, conv-conv kernels, runtime (issues 3, 5)
+#   bash benchmarks/gpu_session.sh tests     # gpu tests: whole models, conv-conv kernels, runtime, library forms
 #   bash benchmarks/gpu_session.sh correctness  # `tests` and `property` side by side (no timings in either)
 #   bash benchmarks/gpu_session.sh bench     # benchmarks/run_all.py, all workloads, autotuned (issues 3, 4);
 #                                            # NO_SPLIT_K=1 turns split-K off, NO_LIBRARY=1 the cuBLAS/cuDNN form
@@ -32,7 +32,7 @@ case "$stage" in
   tests)
     OPFUSE_GPU_TESTS=1 timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -n "${TEST_WORKERS:-4}" \
       tests/gpu/test_models_gpu.py tests/gpu/test_runtime_gpu.py tests/gpu/test_conv_conv_gpu.py tests/gpu/test_split_k_gpu.py \
-      > "$OUT/gpu-tests.log" 2>&1
+      tests/gpu/test_library_forms_gpu.py > "$OUT/gpu-tests.log" 2>&1
     tail -30 "$OUT/gpu-tests.log" ;;
   correctness)
     OUT="$OUT" bash "$0" tests > /dev/null 2>&1 &
