@@ -79,15 +79,15 @@ def assert_identical(a, b):
 @pytest.fixture(scope="module")
 def compiled_convnet():
     """Compiled, then given other forms than each anchor kernel's default, as tuning on a GPU may choose (the anchor
-    through PyTorch's library with a generated epilogue, the group unfused): the package must carry the chosen
-    configs and forms, not fall back on the defaults."""
-    from opfuse.codegen.forms import is_library, is_unfused
+    through PyTorch's library with its flat generated epilogue, the group unfused): the package must carry the
+    chosen configs and forms, not fall back on the defaults."""
+    from opfuse.codegen.forms import is_flat, is_library, is_unfused
 
     compiled = opfuse.compile(convnet(), (images(2),))
     anchors = [(group, kernel) for group, kernel in compiled.compiled.kernels.items() if kernel.alternatives()]
     assert len(anchors) >= 2
     (first, library), (second, unfused) = anchors[:2]
-    compiled.compiled.set_configs({first: next(c for c in library.alternatives() if is_library(c)),
+    compiled.compiled.set_configs({first: next(c for c in library.alternatives() if is_library(c) and is_flat(c)),
                                    second: next(c for c in unfused.alternatives() if is_unfused(c))})
     return compiled
 
