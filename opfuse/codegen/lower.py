@@ -61,12 +61,18 @@ def find_anchor(graph: Graph, group: FusionGroup) -> str | None:
 
 def _within_int32(graph: Graph, group: FusionGroup) -> Reason | None:
     """None, or why an anchor group runs through PyTorch: the anchor templates index with int32 offsets (the
-    pointwise and reduction templates switch to int64), so no tensor they read or write may have more elements."""
+    pointwise and reduction templates switch to int64), so no tensor they read or write may have more elements,
+    nor the one buffer a horizontal group's siblings write their outputs into (its outputs together)."""
     values = list(dict.fromkeys(group.inputs + group.nodes))
     largest = max(values, key=lambda name: graph[name].type.numel)
     if graph[largest].type.numel > INT32_LIMIT:
         return Reason(Code.UNSUPPORTED, f"{graph[largest].describe()} has {graph[largest].type.numel} elements, "
                       f"more than the anchor templates' int32 offsets reach ({INT32_LIMIT})")
+    together = sum(graph[name].type.numel for name in group.outputs)
+    if group.kind is GroupKind.HORIZONTAL and together > INT32_LIMIT:
+        return Reason(Code.UNSUPPORTED, f"the outputs of horizontal group {group.name} ({', '.join(group.outputs)}) "
+                      f"share one buffer of {together} elements, more than the anchor templates' int32 offsets "
+                      f"reach ({INT32_LIMIT})")
     return None
 
 

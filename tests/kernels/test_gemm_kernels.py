@@ -341,3 +341,25 @@ def test_an_anchor_group_past_int32_offsets_runs_through_pytorch_and_says_why():
         if not fits:
             assert reasons[group.name].code is Code.UNSUPPORTED and "int32" in reasons[group.name].text
             assert "x" in reasons[group.name].text
+
+
+def test_a_horizontal_group_whose_shared_output_passes_int32_runs_through_pytorch():
+    """Two sibling linears of 2^30 output elements each write one [rows, 32] buffer of 2^31 elements: refused,
+    though each sibling's own output is within int32."""
+    from opfuse.codegen.lower import lower_group
+    from opfuse.fusion.plan import FusionGroup
+    from opfuse.ir.graph import Graph, TensorType
+    from opfuse.ir.ops import infer_type
+
+    graph = Graph("huge")
+    x = graph.add_input("x", TensorType((2 ** 26, 8), "float16")).name
+    ys = []
+    for i in range(2):
+        w = graph.add_constant(f"w{i}", torch.randn(16, 8).half()).name
+        ys.append(graph.add_node("linear", [x, w], infer_type("linear", [graph[x].type, graph[w].type], {}),
+                                 {}).name)
+    graph.outputs = ys
+    group = FusionGroup(0, GroupKind.HORIZONTAL, ys, anchor=ys[0], inputs=[x, "w0", "w1"], outputs=ys)
+    reasons = {}
+    assert lower_group(graph, group, "cpu", reasons) is None
+    assert "share one buffer" in reasons[group.name].text and "int32" in reasons[group.name].text
