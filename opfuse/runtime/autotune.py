@@ -247,7 +247,9 @@ def next_configs(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hard
     `top` is rejected, else none; the first are run to see (`compile_configs`), from Triton's cache once the
     compile workers have built them."""
     own = tuned_configs(kernel.configs(), top)
-    if not screen_configs(compile_configs(kernel, inputs, own), hardware).over_budget:
+    over_budget = screen_configs(compile_configs(kernel, inputs, own), hardware).over_budget
+    kernel.keep_form(kernel.configs()[0])    # those runs' packings go before the next kernel's, as after recording
+    if not over_budget:
         return []
     rest = [c for c in kernel.configs() if c not in own]
     return rest[:top or len(rest)]

@@ -76,7 +76,8 @@ def record_launches(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequen
                 continue
         # what those runs made (other forms' weights, other block sizes' packings) goes before the next kernel's:
         # the tuner makes them again, one kernel at a time
-        kernel.keep_form(kernel.configs()[0])
+        if kernel.configs():
+            kernel.keep_form(kernel.configs()[0])
     return list(records)
 
 

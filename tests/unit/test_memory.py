@@ -108,3 +108,28 @@ def test_tuning_counts_the_other_forms_of_the_largest_kernel_once():
     tuned = estimate_memory(analysis, (x,), tuning=True)
     assert tuned.other_forms == 2 * 4 * largest > 0
     assert "the other forms of the kernel being tuned" in tuned.describe()
+
+
+def test_the_spill_check_after_precompile_frees_what_it_packed():
+    """After the workers' recording, tune() runs every kernel's first tune_top configs once more to see whether all
+    spill (`next_configs`), re-packing each grouped conv's block sizes: each kernel frees them before the next, so
+    what all kernels hold stays within the estimate (a review found it twice over with three grouped convs)."""
+    from opfuse.hardware import get_hardware
+    from opfuse.runtime.autotune import next_configs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 32, 3, padding=1, groups=8), torch.nn.ReLU(),
+                                torch.nn.Conv2d(32, 32, 3, padding=1, groups=8), torch.nn.ReLU(),
+                                torch.nn.Conv2d(32, 32, 3, padding=1, groups=8)).eval()
+    config = opfuse.FusionConfig(dtype="float32", hardware="h200", tune_top=2)
+    x = torch.randn(1, 16, 6, 6)
+    analysis = opfuse.analyze(model, (x,), config)
+    kernels = conv_kernels(analysis)
+    jobs = [(kernel, [torch.randn(analysis.plan.graph[name].type.shape).to(memory_format=torch.channels_last)
+                      for name in kernel.runtime_inputs], candidates(kernel, config.tune_top, True)[1])
+            for kernel in kernels]
+    record_launches(jobs)
+    for kernel, inputs, _ in jobs:
+        next_configs(kernel, inputs, get_hardware("h200"), config.tune_top)
+    assert extra_packed_bytes(kernels) <= estimate_memory(analysis, (x,), tuning=True).packed_weights
+    assert extra_packed_bytes(kernels) == estimate_memory(analysis, (x,)).packed_weights   # the defaults' alone
