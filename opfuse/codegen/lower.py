@@ -62,7 +62,8 @@ def find_anchor(graph: Graph, group: FusionGroup) -> str | None:
 def _within_int32(graph: Graph, group: FusionGroup) -> Reason | None:
     """None, or why an anchor group runs through PyTorch: the anchor templates index with int32 offsets (the
     pointwise and reduction templates switch to int64), so no tensor they read or write may have more elements,
-    nor the one buffer a horizontal group's siblings write their outputs into (its outputs together)."""
+    nor the one buffer a horizontal group's siblings write their outputs into (its outputs together), nor split-K's
+    workspace (the anchor's output once per slice, for the tile that slices it most)."""
     values = list(dict.fromkeys(group.inputs + group.nodes))
     largest = max(values, key=lambda name: graph[name].type.numel)
     if graph[largest].type.numel > INT32_LIMIT:
@@ -73,6 +74,11 @@ def _within_int32(graph: Graph, group: FusionGroup) -> Reason | None:
         return Reason(Code.UNSUPPORTED, f"the outputs of horizontal group {group.name} ({', '.join(group.outputs)}) "
                       f"share one buffer of {together} elements, more than the anchor templates' int32 offsets "
                       f"reach ({INT32_LIMIT})")
+    anchor = graph[find_anchor(graph, group) or group.nodes[0]]
+    workspace = max(group.split_k.values(), default=1) * anchor.type.numel     # split-K's partial tiles
+    if workspace > INT32_LIMIT:
+        return Reason(Code.UNSUPPORTED, f"the K slices of {anchor.describe()} need a workspace of {workspace} "
+                      f"elements, more than the anchor templates' int32 offsets reach ({INT32_LIMIT})")
     return None
 
 

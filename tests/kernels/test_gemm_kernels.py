@@ -363,3 +363,26 @@ def test_a_horizontal_group_whose_shared_output_passes_int32_runs_through_pytorc
     reasons = {}
     assert lower_group(graph, group, "cpu", reasons) is None
     assert "share one buffer" in reasons[group.name].text and "int32" in reasons[group.name].text
+
+
+def test_a_split_whose_workspace_passes_int32_runs_through_pytorch():
+    """A linear of 2^28 outputs planned in 16 K slices: its fp32 partial tiles need 2^32 workspace elements."""
+    from opfuse.codegen.lower import lower_group
+    from opfuse.fusion.plan import FusionGroup
+    from opfuse.ir.graph import Graph, TensorType
+    from opfuse.ir.ops import infer_type
+
+    for slices, fits in ((16, False), (4, True)):
+        graph = Graph("split")
+        x = graph.add_input("x", TensorType((2 ** 24, 64), "float16")).name
+        w = graph.add_constant("w", torch.randn(16, 64).half()).name
+        y = graph.add_node("linear", [x, w], infer_type("linear", [graph[x].type, graph[w].type], {}), {}).name
+        graph.outputs = [y]
+        group = FusionGroup(0, GroupKind.SINGLE, [y], anchor=y, inputs=[x, w], outputs=[y],
+                            split_k={"any-tile": slices})
+        reasons = {}
+        if fits:       # within int32: the guard lets it through (whatever the template then makes of the table)
+            from opfuse.codegen.lower import _within_int32
+            assert _within_int32(graph, group) is None
+        else:
+            assert lower_group(graph, group, "cpu", reasons) is None and "workspace" in reasons[group.name].text
