@@ -32,18 +32,34 @@ def test_access_widths_average_the_bytes_of_global_loads_async_copies_and_stores
     assert sm90_compile.access_widths("") == {"ld": 0.0, "st": 0.0}
 
 
-KERNEL = '''
+# every offline script starts so: the script's module loaded from its file, its stand-in driver active
+PREAMBLE = '''
 import json, sys
-import triton, triton.language as tl
-from triton.runtime.driver import driver
-from triton.runtime.jit import MockTensor
-import torch
 sys.path.insert(0, {root!r})
 import importlib.util
 spec = importlib.util.spec_from_file_location("sm90_compile", {script!r})
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
+from triton.runtime.driver import driver
 driver.set_active(module.OfflineDriver())
+'''
+
+
+def run_offline(tmp_path: Path, body: str, timeout: float) -> object:
+    """Run PREAMBLE + `body` as a script without TRITON_INTERPRET (Triton reads a jitted function's source from
+    its file), its Triton cache in `tmp_path`; the JSON its last line printed."""
+    script = tmp_path / "offline.py"
+    script.write_text(PREAMBLE.format(root=str(ROOT), script=str(ROOT / "benchmarks" / "sm90_compile.py")) + body)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+KERNEL = '''
+import triton, triton.language as tl
+from triton.runtime.jit import MockTensor
+import torch
 
 @triton.jit
 def add_one(x_ptr, y_ptr, n, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
@@ -52,7 +68,7 @@ def add_one(x_ptr, y_ptr, n, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
     value = tl.load(x_ptr + (offs * 3 if STRIDED else offs), mask=mask)
     tl.store(y_ptr + offs, value + 1, mask=mask)
 
-report = {{}}
+report = {}
 for strided in (False, True):
     kernel = add_one.warmup(MockTensor(torch.float16), MockTensor(torch.float16), 4096, strided, BLOCK=1024,
                             grid=(1,))
@@ -62,12 +78,7 @@ print(json.dumps(report))
 
 
 def test_a_kernel_compiles_for_sm90_on_the_cpu_and_its_widths_follow_its_indexing(tmp_path):
-    script = tmp_path / "offline.py"        # Triton reads a jitted function's source from its file
-    script.write_text(KERNEL.format(root=str(ROOT), script=str(ROOT / "benchmarks" / "sm90_compile.py")))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_offline(tmp_path, KERNEL, timeout=300)
     dense, strided = report["False"], report["True"]
     assert dense["ld"] == 16.0 and dense["st"] == 16.0          # 8 halves per instruction
     assert strided["ld"] == 2.0 and strided["st"] == 16.0       # a gather: one half per instruction
@@ -93,15 +104,6 @@ def test_example_values_are_channels_last_where_the_compiled_model_holds_them_so
 
 
 MODEL = '''
-import json, sys
-sys.path.insert(0, {root!r})
-import importlib.util
-spec = importlib.util.spec_from_file_location("sm90_compile", {script!r})
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-from triton.runtime.driver import driver
-driver.set_active(module.OfflineDriver())
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -148,12 +150,7 @@ def test_every_template_and_form_compiles_for_sm90(tmp_path):
     """The interpreter runs Triton code as Python: a kernel real Triton cannot compile passes every interpreter
     test. Here one tiny model's kernels (every template, the first two configs of each and every library form) are
     compiled for sm_90 by Triton itself, and the flat library epilogue's stores are 16 bytes wide."""
-    script = tmp_path / "model.py"
-    script.write_text(MODEL.format(root=str(ROOT), script=str(ROOT / "benchmarks" / "sm90_compile.py")))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=1200)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = run_offline(tmp_path, MODEL, timeout=1200)
     assert [row for row in rows if "error" in row] == []
     kernels = {row["kernel"].split("_")[1] for row in rows}
     assert {"conv2d", "dw", "linear", "layer", "sdpa"} <= kernels, kernels
