@@ -110,6 +110,13 @@ class GroupKernel(ABC):
     def keep_form(self, config: KernelConfig) -> None:
         """Called once `config` is the config that runs: free what only other forms of the kernel need."""
 
+    def keep_default(self) -> None:
+        """`keep_form` of the default config, after runs of several configs that chose none (the compile workers'
+        recording, the spill check before tuning): what those made goes, and is made again where it runs."""
+        configs = self.configs()
+        if configs:
+            self.keep_form(configs[0])
+
     @abstractmethod
     def configs(self) -> list[KernelConfig]:
         """Candidate configs for autotuning; the first is the default when tuning is off."""

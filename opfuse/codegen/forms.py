@@ -241,21 +241,18 @@ class EpilogueKernel(GroupKernel):
         if self.library_anchor is None:
             raise ValueError(f"kernel {self.name} has no library form")
         self.last_compiled = None
-        if is_flat(config):
+        flat = is_flat(config)
+        _, values, args, outputs = self.bind(inputs, None, self.epilogue.flat_form() if flat else None)
+        result = self.library_anchor(self._library_values(values)).contiguous()
+        if flat:
             if self._flat_epilogue is None:
                 self._flat_epilogue = FlatEpilogue(self.epilogue)
-            values = dict(zip(self.runtime_inputs, inputs)) | self.constants
-            args, outputs = self.epilogue.flat_form().launch_args(values)
-            result = self.library_anchor(self._library_values(values))
-            self._flat_epilogue.run(result.contiguous(), self.layout, args, config["BLOCK"], config.num_warps)
+            self._flat_epilogue.run(result, self.layout, args, config["BLOCK"], config.num_warps)
             return outputs
-        _, values, args, outputs = self.bind(inputs, None)
-        result = self.library_anchor(self._library_values(values))
-        batch, rows, columns = result.shape
         if self._library_epilogue is None:   # a split kernel's reduce kernel is that same kernel
             self._library_epilogue = self.split or SplitK.reduce_only(self.epilogue)
-        self._library_epilogue.run_reduce(result.contiguous().reshape(1, batch, rows, columns), self.layout, args,
-                                          config["BLOCK_M"], config["BLOCK_N"], config.num_warps)
+        self._library_epilogue.run_reduce(result.reshape(1, *result.shape), self.layout, args, config["BLOCK_M"],
+                                          config["BLOCK_N"], config.num_warps)
         return outputs
 
     def _library_values(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -267,9 +264,10 @@ class EpilogueKernel(GroupKernel):
         self._launched = (self._launched or {}) | {"operand": sum(launched)}
         return values
 
-    def bind(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None
+    def bind(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None, epilogue: "Epilogue | None" = None
              ) -> tuple[KernelConfig, dict[str, torch.Tensor], list, list[torch.Tensor]]:
-        """(the config to launch, every value by name, the epilogue's launch arguments, the allocated outputs)."""
+        """(the config to launch, every value by name, the launch arguments of `epilogue` (default: the kernel's),
+        the allocated outputs)."""
         values = dict(zip(self.runtime_inputs, inputs)) | self.constants
-        args, outputs = self.epilogue.launch_args(values)
+        args, outputs = (epilogue or self.epilogue).launch_args(values)
         return config or self._configs[0], values, args, outputs

@@ -248,7 +248,7 @@ def next_configs(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hard
     compile workers have built them."""
     own = tuned_configs(kernel.configs(), top)
     over_budget = screen_configs(compile_configs(kernel, inputs, own), hardware).over_budget
-    kernel.keep_form(kernel.configs()[0])    # those runs' packings go before the next kernel's, as after recording
+    kernel.keep_default()       # those runs' packings go before the next kernel's, as after recording
     if not over_budget:
         return []
     rest = [c for c in kernel.configs() if c not in own]

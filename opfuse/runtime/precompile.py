@@ -60,7 +60,7 @@ class Precompiled:
 def record_launches(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[KernelConfig]]]
                     ) -> list[LaunchRecord]:
     """The distinct launches of running each kernel once with each of its configs but the unfused form (none of
-    the generated kernels runs); each kernel then holds its default config's weights only (`keep_form`)."""
+    the generated kernels runs); each kernel then holds its default config's weights only (`keep_default`)."""
     from opfuse.codegen.forms import is_unfused
 
     records: dict[LaunchRecord, None] = {}
@@ -76,8 +76,7 @@ def record_launches(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequen
                 continue
         # what those runs made (other forms' weights, other block sizes' packings) goes before the next kernel's:
         # the tuner makes them again, one kernel at a time
-        if kernel.configs():
-            kernel.keep_form(kernel.configs()[0])
+        kernel.keep_default()
     return list(records)
 
 
