@@ -1,12 +1,15 @@
 """Cold-compile seconds of opfuse with and without the parallel compile workers (issue 17), on a GPU.
 
     python benchmarks/compile_time.py --workloads resnet50:1,efficientnet_b0:1 --workers 1,8 [--out DIR] [--profile]
+                                      [--warm]
 
 Each (workload, workers) compiles in a process of its own from empty caches (Triton's and opfuse's tuning cache),
 after one eager forward (the process's one-time costs fall on no compile), fp16, channels-last, FusionConfig's
 defaults but `compile_workers`; it prints one JSON line per compile (seconds by stage, what the workers compiled)
 and writes them to DIR/compile_time.json. `--profile` runs each compile under cProfile and writes its statistics to
 DIR/<workload>-w<workers>.prof (read them with `python -m pstats`), to see where a cold compile spends its time.
+`--warm` compiles each once more in a fresh process over the caches the cold one filled (row `"warm": true`,
+profile `<workload>-w<workers>-warm.prof`): what a compile costs when nothing is left to build or tune.
 """
 
 from __future__ import annotations
@@ -43,12 +46,27 @@ def child(model_name: str, batch: int, workers: int, cache: str, profile_to: str
             "kernels": len(compiled.compiled.kernels)}
 
 
+def run_child(model: str, batch: str, workers: str, cache: str, warm: bool, args) -> dict:
+    """One compile in a process of its own over `cache` (and Triton's cache beneath it)."""
+    env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1")
+    suffix = "-warm" if warm else ""
+    profile_to = str(Path(args.out) / f"{model}-bs{batch}-w{workers}{suffix}.prof") if args.profile else ""
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, __file__, "--child", model, batch, workers, cache, profile_to],
+                          env=env, capture_output=True, text=True)
+    line = next((l for l in reversed(done.stdout.splitlines()) if l.startswith("{")), None)
+    row = json.loads(line) if line else {"workload": f"{model}:{batch}", "workers": workers,
+                                         "error": (done.stderr or done.stdout)[-2000:]}
+    return dict(row, warm=warm)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="resnet50:1")
     parser.add_argument("--workers", default="1,8")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--profile", action="store_true", help="write each compile's cProfile statistics to --out")
+    parser.add_argument("--warm", action="store_true", help="compile each again over the cold compile's caches")
     parser.add_argument("--child", nargs=5, metavar=("MODEL", "BATCH", "WORKERS", "CACHE", "PROFILE"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -61,16 +79,10 @@ def main() -> int:
         model, _, batch = workload.rpartition(":")
         for workers in args.workers.split(","):
             cache = tempfile.mkdtemp(prefix="opfuse-compile-")
-            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1")
-            profile_to = str(Path(args.out) / f"{model}-bs{batch}-w{workers}.prof") if args.profile else ""
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            done = subprocess.run([sys.executable, __file__, "--child", model, batch, workers, cache, profile_to],
-                                  env=env, capture_output=True, text=True)
-            line = next((l for l in reversed(done.stdout.splitlines()) if l.startswith("{")), None)
-            row = json.loads(line) if line else {"workload": workload, "workers": workers,
-                                                 "error": (done.stderr or done.stdout)[-2000:]}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            for warm in (False, True) if args.warm else (False,):
+                row = run_child(model, batch, workers, cache, warm, args)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "compile_time.json").write_text(json.dumps(rows, indent=1))
     return 0
