@@ -285,8 +285,9 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
     start = time.perf_counter()
     compiled = build_compiled_model(analysis.plan, device, examples, config=config, quiet=quiet)
     over_budget = dict(getattr(compiled.tuning, "over_budget", None) or {})
-    if over_budget:   # every config of these kernels spilled on this GPU: plan again with them split back
-        replanned = split_back(analysis, over_budget)
+    slower = dict(getattr(compiled.tuning, "slower_fused", None) or {})
+    if over_budget or slower:   # kernels that spilled on this GPU or lost to their ops: plan again without them
+        replanned = split_back(analysis, over_budget, slower)
         # and build again where that changed the groups (a one-op group has nothing to split: it keeps the other
         # form the tuner chose for it)
         if [g.nodes for g in replanned.plan.groups] != [g.nodes for g in analysis.plan.groups]:
@@ -370,18 +371,22 @@ def check_kernels_can_run(device: torch.device) -> None:
                          "tests and small models). opfuse.analyze plans and predicts without either.")
 
 
-def split_back(analysis: Analysis, over_budget: dict[str, str]) -> Analysis:
+def split_back(analysis: Analysis, over_budget: dict[str, str], slower: dict[str, str] | None = None) -> Analysis:
     """The analysis re-planned so that no kernel brings together again the nodes of a group whose every config
-    failed the resource check (`over_budget`: group name -> why); the plan's decisions say which and why."""
+    failed the resource check (`over_budget`: group name -> why), nor the anchors of a group that measured slower
+    than its ops through PyTorch (`slower`: group name -> why); the plan's decisions say which and why."""
     from dataclasses import replace as replace_field
 
     from opfuse.analysis.traffic import summarize_plan
     from opfuse.codegen.lower import groups_through_pytorch
     from opfuse.fusion.planner import plan_fusion
+    from opfuse.ir.ops import FusionKind, kind_of
 
     groups = {g.name: g for g in analysis.plan.groups}
     measured = {frozenset(groups[name].nodes): why for name, why in over_budget.items()}
-    plan = plan_fusion(analysis.prepared, analysis.config, analysis.hardware, measured)
+    anchors = {frozenset(n for n in groups[name].nodes if kind_of(analysis.prepared[n]) is FusionKind.ANCHOR): why
+               for name, why in (slower or {}).items()}
+    plan = plan_fusion(analysis.prepared, analysis.config, analysis.hardware, measured, anchors)
     pytorch_groups = groups_through_pytorch(plan)
     return replace_field(analysis, plan=plan, fused=summarize_plan(plan, analysis.hardware, pytorch_groups),
                          pytorch_groups=pytorch_groups)

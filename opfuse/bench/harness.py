@@ -237,7 +237,7 @@ def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict 
            "unfused": compiled.compiled.unfused, "opfuse_compile_seconds": compiled.seconds,
            "predicted_ms": compiled.analysis.fused.predicted_time * 1e3,
            "cuda_graph_error": compiled.compiled.cuda_graph_error,
-           # fusions planned, then kept apart because every config of their compiled kernel spilled on this GPU
+           # fusions planned, then kept apart: every config of their kernel spilled, or it lost to its ops unfused
            "split_back": [d.reason for d in compiled.plan.decisions if d.code is Code.SPLIT_BACK]}
     if ceilings:
         row["floor_compute_ms"], row["floor_memory_ms"] = floor_ms(compiled.analysis, ceilings)

@@ -28,7 +28,7 @@ Inductor-style greedy fusion, with Hidet's anchor vocabulary and XLA's resource 
 from __future__ import annotations
 
 import heapq
-from typing import Mapping
+from typing import Mapping, Sequence
 from dataclasses import dataclass
 
 from opfuse.config import FusionConfig, for_graph
@@ -49,16 +49,19 @@ from opfuse.ir.verify import verify
 
 
 def plan_fusion(graph: Graph, config: FusionConfig | None = None, hw: HardwareProfile | None = None,
-                measured_over_budget: Mapping[frozenset[str], str] | None = None) -> FusionPlan:
+                measured_over_budget: Mapping[frozenset[str], str] | None = None,
+                measured_slower: Mapping[frozenset[str], str] | None = None) -> FusionPlan:
     """Group the graph's nodes into kernels and record every fusion decision.
 
-    `measured_over_budget` maps node sets whose compiled kernel failed the resource check on the GPU (every
-    config spilled) to why: no merge may bring such a set together again, so those groups are split back.
+    What the GPU measured of an earlier build, each a map of node sets to why: no merge may bring such a set
+    together again, so those groups are split back. `measured_over_budget`: the nodes of a group whose compiled
+    kernel failed the resource check (every config spilled). `measured_slower`: the anchors of a group whose
+    kernel measured slower than its ops run one by one through PyTorch.
     """
     config = for_graph(config, graph)
     hw = hw or get_hardware(config.hardware)
     verify(graph, check_types=False)   # unknown ops and dangling inputs fail here, naming the node
-    planner = _Planner(graph, config, hw, measured_over_budget or {})
+    planner = _Planner(graph, config, hw, measured_over_budget or {}, measured_slower or {})
     if config.vertical:
         planner.vertical()
         planner.squeeze()
@@ -82,9 +85,9 @@ class _Planner:
     """The mutable state of one planning run: groups, decisions, cached estimates."""
 
     def __init__(self, graph: Graph, config: FusionConfig, hw: HardwareProfile,
-                 measured_over_budget: Mapping[frozenset[str], str]):
+                 measured_over_budget: Mapping[frozenset[str], str], measured_slower: Mapping[frozenset[str], str]):
         self.graph, self.config, self.hw = graph, config, hw
-        self.measured_over_budget = measured_over_budget
+        self.measured_over_budget, self.measured_slower = measured_over_budget, measured_slower
         self.users = graph.users()
         self.index = node_index(graph)
         self.groups: dict[int, list[str]] = {}        # group id -> node names in topological order
@@ -278,6 +281,19 @@ class _Planner:
         return "vertical"
 
     # ---- taking or refusing one fusion --------------------------------------------------------------
+    def measured_against(self, merged: Sequence[str]) -> tuple[Verdict, Reason] | None:
+        """The verdict and reason of a merge that would bring together again a node set an earlier build measured
+        (`plan_fusion`'s `measured_over_budget`, `measured_slower`), or None."""
+        for nodes, why in self.measured_over_budget.items():
+            if nodes <= set(merged):
+                return Verdict.OVER_BUDGET, Reason(Code.SPLIT_BACK, f"split back: the compiled kernel of "
+                                                   f"{', '.join(sorted(nodes))} was {why}")
+        for nodes, why in self.measured_slower.items():
+            if nodes <= set(merged):
+                return Verdict.UNPROFITABLE, Reason(Code.SPLIT_BACK, f"split back: the kernel fusing "
+                                                    f"{', '.join(sorted(nodes))} measured {why}")
+        return None
+
     def decide(self, first: int, second: int, fusion: str, illegal: Reason | None,
                kind: GroupKind | None = None) -> bool:
         """Check budget and profit of merging groups `first` and `second`; merge and record."""
@@ -287,11 +303,10 @@ class _Planner:
             return False
         apart = self.estimate(a).time + self.estimate(b).time
         fused = self.estimate(a + b)
-        for nodes, why in self.measured_over_budget.items():
-            if nodes <= set(a + b):
-                split = f"split back: the compiled kernel of {', '.join(sorted(nodes))} was {why}"
-                self.record(a, b, fusion, Verdict.OVER_BUDGET, Reason(Code.SPLIT_BACK, split), fused.time)
-                return False
+        measured = self.measured_against(a + b)
+        if measured:
+            self.record(a, b, fusion, *measured, fused.time)
+            return False
         resources = fused.resources
         if resources is not None and not resources.fits:
             over = f"fused kernel over budget, kept apart: {resources.reason}"
@@ -436,11 +451,10 @@ class _Planner:
             record(Verdict.ILLEGAL, chain)
             return False
         fused = self.estimate(merged)
-        for nodes, why in self.measured_over_budget.items():
-            if nodes <= set(merged):
-                record(Verdict.OVER_BUDGET, Reason(Code.SPLIT_BACK, f"split back: the compiled kernel of "
-                                                   f"{', '.join(sorted(nodes))} was {why}"), fused.time)
-                return False
+        measured = self.measured_against(merged)
+        if measured:
+            record(*measured, fused.time)
+            return False
         if fused.resources is not None and not fused.resources.fits:
             record(Verdict.OVER_BUDGET, Reason(Code.OVER_BUDGET, f"squeeze kernel over budget, kept apart: "
                                                f"{fused.resources.reason}"), fused.time)

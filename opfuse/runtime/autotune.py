@@ -8,7 +8,9 @@ median) and keep the fastest. Besides its own configs a kernel offers other form
 an anchor kernel's unsplit form, its anchor through cuBLAS/cuDNN with a generated epilogue, and its group unfused
 (the ops through PyTorch): a fusion that measures slower than the ops it merges is not kept. A group whose every
 config is rejected is reported in `TuningResult.over_budget` ("over budget: every config spills") so the caller
-can split it; it still gets the least bad config, so the model runs either way.
+can split it; it still gets the least bad config, so the model runs either way. A group of several anchors whose
+unfused form wins is reported in `TuningResult.slower_fused`: split into one group per anchor, each gets the forms
+of its own (the library's with a generated epilogue, which the ops one by one through PyTorch do not have).
 Results are kept in the on-disk `TuningCache`. On a GPU the candidates of every kernel not in the cache are first
 compiled in parallel by worker processes (`opfuse.runtime.precompile`), so the tuner's own runs load them from
 Triton's cache. Without a GPU (Triton's interpreter) nothing is timed and each kernel gets its first config.
@@ -21,11 +23,12 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from opfuse.codegen.base import FORM_TRITON, CompiledInfo, GroupKernel, KernelConfig, tuned_configs
+from opfuse.codegen.base import FORM_TRITON, FORM_UNFUSED, CompiledInfo, GroupKernel, KernelConfig, tuned_configs
 from opfuse.config import FusionConfig
 from opfuse.environment import triton_interpreter
 from opfuse.hardware import KIB, HardwareProfile, get_hardware
 from opfuse.ir.graph import GraphError
+from opfuse.ir.ops import FusionKind, kind_of
 from opfuse.runtime.cache import TuningCache, tuning_key
 from opfuse.runtime.precompile import Precompiled, default_workers, precompile
 
@@ -41,6 +44,7 @@ class TuningResult(dict):
     def __init__(self) -> None:
         super().__init__()
         self.over_budget: dict[str, str] = {}                     # group name -> why no config fits
+        self.slower_fused: dict[str, str] = {}                    # group name -> why its anchors go apart
         self.rejected: dict[str, dict[KernelConfig, str]] = {}    # group name -> {config: reason}
         self.timings: dict[str, dict[KernelConfig, float]] = {}   # group name -> {config: seconds (median)}
         self.from_cache: set[str] = set()
@@ -284,6 +288,22 @@ def cached_choice(kernel: GroupKernel, inputs: list[torch.Tensor], configs: list
     return key, entry, _restore(entry, configs + [c for c in kernel.configs() if c not in configs])
 
 
+def note_slower_fused(kernel: GroupKernel, chosen: KernelConfig, timings: Mapping[str, float],
+                      result: TuningResult) -> None:
+    """Report a group of several anchors whose unfused form measured fastest (`TuningResult.slower_fused`), with
+    its fastest other form and the unfused time (`timings`: seconds by `format_config`)."""
+    if chosen.form != FORM_UNFUSED:
+        return
+    anchors = [n for n in kernel.group.nodes if kind_of(kernel.graph[n]) is FusionKind.ANCHOR]
+    if len(anchors) < 2:
+        return
+    unfused = timings.get(format_config(chosen))
+    others = [(t, c) for c, t in timings.items() if c != format_config(chosen)]
+    measured = (f": {min(others)[0] * 1e6:.1f} us fused ({min(others)[1]}) against {unfused * 1e6:.1f} us"
+                if others and unfused is not None else "")
+    result.slower_fused[kernel.group.name] = f"slower than its ops through PyTorch{measured}"
+
+
 def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: HardwareProfile, benchmark: Benchmark,
                 result: TuningResult, cache: TuningCache | None = None, gpu_name: str = "",
                 top: int | None = None, library: bool = False) -> KernelConfig:
@@ -298,6 +318,7 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
         result.from_cache.add(name)
         if entry.get("over_budget"):
             result.over_budget[name] = entry["over_budget"]
+        note_slower_fused(kernel, cached, entry.get("timings") or {}, result)
         return cached
 
     compiled: dict[KernelConfig, CompiledInfo | str | None] = {}
@@ -323,6 +344,7 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
     if over_budget:
         result.over_budget[name] = over_budget
     result[name] = chosen
+    note_slower_fused(kernel, chosen, {format_config(c): t for c, t in timings.items()}, result)
     # the other forms' weights and constants go now, not after every kernel is tuned: one kernel's extra copies
     # at a time (a form run again later makes them again)
     kernel.keep_form(chosen)

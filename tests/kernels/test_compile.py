@@ -553,3 +553,38 @@ def test_a_compile_builds_again_only_where_splitting_back_changes_the_groups(mon
     assert len(calls) == builds
     with torch.no_grad():
         assert relative_error(compiled(x), model(x)) < 1e-5
+
+
+def test_a_conv_conv_group_slower_than_its_ops_is_built_again_one_group_per_conv(monkeypatch):
+    """The tuner reports that a depthwise -> 1x1 group ran fastest unfused: the model is planned again with the two
+    convs apart (each then has the forms of its own, the library's among them), the decision says why, and the
+    result still matches eager."""
+    from opfuse.fusion.plan import GroupKind, Verdict
+    from opfuse.runtime import compiled as runtime
+    from opfuse.runtime.autotune import TuningResult
+
+    plans = []
+    build = runtime.build_compiled_model
+
+    def reporting(plan, *args, **kwargs):
+        model = build(plan, *args, **kwargs)
+        plans.append(plan)
+        model.tuning = TuningResult()
+        for group in plan.groups:
+            if group.kind is GroupKind.CONV_CONV:
+                model.tuning.slower_fused[group.name] = "slower than its ops through PyTorch: 9.0 us against 4.0 us"
+        return model
+
+    monkeypatch.setattr(runtime, "build_compiled_model", reporting)
+    model = with_random_batch_norms(nn.Sequential(
+        nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.BatchNorm2d(8), nn.Conv2d(8, 16, 1), nn.BatchNorm2d(16),
+        nn.ReLU())).eval()
+    x = torch.randn(1, 8, 6, 6)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    assert [g.kind for g in plans[0].groups] == [GroupKind.CONV_CONV]
+    assert len(plans) == 2 and [g.nodes for g in plans[1].groups] == [["conv2d"], ["conv2d_1", "relu"]]
+    refused = [d for d in compiled.plan.decisions if d.code is Code.SPLIT_BACK]
+    assert len(refused) == 1 and refused[0].verdict is Verdict.UNPROFITABLE
+    assert "conv2d, conv2d_1 measured slower than its ops through PyTorch: 9.0 us against 4.0 us" in refused[0].reason
+    with torch.no_grad():
+        assert relative_error(compiled(x), model(x)) < 1e-5

@@ -505,6 +505,54 @@ def test_a_group_whose_own_configs_all_spill_is_reported_even_when_another_form_
     assert fits.over_budget == {}
 
 
+def conv_conv_kernel():
+    """A FakeKernel over a depthwise -> 1x1 conv group (two anchors), and its example values."""
+    torch.manual_seed(0)
+    g = Graph("dwpw")
+    g.add_input("x", TensorType((2, 4, 6, 6), "float32"))
+    g.add_constant("dw_w", torch.randn(4, 1, 3, 3))
+    g.add_constant("pw_w", torch.randn(8, 4, 1, 1))
+    conv = {"stride": (1, 1), "dilation": (1, 1)}
+    g.add_node("conv2d", ["x", "dw_w"], TensorType((2, 4, 6, 6), "float32"), conv | {"padding": (1, 1), "groups": 4},
+               name="dw")
+    g.add_node("conv2d", ["dw", "pw_w"], TensorType((2, 8, 6, 6), "float32"), conv | {"padding": (0, 0), "groups": 1},
+               name="pw")
+    g.add_node("relu", ["pw"], TensorType((2, 8, 6, 6), "float32"), name="relu")
+    g.outputs = ["relu"]
+    group = FusionGroup(0, GroupKind.CONV_CONV, ["dw", "pw", "relu"], anchor="pw", inputs=["x", "dw_w", "pw_w"],
+                        outputs=["relu"])
+    return FakeKernel(g, group), {"x": torch.randn(2, 4, 6, 6)}
+
+
+UNFUSED_FORM = KernelConfig.of(num_warps=1, num_stages=1, form="unfused")
+
+
+@pytest.mark.parametrize("anchors", [2, 1])
+def test_a_group_of_anchors_that_loses_to_its_ops_unfused_is_reported(tmp_path, anchors):
+    """Unfused fastest: a group of two anchors (depthwise -> 1x1) is reported with both times, from the cache too;
+    a group of one anchor is not (splitting it would give its anchor no form it lacks)."""
+    kernel, values = conv_conv_kernel() if anchors == 2 else tuned_kernel()
+    kernel.alternatives = lambda library=True: [UNFUSED_FORM] if library else []
+
+    def benchmark(fn):
+        fn()
+        return 1e-5 if kernel.calls[-1][1] == UNFUSED_FORM else 2e-5 + kernel.calls[-1][1]["BLOCK"] * 1e-9
+
+    cache = TuningCache(tmp_path)
+    result = tune([kernel], values, FusionConfig(), cache, quiet=True, benchmark=benchmark)
+    assert result["g0"] == UNFUSED_FORM
+    if anchors == 1:
+        assert result.slower_fused == {}
+        return
+    assert result.slower_fused == {"g0": "slower than its ops through PyTorch: 20.0 us fused (BLOCK=16 warps=4 "
+                                         "stages=2) against 10.0 us"}
+    cached = tune([kernel], values, FusionConfig(), cache, quiet=True, benchmark=benchmark)
+    assert cached.from_cache == {"g0"} and cached.slower_fused == result.slower_fused
+    # a fused config faster than the ops: nothing to report
+    faster = tune([kernel], values, FusionConfig(), quiet=True, benchmark=lambda fn: (fn(), 1e-5)[1])
+    assert faster["g0"] != UNFUSED_FORM and faster.slower_fused == {}
+
+
 def test_tune_goes_past_tune_top_while_every_config_so_far_spills(tmp_path):
     """tune_top 2 of 5 configs: the first two spill, so the next two are compiled; the fourth fits and is kept,
     the fifth is never compiled, and the cache restores the fourth."""
