@@ -151,6 +151,20 @@ class RowReductionKernel(TemplateKernel):
         name, source, function = build_kernel(graph, group, emitter, body, constexprs)
         super().__init__(graph, group, name, source, device, emitter.args, constants, function)
 
+    def output_channels_last(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
+        """A 4-D output in the reduced value's own shape is laid out as the kernel walks it, rows of the kept dims
+        and lanes of the reduced ones innermost: channels-last for a reduction over the channels alone, dense for
+        one over the trailing dims. Any other output takes the largest input's layout (`TemplateKernel`): that
+        rule would give channels-last to ConvNeXt's [N, H, W, C] layer norm reading the permute of a channels-last
+        [N, C, H, W] residual, which stores it with H innermost."""
+        if len(self._shape) == 4 and tuple(self.graph[name].type.shape) == tuple(self._shape):
+            reduced = sorted(self.reduced)
+            if reduced == [1]:
+                return True
+            if reduced == list(range(4 - len(reduced), 4)):
+                return False
+        return super().output_channels_last(name, tensors)
+
     # ---- code generation ------------------------------------------------------------------------------
     def _chunk(self, first: str, store_prologue: bool) -> tuple[list[str], Region, Coords, str]:
         """Lines loading one [BLOCK_M, BLOCK_L] chunk of the reduction input (prologue applied).

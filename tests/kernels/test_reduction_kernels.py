@@ -93,6 +93,27 @@ def test_layer_norm_with_residual_add_prologue(hidden, config):
     run_group(b, [h, y], config)                           # the residual sum is needed later: stored too
 
 
+@pytest.mark.parametrize("normalized", ["channels", "last"])
+def test_a_4d_row_reduction_stores_its_rows_dense_along_the_reduced_dim(normalized):
+    """ConvNeXt's downsampling norm: a channels-last [N, C, H, W] residual sum, permuted to [N, H, W, C] and layer
+    normed over C, is stored dense along C (not in the largest input's channels-last format, which puts H
+    innermost); a softmax over the channels of an [N, C, H, W] value is stored channels-last."""
+    b = Builder()
+    x, residual = b.input("x", (2, 6, 3, 5)), b.input("residual", (2, 6, 3, 5))
+    h = b.op("add", x, residual)
+    w, bias = b.const("w", b.random(6)), b.const("b", b.random(6))
+    if normalized == "last":
+        y = b.op("layer_norm", b.op("permute", h, dims=[0, 2, 3, 1]), w, bias, normalized_shape=[6], eps=1e-6)
+    else:
+        y = b.op("softmax", h, dim=1)
+    kernel, (out,) = run_group(b, [y])
+    assert isinstance(kernel, RowReductionKernel)
+    if normalized == "last":
+        assert out.shape == (2, 3, 5, 6) and out.is_contiguous()
+    else:
+        assert out.shape == (2, 6, 3, 5) and out.is_contiguous(memory_format=torch.channels_last)
+
+
 def test_layer_norm_float16_without_affine_then_cast():
     b = Builder("float16")
     y = b.op("layer_norm", b.input("x", (5, 96)), normalized_shape=[96], eps=1e-6)
