@@ -286,7 +286,7 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
     compiled = build_compiled_model(analysis.plan, device, examples, config=config, quiet=quiet)
     over_budget = dict(getattr(compiled.tuning, "over_budget", None) or {})
     slower = dict(getattr(compiled.tuning, "slower_fused", None) or {})
-    if over_budget or slower:   # kernels that spilled on this GPU or lost to their ops: plan again without them
+    if over_budget or kept_apart(analysis, slower):   # kernels that spilled or lost to their ops: plan again
         replanned = split_back(analysis, over_budget, slower)
         # and build again where that changed the groups (a one-op group has nothing to split: it keeps the other
         # form the tuner chose for it)
@@ -374,22 +374,39 @@ def check_kernels_can_run(device: torch.device) -> None:
 def split_back(analysis: Analysis, over_budget: dict[str, str], slower: dict[str, str] | None = None) -> Analysis:
     """The analysis re-planned so that no kernel brings together again the nodes of a group whose every config
     failed the resource check (`over_budget`: group name -> why), nor the anchors of a group that measured slower
-    than its ops through PyTorch (`slower`: group name -> why); the plan's decisions say which and why."""
+    than its ops through PyTorch (`slower`: group name -> why), nor (with `config.split_epilogues`) the anchor of
+    such a group of one anchor with any of its other nodes; the plan's decisions say which and why."""
     from dataclasses import replace as replace_field
 
     from opfuse.analysis.traffic import summarize_plan
     from opfuse.codegen.lower import groups_through_pytorch
     from opfuse.fusion.planner import plan_fusion
-    from opfuse.ir.ops import FusionKind, kind_of
 
     groups = {g.name: g for g in analysis.plan.groups}
     measured = {frozenset(groups[name].nodes): why for name, why in over_budget.items()}
-    anchors = {frozenset(n for n in groups[name].nodes if kind_of(analysis.prepared[n]) is FusionKind.ANCHOR): why
-               for name, why in (slower or {}).items()}
-    plan = plan_fusion(analysis.prepared, analysis.config, analysis.hardware, measured, anchors)
+    plan = plan_fusion(analysis.prepared, analysis.config, analysis.hardware, measured,
+                       kept_apart(analysis, slower or {}))
     pytorch_groups = groups_through_pytorch(plan)
     return replace_field(analysis, plan=plan, fused=summarize_plan(plan, analysis.hardware, pytorch_groups),
                          pytorch_groups=pytorch_groups)
+
+
+def kept_apart(analysis: Analysis, slower: dict[str, str]) -> dict[frozenset[str], str]:
+    """The node sets `split_back` keeps apart for the groups that measured slower than their ops through PyTorch
+    (group name -> why): the anchors of a group of several; with `config.split_epilogues`, the anchor of a group
+    of one with each of its other nodes."""
+    from opfuse.ir.ops import FusionKind, kind_of
+
+    groups = {g.name: g for g in analysis.plan.groups}
+    apart: dict[frozenset[str], str] = {}
+    for name, why in slower.items():
+        nodes = groups[name].nodes
+        anchors = [n for n in nodes if kind_of(analysis.prepared[n]) is FusionKind.ANCHOR]
+        if len(anchors) > 1:
+            apart[frozenset(anchors)] = why
+        elif len(anchors) == 1 and analysis.config.split_epilogues:
+            apart.update({frozenset((anchors[0], n)): why for n in nodes if n != anchors[0]})
+    return apart
 
 
 def _eager_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -23,6 +23,11 @@ class FusionConfig:
     squeeze: bool = False               # global average pool -> small GEMM -> small GEMM (squeeze-and-excitation)
                                         # as one kernel; off until its speed and compile time are measured
                                         # (RESULTS.md, run 30)
+    split_epilogues: bool = False       # a group of one anchor whose ops through PyTorch measured faster than its
+                                        # every fused form is planned again with the anchor apart from the rest,
+                                        # which may then join another kernel (a residual add into the next layer
+                                        # norm, as torch.compile does); off until measured. Groups of several
+                                        # anchors that lose so are always split back (`compiler.split_back`)
     split_k: bool = True                # anchors whose tile grid leaves most SMs idle split K (the autotuner also
                                         # times them unsplit and keeps the faster); conv-conv kernels' mid-channel
                                         # slices are part of their tile (one launch) and do not follow this switch

@@ -8,9 +8,9 @@ median) and keep the fastest. Besides its own configs a kernel offers other form
 an anchor kernel's unsplit form, its anchor through cuBLAS/cuDNN with a generated epilogue, and its group unfused
 (the ops through PyTorch): a fusion that measures slower than the ops it merges is not kept. A group whose every
 config is rejected is reported in `TuningResult.over_budget` ("over budget: every config spills") so the caller
-can split it; it still gets the least bad config, so the model runs either way. A group of several anchors whose
-unfused form wins is reported in `TuningResult.slower_fused`: split into one group per anchor, each gets the forms
-of its own (the library's with a generated epilogue, which the ops one by one through PyTorch do not have).
+can split it; it still gets the least bad config, so the model runs either way. An anchor group whose unfused form
+wins is reported in `TuningResult.slower_fused`, for the caller to plan again without that fusion
+(`compiler.split_back`).
 Results are kept in the on-disk `TuningCache`. On a GPU the candidates of every kernel not in the cache are first
 compiled in parallel by worker processes (`opfuse.runtime.precompile`), so the tuner's own runs load them from
 Triton's cache. Without a GPU (Triton's interpreter) nothing is timed and each kernel gets its first config.
@@ -44,7 +44,7 @@ class TuningResult(dict):
     def __init__(self) -> None:
         super().__init__()
         self.over_budget: dict[str, str] = {}                     # group name -> why no config fits
-        self.slower_fused: dict[str, str] = {}                    # group name -> why its anchors go apart
+        self.slower_fused: dict[str, str] = {}                    # anchor group -> why its unfused form won
         self.rejected: dict[str, dict[KernelConfig, str]] = {}    # group name -> {config: reason}
         self.timings: dict[str, dict[KernelConfig, float]] = {}   # group name -> {config: seconds (median)}
         self.from_cache: set[str] = set()
@@ -290,12 +290,10 @@ def cached_choice(kernel: GroupKernel, inputs: list[torch.Tensor], configs: list
 
 def note_slower_fused(kernel: GroupKernel, chosen: KernelConfig, timings: Mapping[str, float],
                       result: TuningResult) -> None:
-    """Report a group of several anchors whose unfused form measured fastest (`TuningResult.slower_fused`), with
-    its fastest other form and the unfused time (`timings`: seconds by `format_config`)."""
-    if chosen.form != FORM_UNFUSED:
-        return
-    anchors = [n for n in kernel.group.nodes if kind_of(kernel.graph[n]) is FusionKind.ANCHOR]
-    if len(anchors) < 2:
+    """Report a group with an anchor whose unfused form measured fastest (`TuningResult.slower_fused`), with its
+    fastest other form and the unfused time (`timings`: seconds by `format_config`)."""
+    if chosen.form != FORM_UNFUSED or not any(kind_of(kernel.graph[n]) is FusionKind.ANCHOR
+                                              for n in kernel.group.nodes):
         return
     unfused = timings.get(format_config(chosen))
     others = [(t, c) for c, t in timings.items() if c != format_config(chosen)]

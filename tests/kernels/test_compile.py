@@ -588,3 +588,48 @@ def test_a_conv_conv_group_slower_than_its_ops_is_built_again_one_group_per_conv
     assert "conv2d, conv2d_1 measured slower than its ops through PyTorch: 9.0 us against 4.0 us" in refused[0].reason
     with torch.no_grad():
         assert relative_error(compiled(x), model(x)) < 1e-5
+
+
+class ResidualNorm(nn.Module):
+    """A transformer's linear + residual add, then the layer norm after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm, self.head = nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.head(self.norm(x + self.fc(x)))
+
+
+@pytest.mark.parametrize("split_epilogues", [False, True])
+def test_a_one_anchor_group_slower_than_its_ops_is_split_only_when_asked(monkeypatch, split_epilogues):
+    """The tuner reports that linear + residual add ran fastest unfused. By default that stands (one build); with
+    `split_epilogues` the model is planned again with the linear alone and the add in the layer norm's kernel."""
+    from opfuse.fusion.plan import GroupKind
+    from opfuse.runtime import compiled as runtime
+    from opfuse.runtime.autotune import TuningResult
+
+    plans = []
+    build = runtime.build_compiled_model
+
+    def reporting(plan, *args, **kwargs):
+        model = build(plan, *args, **kwargs)
+        plans.append(plan)
+        model.tuning = TuningResult()
+        for group in plan.groups:
+            if group.kind is GroupKind.RESIDUAL:
+                model.tuning.slower_fused[group.name] = "slower than its ops through PyTorch: 6.0 us against 5.0 us"
+        return model
+
+    monkeypatch.setattr(runtime, "build_compiled_model", reporting)
+    model = ResidualNorm().eval()
+    x = torch.randn(4, 16)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", split_epilogues=split_epilogues))
+    assert [g.nodes for g in plans[0].groups] == [["linear", "add"], ["layer_norm"], ["linear_1"]]
+    if split_epilogues:
+        assert len(plans) == 2 and [g.nodes for g in plans[1].groups] == [["linear"], ["add", "layer_norm"],
+                                                                          ["linear_1"]]
+    else:
+        assert len(plans) == 1
+    with torch.no_grad():
+        assert relative_error(compiled(x), model(x)) < 1e-5
