@@ -128,6 +128,9 @@ class EpilogueKernel(GroupKernel):
     # through PyTorch first (`_library_values`)
     operand_nodes: Sequence[Node] = ()
     operand_constants: dict[str, torch.Tensor] | None = None
+    # the operand nodes as one generated elementwise kernel (`operand_kernel`), made on first use; False where
+    # they are views alone (PyTorch copies only what must be) or not elementwise
+    _operand_kernel: GroupKernel | bool | None = None
     _library_epilogue: object = None     # the epilogue kernel of the library form, generated on first use
     _flat_epilogue: FlatEpilogue | None = None    # its flat form, likewise
     _unfused_constants: dict[str, torch.Tensor] | None = None   # the unfused form's weights, on first use
@@ -165,16 +168,20 @@ class EpilogueKernel(GroupKernel):
     def launches(self, config: KernelConfig | None = None) -> int:
         """Two with K slices (the slices, then their sum with the epilogue) or in the library form (the library's
         kernel, then the epilogue, which a group of bare anchors does without; cuBLAS/cuDNN may add helper kernels
-        of their own), plus what PyTorch launches computing the anchor's input first (`operand_nodes`: a prologue's
-        ops, a view it must copy); one per launching op in the unfused form; else one. What PyTorch launches is what
-        the form's last run launched (`run_nodes`' count), or before any run what the graph says."""
+        of their own), plus what computing the anchor's input first launches (`operand_nodes`: one `operand_kernel`
+        for a prologue's ops, else what PyTorch launches, a view it must copy); one per launching op in the unfused
+        form; else one. What PyTorch launches is what the form's last run launched (`run_nodes`' count), or before
+        any run what the graph says."""
         launched = self._launched or {}
         if is_unfused(config):
             if "unfused" in launched:
                 return launched["unfused"]
             return sum(launches_kernel(self.graph, node) for node in self._unfused_nodes)
         if is_library(config):
-            operand = launched.get("operand", sum(launches_kernel(self.graph, node) for node in self.operand_nodes))
+            operand = launched.get("operand")
+            if operand is None:
+                operand = 1 if self.operand_kernel is not None else sum(launches_kernel(self.graph, node)
+                                                                        for node in self.operand_nodes)
             return (1 if self.library_outputs is not None else 2) + operand
         return 2 if self.split is not None and slices_of(config or self._configs[0]) > 1 else 1
 
@@ -191,7 +198,7 @@ class EpilogueKernel(GroupKernel):
     def keep_form(self, config: KernelConfig) -> None:
         """Free what only the other forms need once `config` is the one that runs (the library form's own weight,
         the epilogue kernel of each library form but the one kept, with the flat one's copies of the constants;
-        the unfused form's constants)."""
+        the library forms' operand kernel; the unfused form's constants)."""
         if not is_library(config) and hasattr(self.library_anchor, "release"):
             self.library_anchor.release()
         if not (is_library(config) and is_flat(config)):
@@ -201,6 +208,8 @@ class EpilogueKernel(GroupKernel):
             self._library_epilogue = None        # a split kernel keeps its reduce kernel in `split`
         if not is_unfused(config):
             self._unfused_constants = None
+        if not is_library(config):
+            self._operand_kernel = None
 
     @cached_property
     def _unfused_nodes(self) -> list[Node]:
@@ -255,10 +264,43 @@ class EpilogueKernel(GroupKernel):
                                           config["BLOCK_N"], config.num_warps)
         return outputs
 
+    @property
+    def operand_kernel(self) -> GroupKernel | None:
+        """The library forms' prologue as one generated kernel: the operand nodes where they compute (an SE scale,
+        a scaled input) and are all elementwise or views, whose result the library reads (one launch, its loads
+        and stores vectorised, where PyTorch would run each op with its own strided kernel); else None."""
+        if self._operand_kernel is None:
+            self._operand_kernel = self._make_operand_kernel() or False
+        return self._operand_kernel or None
+
+    def _make_operand_kernel(self) -> GroupKernel | None:
+        from opfuse.codegen.expr import Unsupported
+        from opfuse.codegen.operands import VIEW_OPS
+        from opfuse.codegen.pointwise import lower_pointwise_group
+        from opfuse.fusion.plan import FusionGroup, GroupKind
+
+        nodes = list(self.operand_nodes)
+        if all(node.op in VIEW_OPS for node in nodes):
+            return None
+        names = {node.name for node in nodes}
+        inputs = list(dict.fromkeys(i for node in nodes for i in node.inputs if i not in names))
+        group = FusionGroup(self.group.id, GroupKind.POINTWISE, [node.name for node in nodes], inputs=inputs,
+                            outputs=[nodes[-1].name])
+        try:
+            return lower_pointwise_group(self.graph, group, self.epilogue.device)
+        except Unsupported:
+            return None
+
     def _library_values(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`values` with the anchor's input as PyTorch computes it (`operand_nodes`): what the library reads."""
+        """`values` with the anchor's input computed first (`operand_nodes`): what the library reads. Through
+        `operand_kernel` where there is one, else through PyTorch."""
         if not self.operand_nodes:
             return values
+        prologue = self.operand_kernel
+        if prologue is not None:
+            (result,) = prologue.run([values[name] for name in prologue.runtime_inputs])
+            self._launched = (self._launched or {}) | {"operand": 1}
+            return values | {self.operand_nodes[-1].name: result}
         launched: list[int] = []
         values = run_nodes(self.operand_nodes, dict(values) | (self.operand_constants or {}), launched=launched)
         self._launched = (self._launched or {}) | {"operand": sum(launched)}

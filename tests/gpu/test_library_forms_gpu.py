@@ -54,3 +54,14 @@ def test_a_batched_matmul_scaled():
     a, m = b.input("a", (2, 12, 128, 64)), b.input("m", (2, 12, 64, 128))
     y = b.op("mul", b.op("matmul", a, m), b.const("s", torch.tensor(0.125)))
     check_every_library_form(b, [y], lower_gemm_group(b.graph, b.group([y]), "cuda"))
+
+
+def test_a_1x1_conv_with_a_squeeze_excitation_scale_prologue():
+    """RegNet's and EfficientNet's projection conv: the SE scale computed by the library forms' operand kernel."""
+    b = Builder("float16")
+    x = b.input("x", (4, 104, 14, 14))
+    scaled = b.op("mul", x, b.input("s", (4, 104, 1, 1)))     # the sigmoid is in the squeeze kernel before
+    y = b.op("add", b.conv(scaled, 208, 1), b.input("r", (4, 208, 14, 14)))
+    kernel = lower_conv_group(b.graph, b.group([y], GroupKind.RESIDUAL), "cuda")
+    assert kernel.operand_kernel is not None
+    check_every_library_form(b, [y], kernel)

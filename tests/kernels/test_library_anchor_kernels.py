@@ -32,7 +32,9 @@ def run_library(b: Builder, outputs: list[str], lower, unfused_launches: int,
     assert kernel.alternatives(library=False) == []
     assert kernel.launches(kernel.configs()[0]) == 1
     triton_form = kernel.run(feeds)
-    prologue = sum(launches_kernel(b.graph, node) for node in kernel.operand_nodes)   # PyTorch computes it first
+    # computed first: by one generated kernel where the operand nodes compute, else through PyTorch (views)
+    prologue = 1 if kernel.operand_kernel is not None else sum(launches_kernel(b.graph, node)
+                                                               for node in kernel.operand_nodes)
     for config in LIBRARY_CONFIGS:     # each epilogue tile
         assert kernel.launches(config) == 2 + prologue
         results = kernel.run(feeds, config)
@@ -216,6 +218,15 @@ def test_library_forms_compute_the_prologue_first():
     scaled = b.op("mul", x, b.input("s", (2, 6, 1, 1)))
     kernel, _ = run_library(b, [b.op("relu", b.conv(scaled, 5, 1))], lower_conv_group, 3)
     assert kernel.prologue is not None
+    # the scale is one generated kernel, not PyTorch's broadcast mul, and the compile workers see its launch
+    prologue = kernel.operand_kernel
+    assert prologue is not None and prologue.name.startswith("fused_mul_")
+    assert kernel.launches(LIBRARY_CONFIGS[0]) == 3                # the scale, cuDNN, the epilogue
+    with recording_launches() as launches:
+        kernel.run([b.feeds[name] for name in kernel.runtime_inputs], LIBRARY_CONFIGS[0])
+    assert [launch.function for launch in launches][0] == prologue.name
+    kernel.keep_form(kernel.configs()[0])                          # a Triton form runs: the prologue kernel goes
+    assert kernel._operand_kernel is None
 
 
 def test_the_library_form_reads_the_prologues_constants():
