@@ -393,8 +393,10 @@ def split_back(analysis: Analysis, over_budget: dict[str, str], slower: dict[str
 
 def kept_apart(analysis: Analysis, slower: dict[str, str]) -> dict[frozenset[str], str]:
     """The node sets `split_back` keeps apart for the groups that measured slower than their ops through PyTorch
-    (group name -> why): the anchors of a group of several; with `config.split_epilogues`, the anchor of a group
-    of one with each of its other nodes."""
+    (group name -> why): each pair of anchors of a group of several (a horizontal group is merged a sibling at a
+    time); with `config.split_epilogues`, the anchor of a group of one with each of its other nodes."""
+    from itertools import combinations
+
     from opfuse.ir.ops import FusionKind, kind_of
 
     groups = {g.name: g for g in analysis.plan.groups}
@@ -403,7 +405,7 @@ def kept_apart(analysis: Analysis, slower: dict[str, str]) -> dict[frozenset[str
         nodes = groups[name].nodes
         anchors = [n for n in nodes if kind_of(analysis.prepared[n]) is FusionKind.ANCHOR]
         if len(anchors) > 1:
-            apart[frozenset(anchors)] = why
+            apart.update({frozenset(pair): why for pair in combinations(anchors, 2)})
         elif len(anchors) == 1 and analysis.config.split_epilogues:
             apart.update({frozenset((anchors[0], n)): why for n in nodes if n != anchors[0]})
     return apart

@@ -55,8 +55,9 @@ def plan_fusion(graph: Graph, config: FusionConfig | None = None, hw: HardwarePr
 
     What the GPU measured of an earlier build, each a map of node sets to why: no merge may bring such a set
     together again, so those groups are split back. `measured_over_budget`: the nodes of a group whose compiled
-    kernel failed the resource check (every config spilled). `measured_slower`: the anchors of a group whose
-    kernel measured slower than its ops run one by one through PyTorch.
+    kernel failed the resource check (every config spilled). `measured_slower`: nodes of a group whose kernel
+    measured slower than its ops run one by one through PyTorch (`compiler.kept_apart`: two of its anchors, or
+    its one anchor and another of its nodes).
     """
     config = for_graph(config, graph)
     hw = hw or get_hardware(config.hardware)

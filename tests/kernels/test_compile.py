@@ -633,3 +633,27 @@ def test_a_one_anchor_group_slower_than_its_ops_is_split_only_when_asked(monkeyp
         assert len(plans) == 1
     with torch.no_grad():
         assert relative_error(compiled(x), model(x)) < 1e-5
+
+
+class ThreeSiblings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.cat([self.q(x), self.k(x), self.v(x)], -1)
+
+
+def test_a_horizontal_group_slower_than_its_ops_is_split_into_every_sibling():
+    """Siblings merge one at a time: keeping the three anchors apart as a set would refuse only the last merge;
+    every pair is kept apart, so each linear gets its own group."""
+    from opfuse.api import analyze
+    from opfuse.compiler import split_back
+    from opfuse.fusion.plan import GroupKind
+
+    analysis = analyze(ThreeSiblings().eval(), (torch.randn(4, 16),), opfuse.FusionConfig(dtype="float32"))
+    (horizontal,) = [g for g in analysis.plan.groups if g.kind is GroupKind.HORIZONTAL]
+    assert len([n for n in horizontal.nodes if n.startswith("linear")]) == 3
+    again = split_back(analysis, {}, {horizontal.name: "slower than its ops through PyTorch"})
+    anchors = [[n for n in g.nodes if n.startswith("linear")] for g in again.plan.groups]
+    assert sorted(a for a in anchors if a) == [["linear"], ["linear_1"], ["linear_2"]]
