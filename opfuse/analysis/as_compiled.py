@@ -23,8 +23,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-SETTINGS = ("autotune", "tune_top", "library_anchors", "split_k", "verify")
-TUNING = ("autotune", "tune_top", "library_anchors")   # of SETTINGS: those that matter only where it tunes
+SETTINGS = ("autotune", "tune_top", "library_anchors", "split_k", "split_epilogues", "verify")
+# of SETTINGS: those that matter only where it tunes
+TUNING = ("autotune", "tune_top", "library_anchors", "split_epilogues")
 
 
 @dataclass
