@@ -152,12 +152,14 @@ class RowReductionKernel(TemplateKernel):
         super().__init__(graph, group, name, source, device, emitter.args, constants, function)
 
     def output_channels_last(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
-        """A 4-D output in the reduced value's own shape is laid out as the kernel walks it, rows of the kept dims
-        and lanes of the reduced ones innermost: channels-last for a reduction over the channels alone, dense for
-        one over the trailing dims. Any other output takes the largest input's layout (`TemplateKernel`): that
-        rule would give channels-last to ConvNeXt's [N, H, W, C] layer norm reading the permute of a channels-last
-        [N, C, H, W] residual, which stores it with H innermost."""
-        if len(self._shape) == 4 and tuple(self.graph[name].type.shape) == tuple(self._shape):
+        """A 4-D reduction that keeps its input's shape (softmax, a norm) lays out its outputs of that shape as the
+        kernel walks them, rows of the kept dims and lanes of the reduced ones innermost: channels-last for one over
+        the channels alone, dense for one over the trailing dims. Any other output (a mean's, a prologue value of
+        a mean over H, W) takes the largest input's layout (`TemplateKernel`): that rule would give channels-last to
+        ConvNeXt's [N, H, W, C] layer norm reading the permute of a channels-last [N, C, H, W] residual, which
+        stores it with H innermost."""
+        shape = tuple(self._shape)
+        if len(shape) == 4 and tuple(self.node.type.shape) == shape == tuple(self.graph[name].type.shape):
             reduced = sorted(self.reduced)
             if reduced == [1]:
                 return True

@@ -99,7 +99,10 @@ def test_a_4d_row_reduction_stores_its_rows_dense_along_the_reduced_dim(normaliz
     normed over C, is stored dense along C (not in the largest input's channels-last format, which puts H
     innermost); a softmax over the channels of an [N, C, H, W] value is stored channels-last."""
     b = Builder()
-    x, residual = b.input("x", (2, 6, 3, 5)), b.input("residual", (2, 6, 3, 5))
+    if normalized == "last":    # channels-last inputs (the builder's default for 4-D)
+        x, residual = b.input("x", (2, 6, 3, 5)), b.input("residual", (2, 6, 3, 5))
+    else:                       # dense NCHW inputs, whose layout the old rule would have copied
+        x, residual = (b.input(name, (2, 6, 3, 5), b.random(2, 6, 3, 5)) for name in ("x", "residual"))
     h = b.op("add", x, residual)
     w, bias = b.const("w", b.random(6)), b.const("b", b.random(6))
     if normalized == "last":
@@ -171,6 +174,14 @@ def test_global_average_pool_on_channels_last_input():
     y = b.op("adaptive_avg_pool2d", b.input("x", (2, 40, 7, 7)), output_size=[1, 1])
     kernel, (out,) = run_group(b, [b.op("relu", y)])
     assert isinstance(kernel, RowReductionKernel) and kernel.channels_inner and out.shape == (2, 40, 1, 1)
+
+
+def test_the_prologue_value_of_a_mean_over_h_w_keeps_its_inputs_layout():
+    """SE's pool reads relu(x + r): stored too (a later conv reads it), it stays channels-last like its inputs."""
+    b = Builder()
+    h = b.op("relu", b.op("add", b.input("x", (2, 6, 3, 5)), b.input("r", (2, 6, 3, 5))))
+    kernel, (stored, _) = run_group(b, [h, b.op("mean", h, dims=[2, 3], keepdim=True)])
+    assert kernel.channels_inner and stored.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_mean_then_cast_float16():
