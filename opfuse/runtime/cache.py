@@ -53,17 +53,21 @@ def software_versions() -> dict[str, str]:
 # how the autotuner times candidates; part of every key, so a change of method re-tunes instead of reusing choices
 # made by another clock (1: do_bench, plain launches; 2: do_bench_cudagraph; 3: autotune.graph_time)
 TIMING_METHOD = 3
+# what the forms other than the Triton configs run (the library forms' epilogue and prologue kernels, the unfused
+# ops): part of every key, since a kernel's source does not say, so a change of them re-tunes (1: until 77be925;
+# 2: the library forms' prologue as one generated kernel)
+FORMS_REVISION = 2
 
 
 def tuning_key(source: str, inputs: Sequence[torch.Tensor] | Sequence[dict[str, Any]], gpu_name: str,
                versions: dict[str, str] | None = None, candidates: Sequence[dict[str, int]] = ()) -> str:
     """sha256 over the kernel source, the inputs' shapes/dtypes/strides, the GPU name, the software versions, the
-    candidate configs timed (a tuning that offered other forms, e.g. without the library form, is another key) and
-    the timing method."""
+    candidate configs timed (a tuning that offered other forms, e.g. without the library form, is another key),
+    what those forms run (`FORMS_REVISION`) and the timing method."""
     described = [item if isinstance(item, dict) else describe_inputs([item])[0] for item in inputs]
     payload = {"source": source, "inputs": described, "gpu": gpu_name,
                "versions": versions if versions is not None else software_versions(),
-               "candidates": [dict(c) for c in candidates], "timing": TIMING_METHOD}
+               "candidates": [dict(c) for c in candidates], "forms": FORMS_REVISION, "timing": TIMING_METHOD}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

@@ -128,3 +128,13 @@ def test_default_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_cache_dir(None) == tmp_path / "home" / ".cache" / "opfuse"
     assert TuningCache.for_config(FusionConfig(cache_dir=str(tmp_path / "c"))).directory == tmp_path / "c"
+
+
+def test_key_changes_with_what_the_other_forms_run(monkeypatch):
+    """A kernel's source does not say what its library and unfused forms run: FORMS_REVISION does, so a tuning
+    that chose between forms that have since changed is done again."""
+    from opfuse.runtime import cache
+
+    before = key_for()
+    monkeypatch.setattr(cache, "FORMS_REVISION", cache.FORMS_REVISION + 1)
+    assert key_for() != before
