@@ -162,8 +162,9 @@ class EpilogueKernel(GroupKernel):
         """What the library form runs, in words (`CompiledModel.library_anchors`)."""
         if self.library_outputs is not None:
             return f"{self.group.anchor or '?'} through PyTorch (cuBLAS) with its bias, no epilogue kernel"
-        return (f"anchor {self.group.anchor or '?'} through PyTorch (cuBLAS/cuDNN), then its epilogue as a "
-                "generated kernel")
+        prologue = "its prologue as a generated kernel, then " if self.operand_kernel is not None else ""
+        return (f"{prologue}anchor {self.group.anchor or '?'} through PyTorch (cuBLAS/cuDNN), then its epilogue as "
+                "a generated kernel")
 
     def launches(self, config: KernelConfig | None = None) -> int:
         """Two with K slices (the slices, then their sum with the epilogue) or in the library form (the library's
@@ -268,7 +269,8 @@ class EpilogueKernel(GroupKernel):
     def operand_kernel(self) -> GroupKernel | None:
         """The library forms' prologue as one generated kernel: the operand nodes where they compute (an SE scale,
         a scaled input) and are all elementwise or views, whose result the library reads (one launch, its loads
-        and stores vectorised, where PyTorch would run each op with its own strided kernel); else None."""
+        and stores vectorised, where PyTorch would run each op with its own strided kernel); else None. Like every
+        pointwise kernel it keeps float32 between the chain's ops, rounding once at the end (eager rounds each)."""
         if self._operand_kernel is None:
             self._operand_kernel = self._make_operand_kernel() or False
         return self._operand_kernel or None

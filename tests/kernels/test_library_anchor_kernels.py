@@ -230,11 +230,12 @@ def test_library_forms_compute_the_prologue_first():
 
 
 def test_the_library_form_reads_the_prologues_constants():
-    """A [C] scale and a scalar: the library form computes the prologue with PyTorch from the held constants."""
+    """A [C] scale and a scalar: the library form's prologue kernel reads the graph's constants."""
     b = Builder()
     x = b.input("x", (2, 3, 6))
     scaled = b.op("mul", b.op("mul", x, b.const("gamma", b.random(6))), b.const("half", torch.tensor(0.5)))
-    run_library(b, [b.op("relu", linear(b, scaled, 4))], lower_gemm_group, 4)
+    kernel, _ = run_library(b, [b.op("relu", linear(b, scaled, 4))], lower_gemm_group, 4)
+    assert kernel.operand_kernel is not None and "prologue as a generated kernel" in kernel.describe_library_form()
 
 
 def test_library_forms_read_a_linears_operand_through_its_views():
