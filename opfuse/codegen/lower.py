@@ -107,7 +107,9 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reaso
         return _within_int32(graph, group) or ANCHOR_LOWERINGS[op]
     if group.kind is GroupKind.REDUCTION or any(k is FusionKind.REDUCTION for k in kinds.values()):
         return REDUCTION_LOWERING
-    if all(k.elementwise or joins_as_map(graph[name]) for name, k in kinds.items()):
+    # a slice the group stores as a tensor of its own (`planner.store_slices`) is evaluated through coordinates too
+    if all(k.elementwise or joins_as_map(graph[name]) or graph[name].op == "slice" and name in group.outputs
+           for name, k in kinds.items()):
         computes = any(k.elementwise or view_copies(graph, graph[name]) or graph[name].op in MAPPED_COPIES
                        for name, k in kinds.items())
         if computes and group.kind in (GroupKind.POINTWISE, GroupKind.HORIZONTAL_POINTWISE, GroupKind.SINGLE):

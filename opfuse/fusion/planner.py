@@ -43,7 +43,7 @@ from opfuse.fusion.squeeze import global_average, squeeze_chain
 from opfuse.fusion.tiles import (MIN_SPLIT_STEPS, anchor_grid, anchor_loop, anchor_tiles, split_k_slices,
                                  split_k_table, tile_key)
 from opfuse.hardware import HardwareProfile, get_hardware
-from opfuse.ir.graph import DTYPE_BYTES, WIDE_INTEGERS, Graph
+from opfuse.ir.graph import DTYPE_BYTES, WIDE_INTEGERS, Graph, Node
 from opfuse.ir.ops import FusionKind, kind_of, view_copies
 from opfuse.ir.verify import verify
 
@@ -67,6 +67,7 @@ def plan_fusion(graph: Graph, config: FusionConfig | None = None, hw: HardwarePr
         planner.vertical()
         planner.squeeze()
         planner.absorb_copying_views()
+        planner.store_slices()
     if config.horizontal:
         planner.horizontal_anchors()
         planner.horizontal_pointwise()
@@ -80,6 +81,14 @@ class _Candidate:
     producer: int
     consumer: int
     views: tuple[str, ...]
+
+
+def disjoint_equal_slices(slices: Sequence[Node]) -> bool:
+    """Slices of one value along one dim, all of one size, no two overlapping."""
+    if not slices or len({(s.inputs[0], s.attrs["dim"]) for s in slices}) != 1:
+        return False
+    spans = sorted((s.attrs["start"], s.type.shape[s.attrs["dim"]]) for s in slices)
+    return len({size for _, size in spans}) == 1 and all(a + size <= b for (a, size), (b, _) in zip(spans, spans[1:]))
 
 
 class _Planner:
@@ -223,6 +232,29 @@ class _Planner:
                     for name in chain:
                         self.merge(producer, self.group_of[name], f"view {name} ({self.graph[name].op}) written "
                                    "directly: no copy kernel")
+
+    def store_slices(self) -> None:
+        """An elementwise group whose one output (no graph output) is read only through slices along one dim, each
+        a view group of its own, of equal size and disjoint (ShuffleNet's chunk of its shuffled concat), stores the
+        slices instead: each a dense tensor of its own, which its readers read dense (a conv through cuDNN would
+        copy a strided slice first). The slices are disjoint, so no more bytes are written."""
+        for group in list(self.groups):
+            nodes = self.groups.get(group)
+            if not nodes or not all(kind_of(self.graph[n]).elementwise or joins_as_map(self.graph[n]) for n in nodes):
+                continue
+            outputs = [n for n in nodes if n in self.graph.outputs or any(u.name not in nodes for u in self.users[n])]
+            if len(outputs) != 1 or outputs[0] in self.graph.outputs:
+                continue
+            slices = list({u.name: u for u in self.users[outputs[0]]}.values())
+            if all(self.is_lone_slice(s) for s in slices) and disjoint_equal_slices(slices):
+                for s in slices:
+                    self.merge(group, self.group_of[s.name], f"slice {s.name} stored as a tensor of its own")
+
+    def is_lone_slice(self, node: Node) -> bool:
+        """A step-1 slice that is a view group by itself."""
+        group = self.group_of.get(node.name)
+        return (node.op == "slice" and node.attrs.get("step", 1) == 1 and group is not None
+                and self.groups[group] == [node.name])
 
     def copy_reads_through(self, candidate: _Candidate) -> bool:
         """Whether views between a pair that cannot fuse (an anchor's output, say) include one PyTorch would copy

@@ -657,3 +657,21 @@ def test_a_horizontal_group_slower_than_its_ops_is_split_into_every_sibling():
     again = split_back(analysis, {}, {horizontal.name: "slower than its ops through PyTorch"})
     anchors = [[n for n in g.nodes if n.startswith("linear")] for g in again.plan.groups]
     assert sorted(a for a in anchors if a) == [["linear"], ["linear_1"], ["linear_2"]]
+
+
+def test_a_shuffled_value_read_in_halves_is_stored_as_the_halves_and_matches_eager():
+    """Two ShuffleNet units: the second chunks the first's shuffled concat, whose kernel then stores the two
+    halves as tensors of their own (the next unit's branch conv reads a dense one)."""
+    from torchvision.models.shufflenetv2 import InvertedResidual
+
+    torch.manual_seed(5)
+    model = with_random_batch_norms(nn.Sequential(InvertedResidual(8, 8, 1), InvertedResidual(8, 8, 1))).eval()
+    x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    graph = compiled.plan.graph
+    stored = [g for g in compiled.plan.groups if g.outputs and all(graph[o].op == "slice" for o in g.outputs)]
+    assert stored and all(len(g.outputs) == 2 for g in stored)
+    with torch.no_grad():
+        fresh = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+        assert relative_error(compiled(fresh), model(fresh)) < 1e-5
+    assert compiled.launches == compiled.plan.kernel_launches

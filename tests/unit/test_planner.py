@@ -19,7 +19,7 @@ from opfuse.fusion.plan import FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code
 from opfuse.fusion.planner import plan_fusion
 from opfuse.hardware import get_hardware
-from opfuse.ir.graph import GraphError
+from opfuse.ir.graph import Graph, GraphError
 from opfuse.ir.ops import get_op
 
 H200 = get_hardware("h200")
@@ -208,11 +208,45 @@ def test_a_cat_joins_the_elementwise_chain_after_it_and_the_shuffle_views_before
                              "out"))
     plan = plan_fusion(graph, FusionConfig(), H200)
     group = plan.group_of("joined")
-    assert set(group.nodes) == {"rx", "scaled", "sy", "joined", "grouped", "swapped", "shuffled"}
-    assert group.kind is GroupKind.POINTWISE and group.outputs == ["shuffled"] and group.launches == 1
+    assert set(group.nodes) == {"rx", "scaled", "sy", "joined", "grouped", "swapped", "shuffled", "half"}
+    # the shuffle written directly, and of it only the half that is read (`test_a_value_read_only_in_slices...`)
+    assert group.kind is GroupKind.POINTWISE and group.outputs == ["half"] and group.launches == 1
+    assert choose_lowering(plan.graph, group) == POINTWISE_LOWERING
     assert "written directly: no copy kernel" in group.reason
-    assert plan.group_of("half").kind is GroupKind.VIEW          # a slice keeps its own (free) view
     assert sum(g.launches for g in plan.groups) == 2
+
+
+def chunked() -> Graph:
+    """relu(x) -> chunk(2) along the channels, each half read by a 1x1 conv."""
+    b = GraphBuilder("chunked")
+    y = b.unary("relu", b.input("x", (2, 8, 6, 6)), "y")
+    for i in range(2):
+        piece = b.op("slice", [y], {"dim": 1, "start": 4 * i, "end": 4 * (i + 1), "step": 1}, f"piece{i}")
+        b.conv(piece, 4, name=f"c{i}")
+    return b.output("c0", "c1")
+
+
+def test_a_value_read_only_in_slices_is_stored_as_the_slices():
+    """ShuffleNet's chunk: the relu's value is read only through two disjoint halves, so its kernel stores the
+    halves, each dense (a cuDNN conv would copy a strided slice first), and not the whole value."""
+    plan = plan_fusion(chunked(), FusionConfig(), H200)
+    group = plan.group_of("y")
+    assert group.nodes == ["y", "piece0", "piece1"] and group.outputs == ["piece0", "piece1"]
+    assert group.kind is GroupKind.POINTWISE and "stored as a tensor of its own" in group.reason
+    assert choose_lowering(plan.graph, group) == POINTWISE_LOWERING     # one kernel of the elementwise template
+    assert group.bytes_written == 2 * 8 * 6 * 6 * 2                 # fp16: the bytes of the whole value
+
+
+def test_slices_that_overlap_or_differ_in_size_stay_views():
+    b = GraphBuilder("overlap")
+    y = b.unary("relu", b.input("x", (2, 8, 6, 6)), "y")
+    outs = []
+    for name, (start, end) in {"a": (0, 5), "b": (3, 8), "c": (0, 2)}.items():
+        piece = b.op("slice", [y], {"dim": 1, "start": start, "end": end, "step": 1}, name)
+        outs.append(b.unary("exp", piece, f"e{name}"))
+    plan = plan_fusion(b.output(*outs), FusionConfig(), H200)
+    assert plan.group_of("y").outputs == ["y"]
+    assert all(plan.group_of(name).kind is GroupKind.VIEW for name in "abc")
 
 
 def test_merge_that_would_make_a_cycle_is_refused():
