@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import opfuse  # noqa: E402
 from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs  # noqa: E402
-from opfuse.bench.gaps import idle_gaps, replay_activities, summarize  # noqa: E402
+from opfuse.bench.gaps import by_family, idle_gaps, replay_activities, summarize  # noqa: E402
 from opfuse.bench.harness import cuda_graphed, frozen_inductor, prepare, torch_compiled  # noqa: E402
 from opfuse.bench.zoo import load_builtin  # noqa: E402
 
@@ -35,11 +35,14 @@ def report(label: str, replay) -> dict:
     print(f"  {label}: span {totals['span_us']:.1f} us = kernels {totals['kernels_us']:.1f} ({totals['kernels']}) "
           f"+ copies/memsets {totals['copies_us']:.1f} ({totals['copies']}) + idle {totals['idle_us']:.1f} "
           f"(overlaps make these sum to more)")
+    families = by_family(activities)
+    print("    by family: " + ", ".join(f"{family} {entry['us']:.1f} us ({entry['count']})"
+                                       for family, entry in families.items()))
     for gap in gaps[:8]:
         print(f"    {gap.microseconds:7.1f} us idle after {gap.before[:70]}  before {gap.after[:70]}")
     for activity in sorted(activities, key=lambda a: a.start - a.end)[:12]:
         print(f"    {activity.end - activity.start:7.1f} us  {activity.name[:100]}")
-    return {"totals": totals, "gaps": [asdict(g) for g in gaps[:40]],
+    return {"totals": totals, "families": families, "gaps": [asdict(g) for g in gaps[:40]],
             "copies": sorted({a.name for a in activities if a.is_copy}),
             "activities": [(a.name, round(a.end - a.start, 2)) for a in sorted(activities, key=lambda a: a.start)]}
 

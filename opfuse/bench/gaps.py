@@ -4,7 +4,9 @@ The bench table's GPU busy time counts kernels only. A replay that takes longer 
 between them or spends the difference in copies and memsets, which the busy time leaves out. `replay_activities`
 records every GPU activity of one replay with torch.profiler; `idle_gaps` lists the holes between them (activities
 that overlap count as one stretch of work), each with the activities on both sides, so the largest ones can be
-traced to the group that causes them. `summarize` gives the totals that explain replay time = work + idle.
+traced to the group that causes them. `summarize` gives the totals that explain replay time = work + idle, and
+`by_family` the kernel time per family of kernel (`kernel_family`), so two compilers' replays of one model compare
+at a glance: opfuse's fused, flat and split-K kernels, inductor's Triton kernels, the libraries', PyTorch's own.
 """
 
 from __future__ import annotations
@@ -35,6 +37,40 @@ class Gap:
     before: str
     after: str
     microseconds: float
+
+
+# (family, name prefixes): opfuse names its kernels <prefix>_<ops>_<hash> (`opfuse.codegen.base.load_kernel`),
+# inductor triton_<kind>_fused_...; cuBLAS, cuDNN and CUTLASS kernels by their own conventions
+FAMILIES = (
+    ("copy/memset", ("memcpy", "memset")),
+    ("opfuse fused", ("fused_",)),
+    ("opfuse flat epilogue", ("flat_",)),
+    ("opfuse split-K", ("splitk_",)),
+    ("inductor triton", ("triton_",)),
+    ("PyTorch ATen", ("void at::", "at::")),
+    ("cuBLAS", ("nvjet", "void cublas", "cublas", "gemv", "gemmk", "sm90_xmma_gemm", "sm80_xmma_gemm")),
+    ("cuDNN/CUTLASS", ("sm90_xmma", "sm80_xmma", "sm75_xmma", "conv2d_", "void cutlass", "cutlass", "cudnn",
+                       "void implicit_convolve", "implicit_convolve", "void cudnn")),
+)
+
+
+def kernel_family(name: str) -> str:
+    """Which family a GPU activity of a replay belongs to, by its name (`FAMILIES`); "other" when none."""
+    lowered = name.lower()
+    for family, prefixes in FAMILIES:
+        if lowered.startswith(tuple(prefix.lower() for prefix in prefixes)):
+            return family
+    return "other"
+
+
+def by_family(activities: Sequence[Activity]) -> dict[str, dict[str, float]]:
+    """{family: {"count", "us"}} over the activities, largest time first."""
+    families: dict[str, dict[str, float]] = {}
+    for activity in activities:
+        entry = families.setdefault(kernel_family(activity.name), {"count": 0, "us": 0.0})
+        entry["count"] += 1
+        entry["us"] += activity.end - activity.start
+    return dict(sorted(families.items(), key=lambda item: -item[1]["us"]))
 
 
 def idle_gaps(activities: Sequence[Activity]) -> list[Gap]:
