@@ -240,7 +240,8 @@ class _Planner:
         copy a strided slice first). The slices are disjoint, so no more bytes are written."""
         for group in list(self.groups):
             nodes = self.groups.get(group)
-            if not nodes or not all(kind_of(self.graph[n]).elementwise or joins_as_map(self.graph[n]) for n in nodes):
+            if (not nodes or self.is_view_group(group)    # views alone: PyTorch's, a copy or none
+                    or not all(kind_of(self.graph[n]).elementwise or joins_as_map(self.graph[n]) for n in nodes)):
                 continue
             outputs = [n for n in nodes if n in self.graph.outputs or any(u.name not in nodes for u in self.users[n])]
             if len(outputs) != 1 or outputs[0] in self.graph.outputs:
@@ -616,11 +617,12 @@ class _Planner:
         return f"a path runs through {via}" if via else None
 
     def is_small_pointwise(self, group: int) -> bool:
-        """All elementwise, and its kernel body takes less time than its launch."""
+        """All elementwise (or slices it stores: `store_slices`), and its kernel body takes less time than its
+        launch."""
         nodes = self.groups[group]
         if group in self.kinds and self.kinds[group] is not GroupKind.HORIZONTAL_POINTWISE:
             return False
-        if not all(kind_of(self.graph[n]).elementwise for n in nodes):
+        if not all(kind_of(self.graph[n]).elementwise or self.graph[n].op == "slice" for n in nodes):
             return False
         return self.estimate(nodes).time - self.hw.launch_time < self.hw.launch_time
 

@@ -237,6 +237,26 @@ def test_a_value_read_only_in_slices_is_stored_as_the_slices():
     assert group.bytes_written == 2 * 8 * 6 * 6 * 2                 # fp16: the bytes of the whole value
 
 
+def test_slices_of_a_view_group_stay_views_and_stored_slices_still_share_a_launch():
+    """A copying reshape alone (PyTorch's copy) keeps its slices as views; two small groups that each store their
+    halves still share one launch (horizontal pointwise)."""
+    b = GraphBuilder("views_and_halves")
+    x = b.input("x", (2, 8, 3, 3))
+    grouped = b.op("reshape", [x], {"shape": (2, 2, 4, 3, 3)}, "grouped")
+    swapped = b.op("permute", [grouped], {"dims": (0, 2, 1, 3, 4)}, "swapped")
+    shuffled = b.op("reshape", [swapped], {"shape": (2, 8, 3, 3)}, "shuffled")
+    outs = []
+    for value in (shuffled, b.unary("relu", x, "r"), b.unary("sigmoid", x, "s")):
+        for i in range(2):
+            piece = b.op("slice", [value], {"dim": 1, "start": 4 * i, "end": 4 * i + 4, "step": 1}, f"{value}{i}")
+            outs.append(b.conv(piece, 4, name=f"c_{value}{i}"))
+    plan = plan_fusion(b.output(*outs), FusionConfig(), H200)
+    assert plan.group_of("shuffled0").kind is GroupKind.VIEW and plan.group_of("shuffled").nodes == ["shuffled"]
+    both = plan.group_of("r")
+    assert both is plan.group_of("s") and both.kind is GroupKind.HORIZONTAL_POINTWISE
+    assert set(both.outputs) == {"r0", "r1", "s0", "s1"}
+
+
 def test_slices_that_overlap_or_differ_in_size_stay_views():
     b = GraphBuilder("overlap")
     y = b.unary("relu", b.input("x", (2, 8, 6, 6)), "y")
