@@ -526,27 +526,39 @@ def test_the_references_choose_cudnn_algorithms_by_heuristics_and_the_setting_is
     assert torch.backends.cudnn.benchmark is True
 
 
-@pytest.mark.parametrize("which,builds", [("single", 1), ("fused", 2)])
-def test_a_compile_builds_again_only_where_splitting_back_changes_the_groups(monkeypatch, which, builds):
-    """The tuner reports a group whose every Triton config spilled: a fused group is split and the model built
-    again; a one-op group has nothing to split, so the first build (with the other form chosen) stands."""
+def builds_reporting(monkeypatch, report) -> list:
+    """Every build_compiled_model of the compile records its plan (the list returned) and gets a fresh
+    TuningResult, which `report(plan, tuning, builds_so_far)` fills as the GPU's tuner would."""
     from opfuse.runtime import compiled as runtime
-    from opfuse.runtime.autotune import EVERY_CONFIG_SPILLS, TuningResult
+    from opfuse.runtime.autotune import TuningResult
 
-    calls = []
+    plans = []
     build = runtime.build_compiled_model
 
     def reporting(plan, *args, **kwargs):
         model = build(plan, *args, **kwargs)
-        calls.append(plan)
+        plans.append(plan)
         model.tuning = TuningResult()
-        if len(calls) == 1:
-            size = 1 if which == "single" else 3       # the first conv alone; conv2 + add + relu
-            group = next(g for g in plan.groups if len(g.nodes) == size)
-            model.tuning.over_budget[group.name] = EVERY_CONFIG_SPILLS
+        report(plan, model.tuning, len(plans))
         return model
 
     monkeypatch.setattr(runtime, "build_compiled_model", reporting)
+    return plans
+
+
+@pytest.mark.parametrize("which,builds", [("single", 1), ("fused", 2)])
+def test_a_compile_builds_again_only_where_splitting_back_changes_the_groups(monkeypatch, which, builds):
+    """The tuner reports a group whose every Triton config spilled: a fused group is split and the model built
+    again; a one-op group has nothing to split, so the first build (with the other form chosen) stands."""
+    from opfuse.runtime.autotune import EVERY_CONFIG_SPILLS
+
+    def report(plan, tuning, builds):
+        if builds == 1:
+            size = 1 if which == "single" else 3       # the first conv alone; conv2 + add + relu
+            group = next(g for g in plan.groups if len(g.nodes) == size)
+            tuning.over_budget[group.name] = EVERY_CONFIG_SPILLS
+
+    calls = builds_reporting(monkeypatch, report)
     model = nn.Sequential(nn.Conv2d(6, 6, 1), Residual()).eval()
     x = torch.randn(1, 6, 6, 4)
     compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
@@ -560,22 +572,10 @@ def test_a_conv_conv_group_slower_than_its_ops_is_built_again_one_group_per_conv
     convs apart (each then has the forms of its own, the library's among them), the decision says why, and the
     result still matches eager."""
     from opfuse.fusion.plan import GroupKind, Verdict
-    from opfuse.runtime import compiled as runtime
-    from opfuse.runtime.autotune import TuningResult
 
-    plans = []
-    build = runtime.build_compiled_model
-
-    def reporting(plan, *args, **kwargs):
-        model = build(plan, *args, **kwargs)
-        plans.append(plan)
-        model.tuning = TuningResult()
-        for group in plan.groups:
-            if group.kind is GroupKind.CONV_CONV:
-                model.tuning.slower_fused[group.name] = "slower than its ops through PyTorch: 9.0 us against 4.0 us"
-        return model
-
-    monkeypatch.setattr(runtime, "build_compiled_model", reporting)
+    plans = builds_reporting(monkeypatch, lambda plan, tuning, _: tuning.slower_fused.update(
+        {g.name: "slower than its ops through PyTorch: 9.0 us against 4.0 us"
+         for g in plan.groups if g.kind is GroupKind.CONV_CONV}))
     model = with_random_batch_norms(nn.Sequential(
         nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.BatchNorm2d(8), nn.Conv2d(8, 16, 1), nn.BatchNorm2d(16),
         nn.ReLU())).eval()
@@ -606,22 +606,10 @@ def test_a_one_anchor_group_slower_than_its_ops_is_split_only_when_asked(monkeyp
     """The tuner reports that linear + residual add ran fastest unfused. By default that stands (one build); with
     `split_epilogues` the model is planned again with the linear alone and the add in the layer norm's kernel."""
     from opfuse.fusion.plan import GroupKind
-    from opfuse.runtime import compiled as runtime
-    from opfuse.runtime.autotune import TuningResult
 
-    plans = []
-    build = runtime.build_compiled_model
-
-    def reporting(plan, *args, **kwargs):
-        model = build(plan, *args, **kwargs)
-        plans.append(plan)
-        model.tuning = TuningResult()
-        for group in plan.groups:
-            if group.kind is GroupKind.RESIDUAL:
-                model.tuning.slower_fused[group.name] = "slower than its ops through PyTorch: 6.0 us against 5.0 us"
-        return model
-
-    monkeypatch.setattr(runtime, "build_compiled_model", reporting)
+    plans = builds_reporting(monkeypatch, lambda plan, tuning, _: tuning.slower_fused.update(
+        {g.name: "slower than its ops through PyTorch: 6.0 us against 5.0 us"
+         for g in plan.groups if g.kind is GroupKind.RESIDUAL}))
     model = ResidualNorm().eval()
     x = torch.randn(4, 16)
     compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", split_epilogues=split_epilogues))
