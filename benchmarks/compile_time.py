@@ -10,6 +10,8 @@ and writes them to DIR/compile_time.json. `--profile` runs each compile under cP
 DIR/<workload>-w<workers>.prof (read them with `python -m pstats`), to see where a cold compile spends its time.
 `--warm` compiles each once more in a fresh process over the caches the cold one filled (row `"warm": true`,
 profile `<workload>-w<workers>-warm.prof`): what a compile costs when nothing is left to build or tune.
+Each row also counts the Triton compiles the compiling process itself ran (`main_compiles`: those the workers did
+not build first), by the stage of opfuse's compile they ran in, with the slowest named.
 """
 
 from __future__ import annotations
@@ -20,9 +22,53 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+# the stages of opfuse's compile a Triton compile in the main process is attributed to: the innermost on its stack
+STAGES = ("record_launches", "next_configs", "tune_kernel", "check_groups", "_end_to_end_error", "build_compiled_model",
+          "analyze", "compile")
+
+
+def counting_compiles() -> list[dict]:
+    """Wrap Triton's compile (before any kernel binds it): each call appends {"kernel", "s", "stage"} to the list
+    returned; calls that load from Triton's cache count too, and take milliseconds."""
+    import triton.compiler
+
+    calls: list[dict] = []
+    original = triton.compiler.compile
+
+    def compile(src, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(src, *args, **kwargs)
+        finally:
+            frame, stage = sys._getframe(1), "other"
+            while frame is not None:
+                if frame.f_code.co_name in STAGES:
+                    stage = frame.f_code.co_name
+                    break
+                frame = frame.f_back
+            calls.append({"kernel": str(getattr(src, "name", src))[:80], "s": time.perf_counter() - start,
+                          "stage": stage})
+
+    triton.compiler.compile = compile
+    return calls
+
+
+def summarize_compiles(calls: list[dict], built_s: float = 0.05) -> dict:
+    """Calls over `built_s` (a build, not a cache load): count and seconds by stage, and the ten slowest."""
+    built = [c for c in calls if c["s"] > built_s]
+    stages: dict[str, list] = {}
+    for call in built:
+        entry = stages.setdefault(call["stage"], [0, 0.0])
+        entry[0] += 1
+        entry[1] = round(entry[1] + call["s"], 2)
+    return {"calls": len(calls), "built": len(built), "built_s": round(sum(c["s"] for c in built), 2),
+            "by_stage": stages, "slowest": sorted(built, key=lambda c: -c["s"])[:10]}
 
 
 def child(model_name: str, batch: int, workers: int, cache: str, profile_to: str | None = None) -> dict:
@@ -33,6 +79,7 @@ def child(model_name: str, batch: int, workers: int, cache: str, profile_to: str
     from opfuse.bench.timing import timed_compile
     from opfuse.bench.zoo import resolve_model
 
+    calls = counting_compiles()
     torch.backends.cudnn.benchmark = True
     model, inputs, _ = resolve_model(model_name, batch=batch)
     model, inputs, _, _ = harness.prepare(model, inputs, torch.float16, "cuda")
@@ -43,7 +90,7 @@ def child(model_name: str, batch: int, workers: int, cache: str, profile_to: str
     precompiled = compiled.compiled.tuning.precompiled
     return {"workload": f"{model_name}-bs{batch}", "workers": workers, "compile_s": seconds,
             "stages": compiled.seconds, "precompiled": vars(precompiled) if precompiled else None,
-            "kernels": len(compiled.compiled.kernels)}
+            "kernels": len(compiled.compiled.kernels), "main_compiles": summarize_compiles(calls)}
 
 
 def run_child(model: str, batch: str, workers: str, cache: str, warm: bool, args) -> dict:
