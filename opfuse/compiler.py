@@ -241,17 +241,18 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
     check_kernels_can_run(device)
 
     say = _stage_printer(quiet)
-    say("capturing the model and planning its fusions")
-    start = time.perf_counter()
-    analysis = analyze(model, example_inputs, config)    # on fake tensors: allocates nothing the size of the model
-    seconds["analyze"] = time.perf_counter() - start
-    where = as_compiled.target(example_inputs, analysis.config)
-    record_key = as_compiled.plan_key(analysis.plan, analysis.config, where)
-    try:
-        module = _build(model, example_inputs, config, quiet, analysis, seconds, device)
-    except Exception as error:   # the record says so: analyze reports no outcome of an earlier compile instead
-        as_compiled.store(record_key, analysis.config, as_compiled.failure(analysis, where.device, error))
-        raise
+    with _compile_workers(config, device):    # started now: they get ready while the model is captured
+        say("capturing the model and planning its fusions")
+        start = time.perf_counter()
+        analysis = analyze(model, example_inputs, config)   # on fake tensors: allocates nothing the size of the model
+        seconds["analyze"] = time.perf_counter() - start
+        where = as_compiled.target(example_inputs, analysis.config)
+        record_key = as_compiled.plan_key(analysis.plan, analysis.config, where)
+        try:
+            module = _build(model, example_inputs, config, quiet, analysis, seconds, device)
+        except Exception as error:  # the record says so: analyze reports no outcome of an earlier compile instead
+            as_compiled.store(record_key, analysis.config, as_compiled.failure(analysis, where.device, error))
+            raise
     # the record of the plan analyze makes (its launches, before any split_back) and of what the build ran
     outcome = as_compiled.record(module.compiled, module.analysis, analysis.fused.kernel_launches, where.device)
     module.analysis = replace(module.analysis, as_compiled=outcome)
@@ -330,6 +331,15 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
     keep_eager = config.recompile or config.fallback == "eager"
     return OpfuseModule(compiled, analysis, example_inputs, output_spec, output_dtypes, checks, end_to_end, seconds,
                         eager if keep_eager else None)
+
+
+def _compile_workers(config: FusionConfig, device: torch.device):
+    """The compile's pool of Triton compile workers (`opfuse.runtime.precompile.compile_pool`), where it tunes."""
+    from opfuse.runtime.autotune import tunes
+    from opfuse.runtime.precompile import compile_pool, default_workers
+
+    workers = config.compile_workers if config.compile_workers is not None else default_workers()
+    return compile_pool(workers if tunes(config, device) else 0, device)
 
 
 def _stage_printer(quiet: bool):

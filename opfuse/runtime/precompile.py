@@ -11,8 +11,11 @@ cache: a launch a worker could not compile is compiled by the tuner as before, a
 `TIMEOUT_S` (killed then) cost time, never a result.
 
 Workers are `python -m opfuse.runtime.precompile` processes (not multiprocessing's spawn, which would run the
-user's script again in each), `compile_workers` of them, each on the caller's GPU, each given its share of the
-launches in a JSON file.
+user's script again in each), `compile_workers` of them, each on the caller's GPU (`CompilePool`). Each takes one
+launch at a time, as JSON on its stdin, and is handed the next when it answers, so that one slow compile holds one
+worker and not a share of the others' work. `opfuse.compile` starts its pool before it captures the model
+(`compile_pool`): the workers import torch and Triton while the model is captured and planned, and every
+precompile of that compile (the tuner's two rounds, the build again after a split back) uses them.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import selectors
 import subprocess
 import sys
-import tempfile
 import time
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -35,6 +40,7 @@ from opfuse.codegen.base import (GroupKernel, KernelConfig, LaunchRecord, Tensor
 
 MIN_LAUNCHES = 8        # fewer distinct launches than this compile faster in the tuner than workers start
 TIMEOUT_S = 300.0       # the workers of one precompile are killed after this long
+REPLY = b"opfuse-compiled "  # a worker's answer to one launch: this, then 1 (compiled) or 0, on a line of its own
 
 
 def default_workers() -> int:
@@ -113,36 +119,138 @@ def distinct_compiles(records: Sequence[LaunchRecord]) -> list[LaunchRecord]:
     return list(first.values())
 
 
+class CompilePool:
+    """`workers` compile processes on GPU `device_index`, started by `start` (at once, not waiting for them to be
+    ready), fed one launch at a time by `compile`, ended by `close`. A worker that dies or outlasts a deadline is
+    gone for the rest of the pool's life; the launches it held are left to the tuner."""
+
+    def __init__(self, workers: int, device_index: int, command: Sequence[str] | None = None):
+        self.workers, self.device_index = workers, device_index
+        # what a worker runs (tests give a stand-in that answers as a worker does)
+        self.command = list(command or [sys.executable, "-m", "opfuse.runtime.precompile", "--serve",
+                                        str(device_index)])
+        self.processes: list[subprocess.Popen] = []
+        self.started = False
+
+    def start(self) -> "CompilePool":
+        if self.started:
+            return self
+        self.started = True
+        root = str(Path(__file__).resolve().parents[2])      # where the opfuse package is, for the workers' import
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        self.processes = [subprocess.Popen(self.command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=subprocess.DEVNULL, bufsize=0)
+                          for _ in range(self.workers)]
+        return self
+
+    def compile(self, records: Sequence[LaunchRecord], timeout: float | None = None) -> int:
+        """Compile `records` in the live workers, each given the next as it answers; how many compiled. After
+        `timeout` seconds (default `TIMEOUT_S`) the workers still compiling are killed."""
+        self.start()
+        pending = list(reversed(records))
+        deadline = time.monotonic() + (TIMEOUT_S if timeout is None else timeout)
+        selector = selectors.DefaultSelector()
+        busy: dict[subprocess.Popen, bytes] = {}         # a worker with a launch out -> what it has printed since
+        idle = [p for p in self.processes if p.poll() is None]
+        compiled = 0
+
+        def hand_out(process: subprocess.Popen) -> None:
+            try:
+                process.stdin.write((json.dumps(_encode(pending.pop())) + "\n").encode())
+                busy[process] = b""
+                selector.register(process.stdout, selectors.EVENT_READ, process)
+            except OSError:                              # it died: the launch goes to the tuner
+                self._drop(process)
+
+        while busy or (pending and idle):
+            while pending and idle:
+                hand_out(idle.pop())
+            if not busy:
+                break
+            events = selector.select(timeout=max(0.0, deadline - time.monotonic()))
+            if not events:                               # past the deadline: the stuck workers go
+                for process in list(busy):
+                    selector.unregister(process.stdout)
+                    busy.pop(process)
+                    self._drop(process)
+                break
+            for key, _ in events:
+                process = key.data
+                data = os.read(process.stdout.fileno(), 65536)
+                if not data:                             # it died with the launch
+                    selector.unregister(process.stdout)
+                    busy.pop(process)
+                    self._drop(process)
+                    continue
+                busy[process] += data
+                answers = [line for line in busy[process].split(b"\n")[:-1] if line.startswith(REPLY)]
+                if answers:                              # anything else it printed is not ours
+                    compiled += answers[-1][len(REPLY):].strip() == b"1"
+                    selector.unregister(process.stdout)
+                    busy.pop(process)
+                    idle.append(process)
+        selector.close()
+        return compiled
+
+    def _drop(self, process: subprocess.Popen) -> None:
+        process.kill()
+        process.wait()
+        self.processes.remove(process)
+
+    def close(self) -> None:
+        """End the workers: an end of input for those waiting, a kill for any still starting or compiling."""
+        for process in self.processes:
+            try:
+                process.stdin.close()
+            except OSError:
+                pass
+        for process in self.processes:
+            try:
+                process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes = []
+
+
+_POOL: ContextVar[CompilePool | None] = ContextVar("opfuse_compile_pool", default=None)
+
+
+@contextmanager
+def compile_pool(workers: int, device: Any) -> Iterator[CompilePool | None]:
+    """Inside, `precompile` on `device` uses a pool of `workers` started now (none for fewer than 2 workers or
+    a device other than a GPU)."""
+    device = torch.device(device)
+    if workers < 2 or device.type != "cuda":
+        yield None
+        return
+    pool = CompilePool(workers, device.index if device.index is not None else torch.cuda.current_device()).start()
+    token = _POOL.set(pool)
+    try:
+        yield pool
+    finally:
+        _POOL.reset(token)
+        pool.close()
+
+
 def precompile(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[KernelConfig]]], workers: int,
                device_index: int) -> Precompiled:
     """Compile every distinct launch of `jobs` (kernel, its runtime inputs, the configs it will be timed with) in
-    `workers` processes on GPU `device_index`; see the module docstring."""
+    the running `compile_pool` on GPU `device_index`, else in a pool of `workers` of its own; see the module
+    docstring."""
     records = distinct_compiles(record_launches(jobs))
     result = Precompiled(launches=len(records))
-    if workers < 2 or len(records) < MIN_LAUNCHES:
+    pool = _POOL.get()
+    if pool is not None and pool.device_index == device_index:
+        result.compiled = pool.compile(records)
+    elif workers >= 2 and len(records) >= MIN_LAUNCHES:
+        pool = CompilePool(min(workers, len(records)), device_index)
+        try:
+            result.compiled = pool.compile(records)
+        finally:
+            pool.close()
+    else:
         return result
-    count = min(workers, len(records))
-    root = str(Path(__file__).resolve().parents[2])      # where the opfuse package is, for the workers' import
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    deadline = time.monotonic() + TIMEOUT_S
-    with tempfile.TemporaryDirectory(prefix="opfuse-precompile-") as folder:
-        processes = []
-        for index in range(count):
-            share = Path(folder) / f"launches-{index}.json"
-            share.write_text(json.dumps([_encode(record) for record in records[index::count]]))
-            processes.append(subprocess.Popen([sys.executable, "-m", "opfuse.runtime.precompile", str(share),
-                                               str(device_index)], env=env, stdout=subprocess.PIPE,
-                                              stderr=subprocess.DEVNULL, text=True))
-        for process in processes:
-            try:
-                output, _ = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.communicate()
-                continue
-            last = output.strip().splitlines()[-1:] if output else []    # the count, after anything else printed
-            if process.returncode == 0 and last and last[0].isdigit():
-                result.compiled += int(last[0])
     result.failed = result.launches - result.compiled
     return result
 
@@ -201,14 +309,18 @@ def _compile(record: LaunchRecord, modules: dict[str, object]) -> bool:
         return False
 
 
-def _worker(share: str, device_index: int) -> int:
-    """Compile the launches written to `share`; print how many compiled."""
+def _serve(device_index: int) -> int:
+    """Compile each launch read from stdin (one JSON line each) and answer each on stdout (`REPLY`), until the
+    input ends."""
     torch.cuda.set_device(device_index)
-    records = [_decode(item) for item in json.loads(Path(share).read_text())]
+    torch.cuda.init()
     modules: dict[str, object] = {}
-    print(sum(_compile(record, modules) for record in records), flush=True)
+    for line in sys.stdin.buffer:
+        ok = _compile(_decode(json.loads(line)), modules)
+        sys.stdout.buffer.write(REPLY + (b"1" if ok else b"0") + b"\n")
+        sys.stdout.buffer.flush()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1], int(sys.argv[2])))
+    sys.exit(_serve(int(sys.argv[2])))

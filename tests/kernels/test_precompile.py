@@ -117,3 +117,87 @@ def test_launches_that_compile_alike_are_compiled_once():
     wider = varied(160, BLOCK=2 * dict(record.kwargs)["BLOCK"])
     assert len({compile_key(r) for r in (sixteen, misaligned, wider)}) == 3
     assert distinct_compiles([sixteen, fifty, thirty_two, fifty_one, sixteen]) == [sixteen, fifty]
+
+
+# a stand-in worker: answers each launch as a worker does, after sleeping as long as the launch's first argument
+# says (when it is a number); a launch of function "die" kills it, "chatty" prints a line of its own first, "fail" does not compile
+STAND_IN_WORKER = r"""
+import json, sys, time, os
+for line in sys.stdin.buffer:
+    item = json.loads(line)
+    if item["function"] == "die":
+        os._exit(1)
+    if isinstance(item["args"][0], (int, float)):
+        time.sleep(item["args"][0])
+    if item["function"] == "chatty":
+        sys.stdout.buffer.write(b"a warning of its own\n")
+    sys.stdout.buffer.write(b"opfuse-compiled " + (b"0" if item["function"] == "fail" else b"1") + b"\n")
+    sys.stdout.buffer.flush()
+"""
+
+
+def stand_in_pool(workers: int):
+    import sys
+
+    from opfuse.runtime.precompile import CompilePool
+
+    return CompilePool(workers, 0, command=[sys.executable, "-c", STAND_IN_WORKER]).start()
+
+
+def launch(function: str, seconds: float = 0.0) -> LaunchRecord:
+    return LaunchRecord("kernel.py", function, (seconds,), ())
+
+
+def test_a_pool_hands_out_launches_as_its_workers_finish():
+    """One slow compile holds one worker: the other compiles every other launch meanwhile."""
+    import time
+
+    pool = stand_in_pool(2)
+    try:
+        pool.compile([launch("warm")] * 2)                 # both workers started
+        start = time.monotonic()
+        done = pool.compile([launch("slow", 1.5)] + [launch("fast", 0.1)] * 8 + [launch("fail", 0.1)])
+        seconds = time.monotonic() - start
+    finally:
+        pool.close()
+    assert done == 9                                       # all but the one that failed to compile
+    assert seconds < 1.5 + 0.5, seconds                    # a static half each would take 1.5 + 0.4 + 0.1
+    assert pool.processes == []
+
+
+def test_a_pool_outlives_a_dying_worker_and_ignores_other_output():
+    pool = stand_in_pool(2)
+    try:
+        done = pool.compile([launch("die"), launch("chatty"), launch("ok"), launch("chatty")])
+        assert done == 3 and len(pool.processes) == 1      # the launch the dead worker held is the tuner's
+        assert pool.compile([launch("ok")] * 3) == 3       # the rest goes on with the one left
+    finally:
+        pool.close()
+
+
+def test_a_pool_kills_workers_past_the_deadline():
+    import time
+
+    pool = stand_in_pool(2)
+    try:
+        start = time.monotonic()
+        done = pool.compile([launch("stuck", 30.0), launch("ok")], timeout=1.0)
+        assert time.monotonic() - start < 5.0
+        assert done == 1 and len(pool.processes) == 1
+    finally:
+        pool.close()
+
+
+def test_precompile_uses_the_compile_pool_it_runs_in(monkeypatch):
+    """Inside `compile_pool` every precompile goes to the one pool, however few its launches."""
+    from opfuse.runtime import precompile as module
+
+    kernel, inputs = relu_kernel()
+    pool = stand_in_pool(2)
+    token = module._POOL.set(pool)
+    try:
+        result = precompile([(kernel, inputs, kernel.configs()[:1])], workers=2, device_index=0)
+    finally:
+        module._POOL.reset(token)
+        pool.close()
+    assert result.launches == 1 and result.compiled == 1 and result.failed == 0   # the stand-in "compiled" it
