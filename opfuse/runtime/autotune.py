@@ -19,7 +19,7 @@ Triton's cache. Without a GPU (Triton's interpreter) nothing is timed and each k
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -382,23 +382,15 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
     columns = (TextColumn("[bold]autotuning[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     inputs = {kernel.group.name: kernel_inputs(kernel, example_values) for kernel in kernels}
-    workers = config.compile_workers if config.compile_workers is not None else default_workers()
-    if on_gpu and workers > 1:
-        jobs = []
-        for kernel in kernels:
-            _, configs = candidates(kernel, config.tune_top, config.library_anchors)
-            if cached_choice(kernel, inputs[kernel.group.name], configs, cache, gpu_name)[2] is None:
-                jobs.append((kernel, inputs[kernel.group.name], configs))
-        with Progress(TextColumn("[bold]compiling[/] {task.description}"), TimeElapsedColumn(), disable=quiet,
-                      transient=True) as progress:
-            progress.add_task(f"the candidates of {len(jobs)} kernels in {workers} processes", total=None)
-            device_index = gpu.index if gpu.index is not None else torch.cuda.current_device()
-            result.precompiled = precompile(jobs, workers, device_index)
+    if on_gpu:
+        jobs = precompile_candidates(kernels, inputs, config, cache, gpu, quiet)
+        if jobs is not None:
+            result.precompiled = jobs.precompiled
             # kernels whose first configs all spill: the workers compile the next ones the tuner will try too
-            more = [(kernel, kernel_args, batch) for kernel, kernel_args, _ in jobs
+            more = [(kernel, kernel_args, batch) for kernel, kernel_args, _ in jobs.jobs
                     if (batch := next_configs(kernel, kernel_args, hardware, config.tune_top))]
             if more:
-                result.precompiled += precompile(more, workers, device_index)
+                result.precompiled += precompile(more, jobs.workers, jobs.device_index)
     with Progress(*columns, disable=quiet, transient=True) as progress:
         task = progress.add_task("", total=len(kernels))
         for kernel in kernels:
@@ -407,6 +399,42 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
                         config.tune_top, config.library_anchors)
             progress.advance(task)
     return result
+
+
+@dataclass
+class PrecompiledJobs:
+    """What `precompile_candidates` gave the compile workers: (kernel, its inputs, its candidates) of each kernel
+    the tuning cache has no choice for, and what the workers did with them."""
+
+    jobs: list[tuple[GroupKernel, list[torch.Tensor], list[KernelConfig]]]
+    precompiled: Precompiled
+    workers: int
+    device_index: int
+
+
+def precompile_candidates(kernels: Sequence[GroupKernel], inputs: Mapping[str, list[torch.Tensor]],
+                          config: FusionConfig, cache: TuningCache | None, gpu: torch.device,
+                          quiet: bool = True) -> PrecompiledJobs | None:
+    """Have the compile workers build the candidates `tune_kernel` will time of each kernel whose choice is not
+    cached (`inputs`: each kernel's runtime inputs by group; stand-ins of the right shapes, strides and dtypes
+    will do, nothing is computed); None where no workers are to run (`compile_workers` under 2)."""
+    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+    workers = config.compile_workers if config.compile_workers is not None else default_workers()
+    if workers < 2:
+        return None
+    gpu_name = torch.cuda.get_device_name(gpu)
+    jobs = []
+    for kernel in kernels:
+        _, configs = candidates(kernel, config.tune_top, config.library_anchors)
+        if cached_choice(kernel, inputs[kernel.group.name], configs, cache, gpu_name)[2] is None:
+            jobs.append((kernel, inputs[kernel.group.name], configs))
+    device_index = gpu.index if gpu.index is not None else torch.cuda.current_device()
+    with Progress(TextColumn("[bold]compiling[/] {task.description}"), TimeElapsedColumn(), disable=quiet,
+                  transient=True) as progress:
+        progress.add_task(f"the candidates of {len(jobs)} kernels in {workers} processes", total=None)
+        precompiled = precompile(jobs, workers, device_index)
+    return PrecompiledJobs(jobs, precompiled, workers, device_index)
 
 
 def kernel_inputs(kernel: GroupKernel, example_values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:

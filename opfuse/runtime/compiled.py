@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from opfuse.codegen.base import GroupKernel, KernelConfig
+from opfuse.codegen.base import GroupKernel, KernelConfig, recording_launches
 from opfuse.codegen.lower import choose_lowering, lower_plan
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import FusionGroup, FusionPlan
@@ -38,8 +38,10 @@ from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 from opfuse.ir.interpret import device_constants, launches_of
 from opfuse.ir.ops import get_op, launches_kernel
-from opfuse.runtime.autotune import recover_rng_after_failed_capture, tune, tunes
+from opfuse.runtime.autotune import (kernel_inputs, precompile_candidates, recover_rng_after_failed_capture, tune,
+                                     tunes)
 from opfuse.runtime.cache import TuningCache
+from opfuse.runtime.precompile import active_pool, compile_pool, default_workers
 
 
 @dataclass(frozen=True)
@@ -367,6 +369,27 @@ class CompiledModel(torch.nn.Module):
         with torch.no_grad():
             return self._run_steps([to_channels_last(x) for x in inputs], keep_all=True)
 
+    def stand_in_values(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`collect_values`' tensors, their shapes, strides and dtypes, with no generated kernel run (each launch
+        recorded instead: `recording_launches`) and so none compiled: what the compile workers need to build
+        every kernel's candidates before the first of them runs. A kernel's outputs are zeros, so that what
+        PyTorch runs between kernels reads values in range (indices too)."""
+        signature = self.input_signature(inputs)
+        if signature != self.signature:
+            raise GraphError(f"stand_in_values needs inputs matching {format_signature(self.signature)}, "
+                             f"got {format_signature(signature)}")
+        values: dict[str, torch.Tensor] = dict(self._constants)
+        values.update(zip(self.input_names, [to_channels_last(x) for x in inputs]))
+        given = {t.untyped_storage().data_ptr() for t in values.values() if isinstance(t, torch.Tensor)}
+        with torch.no_grad(), recording_launches():
+            for step in self._steps:
+                self._run_step(step, values)
+                if step.kernel is not None:       # what it made, never an input's or a constant's memory
+                    for name in step.writes:
+                        if values[name].untyped_storage().data_ptr() not in given:
+                            values[name].zero_()
+        return values
+
     # ---- CUDA graph ---------------------------------------------------------------------------------------
     def _reset_cuda_graph(self) -> None:
         self._cuda_graph = None
@@ -472,9 +495,30 @@ def build_compiled_model(plan: FusionPlan, device: torch.device | str,
     model = CompiledModel(plan, kernels, device, fallbacks=reasons, config=config, recompile=recompile,
                           unflatten=unflatten)
     if kernels and example_inputs is not None and tunes(config, device):
-        values = model.collect_values(*example_inputs)
-        model.tuning = tune(kernels, values, config, cache if cache is not None else TuningCache.for_config(config),
-                            quiet=quiet)
-        del values
+        cache = cache if cache is not None else TuningCache.for_config(config)
+        workers = config.compile_workers if config.compile_workers is not None else default_workers()
+        with compile_pool(workers, device):
+            _precompile_before_running(model, kernels, example_inputs, config, cache, quiet)
+            values = model.collect_values(*example_inputs)
+            model.tuning = tune(kernels, values, config, cache, quiet=quiet)
+            del values
         model.set_configs(dict(model.tuning))
     return model
+
+
+def _precompile_before_running(model: CompiledModel, kernels: dict[str, GroupKernel],
+                               example_inputs: Sequence[torch.Tensor], config: FusionConfig, cache: Any,
+                               quiet: bool) -> None:
+    """The compile workers build every kernel's candidates (its default config among them) before
+    `collect_values` runs the kernels, which would otherwise compile the default configs here, one at a time;
+    on stand-in values (`stand_in_values`). Only warms Triton's cache: if the stand-ins cannot be made, the
+    tuner's own round does it all."""
+    if active_pool(model.device) is None:
+        return
+    try:
+        stand_ins = model.stand_in_values(*example_inputs)
+    except Exception:
+        return
+    inputs = {kernel.group.name: kernel_inputs(kernel, stand_ins) for kernel in kernels.values()}
+    del stand_ins
+    precompile_candidates(list(kernels.values()), inputs, config, cache, model.device, quiet)

@@ -131,6 +131,7 @@ class CompilePool:
                                         str(device_index)])
         self.processes: list[subprocess.Popen] = []
         self.started = False
+        self.done: set[tuple] = set()     # the `compile_key`s compiled already: a later round skips them
 
     def start(self) -> "CompilePool":
         if self.started:
@@ -144,19 +145,23 @@ class CompilePool:
         return self
 
     def compile(self, records: Sequence[LaunchRecord], timeout: float | None = None) -> int:
-        """Compile `records` in the live workers, each given the next as it answers; how many compiled. After
-        `timeout` seconds (default `TIMEOUT_S`) the workers still compiling are killed."""
+        """Compile `records` in the live workers, each given the next as it answers; how many compiled (those the
+        pool compiled before included). After `timeout` seconds (default `TIMEOUT_S`) the workers still compiling
+        are killed."""
         self.start()
-        pending = list(reversed(records))
+        keys = {record: compile_key(record) for record in records}
+        pending = [record for record in reversed(records) if keys[record] not in self.done]
+        compiled = len(records) - len(pending)
         deadline = time.monotonic() + (TIMEOUT_S if timeout is None else timeout)
         selector = selectors.DefaultSelector()
         busy: dict[subprocess.Popen, bytes] = {}         # a worker with a launch out -> what it has printed since
         idle = [p for p in self.processes if p.poll() is None]
-        compiled = 0
+        held: dict[subprocess.Popen, LaunchRecord] = {}
 
         def hand_out(process: subprocess.Popen) -> None:
+            held[process] = record = pending.pop()
             try:
-                process.stdin.write((json.dumps(_encode(pending.pop())) + "\n").encode())
+                process.stdin.write((json.dumps(_encode(record)) + "\n").encode())
                 busy[process] = b""
                 selector.register(process.stdout, selectors.EVENT_READ, process)
             except OSError:                              # it died: the launch goes to the tuner
@@ -185,7 +190,9 @@ class CompilePool:
                 busy[process] += data
                 answers = [line for line in busy[process].split(b"\n")[:-1] if line.startswith(REPLY)]
                 if answers:                              # anything else it printed is not ours
-                    compiled += answers[-1][len(REPLY):].strip() == b"1"
+                    if answers[-1][len(REPLY):].strip() == b"1":
+                        compiled += 1
+                        self.done.add(keys[held[process]])
                     selector.unregister(process.stdout)
                     busy.pop(process)
                     idle.append(process)
@@ -216,15 +223,28 @@ class CompilePool:
 _POOL: ContextVar[CompilePool | None] = ContextVar("opfuse_compile_pool", default=None)
 
 
+def _index(device: Any) -> int | None:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def active_pool(device: Any) -> CompilePool | None:
+    """The `compile_pool` running for `device`, if one is."""
+    pool = _POOL.get()
+    return pool if pool is not None and pool.device_index == _index(device) else None
+
+
 @contextmanager
 def compile_pool(workers: int, device: Any) -> Iterator[CompilePool | None]:
-    """Inside, `precompile` on `device` uses a pool of `workers` started now (none for fewer than 2 workers or
-    a device other than a GPU)."""
-    device = torch.device(device)
-    if workers < 2 or device.type != "cuda":
-        yield None
+    """Inside, `precompile` on `device` uses one pool: the one running already for it, else `workers` started
+    now (none for fewer than 2 workers or a device other than a GPU)."""
+    running = active_pool(device)
+    if running is not None or workers < 2 or _index(device) is None:
+        yield running
         return
-    pool = CompilePool(workers, device.index if device.index is not None else torch.cuda.current_device()).start()
+    pool = CompilePool(workers, _index(device)).start()
     token = _POOL.set(pool)
     try:
         yield pool
@@ -242,7 +262,7 @@ def precompile(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[Ke
     result = Precompiled(launches=len(records))
     pool = _POOL.get()
     if pool is not None and pool.device_index == device_index:
-        result.compiled = pool.compile(records)
+        result.compiled = pool.compile(records) if records else 0
     elif workers >= 2 and len(records) >= MIN_LAUNCHES:
         pool = CompilePool(min(workers, len(records)), device_index)
         try:

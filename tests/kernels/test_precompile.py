@@ -170,7 +170,7 @@ def test_a_pool_outlives_a_dying_worker_and_ignores_other_output():
     try:
         done = pool.compile([launch("die"), launch("chatty"), launch("ok"), launch("chatty")])
         assert done == 3 and len(pool.processes) == 1      # the launch the dead worker held is the tuner's
-        assert pool.compile([launch("ok")] * 3) == 3       # the rest goes on with the one left
+        assert pool.compile([launch("ok", 0.01), launch("ok", 0.02), launch("fail")]) == 2   # on with the one left
     finally:
         pool.close()
 
@@ -201,3 +201,60 @@ def test_precompile_uses_the_compile_pool_it_runs_in(monkeypatch):
         module._POOL.reset(token)
         pool.close()
     assert result.launches == 1 and result.compiled == 1 and result.failed == 0   # the stand-in "compiled" it
+
+
+def test_a_pool_compiles_each_launch_once():
+    """A launch compiled in an earlier round (the stand-in values' round before the tuner's) is not handed out
+    again, and counts as compiled; one that failed is tried again."""
+    import time
+
+    pool = stand_in_pool(2)
+    try:
+        assert pool.compile([launch("slow", 1.0), launch("fail")]) == 1
+        start = time.monotonic()
+        assert pool.compile([launch("slow", 1.0), launch("fail")]) == 1
+        assert time.monotonic() - start < 0.8
+    finally:
+        pool.close()
+
+
+class EmbedThenLookUp(torch.nn.Module):
+    """A generated kernel's output read as indices by an op PyTorch runs (the stand-ins must keep it in range)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = torch.nn.Embedding(7, 6)
+        self.linear = torch.nn.Linear(6, 6)
+
+    def forward(self, ids):
+        hidden = torch.relu(self.linear(self.table(ids)))
+        picked = (hidden.sum(-1) * 1000).long().clamp(0, 6)        # computed ids, then a lookup with them
+        return self.table(picked) + hidden
+
+
+def test_stand_in_values_run_no_generated_kernel_and_keep_every_layout():
+    """What the compile workers are given before any kernel runs: every value with collect_values' shape, strides
+    and dtype, the generated kernels' outputs zeros (nothing ran), the example inputs untouched."""
+    import opfuse
+    from opfuse.codegen.lower import lower_plan
+    from opfuse.runtime.compiled import CompiledModel
+
+    from tests.kernels.test_compile import small_cnn
+
+    for model, x in ((small_cnn(), torch.randn(2, 3, 8, 8)), (EmbedThenLookUp().eval(), torch.tensor([[1, 5, 2]]))):
+        analysis = opfuse.analyze(model, (x,), opfuse.FusionConfig())
+        kernels, _ = lower_plan(analysis.plan, "cpu")
+        assert kernels
+        compiled = CompiledModel(analysis.plan, kernels, "cpu")
+        before = x.clone()
+        stand_ins = compiled.stand_in_values(x)
+        assert torch.equal(x, before)
+        values = compiled.collect_values(x)
+        assert stand_ins.keys() == values.keys()
+        for name, value in values.items():
+            assert (stand_ins[name].shape, stand_ins[name].stride(), stand_ins[name].dtype) == \
+                (value.shape, value.stride(), value.dtype), name
+        written = [name for step in compiled._steps if step.kernel is not None for name in step.writes]
+        assert written and all(not stand_ins[name].any() for name in written)
+        assert any(values[name].any() for name in written)
