@@ -205,18 +205,17 @@ class CompilePool:
         self.processes.remove(process)
 
     def close(self) -> None:
-        """End the workers: an end of input for those waiting, a kill for any still starting or compiling."""
+        """End the workers now, not waiting for any still starting (a compile whose every kernel was cached is
+        done before its workers are ready): between launches a worker holds nothing a kill could leave half done
+        (Triton writes its cache entries under a temporary name, then renames them)."""
         for process in self.processes:
             try:
                 process.stdin.close()
             except OSError:
                 pass
+            process.kill()
         for process in self.processes:
-            try:
-                process.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            process.wait()
         self.processes = []
 
 

@@ -258,3 +258,16 @@ def test_stand_in_values_run_no_generated_kernel_and_keep_every_layout():
         written = [name for step in compiled._steps if step.kernel is not None for name in step.writes]
         assert written and all(not stand_ins[name].any() for name in written)
         assert any(values[name].any() for name in written)
+
+
+def test_closing_a_pool_waits_for_no_worker_still_starting():
+    """A compile whose every kernel was cached ends before its workers are ready: closing them costs no wait."""
+    import sys
+    import time
+
+    from opfuse.runtime.precompile import CompilePool
+
+    pool = CompilePool(3, 0, command=[sys.executable, "-c", "import time; time.sleep(30)"]).start()
+    start = time.monotonic()
+    pool.close()
+    assert time.monotonic() - start < 2.0 and pool.processes == []
