@@ -81,14 +81,31 @@ def _may_alias_input(node: fx.Node) -> bool:
             or any(a.alias_info is not None for a in node.target._schema.arguments))
 
 
+# in-place ops that write nothing when their `train` argument is False (eval mode): the identity
+_NO_WRITE_IN_EVAL = {"dropout_", "feature_dropout_", "alpha_dropout_", "feature_alpha_dropout_"}
+
+
+def _writes_nothing(node: fx.Node) -> bool:
+    """Whether in-place `node` leaves its `self` as it was: a dropout in eval mode."""
+    if op_name(node.target) not in _NO_WRITE_IN_EVAL:
+        return False
+    train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else None)
+    return train is False
+
+
 def _rebindable(node: fx.Node) -> bool:
     """Whether in-place `node` can be translated as its out-of-place twin whose result replaces `self` for later
-    readers: it writes only `self`, the twin is mapped, and `self` shares memory with no other value (no view of
-    it or that it is a view of, not a model input). Otherwise the graph is functionalised first."""
+    readers: the twin is mapped, and either the op writes nothing (`_writes_nothing`: aliases see no change), or
+    it writes only `self` and `self` shares memory with no other value that a later write would change (no view
+    of it or that it is a view of, not a model input; a view of the chain's last value, written no more, reads
+    what the twin returns). Otherwise the graph is functionalised first."""
+    if not node.args or op_name(node.target)[:-1] not in HANDLERS:
+        return False
+    if _writes_nothing(node):
+        return True
     arguments = node.target._schema.arguments
     writes = [a.alias_info is not None and a.alias_info.is_write for a in arguments]
-    if (not writes or not writes[0] or any(writes[1:]) or not node.args
-            or op_name(node.target)[:-1] not in HANDLERS):
+    if not writes or not writes[0] or any(writes[1:]):
         return False
     root = node.args[0]
     while isinstance(root, fx.Node) and _mutates(root):
@@ -96,14 +113,14 @@ def _rebindable(node: fx.Node) -> bool:
     if not isinstance(root, fx.Node) or root.op != "call_function" or _may_alias_input(root):
         return False
     pending = [root]
-    while pending:  # the root and the in-place results that alias it: none may be read by a view
-        member = pending.pop()
-        for user in member.users:
-            if _mutates(user):  # writes only its own `self` (checked for each mutation): member is read or
-                if user.args[0] is member:  # written here, and the result is one more alias of the root
-                    pending.append(user)
-            elif _may_alias_input(user):
-                return False
+    while pending:  # the root and the in-place results that alias it, one write after the other: none but the
+        member = pending.pop()      # last may be read by a view
+        written_later = [user for user in member.users if _mutates(user) and user.args[0] is member]
+        if len(written_later) > 1:  # two writes of one value: a view of either result sees the other's
+            return False
+        pending.extend(written_later)   # each writes only its own `self` (checked for each mutation)
+        if written_later and any(_may_alias_input(user) for user in member.users if not _mutates(user)):
+            return False
     return True
 
 

@@ -247,6 +247,44 @@ def test_inplace_dropout_maps_through_its_out_of_place_twin(monkeypatch):
     assert ops["opaque"] == 0 and ops["tanh"] == 1 and len(calls) == 0
 
 
+def test_eval_dropout_in_place_on_a_view_needs_no_functionalising(monkeypatch):
+    """EfficientNet's classifier: flatten (a view), then an in-place dropout, which in eval writes nothing."""
+    calls = count_functionalisations(monkeypatch)
+    model = Lambda(lambda m, x: F.dropout(torch.tanh(x).flatten(1), p=0.2, training=False, inplace=True) + 1)
+    graph, ops = capture_and_check(model, X4)
+    assert len(calls) == 0 and ops["opaque"] == 0
+
+
+def test_a_view_of_the_last_write_is_rebound_a_view_before_a_write_is_not(monkeypatch):
+    """ConvNeXt's last block of a stage: `result += input`, then the downsampling permutes the sum. A view of a
+    value written later, or of one value written twice, sees those writes: functionalised."""
+    calls = count_functionalisations(monkeypatch)
+
+    def last_write_viewed(m, x):
+        out = torch.tanh(x) * 2
+        out += x
+        return out.permute(0, 2, 3, 1) * 3
+    capture_and_check(Lambda(last_write_viewed), X4)
+    assert len(calls) == 0
+
+    def viewed_then_written(m, x):
+        out = torch.tanh(x) * 2
+        seen = out.permute(0, 2, 3, 1)
+        out += x                             # seen sees this
+        return seen * 3, out
+    capture_and_check(Lambda(viewed_then_written), X4)
+    assert len(calls) == 1
+
+    def written_twice(m, x):
+        out = torch.tanh(x) * 2
+        first = out.add_(x)
+        first.permute(0, 2, 3, 1)            # a view of the first write's result...
+        out.mul_(3)                          # ...which this second write of `out` changes
+        return first.permute(0, 2, 3, 1) + 1
+    capture_and_check(Lambda(written_twice), X4)
+    assert len(calls) == 2
+
+
 def test_a_failing_mapping_is_an_error_naming_the_node(monkeypatch):
     """A mapping that breaks (not one that declines with Unmapped) is a bug: an error, never an opaque op."""
     from opfuse.frontend import torch_export
