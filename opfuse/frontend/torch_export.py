@@ -96,9 +96,8 @@ def _writes_nothing(node: fx.Node) -> bool:
 def _rebindable(node: fx.Node) -> bool:
     """Whether in-place `node` can be translated as its out-of-place twin whose result replaces `self` for later
     readers: the twin is mapped, and either the op writes nothing (`_writes_nothing`: aliases see no change), or
-    it writes only `self` and `self` shares memory with no other value that a later write would change (no view
-    of it or that it is a view of, not a model input; a view of the chain's last value, written no more, reads
-    what the twin returns). Otherwise the graph is functionalised first."""
+    it writes only `self` and `self` shares memory with no other value (no view of it or that it is a view of,
+    not a model input). Otherwise the graph is functionalised first."""
     if not node.args or op_name(node.target)[:-1] not in HANDLERS:
         return False
     if _writes_nothing(node):
@@ -113,14 +112,14 @@ def _rebindable(node: fx.Node) -> bool:
     if not isinstance(root, fx.Node) or root.op != "call_function" or _may_alias_input(root):
         return False
     pending = [root]
-    while pending:  # the root and the in-place results that alias it, one write after the other: none but the
-        member = pending.pop()      # last may be read by a view
-        written_later = [user for user in member.users if _mutates(user) and user.args[0] is member]
-        if len(written_later) > 1:  # two writes of one value: a view of either result sees the other's
-            return False
-        pending.extend(written_later)   # each writes only its own `self` (checked for each mutation)
-        if written_later and any(_may_alias_input(user) for user in member.users if not _mutates(user)):
-            return False
+    while pending:  # the root and the in-place results that alias it: none may be read by a view (nor by a call
+        member = pending.pop()  # that may alias, such as a no_grad block, whose writes this graph does not show)
+        for user in member.users:
+            if _mutates(user):  # writes only its own `self` (checked for each mutation): member is read or
+                if user.args[0] is member:  # written here, and the result is one more alias of the root
+                    pending.append(user)
+            elif _may_alias_input(user):
+                return False
     return True
 
 

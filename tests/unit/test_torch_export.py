@@ -255,34 +255,21 @@ def test_eval_dropout_in_place_on_a_view_needs_no_functionalising(monkeypatch):
     assert len(calls) == 0 and ops["opaque"] == 0
 
 
-def test_a_view_of_the_last_write_is_rebound_a_view_before_a_write_is_not(monkeypatch):
-    """ConvNeXt's last block of a stage: `result += input`, then the downsampling permutes the sum. A view of a
-    value written later, or of one value written twice, sees those writes: functionalised."""
+def test_a_view_of_a_written_value_is_functionalised_even_past_a_no_grad_block(monkeypatch):
+    """A view of an in-place result may see a later write this graph does not show: one inside a no_grad block
+    (a higher-order call at the top level). Such captures take the exact path (review of 4b75d3b: the looser rule
+    it had gave a max difference of 9.1 from eager here)."""
     calls = count_functionalisations(monkeypatch)
 
-    def last_write_viewed(m, x):
+    def written_in_no_grad(m, x):
         out = torch.tanh(x) * 2
         out += x
-        return out.permute(0, 2, 3, 1) * 3
-    capture_and_check(Lambda(last_write_viewed), X4)
-    assert len(calls) == 0
-
-    def viewed_then_written(m, x):
-        out = torch.tanh(x) * 2
         seen = out.permute(0, 2, 3, 1)
-        out += x                             # seen sees this
-        return seen * 3, out
-    capture_and_check(Lambda(viewed_then_written), X4)
+        with torch.no_grad():
+            out.mul_(3)
+        return seen + 1
+    capture_and_check(Lambda(written_in_no_grad), X4)
     assert len(calls) == 1
-
-    def written_twice(m, x):
-        out = torch.tanh(x) * 2
-        first = out.add_(x)
-        first.permute(0, 2, 3, 1)            # a view of the first write's result...
-        out.mul_(3)                          # ...which this second write of `out` changes
-        return first.permute(0, 2, 3, 1) + 1
-    capture_and_check(Lambda(written_twice), X4)
-    assert len(calls) == 2
 
 
 def test_a_failing_mapping_is_an_error_naming_the_node(monkeypatch):
