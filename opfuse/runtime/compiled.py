@@ -369,6 +369,23 @@ class CompiledModel(torch.nn.Module):
         with torch.no_grad():
             return self._run_steps([to_channels_last(x) for x in inputs], keep_all=True)
 
+    def stand_ins_are_safe(self) -> bool:
+        """Whether `stand_in_values` can run: every op PyTorch runs on what a kernel made (its zeros) is elementwise
+        or a view, never one that could index out of range with computed values (a gather, an opaque call), which
+        on a GPU would be a device-side assert no later step survives."""
+        from opfuse.codegen.operands import VIEW_OPS
+        from opfuse.ir.ops import kind_of
+
+        made = {name for step in self._steps if step.kernel is not None for name in step.writes}
+        for step in self._steps:
+            if step.kernel is not None:
+                continue
+            if any(name in made for name in step.reads):
+                if not (kind_of(step.node).elementwise or step.node.op in VIEW_OPS):
+                    return False
+                made.update(step.writes)
+        return True
+
     def stand_in_values(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """`collect_values`' tensors, their shapes, strides and dtypes, with no generated kernel run (each launch
         recorded instead: `recording_launches`) and so none compiled: what the compile workers need to build
@@ -513,7 +530,7 @@ def _precompile_before_running(model: CompiledModel, kernels: dict[str, GroupKer
     `collect_values` runs the kernels, which would otherwise compile the default configs here, one at a time;
     on stand-in values (`stand_in_values`). Only warms Triton's cache: if the stand-ins cannot be made, the
     tuner's own round does it all."""
-    if active_pool(model.device) is None:
+    if active_pool(model.device) is None or not model.stand_ins_are_safe():
         return
     try:
         stand_ins = model.stand_in_values(*example_inputs)

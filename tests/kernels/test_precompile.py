@@ -258,6 +258,9 @@ def test_stand_in_values_run_no_generated_kernel_and_keep_every_layout():
         written = [name for step in compiled._steps if step.kernel is not None for name in step.writes]
         assert written and all(not stand_ins[name].any() for name in written)
         assert any(values[name].any() for name in written)
+    # small_cnn runs nothing through PyTorch on a kernel's output; the lookup model's computed ids, gathered
+    # by PyTorch or an opaque call, would index with stand-in zeros' arithmetic: no stand-ins for it
+    assert CompiledModel(*_plan_and_kernels(small_cnn(), torch.randn(2, 3, 8, 8)), "cpu").stand_ins_are_safe()
 
 
 def test_closing_a_pool_waits_for_no_worker_still_starting():
@@ -271,3 +274,33 @@ def test_closing_a_pool_waits_for_no_worker_still_starting():
     start = time.monotonic()
     pool.close()
     assert time.monotonic() - start < 2.0 and pool.processes == []
+
+
+def _plan_and_kernels(model, x):
+    import opfuse
+    from opfuse.codegen.lower import lower_plan
+
+    analysis = opfuse.analyze(model, (x,), opfuse.FusionConfig())
+    return analysis.plan, lower_plan(analysis.plan, "cpu")[0]
+
+
+def test_no_stand_ins_where_pytorch_indexes_with_a_kernels_output():
+    """review of 3ec3207: ids computed from a kernel's output (zeros in the stand-in pass, NaN after a remainder)
+    and gathered by PyTorch would be out of range; on a GPU a device-side assert ends the process's CUDA use."""
+    from opfuse.runtime.compiled import CompiledModel
+
+    class Gathers(torch.nn.Module):
+        def forward(self, x, ids):
+            n = torch.relu(x).sum(-1, keepdim=True) + 1
+            picked = torch.remainder(ids, n).long()
+            return torch.gather(x, 1, picked) * 2
+
+    x, ids = torch.randn(2, 6), torch.randint(0, 6, (2, 3)).float()
+    import opfuse
+    from opfuse.codegen.lower import lower_plan
+
+    analysis = opfuse.analyze(Gathers(), (x, ids), opfuse.FusionConfig())
+    kernels, _ = lower_plan(analysis.plan, "cpu")
+    model = CompiledModel(analysis.plan, kernels, "cpu")
+    gathered_by_pytorch = any(step.kernel is None and step.node.op in ("gather", "opaque") for step in model._steps)
+    assert model.stand_ins_are_safe() is not gathered_by_pytorch
