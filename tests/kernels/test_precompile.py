@@ -276,11 +276,12 @@ def test_closing_a_pool_waits_for_no_worker_still_starting():
     assert time.monotonic() - start < 2.0 and pool.processes == []
 
 
-def _plan_and_kernels(model, x):
+def _plan_and_kernels(model, *inputs):
+    """(plan, kernels) of `model` on the CPU."""
     import opfuse
     from opfuse.codegen.lower import lower_plan
 
-    analysis = opfuse.analyze(model, (x,), opfuse.FusionConfig())
+    analysis = opfuse.analyze(model, inputs, opfuse.FusionConfig())
     return analysis.plan, lower_plan(analysis.plan, "cpu")[0]
 
 
@@ -296,11 +297,6 @@ def test_no_stand_ins_where_pytorch_indexes_with_a_kernels_output():
             return torch.gather(x, 1, picked) * 2
 
     x, ids = torch.randn(2, 6), torch.randint(0, 6, (2, 3)).float()
-    import opfuse
-    from opfuse.codegen.lower import lower_plan
-
-    analysis = opfuse.analyze(Gathers(), (x, ids), opfuse.FusionConfig())
-    kernels, _ = lower_plan(analysis.plan, "cpu")
-    model = CompiledModel(analysis.plan, kernels, "cpu")
+    model = CompiledModel(*_plan_and_kernels(Gathers(), x, ids), "cpu")
     gathered_by_pytorch = any(step.kernel is None and step.node.op in ("gather", "opaque") for step in model._steps)
     assert model.stand_ins_are_safe() is not gathered_by_pytorch

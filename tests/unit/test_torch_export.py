@@ -271,6 +271,23 @@ def test_a_view_of_a_written_value_is_functionalised_even_past_a_no_grad_block(m
     capture_and_check(Lambda(written_in_no_grad), X4)
     assert len(calls) == 1
 
+    def viewed_then_written(m, x):
+        out = torch.tanh(x) * 2
+        seen = out.permute(0, 2, 3, 1)
+        out += x                             # seen sees this
+        return seen * 3, out
+    capture_and_check(Lambda(viewed_then_written), X4)
+    assert len(calls) == 2
+
+    def written_twice(m, x):
+        out = torch.tanh(x) * 2
+        first = out.add_(x)
+        first.permute(0, 2, 3, 1)            # a view of the first write's result...
+        out.mul_(3)                          # ...which this second write of `out` changes
+        return first.permute(0, 2, 3, 1) + 1
+    capture_and_check(Lambda(written_twice), X4)
+    assert len(calls) == 3
+
 
 def test_a_failing_mapping_is_an_error_naming_the_node(monkeypatch):
     """A mapping that breaks (not one that declines with Unmapped) is a bug: an error, never an opaque op."""
