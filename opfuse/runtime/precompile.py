@@ -13,7 +13,9 @@ cache: a launch a worker could not compile is compiled by the tuner as before, a
 Workers are `python -m opfuse.runtime.precompile` processes (not multiprocessing's spawn, which would run the
 user's script again in each), `compile_workers` of them, each on the caller's GPU (`CompilePool`). Each takes one
 launch at a time, as JSON on its stdin, and is handed the next when it answers, so that one slow compile holds one
-worker and not a share of the others' work. `opfuse.compile` starts its pool before it captures the model
+worker and not a share of the others' work; a worker that dies or outlasts its round is replaced, at most once per
+worker the pool started with. A worker makes its CUDA context when its first launch comes: a compile whose every
+kernel is cached leaves the GPU's memory to the model while it is checked and verified. `opfuse.compile` starts its pool before it captures the model
 (`compile_pool`): the workers import torch and Triton while the model is captured and planned, and every
 precompile of that compile (the tuner's two rounds, the build again after a split back) uses them.
 """
@@ -122,7 +124,8 @@ def distinct_compiles(records: Sequence[LaunchRecord]) -> list[LaunchRecord]:
 class CompilePool:
     """`workers` compile processes on GPU `device_index`, started by `start` (at once, not waiting for them to be
     ready), fed one launch at a time by `compile`, ended by `close`. A worker that dies or outlasts a deadline is
-    gone for the rest of the pool's life; the launches it held are left to the tuner."""
+    replaced by a new one while `restarts` lasts (as many as `workers`), else gone for the rest of the pool's life;
+    the launch it held is left to the tuner."""
 
     def __init__(self, workers: int, device_index: int, command: Sequence[str] | None = None):
         self.workers, self.device_index = workers, device_index
@@ -130,6 +133,7 @@ class CompilePool:
         self.command = list(command or [sys.executable, "-m", "opfuse.runtime.precompile", "--serve",
                                         str(device_index)])
         self.processes: list[subprocess.Popen] = []
+        self.restarts = workers
         self.started = False
         self.done: set[tuple] = set()     # the `compile_key`s compiled already: a later round skips them
 
@@ -137,12 +141,14 @@ class CompilePool:
         if self.started:
             return self
         self.started = True
+        self.processes = [self._spawn() for _ in range(self.workers)]
+        return self
+
+    def _spawn(self) -> subprocess.Popen:
         root = str(Path(__file__).resolve().parents[2])      # where the opfuse package is, for the workers' import
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        self.processes = [subprocess.Popen(self.command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                           stderr=subprocess.DEVNULL, bufsize=0)
-                          for _ in range(self.workers)]
-        return self
+        return subprocess.Popen(self.command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, bufsize=0)
 
     def compile(self, records: Sequence[LaunchRecord], timeout: float | None = None) -> int:
         """Compile `records` in the live workers, each given the next as it answers; how many compiled (those the
@@ -165,7 +171,12 @@ class CompilePool:
                 busy[process] = b""
                 selector.register(process.stdout, selectors.EVENT_READ, process)
             except OSError:                              # it died: the launch goes to the tuner
-                self._drop(process)
+                replace(process)
+
+        def replace(process: subprocess.Popen) -> None:
+            fresh = self._drop(process)
+            if fresh is not None:
+                idle.append(fresh)
 
         while busy or (pending and idle):
             while pending and idle:
@@ -174,7 +185,7 @@ class CompilePool:
                 break
             events = selector.select(timeout=max(0.0, deadline - time.monotonic()))
             if not events:                               # past the deadline: the stuck workers go
-                for process in list(busy):
+                for process in list(busy):                # (their replacements are for the next round)
                     selector.unregister(process.stdout)
                     busy.pop(process)
                     self._drop(process)
@@ -185,7 +196,7 @@ class CompilePool:
                 if not data:                             # it died with the launch
                     selector.unregister(process.stdout)
                     busy.pop(process)
-                    self._drop(process)
+                    replace(process)
                     continue
                 busy[process] += data
                 answers = [line for line in busy[process].split(b"\n")[:-1] if line.startswith(REPLY)]
@@ -199,10 +210,16 @@ class CompilePool:
         selector.close()
         return compiled
 
-    def _drop(self, process: subprocess.Popen) -> None:
+    def _drop(self, process: subprocess.Popen) -> subprocess.Popen | None:
+        """Kill `process`; its replacement, if `restarts` lasts."""
         process.kill()
         process.wait()
         self.processes.remove(process)
+        if self.restarts <= 0:
+            return None
+        self.restarts -= 1
+        self.processes.append(fresh := self._spawn())
+        return fresh
 
     def close(self) -> None:
         """End the workers now, not waiting for any still starting (a compile whose every kernel was cached is
@@ -328,15 +345,20 @@ def _compile(record: LaunchRecord, modules: dict[str, object]) -> bool:
         return False
 
 
+def answer(ok: bool) -> bytes:
+    """A worker's reply to one launch: `REPLY` on a line of its own, even after output that ended mid-line."""
+    return b"\n" + REPLY + (b"1" if ok else b"0") + b"\n"
+
+
 def _serve(device_index: int) -> int:
-    """Compile each launch read from stdin (one JSON line each) and answer each on stdout (`REPLY`), until the
-    input ends."""
-    torch.cuda.set_device(device_index)
-    torch.cuda.init()
+    """Compile each launch read from stdin (one JSON line each) and `answer` each on stdout, until the input ends;
+    the CUDA context is made when the first launch comes."""
     modules: dict[str, object] = {}
-    for line in sys.stdin.buffer:
+    for count, line in enumerate(sys.stdin.buffer):
+        if count == 0:
+            torch.cuda.set_device(device_index)
         ok = _compile(_decode(json.loads(line)), modules)
-        sys.stdout.buffer.write(REPLY + (b"1" if ok else b"0") + b"\n")
+        sys.stdout.buffer.write(answer(ok))
         sys.stdout.buffer.flush()
     return 0
 

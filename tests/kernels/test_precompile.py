@@ -120,7 +120,8 @@ def test_launches_that_compile_alike_are_compiled_once():
 
 
 # a stand-in worker: answers each launch as a worker does, after sleeping as long as the launch's first argument
-# says (when it is a number); a launch of function "die" kills it, "chatty" prints a line of its own first, "fail" does not compile
+# says (when it is a number); a launch of function "die" kills it, "chatty" prints a line of its own first, "glued"
+# output that does not end its line, "fail" does not compile; the answer is `answer`'s bytes
 STAND_IN_WORKER = r"""
 import json, sys, time, os
 for line in sys.stdin.buffer:
@@ -131,7 +132,9 @@ for line in sys.stdin.buffer:
         time.sleep(item["args"][0])
     if item["function"] == "chatty":
         sys.stdout.buffer.write(b"a warning of its own\n")
-    sys.stdout.buffer.write(b"opfuse-compiled " + (b"0" if item["function"] == "fail" else b"1") + b"\n")
+    if item["function"] == "glued":
+        sys.stdout.buffer.write(b"a progress bar with no newline")
+    sys.stdout.buffer.write(ANSWER[item["function"] != "fail"])
     sys.stdout.buffer.flush()
 """
 
@@ -141,7 +144,10 @@ def stand_in_pool(workers: int):
 
     from opfuse.runtime.precompile import CompilePool
 
-    return CompilePool(workers, 0, command=[sys.executable, "-c", STAND_IN_WORKER]).start()
+    from opfuse.runtime.precompile import answer
+
+    script = f"ANSWER = {[answer(False), answer(True)]!r}\n" + STAND_IN_WORKER
+    return CompilePool(workers, 0, command=[sys.executable, "-c", script]).start()
 
 
 def launch(function: str, seconds: float = 0.0) -> LaunchRecord:
@@ -165,17 +171,30 @@ def test_a_pool_hands_out_launches_as_its_workers_finish():
     assert pool.processes == []
 
 
-def test_a_pool_outlives_a_dying_worker_and_ignores_other_output():
+def test_a_pool_replaces_a_dying_worker_and_ignores_other_output():
+    import time
+
     pool = stand_in_pool(2)
     try:
-        done = pool.compile([launch("die"), launch("chatty"), launch("ok"), launch("chatty")])
-        assert done == 3 and len(pool.processes) == 1      # the launch the dead worker held is the tuner's
-        assert pool.compile([launch("ok", 0.01), launch("ok", 0.02), launch("fail")]) == 2   # on with the one left
+        start = time.monotonic()
+        done = pool.compile([launch("die"), launch("chatty"), launch("ok"), launch("glued"), launch("chatty")])
+        assert time.monotonic() - start < 10.0            # the glued answer was read when it came, not at the deadline
+        assert done == 4 and len(pool.processes) == 2      # the launch the dead worker held is the tuner's
+        assert pool.compile([launch("ok", 0.01), launch("ok", 0.02), launch("fail")]) == 2
     finally:
         pool.close()
 
 
-def test_a_pool_kills_workers_past_the_deadline():
+def test_a_pool_replaces_each_worker_at_most_once():
+    pool = stand_in_pool(1)
+    try:
+        assert pool.compile([launch("die"), launch("die"), launch("ok")]) == 0
+        assert pool.processes == [] and pool.restarts == 0  # the first died, then its replacement
+    finally:
+        pool.close()
+
+
+def test_a_pool_kills_workers_past_the_deadline_and_starts_others():
     import time
 
     pool = stand_in_pool(2)
@@ -183,7 +202,8 @@ def test_a_pool_kills_workers_past_the_deadline():
         start = time.monotonic()
         done = pool.compile([launch("stuck", 30.0), launch("ok")], timeout=1.0)
         assert time.monotonic() - start < 5.0
-        assert done == 1 and len(pool.processes) == 1
+        assert done == 1 and len(pool.processes) == 2
+        assert pool.compile([launch("ok", 0.01), launch("ok", 0.02)]) == 2   # the next round has both workers
     finally:
         pool.close()
 
