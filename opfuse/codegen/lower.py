@@ -36,10 +36,10 @@ ANCHOR_LOWERINGS = {
 }
 CONV_CONV_LOWERING = ("opfuse.codegen.conv_conv", "lower_conv_conv_group")
 SQUEEZE_LOWERING = ("opfuse.codegen.squeeze", "lower_squeeze_group")
-# the anchor templates pick tiles and K slices for a GPU: they take its profile (`hw`)
-ON_TILES = frozenset(ANCHOR_LOWERINGS.values()) | {CONV_CONV_LOWERING, SQUEEZE_LOWERING}
 POINTWISE_LOWERING = ("opfuse.codegen.pointwise", "lower_pointwise_group")
 REDUCTION_LOWERING = ("opfuse.codegen.reduction", "lower_reduction_group")
+# the anchor templates pick tiles and K slices for a GPU, reductions their row slices: they take its profile (`hw`)
+ON_TILES = frozenset(ANCHOR_LOWERINGS.values()) | {CONV_CONV_LOWERING, SQUEEZE_LOWERING, REDUCTION_LOWERING}
 
 # kinds that never get a kernel of ours, and why
 NO_KERNEL_KINDS = {

@@ -2,11 +2,16 @@
 
 Two templates:
 - rows (`RowReductionKernel`): softmax over any dim, layer_norm over the last dims (weight, bias), rms_norm
-  over the last dim (weight), mean/sum/any over given dims, and adaptive_avg_pool2d to (1,1) (global average pool = mean over H, W). The reduction input is viewed
-  as [rows, L] (kept dims x reduced dims, through its strides); a program takes BLOCK_M rows and walks each row in
-  chunks of BLOCK_L. When one chunk holds the row (ONE_PASS) it stays in registers: one read, one write. Otherwise
-  softmax keeps an online max and sum, layer norm merges per-chunk mean and M2 (Chan et al.), and a second sweep
-  recomputes the prologue and writes the result: two reads, one write.
+  over the last dim (weight), mean/sum/any over given dims, and adaptive_avg_pool2d to (1,1) (global average pool
+  = mean over H, W). The reduction input is viewed as [rows, L] (kept dims x reduced dims, through its strides); a
+  program takes BLOCK_M rows and walks each row in chunks of BLOCK_L. When one chunk holds the row (ONE_PASS) it
+  stays in registers: one read, one write. Otherwise softmax keeps an online max and sum, layer norm merges
+  per-chunk mean and M2 (Chan et al.), and a second sweep recomputes the prologue and writes the result: two
+  reads, one write. A sum or mean with fewer row blocks than the GPU has SMs (a squeeze-and-excitation pool of
+  few channels over a large image, any reduction at batch 1) splits each row into SPLIT slices: launch one
+  (PHASE 0, programs over row blocks x slices) writes each slice's float32 sum to a workspace, launch two (PHASE
+  1) adds a row's SPLIT sums in order and runs the epilogue. Deterministic, no atomics; the unsplit form is an
+  alternative the autotuner times beside it.
 - pools (`PoolKernel`): max_pool2d / avg_pool2d (kernel, stride, padding, dilation, ceil_mode) and divisible
   adaptive_avg_pool2d on NHWC: a program takes [BLOCK_P output pixels, BLOCK_C channels] and visits the window taps.
 
@@ -16,7 +21,6 @@ stored on the first sweep); the epilogue is evaluated at the reduction's output 
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -26,10 +30,11 @@ from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported
 from opfuse.codegen.operands import (VIEW_OPS, Coords, Emitter, Region, TemplateKernel, broadcast_coords,
                                      build_kernel, group_operands, held_constants, interpreting, next_power_of_2)
 from opfuse.fusion.plan import FusionGroup
+from opfuse.fusion.tiles import ROW_SPLIT_MODES, RowView, row_tiles, row_view
+from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import FusionKind, kind_of
 
-ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "any")
 POOL_OPS = ("max_pool2d", "avg_pool2d")
 NEG_INF = 'float("-inf")'
 # softmax's running max never drops below this finite floor: a chunk of only -inf (a padding mask) would
@@ -37,23 +42,24 @@ NEG_INF = 'float("-inf")'
 MAX_FLOOR = "-3.0e38"
 
 
-def lower_reduction_group(graph: Graph, group: FusionGroup, device) -> TemplateKernel:
-    """Lower a group of one reduction with elementwise prologue/epilogue ops to one Triton kernel."""
+def lower_reduction_group(graph: Graph, group: FusionGroup, device, hw: HardwareProfile | None = None
+                          ) -> TemplateKernel:
+    """Lower a group of one reduction with elementwise prologue/epilogue ops to one Triton kernel, its tiles for
+    GPU `hw` (default: the default profile)."""
     group_operands(graph, group)
     node = reduction_node(graph, group)
     x_shape = graph[node.inputs[0]].type.shape
+    view = row_view(graph, node)
+    if view is not None:
+        return RowReductionKernel(graph, group, device, node, view, (hw or get_hardware()).sm_count)
     if node.op == "adaptive_avg_pool2d":
         out_h, out_w = node.type.shape[-2:]
-        if (out_h, out_w) == (1, 1):
-            return RowReductionKernel(graph, group, device, node, "mean", [len(x_shape) - 2, len(x_shape) - 1])
         if len(x_shape) != 4 or x_shape[2] % out_h or x_shape[3] % out_w:
             raise Unsupported(f"{node.describe()}: adaptive pooling to {out_h}x{out_w} of {x_shape[2]}x"
                               f"{x_shape[3]} has uneven windows")
         return PoolKernel(graph, group, device, node)
     if node.op in POOL_OPS:
         return PoolKernel(graph, group, device, node)
-    if node.op in ROW_OPS:
-        return RowReductionKernel(graph, group, device, node, node.op, reduced_dims(node, len(x_shape)))
     raise Unsupported(f"no reduction template for {node.describe()}")
 
 
@@ -67,21 +73,6 @@ def reduction_node(graph: Graph, group: FusionGroup) -> Node:
         if node is not reductions[0] and node.op not in SUPPORTED_OPS and node.op not in VIEW_OPS:
             raise Unsupported(f"node {node.describe()} in group {group.name} is neither elementwise nor a view")
     return reductions[0]
-
-
-def reduced_dims(node: Node, rank: int) -> list[int]:
-    if node.op == "softmax":
-        return [node.attrs["dim"] % rank]
-    if node.op == "layer_norm":
-        normalized = node.attrs["normalized_shape"]
-        return list(range(rank - (1 if isinstance(normalized, int) else len(normalized)), rank))
-    if node.op == "rms_norm":
-        return [rank - 1]
-    dims = node.attrs.get("dims")
-    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        return list(range(rank))
-    dims = [dims] if isinstance(dims, int) else dims
-    return sorted({d % rank for d in dims})
 
 
 def split_outputs(graph: Graph, group: FusionGroup, node: Node) -> tuple[list[str], list[str]]:
@@ -114,19 +105,17 @@ def indent(lines: Sequence[str], depth: int = 1) -> list[str]:
 
 
 class RowReductionKernel(TemplateKernel):
-    """softmax / layer_norm / rms_norm / mean / sum / any over some dims of one input, BLOCK_M rows a program."""
+    """softmax / layer_norm / rms_norm / mean / sum / any over some dims of one input, BLOCK_M rows a program; a
+    sum or mean in SPLIT slices per row where the row blocks alone would leave most of `sm_count` SMs idle."""
 
-    def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, mode: str, dims: list[int]):
-        self.node, self.mode = node, mode
+    def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, view: RowView, sm_count: int):
+        self.node, self.view, self.mode, self.sm_count = node, view, view.mode, sm_count
         x = graph[node.inputs[0]]
         shape = x.type.shape
-        self.reduced = dims
-        self.kept = [d for d in range(len(shape)) if d not in dims]
-        self.rows = math.prod(shape[d] for d in self.kept)
-        self.length = math.prod(shape[d] for d in dims)
-        # a reduction over H, W of an NHWC image finds the kept channels adjacent in memory: tile many rows and
-        # short chunks (a 4-D attention softmax over the last dim is not such a case)
-        self.channels_inner = len(shape) == 4 and 1 in self.kept and {2, 3} <= set(dims)
+        mode = view.mode
+        self.reduced = list(view.dims)
+        self.kept = [d for d in range(len(shape)) if d not in view.dims]
+        self.rows, self.length, self.channels_inner = view.rows, view.length, view.channels_inner
         prologue, epilogue = split_outputs(graph, group, node)
         constants, scalars = held_constants(graph, group, device)
         emitter = Emitter(graph, group, scalars)
@@ -148,7 +137,11 @@ class RowReductionKernel(TemplateKernel):
         else:
             body += self._sum(mode)
         constexprs = ["BLOCK_M", "BLOCK_L", "ONE_PASS", "INT64"]
-        name, source, function = build_kernel(graph, group, emitter, body, constexprs)
+        params: list[str] = []
+        if mode in ROW_SPLIT_MODES:
+            constexprs += ["SPLIT", "PHASE", "SPAN"]
+            params.append("partials_ptr")
+        name, source, function = build_kernel(graph, group, emitter, body, constexprs, params)
         super().__init__(graph, group, name, source, device, emitter.args, constants, function)
 
     def output_channels_last(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
@@ -274,42 +267,59 @@ class RowReductionKernel(TemplateKernel):
         return region.assign(f"{normalized} * {weight}")
 
     def _sum(self, mode: str) -> list[str]:
-        """mean, sum, or any (a running max of x != 0, as 1.0 / 0.0)."""
-        chunk, region, _, x = self._chunk("start + lanes", True)
-        lines = ["acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)"]
-        step = (f"acc = tl.maximum(acc, tl.where(mask & (({x}) != 0.0), 1.0, 0.0))" if mode == "any"
-                else f"acc += tl.where(mask, {x}, 0.0)")
-        lines += self._loop(chunk + region.lines + [step])
-        total = "tl.max(acc, axis=1)[:, None]" if mode == "any" else "tl.sum(acc, axis=1)[:, None]"
-        lines.append(f"result = {total}" + (f" / {self.length}" if mode == "mean" else ""))
+        """mean, sum, or any (a running max of x != 0, as 1.0 / 0.0); a sum or mean also in slices (SPLIT > 1:
+        PHASE 0 sums a slice of SPAN lanes of each row into the workspace, PHASE 1 adds them up)."""
+        def accumulate(first: str) -> list[str]:
+            chunk, region, _, x = self._chunk("start + lanes", True)
+            step = (f"acc = tl.maximum(acc, tl.where(mask & (({x}) != 0.0), 1.0, 0.0))" if mode == "any"
+                    else f"acc += tl.where(mask, {x}, 0.0)")
+            return ["acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)",
+                    f"for start in range({first}, BLOCK_L):"] + indent(chunk + region.lines + [step])
+
         out_shape = self.node.type.shape
         if len(out_shape) == len(self._shape):       # keepdim: reduced dims stay with size 1
             coords = tuple(None if d in self.reduced else self._kept[d] for d in range(len(out_shape)))
         else:
             coords = tuple(self._kept[d] for d in self.kept)
-        region = self._emitter.region("[BLOCK_M, 1]", "row_mask")
-        return self._finish(lines, region, coords, "result")
+        scale = f" / {self.length}" if mode == "mean" else ""
+
+        def finish(lines: list[str], total: str) -> list[str]:
+            region = self._emitter.region("[BLOCK_M, 1]", "row_mask")
+            return self._finish(lines + [f"result = {total}{scale}"], region, coords, "result")
+
+        whole = finish(accumulate(f"0, {self.length}"), "tl.max(acc, axis=1)[:, None]" if mode == "any"
+                       else "tl.sum(acc, axis=1)[:, None]")
+        if mode not in ROW_SPLIT_MODES:
+            return whole
+        rows = self.rows
+        partial = (["part = tl.program_id(1)"] + accumulate("part * SPAN, part * SPAN + SPAN")
+                   + [f"tl.store(partials_ptr + part * {rows} + rows, tl.sum(acc, axis=1)[:, None], mask=row_mask)"])
+        total = finish(["parts = tl.arange(0, SPLIT)[None, :]",
+                        f"sums = tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other=0.0)"],
+                       "tl.sum(sums, axis=1)[:, None]")
+        return (["if SPLIT == 1:"] + indent(whole) + ["elif PHASE == 0:"] + indent(partial)
+                + ["else:"] + indent(total))
 
     # ---- runtime ----------------------------------------------------------------------------------
     def configs(self) -> list[KernelConfig]:
-        rows, length = next_power_of_2(self.rows), next_power_of_2(self.length)
+        split = self.mode in ROW_SPLIT_MODES
         if interpreting():
-            return [KernelConfig.of(BLOCK_M=min(rows, 16), BLOCK_L=min(length, 128), num_warps=1)]
-        if self.channels_inner:     # tiles of adjacent channels; larger ones keep more bytes in flight
-            shapes = [(64, 64), (64, 32), (128, 16), (32, 256), (128, 64)]
-        else:
-            block_l = min(length, 4096)
-            shapes = [(max(1, min(rows, target // block_l)), block_l) for target in (2048, 4096, 1024)]
-            if length > 4096:
-                shapes.append((1, 2048))
-        configs = []
-        for block_m, block_l in shapes:
-            block_m, block_l = min(block_m, rows), min(block_l, length)
-            config = KernelConfig.of(BLOCK_M=block_m, BLOCK_L=block_l,
-                                     num_warps=4 if block_m * block_l <= 2048 else 8)
-            if config not in configs:
-                configs.append(config)
-        return configs
+            return [KernelConfig.of(BLOCK_M=min(next_power_of_2(self.rows), 16), num_warps=1,
+                                    BLOCK_L=min(next_power_of_2(self.length), 128), **({"SPLIT": 1} if split else {}))]
+        return [KernelConfig.of(BLOCK_M=block_m, BLOCK_L=block_l, **({"SPLIT": slices} if split else {}),
+                                num_warps=4 if block_m * block_l <= 2048 else 8)
+                for block_m, block_l, slices in row_tiles(self.view, self.sm_count)]
+
+    def alternatives(self, library: bool = True) -> list[KernelConfig]:
+        """The first config unsplit, where it is split."""
+        first = self.configs()[0]
+        if dict(first.params).get("SPLIT", 1) == 1:
+            return []
+        return [KernelConfig.of(first.num_warps, first.num_stages, **(dict(first.params) | {"SPLIT": 1}))]
+
+    def launches(self, config: KernelConfig | None = None) -> int:
+        config = config or self.configs()[0]
+        return 2 if dict(config.params).get("SPLIT", 1) > 1 else 1
 
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
             outputs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -317,10 +327,28 @@ class RowReductionKernel(TemplateKernel):
         config = config or self.configs()[0]
         tensors = self.bind(inputs)
         results = self.outputs_for(tensors, outputs)
-        programs = -(-self.rows // config["BLOCK_M"])
-        self.launch((programs,), config, tensors | dict(zip(self.group.outputs, results)),
-                    (programs + 1) * config["BLOCK_M"] + self.length + config["BLOCK_L"],
-                    ONE_PASS=config["BLOCK_L"] >= self.length)
+        tensors |= dict(zip(self.group.outputs, results))
+        block_m, block_l = config["BLOCK_M"], config["BLOCK_L"]
+        programs = -(-self.rows // block_m)
+        index_space = (programs + 1) * block_m + self.length + block_l
+        one_pass = block_l >= self.length
+        if self.mode not in ROW_SPLIT_MODES:
+            self.launch((programs,), config, tensors, index_space, ONE_PASS=one_pass)
+            return results
+        params = dict(config.params)
+        if "SPLIT" not in params:       # a config of no slices, written without them
+            config = KernelConfig.of(config.num_warps, config.num_stages, **params, SPLIT=1)
+        split = config["SPLIT"]
+        if split == 1:      # the workspace pointer is not read: any tensor stands for it
+            self.launch((programs,), config, tensors, index_space, ONE_PASS=one_pass, PHASE=0, SPAN=0,
+                        partials_ptr=results[0])
+            return results
+        span = -(-self.length // (split * block_l)) * block_l
+        partials = torch.empty(split * self.rows, dtype=torch.float32, device=self.device)
+        self.launch((programs, split), config, tensors, index_space + split * self.rows, ONE_PASS=False,
+                    PHASE=0, SPAN=span, partials_ptr=partials)
+        self.launch((programs,), config, tensors, index_space + split * self.rows, ONE_PASS=False, PHASE=1,
+                    SPAN=span, partials_ptr=partials)
         return results
 
 

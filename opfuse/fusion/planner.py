@@ -40,8 +40,8 @@ from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKin
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, conv_chain, conv_conv_key, conv_conv_slice_table, gemm_view
 from opfuse.fusion.squeeze import global_average, squeeze_chain
-from opfuse.fusion.tiles import (MIN_SPLIT_STEPS, anchor_grid, anchor_loop, anchor_tiles, split_k_slices,
-                                 split_k_table, tile_key)
+from opfuse.fusion.tiles import (MIN_SPLIT_STEPS, anchor_grid, anchor_loop, anchor_tiles, row_tiles, row_view,
+                                 split_k_slices, split_k_table, tile_key)
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import DTYPE_BYTES, WIDE_INTEGERS, Graph, Node
 from opfuse.ir.ops import FusionKind, kind_of, view_copies
@@ -724,6 +724,10 @@ class _Planner:
             why = self.explain(group, kind, refusals)
             reason = why.text
             table, default_slices, time, unsplit = self.split_k(nodes, kind, estimate)
+            row_slices, time = self.row_slices(nodes, time)
+            if row_slices > 1:
+                reason += (f"; its rows split into {row_slices} slices, summed with the epilogue by a second "
+                           "kernel (the row blocks alone would leave most SMs idle)")
             if default_slices > 1:
                 reason += (f"; split-K: {default_slices} slices of the reduction, summed with the epilogue by a "
                            "second kernel (the tile grid alone would leave most SMs idle)")
@@ -735,9 +739,24 @@ class _Planner:
                 id=new_id, kind=kind, nodes=list(nodes), anchor=estimate.anchor, inputs=list(traffic.inputs),
                 outputs=list(traffic.outputs), flops=traffic.flops, bytes_read=traffic.bytes_read,
                 bytes_written=traffic.bytes_written, predicted_time=time,
-                launches=0 if kind is GroupKind.VIEW and not self.copies(nodes) else 1 + (default_slices > 1),
+                launches=(0 if kind is GroupKind.VIEW and not self.copies(nodes)
+                          else 1 + (default_slices > 1) + (row_slices > 1)),
                 split_k=table, resources=estimate.resources, reason=reason, code=why.code))
         return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config, self.hw)
+
+    def row_slices(self, nodes: list[str], time: float) -> tuple[int, float]:
+        """(the row slices of the default tile of the group's row reduction, `time` with the second launch and
+        the float32 partial sums priced where it splits); 1 where it does not, or the group is no row reduction
+        (`opfuse.fusion.tiles.row_tiles`, the kernel's own rule)."""
+        reductions = [self.graph[n] for n in nodes if kind_of(self.graph[n]) is FusionKind.REDUCTION]
+        view = row_view(self.graph, reductions[0]) if len(reductions) == 1 else None
+        if view is None:
+            return 1, time
+        slices = row_tiles(view, self.hw.sm_count)[0][2]
+        if slices == 1:
+            return 1, time
+        partials = 2 * slices * view.rows * 4
+        return slices, time + (self.hw.launch_overhead + partials / self.hw.memory_bandwidth) * self.hw.time_factor
 
     def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate
                 ) -> tuple[dict[str, int], int, float, str]:

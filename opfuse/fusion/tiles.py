@@ -11,10 +11,16 @@ conv computes together; `anchor_loop(graph, anchor)` says which loop a graph's a
 rules, and the plan always follows them; only the kernels, under Triton's interpreter (tests, `interpreting()`),
 run one tiny tile instead (`INTERPRETER`, whose K slices the plan decides too), so there an interpreted model may
 launch other split-K kernels than its plan counts.
+
+Row reductions (softmax, norms, sums and means, global pools) the same way: `row_view` says how the row template
+sees one, `row_tiles` lists its tiles with the row slices of each (`row_slices`), the default first, for the kernel
+and for the planner, which counts the second launch of a split default tile.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TypeVar
 
 from opfuse.environment import triton_interpreter
@@ -208,3 +214,92 @@ def anchor_loop(graph: Graph, anchor: str) -> tuple[int, bool]:
     if conv_as_gemm((kh, kw), node.attrs.get("padding", 0), int(node.attrs.get("groups", 1))):
         return 1, False
     return kh * kw, cin_per_group < GATHER_CHANNELS
+
+
+# ---- row reductions ----------------------------------------------------------------------------------------
+
+ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "any")
+ROW_SPLIT_MODES = ("sum", "mean")   # the reductions whose rows split into slices
+MAX_ROW_SLICES = 128                # slices of a row at most: the second launch holds [BLOCK_M, SPLIT] float32 sums
+
+
+@dataclass(frozen=True)
+class RowView:
+    """A reduction as the row template sees it (`opfuse.codegen.reduction.RowReductionKernel`): `mode` over the
+    input's `dims`, as [rows, length] (kept x reduced elements); `channels_inner` for one over H, W of an NCHW
+    image, whose kept channels lie adjacent in channels-last memory."""
+
+    mode: str
+    dims: tuple[int, ...]
+    rows: int
+    length: int
+    channels_inner: bool
+
+
+def row_view(graph: Graph, node) -> RowView | None:
+    """How the row template computes `node`, or None where it does not (pools, adaptive pools to other sizes)."""
+    shape = graph[node.inputs[0]].type.shape
+    rank = len(shape)
+    if node.op == "adaptive_avg_pool2d":
+        if tuple(node.type.shape[-2:]) != (1, 1):
+            return None
+        mode, dims = "mean", [rank - 2, rank - 1]
+    elif node.op in ROW_OPS:
+        mode, dims = node.op, _reduced_dims(node, rank)
+    else:
+        return None
+    kept = [d for d in range(rank) if d not in dims]
+    return RowView(mode, tuple(dims), math.prod(shape[d] for d in kept), math.prod(shape[d] for d in dims),
+                   rank == 4 and 1 in kept and {2, 3} <= set(dims))
+
+
+def _reduced_dims(node, rank: int) -> list[int]:
+    if node.op == "softmax":
+        return [node.attrs["dim"] % rank]
+    if node.op == "layer_norm":
+        normalized = node.attrs["normalized_shape"]
+        return list(range(rank - (1 if isinstance(normalized, int) else len(normalized)), rank))
+    if node.op == "rms_norm":
+        return [rank - 1]
+    dims = node.attrs.get("dims")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(rank))
+    dims = [dims] if isinstance(dims, int) else dims
+    return sorted({d % rank for d in dims})
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def row_tiles(view: RowView, sm_count: int) -> list[tuple[int, int, int]]:
+    """The (BLOCK_M rows, BLOCK_L lanes, SPLIT slices) tiles the row template tries on a GPU, its default first:
+    many rows of short chunks where the kept channels are adjacent (larger tiles keep more bytes in flight), else
+    about 2048-4096 elements a program along the row; each split by `row_slices`."""
+    rows, length = _pow2(view.rows), _pow2(view.length)
+    if view.channels_inner:
+        shapes = [(64, 64), (64, 32), (128, 16), (32, 256), (128, 64)]
+    else:
+        block_l = min(length, 4096)
+        shapes = [(max(1, min(rows, target // block_l)), block_l) for target in (2048, 4096, 1024)]
+        if length > 4096:
+            shapes.append((1, 2048))
+    tiles: list[tuple[int, int, int]] = []
+    for block_m, block_l in shapes:
+        block_m, block_l = min(block_m, rows), min(block_l, length)
+        tile = (block_m, block_l, row_slices(view, block_m, block_l, sm_count))
+        if tile not in tiles:
+            tiles.append(tile)
+    return tiles
+
+
+def row_slices(view: RowView, block_m: int, block_l: int, sm_count: int) -> int:
+    """SPLIT for a tile of a sum or mean: a power of two giving about two programs per SM, each slice two chunks
+    or more; 1 for other modes and where the row blocks alone fill the SMs."""
+    programs = -(-view.rows // block_m)
+    if view.mode not in ROW_SPLIT_MODES or programs >= sm_count:
+        return 1
+    split = min(_pow2(-(-2 * sm_count // programs)), MAX_ROW_SLICES)
+    while split > 1 and split * 2 * block_l > view.length:
+        split //= 2
+    return split

@@ -184,6 +184,37 @@ def test_the_prologue_value_of_a_mean_over_h_w_keeps_its_inputs_layout():
     assert kernel.channels_inner and stored.is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.parametrize("split", [2, 4])
+def test_a_mean_in_row_slices_keeps_its_prologue_output_and_epilogue(split):
+    """SPLIT slices of each row (the last one empty at 4: 35 lanes in slices of 12), summed by a second launch."""
+    b = Builder()
+    h = b.op("relu", b.op("add", b.input("x", (2, 6, 5, 7)), b.input("r", (2, 6, 5, 7))))
+    pooled = b.op("adaptive_avg_pool2d", h, output_size=[1, 1])
+    config = KernelConfig.of(BLOCK_M=4, BLOCK_L=4, SPLIT=split, num_warps=1)
+    kernel, _ = run_group(b, [h, b.op("sigmoid", pooled)], config)
+    assert kernel.launches(config) == 2 and kernel.launches(KernelConfig.of(BLOCK_M=4, BLOCK_L=4, SPLIT=1)) == 1
+
+
+def test_rows_split_where_their_blocks_leave_sms_idle():
+    from opfuse.fusion.tiles import row_slices, row_tiles
+
+    b = Builder()
+    few = b.op("mean", b.input("x", (2, 8, 64, 64)), dims=[2, 3], keepdim=True)     # 16 rows of 4096
+    kernel = lower_reduction_group(b.graph, b.group([few]), "cpu")
+    assert kernel.sm_count == 132                         # the default profile's, an H200's
+    assert row_slices(kernel.view, 64, 64, 132) == 32     # 1 program -> 32 slices of 128 lanes, 2 chunks each
+    assert row_slices(kernel.view, 64, 256, 132) == 8
+    assert row_tiles(kernel.view, 132)[0] == (16, 64, 32)  # rows past the 16 are not tiled
+    b = Builder()
+    many = b.op("mean", b.input("x", (300, 64, 2, 2)), dims=[2, 3], keepdim=True)   # 19200 rows: no split
+    assert row_slices(lower_reduction_group(b.graph, b.group([many]), "cpu").view, 64, 64, 132) == 1
+    b = Builder()
+    norm = b.op("softmax", b.input("x", (2, 4096)), dim=-1)                           # not a sum: never split
+    kernel = lower_reduction_group(b.graph, b.group([norm]), "cpu")
+    assert "SPLIT" not in kernel.source and kernel.alternatives() == []
+    assert all(slices == 1 for _, _, slices in row_tiles(kernel.view, 132))
+
+
 def test_mean_then_cast_float16():
     b = Builder("float16")
     y = b.op("mean", b.input("x", (2, 12, 3, 5)), dims=[2, 3], keepdim=False)
