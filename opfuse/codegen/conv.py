@@ -184,9 +184,11 @@ def KERNEL_NAME(
 '''
 
 
-# [pixels, channels] tiles, in the order measured best on an H200 for MobileNet-sized layers, then
-# smaller ones for layers too small to fill the GPU with those (`depthwise_configs`)
+# [pixels, channels] tiles, in the order measured best on an H200 for MobileNet-sized layers (64 x 32 second: it
+# beat 128 x 32 on EfficientNet's batch-64 layers, RESULTS.md run 55), then smaller ones for layers too small to
+# fill the GPU with those (`depthwise_configs`)
 DEPTHWISE_CONFIGS = [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=128, BLOCK_N=32),
+                     KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=64, BLOCK_N=32),
                      KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=64, BLOCK_N=64),
                      KernelConfig.of(num_warps=8, num_stages=1, BLOCK_M=256, BLOCK_N=32),
                      KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=32, BLOCK_N=128),

@@ -43,11 +43,16 @@ LARGE = [_tile(128, 128, 64, 8, 4), _tile(128, 256, 64, 8, 3), _tile(128, 128, 6
 MEDIUM = [_tile(128, 64, 32, 4, 4), _tile(64, 128, 32, 4, 4), _tile(64, 64, 64, 4, 3), _tile(64, 64, 32, 4, 4)]
 SMALL_M = [_tile(16, 32, 128, 4, 4), _tile(16, 64, 128, 4, 4), _tile(16, 32, 256, 4, 3), _tile(16, 128, 64, 4, 4),
            _tile(32, 64, 64, 4, 4), _tile(32, 128, 64, 4, 3)]
+# 32-column tiles for GEMMs whose output store is the whole cost (a reduction of 32 or less, or 32 output columns
+# or less): in the sweep of RESULTS.md run 55 (EfficientNet's and MobileNet's batch-64 1x1 convs) a 32-wide tile
+# was the fastest of every kernel, 64 and 128 columns 1.03-1.9x slower; BLOCK_K 16 where K is (`narrow_tiles`)
+NARROW = [_tile(64, 32, 32, 4, 1), _tile(256, 32, 32, 4, 1), _tile(128, 32, 32, 4, 1), _tile(64, 32, 32, 4, 3)]
 # convolutions that gather taps (few input channels): 32-deep K blocks measured best (ResNet's 7x7 stem, H200)
 GATHER = _tile(64, 64, 32, 4, 4)
 GATHER_CHANNELS = 32                # input channels per group under which a conv gathers taps
 INTERPRETER = _tile(32, 32, 16, 4, 1)
-KERNEL_TILES = LARGE + MEDIUM + SMALL_M + [GATHER, INTERPRETER]    # every tile an anchor kernel may run
+KERNEL_TILES = LARGE + MEDIUM + SMALL_M + NARROW + [dict(t, BLOCK_K=16) for t in NARROW] + [GATHER, INTERPRETER]
+#              (every tile an anchor kernel may run)
 SHARED_SLACK = 27 * 1024    # a block's shared memory the operand pipeline leaves to the epilogue and Triton itself
 
 
@@ -72,13 +77,20 @@ def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
     The default rules were read off H200 fp16 measurements (CUDA-graph timed, 2026-11-30): ResNet-50 convs
     (3x3 64ch 56x56: 128x64x32 31.8 us vs 128x128x64 54.9 us; 1x1 64->256: 64x128x32 44.6 us vs 70.9 us),
     4096^3 linear (128x128x64 s4 258 us, 4-warp tiles 350+ us), batch-1 4096x4096 linear (16x32x128 10.3 us,
-    16x128x64 18.1 us).
+    16x128x64 18.1 us). A GEMM with a reduction of 32 or less, or 32 output columns or less, only stores: its
+    `NARROW` tiles come first (RESULTS.md run 55), the others after them.
     """
+    narrow = [t for t in narrow_tiles(k) if fits(t, itemsize, hw)]
     if m <= 32:
         candidates = [t for t in SMALL_M + MEDIUM[3:] if fits(t, itemsize, hw)]
         first = candidates[0]
+    elif narrow and (k <= 32 or n <= 32):      # the store is the whole cost: narrow tiles first, by occupancy
+        others = [t for t in LARGE + MEDIUM + SMALL_M[4:] if fits(t, itemsize, hw)]
+        ordered = [narrow[0]] + by_occupancy(narrow[1:], m, n, batch, hw.sm_count) + by_occupancy(
+            others, m, n, batch, hw.sm_count)
+        return [GATHER] + [t for t in ordered if t != GATHER] if gather else ordered
     else:
-        candidates = [t for t in LARGE + MEDIUM + SMALL_M[4:] if fits(t, itemsize, hw)]
+        candidates = [t for t in LARGE + MEDIUM + SMALL_M[4:] if fits(t, itemsize, hw)] + narrow
         if n <= 64:         # a 128-wide tile would leave half its columns idle
             first = _tile(64, 64, 64, 4, 3) if k <= 256 else _tile(128, 64, 32, 4, 4)
         elif k <= 256:      # short reduction: the output store dominates, small tiles keep more of it in flight
@@ -91,6 +103,11 @@ def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
     if gather:
         ordered = [GATHER] + [t for t in ordered if t != GATHER]
     return ordered
+
+
+def narrow_tiles(k: int) -> list[dict[str, int]]:
+    """`NARROW`, 16 deep for a reduction of 16 or less."""
+    return [dict(t, BLOCK_K=16) if k <= 16 else dict(t) for t in NARROW]
 
 
 def by_occupancy(tiles: list[Tile], m: int, n: int, batch: int, sm_count: int) -> list[Tile]:

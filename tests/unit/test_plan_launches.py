@@ -146,6 +146,22 @@ def test_tiles_mostly_past_the_output_edge_come_after_those_that_fit():
     assert anchor_tiles(64 * 28 * 28, 58, 58, 8, hw=hw)[1:4] == LARGE
 
 
+def test_gemms_that_only_store_take_narrow_tiles_first():
+    """A reduction of 32 or less (EfficientNet's 16 -> 96 expansion), or 32 columns or less (its 144 -> 24
+    projection): the 32-column tiles first, 16 deep where K is 16; a longer reduction over more columns (ResNet's
+    64 -> 256) keeps its default and lists the narrow tiles after every other."""
+    from opfuse.fusion.tiles import NARROW, anchor_tiles
+    from opfuse.hardware import get_hardware
+
+    hw = get_hardware("h200")
+    expand = anchor_tiles(64 * 112 * 112, 96, 16, hw=hw)
+    assert [t["BLOCK_N"] for t in expand[:4]] == [32] * 4 and {t["BLOCK_K"] for t in expand[:4]} == {16}
+    assert anchor_tiles(64 * 56 * 56, 24, 144, hw=hw)[0] == NARROW[0]
+    resnet = anchor_tiles(64 * 56 * 56, 256, 64, hw=hw)
+    assert (resnet[0]["BLOCK_M"], resnet[0]["BLOCK_N"]) == (64, 128)
+    assert resnet[-len(NARROW):] == NARROW and all(t["BLOCK_N"] > 32 for t in resnet[:-len(NARROW)])
+
+
 def test_each_config_runs_the_slices_its_own_grid_needs(gpu_tiles):
     """No change from when codegen counted the slices itself: for a long linear, a grouped 3x3 conv, a 3x3 and a 1x1
     conv over 7x7 pixels (resnet50's last stage at batch 1), every config of every split kernel runs
