@@ -13,11 +13,12 @@ cache: a launch a worker could not compile is compiled by the tuner as before, a
 Workers are `python -m opfuse.runtime.precompile` processes (not multiprocessing's spawn, which would run the
 user's script again in each), `compile_workers` of them, each on the caller's GPU (`CompilePool`). Each takes one
 launch at a time, as JSON on its stdin, and is handed the next when it answers, so that one slow compile holds one
-worker and not a share of the others' work; a worker that dies or outlasts its round is replaced, at most once per
-worker the pool started with. A worker makes its CUDA context when its first launch comes: a compile whose every
-kernel is cached leaves the GPU's memory to the model while it is checked and verified. `opfuse.compile` starts its pool before it captures the model
-(`compile_pool`): the workers import torch and Triton while the model is captured and planned, and every
-precompile of that compile (the tuner's two rounds, the build again after a split back) uses them.
+worker and not a share of the others' work; a worker that dies or outlasts its round is replaced while the
+pool's restarts last (as many as it started workers). A worker makes its CUDA context when its first launch comes:
+a compile whose every kernel is cached leaves the GPU's memory to the model while it is checked and verified.
+`opfuse.compile` starts its pool before it captures the model (`compile_pool`): the workers import torch and
+Triton while the model is captured and planned, and every precompile of that compile (the tuner's two rounds, the
+build again after a split back) uses them.
 """
 
 from __future__ import annotations
@@ -161,8 +162,13 @@ class CompilePool:
         deadline = time.monotonic() + (TIMEOUT_S if timeout is None else timeout)
         selector = selectors.DefaultSelector()
         busy: dict[subprocess.Popen, bytes] = {}         # a worker with a launch out -> what it has printed since
-        idle = [p for p in self.processes if p.poll() is None]
         held: dict[subprocess.Popen, LaunchRecord] = {}
+        idle = []
+        for process in list(self.processes):     # one that died between rounds is replaced too
+            if process.poll() is None:
+                idle.append(process)
+            elif (fresh := self._drop(process)) is not None:
+                idle.append(fresh)
 
         def hand_out(process: subprocess.Popen) -> None:
             held[process] = record = pending.pop()

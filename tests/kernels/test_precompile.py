@@ -185,11 +185,23 @@ def test_a_pool_replaces_a_dying_worker_and_ignores_other_output():
         pool.close()
 
 
-def test_a_pool_replaces_each_worker_at_most_once():
+def test_a_pool_replaces_as_many_workers_as_it_started():
     pool = stand_in_pool(1)
     try:
         assert pool.compile([launch("die"), launch("die"), launch("ok")]) == 0
         assert pool.processes == [] and pool.restarts == 0  # the first died, then its replacement
+    finally:
+        pool.close()
+
+
+def test_a_worker_that_died_between_rounds_is_replaced():
+    pool = stand_in_pool(2)
+    try:
+        assert pool.compile([launch("ok"), launch("ok")]) == 2
+        pool.processes[0].kill()
+        pool.processes[0].wait()
+        assert pool.compile([launch("ok", 0.01), launch("ok", 0.02)]) == 2
+        assert len(pool.processes) == 2 and all(p.poll() is None for p in pool.processes) and pool.restarts == 1
     finally:
         pool.close()
 
