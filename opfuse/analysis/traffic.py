@@ -96,12 +96,12 @@ def summarize_plan(plan: FusionPlan, hw: HardwareProfile | None = None,
     kernels = [g for g in plan.groups if g.launches and g.name not in pytorch]
     nodes = {name for g in plan.groups if g.name in pytorch for name in g.nodes}
     profile = get_hardware(config.hardware)
-    if hw is None or hw == profile:      # the planner's prices (split-K's reduce kernel and partial tiles in)
+    if hw is None or hw == profile:      # the planner's prices (second kernels of split-K and row splits in)
         time = sum(g.predicted_time for g in kernels)
     else:
         users = graph.users()
         time = sum(estimate_kernel(graph, g.nodes, users, hw, config.dtype).time for g in kernels)
-        time += sum(g.launches - 1 for g in kernels) * hw.launch_time     # split-K's reduce kernels
+        time += sum(g.launches - 1 for g in kernels) * hw.launch_time     # split-K's and row splits' second kernels
     rows = [r for r in op_table(graph, hw or profile, config) if r.name in nodes] \
         if nodes else []
     time += sum(r.predicted_time for r in rows)

@@ -724,10 +724,10 @@ class _Planner:
             why = self.explain(group, kind, refusals)
             reason = why.text
             table, default_slices, time, unsplit = self.split_k(nodes, kind, estimate)
-            row_slices, time = self.row_slices(nodes, time)
+            row_slices, time = self.row_slices(nodes, kind, estimate.anchor, time)
             if row_slices > 1:
                 reason += (f"; its rows split into {row_slices} slices, summed with the epilogue by a second "
-                           "kernel (the row blocks alone would leave most SMs idle)")
+                           "kernel (fewer row blocks than the GPU has SMs)")
             if default_slices > 1:
                 reason += (f"; split-K: {default_slices} slices of the reduction, summed with the epilogue by a "
                            "second kernel (the tile grid alone would leave most SMs idle)")
@@ -744,10 +744,13 @@ class _Planner:
                 split_k=table, resources=estimate.resources, reason=reason, code=why.code))
         return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config, self.hw)
 
-    def row_slices(self, nodes: list[str], time: float) -> tuple[int, float]:
+    def row_slices(self, nodes: list[str], kind: GroupKind, anchor: str | None, time: float) -> tuple[int, float]:
         """(the row slices of the default tile of the group's row reduction, `time` with the second launch and
         the float32 partial sums priced where it splits); 1 where it does not, or the group is no row reduction
-        (`opfuse.fusion.tiles.row_tiles`, the kernel's own rule)."""
+        (`opfuse.fusion.tiles.row_tiles`, the kernel's own rule): a squeeze-and-excitation group's pool or an
+        anchor's group runs a template of its own."""
+        if kind is GroupKind.SQUEEZE or anchor is not None:
+            return 1, time
         reductions = [self.graph[n] for n in nodes if kind_of(self.graph[n]) is FusionKind.REDUCTION]
         view = row_view(self.graph, reductions[0]) if len(reductions) == 1 else None
         if view is None:

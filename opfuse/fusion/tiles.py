@@ -14,7 +14,8 @@ launch other split-K kernels than its plan counts.
 
 Row reductions (softmax, norms, sums and means, global pools) the same way: `row_view` says how the row template
 sees one, `row_tiles` lists its tiles with the row slices of each (`row_slices`), the default first, for the kernel
-and for the planner, which counts the second launch of a split default tile.
+and for the planner, which counts the second launch of a split default tile; under the interpreter the kernel runs
+one unsplit tile, so there it may launch fewer kernels than its plan counts.
 """
 
 from __future__ import annotations
@@ -312,9 +313,9 @@ def row_tiles(view: RowView, sm_count: int) -> list[tuple[int, int, int]]:
 
 def row_slices(view: RowView, block_m: int, block_l: int, sm_count: int) -> int:
     """SPLIT for a tile of a sum or mean: a power of two giving about two programs per SM, each slice two chunks
-    or more; 1 for other modes and where the row blocks alone fill the SMs."""
+    or more; 1 for other modes, for no rows, and where there are as many row blocks as SMs."""
     programs = -(-view.rows // block_m)
-    if view.mode not in ROW_SPLIT_MODES or programs >= sm_count:
+    if view.mode not in ROW_SPLIT_MODES or programs == 0 or programs >= sm_count:
         return 1
     split = min(_pow2(-(-2 * sm_count // programs)), MAX_ROW_SLICES)
     while split > 1 and split * 2 * block_l > view.length:

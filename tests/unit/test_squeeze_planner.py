@@ -87,3 +87,19 @@ def test_a_pool_read_elsewhere_is_no_squeeze():
     assert all(g.kind is not GroupKind.SQUEEZE for g in plan.groups)
     decision = next(d for d in plan.decisions if d.fusion == "squeeze")
     assert decision.verdict is Verdict.ILLEGAL and decision.code is Code.NOT_SQUEEZE
+
+
+def test_the_plan_counts_a_row_split_only_where_the_row_template_runs_it():
+    """review of b74d365: a squeeze-and-excitation group's pool splits inside the squeeze kernel (one launch), the
+    same pool alone in the row template's two; a sum of no rows splits nothing (it divided by zero)."""
+    from opfuse.codegen.lower import lower_group
+    from opfuse.fusion.tiles import RowView, row_slices
+
+    graph = se_block(batch=1, channels=16, hidden=4, size=64)
+    plan = plan_fusion(graph, FusionConfig(split_k=False, squeeze=True), H200)
+    group = plan.group_of("pool")
+    assert group.kind is GroupKind.SQUEEZE
+    assert group.launches == lower_group(plan.graph, group, "cpu", {}, hw=H200).launches() == 1
+    apart = plan_fusion(se_block(batch=1, channels=16, hidden=4, size=64), FusionConfig(split_k=False), H200)
+    assert apart.group_of("pool").launches == 2
+    assert row_slices(RowView("sum", (1,), 0, 16, False), 64, 64, 132) == 1
