@@ -24,7 +24,7 @@ import torch
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel
 from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, triton_dtype
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.tiles import interpreting  # noqa: F401  (pointwise and reduction take it from here)
+from opfuse.fusion.tiles import interpreting, next_power_of_2  # noqa: F401  (pointwise, reduction import them here)
 from opfuse.ir.graph import WIDE_INTEGERS, Graph, GraphError, Node, TensorType, torch_dtype
 from opfuse.ir.ops import along_channels
 
@@ -38,10 +38,6 @@ def extent(tensor: torch.Tensor) -> int:
     """Elements of memory `tensor` spans through its strides (its largest offset + 1): the offsets a kernel computes
     for it need int64 past INT32_LIMIT."""
     return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 # ---- coordinate mappings ----------------------------------------------------------------------------

@@ -57,6 +57,11 @@ KERNEL_TILES = LARGE + MEDIUM + SMALL_M + NARROW + [dict(t, BLOCK_K=16) for t in
 SHARED_SLACK = 27 * 1024    # a block's shared memory the operand pipeline leaves to the epilogue and Triton itself
 
 
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def interpreting() -> bool:
     """Whether Triton runs through its CPU interpreter (tests): tuning spaces shrink to one tiny config."""
     return triton_interpreter()
@@ -286,15 +291,11 @@ def _reduced_dims(node, rank: int) -> list[int]:
     return sorted({d % rank for d in dims})
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def row_tiles(view: RowView, sm_count: int) -> list[tuple[int, int, int]]:
     """The (BLOCK_M rows, BLOCK_L lanes, SPLIT slices) tiles the row template tries on a GPU, its default first:
     many rows of short chunks where the kept channels are adjacent (larger tiles keep more bytes in flight), else
     about 2048-4096 elements a program along the row; each split by `row_slices`."""
-    rows, length = _pow2(view.rows), _pow2(view.length)
+    rows, length = next_power_of_2(view.rows), next_power_of_2(view.length)
     if view.channels_inner:
         shapes = [(64, 64), (64, 32), (128, 16), (32, 256), (128, 64)]
     else:
@@ -317,7 +318,7 @@ def row_slices(view: RowView, block_m: int, block_l: int, sm_count: int) -> int:
     programs = -(-view.rows // block_m)
     if view.mode not in ROW_SPLIT_MODES or programs == 0 or programs >= sm_count:
         return 1
-    split = min(_pow2(-(-2 * sm_count // programs)), MAX_ROW_SLICES)
+    split = min(next_power_of_2(-(-2 * sm_count // programs)), MAX_ROW_SLICES)
     while split > 1 and split * 2 * block_l > view.length:
         split //= 2
     return split
