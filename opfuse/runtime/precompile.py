@@ -163,11 +163,11 @@ class CompilePool:
         selector = selectors.DefaultSelector()
         busy: dict[subprocess.Popen, bytes] = {}         # a worker with a launch out -> what it has printed since
         held: dict[subprocess.Popen, LaunchRecord] = {}
-        idle = []
-        for process in list(self.processes):     # one that died between rounds is replaced too
-            if process.poll() is None:
-                idle.append(process)
-            elif (fresh := self._drop(process)) is not None:
+        idle: list[subprocess.Popen] = []
+
+        def replace(process: subprocess.Popen) -> None:
+            fresh = self._drop(process)
+            if fresh is not None:
                 idle.append(fresh)
 
         def hand_out(process: subprocess.Popen) -> None:
@@ -179,10 +179,11 @@ class CompilePool:
             except OSError:                              # it died: the launch goes to the tuner
                 replace(process)
 
-        def replace(process: subprocess.Popen) -> None:
-            fresh = self._drop(process)
-            if fresh is not None:
-                idle.append(fresh)
+        for process in list(self.processes):             # one that died between rounds is replaced too
+            if process.poll() is None:
+                idle.append(process)
+            else:
+                replace(process)
 
         while busy or (pending and idle):
             while pending and idle:
