@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from opfuse.bench.calibrate import Calibration, Sample, calibrate
-from opfuse.codegen.forms import is_library, is_unfused
+from opfuse.codegen.forms import is_library, is_library_fused, is_unfused
 from opfuse.runtime.autotune import recover_rng_after_failed_capture
 from opfuse.config import FusionConfig
 from opfuse.fusion.cost import estimate_kernel, predict_time, tile_efficiency
@@ -269,7 +269,9 @@ def opfuse_rows(compiled_model: Any, values: dict[str, torch.Tensor], hardware: 
         config = compiled_model.configs.get(group.name)
         ops = " + ".join(graph[n].op for n in group.nodes)
         library = ""
-        if is_library(config):
+        if is_library_fused(config):
+            library = " (cuDNN/cuBLASLt, epilogue fused)"
+        elif is_library(config):
             library = " (cuBLAS)" if getattr(kernel, "library_outputs", None) else " (cuBLAS/cuDNN + epilogue)"
         elif is_unfused(config):
             library = " (unfused: PyTorch ops)"

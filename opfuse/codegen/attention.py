@@ -223,7 +223,7 @@ class AttentionKernel(EpilogueKernel):
         """The library form: torch's scaled_dot_product_attention, as the runtime runs an sdpa node."""
         return [get_op("sdpa").run([values[i] for i in self.node.inputs], self.node.attrs)]
 
-    def describe_library_form(self) -> str:
+    def describe_library_form(self, config: KernelConfig | None = None) -> str:
         return f"{self.node.name} through PyTorch's scaled_dot_product_attention (flash/cuDNN), no kernel of opfuse's"
 
     def alternatives(self, library: bool = True) -> list[KernelConfig]:

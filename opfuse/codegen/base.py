@@ -103,8 +103,8 @@ class GroupKernel(ABC):
         group's ops unfused through PyTorch)."""
         return []
 
-    def describe_library_form(self) -> str:
-        """What the library form (FORM_LIBRARY) runs, in words, for `CompiledModel.library_anchors`."""
+    def describe_library_form(self, config: KernelConfig | None = None) -> str:
+        """What the library form (FORM_LIBRARY) `config` runs, in words, for `CompiledModel.library_anchors`."""
         return f"anchor {self.group.anchor or '?'} through PyTorch's library"
 
     def keep_form(self, config: KernelConfig) -> None:

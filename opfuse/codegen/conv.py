@@ -41,6 +41,7 @@ from opfuse.codegen.forms import EpilogueKernel
 from opfuse.codegen.split_k import SplitK, sliced_template, slices_of, with_slices
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import GROUP_M, GemmKernel, prologue_source, anchor_biases, gemm_configs
+from opfuse.codegen.library_fused import FusedConvLibrary, fused_chain
 from opfuse.codegen.lower import find_anchor
 from opfuse.codegen.prologue import Prologue
 from opfuse.fusion.legality import anchor_prologue
@@ -480,7 +481,8 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
     weights = [graph.constants[graph[a].inputs[1]] for a in anchors]
     n, _, h_out, w_out = first.type.shape
     layout = TileLayout((n, sum(w.shape[0] for w in weights), h_out, w_out), channel_dim=1, channels_last=True)
-    epilogue = Epilogue(graph, group, chains, layout, device, anchor_biases(graph, anchors))
+    biases = anchor_biases(graph, anchors)
+    epilogue = Epilogue(graph, group, chains, layout, device, biases)
 
     g = geometry
     library = ConvLibraryAnchor(x, weights, dtype, device, geometry)
@@ -507,6 +509,9 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
     else:
         kernel = ConvKernel(graph, group, device, epilogue, x, geometry, weights, dtype, hw)
     kernel.library_anchor = library
+    chain = fused_chain(graph, group, anchors, chains, device)
+    if chain is not None:
+        kernel.library_fused = FusedConvLibrary(chain, library.device_weight, x, biases[0], layout.channels, geometry)
     return kernel
 
 
@@ -522,12 +527,17 @@ class ConvLibraryAnchor:
         self.x, self.weights, self.dtype, self.device, self.geometry = x, weights, dtype, device, geometry
         self.weight: torch.Tensor | None = None
 
-    def __call__(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+    def device_weight(self) -> torch.Tensor:
+        """The weight on the device, made on first use (the fused library form reads this same copy)."""
         if self.weight is None:   # channels-last like the input: cuDNN would transpose a mismatched one per call
             weight = weights_on_device(self.weights, self.device, self.dtype)
             self.weight = weight.contiguous(memory_format=torch.channels_last)
+        return self.weight
+
+    def __call__(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
         g = self.geometry
-        y = torch.nn.functional.conv2d(values[self.x], self.weight, None, g.stride, g.padding, g.dilation, g.groups)
+        y = torch.nn.functional.conv2d(values[self.x], self.device_weight(), None, g.stride, g.padding, g.dilation,
+                                       g.groups)
         y = y.contiguous(memory_format=torch.channels_last)
         return y.permute(0, 2, 3, 1).reshape(1, -1, y.shape[1])
 

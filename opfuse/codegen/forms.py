@@ -1,9 +1,10 @@
 """The execution forms of an anchor kernel, and their base class `EpilogueKernel`.
 
 Beside its Triton configs (tiles, split-K slices), an anchor kernel runs in two other forms the autotuner measures:
-the library form (`LIBRARY_CONFIGS`: the anchor through cuBLAS/cuDNN, then the epilogue as a generated kernel) and
-the unfused form (`UNFUSED`: the group's ops one by one through PyTorch). A config names its form; `is_library`
-and `is_unfused` read it.
+the library form (`LIBRARY_CONFIGS`: the anchor through cuBLAS/cuDNN, then the epilogue as a generated kernel), the
+fused library form where the library runs the epilogue itself (`LIBRARY_FUSED`: `opfuse.codegen.library_fused`)
+and the unfused form (`UNFUSED`: the group's ops one by one through PyTorch). A config names its form; `is_library`,
+`is_library_fused` and `is_unfused` read it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ LibraryAnchor = Callable[[dict[str, torch.Tensor]], torch.Tensor]   # values by 
 # the whole library form of a group that is its anchors alone (the bias inside the library call): values by name ->
 # the group's outputs, with no epilogue kernel
 LibraryOutputs = Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]
+# The fused library form: the group as one cuDNN/cuBLASLt call that runs its epilogue too (`library_fused`)
+LIBRARY_FUSED = KernelConfig.of(num_warps=1, num_stages=1, form=FORM_LIBRARY, FUSED=1)
 # The unfused form: the group's ops one by one through PyTorch, as eager runs them (cuBLAS with its bias epilogue,
 # then PyTorch's own elementwise kernels). The autotuner times it too, so a fusion that measures slower than the
 # ops it merges is refused at run time (bert-base's K=768 linears, where cuBLAS's main loop beats the template's).
@@ -106,6 +109,11 @@ def is_library(config: KernelConfig | None) -> bool:
     return config is not None and config.form == FORM_LIBRARY
 
 
+def is_library_fused(config: KernelConfig | None) -> bool:
+    """Whether a config is the fused library form (`LIBRARY_FUSED`)."""
+    return is_library(config) and "FUSED" in dict(config.params)
+
+
 def is_unfused(config: KernelConfig | None) -> bool:
     return config is not None and config.form == FORM_UNFUSED
 
@@ -123,6 +131,7 @@ class EpilogueKernel(GroupKernel):
     split: "SplitK | None" = None
     library_anchor: LibraryAnchor | None = None
     library_outputs: LibraryOutputs | None = None   # set where the library form needs no epilogue kernel
+    library_fused: LibraryOutputs | None = None     # the fused library form, where the library runs the epilogue
     # the group's nodes the anchor's input is computed through (a linear's operand views, a GEMM's prologue), which
     # the Triton forms fold into their operand loads, and the constants they read: the library forms run them
     # through PyTorch first (`_library_values`)
@@ -144,8 +153,8 @@ class EpilogueKernel(GroupKernel):
 
     def alternatives(self, library: bool = True) -> list[KernelConfig]:
         """The unsplit form of a split-K kernel's first config that takes the plan's slices (a conv's
-        group-blocked configs run unsplit anyway); with `library`, the library form where there is one and the
-        unfused form."""
+        group-blocked configs run unsplit anyway); with `library`, the library forms where there are (the fused one
+        last) and the unfused form."""
         forms = []
         if self.split is not None:
             first = next(c for c in self._configs if "SPLIT_K" in dict(c.params))
@@ -155,11 +164,15 @@ class EpilogueKernel(GroupKernel):
                 forms.append(LIBRARY)              # no epilogue kernel, so no epilogue tile to choose
             elif self.library_anchor is not None:
                 forms.extend(LIBRARY_CONFIGS)
+            if self.library_fused is not None:
+                forms.append(LIBRARY_FUSED)
             forms.append(UNFUSED)
         return forms
 
-    def describe_library_form(self) -> str:
-        """What the library form runs, in words (`CompiledModel.library_anchors`)."""
+    def describe_library_form(self, config: KernelConfig | None = None) -> str:
+        """What the library form `config` runs, in words (`CompiledModel.library_anchors`)."""
+        if is_library_fused(config):
+            return f"{self.group.anchor or '?'} with its epilogue in one cuDNN/cuBLASLt call, no epilogue kernel"
         if self.library_outputs is not None:
             return f"{self.group.anchor or '?'} through PyTorch (cuBLAS) with its bias, no epilogue kernel"
         prologue = "its prologue as a generated kernel, then " if self.operand_kernel is not None else ""
@@ -168,7 +181,7 @@ class EpilogueKernel(GroupKernel):
 
     def launches(self, config: KernelConfig | None = None) -> int:
         """Two with K slices (the slices, then their sum with the epilogue) or in the library form (the library's
-        kernel, then the epilogue, which a group of bare anchors does without; cuBLAS/cuDNN may add helper kernels
+        kernel, then the epilogue, which a group of bare anchors and the fused library form do without; cuBLAS/cuDNN may add helper kernels
         of their own), plus what computing the anchor's input first launches (`operand_nodes`: one `operand_kernel`
         for a prologue's ops, else what PyTorch launches, a view it must copy); one per launching op in the unfused
         form; else one. What PyTorch launches is what the form's last run launched (`run_nodes`' count), or before
@@ -183,7 +196,7 @@ class EpilogueKernel(GroupKernel):
             if operand is None:
                 operand = 1 if self.operand_kernel is not None else sum(launches_kernel(self.graph, node)
                                                                         for node in self.operand_nodes)
-            return (1 if self.library_outputs is not None else 2) + operand
+            return (1 if self.library_outputs is not None or is_library_fused(config) else 2) + operand
         return 2 if self.split is not None and slices_of(config or self._configs[0]) > 1 else 1
 
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
@@ -198,14 +211,15 @@ class EpilogueKernel(GroupKernel):
 
     def keep_form(self, config: KernelConfig) -> None:
         """Free what only the other forms need once `config` is the one that runs (the library form's own weight,
-        the epilogue kernel of each library form but the one kept, with the flat one's copies of the constants;
+        the epilogue kernel of each library form but the one kept (none for the fused library form), with the flat
+        one's copies of the constants;
         the library forms' operand kernel; the unfused form's constants)."""
         if not is_library(config) and hasattr(self.library_anchor, "release"):
             self.library_anchor.release()
         if not (is_library(config) and is_flat(config)):
             self._flat_epilogue = None
             self.epilogue.drop_flat_form()
-        if not is_library(config) or is_flat(config):
+        if not is_library(config) or is_flat(config) or is_library_fused(config):
             self._library_epilogue = None        # a split kernel keeps its reduce kernel in `split`
         if not is_unfused(config):
             self._unfused_constants = None
@@ -244,7 +258,13 @@ class EpilogueKernel(GroupKernel):
         return [values[name] for name in self.group.outputs]
 
     def run_library(self, inputs: Sequence[torch.Tensor], config: KernelConfig = LIBRARY) -> list[torch.Tensor]:
-        """The anchor through PyTorch, then the generated epilogue kernel (with `config`'s tile) over its result."""
+        """The anchor through PyTorch, then the generated epilogue kernel (with `config`'s tile) over its result; or
+        the whole group through the library (bare anchors, the fused library form)."""
+        if is_library_fused(config):
+            if self.library_fused is None:
+                raise ValueError(f"kernel {self.name} has no fused library form")
+            self.last_compiled = None
+            return self.library_fused(self._library_values(dict(zip(self.runtime_inputs, inputs)) | self.constants))
         if self.library_outputs is not None:
             self.last_compiled = None
             return self.library_outputs(self._library_values(dict(zip(self.runtime_inputs, inputs)) | self.constants))

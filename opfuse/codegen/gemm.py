@@ -26,6 +26,7 @@ from opfuse.codegen.base import KernelConfig, compiled_info
 from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting,
                                      siblings_and_chains)
 from opfuse.codegen.forms import EpilogueKernel, LibraryAnchor
+from opfuse.codegen.library_fused import FusedLinearLibrary, fused_chain
 from opfuse.codegen.split_k import SplitK, sliced_template, slices_of, with_slices
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.prologue import Prologue
@@ -306,6 +307,9 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
                         hw=hw, library_anchor=lambda values: torch.matmul(values[x], weight).reshape(1, rows, n))
     if all(len(chain) == 1 for chain in chains):
         kernel.library_outputs = _bare_linears(graph, x, weight, anchors, biases, group.outputs)
+    chain = fused_chain(graph, group, anchors, chains, device)
+    if chain is not None:
+        kernel.library_fused = FusedLinearLibrary(chain, x, weight, biases[0], first.type.shape[:-1])
     return kernel
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from opfuse.codegen.base import FORM_TRITON, FORM_UNFUSED, CompiledInfo, GroupKernel, KernelConfig, tuned_configs
+from opfuse.codegen.library_fused import LibraryUnavailable
 from opfuse.config import FusionConfig
 from opfuse.environment import triton_interpreter
 from opfuse.hardware import KIB, HardwareProfile, get_hardware
@@ -229,7 +230,8 @@ def candidates(kernel: GroupKernel, top: int | None, library: bool) -> tuple[lis
 def compile_configs(kernel: GroupKernel, inputs: list[torch.Tensor], configs: Iterable[KernelConfig]
                     ) -> dict[KernelConfig, CompiledInfo | str | None]:
     """Run `kernel` once with each config: {config: what its compile reports (None: nothing to report, e.g. a
-    library form), or why it could not run (out of resources)}; any other failure is an error naming the config."""
+    library form), or why it could not run (out of resources, a fused library call the library refused)}; any other
+    failure is an error naming the config."""
     compiled: dict[KernelConfig, CompiledInfo | str | None] = {}
     for config in configs:
         kernel.last_compiled = None
@@ -237,6 +239,9 @@ def compile_configs(kernel: GroupKernel, inputs: list[torch.Tensor], configs: It
             kernel.run(inputs, config)
         except _out_of_resources() as error:
             compiled[config] = f"out of resources: {error}"
+            continue
+        except LibraryUnavailable as error:
+            compiled[config] = f"library refused: {error}"
             continue
         except Exception as error:
             raise GraphError(f"kernel {kernel.name} (group {kernel.group.name}) failed with config "

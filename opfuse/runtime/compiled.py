@@ -215,11 +215,12 @@ class CompiledModel(torch.nn.Module):
     @property
     def library_anchors(self) -> dict[str, str]:
         """Groups whose anchor runs through PyTorch's library (cuBLAS/cuDNN) with the epilogue as a generated
-        kernel, or with its bias and no epilogue kernel for a group of bare linears (the autotuner measured that
-        faster than every Triton config it tried), and the timings."""
+        kernel, or with its bias and no epilogue kernel for a group of bare linears, or with its epilogue inside
+        the library call (the fused library form): the autotuner measured that faster than every Triton config it
+        tried. And the timings."""
         from opfuse.codegen.forms import is_library
 
-        return {name: self.kernels[name].describe_library_form() + self._measured_against_triton(name)
+        return {name: self.kernels[name].describe_library_form(config) + self._measured_against_triton(name)
                 for name, config in self.configs.items() if is_library(config)}
 
     @property

@@ -68,14 +68,14 @@ class Precompiled:
 
 def record_launches(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[KernelConfig]]]
                     ) -> list[LaunchRecord]:
-    """The distinct launches of running each kernel once with each of its configs but the unfused form (none of
-    the generated kernels runs); each kernel then holds its default config's weights only (`keep_default`)."""
-    from opfuse.codegen.forms import is_unfused
+    """The distinct launches of running each kernel once with each of its configs but the unfused and fused library
+    forms (none of the generated kernels runs); each kernel then holds its default config's weights only (`keep_default`)."""
+    from opfuse.codegen.forms import is_library_fused, is_unfused
 
     records: dict[LaunchRecord, None] = {}
     for kernel, inputs, configs in jobs:
         for config in configs:
-            if is_unfused(config):      # PyTorch's ops one by one: nothing to compile
+            if is_unfused(config) or is_library_fused(config):    # PyTorch's ops, one library call: no kernel
                 continue
             try:
                 with recording_launches() as launches:

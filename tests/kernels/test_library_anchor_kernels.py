@@ -11,7 +11,7 @@ import torch
 
 from opfuse.codegen.base import recording_launches
 from opfuse.codegen.conv import lower_conv_group
-from opfuse.codegen.forms import LIBRARY_CONFIGS, UNFUSED, is_flat, is_library, is_unfused
+from opfuse.codegen.forms import LIBRARY_CONFIGS, LIBRARY_FUSED, UNFUSED, is_flat, is_library, is_unfused
 from opfuse.codegen.gemm import _bare_linears, lower_gemm_group
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import GroupKind
@@ -28,13 +28,17 @@ def run_library(b: Builder, outputs: list[str], lower, unfused_launches: int,
     kernel = lower(b.graph, b.group(outputs, kind), "cpu")
     kernel.epilogue.output_fill = float("nan")
     feeds = [b.feeds[name] for name in kernel.runtime_inputs]
-    assert kernel.alternatives(library=True) == [*LIBRARY_CONFIGS, UNFUSED]
+    fused = [LIBRARY_FUSED] if kernel.library_fused is not None else []    # a chain the library runs itself
+    assert kernel.alternatives(library=True) == [*LIBRARY_CONFIGS, *fused, UNFUSED]
     assert kernel.alternatives(library=False) == []
     assert kernel.launches(kernel.configs()[0]) == 1
     triton_form = kernel.run(feeds)
     # computed first: by one generated kernel where the operand nodes compute, else through PyTorch (views)
     prologue = 1 if kernel.operand_kernel is not None else sum(launches_kernel(b.graph, node)
                                                                for node in kernel.operand_nodes)
+    for config in fused:
+        assert kernel.launches(config) == 1 + prologue
+        b.check(outputs, kernel.run(feeds, config))
     for config in LIBRARY_CONFIGS:     # each epilogue tile
         assert kernel.launches(config) == 2 + prologue
         results = kernel.run(feeds, config)
@@ -164,7 +168,7 @@ def test_autotuner_times_the_library_form_only_when_asked():
 
     chosen = tune({"g": kernel}, values, FusionConfig(tune_top=None), benchmark=clock, quiet=True)
     assert chosen[kernel.group.name] == LIBRARY_CONFIGS[0]
-    assert len(timed) == len(kernel.configs()) + len(LIBRARY_CONFIGS) + 1     # and the unfused form
+    assert len(timed) == len(kernel.configs()) + len(LIBRARY_CONFIGS) + 2     # the fused library, the unfused
     timed.clear()
     chosen = tune({"g": kernel}, values, FusionConfig(tune_top=None, library_anchors=False), benchmark=clock,
                   quiet=True)
