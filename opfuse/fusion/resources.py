@@ -62,6 +62,9 @@ ATTENTION_TILES = (  # the Triton fused-attention tutorial's configurations
 # warps, still the whole block's, below) ran 1.25x to 9.4x slower than the best measured config in every block.
 DEPTHWISE_POINTWISE_TILES = (
     {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "num_stages": 3, "num_warps": 4},
+    # where the pixels fill the GPU, 64-pixel tiles over 16-deep mid chunks in one stage win (run 55 in
+    # RESULTS.md), so a short tuning times both shapes
+    {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 16, "num_stages": 1, "num_warps": 4},
     {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_stages": 2, "num_warps": 4},
     {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "num_stages": 2, "num_warps": 4},
     {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 32, "num_stages": 2, "num_warps": 4},

@@ -247,7 +247,7 @@ def test_sliced_work_and_its_measured_step():
     tiles = {(t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"], t["num_stages"]): t["SPLIT_K"]
              for t in conv_conv_tiles(graph, chain, H200.sm_count)}
     assert tiles == {(32, 32, 32, 3): 2, (16, 32, 64, 2): 1, (32, 32, 64, 2): 1, (32, 32, 32, 2): 2,
-                     (32, 32, 16, 1): 4}
+                     (32, 32, 16, 1): 4, (64, 32, 16, 1): 4}
 
 
 def test_fused_group_estimate_counts_traffic_once_and_picks_the_fastest_tile():
