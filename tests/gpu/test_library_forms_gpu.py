@@ -28,7 +28,7 @@ def check_every_library_form(b: Builder, outputs: list[str], kernel, fused: bool
     feeds = [b.feeds[name].cuda() for name in kernel.runtime_inputs]
     assert any(is_flat(config) for config in LIBRARY_CONFIGS)
     assert (kernel.library_fused is not None) == fused
-    for config in LIBRARY_CONFIGS + ([LIBRARY_FUSED] if fused else []):
+    for config in (*LIBRARY_CONFIGS, *((LIBRARY_FUSED,) if fused else ())):
         results = kernel.run(feeds, config)
         torch.cuda.synchronize()
         b.check(outputs, [r.cpu() for r in results])
