@@ -7,11 +7,12 @@ from opfuse.passes.fold_constants import fold_constants
 from opfuse.passes.fold_linear_reshapes import fold_linear_reshapes
 from opfuse.passes.manager import PassRecord, default_pipeline, prepare_graph, run_passes
 from opfuse.passes.recognize_attention import recognize_attention
+from opfuse.passes.recognize_gelu import recognize_gelu
 from opfuse.passes.recognize_rms_norm import recognize_rms_norm
 from opfuse.passes.recognize_roll import recognize_roll
 from opfuse.passes.remove_noop_layout import remove_noop_layout
 from opfuse.passes.simplify_attention_masks import simplify_attention_masks
 
 __all__ = ["cast_precision", "eliminate_dead_code", "fold_batchnorm", "fold_constants", "fold_linear_reshapes",
-           "recognize_attention", "recognize_rms_norm", "recognize_roll", "remove_noop_layout",
+           "recognize_attention", "recognize_gelu", "recognize_rms_norm", "recognize_roll", "remove_noop_layout",
            "simplify_attention_masks", "PassRecord", "default_pipeline", "prepare_graph", "run_passes"]

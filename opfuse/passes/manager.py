@@ -22,6 +22,7 @@ from opfuse.passes.fold_constants import fold_constants
 from opfuse.passes.fold_linear_reshapes import fold_linear_reshapes
 from opfuse.passes.fold_view_chains import fold_view_chains
 from opfuse.passes.recognize_attention import recognize_attention
+from opfuse.passes.recognize_gelu import recognize_gelu
 from opfuse.passes.recognize_rms_norm import recognize_rms_norm
 from opfuse.passes.recognize_roll import recognize_roll
 from opfuse.passes.remove_noop_layout import remove_noop_layout
@@ -46,9 +47,11 @@ def default_pipeline() -> list[Pass]:
     and a cat (ONNX's) next, so they join the kernel that reads them like a captured roll; attention next, so its
     mask is simplified like any other; then the reshapes around a linear that flatten its rows (GPT-2's Conv1D),
     so what reads it and what it reads may join its kernel; then view chains PyTorch would copy that are views of
-    their source (nn.MultiheadAttention's head split), once the reshapes around the linears are settled."""
+    their source (nn.MultiheadAttention's head split), once the reshapes around the linears are settled; RMS norms
+    and tanh GELUs written out become one node each."""
     return [fold_constants, remove_noop_layout, recognize_roll, recognize_attention, simplify_attention_masks,
-            fold_linear_reshapes, fold_view_chains, recognize_rms_norm, fold_batchnorm, eliminate_dead_code]
+            fold_linear_reshapes, fold_view_chains, recognize_rms_norm, recognize_gelu, fold_batchnorm,
+            eliminate_dead_code]
 
 
 def pass_name(graph_pass: Pass) -> str:
