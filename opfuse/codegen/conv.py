@@ -46,6 +46,7 @@ from opfuse.codegen.lower import find_anchor
 from opfuse.codegen.prologue import Prologue
 from opfuse.fusion.legality import anchor_prologue
 from opfuse.fusion.plan import FusionGroup, GroupKind
+from opfuse.fusion.resources import ADDRESSING_REGISTERS
 from opfuse.fusion.tiles import GATHER_CHANNELS, anchor_steps, by_occupancy, conv_as_gemm, group_block
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph, Node, torch_dtype
@@ -157,7 +158,7 @@ def KERNEL_NAME(
     {params}
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
     PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-    MULTIPLIER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MULTIPLIER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_LOOP: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)   # output pixel
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)   # output channel
@@ -171,15 +172,26 @@ def KERNEL_NAME(
     x_rows = x_ptr + r0 * s_xn
     x_cols = (offs_n // MULTIPLIER) * s_xc                      # output channel c reads input channel c // mult
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kh in tl.static_range(KH):
-        ih = ih0 + kh * DIL_H
-        for kw in tl.static_range(KW):
-            iw = iw0 + kw * DIL_W
-            ok = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            x = tl.load((x_rows + ih * s_xh + iw * s_xw)[:, None] + x_cols[None, :],
-                        mask=ok[:, None] & mask_n[None, :], other=0.0)
-            w = tl.load(w_ptr + (kh * KW + kw) * N + offs_n, mask=mask_n, other=0.0)
-            acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
+    if ROW_LOOP:    # filter rows in a loop, each row's taps unrolled
+        for kh in range(KH):
+            ih = ih0 + kh * DIL_H
+            for kw in tl.static_range(KW):
+                iw = iw0 + kw * DIL_W
+                ok = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                x = tl.load((x_rows + ih * s_xh + iw * s_xw)[:, None] + x_cols[None, :],
+                            mask=ok[:, None] & mask_n[None, :], other=0.0)
+                w = tl.load(w_ptr + (kh * KW + kw) * N + offs_n, mask=mask_n, other=0.0)
+                acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
+    else:           # every tap unrolled
+        for kh in tl.static_range(KH):
+            ih = ih0 + kh * DIL_H
+            for kw in tl.static_range(KW):
+                iw = iw0 + kw * DIL_W
+                ok = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                x = tl.load((x_rows + ih * s_xh + iw * s_xw)[:, None] + x_cols[None, :],
+                            mask=ok[:, None] & mask_n[None, :], other=0.0)
+                w = tl.load(w_ptr + (kh * KW + kw) * N + offs_n, mask=mask_n, other=0.0)
+                acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
 
 {epilogue}
 '''
@@ -200,13 +212,29 @@ SMALL_DEPTHWISE_CONFIGS = [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16
                            KernelConfig.of(num_warps=2, num_stages=1, BLOCK_M=16, BLOCK_N=32)]
 
 
-def depthwise_configs(m: int, n: int, sm_count: int) -> list[KernelConfig]:
-    """Tile candidates of the direct depthwise kernel over `m` output pixels x `n` channels on a GPU of `sm_count`
-    SMs, the default first. A depthwise conv does a few multiply-adds per element it loads, so its speed is the
-    loads in flight: the tiles are ordered `by_occupancy`, those whose grid has a program for every SM first, in
-    `DEPTHWISE_CONFIGS`' measured order (a 7x7 layer of ConvNeXt's last stage, 49 pixels x 768 channels at batch 1,
-    fills 24 of an H200's 132 SMs with the first measured tile)."""
-    return by_occupancy(DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS, m, n, 1, sm_count)
+def unrolled_tap_registers(config: KernelConfig, taps: int, itemsize: int) -> int:
+    """Registers per thread a depthwise tile needs with all `taps` unrolled: ptxas issues every tap's load before
+    the multiply-adds, so each thread holds all of its elements' taps (packed 32 bits to a register), its float32
+    accumulator and the addressing."""
+    elements = config["BLOCK_M"] * config["BLOCK_N"] // (32 * config.num_warps)
+    return -(-taps * elements * itemsize // 4) + elements + ADDRESSING_REGISTERS
+
+
+def depthwise_configs(m: int, n: int, sm_count: int, taps: int = 1, itemsize: int = 2,
+                      max_registers: int = 255) -> list[KernelConfig]:
+    """Tile candidates of the direct depthwise kernel over `m` output pixels x `n` channels with a filter of `taps`
+    taps on `itemsize`-byte inputs, on a GPU of `sm_count` SMs and `max_registers` registers per thread, the default
+    first. A depthwise conv does a few multiply-adds per element it loads, so its speed is the loads in flight: the
+    tiles are ordered `by_occupancy`, those whose grid has a program for every SM first, in `DEPTHWISE_CONFIGS`'
+    measured order (a 7x7 layer of ConvNeXt's last stage, 49 pixels x 768 channels at batch 1, fills 24 of an H200's
+    132 SMs with the first measured tile). A tile whose taps unrolled would not fit the registers
+    (`unrolled_tap_registers`) loops over the filter rows instead (ROW_LOOP=1), each row's taps unrolled: unrolled,
+    they spill (a 7x7 filter on a 128 x 32 tile: 6 KB per thread, 20x slower than cuDNN), and a row loop keeps the
+    loads of one row in flight."""
+    tiles = [KernelConfig.of(num_warps=c.num_warps, num_stages=c.num_stages, **dict(c.params),
+                             ROW_LOOP=int(unrolled_tap_registers(c, taps, itemsize) > max_registers))
+             for c in DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS]
+    return by_occupancy(tiles, m, n, 1, sm_count)
 
 
 def _pair(value, node: Node, attr: str) -> tuple[int, int]:
@@ -435,8 +463,10 @@ class DepthwiseConvKernel(EpilogueKernel):
         self.weight = weight[:, 0].permute(1, 2, 0).reshape(-1, weight.shape[0]).contiguous()
         self.multiplier = self.layout.channels // geometry.cin
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
-        self._configs = (depthwise_configs(self.layout.rows, self.layout.channels, (hw or get_hardware()).sm_count)
-                         if not interpreting() else [KernelConfig.of(BLOCK_M=32, BLOCK_N=16)])
+        hw = hw or get_hardware()
+        self._configs = (depthwise_configs(self.layout.rows, self.layout.channels, hw.sm_count, geometry.kh * geometry.kw,
+                                           weight.element_size(), hw.max_registers_per_thread)
+                         if not interpreting() else [KernelConfig.of(BLOCK_M=32, BLOCK_N=16, ROW_LOOP=0)])
 
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)
@@ -448,7 +478,7 @@ class DepthwiseConvKernel(EpilogueKernel):
         compiled = self.kernel[grid](
             x, self.weight, m, channels, g.height, g.width, r1, r2, *x.stride(), *args, **g.constexprs(),
             MULTIPLIER=self.multiplier, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            ROW_LOOP=dict(config.params).get("ROW_LOOP", 0), num_warps=config.num_warps, num_stages=config.num_stages)
         self.last_compiled = compiled_info(compiled)
         return outputs
 

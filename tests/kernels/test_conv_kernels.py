@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.conv import ConvKernel, DepthwiseConvKernel, lower_conv_group
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import GemmKernel
@@ -83,6 +84,37 @@ def test_depthwise(stride, multiplier):
     y = b.op("silu", b.conv(x, 6 * multiplier, 3, stride=stride, padding=1, groups=6))
     kernel, _ = run_group(b, [y])
     assert isinstance(kernel, DepthwiseConvKernel)
+
+
+@pytest.mark.parametrize("stride,dilation", [(1, 1), (2, 2)])
+def test_depthwise_row_loop(stride, dilation):
+    """The filter rows in a loop (ROW_LOOP=1) compute what the unrolled taps do, on a 5x5 filter."""
+    b = Builder()
+    x = b.input("x", (2, 5, 9, 8))
+    y = b.op("relu", b.conv(x, 5, 5, stride=stride, padding=2 * dilation, dilation=dilation, groups=5))
+    kernel, (unrolled,) = run_group(b, [y])
+    assert isinstance(kernel, DepthwiseConvKernel)
+    (looped,) = kernel.run([b.feeds[name] for name in kernel.runtime_inputs],
+                           KernelConfig.of(BLOCK_M=32, BLOCK_N=16, ROW_LOOP=1))
+    b.check([y], [looped])
+    torch.testing.assert_close(looped, unrolled, rtol=1e-5, atol=1e-5)
+
+
+def test_depthwise_row_loop_where_taps_overflow_registers():
+    """A tile whose unrolled taps would not fit a thread's 255 registers loops over the filter rows; a 3x3 filter
+    and small tiles of a 7x7 one stay unrolled."""
+    from opfuse.codegen.conv import depthwise_configs, unrolled_tap_registers
+
+    for taps in (9, 25, 49):
+        configs = depthwise_configs(64 * 56 * 56, 96, sm_count=132, taps=taps)
+        for config in configs:
+            assert config["ROW_LOOP"] == int(unrolled_tap_registers(config, taps, 2) > 255)
+        looped = {(c["BLOCK_M"], c["BLOCK_N"]) for c in configs if c["ROW_LOOP"]}
+        if taps == 9:
+            assert not looped
+        else:
+            assert (128, 32) in looped and (16, 32) not in looped
+    assert unrolled_tap_registers(KernelConfig.of(num_warps=4, BLOCK_M=128, BLOCK_N=32), 49, 2) > 255
 
 
 @pytest.mark.parametrize("stride", [1, 2])
@@ -182,8 +214,11 @@ def test_depthwise_tiles_fill_the_gpu_first():
     def programs(config, m, n):
         return -(-m // config["BLOCK_M"]) * -(-n // config["BLOCK_N"])
 
+    def tiles(configs):
+        return [(c["BLOCK_M"], c["BLOCK_N"], c.num_warps) for c in configs]
+
     large = depthwise_configs(64 * 112 * 112, 96, sm_count=132)
-    assert large[:len(DEPTHWISE_CONFIGS)] == DEPTHWISE_CONFIGS
+    assert tiles(large[:len(DEPTHWISE_CONFIGS)]) == tiles(DEPTHWISE_CONFIGS)
     small = depthwise_configs(49, 768, sm_count=132)
     assert sorted(small, key=str) == sorted(large, key=str)        # the same candidates, reordered
     counts = [programs(c, 49, 768) for c in small]
