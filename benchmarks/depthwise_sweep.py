@@ -1,0 +1,165 @@
+"""Loop-form and tile sweep of the direct depthwise kernel, layer by layer, against cuDNN.
+
+For each depthwise layer of the zoo's convnets (ConvNeXt's 7x7, EfficientNet's 5x5 and 3x3, MobileNetV2's 3x3:
+channels, size, filter and stride) at each batch given, fp16, channels-last, with a bias:
+
+- `DepthwiseConvKernel` with each of its tiles (`DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS`), once with every
+  tap unrolled (ROW_LOOP=0) and once with the filter rows in a loop (ROW_LOOP=1), with the registers and local
+  memory (spills) ptxas gave each and the seconds its first call took (compiling it);
+- cuDNN (`torch.nn.functional.conv2d` on the channels-last input), as the library form runs it.
+
+Each contender is captured with REPEAT calls in one CUDA graph and timed by the median of CUDA events; each output
+is compared with cuDNN's in float32.
+
+    python benchmarks/depthwise_sweep.py --out DIR [--batches 1,64] [--budget 480]
+
+Writes DIR/depthwise_sweep.json and DIR/depthwise_sweep.md after every layer; stops starting layers once `--budget`
+seconds have passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from opfuse.bench import harness  # noqa: E402
+from opfuse.codegen.base import KernelConfig  # noqa: E402
+from opfuse.codegen.conv import DEPTHWISE_CONFIGS, SMALL_DEPTHWISE_CONFIGS, lower_conv_group  # noqa: E402
+from opfuse.fusion.plan import GroupKind  # noqa: E402
+from opfuse.numerics import relative_error  # noqa: E402
+from tests.kernels.test_conv_kernels import Builder  # noqa: E402
+
+REPEAT = 20
+
+# (model, channels, size, filter, stride): the distinct depthwise layers of convnext_tiny, efficientnet_b0 and
+# mobilenet_v2 at 224 px
+LAYERS = [("convnext", 96, 56, 7, 1), ("convnext", 192, 28, 7, 1), ("convnext", 384, 14, 7, 1),
+          ("convnext", 768, 7, 7, 1),
+          ("efficientnet", 144, 56, 5, 2), ("efficientnet", 240, 28, 5, 1), ("efficientnet", 672, 14, 5, 1),
+          ("efficientnet", 1152, 7, 5, 1),
+          ("mobilenet", 96, 112, 3, 2), ("mobilenet", 144, 56, 3, 1), ("mobilenet", 384, 14, 3, 1),
+          ("mobilenet", 960, 7, 3, 1)]
+
+
+def graphed_us(fn: Callable[[], object]) -> float:
+    def repeated() -> object:
+        for _ in range(REPEAT):
+            out = fn()
+        return out
+
+    replay = harness.cuda_graphed(repeated, [])
+    return harness.median_ms(replay, [], warmup=5, iters=30) * 1e3 / REPEAT
+
+
+def configs() -> list[KernelConfig]:
+    tiles = DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS
+    return [KernelConfig.of(num_warps=t.num_warps, num_stages=t.num_stages, BLOCK_M=t["BLOCK_M"],
+                            BLOCK_N=t["BLOCK_N"], ROW_LOOP=loop) for loop in (0, 1) for t in tiles]
+
+
+def describe(config: KernelConfig) -> str:
+    p = dict(config.params)
+    return f"{p['BLOCK_M']}x{p['BLOCK_N']}/w{config.num_warps}/{'rows' if p['ROW_LOOP'] else 'unrolled'}"
+
+
+def run_layer(batch: int, model: str, channels: int, size: int, k: int, stride: int) -> dict:
+    b = Builder(dtype="float16")
+    x = b.input("x", (batch, channels, size, size))
+    y = b.conv(x, channels, k, stride=stride, padding=k // 2, groups=channels)
+    kernel = lower_conv_group(b.graph, b.group([y], GroupKind.ANCHOR_EPILOGUE), "cuda")
+    feeds = [b.feeds[name].cuda().contiguous(memory_format=torch.channels_last) for name in kernel.runtime_inputs]
+    conv = b.graph[y]
+    weight = b.graph.constants[conv.inputs[1]].cuda()
+    bias = b.graph.constants[conv.inputs[2]].cuda()
+    row: dict = {"batch": batch, "model": model, "layer": f"{channels}x{size}x{size} k{k} s{stride}", "configs": []}
+    with torch.inference_mode():
+        library = lambda: F.conv2d(feeds[0], weight, bias, stride, k // 2, 1, channels)  # noqa: E731
+        reference = library().float()
+        row["cudnn_us"] = graphed_us(library)
+        for config in configs():
+            entry = {"config": describe(config)}
+            try:
+                start = time.perf_counter()
+                out = kernel.run(feeds, config)[0]
+                torch.cuda.synchronize()
+                entry["first_call_s"] = round(time.perf_counter() - start, 2)
+                entry["rel_err"] = relative_error(out.float(), reference)
+                entry["regs"], entry["spills"] = kernel.last_compiled.registers, kernel.last_compiled.spills
+                entry["us"] = graphed_us(lambda: kernel.run(feeds, config))
+            except Exception as error:
+                entry["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+            row["configs"].append(entry)
+    for form in ("unrolled", "rows"):
+        timed = [c for c in row["configs"] if "us" in c and c["config"].endswith(form)]
+        if timed:
+            row[f"best_{form}"] = min(timed, key=lambda c: c["us"])
+            row[f"default_{form}"] = timed[0]
+    return row
+
+
+def markdown(env: dict, rows: list[dict]) -> str:
+    lines = [f"### depthwise kernel sweep, fp16 channels-last: {env.get('date')}, {env.get('gpu')}, "
+             f"torch {env.get('torch')}, triton {env.get('triton')}", "",
+             f"µs per call ({REPEAT} calls per CUDA graph, median of 30 replays); tile BMxBN/warps/taps form; "
+             "first call: its compile, in s; max rel. err against cuDNN.", "",
+             "| batch | model | layer | cuDNN µs | unrolled: first tile / best | rows: first tile / best | "
+             "best vs cuDNN | compile s unrolled / rows (sum) | max spills unrolled / rows | max rel. err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if "best_rows" not in row or "best_unrolled" not in row:
+            lines.append(f"| {row['batch']} | {row['model']} | {row['layer']} | {row.get('error', 'no timing')} |"
+                         + " |" * 6)
+            continue
+        forms = {f: [c for c in row["configs"] if "us" in c and c["config"].endswith(f)] for f in ("unrolled", "rows")}
+        best = min(row["best_rows"]["us"], row["best_unrolled"]["us"])
+        compile_s = " / ".join(f"{sum(c['first_call_s'] for c in forms[f]):.1f}" for f in forms)
+        spills = " / ".join(str(max(c["spills"] or 0 for c in forms[f])) for f in forms)
+        errors = max(c["rel_err"] for f in forms for c in forms[f])
+        cells = [f"{row[f'default_{f}']['us']:.1f} / {row[f'best_{f}']['us']:.1f} ({row[f'best_{f}']['config']})"
+                 for f in forms]
+        lines.append(f"| {row['batch']} | {row['model']} | {row['layer']} | {row['cudnn_us']:.1f} | {cells[0]} | "
+                     f"{cells[1]} | {row['cudnn_us'] / best:.2f}x | {compile_s} | {spills} | {errors:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--batches", default="64,1")
+    parser.add_argument("--budget", type=float, default=480.0)
+    args = parser.parse_args()
+    out = harness.start_gpu_run("depthwise_sweep.py", args.out)
+    if out is None:
+        return 3     # the exit code `opfuse bench` uses for the same case
+    env = harness.environment()
+    rows: list[dict] = []
+    start = time.perf_counter()
+    for batch in [int(b) for b in args.batches.split(",") if b]:
+        for layer in LAYERS:
+            if time.perf_counter() - start > args.budget:
+                print(f"budget of {args.budget:.0f} s spent: stopping", flush=True)
+                break
+            try:
+                row = run_layer(batch, *layer)
+            except Exception as error:
+                row = {"batch": batch, "model": layer[0], "layer": str(layer[1:]),
+                       "error": f"{type(error).__name__}: {str(error)[:200]}"}
+            print(json.dumps({k: v for k, v in row.items() if k != "configs"}, default=str), flush=True)
+            rows.append(row)
+            (out / "depthwise_sweep.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1, default=str))
+            (out / "depthwise_sweep.md").write_text(markdown(env, rows))
+    print(markdown(env, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
