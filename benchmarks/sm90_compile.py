@@ -110,8 +110,8 @@ IMAGE_OPS = ("conv2d", "conv_transpose2d", "max_pool2d", "avg_pool2d", "adaptive
 
 def channels_last(graph, name: str, memo: dict) -> bool:
     """Whether opfuse's compiled model holds a 4-D value channels-last: a 4-D image input, a convolution's or a
-    pooling's result, and what elementwise ops, concatenations and slices make of those (attention's 4-D heads
-    are contiguous views)."""
+    pooling's result, an [N, H, W, C] value permuted to [N, C, H, W], and what elementwise ops, concatenations and
+    slices make of those (attention's 4-D heads are contiguous views)."""
     from opfuse.ir.ops import kind_of
 
     if name not in memo:
@@ -122,6 +122,8 @@ def channels_last(graph, name: str, memo: dict) -> bool:
             memo[name] = node.type.dtype.startswith(("float", "bfloat"))
         elif node.op in IMAGE_OPS:
             memo[name] = True
+        elif node.op == "permute" and list(node.attrs["dims"]) == [0, 3, 1, 2]:
+            memo[name] = True     # [N, H, W, C] seen as [N, C, H, W] (ConvNeXt's blocks end so): channels-last memory
         elif node.op in ("cat", "slice") or kind_of(node).elementwise:
             memo[name] = any(channels_last(graph, i, memo) for i in node.inputs if graph[i].op != "constant")
         else:

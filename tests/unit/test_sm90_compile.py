@@ -86,8 +86,8 @@ def test_a_kernel_compiles_for_sm90_on_the_cpu_and_its_widths_follow_its_indexin
 
 
 def test_example_values_are_channels_last_where_the_compiled_model_holds_them_so():
-    """Images, convolutions and what elementwise ops make of them: channels-last; attention's 4-D heads (a
-    permute of a 3-D activation) and their matmul: contiguous."""
+    """Images, convolutions, [N, H, W, C] rows permuted back to [N, C, H, W] and what elementwise ops make of them:
+    channels-last; attention's 4-D heads (a permute of a 3-D activation) and their matmul: contiguous."""
     from tests.kernels.builders import KernelGraph
 
     b = KernelGraph()
@@ -98,9 +98,14 @@ def test_example_values_are_channels_last_where_the_compiled_model_holds_them_so
     tokens = b.input("tokens", (1, 8, 2, 4))
     heads = b.op("permute", tokens, dims=(0, 2, 1, 3))
     scores = b.op("relu", b.op("matmul", heads, b.op("permute", heads, dims=(0, 1, 3, 2))))
+    # ConvNeXt's block end: a linear over [N, H, W, C] rows permuted back to [N, C, H, W], then the residual add
+    rows = b.op("linear", b.op("permute", conv, dims=(0, 2, 3, 1)), b.const("w2", b.random(4, 4)))
+    back = b.op("permute", rows, dims=(0, 3, 1, 2))
+    residual = b.op("add", back, conv)
     memo = {}
-    found = {name: sm90_compile.channels_last(b.graph, name, memo) for name in (image, conv, relu, heads, scores)}
-    assert found == {image: True, conv: True, relu: True, heads: False, scores: False}
+    names = (image, conv, relu, heads, scores, back, residual)
+    found = {name: sm90_compile.channels_last(b.graph, name, memo) for name in names}
+    assert found == {image: True, conv: True, relu: True, heads: False, scores: False, back: True, residual: True}
 
 
 MODEL = '''
