@@ -161,3 +161,40 @@ def test_every_template_and_form_compiles_for_sm90(tmp_path):
     assert {"conv2d", "dw", "linear", "layer", "sdpa"} <= kernels, kernels
     flat = [row for row in rows if row["config"].get("BLOCK") == 1024 and row["config"]["form"] == "library"]
     assert flat and all(row["st_bytes"] == 16.0 for row in flat), flat
+
+
+DEPTHWISE = '''
+import torch
+from opfuse.codegen.base import KernelConfig, import_file, recording_launches
+from opfuse.codegen.conv import lower_conv_group, unrolled_tap_registers
+from opfuse.fusion.plan import GroupKind
+from opfuse.runtime.precompile import stand_in
+from tests.kernels.test_conv_kernels import Builder
+
+b = Builder(dtype="float16")
+x = b.input("x", (2, 16, 14, 14))
+y = b.conv(x, 16, 7, padding=3, groups=16)
+kernel = lower_conv_group(b.graph, b.group([y], GroupKind.ANCHOR_EPILOGUE), "cpu")
+feeds = [b.feeds[n].contiguous(memory_format=torch.channels_last) for n in kernel.runtime_inputs]
+report = {}
+for loop in (0, 1):
+    config = KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=64, BLOCK_N=32, ROW_LOOP=loop)
+    with recording_launches() as launches:
+        kernel.run(feeds, config)
+    (record,) = launches
+    function = getattr(import_file(record.path, "dw_offline"), record.function)
+    compiled = function.warmup(*map(stand_in, record.args), grid=(1,),
+                               **{n: stand_in(v) for n, v in record.kwargs})
+    report[str(loop)] = module.resources(compiled.asm["cubin"])
+report["estimate"] = unrolled_tap_registers(config, 49, 2)
+print(json.dumps(report))
+'''
+
+
+def test_depthwise_taps_the_register_rule_unrolls_spill_and_the_row_loop_does_not(tmp_path):
+    """A 7x7 depthwise tile of 16 fp16 elements a thread: `unrolled_tap_registers` puts it over 255 registers, and
+    ptxas spills it unrolled; in the row loop (what `depthwise_configs` gives it) it fits."""
+    report = run_offline(tmp_path, DEPTHWISE, timeout=600)
+    assert report["estimate"] > 255
+    assert report["0"]["local"] > 0
+    assert report["1"]["local"] == 0 and report["1"]["registers"] <= 255
