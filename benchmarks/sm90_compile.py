@@ -1,6 +1,7 @@
 """Compile a built-in model's Triton kernels for sm_90 (H100/H200) on a machine without a GPU, and report what
 ptxas made of each: registers, local memory (spills), how wide its global loads and stores are, and how long it
-took to compile (with an empty Triton cache: TRITON_CACHE_DIR).
+took to compile (with an empty Triton cache: TRITON_CACHE_DIR), then which kernels spill and which access memory
+narrowly (`summary`).
 
 Triton's front end, LLVM and ptxas all run on the CPU; only loading and launching a kernel needs a GPU. A stand-in
 driver (`OfflineDriver`) answers Triton's questions about the device, each kernel runs once per config with its
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = Counter(row["error"].split(":")[0] for row in rows if "error" in row)
     seconds = sum(row.get("compile_s", 0.0) for row in rows)
     print(f"{len(rows)} launches compiled for sm_90 in {seconds:.1f} s, {sum(failed.values())} failed {dict(failed)}")
+    print(summary(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
@@ -215,6 +217,25 @@ def compile_plan(plan, forms: str = "all", top: int | None = None, on_row=None) 
                 if on_row is not None:
                     on_row(row)
     return rows
+
+
+NARROW_BYTES = 8    # a mean global access under this many bytes: mostly scalar or 2-wide fp16 accesses
+
+
+def summary(rows: list[dict]) -> str:
+    """What to look at first: the launches that spill (local memory) and those whose mean global load or store is
+    under NARROW_BYTES, each as the kernels they are in (with the launch count), widest problem first."""
+    def kernels(selected: list[dict], key) -> str:
+        counts = Counter(row["launch"] for row in sorted(selected, key=key))
+        return ", ".join(f"{name} ({n})" for name, n in counts.items()) or "none"
+
+    compiled = [row for row in rows if "error" not in row]
+    spilling = [row for row in compiled if row.get("local", 0) > 0]
+    narrow = [row for row in compiled
+              if 0 < min(row.get("ld_bytes") or NARROW_BYTES, row.get("st_bytes") or NARROW_BYTES) < NARROW_BYTES]
+    return (f"spilling: {len(spilling)} launches: {kernels(spilling, lambda r: -r['local'])}\n"
+            f"global access under {NARROW_BYTES} B: {len(narrow)} launches: "
+            f"{kernels(narrow, lambda r: min(r.get('ld_bytes') or 99, r.get('st_bytes') or 99))}")
 
 
 def print_row(row: dict) -> None:

@@ -198,3 +198,15 @@ def test_depthwise_taps_the_register_rule_unrolls_spill_and_the_row_loop_does_no
     assert report["estimate"] > 255
     assert report["0"]["local"] > 0
     assert report["1"]["local"] == 0 and report["1"]["registers"] <= 255
+
+
+def test_summary_names_the_spilling_and_the_narrow_launches():
+    rows = [{"launch": "gemm_a", "local": 0, "ld_bytes": 16.0, "st_bytes": 16.0},
+            {"launch": "gemm_b", "local": 96, "ld_bytes": 16.0, "st_bytes": 2.0},
+            {"launch": "dw", "local": 0, "ld_bytes": 3.8, "st_bytes": 16.0},
+            {"launch": "dw", "local": 0, "ld_bytes": 4.9, "st_bytes": 16.0},
+            {"launch": "reduce", "local": 0, "ld_bytes": 16.0, "st_bytes": 0.0},   # stores nothing: not narrow
+            {"launch": "broken", "error": "CompilationError: x"}]
+    spilling, narrow = sm90_compile.summary(rows).splitlines()
+    assert spilling == "spilling: 1 launches: gemm_b (1)"
+    assert narrow == "global access under 8 B: 3 launches: gemm_b (1), dw (2)"
