@@ -151,6 +151,20 @@ import triton.language as tl
 
 
 @triton.jit
+def filter_row(acc, kh, ih, iw0, x_rows, x_cols, w_ptr, offs_n, mask_m, mask_n, N, H, W, s_xh, s_xw,
+               KW: tl.constexpr, DIL_W: tl.constexpr):
+    """`acc` plus the taps of filter row `kh` (input row `ih`), unrolled."""
+    for kw in tl.static_range(KW):
+        iw = iw0 + kw * DIL_W
+        ok = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        x = tl.load((x_rows + ih * s_xh + iw * s_xw)[:, None] + x_cols[None, :],
+                    mask=ok[:, None] & mask_n[None, :], other=0.0)
+        w = tl.load(w_ptr + (kh * KW + kw) * N + offs_n, mask=mask_n, other=0.0)
+        acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def KERNEL_NAME(
     x_ptr, w_ptr,
     M, N, H, W, R1, R2,
@@ -174,24 +188,12 @@ def KERNEL_NAME(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if ROW_LOOP:    # filter rows in a loop, each row's taps unrolled
         for kh in range(KH):
-            ih = ih0 + kh * DIL_H
-            for kw in tl.static_range(KW):
-                iw = iw0 + kw * DIL_W
-                ok = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-                x = tl.load((x_rows + ih * s_xh + iw * s_xw)[:, None] + x_cols[None, :],
-                            mask=ok[:, None] & mask_n[None, :], other=0.0)
-                w = tl.load(w_ptr + (kh * KW + kw) * N + offs_n, mask=mask_n, other=0.0)
-                acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
+            acc = filter_row(acc, kh, ih0 + kh * DIL_H, iw0, x_rows, x_cols, w_ptr, offs_n, mask_m, mask_n, N, H, W,
+                             s_xh, s_xw, KW, DIL_W)
     else:           # every tap unrolled
         for kh in tl.static_range(KH):
-            ih = ih0 + kh * DIL_H
-            for kw in tl.static_range(KW):
-                iw = iw0 + kw * DIL_W
-                ok = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-                x = tl.load((x_rows + ih * s_xh + iw * s_xw)[:, None] + x_cols[None, :],
-                            mask=ok[:, None] & mask_n[None, :], other=0.0)
-                w = tl.load(w_ptr + (kh * KW + kw) * N + offs_n, mask=mask_n, other=0.0)
-                acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
+            acc = filter_row(acc, kh, ih0 + kh * DIL_H, iw0, x_rows, x_cols, w_ptr, offs_n, mask_m, mask_n, N, H, W,
+                             s_xh, s_xw, KW, DIL_W)
 
 {epilogue}
 '''
