@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import opfuse  # noqa: E402
 from opfuse.bench import harness  # noqa: E402
+from opfuse.bench.timing import graphed_call_us  # noqa: E402
 from opfuse.bench.zoo import load_builtin  # noqa: E402
 from opfuse.codegen.base import KernelConfig  # noqa: E402
 from opfuse.fusion.legality import is_depthwise_conv  # noqa: E402
@@ -78,16 +79,6 @@ def sweep_configs(kernel, sweep: str = "base") -> list[KernelConfig]:
     return configs
 
 
-def graphed_us(fn: Callable[[], object]) -> float:
-    def repeated() -> object:
-        for _ in range(REPEAT):
-            out = fn()
-        return out
-
-    replay = harness.cuda_graphed(repeated, [])
-    return harness.median_ms(replay, [], warmup=5, iters=30) * 1e3 / REPEAT
-
-
 def describe(config: KernelConfig) -> str:
     p = dict(config.params)
     stages = "" if config.num_stages == 2 else f"/st{config.num_stages}"
@@ -120,7 +111,7 @@ def run_batch(batch: int, blocks: list[int], sweep: str, rows: list[dict], writt
             plan = unfused.plan
             own = plan.group_of(dw_unfused)
             after = [g for g in plan.groups if g.anchor is not None and plan.graph[g.anchor].inputs[0] in own.nodes]
-            row["unfused_us"] = graphed_us(block_runner(unfused, [own, after[0]], values["unfused"]))
+            row["unfused_us"] = graphed_call_us(block_runner(unfused, [own, after[0]], values["unfused"]), REPEAT)
             with torch.inference_mode():
                 reference = kernel.run(inputs, KernelConfig.of(4, 2, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32,
                                                                SPLIT_K=1))[0].float()
@@ -132,7 +123,7 @@ def run_batch(batch: int, blocks: list[int], sweep: str, rows: list[dict], writt
                         out = kernel.run(inputs, config)[0].float()
                         entry["rel_err"] = relative_error(out, reference)
                         entry["regs"], entry["spills"] = kernel.last_compiled.registers, kernel.last_compiled.spills
-                        entry["us"] = graphed_us(lambda: kernel.run(inputs, config))
+                        entry["us"] = graphed_call_us(lambda: kernel.run(inputs, config), REPEAT)
                 except Exception as error:
                     entry["error"] = f"{type(error).__name__}: {str(error)[:200]}"
                 row["configs"].append(entry)

@@ -24,7 +24,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opfuse.bench import harness  # noqa: E402
+from opfuse.bench.timing import graphed_call_us  # noqa: E402
 from opfuse.codegen.base import KernelConfig  # noqa: E402
 from opfuse.codegen.conv import DEPTHWISE_CONFIGS, SMALL_DEPTHWISE_CONFIGS, lower_conv_group  # noqa: E402
 from opfuse.fusion.plan import GroupKind  # noqa: E402
@@ -48,16 +48,6 @@ LAYERS = [("convnext", 96, 56, 7, 1), ("convnext", 192, 28, 7, 1), ("convnext", 
           ("efficientnet", 1152, 7, 5, 1),
           ("mobilenet", 96, 112, 3, 2), ("mobilenet", 144, 56, 3, 1), ("mobilenet", 384, 14, 3, 1),
           ("mobilenet", 960, 7, 3, 1)]
-
-
-def graphed_us(fn: Callable[[], object]) -> float:
-    def repeated() -> object:
-        for _ in range(REPEAT):
-            out = fn()
-        return out
-
-    replay = harness.cuda_graphed(repeated, [])
-    return harness.median_ms(replay, [], warmup=5, iters=30) * 1e3 / REPEAT
 
 
 def configs() -> list[KernelConfig]:
@@ -84,7 +74,7 @@ def run_layer(batch: int, model: str, channels: int, size: int, k: int, stride: 
     with torch.inference_mode():
         library = lambda: F.conv2d(feeds[0], weight, bias, stride, k // 2, 1, channels)  # noqa: E731
         reference = library().float()
-        row["cudnn_us"] = graphed_us(library)
+        row["cudnn_us"] = graphed_call_us(library, REPEAT)
         for config in configs():
             entry = {"config": describe(config)}
             try:
@@ -94,7 +84,7 @@ def run_layer(batch: int, model: str, channels: int, size: int, k: int, stride: 
                 entry["first_call_s"] = round(time.perf_counter() - start, 2)
                 entry["rel_err"] = relative_error(out.float(), reference)
                 entry["regs"], entry["spills"] = kernel.last_compiled.registers, kernel.last_compiled.spills
-                entry["us"] = graphed_us(lambda: kernel.run(feeds, config))
+                entry["us"] = graphed_call_us(lambda: kernel.run(feeds, config), REPEAT)
             except Exception as error:
                 entry["error"] = f"{type(error).__name__}: {str(error)[:200]}"
             row["configs"].append(entry)

@@ -3,7 +3,8 @@
 Entry points: `interleaved_samples(forwards, rounds, per_round) -> {name: [ms, ...]}` (contenders timed in turns,
 A, B, C, A, B, C, ..., so that clock drift, thermal state and other tenants weigh on all of them alike),
 `summarize(samples) -> Timing` (median and spread), `cuda_graphed(fn, inputs)`, `kernel_profile(fn, inputs)` and
-`median_ms(fn, inputs)` for one function alone; `timed_compile(model, inputs, config)` for opfuse's compile.
+`median_ms(fn, inputs)` for one function alone, `graphed_call_us(fn, repeat)` for one kernel's call;
+`timed_compile(model, inputs, config)` for opfuse's compile.
 
 A sample is one forward between two CUDA events, the GPU idle before it (the previous sample synchronised): it
 measures latency as a caller sees it, host work before the launches included. On the CPU (tests) the clock is
@@ -119,6 +120,18 @@ def median_ms(fn: Forward, inputs: Sequence[torch.Tensor], warmup: int = 10, ite
         fn(*inputs)
     samples = interleaved_samples({"fn": lambda: fn(*inputs)}, rounds=1, per_round=iters, warmup_rounds=0)
     return statistics.median(samples["fn"])
+
+
+def graphed_call_us(fn: Callable[[], object], repeat: int) -> float:
+    """Microseconds per call of `fn` (no arguments): `repeat` calls captured in one CUDA graph, so that the graph's
+    own launch is spread over them, timed by `median_ms` of 30 replays after 5."""
+    def repeated() -> object:
+        for _ in range(repeat):
+            out = fn()
+        return out
+
+    replay = cuda_graphed(repeated, [])
+    return median_ms(replay, [], warmup=5, iters=30) * 1e3 / repeat
 
 
 def cuda_graphed(fn: Forward, inputs: Sequence[torch.Tensor], warmup: int = 3) -> Forward:
