@@ -345,11 +345,25 @@ def _compile(record: LaunchRecord, modules: dict[str, object]) -> bool:
         if module is None:
             module = modules[record.path] = import_file(record.path, Path(record.path).stem)
         function = getattr(module, record.function)
-        function.warmup(*map(stand_in, record.args), grid=(1,),
-                        **{name: stand_in(value) for name, value in record.kwargs})
-        return True
+        compiled = function.warmup(*map(stand_in, record.args), grid=(1,),
+                                   **{name: stand_in(value) for name, value in record.kwargs})
     except Exception:
         return False
+    build_launcher(compiled)
+    return True
+
+
+def build_launcher(compiled) -> None:
+    """Build a compiled kernel's launcher as loading it would, into Triton's cache: Triton 3.6 compiles a C launcher
+    per kernel signature with the system's C compiler (a quarter of a second each, cached on disk), which the
+    compiling process would otherwise build one after the other as it loads the kernels; Triton 3.8's launcher is
+    generic, and this costs nothing. A launcher that fails here is built (or fails) again where the kernel loads."""
+    from triton.runtime.driver import driver
+
+    try:
+        driver.active.launcher_cls(compiled.src, compiled.metadata)
+    except Exception:
+        pass
 
 
 def answer(ok: bool) -> bytes:

@@ -332,3 +332,33 @@ def test_no_stand_ins_where_pytorch_indexes_with_a_kernels_output():
     model = CompiledModel(*_plan_and_kernels(Gathers(), x, ids), "cpu")
     gathered_by_pytorch = any(step.kernel is None and step.node.op in ("gather", "opaque") for step in model._steps)
     assert model.stand_ins_are_safe() is not gathered_by_pytorch
+
+
+def test_a_worker_builds_the_launcher_of_each_kernel_it_compiles(monkeypatch):
+    """Triton 3.6 builds a C launcher per kernel signature when a kernel loads: the worker builds it into the cache
+    too, so that the compiling process does not build them one after the other; a launcher that fails to build
+    there leaves the compile counted as done."""
+    from types import SimpleNamespace
+
+    from triton.runtime.driver import driver
+
+    from opfuse.runtime.precompile import _compile
+
+    compiled = SimpleNamespace(src="the kernel's source", metadata="its metadata")
+    built = []
+
+    def launcher(src, metadata):
+        built.append((src, metadata))
+        if len(built) > 1:
+            raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(launcher_cls=launcher))
+    record = LaunchRecord(path="/nowhere/kernel.py", function="kernel", args=(1,), kwargs=())
+    modules = {record.path: SimpleNamespace(kernel=SimpleNamespace(warmup=lambda *args, **kwargs: compiled))}
+    assert _compile(record, modules) and built == [("the kernel's source", "its metadata")]
+    assert _compile(record, modules) and len(built) == 2
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("does not compile")
+    modules[record.path].kernel = SimpleNamespace(warmup=failing)
+    assert not _compile(record, modules) and len(built) == 2
