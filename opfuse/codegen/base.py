@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 import sys
 import tempfile
@@ -133,14 +134,42 @@ def kernel_name(prefix: str, ops: Sequence[str], source: str) -> str:
     return f"{prefix}_{body}_{digest}"
 
 
-def load_kernel(prefix: str, ops: Sequence[str], source: str) -> tuple[str, str, "Launcher"]:
+def load_kernel(prefix: str, ops: Sequence[str], source: str, units: Sequence[str] = ()
+                ) -> tuple[str, str, "Launcher"]:
     """(name, source, launcher of the jitted function) of generated `source` whose function is called KERNEL_NAME:
     the name is `kernel_name` of the source as given, then written into it, so profiles show
-    fused_conv2d_relu_1a2b3c4d."""
+    fused_conv2d_relu_1a2b3c4d. `units`: the integer parameters the kernel rebinds as multiples of its UNIT
+    (`unit_code`); the launcher passes UNIT (`unit_of` their values)."""
     name = kernel_name(prefix, ops, source)
     source = source.replace("KERNEL_NAME", name)
     module = load_source(source, name)
-    return name, source, Launcher(getattr(module, name), module.__file__, name)
+    return name, source, Launcher(getattr(module, name), module.__file__, name, units)
+
+
+# Triton specialises an integer argument on one fact about its factors: whether 16 divides it. A kernel over 24
+# channels (a row stride of 24 elements, a mask `offs_n < 24`) is compiled as if its rows could start anywhere, so
+# it loads and stores 2 bytes an instruction. A kernel with a UNIT constexpr rebinds the integers that address its
+# vectorised dim as `x // UNIT * UNIT` (the same value: the launcher passes a UNIT that divides them all), which
+# tells Triton they are multiples of UNIT: 24 channels then move 16 bytes an instruction.
+UNIT_MAX = 16
+
+
+def unit_of(values: Sequence[int]) -> int:
+    """The UNIT of a launch whose unit parameters are `values`: the largest power of two dividing all of them, or 1
+    (no rebinding) where that is 1 or at least UNIT_MAX (Triton knows those multiples of 16 already; zeros divide
+    by anything)."""
+    common = math.gcd(*values)
+    unit = common & -common
+    return unit if 1 < unit < UNIT_MAX else 1
+
+
+def unit_code(names: Sequence[str], indent: str = "    ") -> str:
+    """The kernel lines that rebind `names` as multiples of UNIT (nothing where UNIT is 1, a constexpr branch)."""
+    if not names:
+        return ""
+    lines = [f"{indent}if UNIT > 1:   # the launcher's UNIT divides each of these (opfuse.codegen.base.unit_of)"]
+    lines += [f"{indent}    {name} = {name} // UNIT * UNIT" for name in names]
+    return "\n".join(lines) + "\n"
 
 
 @dataclass(frozen=True)
@@ -172,11 +201,20 @@ class Launcher:
     """A generated Triton kernel, launched as `launcher[grid](*args, **options)` like the jitted function it holds;
     inside `recording_launches()` a launch is recorded instead."""
 
-    def __init__(self, function: Any, path: str, name: str):
+    def __init__(self, function: Any, path: str, name: str, units: Sequence[str] = ()):
         self.function, self.path, self.name = function, path, name
+        self.units = tuple(units)
+        # where each unit parameter is among the positional arguments (a launch may also pass one by name)
+        self._unit_positions = [(function.arg_names.index(unit), unit) for unit in self.units]
+
+    def unit(self, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+        """The UNIT of a launch with these arguments (`unit_of` its unit parameters' values)."""
+        return unit_of([args[i] if i < len(args) else kwargs[name] for i, name in self._unit_positions])
 
     def __getitem__(self, grid: Any) -> Any:
         def launch(*args: Any, **kwargs: Any) -> Any:
+            if self.units:
+                kwargs["UNIT"] = self.unit(args, kwargs)
             records = _RECORDING.get()
             if records is None:
                 return self.function[grid](*args, **kwargs)

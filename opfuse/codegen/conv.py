@@ -65,9 +65,9 @@ def KERNEL_NAME(
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
     PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    K_GATHER: tl.constexpr, PRECISION: tl.constexpr,
+    K_GATHER: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+{units}    pid = tl.program_id(0)
     group = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(COUT_G, BLOCK_N)
@@ -141,6 +141,10 @@ CONV_SLICE_TEMPLATE = sliced_template(CONV_TEMPLATE, [
     ("        for t in range(0, KH * KW * c_blocks):\n",
      "        t_first = pid_k * SLICE_STEPS\n"
      "        for t in range(t_first, tl.minimum(KH * KW * c_blocks, t_first + SLICE_STEPS)):\n")])
+# the templates' integers that address their channel dims, rebound as multiples of UNIT
+# (`opfuse.codegen.base.unit_code`)
+CONV_UNITS = ("N_TOTAL", "COUT_G", "CIN_G", "C_IN", "s_xn", "s_xh", "s_xw")
+DEPTHWISE_UNITS = ("N", "s_xn", "s_xh", "s_xw")
 CONV_PARTIAL = '''\
     ws = ws_ptr + pid_k * M * N_TOTAL + offs_m[:, None] * N_TOTAL + offs_n[None, :]
     tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])'''
@@ -173,8 +177,9 @@ def KERNEL_NAME(
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
     PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     MULTIPLIER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_LOOP: tl.constexpr,
+    UNIT: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)   # output pixel
+{units}    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)   # output pixel
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)   # output channel
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -389,7 +394,7 @@ class ConvKernel(EpilogueKernel):
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue, x: str,
                  geometry: ConvGeometry, weights: Sequence[torch.Tensor], dtype: torch.dtype,
                  hw: HardwareProfile | None = None):
-        name, source, self.kernel = generate_kernel(CONV_TEMPLATE, epilogue)
+        name, source, self.kernel = generate_kernel(CONV_TEMPLATE, epilogue, units=CONV_UNITS)
         hw = hw or get_hardware()
         super().__init__(graph, group, name, source)
         self.epilogue, self.layout, self.x, self.geometry = epilogue, epilogue.layout, x, geometry
@@ -399,7 +404,7 @@ class ConvKernel(EpilogueKernel):
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
         self._configs = implicit_gemm_configs(group, geometry, self.layout, dtype.itemsize, hw)
         # the planner split K: each config runs the slices the plan gives its tile
-        self.split = SplitK(CONV_SLICE_TEMPLATE, CONV_PARTIAL, epilogue) if group.split_k else None
+        self.split = SplitK(CONV_SLICE_TEMPLATE, CONV_PARTIAL, epilogue, CONV_UNITS) if group.split_k else None
         self.packed_weight(group_block_of(self._configs[0]))   # the default config's, packed at build time
 
     def packed_weight(self, block: int) -> torch.Tensor:
@@ -458,7 +463,7 @@ class DepthwiseConvKernel(EpilogueKernel):
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue, x: str,
                  geometry: ConvGeometry, weight: torch.Tensor, hw: HardwareProfile | None = None):
-        name, source, self.kernel = generate_kernel(DEPTHWISE_TEMPLATE, epilogue)
+        name, source, self.kernel = generate_kernel(DEPTHWISE_TEMPLATE, epilogue, units=DEPTHWISE_UNITS)
         super().__init__(graph, group, name, source)
         self.epilogue, self.layout, self.x, self.geometry = epilogue, epilogue.layout, x, geometry
         # [Cout, 1, Kh, Kw] -> [Kh·Kw, Cout]: one contiguous row of channel weights per tap

@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel
+from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel, unit_code
 from opfuse.codegen.conv import ConvGeometry
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, interpreting
 from opfuse.codegen.forms import EpilogueKernel
@@ -50,6 +50,8 @@ from opfuse.fusion.resources import conv_chain, conv_conv_blocks, conv_conv_key,
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph, torch_dtype
 
+# the template's integers that address its channel dims, rebound as multiples of UNIT (`opfuse.codegen.base.unit_code`)
+CONV_CONV_UNITS = ("C_IN", "C_MID", "N", "s_xn", "s_xh", "s_xw")
 CONV_CONV_TEMPLATE = '''
 import triton
 import triton.language as tl
@@ -65,8 +67,9 @@ def KERNEL_NAME(
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
     PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CIN: tl.constexpr,
-    SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr,
 ):
+{units}\
     # output-channel tiles of one pixel tile are neighbours in launch order: they re-read its input from L2
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)                                # the slice of mid channels (SPLIT_K of them)
@@ -223,16 +226,17 @@ class ConvConvKernel(EpilogueKernel):
         self.c_mid = self.depthwise_weight.shape[1]
         self.constants = {self.x: constant(self.x)} if graph.is_constant(self.x) else {}
 
+        units = (*CONV_CONV_UNITS, *self.epilogue.unit_names)
         source = CONV_CONV_TEMPLATE.format(
             helpers="".join(stage.helper_source for stage in inner),
             stage_params="".join(stage.kernel_params for stage in inner),
             before_taps=EXPANSION_WEIGHT if expansion else "",
             tap=TAP_EXPAND.format(args=self.expansion.call_args) if expansion else TAP_LOAD,
             depthwise_args=self.depthwise.call_args,
-            params=self.epilogue.params, epilogue=self.epilogue.code())
+            params=self.epilogue.params, epilogue=self.epilogue.code(), units=unit_code(units))
         roles = (["expand_conv"] + self.expansion.epilogue.ops[1:] if expansion else []) + \
             ["dw_conv"] + self.depthwise.epilogue.ops[1:] + ["pw_conv"] + self.epilogue.ops[1:]
-        name, source, self.kernel = load_kernel("fused", roles, source)
+        name, source, self.kernel = load_kernel("fused", roles, source, units)
         super().__init__(graph, group, name, source)
         self.stage_vectors = [v for stage in inner for v in stage.vectors]
         # arrival counts of split tiles, zero between launches (`_split_buffers`): made here, never inside a CUDA

@@ -48,7 +48,7 @@ from typing import Sequence
 
 import torch
 
-from opfuse.codegen.base import load_kernel
+from opfuse.codegen.base import load_kernel, unit_code
 from opfuse.codegen.expr import Unsupported, emit, literal, triton_dtype
 from opfuse.fusion.legality import EPILOGUE_VIEWS, Users, anchor_prologue, epilogue_spaces, operand_views
 from opfuse.fusion.plan import FusionGroup
@@ -401,6 +401,16 @@ class Epilogue:
         return "\n".join(indent + line for line in self.lines)
 
     @property
+    def unit_names(self) -> list[str]:
+        """The batch and row strides of every tensor the tile epilogue reads or writes (`params`): what a template
+        with a UNIT rebinds as multiples of it, with its own parameters (`generate_kernel`). A flat epilogue has
+        none (its dense tensors are addressed by `offs_dense`)."""
+        if self.flat:
+            return []
+        prefixes = [f"fo{j}" for j in range(len(self.full_operands))] + [f"out{j}" for j in range(len(self.stored))]
+        return [name for prefix in prefixes for name in self.layout.stride_names(prefix)[:-1]]
+
+    @property
     def runtime_values(self) -> list[str]:
         return [v for v in self.full_operands if isinstance(v, str)]
 
@@ -429,12 +439,18 @@ class Epilogue:
         return args, [buffers[b].narrow(channel, *self.spans[s]) for s, b in self.outputs]
 
 
-def generate_kernel(template: str, epilogue: Epilogue, prefix: str = "fused") -> tuple[str, str, object]:
+def generate_kernel(template: str, epilogue: Epilogue, prefix: str = "fused", units: Sequence[str] | None = None
+                    ) -> tuple[str, str, object]:
     """(name, source, jitted function) of `template` with the epilogue inserted, named `prefix`_<ops>_<hash>.
 
     The template has `{params}` and `{epilogue}` slots and calls its function KERNEL_NAME (see `load_kernel`).
+    `units`: the template's own integer parameters that address the tile's channel dim, for a template with a
+    `UNIT: tl.constexpr` parameter and a `{units}` slot where the kernel rebinds them and the epilogue's row
+    strides as multiples of UNIT (`opfuse.codegen.base.unit_code`); None for a template without.
     """
-    return load_kernel(prefix, epilogue.ops, template.format(params=epilogue.params, epilogue=epilogue.code()))
+    names = () if units is None else (*units, *epilogue.unit_names)
+    source = template.format(params=epilogue.params, epilogue=epilogue.code(), units=unit_code(names))
+    return load_kernel(prefix, epilogue.ops, source, names)
 
 
 # The row and batch indices of the contract (module docstring), for templates whose tile covers rows offs_m of M and

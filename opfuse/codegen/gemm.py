@@ -40,6 +40,9 @@ from opfuse.ir.interpret import run_nodes
 from opfuse.ir.ops import get_op
 
 GROUP_M = 8   # tiles of 8 consecutive row blocks share B in L2 (the Triton matmul tutorial's swizzle)
+# the template's integers that address its vectorised dims (N of the tile and B, K of A), rebound as multiples of
+# UNIT (`opfuse.codegen.base.unit_code`)
+GEMM_UNITS = ("N", "K", "s_ab0", "s_ab1", "s_ar0", "s_ar1", "s_ar2", "s_ar3", "s_ako", "s_bb0", "s_bb1", "s_bk")
 
 GEMM_TEMPLATE = '''
 import triton
@@ -54,9 +57,9 @@ def KERNEL_NAME(
     s_bb0, s_bb1, s_bk, s_bn,
     {params}{prologue_params}
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, A_SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, A_SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+{units}    pid = tl.program_id(0)
     pid_b = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -178,7 +181,8 @@ class GemmKernel(EpilogueKernel):
             self.operand_nodes, self.operand_constants = [graph[n] for n in prologue.nodes], prologue.constants
         elif a_map is not None:
             self.operand_nodes = a_map.views
-        name, source, self.kernel = generate_kernel(_with_prologue(GEMM_TEMPLATE, prologue), epilogue)
+        name, source, self.kernel = generate_kernel(_with_prologue(GEMM_TEMPLATE, prologue), epilogue,
+                                                    units=GEMM_UNITS)
         super().__init__(graph, group, name, source)
         self.device, self.epilogue, self.layout = device, epilogue, epilogue.layout
         self.a, self.k, self.a_view, self.a_map = a, k, a_view, a_map
@@ -192,7 +196,7 @@ class GemmKernel(EpilogueKernel):
         # the planner split K: each config runs the slices the plan gives its tile (never with row statistics,
         # which need all of K: the planner offers no split for them)
         if group.split_k and (prologue is None or prologue.norm is None):
-            self.split = SplitK(_with_prologue(GEMM_SLICE_TEMPLATE, prologue), GEMM_PARTIAL, epilogue)
+            self.split = SplitK(_with_prologue(GEMM_SLICE_TEMPLATE, prologue), GEMM_PARTIAL, epilogue, GEMM_UNITS)
             self._configs = with_slices(self._configs, group)
         self._sizes = (self.layout.rows, self.layout.channels, *self.layout.row_sizes()[1:],
                        self.layout.batch_sizes()[1] if self.layout.batch_dims else 1)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import KernelConfig, load_kernel
+from opfuse.codegen.base import KernelConfig, load_kernel, unit_code
 from opfuse.codegen.epilogue import TILE_INDEX, generate_kernel
 from opfuse.fusion.tiles import tile_key
 from opfuse.ir.graph import GraphError
@@ -34,9 +34,9 @@ import triton.language as tl
 def KERNEL_NAME(
     ws_ptr, M, N, SLICES, R1, R2, B1,
     {params}
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNIT: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+{units}    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_b = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -58,11 +58,14 @@ class SplitK:
     template's code for it) in place of the epilogue, and the reduce kernel that sums the slices and runs the
     epilogue. Built only for groups the planner split (`FusionGroup.split_k`)."""
 
-    def __init__(self, template: str | None, partial: str, epilogue: "Epilogue"):
+    def __init__(self, template: str | None, partial: str, epilogue: "Epilogue", units: Sequence[str] = ()):
+        """`units`: the template's unit parameters (`opfuse.codegen.base.unit_code`; the partial tile's store
+        has no epilogue strides)."""
         if template is not None:
             self.name, self.source, self.partial = load_kernel(
-                "splitk", epilogue.ops, template.format(params="ws_ptr, ", epilogue=partial))
-        self.reduce_name, self.reduce_source, self.reduce = generate_kernel(REDUCE_TEMPLATE, epilogue)
+                "splitk", epilogue.ops, template.format(params="ws_ptr, ", epilogue=partial, units=unit_code(units)),
+                units)
+        self.reduce_name, self.reduce_source, self.reduce = generate_kernel(REDUCE_TEMPLATE, epilogue, units=("N",))
 
     @classmethod
     def reduce_only(cls, epilogue: "Epilogue") -> "SplitK":

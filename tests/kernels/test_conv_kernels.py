@@ -173,6 +173,28 @@ def test_channel_slice_view_input():
     assert isinstance(kernel, GemmKernel)
 
 
+@pytest.mark.parametrize("kernel_size,groups,kind", [(1, 1, GemmKernel), (3, 1, ConvKernel),
+                                                      (3, 24, DepthwiseConvKernel)])
+def test_channels_in_multiples_of_8_launch_in_units_of_8(kernel_size, groups, kind):
+    """24 channels: Triton knows no integer of the launch as a multiple of 16, so the launcher passes UNIT, the
+    largest power of two dividing every channel count and row stride the kernel rebinds (8), and the kernel's
+    result is the reference's; read through a channel-slice view whose pixels are 36 channels apart, 4."""
+    from opfuse.codegen.base import recording_launches
+
+    for width, unit in ((24, 8), (36, 4)):
+        b = Builder()
+        wide = b.random(2, width, 5, 5).to(memory_format=torch.channels_last)
+        x = b.input("x", (2, 24, 5, 5), wide[:, :24])
+        skip = b.input("skip", (2, 24, 5, 5), b.random(2, 24, 5, 5).to(memory_format=torch.channels_last))
+        y = b.op("relu", b.op("add", b.conv(x, 24, kernel_size, padding=kernel_size // 2, groups=groups), skip))
+        kernel, _ = run_group(b, [y], GroupKind.RESIDUAL)
+        assert isinstance(kernel, kind)
+        assert "    N = N // UNIT * UNIT" in kernel.source or "N_TOTAL = N_TOTAL // UNIT * UNIT" in kernel.source
+        with recording_launches() as launches:
+            kernel.run([b.feeds[name] for name in kernel.runtime_inputs])
+        assert [dict(record.kwargs)["UNIT"] for record in launches] == [unit]
+
+
 def test_float16_conv():
     b = Builder("float16")
     x = b.input("x", (2, 5, 6, 6))

@@ -362,3 +362,12 @@ def test_a_worker_builds_the_launcher_of_each_kernel_it_compiles(monkeypatch):
         raise RuntimeError("does not compile")
     modules[record.path].kernel = SimpleNamespace(warmup=failing)
     assert not _compile(record, modules) and len(built) == 2
+
+
+def test_the_unit_of_a_launch_is_the_largest_power_of_two_below_16_dividing_its_integers():
+    from opfuse.codegen.base import unit_of
+
+    assert unit_of([24, 144, 24 * 56, 0]) == 8        # MobileNet's 24-channel rows
+    assert unit_of([116, 116 * 28]) == 4 and unit_of([58, 58 * 28]) == 2
+    assert unit_of([32, 64, 0]) == 1                   # multiples of 16: Triton knows them so, nothing to rebind
+    assert unit_of([24, 1]) == 1 and unit_of([0, 0]) == 1 and unit_of([7, 24]) == 1

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from opfuse.codegen.base import KernelConfig
+from opfuse.codegen.base import KernelConfig, recording_launches
 from opfuse.codegen.conv import ConvKernel, lower_conv_group
 from opfuse.codegen.forms import is_unfused
 from opfuse.codegen.split_k import slices_of
@@ -51,6 +51,11 @@ def test_linear_split_k_with_bias_relu_and_residual():
     y = b.op("relu", b.op("add", linear(b, x, 24), r))
     kernel, _ = run_split(b, [y], lower_gemm_group, GroupKind.RESIDUAL)
     assert isinstance(kernel, GemmKernel) and kernel.split is not None
+    # 24 columns, K = 520: the slices and the reduce both launch in units of 8 (`opfuse.codegen.base.unit_of`)
+    with recording_launches() as launches:
+        kernel.run([b.feeds[name] for name in kernel.runtime_inputs])
+    assert [(record.function.split("_")[0], dict(record.kwargs)["UNIT"]) for record in launches] == \
+        [("splitk", 8), ("fused", 8)]
 
 
 def test_linear_split_k_two_outputs():

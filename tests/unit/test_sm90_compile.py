@@ -210,3 +210,39 @@ def test_summary_names_the_spilling_and_the_narrow_launches():
     spilling, narrow = sm90_compile.summary(rows).splitlines()
     assert spilling == "spilling: 1 launches: gemm_b (1)"
     assert narrow == "global access under 8 B: 3 launches: gemm_b (1), dw (2)"
+
+
+UNITS = '''
+import torch
+from opfuse.codegen.base import import_file, recording_launches
+from opfuse.codegen.conv import lower_conv_group
+from opfuse.fusion.plan import GroupKind
+from opfuse.runtime.precompile import stand_in
+from tests.kernels.test_conv_kernels import Builder
+
+report = {}
+for cin, cout in ((144, 24), (24, 144)):
+    b = Builder(dtype="float16")
+    x = b.input("x", (2, cin, 8, 8))
+    y = b.conv(x, cout, 1)
+    kernel = lower_conv_group(b.graph, b.group([y], GroupKind.ANCHOR_EPILOGUE), "cpu")
+    feeds = [b.feeds[n].contiguous(memory_format=torch.channels_last) for n in kernel.runtime_inputs]
+    with recording_launches() as launches:
+        kernel.run(feeds, kernel.configs()[0])
+    (record,) = launches
+    function = getattr(import_file(record.path, f"units_{cin}"), record.function)
+    for unit in (1, dict(record.kwargs)["UNIT"]):
+        kwargs = {n: stand_in(v) for n, v in record.kwargs} | {"UNIT": unit}
+        compiled = function.warmup(*map(stand_in, record.args), grid=(1,), **kwargs)
+        report[f"{cin}->{cout} unit {unit}"] = module.access_widths(compiled.asm["ptx"])
+print(json.dumps(report))
+'''
+
+
+def test_channels_in_units_of_8_load_and_store_16_bytes_wide(tmp_path):
+    """A 1x1 conv (a GEMM) to and from 24 fp16 channels, compiled for sm_90 as launched (UNIT 8) and as it would be
+    without the unit (1): with it, its 24-channel stores and loads are 16 bytes wide; without, 2 to 4."""
+    report = run_offline(tmp_path, UNITS, timeout=600)
+    assert set(report) == {"144->24 unit 1", "144->24 unit 8", "24->144 unit 1", "24->144 unit 8"}
+    assert report["144->24 unit 8"]["st"] == 16.0 and report["144->24 unit 1"]["st"] <= 4.0
+    assert report["24->144 unit 8"]["ld"] >= 8.0 and report["24->144 unit 1"]["ld"] <= 4.0
