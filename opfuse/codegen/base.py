@@ -164,12 +164,13 @@ def unit_of(values: Sequence[int]) -> int:
 
 
 def unit_code(names: Sequence[str], indent: str = "    ") -> str:
-    """The kernel lines that rebind `names` as multiples of UNIT (nothing where UNIT is 1, a constexpr branch)."""
+    """The kernel lines that rebind `names` as multiples of UNIT (nothing where UNIT is 1, a constexpr branch), for
+    a template's `{units}` line."""
     if not names:
         return ""
     lines = [f"{indent}if UNIT > 1:   # the launcher's UNIT divides each of these (opfuse.codegen.base.unit_of)"]
     lines += [f"{indent}    {name} = {name} // UNIT * UNIT" for name in names]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,8 @@ def KERNEL_NAME(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     K_GATHER: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr,
 ):
-{units}    pid = tl.program_id(0)
+{units}
+    pid = tl.program_id(0)
     group = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(COUT_G, BLOCK_N)
@@ -179,7 +180,8 @@ def KERNEL_NAME(
     MULTIPLIER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_LOOP: tl.constexpr,
     UNIT: tl.constexpr,
 ):
-{units}    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)   # output pixel
+{units}
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)   # output pixel
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)   # output channel
     mask_m = offs_m < M
     mask_n = offs_n < N

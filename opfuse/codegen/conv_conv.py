@@ -69,7 +69,7 @@ def KERNEL_NAME(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CIN: tl.constexpr,
     SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr,
 ):
-{units}\
+{units}
     # output-channel tiles of one pixel tile are neighbours in launch order: they re-read its input from L2
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)                                # the slice of mid channels (SPLIT_K of them)

@@ -390,8 +390,7 @@ class Epilogue:
     def params(self) -> str:
         """Kernel parameters for the template signature (each followed by a comma)."""
         names = [f"cv{j}_ptr" for j in range(len(self.channel_vectors))]
-        for prefix in [f"fo{j}" for j in range(len(self.full_operands))] + \
-                      [f"out{j}" for j in range(len(self.stored))]:
+        for prefix in self._tensor_prefixes:
             names += [f"{prefix}_ptr"] + self.layout.stride_names(prefix)
             if self.flat:
                 names.append(f"{prefix}_DENSE: tl.constexpr")
@@ -407,8 +406,12 @@ class Epilogue:
         none (its dense tensors are addressed by `offs_dense`)."""
         if self.flat:
             return []
-        prefixes = [f"fo{j}" for j in range(len(self.full_operands))] + [f"out{j}" for j in range(len(self.stored))]
-        return [name for prefix in prefixes for name in self.layout.stride_names(prefix)[:-1]]
+        return [name for prefix in self._tensor_prefixes for name in self.layout.stride_names(prefix)[:-1]]
+
+    @property
+    def _tensor_prefixes(self) -> list[str]:
+        """The parameter prefixes of the tensors it reads (full operands) and writes, in `params` order."""
+        return [f"fo{j}" for j in range(len(self.full_operands))] + [f"out{j}" for j in range(len(self.stored))]
 
     @property
     def runtime_values(self) -> list[str]:

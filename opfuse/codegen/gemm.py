@@ -59,7 +59,8 @@ def KERNEL_NAME(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, A_SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr,
 ):
-{units}    pid = tl.program_id(0)
+{units}
+    pid = tl.program_id(0)
     pid_b = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)

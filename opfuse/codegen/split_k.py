@@ -36,7 +36,8 @@ def KERNEL_NAME(
     {params}
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNIT: tl.constexpr,
 ):
-{units}    pid_m = tl.program_id(0)
+{units}
+    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_b = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
