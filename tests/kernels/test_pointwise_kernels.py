@@ -7,6 +7,7 @@ tests run compiled on the GPU.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -68,6 +69,21 @@ def test_activation(op, attrs):
     b = Builder()
     x = b.input("x", (3, 7, 11), b.random(3, 7, 11) * 3)
     run_group(b, [b.op(op, x, **attrs)], GroupKind.SINGLE)
+
+
+def test_exact_gelu_is_close_to_float64_elementwise_tail_included():
+    """GELU(x) = x·Φ(x) through the erfc fit (`opfuse.codegen.expr._normal_cdf`): every element within 2e-5 of
+    GELU in float64 (as x·erfc(-x/√2)/2), relative, from -9 to 9; float32's 0.5·x·(1 + erf(x/√2)) (eager's formula)
+    is 0 below about -5.8, where GELU is not (it is -1e-18 at -9)."""
+    b = Builder()
+    values = torch.cat([torch.linspace(-9.0, 9.0, 1200), torch.tensor([0.0, -1e-30, 1e-30, -1e-3, 1e-3])])
+    x = b.input("x", tuple(values.shape), values)
+    _, (out,) = run_group(b, [b.op("gelu", x)], GroupKind.SINGLE)
+    exact = values.double() * 0.5 * torch.special.erfc(-values.double() / math.sqrt(2.0))
+    assert (exact[:1200] != 0).all() and (torch.nn.functional.gelu(values)[:200] == 0).any()
+    relative = (out.double().cpu() - exact).abs() / exact.abs().clamp_min(1e-300)
+    assert relative[exact != 0].max() < 2e-5
+    assert out[1200] == 0
 
 
 def test_activation_chain():
