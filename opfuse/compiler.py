@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from opfuse.api import Analysis, analyze
 from opfuse.config import FusionConfig, resolve_dtype
+from opfuse.fusion.plan import GroupKind
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import GraphError, dtype_name, torch_dtype
 from opfuse.numerics import (EAGER_ERROR_MARGIN, GroupCheck, check_groups, random_inputs_like, reference_dtype,
@@ -286,14 +287,17 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
     start = time.perf_counter()
     compiled = build_compiled_model(analysis.plan, device, examples, config=config, quiet=quiet)
     over_budget = dict(getattr(compiled.tuning, "over_budget", None) or {})
-    slower = dict(getattr(compiled.tuning, "slower_fused", None) or {})
-    if over_budget or kept_apart(analysis, slower):   # kernels that spilled or lost to their ops: plan again
-        replanned = split_back(analysis, over_budget, slower)
+    apart = dict(getattr(compiled.tuning, "slower_fused", None) or {})
+    if config.split_epilogues:
+        apart |= getattr(compiled.tuning, "epilogue_apart", None) or {}
+    if over_budget or kept_apart(analysis, apart):   # kernels that spilled or lost to their ops: plan again
+        replanned = split_back(analysis, over_budget, apart)
         # and build again where that changed the groups (a one-op group has nothing to split: it keeps the other
-        # form the tuner chose for it)
+        # form the tuner chose for it); kept unless its kernels measure slower than those they replace
         if [g.nodes for g in replanned.plan.groups] != [g.nodes for g in analysis.plan.groups]:
-            analysis = replanned
-            compiled = build_compiled_model(analysis.plan, device, examples, config=config, quiet=quiet)
+            rebuilt = build_compiled_model(replanned.plan, device, examples, config=config, quiet=quiet)
+            if not measured_slower(rebuilt, compiled):
+                analysis, compiled = replanned, rebuilt
     seconds["codegen+tune"] = time.perf_counter() - start
 
     checks: list[GroupCheck] = []
@@ -401,10 +405,32 @@ def split_back(analysis: Analysis, over_budget: dict[str, str], slower: dict[str
                          pytorch_groups=pytorch_groups)
 
 
+def measured_slower(model, than) -> bool:
+    """Whether the kernels of compiled `model` that `than` lacks (groups of other nodes) measured slower in sum than
+    those of `than` it lacks, by the autotuner's times of their chosen forms; False where a group on either side has
+    no measured time (untuned, or run through PyTorch without a kernel of opfuse's), as views, which launch nothing,
+    never do."""
+    def changed_seconds(compiled, other) -> float | None:
+        others = {frozenset(g.nodes) for g in other.plan.groups}
+        seconds = getattr(compiled.tuning, "seconds", None) or {}
+        total = 0.0
+        for group in compiled.plan.groups:
+            if frozenset(group.nodes) in others or group.kind is GroupKind.VIEW:
+                continue
+            if group.name not in seconds or group.name not in compiled.kernels:
+                return None
+            total += seconds[group.name]
+        return total
+
+    new, old = changed_seconds(model, than), changed_seconds(than, model)
+    return new is not None and old is not None and new > old
+
+
 def kept_apart(analysis: Analysis, slower: dict[str, str]) -> dict[frozenset[str], str]:
-    """The node sets `split_back` keeps apart for the groups that measured slower than their ops through PyTorch
-    (group name -> why): each pair of anchors of a group of several (a horizontal group is merged a sibling at a
-    time); with `config.split_epilogues`, the anchor of a group of one with each of its other nodes."""
+    """The node sets `split_back` keeps apart for the groups whose fastest form ran their anchors apart (group name
+    -> why; `TuningResult.slower_fused`, and with `config.split_epilogues` `TuningResult.epilogue_apart`): each pair
+    of anchors of a group of several (a horizontal group is merged a sibling at a time); with
+    `config.split_epilogues`, the anchor of a group of one with each of its other nodes."""
     from itertools import combinations
 
     from opfuse.ir.ops import FusionKind, kind_of

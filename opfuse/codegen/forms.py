@@ -118,6 +118,13 @@ def is_unfused(config: KernelConfig | None) -> bool:
     return config is not None and config.form == FORM_UNFUSED
 
 
+def runs_epilogue_apart(kernel: GroupKernel, config: KernelConfig | None) -> bool:
+    """Whether `config` runs the kernel's anchor through the library and its epilogue as a generated kernel of its
+    own (the library form of a group with an epilogue): a kernel the epilogue's ops could as well join elsewhere."""
+    return (is_library(config) and not is_library_fused(config) and isinstance(kernel, EpilogueKernel)
+            and kernel.library_outputs is None and kernel.library_anchor is not None)
+
+
 class EpilogueKernel(GroupKernel):
     """Base of the anchor kernels (conv, depthwise, conv-conv, GEMM): the config list fixed at build time, the
     binding of one call's runtime inputs and the held constants to the epilogue's arguments and outputs, the

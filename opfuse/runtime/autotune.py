@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from opfuse.codegen.base import FORM_TRITON, FORM_UNFUSED, CompiledInfo, GroupKernel, KernelConfig, tuned_configs
+from opfuse.codegen.forms import runs_epilogue_apart
 from opfuse.codegen.library_fused import LibraryUnavailable
 from opfuse.config import FusionConfig
 from opfuse.environment import triton_interpreter
@@ -46,6 +47,9 @@ class TuningResult(dict):
         super().__init__()
         self.over_budget: dict[str, str] = {}                     # group name -> why no config fits
         self.slower_fused: dict[str, str] = {}                    # anchor group -> why its unfused form won
+        self.epilogue_apart: dict[str, str] = {}                  # group of one anchor -> why its fastest form runs
+                                                                  # the anchor apart from its other ops
+        self.seconds: dict[str, float] = {}                       # group -> measured time of its chosen config
         self.rejected: dict[str, dict[KernelConfig, str]] = {}    # group name -> {config: reason}
         self.timings: dict[str, dict[KernelConfig, float]] = {}   # group name -> {config: seconds (median)}
         self.from_cache: set[str] = set()
@@ -295,16 +299,25 @@ def cached_choice(kernel: GroupKernel, inputs: list[torch.Tensor], configs: list
 
 def note_slower_fused(kernel: GroupKernel, chosen: KernelConfig, timings: Mapping[str, float],
                       result: TuningResult) -> None:
-    """Report a group with an anchor whose unfused form measured fastest (`TuningResult.slower_fused`), with its
-    fastest other form and the unfused time (`timings`: seconds by `format_config`)."""
-    if chosen.form != FORM_UNFUSED or not any(kind_of(kernel.graph[n]) is FusionKind.ANCHOR
-                                              for n in kernel.group.nodes):
+    """Report the group's measured time (`TuningResult.seconds`, where `timings`, seconds by `format_config`, has
+    the chosen config's), and a group with an anchor whose fastest form runs it apart from the group's other ops:
+    the unfused form (`TuningResult.slower_fused`, with its fastest other form and the unfused time) or, for a group
+    of one anchor, the library form with an epilogue kernel of its own (`TuningResult.epilogue_apart`)."""
+    name = kernel.group.name
+    time_s = timings.get(format_config(chosen))
+    if time_s is not None:
+        result.seconds[name] = time_s
+    anchors = [n for n in kernel.group.nodes if kind_of(kernel.graph[n]) is FusionKind.ANCHOR]
+    if not anchors:
         return
-    unfused = timings.get(format_config(chosen))
     others = [(t, c) for c, t in timings.items() if c != format_config(chosen)]
-    measured = (f": {min(others)[0] * 1e6:.1f} us fused ({min(others)[1]}) against {unfused * 1e6:.1f} us"
-                if others and unfused is not None else "")
-    result.slower_fused[kernel.group.name] = f"slower than its ops through PyTorch{measured}"
+    if chosen.form == FORM_UNFUSED:
+        measured = (f": {min(others)[0] * 1e6:.1f} us fused ({min(others)[1]}) against {time_s * 1e6:.1f} us"
+                    if others and time_s is not None else "")
+        result.slower_fused[name] = f"slower than its ops through PyTorch{measured}"
+    elif len(anchors) == 1 and runs_epilogue_apart(kernel, chosen):
+        measured = f": {time_s * 1e6:.1f} us" if time_s is not None else ""
+        result.epilogue_apart[name] = f"fastest with its anchor through the library, its epilogue apart{measured}"
 
 
 def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: HardwareProfile, benchmark: Benchmark,

@@ -623,6 +623,56 @@ def test_a_one_anchor_group_slower_than_its_ops_is_split_only_when_asked(monkeyp
         assert relative_error(compiled(x), model(x)) < 1e-5
 
 
+def residual_norm_seconds(kept_us: dict[tuple[str, ...], float]):
+    """A report for `builds_reporting`: the first build's linear + add group ran fastest unfused; each build's
+    groups get the times in `kept_us` (microseconds by node tuple, 1 us for any other)."""
+    from opfuse.fusion.plan import GroupKind
+
+    def report(plan, tuning, builds):
+        if builds == 1:
+            tuning.slower_fused.update({g.name: "slower than its ops through PyTorch"
+                                        for g in plan.groups if g.kind is GroupKind.RESIDUAL})
+        tuning.seconds.update({g.name: kept_us.get(tuple(g.nodes), 1.0) * 1e-6 for g in plan.groups})
+    return report
+
+
+@pytest.mark.parametrize("split_us,kept", [(3.0, True), (7.0, False)])
+def test_a_split_back_is_kept_only_where_its_kernels_measure_faster(monkeypatch, split_us, kept):
+    """linear + add (5 us) and the layer norm (2 us) against the split's linear and add + norm (`split_us` in sum):
+    the model built again is kept where that is less than the 7 us of the groups it replaces; otherwise the first
+    build, with the unfused form the tuner chose, stands. The groups both plans share (the head) do not count."""
+    first = {("linear", "add"): 5.0, ("layer_norm",): 2.0, ("linear_1",): 50.0}
+    second = {("linear",): split_us / 2, ("add", "layer_norm"): split_us / 2, ("linear_1",): 1.0}
+    plans = builds_reporting(monkeypatch, residual_norm_seconds(first | second))
+    model = ResidualNorm().eval()
+    x = torch.randn(4, 16)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", split_epilogues=True))
+    assert len(plans) == 2
+    assert [g.nodes for g in compiled.plan.groups] == [g.nodes for g in plans[1 if kept else 0].groups]
+    with torch.no_grad():
+        assert relative_error(compiled(x), model(x)) < 1e-5
+
+
+def test_a_library_form_with_its_epilogue_apart_is_split_with_split_epilogues(monkeypatch):
+    """The tuner reports that linear + add ran fastest with the linear through the library and the add as an
+    epilogue kernel of its own: with `split_epilogues` the add joins the layer norm's kernel instead."""
+    from opfuse.fusion.plan import GroupKind
+
+    def report(plan, tuning, builds):
+        if builds == 1:
+            tuning.epilogue_apart.update({g.name: "fastest with its anchor through the library, its epilogue apart"
+                                          for g in plan.groups if g.kind is GroupKind.RESIDUAL})
+
+    plans = builds_reporting(monkeypatch, report)
+    model = ResidualNorm().eval()
+    x = torch.randn(4, 16)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", split_epilogues=True))
+    assert len(plans) == 2 and [g.nodes for g in compiled.plan.groups] == [["linear"], ["add", "layer_norm"],
+                                                                          ["linear_1"]]
+    with torch.no_grad():
+        assert relative_error(compiled(x), model(x)) < 1e-5
+
+
 class ThreeSiblings(nn.Module):
     def __init__(self):
         super().__init__()

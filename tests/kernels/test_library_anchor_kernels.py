@@ -153,8 +153,8 @@ def test_conv_with_bias_and_relu6(cin, cout, kernel_size, stride, groups):
 
 
 def test_autotuner_times_the_library_form_only_when_asked():
-    """With a fake clock that makes the library form fastest, the tuner picks it; with library_anchors off it is
-    never run."""
+    """With a fake clock that makes the library form fastest, the tuner picks it, with its time, and reports that
+    the group's epilogue runs apart from its anchor; with library_anchors off it is never run."""
     b = Builder()
     x = b.input("x", (4, 32))
     kernel = lower_gemm_group(b.graph, b.group([b.op("relu", linear(b, x, 16))]), "cpu")
@@ -169,10 +169,14 @@ def test_autotuner_times_the_library_form_only_when_asked():
     chosen = tune({"g": kernel}, values, FusionConfig(tune_top=None), benchmark=clock, quiet=True)
     assert chosen[kernel.group.name] == LIBRARY_CONFIGS[0]
     assert len(timed) == len(kernel.configs()) + len(LIBRARY_CONFIGS) + 2     # the fused library, the unfused
+    assert chosen.seconds == {kernel.group.name: 1e-6} and chosen.slower_fused == {}
+    assert chosen.epilogue_apart == {kernel.group.name: "fastest with its anchor through the library, its epilogue "
+                                                        "apart: 1.0 us"}
     timed.clear()
     chosen = tune({"g": kernel}, values, FusionConfig(tune_top=None, library_anchors=False), benchmark=clock,
                   quiet=True)
     assert not is_library(chosen[kernel.group.name]) and len(timed) == len(kernel.configs())
+    assert chosen.seconds == {kernel.group.name: 5e-6} and chosen.epilogue_apart == {}
 
 
 @pytest.mark.parametrize("form", ["library", "unfused"])

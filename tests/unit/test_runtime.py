@@ -545,6 +545,7 @@ def test_a_group_of_anchors_that_loses_to_its_ops_unfused_is_reported(tmp_path, 
                                          "stages=2) against 10.0 us"}
     cached = tune([kernel], values, FusionConfig(), cache, quiet=True, benchmark=benchmark)
     assert cached.from_cache == {"g0"} and cached.slower_fused == result.slower_fused
+    assert result.seconds == cached.seconds == {"g0": 1e-5} and result.epilogue_apart == {}
     # a fused config faster than the ops: nothing to report
     faster = tune([kernel], values, FusionConfig(), quiet=True, benchmark=lambda fn: (fn(), 1e-5)[1])
     assert faster["g0"] != UNFUSED_FORM and faster.slower_fused == {}
