@@ -23,11 +23,12 @@ class FusionConfig:
     squeeze: bool = False               # global average pool -> small GEMM -> small GEMM (squeeze-and-excitation)
                                         # as one kernel; off until its speed and compile time are measured
                                         # (RESULTS.md, run 30)
-    split_epilogues: bool = False       # a group of one anchor whose ops through PyTorch measured faster than its
-                                        # every fused form is planned again with the anchor apart from the rest,
-                                        # which may then join another kernel (a residual add into the next layer
-                                        # norm, as torch.compile does); off until measured. Groups of several
-                                        # anchors that lose so are always split back (`compiler.split_back`)
+    split_epilogues: bool = True        # a group of one anchor whose fastest form runs the anchor apart from its
+                                        # other ops (unfused, or the library form with an epilogue kernel) is planned
+                                        # again with the anchor apart, so that they may join another kernel (a
+                                        # residual add into the next layer norm, as torch.compile does); kept where
+                                        # its kernels measure faster (`compiler.measured_slower`; RESULTS.md, run
+                                        # 71). Groups of several anchors that lose so are always split back
     split_k: bool = True                # anchors whose tile grid leaves most SMs idle split K (the autotuner also
                                         # times them unsplit and keeps the faster); conv-conv kernels' mid-channel
                                         # slices are part of their tile (one launch) and do not follow this switch
