@@ -297,7 +297,7 @@ def cached_choice(kernel: GroupKernel, inputs: list[torch.Tensor], configs: list
     return key, entry, _restore(entry, configs + [c for c in kernel.configs() if c not in configs])
 
 
-def note_slower_fused(kernel: GroupKernel, chosen: KernelConfig, timings: Mapping[str, float],
+def note_choice(kernel: GroupKernel, chosen: KernelConfig, timings: Mapping[str, float],
                       result: TuningResult) -> None:
     """Report the group's measured time (`TuningResult.seconds`, where `timings`, seconds by `format_config`, has
     the chosen config's), and a group with an anchor whose fastest form runs it apart from the group's other ops:
@@ -334,7 +334,7 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
         result.from_cache.add(name)
         if entry.get("over_budget"):
             result.over_budget[name] = entry["over_budget"]
-        note_slower_fused(kernel, cached, entry.get("timings") or {}, result)
+        note_choice(kernel, cached, entry.get("timings") or {}, result)
         return cached
 
     compiled: dict[KernelConfig, CompiledInfo | str | None] = {}
@@ -360,7 +360,7 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
     if over_budget:
         result.over_budget[name] = over_budget
     result[name] = chosen
-    note_slower_fused(kernel, chosen, {format_config(c): t for c, t in timings.items()}, result)
+    note_choice(kernel, chosen, {format_config(c): t for c, t in timings.items()}, result)
     # the other forms' weights and constants go now, not after every kernel is tuned: one kernel's extra copies
     # at a time (a form run again later makes them again)
     kernel.keep_form(chosen)
