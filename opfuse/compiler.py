@@ -408,19 +408,14 @@ def split_back(analysis: Analysis, over_budget: dict[str, str], slower: dict[str
 def measured_slower(model, than) -> bool:
     """Whether the kernels of compiled `model` that `than` lacks (groups of other nodes) measured slower in sum than
     those of `than` it lacks, by the autotuner's times of their chosen forms; False where a group on either side has
-    no measured time (untuned, or run through PyTorch without a kernel of opfuse's), as views, which launch nothing,
-    never do."""
+    no measured time (untuned, or run through PyTorch without a kernel of opfuse's: the tuner times kernels only),
+    as views, which launch nothing, never do."""
     def changed_seconds(compiled, other) -> float | None:
         others = {frozenset(g.nodes) for g in other.plan.groups}
         seconds = getattr(compiled.tuning, "seconds", None) or {}
-        total = 0.0
-        for group in compiled.plan.groups:
-            if frozenset(group.nodes) in others or group.kind is GroupKind.VIEW:
-                continue
-            if group.name not in seconds or group.name not in compiled.kernels:
-                return None
-            total += seconds[group.name]
-        return total
+        changed = [g.name for g in compiled.plan.groups
+                   if frozenset(g.nodes) not in others and g.kind is not GroupKind.VIEW]
+        return sum(seconds[name] for name in changed) if all(name in seconds for name in changed) else None
 
     new, old = changed_seconds(model, than), changed_seconds(than, model)
     return new is not None and old is not None and new > old

@@ -298,7 +298,7 @@ def cached_choice(kernel: GroupKernel, inputs: list[torch.Tensor], configs: list
 
 
 def note_choice(kernel: GroupKernel, chosen: KernelConfig, timings: Mapping[str, float],
-                      result: TuningResult) -> None:
+                result: TuningResult) -> None:
     """Report the group's measured time (`TuningResult.seconds`, where `timings`, seconds by `format_config`, has
     the chosen config's), and a group with an anchor whose fastest form runs it apart from the group's other ops:
     the unfused form (`TuningResult.slower_fused`, with its fastest other form and the unfused time) or, for a group

@@ -603,8 +603,8 @@ class ResidualNorm(nn.Module):
 
 @pytest.mark.parametrize("split_epilogues", [False, True])
 def test_a_one_anchor_group_slower_than_its_ops_is_split_only_when_asked(monkeypatch, split_epilogues):
-    """The tuner reports that linear + residual add ran fastest unfused. By default that stands (one build); with
-    `split_epilogues` the model is planned again with the linear alone and the add in the layer norm's kernel."""
+    """The tuner reports that linear + residual add ran fastest unfused. Without `split_epilogues` that stands (one
+    build); with it the model is planned again with the linear alone and the add in the layer norm's kernel."""
     from opfuse.fusion.plan import GroupKind
 
     plans = builds_reporting(monkeypatch, lambda plan, tuning, _: tuning.slower_fused.update(
