@@ -263,7 +263,7 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
 
 def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, quiet: bool, analysis: Analysis,
            seconds: dict[str, float], device: torch.device) -> OpfuseModule:
-    """The compile after analyze: memory pre-flight, kernels, tuning, verification."""
+    """The compile after analyze: memory pre-flight, kernels, tuning, verification, the launches counted."""
     from opfuse.runtime.compiled import build_compiled_model
     from opfuse.runtime.memory import check_memory
 
@@ -332,6 +332,8 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
                                  f"{bound:.0e} (eager in {config.dtype}: "
                                  f"{'-' if eager_error is None else f'{eager_error:.2e}'}) although every "
                                  "kernel passed its own check; please report this model")
+    # what a replay launches, counted on a capture of the example inputs: the record analyze reads says it
+    compiled.count_launches(examples)
     keep_eager = config.recompile or config.fallback == "eager"
     return OpfuseModule(compiled, analysis, example_inputs, output_spec, output_dtypes, checks, end_to_end, seconds,
                         eager if keep_eager else None)

@@ -3,8 +3,9 @@
 A plan's launch count is what its groups launch in their generated forms. On a GPU the autotuner keeps a library
 form (the anchor through cuBLAS/cuDNN, its epilogue a kernel of its own) or the unfused form (the group's ops one by
 one through PyTorch) where it measures faster, and verification sends a failing kernel's group through PyTorch: the
-compiled model then launches more than the plan says. Every compile records what it ended with, or that it failed
-and why, under the key of the plan it started from (`plan_key`), in the tuning cache's directory (`compiled/`);
+compiled model then launches more than the plan says, and cuBLAS/cuDNN add helper kernels of their choosing (a
+split-K reduction). Every compile records what it ended with (on a GPU, its launches counted on a CUDA graph
+capture of the forward: `CompiledModel.count_launches`), or that it failed and why, under the key of the plan it started from (`plan_key`), in the tuning cache's directory (`compiled/`);
 `opfuse.analyze` reads the record of its own plan on its device, and reports those launches, forms and groups as
 the compiled model's.
 

@@ -231,7 +231,9 @@ def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict 
     graph = compiled.compiled._cuda_graph
     if graph is not None:
         forwards["opfuse_replay"] = graph.replay
+    recorded = compiled.analysis.as_compiled      # what `opfuse.analyze` reports for this plan now
     row = {"plan_launches": compiled.plan.kernel_launches, "runtime_launches": compiled.launches,
+           "analyze_launches": None if recorded is None else recorded.launches,
            "fallbacks": {group: str(why) for group, why in compiled.fallbacks.items()},     # text, as earlier runs recorded it
            "library_anchors": compiled.compiled.library_anchors,
            "unfused": compiled.compiled.unfused, "opfuse_compile_seconds": compiled.seconds,

@@ -130,7 +130,7 @@ def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
               "", "## Per workload", "",
               "| workload | run | eager | eager + graph | torch.compile + graph | opfuse call | opfuse replay | speedup "
               "(call / replay) | spread: torch.compile / call / replay | compile s, torch.compile cold / warm | compile s, opfuse cold / warm | "
-              "opfuse launches: plan / runtime / measured | torch.compile kernels | rel. error opfuse / "
+              "opfuse launches: plan / as compiled (analyze) / measured | torch.compile kernels | rel. error opfuse / "
               "torch.compile | predicted / measured ms | groups through PyTorch |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, entry in workloads.items():
@@ -153,7 +153,8 @@ def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
             f"{_ms(opfuse)} | {_ms(row.get('opfuse_replay', {}))} | {_times(calls[key])} / {_times(replays[key])} | "
             f"{spread} | {_seconds(cold, 'inductor')} / {warm(inductor)} | "
             f"{_seconds(cold, 'opfuse')} / {warm(opfuse)} | {row.get('plan_launches', '-')} / "
-            f"{row.get('runtime_launches', '-')} / {_count(opfuse)} | {_count(inductor)} | "
+            f"{row.get('analyze_launches') or row.get('runtime_launches', '-')} / {_count(opfuse)} | "
+            f"{_count(inductor)} | "
             f"{rel(opfuse)} / {rel(inductor)} | "
             + (f"{row['predicted_ms']:.3f} / {row['opfuse_replay']['median_ms']:.3f} ({error * 100:.0f}%)"
                if error is not None else "-")

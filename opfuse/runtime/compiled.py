@@ -17,7 +17,8 @@ call passed already in the compiled dtype and layout is its own static buffer (b
 it in place, so a caller that passes that very tensor again (whatever it wrote into it) pays no copy, as
 torch.compile's CUDA graphs skip inputs whose address they captured. The first call with any other tensor there (or
 with that tensor's storage moved or its strides changed in place) captures the graph again over private buffers,
-copied into from then on.
+copied into from then on. A captured graph's kernel nodes are counted (`opfuse.runtime.graph_nodes`): from then on
+they are `launches`, library helper kernels included.
 
 `build_compiled_model(plan, device, example_inputs)` is the whole runtime stage: lower, build, autotune.
 """
@@ -41,6 +42,7 @@ from opfuse.ir.ops import get_op, launches_kernel
 from opfuse.runtime.autotune import (kernel_inputs, precompile_candidates, recover_rng_after_failed_capture, tune,
                                      tunes)
 from opfuse.runtime.cache import TuningCache
+from opfuse.runtime.graph_nodes import kept_graph, kernel_nodes, ready
 from opfuse.runtime.precompile import active_pool, compile_pool, default_workers
 
 
@@ -206,8 +208,12 @@ class CompiledModel(torch.nn.Module):
     # ---- introspection ------------------------------------------------------------------------------------
     @property
     def launches(self) -> int:
-        """Kernel launches per forward: each kernel's, and one per PyTorch-run node that computes or (a view) copied
-        as it last ran (`launches_of`; before any run, as the graph says)."""
+        """Kernel launches per forward: on a captured (or counted: `count_launches`) CUDA graph, its kernel nodes,
+        every library helper kernel among them (`opfuse.runtime.graph_nodes`); else each kernel's, and one per
+        PyTorch-run node that computes or (a view) copied as it last ran (`launches_of`; before any run, as the
+        graph says)."""
+        if self._graph_launches is not None:
+            return self._graph_launches
         return sum(s.kernel.launches(self.configs.get(s.group.name)) if s.kernel is not None
                    else self._launched.get(s.node.name, int(launches_kernel(self.graph, s.node)))
                    for s in self._steps)
@@ -411,6 +417,7 @@ class CompiledModel(torch.nn.Module):
     # ---- CUDA graph ---------------------------------------------------------------------------------------
     def _reset_cuda_graph(self) -> None:
         self._cuda_graph = None
+        self._graph_launches: int | None = None     # the kernel nodes of the last graph captured or counted
         self._static_inputs: list[torch.Tensor] = []
         self._static_outputs: list[torch.Tensor] = []
         # per input: (address, strides) of a borrowed caller's tensor as captured, else None
@@ -430,7 +437,7 @@ class CompiledModel(torch.nn.Module):
         if self._eager_calls < self.cuda_graph_warmup:   # compiles the Triton kernels outside any capture
             self._eager_calls += 1
             return self._execute(inputs)
-        graph = torch.cuda.CUDAGraph()
+        graph = kept_graph()
         try:
             self._capture(graph, inputs, [mine and self._borrow_inputs for mine in own])
         except Exception as error:   # e.g. an opaque op that syncs with the host
@@ -477,6 +484,12 @@ class CompiledModel(torch.nn.Module):
 
     def _capture(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], borrow: list[bool]) -> None:
         static = self._static_buffers(inputs, borrow)
+        outputs = self._record(graph, static)
+        ready(graph)
+        self._captured(graph, static, outputs, borrow)
+
+    def _record(self, graph: torch.cuda.CUDAGraph, static: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Capture the forward on the buffers `static` into `graph` and count its kernels (`_graph_launches`)."""
         # one eager run on exactly these buffers, so no kernel is compiled for new strides during the capture
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -485,7 +498,24 @@ class CompiledModel(torch.nn.Module):
         torch.cuda.current_stream(self.device).wait_stream(side)
         with torch.cuda.graph(graph):
             outputs = self._execute(static)
-        self._captured(graph, static, outputs, borrow)
+        self._graph_launches = kernel_nodes(graph)
+        return outputs
+
+    def count_launches(self, inputs: Sequence[torch.Tensor]) -> int | None:
+        """Capture one forward on these inputs into a CUDA graph that is counted and dropped, never replayed: its
+        kernel nodes become `launches` (the compile counts so, and the record `opfuse.analyze` reads says what a
+        replay launches). None, with `launches` the estimate, where the model runs without CUDA graphs or the
+        capture fails or cannot be counted (the first call then captures, and reports a failure, as ever)."""
+        if not self.use_cuda_graph or self.cuda_graph_error is not None:
+            return None
+        prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
+        graph = kept_graph()
+        try:
+            self._record(graph, self._static_buffers(prepared, [False] * len(prepared)))
+        except Exception:
+            self._recover_from_failed_capture(graph)
+            return None
+        return self._graph_launches
 
     def _recover_from_failed_capture(self, graph: torch.cuda.CUDAGraph) -> None:
         """Undo what a capture that raised leaves behind in PyTorch (`recover_rng_after_failed_capture`). The

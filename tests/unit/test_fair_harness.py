@@ -48,6 +48,7 @@ def test_torch_compile_is_compiled_once_frozen_under_inference_mode():
         assert entry["rel_error"] < 1e-5
     assert row["inductor"]["compile_s"] > 0 and row["opfuse"]["compile_s"] > 0
     assert row["plan_launches"] >= 1 and row["runtime_launches"] >= 1 and "predicted_ms" in row
+    assert row["analyze_launches"] == row["runtime_launches"]     # what opfuse.analyze reports after the compile
     assert "opfuse_replay" not in row                    # no CUDA graph on the CPU
 
 
