@@ -28,6 +28,30 @@ def test_zoo_model_launches_what_analyze_says(name, batch):
     compile_and_check(name, batch, {})
 
 
+@pytest.mark.parametrize("name", ZOO_MODELS)
+def test_zoo_model_in_float32_matches_float64_eager(name):
+    """Every zoo model compiled in float32 (tuned, as a user compiles it) matches float64 eager on fresh inputs
+    within float32's bound on a GPU (tf32 where PyTorch's own settings allow it: `opfuse.numerics.tolerance`)."""
+    import opfuse
+    from opfuse.bench.zoo import load_builtin
+    from opfuse.numerics import relative_error, tolerance
+
+    model, inputs = load_builtin(name, batch=1)
+    reference_model = copy.deepcopy(model).double().cuda()
+    model = model.float().cuda()
+    inputs = tuple(x.cuda() for x in inputs)
+    compiled = opfuse.compile(model, inputs, opfuse.FusionConfig(dtype="float32"))
+    torch.manual_seed(1)
+    # fresh images; token ids shuffled along the sequence (the same vocabulary, another sentence)
+    fresh = tuple(torch.randn_like(x) if x.is_floating_point() else x[..., torch.randperm(x.shape[-1])]
+                  for x in inputs)
+    with torch.inference_mode():
+        for _ in range(1 + compiled.compiled.cuda_graph_warmup):    # the warm-up call(s), then the capture
+            out = compiled(*fresh)
+        reference = reference_model(*(x.double() if x.is_floating_point() else x for x in fresh))
+    assert relative_error(out, reference) < tolerance("float32", "cuda")
+
+
 def compile_and_check(name: str, batch: int, config: dict):
     """Compile a built-in model in fp16 with `FusionConfig(dtype="float16", **config)` and check it: the model's
     state is unchanged, the output matches fp32 eager within 1e-2, and the launches `opfuse.analyze` then reports
