@@ -59,6 +59,8 @@ class OpfuseModule(torch.nn.Module):
         self.analysis = analysis
         self.checks = checks
         self.end_to_end_error = end_to_end_error
+        # the compile's stages: analyze, codegen+tune (of it: lower, precompile, tune, and rebuild where a split back
+        # built again), verify, count launches
         self.seconds = seconds
         self._signature = [_describe(x) for x in example_inputs]   # what the user passes, before the cast
         # the same, as a call compares it: (shape, dtype, torch.device); an empty shape never matches, so an empty
@@ -286,6 +288,7 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
         + (" and autotuning them" if config.autotune and device.type == "cuda" else ""))
     start = time.perf_counter()
     compiled = build_compiled_model(analysis.plan, device, examples, config=config, quiet=quiet)
+    seconds.update(compiled.build_seconds)
     over_budget = dict(getattr(compiled.tuning, "over_budget", None) or {})
     apart = dict(getattr(compiled.tuning, "slower_fused", None) or {})
     if config.split_epilogues:
@@ -295,7 +298,9 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
         # and build again where that changed the groups (a one-op group has nothing to split: it keeps the other
         # form the tuner chose for it); kept unless its kernels measure slower than those they replace
         if [g.nodes for g in replanned.plan.groups] != [g.nodes for g in analysis.plan.groups]:
+            rebuild = time.perf_counter()
             rebuilt = build_compiled_model(replanned.plan, device, examples, config=config, quiet=quiet)
+            seconds["rebuild"] = time.perf_counter() - rebuild
             if not measured_slower(rebuilt, compiled):
                 analysis, compiled = replanned, rebuilt
     seconds["codegen+tune"] = time.perf_counter() - start
@@ -333,7 +338,9 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
                                  f"{'-' if eager_error is None else f'{eager_error:.2e}'}) although every "
                                  "kernel passed its own check; please report this model")
     # what a replay launches, counted on a capture of the example inputs: the record analyze reads says it
+    start = time.perf_counter()
     compiled.count_launches(examples)
+    seconds["count launches"] = time.perf_counter() - start
     keep_eager = config.recompile or config.fallback == "eager"
     return OpfuseModule(compiled, analysis, example_inputs, output_spec, output_dtypes, checks, end_to_end, seconds,
                         eager if keep_eager else None)

@@ -273,6 +273,8 @@ def child_main(stage: str, model_name: str, batch: int, cache: Path, settings: Z
                     built = harness.BUILDERS[label](model, inputs, cuda, config=config,
                                                     backend=settings.compile_backend)
                     result[label] = {"compile_s": built.compile_s}
+                    if "opfuse_compile_seconds" in built.row:      # its stages (OpfuseModule.seconds)
+                        result[label]["stages"] = built.row["opfuse_compile_seconds"]
                 except Exception as error:
                     result[label] = {"error": f"{type(error).__name__}: {error}"}
                 write()

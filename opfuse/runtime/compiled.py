@@ -25,6 +25,7 @@ they are `launches`, library helper kernels included.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -135,6 +136,9 @@ class CompiledModel(torch.nn.Module):
         self.recompile = recompile
         self.unflatten = unflatten
         self.tuning: Any = None          # the TuningResult, when autotuned
+        # seconds of build_compiled_model's stages: lower; where it tunes, precompile (the workers' Triton compiles
+        # of every candidate) and tune (what the workers had not compiled, and the timing)
+        self.build_seconds: dict[str, float] = {}
         self._variants: dict[Signature, Callable[..., Any]] = {}
 
         self.input_names = [n.name for n in self.graph.input_nodes]
@@ -539,17 +543,23 @@ def build_compiled_model(plan: FusionPlan, device: torch.device | str,
     and build again). `cache` defaults to the TuningCache of config.cache_dir.
     """
     config = config or plan.config or FusionConfig()
+    start = time.perf_counter()
     kernels, reasons = lower_plan(plan, device)
     model = CompiledModel(plan, kernels, device, fallbacks=reasons, config=config, recompile=recompile,
                           unflatten=unflatten)
+    model.build_seconds["lower"] = time.perf_counter() - start
     if kernels and example_inputs is not None and tunes(config, device):
         cache = cache if cache is not None else TuningCache.for_config(config)
         workers = config.compile_workers if config.compile_workers is not None else default_workers()
         with compile_pool(workers, device):
+            start = time.perf_counter()
             _precompile_before_running(model, kernels, example_inputs, config, cache, quiet)
+            model.build_seconds["precompile"] = time.perf_counter() - start
+            start = time.perf_counter()
             values = model.collect_values(*example_inputs)
             model.tuning = tune(kernels, values, config, cache, quiet=quiet)
             del values
+            model.build_seconds["tune"] = time.perf_counter() - start
         model.set_configs(dict(model.tuning))
     return model
 

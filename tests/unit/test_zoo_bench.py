@@ -28,6 +28,9 @@ def test_a_workload_is_compiled_cold_then_measured_in_children(tmp_path, factory
                       progress=seen.append)
     entry = results["workloads"][workload_key(TINY, 2)]
     assert entry["cold"]["inductor"]["compile_s"] > 0 and entry["cold"]["opfuse"]["compile_s"] > 0
+    stages = entry["cold"]["opfuse"]["stages"]          # where opfuse's cold compile went
+    assert {"analyze", "lower", "codegen+tune", "verify"} <= set(stages)
+    assert stages["lower"] <= stages["codegen+tune"] < entry["cold"]["opfuse"]["compile_s"]
     row = entry["measure"]["row"]
     for label in ("eager", "inductor", "opfuse"):
         assert row[label]["samples"] == 2 and row[label]["rel_error"] < 1e-5
