@@ -301,8 +301,11 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
             rebuild = time.perf_counter()
             rebuilt = build_compiled_model(replanned.plan, device, examples, config=config, quiet=quiet)
             seconds["rebuild"] = time.perf_counter() - rebuild
+            note = replan_note(rebuilt, compiled)
             if not measured_slower(rebuilt, compiled):
                 analysis, compiled = replanned, rebuilt
+            compiled.replan_note = note
+            say(note)
     seconds["codegen+tune"] = time.perf_counter() - start
 
     checks: list[GroupCheck] = []
@@ -414,20 +417,33 @@ def split_back(analysis: Analysis, over_budget: dict[str, str], slower: dict[str
                          pytorch_groups=pytorch_groups)
 
 
-def measured_slower(model, than) -> bool:
-    """Whether the kernels of compiled `model` that `than` lacks (groups of other nodes) measured slower in sum than
-    those of `than` it lacks, by the autotuner's times of their chosen forms; False where a group on either side has
-    no measured time (untuned, or run through PyTorch without a kernel of opfuse's: the tuner times kernels only),
-    as views, which launch nothing, never do."""
-    def changed_seconds(compiled, other) -> float | None:
-        others = {frozenset(g.nodes) for g in other.plan.groups}
-        seconds = getattr(compiled.tuning, "seconds", None) or {}
-        changed = [g.name for g in compiled.plan.groups
-                   if frozenset(g.nodes) not in others and g.kind is not GroupKind.VIEW]
-        return sum(seconds[name] for name in changed) if all(name in seconds for name in changed) else None
+def changed_seconds(model, than) -> tuple[int, float | None]:
+    """(how many, seconds in sum) of the groups of compiled `model` that `than` lacks (groups of other nodes; views,
+    which launch nothing, left out), by the autotuner's times of their chosen forms; None seconds where one of them
+    has no measured time (untuned, or run through PyTorch without a kernel of opfuse's: the tuner times kernels
+    only)."""
+    others = {frozenset(g.nodes) for g in than.plan.groups}
+    seconds = getattr(model.tuning, "seconds", None) or {}
+    changed = [g.name for g in model.plan.groups if frozenset(g.nodes) not in others and g.kind is not GroupKind.VIEW]
+    return len(changed), sum(seconds[name] for name in changed) if all(name in seconds for name in changed) else None
 
-    new, old = changed_seconds(model, than), changed_seconds(than, model)
+
+def measured_slower(model, than) -> bool:
+    """Whether the kernels of compiled `model` that `than` lacks measured slower in sum than those of `than` it lacks
+    (`changed_seconds`); False where either side has no measured time."""
+    (_, new), (_, old) = changed_seconds(model, than), changed_seconds(than, model)
     return new is not None and old is not None and new > old
+
+
+def replan_note(rebuilt, first) -> str:
+    """What a compile planned again after a split back did, in words: the groups each build has that the other lacks,
+    their measured kernel time, and which build it kept (`measured_slower`)."""
+    (count, new), (replaced, old) = changed_seconds(rebuilt, first), changed_seconds(first, rebuilt)
+    kept = "kept the new plan" if not measured_slower(rebuilt, first) else "kept the first build"
+    if new is None or old is None:
+        return f"split back: {count} groups in place of {replaced}, not all timed; {kept}"
+    return (f"split back: {count} groups in place of {replaced}, their kernels {new * 1e6:.1f} us against "
+            f"{old * 1e6:.1f} us; {kept}")
 
 
 def kept_apart(analysis: Analysis, slower: dict[str, str]) -> dict[frozenset[str], str]:
@@ -466,7 +482,8 @@ def _without_kernels(compiled, reasons: dict[str, Reason]):
                                                                               compiled.configs.items()
                                                                               if k in kernels},
                             fallbacks=fallbacks, config=compiled.config)
-    rebuilt.tuning = compiled.tuning
+    rebuilt.tuning, rebuilt.build_seconds, rebuilt.replan_note = compiled.tuning, compiled.build_seconds, \
+        compiled.replan_note
     return rebuilt
 
 

@@ -240,7 +240,8 @@ def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict 
            "predicted_ms": compiled.analysis.fused.predicted_time * 1e3,
            "cuda_graph_error": compiled.compiled.cuda_graph_error,
            # fusions planned, then kept apart: every config of their kernel spilled, or it lost to its ops unfused
-           "split_back": [d.reason for d in compiled.plan.decisions if d.code is Code.SPLIT_BACK]}
+           "split_back": [d.reason for d in compiled.plan.decisions if d.code is Code.SPLIT_BACK],
+           "replan": compiled.compiled.replan_note}      # the split back's measured kernels, and what was kept
     if ceilings:
         row["floor_compute_ms"], row["floor_memory_ms"] = floor_ms(compiled.analysis, ceilings)
     profiled = graph.replay if graph is not None else call

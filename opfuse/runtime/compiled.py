@@ -139,6 +139,7 @@ class CompiledModel(torch.nn.Module):
         # seconds of build_compiled_model's stages: lower; where it tunes, precompile (the workers' Triton compiles
         # of every candidate) and tune (what the workers had not compiled, and the timing)
         self.build_seconds: dict[str, float] = {}
+        self.replan_note: str | None = None     # what a compile planned again after a split back did (compiler)
         self._variants: dict[Signature, Callable[..., Any]] = {}
 
         self.input_names = [n.name for n in self.graph.input_nodes]
