@@ -5,9 +5,9 @@ form (the anchor through cuBLAS/cuDNN, its epilogue a kernel of its own) or the 
 one through PyTorch) where it measures faster, and verification sends a failing kernel's group through PyTorch: the
 compiled model then launches more than the plan says, and cuBLAS/cuDNN add helper kernels of their choosing (a
 split-K reduction). Every compile records what it ended with (on a GPU, its launches counted on a CUDA graph
-capture of the forward: `CompiledModel.count_launches`), or that it failed and why, under the key of the plan it started from (`plan_key`), in the tuning cache's directory (`compiled/`);
-`opfuse.analyze` reads the record of its own plan on its device, and reports those launches, forms and groups as
-the compiled model's.
+capture of the forward: `CompiledModel.count_launches`), or that it failed and why, under the key of the plan it
+started from (`plan_key`), in the tuning cache's directory (`compiled/`); `opfuse.analyze` reads the record of its
+own plan on its device, and reports those launches, forms and groups as the compiled model's.
 
 The key covers the prepared graph (every node's op and type), the plan (groups and decisions), the settings that
 change what a compile of it runs (split_k, verify; and where the build tunes, autotune, tune_top, library_anchors),
