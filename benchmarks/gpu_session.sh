@@ -2,6 +2,8 @@
 # Everything the open issues need from the GPU machine, in stages that each fit one device call (10 min):
 #   bash benchmarks/gpu_session.sh tests     # gpu tests: whole models, conv-conv kernels, runtime, library forms
 #   bash benchmarks/gpu_session.sh correctness  # `tests` and `property` side by side (no timings in either)
+#   K="zoo_model and -1]" bash benchmarks/gpu_session.sh models   # test_models_gpu.py's tests that K selects,
+#                                            # 8 at once: analyze's launches = the graph's = the profiler's; fp32
 #   bash benchmarks/gpu_session.sh bench     # benchmarks/run_all.py, all workloads, autotuned (issues 3, 4);
 #                                            # NO_SPLIT_K=1 turns split-K off, NO_LIBRARY=1 the cuBLAS/cuDNN form
 #   bash benchmarks/gpu_session.sh splitk    # batch-1 workloads with split-K off and on (issue 4)
@@ -26,7 +28,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-stage=${1:?stage: tests | correctness | bench | splitk | profile | property | blocks | check | zoo | onnx | overhead | ab}
+stage=${1:?stage: tests | models | correctness | bench | splitk | profile | property | blocks | check | zoo | onnx | overhead | ab}
 [ -e "$OUT/gpu.txt" ] || nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/gpu.txt" 2>&1
 case "$stage" in
   tests)
@@ -34,6 +36,11 @@ case "$stage" in
       tests/gpu/test_models_gpu.py tests/gpu/test_runtime_gpu.py tests/gpu/test_conv_conv_gpu.py tests/gpu/test_split_k_gpu.py \
       tests/gpu/test_library_forms_gpu.py > "$OUT/gpu-tests.log" 2>&1
     tail -30 "$OUT/gpu-tests.log" ;;
+  models)   # tests/gpu/test_models_gpu.py, the tests K selects (pytest -k; default: every zoo model's launch and
+            # float32 tests), TEST_WORKERS at once (default 8: compiles are CPU-bound, the GPU mostly idle)
+    OPFUSE_GPU_TESTS=1 timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -rA \
+      -n "${TEST_WORKERS:-8}" tests/gpu/test_models_gpu.py -k "${K:-zoo_model}" > "$OUT/gpu-models.log" 2>&1
+    grep -E "launches: planned|passed|failed|FAILED|Error" "$OUT/gpu-models.log" | tail -60 ;;
   correctness)
     OUT="$OUT" bash "$0" tests > /dev/null 2>&1 &
     OUT="$OUT" bash "$0" property > /dev/null 2>&1 &
