@@ -60,7 +60,7 @@ class OpfuseModule(torch.nn.Module):
         self.checks = checks
         self.end_to_end_error = end_to_end_error
         # the compile's stages: analyze, codegen+tune (of it: lower, precompile, tune, and rebuild where a split back
-        # built again), verify, count launches
+        # built again), verify, measure (`CompiledModel.measure_forward`)
         self.seconds = seconds
         self._signature = [_describe(x) for x in example_inputs]   # what the user passes, before the cast
         # the same, as a call compares it: (shape, dtype, torch.device); an empty shape never matches, so an empty
@@ -265,7 +265,7 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
 
 def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, quiet: bool, analysis: Analysis,
            seconds: dict[str, float], device: torch.device) -> OpfuseModule:
-    """The compile after analyze: memory pre-flight, kernels, tuning, verification, the launches counted."""
+    """The compile after analyze: memory pre-flight, kernels, tuning, verification, a replay measured."""
     from opfuse.runtime.compiled import build_compiled_model
     from opfuse.runtime.memory import check_memory
 
@@ -340,10 +340,10 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
                                  f"{bound:.0e} (eager in {config.dtype}: "
                                  f"{'-' if eager_error is None else f'{eager_error:.2e}'}) although every "
                                  "kernel passed its own check; please report this model")
-    # what a replay launches, counted on a capture of the example inputs: the record analyze reads says it
+    # what a replay launches and how long it takes, on a capture of the example inputs: the record analyze reads
     start = time.perf_counter()
-    compiled.count_launches(examples)
-    seconds["count launches"] = time.perf_counter() - start
+    compiled.measure_forward(examples)
+    seconds["measure"] = time.perf_counter() - start
     keep_eager = config.recompile or config.fallback == "eager"
     return OpfuseModule(compiled, analysis, example_inputs, output_spec, output_dtypes, checks, end_to_end, seconds,
                         eager if keep_eager else None)

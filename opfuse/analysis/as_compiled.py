@@ -5,9 +5,10 @@ form (the anchor through cuBLAS/cuDNN, its epilogue a kernel of its own) or the 
 one through PyTorch) where it measures faster, and verification sends a failing kernel's group through PyTorch: the
 compiled model then launches more than the plan says, and cuBLAS/cuDNN add helper kernels of their choosing (a
 split-K reduction). Every compile records what it ended with (on a GPU, its launches counted on a CUDA graph
-capture of the forward: `CompiledModel.count_launches`), or that it failed and why, under the key of the plan it
-started from (`plan_key`), in the tuning cache's directory (`compiled/`); `opfuse.analyze` reads the record of its
-own plan on its device, and reports those launches, forms and groups as the compiled model's.
+capture of the forward, and a replay of it timed: `CompiledModel.measure_forward`), or that it failed and why,
+under the key of the plan it started from (`plan_key`), in the tuning cache's directory (`compiled/`);
+`opfuse.analyze` reads the record of its own plan on its device, and reports those launches, forms, groups and that
+time as the compiled model's.
 
 The key covers the prepared graph (every node's op and type), the plan (groups and decisions), the settings that
 change what a compile of it runs (split_k, verify; and where the build tunes, autotune, tune_top, library_anchors),
@@ -42,6 +43,8 @@ class AsCompiled:
     through_pytorch: dict[str, str] = field(default_factory=dict)  # group -> why it lost its kernel (verification),
                                                                  # beyond the groups analyze lists already
     failed: str = ""                        # why the compile failed ("": it did not)
+    forward_ms: float | None = None         # one replay of the forward's CUDA graph, timed at the compile (median;
+                                            # `CompiledModel.measure_forward`); None where none was captured
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,7 +62,8 @@ class AsCompiled:
         if self.through_pytorch:
             parts.append(f"{len(self.through_pytorch)} through PyTorch after verification")
         why = f" ({', '.join(parts)})" if parts else ""
-        return f"as compiled {when}: {self.launches} kernel launches per forward, planned {self.planned}{why}"
+        timed = "" if self.forward_ms is None else f", {self.forward_ms:.3f} ms a forward (a graph replay timed there)"
+        return f"as compiled {when}: {self.launches} kernel launches per forward{timed}, planned {self.planned}{why}"
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,8 @@ def record(compiled: Any, analysis: Any, planned: int, device: str) -> AsCompile
     launching = {g.name for g in compiled.plan.groups if g.launches}
     lost = {g: r.text for g, r in compiled.fallbacks.items() if g in launching and g not in analysis.pytorch_groups}
     return AsCompiled(gpu=device, date=_now(), launches=compiled.launches, planned=planned,
-                      library=dict(compiled.library_anchors), unfused=dict(compiled.unfused), through_pytorch=lost)
+                      library=dict(compiled.library_anchors), unfused=dict(compiled.unfused), through_pytorch=lost,
+                      forward_ms=compiled.forward_ms)
 
 
 def failure(analysis: Any, device: str, error: BaseException) -> AsCompiled:

@@ -111,6 +111,9 @@ def summary_rows(analysis: Any, measured: Mapping[str, Mapping[str, Any]]) -> li
     if compiled is not None and not compiled.failed:   # what the last compile of this plan runs
         rows.append({"metric": f"kernel launches as compiled on {compiled.gpu} ({compiled.date[:10]})",
                      "unfused": None, "fused": compiled.launches, "unit": "count"})
+        if compiled.forward_ms is not None:
+            rows.append({"metric": f"time of a forward as compiled on {compiled.gpu} (a CUDA graph replay)",
+                         "unfused": None, "fused": compiled.forward_ms / 1e3, "unit": "seconds"})
     return rows
 
 

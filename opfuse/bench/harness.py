@@ -234,6 +234,7 @@ def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict 
     recorded = compiled.analysis.as_compiled      # what `opfuse.analyze` reports for this plan now
     row = {"plan_launches": compiled.plan.kernel_launches, "runtime_launches": compiled.launches,
            "analyze_launches": None if recorded is None else recorded.launches,
+           "analyze_forward_ms": None if recorded is None else recorded.forward_ms,
            "fallbacks": {group: str(why) for group, why in compiled.fallbacks.items()},     # text, as earlier runs recorded it
            "library_anchors": compiled.compiled.library_anchors,
            "unfused": compiled.compiled.unfused, "opfuse_compile_seconds": compiled.seconds,

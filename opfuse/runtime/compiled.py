@@ -25,6 +25,7 @@ they are `launches`, library helper kernels included.
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -110,6 +111,9 @@ def input_form(spec: InputSpec) -> tuple[torch.dtype | None, torch.memory_format
     return dtype, torch.channels_last if len(spec.type.shape) == 4 else torch.preserve_format
 
 
+FORWARD_REPLAYS = 10    # timed replays of the forward `measure_forward` takes the median of
+
+
 class CompiledModel(torch.nn.Module):
     """A fusion plan's kernels, run in plan order (see module docstring)."""
 
@@ -140,6 +144,7 @@ class CompiledModel(torch.nn.Module):
         # of every candidate) and tune (what the workers had not compiled, and the timing)
         self.build_seconds: dict[str, float] = {}
         self.replan_note: str | None = None     # what a compile planned again after a split back did (compiler)
+        self.forward_ms: float | None = None     # a replay of the forward as timed at the compile (`measure_forward`)
         self._variants: dict[Signature, Callable[..., Any]] = {}
 
         self.input_names = [n.name for n in self.graph.input_nodes]
@@ -213,7 +218,7 @@ class CompiledModel(torch.nn.Module):
     # ---- introspection ------------------------------------------------------------------------------------
     @property
     def launches(self) -> int:
-        """Kernel launches per forward: on a captured (or counted: `count_launches`) CUDA graph, its kernel nodes,
+        """Kernel launches per forward: on a captured (or measured: `measure_forward`) CUDA graph, its kernel nodes,
         every library helper kernel among them (`opfuse.runtime.graph_nodes`); else each kernel's, and one per
         PyTorch-run node that computes or (a view) copied as it last ran (`launches_of`; before any run, as the
         graph says)."""
@@ -268,6 +273,7 @@ class CompiledModel(torch.nn.Module):
         self.configs.update(configs)
         for name, config in configs.items():
             self.kernels[name].keep_form(config)
+        self.forward_ms = None
         self._reset_cuda_graph()
 
     def set_cuda_graph(self, enabled: bool) -> None:
@@ -506,21 +512,33 @@ class CompiledModel(torch.nn.Module):
         self._graph_launches = kernel_nodes(graph)
         return outputs
 
-    def count_launches(self, inputs: Sequence[torch.Tensor]) -> int | None:
-        """Capture one forward on these inputs into a CUDA graph that is counted and dropped, never replayed: its
-        kernel nodes become `launches` (the compile counts so, and the record `opfuse.analyze` reads says what a
-        replay launches). None, with `launches` the estimate, where the model runs without CUDA graphs or the
-        capture fails or cannot be counted (the first call then captures, and reports a failure, as ever)."""
+    def measure_forward(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Capture one forward on these inputs into a CUDA graph of its own, count its kernel nodes (`launches`)
+        and time its replays (`forward_ms`: the median of FORWARD_REPLAYS, each from an idle GPU after one untimed
+        replay, as the zoo benchmark times a bare replay), then drop it. The compile does this, so that the record
+        `opfuse.analyze` reads says what a replay launches and how long it took there. Nothing is measured where the
+        model runs without CUDA graphs or the capture fails (`launches` stays the estimate; the first call then
+        captures, and reports a failure, as ever)."""
         if not self.use_cuda_graph or self.cuda_graph_error is not None:
-            return None
+            return
         prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
         graph = kept_graph()
         try:
             self._record(graph, self._static_buffers(prepared, [False] * len(prepared)))
         except Exception:
             self._recover_from_failed_capture(graph)
-            return None
-        return self._graph_launches
+            return
+        ready(graph)
+        graph.replay()
+        times = []
+        for _ in range(FORWARD_REPLAYS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        self.forward_ms = statistics.median(times)
 
     def _recover_from_failed_capture(self, graph: torch.cuda.CUDAGraph) -> None:
         """Undo what a capture that raised leaves behind in PyTorch (`recover_rng_after_failed_capture`). The

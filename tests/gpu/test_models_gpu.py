@@ -76,6 +76,7 @@ def compile_and_check(name: str, batch: int, config: dict):
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     as_compiled = opfuse.analyze(model, fp16_inputs, fusion_config).as_compiled
     assert as_compiled is not None and not as_compiled.failed, as_compiled
+    assert as_compiled.forward_ms is not None and as_compiled.forward_ms > 0     # a replay timed at the compile
     with torch.inference_mode():
         for _ in range(1 + compiled.compiled.cuda_graph_warmup):    # the warm-up call(s), then the capture
             out = compiled(*fp16_inputs)
@@ -86,7 +87,7 @@ def compile_and_check(name: str, batch: int, config: dict):
     with torch.inference_mode():
         kernels, _ = kernel_profile(graph.replay, ())
     print(name, batch, "launches: planned", compiled.plan.kernel_launches, "analyze", as_compiled.launches,
-          "graph", compiled.launches, "profiled", kernels)
+          "graph", compiled.launches, "profiled", kernels, f"forward {as_compiled.forward_ms:.3f} ms at the compile")
     assert as_compiled.launches == compiled.launches == kernels, (as_compiled.summary(), compiled.launches, kernels)
     return compiled
 

@@ -111,3 +111,31 @@ def test_a_failed_compile_is_recorded_as_failed(tmp_path):
     assert record.launches == 0 and record.failed.startswith("GraphError: ")
     assert "the last compile of this plan on the CPU (Triton's interpreter)" in record.summary()
     assert "failed: GraphError" in record.summary()
+
+
+def test_a_record_says_the_forward_time_measured_at_the_compile(tmp_path):
+    """On a GPU the compile times a replay of the forward (`CompiledModel.measure_forward`); the record keeps it,
+    its summary and the report's table say it, and a record written before the field existed still loads."""
+    from opfuse.analysis import as_compiled
+    from opfuse.analysis.report import summary_rows
+
+    model, x = model_and_input()
+    config = opfuse.FusionConfig(dtype="float32", cache_dir=str(tmp_path))
+    compiled = opfuse.compile(model, (x,), config)
+    assert compiled.compiled.forward_ms is None          # the CPU runs no CUDA graph: nothing measured
+    analysis = opfuse.analyze(model, (x,), config)
+    assert analysis.as_compiled.forward_ms is None and " ms a forward" not in analysis.as_compiled.summary()
+
+    timed = as_compiled.AsCompiled(**{**analysis.as_compiled.to_dict(), "forward_ms": 0.4251})
+    key = as_compiled.plan_key(analysis.plan, config, as_compiled.target((x,), config))
+    as_compiled.store(key, config, timed)
+    again = opfuse.analyze(model, (x,), config)
+    assert again.as_compiled == timed
+    assert ", 0.425 ms a forward (a graph replay timed there), planned" in again.as_compiled.summary()
+    rows = {row["metric"]: row["fused"] for row in summary_rows(again, {})}
+    assert rows["time of a forward as compiled on the CPU (Triton's interpreter) (a CUDA graph replay)"] == \
+        pytest.approx(0.4251e-3)
+
+    old = {k: v for k, v in timed.to_dict().items() if k != "forward_ms"}    # a record of the previous layout
+    as_compiled._cache(config).store(key, old)
+    assert opfuse.analyze(model, (x,), config).as_compiled == as_compiled.AsCompiled(**old)
