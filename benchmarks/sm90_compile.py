@@ -12,6 +12,7 @@ except where a real value's strides or alignment differ (a slice of a larger ten
 memory access before a GPU session, it does not replace measuring.
 
     python benchmarks/sm90_compile.py shufflenet_v2_x1_0 --batch 64 [--forms library] [--json out.json]
+    python benchmarks/sm90_compile.py convnext_tiny --batch 64 --with-ops linear,gelu --tune-top 99 --forms triton
 
 Must run without TRITON_INTERPRET (the interpreter compiles nothing).
 """
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                              "kernels' own Triton configs")
     parser.add_argument("--tune-top", type=int, default=None, help="the kernels' first configs (FusionConfig's "
                         "tune_top by default)")
+    parser.add_argument("--with-ops", default="", metavar="OPS",
+                        help="only the groups holding every one of these ops (comma-separated, e.g. linear,gelu)")
     parser.add_argument("--json", help="write every compiled launch here")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
@@ -176,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     config = opfuse.FusionConfig(dtype="float16")
     plan = opfuse.analyze(model, inputs, config).plan
     top = args.tune_top if args.tune_top is not None else config.tune_top
-    rows = compile_plan(plan, args.forms, top, on_row=print_row)
+    ops = {op for op in args.with_ops.split(",") if op}
+    groups = {g.name for g in plan.groups if ops <= {plan.graph[n].op for n in g.nodes}} if ops else None
+    rows = compile_plan(plan, args.forms, top, on_row=print_row, groups=groups)
     failed = Counter(row["error"].split(":")[0] for row in rows if "error" in row)
     seconds = sum(row.get("compile_s", 0.0) for row in rows)
     print(f"{len(rows)} launches compiled for sm_90 in {seconds:.1f} s, {sum(failed.values())} failed {dict(failed)}")
@@ -186,16 +191,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def compile_plan(plan, forms: str = "all", top: int | None = None, on_row=None) -> list[dict]:
+def compile_plan(plan, forms: str = "all", top: int | None = None, on_row=None,
+                 groups: set[str] | None = None) -> list[dict]:
     """Every launch of every candidate config (`forms`: all, library or triton; the first `top` of each kernel's
-    own) of the plan's kernels, compiled for the active driver's target: one row each, with an "error" where the
-    compile failed (the tuner would reject that config); `on_row(row)` as each is done."""
+    own) of the plan's kernels (those of `groups` only, where given), compiled for the active driver's target: one
+    row each, with an "error" where the compile failed (the tuner would reject that config); `on_row(row)` as each
+    is done."""
     from opfuse.codegen.base import recording_launches
     from opfuse.codegen.forms import is_library, is_unfused
     from opfuse.codegen.lower import lower_plan
     from opfuse.runtime.autotune import candidates, kernel_inputs
 
     kernels, _ = lower_plan(plan, "cpu")
+    if groups is not None:
+        kernels = {name: kernel for name, kernel in kernels.items() if name in groups}
     values = example_values(plan, kernels)
     wanted = {"all": lambda c: True, "library": is_library, "triton": lambda c: not is_library(c)}[forms]
     rows, modules = [], {}

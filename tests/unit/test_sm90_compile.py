@@ -246,3 +246,34 @@ def test_channels_in_units_of_8_load_and_store_16_bytes_wide(tmp_path):
     assert set(report) == {"144->24 unit 1", "144->24 unit 8", "24->144 unit 1", "24->144 unit 8"}
     assert report["144->24 unit 8"]["st"] == 16.0 and report["144->24 unit 1"]["st"] <= 4.0
     assert report["24->144 unit 8"]["ld"] >= 8.0 and report["24->144 unit 1"]["ld"] <= 4.0
+
+
+GROUPS = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import opfuse
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return torch.tanh(self.fc2(F.gelu(self.fc1(x))))
+
+
+plan = opfuse.analyze(MLP().eval(), (torch.randn(4, 32),), opfuse.FusionConfig(dtype="float16")).plan
+chosen = {g.name for g in plan.groups if {"linear", "gelu"} <= {plan.graph[n].op for n in g.nodes}}
+rows = module.compile_plan(plan, "triton", top=1, groups=chosen)
+print(json.dumps({"chosen": sorted(chosen), "groups": sorted({row["group"] for row in rows}),
+                  "errors": [row for row in rows if "error" in row]}))
+'''
+
+
+@pytest.mark.slow
+def test_only_the_groups_asked_for_are_compiled(tmp_path):
+    """`compile_plan(..., groups=...)` (the script's --with-ops) compiles those groups' kernels and no other."""
+    result = run_offline(tmp_path, GROUPS, timeout=600)
+    assert len(result["chosen"]) == 1 and result["groups"] == result["chosen"] and not result["errors"]
