@@ -59,6 +59,17 @@ def _cost_model_line(workloads: dict[str, dict], rows: dict[str, dict], held_out
     return line
 
 
+def _launches_line(rows: dict[str, dict]) -> str:
+    """Whether what `opfuse analyze` reports after the compile (`analyze_launches`, recorded from runs 40 on) is what
+    the profiler counted in a replay, over the rows that record both."""
+    checked = {key: (row["analyze_launches"], row["opfuse"]["kernels"]) for key, row in rows.items()
+               if row.get("analyze_launches") is not None and (row.get("opfuse") or {}).get("kernels") is not None}
+    differ = [f"{key} ({said} against {counted})" for key, (said, counted) in checked.items() if said != counted]
+    return (f"Launches: `opfuse analyze`'s count after the compile equals the profiled kernels of a replay in "
+            f"**{len(checked) - len(differ)} of {len(checked)}** workloads that record both"
+            + (f"; not in {', '.join(differ)}." if differ else "."))
+
+
 def _ms(entry: dict) -> str:
     if "error" in entry:
         return "failed"
@@ -126,6 +137,7 @@ def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
               f"{_times(mean_replay)} as its bare graph replay, as torch.compile is timed ({counted_replays} "
               "workloads).", "",
               f"Under 1.0x (module call): {', '.join(under) if under else 'none'}.", "",
+              _launches_line(rows), "",
               _cost_model_line(workloads, rows, held_out_from),
               "", "## Per workload", "",
               "| workload | run | eager | eager + graph | torch.compile + graph | opfuse call | opfuse replay | speedup "

@@ -135,14 +135,18 @@ def zoo_run(date: str, rows: dict) -> dict:
 
 
 def test_zoo_md_headline_cost_model_and_merging():
-    fast = {"inductor": timed(1.0), "opfuse": timed(0.5), "opfuse_replay": timed(0.4), "predicted_ms": 0.3}
-    slow = {"inductor": timed(1.0), "opfuse": timed(2.0), "opfuse_replay": timed(1.0), "predicted_ms": 1.5}
+    fast = {"inductor": timed(1.0), "opfuse": timed(0.5), "opfuse_replay": timed(0.4), "predicted_ms": 0.3,
+            "analyze_launches": 10}
+    slow = {"inductor": timed(1.0), "opfuse": timed(2.0), "opfuse_replay": timed(1.0), "predicted_ms": 1.5,
+            "analyze_launches": 9}
     assert cost_model_error(fast) == pytest.approx(0.25) and cost_model_error(slow) == pytest.approx(0.5)
     first = zoo_run("2026-12-01", {"a-bs1": fast, "b-bs1": None})
     second = zoo_run("2026-12-02", {"b-bs1": slow, "a-bs1": None})
     page = render([first, second])
     assert "**1.00x** through opfuse's module call" in page      # sqrt(2.0 * 0.5): a from run 1, b from run 2
     assert "Under 1.0x (module call): b-bs1 (0.50x)" in page
+    assert ("equals the profiled kernels of a replay in **1 of 2** workloads that record both; not in b-bs1 (9 "
+            "against 10).") in page
     assert "over 2 workloads, as predicted when measured: **38%**" in page      # median of 25% and 50%
     assert "| a-bs1 | 1 | - | - | 1.000 | 0.500 | 0.400 | 2.00x / 2.50x | 30% / 30% / 30% |" in page
     assert "tuned in the cold compiles, several at once" in page     # the fake runs' cold_parallel is 4
