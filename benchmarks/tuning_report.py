@@ -25,30 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import opfuse  # noqa: E402
 from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs  # noqa: E402
-from opfuse.bench.harness import prepare  # noqa: E402
+from opfuse.bench.harness import prepare, tuning_rows  # noqa: E402
 from opfuse.bench.timing import timed_compile  # noqa: E402
 from opfuse.bench.zoo import load_builtin  # noqa: E402
-from opfuse.runtime.autotune import format_config  # noqa: E402
-
-
-def tuning_rows(compiled) -> dict:
-    """{group: kind, nodes, chosen form, timings in us, rejected configs and why} of a compiled model."""
-    runtime = compiled.compiled
-    tuning = runtime.tuning
-    rows = {}
-    for group in compiled.plan.groups:
-        if group.name not in runtime.kernels:
-            continue
-        chosen = runtime.configs.get(group.name)
-        rows[group.name] = {
-            "kind": group.kind.value, "nodes": group.nodes, "planned_us": round(group.predicted_time * 1e6, 2),
-            "chosen": format_config(chosen) if chosen is not None else None,
-            "timings_us": {format_config(c): round(t * 1e6, 2)
-                           for c, t in (tuning.timings.get(group.name, {}) if tuning else {}).items()},
-            "rejected": {format_config(c): r
-                         for c, r in (tuning.rejected.get(group.name, {}) if tuning else {}).items()},
-            "over_budget": tuning.over_budget.get(group.name) if tuning else None}
-    return rows
 
 
 def main() -> None:

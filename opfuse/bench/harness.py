@@ -242,11 +242,40 @@ def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict 
            "cuda_graph_error": compiled.compiled.cuda_graph_error,
            # fusions planned, then kept apart: every config of their kernel spilled, or it lost to its ops unfused
            "split_back": [d.reason for d in compiled.plan.decisions if d.code is Code.SPLIT_BACK],
-           "replan": compiled.compiled.replan_note}      # the split back's measured kernels, and what was kept
+           "replan": compiled.compiled.replan_note,      # the split back's measured kernels, and what was kept
+           "tuning": tuning_rows(compiled)}
     if ceilings:
         row["floor_compute_ms"], row["floor_memory_ms"] = floor_ms(compiled.analysis, ceilings)
     profiled = graph.replay if graph is not None else call
     return Built(forwards, profiled, first_tensor(call()), compile_s=seconds, row=row)
+
+
+def tuning_rows(compiled: Any) -> dict[str, dict]:
+    """{group: kind, nodes, its anchor's op and shapes (inputs, output), planned time, the chosen form, every
+    candidate's time in us, the rejected configs and why} of an `opfuse.compile` result's kernels: what the tuner
+    measured, for tile and form rules to be read off whole runs."""
+    from opfuse.ir.ops import FusionKind, kind_of
+    from opfuse.runtime.autotune import format_config
+
+    runtime, graph = compiled.compiled, compiled.plan.graph
+    tuning = runtime.tuning
+    rows = {}
+    for group in compiled.plan.groups:
+        if group.name not in runtime.kernels:
+            continue
+        chosen = runtime.configs.get(group.name)
+        anchor = next((graph[n] for n in group.nodes if kind_of(graph[n]) is FusionKind.ANCHOR), None)
+        rows[group.name] = {
+            "kind": group.kind.value, "nodes": group.nodes, "planned_us": round(group.predicted_time * 1e6, 2),
+            "anchor": None if anchor is None else {"op": anchor.op, "out": list(anchor.type.shape),
+                                                   "inputs": [list(graph[i].type.shape) for i in anchor.inputs]},
+            "chosen": format_config(chosen) if chosen is not None else None,
+            "timings_us": {format_config(c): round(t * 1e6, 2)
+                           for c, t in (tuning.timings.get(group.name, {}) if tuning else {}).items()},
+            "rejected": {format_config(c): r
+                         for c, r in (tuning.rejected.get(group.name, {}) if tuning else {}).items()},
+            "over_budget": tuning.over_budget.get(group.name) if tuning else None}
+    return rows
 
 
 BUILDERS = {"eager": _build_eager, "eager_graph": _build_eager_graph, "inductor": _build_inductor,

@@ -49,6 +49,9 @@ def test_torch_compile_is_compiled_once_frozen_under_inference_mode():
     assert row["inductor"]["compile_s"] > 0 and row["opfuse"]["compile_s"] > 0
     assert row["plan_launches"] >= 1 and row["runtime_launches"] >= 1 and "predicted_ms" in row
     assert row["analyze_launches"] == row["runtime_launches"]     # what opfuse.analyze reports after the compile
+    linears = [entry for entry in row["tuning"].values() if entry["anchor"] and entry["anchor"]["op"] == "linear"]
+    assert linears and all(entry["chosen"] for entry in row["tuning"].values())    # every kernel's form, and
+    assert linears[0]["anchor"]["inputs"][0] == list(inputs[0].shape)   # the first linear's shapes (untuned here)
     assert "opfuse_replay" not in row                    # no CUDA graph on the CPU
 
 
