@@ -99,6 +99,8 @@ def test_failed_capture_falls_back_to_eager():
     model = CompiledModel(plan, {"g1": TritonRelu(g, plan.groups[1])}, "cuda")
     x = torch.randn(2, 3, 10, 10, device="cuda", dtype=torch.float16)
     expected = interpret(g, [x])[0]
+    model.measure_forward([x])            # as a compile ends: its capture fails quietly, and measures nothing
+    assert model.forward_ms is None and model.cuda_graph_error is None
     model(x)
     with pytest.warns(UserWarning, match="capture failed"):
         second = model(x)
@@ -184,3 +186,22 @@ def test_real_lowered_kernels_tuned_and_graphed(tmp_path):
         for got, want in zip(model(x), expected):
             assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
     assert model._cuda_graph is not None and model.cuda_graph_error is None
+
+
+def test_measure_forward_counts_and_times_a_replay_it_then_drops():
+    """What a compile ends with: one capture of the forward (cuDNN's conv, the Triton relu, PyTorch's sigmoid), its
+    kernels counted and a replay of it timed, then dropped; the model's own graph is still captured at its second
+    call, and counts what the profiler sees it launch."""
+    plan = conv_relu_sigmoid()
+    model = CompiledModel(plan, {"g1": TritonRelu(plan.graph, plan.groups[1])}, "cuda")
+    x = torch.randn(2, 3, 10, 10, device="cuda", dtype=torch.float16)
+    model(x)                               # compiles the kernels (a compile has run them in verification)
+    model.measure_forward([x])
+    measured = model.launches
+    assert model.forward_ms is not None and model.forward_ms > 0 and model._cuda_graph is None
+    from opfuse.bench.harness import kernel_profile
+    model(x)                               # the capture
+    assert model._cuda_graph is not None and model.launches == measured
+    kernels, _ = kernel_profile(model._cuda_graph.replay, ())
+    assert kernels == measured
+    torch.testing.assert_close(model(x), interpret(plan.graph, [x])[0], rtol=1e-2, atol=1e-2)
