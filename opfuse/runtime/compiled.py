@@ -521,13 +521,14 @@ class CompiledModel(torch.nn.Module):
         captures, and reports a failure, as ever)."""
         if not self.use_cuda_graph or self.cuda_graph_error is not None:
             return
-        prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
-        graph = kept_graph()
-        try:
-            self._record(graph, self._static_buffers(prepared, [False] * len(prepared)))
-        except Exception:
-            self._recover_from_failed_capture(graph)
-            return
+        with torch.no_grad():                 # as a call runs the forward (`run_matching`)
+            prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
+            graph = kept_graph()
+            try:
+                self._record(graph, self._static_buffers(prepared, [False] * len(prepared)))
+            except Exception:
+                self._recover_from_failed_capture(graph)
+                return
         ready(graph)
         graph.replay()
         times = []
