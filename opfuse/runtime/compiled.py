@@ -529,17 +529,11 @@ class CompiledModel(torch.nn.Module):
             except Exception:
                 self._recover_from_failed_capture(graph)
                 return
+        from opfuse.bench.timing import time_once    # the zoo's clock for one call from an idle GPU
+
         ready(graph)
         graph.replay()
-        times = []
-        for _ in range(FORWARD_REPLAYS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        self.forward_ms = statistics.median(times)
+        self.forward_ms = statistics.median(time_once(graph.replay, cuda=True) for _ in range(FORWARD_REPLAYS))
 
     def _recover_from_failed_capture(self, graph: torch.cuda.CUDAGraph) -> None:
         """Undo what a capture that raised leaves behind in PyTorch (`recover_rng_after_failed_capture`). The
