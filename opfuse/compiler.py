@@ -301,8 +301,9 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
             rebuild = time.perf_counter()
             rebuilt = build_compiled_model(replanned.plan, device, examples, config=config, quiet=quiet)
             seconds["rebuild"] = time.perf_counter() - rebuild
-            note = replan_note(rebuilt, compiled)
-            if not measured_slower(rebuilt, compiled):
+            keep = not measured_slower(rebuilt, compiled)
+            note = replan_note(rebuilt, compiled, keep)
+            if keep:
                 analysis, compiled = replanned, rebuilt
             compiled.replan_note = note
             say(note)
@@ -435,11 +436,11 @@ def measured_slower(model, than) -> bool:
     return new is not None and old is not None and new > old
 
 
-def replan_note(rebuilt, first) -> str:
+def replan_note(rebuilt, first, kept_new: bool) -> str:
     """What a compile planned again after a split back did, in words: the groups each build has that the other lacks,
-    their measured kernel time, and which build it kept (`measured_slower`)."""
+    their measured kernel time, and which build it kept (`kept_new`: the rebuilt one, by `measured_slower`)."""
     (count, new), (replaced, old) = changed_seconds(rebuilt, first), changed_seconds(first, rebuilt)
-    kept = "kept the new plan" if not measured_slower(rebuilt, first) else "kept the first build"
+    kept = "kept the new plan" if kept_new else "kept the first build"
     if new is None or old is None:
         return f"split back: {count} groups in place of {replaced}, not all timed; {kept}"
     return (f"split back: {count} groups in place of {replaced}, their kernels {new * 1e6:.1f} us against "
