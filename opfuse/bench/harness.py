@@ -254,7 +254,6 @@ def tuning_rows(compiled: Any) -> dict[str, dict]:
     """{group: kind, nodes, its anchor's op and shapes (inputs, output), planned time, the chosen form, every
     candidate's time in us, the rejected configs and why} of an `opfuse.compile` result's kernels: what the tuner
     measured, for tile and form rules to be read off whole runs."""
-    from opfuse.ir.ops import FusionKind, kind_of
     from opfuse.runtime.autotune import format_config
 
     runtime, graph = compiled.compiled, compiled.plan.graph
@@ -264,7 +263,7 @@ def tuning_rows(compiled: Any) -> dict[str, dict]:
         if group.name not in runtime.kernels:
             continue
         chosen = runtime.configs.get(group.name)
-        anchor = next((graph[n] for n in group.nodes if kind_of(graph[n]) is FusionKind.ANCHOR), None)
+        anchor = graph[group.anchor] if group.anchor else None
         rows[group.name] = {
             "kind": group.kind.value, "nodes": group.nodes, "planned_us": round(group.predicted_time * 1e6, 2),
             "anchor": None if anchor is None else {"op": anchor.op, "out": list(anchor.type.shape),
