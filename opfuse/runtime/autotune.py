@@ -204,7 +204,8 @@ def graph_time(fn: Callable[[], Any]) -> float:
     return statistics.median(times)
 
 
-def _out_of_resources() -> tuple[type[BaseException], ...]:
+def out_of_resources() -> tuple[type[BaseException], ...]:
+    """The exceptions of a Triton launch the GPU refuses for want of shared memory or registers."""
     try:
         from triton.runtime.errors import OutOfResources
         return (OutOfResources,)
@@ -241,7 +242,7 @@ def compile_configs(kernel: GroupKernel, inputs: list[torch.Tensor], configs: It
         kernel.last_compiled = None
         try:
             kernel.run(inputs, config)
-        except _out_of_resources() as error:
+        except out_of_resources() as error:
             compiled[config] = f"out of resources: {error}"
             continue
         except LibraryUnavailable as error:

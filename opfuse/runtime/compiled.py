@@ -41,8 +41,8 @@ from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 from opfuse.ir.interpret import device_constants, launches_of
 from opfuse.ir.ops import get_op, launches_kernel
-from opfuse.runtime.autotune import (kernel_inputs, precompile_candidates, recover_rng_after_failed_capture, tune,
-                                     tunes)
+from opfuse.runtime.autotune import (kernel_inputs, out_of_resources, precompile_candidates,
+                                     recover_rng_after_failed_capture, tune, tunes)
 from opfuse.runtime.cache import TuningCache
 from opfuse.runtime.graph_nodes import kept_graph, kernel_nodes, ready
 from opfuse.runtime.precompile import active_pool, compile_pool, default_workers
@@ -356,7 +356,7 @@ class CompiledModel(torch.nn.Module):
     def _run_step(self, step: Step, values: dict[str, torch.Tensor]) -> None:
         args = [values[name] for name in step.reads]
         if step.kernel is not None:
-            outputs = step.kernel.run(args, self.configs.get(step.group.name))
+            outputs = self._run_kernel(step, args)
             if len(outputs) != len(step.writes):
                 raise GraphError(f"kernel {step.kernel.name} of group {step.group.name} returned "
                                  f"{len(outputs)} outputs, the group has {len(step.writes)} {step.writes}")
@@ -370,6 +370,26 @@ class CompiledModel(torch.nn.Module):
         except Exception as error:
             raise GraphError(f"running node {step.node.describe()} (group {step.group.name}, through "
                              f"PyTorch) failed: {error}") from error
+
+    def _run_kernel(self, step: Step, args: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run the step's kernel with its config; one the GPU refuses at launch (out of shared memory or registers:
+        the resource model's estimate fell short) gives way to the kernel's next config that runs, which becomes
+        its config."""
+        name, kernel = step.group.name, step.kernel
+        config = self.configs.get(name)
+        try:
+            return kernel.run(args, config)
+        except out_of_resources() as error:
+            refused = error
+        configs = kernel.configs()
+        for candidate in configs[configs.index(config) + 1 if config in configs else 0:]:
+            try:
+                outputs = kernel.run(args, candidate)
+            except out_of_resources():
+                continue
+            self.configs[name] = candidate
+            return outputs
+        raise GraphError(f"kernel {kernel.name} of group {name}: no config fits the GPU ({refused})") from refused
 
     def _execute(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         values = self._run_steps(inputs)

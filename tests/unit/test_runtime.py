@@ -140,6 +140,41 @@ def test_chosen_config_is_passed_to_the_kernel():
         model.set_configs({"g1": kernel.configs()[0]})
 
 
+class RefusingKernel(FakeKernel):
+    """A FakeKernel whose configs in `refused` the GPU refuses at launch (out of shared memory)."""
+
+    def __init__(self, graph, group, refused):
+        super().__init__(graph, group)
+        self.refused = [self._configs[i] for i in refused]
+
+    def run(self, inputs, config=None):
+        from triton.runtime.errors import OutOfResources
+        if config in self.refused:
+            self.calls.append((list(inputs), config))
+            raise OutOfResources(262144, 232448, "shared memory")
+        return super().run(inputs, config)
+
+
+def test_a_config_refused_at_launch_gives_way_to_the_next_that_runs():
+    graph = build_graph()
+    plan = build_plan(graph)
+    kernel = RefusingKernel(graph, plan.groups[0], refused=[0, 1])
+    model = CompiledModel(plan, {"g0": kernel}, "cpu")
+    x, y = example_inputs()
+    assert_same(model(x, y), interpret(graph, [x, y]))
+    assert model.configs["g0"] == kernel.configs()[2]       # kept: the next call runs it directly
+    model(x, y)
+    assert [c for _, c in kernel.calls] == kernel.configs() + [kernel.configs()[2]]
+
+
+def test_a_kernel_no_config_of_which_fits_is_an_error_naming_it():
+    graph = build_graph()
+    plan = build_plan(graph)
+    model = CompiledModel(plan, {"g0": RefusingKernel(graph, plan.groups[0], refused=[0, 1, 2])}, "cpu")
+    with pytest.raises(GraphError, match="fake_g0 of group g0: no config fits the GPU.*shared memory"):
+        model(*example_inputs())
+
+
 def test_four_d_float_inputs_become_channels_last_once():
     graph = build_graph()
     plan = build_plan(graph)
