@@ -36,6 +36,18 @@ def tolerance(dtype: str, device: torch.device | str | None = None) -> float:
     return TOLERANCE[dtype]
 
 
+# tl.dot's precision for float32 operands where PyTorch's settings allow tf32 (`dot_precision`): three tf32
+# products (hi*hi + hi*lo + lo*hi), since Triton's single tf32 product left whole convnets 7-75x further from
+# float64 than cuDNN's tf32 (RESULTS.md, run 79)
+TF32_DOT = "tf32x3"
+
+
+def dot_precision(tf32_allowed: bool) -> str:
+    """tl.dot's `input_precision` for float32 operands: TF32_DOT where PyTorch's own kernel may use tf32 (cuDNN's
+    switch for convolutions, the float32 matmul precision for GEMMs), else full float32 ("ieee")."""
+    return TF32_DOT if tf32_allowed else "ieee"
+
+
 def reference_dtype(dtype: str) -> torch.dtype:
     return torch.float64 if dtype in ("float32", "float64") else torch.float32
 
