@@ -70,6 +70,8 @@ def test_hand_built_chain(dtype, expand, stride):
     """Odd channel counts (24 in, 200 mid, 20 out), a residual at stride 1, every config of the kernel (without
     the expansion the grid is small: every config runs 2 or 4 mid-channel slices)."""
     from opfuse.codegen.conv_conv import lower_conv_conv_group
+    from opfuse.fusion.resources import conv_chain, conv_conv_slice_table
+    from opfuse.hardware import get_hardware
     from opfuse.ir.interpret import interpret
 
     name, _, precision = dtype.partition("-")
@@ -88,6 +90,8 @@ def test_hand_built_chain(dtype, expand, stride):
     inputs = [i for n in nodes for i in graph[n].inputs if i not in nodes]
     group = FusionGroup(0, GroupKind.CONV_CONV, nodes, anchor=nodes[0], inputs=list(dict.fromkeys(inputs)),
                         outputs=[y])
+    # the planner's decision (`FusionGroup.split_k`): the mid-channel slices of each tile
+    group.split_k = conv_conv_slice_table(graph, conv_chain(graph, nodes), get_hardware("h200").sm_count)
     kernel = lower_conv_conv_group(graph, group, "cuda")
     feed = torch.randn(graph["x"].type.shape, device="cuda").to(torch_dtype(name))
     feed = feed.contiguous(memory_format=torch.channels_last)
