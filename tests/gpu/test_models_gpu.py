@@ -31,10 +31,11 @@ def test_zoo_model_launches_what_analyze_says(name, batch):
 @pytest.mark.parametrize("name", ZOO_MODELS)
 def test_zoo_model_in_float32_matches_float64_eager(name):
     """Every zoo model compiled in float32 (tuned, as a user compiles it) matches float64 eager on fresh inputs
-    within float32's bound on a GPU (tf32 where PyTorch's own settings allow it: `opfuse.numerics.tolerance`)."""
+    within float32's bound on a GPU (tf32 where PyTorch's own settings allow it: `opfuse.numerics.tolerance`), or,
+    where eager PyTorch in float32 is itself over that bound, within EAGER_ERROR_MARGIN of eager's error."""
     import opfuse
     from opfuse.bench.zoo import load_builtin
-    from opfuse.numerics import relative_error, tolerance
+    from opfuse.numerics import EAGER_ERROR_MARGIN, relative_error, tolerance
 
     model, inputs = load_builtin(name, batch=1)
     reference_model = copy.deepcopy(model).double().cuda()
@@ -49,7 +50,9 @@ def test_zoo_model_in_float32_matches_float64_eager(name):
         for _ in range(1 + compiled.compiled.cuda_graph_warmup):    # the warm-up call(s), then the capture
             out = compiled(*fresh)
         reference = reference_model(*(x.double() if x.is_floating_point() else x for x in fresh))
-    assert relative_error(out, reference) < tolerance("float32", "cuda")
+        eager_error = relative_error(model(*fresh), reference)
+    error, bound = relative_error(out, reference), tolerance("float32", "cuda")
+    assert error < bound or error <= EAGER_ERROR_MARGIN * eager_error, (error, eager_error)
 
 
 def compile_and_check(name: str, batch: int, config: dict):
