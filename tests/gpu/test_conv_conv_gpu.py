@@ -73,6 +73,7 @@ def test_hand_built_chain(dtype, expand, stride):
     from opfuse.fusion.resources import conv_chain, conv_conv_slice_table
     from opfuse.hardware import get_hardware
     from opfuse.ir.interpret import interpret
+    from opfuse.runtime.autotune import out_of_resources
 
     name, _, precision = dtype.partition("-")
     b = GraphBuilder("chain", dtype=name)
@@ -105,9 +106,16 @@ def test_hand_built_chain(dtype, expand, stride):
         kernel.epilogue.output_fill = float("nan")
         bound = 1e-2 if name != "float32" else tolerance("float32", "cuda" if precision == "tf32" else None)
         errors = []
-        for config in kernel.configs():
+        for index, config in enumerate(kernel.configs()):
             for _ in range(2):   # a second launch finds the split tiles' arrival counts back at zero
-                (out,) = kernel.run([feed], config)
+                try:
+                    (out,) = kernel.run([feed], config)
+                except out_of_resources():
+                    # tf32x3 stages more operand copies than the resource model counts: the runtime passes a
+                    # config the GPU refuses on to the next one; the planner's own tile must run
+                    if precision == "tf32" and index > 0:
+                        break
+                    raise
                 assert not torch.isnan(out).any(), config
                 errors.append((config, relative_error(out.double(), expected)))
         assert all(error < bound for _, error in errors), errors
