@@ -18,6 +18,7 @@ Parameters and buffers become constant nodes (private clones) only when somethin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 import re
@@ -51,7 +52,8 @@ def capture_torch(model: torch.nn.Module, example_inputs: tuple, name: str | Non
                          f"{FALLBACK_HINT}") from error
     try:
         program = torch.export.export(private, inputs, strict=False)
-        if not all(_rebindable(node) for node in program.graph.nodes if _mutates(node)):
+        if not (all(_rebindable(node) for node in program.graph.nodes if _mutates(node))
+                or _functionalise_fresh_writes(program.graph)):
             program = program.run_decompositions({})  # functionalise only (seconds): keeps high-level ops
     except Exception as error:
         raise GraphError(f"torch.export could not capture model {name}: {_describe_export_error(error)}; "
@@ -121,6 +123,104 @@ def _rebindable(node: fx.Node) -> bool:
             elif _may_alias_input(user):
                 return False
     return True
+
+
+# in-place writes `_functionalise_fresh_writes` rewrites, by their functional twins
+_FILL_TWINS = {"fill_": "fill", "copy_": "copy"}
+# views a write may go through, by the scatter that writes a view's value back into its base
+_VIEW_SCATTERS = {"slice": torch.ops.aten.slice_scatter.default, "select": torch.ops.aten.select_scatter.default}
+
+
+@dataclass
+class _FreshWrite:
+    """A fill_ or copy_ of slices/selects of a fresh tensor: `views` from the root outwards, then `write`."""
+
+    views: list[fx.Node]
+    write: fx.Node
+
+
+def _fresh_write(node: fx.Node) -> tuple[fx.Node, _FreshWrite] | None:
+    """(root, the write) where in-place `node` is a fill_ or copy_ that nothing reads, into a chain of slice and
+    select views each read by the next alone, of a value `root` that no input or other value aliases."""
+    if op_name(node.target) not in _FILL_TWINS or node.users or not node.args:
+        return None
+    views: list[fx.Node] = []
+    view = node.args[0]
+    while (isinstance(view, fx.Node) and view.op == "call_function" and op_name(view.target) in _VIEW_SCATTERS
+           and len(view.users) == 1):
+        views.insert(0, view)
+        view = view.args[0]
+    if not views or not isinstance(view, fx.Node) or view.op != "call_function" or _mutates(view) \
+            or _may_alias_input(view):
+        return None
+    return view, _FreshWrite(views, node)
+
+
+def _functionalise_fresh_writes(graph: fx.Graph) -> bool:
+    """Rewrite, in place, every mutation `_rebindable` refuses into functional ops, where each is a `_fresh_write`
+    (Swin's shifted-window mask: a new_zeros whose slices are filled) and the root's other readers are
+    `_plain_reader`s after its last write: each write becomes the twin of its slices (``fill``, ``copy``)
+    scattered back into the root (``slice_scatter``, ``select_scatter``), and those readers read the last scatter.
+    What run_decompositions({}) makes of such writes, without tracing the whole program again. False (nothing
+    changed) where any mutation is of another kind: the caller functionalises the whole program then."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    writes: dict[fx.Node, list[_FreshWrite]] = {}
+    for node in graph.nodes:
+        if _mutates(node) and not _rebindable(node):
+            found = _fresh_write(node)
+            if found is None:
+                return False
+            writes.setdefault(found[0], []).append(found[1])
+    for root, found in writes.items():
+        chained = {write.views[0] for write in found}
+        last = max(order[write.write] for write in found)
+        if any(user not in chained and not _plain_reader(user, order[user] > last) for user in root.users):
+            return False
+    for root, found in writes.items():
+        readers = [user for user in root.users if user not in {write.views[0] for write in found}]
+        current = root
+        for write in found:
+            current = _scatter_write(graph, current, write)
+        for reader in readers:
+            reader.replace_input_with(root, current)
+    graph.lint()
+    return True
+
+
+def _plain_reader(node: fx.Node, after_the_writes: bool) -> bool:
+    """Whether `node` may read a fresh root's written value in place of the root: it comes after the writes and is
+    the output or an ATen call that writes nothing (not a higher-order call, whose body this graph does not show)."""
+    return after_the_writes and (node.op == "output" or (isinstance(node.target, torch._ops.OpOverload)
+                                                          and not _mutates(node)))
+
+
+def _scatter_write(graph: fx.Graph, base: fx.Node, write: _FreshWrite) -> fx.Node:
+    """Insert, before `write.write`, its views of `base`, the written value and the scatters back into `base`; erase
+    the in-place write and its views; return the new value of the base."""
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode([base.meta.get("val")])
+
+    def call(target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        node = graph.call_function(target, args, kwargs or {})
+        values, kw = fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            node.meta["val"] = target(*values, **kw)
+        return node
+
+    with graph.inserting_before(write.write):
+        bases = [base]
+        for view in write.views:             # the same views, of the current value
+            bases.append(call(view.target, (bases[-1], *view.args[1:]), dict(view.kwargs)))
+        twin = getattr(torch.ops.aten, _FILL_TWINS[op_name(write.write.target)])
+        twin = getattr(twin, write.write.target._overloadname)
+        value = call(twin, (bases[-1], *write.write.args[1:]), dict(write.write.kwargs))
+        for view, inner in zip(reversed(write.views), reversed(bases[:-1])):
+            value = call(_VIEW_SCATTERS[op_name(view.target)], (inner, value, *view.args[1:]), dict(view.kwargs))
+    graph.erase_node(write.write)
+    for view in reversed(write.views):
+        graph.erase_node(view)
+    return value
 
 
 def _describe_export_error(error: Exception) -> str:

@@ -255,6 +255,40 @@ def test_eval_dropout_in_place_on_a_view_needs_no_functionalising(monkeypatch):
     assert len(calls) == 0 and ops["opaque"] == 0
 
 
+def shifted_window_mask(m, x):
+    """Swin's attention mask: a fresh tensor whose slices are filled, then read; here added to x."""
+    mask = x.new_zeros((6, 5))
+    count = 0
+    for rows in ((0, -3), (-3, -1), (-1, None)):
+        for cols in ((0, -2), (-2, None)):
+            mask[rows[0]:rows[1], cols[0]:cols[1]] = count
+            count += 1
+    mask[2] = x[0, 0, 0, :5]                 # a select written by copy_, from a value of the input
+    mask[4, 1:3].fill_(-1.5)                 # a select, then a slice
+    return x + mask.view(1, 1, 6, 5).repeat(1, 1, 1, 2)[..., :x.shape[-1]] * 0.5
+
+
+def test_fills_of_a_fresh_tensors_slices_become_scatters_without_functionalising(monkeypatch):
+    calls = count_functionalisations(monkeypatch)
+    graph, ops = capture_and_check(Lambda(shifted_window_mask), torch.randn(2, 3, 6, 8))
+    assert len(calls) == 0
+    assert not any(n.op == "opaque" and str(n.attrs["target"]).endswith("_") for n in graph), graph  # no in-place
+
+
+def test_a_fresh_tensor_read_before_a_fill_is_functionalised(monkeypatch):
+    """A reader of the fresh tensor before a write of it (here a view, which sees the write) must see what eager
+    sees: the rewrite refuses, the whole program is functionalised."""
+    calls = count_functionalisations(monkeypatch)
+
+    def read_then_filled(m, x):
+        mask = x.new_zeros((6, 8))
+        seen = mask.view(1, 1, 6, 8)
+        mask[1:3].fill_(2.0)
+        return x + seen
+    capture_and_check(Lambda(read_then_filled), torch.randn(2, 3, 6, 8))
+    assert len(calls) == 1
+
+
 def test_a_view_of_a_written_value_is_functionalised_even_past_a_no_grad_block(monkeypatch):
     """A view of an in-place result may see a later write this graph does not show: one inside a no_grad block
     (a higher-order call at the top level). Such captures take the exact path (review of 4b75d3b: the looser rule
