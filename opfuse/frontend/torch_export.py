@@ -98,8 +98,8 @@ def _writes_nothing(node: fx.Node) -> bool:
 def _rebindable(node: fx.Node) -> bool:
     """Whether in-place `node` can be translated as its out-of-place twin whose result replaces `self` for later
     readers: the twin is mapped, and either the op writes nothing (`_writes_nothing`: aliases see no change), or
-    it writes only `self` and `self` shares memory with no other value (no view of it or that it is a view of,
-    not a model input). Otherwise the graph is functionalised first."""
+    it writes only `self` and `self` shares memory with no other value (it is no view, nor a model input) but
+    `_read_only_view`s taken after every write. Otherwise the graph is functionalised first."""
     if not node.args or op_name(node.target)[:-1] not in HANDLERS:
         return False
     if _writes_nothing(node):
@@ -113,15 +113,35 @@ def _rebindable(node: fx.Node) -> bool:
         root = root.args[0]
     if not isinstance(root, fx.Node) or root.op != "call_function" or _may_alias_input(root):
         return False
-    pending = [root]
-    while pending:  # the root and the in-place results that alias it: none may be read by a view (nor by a call
-        member = pending.pop()  # that may alias, such as a no_grad block, whose writes this graph does not show)
+    pending, members, views = [root], [], []
+    while pending:  # the root and the in-place results that alias it, and the views read of them
+        member = pending.pop()
+        members.append(member)
         for user in member.users:
             if _mutates(user):  # writes only its own `self` (checked for each mutation): member is read or
                 if user.args[0] is member:  # written here, and the result is one more alias of the root
                     pending.append(user)
             elif _may_alias_input(user):
-                return False
+                views.append(user)
+    return all(_read_only_view(view, members) for view in views)
+
+
+def _read_only_view(view: fx.Node, members: list[fx.Node]) -> bool:
+    """Whether `view`, an alias of the in-place chain `members` (a root and its in-place results), sees no write:
+    it is an ATen view taken after every write of the chain, and no alias of it is written or passed to a call
+    that may write it (a no_grad block, whose writes this graph does not show)."""
+    later, node = set(), view.next
+    while node.op != "root":
+        later.add(node)
+        node = node.next
+    if later.intersection(members[1:]):
+        return False
+    pending = [view]
+    while pending:
+        alias = pending.pop()
+        if not isinstance(alias.target, torch._ops.OpOverload) or _mutates(alias):
+            return False
+        pending.extend(user for user in alias.users if user.op != "output" and _may_alias_input(user))
     return True
 
 

@@ -289,6 +289,19 @@ def test_a_fresh_tensor_read_before_a_fill_is_functionalised(monkeypatch):
     assert len(calls) == 1
 
 
+def test_a_view_taken_after_the_last_write_needs_no_functionalising(monkeypatch):
+    """ConvNeXt's block end: layer scale, the residual added in place, then the next stage's permute (a view of the
+    written value, nothing written after it) reads it."""
+    calls = count_functionalisations(monkeypatch)
+
+    def layer_scale_then_permute(m, x):
+        out = m.scale * torch.tanh(x)
+        out += x
+        return torch.layer_norm(out.permute(0, 2, 3, 1), (4,)), out * 2
+    graph, ops = capture_and_check(Lambda(layer_scale_then_permute, scale=nn.Parameter(torch.rand(4, 1, 1))), X4)
+    assert len(calls) == 0 and ops["opaque"] == 0
+
+
 def test_a_view_of_a_written_value_is_functionalised_even_past_a_no_grad_block(monkeypatch):
     """A view of an in-place result may see a later write this graph does not show: one inside a no_grad block
     (a higher-order call at the top level). Such captures take the exact path (review of 4b75d3b: the looser rule
