@@ -63,6 +63,10 @@ class HardwareProfile:
     notes: str = field(default="", compare=False)
 
     def matrix_peak(self, dtype: str) -> float:
+        """Peak FLOP/s of a matrix product in `dtype` (`opfuse.numerics.matrix_dtype`): "tf32x3" takes three tf32
+        products per float32 one; a dtype without tensor cores ("ieee": float32 in full) runs on the CUDA cores."""
+        if dtype == "tf32x3":
+            return self.matrix_flops["float32"] / 3
         return self.matrix_flops.get(dtype, self.vector_flops)
 
     @property

@@ -48,6 +48,21 @@ def dot_precision(tf32_allowed: bool) -> str:
     return TF32_DOT if tf32_allowed else "ieee"
 
 
+def tf32_allowed(conv: bool) -> bool:
+    """Whether PyTorch's settings let a float32 product use tf32: cuDNN's switch for a convolution, the float32
+    matmul precision for any other matrix product."""
+    return torch.backends.cudnn.allow_tf32 if conv else torch.get_float32_matmul_precision() != "highest"
+
+
+def matrix_dtype(dtype: str, conv: bool) -> str:
+    """The key of `HardwareProfile.matrix_peak` for a matrix product computed in `dtype`: a float32 one runs as
+    `dot_precision` says ("float32" for one tf32 product, "tf32x3", or "ieee" on the CUDA cores)."""
+    if dtype != "float32":
+        return dtype
+    precision = dot_precision(tf32_allowed(conv))
+    return "float32" if precision == "tf32" else precision
+
+
 def reference_dtype(dtype: str) -> torch.dtype:
     return torch.float64 if dtype in ("float32", "float64") else torch.float32
 

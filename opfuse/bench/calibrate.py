@@ -42,6 +42,7 @@ import numpy as np
 
 from opfuse.fusion.cost import predict_time
 from opfuse.hardware import HardwareProfile
+from opfuse.numerics import matrix_dtype
 
 FITTED = ("launch_overhead", "memory_efficiency", "matrix_efficiency")
 REPORTED = FITTED + ("time_factor",)      # a fitted profile prices the kernels themselves: its time factor is 1
@@ -60,6 +61,7 @@ class Sample:
     measured: float               # seconds
     tile_efficiency: float = 1.0  # the cost model's tile factor (1 for the default tile)
     name: str = ""
+    conv: bool = False            # a convolution: a float32 one runs at cuDNN's tf32 switch (`matrix_dtype`)
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,8 @@ class Calibration:
 
 def predict(sample: Sample, hardware: HardwareProfile, dtype: str) -> float:
     """The cost model's seconds for one sample (the same function the planner uses)."""
-    return predict_time(sample.flops, sample.bytes_moved, hardware, dtype, sample.matrix, sample.tile_efficiency)
+    return predict_time(sample.flops, sample.bytes_moved, hardware, dtype, sample.matrix, sample.tile_efficiency,
+                        sample.conv)
 
 
 def relative_errors(samples: Sequence[Sample], hardware: HardwareProfile, dtype: str) -> list[float]:
@@ -144,7 +147,8 @@ class _Terms:
 def _terms(sample: Sample, hardware: HardwareProfile, dtype: str) -> _Terms:
     memory = sample.bytes_moved / hardware.memory_bandwidth
     if sample.matrix:
-        return _Terms(memory, sample.flops / (hardware.matrix_peak(dtype) * sample.tile_efficiency), 0.0)
+        peak = hardware.matrix_peak(matrix_dtype(dtype, sample.conv))
+        return _Terms(memory, sample.flops / (peak * sample.tile_efficiency), 0.0)
     return _Terms(memory, 0.0, sample.flops / (hardware.vector_flops * hardware.vector_efficiency))
 
 

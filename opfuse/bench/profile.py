@@ -36,7 +36,7 @@ from opfuse.bench.calibrate import Calibration, Sample, calibrate
 from opfuse.codegen.forms import is_library, is_library_fused, is_unfused
 from opfuse.runtime.autotune import recover_rng_after_failed_capture
 from opfuse.config import FusionConfig
-from opfuse.fusion.cost import estimate_kernel, predict_time, tile_efficiency
+from opfuse.fusion.cost import estimate_kernel, is_conv, predict_time, tile_efficiency
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph, GraphError
 from opfuse.ir.ops import get_op
@@ -61,6 +61,7 @@ class ProfileRow:
     roofline: bool = True           # the prediction is the plain roofline of the counted work (calibratable)
     measured: float | None = None   # seconds
     timing: str = ""                # "cuda graph" or "events" (could not be captured)
+    conv: bool = False              # a convolution (`opfuse.bench.calibrate.Sample.conv`)
 
     @property
     def density(self) -> float:
@@ -83,7 +84,7 @@ class ProfileRow:
 
     def sample(self) -> Sample:
         return Sample(self.flops, self.bytes_moved, self.matrix, self.measured or 0.0, self.tile_efficiency,
-                      self.name)
+                      self.name, self.conv)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"density": self.density, "achieved_bytes_per_s": self.achieved_bandwidth,
@@ -218,8 +219,9 @@ def graph_values(graph: Graph, inputs: Sequence[torch.Tensor]) -> dict[str, torc
 
 
 def _prediction(graph: Graph, nodes: Sequence[str], users: Any, hardware: HardwareProfile, dtype: str
-                ) -> tuple[float, bool, float, bool]:
-    """(predicted seconds, tensor-core kernel?, tile efficiency, plain roofline?) from the cost model.
+                ) -> tuple[float, bool, float, bool, bool]:
+    """(predicted seconds, tensor-core kernel?, tile efficiency, plain roofline?, a convolution?) from the cost
+    model.
 
     The calibration needs the roofline terms behind each prediction. Rather than restate the cost model's rule
     for which kernels run on the tensor cores (anchors, except depthwise convolutions), the terms are taken to be
@@ -228,11 +230,12 @@ def _prediction(graph: Graph, nodes: Sequence[str], users: Any, hardware: Hardwa
     estimate = estimate_kernel(graph, nodes, users, hardware, dtype)
     tile = tile_efficiency(estimate.resources)
     flops, moved = estimate.traffic.flops, estimate.traffic.bytes_moved
-    likely = estimate.anchor is not None
+    likely, conv = estimate.anchor is not None, is_conv(graph, estimate.anchor)
     for matrix in (likely, not likely):
-        if math.isclose(predict_time(flops, moved, hardware, dtype, matrix, tile), estimate.time, rel_tol=1e-9):
-            return estimate.time, matrix, tile, True
-    return estimate.time, likely, tile, False
+        if math.isclose(predict_time(flops, moved, hardware, dtype, matrix, tile, conv), estimate.time,
+                        rel_tol=1e-9):
+            return estimate.time, matrix, tile, True, conv
+    return estimate.time, likely, tile, False, conv
 
 
 def eager_rows(analysis: Any, values: dict[str, torch.Tensor], timer: Timer | None = None,
@@ -243,9 +246,9 @@ def eager_rows(analysis: Any, values: dict[str, torch.Tensor], timer: Timer | No
     rows = []
     for index, metrics in enumerate(analysis.op_rows):
         node = graph[metrics.name]
-        predicted, matrix, tile, roofline = _prediction(graph, [node.name], users, hardware, dtype)
+        predicted, matrix, tile, roofline, conv = _prediction(graph, [node.name], users, hardware, dtype)
         row = ProfileRow(node.name, node.op, metrics.kind, "pytorch", metrics.flops, metrics.bytes_moved,
-                         predicted, matrix, tile, roofline)
+                         predicted, matrix, tile, roofline, conv=conv)
         if progress is not None:
             progress(f"eager {node.name}", index, len(analysis.op_rows))
         args = [values[i] for i in node.inputs]
@@ -264,7 +267,7 @@ def opfuse_rows(compiled_model: Any, values: dict[str, torch.Tensor], hardware: 
     groups = [g for g in plan.groups if g.launches]
     rows = []
     for index, group in enumerate(groups):
-        predicted, matrix, tile, roofline = _prediction(graph, group.nodes, users, hardware, dtype)
+        predicted, matrix, tile, roofline, conv = _prediction(graph, group.nodes, users, hardware, dtype)
         kernel = compiled_model.kernels.get(group.name)
         config = compiled_model.configs.get(group.name)
         ops = " + ".join(graph[n].op for n in group.nodes)
@@ -277,7 +280,7 @@ def opfuse_rows(compiled_model: Any, values: dict[str, torch.Tensor], hardware: 
             library = " (unfused: PyTorch ops)"
         runs_as = "pytorch" if kernel is None else kernel.name + library
         row = ProfileRow(group.name, ops, group.kind.value, runs_as, group.flops, group.bytes_moved, predicted,
-                         matrix, tile, roofline)
+                         matrix, tile, roofline, conv=conv)
         if progress is not None:
             progress(f"opfuse {group.name}", index, len(groups))
         if kernel is not None:

@@ -63,6 +63,7 @@ from opfuse.fusion.squeeze import SqueezeChain, fitting_resources, squeeze_chain
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import FusionKind, get_op, kind_of, launches_kernel, node_bytes, node_flops
+from opfuse.numerics import matrix_dtype
 
 Users = Mapping[str, Sequence[Node]]
 
@@ -98,11 +99,11 @@ class KernelEstimate:
 
 
 def predict_time(flops: float, bytes_moved: float, hw: HardwareProfile, dtype: str, matrix: bool,
-                 tile_efficiency: float = 1.0) -> float:
+                 tile_efficiency: float = 1.0, conv: bool = False) -> float:
     """Roofline seconds of one kernel plus its launch, times the profile's `time_factor`; `matrix` selects the
-    tensor-core peak."""
+    tensor-core peak, at the precision a float32 product runs in (`matrix_dtype`: `conv` for a convolution)."""
     if matrix:
-        flop_rate = hw.matrix_peak(dtype) * hw.matrix_efficiency * tile_efficiency
+        flop_rate = hw.matrix_peak(matrix_dtype(dtype, conv)) * hw.matrix_efficiency * tile_efficiency
     else:
         flop_rate = hw.vector_flops * hw.vector_efficiency
     byte_rate = hw.memory_bandwidth * hw.memory_efficiency
@@ -157,6 +158,11 @@ def reuse_efficiency(rows: int, columns: int, default: Mapping[str, int] = GEMM_
     return min(1.0, reuse(rows, columns) / reuse(default["BLOCK_M"], default["BLOCK_N"]))
 
 
+def is_conv(graph: Graph, anchor: str | None) -> bool:
+    """Whether the anchor is a convolution (its float32 precision follows cuDNN's tf32 switch)."""
+    return anchor is not None and graph[anchor].op == "conv2d"
+
+
 def estimate_kernel(graph: Graph, nodes: Sequence[str], users: Users, hw: HardwareProfile,
                     dtype: str) -> KernelEstimate:
     """Traffic, resources and predicted time of the kernel that runs `nodes` (in topological order)."""
@@ -177,7 +183,7 @@ def estimate_kernel(graph: Graph, nodes: Sequence[str], users: Users, hw: Hardwa
         resources = estimate_resources(graph, kernels, anchor, hw, dtype)
     matrix = anchor is not None and not is_depthwise_conv(graph, anchor)
     time = predict_time(traffic.flops, traffic.bytes_moved, hw, dtype, matrix=matrix,
-                        tile_efficiency=tile_efficiency(resources))
+                        tile_efficiency=tile_efficiency(resources), conv=is_conv(graph, anchor))
     norm = next((n for n in kernels if graph[n].op == "layer_norm"), None) if anchor is not None else None
     if norm is not None and resources is not None and "BLOCK_N" in resources.tile:
         return _row_norm_recompute(graph, norm, anchor, traffic, resources, time, hw)
@@ -275,7 +281,7 @@ def conv_conv_estimate(graph: Graph, nodes: Sequence[str], chain: list[str], tra
                        hw: HardwareProfile, dtype: str) -> KernelEstimate:
     """The fastest fitting tile of a conv-conv kernel, of those measured (the smallest tile, last in the list, only
     where none of them fits); over budget (and priced at the smallest tile) if none fits."""
-    peak = hw.matrix_peak(dtype) * hw.matrix_efficiency
+    peak = hw.matrix_peak(matrix_dtype(dtype, conv=True)) * hw.matrix_efficiency
     memory = traffic.bytes_moved / (hw.memory_bandwidth * hw.memory_efficiency)
     efficiency = hw.conv_conv_efficiency if len(chain) == 2 else 1.0   # measured: see HardwareProfile
 

@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from graph_builders import GraphBuilder, conv_bn_relu, conv_relu, resnet_bottleneck, transformer_ffn, attention_block
 from opfuse.config import FusionConfig
@@ -33,6 +34,30 @@ def test_predict_time_is_the_roofline_plus_one_launch_times_the_time_factor():
     # a tile with half the operand reuse halves the tensor-core rate
     halved = predict_time(1e13, 1e6, hw, "float16", matrix=True, tile_efficiency=0.5)
     assert halved - hw.launch_overhead == pytest.approx(2 * (matrix - hw.launch_overhead))
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
+@pytest.mark.parametrize("tf32", [False, True])
+def test_a_float32_product_is_priced_at_the_precision_it_runs_in(conv, tf32, monkeypatch):
+    """float32 matrix products run as PyTorch's settings say (`opfuse.numerics.dot_precision`): three tf32
+    products where tf32 is allowed, else full float32 on the CUDA cores; fp16 is untouched."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high" if tf32 else "highest")
+    graph = conv_relu(c_in=256, c_out=256, size=64) if conv else transformer_ffn(batch=8, seq=512, d=1024,
+                                                                               hidden=4096)
+    node = "conv" if conv else "fc1"
+    users = graph.users()
+    estimate = estimate_kernel(graph, [node], users, H200, "float32")
+    expected = predict_time(estimate.traffic.flops, estimate.traffic.bytes_moved, H200,
+                            "tf32x3" if tf32 else "ieee", matrix=True,
+                            tile_efficiency=tile_efficiency(estimate.resources))
+    assert estimate.time == pytest.approx(expected)
+    # compute bound: three tf32 products take 3x one, full float32 on the CUDA cores longer still
+    one_tf32 = estimate.traffic.flops / (H200.matrix_peak("float32") * H200.matrix_efficiency
+                                         * tile_efficiency(estimate.resources))
+    assert estimate.time / H200.time_factor - H200.launch_overhead > 2.9 * one_tf32
+    assert H200.matrix_peak("tf32x3") == H200.matrix_peak("float32") / 3
+    assert H200.matrix_peak("ieee") == H200.vector_flops
 
 
 def test_fusing_a_pointwise_op_into_its_producer_is_predicted_faster():
