@@ -50,7 +50,7 @@ from opfuse.fusion.resources import ADDRESSING_REGISTERS
 from opfuse.fusion.tiles import GATHER_CHANNELS, anchor_steps, by_occupancy, conv_as_gemm, group_block
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph, Node, torch_dtype
-from opfuse.numerics import dot_precision
+from opfuse.numerics import dot_precision, tf32_allowed
 
 CONV_TEMPLATE = '''
 import triton
@@ -283,7 +283,7 @@ class ConvGeometry:
 
 
 def _cudnn_allows_tf32() -> bool:
-    return torch.backends.cudnn.allow_tf32
+    return tf32_allowed(conv=True)
 
 
 def group_block_of(config: KernelConfig) -> int:
