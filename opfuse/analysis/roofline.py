@@ -17,6 +17,7 @@ import math
 from typing import Any, Mapping
 
 from opfuse.hardware import HardwareProfile
+from opfuse.numerics import matrix_dtype
 
 
 def attainable(density: float, peak_flops: float, hw: HardwareProfile) -> float:
@@ -56,12 +57,13 @@ def roofline(analysis: Any, measured: Mapping[str, Mapping[str, Any]] | None = N
         add("group", group.name, f"{group.kind.value}: {ops}", group.flops, group.bytes_moved,
             group.predicted_time, group.name, measured.get(group.name, {}).get("time"))
 
-    matrix_peak = hw.matrix_peak(dtype)
-    ceilings = [{"name": f"tensor cores ({dtype})", "flops": matrix_peak,
-                 "ridge": ridge_point(matrix_peak, hw)}]
-    if hw.vector_flops < matrix_peak:
-        ceilings.append({"name": "CUDA cores (vector)", "flops": hw.vector_flops,
-                         "ridge": ridge_point(hw.vector_flops, hw)})
+    # the tensor cores at the precision each kind of product runs in (float32: as PyTorch's tf32 settings say)
+    ceilings = [{"name": f"tensor cores ({product})", "flops": hw.matrix_peak(product),
+                 "ridge": ridge_point(hw.matrix_peak(product), hw)}
+                for product in sorted({matrix_dtype(dtype, conv) for conv in (True, False)})
+                if hw.matrix_peak(product) > hw.vector_flops]
+    ceilings.append({"name": "CUDA cores (vector)", "flops": hw.vector_flops,
+                     "ridge": ridge_point(hw.vector_flops, hw)})
     xs = [p["x"] for p in points] + [c["ridge"] for c in ceilings]
     ys = [p["y"] for p in points] + [c["flops"] for c in ceilings]
     return {

@@ -143,6 +143,21 @@ def test_roofline_points_roofs_and_ranges(block_analysis):
         assert data["y_range"][0] <= p["y"] <= data["y_range"][1]
 
 
+@pytest.mark.parametrize("tf32", [True, False])
+def test_a_float32_roofline_has_the_ceilings_its_products_run_at(tf32, monkeypatch):
+    """float32 convolutions follow cuDNN's tf32 switch (three tf32 products, else the CUDA cores), GEMMs the float32
+    matmul precision ('highest' by default: the CUDA cores)."""
+    import torch
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
+    b = GraphBuilder("conv_fp32", dtype="float32")
+    graph = b.output(b.unary("relu", b.conv(b.input("x", (1, 16, 16, 16)), 32, kernel=3, padding=1), "relu"))
+    data = roofline(analyze(graph))
+    hw = get_hardware("h200")
+    expected = ([("tensor cores (tf32x3)", hw.matrix_flops["float32"] / 3)] if tf32 else []) \
+        + [("CUDA cores (vector)", hw.vector_flops)]
+    assert [(c["name"], c["flops"]) for c in data["ceilings"]] == expected
+
+
 def test_measured_numbers_are_rendered(block_analysis):
     kernel = next(g for g in block_analysis.plan.groups if g.launches)
     measured = {kernel.id: {"time": 1e-5, "registers": 96, "shared_bytes": 4096, "spills": 0, "config": "BLOCK_M=64"}}
