@@ -282,10 +282,6 @@ class ConvGeometry:
                     PAD_H=self.padding[0], PAD_W=self.padding[1], DIL_H=self.dilation[0], DIL_W=self.dilation[1])
 
 
-def _cudnn_allows_tf32() -> bool:
-    return tf32_allowed(conv=True)
-
-
 def group_block_of(config: KernelConfig) -> int:
     """Conv groups one program of `config` computes (BLOCK_G; 1 where the config does not block groups)."""
     return dict(config.params).get("BLOCK_G", 1)
@@ -446,7 +442,7 @@ class ConvKernel(EpilogueKernel):
         slices = slices_of(config)
         launch = dict(**g.constexprs(), BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
                       BLOCK_K=config["BLOCK_K"], GROUP_M=GROUP_M, K_GATHER=cin_per_block < config["BLOCK_K"],
-                      PRECISION=dot_precision(_cudnn_allows_tf32()),
+                      PRECISION=dot_precision(tf32_allowed(conv=True)),
                       num_warps=config.num_warps, num_stages=config.num_stages)
         common = (x, self.packed_weight(block), m, channels, cout_per_block, cin_per_block, g.cin, g.height,
                   g.width, r1, r2, *x.stride())
@@ -534,7 +530,7 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
         source = prologue_source(graph, ops)
         input_layout = TileLayout(graph[x].type.shape, channel_dim=1, channels_last=True)
         kernel = GemmKernel(graph, group, device, epilogue, a=source, k=g.cin,
-                            b_packed=weight[:, :, 0, 0].t().contiguous(), tf32_allowed=_cudnn_allows_tf32,
+                            b_packed=weight[:, :, 0, 0].t().contiguous(), conv=True,
                             prologue=Prologue(graph, ops, source, input_layout, g.cin, device), hw=hw)
     elif g.is_depthwise(layout.channels):
         kernel = DepthwiseConvKernel(graph, group, device, epilogue, x, geometry,
@@ -545,7 +541,7 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
         a_view = None if g.stride == (1, 1) else (lambda t: t[:, :, ::stride_h, ::stride_w])
         kernel = GemmKernel(graph, group, device, epilogue, a=x, k=g.cin,
                             b_packed=weight[:, :, 0, 0].t().contiguous(), a_view=a_view, hw=hw,
-                            tf32_allowed=_cudnn_allows_tf32)
+                            conv=True)
     else:
         kernel = ConvKernel(graph, group, device, epilogue, x, geometry, weights, dtype, hw)
     kernel.library_anchor = library

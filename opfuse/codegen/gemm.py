@@ -174,7 +174,7 @@ class GemmKernel(EpilogueKernel):
                  b_layout: TileLayout | None = None,
                  a_view: Callable[[torch.Tensor], torch.Tensor] | None = None, a_map: OperandMap | None = None,
                  prologue: Prologue | None = None, hw: HardwareProfile | None = None,
-                 tf32_allowed: Callable[[], bool] | None = None, library_anchor: LibraryAnchor | None = None):
+                 conv: bool = False, library_anchor: LibraryAnchor | None = None):
         if prologue is not None and (a_view is not None or a_map is not None and (prologue.norm is None
                                                                                   or prologue.operands)):
             raise Unsupported(f"group {group.name}: a prologue on an operand read through views")
@@ -189,7 +189,7 @@ class GemmKernel(EpilogueKernel):
         self.device, self.epilogue, self.layout = device, epilogue, epilogue.layout
         self.a, self.k, self.a_view, self.a_map = a, k, a_view, a_map
         self.b, self.b_packed, self.b_layout = b, b_packed, b_layout
-        self.tf32_allowed = tf32_allowed    # conv passes cuDNN's switch; GEMMs follow torch's matmul precision
+        self.conv = conv    # a 1x1 conv: float32 follows cuDNN's tf32 switch, a GEMM torch's matmul precision
         self.library_anchor = library_anchor
         hw = hw or get_hardware()
         self._configs = gemm_configs(self.layout.rows, self.layout.channels, k, self.layout.batch,
@@ -211,8 +211,7 @@ class GemmKernel(EpilogueKernel):
 
     def precision(self) -> str:
         """tl.dot precision of float32 operands: TF32 where PyTorch's own kernel would use it."""
-        allowed = self.tf32_allowed() if self.tf32_allowed else tf32_allowed(conv=False)
-        return dot_precision(allowed)
+        return dot_precision(tf32_allowed(self.conv))
 
     def operand_a(self, values: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[int], bool]:
         """(A, its index arguments s_ab0 .. s_ak of the template, whether its reduction splits in two groups)."""
