@@ -52,8 +52,8 @@ def capture_torch(model: torch.nn.Module, example_inputs: tuple, name: str | Non
                          f"{FALLBACK_HINT}") from error
     try:
         program = torch.export.export(private, inputs, strict=False)
-        if not (all(_rebindable(node) for node in program.graph.nodes if _mutates(node))
-                or _functionalise_fresh_writes(program.graph)):
+        refused = [node for node in program.graph.nodes if _mutates(node) and not _rebindable(node)]
+        if refused and not _functionalise_fresh_writes(program.graph, refused):
             program = program.run_decompositions({})  # functionalise only (seconds): keeps high-level ops
     except Exception as error:
         raise GraphError(f"torch.export could not capture model {name}: {_describe_export_error(error)}; "
@@ -130,12 +130,11 @@ def _read_only_view(view: fx.Node, members: list[fx.Node]) -> bool:
     """Whether `view`, an alias of the in-place chain `members` (a root and its in-place results), sees no write:
     it is an ATen view taken after every write of the chain, and no alias of it is written or passed to a call
     that may write it (a no_grad block, whose writes this graph does not show)."""
-    later, node = set(), view.next
+    writes, node = set(members[1:]), view.next
     while node.op != "root":
-        later.add(node)
+        if node in writes:
+            return False
         node = node.next
-    if later.intersection(members[1:]):
-        return False
     pending = [view]
     while pending:
         alias = pending.pop()
@@ -176,8 +175,8 @@ def _fresh_write(node: fx.Node) -> tuple[fx.Node, _FreshWrite] | None:
     return view, _FreshWrite(views, node)
 
 
-def _functionalise_fresh_writes(graph: fx.Graph) -> bool:
-    """Rewrite, in place, every mutation `_rebindable` refuses into functional ops, where each is a `_fresh_write`
+def _functionalise_fresh_writes(graph: fx.Graph, refused: list[fx.Node]) -> bool:
+    """Rewrite, in place, the mutations `_rebindable` refused into functional ops, where each is a `_fresh_write`
     (Swin's shifted-window mask: a new_zeros whose slices are filled) and the root's other readers are
     `_plain_reader`s after its last write: each write becomes the twin of its slices (``fill``, ``copy``)
     scattered back into the root (``slice_scatter``, ``select_scatter``), and those readers read the last scatter.
@@ -185,23 +184,23 @@ def _functionalise_fresh_writes(graph: fx.Graph) -> bool:
     changed) where any mutation is of another kind: the caller functionalises the whole program then."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     writes: dict[fx.Node, list[_FreshWrite]] = {}
-    for node in graph.nodes:
-        if _mutates(node) and not _rebindable(node):
-            found = _fresh_write(node)
-            if found is None:
-                return False
-            writes.setdefault(found[0], []).append(found[1])
+    for node in refused:
+        found = _fresh_write(node)
+        if found is None:
+            return False
+        writes.setdefault(found[0], []).append(found[1])
+    readers: dict[fx.Node, list[fx.Node]] = {}
     for root, found in writes.items():
         chained = {write.views[0] for write in found}
         last = max(order[write.write] for write in found)
-        if any(user not in chained and not _plain_reader(user, order[user] > last) for user in root.users):
+        readers[root] = [user for user in root.users if user not in chained]
+        if not all(_plain_reader(user, order[user] > last) for user in readers[root]):
             return False
     for root, found in writes.items():
-        readers = [user for user in root.users if user not in {write.views[0] for write in found}]
         current = root
         for write in found:
             current = _scatter_write(graph, current, write)
-        for reader in readers:
+        for reader in readers[root]:
             reader.replace_input_with(root, current)
     graph.lint()
     return True
