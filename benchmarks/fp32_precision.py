@@ -5,15 +5,14 @@
 PRECISION: tf32, tf32x3 (`opfuse.numerics.TF32_DOT` set to it; cuDNN's tf32 switch left on, as by default) or ieee
 (cuDNN's tf32 switch off, so every float32 dot of opfuse and of eager runs in full float32). Prints and writes
 $OUT/MODEL-PRECISION.json: the relative error of opfuse and of eager PyTorch in float32 against float64 eager on
-fresh inputs (batch 1), the compile seconds (tune_top 2, verification off: the error is the result), and medians
-of 20 CUDA-event-timed calls of each. Run 79 ran twelve of these at once on one GPU: its times compare only
-roughly; its errors are what it is for.
+fresh inputs (batch 1), the compile seconds (tune_top 2, verification off: the error is the result), and the
+median time of each (`opfuse.bench.timing.median_ms`; run 79 timed 20 calls with a helper of its own). Run 79 ran
+twelve of these at once on one GPU: its times compare only roughly; its errors are what it is for.
 """
 
 import copy
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -21,20 +20,9 @@ import torch
 
 import opfuse
 import opfuse.numerics as numerics
+from opfuse.bench.timing import median_ms
 from opfuse.bench.zoo import load_builtin
 from opfuse.numerics import relative_error
-
-
-def median_ms(call, inputs, samples: int = 20) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(samples):
-        start.record()
-        call(*inputs)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(name: str, precision: str) -> dict:
