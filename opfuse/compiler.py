@@ -233,6 +233,7 @@ def compile(model: Any, example_inputs: Sequence[torch.Tensor],
 
 def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, quiet: bool) -> OpfuseModule:
     from opfuse.analysis import as_compiled
+    from opfuse.runtime.precompile import prefetch_triton_hash
 
     for index, x in enumerate(example_inputs):
         if isinstance(x, torch.Tensor) and x.numel() == 0:
@@ -242,6 +243,8 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
     seconds: dict[str, float] = {}
     device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
     check_kernels_can_run(device)
+    if device.type == "cuda":
+        prefetch_triton_hash()      # hashed while the model is captured, not when the first kernel is looked up
 
     say = _stage_printer(quiet)
     with _compile_workers(config, device):    # started now: they get ready while the model is captured

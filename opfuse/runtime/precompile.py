@@ -29,6 +29,7 @@ import os
 import selectors
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -49,6 +50,33 @@ REPLY = b"opfuse-compiled "  # a worker's answer to one launch: this, then 1 (co
 def default_workers() -> int:
     """Half the machine's CPUs, at most 8: each worker holds a CUDA context and a Triton compile at a time."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def hash_triton() -> None:
+    """Compute `triton.runtime.cache.triton_key()` now: the hash of Triton's own sources and libtriton that keys
+    its on-disk cache, computed once per process (lru_cache) and otherwise paid by the first kernel looked up
+    (0.35 s on the H200 machine, 1.2 s on the 2-core one; RESULTS.md run 83). Nothing where this Triton has no
+    such function."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return
+    triton_key()
+
+
+def prefetch_triton_hash() -> threading.Thread:
+    """`hash_triton` in a thread of its own, so that the hashing (file reads and sha256, which let go of the GIL)
+    overlaps what the caller does meanwhile (a compile: capturing the model). A failure here is left for the
+    first kernel's own lookup to raise."""
+    def run() -> None:
+        try:
+            hash_triton()
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=run, name="opfuse-hash-triton", daemon=True)
+    thread.start()
+    return thread
 
 
 @dataclass
@@ -375,6 +403,7 @@ def _serve(device_index: int) -> int:
     """Compile each launch read from stdin (one JSON line each) and `answer` each on stdout, until the input ends;
     the CUDA context is made when the first launch comes."""
     modules: dict[str, object] = {}
+    hash_triton()        # while the caller captures the model, before the first launch comes
     for count, line in enumerate(sys.stdin.buffer):
         if count == 0:
             torch.cuda.set_device(device_index)

@@ -3,6 +3,8 @@ launches nothing, and records what Triton specialises the kernel on."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -371,3 +373,15 @@ def test_the_unit_of_a_launch_is_the_largest_power_of_two_below_16_dividing_its_
     assert unit_of([116, 116 * 28]) == 4 and unit_of([58, 58 * 28]) == 2
     assert unit_of([32, 64, 0]) == 1                   # multiples of 16: Triton knows them so, nothing to rebind
     assert unit_of([24, 1]) == 1 and unit_of([0, 0]) == 1 and unit_of([7, 24]) == 1
+
+
+def test_triton_hashes_itself_in_a_thread_of_its_own():
+    from triton.runtime.cache import triton_key
+
+    from opfuse.runtime.precompile import prefetch_triton_hash
+
+    triton_key.cache_clear()
+    thread = prefetch_triton_hash()
+    assert thread.daemon and thread is not threading.current_thread()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and triton_key.cache_info().currsize == 1     # the first lookup finds it made
