@@ -456,6 +456,20 @@ def precompile_candidates(kernels: Sequence[GroupKernel], inputs: Mapping[str, l
     return PrecompiledJobs(jobs, precompiled, workers, device_index)
 
 
+def every_choice_cached(kernels: Iterable[GroupKernel], example_values: Mapping[str, torch.Tensor],
+                        config: FusionConfig, cache: TuningCache | None, gpu: torch.device) -> bool:
+    """Whether `tune` would time nothing: the cache holds a choice of every kernel (a key reads only the shapes,
+    strides and dtypes of `example_values`, so stand-ins of them will do)."""
+    if cache is None:
+        return False
+    gpu_name = torch.cuda.get_device_name(gpu) if timing_available(gpu) else "cpu"     # as `tune` names it
+    for kernel in kernels:
+        _, configs = candidates(kernel, config.tune_top, config.library_anchors)
+        if cached_choice(kernel, kernel_inputs(kernel, example_values), configs, cache, gpu_name)[2] is None:
+            return False
+    return True
+
+
 def kernel_inputs(kernel: GroupKernel, example_values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     """The example values a kernel runs on, in its `runtime_inputs` order."""
     missing = [n for n in kernel.runtime_inputs if n not in example_values]

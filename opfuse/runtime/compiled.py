@@ -41,8 +41,8 @@ from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 from opfuse.ir.interpret import device_constants, launches_of
 from opfuse.ir.ops import get_op, launches_kernel
-from opfuse.runtime.autotune import (kernel_inputs, out_of_resources, precompile_candidates,
-                                     recover_rng_after_failed_capture, tune, tunes)
+from opfuse.runtime.autotune import (every_choice_cached, kernel_inputs, out_of_resources,
+                                     precompile_candidates, recover_rng_after_failed_capture, tune, tunes)
 from opfuse.runtime.cache import TuningCache
 from opfuse.runtime.graph_nodes import kept_graph, kernel_nodes, ready
 from opfuse.runtime.precompile import active_pool, compile_pool, default_workers
@@ -587,10 +587,18 @@ def build_compiled_model(plan: FusionPlan, device: torch.device | str,
         workers = config.compile_workers if config.compile_workers is not None else default_workers()
         with compile_pool(workers, device):
             start = time.perf_counter()
-            _precompile_before_running(model, kernels, example_inputs, config, cache, quiet)
-            model.build_seconds["precompile"] = time.perf_counter() - start
-            start = time.perf_counter()
-            values = model.collect_values(*example_inputs)
+            stand_ins = _stand_ins(model, example_inputs)
+            if stand_ins is not None and every_choice_cached(kernels.values(), stand_ins, config, cache,
+                                                             model.device):
+                values = stand_ins       # nothing to time: the cached choices need only shapes and strides
+            else:
+                if stand_ins is not None and active_pool(model.device) is not None:
+                    inputs = {k.group.name: kernel_inputs(k, stand_ins) for k in kernels.values()}
+                    precompile_candidates(list(kernels.values()), inputs, config, cache, model.device, quiet)
+                del stand_ins
+                model.build_seconds["precompile"] = time.perf_counter() - start
+                start = time.perf_counter()
+                values = model.collect_values(*example_inputs)
             model.tuning = tune(kernels, values, config, cache, quiet=quiet)
             del values
             model.build_seconds["tune"] = time.perf_counter() - start
@@ -598,19 +606,14 @@ def build_compiled_model(plan: FusionPlan, device: torch.device | str,
     return model
 
 
-def _precompile_before_running(model: CompiledModel, kernels: dict[str, GroupKernel],
-                               example_inputs: Sequence[torch.Tensor], config: FusionConfig, cache: Any,
-                               quiet: bool) -> None:
-    """The compile workers build every kernel's candidates (its default config among them) before
-    `collect_values` runs the kernels, which would otherwise compile the default configs here, one at a time;
-    on stand-in values (`stand_in_values`). Only warms Triton's cache: if the stand-ins cannot be made, the
-    tuner's own round does it all."""
-    if active_pool(model.device) is None or not model.stand_ins_are_safe():
-        return
+def _stand_ins(model: CompiledModel, example_inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """`model.stand_in_values` of the example inputs, or None where they cannot be made. A tuning needs only their
+    shapes, strides and dtypes where every choice is cached; otherwise the compile workers build every kernel's
+    candidates (its default config among them) from them before `collect_values` runs the kernels, which would
+    compile the default configs here, one at a time."""
+    if not model.stand_ins_are_safe():
+        return None
     try:
-        stand_ins = model.stand_in_values(*example_inputs)
+        return model.stand_in_values(*example_inputs)
     except Exception:
-        return
-    inputs = {kernel.group.name: kernel_inputs(kernel, stand_ins) for kernel in kernels.values()}
-    del stand_ins
-    precompile_candidates(list(kernels.values()), inputs, config, cache, model.device, quiet)
+        return None

@@ -15,7 +15,9 @@ from opfuse.fusion.reasons import Code, Reason
 from opfuse.hardware import KIB, get_hardware
 from opfuse.ir.graph import Graph, GraphError, TensorType
 from opfuse.ir.interpret import interpret
-from opfuse.runtime.autotune import (EVERY_CONFIG_SPILLS, resource_violation, screen_configs, tune)
+from opfuse.runtime import compiled as compiled_module
+from opfuse.runtime.autotune import (EVERY_CONFIG_SPILLS, every_choice_cached, resource_violation, screen_configs,
+                                     tune)
 from opfuse.runtime.cache import TuningCache
 from opfuse.runtime.compiled import CompiledModel, build_compiled_model
 
@@ -509,6 +511,34 @@ def test_tune_times_the_configs_that_fit_and_keeps_the_fastest(tmp_path):
     kernel.calls.clear()
     again = tune({"g0": kernel}, values, FusionConfig(), cache, quiet=True, benchmark=benchmark)
     assert again["g0"] == cfgs[2] and again.from_cache == {"g0"} and kernel.calls == []
+
+
+def test_every_choice_cached_reads_shapes_and_strides_not_values(tmp_path):
+    kernel, values = tuned_kernel()
+    cache, cpu = TuningCache(tmp_path), torch.device("cpu")
+    assert not every_choice_cached([kernel], values, FusionConfig(), cache, cpu)        # nothing tuned yet
+    tune([kernel], values, FusionConfig(), cache, quiet=True, benchmark=lambda fn: 1.0)
+    zeros = {name: torch.zeros_like(v) for name, v in values.items()}
+    assert every_choice_cached([kernel], zeros, FusionConfig(), cache, cpu)            # stand-ins will do
+    assert not every_choice_cached([kernel], values, FusionConfig(), None, cpu)
+    assert not every_choice_cached([kernel], values, FusionConfig(tune_top=1), cache, cpu)   # other candidates
+    wider = {name: torch.zeros(*v.shape[:-1], v.shape[-1] + 1) for name, v in values.items()}
+    assert not every_choice_cached([kernel], wider, FusionConfig(), cache, cpu)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_build_whose_every_choice_is_cached_tunes_on_stand_ins(cached, monkeypatch):
+    graph = build_graph()
+    monkeypatch.setattr(lower, "_load", lambda module, function: lambda g, group, device, hw=None:
+                        FakeKernel(g, group))
+    monkeypatch.setattr(compiled_module, "tunes", lambda config, device: True)
+    monkeypatch.setattr(compiled_module, "every_choice_cached", lambda *args: cached)
+    ran = []
+    monkeypatch.setattr(CompiledModel, "collect_values", lambda self, *inputs: ran.append("collect") or
+                        self.stand_in_values(*inputs))
+    model = build_compiled_model(build_plan(graph), "cpu", example_inputs(), config=FusionConfig())
+    assert ran == ([] if cached else ["collect"])
+    assert model.tuning == {name: kernel.configs()[0] for name, kernel in model.kernels.items()}
 
 
 def test_tune_reports_a_group_whose_every_config_spills(tmp_path):
