@@ -51,7 +51,8 @@ def capture_torch(model: torch.nn.Module, example_inputs: tuple, name: str | Non
         raise GraphError(f"cannot copy model {name} for capture ({type(error).__name__}: {error}); "
                          f"{FALLBACK_HINT}") from error
     try:
-        program = torch.export.export(private, inputs, strict=False)
+        with _no_stack_traces():
+            program = torch.export.export(private, inputs, strict=False)
         refused = [node for node in program.graph.nodes if _mutates(node) and not _rebindable(node)]
         if refused and not _functionalise_fresh_writes(program.graph, refused):
             program = program.run_decompositions({})  # functionalise only (seconds): keeps high-level ops
@@ -61,6 +62,23 @@ def capture_torch(model: torch.nn.Module, example_inputs: tuple, name: str | Non
     graph = Translator(program, name).run()
     verify(graph)
     return graph
+
+
+@contextlib.contextmanager
+def _no_stack_traces():
+    """torch.export without the Python stack trace it records of every node (`torch.fx.config.
+    do_not_emit_stack_traces`): opfuse names nodes, never their source lines, and the traces cost a quarter of
+    analyzing resnet50 (RESULTS.md run 85). A torch without the switch records them."""
+    config = getattr(torch.fx, "config", None)
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
 
 
 def _mutates(node: fx.Node) -> bool:

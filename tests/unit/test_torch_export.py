@@ -438,3 +438,19 @@ def test_tiny_bert():
     assert (ops["embedding"], ops["sdpa"], ops["linear"], ops["layer_norm"], ops["gelu"]) == (3, 2, 12, 5, 2)
     assert ops["opaque"] == 0
     assert graph.input_nodes[0].type.dtype == "int64"
+
+
+def test_capture_records_no_stack_traces_and_restores_the_switch(monkeypatch):
+    export, seen = torch.export.export, []
+
+    def spy(*args, **kwargs):
+        program = export(*args, **kwargs)
+        seen.append([n.meta.get("stack_trace") for n in program.graph.nodes if n.op == "call_function"])
+        return program
+
+    monkeypatch.setattr(torch.export, "export", spy)
+    before = torch.fx.config.do_not_emit_stack_traces
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    capture_and_check(model, torch.randn(1, 3, 8, 8))
+    assert seen and seen[0] and not any(seen[0])          # conv, relu: traced, no trace of their source lines
+    assert torch.fx.config.do_not_emit_stack_traces == before
