@@ -3,6 +3,11 @@
 The nodes: elementwise ops, views and rolls (coordinate maps) and concatenations (each input loaded under the
 mask of its slice of the output).
 
+A part whose only coordinate map is one concatenation (DenseNet's cat + batch norm + ReLU) is walked one input of
+it at a time (`cat_segments`): the programs of each segment iterate that input's slice of the output and load that
+input alone, so an element costs one load whatever the number of inputs (under masks, every input is addressed and
+loaded for every element: a cat of 32 inputs issues 32 loads per element).
+
 Each connected part of the group (one for a chain; several independent chains for a horizontal group) is an
 iteration space: the shape of its largest output, walked by a flat index in the memory order its outputs get
 (NHWC when the largest input is channels-last 4-D, else row-major). Programs [start_k, end_k) of the one launch take
@@ -48,6 +53,41 @@ class Part:
     @property
     def has_layout_choice(self) -> bool:
         return len(self.shape) == 4
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The slice of a part's iteration space along a cat's dim that one input of the cat fills."""
+
+    cat: str
+    source: str
+    dim: int
+    start: int                  # where the slice begins along `dim`
+    shape: tuple[int, ...]      # the slice's iteration shape (the source's)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def cat_segments(graph: Graph, part: Part) -> list[Segment] | None:
+    """The segments of a part to walk one cat input at a time, or None (walk it whole): where the part holds one
+    cat, of at least two non-empty inputs, whose shape is the iteration's. Each segment's programs compute the part
+    at the coordinates of the cat's slice, its cat there being that input; what reads the cat at other coordinates
+    (a view of it) still computes it under masks, so the segments are right whatever follows the cat."""
+    cats = [n for n in part.nodes if graph[n].op == "cat"]
+    if len(cats) != 1 or graph[cats[0]].type.shape != part.shape:
+        return None
+    cat = graph[cats[0]]
+    dim = cat.attrs["dim"] % len(part.shape)
+    segments, start = [], 0
+    for source in cat.inputs:
+        size = graph[source].type.shape[dim]
+        if size:
+            segments.append(Segment(cat.name, source, dim, start,
+                                    part.shape[:dim] + (size,) + part.shape[dim + 1:]))
+        start += size
+    return segments if len(segments) > 1 else None
 
 
 def lower_pointwise_group(graph: Graph, group: FusionGroup, device) -> "PointwiseKernel":
@@ -105,20 +145,24 @@ class PointwiseKernel(TemplateKernel):
             raise Unsupported(f"group {group.name} has no outputs")
         constants, scalars = held_constants(graph, group, device)
         self.parts = split_parts(graph, group)
+        # the iteration spaces, one range of programs each: a part, or each segment of it (`cat_segments`)
+        self.spaces = [(part, segment) for part in self.parts
+                       for segment in cat_segments(graph, part) or [None]]
         emitter = Emitter(graph, group, scalars)
         body = ["pid = tl.program_id(0)", "if INT64:", "    pid = pid.to(tl.int64)"]
         constexprs = ["BLOCK", "INT64"]
         start = "0"
-        for part in self.parts:
-            end = f"{start} + ({part.numel} + BLOCK - 1) // BLOCK" if start != "0" else \
-                f"({part.numel} + BLOCK - 1) // BLOCK"
-            lines = self._part_lines(emitter, part, start)
-            if len(self.parts) == 1:
+        for index, (part, segment) in enumerate(self.spaces):
+            numel = segment.numel if segment else part.numel
+            end = f"{start} + ({numel} + BLOCK - 1) // BLOCK" if start != "0" else f"({numel} + BLOCK - 1) // BLOCK"
+            lines = self._space_lines(emitter, part, segment, start, index)
+            if len(self.spaces) == 1:
                 body += lines
             else:
-                body.append(f"{'if' if part.key == 0 else 'elif'} pid < {end}:  # part {part.key}")
+                body.append(f"{'if' if index == 0 else 'elif'} pid < {end}:  # part {part.key}"
+                            + (f", {segment.source} of {segment.cat}" if segment else ""))
                 body += ["    " + line for line in lines]
-            if part.has_layout_choice:
+            if part.has_layout_choice and f"CL{part.key}" not in constexprs:
                 constexprs.append(f"CL{part.key}")
             start = end
         self.flags = emitter.flags
@@ -126,28 +170,37 @@ class PointwiseKernel(TemplateKernel):
         name, source, function = build_kernel(graph, group, emitter, body, constexprs)
         super().__init__(graph, group, name, source, device, emitter.args, constants, function)
 
-    def _part_lines(self, emitter: Emitter, part: Part, start: str) -> list[str]:
-        k = part.key
-        offsets, mask = f"offsets{k}", f"mask{k}"
+    def _space_lines(self, emitter: Emitter, part: Part, segment: Segment | None, start: str,
+                     index: int) -> list[str]:
+        """The code of one iteration space: `part` whole, or its `segment` (whose cat is its source there)."""
+        shape = segment.shape if segment else part.shape
+        offsets, mask = f"offsets{index}", f"mask{index}"
         pid = "pid" if start == "0" else f"(pid - ({start}))"
-        lines = [f"{offsets} = {pid} * BLOCK + tl.arange(0, BLOCK)", f"{mask} = {offsets} < {part.numel}"]
-        names = [f"p{k}_d{d}" if size > 1 else None for d, size in enumerate(part.shape)]
+        lines = [f"{offsets} = {pid} * BLOCK + tl.arange(0, BLOCK)", f"{mask} = {offsets} < {math.prod(shape)}"]
+        names = [f"p{index}_d{d}" if size > 1 else None for d, size in enumerate(shape)]
 
         def coordinate_lines(channels_last: bool) -> list[str]:
-            order = [d for d in layout_order(len(part.shape), channels_last) if part.shape[d] > 1]
-            expressions = unravel_expressions(offsets, [part.shape[d] for d in order])
+            order = [d for d in layout_order(len(shape), channels_last) if shape[d] > 1]
+            expressions = unravel_expressions(offsets, [shape[d] for d in order])
             return [f"{names[d]} = {e}" for d, e in zip(order, expressions)]
 
         if part.has_layout_choice:
-            lines += [f"if CL{k}:"] + ["    " + line for line in coordinate_lines(True) or ["pass"]]
+            lines += [f"if CL{part.key}:"] + ["    " + line for line in coordinate_lines(True) or ["pass"]]
             lines += ["else:"] + ["    " + line for line in coordinate_lines(False) or ["pass"]]
         else:
             lines += coordinate_lines(False)
         coords = tuple(names)
-        region = emitter.region("[BLOCK]", mask, FlatIndex(offsets, coords, part.shape, k))
+        region = emitter.region("[BLOCK]", mask, FlatIndex(offsets, coords, shape, part.key))
+        if segment is not None:     # the part's coordinates: the segment's, shifted along the cat's dim
+            local = coords[segment.dim]
+            shifted = str(segment.start) if local is None else \
+                local if segment.start == 0 else f"({local} + {segment.start})"
+            whole = coords[:segment.dim] + (shifted,) + coords[segment.dim + 1:]
+            region.bind(segment.cat, whole, region.value(segment.source, coords))
+            coords = whole
         for o in part.outputs:
-            shape = emitter.graph[o].type.shape
-            out_coords = coords if shape == part.shape else region.reshape_coords(coords, part.shape, shape)
+            shape_o = emitter.graph[o].type.shape
+            out_coords = coords if shape_o == part.shape else region.reshape_coords(coords, part.shape, shape_o)
             region.store(o, out_coords)
         return lines + region.lines
 
@@ -184,6 +237,6 @@ class PointwiseKernel(TemplateKernel):
         for flag, (value, key) in self.flags.items():
             constexprs[flag] = is_dense_in_order(everything[value], orders[key])
         block = config["BLOCK"]
-        programs = sum(-(-part.numel // block) for part in self.parts)
+        programs = sum(-(-(segment.numel if segment else part.numel) // block) for part, segment in self.spaces)
         self.launch((programs,), config, everything, programs * block, **constexprs)
         return results

@@ -194,6 +194,31 @@ def test_concat_of_several_inputs_with_an_epilogue_and_a_computed_input():
     run_group(b, [joined, out])                                        # the cat itself is an output too
 
 
+def test_a_cat_is_walked_one_input_at_a_time_each_loaded_alone():
+    """Each input of the cat gets programs of its own, which load it alone (no load under a slice's mask);
+    odd channel counts, a contiguous input among channels-last ones, blocks that straddle no slice."""
+    b = Builder()
+    inputs = [b.input(f"x{i}", (2, c, 3, 5)) for i, c in enumerate((3, 1, 5, 2))]
+    b.feeds["x2"] = b.feeds["x2"].contiguous()                        # another layout than the others
+    joined = b.op("cat", *inputs, dim=1)
+    params = [b.const(n, b.random(11) if n != "var" else b.random(11).abs() + 0.5) for n in ("w", "b", "mean", "var")]
+    out = b.op("relu", b.op("batch_norm", joined, *params, eps=1e-5))
+    kernel, _ = run_group(b, [out])
+    assert [(s.source, s.start) for _, s in kernel.spaces] == [("x0", 0), ("x1", 3), ("x2", 4), ("x3", 9)]
+    assert "inside" not in kernel.source                               # no slice masks: each input loaded alone
+    run_group(b, [out], config=KernelConfig.of(BLOCK=16, num_warps=1))
+    run_group(b, [joined, out])                                        # the cat an output too
+
+
+def test_a_cat_read_through_a_view_is_walked_whole():
+    """A cat whose shape is not the iteration's (reshaped to the output) keeps the masked loads."""
+    b = Builder()
+    joined = b.op("cat", b.input("x", (2, 3, 4)), b.input("y", (2, 5, 4)), dim=1)
+    flat = b.op("reshape", b.op("sigmoid", joined), shape=[2, 32])
+    kernel, _ = run_group(b, [flat])
+    assert [s for _, s in kernel.spaces] == [None] and "inside" in kernel.source
+
+
 def test_two_outputs_and_a_flattened_one():
     b = Builder()
     x = b.input("x", (2, 4, 3, 3))
