@@ -72,11 +72,20 @@ class Segment:
 
 def cat_segments(graph: Graph, part: Part) -> list[Segment] | None:
     """The segments of a part to walk one cat input at a time, or None (walk it whole): where the part holds one
-    cat, of at least two non-empty inputs, whose shape is the iteration's. Each segment's programs compute the part
-    at the coordinates of the cat's slice, its cat there being that input; what reads the cat at other coordinates
-    (a view of it) still computes it under masks, so the segments are right whatever follows the cat."""
+    cat, of at least two non-empty inputs, whose coordinates are the iteration's: the cat has the part's shape and
+    so has every node of the part that reads it, directly or not, none of them a view or another index map (a
+    channel shuffle after the cat reads it elsewhere: walked whole, its cat computed under masks)."""
     cats = [n for n in part.nodes if graph[n].op == "cat"]
-    if len(cats) != 1 or graph[cats[0]].type.shape != part.shape:
+    if len(cats) != 1:
+        return None
+    after, grown = {cats[0]}, True
+    while grown:
+        reading = {n for n in part.nodes if n not in after and any(i in after for i in graph[n].inputs)}
+        after |= reading
+        grown = bool(reading)
+    if any(graph[n].type.shape != part.shape or (n != cats[0] and (graph[n].op in VIEW_OPS or
+                                                                   graph[n].op in MAPPED_COPIES))
+           for n in after):
         return None
     cat = graph[cats[0]]
     dim = cat.attrs["dim"] % len(part.shape)

@@ -177,8 +177,9 @@ def test_concat_and_channel_shuffle_in_one_kernel():
     joined = b.op("cat", passthrough, branch, dim=1)
     grouped = b.op("reshape", joined, shape=[2, 2, 3, 3, 5])
     shuffled = b.op("reshape", b.op("permute", grouped, dims=[0, 2, 1, 3, 4]), shape=[2, 6, 3, 5])
-    _, (out,) = run_group(b, [shuffled])
+    kernel, (out,) = run_group(b, [shuffled])
     assert out.is_contiguous(memory_format=torch.channels_last)
+    assert [s for _, s in kernel.spaces] == [None]     # the shuffle reads the cat elsewhere: walked whole
     run_group(b, [shuffled], config=KernelConfig.of(BLOCK=32, num_warps=1))
 
 
