@@ -3,19 +3,13 @@
 The nodes: elementwise ops, views and rolls (coordinate maps) and concatenations (each input loaded under the
 mask of its slice of the output).
 
-A part whose only coordinate map is one concatenation (DenseNet's cat + batch norm + ReLU) is walked one input of
-it at a time (`cat_segments`): the programs of each segment iterate that input's slice of the output and load that
-input alone, so an element costs one load whatever the number of inputs (under masks, every input is addressed and
-loaded for every element: a cat of 32 inputs issues 32 loads per element).
-
-Each connected part of the group (one for a chain; several independent chains for a horizontal group) is an
-iteration space: the shape of its largest output, walked by a flat index in the memory order its outputs get
-(NHWC when the largest input is channels-last 4-D, else row-major). Programs [start_k, end_k) of the one launch take
-part k. Each output is stored at its own coordinates (a reshaped output maps the row-major order), each operand is
-loaded through its strides (operands.py), and tensors found dense in the iteration order at run time are addressed
-by the flat index directly.
-
-Bytes: every input read once and every output written once; no intermediate touches memory.
+A part whose cat's coordinates are the iteration's (DenseNet's cat + batch norm + ReLU) is walked one input of it
+at a time (`cat_segments`): the programs of a segment iterate that input's slice of the output and load that input
+alone, so an element costs one load whatever the number of inputs (under masks, every input is addressed and loaded
+for every element: a cat of 32 inputs issues 32 loads per element). Inputs of one shape and dtype loaded as they
+are share one segment and one copy of the code: each program picks its input's address, strides and place in the
+cat once (scalar selects), so the kernel's code, and its compile, grows with the number of distinct slices, not of
+inputs.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ import torch
 
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported
-from opfuse.codegen.operands import (VIEW_OPS, Emitter, FlatIndex, TemplateKernel, build_kernel, group_operands,
+from opfuse.codegen.operands import (VIEW_OPS, Emitter, FlatIndex, TemplateKernel, build_kernel, exact, group_operands,
                                      held_constants, interpreting, is_channels_last, is_dense_in_order,
                                      layout_order, next_power_of_2, unravel_expressions)
 from opfuse.fusion.legality import MAPPED_COPIES
@@ -57,13 +51,15 @@ class Part:
 
 @dataclass(frozen=True)
 class Segment:
-    """The slice of a part's iteration space along a cat's dim that one input of the cat fills."""
+    """Slices of a part's iteration space along a cat's dim, each filled by one input of the cat, all of one shape:
+    `sources[i]` fills the slice from `starts[i]`. Several sources are inputs of the group loaded as they are (one
+    dtype); a source computed in the group has a segment of its own."""
 
     cat: str
-    source: str
+    sources: tuple[str, ...]
+    starts: tuple[int, ...]     # where each source's slice begins along `dim`
     dim: int
-    start: int                  # where the slice begins along `dim`
-    shape: tuple[int, ...]      # the slice's iteration shape (the source's)
+    shape: tuple[int, ...]      # each slice's iteration shape (its source's)
 
     @property
     def numel(self) -> int:
@@ -89,14 +85,23 @@ def cat_segments(graph: Graph, part: Part) -> list[Segment] | None:
         return None
     cat = graph[cats[0]]
     dim = cat.attrs["dim"] % len(part.shape)
-    segments, start = [], 0
+    slices: list[tuple[str, int]] = []
+    start = 0
     for source in cat.inputs:
-        size = graph[source].type.shape[dim]
-        if size:
-            segments.append(Segment(cat.name, source, dim, start,
-                                    part.shape[:dim] + (size,) + part.shape[dim + 1:]))
-        start += size
-    return segments if len(segments) > 1 else None
+        if graph[source].type.shape[dim]:
+            slices.append((source, start))
+        start += graph[source].type.shape[dim]
+    if len(slices) < 2:
+        return None
+    members = set(part.nodes)
+    runs: dict[tuple, list[tuple[str, int]]] = {}
+    for source, start in slices:
+        kind = graph[source].type
+        shared = source not in members and not graph.is_constant(source)
+        runs.setdefault((kind.shape, kind.dtype) if shared else (source, start), []).append((source, start))
+    return [Segment(cat.name, tuple(s for s, _ in run), tuple(b for _, b in run), dim,
+                    part.shape[:dim] + (graph[run[0][0]].type.shape[dim],) + part.shape[dim + 1:])
+            for run in runs.values()]
 
 
 def lower_pointwise_group(graph: Graph, group: FusionGroup, device) -> "PointwiseKernel":
@@ -162,14 +167,15 @@ class PointwiseKernel(TemplateKernel):
         constexprs = ["BLOCK", "INT64"]
         start = "0"
         for index, (part, segment) in enumerate(self.spaces):
-            numel = segment.numel if segment else part.numel
-            end = f"{start} + ({numel} + BLOCK - 1) // BLOCK" if start != "0" else f"({numel} + BLOCK - 1) // BLOCK"
+            numel, copies = (segment.numel, len(segment.sources)) if segment else (part.numel, 1)
+            programs = f"{copies} * " * (copies > 1) + f"(({numel} + BLOCK - 1) // BLOCK)"
+            end = f"{start} + {programs}" if start != "0" else programs
             lines = self._space_lines(emitter, part, segment, start, index)
             if len(self.spaces) == 1:
                 body += lines
             else:
                 body.append(f"{'if' if index == 0 else 'elif'} pid < {end}:  # part {part.key}"
-                            + (f", {segment.source} of {segment.cat}" if segment else ""))
+                            + (f", {', '.join(segment.sources)} of {segment.cat}" if segment else ""))
                 body += ["    " + line for line in lines]
             if part.has_layout_choice and f"CL{part.key}" not in constexprs:
                 constexprs.append(f"CL{part.key}")
@@ -183,9 +189,17 @@ class PointwiseKernel(TemplateKernel):
                      index: int) -> list[str]:
         """The code of one iteration space: `part` whole, or its `segment` (whose cat is its source there)."""
         shape = segment.shape if segment else part.shape
+        numel = math.prod(shape)
         offsets, mask = f"offsets{index}", f"mask{index}"
         pid = "pid" if start == "0" else f"(pid - ({start}))"
-        lines = [f"{offsets} = {pid} * BLOCK + tl.arange(0, BLOCK)", f"{mask} = {offsets} < {math.prod(shape)}"]
+        several = segment is not None and len(segment.sources) > 1
+        if several:     # which source (`which`) and which of its blocks this program takes
+            which, blocks = f"which{index}", f"(({numel} + BLOCK - 1) // BLOCK)"
+            lines = [f"{which} = {pid} // {blocks}", f"{offsets} = ({pid} - {which} * {blocks}) * BLOCK + "
+                     "tl.arange(0, BLOCK)"]
+        else:
+            lines = [f"{offsets} = {pid} * BLOCK + tl.arange(0, BLOCK)"]
+        lines.append(f"{mask} = {offsets} < {numel}")
         names = [f"p{index}_d{d}" if size > 1 else None for d, size in enumerate(shape)]
 
         def coordinate_lines(channels_last: bool) -> list[str]:
@@ -201,17 +215,49 @@ class PointwiseKernel(TemplateKernel):
         coords = tuple(names)
         region = emitter.region("[BLOCK]", mask, FlatIndex(offsets, coords, shape, part.key))
         if segment is not None:     # the part's coordinates: the segment's, shifted along the cat's dim
+            if several:
+                first, value = self._picked_source(emitter, region, segment, which, coords, part.key, index)
+            else:
+                first, value = str(segment.starts[0]), region.value(segment.sources[0], coords)
             local = coords[segment.dim]
-            shifted = str(segment.start) if local is None else \
-                local if segment.start == 0 else f"({local} + {segment.start})"
+            shifted = first if local is None else local if first == "0" else f"({local} + {first})"
             whole = coords[:segment.dim] + (shifted,) + coords[segment.dim + 1:]
-            region.bind(segment.cat, whole, region.value(segment.source, coords))
+            region.bind(segment.cat, whole, value)
             coords = whole
         for o in part.outputs:
             shape_o = emitter.graph[o].type.shape
             out_coords = coords if shape_o == part.shape else region.reshape_coords(coords, part.shape, shape_o)
             region.store(o, out_coords)
         return lines + region.lines
+
+    @staticmethod
+    def _picked_source(emitter: Emitter, region, segment: Segment, which: str, coords: tuple, key: int,
+                       index: int) -> tuple[str, str]:
+        """(the variable holding where the program's source begins along the cat's dim, the variable holding the
+        source loaded at `coords`): its address, strides and start picked by `which` (scalar selects, once per
+        program), then one load, by the flat index where every source of the segment is dense in the iteration
+        order, else through the picked strides."""
+        params = [emitter.args.input(source) for source in segment.sources]
+        for source in segment.sources:
+            exact(emitter.graph[source])
+        dims = [d for d, c in enumerate(coords) if c is not None]
+        picked = {"ptr": f"src{index}", "start": f"first{index}"} | {d: f"src{index}_s{d}" for d in dims}
+        firsts = {"ptr": [f"{p.prefix}_ptr" for p in params], "start": [str(b) for b in segment.starts]}
+        firsts |= {d: [p.stride(d) for p in params] for d in dims}
+        for what, variable in picked.items():
+            region.lines.append(f"{variable} = {firsts[what][0]}")
+            region.lines += [f"{variable} = tl.where({which} == {i}, {choice}, {variable})"
+                             for i, choice in enumerate(firsts[what][1:], start=1)]
+        flags = list(dict.fromkeys(f"DENSE{key}_{p.prefix}" for p in params))
+        for flag, source in zip(flags, dict.fromkeys(segment.sources)):
+            emitter.flags[flag] = (source, key)
+        target = emitter.fresh("x")
+        strided = " + ".join([f"{picked['ptr']} + {region.zero}"] + [f"{coords[d]} * {picked[d]}" for d in dims])
+        load = "{} = tl.load({}, mask={}, other=0.0).to(tl.float32)"
+        region.lines += [f"if {' and '.join(flags)}:", "    " + load.format(target, f"{picked['ptr']} + "
+                         f"{region.flat.offsets}", region.mask), "else:", "    " + load.format(target, strided,
+                                                                                                  region.mask)]
+        return picked["start"], target
 
     # ---- runtime ----------------------------------------------------------------------------------
     def configs(self) -> list[KernelConfig]:
@@ -246,6 +292,7 @@ class PointwiseKernel(TemplateKernel):
         for flag, (value, key) in self.flags.items():
             constexprs[flag] = is_dense_in_order(everything[value], orders[key])
         block = config["BLOCK"]
-        programs = sum(-(-(segment.numel if segment else part.numel) // block) for part, segment in self.spaces)
+        programs = sum(len(segment.sources) * -(-segment.numel // block) if segment else -(-part.numel // block)
+                       for part, segment in self.spaces)
         self.launch((programs,), config, everything, programs * block, **constexprs)
         return results

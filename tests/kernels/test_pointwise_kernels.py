@@ -205,10 +205,30 @@ def test_a_cat_is_walked_one_input_at_a_time_each_loaded_alone():
     params = [b.const(n, b.random(11) if n != "var" else b.random(11).abs() + 0.5) for n in ("w", "b", "mean", "var")]
     out = b.op("relu", b.op("batch_norm", joined, *params, eps=1e-5))
     kernel, _ = run_group(b, [out])
-    assert [(s.source, s.start) for _, s in kernel.spaces] == [("x0", 0), ("x1", 3), ("x2", 4), ("x3", 9)]
+    assert [(s.sources, s.starts) for _, s in kernel.spaces] == [(("x0",), (0,)), (("x1",), (3,)), (("x2",), (4,)),
+                                                                 (("x3",), (9,))]
     assert "inside" not in kernel.source                               # no slice masks: each input loaded alone
     run_group(b, [out], config=KernelConfig.of(BLOCK=16, num_warps=1))
     run_group(b, [joined, out])                                        # the cat an output too
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "one_contiguous"])
+def test_inputs_of_one_shape_share_a_segment_and_its_code(layout):
+    """DenseNet's cat of equal feature maps: one segment, one copy of the code, each program picking its input;
+    an input repeated, and one computed in the group (a segment of its own)."""
+    b = Builder()
+    x, a, c, d = (b.input(n, (2, k, 3, 5)) for n, k in (("x", 3), ("a", 2), ("c", 2), ("d", 2)))
+    if layout == "one_contiguous":
+        b.feeds["c"] = b.feeds["c"].contiguous()                      # the shared segment loads through strides
+    computed = b.op("sigmoid", b.input("e", (2, 2, 3, 5)))
+    joined = b.op("cat", x, a, c, x, computed, d, dim=1)               # 14 channels
+    params = [b.const(n, b.random(14) if n != "var" else b.random(14).abs() + 0.5) for n in ("w", "b", "mean", "var")]
+    out = b.op("relu", b.op("batch_norm", joined, *params, eps=1e-5))
+    kernel, _ = run_group(b, [out])
+    assert [(s.sources, s.starts) for _, s in kernel.spaces] == [(("x", "x"), (0, 7)), (("a", "c", "d"), (3, 5, 12)),
+                                                                 (("sigmoid",), (10,))]
+    assert kernel.source.count("tl.load(src") == 4                     # two shared segments, dense and strided
+    run_group(b, [out], config=KernelConfig.of(BLOCK=16, num_warps=1))
 
 
 def test_a_cat_read_through_a_view_is_walked_whole():
