@@ -22,8 +22,8 @@ import torch
 
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported
-from opfuse.codegen.operands import (VIEW_OPS, Emitter, FlatIndex, TemplateKernel, build_kernel, exact, group_operands,
-                                     held_constants, interpreting, is_channels_last, is_dense_in_order,
+from opfuse.codegen.operands import (VIEW_OPS, Emitter, FlatIndex, Region, TemplateKernel, build_kernel, exact,
+                                     group_operands, held_constants, interpreting, is_channels_last, is_dense_in_order,
                                      layout_order, next_power_of_2, unravel_expressions)
 from opfuse.fusion.legality import MAPPED_COPIES
 from opfuse.fusion.plan import FusionGroup
@@ -231,7 +231,7 @@ class PointwiseKernel(TemplateKernel):
         return lines + region.lines
 
     @staticmethod
-    def _picked_source(emitter: Emitter, region, segment: Segment, which: str, coords: tuple, key: int,
+    def _picked_source(emitter: Emitter, region: Region, segment: Segment, which: str, coords: tuple, key: int,
                        index: int) -> tuple[str, str]:
         """(the variable holding where the program's source begins along the cat's dim, the variable holding the
         source loaded at `coords`): its address, strides and start picked by `which` (scalar selects, once per
@@ -242,21 +242,21 @@ class PointwiseKernel(TemplateKernel):
             exact(emitter.graph[source])
         dims = [d for d, c in enumerate(coords) if c is not None]
         picked = {"ptr": f"src{index}", "start": f"first{index}"} | {d: f"src{index}_s{d}" for d in dims}
-        firsts = {"ptr": [f"{p.prefix}_ptr" for p in params], "start": [str(b) for b in segment.starts]}
-        firsts |= {d: [p.stride(d) for p in params] for d in dims}
+        choices = {"ptr": [f"{p.prefix}_ptr" for p in params], "start": [str(b) for b in segment.starts]}
+        choices |= {d: [p.stride(d) for p in params] for d in dims}
         for what, variable in picked.items():
-            region.lines.append(f"{variable} = {firsts[what][0]}")
+            region.lines.append(f"{variable} = {choices[what][0]}")
             region.lines += [f"{variable} = tl.where({which} == {i}, {choice}, {variable})"
-                             for i, choice in enumerate(firsts[what][1:], start=1)]
+                             for i, choice in enumerate(choices[what][1:], start=1)]
         flags = list(dict.fromkeys(f"DENSE{key}_{p.prefix}" for p in params))
         for flag, source in zip(flags, dict.fromkeys(segment.sources)):
             emitter.flags[flag] = (source, key)
         target = emitter.fresh("x")
         strided = " + ".join([f"{picked['ptr']} + {region.zero}"] + [f"{coords[d]} * {picked[d]}" for d in dims])
         load = "{} = tl.load({}, mask={}, other=0.0).to(tl.float32)"
-        region.lines += [f"if {' and '.join(flags)}:", "    " + load.format(target, f"{picked['ptr']} + "
-                         f"{region.flat.offsets}", region.mask), "else:", "    " + load.format(target, strided,
-                                                                                                  region.mask)]
+        dense = f"{picked['ptr']} + {region.flat.offsets}"
+        region.lines += [f"if {' and '.join(flags)}:", "    " + load.format(target, dense, region.mask),
+                         "else:", "    " + load.format(target, strided, region.mask)]
         return picked["start"], target
 
     # ---- runtime ----------------------------------------------------------------------------------
