@@ -3,6 +3,13 @@
 The nodes: elementwise ops, views and rolls (coordinate maps) and concatenations (each input loaded under the
 mask of its slice of the output).
 
+Each connected part of the group (one for a chain; several independent chains for a horizontal group) is an
+iteration space: the shape of its largest output, walked by a flat index in the memory order its outputs get
+(NHWC when the largest input is channels-last 4-D, else row-major). Programs [start_k, end_k) of the one launch take
+part k. Each output is stored at its own coordinates (a reshaped output maps the row-major order), each operand is
+loaded through its strides (operands.py), and tensors found dense in the iteration order at run time are addressed
+by the flat index directly.
+
 A part whose cat's coordinates are the iteration's (DenseNet's cat + batch norm + ReLU) is walked one input of it
 at a time (`cat_segments`): the programs of a segment iterate that input's slice of the output and load that input
 alone, so an element costs one load whatever the number of inputs (under masks, every input is addressed and loaded
@@ -10,6 +17,8 @@ for every element: a cat of 32 inputs issues 32 loads per element). Inputs of on
 are share one segment and one copy of the code: each program picks its input's address, strides and place in the
 cat once (scalar selects), so the kernel's code, and its compile, grows with the number of distinct slices, not of
 inputs.
+
+Bytes: every input read once and every output written once; no intermediate touches memory.
 """
 
 from __future__ import annotations
