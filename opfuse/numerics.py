@@ -42,16 +42,12 @@ def tolerance(dtype: str, device: torch.device | str | None = None) -> float:
 TF32_DOT = "tf32x3"
 
 
-def dot_precision(tf32_allowed: bool) -> str:
-    """tl.dot's `input_precision` for float32 operands: TF32_DOT where PyTorch's own kernel may use tf32 (cuDNN's
-    switch for convolutions, the float32 matmul precision for GEMMs), else full float32 ("ieee")."""
-    return TF32_DOT if tf32_allowed else "ieee"
-
-
-def tf32_allowed(conv: bool) -> bool:
-    """Whether PyTorch's settings let a float32 product use tf32: cuDNN's switch for a convolution, the float32
-    matmul precision for any other matrix product."""
-    return torch.backends.cudnn.allow_tf32 if conv else torch.get_float32_matmul_precision() != "highest"
+def dot_precision(conv: bool) -> str:
+    """tl.dot's `input_precision` for float32 operands of a product: TF32_DOT where PyTorch's own kernel may use
+    tf32 (cuDNN's switch for a convolution, the float32 matmul precision for any other product), else full float32
+    ("ieee")."""
+    allowed = torch.backends.cudnn.allow_tf32 if conv else torch.get_float32_matmul_precision() != "highest"
+    return TF32_DOT if allowed else "ieee"
 
 
 def matrix_dtype(dtype: str, conv: bool) -> str:
@@ -59,7 +55,7 @@ def matrix_dtype(dtype: str, conv: bool) -> str:
     `dot_precision` says ("float32" for one tf32 product, "tf32x3", or "ieee" on the CUDA cores)."""
     if dtype != "float32":
         return dtype
-    precision = dot_precision(tf32_allowed(conv))
+    precision = dot_precision(conv)
     return "float32" if precision == "tf32" else precision
 
 

@@ -60,7 +60,7 @@ from opfuse.fusion.resources import ATTENTION_TILES, estimate_resources
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph
 from opfuse.ir.ops import get_op
-from opfuse.numerics import dot_precision, tf32_allowed
+from opfuse.numerics import dot_precision
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128
@@ -234,7 +234,7 @@ class AttentionKernel(EpilogueKernel):
 
     def precision(self) -> str:
         """tl.dot precision of float32 operands: TF32 where PyTorch's matmul would use it."""
-        return dot_precision(tf32_allowed(conv=False))
+        return dot_precision(conv=False)
 
     def _operand(self, layout: TileLayout, tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """`tensor` broadcast to `layout` and its (batch 0, batch 1, row, column) strides."""

@@ -50,7 +50,7 @@ from opfuse.fusion.resources import ADDRESSING_REGISTERS
 from opfuse.fusion.tiles import GATHER_CHANNELS, anchor_steps, by_occupancy, conv_as_gemm, group_block
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph, Node, torch_dtype
-from opfuse.numerics import dot_precision, tf32_allowed
+from opfuse.numerics import dot_precision
 
 CONV_TEMPLATE = '''
 import triton
@@ -442,7 +442,7 @@ class ConvKernel(EpilogueKernel):
         slices = slices_of(config)
         launch = dict(**g.constexprs(), BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
                       BLOCK_K=config["BLOCK_K"], GROUP_M=GROUP_M, K_GATHER=cin_per_block < config["BLOCK_K"],
-                      PRECISION=dot_precision(tf32_allowed(conv=True)),
+                      PRECISION=dot_precision(conv=True),
                       num_warps=config.num_warps, num_stages=config.num_stages)
         common = (x, self.packed_weight(block), m, channels, cout_per_block, cin_per_block, g.cin, g.height,
                   g.width, r1, r2, *x.stride())

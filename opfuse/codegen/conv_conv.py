@@ -49,7 +49,7 @@ from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.resources import conv_chain, conv_conv_blocks, conv_conv_key, expansion_block
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph, torch_dtype
-from opfuse.numerics import dot_precision, tf32_allowed
+from opfuse.numerics import dot_precision
 
 # the template's integers that address its channel dims, rebound as multiples of UNIT (`opfuse.codegen.base.unit_code`)
 CONV_CONV_UNITS = ("C_IN", "C_MID", "N", "s_xn", "s_xh", "s_xw")
@@ -272,7 +272,7 @@ class ConvConvKernel(EpilogueKernel):
         tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
         slices = slices_of(config)
         workspace, counts = self._split_buffers(tiles, slices, config, x.device)
-        precision = dot_precision(tf32_allowed(conv=True))   # as cuDNN would for float32
+        precision = dot_precision(conv=True)   # as cuDNN would for float32
         compiled = self.kernel[(tiles, slices)](
             x, self.depthwise_weight, self.pointwise_weight, self.expansion_weight, workspace, counts,
             m, self.c_in, self.c_mid, n, g.height, g.width, r1, r2, *x.stride(),

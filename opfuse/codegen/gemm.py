@@ -38,7 +38,7 @@ from opfuse.ir import strided
 from opfuse.ir.graph import Graph, torch_dtype
 from opfuse.ir.interpret import run_nodes
 from opfuse.ir.ops import get_op
-from opfuse.numerics import dot_precision, tf32_allowed
+from opfuse.numerics import dot_precision
 
 GROUP_M = 8   # tiles of 8 consecutive row blocks share B in L2 (the Triton matmul tutorial's swizzle)
 # the template's integers that address its vectorised dims (N of the tile and B, K of A), rebound as multiples of
@@ -211,7 +211,7 @@ class GemmKernel(EpilogueKernel):
 
     def precision(self) -> str:
         """tl.dot precision of float32 operands: TF32 where PyTorch's own kernel would use it."""
-        return dot_precision(tf32_allowed(self.conv))
+        return dot_precision(self.conv)
 
     def operand_a(self, values: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[int], bool]:
         """(A, its index arguments s_ab0 .. s_ak of the template, whether its reduction splits in two groups)."""
