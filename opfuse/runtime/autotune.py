@@ -420,12 +420,15 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
     return result
 
 
+Job = tuple[GroupKernel, list[torch.Tensor], list[KernelConfig]]     # a kernel, its inputs, its candidates
+
+
 @dataclass
 class PrecompiledJobs:
     """What `precompile_candidates` gave the compile workers: (kernel, its inputs, its candidates) of each kernel
     the tuning cache has no choice for, and what the workers did with them."""
 
-    jobs: list[tuple[GroupKernel, list[torch.Tensor], list[KernelConfig]]]
+    jobs: list[Job]
     precompiled: Precompiled
     workers: int
     device_index: int
@@ -442,12 +445,7 @@ def precompile_candidates(kernels: Sequence[GroupKernel], inputs: Mapping[str, l
     workers = config.compile_workers if config.compile_workers is not None else default_workers()
     if workers < 2:
         return None
-    gpu_name = torch.cuda.get_device_name(gpu)
-    jobs = []
-    for kernel in kernels:
-        _, configs = candidates(kernel, config.tune_top, config.library_anchors)
-        if cached_choice(kernel, inputs[kernel.group.name], configs, cache, gpu_name)[2] is None:
-            jobs.append((kernel, inputs[kernel.group.name], configs))
+    jobs = uncached(kernels, inputs, config, cache, torch.cuda.get_device_name(gpu))
     device_index = gpu.index if gpu.index is not None else torch.cuda.current_device()
     with Progress(TextColumn("[bold]compiling[/] {task.description}"), TimeElapsedColumn(), disable=quiet,
                   transient=True) as progress:
@@ -456,18 +454,24 @@ def precompile_candidates(kernels: Sequence[GroupKernel], inputs: Mapping[str, l
     return PrecompiledJobs(jobs, precompiled, workers, device_index)
 
 
-def every_choice_cached(kernels: Iterable[GroupKernel], example_values: Mapping[str, torch.Tensor],
-                        config: FusionConfig, cache: TuningCache | None, gpu: torch.device) -> bool:
-    """Whether `tune` would time nothing: the cache holds a choice of every kernel (a key reads only the shapes,
-    strides and dtypes of `example_values`, so stand-ins of them will do)."""
-    if cache is None:
-        return False
-    gpu_name = torch.cuda.get_device_name(gpu) if timing_available(gpu) else "cpu"     # as `tune` names it
+def uncached(kernels: Iterable[GroupKernel], inputs: Mapping[str, list[torch.Tensor]], config: FusionConfig,
+             cache: TuningCache | None, gpu_name: str) -> list[Job]:
+    """(kernel, its inputs, the candidates `tune_kernel` would time) of each kernel the cache holds no choice of
+    (`inputs`: each kernel's runtime inputs by group; a key reads only their shapes, strides and dtypes, so
+    stand-ins will do)."""
+    jobs = []
     for kernel in kernels:
         _, configs = candidates(kernel, config.tune_top, config.library_anchors)
-        if cached_choice(kernel, kernel_inputs(kernel, example_values), configs, cache, gpu_name)[2] is None:
-            return False
-    return True
+        if cached_choice(kernel, inputs[kernel.group.name], configs, cache, gpu_name)[2] is None:
+            jobs.append((kernel, inputs[kernel.group.name], configs))
+    return jobs
+
+
+def every_choice_cached(kernels: Iterable[GroupKernel], inputs: Mapping[str, list[torch.Tensor]],
+                        config: FusionConfig, cache: TuningCache | None, gpu: torch.device) -> bool:
+    """Whether `tune` would time nothing: the cache holds a choice of every kernel (`uncached`)."""
+    gpu_name = torch.cuda.get_device_name(gpu) if timing_available(gpu) else "cpu"     # as `tune` names it
+    return cache is not None and not uncached(kernels, inputs, config, cache, gpu_name)
 
 
 def kernel_inputs(kernel: GroupKernel, example_values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:

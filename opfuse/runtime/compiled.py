@@ -588,14 +588,14 @@ def build_compiled_model(plan: FusionPlan, device: torch.device | str,
         with compile_pool(workers, device):
             start = time.perf_counter()
             stand_ins = _stand_ins(model, example_inputs)
-            if stand_ins is not None and every_choice_cached(kernels.values(), stand_ins, config, cache,
-                                                             model.device):
+            inputs = None if stand_ins is None else {k.group.name: kernel_inputs(k, stand_ins)
+                                                     for k in kernels.values()}
+            if inputs is not None and every_choice_cached(kernels.values(), inputs, config, cache, model.device):
                 values = stand_ins       # nothing to time: the cached choices need only shapes and strides
             else:
-                if stand_ins is not None and active_pool(model.device) is not None:
-                    inputs = {k.group.name: kernel_inputs(k, stand_ins) for k in kernels.values()}
+                if inputs is not None and active_pool(model.device) is not None:
                     precompile_candidates(list(kernels.values()), inputs, config, cache, model.device, quiet)
-                del stand_ins
+                del stand_ins, inputs
                 model.build_seconds["precompile"] = time.perf_counter() - start
                 start = time.perf_counter()
                 values = model.collect_values(*example_inputs)

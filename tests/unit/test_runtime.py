@@ -16,8 +16,8 @@ from opfuse.hardware import KIB, get_hardware
 from opfuse.ir.graph import Graph, GraphError, TensorType
 from opfuse.ir.interpret import interpret
 from opfuse.runtime import compiled as compiled_module
-from opfuse.runtime.autotune import (EVERY_CONFIG_SPILLS, every_choice_cached, resource_violation, screen_configs,
-                                     tune)
+from opfuse.runtime.autotune import (EVERY_CONFIG_SPILLS, every_choice_cached, kernel_inputs, resource_violation,
+                                     screen_configs, tune)
 from opfuse.runtime.cache import TuningCache
 from opfuse.runtime.compiled import CompiledModel, build_compiled_model
 
@@ -516,14 +516,18 @@ def test_tune_times_the_configs_that_fit_and_keeps_the_fastest(tmp_path):
 def test_every_choice_cached_reads_shapes_and_strides_not_values(tmp_path):
     kernel, values = tuned_kernel()
     cache, cpu = TuningCache(tmp_path), torch.device("cpu")
-    assert not every_choice_cached([kernel], values, FusionConfig(), cache, cpu)        # nothing tuned yet
+
+    def inputs(of):
+        return {kernel.group.name: kernel_inputs(kernel, of)}
+
+    assert not every_choice_cached([kernel], inputs(values), FusionConfig(), cache, cpu)        # nothing tuned yet
     tune([kernel], values, FusionConfig(), cache, quiet=True, benchmark=lambda fn: 1.0)
     zeros = {name: torch.zeros_like(v) for name, v in values.items()}
-    assert every_choice_cached([kernel], zeros, FusionConfig(), cache, cpu)            # stand-ins will do
-    assert not every_choice_cached([kernel], values, FusionConfig(), None, cpu)
-    assert not every_choice_cached([kernel], values, FusionConfig(tune_top=1), cache, cpu)   # other candidates
+    assert every_choice_cached([kernel], inputs(zeros), FusionConfig(), cache, cpu)            # stand-ins will do
+    assert not every_choice_cached([kernel], inputs(values), FusionConfig(), None, cpu)
+    assert not every_choice_cached([kernel], inputs(values), FusionConfig(tune_top=1), cache, cpu)   # other candidates
     wider = {name: torch.zeros(*v.shape[:-1], v.shape[-1] + 1) for name, v in values.items()}
-    assert not every_choice_cached([kernel], wider, FusionConfig(), cache, cpu)
+    assert not every_choice_cached([kernel], inputs(wider), FusionConfig(), cache, cpu)
 
 
 @pytest.mark.parametrize("cached", [True, False])
