@@ -2,7 +2,7 @@
 pass left out or one off-by-default FusionConfig switch on (B), both in one process.
 
     python benchmarks/ab_pass.py --workloads gpt2:1,vit_b_16:64 --without sink_reshapes --out DIR
-    python benchmarks/ab_pass.py --workloads efficientnet_b0:1 --enable squeeze --out DIR
+    python benchmarks/ab_pass.py --workloads gpt2:1 --enable norm_prologue --out DIR
 
 Both compiles follow the zoo's protocol (fp16, `opfuse.bench.harness.prepare`, inference mode, default
 FusionConfig but fp16); each tunes into a cache of its own, and its compile seconds are recorded (Triton's kernel

@@ -12,7 +12,7 @@
 #   BLOCKS=1-8 bash benchmarks/gpu_session.sh blocks   # mobilenet_v2 per-block table (issue 5); then
 #   BLOCKS=9-17, then BLOCKS= WHOLE=1,64 (whole model at batch 1 and 64)
 #   MODELS=resnet50,gpt2 COLD_PARALLEL=4 bash benchmarks/gpu_session.sh zoo   # benchmarks/zoo.py (issue 14);
-#                                            # ENABLE=squeeze,norm_prologue turns on fusions that are off by default
+#                                            # ENABLE=norm_prologue turns on fusions that are off by default
 #   bash benchmarks/gpu_session.sh check     # compile seconds without and with the compile workers, GPU tests (17)
 #   WORKLOADS=resnet50:1 bash benchmarks/gpu_session.sh overhead   # benchmarks/call_overhead.py (issue 17, item 3)
 #   WORKLOADS=gpt2:1 ENABLE=norm_prologue bash benchmarks/gpu_session.sh ab   # benchmarks/ab_pass.py: default

@@ -20,9 +20,9 @@ class FusionConfig:
     conv_conv_expand: bool = True       # ... and the 1x1 expansion before it (whole inverted residual), where it pays
     norm_prologue: bool = False         # a linear absorbs the layer norm before it (row statistics in its GEMM);
                                         # off: measured 0.4-5% slower than without (RESULTS.md, run 32)
-    squeeze: bool = False               # global average pool -> small GEMM -> small GEMM (squeeze-and-excitation)
-                                        # as one kernel; off until its speed and compile time are measured
-                                        # (RESULTS.md, run 30)
+    squeeze: bool = True                # global average pool -> small GEMM -> small GEMM (squeeze-and-excitation)
+                                        # as one kernel (RESULTS.md, run 88: a third fewer launches, about half
+                                        # the cold compile, faster or even on the SE models)
     split_epilogues: bool = True        # a group of one anchor whose fastest form runs the anchor apart from its
                                         # other ops (unfused, or the library form with an epilogue kernel) is planned
                                         # again with the anchor apart, so that they may join another kernel (a

@@ -319,7 +319,7 @@ def add_zoo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start no child after S seconds (to fit one call of a lent GPU machine)")
     parser.add_argument("--enable", default="", metavar="SWITCH,...",
                         help="FusionConfig switches that are off by default to compile opfuse with on (e.g. "
-                             "squeeze,norm_prologue: a fusion waiting for its measurement)")
+                             "norm_prologue: a fusion waiting for its measurement)")
 
 
 def run_zoo_command(args: argparse.Namespace) -> int:

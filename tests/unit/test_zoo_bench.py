@@ -183,13 +183,13 @@ def test_a_terminated_run_stops_its_children(tmp_path, factory_on_path):
 
 
 def test_enable_takes_only_switches_that_are_off_by_default():
-    assert zoo_bench.enable_switches(["squeeze", "norm_prologue"]) == ("squeeze", "norm_prologue")
+    assert zoo_bench.enable_switches(["norm_prologue"]) == ("norm_prologue",)
     with pytest.raises(ValueError, match="vertical.*those are: .*norm_prologue"):
         zoo_bench.enable_switches(["vertical"])       # on by default: nothing to enable
     assert zoo_bench.main(["--workloads", "resnet50:1", "--enable", "no_such", "--out", "unused"]) == 2
 
 
 def test_a_run_with_fusions_enabled_says_so_in_zoo_md():
-    settings = ZooSettings(enable=("squeeze",), **CPU)
+    settings = ZooSettings(enable=("norm_prologue",), **CPU)
     page = render([{"settings": json.loads(json.dumps(settings.__dict__)), "env": None, "workloads": {}}])
-    assert "opfuse with squeeze on (off by default)" in page
+    assert "opfuse with norm_prologue on (off by default)" in page
