@@ -11,13 +11,15 @@ config is rejected is reported in `TuningResult.over_budget` ("over budget: ever
 can split it; it still gets the least bad config, so the model runs either way. An anchor group whose unfused form
 wins is reported in `TuningResult.slower_fused`, for the caller to plan again without that fusion
 (`compiler.split_back`).
-Results are kept in the on-disk `TuningCache`. On a GPU the candidates of every kernel not in the cache are first
-compiled in parallel by worker processes (`opfuse.runtime.precompile`), so the tuner's own runs load them from
-Triton's cache. Without a GPU (Triton's interpreter) nothing is timed and each kernel gets its first config.
+Results are kept in the on-disk `TuningCache`. On a GPU the candidates of every kernel not in the cache are
+compiled in parallel by worker processes (`opfuse.runtime.precompile`, `Compiling`) while the tuner times the
+kernels before, so that its own runs load them from Triton's cache. Without a GPU (Triton's interpreter) nothing
+is timed and each kernel gets its first config.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -32,7 +34,8 @@ from opfuse.hardware import KIB, HardwareProfile, get_hardware
 from opfuse.ir.graph import GraphError
 from opfuse.ir.ops import FusionKind, kind_of
 from opfuse.runtime.cache import TuningCache, tuning_key
-from opfuse.runtime.precompile import Precompiled, default_workers, precompile
+from opfuse.runtime.precompile import (MIN_LAUNCHES, TIMEOUT_S, CompilePool, Precompiled, active_pool,
+                                      default_workers, distinct_compiles, launches_by_config, record_launches)
 
 SPILLS = "register spills"
 EVERY_CONFIG_SPILLS = "over budget: every config spills"
@@ -377,10 +380,13 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
 
 def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_values: Mapping[str, torch.Tensor],
          config: FusionConfig, cache: TuningCache | None = None, *, quiet: bool = False,
-         benchmark: Benchmark | None = None, hardware: HardwareProfile | None = None) -> TuningResult:
+         benchmark: Benchmark | None = None, hardware: HardwareProfile | None = None,
+         compiling: Compiling | None = None) -> TuningResult:
     """{group name: config} for every kernel; `example_values` maps value names to tensors of a real run.
 
-    `benchmark` replaces do_bench (tests use a fake clock); without it, timing needs a CUDA device.
+    `benchmark` replaces do_bench (tests use a fake clock); without it, timing needs a CUDA device. On a GPU the
+    compile workers build the candidates meanwhile: `compiling` where the caller queued them already
+    (`Compiling.start`), else queued here.
     """
     kernels = list(kernels.values()) if isinstance(kernels, Mapping) else list(kernels)
     result = TuningResult()
@@ -401,57 +407,116 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
     columns = (TextColumn("[bold]autotuning[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     inputs = {kernel.group.name: kernel_inputs(kernel, example_values) for kernel in kernels}
-    if on_gpu:
-        jobs = precompile_candidates(kernels, inputs, config, cache, gpu, quiet)
-        if jobs is not None:
-            result.precompiled = jobs.precompiled
-            # kernels whose first configs all spill: the workers compile the next ones the tuner will try too
-            more = [(kernel, kernel_args, batch) for kernel, kernel_args, _ in jobs.jobs
-                    if (batch := next_configs(kernel, kernel_args, hardware, config.tune_top))]
-            if more:
-                result.precompiled += precompile(more, jobs.workers, jobs.device_index)
-    with Progress(*columns, disable=quiet, transient=True) as progress:
-        task = progress.add_task("", total=len(kernels))
-        for kernel in kernels:
-            progress.update(task, description=kernel.name)
-            tune_kernel(kernel, inputs[kernel.group.name], hardware, benchmark, result, cache, gpu_name,
-                        config.tune_top, config.library_anchors)
-            progress.advance(task)
+    own = compiling is None and on_gpu
+    if own:
+        compiling = Compiling.start(kernels, inputs, config, cache, gpu)
+    try:
+        with Progress(*columns, disable=quiet, transient=True) as progress:
+            task = progress.add_task("", total=len(kernels))
+            for kernel in kernels:
+                progress.update(task, description=kernel.name)
+                if compiling is not None:
+                    compiling.ready(kernel.group.name, inputs[kernel.group.name])
+                tune_kernel(kernel, inputs[kernel.group.name], hardware, benchmark, result, cache, gpu_name,
+                            config.tune_top, config.library_anchors)
+                progress.advance(task)
+    finally:
+        if compiling is not None:
+            result.precompiled = compiling.close() if own else compiling.counts()
     return result
 
 
 Job = tuple[GroupKernel, list[torch.Tensor], list[KernelConfig]]     # a kernel, its inputs, its candidates
 
 
-@dataclass
-class PrecompiledJobs:
-    """What `precompile_candidates` gave the compile workers: (kernel, its inputs, its candidates) of each kernel
-    the tuning cache has no choice for, and what the workers did with them."""
+class Compiling:
+    """The compile workers building the candidates `tune_kernel` will time of each kernel whose choice is not cached
+    (`start`), queued all at once: every kernel's default config first (`CompiledModel.collect_values` runs those:
+    `ready_default`), then each kernel's other candidates, kernel by kernel. `tune` times a kernel as soon as its
+    own are built (`ready`) while the workers go on with the next kernels', so a cold compile takes about as long as
+    the longer of the two, not their sum. Whatever the workers did not build by `TIMEOUT_S` after the start is
+    given up on and left to the tuner, which compiles it itself."""
 
-    jobs: list[Job]
-    precompiled: Precompiled
-    workers: int
-    device_index: int
+    def __init__(self, pool: CompilePool, owned: bool, jobs: list[Job], hardware: HardwareProfile,
+                 top: int | None, recorded: Mapping[str, dict[KernelConfig, list]] | None = None):
+        self.pool, self.owned, self.hardware, self.top = pool, owned, hardware, top
+        self.deadline = time.monotonic() + TIMEOUT_S
+        # the kernels only: the inputs they were recorded on (stand-ins as large as the model's activations) go
+        self.kernels = {kernel.group.name: kernel for kernel, _, _ in jobs}
+        self.defaults: dict[str, list[tuple]] = {}
+        rest: dict[str, list] = {}
+        for kernel, args, configs in jobs:                          # each default queued as soon as recorded
+            name = kernel.group.name
+            launches = dict(recorded[name]) if recorded else launches_by_config(kernel, args, configs)
+            self.defaults[name] = pool.submit(launches.pop(kernel.configs()[0], []))
+            rest[name] = [record for records in launches.values() for record in records]
+        self.keys = {name: self.defaults[name] + pool.submit(rest[name]) for name in self.kernels}
+        self.checked: set[str] = set()      # kernels whose next configs (`next_configs`) were looked for
 
+    @classmethod
+    def start(cls, kernels: Sequence[GroupKernel], inputs: Mapping[str, list[torch.Tensor]], config: FusionConfig,
+              cache: TuningCache | None, gpu: torch.device) -> "Compiling | None":
+        """Queue the candidates of `kernels` (`inputs`: each one's runtime inputs by group; stand-ins of the right
+        shapes, strides and dtypes will do, nothing is computed) in the running `compile_pool`, else in a pool of
+        its own where there are at least `MIN_LAUNCHES`; None where no workers are to run (`compile_workers` under 2,
+        nothing to build)."""
+        workers = config.compile_workers if config.compile_workers is not None else default_workers()
+        if workers < 2:
+            return None
+        jobs = uncached(kernels, inputs, config, cache, torch.cuda.get_device_name(gpu))
+        if not jobs:
+            return None
+        hardware = get_hardware(config.hardware)
+        pool = active_pool(gpu)
+        if pool is not None:
+            return cls(pool, False, jobs, hardware, config.tune_top)
+        recorded = {kernel.group.name: launches_by_config(kernel, args, configs) for kernel, args, configs in jobs}
+        launches = len(distinct_compiles([r for by_config in recorded.values() for records in by_config.values()
+                                          for r in records]))
+        if launches < MIN_LAUNCHES:
+            return None
+        device_index = gpu.index if gpu.index is not None else torch.cuda.current_device()
+        pool = CompilePool(min(workers, launches), device_index).start()
+        return cls(pool, True, jobs, hardware, config.tune_top, recorded)
 
-def precompile_candidates(kernels: Sequence[GroupKernel], inputs: Mapping[str, list[torch.Tensor]],
-                          config: FusionConfig, cache: TuningCache | None, gpu: torch.device,
-                          quiet: bool = True) -> PrecompiledJobs | None:
-    """Have the compile workers build the candidates `tune_kernel` will time of each kernel whose choice is not
-    cached (`inputs`: each kernel's runtime inputs by group; stand-ins of the right shapes, strides and dtypes
-    will do, nothing is computed); None where no workers are to run (`compile_workers` under 2)."""
-    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+    def _wait(self, keys: list[tuple]) -> None:
+        if not self.pool.wait(keys, max(0.0, self.deadline - time.monotonic())):
+            self.pool.give_up(keys)
 
-    workers = config.compile_workers if config.compile_workers is not None else default_workers()
-    if workers < 2:
-        return None
-    jobs = uncached(kernels, inputs, config, cache, torch.cuda.get_device_name(gpu))
-    device_index = gpu.index if gpu.index is not None else torch.cuda.current_device()
-    with Progress(TextColumn("[bold]compiling[/] {task.description}"), TimeElapsedColumn(), disable=quiet,
-                  transient=True) as progress:
-        progress.add_task(f"the candidates of {len(jobs)} kernels in {workers} processes", total=None)
-        precompiled = precompile(jobs, workers, device_index)
-    return PrecompiledJobs(jobs, precompiled, workers, device_index)
+    def ready_default(self, group: str) -> None:
+        """Return once the default config of `group`'s kernel is built (or given up on)."""
+        if group in self.defaults:
+            self._wait(self.defaults[group])
+
+    def ready(self, group: str, args: list[torch.Tensor]) -> None:
+        """Return once every candidate of `group`'s kernel is built (or given up on); where every one of its first
+        configs spills (run on `args`, its runtime inputs, to see), its next ones (`next_configs`) are built too,
+        ahead of the other kernels'."""
+        if group not in self.kernels:
+            return
+        self._wait(self.keys[group])
+        if group in self.checked:
+            return
+        self.checked.add(group)
+        kernel = self.kernels[group]
+        more = next_configs(kernel, args, self.hardware, self.top)
+        if more:
+            keys = self.pool.submit(record_launches([(kernel, args, more)]), first=True)
+            self.keys[group] = self.keys[group] + keys
+            self._wait(keys)
+
+    def counts(self) -> Precompiled:
+        """What the workers did so far: distinct launches queued, compiled, not compiled."""
+        keys = {key for keys in self.keys.values() for key in keys}
+        compiled = sum(key in self.pool.done for key in keys)
+        return Precompiled(launches=len(keys), compiled=compiled, failed=len(keys) - compiled)
+
+    def close(self) -> Precompiled:
+        """`counts`; a pool of its own ends here."""
+        counts = self.counts()
+        if self.owned:
+            self.pool.close()
+        return counts
 
 
 def uncached(kernels: Iterable[GroupKernel], inputs: Mapping[str, list[torch.Tensor]], config: FusionConfig,

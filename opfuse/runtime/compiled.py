@@ -41,8 +41,8 @@ from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 from opfuse.ir.interpret import device_constants, launches_of
 from opfuse.ir.ops import get_op, launches_kernel
-from opfuse.runtime.autotune import (every_choice_cached, kernel_inputs, out_of_resources,
-                                     precompile_candidates, recover_rng_after_failed_capture, tune, tunes)
+from opfuse.runtime.autotune import (Compiling, every_choice_cached, kernel_inputs, out_of_resources,
+                                     recover_rng_after_failed_capture, tune, tunes)
 from opfuse.runtime.cache import TuningCache
 from opfuse.runtime.graph_nodes import kept_graph, kernel_nodes, ready
 from opfuse.runtime.precompile import active_pool, compile_pool, default_workers
@@ -140,8 +140,9 @@ class CompiledModel(torch.nn.Module):
         self.recompile = recompile
         self.unflatten = unflatten
         self.tuning: Any = None          # the TuningResult, when autotuned
-        # seconds of build_compiled_model's stages: lower; where it tunes, precompile (the workers' Triton compiles
-        # of every candidate) and tune (what the workers had not compiled, and the timing)
+        # seconds of build_compiled_model's stages: lower; where it tunes, precompile (recording every candidate's
+        # launches for the compile workers) and tune (the example values, each kernel's run once the workers
+        # built its default config, then the timing of each kernel once they built its candidates)
         self.build_seconds: dict[str, float] = {}
         self.replan_note: str | None = None     # what a compile planned again after a split back did (compiler)
         self.forward_ms: float | None = None     # a replay of the forward as timed at the compile (`measure_forward`)
@@ -343,10 +344,13 @@ class CompiledModel(torch.nn.Module):
             self._variants[signature] = variant
         return variant(*inputs)
 
-    def _run_steps(self, inputs: Sequence[torch.Tensor], keep_all: bool = False) -> dict[str, torch.Tensor]:
+    def _run_steps(self, inputs: Sequence[torch.Tensor], keep_all: bool = False,
+                   before_kernel: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
         values: dict[str, torch.Tensor] = dict(self._constants)
         values.update(zip(self.input_names, inputs))
         for step in self._steps:
+            if before_kernel is not None and step.kernel is not None:
+                before_kernel(step.group.name)
             self._run_step(step, values)     # a call of its own, so no local keeps a dead value alive
             if not keep_all:
                 for name in step.free:
@@ -398,14 +402,16 @@ class CompiledModel(torch.nn.Module):
         return [values[name].clone() if name in self._constant_outputs else values[name]
                 for name in self.graph.outputs]
 
-    def collect_values(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every value of one eager forward, by name: example inputs for the autotuner."""
+    def collect_values(self, *inputs: torch.Tensor, before_kernel: Callable[[str], None] | None = None
+                       ) -> dict[str, torch.Tensor]:
+        """Every value of one eager forward, by name: example inputs for the autotuner. `before_kernel(group)` is
+        called before each kernel runs (`Compiling.ready_default`: until the compile workers built it)."""
         signature = self.input_signature(inputs)
         if signature != self.signature:
             raise GraphError(f"collect_values needs inputs matching {format_signature(self.signature)}, "
                              f"got {format_signature(signature)}")
         with torch.no_grad():
-            return self._run_steps([to_channels_last(x) for x in inputs], keep_all=True)
+            return self._run_steps([to_channels_last(x) for x in inputs], keep_all=True, before_kernel=before_kernel)
 
     def stand_ins_are_safe(self) -> bool:
         """Whether `stand_in_values` can run: every op PyTorch runs on what a kernel made (its zeros) is elementwise
@@ -590,20 +596,35 @@ def build_compiled_model(plan: FusionPlan, device: torch.device | str,
             stand_ins = _stand_ins(model, example_inputs)
             inputs = None if stand_ins is None else {k.group.name: kernel_inputs(k, stand_ins)
                                                      for k in kernels.values()}
+            compiling = None
             if inputs is not None and every_choice_cached(kernels.values(), inputs, config, cache, model.device):
                 values = stand_ins       # nothing to time: the cached choices need only shapes and strides
             else:
                 if inputs is not None and active_pool(model.device) is not None:
-                    precompile_candidates(list(kernels.values()), inputs, config, cache, model.device, quiet)
+                    compiling = Compiling.start(list(kernels.values()), inputs, config, cache, model.device)
                 del stand_ins, inputs
                 model.build_seconds["precompile"] = time.perf_counter() - start
                 start = time.perf_counter()
-                values = model.collect_values(*example_inputs)
-            model.tuning = tune(kernels, values, config, cache, quiet=quiet)
+                values = _values_once_built(model, example_inputs, compiling, quiet)
+            model.tuning = tune(kernels, values, config, cache, quiet=quiet, compiling=compiling)
             del values
             model.build_seconds["tune"] = time.perf_counter() - start
         model.set_configs(dict(model.tuning))
     return model
+
+
+def _values_once_built(model: CompiledModel, example_inputs: Sequence[torch.Tensor], compiling: Compiling | None,
+                       quiet: bool) -> dict[str, torch.Tensor]:
+    """`model.collect_values` of the example inputs, each kernel run once the workers built its default config."""
+    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+    if compiling is None:
+        return model.collect_values(*example_inputs)
+    with Progress(TextColumn("[bold]compiling[/] {task.description}"), TimeElapsedColumn(), disable=quiet,
+                  transient=True) as progress:
+        progress.add_task(f"the candidates of {len(compiling.kernels)} kernels in {compiling.pool.workers} processes",
+                          total=None)
+        return model.collect_values(*example_inputs, before_kernel=compiling.ready_default)
 
 
 def _stand_ins(model: CompiledModel, example_inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor] | None:

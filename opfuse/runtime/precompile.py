@@ -1,4 +1,4 @@
-"""Compile a model's Triton kernels in parallel before the autotuner times them (`precompile`).
+"""Compile a model's Triton kernels in parallel while the autotuner times them (`CompilePool`, `precompile`).
 
 Compiling is most of a cold compile: every candidate config of every kernel is a Triton compile of its own, and
 the autotuner compiles them one after the other as it first runs each. Here each candidate is run once with its
@@ -11,14 +11,16 @@ cache: a launch a worker could not compile is compiled by the tuner as before, a
 `TIMEOUT_S` (killed then) cost time, never a result.
 
 Workers are `python -m opfuse.runtime.precompile` processes (not multiprocessing's spawn, which would run the
-user's script again in each), `compile_workers` of them, each on the caller's GPU (`CompilePool`). Each takes one
-launch at a time, as JSON on its stdin, and is handed the next when it answers, so that one slow compile holds one
-worker and not a share of the others' work; a worker that dies or outlasts its round is replaced while the
-pool's restarts last (as many as it started workers). A worker makes its CUDA context when its first launch comes:
-a compile whose every kernel is cached leaves the GPU's memory to the model while it is checked and verified.
-`opfuse.compile` starts its pool before it captures the model (`compile_pool`): the workers import torch and
-Triton while the model is captured and planned, and every precompile of that compile (the tuner's two rounds, the
-build again after a split back) uses them.
+user's script again in each), `compile_workers` of them, each on the caller's GPU (`CompilePool`). A dispatcher
+thread hands each worker one launch at a time, as JSON on its stdin, and the next queued when it answers, so that
+one slow compile holds one worker and not a share of the others' work; callers queue launches and wait for the
+ones they need next (`opfuse.runtime.autotune.Compiling`: the tuner times a kernel once its own candidates are
+built, while the workers build the next kernels'). A worker that dies or outlasts its caller's deadline is
+replaced while the pool's restarts last (as many as it started workers). A worker makes its CUDA context when its
+first launch comes: a compile whose every kernel is cached leaves the GPU's memory to the model while it is checked
+and verified. `opfuse.compile` starts its pool before it captures the model (`compile_pool`): the workers import
+torch and Triton while the model is captured and planned, and every build of that compile (the build again after
+a split back too) uses them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -43,7 +46,7 @@ from opfuse.codegen.base import (GroupKernel, KernelConfig, LaunchRecord, Tensor
                                  recording_launches)
 
 MIN_LAUNCHES = 8        # fewer distinct launches than this compile faster in the tuner than workers start
-TIMEOUT_S = 300.0       # the workers of one precompile are killed after this long
+TIMEOUT_S = 300.0       # what a build waits for its launches at most; those left are given up on (workers killed)
 REPLY = b"opfuse-compiled "  # a worker's answer to one launch: this, then 1 (compiled) or 0, on a line of its own
 
 
@@ -97,24 +100,35 @@ class Precompiled:
 def record_launches(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[KernelConfig]]]
                     ) -> list[LaunchRecord]:
     """The distinct launches of running each kernel once with each of its configs but the unfused and fused library
-    forms (none of the generated kernels runs); each kernel then holds its default config's weights only (`keep_default`)."""
-    from opfuse.codegen.forms import is_library_fused, is_unfused
-
+    forms (none of the generated kernels runs); each kernel then holds its default config's weights only
+    (`keep_default`)."""
     records: dict[LaunchRecord, None] = {}
     for kernel, inputs, configs in jobs:
-        for config in configs:
-            if is_unfused(config) or is_library_fused(config):    # PyTorch's ops, one library call: no kernel
-                continue
-            try:
-                with recording_launches() as launches:
-                    kernel.run(inputs, config)
-                records.update(dict.fromkeys(launches))
-            except Exception:   # the tuner runs this config itself and reports what is wrong with it
-                continue
-        # what those runs made (other forms' weights, other block sizes' packings) goes before the next kernel's:
-        # the tuner makes them again, one kernel at a time
-        kernel.keep_default()
+        for launches in launches_by_config(kernel, inputs, configs).values():
+            records.update(dict.fromkeys(launches))
     return list(records)
+
+
+def launches_by_config(kernel: GroupKernel, inputs: list[torch.Tensor], configs: Sequence[KernelConfig]
+                       ) -> dict[KernelConfig, list[LaunchRecord]]:
+    """{config: its launches} of running `kernel` once with each config but the unfused and fused library forms and
+    those that fail to record; the kernel then holds its default config's weights only (`keep_default`)."""
+    from opfuse.codegen.forms import is_library_fused, is_unfused
+
+    recorded: dict[KernelConfig, list[LaunchRecord]] = {}
+    for config in configs:
+        if is_unfused(config) or is_library_fused(config):    # PyTorch's ops, one library call: no kernel
+            continue
+        try:
+            with recording_launches() as launches:
+                kernel.run(inputs, config)
+        except Exception:   # the tuner runs this config itself and reports what is wrong with it
+            continue
+        recorded[config] = list(launches)
+    # what those runs made (other forms' weights, other block sizes' packings) goes before the next kernel's: the
+    # tuner makes them again, one kernel at a time
+    kernel.keep_default()
+    return recorded
 
 
 def compile_key(record: LaunchRecord) -> tuple:
@@ -152,9 +166,14 @@ def distinct_compiles(records: Sequence[LaunchRecord]) -> list[LaunchRecord]:
 
 class CompilePool:
     """`workers` compile processes on GPU `device_index`, started by `start` (at once, not waiting for them to be
-    ready), fed one launch at a time by `compile`, ended by `close`. A worker that dies or outlasts a deadline is
-    replaced by a new one while `restarts` lasts (as many as `workers`), else gone for the rest of the pool's life;
-    the launch it held is left to the tuner."""
+    ready) with a dispatcher thread that hands each idle worker the next queued launch. `submit` queues launches
+    and returns at once, `wait` blocks until given ones are compiled or given up on, `compile` does both; a
+    caller may wait for its first launches while the workers go on with the rest (`opfuse.runtime.autotune`
+    times each kernel as soon as its own candidates are built). Each `compile_key` is compiled once: one compiled
+    before or queued already is not queued again, one that failed is tried again. A worker that dies, or whose
+    launch a waiter gave up on (`give_up`: past its deadline), is replaced by a new one while `restarts` lasts (as
+    many as `workers`), else gone for the rest of the pool's life; the launch it held is left to the tuner, and so
+    is every launch queued once no worker is left. `close` ends the dispatcher and the workers."""
 
     def __init__(self, workers: int, device_index: int, command: Sequence[str] | None = None):
         self.workers, self.device_index = workers, device_index
@@ -164,13 +183,24 @@ class CompilePool:
         self.processes: list[subprocess.Popen] = []
         self.restarts = workers
         self.started = False
-        self.done: set[tuple] = set()     # the `compile_key`s compiled already: a later round skips them
+        self.done: set[tuple] = set()     # the `compile_key`s compiled: never handed out again
+        self.failed: set[tuple] = set()   # those given up on since they were last queued
+        self._queue: deque[tuple[tuple, LaunchRecord]] = deque()
+        self._open: set[tuple] = set()    # keys queued or held by a worker
+        self._abandoned: set[tuple] = set()   # keys whose worker the dispatcher is to kill
+        self._state = threading.Condition()
+        self._closing = False
+        self._dispatcher: threading.Thread | None = None
+        self._wake_read = self._wake_write = -1
 
     def start(self) -> "CompilePool":
         if self.started:
             return self
         self.started = True
         self.processes = [self._spawn() for _ in range(self.workers)]
+        self._wake_read, self._wake_write = os.pipe()
+        self._dispatcher = threading.Thread(target=self._dispatch, name="opfuse-compile-pool", daemon=True)
+        self._dispatcher.start()
         return self
 
     def _spawn(self) -> subprocess.Popen:
@@ -179,71 +209,131 @@ class CompilePool:
         return subprocess.Popen(self.command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, bufsize=0)
 
-    def compile(self, records: Sequence[LaunchRecord], timeout: float | None = None) -> int:
-        """Compile `records` in the live workers, each given the next as it answers; how many compiled (those the
-        pool compiled before included). After `timeout` seconds (default `TIMEOUT_S`) the workers still compiling
-        are killed."""
+    def submit(self, records: Sequence[LaunchRecord], first: bool = False) -> list[tuple]:
+        """Queue `records` (at the back, or with `first` ahead of everything queued) and return their compile keys
+        at once, in order."""
         self.start()
-        keys = {record: compile_key(record) for record in records}
-        pending = [record for record in reversed(records) if keys[record] not in self.done]
-        compiled = len(records) - len(pending)
-        deadline = time.monotonic() + (TIMEOUT_S if timeout is None else timeout)
+        keys = [compile_key(record) for record in records]
+        with self._state:
+            new = []
+            for key, record in zip(keys, records):
+                if key in self.done or key in self._open:
+                    continue
+                if self._closing:
+                    self.failed.add(key)
+                    continue
+                self.failed.discard(key)
+                self._open.add(key)
+                new.append((key, record))
+            if first:
+                self._queue.extendleft(reversed(new))
+            else:
+                self._queue.extend(new)
+        self._wake()
+        return keys
+
+    def wait(self, keys: Sequence[tuple], timeout: float | None = None) -> bool:
+        """Block until each of `keys` is compiled or given up on, at most `timeout` seconds; whether they all are."""
+        with self._state:
+            return self._state.wait_for(lambda: self._open.isdisjoint(keys), timeout)
+
+    def give_up(self, keys: Sequence[tuple]) -> None:
+        """Compile none of `keys` any more: those queued leave the queue, the workers holding one are killed (and
+        replaced); each counts as failed."""
+        keys = set(keys)
+        with self._state:
+            for item in [item for item in self._queue if item[0] in keys]:
+                self._queue.remove(item)
+                self._finish(item[0], False)
+            self._abandoned |= keys & self._open
+        self._wake()
+        self.wait(list(keys), timeout=10.0)
+
+    def compile(self, records: Sequence[LaunchRecord], timeout: float | None = None) -> int:
+        """Compile `records` in the workers and return how many are compiled (those the pool compiled before
+        included); after `timeout` seconds (default `TIMEOUT_S`) those left are given up on (`give_up`)."""
+        keys = self.submit(records)
+        if not self.wait(keys, TIMEOUT_S if timeout is None else timeout):
+            self.give_up(keys)
+        with self._state:
+            return sum(key in self.done for key in keys)
+
+    def _finish(self, key: tuple, compiled: bool) -> None:
+        """With `_state` held: `key` is compiled, or not."""
+        self._open.discard(key)
+        (self.done if compiled else self.failed).add(key)
+        self._state.notify_all()
+
+    def _wake(self) -> None:
+        if self._wake_write >= 0:
+            try:
+                os.write(self._wake_write, b"!")
+            except OSError:
+                pass
+
+    def _dispatch(self) -> None:
+        """The dispatcher thread: hand out queued launches to idle workers, read their answers, replace the dead."""
         selector = selectors.DefaultSelector()
+        selector.register(self._wake_read, selectors.EVENT_READ, None)
+        idle: list[subprocess.Popen] = list(self.processes)
         busy: dict[subprocess.Popen, bytes] = {}         # a worker with a launch out -> what it has printed since
-        held: dict[subprocess.Popen, LaunchRecord] = {}
-        idle: list[subprocess.Popen] = []
+        held: dict[subprocess.Popen, tuple] = {}          # -> the key of that launch
 
         def replace(process: subprocess.Popen) -> None:
             fresh = self._drop(process)
             if fresh is not None:
                 idle.append(fresh)
 
-        def hand_out(process: subprocess.Popen) -> None:
-            held[process] = record = pending.pop()
-            try:
-                process.stdin.write((json.dumps(_encode(record)) + "\n").encode())
-                busy[process] = b""
-                selector.register(process.stdout, selectors.EVENT_READ, process)
-            except OSError:                              # it died: the launch goes to the tuner
-                replace(process)
+        def release(process: subprocess.Popen) -> tuple:
+            selector.unregister(process.stdout)
+            busy.pop(process)
+            return held.pop(process)
 
-        for process in list(self.processes):             # one that died between rounds is replaced too
-            if process.poll() is None:
-                idle.append(process)
-            else:
-                replace(process)
-
-        while busy or (pending and idle):
-            while pending and idle:
-                hand_out(idle.pop())
-            if not busy:
-                break
-            events = selector.select(timeout=max(0.0, deadline - time.monotonic()))
-            if not events:                               # past the deadline: the stuck workers go
-                for process in list(busy):                # (their replacements are for the next round)
-                    selector.unregister(process.stdout)
-                    busy.pop(process)
-                    self._drop(process)
-                break
-            for key, _ in events:
-                process = key.data
-                data = os.read(process.stdout.fileno(), 65536)
-                if not data:                             # it died with the launch
-                    selector.unregister(process.stdout)
-                    busy.pop(process)
+        while True:
+            with self._state:
+                if self._closing:
+                    break
+                for process in [p for p, key in held.items() if key in self._abandoned]:
+                    key = release(process)
                     replace(process)
+                    self._finish(key, False)
+                self._abandoned.clear()
+                while self._queue and idle:
+                    process = idle.pop()
+                    if process.poll() is not None:       # died while idle (between rounds)
+                        replace(process)
+                        continue
+                    key, record = self._queue.popleft()
+                    try:
+                        process.stdin.write((json.dumps(_encode(record)) + "\n").encode())
+                    except OSError:                      # it died: the launch goes to the tuner
+                        replace(process)
+                        self._finish(key, False)
+                        continue
+                    held[process], busy[process] = key, b""
+                    selector.register(process.stdout, selectors.EVENT_READ, process)
+                if not self.processes:                   # no worker left: what is queued goes to the tuner
+                    while self._queue:
+                        self._finish(self._queue.popleft()[0], False)
+            for event, _ in selector.select():
+                if event.data is None:
+                    os.read(self._wake_read, 4096)
                     continue
-                busy[process] += data
-                answers = [line for line in busy[process].split(b"\n")[:-1] if line.startswith(REPLY)]
-                if answers:                              # anything else it printed is not ours
-                    if answers[-1][len(REPLY):].strip() == b"1":
-                        compiled += 1
-                        self.done.add(keys[held[process]])
-                    selector.unregister(process.stdout)
-                    busy.pop(process)
-                    idle.append(process)
+                process = event.data
+                data = os.read(process.stdout.fileno(), 65536)
+                with self._state:
+                    if not data:                         # it died with the launch
+                        key = release(process)
+                        replace(process)
+                        self._finish(key, False)
+                        continue
+                    busy[process] += data
+                    answers = [line for line in busy[process].split(b"\n")[:-1] if line.startswith(REPLY)]
+                    if answers:                          # anything else it printed is not ours
+                        key = release(process)
+                        idle.append(process)
+                        self._finish(key, answers[-1][len(REPLY):].strip() == b"1")
         selector.close()
-        return compiled
 
     def _drop(self, process: subprocess.Popen) -> subprocess.Popen | None:
         """Kill `process`; its replacement, if `restarts` lasts."""
@@ -257,9 +347,16 @@ class CompilePool:
         return fresh
 
     def close(self) -> None:
-        """End the workers now, not waiting for any still starting (a compile whose every kernel was cached is
-        done before its workers are ready): between launches a worker holds nothing a kill could leave half done
-        (Triton writes its cache entries under a temporary name, then renames them)."""
+        """End the dispatcher and the workers now, not waiting for any still starting (a compile whose every
+        kernel was cached is done before its workers are ready): between launches a worker holds nothing a kill
+        could leave half done (Triton writes its cache entries under a temporary name, then renames them). What
+        was still queued or compiling counts as failed."""
+        with self._state:
+            self._closing = True
+        self._wake()
+        if self._dispatcher is not None:
+            self._dispatcher.join()
+            self._dispatcher = None
         for process in self.processes:
             try:
                 process.stdin.close()
@@ -269,6 +366,14 @@ class CompilePool:
         for process in self.processes:
             process.wait()
         self.processes = []
+        with self._state:
+            self._queue.clear()
+            for key in list(self._open):
+                self._finish(key, False)
+        for fd in (self._wake_read, self._wake_write):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_read = self._wake_write = -1
 
 
 _POOL: ContextVar[CompilePool | None] = ContextVar("opfuse_compile_pool", default=None)

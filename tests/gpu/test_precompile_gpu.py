@@ -50,3 +50,24 @@ def test_the_workers_compile_every_launch_and_the_tuner_loads_them(tmp_path, mon
             kernel.run(inputs, config)      # what the tuner does first: every candidate once
     torch.cuda.synchronize()
     assert cached() == compiled_by_workers   # nothing compiled again: every launch came from the cache
+
+
+def test_a_cold_compile_tunes_what_the_workers_built_while_they_build_the_rest(tmp_path, monkeypatch):
+    """opfuse.compile on empty caches: every candidate launch queued is built by the workers (none left to the
+    tuner), the tuner compiled no kernel of its own (every cubin in Triton's cache is one a worker built), and
+    the compiled model matches eager."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    import opfuse
+    from opfuse.numerics import relative_error
+
+    x = torch.randn(4, 3, 32, 32, device="cuda").contiguous(memory_format=torch.channels_last)
+    model = small_convnet().to("cuda")
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", compile_workers=4,
+                                                               cache_dir=str(tmp_path / "tuning")))
+    precompiled = compiled.compiled.tuning.precompiled
+    assert precompiled is not None and precompiled.launches >= 8, precompiled
+    assert precompiled.failed == 0 and precompiled.compiled == precompiled.launches, precompiled
+    cubins = sum(1 for _ in (tmp_path / "triton").rglob("*.cubin"))
+    assert cubins == precompiled.compiled, (cubins, precompiled)
+    with torch.inference_mode():
+        assert relative_error(compiled(x), model(x)) < 1e-3

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from opfuse.codegen.base import LaunchRecord, TensorArg, recording_launches
+from opfuse.codegen.base import KernelConfig, LaunchRecord, TensorArg, recording_launches
 from opfuse.codegen.pointwise import lower_pointwise_group
 from opfuse.fusion.plan import GroupKind
 from opfuse.runtime.precompile import precompile, record_launches
@@ -164,7 +164,8 @@ def test_a_pool_hands_out_launches_as_its_workers_finish():
     try:
         pool.compile([launch("warm")] * 2)                 # both workers started
         start = time.monotonic()
-        done = pool.compile([launch("slow", 1.5)] + [launch("fast", 0.1)] * 8 + [launch("fail", 0.1)])
+        done = pool.compile([launch("slow", 1.5)] + [launch("fast", 0.1 + i / 1000) for i in range(8)]
+                            + [launch("fail", 0.1)])
         seconds = time.monotonic() - start
     finally:
         pool.close()
@@ -190,7 +191,7 @@ def test_a_pool_replaces_a_dying_worker_and_ignores_other_output():
 def test_a_pool_replaces_as_many_workers_as_it_started():
     pool = stand_in_pool(1)
     try:
-        assert pool.compile([launch("die"), launch("die"), launch("ok")]) == 0
+        assert pool.compile([launch("die", 0.0), launch("die", 1.0), launch("ok")]) == 0
         assert pool.processes == [] and pool.restarts == 0  # the first died, then its replacement
     finally:
         pool.close()
@@ -220,6 +221,84 @@ def test_a_pool_kills_workers_past_the_deadline_and_starts_others():
         assert pool.compile([launch("ok", 0.01), launch("ok", 0.02)]) == 2   # the next round has both workers
     finally:
         pool.close()
+
+
+def test_a_caller_waits_for_its_first_launches_while_the_workers_go_on():
+    """What the tuner does: `submit` returns at once; the first launch is ready while later ones still compile;
+    a launch asked for `first` goes ahead of those queued."""
+    import time
+
+    pool = stand_in_pool(1)
+    try:
+        assert pool.compile([launch("ok", 0.0)]) == 1          # the worker started
+        start = time.monotonic()
+        keys = pool.submit([launch("ok", 0.1), launch("ok", 0.6), launch("ok", 0.61), launch("ok", 0.62)])
+        assert time.monotonic() - start < 0.1
+        assert pool.wait(keys[:1], timeout=5.0) and not pool.wait(keys[1:], timeout=0.0)
+        (urgent,) = pool.submit([launch("ok", 0.01)], first=True)
+        assert pool.wait([urgent], timeout=5.0)
+        assert time.monotonic() - start < 0.1 + 0.6 + 0.3, "the urgent launch waited for the queue"
+        assert not pool.wait(keys[2:], timeout=0.0)             # those queued before it come after it
+        assert pool.wait(keys, timeout=5.0) and all(key in pool.done for key in keys)
+    finally:
+        pool.close()
+
+
+def test_closing_a_pool_gives_up_what_is_queued():
+    pool = stand_in_pool(1)
+    keys = pool.submit([launch("ok", 5.0), launch("ok", 0.01)])
+    pool.close()
+    assert pool.wait(keys, timeout=0.0) and not any(key in pool.done for key in keys)
+    assert all(key in pool.failed for key in keys)
+
+
+def pointwise_kernel(op: str, group_id: int):
+    b = KernelGraph()
+    b.default_kind = GroupKind.POINTWISE
+    y = b.op(op, b.op("add", b.input("x", (3, 50)), b.const("shift", b.random(50))))
+    group = b.group([y], GroupKind.POINTWISE)
+    group.id = group_id
+    kernel = lower_pointwise_group(b.graph, group, "cpu")
+    return kernel, [b.feeds[name] for name in kernel.runtime_inputs]
+
+
+def test_every_default_config_is_built_first_then_each_kernels_other_candidates(tmp_path):
+    """`Compiling`: the example values' run needs every kernel's default config, the tuner then one kernel's
+    candidates at a time; a worker is handed them in that order, and each kernel is ready once its own are
+    built."""
+    import json
+    import sys
+
+    from opfuse.hardware import get_hardware
+    from opfuse.runtime.autotune import Compiling
+    from opfuse.runtime.precompile import CompilePool, answer
+
+    log = tmp_path / "handed-out"
+    script = (f"import json, sys\nfor line in sys.stdin.buffer:\n    item = json.loads(line)\n"
+              f"    open({str(log)!r}, 'a').write(json.dumps([item['function'], dict(item['kwargs'])]) + '\\n')\n"
+              f"    sys.stdout.buffer.write({answer(True)!r})\n    sys.stdout.buffer.flush()\n")
+    pool = CompilePool(1, 0, command=[sys.executable, "-c", script]).start()
+    others = [KernelConfig.of(BLOCK=512, num_warps=4), KernelConfig.of(BLOCK=1024, num_warps=4)]
+    jobs = [(kernel, inputs, kernel.configs()[:1] + others) for kernel, inputs in      # the interpreter's one
+            (pointwise_kernel("relu", 1), pointwise_kernel("sigmoid", 2))]               # config, and two more
+    (relu, relu_inputs, relu_configs), (sigmoid, sigmoid_inputs, sigmoid_configs) = jobs
+    try:
+        compiling = Compiling(pool, False, jobs, get_hardware("h200"), 3)
+        compiling.ready_default("g2")
+        assert pool.wait(compiling.defaults["g1"], timeout=0.0)        # built before g2's default
+        for group, inputs in (("g1", relu_inputs), ("g2", sigmoid_inputs)):
+            compiling.ready(group, inputs)
+            assert all(key in pool.done for key in compiling.keys[group])
+        counts = compiling.close()
+    finally:
+        pool.close()
+    handed = [json.loads(line) for line in log.read_text().splitlines()]
+    blocks = [options["BLOCK"] for _, options in handed]
+    assert [name for name, _ in handed] == [relu.name, sigmoid.name] + [relu.name] * 2 + [sigmoid.name] * 2
+    assert blocks == [dict(c.params)["BLOCK"] for c in relu_configs[:1] + sigmoid_configs[:1] + relu_configs[1:]
+                      + sigmoid_configs[1:]]
+    assert (counts.launches, counts.compiled, counts.failed) == (6, 6, 0)
+    assert pool.processes == []                                    # not its pool to close, but closed above
 
 
 def test_precompile_uses_the_compile_pool_it_runs_in(monkeypatch):
