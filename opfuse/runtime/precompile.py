@@ -272,8 +272,22 @@ class CompilePool:
                 pass
 
     def _dispatch(self) -> None:
-        """The dispatcher thread: hand out queued launches to idle workers, read their answers, replace the dead."""
-        selector = selectors.DefaultSelector()
+        """The dispatcher thread (`_serve_queue`); however it ends, nothing is left for a waiter to wait for."""
+        try:
+            self._serve_queue()
+        finally:
+            with self._state:
+                self._closing = True         # a later submit gives its launches to the tuner at once
+                self._queue.clear()
+                for key in list(self._open):
+                    self._finish(key, False)
+
+    def _serve_queue(self) -> None:
+        """Hand out queued launches to idle workers, read their answers, replace the dead, until `close`."""
+        with selectors.DefaultSelector() as selector:
+            self._serve(selector)
+
+    def _serve(self, selector: selectors.BaseSelector) -> None:
         selector.register(self._wake_read, selectors.EVENT_READ, None)
         idle: list[subprocess.Popen] = list(self.processes)
         busy: dict[subprocess.Popen, bytes] = {}         # a worker with a launch out -> what it has printed since
@@ -333,7 +347,6 @@ class CompilePool:
                         key = release(process)
                         idle.append(process)
                         self._finish(key, answers[-1][len(REPLY):].strip() == b"1")
-        selector.close()
 
     def _drop(self, process: subprocess.Popen) -> subprocess.Popen | None:
         """Kill `process`; its replacement, if `restarts` lasts."""

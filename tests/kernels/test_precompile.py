@@ -301,6 +301,28 @@ def test_every_default_config_is_built_first_then_each_kernels_other_candidates(
     assert pool.processes == []                                    # not its pool to close, but closed above
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dispatcher_that_fails_leaves_no_caller_waiting(monkeypatch):
+    """Whatever ends the dispatcher thread, every launch queued counts as not compiled (the tuner builds it) at once,
+    and so does every launch queued after."""
+    import time
+
+    from opfuse.runtime import precompile as module
+
+    def broken(record):
+        raise RuntimeError("cannot encode")
+
+    monkeypatch.setattr(module, "_encode", broken)
+    pool = stand_in_pool(1)
+    try:
+        start = time.monotonic()
+        assert pool.compile([launch("ok", 0.0), launch("ok", 0.01)], timeout=30.0) == 0
+        assert pool.compile([launch("ok", 0.02)], timeout=30.0) == 0
+        assert time.monotonic() - start < 5.0
+    finally:
+        pool.close()
+
+
 def test_precompile_uses_the_compile_pool_it_runs_in(monkeypatch):
     """Inside `compile_pool` every precompile goes to the one pool, however few its launches."""
     from opfuse.runtime import precompile as module
