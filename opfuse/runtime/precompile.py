@@ -199,6 +199,7 @@ class CompilePool:
         self.started = True
         self.processes = [self._spawn() for _ in range(self.workers)]
         self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)      # a full pipe has woken the dispatcher already
         self._dispatcher = threading.Thread(target=self._dispatch, name="opfuse-compile-pool", daemon=True)
         self._dispatcher.start()
         return self
@@ -319,7 +320,13 @@ class CompilePool:
                         continue
                     key, record = self._queue.popleft()
                     try:
-                        process.stdin.write((json.dumps(_encode(record)) + "\n").encode())
+                        line = (json.dumps(_encode(record)) + "\n").encode()
+                    except Exception:                    # not data a worker can read: the tuner's
+                        idle.append(process)
+                        self._finish(key, False)
+                        continue
+                    try:
+                        process.stdin.write(line)
                     except OSError:                      # it died: the launch goes to the tuner
                         replace(process)
                         self._finish(key, False)

@@ -307,18 +307,28 @@ def test_a_dispatcher_that_fails_leaves_no_caller_waiting(monkeypatch):
     and so does every launch queued after."""
     import time
 
-    from opfuse.runtime import precompile as module
+    def broken(process):
+        raise RuntimeError("cannot replace a worker")
 
-    def broken(record):
-        raise RuntimeError("cannot encode")
-
-    monkeypatch.setattr(module, "_encode", broken)
     pool = stand_in_pool(1)
+    monkeypatch.setattr(pool, "_drop", broken)
     try:
         start = time.monotonic()
-        assert pool.compile([launch("ok", 0.0), launch("ok", 0.01)], timeout=30.0) == 0
+        assert pool.compile([launch("die"), launch("ok", 0.01)], timeout=30.0) == 0
         assert pool.compile([launch("ok", 0.02)], timeout=30.0) == 0
         assert time.monotonic() - start < 5.0
+    finally:
+        pool.close()
+
+
+def test_a_launch_no_worker_can_read_is_the_tuners_alone(monkeypatch):
+    from opfuse.runtime import precompile as module
+
+    encode = module._encode
+    monkeypatch.setattr(module, "_encode", lambda r: encode(r) if r.function != "odd" else object())
+    pool = stand_in_pool(1)
+    try:
+        assert pool.compile([launch("ok", 0.0), launch("odd"), launch("ok", 0.01)], timeout=30.0) == 2
     finally:
         pool.close()
 
