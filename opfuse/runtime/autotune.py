@@ -452,6 +452,7 @@ class Compiling:
             rest[name] = [record for records in launches.values() for record in records]
         self.keys = {name: self.defaults[name] + pool.submit(rest[name]) for name in self.kernels}
         self.checked: set[str] = set()      # kernels whose next configs (`next_configs`) were looked for
+        self.expired = False                # past the deadline: the tuner builds what is left itself
 
     @classmethod
     def start(cls, kernels: Sequence[GroupKernel], inputs: Mapping[str, list[torch.Tensor]], config: FusionConfig,
@@ -480,8 +481,13 @@ class Compiling:
         return cls(pool, True, jobs, hardware, config.tune_top, recorded)
 
     def _wait(self, keys: list[tuple]) -> None:
+        """Until `keys` are built, or the deadline: then every launch of this build is given up on at once (one
+        round of killed workers, not one a kernel: their replacements serve the compile's next build)."""
+        if self.expired:
+            return
         if not self.pool.wait(keys, max(0.0, self.deadline - time.monotonic())):
-            self.pool.give_up(keys)
+            self.expired = True
+            self.pool.give_up([key for keys in self.keys.values() for key in keys])
 
     def ready_default(self, group: str) -> None:
         """Return once the default config of `group`'s kernel is built (or given up on)."""
@@ -500,7 +506,7 @@ class Compiling:
         self.checked.add(group)
         kernel = self.kernels[group]
         more = next_configs(kernel, args, self.hardware, self.top)
-        if more:
+        if more and not self.expired:
             keys = self.pool.submit(record_launches([(kernel, args, more)]), first=True)
             self.keys[group] = self.keys[group] + keys
             self._wait(keys)

@@ -333,6 +333,39 @@ def test_a_launch_no_worker_can_read_is_the_tuners_alone(monkeypatch):
         pool.close()
 
 
+def test_past_its_deadline_a_build_gives_up_once_and_the_pool_keeps_its_workers(monkeypatch):
+    """review of 9da76f6: a hung compile past the build's deadline (`TIMEOUT_S`) must not cost a worker per later
+    kernel (each killed as it waited for launches just handed to the replacements), or the compile's next build
+    would find no worker left: the build gives up all it queued once."""
+    import sys
+    import time
+
+    from opfuse.hardware import get_hardware
+    from opfuse.runtime import autotune
+    from opfuse.runtime.precompile import CompilePool, answer
+
+    script = ("import json, sys, time\nfor line in sys.stdin.buffer:\n    item = json.loads(line)\n"
+              "    time.sleep(30.0 if 'sigmoid' in item['function'] else 0.3)\n"
+              f"    sys.stdout.buffer.write({answer(True)!r})\n    sys.stdout.buffer.flush()\n")
+    monkeypatch.setattr(autotune, "TIMEOUT_S", 1.0)
+    pool = CompilePool(2, 0, command=[sys.executable, "-c", script]).start()
+    ops = ("relu", "sigmoid", "tanh", "silu", "hardswish", "hardsigmoid", "abs", "neg")
+    jobs = [(kernel, inputs, kernel.configs()) for kernel, inputs in
+            (pointwise_kernel(op, i) for i, op in enumerate(ops, start=1))]
+    try:
+        compiling = autotune.Compiling(pool, False, jobs, get_hardware("h200"), 1)
+        start = time.monotonic()
+        for kernel, inputs, _ in jobs:
+            compiling.ready(kernel.group.name, inputs)
+        assert time.monotonic() - start < 5.0 and compiling.expired
+        assert len(pool.processes) == 2
+        start = time.monotonic()
+        assert pool.compile([launch("ok", 0.01), launch("ok", 0.02)]) == 2     # the next build has its workers
+        assert time.monotonic() - start < 5.0
+    finally:
+        pool.close()
+
+
 def test_precompile_uses_the_compile_pool_it_runs_in(monkeypatch):
     """Inside `compile_pool` every precompile goes to the one pool, however few its launches."""
     from opfuse.runtime import precompile as module
