@@ -478,7 +478,11 @@ class Compiling:
             return None
         device_index = gpu.index if gpu.index is not None else torch.cuda.current_device()
         pool = CompilePool(min(workers, launches), device_index).start()
-        return cls(pool, True, jobs, hardware, config.tune_top, recorded)
+        try:
+            return cls(pool, True, jobs, hardware, config.tune_top, recorded)
+        except BaseException:
+            pool.close()
+            raise
 
     def _wait(self, keys: list[tuple]) -> None:
         """Until `keys` are built, or the deadline: then every launch of this build is given up on at once (one
