@@ -32,7 +32,6 @@ import selectors
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -84,17 +83,12 @@ def prefetch_triton_hash() -> threading.Thread:
 
 @dataclass
 class Precompiled:
-    """What `precompile` did: distinct compiles recorded (`compile_key`), compiled by the workers, and those that
-    failed there."""
+    """What the compile workers did with a build's launches (`precompile`, `autotune.Compiling.counts`): distinct
+    compiles (`compile_key`), compiled by the workers, and those that failed or were given up on there."""
 
     launches: int = 0
     compiled: int = 0
     failed: int = 0
-
-    def __add__(self, other: "Precompiled") -> "Precompiled":
-        """Two precompiles' counts together (the tuner's second round: `opfuse.runtime.autotune.next_configs`)."""
-        return Precompiled(self.launches + other.launches, self.compiled + other.compiled,
-                           self.failed + other.failed)
 
 
 def record_launches(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[KernelConfig]]]
@@ -273,9 +267,11 @@ class CompilePool:
                 pass
 
     def _dispatch(self) -> None:
-        """The dispatcher thread (`_serve_queue`); however it ends, nothing is left for a waiter to wait for."""
+        """The dispatcher thread (`_serve`); however it ends (`close`, an error), nothing is left for a waiter to
+        wait for."""
         try:
-            self._serve_queue()
+            with selectors.DefaultSelector() as selector:
+                self._serve(selector)
         finally:
             with self._state:
                 self._closing = True         # a later submit gives its launches to the tuner at once
@@ -283,12 +279,8 @@ class CompilePool:
                 for key in list(self._open):
                     self._finish(key, False)
 
-    def _serve_queue(self) -> None:
-        """Hand out queued launches to idle workers, read their answers, replace the dead, until `close`."""
-        with selectors.DefaultSelector() as selector:
-            self._serve(selector)
-
     def _serve(self, selector: selectors.BaseSelector) -> None:
+        """Hand out queued launches to idle workers, read their answers, replace the dead, until `close`."""
         selector.register(self._wake_read, selectors.EVENT_READ, None)
         idle: list[subprocess.Popen] = list(self.processes)
         busy: dict[subprocess.Popen, bytes] = {}         # a worker with a launch out -> what it has printed since
@@ -370,7 +362,7 @@ class CompilePool:
         """End the dispatcher and the workers now, not waiting for any still starting (a compile whose every
         kernel was cached is done before its workers are ready): between launches a worker holds nothing a kill
         could leave half done (Triton writes its cache entries under a temporary name, then renames them). What
-        was still queued or compiling counts as failed."""
+        was still queued or compiling counts as failed (the dispatcher's end, `_dispatch`)."""
         with self._state:
             self._closing = True
         self._wake()
@@ -386,10 +378,6 @@ class CompilePool:
         for process in self.processes:
             process.wait()
         self.processes = []
-        with self._state:
-            self._queue.clear()
-            for key in list(self._open):
-                self._finish(key, False)
         for fd in (self._wake_read, self._wake_write):
             if fd >= 0:
                 os.close(fd)

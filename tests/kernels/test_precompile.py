@@ -73,8 +73,6 @@ def test_workers_that_cannot_compile_cost_nothing_but_time(monkeypatch):
     monkeypatch.setattr(module, "TIMEOUT_S", 0.0)                       # workers killed at once
     second = precompile([(kernel, inputs, kernel.configs())], workers=2, device_index=0)
     assert second.compiled == 0 and second.failed == second.launches
-    both = result + second            # the tuner's two rounds, counted together
-    assert (both.launches, both.compiled, both.failed) == (2 * result.launches, 0, 2 * result.launches)
 
 
 def test_a_kernel_with_its_launcher_copies():
