@@ -356,10 +356,9 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
 def _compile_workers(config: FusionConfig, device: torch.device):
     """The compile's pool of Triton compile workers (`opfuse.runtime.precompile.compile_pool`), where it tunes."""
     from opfuse.runtime.autotune import tunes
-    from opfuse.runtime.precompile import compile_pool, default_workers
+    from opfuse.runtime.precompile import compile_pool, workers_of
 
-    workers = config.compile_workers if config.compile_workers is not None else default_workers()
-    return compile_pool(workers if tunes(config, device) else 0, device)
+    return compile_pool(workers_of(config) if tunes(config, device) else 0, device)
 
 
 def _stage_printer(quiet: bool):

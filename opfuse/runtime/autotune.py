@@ -35,7 +35,7 @@ from opfuse.ir.graph import GraphError
 from opfuse.ir.ops import FusionKind, kind_of
 from opfuse.runtime.cache import TuningCache, tuning_key
 from opfuse.runtime.precompile import (MIN_LAUNCHES, TIMEOUT_S, CompilePool, Precompiled, active_pool,
-                                      default_workers, distinct_compiles, launches_by_config, record_launches)
+                                      distinct_compiles, launches_by_config, record_launches, workers_of)
 
 SPILLS = "register spills"
 EVERY_CONFIG_SPILLS = "over budget: every config spills"
@@ -461,7 +461,7 @@ class Compiling:
         shapes, strides and dtypes will do, nothing is computed) in the running `compile_pool`, else in a pool of
         its own where there are at least `MIN_LAUNCHES`; None where no workers are to run (`compile_workers` under 2,
         nothing to build)."""
-        workers = config.compile_workers if config.compile_workers is not None else default_workers()
+        workers = workers_of(config)
         if workers < 2:
             return None
         jobs = uncached(kernels, inputs, config, cache, torch.cuda.get_device_name(gpu))

@@ -45,7 +45,7 @@ from opfuse.runtime.autotune import (Compiling, every_choice_cached, kernel_inpu
                                      recover_rng_after_failed_capture, tune, tunes)
 from opfuse.runtime.cache import TuningCache
 from opfuse.runtime.graph_nodes import kept_graph, kernel_nodes, ready
-from opfuse.runtime.precompile import active_pool, compile_pool, default_workers
+from opfuse.runtime.precompile import active_pool, compile_pool, workers_of
 
 
 @dataclass(frozen=True)
@@ -590,8 +590,7 @@ def build_compiled_model(plan: FusionPlan, device: torch.device | str,
     model.build_seconds["lower"] = time.perf_counter() - start
     if kernels and example_inputs is not None and tunes(config, device):
         cache = cache if cache is not None else TuningCache.for_config(config)
-        workers = config.compile_workers if config.compile_workers is not None else default_workers()
-        with compile_pool(workers, device):
+        with compile_pool(workers_of(config), device):
             start = time.perf_counter()
             stand_ins = _stand_ins(model, example_inputs)
             inputs = None if stand_ins is None else {k.group.name: kernel_inputs(k, stand_ins)

@@ -54,6 +54,12 @@ def default_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
+def workers_of(config) -> int:
+    """How many compile workers a compile with FusionConfig `config` runs: `compile_workers`, else
+    `default_workers()`."""
+    return config.compile_workers if config.compile_workers is not None else default_workers()
+
+
 def hash_triton() -> None:
     """Compute `triton.runtime.cache.triton_key()` now: the hash of Triton's own sources and libtriton that keys
     its on-disk cache, computed once per process (lru_cache) and otherwise paid by the first kernel looked up
