@@ -1,10 +1,11 @@
-"""Loop-form and tile sweep of the direct depthwise kernel, layer by layer, against cuDNN.
+"""Tile and form sweep of the direct depthwise kernel, layer by layer, against cuDNN.
 
 For each depthwise layer of the zoo's convnets (ConvNeXt's 7x7, EfficientNet's 5x5 and 3x3, MobileNetV2's 3x3:
 channels, size, filter and stride) at each batch given, fp16, channels-last, with a bias:
 
-- `DepthwiseConvKernel` with each of its tiles (`DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS`), once with every
-  tap unrolled (ROW_LOOP=0) and once with the filter rows in a loop (ROW_LOOP=1), with the registers and local
+- `DepthwiseConvKernel` with each of its pixel tiles (`DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS`, the taps
+  unrolled or in a row loop as `depthwise_configs` decides), and in its runs form (COLS neighbouring outputs of a
+  row share their input columns) with each of `RUN_TILES` at each of `RUN_COLS`, with the registers and local
   memory (spills) ptxas gave each and the seconds its first call took (compiling it);
 - cuDNN (`torch.nn.functional.conv2d` on the channels-last input), as the library form runs it.
 
@@ -33,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from opfuse.bench import harness  # noqa: E402
 from opfuse.bench.timing import graphed_call_us  # noqa: E402
 from opfuse.codegen.base import KernelConfig  # noqa: E402
-from opfuse.codegen.conv import DEPTHWISE_CONFIGS, SMALL_DEPTHWISE_CONFIGS, lower_conv_group  # noqa: E402
+from opfuse.codegen.conv import (DEPTHWISE_CONFIGS, SMALL_DEPTHWISE_CONFIGS, lower_conv_group,  # noqa: E402
+                                 unrolled_tap_registers)
 from opfuse.fusion.plan import GroupKind  # noqa: E402
 from opfuse.numerics import relative_error  # noqa: E402
 from tests.kernels.test_conv_kernels import Builder  # noqa: E402
@@ -50,15 +52,29 @@ LAYERS = [("convnext", 96, 56, 7, 1), ("convnext", 192, 28, 7, 1), ("convnext", 
           ("mobilenet", 960, 7, 3, 1)]
 
 
-def configs() -> list[KernelConfig]:
-    tiles = DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS
-    return [KernelConfig.of(num_warps=t.num_warps, num_stages=t.num_stages, BLOCK_M=t["BLOCK_M"],
-                            BLOCK_N=t["BLOCK_N"], ROW_LOOP=loop) for loop in (0, 1) for t in tiles]
+# the runs form's candidates: (BLOCK_M output pixels, BLOCK_N channels, warps), each at each COLS
+RUN_TILES = [(64, 32, 4), (128, 32, 4), (64, 64, 4), (128, 64, 4), (256, 32, 4), (256, 64, 8), (32, 64, 4)]
+RUN_COLS = (4, 8)
+FORMS = ("direct", "runs")
+
+
+def configs(taps: int) -> list[KernelConfig]:
+    direct = [KernelConfig.of(num_warps=t.num_warps, num_stages=t.num_stages, BLOCK_M=t["BLOCK_M"],
+                              BLOCK_N=t["BLOCK_N"], ROW_LOOP=int(unrolled_tap_registers(t, taps, 2) > 255))
+              for t in DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS]
+    runs = [KernelConfig.of(num_warps=w, num_stages=1, BLOCK_M=m, BLOCK_N=n, COLS=cols)
+            for cols in RUN_COLS for m, n, w in RUN_TILES]
+    return direct + runs
+
+
+def form(config: KernelConfig) -> str:
+    return "runs" if "COLS" in dict(config.params) else "direct"
 
 
 def describe(config: KernelConfig) -> str:
     p = dict(config.params)
-    return f"{p['BLOCK_M']}x{p['BLOCK_N']}/w{config.num_warps}/{'rows' if p['ROW_LOOP'] else 'unrolled'}"
+    kind = f"cols{p['COLS']}" if "COLS" in p else ("rows" if p["ROW_LOOP"] else "unrolled")
+    return f"{p['BLOCK_M']}x{p['BLOCK_N']}/w{config.num_warps}/{kind}"
 
 
 def run_layer(batch: int, model: str, channels: int, size: int, k: int, stride: int) -> dict:
@@ -75,8 +91,8 @@ def run_layer(batch: int, model: str, channels: int, size: int, k: int, stride: 
         library = lambda: F.conv2d(feeds[0], weight, bias, stride, k // 2, 1, channels)  # noqa: E731
         reference = library().float()
         row["cudnn_us"] = graphed_call_us(library, REPEAT)
-        for config in configs():
-            entry = {"config": describe(config)}
+        for config in configs(k * k):
+            entry = {"config": describe(config), "form": form(config)}
             try:
                 start = time.perf_counter()
                 out = kernel.run(feeds, config)[0]
@@ -88,29 +104,30 @@ def run_layer(batch: int, model: str, channels: int, size: int, k: int, stride: 
             except Exception as error:
                 entry["error"] = f"{type(error).__name__}: {str(error)[:200]}"
             row["configs"].append(entry)
-    for form in ("unrolled", "rows"):
-        timed = [c for c in row["configs"] if "us" in c and c["config"].endswith(form)]
+    for name in FORMS:
+        timed = [c for c in row["configs"] if "us" in c and c["form"] == name]
         if timed:
-            row[f"best_{form}"] = min(timed, key=lambda c: c["us"])
-            row[f"default_{form}"] = timed[0]
+            row[f"best_{name}"] = min(timed, key=lambda c: c["us"])
+            row[f"default_{name}"] = timed[0]
     return row
 
 
 def markdown(env: dict, rows: list[dict]) -> str:
     lines = [f"### depthwise kernel sweep, fp16 channels-last: {env.get('date')}, {env.get('gpu')}, "
              f"torch {env.get('torch')}, triton {env.get('triton')}", "",
-             f"µs per call ({REPEAT} calls per CUDA graph, median of 30 replays); tile BMxBN/warps/taps form; "
-             "first call: its compile, in s; max rel. err against cuDNN.", "",
-             "| batch | model | layer | cuDNN µs | unrolled: first tile / best | rows: first tile / best | "
-             "best vs cuDNN | compile s unrolled / rows (sum) | max spills unrolled / rows | max rel. err |",
+             f"µs per call ({REPEAT} calls per CUDA graph, median of 30 replays); tile BMxBN/warps/form (unrolled "
+             "taps, rows in a loop, runs of COLS outputs); first call: its compile, in s; max rel. err against "
+             "cuDNN.", "",
+             "| batch | model | layer | cuDNN µs | direct: first tile / best | runs: first tile / best | "
+             "best vs cuDNN | compile s direct / runs (sum) | max spills direct / runs | max rel. err |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        if "best_rows" not in row or "best_unrolled" not in row:
+        if not all(f"best_{f}" in row for f in FORMS):
             lines.append(f"| {row['batch']} | {row['model']} | {row['layer']} | {row.get('error', 'no timing')} |"
                          + " |" * 6)
             continue
-        forms = {f: [c for c in row["configs"] if "us" in c and c["config"].endswith(f)] for f in ("unrolled", "rows")}
-        best = min(row["best_rows"]["us"], row["best_unrolled"]["us"])
+        forms = {f: [c for c in row["configs"] if "us" in c and c["form"] == f] for f in FORMS}
+        best = min(row[f"best_{f}"]["us"] for f in FORMS)
         compile_s = " / ".join(f"{sum(c['first_call_s'] for c in forms[f]):.1f}" for f in forms)
         spills = " / ".join(str(max(c["spills"] or 0 for c in forms[f])) for f in forms)
         errors = max(c["rel_err"] for f in forms for c in forms[f])

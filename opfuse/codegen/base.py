@@ -46,8 +46,9 @@ class KernelConfig:
     """One point of a kernel's tuning space: the form it runs in (its Triton kernel, or another form of the
     group: `opfuse.codegen.forms`), constexpr block sizes and launch options."""
 
-    # e.g. (("BLOCK_M", 128), ("BLOCK_N", 64), ("BLOCK_K", 32)), with a split kernel's K slices (SPLIT_K) or the
-    # conv groups one program of a grouped conv computes (BLOCK_G) where a config has them
+    # e.g. (("BLOCK_M", 128), ("BLOCK_N", 64), ("BLOCK_K", 32)), with a split kernel's K slices (SPLIT_K), the
+    # conv groups one program of a grouped conv computes (BLOCK_G) or a depthwise run's outputs (COLS) where a
+    # config has them
     params: tuple[tuple[str, int], ...]
     num_warps: int = 4
     num_stages: int = 2

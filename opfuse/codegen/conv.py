@@ -3,7 +3,8 @@
 Entry point: `lower_conv_group(graph, group, device)` for groups anchored on conv2d (or horizontal groups of
 sibling conv2ds on one input). Which kernel a conv gets:
   depthwise (groups == Cin > 1, Cout a multiple of Cin)  -> `DepthwiseConvKernel`: a direct kernel over
-      [BLOCK_M pixels, BLOCK_N channels] tiles, one multiply-add per tap, float32 accumulation;
+      [BLOCK_M pixels, BLOCK_N channels] tiles, one multiply-add per tap, float32 accumulation; its runs form
+      (COLS > 1) takes the pixels as runs of COLS neighbours along a row, which load each input column once;
   1x1, no padding, groups == 1                            -> `opfuse.codegen.gemm.GemmKernel` over pixels (a
       strided 1x1 conv is a GEMM over the strided view x[:, :, ::s, ::s]);
   anything else                                          -> `ConvKernel`: implicit GEMM with M = N·Hout·Wout
@@ -207,6 +208,108 @@ def KERNEL_NAME(
 '''
 
 
+# The runs form of the depthwise kernel: a program's BLOCK_M output pixels are BLOCK_M // COLS runs of COLS
+# neighbours along an output row. Each filter row's input columns under a run are loaded once, each into the
+# accumulators of every output of the run whose window covers it ({taps}: generated for the filter's width, stride
+# and dilation by `run_taps`), so a run of COLS outputs of a 7-wide filter loads COLS + 6 input columns a filter row
+# instead of 7·COLS. The accumulators are then interleaved into one [BLOCK_M, BLOCK_N] tile (row = run·COLS + column)
+# for the shared epilogue.
+DEPTHWISE_RUNS_TEMPLATE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def KERNEL_NAME(
+    x_ptr, w_ptr,
+    P, N, H, W, R1, R2,
+    s_xn, s_xc, s_xh, s_xw,
+    {{params}}
+    KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
+    PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+    MULTIPLIER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLS: tl.constexpr,
+    UNIT: tl.constexpr,
+):
+{{units}}
+    RUNS: tl.constexpr = BLOCK_M // COLS
+    runs_per_row = (R2 + COLS - 1) // COLS
+    offs_p = tl.program_id(0) * RUNS + tl.arange(0, RUNS)       # run of COLS outputs: (image, row, run in row)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output channel
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    p2 = offs_p % runs_per_row
+    p1 = (offs_p // runs_per_row) % R1
+    p0 = offs_p // (runs_per_row * R1)
+    ih0 = p1 * STRIDE_H - PAD_H
+    iw0 = p2 * (COLS * STRIDE_W) - PAD_W
+    x_runs = x_ptr + p0 * s_xn
+    x_cols = (offs_n // MULTIPLIER) * s_xc                       # output channel c reads input channel c // mult
+{zeros}
+    for kh in range(KH):
+        ih = ih0 + kh * DIL_H
+        dw_ok = mask_p & (ih >= 0) & (ih < H)
+        dw_row = x_runs + ih * s_xh
+        dw_w = w_ptr + kh * KW * N + offs_n
+{taps}
+{interleave}
+    rows = tl.arange(0, BLOCK_M)
+    run = tl.program_id(0) * RUNS + rows // COLS
+    r2 = (run % runs_per_row) * COLS + rows % COLS
+    r1 = (run // runs_per_row) % R1
+    r0 = run // (runs_per_row * R1)
+    mask_m = (run < P) & (r2 < R2)
+
+{{epilogue}}
+'''
+
+
+def run_taps(cols: int, kw: int, stride: int, dilation: int, indent: str = "        ") -> str:
+    """The body of one filter row of the runs form: the row's `kw` weights, then each input column under a run of
+    `cols` outputs (`stride` and `dilation` along the row) loaded once and multiplied into the accumulator of every
+    output whose window covers it."""
+    lines = [f"dw_w{k} = tl.load(dw_w + {k} * N, mask=mask_n, other=0.0).to(tl.float32)[None, :]" for k in range(kw)]
+    for j in range((cols - 1) * stride + (kw - 1) * dilation + 1):
+        users = [(t, (j - t * stride) // dilation) for t in range(cols)
+                 if j >= t * stride and (j - t * stride) % dilation == 0 and (j - t * stride) // dilation < kw]
+        if not users:
+            continue
+        lines += [f"iw = iw0 + {j}",
+                  "dw_x = tl.load((dw_row + iw * s_xw)[:, None] + x_cols[None, :],",
+                  "               mask=(dw_ok & (iw >= 0) & (iw < W))[:, None] & mask_n[None, :], other=0.0)",
+                  "dw_x = dw_x.to(tl.float32)"]
+        lines += [f"dw_acc{t} += dw_x * dw_w{k}" for t, k in users]
+    return "\n".join(indent + line for line in lines)
+
+
+def interleave(names: list[str], rows: str, indent: str = "    ") -> str:
+    """Lines binding `acc` to the [RUNS, BLOCK_N] tiles `names` (a power of two of them) interleaved by rows into
+    [`rows`, BLOCK_N]: row r·len(names) + t of `acc` is row r of names[t]."""
+    lines, level, count = [], list(names), 0
+    while len(level) > 1:     # join t with t + half: each join's new last dim is the next lower bit of t
+        half = len(level) // 2
+        joined = []
+        for i in range(half):
+            lines.append(f"dw_j{count} = tl.join({level[i]}, {level[i + half]})")
+            joined.append(f"dw_j{count}")
+            count += 1
+        level = joined
+    depth = len(names).bit_length() - 1
+    if depth == 0:
+        lines.append(f"acc = {level[0]}")
+    else:
+        order = ", ".join(str(d) for d in (0, *range(2, depth + 2), 1))     # [runs, t's bits high to low, N]
+        lines.append(f"acc = tl.reshape(tl.permute({level[0]}, ({order})), ({rows}, BLOCK_N))")
+    return "\n".join(indent + line for line in lines)
+
+
+def depthwise_runs_template(cols: int, kw: int, stride: int, dilation: int) -> str:
+    """`DEPTHWISE_RUNS_TEMPLATE` for runs of `cols` outputs (a power of two) of a filter `kw` wide."""
+    names = [f"dw_acc{t}" for t in range(cols)]
+    zeros = "\n".join(f"    {n} = tl.zeros((RUNS, BLOCK_N), dtype=tl.float32)" for n in names)
+    return DEPTHWISE_RUNS_TEMPLATE.format(zeros=zeros, taps=run_taps(cols, kw, stride, dilation),
+                                          interleave=interleave(names, "BLOCK_M"))
+
+
 # [pixels, channels] tiles, in the order measured best on an H200 for MobileNet-sized layers (64 x 32 second: it
 # beat 128 x 32 on EfficientNet's batch-64 layers, RESULTS.md run 55), then smaller ones for layers too small to
 # fill the GPU with those (`depthwise_configs`)
@@ -222,6 +325,16 @@ SMALL_DEPTHWISE_CONFIGS = [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16
                            KernelConfig.of(num_warps=2, num_stages=1, BLOCK_M=16, BLOCK_N=32)]
 
 
+# the runs form's tiles (COLS outputs a run), in the order of their geometric mean over the zoo's depthwise layers at
+# batch 64 (RESULTS.md run 92), then smaller ones for layers too small to fill the GPU with those
+DEPTHWISE_RUN_CONFIGS = [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=128, BLOCK_N=32, COLS=8),
+                         KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=128, BLOCK_N=64, COLS=8),
+                         KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=64, BLOCK_N=64, COLS=8),
+                         KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=128, BLOCK_N=32, COLS=4),
+                         KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=64, BLOCK_N=32, COLS=4),
+                         KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=32, BLOCK_N=64, COLS=4)]
+
+
 def unrolled_tap_registers(config: KernelConfig, taps: int, itemsize: int) -> int:
     """Registers per thread a depthwise tile needs with all `taps` unrolled: ptxas issues every tap's load before
     the multiply-adds, so each thread holds all of its elements' taps (packed 32 bits to a register), its float32
@@ -234,17 +347,18 @@ def depthwise_configs(m: int, n: int, sm_count: int, taps: int = 1, itemsize: in
                       max_registers: int = 255) -> list[KernelConfig]:
     """Tile candidates of the direct depthwise kernel over `m` output pixels x `n` channels with a filter of `taps`
     taps on `itemsize`-byte inputs, on a GPU of `sm_count` SMs and `max_registers` registers per thread, the default
-    first. A depthwise conv does a few multiply-adds per element it loads, so its speed is the loads in flight: the
-    tiles are ordered `by_occupancy`, those whose grid has a program for every SM first, in `DEPTHWISE_CONFIGS`'
-    measured order (a 7x7 layer of ConvNeXt's last stage, 49 pixels x 768 channels at batch 1, fills 24 of an H200's
-    132 SMs with the first measured tile). A tile whose taps unrolled would not fit the registers
+    first. A depthwise conv does a few multiply-adds per element it loads, so its speed is the loads it issues: the
+    runs form's tiles (`DEPTHWISE_RUN_CONFIGS`: a run of outputs along a row loads each input column once) come
+    before the pixel tiles, and all are ordered `by_occupancy`, those whose grid has a program for every SM first, in
+    the listed (measured) order (a 7x7 layer of ConvNeXt's last stage, 49 pixels x 768 channels at batch 1, fills 24
+    of an H200's 132 SMs with the first tile). A pixel tile whose taps unrolled would not fit the registers
     (`unrolled_tap_registers`) loops over the filter rows instead (ROW_LOOP=1), each row's taps unrolled: unrolled,
     they spill (a 7x7 filter on a 128 x 32 tile: 6 KB per thread, 20x slower than cuDNN), and a row loop keeps the
     loads of one row in flight."""
     tiles = [KernelConfig.of(num_warps=c.num_warps, num_stages=c.num_stages, **dict(c.params),
                              ROW_LOOP=int(unrolled_tap_registers(c, taps, itemsize) > max_registers))
              for c in DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS]
-    return by_occupancy(tiles, m, n, 1, sm_count)
+    return by_occupancy(DEPTHWISE_RUN_CONFIGS + tiles, m, n, 1, sm_count)
 
 
 def _pair(value, node: Node, attr: str) -> tuple[int, int]:
@@ -464,6 +578,7 @@ class DepthwiseConvKernel(EpilogueKernel):
                  geometry: ConvGeometry, weight: torch.Tensor, hw: HardwareProfile | None = None):
         name, source, self.kernel = generate_kernel(DEPTHWISE_TEMPLATE, epilogue, units=DEPTHWISE_UNITS)
         super().__init__(graph, group, name, source)
+        self._runs: dict[int, object] = {}    # COLS: the runs form's kernel, generated on first use
         self.epilogue, self.layout, self.x, self.geometry = epilogue, epilogue.layout, x, geometry
         # [Cout, 1, Kh, Kw] -> [Kh·Kw, Cout]: one contiguous row of channel weights per tap
         self.weight = weight[:, 0].permute(1, 2, 0).reshape(-1, weight.shape[0]).contiguous()
@@ -480,13 +595,29 @@ class DepthwiseConvKernel(EpilogueKernel):
         x = values[self.x]
         m, channels = self.layout.rows, self.layout.channels
         _, r1, r2 = self.layout.row_sizes()
-        grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(channels, config["BLOCK_N"]))
-        compiled = self.kernel[grid](
-            x, self.weight, m, channels, g.height, g.width, r1, r2, *x.stride(), *args, **g.constexprs(),
-            MULTIPLIER=self.multiplier, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
-            ROW_LOOP=dict(config.params).get("ROW_LOOP", 0), num_warps=config.num_warps, num_stages=config.num_stages)
+        params = dict(config.params)
+        cols = params.get("COLS", 1)
+        options = dict(**g.constexprs(), MULTIPLIER=self.multiplier, BLOCK_M=config["BLOCK_M"],
+                       BLOCK_N=config["BLOCK_N"], num_warps=config.num_warps, num_stages=config.num_stages)
+        if cols > 1:      # runs of COLS outputs along a row: the row's runs, the last one cut at the row's end
+            runs = m // (r1 * r2) * r1 * triton.cdiv(r2, cols)
+            grid = (triton.cdiv(runs, config["BLOCK_M"] // cols), triton.cdiv(channels, config["BLOCK_N"]))
+            compiled = self.runs_kernel(cols)[grid](x, self.weight, runs, channels, g.height, g.width, r1, r2,
+                                                    *x.stride(), *args, COLS=cols, **options)
+        else:
+            grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(channels, config["BLOCK_N"]))
+            compiled = self.kernel[grid](x, self.weight, m, channels, g.height, g.width, r1, r2, *x.stride(), *args,
+                                         ROW_LOOP=params.get("ROW_LOOP", 0), **options)
         self.last_compiled = compiled_info(compiled)
         return outputs
+
+    def runs_kernel(self, cols: int):
+        """The runs form's kernel for runs of `cols` outputs (`DEPTHWISE_RUNS_TEMPLATE`)."""
+        if cols not in self._runs:
+            g = self.geometry
+            template = depthwise_runs_template(cols, g.kw, g.stride[1], g.dilation[1])
+            self._runs[cols] = generate_kernel(template, self.epilogue, units=DEPTHWISE_UNITS)[2]
+        return self._runs[cols]
 
 
 def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | str,

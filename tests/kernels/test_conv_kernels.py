@@ -100,13 +100,33 @@ def test_depthwise_row_loop(stride, dilation):
     torch.testing.assert_close(looped, unrolled, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("k,stride,dilation,cols,width", [
+    (3, 1, 1, 4, 7),      # a row of 7 outputs: one whole run and one cut at the row's end
+    (5, 2, 1, 2, 9),      # stride 2: a run's outputs 2 input columns apart
+    (7, 1, 1, 8, 6),      # a run longer than the row
+    (3, 2, 2, 4, 11),     # dilation 2: each input column feeds every other tap
+])
+def test_depthwise_runs(k, stride, dilation, cols, width):
+    """The runs form (COLS outputs along a row share their input columns) computes what the pixel tiles do, with a
+    channel multiplier of 2 and rows that do not divide into runs."""
+    b = Builder()
+    x = b.input("x", (2, 5, 6, width))
+    y = b.op("relu", b.conv(x, 10, k, stride=stride, padding=(k // 2) * dilation, dilation=dilation, groups=5))
+    kernel, (direct,) = run_group(b, [y])
+    assert isinstance(kernel, DepthwiseConvKernel)
+    (runs,) = kernel.run([b.feeds[name] for name in kernel.runtime_inputs],
+                         KernelConfig.of(BLOCK_M=16, BLOCK_N=8, COLS=cols))
+    b.check([y], [runs])
+    torch.testing.assert_close(runs, direct, rtol=1e-5, atol=1e-5)
+
+
 def test_depthwise_row_loop_where_taps_overflow_registers():
     """A tile whose unrolled taps would not fit a thread's 255 registers loops over the filter rows; a 3x3 filter
     and small tiles of a 7x7 one stay unrolled."""
     from opfuse.codegen.conv import depthwise_configs, unrolled_tap_registers
 
     for taps in (9, 25, 49):
-        configs = depthwise_configs(64 * 56 * 56, 96, sm_count=132, taps=taps)
+        configs = [c for c in depthwise_configs(64 * 56 * 56, 96, sm_count=132, taps=taps) if "COLS" not in dict(c.params)]
         for config in configs:
             assert config["ROW_LOOP"] == int(unrolled_tap_registers(config, taps, 2) > 255)
         looped = {(c["BLOCK_M"], c["BLOCK_N"]) for c in configs if c["ROW_LOOP"]}
@@ -231,7 +251,7 @@ def test_unsupported_cases():
 def test_depthwise_tiles_fill_the_gpu_first():
     """A layer the measured tiles fill keeps their order; one too small for them (ConvNeXt's last stage at batch 1:
     49 pixels x 768 channels) gets the tiles with the most programs first."""
-    from opfuse.codegen.conv import DEPTHWISE_CONFIGS, depthwise_configs
+    from opfuse.codegen.conv import DEPTHWISE_CONFIGS, DEPTHWISE_RUN_CONFIGS, depthwise_configs
 
     def programs(config, m, n):
         return -(-m // config["BLOCK_M"]) * -(-n // config["BLOCK_N"])
@@ -240,7 +260,8 @@ def test_depthwise_tiles_fill_the_gpu_first():
         return [(c["BLOCK_M"], c["BLOCK_N"], c.num_warps) for c in configs]
 
     large = depthwise_configs(64 * 112 * 112, 96, sm_count=132)
-    assert tiles(large[:len(DEPTHWISE_CONFIGS)]) == tiles(DEPTHWISE_CONFIGS)
+    assert large[:len(DEPTHWISE_RUN_CONFIGS)] == DEPTHWISE_RUN_CONFIGS       # the runs form first
+    assert tiles(large[len(DEPTHWISE_RUN_CONFIGS):][:len(DEPTHWISE_CONFIGS)]) == tiles(DEPTHWISE_CONFIGS)
     small = depthwise_configs(49, 768, sm_count=132)
     assert sorted(small, key=str) == sorted(large, key=str)        # the same candidates, reordered
     counts = [programs(c, 49, 768) for c in small]
