@@ -45,7 +45,7 @@ from opfuse.fusion.plan import GroupKind
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import GraphError, dtype_name, torch_dtype
 from opfuse.numerics import (EAGER_ERROR_MARGIN, GroupCheck, check_groups, random_inputs_like, reference_dtype,
-                             relative_error, tolerance, without_cudnn_search)
+                             reference_convolutions, relative_error, tolerance)
 
 
 class OpfuseModule(torch.nn.Module):
@@ -502,7 +502,7 @@ def _end_to_end_error(eager: torch.nn.Module, compiled, inputs: list[torch.Tenso
             out = model(*[x.to(dtype_) if x.is_floating_point() else x for x in inputs])
         return tree_flatten(out)[0]   # nested tuples/dicts too: the compiled model's outputs are flat
 
-    with without_cudnn_search():     # the compiled model's own convolutions keep the user's setting
+    with reference_convolutions():     # the compiled model's own convolutions keep the user's setting
         reference = run(copy.deepcopy(eager).to(reference_type), reference_type)
     outputs = run(compiled, compute)
     if len(outputs) != len(reference):   # zip would compare only the first few and pass
@@ -510,6 +510,6 @@ def _end_to_end_error(eager: torch.nn.Module, compiled, inputs: list[torch.Tenso
     error = max(relative_error(o, r) for o, r in zip(outputs, reference))
     if error <= tolerance(dtype, inputs[0].device if inputs else None):
         return error, None
-    with without_cudnn_search():
+    with reference_convolutions():
         eager_outputs = run(copy.deepcopy(eager).to(compute), compute)
     return error, max(relative_error(o, r) for o, r in zip(eager_outputs, reference))

@@ -5,7 +5,7 @@ Thresholds (METHOD.md): 1e-4 for float32, 1e-3 where tf32 is used, 1e-2 for floa
 A result over the threshold still passes when PyTorch at the same precision is as far off (within
 EAGER_ERROR_MARGIN): the computation is ill-conditioned there (e.g. the mean of a normalised row is rounding noise
 around zero), and no kernel can do better than the precision it computes in.
-Entry points: `check_groups`, `relative_error`, `tolerance`, `random_inputs_like`, `without_cudnn_search` (for
+Entry points: `check_groups`, `relative_error`, `tolerance`, `random_inputs_like`, `reference_convolutions` (for
 reference runs).
 """
 
@@ -96,22 +96,23 @@ def random_inputs_like(examples: Sequence[torch.Tensor], seed: int = 1234) -> li
 
 
 @contextlib.contextmanager
-def without_cudnn_search() -> Iterator[None]:
-    """Inside, cuDNN picks convolution algorithms by its heuristics, not by timing them (`cudnn.benchmark`, the
-    benchmarks' setting, restored after). For reference runs: each runs every convolution shape once, in a
-    precision nothing else runs, so timing each shape's algorithms first would cost more than the run itself."""
-    saved = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = False
+def reference_convolutions() -> Iterator[None]:
+    """Inside, convolutions run through PyTorch's own kernels, not cuDNN (`cudnn.enabled`, restored after). For
+    reference runs: each runs every convolution shape once, in a precision nothing else runs, where cuDNN's first
+    call of a shape costs far more than the run itself (a depthwise shape in float32: seconds, RESULTS.md run 95)
+    and computes float32 convolutions in TF32 by default, a coarser reference than PyTorch's float32 GEMMs."""
+    saved = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = False
     try:
         yield
     finally:
-        torch.backends.cudnn.benchmark = saved
+        torch.backends.cudnn.enabled = saved
 
 
 def interpret_all(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every node's value, computed through the op references with floating values in `dtype` (cuDNN choosing
-    its algorithms by heuristics: `without_cudnn_search`)."""
-    with without_cudnn_search():
+    """Every node's value, computed through the op references with floating values in `dtype` (convolutions
+    without cuDNN: `reference_convolutions`)."""
+    with reference_convolutions():
         return _interpret_all(graph, inputs, dtype)
 
 

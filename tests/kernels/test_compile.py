@@ -507,23 +507,23 @@ def test_a_pre_norm_block_normalizes_in_its_linears_and_matches_eager():
         assert relative_error(compiled(fresh), block(fresh)) < 1e-5
 
 
-def test_the_references_choose_cudnn_algorithms_by_heuristics_and_the_setting_is_restored(monkeypatch):
-    """Verification's reference runs (every node in float64, then the eager copy) pick cuDNN's algorithms without
-    timing them, whatever `cudnn.benchmark` says; the user's setting is back after the compile."""
+def test_the_references_convolve_without_cudnn_and_the_setting_is_restored(monkeypatch):
+    """Verification's reference runs (every node in float64, then the eager copy) convolve without cuDNN, whatever
+    `cudnn.enabled` says; the user's setting is back after the compile."""
     seen = []
     conv2d = torch.nn.functional.conv2d
 
     def recording(x, *args, **kwargs):
-        seen.append((x.dtype, torch.backends.cudnn.benchmark))
+        seen.append((x.dtype, torch.backends.cudnn.enabled))
         return conv2d(x, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "conv2d", recording)
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    monkeypatch.setattr(torch.backends.cudnn, "enabled", True)
     x = torch.randn(2, 3, 6, 6)
     opfuse.compile(small_cnn(), (x,), opfuse.FusionConfig(dtype="float32"))
-    references = [benchmark for dtype, benchmark in seen if dtype == torch.float64]
+    references = [enabled for dtype, enabled in seen if dtype == torch.float64]
     assert len(references) >= 6 and not any(references)      # 3 convs in the graph, 3 in the eager copy
-    assert torch.backends.cudnn.benchmark is True
+    assert torch.backends.cudnn.enabled is True
 
 
 def builds_reporting(monkeypatch, report) -> list:

@@ -1,0 +1,99 @@
+"""Seconds of verification's float32 reference, op by op, with cuDNN on and off (issue 17: verification that does not
+dominate a compile).
+
+    python benchmarks/reference_time.py --out DIR [--workloads convnext_tiny:64,mobilenet_v2:64,resnet50:1]
+
+For each workload (fp16, channels-last, the prepared graph `opfuse.analyze` plans): the graph's reference values
+computed op by op in float32 as `opfuse.numerics.interpret_all` does, three times in one process (cuDNN on, on
+again, then off), each op synchronised and timed and summed by op (depthwise convolutions apart: `conv2d-dw`); then
+eager PyTorch deep-copied to float32, twice, as the end-to-end check runs it. Prints a JSON line per pass and writes
+DIR/reference_time.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import opfuse  # noqa: E402
+from opfuse.bench import harness  # noqa: E402
+from opfuse.bench.zoo import load_builtin  # noqa: E402
+from opfuse.config import FusionConfig  # noqa: E402
+from opfuse.ir.ops import get_op  # noqa: E402
+from opfuse.numerics import random_inputs_like  # noqa: E402
+
+
+def reference_pass(graph, inputs: list[torch.Tensor], cudnn: bool) -> tuple[float, dict[str, float]]:
+    """(seconds, seconds by op) of one float32 reference pass over `graph` with cuDNN on or off."""
+    per_op: dict[str, float] = defaultdict(float)
+    saved = torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark = cudnn, False
+    try:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        values = {node.name: x.to(torch.float32) for node, x in zip(graph.input_nodes, inputs)}
+        for node in graph:
+            if node.op == "input":
+                continue
+            began = time.perf_counter()
+            if node.op == "constant":
+                tensor = graph.constants[node.name].to("cuda")
+                values[node.name] = tensor.to(torch.float32) if tensor.is_floating_point() else tensor
+            else:
+                attrs = dict(node.attrs)
+                if node.op == "cast" and "float" in str(attrs.get("dtype")):
+                    attrs["dtype"] = "float32"
+                values[node.name] = get_op(node.op).run([values[i] for i in node.inputs], attrs)
+            torch.cuda.synchronize()
+            depthwise = node.op == "conv2d" and node.attrs.get("groups", 1) > 1
+            per_op["conv2d-dw" if depthwise else node.op] += time.perf_counter() - began
+        return time.perf_counter() - start, per_op
+    finally:
+        torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark = saved
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--workloads", default="convnext_tiny:64,mobilenet_v2:64,resnet50:1,convnext_tiny:1")
+    args = parser.parse_args()
+    out = harness.start_gpu_run("reference_time.py", args.out)
+    if out is None:
+        return 3
+    rows = []
+    for workload in args.workloads.split(","):
+        name, batch = workload.split(":")
+        model, inputs = load_builtin(name, int(batch))
+        model, inputs, _, _ = harness.prepare(model, inputs, torch.float16, "cuda")
+        graph = opfuse.analyze(model, inputs, FusionConfig(dtype="float16")).prepared
+        fresh = random_inputs_like(list(inputs))
+        for trial, cudnn in enumerate((True, True, False)):
+            seconds, per_op = reference_pass(graph, fresh, cudnn)
+            top = sorted(per_op.items(), key=lambda kv: -kv[1])[:6]
+            rows.append({"workload": f"{name}-bs{batch}", "trial": trial, "cudnn": cudnn, "total_s": round(seconds, 3),
+                         "top": [(op, round(s, 3)) for op, s in top]})
+            print(json.dumps(rows[-1]), flush=True)
+        for trial in range(2):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.no_grad():
+                copy.deepcopy(model).to(torch.float32)(*[x.to(torch.float32) for x in fresh])
+            torch.cuda.synchronize()
+            rows.append({"workload": f"{name}-bs{batch}", "eager_fp32_trial": trial,
+                         "s": round(time.perf_counter() - start, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+    (out / "reference_time.json").write_text(json.dumps({"env": harness.environment(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
