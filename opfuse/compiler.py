@@ -44,8 +44,8 @@ from opfuse.config import FusionConfig, resolve_dtype
 from opfuse.fusion.plan import GroupKind
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import GraphError, dtype_name, torch_dtype
-from opfuse.numerics import (EAGER_ERROR_MARGIN, GroupCheck, check_groups, random_inputs_like, reference_dtype,
-                             reference_convolutions, relative_error, tolerance)
+from opfuse.numerics import (EAGER_ERROR_MARGIN, GroupCheck, Layout, check_groups, random_inputs_like,
+                             reference_convolutions, reference_dtype, relative_error, tolerance)
 
 
 class OpfuseModule(torch.nn.Module):
@@ -319,9 +319,10 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
         fresh = random_inputs_like(example_inputs)
         say(f"verifying {len(compiled.kernels)} kernels, then the whole model, against the reference"
             + (" (Triton's CPU interpreter: slow)" if device.type == "cpu" else ""))
+        layouts = _layouts(compiled, fresh)
         with _kernel_progress(quiet, len(compiled.kernels)) as on_kernel:
             checks = check_groups(analysis.prepared, compiled.kernels, fresh, config.dtype, compiled.configs,
-                                  on_kernel)
+                                  on_kernel, layouts)
         failed = [c for c in checks if not c.passed]
         if failed:   # un-fuse: the failing groups run through PyTorch, and say why
             reasons = {c.group: Reason(Code.FAILED_VERIFICATION,
@@ -488,6 +489,18 @@ def _without_kernels(compiled, reasons: dict[str, Reason]):
     rebuilt.tuning, rebuilt.build_seconds, rebuilt.replan_note = compiled.tuning, compiled.build_seconds, \
         compiled.replan_note
     return rebuilt
+
+
+def _layouts(compiled, inputs: list[torch.Tensor]) -> dict[str, Layout] | None:
+    """The layout of every value the compiled model hands its kernels on `inputs`, from its stand-in values (no
+    kernel runs, none compiles; the tensors are dropped at once), or None where those cannot be made."""
+    if not compiled.stand_ins_are_safe():
+        return None
+    try:
+        values = compiled.stand_in_values(*inputs)
+    except Exception:       # the check then lays its inputs out as it did before
+        return None
+    return {name: Layout.of(value) for name, value in values.items() if isinstance(value, torch.Tensor)}
 
 
 def _end_to_end_error(eager: torch.nn.Module, compiled, inputs: list[torch.Tensor], dtype: str

@@ -138,6 +138,41 @@ def _interpret_all(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dt
     return values
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where a tensor's elements sit in its storage, and their dtype: what a Triton kernel is specialised on besides
+    its sizes (strides divisible by 16, pointers aligned to 16 bytes), so that a kernel checked on values laid out
+    otherwise than the model hands them would be compiled again, and another specialisation checked."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    storage: int            # elements of the storage the tensor views
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "Layout":
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
+                   tensor.untyped_storage().nbytes() // tensor.element_size(), tensor.dtype)
+
+    def holding(self, value: torch.Tensor) -> torch.Tensor:
+        """`value`'s elements in a fresh tensor of this layout (a copy: RuntimeError where the layout's elements
+        overlap, as a broadcast view's do)."""
+        base = torch.empty(self.storage, dtype=self.dtype, device=value.device)
+        return base.as_strided(self.shape, self.stride, self.offset).copy_(value)
+
+
+def laid_out(value: torch.Tensor, layout: Layout | None) -> torch.Tensor:
+    """`value` as a kernel argument: in `layout` (the compiled model's, where known and its elements do not
+    overlap), else 4-D values channels-last (the kernels' layout for images)."""
+    if layout is not None and layout.shape == tuple(value.shape):
+        try:
+            return layout.holding(value)
+        except RuntimeError:
+            pass
+    return value.contiguous(memory_format=torch.channels_last) if value.dim() == 4 else value
+
+
 @dataclass
 class GroupCheck:
     group: str
@@ -156,9 +191,11 @@ class GroupCheck:
 
 def check_groups(graph: Graph, kernels: Mapping[str, object], inputs: Sequence[torch.Tensor],
                  dtype: str, configs: Mapping[str, object] | None = None,
-                 on_kernel: Callable[[str], None] | None = None) -> list[GroupCheck]:
-    """Run each kernel on reference inputs and compare its outputs with the reference values of the same nodes;
-    `on_kernel(name)` is called before each kernel runs (progress)."""
+                 on_kernel: Callable[[str], None] | None = None,
+                 layouts: Mapping[str, Layout] | None = None) -> list[GroupCheck]:
+    """Run each kernel on reference inputs, each laid out as `layouts` says (the compiled model's values, by name:
+    `laid_out`), and compare its outputs with the reference values of the same nodes; `on_kernel(name)` is called
+    before each kernel runs (progress)."""
     reference = interpret_all(graph, inputs, reference_dtype(dtype))
     compute = torch_dtype(dtype)
     checks = []
@@ -169,9 +206,7 @@ def check_groups(graph: Graph, kernels: Mapping[str, object], inputs: Sequence[t
         for value_name in kernel.runtime_inputs:
             value = reference[value_name]
             value = value.to(compute) if value.is_floating_point() else value
-            if value.dim() == 4:
-                value = value.contiguous(memory_format=torch.channels_last)
-            args.append(value)
+            args.append(laid_out(value, (layouts or {}).get(value_name)))
         config = (configs or {}).get(name)
         detail = ""
         try:
