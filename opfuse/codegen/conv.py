@@ -344,12 +344,13 @@ def unrolled_tap_registers(config: KernelConfig, taps: int, itemsize: int) -> in
 
 
 def depthwise_configs(m: int, n: int, sm_count: int, taps: int = 1, itemsize: int = 2,
-                      max_registers: int = 255) -> list[KernelConfig]:
-    """Tile candidates of the direct depthwise kernel over `m` output pixels x `n` channels with a filter of `taps`
-    taps on `itemsize`-byte inputs, on a GPU of `sm_count` SMs and `max_registers` registers per thread, the default
-    first. A depthwise conv does a few multiply-adds per element it loads, so its speed is the loads it issues: the
-    runs form's tiles (`DEPTHWISE_RUN_CONFIGS`: a run of outputs along a row loads each input column once) come
-    before the pixel tiles, and all are ordered `by_occupancy`, those whose grid has a program for every SM first, in
+                      max_registers: int = 255, width: int | None = None) -> list[KernelConfig]:
+    """Tile candidates of the direct depthwise kernel over `m` output pixels x `n` channels (in rows of `width`)
+    with a filter of `taps` taps on `itemsize`-byte inputs, on a GPU of `sm_count` SMs and `max_registers`
+    registers per thread, the default first. A depthwise conv does a few multiply-adds per element it loads, so its
+    speed is the loads it issues: the runs form's tiles (`DEPTHWISE_RUN_CONFIGS`: a run of outputs along a row
+    loads each input column once; only where a row's runs are at least half outputs, not the padding past its end)
+    come before the pixel tiles, and all are ordered `by_occupancy`, those whose grid has a program for every SM first, in
     the listed (measured) order (a 7x7 layer of ConvNeXt's last stage, 49 pixels x 768 channels at batch 1, fills 24
     of an H200's 132 SMs with the first tile). A pixel tile whose taps unrolled would not fit the registers
     (`unrolled_tap_registers`) loops over the filter rows instead (ROW_LOOP=1), each row's taps unrolled: unrolled,
@@ -358,7 +359,8 @@ def depthwise_configs(m: int, n: int, sm_count: int, taps: int = 1, itemsize: in
     tiles = [KernelConfig.of(num_warps=c.num_warps, num_stages=c.num_stages, **dict(c.params),
                              ROW_LOOP=int(unrolled_tap_registers(c, taps, itemsize) > max_registers))
              for c in DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS]
-    return by_occupancy(DEPTHWISE_RUN_CONFIGS + tiles, m, n, 1, sm_count)
+    runs = [c for c in DEPTHWISE_RUN_CONFIGS if width is None or -(-width // c["COLS"]) * c["COLS"] < 2 * width]
+    return by_occupancy(runs + tiles, m, n, 1, sm_count)
 
 
 def _pair(value, node: Node, attr: str) -> tuple[int, int]:
@@ -586,7 +588,8 @@ class DepthwiseConvKernel(EpilogueKernel):
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
         hw = hw or get_hardware()
         self._configs = (depthwise_configs(self.layout.rows, self.layout.channels, hw.sm_count, geometry.kh * geometry.kw,
-                                           weight.element_size(), hw.max_registers_per_thread)
+                                           weight.element_size(), hw.max_registers_per_thread,
+                                           self.layout.row_sizes()[2])
                          if not interpreting() else [KernelConfig.of(BLOCK_M=32, BLOCK_N=16, ROW_LOOP=0)])
 
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
@@ -599,6 +602,9 @@ class DepthwiseConvKernel(EpilogueKernel):
         cols = params.get("COLS", 1)
         options = dict(**g.constexprs(), MULTIPLIER=self.multiplier, BLOCK_M=config["BLOCK_M"],
                        BLOCK_N=config["BLOCK_N"], num_warps=config.num_warps, num_stages=config.num_stages)
+        if cols & (cols - 1) or config["BLOCK_M"] % cols:
+            raise Unsupported(f"{self.name}: runs of {cols} outputs need a power of two dividing BLOCK_M "
+                              f"({config['BLOCK_M']})")
         if cols > 1:      # runs of COLS outputs along a row: the row's runs, the last one cut at the row's end
             runs = m // (r1 * r2) * r1 * triton.cdiv(r2, cols)
             grid = (triton.cdiv(runs, config["BLOCK_M"] // cols), triton.cdiv(channels, config["BLOCK_N"]))

@@ -274,3 +274,21 @@ def test_depthwise_tiles_fill_the_gpu_first():
     wide = [c["BLOCK_N"] == 128 for c in narrow]
     assert wide == sorted(wide) and any(wide)
     assert [c for c in narrow if c["BLOCK_N"] < 128] == [c for c in large if c["BLOCK_N"] < 128]
+
+
+def test_depthwise_runs_only_where_rows_hold_them():
+    """Runs of COLS outputs are candidates where a row's runs are mostly outputs: 7-wide rows take runs of 8 and 4,
+    3-wide rows runs of 4 only, 1-wide rows none; a run length that is no power of two is refused."""
+    from opfuse.codegen.conv import depthwise_configs
+
+    def run_lengths(width):
+        configs = depthwise_configs(64 * 7 * width, 768, sm_count=132, taps=49, width=width)
+        return {dict(c.params).get("COLS", 1) for c in configs}
+
+    assert run_lengths(7) == {1, 4, 8} and run_lengths(3) == {1, 4} and run_lengths(1) == {1}
+    b = Builder()
+    x = b.input("x", (1, 4, 5, 6))
+    y = b.conv(x, 4, 3, padding=1, groups=4)
+    kernel, _ = run_group(b, [y])
+    with pytest.raises(Unsupported, match="power of two"):
+        kernel.run([b.feeds[name] for name in kernel.runtime_inputs], KernelConfig.of(BLOCK_M=24, BLOCK_N=8, COLS=6))
