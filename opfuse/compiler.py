@@ -45,7 +45,8 @@ from opfuse.fusion.plan import GroupKind
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import GraphError, dtype_name, torch_dtype
 from opfuse.numerics import (EAGER_ERROR_MARGIN, GroupCheck, Layout, check_groups, random_inputs_like,
-                             reference_convolutions, reference_dtype, relative_error, tolerance)
+                             reference_convolutions, reference_dtype, relative_error, tolerance,
+                             without_cudnn_search)
 
 
 class OpfuseModule(torch.nn.Module):
@@ -319,7 +320,7 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
         fresh = random_inputs_like(example_inputs)
         say(f"verifying {len(compiled.kernels)} kernels, then the whole model, against the reference"
             + (" (Triton's CPU interpreter: slow)" if device.type == "cpu" else ""))
-        layouts = _layouts(compiled, fresh)
+        layouts = _layouts(compiled, [x.to(compute) if x.is_floating_point() else x for x in fresh])
         with _kernel_progress(quiet, len(compiled.kernels)) as on_kernel:
             checks = check_groups(analysis.prepared, compiled.kernels, fresh, config.dtype, compiled.configs,
                                   on_kernel, layouts)
@@ -523,6 +524,6 @@ def _end_to_end_error(eager: torch.nn.Module, compiled, inputs: list[torch.Tenso
     error = max(relative_error(o, r) for o, r in zip(outputs, reference))
     if error <= tolerance(dtype, inputs[0].device if inputs else None):
         return error, None
-    with reference_convolutions():
+    with without_cudnn_search():     # PyTorch at the compute dtype, as a user runs it
         eager_outputs = run(copy.deepcopy(eager).to(compute), compute)
     return error, max(relative_error(o, r) for o, r in zip(eager_outputs, reference))

@@ -6,7 +6,7 @@ A result over the threshold still passes when PyTorch at the same precision is a
 EAGER_ERROR_MARGIN): the computation is ill-conditioned there (e.g. the mean of a normalised row is rounding noise
 around zero), and no kernel can do better than the precision it computes in.
 Entry points: `check_groups`, `relative_error`, `tolerance`, `random_inputs_like`, `reference_convolutions` (for
-reference runs).
+reference runs), `without_cudnn_search`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from opfuse.ir.graph import Graph, GraphError, torch_dtype
 from opfuse.ir.ops import get_op
@@ -96,17 +97,50 @@ def random_inputs_like(examples: Sequence[torch.Tensor], seed: int = 1234) -> li
 
 
 @contextlib.contextmanager
-def reference_convolutions() -> Iterator[None]:
-    """Inside, convolutions run through PyTorch's own kernels, not cuDNN (`cudnn.enabled`, restored after). For
-    reference runs: each runs every convolution shape once, in a precision nothing else runs, where cuDNN's first
-    call of a shape costs far more than the run itself (a depthwise shape in float32: seconds, RESULTS.md run 95)
-    and computes float32 convolutions in TF32 by default, a coarser reference than PyTorch's float32 GEMMs."""
-    saved = torch.backends.cudnn.enabled
-    torch.backends.cudnn.enabled = False
+def without_cudnn_search() -> Iterator[None]:
+    """Inside, cuDNN picks convolution algorithms by its heuristics, not by timing them (`cudnn.benchmark`, the
+    benchmarks' setting, restored after): a run that meets each convolution shape once would spend longer timing
+    algorithms than running them."""
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
     try:
         yield
     finally:
-        torch.backends.cudnn.enabled = saved
+        torch.backends.cudnn.benchmark = saved
+
+
+CONVOLUTIONS = frozenset({torch.conv1d, torch.conv2d, torch.conv3d})
+
+
+def library_grouped(args: Sequence, kwargs: Mapping) -> bool:
+    """Whether a convolution call (`torch.conv2d`'s arguments) is grouped but not depthwise: PyTorch's own kernels
+    would run it group by group and, on a GPU, image by image."""
+    groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
+    return groups > 1 and groups != args[0].shape[-args[1].dim() + 1]
+
+
+class _ReferenceConvolutions(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in CONVOLUTIONS or library_grouped(args, kwargs):
+            return func(*args, **kwargs)
+        saved = torch.backends.cudnn.enabled
+        torch.backends.cudnn.enabled = False
+        try:
+            return func(*args, **kwargs)
+        finally:
+            torch.backends.cudnn.enabled = saved
+
+
+@contextlib.contextmanager
+def reference_convolutions() -> Iterator[None]:
+    """Inside, convolutions run through PyTorch's own kernels, not cuDNN, but those grouped and not depthwise
+    (`library_grouped`), which cuDNN runs by its heuristics (`without_cudnn_search`). For reference runs: each
+    meets every convolution shape once, in a precision nothing else runs, where cuDNN's first call of a shape costs
+    far more than the run itself (a depthwise shape in float32: seconds, RESULTS.md run 95), and cuDNN computes
+    float32 convolutions in TF32 by default, a coarser reference than PyTorch's float32 GEMMs."""
+    with without_cudnn_search(), _ReferenceConvolutions():
+        yield
 
 
 def interpret_all(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -155,16 +189,26 @@ class Layout:
         return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
                    tensor.untyped_storage().nbytes() // tensor.element_size(), tensor.dtype)
 
+    def overlaps(self) -> bool:
+        """Whether two of its indices address one element (a broadcast view, overlapping windows)."""
+        span = 0        # the last element offset reachable through the dims of smaller strides
+        for stride, size in sorted((st, sz) for st, sz in zip(self.stride, self.shape) if sz > 1):
+            if stride <= span:
+                return True
+            span += stride * (size - 1)
+        return False
+
     def holding(self, value: torch.Tensor) -> torch.Tensor:
-        """`value`'s elements in a fresh tensor of this layout (a copy: RuntimeError where the layout's elements
-        overlap, as a broadcast view's do)."""
+        """`value`'s elements in a fresh tensor of this layout (a copy: RuntimeError where the layout overlaps)."""
+        if self.overlaps():
+            raise RuntimeError(f"layout {self.shape} {self.stride} addresses some elements twice")
         base = torch.empty(self.storage, dtype=self.dtype, device=value.device)
         return base.as_strided(self.shape, self.stride, self.offset).copy_(value)
 
 
 def laid_out(value: torch.Tensor, layout: Layout | None) -> torch.Tensor:
-    """`value` as a kernel argument: in `layout` (the compiled model's, where known and its elements do not
-    overlap), else 4-D values channels-last (the kernels' layout for images)."""
+    """`value` as a kernel argument: in `layout` (the compiled model's, where known and it does not overlap), else
+    4-D values channels-last (the kernels' layout for images)."""
     if layout is not None and layout.shape == tuple(value.shape):
         try:
             return layout.holding(value)

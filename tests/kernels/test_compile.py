@@ -510,20 +510,36 @@ def test_a_pre_norm_block_normalizes_in_its_linears_and_matches_eager():
 def test_the_references_convolve_without_cudnn_and_the_setting_is_restored(monkeypatch):
     """Verification's reference runs (every node in float64, then the eager copy) convolve without cuDNN, whatever
     `cudnn.enabled` says; the user's setting is back after the compile."""
-    seen = []
-    conv2d = torch.nn.functional.conv2d
+    from tests.unit.test_numerics import CudnnSeen
 
-    def recording(x, *args, **kwargs):
-        seen.append((x.dtype, torch.backends.cudnn.enabled))
-        return conv2d(x, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "conv2d", recording)
     monkeypatch.setattr(torch.backends.cudnn, "enabled", True)
     x = torch.randn(2, 3, 6, 6)
-    opfuse.compile(small_cnn(), (x,), opfuse.FusionConfig(dtype="float32"))
-    references = [enabled for dtype, enabled in seen if dtype == torch.float64]
+    with CudnnSeen() as seen:
+        opfuse.compile(small_cnn(), (x,), opfuse.FusionConfig(dtype="float32"))
+    references = [on for dtype, _, on in seen.calls if dtype == torch.float64]
     assert len(references) >= 6 and not any(references)      # 3 convs in the graph, 3 in the eager copy
     assert torch.backends.cudnn.enabled is True
+
+
+def test_verification_checks_kernels_on_the_models_layouts_from_float32_examples(monkeypatch):
+    """A float16 compile from float32 example inputs still hands verification the compiled model's layouts (its
+    stand-in values need inputs in the compute dtype)."""
+    from opfuse import compiler
+
+    handed = []
+    check = compiler.check_groups
+
+    def recording(*args, **kwargs):
+        handed.append(args[6] if len(args) > 6 else kwargs.get("layouts"))
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "check_groups", recording)
+    x = torch.randn(2, 3, 6, 6)
+    compiled = opfuse.compile(small_cnn(), (x,), opfuse.FusionConfig(dtype="float16"))
+    (layouts,) = handed
+    read = {name for kernel in compiled.compiled.kernels.values() for name in kernel.runtime_inputs}
+    assert layouts is not None and read <= set(layouts)
+    assert all(layouts[name].dtype == torch.float16 for name in read if layouts[name].dtype.is_floating_point)
 
 
 def builds_reporting(monkeypatch, report) -> list:

@@ -2,49 +2,60 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from opfuse.ir import ops
 from opfuse.numerics import interpret_all, reference_convolutions
 
 from tests.kernels.test_conv_kernels import Builder
 
 
-def test_reference_convolutions_turn_cudnn_off_and_restore_it():
-    saved = torch.backends.cudnn.enabled
+class CudnnSeen(TorchFunctionMode):
+    """Records (input dtype, groups, whether cuDNN is on) of each convolution call that reaches it: entered before
+    `reference_convolutions`, it sees each call after that has set cuDNN for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[torch.dtype, int, bool]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.conv2d:
+            groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
+            self.calls.append((args[0].dtype, groups, torch.backends.cudnn.enabled))
+        return func(*args, **kwargs)
+
+
+def test_reference_convolutions_turn_cudnn_off_but_for_grouped_ones():
+    """Dense and depthwise convolutions run without cuDNN, grouped ones (PyTorch's own kernels would loop over the
+    groups) with it; every setting is back after, an exception too."""
+    x = torch.randn(1, 8, 5, 5)
+    saved = torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark
     try:
-        for before in (True, False):
-            torch.backends.cudnn.enabled = before
-            with reference_convolutions():
-                assert torch.backends.cudnn.enabled is False
-            assert torch.backends.cudnn.enabled is before
-        torch.backends.cudnn.enabled = True
+        torch.backends.cudnn.enabled = torch.backends.cudnn.benchmark = True
+        with CudnnSeen() as seen, reference_convolutions():
+            assert torch.backends.cudnn.benchmark is False
+            for groups in (1, 8, 2):
+                torch.nn.functional.conv2d(x, torch.randn(8, 8 // groups, 3, 3), groups=groups)
+        assert [(groups, on) for _, groups, on in seen.calls] == [(1, False), (8, False), (2, True)]
+        assert torch.backends.cudnn.enabled is True and torch.backends.cudnn.benchmark is True
         with pytest.raises(RuntimeError), reference_convolutions():
             raise RuntimeError("a reference op failed")
-        assert torch.backends.cudnn.enabled is True
+        assert torch.backends.cudnn.enabled is True and torch.backends.cudnn.benchmark is True
     finally:
-        torch.backends.cudnn.enabled = saved
+        torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark = saved
 
 
-def test_interpret_all_runs_convolutions_without_cudnn(monkeypatch):
-    """The float32 reference's convolutions see cuDNN off (its first call of a depthwise shape costs seconds on a
-    GPU); the values are the convolution's."""
+def test_interpret_all_runs_convolutions_without_cudnn():
+    """The float32 reference's depthwise convolutions see cuDNN off (its first call of such a shape costs seconds
+    on a GPU); the values are the convolution's."""
     b = Builder()
     x = b.input("x", (1, 4, 5, 5))
     y = b.conv(x, 4, 3, padding=1, groups=4)
-    conv = ops.REGISTRY["conv2d"]
-    seen = []
-
-    def run(inputs, attrs):
-        seen.append(torch.backends.cudnn.enabled)
-        return conv.run(inputs, attrs)
-
-    monkeypatch.setitem(ops.REGISTRY, "conv2d", dataclasses.replace(conv, run=run))
-    values = interpret_all(b.graph, [b.feeds["x"]], torch.float64)
-    assert seen == [False] and torch.backends.cudnn.enabled
+    with CudnnSeen() as seen:
+        values = interpret_all(b.graph, [b.feeds["x"]], torch.float64)
+    assert seen.calls == [(torch.float64, 4, False)] and torch.backends.cudnn.enabled
     weight, bias = (b.graph.constants[name].double() for name in b.graph[y].inputs[1:])
     expected = torch.nn.functional.conv2d(b.feeds["x"].double(), weight, bias, padding=1, groups=4)
     torch.testing.assert_close(values[y], expected)
@@ -82,9 +93,13 @@ def test_check_groups_lays_each_input_out_as_the_model_does():
     torch.testing.assert_close(arg, b.feeds[x])
     check_groups(b.graph, {"g": kernel}, [b.feeds[x]], "float32")     # no layouts: 4-D values channels-last
     assert kernel.args[0].is_contiguous(memory_format=torch.channels_last)
-    broadcast = Layout.of(torch.zeros(8).expand(2, 5, 5, 8))      # overlapping elements: channels-last instead
-    check_groups(b.graph, {"g": kernel}, [b.feeds[x]], "float32", layouts={x: broadcast})
-    assert kernel.args[0].is_contiguous(memory_format=torch.channels_last)
+    windows = torch.arange(2.0 * 5 * 5 * 8 + 8).unfold(0, 400, 8)[:1].as_strided((2, 5, 5, 8), (8, 40, 8, 1))
+    for overlapping in (torch.zeros(8).expand(2, 5, 5, 8), windows):    # some elements twice: channels-last
+        assert Layout.of(overlapping).overlaps()
+        check_groups(b.graph, {"g": kernel}, [b.feeds[x]], "float32", layouts={x: Layout.of(overlapping)})
+        assert kernel.args[0].is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(kernel.args[0], b.feeds[x])
+    assert not Layout.of(storage).overlaps() and not Layout.of(torch.empty(2, 8, 5, 5).permute(0, 2, 3, 1)).overlaps()
 
 
 def test_the_compile_reads_its_values_layouts_from_the_model():
