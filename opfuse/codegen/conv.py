@@ -580,7 +580,7 @@ class DepthwiseConvKernel(EpilogueKernel):
                  geometry: ConvGeometry, weight: torch.Tensor, hw: HardwareProfile | None = None):
         name, source, self.kernel = generate_kernel(DEPTHWISE_TEMPLATE, epilogue, units=DEPTHWISE_UNITS)
         super().__init__(graph, group, name, source)
-        self._runs: dict[int, object] = {}    # COLS: the runs form's kernel, generated on first use
+        self._runs: dict[int, tuple[str, object]] = {}    # COLS: the runs form's (source, kernel)
         self.epilogue, self.layout, self.x, self.geometry = epilogue, epilogue.layout, x, geometry
         # [Cout, 1, Kh, Kw] -> [Kh·Kw, Cout]: one contiguous row of channel weights per tap
         self.weight = weight[:, 0].permute(1, 2, 0).reshape(-1, weight.shape[0]).contiguous()
@@ -591,6 +591,9 @@ class DepthwiseConvKernel(EpilogueKernel):
                                            weight.element_size(), hw.max_registers_per_thread,
                                            self.layout.row_sizes()[2])
                          if not interpreting() else [KernelConfig.of(BLOCK_M=32, BLOCK_N=16, ROW_LOOP=0)])
+        # the kernel's source is every form it may run: what the tuning cache and a package's check compare
+        for cols in sorted({dict(c.params).get("COLS", 1) for c in self._configs} - {1}):
+            self.source += "\n\n" + self._runs_form(cols)[0]
 
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)
@@ -619,10 +622,13 @@ class DepthwiseConvKernel(EpilogueKernel):
 
     def runs_kernel(self, cols: int):
         """The runs form's kernel for runs of `cols` outputs (`DEPTHWISE_RUNS_TEMPLATE`)."""
+        return self._runs_form(cols)[1]
+
+    def _runs_form(self, cols: int) -> tuple[str, object]:
         if cols not in self._runs:
             g = self.geometry
             template = depthwise_runs_template(cols, g.kw, g.stride[1], g.dilation[1])
-            self._runs[cols] = generate_kernel(template, self.epilogue, units=DEPTHWISE_UNITS)[2]
+            self._runs[cols] = generate_kernel(template, self.epilogue, units=DEPTHWISE_UNITS)[1:]
         return self._runs[cols]
 
 

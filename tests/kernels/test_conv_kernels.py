@@ -276,6 +276,25 @@ def test_depthwise_tiles_fill_the_gpu_first():
     assert [c for c in narrow if c["BLOCK_N"] < 128] == [c for c in large if c["BLOCK_N"] < 128]
 
 
+def test_depthwise_source_holds_every_form_it_may_run(monkeypatch):
+    """A depthwise kernel's source (what the tuning cache and a package compare) holds its runs forms' sources
+    where its candidates run them, so a change to the runs template alone is noticed."""
+    from opfuse.codegen import conv
+
+    b = Builder()
+    x = b.input("x", (1, 4, 5, 16))
+    y = b.conv(x, 4, 3, padding=1, groups=4)
+    direct = conv.lower_conv_group(b.graph, b.group([y]), "cpu")
+    assert "dw_acc" not in direct.source                  # the interpreter's one candidate is a pixel tile
+    monkeypatch.setattr(conv, "interpreting", lambda: False)
+    runs = conv.lower_conv_group(b.graph, b.group([y]), "cpu")
+    lengths = sorted({dict(c.params).get("COLS", 1) for c in runs.configs()} - {1})
+    assert lengths == [4, 8] and runs.source.startswith(direct.source)
+    assert runs.source.count("@triton.jit\ndef fused_") == 3 and "dw_acc7" in runs.source
+    monkeypatch.setattr(conv, "DEPTHWISE_RUNS_TEMPLATE", conv.DEPTHWISE_RUNS_TEMPLATE.replace("# run of", "# a run of"))
+    assert conv.lower_conv_group(b.graph, b.group([y]), "cpu").source != runs.source
+
+
 def test_depthwise_runs_only_where_rows_hold_them():
     """Runs of COLS outputs are candidates where a row's runs are mostly outputs: 7-wide rows take runs of 8 and 4,
     3-wide rows runs of 4 only, 1-wide rows none; a run length that is no power of two is refused."""
