@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opfuse.codegen.base import load_source  # noqa: E402
 from opfuse.codegen.expr import emit  # noqa: E402
+from opfuse.fusion.tiles import next_power_of_2  # noqa: E402
+from opfuse.numerics import relative_error  # noqa: E402
 
 REPEAT = 20
 MAX_OUT = 256          # output features one program's float32 accumulator holds
@@ -77,8 +79,9 @@ def kernel():
     return load_source(FUSED_MLP.format(gelu=emit("gelu", {}, ["hid"])), "mlp_pair").fused_mlp
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(4, (n - 1).bit_length())
+def dot_block(n: int) -> int:
+    """A block covering `n` along a `tl.dot` dim: a power of two, at least 16."""
+    return max(16, next_power_of_2(n))
 
 
 def fused_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
@@ -90,18 +93,14 @@ def fused_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Ten
     if n > MAX_OUT:
         raise ValueError(f"{n} output features do not fit one accumulator (at most {MAX_OUT})")
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
-    kernel()[(-(-m // block_m),)](x, w1, b1, w2, b2, y, m, k, h, n, BLOCK_M=block_m, BLOCK_K=next_pow2(k),
-                                  BLOCK_H=block_h, BLOCK_N=next_pow2(n), num_warps=warps, num_stages=stages)
+    kernel()[(-(-m // block_m),)](x, w1, b1, w2, b2, y, m, k, h, n, BLOCK_M=block_m, BLOCK_K=dot_block(k),
+                                  BLOCK_H=block_h, BLOCK_N=dot_block(n), num_warps=warps, num_stages=stages)
     return y
 
 
 def apart(x, w1, b1, w2, b2):
     """The same MLP as PyTorch runs it: two GEMMs (weights as nn.Linear holds them, [out, in]) and ATen's GELU."""
     return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
 def run_shape(batch: int, pixels: int, channels: int) -> dict:

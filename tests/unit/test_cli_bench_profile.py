@@ -6,7 +6,6 @@ run through Triton's interpreter. The real measurements are tests/gpu's business
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import random
@@ -23,6 +22,7 @@ from opfuse.bench import cli_bench, harness
 from opfuse.bench import profile as profiling
 from opfuse.bench.calibrate import Sample, calibrate, median_relative_error, predict
 from opfuse.cli import main
+from opfuse.codegen.base import import_file
 from opfuse.config import FusionConfig
 from opfuse.hardware import get_hardware
 
@@ -286,9 +286,7 @@ def test_bench_table_and_speedups():
 
 
 def test_run_all_markdown_shares_the_numbers():
-    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
-    run_all = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_all)
+    run_all = import_file(ROOT / "benchmarks" / "run_all.py", "run_all")
     text = run_all.markdown([fake_row(0.5), fake_row(0.3)], ENV, CEILINGS)
     assert "| resnet50 bs1 | 5.000 (280) | 1.000 | 0.450 (104) | 0.500 | 0.450 (56) | 0.90x / 1.00x | 2.00x | 15% |" \
         in text

@@ -1,23 +1,14 @@
 """benchmarks/mlp_pair.py's fused MLP kernel on the CPU (Triton's interpreter): it computes what the GEMMs apart do,
 with sizes that are no multiple of its blocks; nothing timed."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from opfuse.codegen.base import import_file
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("mlp_pair", ROOT / "benchmarks" / "mlp_pair.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-mlp_pair = load_script()
+mlp_pair = import_file(Path(__file__).resolve().parents[2] / "benchmarks" / "mlp_pair.py", "mlp_pair")
 
 
 @pytest.mark.parametrize("m,k,hidden,n", [(10, 12, 40, 20), (33, 16, 64, 16)])

@@ -1,7 +1,6 @@
 """benchmarks/onnx_zoo.py on the CPU: one tiny convnet exported, compiled from PyTorch and from ONNX, compared with
 onnxruntime where it is installed; nothing timed (Triton runs in its interpreter)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -9,19 +8,13 @@ import pytest
 import torch
 import torch.nn as nn
 
+from opfuse.codegen.base import import_file
 from opfuse.config import FusionConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("onnx_zoo", ROOT / "benchmarks" / "onnx_zoo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-onnx_zoo = load_script()
+onnx_zoo = import_file(ROOT / "benchmarks" / "onnx_zoo.py", "onnx_zoo")
 
 
 def tiny_convnet() -> nn.Module:

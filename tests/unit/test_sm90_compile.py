@@ -1,7 +1,6 @@
 """benchmarks/sm90_compile.py: kernels compiled for sm_90 without a GPU (Triton's front end, LLVM and ptxas on the
 CPU), and what it reads from the PTX and the cubin."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from opfuse.codegen.base import import_file
+
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("sm90_compile", ROOT / "benchmarks" / "sm90_compile.py")
-sm90_compile = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sm90_compile)
+sm90_compile = import_file(ROOT / "benchmarks" / "sm90_compile.py", "sm90_compile")
 
 PTX = """
     @%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];

@@ -11,7 +11,6 @@ When the output changes on purpose (a new cost model, a new table), regenerate t
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from opfuse.codegen.base import import_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIAL = ROOT / "docs" / "tutorial.md"
@@ -111,10 +112,7 @@ def test_tutorial_command_runs_as_written(commands, shown, clean_repository_root
 # ---- the examples, on tiny inputs ----------------------------------------------------------------------------
 
 def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), ROOT / "examples" / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_file(ROOT / "examples" / name, name.removesuffix(".py"))
 
 
 @pytest.mark.parametrize("n, c_in, c_out, size, dtype", [(1, 3, 5, 5, torch.float32),
