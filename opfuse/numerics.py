@@ -199,9 +199,7 @@ class Layout:
         return False
 
     def holding(self, value: torch.Tensor) -> torch.Tensor:
-        """`value`'s elements in a fresh tensor of this layout (a copy: RuntimeError where the layout overlaps)."""
-        if self.overlaps():
-            raise RuntimeError(f"layout {self.shape} {self.stride} addresses some elements twice")
+        """`value`'s elements in a fresh tensor of this layout (one that does not overlap)."""
         base = torch.empty(self.storage, dtype=self.dtype, device=value.device)
         return base.as_strided(self.shape, self.stride, self.offset).copy_(value)
 
@@ -209,11 +207,8 @@ class Layout:
 def laid_out(value: torch.Tensor, layout: Layout | None) -> torch.Tensor:
     """`value` as a kernel argument: in `layout` (the compiled model's, where known and it does not overlap), else
     4-D values channels-last (the kernels' layout for images)."""
-    if layout is not None and layout.shape == tuple(value.shape):
-        try:
-            return layout.holding(value)
-        except RuntimeError:
-            pass
+    if layout is not None and layout.shape == tuple(value.shape) and not layout.overlaps():
+        return layout.holding(value)
     return value.contiguous(memory_format=torch.channels_last) if value.dim() == 4 else value
 
 
