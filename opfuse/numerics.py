@@ -97,16 +97,21 @@ def random_inputs_like(examples: Sequence[torch.Tensor], seed: int = 1234) -> li
 
 
 @contextlib.contextmanager
-def without_cudnn_search() -> Iterator[None]:
-    """Inside, cuDNN picks convolution algorithms by its heuristics, not by timing them (`cudnn.benchmark`, the
-    benchmarks' setting, restored after): a run that meets each convolution shape once would spend longer timing
-    algorithms than running them."""
-    saved = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = False
+def cudnn_setting(name: str, value: bool) -> Iterator[None]:
+    """Inside, `torch.backends.cudnn.<name>` is `value`; the setting before is restored after."""
+    saved = getattr(torch.backends.cudnn, name)
+    setattr(torch.backends.cudnn, name, value)
     try:
         yield
     finally:
-        torch.backends.cudnn.benchmark = saved
+        setattr(torch.backends.cudnn, name, saved)
+
+
+def without_cudnn_search() -> contextlib.AbstractContextManager:
+    """Inside, cuDNN picks convolution algorithms by its heuristics, not by timing them (`cudnn.benchmark`, the
+    benchmarks' setting, restored after): a run that meets each convolution shape once would spend longer timing
+    algorithms than running them."""
+    return cudnn_setting("benchmark", False)
 
 
 CONVOLUTIONS = frozenset({torch.conv1d, torch.conv2d, torch.conv3d})
@@ -124,12 +129,8 @@ class _ReferenceConvolutions(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in CONVOLUTIONS or library_grouped(args, kwargs):
             return func(*args, **kwargs)
-        saved = torch.backends.cudnn.enabled
-        torch.backends.cudnn.enabled = False
-        try:
+        with cudnn_setting("enabled", False):
             return func(*args, **kwargs)
-        finally:
-            torch.backends.cudnn.enabled = saved
 
 
 @contextlib.contextmanager
