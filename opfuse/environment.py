@@ -5,6 +5,8 @@
   be set before.
 - OPFUSE_DEBUG_DIR: where each stage of a compile dumps what it made (`debug_dir`; FusionConfig.debug_dir wins).
 - OPFUSE_KERNEL_DIR: where generated kernel sources are written (`kernel_dir`; default: a folder in the temp dir).
+- OPFUSE_WORKER_LOG: a file each compile worker (`opfuse.runtime.precompile`) appends a JSON line to per launch
+  it builds, with its seconds (`worker_log`; for benchmarks/compile_time.py).
 - XDG_CACHE_HOME: the root of the default tuning cache (`cache_home`; default ~/.cache).
 """
 
@@ -26,6 +28,10 @@ def debug_dir() -> str | None:
 
 def kernel_dir() -> str | None:
     return os.environ.get("OPFUSE_KERNEL_DIR") or None
+
+
+def worker_log() -> str | None:
+    return os.environ.get("OPFUSE_WORKER_LOG") or None
 
 
 def cache_home() -> str | None:

@@ -32,6 +32,7 @@ import selectors
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -43,6 +44,7 @@ import torch
 
 from opfuse.codegen.base import (GroupKernel, KernelConfig, LaunchRecord, TensorArg, import_file,
                                  recording_launches)
+from opfuse.environment import worker_log
 
 MIN_LAUNCHES = 8        # fewer distinct launches than this compile faster in the tuner than workers start
 TIMEOUT_S = 300.0       # what a build waits for its launches at most; those left are given up on (workers killed)
@@ -485,8 +487,10 @@ def stand_in(value):
     return _StandIn(value) if isinstance(value, TensorArg) else value
 
 
-def _compile(record: LaunchRecord, modules: dict[str, object]) -> bool:
-    """Compile one recorded launch into Triton's cache; whether that worked."""
+def _compile(record: LaunchRecord, modules: dict[str, object], seconds: dict[str, float] | None = None) -> bool:
+    """Compile one recorded launch into Triton's cache; whether that worked. `seconds` gets the compile's and the
+    launcher build's."""
+    start = time.perf_counter()
     try:
         module = modules.get(record.path)
         if module is None:
@@ -496,7 +500,10 @@ def _compile(record: LaunchRecord, modules: dict[str, object]) -> bool:
                                    **{name: stand_in(value) for name, value in record.kwargs})
     except Exception:
         return False
+    built = time.perf_counter()
     build_launcher(compiled)
+    if seconds is not None:
+        seconds.update(compile=built - start, launcher=time.perf_counter() - built)
     return True
 
 
@@ -520,15 +527,27 @@ def answer(ok: bool) -> bytes:
 
 def _serve(device_index: int) -> int:
     """Compile each launch read from stdin (one JSON line each) and `answer` each on stdout, until the input ends;
-    the CUDA context is made when the first launch comes."""
+    the CUDA context is made when the first launch comes. With OPFUSE_WORKER_LOG set (`worker_log`), each launch
+    also appends a JSON line there: when the worker was ready (its imports done), when the launch came and was
+    answered, whether it compiled, its compile and launcher seconds."""
     modules: dict[str, object] = {}
     hash_triton()        # while the caller captures the model, before the first launch comes
+    log_path = worker_log()
+    ready = time.time()
     for count, line in enumerate(sys.stdin.buffer):
+        came = time.time()
         if count == 0:
             torch.cuda.set_device(device_index)
-        ok = _compile(_decode(json.loads(line)), modules)
+        record = _decode(json.loads(line))
+        seconds: dict[str, float] = {}
+        ok = _compile(record, modules, seconds)
         sys.stdout.buffer.write(answer(ok))
         sys.stdout.buffer.flush()
+        if log_path:    # one line, appended whole: the workers share the file
+            entry = {"pid": os.getpid(), "ready": ready, "came": came, "done": time.time(), "ok": ok,
+                     "kernel": record.function, **{f"{k}_s": round(v, 4) for k, v in seconds.items()}}
+            with open(log_path, "a") as log:
+                log.write(json.dumps(entry) + "\n")
     return 0
 
 

@@ -527,3 +527,28 @@ def test_triton_hashes_itself_in_a_thread_of_its_own():
     assert thread.daemon and thread is not threading.current_thread()
     thread.join(timeout=60)
     assert not thread.is_alive() and triton_key.cache_info().currsize == 1     # the first lookup finds it made
+
+
+def test_a_worker_logs_each_launch_it_builds_where_asked(monkeypatch, tmp_path):
+    """With OPFUSE_WORKER_LOG set, a worker appends one JSON line per launch: its answer and its seconds."""
+    import io
+    import json
+    import sys
+
+    from opfuse.runtime import precompile
+
+    kernel, inputs = relu_kernel()
+    (record,) = precompile.distinct_compiles(record_launches([(kernel, inputs, kernel.configs()[:1])]))
+    line = json.dumps(precompile._encode(record)) + "\n"
+    log = tmp_path / "workers.jsonl"
+    monkeypatch.setenv("OPFUSE_WORKER_LOG", str(log))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(precompile, "_compile", lambda rec, modules, seconds: seconds.update(compile=0.5) or True)
+    stdout = io.BytesIO()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(line.encode() * 2)))
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(stdout))
+    assert precompile._serve(0) == 0
+    rows = [json.loads(entry) for entry in log.read_text().splitlines()]
+    assert [row["ok"] for row in rows] == [True, True] and rows[0]["compile_s"] == 0.5
+    assert rows[0]["kernel"] == record.function and rows[0]["ready"] <= rows[0]["came"] <= rows[0]["done"]
+    assert rows[0]["done"] <= rows[1]["came"] and stdout.getvalue().count(precompile.REPLY) == 2
