@@ -8,10 +8,14 @@ after one eager forward (the process's one-time costs fall on no compile), fp16,
 defaults but `compile_workers`; it prints one JSON line per compile (seconds by stage, what the workers compiled)
 and writes them to DIR/compile_time.json. `--profile` runs each compile under cProfile and writes its statistics to
 DIR/<workload>-w<workers>.prof (read them with `python -m pstats`), to see where a cold compile spends its time.
+`--workers` may say `default` (FusionConfig's: `default_workers()`) or `inductor`: torch.compile (inductor,
+freezing on, as the zoo runs it) compiles the workload from empty caches of its own in a process of its own, after
+one eager forward, the baseline for issue 17.
 `--warm` compiles each once more in a fresh process over the caches the cold one filled (row `"warm": true`,
 profile `<workload>-w<workers>-warm.prof`): what a compile costs when nothing is left to build or tune.
-Each row also counts the Triton compiles the compiling process itself ran (`main_compiles`: those the workers did
-not build first), by the stage of opfuse's compile they ran in, with the slowest named.
+Each row says what the compile workers did (`workers_did`, from their log: OPFUSE_WORKER_LOG) and counts the Triton
+compiles the compiling process itself ran (`main_compiles`: those the workers did not build first), by the stage of
+opfuse's compile they ran in, with the slowest named.
 """
 
 from __future__ import annotations
@@ -71,7 +75,23 @@ def summarize_compiles(calls: list[dict], built_s: float = 0.05) -> dict:
             "by_stage": stages, "slowest": sorted(built, key=lambda c: -c["s"])[:10]}
 
 
-def child(model_name: str, batch: int, workers: int, cache: str, profile_to: str | None = None) -> dict:
+def inductor_child(model_name: str, batch: int) -> dict:
+    """torch.compile's cold compile of the workload, as the zoo's cold child times it."""
+    import torch
+
+    from opfuse.bench import harness
+    from opfuse.bench.zoo import resolve_model
+
+    torch.backends.cudnn.benchmark = True
+    model, inputs, _ = resolve_model(model_name, batch=batch)
+    model, inputs, _, _ = harness.prepare(model, inputs, torch.float16, "cuda")
+    with torch.inference_mode():
+        model(*inputs)
+    _, seconds = harness.torch_compiled(model, inputs)
+    return {"workload": f"{model_name}-bs{batch}", "workers": "inductor", "compile_s": seconds}
+
+
+def child(model_name: str, batch: int, workers: int | None, cache: str, profile_to: str | None = None) -> dict:
     import torch
 
     import opfuse
@@ -80,22 +100,50 @@ def child(model_name: str, batch: int, workers: int, cache: str, profile_to: str
     from opfuse.bench.zoo import resolve_model
 
     calls = counting_compiles()
+    from opfuse.runtime.precompile import workers_of   # after Triton's compile is wrapped
     torch.backends.cudnn.benchmark = True
     model, inputs, _ = resolve_model(model_name, batch=batch)
     model, inputs, _, _ = harness.prepare(model, inputs, torch.float16, "cuda")
     config = opfuse.FusionConfig(dtype="float16", compile_workers=workers, cache_dir=cache)
     with torch.inference_mode():
         model(*inputs)
+        began = time.time()
         compiled, seconds = timed_compile(model, inputs, config, profile_to)
     precompiled = compiled.compiled.tuning.precompiled
-    return {"workload": f"{model_name}-bs{batch}", "workers": workers, "compile_s": seconds,
+    return {"workload": f"{model_name}-bs{batch}", "workers": workers_of(config), "compile_s": seconds,
             "stages": compiled.seconds, "precompiled": vars(precompiled) if precompiled else None,
-            "kernels": len(compiled.compiled.kernels), "main_compiles": summarize_compiles(calls)}
+            "kernels": len(compiled.compiled.kernels), "main_compiles": summarize_compiles(calls),
+            "workers_did": summarize_workers(os.environ.get("OPFUSE_WORKER_LOG"), began)}
+
+
+def summarize_workers(log: str | None, began: float) -> dict | None:
+    """What the compile workers did, from their log (OPFUSE_WORKER_LOG), in seconds from the compile's start:
+    when they were ready (imports done) and got their first launch, how many launches they built, their compile
+    and launcher seconds in sum, the last answer."""
+    if not log or not os.path.exists(log):
+        return None
+    rows = [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    first: dict[int, dict] = {}
+    for row in sorted(rows, key=lambda r: r["came"]):
+        first.setdefault(row["pid"], row)
+    ready = sorted(r["ready"] - began for r in first.values())
+    came = sorted(r["came"] - began for r in first.values())
+    return {"workers": len(first), "ready_s": [round(ready[0], 2), round(ready[-1], 2)],
+            "first_launch_s": [round(came[0], 2), round(came[-1], 2)], "launches": len(rows),
+            "failed": sum(not r["ok"] for r in rows),
+            "compile_s": round(sum(r.get("compile_s", 0) for r in rows), 2),
+            "launcher_s": round(sum(r.get("launcher_s", 0) for r in rows), 2),
+            "busy_s": round(sum(r["done"] - r["came"] for r in rows), 2),
+            "last_done_s": round(max(r["done"] for r in rows) - began, 2)}
 
 
 def run_child(model: str, batch: str, workers: str, cache: str, warm: bool, args) -> dict:
     """One compile in a process of its own over `cache` (and Triton's cache beneath it)."""
-    env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1",
+               TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+               OPFUSE_WORKER_LOG=os.path.join(cache, f"workers{'-warm' if warm else ''}.jsonl"))
     suffix = "-warm" if warm else ""
     profile_to = str(Path(args.out) / f"{model}-bs{batch}-w{workers}{suffix}.prof") if args.profile else ""
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -119,7 +167,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.child:
         model, batch, workers, cache, profile_to = args.child
-        print(json.dumps(child(model, int(batch), int(workers), cache, profile_to or None)), flush=True)
+        row = (inductor_child(model, int(batch)) if workers == "inductor"
+               else child(model, int(batch), None if workers == "default" else int(workers), cache,
+                          profile_to or None))
+        print(json.dumps(row), flush=True)
         return 0
     rows = []
     for workload in args.workloads.split(","):

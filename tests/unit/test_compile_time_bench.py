@@ -1,0 +1,27 @@
+"""benchmarks/compile_time.py's summary of the compile workers' log (OPFUSE_WORKER_LOG)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from opfuse.codegen.base import import_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_workers_log_sums_to_when_they_were_ready_and_what_they_built(tmp_path):
+    compile_time = import_file(ROOT / "benchmarks" / "compile_time.py", "compile_time")
+    began = 1000.0
+    rows = [{"pid": 1, "ready": 1004.0, "came": 1004.5, "done": 1005.5, "ok": True, "compile_s": 0.8,
+             "launcher_s": 0.2},
+            {"pid": 2, "ready": 1006.0, "came": 1006.0, "done": 1007.0, "ok": False},
+            {"pid": 1, "ready": 1004.0, "came": 1005.5, "done": 1009.0, "ok": True, "compile_s": 3.0,
+             "launcher_s": 0.1}]
+    log = tmp_path / "workers.jsonl"
+    log.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    summary = compile_time.summarize_workers(str(log), began)
+    assert summary == {"workers": 2, "ready_s": [4.0, 6.0], "first_launch_s": [4.5, 6.0], "launches": 3,
+                       "failed": 1, "compile_s": 3.8, "launcher_s": 0.3, "busy_s": 5.5, "last_done_s": 9.0}
+    assert compile_time.summarize_workers(str(tmp_path / "none.jsonl"), began) is None
+    assert compile_time.summarize_workers(None, began) is None
