@@ -541,13 +541,13 @@ def _serve(device_index: int) -> int:
         record = _decode(json.loads(line))
         seconds: dict[str, float] = {}
         ok = _compile(record, modules, seconds)
-        sys.stdout.buffer.write(answer(ok))
-        sys.stdout.buffer.flush()
-        if log_path:    # one line, appended whole: the workers share the file
+        if log_path:    # one line, appended whole (the workers share the file), before the answer ends a wait
             entry = {"pid": os.getpid(), "ready": ready, "came": came, "done": time.time(), "ok": ok,
                      "kernel": record.function, **{f"{k}_s": round(v, 4) for k, v in seconds.items()}}
             with open(log_path, "a") as log:
                 log.write(json.dumps(entry) + "\n")
+        sys.stdout.buffer.write(answer(ok))
+        sys.stdout.buffer.flush()
     return 0
 
 
