@@ -520,6 +520,8 @@ class ConvKernel(EpilogueKernel):
         self._configs = implicit_gemm_configs(group, geometry, self.layout, dtype.itemsize, hw)
         # the planner split K: each config runs the slices the plan gives its tile
         self.split = SplitK(CONV_SLICE_TEMPLATE, CONV_PARTIAL, epilogue, CONV_UNITS) if group.split_k else None
+        if self.split is not None:      # every kernel it may run: what the tuning cache and a package compare
+            self.source += "\n\n" + self.split.sources
         self.packed_weight(group_block_of(self._configs[0]))   # the default config's, packed at build time
 
     def packed_weight(self, block: int) -> torch.Tensor:

@@ -200,6 +200,7 @@ class GemmKernel(EpilogueKernel):
         if group.split_k and (prologue is None or prologue.norm is None):
             self.split = SplitK(_with_prologue(GEMM_SLICE_TEMPLATE, prologue), GEMM_PARTIAL, epilogue, GEMM_UNITS)
             self._configs = with_slices(self._configs, group)
+            self.source += "\n\n" + self.split.sources   # every kernel it may run: what the tuning cache keys
         self._sizes = (self.layout.rows, self.layout.channels, *self.layout.row_sizes()[1:],
                        self.layout.batch_sizes()[1] if self.layout.batch_dims else 1)
         # constant operands (a matmul with a constant side) are held by the kernel, on the device

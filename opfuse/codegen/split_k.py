@@ -68,6 +68,11 @@ class SplitK:
                 units)
         self.reduce_name, self.reduce_source, self.reduce = generate_kernel(REDUCE_TEMPLATE, epilogue, units=("N",))
 
+    @property
+    def sources(self) -> str:
+        """The sliced kernel's source and the reduce kernel's: what the anchor kernel's `source` adds of them."""
+        return self.source + "\n\n" + self.reduce_source
+
     @classmethod
     def reduce_only(cls, epilogue: "Epilogue") -> "SplitK":
         """Just the second kernel: what the library form runs over the library's result (one slice)."""

@@ -173,3 +173,16 @@ def test_split_k_slices_apply_the_prologue_to_their_own_tiles():
     scaled = b.op("mul", x, b.input("s", (2, 300, 1, 1)))
     kernel, _ = run_split(b, [b.op("relu", b.conv(scaled, 9, 1))], lower_conv_group)
     assert kernel.prologue is not None
+
+
+def test_a_split_kernels_source_holds_its_slices_and_reduce_kernels():
+    """The tuning cache and a package key a kernel by its `source`: a split-K anchor's holds the sliced kernel and
+    the reduce kernel it runs too, so a change to either is a new kernel, not a stale cached choice."""
+    b = Builder()
+    x = b.input("x", (3, 520))
+    y = b.op("relu", linear(b, x, 24))
+    split = lower_gemm_group(b.graph, replace(b.group([y], GroupKind.ANCHOR_EPILOGUE), split_k=PLANNED), "cpu")
+    whole = lower_gemm_group(b.graph, b.group([y], GroupKind.ANCHOR_EPILOGUE), "cpu")
+    assert split.split is not None and whole.split is None
+    assert f"def {split.split.name}(" in split.source and f"def {split.split.reduce_name}(" in split.source
+    assert split.source.startswith(whole.source) and f"def {split.split.name}(" not in whole.source
