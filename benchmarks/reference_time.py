@@ -28,37 +28,28 @@ import opfuse  # noqa: E402
 from opfuse.bench import harness  # noqa: E402
 from opfuse.bench.zoo import load_builtin  # noqa: E402
 from opfuse.config import FusionConfig  # noqa: E402
-from opfuse.ir.ops import get_op  # noqa: E402
-from opfuse.numerics import random_inputs_like  # noqa: E402
+from opfuse.numerics import (_interpret_all, cudnn_setting, random_inputs_like,  # noqa: E402
+                             without_cudnn_search)
 
 
 def reference_pass(graph, inputs: list[torch.Tensor], cudnn: bool) -> tuple[float, dict[str, float]]:
-    """(seconds, seconds by op) of one float32 reference pass over `graph` with cuDNN on or off."""
+    """(seconds, seconds by op) of one float32 reference pass over `graph` (`opfuse.numerics`' own loop) with cuDNN
+    on or off, each op timed to its end on the GPU."""
     per_op: dict[str, float] = defaultdict(float)
-    saved = torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark
-    torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark = cudnn, False
-    try:
+    last = [0.0]
+
+    def after(node) -> None:
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        values = {node.name: x.to(torch.float32) for node, x in zip(graph.input_nodes, inputs)}
-        for node in graph:
-            if node.op == "input":
-                continue
-            began = time.perf_counter()
-            if node.op == "constant":
-                tensor = graph.constants[node.name].to("cuda")
-                values[node.name] = tensor.to(torch.float32) if tensor.is_floating_point() else tensor
-            else:
-                attrs = dict(node.attrs)
-                if node.op == "cast" and "float" in str(attrs.get("dtype")):
-                    attrs["dtype"] = "float32"
-                values[node.name] = get_op(node.op).run([values[i] for i in node.inputs], attrs)
-            torch.cuda.synchronize()
-            depthwise = node.op == "conv2d" and node.attrs.get("groups", 1) > 1
-            per_op["conv2d-dw" if depthwise else node.op] += time.perf_counter() - began
+        now = time.perf_counter()
+        depthwise = node.op == "conv2d" and node.attrs.get("groups", 1) > 1
+        per_op["conv2d-dw" if depthwise else node.op] += now - last[0]
+        last[0] = now
+
+    with cudnn_setting("enabled", cudnn), without_cudnn_search():
+        torch.cuda.synchronize()
+        start = last[0] = time.perf_counter()
+        _interpret_all(graph, inputs, torch.float32, after)
         return time.perf_counter() - start, per_op
-    finally:
-        torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark = saved
 
 
 def main() -> int:

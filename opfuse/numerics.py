@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from opfuse.ir.graph import Graph, GraphError, torch_dtype
+from opfuse.ir.graph import Graph, GraphError, Node, torch_dtype
 from opfuse.ir.ops import get_op
 
 # a result may differ from the high-precision reference by this much more than PyTorch at the same precision
@@ -151,7 +151,10 @@ def interpret_all(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dty
         return _interpret_all(graph, inputs, dtype)
 
 
-def _interpret_all(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _interpret_all(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dtype,
+                   after_node: Callable[[Node], None] | None = None) -> dict[str, torch.Tensor]:
+    """`interpret_all` under whatever convolution settings are in force; `after_node` is called with each node
+    (but the inputs) once its value is computed (benchmarks/reference_time.py times the ops so)."""
     device = inputs[0].device if inputs else torch.device("cpu")
     values: dict[str, torch.Tensor] = {}
     for node, x in zip(graph.input_nodes, inputs):
@@ -162,14 +165,16 @@ def _interpret_all(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dt
         if node.op == "constant":
             tensor = graph.constants[node.name].to(device)
             values[node.name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-            continue
-        attrs = dict(node.attrs)
-        if node.op == "cast" and torch_dtype(attrs["dtype"]).is_floating_point:
-            attrs["dtype"] = str(dtype).removeprefix("torch.")   # keep the reference in its own precision
-        try:
-            values[node.name] = get_op(node.op).run([values[i] for i in node.inputs], attrs)
-        except Exception as error:
-            raise GraphError(f"reference run of node {node.describe()} failed: {error}") from error
+        else:
+            attrs = dict(node.attrs)
+            if node.op == "cast" and torch_dtype(attrs["dtype"]).is_floating_point:
+                attrs["dtype"] = str(dtype).removeprefix("torch.")   # keep the reference in its own precision
+            try:
+                values[node.name] = get_op(node.op).run([values[i] for i in node.inputs], attrs)
+            except Exception as error:
+                raise GraphError(f"reference run of node {node.describe()} failed: {error}") from error
+        if after_node is not None:
+            after_node(node)
     return values
 
 

@@ -61,6 +61,20 @@ def test_interpret_all_runs_convolutions_without_cudnn():
     torch.testing.assert_close(values[y], expected)
 
 
+def test_the_reference_loop_calls_after_node_once_a_node_is_computed():
+    """`_interpret_all`'s hook (benchmarks/reference_time.py times ops with it) sees every node but the inputs, in
+    graph order, and the values are interpret_all's."""
+    from opfuse.numerics import _interpret_all
+
+    b = Builder()
+    x = b.input("x", (1, 4, 5, 5))
+    y = b.op("relu", b.conv(x, 4, 3, padding=1))
+    seen: list[str] = []
+    values = _interpret_all(b.graph, [b.feeds["x"]], torch.float64, lambda node: seen.append(node.name))
+    assert seen == [node.name for node in b.graph if node.op != "input"] and seen[-1] == y
+    torch.testing.assert_close(values[y], interpret_all(b.graph, [b.feeds["x"]], torch.float64)[y])
+
+
 class _Recording:
     """A stand-in kernel for `check_groups`: returns its group's reference output, recording its arguments."""
 
