@@ -207,9 +207,12 @@ class CompilePool:
         return self
 
     def _spawn(self) -> subprocess.Popen:
+        """A worker, importing this opfuse: `python -m` puts its working directory ahead of PYTHONPATH, so it runs
+        where this opfuse package is (a checkout of another opfuse in the caller's directory would be imported
+        instead, and its workers might not serve; RESULTS.md, run 101)."""
         root = str(Path(__file__).resolve().parents[2])      # where the opfuse package is, for the workers' import
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        return subprocess.Popen(self.command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        return subprocess.Popen(self.command, env=env, cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, bufsize=0)
 
     def submit(self, records: Sequence[LaunchRecord], first: bool = False) -> list[tuple]:

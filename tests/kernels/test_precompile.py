@@ -452,6 +452,28 @@ def test_closing_a_pool_waits_for_no_worker_still_starting():
     assert time.monotonic() - start < 2.0 and pool.processes == []
 
 
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads the worker's /proc entry")
+def test_a_worker_imports_the_opfuse_that_started_it(monkeypatch, tmp_path):
+    """A caller in a directory holding another `opfuse` package: its workers start where this opfuse is, so that
+    `python -m opfuse.runtime.precompile` imports this one, not the directory's."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import opfuse
+    from opfuse.runtime.precompile import CompilePool
+
+    (tmp_path / "opfuse").mkdir()
+    (tmp_path / "opfuse" / "__init__.py").write_text("raise ImportError('the other opfuse')\n")
+    monkeypatch.chdir(tmp_path)
+    pool = CompilePool(1, 0, command=[sys.executable, "-c", "import sys; sys.stdin.read()"]).start()
+    try:
+        process = pool.processes[0]
+        assert Path(os.readlink(f"/proc/{process.pid}/cwd")) == Path(opfuse.__file__).resolve().parents[1]
+    finally:
+        pool.close()
+
+
 def _plan_and_kernels(model, *inputs):
     """(plan, kernels) of `model` on the CPU."""
     import opfuse
