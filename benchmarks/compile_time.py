@@ -6,8 +6,10 @@
 Each (workload, workers) compiles in a process of its own from empty caches (Triton's and opfuse's tuning cache),
 after one eager forward (the process's one-time costs fall on no compile), fp16, channels-last, FusionConfig's
 defaults but `compile_workers`; it prints one JSON line per compile (seconds by stage, what the workers compiled)
-and writes them to DIR/compile_time.json. `--profile` runs each compile under cProfile and writes its statistics to
-DIR/<workload>-w<workers>.prof (read them with `python -m pstats`), to see where a cold compile spends its time.
+and writes them to DIR/compile_time.json as it goes, with DIR/compile_time.md pairing each workload's rows
+(`--workloads zoo`: every zoo model at batch 1 and 64). `--profile` runs each compile under cProfile and writes its
+statistics to DIR/<workload>-w<workers>.prof (read them with `python -m pstats`), to see where a cold compile
+spends its time.
 `--workers` may say `default` (FusionConfig's: `default_workers()`) or `inductor`: torch.compile (inductor,
 freezing on, as the zoo runs it) compiles the workload from empty caches of its own in a process of its own, after
 one eager forward, the baseline for issue 17.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -150,7 +153,7 @@ def run_child(model: str, batch: str, workers: str, cache: str, warm: bool, args
     done = subprocess.run([sys.executable, __file__, "--child", model, batch, workers, cache, profile_to],
                           env=env, capture_output=True, text=True)
     line = next((l for l in reversed(done.stdout.splitlines()) if l.startswith("{")), None)
-    row = json.loads(line) if line else {"workload": f"{model}:{batch}", "workers": workers,
+    row = json.loads(line) if line else {"workload": f"{model}-bs{batch}", "workers": workers,
                                          "error": (done.stderr or done.stdout)[-2000:]}
     return dict(row, warm=warm)
 
@@ -172,8 +175,10 @@ def main() -> int:
                           profile_to or None))
         print(json.dumps(row), flush=True)
         return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for workload in args.workloads.split(","):
+    for workload in workloads(args.workloads):
         model, _, batch = workload.rpartition(":")
         for workers in args.workers.split(","):
             cache = tempfile.mkdtemp(prefix="opfuse-compile-")
@@ -181,9 +186,43 @@ def main() -> int:
                 row = run_child(model, batch, workers, cache, warm, args)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "compile_time.json").write_text(json.dumps(rows, indent=1))
+                # written as it goes: a run cut short by its time limit keeps what it measured
+                (out / "compile_time.json").write_text(json.dumps(rows, indent=1))
+                (out / "compile_time.md").write_text(markdown(rows))
+            shutil.rmtree(cache, ignore_errors=True)
     return 0
+
+
+def workloads(spec: str) -> list[str]:
+    """MODEL:BATCH items, comma-separated; `zoo` is every zoo model (`opfuse.bench.zoo.ZOO_MODELS`) at 1 and 64."""
+    if spec == "zoo":
+        from opfuse.bench.zoo import ZOO_MODELS
+
+        return [f"{model}:{batch}" for batch in (1, 64) for model in ZOO_MODELS]
+    return [w for w in spec.split(",") if w]
+
+
+def markdown(rows: list[dict]) -> str:
+    """A table of the cold compiles, a workload a line: torch.compile's seconds (rows of `inductor` workers) and
+    each opfuse row's, with opfuse over torch.compile where both were measured."""
+    table: dict[str, dict[str, float | None]] = {}
+    for row in rows:
+        if not row.get("warm"):
+            table.setdefault(row["workload"], {})[str(row.get("workers"))] = row.get("compile_s")
+    columns = sorted({c for entry in table.values() for c in entry if c != "inductor"})
+    lines = ["| workload | torch.compile s | " + " | ".join(f"opfuse s ({c} workers) / torch.compile"
+                                                         for c in columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    for workload, entry in table.items():
+        baseline = entry.get("inductor")
+        cells = [f"{seconds(entry.get(c))} ({entry[c] / baseline:.2f}x)" if entry.get(c) and baseline
+                 else seconds(entry.get(c)) for c in columns]
+        lines.append(f"| {workload} | {seconds(baseline)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@
 #   MODELS=resnet50,gpt2 COLD_PARALLEL=4 bash benchmarks/gpu_session.sh zoo   # benchmarks/zoo.py (issue 14);
 #                                            # ENABLE=norm_prologue turns on fusions that are off by default
 #   bash benchmarks/gpu_session.sh check     # compile seconds without and with the compile workers, GPU tests (17)
+#   WORKLOADS=gpt2:1,vit_b_16:64 bash benchmarks/gpu_session.sh cold   # cold compiles alone, opfuse against
+#                                            # torch.compile (issue 17; default WORKLOADS=zoo: all 26, about 20 min:
+#                                            # split them over calls), ends by COMPILE_TIMEOUT s (default 570)
 #   WORKLOADS=resnet50:1 bash benchmarks/gpu_session.sh overhead   # benchmarks/call_overhead.py (issue 17, item 3)
 #   WORKLOADS=gpt2:1 ENABLE=norm_prologue bash benchmarks/gpu_session.sh ab   # benchmarks/ab_pass.py: default
 #                                            # config against one switch on (or WITHOUT=pass left out), one process
@@ -28,7 +31,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-stage=${1:?stage: tests | models | correctness | bench | splitk | profile | property | blocks | check | zoo | onnx | overhead | ab}
+stage=${1:?stage: tests | models | correctness | bench | splitk | profile | property | blocks | check | cold | zoo | onnx | overhead | ab}
 [ -e "$OUT/gpu.txt" ] || nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/gpu.txt" 2>&1
 case "$stage" in
   tests)
@@ -79,6 +82,10 @@ case "$stage" in
     OPFUSE_GPU_TESTS=1 timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 2 \
       tests/gpu/test_precompile_gpu.py tests/gpu/test_runtime_gpu.py > "$OUT/gpu-tests.log" 2>&1
     cat "$OUT/compile-time.log"; tail -15 "$OUT/gpu-tests.log" ;;
+  cold)     # cold compiles, one at a time, each in a process of its own: torch.compile then opfuse (issue 17)
+    timeout "${COMPILE_TIMEOUT:-570}" python3 benchmarks/compile_time.py --workloads "${WORKLOADS:-zoo}" \
+      --workers inductor,default --out "$OUT" > "$OUT/compile-time.log" 2>&1
+    cat "$OUT/compile_time.md" ;;
   zoo)      # the model-zoo benchmark (issue 14): MODELS=a,b BATCHES=1,64 or WORKLOADS=a:1,b:64; ends by ZOO_BUDGET s
     timeout "${ZOO_TIMEOUT:-585}" python3 benchmarks/zoo.py --out "$OUT" ${MODELS:+--models "$MODELS"} \
       ${WORKLOADS:+--workloads "$WORKLOADS"} \

@@ -25,3 +25,15 @@ def test_the_workers_log_sums_to_when_they_were_ready_and_what_they_built(tmp_pa
                        "failed": 1, "compile_s": 3.8, "launcher_s": 0.3, "busy_s": 5.5, "last_done_s": 9.0}
     assert compile_time.summarize_workers(str(tmp_path / "none.jsonl"), began) is None
     assert compile_time.summarize_workers(None, began) is None
+
+
+def test_the_table_pairs_each_workloads_compilers():
+    compile_time = import_file(ROOT / "benchmarks" / "compile_time.py", "compile_time")
+    rows = [{"workload": "gpt2-bs1", "workers": "inductor", "compile_s": 12.0, "warm": False},
+            {"workload": "gpt2-bs1", "workers": 8, "compile_s": 9.0, "warm": False},
+            {"workload": "gpt2-bs1", "workers": 8, "compile_s": 2.0, "warm": True},
+            {"workload": "resnet50-bs64", "workers": 8, "compile_s": 11.0, "warm": False}]
+    table = compile_time.markdown(rows).splitlines()
+    assert table[0] == "| workload | torch.compile s | opfuse s (8 workers) / torch.compile |"
+    assert table[2] == "| gpt2-bs1 | 12.0 | 9.0 (0.75x) |" and table[3] == "| resnet50-bs64 | - | 11.0 |"
+    assert len(compile_time.workloads("zoo")) == 26 and compile_time.workloads("a:1,b:64") == ["a:1", "b:64"]
