@@ -93,15 +93,13 @@ def resources(cubin: bytes) -> dict[str, int]:
 def compile_record(record, modules: dict) -> dict:
     """Compile one recorded launch for the offline target: its resources, access widths and compile time."""
     from opfuse.codegen.base import import_file
-    from opfuse.runtime.precompile import stand_in
+    from opfuse.runtime.precompile import warmup
 
     module = modules.get(record.path)
     if module is None:
         module = modules[record.path] = import_file(record.path, Path(record.path).stem)
-    function = getattr(module, record.function)
     start = time.perf_counter()
-    kernel = function.warmup(*map(stand_in, record.args), grid=(1,),
-                             **{name: stand_in(value) for name, value in record.kwargs})
+    kernel = warmup(getattr(module, record.function), record)
     seconds = time.perf_counter() - start      # Triton's on-disk cache makes a second run fast
     widths = {f"{k}_bytes": round(v, 1) for k, v in access_widths(kernel.asm["ptx"]).items()}
     return resources(kernel.asm["cubin"]) | widths | {"compile_s": round(seconds, 3)}

@@ -34,8 +34,9 @@ from opfuse.hardware import KIB, HardwareProfile, get_hardware
 from opfuse.ir.graph import GraphError
 from opfuse.ir.ops import FusionKind, kind_of
 from opfuse.runtime.cache import TuningCache, tuning_key
-from opfuse.runtime.precompile import (MIN_LAUNCHES, TIMEOUT_S, CompilePool, Precompiled, active_pool,
-                                      distinct_compiles, launches_by_config, record_launches, workers_of)
+from opfuse.runtime.precompile import (TIMEOUT_S, CompilePool, Precompiled, active_pool, distinct_compiles,
+                                      gpu_index, launches_by_config, pool_of_its_own, record_launches,
+                                      workers_of)
 
 SPILLS = "register spills"
 EVERY_CONFIG_SPILLS = "over budget: every config spills"
@@ -474,10 +475,9 @@ class Compiling:
         recorded = {kernel.group.name: launches_by_config(kernel, args, configs) for kernel, args, configs in jobs}
         launches = len(distinct_compiles([r for by_config in recorded.values() for records in by_config.values()
                                           for r in records]))
-        if launches < MIN_LAUNCHES:
+        pool = pool_of_its_own(workers, launches, gpu_index(gpu))
+        if pool is None:
             return None
-        device_index = gpu.index if gpu.index is not None else torch.cuda.current_device()
-        pool = CompilePool(min(workers, launches), device_index).start()
         try:
             return cls(pool, True, jobs, hardware, config.tune_top, recorded)
         except BaseException:

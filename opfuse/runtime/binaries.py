@@ -11,7 +11,7 @@ kernel's. Under the interpreter there are no binaries, and nothing is stored.
 
 Which binaries: every kernel is run once with its chosen config with its launches recorded
 (`opfuse.codegen.base.recording_launches`, as the compile workers do), and each recorded launch is handed to
-`JITFunction.warmup` on stand-in tensors (`opfuse.runtime.precompile.stand_in`), which returns the CompiledKernel
+`JITFunction.warmup` on stand-in tensors (`opfuse.runtime.precompile.warmup`), which returns the CompiledKernel
 the real launch uses, from the JIT's memory, without compiling again. Collecting is best effort: a binary that
 cannot be found is compiled at the first call after the load, as it would be without a package.
 """
@@ -88,12 +88,10 @@ def example_inputs(types: Sequence[Any], device: torch.device) -> list[torch.Ten
 
 def _compiled_kernel(record: Any) -> Any:
     """The CompiledKernel of a recorded launch (from the JIT's memory when the model has launched it)."""
-    from opfuse.runtime.precompile import stand_in
+    from opfuse.runtime.precompile import warmup
 
     module = sys.modules.get(Path(record.path).stem) or import_file(record.path, Path(record.path).stem)
-    function = getattr(module, record.function)
-    kernel = function.warmup(*map(stand_in, record.args), grid=(1,),
-                             **{name: stand_in(value) for name, value in record.kwargs})
+    kernel = warmup(getattr(module, record.function), record)
     if hasattr(kernel, "result"):        # a compile future (Triton's async compile mode)
         kernel = kernel.result()
     if kernel is None or not getattr(kernel, "metadata_group", None):

@@ -398,7 +398,8 @@ class CompilePool:
 _POOL: ContextVar[CompilePool | None] = ContextVar("opfuse_compile_pool", default=None)
 
 
-def _index(device: Any) -> int | None:
+def gpu_index(device: Any) -> int | None:
+    """The index of GPU `device` (the current one where it names none); None for a device other than a GPU."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -408,7 +409,7 @@ def _index(device: Any) -> int | None:
 def active_pool(device: Any) -> CompilePool | None:
     """The `compile_pool` running for `device`, if one is."""
     pool = _POOL.get()
-    return pool if pool is not None and pool.device_index == _index(device) else None
+    return pool if pool is not None and pool.device_index == gpu_index(device) else None
 
 
 @contextmanager
@@ -416,10 +417,10 @@ def compile_pool(workers: int, device: Any) -> Iterator[CompilePool | None]:
     """Inside, `precompile` on `device` uses one pool: the one running already for it, else `workers` started
     now (none for fewer than 2 workers or a device other than a GPU)."""
     running = active_pool(device)
-    if running is not None or workers < 2 or _index(device) is None:
+    if running is not None or workers < 2 or gpu_index(device) is None:
         yield running
         return
-    pool = CompilePool(workers, _index(device)).start()
+    pool = CompilePool(workers, gpu_index(device)).start()
     token = _POOL.set(pool)
     try:
         yield pool
@@ -438,16 +439,24 @@ def precompile(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[Ke
     pool = _POOL.get()
     if pool is not None and pool.device_index == device_index:
         result.compiled = pool.compile(records) if records else 0
-    elif workers >= 2 and len(records) >= MIN_LAUNCHES:
-        pool = CompilePool(min(workers, len(records)), device_index)
+    else:
+        pool = pool_of_its_own(workers, len(records), device_index)
+        if pool is None:
+            return result
         try:
             result.compiled = pool.compile(records)
         finally:
             pool.close()
-    else:
-        return result
     result.failed = result.launches - result.compiled
     return result
+
+
+def pool_of_its_own(workers: int, launches: int, device_index: int) -> CompilePool | None:
+    """A started pool for a build that runs in no `compile_pool`: `workers` at most, none idle from the start
+    (`launches`: its distinct compiles); None for fewer than 2 workers or `MIN_LAUNCHES` launches."""
+    if workers < 2 or launches < MIN_LAUNCHES:
+        return None
+    return CompilePool(min(workers, launches), device_index).start()
 
 
 def _encode(record: LaunchRecord) -> dict:
@@ -490,6 +499,13 @@ def stand_in(value):
     return _StandIn(value) if isinstance(value, TensorArg) else value
 
 
+def warmup(function: Any, record: LaunchRecord) -> Any:
+    """The jitted `function` compiled for a recorded launch (or loaded from Triton's cache), on stand-in values and
+    not launched: Triton's CompiledKernel."""
+    return function.warmup(*map(stand_in, record.args), grid=(1,),
+                           **{name: stand_in(value) for name, value in record.kwargs})
+
+
 def _compile(record: LaunchRecord, modules: dict[str, object], seconds: dict[str, float] | None = None) -> bool:
     """Compile one recorded launch into Triton's cache; whether that worked. `seconds` gets the compile's and the
     launcher build's."""
@@ -498,9 +514,7 @@ def _compile(record: LaunchRecord, modules: dict[str, object], seconds: dict[str
         module = modules.get(record.path)
         if module is None:
             module = modules[record.path] = import_file(record.path, Path(record.path).stem)
-        function = getattr(module, record.function)
-        compiled = function.warmup(*map(stand_in, record.args), grid=(1,),
-                                   **{name: stand_in(value) for name, value in record.kwargs})
+        compiled = warmup(getattr(module, record.function), record)
     except Exception:
         return False
     built = time.perf_counter()

@@ -167,7 +167,7 @@ import torch
 from opfuse.codegen.base import KernelConfig, import_file, recording_launches
 from opfuse.codegen.conv import lower_conv_group, unrolled_tap_registers
 from opfuse.fusion.plan import GroupKind
-from opfuse.runtime.precompile import stand_in
+from opfuse.runtime.precompile import warmup
 from tests.kernels.test_conv_kernels import Builder
 
 b = Builder(dtype="float16")
@@ -181,9 +181,7 @@ for loop in (0, 1):
     with recording_launches() as launches:
         kernel.run(feeds, config)
     (record,) = launches
-    function = getattr(import_file(record.path, "dw_offline"), record.function)
-    compiled = function.warmup(*map(stand_in, record.args), grid=(1,),
-                               **{n: stand_in(v) for n, v in record.kwargs})
+    compiled = warmup(getattr(import_file(record.path, "dw_offline"), record.function), record)
     report[str(loop)] = module.resources(compiled.asm["cubin"])
 report["estimate"] = unrolled_tap_registers(config, 49, 2)
 print(json.dumps(report))
