@@ -494,12 +494,12 @@ def _without_kernels(compiled, reasons: dict[str, Reason]):
 
 def _layouts(compiled, inputs: list[torch.Tensor]) -> dict[str, Layout] | None:
     """The layout of every value the compiled model hands its kernels on `inputs`, from its stand-in values (no
-    kernel runs, none compiles; the tensors are dropped at once), or None where those cannot be made."""
-    if not compiled.stand_ins_are_safe():
-        return None
-    try:
-        values = compiled.stand_in_values(*inputs)
-    except Exception:       # the check then lays its inputs out as it did before
+    kernel runs, none compiles; the tensors are dropped at once), or None where those cannot be made (the check
+    then lays its inputs out as it did before)."""
+    from opfuse.runtime.compiled import stand_ins_of
+
+    values = stand_ins_of(compiled, inputs)
+    if values is None:
         return None
     return {name: Layout.of(value) for name, value in values.items() if isinstance(value, torch.Tensor)}
 

@@ -592,7 +592,7 @@ def build_compiled_model(plan: FusionPlan, device: torch.device | str,
         cache = cache if cache is not None else TuningCache.for_config(config)
         with compile_pool(workers_of(config), device):
             start = time.perf_counter()
-            stand_ins = _stand_ins(model, example_inputs)
+            stand_ins = stand_ins_of(model, example_inputs)
             inputs = None if stand_ins is None else {k.group.name: kernel_inputs(k, stand_ins)
                                                      for k in kernels.values()}
             compiling = None
@@ -626,11 +626,13 @@ def _values_once_built(model: CompiledModel, example_inputs: Sequence[torch.Tens
         return model.collect_values(*example_inputs, before_kernel=compiling.ready_default)
 
 
-def _stand_ins(model: CompiledModel, example_inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor] | None:
+def stand_ins_of(model: CompiledModel, example_inputs: Sequence[torch.Tensor]
+                 ) -> dict[str, torch.Tensor] | None:
     """`model.stand_in_values` of the example inputs, or None where they cannot be made. A tuning needs only their
     shapes, strides and dtypes where every choice is cached; otherwise the compile workers build every kernel's
     candidates (its default config among them) from them before `collect_values` runs the kernels, which would
-    compile the default configs here, one at a time."""
+    compile the default configs here, one at a time. Verification reads from them how the model lays out the
+    values its kernels get (`compiler._layouts`)."""
     if not model.stand_ins_are_safe():
         return None
     try:
