@@ -78,8 +78,9 @@ def summarize_compiles(calls: list[dict], built_s: float = 0.05) -> dict:
             "by_stage": stages, "slowest": sorted(built, key=lambda c: -c["s"])[:10]}
 
 
-def inductor_child(model_name: str, batch: int) -> dict:
-    """torch.compile's cold compile of the workload, as the zoo's cold child times it."""
+def prepared(model_name: str, batch: int) -> tuple:
+    """(model, inputs) of the workload as both compilers get it: fp16, channels-last, on the GPU, after one eager
+    forward (the process's one-time costs fall on neither compile)."""
     import torch
 
     from opfuse.bench import harness
@@ -90,7 +91,14 @@ def inductor_child(model_name: str, batch: int) -> dict:
     model, inputs, _, _ = harness.prepare(model, inputs, torch.float16, "cuda")
     with torch.inference_mode():
         model(*inputs)
-    _, seconds = harness.torch_compiled(model, inputs)
+    return model, inputs
+
+
+def inductor_child(model_name: str, batch: int) -> dict:
+    """torch.compile's cold compile of the workload, as the zoo's cold child times it."""
+    from opfuse.bench import harness
+
+    _, seconds = harness.torch_compiled(*prepared(model_name, batch))
     return {"workload": f"{model_name}-bs{batch}", "workers": "inductor", "compile_s": seconds}
 
 
@@ -98,25 +106,21 @@ def child(model_name: str, batch: int, workers: int | None, cache: str, profile_
     import torch
 
     import opfuse
-    from opfuse.bench import harness
     from opfuse.bench.timing import timed_compile
-    from opfuse.bench.zoo import resolve_model
+    from opfuse.environment import worker_log
 
     calls = counting_compiles()
     from opfuse.runtime.precompile import workers_of   # after Triton's compile is wrapped
-    torch.backends.cudnn.benchmark = True
-    model, inputs, _ = resolve_model(model_name, batch=batch)
-    model, inputs, _, _ = harness.prepare(model, inputs, torch.float16, "cuda")
+    model, inputs = prepared(model_name, batch)
     config = opfuse.FusionConfig(dtype="float16", compile_workers=workers, cache_dir=cache)
     with torch.inference_mode():
-        model(*inputs)
         began = time.time()
         compiled, seconds = timed_compile(model, inputs, config, profile_to)
     precompiled = compiled.compiled.tuning.precompiled
     return {"workload": f"{model_name}-bs{batch}", "workers": workers_of(config), "compile_s": seconds,
             "stages": compiled.seconds, "precompiled": vars(precompiled) if precompiled else None,
             "kernels": len(compiled.compiled.kernels), "main_compiles": summarize_compiles(calls),
-            "workers_did": summarize_workers(os.environ.get("OPFUSE_WORKER_LOG"), began)}
+            "workers_did": summarize_workers(worker_log(), began)}
 
 
 def summarize_workers(log: str | None, began: float) -> dict | None:
@@ -144,12 +148,11 @@ def summarize_workers(log: str | None, began: float) -> dict | None:
 
 def run_child(model: str, batch: str, workers: str, cache: str, warm: bool, args) -> dict:
     """One compile in a process of its own over `cache` (and Triton's cache beneath it)."""
+    suffix = "-warm" if warm else ""
     env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1",
                TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-               OPFUSE_WORKER_LOG=os.path.join(cache, f"workers{'-warm' if warm else ''}.jsonl"))
-    suffix = "-warm" if warm else ""
+               OPFUSE_WORKER_LOG=os.path.join(cache, f"workers{suffix}.jsonl"))
     profile_to = str(Path(args.out) / f"{model}-bs{batch}-w{workers}{suffix}.prof") if args.profile else ""
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     done = subprocess.run([sys.executable, __file__, "--child", model, batch, workers, cache, profile_to],
                           env=env, capture_output=True, text=True)
     line = next((l for l in reversed(done.stdout.splitlines()) if l.startswith("{")), None)
