@@ -435,7 +435,8 @@ class Compiling:
     (`start`), queued all at once: every kernel's default config first (`CompiledModel.collect_values` runs those:
     `ready_default`), then each kernel's other candidates, kernel by kernel. `tune` times a kernel as soon as its
     own are built (`ready`) while the workers go on with the next kernels', so a cold compile takes about as long as
-    the longer of the two, not their sum. Whatever the workers did not build by `TIMEOUT_S` after the start is
+    the longer of the two, not their sum; what it waits for that no worker has taken yet it builds itself
+    (`CompilePool.wait`). Whatever the workers did not build by `TIMEOUT_S` after the start is
     given up on and left to the tuner, which compiles it itself."""
 
     def __init__(self, pool: CompilePool, owned: bool, jobs: list[Job], hardware: HardwareProfile,
@@ -516,10 +517,12 @@ class Compiling:
             self._wait(keys)
 
     def counts(self) -> Precompiled:
-        """What the workers did so far: distinct launches queued, compiled, not compiled."""
+        """What the workers did so far: distinct launches queued, compiled (of them built here while waiting), not
+        compiled."""
         keys = {key for keys in self.keys.values() for key in keys}
         compiled = sum(key in self.pool.done for key in keys)
-        return Precompiled(launches=len(keys), compiled=compiled, failed=len(keys) - compiled)
+        return Precompiled(launches=len(keys), compiled=compiled, failed=len(keys) - compiled,
+                           here=sum(key in self.pool.built_here for key in keys))
 
     def close(self) -> Precompiled:
         """`counts`; a pool of its own ends here."""

@@ -12,10 +12,13 @@ cache: a launch a worker could not compile is compiled by the tuner as before, a
 
 Workers are `python -m opfuse.runtime.precompile` processes (not multiprocessing's spawn, which would run the
 user's script again in each), `compile_workers` of them, each on the caller's GPU (`CompilePool`). A dispatcher
-thread hands each worker one launch at a time, as JSON on its stdin, and the next queued when it answers, so that
-one slow compile holds one worker and not a share of the others' work; callers queue launches and wait for the
-ones they need next (`opfuse.runtime.autotune.Compiling`: the tuner times a kernel once its own candidates are
-built, while the workers build the next kernels'). A worker that dies or outlasts its caller's deadline is
+thread hands each worker one launch at a time, as JSON on its stdin, once the worker says it is ready (`READY`:
+importing torch takes it seconds) and the next queued when it answers, so that one slow compile holds one worker
+and not a share of the others' work; callers queue launches and wait for the ones they need next
+(`opfuse.runtime.autotune.Compiling`: the tuner times a kernel once its own candidates are built, while the
+workers build the next kernels'). A caller waiting for launches no worker has taken yet builds them itself
+meanwhile (`CompilePool.wait`, `build_here`): while the workers start, and where they are all busy, the compiling
+process is one more worker, not an idle one. A worker that dies or outlasts its caller's deadline is
 replaced while the pool's restarts last (as many as it started workers). A worker makes its CUDA context when its
 first launch comes: a compile whose every kernel is cached leaves the GPU's memory to the model while it is checked
 and verified. `opfuse.compile` starts its pool before it captures the model (`compile_pool`): the workers import
@@ -38,7 +41,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -49,6 +52,7 @@ from opfuse.environment import worker_log
 MIN_LAUNCHES = 8        # fewer distinct launches than this compile faster in the tuner than workers start
 TIMEOUT_S = 300.0       # what a build waits for its launches at most; those left are given up on (workers killed)
 REPLY = b"opfuse-compiled "  # a worker's answer to one launch: this, then 1 (compiled) or 0, on a line of its own
+READY = b"opfuse-ready"       # a worker's first line: its imports are done, it takes launches from now on
 
 
 def default_workers() -> int:
@@ -92,11 +96,13 @@ def prefetch_triton_hash() -> threading.Thread:
 @dataclass
 class Precompiled:
     """What the compile workers did with a build's launches (`precompile`, `autotune.Compiling.counts`): distinct
-    compiles (`compile_key`), compiled by the workers, and those that failed or were given up on there."""
+    compiles (`compile_key`), compiled (by the workers, or of them `here`: by the compiling process while it waited,
+    `CompilePool.wait`), and those that failed or were given up on there."""
 
     launches: int = 0
     compiled: int = 0
     failed: int = 0
+    here: int = 0
 
 
 def record_launches(jobs: Sequence[tuple[GroupKernel, list[torch.Tensor], Sequence[KernelConfig]]]
@@ -166,10 +172,18 @@ def distinct_compiles(records: Sequence[LaunchRecord]) -> list[LaunchRecord]:
     return list(first.values())
 
 
+def build_here(record: LaunchRecord) -> bool:
+    """Compile one recorded launch in this process, as a worker would (`_compile`), with the jitted function of the
+    kernel's loaded module where it is loaded (its own cache then holds the kernel too); whether that worked."""
+    module = sys.modules.get(Path(record.path).stem)
+    return _compile(record, {record.path: module} if module is not None else {})
+
+
 class CompilePool:
     """`workers` compile processes on GPU `device_index`, started by `start` (at once, not waiting for them to be
-    ready) with a dispatcher thread that hands each idle worker the next queued launch. `submit` queues launches
-    and returns at once, `wait` blocks until given ones are compiled or given up on, `compile` does both; a
+    ready) with a dispatcher thread that hands each ready and idle worker the next queued launch. `submit` queues
+    launches and returns at once, `wait` blocks until given ones are compiled or given up on, building those still
+    queued itself meanwhile (with `build`, e.g. `build_here`; None: the workers' alone), `compile` does both; a
     caller may wait for its first launches while the workers go on with the rest (`opfuse.runtime.autotune`
     times each kernel as soon as its own candidates are built). Each `compile_key` is compiled once: one compiled
     before or queued already is not queued again, one that failed is tried again. A worker that dies, or whose
@@ -177,11 +191,14 @@ class CompilePool:
     many as `workers`), else gone for the rest of the pool's life; the launch it held is left to the tuner, and so
     is every launch queued once no worker is left. `close` ends the dispatcher and the workers."""
 
-    def __init__(self, workers: int, device_index: int, command: Sequence[str] | None = None):
+    def __init__(self, workers: int, device_index: int, command: Sequence[str] | None = None,
+                 build: Callable[[LaunchRecord], bool] | None = build_here):
         self.workers, self.device_index = workers, device_index
         # what a worker runs (tests give a stand-in that answers as a worker does)
         self.command = list(command or [sys.executable, "-m", "opfuse.runtime.precompile", "--serve",
                                         str(device_index)])
+        self.build = build
+        self.built_here: set[tuple] = set()   # the keys `wait` built in the caller's process
         self.processes: list[subprocess.Popen] = []
         self.restarts = workers
         self.started = False
@@ -239,9 +256,33 @@ class CompilePool:
         return keys
 
     def wait(self, keys: Sequence[tuple], timeout: float | None = None) -> bool:
-        """Block until each of `keys` is compiled or given up on, at most `timeout` seconds; whether they all are."""
+        """Block until each of `keys` is compiled or given up on, at most `timeout` seconds; whether they all are.
+        Meanwhile those of them still queued (no worker ready and idle to take them) are built here, one at a time,
+        with `build` (the deadline checked between builds: one build is not interrupted)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.build is not None and (deadline is None or time.monotonic() < deadline):
+            taken = self._take(keys)
+            if taken is None:
+                break
+            key, record = taken
+            compiled = self.build(record)
+            with self._state:
+                if compiled:
+                    self.built_here.add(key)
+                self._finish(key, compiled)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
         with self._state:
-            return self._state.wait_for(lambda: self._open.isdisjoint(keys), timeout)
+            return self._state.wait_for(lambda: self._open.isdisjoint(keys), left)
+
+    def _take(self, keys: Sequence[tuple]) -> tuple[tuple, LaunchRecord] | None:
+        """The first queued launch among `keys`, out of the queue (it stays open until `_finish`ed), or None."""
+        wanted = set(keys)
+        with self._state:
+            for item in self._queue:
+                if item[0] in wanted:
+                    self._queue.remove(item)
+                    return item
+        return None
 
     def give_up(self, keys: Sequence[tuple]) -> None:
         """Compile none of `keys` any more: those queued leave the queue, the workers holding one are killed (and
@@ -267,6 +308,8 @@ class CompilePool:
     def _finish(self, key: tuple, compiled: bool) -> None:
         """With `_state` held: `key` is compiled, or not."""
         self._open.discard(key)
+        if compiled:            # built here after the pool gave it up (closing) counts as built
+            self.failed.discard(key)
         (self.done if compiled else self.failed).add(key)
         self._state.notify_all()
 
@@ -291,16 +334,24 @@ class CompilePool:
                     self._finish(key, False)
 
     def _serve(self, selector: selectors.BaseSelector) -> None:
-        """Hand out queued launches to idle workers, read their answers, replace the dead, until `close`."""
+        """Hand out queued launches to ready idle workers, read their answers, replace the dead, until `close`."""
         selector.register(self._wake_read, selectors.EVENT_READ, None)
-        idle: list[subprocess.Popen] = list(self.processes)
+        idle: list[subprocess.Popen] = []
+        starting: dict[subprocess.Popen, bytes] = {}     # a worker not yet `READY` -> what it has printed
         busy: dict[subprocess.Popen, bytes] = {}         # a worker with a launch out -> what it has printed since
         held: dict[subprocess.Popen, tuple] = {}          # -> the key of that launch
+
+        def started(process: subprocess.Popen) -> None:
+            starting[process] = b""
+            selector.register(process.stdout, selectors.EVENT_READ, process)
 
         def replace(process: subprocess.Popen) -> None:
             fresh = self._drop(process)
             if fresh is not None:
-                idle.append(fresh)
+                started(fresh)
+
+        for process in self.processes:
+            started(process)
 
         def release(process: subprocess.Popen) -> tuple:
             selector.unregister(process.stdout)
@@ -346,6 +397,16 @@ class CompilePool:
                 process = event.data
                 data = os.read(process.stdout.fileno(), 65536)
                 with self._state:
+                    if process in starting:
+                        starting[process] += data
+                        if not data or READY in starting[process].split(b"\n"):   # died starting, or ready
+                            selector.unregister(process.stdout)
+                            del starting[process]
+                            if data:
+                                idle.append(process)
+                            else:
+                                replace(process)
+                        continue
                     if not data:                         # it died with the launch
                         key = release(process)
                         replace(process)
@@ -543,14 +604,16 @@ def answer(ok: bool) -> bytes:
 
 
 def _serve(device_index: int) -> int:
-    """Compile each launch read from stdin (one JSON line each) and `answer` each on stdout, until the input ends;
-    the CUDA context is made when the first launch comes. With OPFUSE_WORKER_LOG set (`worker_log`), each launch
+    """Say `READY` on stdout once imported, then compile each launch read from stdin (one JSON line each) and
+    `answer` each on stdout, until the input ends; the CUDA context is made when the first launch comes. With OPFUSE_WORKER_LOG set (`worker_log`), each launch
     also appends a JSON line there: when the worker was ready (its imports done), when the launch came and was
     answered, whether it compiled, its compile and launcher seconds."""
     modules: dict[str, object] = {}
     hash_triton()        # while the caller captures the model, before the first launch comes
     log_path = worker_log()
     ready = time.time()
+    sys.stdout.buffer.write(READY + b"\n")
+    sys.stdout.buffer.flush()
     for count, line in enumerate(sys.stdin.buffer):
         came = time.time()
         if count == 0:

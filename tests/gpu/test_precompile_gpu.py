@@ -53,9 +53,9 @@ def test_the_workers_compile_every_launch_and_the_tuner_loads_them(tmp_path, mon
 
 
 def test_a_cold_compile_tunes_what_the_workers_built_while_they_build_the_rest(tmp_path, monkeypatch):
-    """opfuse.compile on empty caches: every candidate launch queued is built by the workers (none left to the
-    tuner), the tuner compiled no kernel of its own (every cubin in Triton's cache is one a worker built), and
-    the compiled model matches eager."""
+    """opfuse.compile on empty caches: every candidate launch queued is built by the workers or, while it waited
+    for them, by the compiling process (none left to the tuner), the tuner compiled no kernel of its own (every
+    cubin in Triton's cache is one of those), and the compiled model matches eager."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     import opfuse
     from opfuse.numerics import relative_error

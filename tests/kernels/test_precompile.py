@@ -63,11 +63,13 @@ def test_distinct_launches_of_several_configs_and_no_pool_for_few():
 
 
 def test_workers_that_cannot_compile_cost_nothing_but_time(monkeypatch):
-    """On the CPU the workers find no GPU and compile nothing: every launch is left to the tuner, no error."""
+    """On the CPU the workers find no GPU and compile nothing (nor does the caller meanwhile, here): every launch is
+    left to the tuner, no error."""
     from opfuse.runtime import precompile as module
 
     kernel, inputs = relu_kernel()
     monkeypatch.setattr(module, "MIN_LAUNCHES", 1)
+    monkeypatch.setattr(module, "_compile", lambda record, modules, seconds=None: False)
     result = precompile([(kernel, inputs, kernel.configs())], workers=2, device_index=0)
     assert result.launches >= 1 and result.compiled == 0 and result.failed == result.launches
     monkeypatch.setattr(module, "TIMEOUT_S", 0.0)                       # workers killed at once
@@ -119,6 +121,14 @@ def test_launches_that_compile_alike_are_compiled_once():
     assert distinct_compiles([sixteen, fifty, thirty_two, fifty_one, sixteen]) == [sixteen, fifty]
 
 
+def says_ready() -> str:
+    """The opening of a stand-in worker's script: the line a worker prints once it takes launches."""
+    from opfuse.runtime.precompile import READY
+
+    line = READY + b"\n"
+    return f"import sys\nsys.stdout.buffer.write({line!r})\nsys.stdout.buffer.flush()\n"
+
+
 # a stand-in worker: answers each launch as a worker does, after sleeping as long as the launch's first argument
 # says (when it is a number); a launch of function "die" kills it, "chatty" prints a line of its own first, "glued"
 # output that does not end its line, "fail" does not compile; the answer is `answer`'s bytes
@@ -139,15 +149,15 @@ for line in sys.stdin.buffer:
 """
 
 
-def stand_in_pool(workers: int):
+def stand_in_pool(workers: int, build=None):
     import sys
 
     from opfuse.runtime.precompile import CompilePool
 
     from opfuse.runtime.precompile import answer
 
-    script = f"ANSWER = {[answer(False), answer(True)]!r}\n" + STAND_IN_WORKER
-    return CompilePool(workers, 0, command=[sys.executable, "-c", script]).start()
+    script = says_ready() + f"ANSWER = {[answer(False), answer(True)]!r}\n" + STAND_IN_WORKER
+    return CompilePool(workers, 0, command=[sys.executable, "-c", script], build=build).start()
 
 
 def launch(function: str, seconds: float = 0.0) -> LaunchRecord:
@@ -272,10 +282,10 @@ def test_every_default_config_is_built_first_then_each_kernels_other_candidates(
     from opfuse.runtime.precompile import CompilePool, answer
 
     log = tmp_path / "handed-out"
-    script = (f"import json, sys\nfor line in sys.stdin.buffer:\n    item = json.loads(line)\n"
+    script = says_ready() + (f"import json, sys\nfor line in sys.stdin.buffer:\n    item = json.loads(line)\n"
               f"    open({str(log)!r}, 'a').write(json.dumps([item['function'], dict(item['kwargs'])]) + '\\n')\n"
               f"    sys.stdout.buffer.write({answer(True)!r})\n    sys.stdout.buffer.flush()\n")
-    pool = CompilePool(1, 0, command=[sys.executable, "-c", script]).start()
+    pool = CompilePool(1, 0, command=[sys.executable, "-c", script], build=None).start()
     others = [KernelConfig.of(BLOCK=512, num_warps=4), KernelConfig.of(BLOCK=1024, num_warps=4)]
     jobs = [(kernel, inputs, kernel.configs()[:1] + others) for kernel, inputs in      # the interpreter's one
             (pointwise_kernel("relu", 1), pointwise_kernel("sigmoid", 2))]               # config, and two more
@@ -342,11 +352,11 @@ def test_past_its_deadline_a_build_gives_up_once_and_the_pool_keeps_its_workers(
     from opfuse.runtime import autotune
     from opfuse.runtime.precompile import CompilePool, answer
 
-    script = ("import json, sys, time\nfor line in sys.stdin.buffer:\n    item = json.loads(line)\n"
+    script = says_ready() + ("import json, sys, time\nfor line in sys.stdin.buffer:\n    item = json.loads(line)\n"
               "    time.sleep(30.0 if 'sigmoid' in item['function'] else 0.3)\n"
               f"    sys.stdout.buffer.write({answer(True)!r})\n    sys.stdout.buffer.flush()\n")
     monkeypatch.setattr(autotune, "TIMEOUT_S", 1.0)
-    pool = CompilePool(2, 0, command=[sys.executable, "-c", script]).start()
+    pool = CompilePool(2, 0, command=[sys.executable, "-c", script], build=None).start()
     ops = ("relu", "sigmoid", "tanh", "silu", "hardswish", "hardsigmoid", "abs", "neg")
     jobs = [(kernel, inputs, kernel.configs()) for kernel, inputs in
             (pointwise_kernel(op, i) for i, op in enumerate(ops, start=1))]
@@ -574,3 +584,41 @@ def test_a_worker_logs_each_launch_it_builds_where_asked(monkeypatch, tmp_path):
     assert [row["ok"] for row in rows] == [True, True] and rows[0]["compile_s"] == 0.5
     assert rows[0]["kernel"] == record.function and rows[0]["ready"] <= rows[0]["came"] <= rows[0]["done"]
     assert rows[0]["done"] <= rows[1]["came"] and stdout.getvalue().count(precompile.REPLY) == 2
+    assert stdout.getvalue().startswith(precompile.READY + b"\n")           # said before the first launch came
+
+
+def test_a_worker_not_yet_ready_gets_no_launch_and_the_caller_builds_meanwhile():
+    """Workers still importing torch take nothing: the caller waiting for its launches builds them itself, in the
+    order it queued them, and they count as compiled."""
+    import sys
+    import time
+
+    from opfuse.runtime.precompile import CompilePool
+
+    built = []
+    starting = "import time\ntime.sleep(30)\n" + says_ready() + "import sys\nsys.stdin.read()\n"
+    pool = CompilePool(2, 0, command=[sys.executable, "-c", starting], build=lambda r: built.append(r) or True)
+    pool.start()
+    try:
+        start = time.monotonic()
+        launches = [launch("a"), launch("b"), launch("c")]
+        assert pool.compile(launches, timeout=20.0) == 3
+        assert time.monotonic() - start < 5.0 and built == launches and len(pool.built_here) == 3
+    finally:
+        pool.close()
+
+
+def test_a_caller_builds_what_no_ready_worker_has_taken():
+    """With its one worker busy, a caller builds the launches it waits for that are still queued; the worker builds
+    the one it took: three half-second builds in about two lengths, not three."""
+    import time
+
+    pool = stand_in_pool(1)
+    try:
+        assert pool.compile([launch("warm")]) == 1                        # the worker is ready and idle
+        pool.build = lambda record: time.sleep(0.3) or True
+        start = time.monotonic()
+        assert pool.compile([launch("ok", 0.5), launch("ok", 0.51), launch("ok", 0.52)], timeout=20.0) == 3
+        assert len(pool.built_here) == 2 and time.monotonic() - start < 1.2
+    finally:
+        pool.close()
