@@ -298,7 +298,12 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
     if config.split_epilogues:
         apart |= getattr(compiled.tuning, "epilogue_apart", None) or {}
     if over_budget or kept_apart(analysis, apart):   # kernels that spilled or lost to their ops: plan again
-        replanned = split_back(analysis, over_budget, apart)
+        replanned, notes = split_back(analysis, over_budget, apart), []
+        if not over_budget and (joining := splits_that_join(analysis, replanned, apart)) != apart:
+            # a split that only splits gains nothing the first build did not measure: split only the others
+            replanned = split_back(analysis, {}, joining) if kept_apart(analysis, joining) else analysis
+            notes.append(f"{len(apart) - len(joining)} of the {len(apart)} groups measured fastest apart only "
+                         "split (the first build runs their parts apart already): not built again")
         # and build again where that changed the groups (a one-op group has nothing to split: it keeps the other
         # form the tuner chose for it); kept unless its kernels measure slower than those they replace
         if [g.nodes for g in replanned.plan.groups] != [g.nodes for g in analysis.plan.groups]:
@@ -306,11 +311,12 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
             rebuilt = build_compiled_model(replanned.plan, device, examples, config=config, quiet=quiet)
             seconds["rebuild"] = time.perf_counter() - rebuild
             keep = not measured_slower(rebuilt, compiled)
-            note = replan_note(rebuilt, compiled, keep)
+            notes.insert(0, replan_note(rebuilt, compiled, keep).removeprefix("split back: "))
             if keep:
                 analysis, compiled = replanned, rebuilt
-            compiled.replan_note = note
-            say(note)
+        if notes:
+            compiled.replan_note = "split back: " + "; ".join(notes)
+            say(compiled.replan_note)
     seconds["codegen+tune"] = time.perf_counter() - start
 
     checks: list[GroupCheck] = []
@@ -420,6 +426,27 @@ def split_back(analysis: Analysis, over_budget: dict[str, str], slower: dict[str
     pytorch_groups = groups_through_pytorch(plan)
     return replace_field(analysis, plan=plan, fused=summarize_plan(plan, analysis.hardware, pytorch_groups),
                          pytorch_groups=pytorch_groups)
+
+
+def splits_that_join(analysis: Analysis, replanned: Analysis, apart: dict[str, str]) -> dict[str, str]:
+    """Of the groups `apart` (name -> why) that `replanned` splits back, those worth building again: a group of
+    several anchors (its anchors each fused on their own were never timed), and a group one of whose nodes joins a
+    node of another group in `replanned` (a fusion the first build did not time). Not a group of one anchor that
+    only splits: the first build runs it in the form the tuner measured fastest, which runs its anchor apart from
+    its other ops already (RESULTS.md, run 104: such rebuilds were all slower)."""
+    from opfuse.ir.ops import FusionKind, kind_of
+
+    groups = {g.name: g for g in analysis.plan.groups}
+    owner = {n: g.name for g in analysis.plan.groups for n in g.nodes}
+    joined = set()
+    for group in replanned.plan.groups:
+        owners = {owner.get(n, n) for n in group.nodes}
+        if len(owners) > 1:
+            joined |= owners
+
+    def anchors(name: str) -> int:
+        return sum(kind_of(analysis.prepared[n]) is FusionKind.ANCHOR for n in groups[name].nodes)
+    return {name: why for name, why in apart.items() if name in joined or anchors(name) > 1}
 
 
 def changed_seconds(model, than) -> tuple[int, float | None]:

@@ -672,6 +672,40 @@ def test_a_split_back_is_kept_only_where_its_kernels_measure_faster(monkeypatch,
         assert relative_error(compiled(x), model(x)) < 1e-5
 
 
+class ResidualNormThenGelu(ResidualNorm):
+    """`ResidualNorm`, its head's GELU the model's output: split from the head, the GELU joins nothing."""
+
+    def forward(self, x):
+        return nn.functional.gelu(super().forward(x))
+
+
+def test_a_split_that_joins_nothing_is_not_built_again(monkeypatch):
+    """Both linear groups ran fastest with their anchor apart: the first's add joins the layer norm when split (so
+    the model is built again, with that split only), the head's GELU joins nothing (the first build runs it apart
+    already: not split, and the note says so)."""
+    def report(plan, tuning, builds):
+        if builds == 1:
+            tuning.epilogue_apart.update({g.name: "fastest with its anchor through the library, its epilogue apart"
+                                          for g in plan.groups if len(g.nodes) == 2})
+
+    plans = builds_reporting(monkeypatch, report)
+    model = ResidualNormThenGelu().eval()
+    x = torch.randn(4, 16)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", split_epilogues=True))
+    assert [g.nodes for g in plans[0].groups] == [["linear", "add"], ["layer_norm"], ["linear_1", "gelu"]]
+    assert len(plans) == 2 and [g.nodes for g in plans[1].groups] == [["linear"], ["add", "layer_norm"],
+                                                                      ["linear_1", "gelu"]]
+    assert compiled.compiled.replan_note.endswith("1 of the 2 groups measured fastest apart only split (the first "
+                                                  "build runs their parts apart already): not built again")
+    plans.clear()
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU()).eval()        # nothing to join: one build
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", split_epilogues=True))
+    assert len(plans) == 1 and [g.nodes for g in compiled.plan.groups] == [["linear", "gelu"]]
+    assert "1 of the 1 groups" in compiled.compiled.replan_note
+    with torch.no_grad():
+        assert relative_error(compiled(x), model(x)) < 1e-5
+
+
 def test_a_library_form_with_its_epilogue_apart_is_split_with_split_epilogues(monkeypatch):
     """The tuner reports that linear + add ran fastest with the linear through the library and the add as an
     epilogue kernel of its own: with `split_epilogues` the add joins the layer norm's kernel instead."""
