@@ -482,21 +482,46 @@ def kept_apart(analysis: Analysis, slower: dict[str, str]) -> dict[frozenset[str
     """The node sets `split_back` keeps apart for the groups whose fastest form ran their anchors apart (group name
     -> why; `TuningResult.slower_fused`, and with `config.split_epilogues` `TuningResult.epilogue_apart`): each pair
     of anchors of a group of several (a horizontal group is merged a sibling at a time); with
-    `config.split_epilogues`, the anchor of a group of one with each of its other nodes."""
+    `config.split_epilogues`, the anchor of a group of one with each of its other nodes, and each of those with the
+    first anchors after it: split from its own anchor, an op may join a reduction or pointwise kernel (a residual
+    add the next layer norm), not another anchor's kernel as a prologue, which only a Triton form can take and
+    which it computes again for every tile of output columns (RESULTS.md, run 104: no rebuild with such a
+    prologue was kept, in convnext_tiny at batch 1 and 64 and resnet50 at 64)."""
     from itertools import combinations
 
     from opfuse.ir.ops import FusionKind, kind_of
 
+    graph = analysis.prepared
     groups = {g.name: g for g in analysis.plan.groups}
+    users = graph.users()
     apart: dict[frozenset[str], str] = {}
     for name, why in slower.items():
         nodes = groups[name].nodes
-        anchors = [n for n in nodes if kind_of(analysis.prepared[n]) is FusionKind.ANCHOR]
+        anchors = [n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR]
         if len(anchors) > 1:
             apart.update({frozenset(pair): why for pair in combinations(anchors, 2)})
         elif len(anchors) == 1 and analysis.config.split_epilogues:
             apart.update({frozenset((anchors[0], n)): why for n in nodes if n != anchors[0]})
+            apart.update({frozenset((n, later)): f"{why}, with {anchors[0]} (a prologue of a later anchor is not "
+                          "tried)" for n in nodes if n != anchors[0] for later in _anchors_after(graph, n, users)})
     return apart
+
+
+def _anchors_after(graph, name: str, users) -> set[str]:
+    """The anchors that read node `name`'s value, directly or through nodes other than anchors."""
+    from opfuse.ir.ops import FusionKind, kind_of
+
+    found, seen, stack = set(), set(), [u.name for u in users.get(name, [])]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if kind_of(graph[node]) is FusionKind.ANCHOR:
+            found.add(node)
+        else:
+            stack.extend(u.name for u in users.get(node, []))
+    return found
 
 
 def _eager_copy(model: torch.nn.Module) -> torch.nn.Module:

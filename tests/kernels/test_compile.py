@@ -706,6 +706,45 @@ def test_a_split_that_joins_nothing_is_not_built_again(monkeypatch):
         assert relative_error(compiled(x), model(x)) < 1e-5
 
 
+class MlpNorm(nn.Module):
+    """A transformer's MLP (linear, GELU, linear), residual add, layer norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.norm = nn.Linear(16, 64), nn.Linear(64, 16), nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.norm(x + self.fc2(nn.functional.gelu(self.fc1(x))))
+
+
+def test_an_op_split_from_its_anchor_joins_no_later_anchor_as_a_prologue(monkeypatch):
+    """Both linears ran fastest with their epilogues apart: the residual add joins the layer norm, the GELU does not
+    become the second linear's prologue, so its group only splits and stays whole (one build more, not two
+    changed linear kernels); split, the plan's decision names the pair left apart."""
+    def report(plan, tuning, builds):
+        if builds == 1:
+            tuning.epilogue_apart.update({g.name: "fastest with its anchor through the library, its epilogue apart"
+                                          for g in plan.groups if len(g.nodes) == 2})
+
+    plans = builds_reporting(monkeypatch, report)
+    model = MlpNorm().eval()
+    x = torch.randn(4, 16)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", split_epilogues=True))
+    assert [g.nodes for g in plans[0].groups] == [["linear", "gelu"], ["linear_1", "add"], ["layer_norm"]]
+    assert len(plans) == 2 and [g.nodes for g in plans[1].groups] == [["linear", "gelu"], ["linear_1"],
+                                                                      ["add", "layer_norm"]]
+    with torch.no_grad():
+        assert relative_error(compiled(x), model(x)) < 1e-5
+    from opfuse.compiler import split_back                  # both split: the GELU alone, and the plan says why
+
+    analysis = opfuse.analyze(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    both = {g.name: "fastest apart" for g in analysis.plan.groups if len(g.nodes) == 2}
+    again = split_back(analysis, {}, both)
+    assert [g.nodes for g in again.plan.groups] == [["linear"], ["gelu"], ["linear_1"], ["add", "layer_norm"]]
+    refused = [d.reason for d in again.plan.decisions if d.code is Code.SPLIT_BACK]
+    assert any("gelu, linear_1" in r and "a prologue of a later anchor is not tried" in r for r in refused)
+
+
 def test_a_library_form_with_its_epilogue_apart_is_split_with_split_epilogues(monkeypatch):
     """The tuner reports that linear + add ran fastest with the linear through the library and the add as an
     epilogue kernel of its own: with `split_epilogues` the add joins the layer norm's kernel instead."""
