@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the stages of opfuse's compile a Triton compile in the main process is attributed to: the innermost on its stack
 # ("build_here": a launch the compiling process built while it waited for the workers, `CompilePool.wait`)
-STAGES = ("build_here", "record_launches", "next_configs", "tune_kernel", "check_groups", "_end_to_end_error", "build_compiled_model",
-          "analyze", "compile")
+STAGES = ("build_here", "record_launches", "next_configs", "tune_kernel", "check_groups", "_end_to_end_error",
+          "build_compiled_model", "analyze", "compile")
 
 
 def counting_compiles() -> list[dict]:

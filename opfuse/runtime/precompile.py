@@ -605,9 +605,9 @@ def answer(ok: bool) -> bytes:
 
 def _serve(device_index: int) -> int:
     """Say `READY` on stdout once imported, then compile each launch read from stdin (one JSON line each) and
-    `answer` each on stdout, until the input ends; the CUDA context is made when the first launch comes. With OPFUSE_WORKER_LOG set (`worker_log`), each launch
-    also appends a JSON line there: when the worker was ready (its imports done), when the launch came and was
-    answered, whether it compiled, its compile and launcher seconds."""
+    `answer` each on stdout, until the input ends; the CUDA context is made when the first launch comes. With
+    OPFUSE_WORKER_LOG set (`worker_log`), each launch also appends a JSON line there: when the worker was ready (its
+    imports done), when the launch came and was answered, whether it compiled, its compile and launcher seconds."""
     modules: dict[str, object] = {}
     hash_triton()        # while the caller captures the model, before the first launch comes
     log_path = worker_log()
