@@ -26,9 +26,11 @@ class FusionConfig:
     split_epilogues: bool = True        # a group of one anchor whose fastest form runs the anchor apart from its
                                         # other ops (unfused, or the library form with an epilogue kernel) is planned
                                         # again with the anchor apart, so that they may join another kernel (a
-                                        # residual add into the next layer norm, as torch.compile does); kept where
-                                        # its kernels measure faster (`compiler.measured_slower`; RESULTS.md, run
-                                        # 71). Groups of several anchors that lose so are always split back
+                                        # residual add into the next layer norm, as torch.compile does; not a later
+                                        # anchor's as a prologue), where one does (`compiler.splits_that_join`);
+                                        # kept where its kernels measure faster (`compiler.measured_slower`;
+                                        # RESULTS.md, runs 71, 104). Groups of several anchors that lose so are
+                                        # always split back
     split_k: bool = True                # anchors whose tile grid leaves most SMs idle split K (the autotuner also
                                         # times them unsplit and keeps the faster); conv-conv kernels' mid-channel
                                         # slices are part of their tile (one launch) and do not follow this switch
