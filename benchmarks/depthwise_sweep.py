@@ -12,7 +12,8 @@ channels, size, filter and stride) at each batch given, fp16, channels-last, wit
 Each contender is captured with REPEAT calls in one CUDA graph and timed by the median of CUDA events; each output
 is compared with cuDNN's in float32.
 
-    python benchmarks/depthwise_sweep.py --out DIR [--batches 1,64] [--budget 480]
+    python benchmarks/depthwise_sweep.py --out DIR [--batches 1,64] [--budget 480] [--models convnext]
+                                         [--row-loop-twins]
 
 Writes DIR/depthwise_sweep.json and DIR/depthwise_sweep.md after every layer; stops starting layers once `--budget`
 seconds have passed.
@@ -58,10 +59,15 @@ RUN_COLS = (4, 8)
 FORMS = ("direct", "runs")
 
 
-def configs(taps: int) -> list[KernelConfig]:
-    direct = [KernelConfig.of(num_warps=t.num_warps, num_stages=t.num_stages, BLOCK_M=t["BLOCK_M"],
-                              BLOCK_N=t["BLOCK_N"], ROW_LOOP=int(unrolled_tap_registers(t, taps, 2) > 255))
-              for t in DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS]
+def configs(taps: int, twins: bool = False) -> list[KernelConfig]:
+    """The direct form's tiles (taps unrolled or in a row loop as `depthwise_configs` decides; with `twins`, each
+    unrolled tile in a row loop too: what an unrolled tile's long compile buys), then the runs form's."""
+    direct = []
+    for t in DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS:
+        loops = [int(unrolled_tap_registers(t, taps, 2) > 255)]
+        loops += [1] if twins and loops == [0] else []
+        direct += [KernelConfig.of(num_warps=t.num_warps, num_stages=t.num_stages, BLOCK_M=t["BLOCK_M"],
+                                   BLOCK_N=t["BLOCK_N"], ROW_LOOP=loop) for loop in loops]
     runs = [KernelConfig.of(num_warps=w, num_stages=1, BLOCK_M=m, BLOCK_N=n, COLS=cols)
             for cols in RUN_COLS for m, n, w in RUN_TILES]
     return direct + runs
@@ -77,7 +83,7 @@ def describe(config: KernelConfig) -> str:
     return f"{p['BLOCK_M']}x{p['BLOCK_N']}/w{config.num_warps}/{kind}"
 
 
-def run_layer(batch: int, model: str, channels: int, size: int, k: int, stride: int) -> dict:
+def run_layer(batch: int, model: str, channels: int, size: int, k: int, stride: int, twins: bool = False) -> dict:
     b = Builder(dtype="float16")
     x = b.input("x", (batch, channels, size, size))
     y = b.conv(x, channels, k, stride=stride, padding=k // 2, groups=channels)
@@ -91,7 +97,7 @@ def run_layer(batch: int, model: str, channels: int, size: int, k: int, stride: 
         library = lambda: F.conv2d(feeds[0], weight, bias, stride, k // 2, 1, channels)  # noqa: E731
         reference = library().float()
         row["cudnn_us"] = graphed_call_us(library, REPEAT)
-        for config in configs(k * k):
+        for config in configs(k * k, twins):
             entry = {"config": describe(config), "form": form(config)}
             try:
                 start = time.perf_counter()
@@ -143,7 +149,11 @@ def main() -> int:
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--batches", default="64,1")
     parser.add_argument("--budget", type=float, default=480.0)
+    parser.add_argument("--models", default="", help="only these models' layers (comma-separated: convnext, ...)")
+    parser.add_argument("--row-loop-twins", action="store_true",
+                        help="time each unrolled tile in a row loop too (`configs`)")
     args = parser.parse_args()
+    models = {m for m in args.models.split(",") if m}
     out = harness.start_gpu_run("depthwise_sweep.py", args.out)
     if out is None:
         return 3     # the exit code `opfuse bench` uses for the same case
@@ -151,12 +161,12 @@ def main() -> int:
     rows: list[dict] = []
     start = time.perf_counter()
     for batch in [int(b) for b in args.batches.split(",") if b]:
-        for layer in LAYERS:
+        for layer in [layer for layer in LAYERS if not models or layer[0] in models]:
             if time.perf_counter() - start > args.budget:
                 print(f"budget of {args.budget:.0f} s spent: stopping", flush=True)
                 break
             try:
-                row = run_layer(batch, *layer)
+                row = run_layer(batch, *layer, twins=args.row_loop_twins)
             except Exception as error:
                 row = {"batch": batch, "model": layer[0], "layer": str(layer[1:]),
                        "error": f"{type(error).__name__}: {str(error)[:200]}"}
