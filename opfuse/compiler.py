@@ -434,8 +434,6 @@ def splits_that_join(analysis: Analysis, replanned: Analysis, apart: dict[str, s
     node of another group in `replanned` (a fusion the first build did not time). Not a group of one anchor that
     only splits: the first build runs it in the form the tuner measured fastest, which runs its anchor apart from
     its other ops already (RESULTS.md, run 104: such rebuilds were all slower)."""
-    from opfuse.ir.ops import FusionKind, kind_of
-
     groups = {g.name: g for g in analysis.plan.groups}
     owner = {n: g.name for g in analysis.plan.groups for n in g.nodes}
     joined = set()
@@ -443,10 +441,8 @@ def splits_that_join(analysis: Analysis, replanned: Analysis, apart: dict[str, s
         owners = {owner.get(n, n) for n in group.nodes}
         if len(owners) > 1:
             joined |= owners
-
-    def anchors(name: str) -> int:
-        return sum(kind_of(analysis.prepared[n]) is FusionKind.ANCHOR for n in groups[name].nodes)
-    return {name: why for name, why in apart.items() if name in joined or anchors(name) > 1}
+    return {name: why for name, why in apart.items()
+            if name in joined or len(_anchors(analysis.prepared, groups[name].nodes)) > 1}
 
 
 def changed_seconds(model, than) -> tuple[int, float | None]:
@@ -489,15 +485,13 @@ def kept_apart(analysis: Analysis, slower: dict[str, str]) -> dict[frozenset[str
     prologue was kept, in convnext_tiny at batch 1 and 64 and resnet50 at 64)."""
     from itertools import combinations
 
-    from opfuse.ir.ops import FusionKind, kind_of
-
     graph = analysis.prepared
     groups = {g.name: g for g in analysis.plan.groups}
     users = graph.users()
     apart: dict[frozenset[str], str] = {}
     for name, why in slower.items():
         nodes = groups[name].nodes
-        anchors = [n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR]
+        anchors = _anchors(graph, nodes)
         if len(anchors) > 1:
             apart.update({frozenset(pair): why for pair in combinations(anchors, 2)})
         elif len(anchors) == 1 and analysis.config.split_epilogues:
@@ -507,17 +501,22 @@ def kept_apart(analysis: Analysis, slower: dict[str, str]) -> dict[frozenset[str
     return apart
 
 
-def _anchors_after(graph, name: str, users) -> set[str]:
-    """The anchors that read node `name`'s value, directly or through nodes other than anchors."""
+def _anchors(graph, nodes) -> list[str]:
+    """The anchors (convs, GEMMs) among `nodes`, in their order."""
     from opfuse.ir.ops import FusionKind, kind_of
 
+    return [n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR]
+
+
+def _anchors_after(graph, name: str, users) -> set[str]:
+    """The anchors that read node `name`'s value, directly or through nodes other than anchors."""
     found, seen, stack = set(), set(), [u.name for u in users.get(name, [])]
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if kind_of(graph[node]) is FusionKind.ANCHOR:
+        if _anchors(graph, [node]):
             found.add(node)
         else:
             stack.extend(u.name for u in users.get(node, []))

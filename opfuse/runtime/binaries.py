@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -88,9 +87,9 @@ def example_inputs(types: Sequence[Any], device: torch.device) -> list[torch.Ten
 
 def _compiled_kernel(record: Any) -> Any:
     """The CompiledKernel of a recorded launch (from the JIT's memory when the model has launched it)."""
-    from opfuse.runtime.precompile import warmup
+    from opfuse.runtime.precompile import loaded_module, warmup
 
-    module = sys.modules.get(Path(record.path).stem) or import_file(record.path, Path(record.path).stem)
+    module = loaded_module(record) or import_file(record.path, Path(record.path).stem)
     kernel = warmup(getattr(module, record.function), record)
     if hasattr(kernel, "result"):        # a compile future (Triton's async compile mode)
         kernel = kernel.result()

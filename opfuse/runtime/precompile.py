@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -139,12 +140,17 @@ def launches_by_config(kernel: GroupKernel, inputs: list[torch.Tensor], configs:
     return recorded
 
 
+def loaded_module(record: LaunchRecord) -> ModuleType | None:
+    """The module of a recorded launch's kernel where this process has loaded it (`load_source`), else None."""
+    return sys.modules.get(Path(record.path).stem)
+
+
 def compile_key(record: LaunchRecord) -> tuple:
     """What Triton compiles a recorded launch into, as far as its arguments decide: each constexpr's value, each
     tensor's dtype and 16-byte alignment, whether an integer is 1, a multiple of 16 and 32-bit, and the launch
     options. Two launches of one kernel with one key (one template at other sizes) are one compile, which two
     workers would otherwise both do at once. A key may separate launches Triton compiles once, never the reverse."""
-    module = sys.modules.get(Path(record.path).stem)
+    module = loaded_module(record)
     function = getattr(module, record.function, None)
     raw = getattr(function, "fn", None)
     if raw is None:                   # not loaded here: the launch is its own key
@@ -175,7 +181,7 @@ def distinct_compiles(records: Sequence[LaunchRecord]) -> list[LaunchRecord]:
 def build_here(record: LaunchRecord) -> bool:
     """Compile one recorded launch in this process, as a worker would (`_compile`), with the jitted function of the
     kernel's loaded module where it is loaded (its own cache then holds the kernel too); whether that worked."""
-    module = sys.modules.get(Path(record.path).stem)
+    module = loaded_module(record)
     return _compile(record, {record.path: module} if module is not None else {})
 
 

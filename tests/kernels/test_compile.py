@@ -672,6 +672,14 @@ def test_a_split_back_is_kept_only_where_its_kernels_measure_faster(monkeypatch,
         assert relative_error(compiled(x), model(x)) < 1e-5
 
 
+def pairs_ran_apart(plan, tuning, builds) -> None:
+    """A report for `builds_reporting`: every group of two of the first build ran fastest with its anchor through
+    the library and its epilogue apart."""
+    if builds == 1:
+        tuning.epilogue_apart.update({g.name: "fastest with its anchor through the library, its epilogue apart"
+                                      for g in plan.groups if len(g.nodes) == 2})
+
+
 class ResidualNormThenGelu(ResidualNorm):
     """`ResidualNorm`, its head's GELU the model's output: split from the head, the GELU joins nothing."""
 
@@ -683,12 +691,7 @@ def test_a_split_that_joins_nothing_is_not_built_again(monkeypatch):
     """Both linear groups ran fastest with their anchor apart: the first's add joins the layer norm when split (so
     the model is built again, with that split only), the head's GELU joins nothing (the first build runs it apart
     already: not split, and the note says so)."""
-    def report(plan, tuning, builds):
-        if builds == 1:
-            tuning.epilogue_apart.update({g.name: "fastest with its anchor through the library, its epilogue apart"
-                                          for g in plan.groups if len(g.nodes) == 2})
-
-    plans = builds_reporting(monkeypatch, report)
+    plans = builds_reporting(monkeypatch, pairs_ran_apart)
     model = ResidualNormThenGelu().eval()
     x = torch.randn(4, 16)
     compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", split_epilogues=True))
@@ -721,12 +724,7 @@ def test_an_op_split_from_its_anchor_joins_no_later_anchor_as_a_prologue(monkeyp
     """Both linears ran fastest with their epilogues apart: the residual add joins the layer norm, the GELU does not
     become the second linear's prologue, so its group only splits and stays whole (one build more, not two
     changed linear kernels); split, the plan's decision names the pair left apart."""
-    def report(plan, tuning, builds):
-        if builds == 1:
-            tuning.epilogue_apart.update({g.name: "fastest with its anchor through the library, its epilogue apart"
-                                          for g in plan.groups if len(g.nodes) == 2})
-
-    plans = builds_reporting(monkeypatch, report)
+    plans = builds_reporting(monkeypatch, pairs_ran_apart)
     model = MlpNorm().eval()
     x = torch.randn(4, 16)
     compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", split_epilogues=True))
