@@ -111,7 +111,7 @@ def child(model_name: str, batch: int, workers: int | None, cache: str, profile_
     from opfuse.environment import worker_log
 
     calls = counting_compiles()
-    from opfuse.runtime.precompile import workers_of   # after Triton's compile is wrapped
+    from opfuse.runtime.precompile import summarize_worker_log, workers_of   # after Triton's compile is wrapped
     model, inputs = prepared(model_name, batch)
     config = opfuse.FusionConfig(dtype="float16", compile_workers=workers, cache_dir=cache)
     with torch.inference_mode():
@@ -121,30 +121,7 @@ def child(model_name: str, batch: int, workers: int | None, cache: str, profile_
     return {"workload": f"{model_name}-bs{batch}", "workers": workers_of(config), "compile_s": seconds,
             "stages": compiled.seconds, "precompiled": vars(precompiled) if precompiled else None,
             "kernels": len(compiled.compiled.kernels), "main_compiles": summarize_compiles(calls),
-            "workers_did": summarize_workers(worker_log(), began)}
-
-
-def summarize_workers(log: str | None, began: float) -> dict | None:
-    """What the compile workers did, from their log (OPFUSE_WORKER_LOG), in seconds from the compile's start:
-    when they were ready (imports done) and got their first launch, how many launches they built, their compile
-    and launcher seconds in sum, the last answer."""
-    if not log or not os.path.exists(log):
-        return None
-    rows = [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
-    if not rows:
-        return None
-    first: dict[int, dict] = {}
-    for row in sorted(rows, key=lambda r: r["came"]):
-        first.setdefault(row["pid"], row)
-    ready = sorted(r["ready"] - began for r in first.values())
-    came = sorted(r["came"] - began for r in first.values())
-    return {"workers": len(first), "ready_s": [round(ready[0], 2), round(ready[-1], 2)],
-            "first_launch_s": [round(came[0], 2), round(came[-1], 2)], "launches": len(rows),
-            "failed": sum(not r["ok"] for r in rows),
-            "compile_s": round(sum(r.get("compile_s", 0) for r in rows), 2),
-            "launcher_s": round(sum(r.get("launcher_s", 0) for r in rows), 2),
-            "busy_s": round(sum(r["done"] - r["came"] for r in rows), 2),
-            "last_done_s": round(max(r["done"] for r in rows) - began, 2)}
+            "workers_did": summarize_worker_log(worker_log(), began)}
 
 
 def run_child(model: str, batch: str, workers: str, cache: str, warm: bool, args) -> dict:

@@ -243,11 +243,18 @@ def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict 
            # fusions planned, then kept apart: every config of their kernel spilled, or it lost to its ops unfused
            "split_back": [d.reason for d in compiled.plan.decisions if d.code is Code.SPLIT_BACK],
            "replan": compiled.compiled.replan_note,      # the split back's measured kernels, and what was kept
-           "tuning": tuning_rows(compiled)}
+           "tuning": tuning_rows(compiled), "precompiled": precompiled_counts(compiled)}
     if ceilings:
         row["floor_compute_ms"], row["floor_memory_ms"] = floor_ms(compiled.analysis, ceilings)
     profiled = graph.replay if graph is not None else call
     return Built(forwards, profiled, first_tensor(call()), compile_s=seconds, row=row)
+
+
+def precompiled_counts(compiled: Any) -> dict[str, int] | None:
+    """What the compile workers did in an `opfuse.compile` result's tuning (`Precompiled`: launches, compiled,
+    failed, built by the compiling process), or None where they did not run (no tuning, or everything cached)."""
+    precompiled = getattr(compiled.compiled.tuning, "precompiled", None)
+    return None if precompiled is None else dict(vars(precompiled))
 
 
 def tuning_rows(compiled: Any) -> dict[str, dict]:

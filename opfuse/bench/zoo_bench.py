@@ -7,9 +7,10 @@ rendered by `opfuse.bench.zoo_report.render`, from one or several runs' zoo.json
 Workloads (model, batch) go in chunks of `cold_parallel`. For each, two child processes with time caps, sharing the
 workload's own cache folders (inductor's, Triton's and opfuse's tuning cache, all empty at the start):
 1. cold: torch.compile and opfuse.compile from empty caches, after one eager forward (the process's one-time costs
-   fall on neither); only their compile seconds are kept. A chunk's cold children run at once: both compilers then
-   share the machine's CPUs and GPU alike (recorded with the results), and opfuse tunes into a throwaway cache,
-   since kernel timings on a shared GPU are noise.
+   fall on neither); their compile seconds are kept, and opfuse's stages, its compile workers' counts
+   (`Precompiled`) and their log summed (`summarize_worker_log`), to tell where a slow one went. A chunk's cold
+   children run at once: both compilers then share the machine's CPUs and GPU alike (recorded with the results),
+   and opfuse tunes into a throwaway cache, since kernel timings on a shared GPU are noise.
 2. measure: alone on the machine, `run_workload` with every contender (both compilers compile again: Triton's and
    inductor's caches warm; opfuse's tuning cache warm only where the cold compile ran alone, `cold_parallel` 1).
 A chunk is measured before the next one's cold compiles start, so a run with a deadline (`budget_s`) ends with
@@ -183,8 +184,10 @@ class Child:
         self.log_path = cache / f"{stage}.log"
         cap = settings.cold_timeout_s if stage == "cold" else settings.measure_timeout_s
         self.timeout = min(cap, deadline_s)
+        worker_log = cache / f"{stage}-workers.jsonl"     # what opfuse's compile workers did (`child_main`)
+        worker_log.unlink(missing_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-                   TRITON_CACHE_DIR=str(cache / "triton"))
+                   TRITON_CACHE_DIR=str(cache / "triton"), OPFUSE_WORKER_LOG=str(worker_log))
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         command = [sys.executable, "-m", "opfuse.bench.zoo_bench", "child", stage, model, str(batch), str(cache),
@@ -244,6 +247,8 @@ def child_main(stage: str, model_name: str, batch: int, cache: Path, settings: Z
     from opfuse.bench import harness
     from opfuse.bench.zoo import resolve_model
     from opfuse.config import FusionConfig
+    from opfuse.environment import worker_log
+    from opfuse.runtime.precompile import summarize_worker_log
 
     result_path = cache / f"{stage}.json"
     result: dict = {"model": model_name, "batch": batch}
@@ -270,11 +275,14 @@ def child_main(stage: str, model_name: str, batch: int, cache: Path, settings: Z
             model(*inputs)    # the process's one-time costs (CUDA context, cuDNN's choices) paid by neither compiler
             for label in ("inductor", "opfuse"):
                 try:
+                    began = time.time()
                     built = harness.BUILDERS[label](model, inputs, cuda, config=config,
                                                     backend=settings.compile_backend)
                     result[label] = {"compile_s": built.compile_s}
-                    if "opfuse_compile_seconds" in built.row:      # its stages (OpfuseModule.seconds)
-                        result[label]["stages"] = built.row["opfuse_compile_seconds"]
+                    if label == "opfuse":   # its stages (OpfuseModule.seconds), what its compile workers did
+                        result[label].update(stages=built.row["opfuse_compile_seconds"],
+                                             precompiled=built.row["precompiled"],
+                                             workers_did=summarize_worker_log(worker_log(), began))
                 except Exception as error:
                     result[label] = {"error": f"{type(error).__name__}: {error}"}
                 write()

@@ -637,5 +637,29 @@ def _serve(device_index: int) -> int:
     return 0
 
 
+def summarize_worker_log(log: str | None, began: float) -> dict | None:
+    """What the compile workers did, from their log (`worker_log`, as `_serve` writes it), in seconds from `began`
+    (a compile's start, `time.time()`): when they were ready (imports done) and got their first launch, how many
+    launches they built and how many failed, their compile and launcher seconds in sum, the last answer. None
+    without a log or with an empty one (no worker took a launch)."""
+    if not log or not os.path.exists(log):
+        return None
+    rows = [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    first: dict[int, dict] = {}
+    for row in sorted(rows, key=lambda r: r["came"]):
+        first.setdefault(row["pid"], row)
+    ready = sorted(r["ready"] - began for r in first.values())
+    came = sorted(r["came"] - began for r in first.values())
+    return {"workers": len(first), "ready_s": [round(ready[0], 2), round(ready[-1], 2)],
+            "first_launch_s": [round(came[0], 2), round(came[-1], 2)], "launches": len(rows),
+            "failed": sum(not r["ok"] for r in rows),
+            "compile_s": round(sum(r.get("compile_s", 0) for r in rows), 2),
+            "launcher_s": round(sum(r.get("launcher_s", 0) for r in rows), 2),
+            "busy_s": round(sum(r["done"] - r["came"] for r in rows), 2),
+            "last_done_s": round(max(r["done"] for r in rows) - began, 2)}
+
+
 if __name__ == "__main__":
     sys.exit(_serve(int(sys.argv[2])))

@@ -1,4 +1,5 @@
-"""benchmarks/compile_time.py's summary of the compile workers' log (OPFUSE_WORKER_LOG)."""
+"""benchmarks/compile_time.py's table, and the summary of the compile workers' log (OPFUSE_WORKER_LOG) it and the
+zoo's cold compiles keep."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import json
 from pathlib import Path
 
 from opfuse.codegen.base import import_file
+from opfuse.runtime.precompile import summarize_worker_log
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_workers_log_sums_to_when_they_were_ready_and_what_they_built(tmp_path):
-    compile_time = import_file(ROOT / "benchmarks" / "compile_time.py", "compile_time")
     began = 1000.0
     rows = [{"pid": 1, "ready": 1004.0, "came": 1004.5, "done": 1005.5, "ok": True, "compile_s": 0.8,
              "launcher_s": 0.2},
@@ -20,11 +21,11 @@ def test_the_workers_log_sums_to_when_they_were_ready_and_what_they_built(tmp_pa
              "launcher_s": 0.1}]
     log = tmp_path / "workers.jsonl"
     log.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    summary = compile_time.summarize_workers(str(log), began)
+    summary = summarize_worker_log(str(log), began)
     assert summary == {"workers": 2, "ready_s": [4.0, 6.0], "first_launch_s": [4.5, 6.0], "launches": 3,
                        "failed": 1, "compile_s": 3.8, "launcher_s": 0.3, "busy_s": 5.5, "last_done_s": 9.0}
-    assert compile_time.summarize_workers(str(tmp_path / "none.jsonl"), began) is None
-    assert compile_time.summarize_workers(None, began) is None
+    assert summarize_worker_log(str(tmp_path / "none.jsonl"), began) is None
+    assert summarize_worker_log(None, began) is None
 
 
 def test_the_table_pairs_each_workloads_compilers():

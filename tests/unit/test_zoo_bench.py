@@ -31,6 +31,8 @@ def test_a_workload_is_compiled_cold_then_measured_in_children(tmp_path, factory
     stages = entry["cold"]["opfuse"]["stages"]          # where opfuse's cold compile went
     assert {"analyze", "lower", "codegen+tune", "verify"} <= set(stages)
     assert stages["lower"] <= stages["codegen+tune"] < entry["cold"]["opfuse"]["compile_s"]
+    # no compile workers on the CPU: none ran, and the entry says so (a GPU's says what they built, and when)
+    assert entry["cold"]["opfuse"]["precompiled"] is None and entry["cold"]["opfuse"]["workers_did"] is None
     row = entry["measure"]["row"]
     for label in ("eager", "inductor", "opfuse"):
         assert row[label]["samples"] == 2 and row[label]["rel_error"] < 1e-5
