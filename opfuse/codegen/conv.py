@@ -99,7 +99,12 @@ def KERNEL_NAME(
     if K_GATHER:
         # few input channels per group: each K block gathers across taps, so no MMA lane idles on padding
         k_total = KH * KW * CIN_G
-        x_origin = x_rows + ih0 * s_xh + iw0 * s_xw          # [BLOCK_M] the window's top-left tap
+        # rows past M gather row M - 1's window (in bounds; the epilogue stores none of them), so the load mask
+        # has no row term: a third fewer instructions a K step, whatever M is (RESULTS.md, 2026-12-04 offline)
+        g_m = tl.minimum(offs_m, M - 1)
+        g_ih0 = ((g_m // R2) % R1) * STRIDE_H - PAD_H
+        g_iw0 = (g_m % R2) * STRIDE_W - PAD_W
+        x_origin = x_ptr + (g_m // (R2 * R1)) * s_xn + (group * CIN_G) * s_xc + g_ih0 * s_xh + g_iw0 * s_xw
         for k0 in range(0, k_total, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < k_total
@@ -107,9 +112,9 @@ def KERNEL_NAME(
             tap = k // CIN_G
             dh = (tap // KW) * DIL_H
             dw = (tap % KW) * DIL_W
-            ih = ih0[:, None] + dh[None, :]
-            iw = iw0[:, None] + dw[None, :]
-            a_ok = mask_m[:, None] & (k_ok & (c < cin_here))[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            ih = g_ih0[:, None] + dh[None, :]
+            iw = g_iw0[:, None] + dw[None, :]
+            a_ok = (k_ok & (c < cin_here))[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             a = tl.load(x_origin[:, None] + (c * s_xc + dh * s_xh + dw * s_xw)[None, :], mask=a_ok, other=0.0)
             b = tl.load(w_ptr + k[:, None] * N_TOTAL + offs_n[None, :],
                         mask=k_ok[:, None] & mask_n[None, :], other=0.0)

@@ -60,6 +60,13 @@ def test_conv_bias_relu(batch, cin, cout, hw, stride, padding, dilation):
     assert isinstance(kernel, ConvKernel)
     assert out.is_contiguous(memory_format=torch.channels_last)
     assert kernel.name.startswith("fused_conv2d_relu_")
+    from opfuse.codegen.base import recording_launches
+    with recording_launches() as launches:
+        kernel.run([b.feeds[name] for name in kernel.runtime_inputs])
+    (record,) = launches
+    rows = record.args[kernel.kernel.arg_names.index("M")]
+    # few channels gather across taps, with a last tile of rows past M (they gather row M - 1's window)
+    assert dict(record.kwargs)["K_GATHER"] == (cin < dict(record.kwargs)["BLOCK_K"]) and rows % 32 != 0
 
 
 def test_conv_bias_relu6_non_square_kernel():
