@@ -1,7 +1,8 @@
 """Compile a built-in model's Triton kernels for sm_90 (H100/H200) on a machine without a GPU, and report what
-ptxas made of each: registers, local memory (spills), how wide its global loads and stores are, and how long it
-took to compile (with an empty Triton cache: TRITON_CACHE_DIR), then which kernels spill and which access memory
-narrowly (`summary`).
+ptxas made of each: registers, local memory (spills), how wide its global loads and stores are, how many PTX
+instructions its loops issue a step, and how long it took to compile (with an empty Triton cache:
+TRITON_CACHE_DIR), then which kernels spill and which access memory narrowly (`summary`); or what changed between
+two trees' compiles of one model (`compare`).
 
 Triton's front end, LLVM and ptxas all run on the CPU; only loading and launching a kernel needs a GPU. A stand-in
 driver (`OfflineDriver`) answers Triton's questions about the device, each kernel runs once per config with its
@@ -13,6 +14,7 @@ memory access before a GPU session, it does not replace measuring.
 
     python benchmarks/sm90_compile.py shufflenet_v2_x1_0 --batch 64 [--forms library] [--json out.json]
     python benchmarks/sm90_compile.py convnext_tiny --batch 64 --with-ops linear,gelu --tune-top 99 --forms triton
+    python benchmarks/sm90_compile.py --compare before.json after.json    # two trees' --json of one model
 
 Must run without TRITON_INTERPRET (the interpreter compiles nothing).
 """
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 VECTOR = re.compile(r"\b(ld|st)\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.(?:b|f|u|s)(\d+)\b")
 ASYNC_COPY = re.compile(r"\bcp\.async\.c[ag]\.shared\.global(?:\.[a-z0-9]+)*\s+\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-fA-F]+|\d+)")
 RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
 
 
 class OfflineDriver:
@@ -73,6 +76,23 @@ def access_widths(ptx: str) -> dict[str, float]:
     return {kind: (sum(v) / len(v) if v else 0.0) for kind, v in sizes.items()}
 
 
+def loop_instructions(ptx: str) -> int:
+    """PTX instructions in a kernel's loop bodies (the basic blocks that branch back to themselves): what a K step
+    or a filter row costs to issue, beside the setup and epilogue run once."""
+    blocks: dict[str, list[str]] = {"entry": []}
+    current = "entry"
+    for line in ptx.splitlines():
+        text = line.strip()
+        label = LABEL.match(text)
+        if label:
+            current = label.group(1)
+            blocks[current] = []
+        elif text and not text.startswith(("//", ".", "{", "}")):
+            blocks[current].append(text)
+    return sum(len(body) for name, body in blocks.items()
+               if any(re.search(rf"\bbra(?:\.uni)?\s+{re.escape(name)};", text) for text in body))
+
+
 def resources(cubin: bytes) -> dict[str, int]:
     """Registers and local memory bytes per thread (its stack frame, where spills go, and local arrays: what
     Triton reports as `n_spills`), from cuobjdump's resource usage of the cubin."""
@@ -102,7 +122,8 @@ def compile_record(record, modules: dict) -> dict:
     kernel = warmup(getattr(module, record.function), record)
     seconds = time.perf_counter() - start      # Triton's on-disk cache makes a second run fast
     widths = {f"{k}_bytes": round(v, 1) for k, v in access_widths(kernel.asm["ptx"]).items()}
-    return resources(kernel.asm["cubin"]) | widths | {"compile_s": round(seconds, 3)}
+    return (resources(kernel.asm["cubin"]) | widths | {"loop": loop_instructions(kernel.asm["ptx"]),
+                                                        "compile_s": round(seconds, 3)})
 
 
 IMAGE_OPS = ("conv2d", "conv_transpose2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "batch_norm")
@@ -148,8 +169,38 @@ def example_values(plan, kernels) -> dict:
     return values
 
 
+COMPARED = ("registers", "local", "ld_bytes", "st_bytes", "loop", "error")
+
+
+def compare(before: list[dict], after: list[dict]) -> str:
+    """What changed between two compiles of one model's launches (`--json` of two trees, launch by launch in the
+    same order): each distinct launch and config whose registers, local memory, access widths, loop instructions
+    or error differ, then the counts and the compile seconds of each."""
+    if [(r["group"], r["config"]) for r in before] != [(r["group"], r["config"]) for r in after]:
+        raise ValueError("the two files hold different launches: compile one model and batch with both trees")
+    lines, seen = [], set()
+    for old, new in zip(before, after):
+        old_facts, new_facts = ({k: row.get(k) for k in COMPARED} for row in (old, new))
+        key = (old["launch"], json.dumps(old["config"], sort_keys=True))
+        if old_facts != new_facts and key not in seen:
+            seen.add(key)
+            changed = {k: (old_facts[k], new_facts[k]) for k in COMPARED if old_facts[k] != new_facts[k]}
+            lines.append(f"{old['launch'][:40]:40} {key[1][:70]:70} {changed}")
+    seconds = [sum(row.get("compile_s", 0.0) for row in rows) for rows in (before, after)]
+    lines.append(f"{len(seen)} distinct launches differ of {len(before)} launches; compile "
+                 f"{seconds[0]:.1f} s -> {seconds[1]:.1f} s")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--compare"]:
+        if len(argv) != 3:
+            parser.error("--compare takes two --json files")
+        print(compare(*(json.loads(Path(path).read_text()) for path in argv[1:])))
+        return 0
     parser.add_argument("model")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--forms", choices=("all", "library", "triton"), default="all",

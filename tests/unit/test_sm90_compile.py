@@ -31,6 +31,26 @@ def test_access_widths_average_the_bytes_of_global_loads_async_copies_and_stores
     assert sm90_compile.access_widths("") == {"ld": 0.0, "st": 0.0}
 
 
+LOOPS = """
+    mov.u32 %r1, 0;
+$L__BB0_1:
+    // a comment
+    add.s32 %r1, %r1, 1;
+    setp.lt.s32 %p1, %r1, %r2;
+    @%p1 bra $L__BB0_1;
+$L__BB0_2:
+    st.global.b32 [ %rd1 + 0 ], { %r1 };
+    @%p2 bra.uni $L__BB0_3;
+$L__BB0_3:
+    ret;
+"""
+
+
+def test_loop_instructions_count_the_blocks_that_branch_back_to_themselves():
+    assert sm90_compile.loop_instructions(LOOPS) == 3      # BB0_1; BB0_2 branches forward
+    assert sm90_compile.loop_instructions("") == 0
+
+
 # every offline script starts so: the script's module loaded from its file, its stand-in driver active
 PREAMBLE = '''
 import json, sys
@@ -274,3 +294,20 @@ def test_only_the_groups_asked_for_are_compiled(tmp_path):
     """`compile_plan(..., groups=...)` (the script's --with-ops) compiles those groups' kernels and no other."""
     result = run_offline(tmp_path, GROUPS, timeout=600)
     assert len(result["chosen"]) == 1 and result["groups"] == result["chosen"] and not result["errors"]
+
+
+def test_compare_names_each_launch_whose_compile_changed_once():
+    config = {"BLOCK_M": 64, "num_warps": 4}
+    before = [{"group": "g0", "launch": "conv_a", "config": config, "registers": 192, "local": 0, "ld_bytes": 16.0,
+               "st_bytes": 16.0, "compile_s": 1.5},
+              {"group": "g1", "launch": "conv_a", "config": config, "registers": 192, "local": 0, "ld_bytes": 16.0,
+               "st_bytes": 16.0, "compile_s": 0.5},
+              {"group": "g2", "launch": "dw", "config": config, "registers": 40, "local": 0, "ld_bytes": 16.0,
+               "st_bytes": 16.0, "compile_s": 1.0}]
+    after = [dict(before[0], registers=241, compile_s=1.0), dict(before[1], registers=241, compile_s=0.0),
+             dict(before[2], compile_s=0.5)]
+    lines = sm90_compile.compare(before, after).splitlines()
+    assert len(lines) == 2 and lines[0].startswith("conv_a") and "'registers': (192, 241)" in lines[0]
+    assert lines[1] == "1 distinct launches differ of 3 launches; compile 3.0 s -> 1.5 s"
+    with pytest.raises(ValueError, match="different launches"):
+        sm90_compile.compare(before, after[:2])
