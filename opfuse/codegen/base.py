@@ -135,16 +135,18 @@ def kernel_name(prefix: str, ops: Sequence[str], source: str) -> str:
     return f"{prefix}_{body}_{digest}"
 
 
-def load_kernel(prefix: str, ops: Sequence[str], source: str, units: Sequence[str] = ()
-                ) -> tuple[str, str, "Launcher"]:
+def load_kernel(prefix: str, ops: Sequence[str], source: str, units: Sequence[str] = (), rows: Sequence[str] = (),
+                row_strides: Sequence[str] = ()) -> tuple[str, str, "Launcher"]:
     """(name, source, launcher of the jitted function) of generated `source` whose function is called KERNEL_NAME:
     the name is `kernel_name` of the source as given, then written into it, so profiles show
     fused_conv2d_relu_1a2b3c4d. `units`: the integer parameters the kernel rebinds as multiples of its UNIT
-    (`unit_code`); the launcher passes UNIT (`unit_of` their values)."""
+    (`unit_code`); the launcher passes UNIT (`unit_of` their values). `rows`: its row counts (`rows_jit`), and
+    `row_strides` the strides along the rows of every tensor it addresses by row; the launcher passes ROW_UNIT
+    (`row_unit_of` their values)."""
     name = kernel_name(prefix, ops, source)
     source = source.replace("KERNEL_NAME", name)
     module = load_source(source, name)
-    return name, source, Launcher(getattr(module, name), module.__file__, name, units)
+    return name, source, Launcher(getattr(module, name), module.__file__, name, units, rows, row_strides)
 
 
 # Triton specialises an integer argument on one fact about its factors: whether 16 divides it. A kernel over 24
@@ -164,13 +166,35 @@ def unit_of(values: Sequence[int]) -> int:
     return unit if 1 < unit < UNIT_MAX else 1
 
 
-def unit_code(names: Sequence[str], indent: str = "    ") -> str:
-    """The kernel lines that rebind `names` as multiples of UNIT (nothing where UNIT is 1, a constexpr branch), for
-    a template's `{units}` line."""
-    if not names:
-        return ""
-    lines = [f"{indent}if UNIT > 1:   # the launcher's UNIT divides each of these (opfuse.codegen.base.unit_of)"]
-    lines += [f"{indent}    {name} = {name} // UNIT * UNIT" for name in names]
+# Triton also specialises the row count of a [rows, channels] tile kernel (M: output pixels, GEMM rows) on 16
+# dividing it, and one model's layers take both kinds of value (3136 and 196 pixels): each config of a template would
+# compile twice. Only where some tensor is contiguous along the rows (a row stride of 1: an NCHW input, a transposed
+# GEMM operand, a one-channel output) does the row mask `offs_m < M` set an access width; elsewhere the two compiles
+# load and store alike (RESULTS.md, 2026-12-04 offline). So the templates declare their row counts
+# `@triton.jit(do_not_specialize_on_alignment=[...])` (`rows_jit`), take a ROW_UNIT constexpr (`row_unit_of`, from
+# the launch's row strides) and rebind the row counts as multiples of it.
+def rows_jit(rows: Sequence[str]) -> str:
+    """The decorator of a template whose row counts are `rows`: Triton does not specialise them on alignment."""
+    return f"@triton.jit(do_not_specialize_on_alignment={list(rows)!r})"
+
+
+def row_unit_of(rows: Sequence[int], strides: Sequence[int]) -> int:
+    """The ROW_UNIT of a launch with row counts `rows` and row strides `strides`: 16 where some stride is 1 and 16
+    divides every row count, else 1. Nothing is vectorised along rows without a stride of 1, nor where 16 does not
+    divide the rows: Triton knows the sizes of a row's parts (R2, AR3) only as multiples of 16, so a run along the
+    rows is never known longer than that (a smaller unit would only add compiles)."""
+    return UNIT_MAX if 1 in strides and all(row % UNIT_MAX == 0 for row in rows) else 1
+
+
+def unit_code(names: Sequence[str], rows: Sequence[str] = (), indent: str = "    ") -> str:
+    """The kernel lines that rebind `names` as multiples of UNIT and the row counts `rows` as multiples of ROW_UNIT
+    (nothing where the unit is 1, a constexpr branch), for a template's `{units}` line."""
+    lines = []
+    for unit, rebound, rule in (("UNIT", names, "unit_of"), ("ROW_UNIT", rows, "row_unit_of")):
+        if rebound:
+            lines.append(f"{indent}if {unit} > 1:   # the launcher's {unit} divides each of these "
+                         f"(opfuse.codegen.base.{rule})")
+            lines += [f"{indent}    {name} = {name} // {unit} * {unit}" for name in rebound]
     return "\n".join(lines)
 
 
@@ -203,20 +227,45 @@ class Launcher:
     """A generated Triton kernel, launched as `launcher[grid](*args, **options)` like the jitted function it holds;
     inside `recording_launches()` a launch is recorded instead."""
 
-    def __init__(self, function: Any, path: str, name: str, units: Sequence[str] = ()):
+    def __init__(self, function: Any, path: str, name: str, units: Sequence[str] = (), rows: Sequence[str] = (),
+                 row_strides: Sequence[str] = ()):
         self.function, self.path, self.name = function, path, name
         self.units = tuple(units)
         # where each unit parameter is among the positional arguments (a launch may also pass one by name)
-        self._unit_positions = [(function.arg_names.index(unit), unit) for unit in self.units]
+        self._unit_positions = self._positions(self.units)
+        # the row counts and the strides that decide the kernel's ROW_UNIT (`row_unit_of`); the row counts are
+        # those its decorator keeps from alignment specialisation (`rows_jit`; the interpreter keeps no flags)
+        unaligned = {p.name for p in getattr(function, "params", ()) if p.do_not_specialize_on_alignment}
+        if hasattr(function, "params") and unaligned != set(rows):
+            raise ValueError(f"{name}: row counts {sorted(rows)}, but the decorator leaves {sorted(unaligned)} "
+                             "unspecialised on alignment")
+        if rows and not row_strides:
+            raise ValueError(f"{name}: row counts {list(rows)} need the row strides that set ROW_UNIT")
+        self._row_positions = self._positions(rows)
+        self._row_stride_positions = self._positions(row_strides)
+
+    def _positions(self, names: Sequence[str]) -> list[tuple[int, str]]:
+        return [(self.function.arg_names.index(name), name) for name in names]
+
+    @staticmethod
+    def _values(positions: list[tuple[int, str]], args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+        return [args[i] if i < len(args) else kwargs[name] for i, name in positions]
 
     def unit(self, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
         """The UNIT of a launch with these arguments (`unit_of` its unit parameters' values)."""
-        return unit_of([args[i] if i < len(args) else kwargs[name] for i, name in self._unit_positions])
+        return unit_of(self._values(self._unit_positions, args, kwargs))
+
+    def row_unit(self, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+        """The ROW_UNIT of a launch with these arguments (`row_unit_of` its row counts and row strides)."""
+        return row_unit_of(self._values(self._row_positions, args, kwargs),
+                           self._values(self._row_stride_positions, args, kwargs))
 
     def __getitem__(self, grid: Any) -> Any:
         def launch(*args: Any, **kwargs: Any) -> Any:
             if self.units:
                 kwargs["UNIT"] = self.unit(args, kwargs)
+            if self._row_positions:
+                kwargs["ROW_UNIT"] = self.row_unit(args, kwargs)
             records = _RECORDING.get()
             if records is None:
                 return self.function[grid](*args, **kwargs)

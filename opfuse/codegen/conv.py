@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import FORM_TRITON, GroupKernel, KernelConfig, compiled_info, tuned_configs
+from opfuse.codegen.base import FORM_TRITON, GroupKernel, KernelConfig, compiled_info, rows_jit, tuned_configs
 from opfuse.codegen.epilogue import (Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting,
                                      siblings_and_chains)
 from opfuse.codegen.forms import EpilogueKernel
@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+''' + rows_jit(["M"]) + '''
 def KERNEL_NAME(
     x_ptr, w_ptr,
     M, N_TOTAL, COUT_G, CIN_G, C_IN, H, W, R1, R2,
@@ -67,7 +67,7 @@ def KERNEL_NAME(
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
     PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    K_GATHER: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr,
+    K_GATHER: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr, ROW_UNIT: tl.constexpr,
 ):
 {units}
     pid = tl.program_id(0)
@@ -153,6 +153,9 @@ CONV_SLICE_TEMPLATE = sliced_template(CONV_TEMPLATE, [
 # (`opfuse.codegen.base.unit_code`)
 CONV_UNITS = ("N_TOTAL", "COUT_G", "CIN_G", "C_IN", "s_xn", "s_xh", "s_xw")
 DEPTHWISE_UNITS = ("N", "s_xn", "s_xh", "s_xw")
+# the input's strides along the output rows' pixels, which set ROW_UNIT with the epilogue's
+# (`opfuse.codegen.base.row_unit_of`)
+X_ROW_STRIDES = ("s_xn", "s_xh", "s_xw")
 CONV_PARTIAL = '''\
     ws = ws_ptr + pid_k * M * N_TOTAL + offs_m[:, None] * N_TOTAL + offs_n[None, :]
     tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])'''
@@ -176,7 +179,7 @@ def filter_row(acc, kh, ih, iw0, x_rows, x_cols, w_ptr, offs_n, mask_m, mask_n, 
     return acc
 
 
-@triton.jit
+''' + rows_jit(["M"]) + '''
 def KERNEL_NAME(
     x_ptr, w_ptr,
     M, N, H, W, R1, R2,
@@ -185,7 +188,7 @@ def KERNEL_NAME(
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
     PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     MULTIPLIER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_LOOP: tl.constexpr,
-    UNIT: tl.constexpr,
+    UNIT: tl.constexpr, ROW_UNIT: tl.constexpr,
 ):
 {units}
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)   # output pixel
@@ -224,7 +227,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+''' + rows_jit(["P"]) + '''
 def KERNEL_NAME(
     x_ptr, w_ptr,
     P, N, H, W, R1, R2,
@@ -233,7 +236,7 @@ def KERNEL_NAME(
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
     PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     MULTIPLIER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLS: tl.constexpr,
-    UNIT: tl.constexpr,
+    UNIT: tl.constexpr, ROW_UNIT: tl.constexpr,
 ):
 {{units}}
     RUNS: tl.constexpr = BLOCK_M // COLS
@@ -514,7 +517,8 @@ class ConvKernel(EpilogueKernel):
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue, x: str,
                  geometry: ConvGeometry, weights: Sequence[torch.Tensor], dtype: torch.dtype,
                  hw: HardwareProfile | None = None):
-        name, source, self.kernel = generate_kernel(CONV_TEMPLATE, epilogue, units=CONV_UNITS)
+        name, source, self.kernel = generate_kernel(CONV_TEMPLATE, epilogue, units=CONV_UNITS, rows=("M",),
+                                                    row_strides=X_ROW_STRIDES)
         hw = hw or get_hardware()
         super().__init__(graph, group, name, source)
         self.epilogue, self.layout, self.x, self.geometry = epilogue, epilogue.layout, x, geometry
@@ -524,7 +528,8 @@ class ConvKernel(EpilogueKernel):
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
         self._configs = implicit_gemm_configs(group, geometry, self.layout, dtype.itemsize, hw)
         # the planner split K: each config runs the slices the plan gives its tile
-        self.split = SplitK(CONV_SLICE_TEMPLATE, CONV_PARTIAL, epilogue, CONV_UNITS) if group.split_k else None
+        self.split = (SplitK(CONV_SLICE_TEMPLATE, CONV_PARTIAL, epilogue, CONV_UNITS, ("M",),
+                             (*X_ROW_STRIDES, "N_TOTAL")) if group.split_k else None)
         if self.split is not None:      # every kernel it may run: what the tuning cache and a package compare
             self.source += "\n\n" + self.split.sources
         self.packed_weight(group_block_of(self._configs[0]))   # the default config's, packed at build time
@@ -585,7 +590,8 @@ class DepthwiseConvKernel(EpilogueKernel):
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue, x: str,
                  geometry: ConvGeometry, weight: torch.Tensor, hw: HardwareProfile | None = None):
-        name, source, self.kernel = generate_kernel(DEPTHWISE_TEMPLATE, epilogue, units=DEPTHWISE_UNITS)
+        name, source, self.kernel = generate_kernel(DEPTHWISE_TEMPLATE, epilogue, units=DEPTHWISE_UNITS,
+                                                    rows=("M",), row_strides=X_ROW_STRIDES)
         super().__init__(graph, group, name, source)
         self._runs: dict[int, tuple[str, object]] = {}    # COLS: the runs form's (source, kernel)
         self.epilogue, self.layout, self.x, self.geometry = epilogue, epilogue.layout, x, geometry
@@ -635,7 +641,8 @@ class DepthwiseConvKernel(EpilogueKernel):
         if cols not in self._runs:
             g = self.geometry
             template = depthwise_runs_template(cols, g.kw, g.stride[1], g.dilation[1])
-            self._runs[cols] = generate_kernel(template, self.epilogue, units=DEPTHWISE_UNITS)[1:]
+            self._runs[cols] = generate_kernel(template, self.epilogue, units=DEPTHWISE_UNITS, rows=("P",),
+                                               row_strides=X_ROW_STRIDES)[1:]
         return self._runs[cols]
 
 

@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel, unit_code
+from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel, rows_jit, unit_code
 from opfuse.codegen.conv import ConvGeometry
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, interpreting
 from opfuse.codegen.forms import EpilogueKernel
@@ -59,7 +59,7 @@ import triton.language as tl
 
 {helpers}
 
-@triton.jit
+''' + rows_jit(["M"]) + '''
 def KERNEL_NAME(
     x_ptr, wd_ptr, wp_ptr, we_ptr, ws_ptr, count_ptr,
     M, C_IN, C_MID, N, H, W, R1, R2,
@@ -68,7 +68,7 @@ def KERNEL_NAME(
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
     PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CIN: tl.constexpr,
-    SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr,
+    SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr, ROW_UNIT: tl.constexpr,
 ):
 {units}
     # output-channel tiles of one pixel tile are neighbours in launch order: they re-read its input from L2
@@ -234,10 +234,11 @@ class ConvConvKernel(EpilogueKernel):
             before_taps=EXPANSION_WEIGHT if expansion else "",
             tap=TAP_EXPAND.format(args=self.expansion.call_args) if expansion else TAP_LOAD,
             depthwise_args=self.depthwise.call_args,
-            params=self.epilogue.params, epilogue=self.epilogue.code(), units=unit_code(units))
+            params=self.epilogue.params, epilogue=self.epilogue.code(), units=unit_code(units, ["M"]))
         roles = (["expand_conv"] + self.expansion.epilogue.ops[1:] if expansion else []) + \
             ["dw_conv"] + self.depthwise.epilogue.ops[1:] + ["pw_conv"] + self.epilogue.ops[1:]
-        name, source, self.kernel = load_kernel("fused", roles, source, units)
+        name, source, self.kernel = load_kernel("fused", roles, source, units, ["M"],
+                                                ["s_xn", "s_xh", "s_xw", *self.epilogue.row_stride_names])
         super().__init__(graph, group, name, source)
         self.stage_vectors = [v for stage in inner for v in stage.vectors]
         # arrival counts of split tiles, zero between launches (`_split_buffers`): made here, never inside a CUDA

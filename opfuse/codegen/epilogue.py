@@ -409,6 +409,13 @@ class Epilogue:
         return [name for prefix in self._tensor_prefixes for name in self.layout.stride_names(prefix)[:-1]]
 
     @property
+    def row_stride_names(self) -> list[str]:
+        """The row strides of every tensor the epilogue reads or writes (`params`): where one is 1, that tensor
+        is contiguous along the tile's rows (`opfuse.codegen.base.row_unit_of`)."""
+        return [name for prefix in self._tensor_prefixes
+                for name in self.layout.stride_names(prefix)[-1 - ROW_GROUPS:-1]]
+
+    @property
     def _tensor_prefixes(self) -> list[str]:
         """The parameter prefixes of the tensors it reads (full operands) and writes, in `params` order."""
         return [f"fo{j}" for j in range(len(self.full_operands))] + [f"out{j}" for j in range(len(self.stored))]
@@ -442,18 +449,21 @@ class Epilogue:
         return args, [buffers[b].narrow(channel, *self.spans[s]) for s, b in self.outputs]
 
 
-def generate_kernel(template: str, epilogue: Epilogue, prefix: str = "fused", units: Sequence[str] | None = None
-                    ) -> tuple[str, str, object]:
+def generate_kernel(template: str, epilogue: Epilogue, prefix: str = "fused", units: Sequence[str] | None = None,
+                    rows: Sequence[str] = (), row_strides: Sequence[str] = ()) -> tuple[str, str, object]:
     """(name, source, jitted function) of `template` with the epilogue inserted, named `prefix`_<ops>_<hash>.
 
     The template has `{params}` and `{epilogue}` slots and calls its function KERNEL_NAME (see `load_kernel`).
     `units`: the template's own integer parameters that address the tile's channel dim, for a template with a
     `UNIT: tl.constexpr` parameter and a `{units}` slot where the kernel rebinds them and the epilogue's row
     strides as multiples of UNIT (`opfuse.codegen.base.unit_code`); None for a template without.
+    `rows`: its row counts, for a template declared with `rows_jit(rows)` and a `ROW_UNIT: tl.constexpr`
+    parameter, and `row_strides` its own tensors' strides along the rows (the epilogue's are added).
     """
     names = () if units is None else (*units, *epilogue.unit_names)
-    source = template.format(params=epilogue.params, epilogue=epilogue.code(), units=unit_code(names))
-    return load_kernel(prefix, epilogue.ops, source, names)
+    source = template.format(params=epilogue.params, epilogue=epilogue.code(), units=unit_code(names, rows))
+    strides = (*row_strides, *epilogue.row_stride_names) if rows else ()
+    return load_kernel(prefix, epilogue.ops, source, names, rows, strides)
 
 
 # The row and batch indices of the contract (module docstring), for templates whose tile covers rows offs_m of M and

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import KernelConfig, compiled_info
+from opfuse.codegen.base import KernelConfig, compiled_info, rows_jit
 from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting,
                                      siblings_and_chains)
 from opfuse.codegen.forms import EpilogueKernel, LibraryAnchor
@@ -44,13 +44,17 @@ GROUP_M = 8   # tiles of 8 consecutive row blocks share B in L2 (the Triton matm
 # the template's integers that address its vectorised dims (N of the tile and B, K of A), rebound as multiples of
 # UNIT (`opfuse.codegen.base.unit_code`)
 GEMM_UNITS = ("N", "K", "s_ab0", "s_ab1", "s_ar0", "s_ar1", "s_ar2", "s_ar3", "s_ako", "s_bb0", "s_bb1", "s_bk")
+# its row count, rebound as a multiple of ROW_UNIT from A's row strides (and the epilogue's and the prologue's)
+# (`opfuse.codegen.base.row_unit_of`)
+GEMM_ROWS = ("M",)
+GEMM_ROW_STRIDES = ("s_ar0", "s_ar1", "s_ar2", "s_ar3")
 
 GEMM_TEMPLATE = '''
 import triton
 import triton.language as tl
 
 
-@triton.jit
+''' + rows_jit(GEMM_ROWS) + '''
 def KERNEL_NAME(
     a_ptr, b_ptr,
     M, N, K, R1, R2, B1,
@@ -59,6 +63,7 @@ def KERNEL_NAME(
     {params}{prologue_params}
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, A_SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr,
+    ROW_UNIT: tl.constexpr,
 ):
 {units}
     pid = tl.program_id(0)
@@ -183,8 +188,9 @@ class GemmKernel(EpilogueKernel):
             self.operand_nodes, self.operand_constants = [graph[n] for n in prologue.nodes], prologue.constants
         elif a_map is not None:
             self.operand_nodes = a_map.views
+        row_strides = (*GEMM_ROW_STRIDES, *(prologue.row_stride_names if prologue is not None else ()))
         name, source, self.kernel = generate_kernel(_with_prologue(GEMM_TEMPLATE, prologue), epilogue,
-                                                    units=GEMM_UNITS)
+                                                    units=GEMM_UNITS, rows=GEMM_ROWS, row_strides=row_strides)
         super().__init__(graph, group, name, source)
         self.device, self.epilogue, self.layout = device, epilogue, epilogue.layout
         self.a, self.k, self.a_view, self.a_map = a, k, a_view, a_map
@@ -198,7 +204,8 @@ class GemmKernel(EpilogueKernel):
         # the planner split K: each config runs the slices the plan gives its tile (never with row statistics,
         # which need all of K: the planner offers no split for them)
         if group.split_k and (prologue is None or prologue.norm is None):
-            self.split = SplitK(_with_prologue(GEMM_SLICE_TEMPLATE, prologue), GEMM_PARTIAL, epilogue, GEMM_UNITS)
+            self.split = SplitK(_with_prologue(GEMM_SLICE_TEMPLATE, prologue), GEMM_PARTIAL, epilogue, GEMM_UNITS,
+                                GEMM_ROWS, (*row_strides, "N"))
             self._configs = with_slices(self._configs, group)
             self.source += "\n\n" + self.split.sources   # every kernel it may run: what the tuning cache keys
         self._sizes = (self.layout.rows, self.layout.channels, *self.layout.row_sizes()[1:],

@@ -141,6 +141,11 @@ class Prologue:
                        for j in range(len(self.operands))) + "".join(f"pn{j}_ptr, "
                                                                       for j in range(len(self.norm_vectors)))
 
+    @property
+    def row_stride_names(self) -> list[str]:
+        """The operands' strides along A's row groups (`opfuse.codegen.base.row_unit_of`)."""
+        return [f"po{j}_s{i}" for j in range(len(self.operands)) for i in range(4)]
+
     def code(self, indent: str = "        ") -> str:
         return "\n".join(indent + line for line in self.lines)
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import KernelConfig, load_kernel, unit_code
+from opfuse.codegen.base import KernelConfig, load_kernel, rows_jit, unit_code
 from opfuse.codegen.epilogue import TILE_INDEX, generate_kernel
 from opfuse.fusion.tiles import tile_key
 from opfuse.ir.graph import GraphError
@@ -24,17 +24,18 @@ if TYPE_CHECKING:
     from opfuse.fusion.plan import FusionGroup
 
 # split-K's second kernel: the K slices' fp32 partial tiles ws[slice, batch, row, column] summed in slice order
-# (the same order every run), then the group's epilogue, under the same contract as the anchor templates
+# (the same order every run), then the group's epilogue, under the same contract as the anchor templates; its row
+# count M is rebound as a multiple of ROW_UNIT (`opfuse.codegen.base.row_unit_of`: ws's rows are N apart)
 REDUCE_TEMPLATE = '''
 import triton
 import triton.language as tl
 
 
-@triton.jit
+''' + rows_jit(["M"]) + '''
 def KERNEL_NAME(
     ws_ptr, M, N, SLICES, R1, R2, B1,
     {params}
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNIT: tl.constexpr, ROW_UNIT: tl.constexpr,
 ):
 {units}
     pid_m = tl.program_id(0)
@@ -59,14 +60,17 @@ class SplitK:
     template's code for it) in place of the epilogue, and the reduce kernel that sums the slices and runs the
     epilogue. Built only for groups the planner split (`FusionGroup.split_k`)."""
 
-    def __init__(self, template: str | None, partial: str, epilogue: "Epilogue", units: Sequence[str] = ()):
+    def __init__(self, template: str | None, partial: str, epilogue: "Epilogue", units: Sequence[str] = (),
+                 rows: Sequence[str] = (), row_strides: Sequence[str] = ()):
         """`units`: the template's unit parameters (`opfuse.codegen.base.unit_code`; the partial tile's store
-        has no epilogue strides)."""
+        has no epilogue strides); `rows` its row counts and `row_strides` the row strides of what the sliced
+        kernel reads and stores (`opfuse.codegen.base.row_unit_of`)."""
         if template is not None:
-            self.name, self.source, self.partial = load_kernel(
-                "splitk", epilogue.ops, template.format(params="ws_ptr, ", epilogue=partial, units=unit_code(units)),
-                units)
-        self.reduce_name, self.reduce_source, self.reduce = generate_kernel(REDUCE_TEMPLATE, epilogue, units=("N",))
+            source = template.format(params="ws_ptr, ", epilogue=partial, units=unit_code(units, rows))
+            self.name, self.source, self.partial = load_kernel("splitk", epilogue.ops, source, units, rows,
+                                                               row_strides)
+        self.reduce_name, self.reduce_source, self.reduce = generate_kernel(REDUCE_TEMPLATE, epilogue, units=("N",),
+                                                                            rows=("M",), row_strides=("N",))
 
     @property
     def sources(self) -> str:

@@ -147,15 +147,17 @@ def loaded_module(record: LaunchRecord) -> ModuleType | None:
 
 def compile_key(record: LaunchRecord) -> tuple:
     """What Triton compiles a recorded launch into, as far as its arguments decide: each constexpr's value, each
-    tensor's dtype and 16-byte alignment, whether an integer is 1, a multiple of 16 and 32-bit, and the launch
-    options. Two launches of one kernel with one key (one template at other sizes) are one compile, which two
-    workers would otherwise both do at once. A key may separate launches Triton compiles once, never the reverse."""
+    tensor's dtype and 16-byte alignment, whether an integer is 1, a multiple of 16 (unless the kernel's decorator
+    says not to specialise it on alignment: `opfuse.codegen.base.rows_jit`) and 32-bit, and the launch options.
+    Two launches of one kernel with one key (one template at other sizes) are one compile, which two workers would
+    otherwise both do at once. A key may separate launches Triton compiles once, never the reverse."""
     module = loaded_module(record)
     function = getattr(module, record.function, None)
     raw = getattr(function, "fn", None)
     if raw is None:                   # not loaded here: the launch is its own key
         return (record,)
     params = list(inspect.signature(raw).parameters.values())
+    unaligned = {p.name for p in getattr(function, "params", ()) if p.do_not_specialize_on_alignment}
 
     def argument(param: inspect.Parameter, value: Any) -> tuple:
         if "constexpr" in str(param.annotation):
@@ -164,7 +166,8 @@ def compile_key(record: LaunchRecord) -> tuple:
             return ("tensor", value.dtype, value.offset % 16 == 0)
         if isinstance(value, bool) or not isinstance(value, int):
             return (type(value).__name__,)
-        return ("int", value == 1, value % 16 == 0, -2 ** 31 <= value < 2 ** 31)
+        aligned = value % 16 == 0 and param.name not in unaligned
+        return ("int", value == 1, aligned, -2 ** 31 <= value < 2 ** 31)
 
     return (record.path, record.function, tuple(argument(p, a) for p, a in zip(params, record.args)),
             record.kwargs)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from opfuse.codegen.base import KernelConfig, LaunchRecord, TensorArg, recording_launches
+from opfuse.codegen.conv import lower_conv_group
 from opfuse.codegen.pointwise import lower_pointwise_group
 from opfuse.fusion.plan import GroupKind
 from opfuse.runtime.precompile import precompile, record_launches
@@ -622,3 +623,47 @@ def test_a_caller_builds_what_no_ready_worker_has_taken():
         assert len(pool.built_here) == 2 and time.monotonic() - start < 1.2
     finally:
         pool.close()
+
+
+def test_the_row_unit_of_a_launch_needs_a_tensor_contiguous_along_its_rows():
+    from opfuse.codegen.base import row_unit_of
+
+    assert row_unit_of([56 * 56], [64 * 56, 64, 64 * 56 * 56]) == 1     # channels-last: nothing runs along rows
+    assert row_unit_of([56 * 56], [56, 1]) == 16 and row_unit_of([0], [1]) == 16
+    assert row_unit_of([14 * 14], [14, 1]) == 1 and row_unit_of([7 * 7], [7, 1]) == 1
+
+
+def test_a_row_count_is_no_compile_of_its_own(monkeypatch):
+    """Launches of one template at row counts 16 does and does not divide (3136 and 196 pixels) are one compile
+    where the kernel's decorator leaves the row count unspecialised on alignment (`rows_jit`); a channel count
+    still splits them, and so does ROW_UNIT (a constexpr). The decorator and the launcher must agree."""
+    from triton.runtime.jit import JITFunction
+
+    from opfuse.codegen.base import Launcher
+    from opfuse.runtime import precompile
+    from opfuse.runtime.precompile import compile_key
+    from tests.kernels.test_conv_kernels import Builder
+
+    b = Builder()
+    y = b.op("relu", b.conv(b.input("x", (1, 6, 4, 4)), 6, 3, padding=1))
+    kernel = lower_conv_group(b.graph, b.group([y]), "cpu")
+    with recording_launches() as launches:
+        kernel.run([b.feeds[name] for name in kernel.runtime_inputs])
+    (record,) = launches
+    module = precompile.loaded_module(record)
+    interpreted = getattr(module, record.function)
+    jitted = JITFunction(interpreted.fn, do_not_specialize_on_alignment=["M"])   # as on a GPU
+    monkeypatch.setattr(module, record.function, jitted)
+    names = jitted.arg_names
+
+    def varied(**values) -> LaunchRecord:
+        args = tuple(values.get(name, arg) for name, arg in zip(names, record.args))
+        kwargs = tuple((k, values.get(k, v)) for k, v in record.kwargs)
+        return LaunchRecord(record.path, record.function, args, kwargs)
+
+    assert compile_key(varied(M=3136)) == compile_key(varied(M=196)) == compile_key(varied(M=49))
+    assert compile_key(varied(M=3136, COUT_G=48)) != compile_key(varied(M=3136, COUT_G=40))
+    assert compile_key(varied(M=3136, ROW_UNIT=16)) != compile_key(varied(M=3136))
+    assert compile_key(varied(M=1)) != compile_key(varied(M=196))            # 1 stays a constant
+    with pytest.raises(ValueError, match="row counts"):
+        Launcher(jitted, record.path, record.function, rows=())

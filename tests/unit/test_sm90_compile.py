@@ -265,6 +265,48 @@ def test_channels_in_units_of_8_load_and_store_16_bytes_wide(tmp_path):
     assert report["24->144 unit 8"]["ld"] >= 8.0 and report["24->144 unit 1"]["ld"] <= 4.0
 
 
+ROWS = '''
+import torch
+from opfuse.codegen.base import import_file, recording_launches
+from opfuse.codegen.conv import lower_conv_group
+from opfuse.fusion.plan import GroupKind
+from opfuse.runtime.precompile import stand_in
+from tests.kernels.test_conv_kernels import Builder
+
+report = {}
+for layout in ("nhwc", "nchw"):
+    b = Builder(dtype="float16")
+    x = b.input("x", (1, 32, 4, 16))
+    skip = b.random(1, 32, 4, 16)
+    if layout == "nhwc":
+        skip = skip.to(memory_format=torch.channels_last)
+    y = b.op("add", b.conv(x, 32, 1), b.input("skip", (1, 32, 4, 16), skip))
+    kernel = lower_conv_group(b.graph, b.group([y], GroupKind.RESIDUAL), "cpu")
+    with recording_launches() as launches:
+        kernel.run([b.feeds[n] for n in kernel.runtime_inputs], kernel.configs()[0])
+    (record,) = launches
+    function = getattr(import_file(record.path, f"rows_{layout}"), record.function)
+    launched = dict(record.kwargs)["ROW_UNIT"]
+    for rows in (64, 49):
+        for row_unit in sorted({1, launched}):
+            args = [stand_in(rows if name == "M" else value) for name, value in zip(function.arg_names, record.args)]
+            kwargs = {n: stand_in(v) for n, v in record.kwargs} | {"ROW_UNIT": row_unit}
+            compiled = function.warmup(*args, grid=(1,), **kwargs)
+            report[f"{layout} {rows} {row_unit}"] = module.access_widths(compiled.asm["ptx"]) | {"hash": compiled.hash}
+    report[layout] = launched
+print(json.dumps(report))
+'''
+
+
+def test_a_row_count_compiles_once_unless_a_tensor_runs_along_the_rows(tmp_path):
+    """A 1x1 conv (a GEMM) with a residual, compiled for sm_90 at 64 and 49 rows. With a channels-last residual
+    the launch's ROW_UNIT is 1 and both row counts are one compile (`rows_jit`). With an NCHW residual (16 pixels
+    a row, stride 1 along them) the launch passes ROW_UNIT 16, and only with it is the residual loaded wider than
+    one half an instruction."""
+    report = run_offline(tmp_path, ROWS, timeout=600)
+    assert report["nhwc"] == 1 and report["nhwc 64 1"] == report["nhwc 49 1"]
+    assert report["nchw"] == 16 and report["nchw 64 16"]["ld"] > report["nchw 64 1"]["ld"]
+
 GROUPS = '''
 import torch
 import torch.nn as nn
