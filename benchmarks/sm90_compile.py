@@ -129,10 +129,15 @@ def compile_record(record, modules: dict) -> dict:
 IMAGE_OPS = ("conv2d", "conv_transpose2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "batch_norm")
 
 
+VIEW_OPS = ("reshape", "permute")
+
+
 def channels_last(graph, name: str, memo: dict) -> bool:
     """Whether opfuse's compiled model holds a 4-D value channels-last: a 4-D image input, a convolution's or a
-    pooling's result, an [N, H, W, C] value permuted to [N, C, H, W], and what elementwise ops, concatenations and
-    slices make of those (attention's 4-D heads are contiguous views)."""
+    pooling's result, an [N, H, W, C] value permuted to [N, C, H, W], and what elementwise ops, concatenations,
+    slices and views of a 4-D value make of those (a pointwise kernel writes its outputs in its largest input's
+    layout: a channel shuffle's reshape, permute, reshape of a channels-last image stays so; attention's 4-D heads,
+    views of a 3-D activation, are contiguous)."""
     from opfuse.ir.ops import kind_of
 
     if name not in memo:
@@ -147,6 +152,11 @@ def channels_last(graph, name: str, memo: dict) -> bool:
             memo[name] = True     # [N, H, W, C] seen as [N, C, H, W] (ConvNeXt's blocks end so): channels-last memory
         elif node.op in ("cat", "slice") or kind_of(node).elementwise:
             memo[name] = any(channels_last(graph, i, memo) for i in node.inputs if graph[i].op != "constant")
+        elif node.op in VIEW_OPS:
+            source = node
+            while source.op in VIEW_OPS:          # back through the views to what they view
+                source = graph[source.inputs[0]]
+            memo[name] = channels_last(graph, source.name, memo)
         else:
             memo[name] = False
     return memo[name]

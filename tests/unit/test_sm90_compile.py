@@ -114,17 +114,21 @@ def test_example_values_are_channels_last_where_the_compiled_model_holds_them_so
     conv = b.op("conv2d", image, b.const("w", b.random(4, 3, 3, 3)), stride=(1, 1), padding=(1, 1),
                 dilation=(1, 1), groups=1)
     relu = b.op("relu", conv)
-    tokens = b.input("tokens", (1, 8, 2, 4))
-    heads = b.op("permute", tokens, dims=(0, 2, 1, 3))
+    tokens = b.input("tokens", (1, 8, 8))              # attention's heads: a 3-D activation viewed as 4-D
+    heads = b.op("permute", b.op("reshape", tokens, shape=(1, 8, 2, 4)), dims=(0, 2, 1, 3))
     scores = b.op("relu", b.op("matmul", heads, b.op("permute", heads, dims=(0, 1, 3, 2))))
     # ConvNeXt's block end: a linear over [N, H, W, C] rows permuted back to [N, C, H, W], then the residual add
     rows = b.op("linear", b.op("permute", conv, dims=(0, 2, 3, 1)), b.const("w2", b.random(4, 4)))
     back = b.op("permute", rows, dims=(0, 3, 1, 2))
     residual = b.op("add", back, conv)
+    # ShuffleNet's channel shuffle: [N, 2, C/2, H, W], swapped, and back to [N, C, H, W]
+    split = b.op("reshape", relu, shape=(1, 2, 2, 8, 8))
+    shuffled = b.op("reshape", b.op("permute", split, dims=(0, 2, 1, 3, 4)), shape=(1, 4, 8, 8))
     memo = {}
-    names = (image, conv, relu, heads, scores, back, residual)
+    names = (image, conv, relu, heads, scores, back, residual, shuffled)
     found = {name: sm90_compile.channels_last(b.graph, name, memo) for name in names}
-    assert found == {image: True, conv: True, relu: True, heads: False, scores: False, back: True, residual: True}
+    assert found == {image: True, conv: True, relu: True, heads: False, scores: False, back: True, residual: True,
+                     shuffled: True}
 
 
 MODEL = '''
