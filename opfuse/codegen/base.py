@@ -136,17 +136,17 @@ def kernel_name(prefix: str, ops: Sequence[str], source: str) -> str:
 
 
 def load_kernel(prefix: str, ops: Sequence[str], source: str, units: Sequence[str] = (), rows: Sequence[str] = (),
-                row_strides: Sequence[str] = ()) -> tuple[str, str, "Launcher"]:
+                row_strides: Sequence[str] = (), row_count: int | None = None) -> tuple[str, str, "Launcher"]:
     """(name, source, launcher of the jitted function) of generated `source` whose function is called KERNEL_NAME:
     the name is `kernel_name` of the source as given, then written into it, so profiles show
     fused_conv2d_relu_1a2b3c4d. `units`: the integer parameters the kernel rebinds as multiples of its UNIT
     (`unit_code`); the launcher passes UNIT (`unit_of` their values). `rows`: its row counts (`rows_jit`), and
     `row_strides` the strides along the rows of every tensor it addresses by row; the launcher passes ROW_UNIT
-    (`row_unit_of` their values)."""
+    (`row_unit_of` their values). `row_count`: the rows of the group it is built for (`RowFolding`)."""
     name = kernel_name(prefix, ops, source)
     source = source.replace("KERNEL_NAME", name)
     module = load_source(source, name)
-    return name, source, Launcher(getattr(module, name), module.__file__, name, units, rows, row_strides)
+    return name, source, Launcher(getattr(module, name), module.__file__, name, units, rows, row_strides, row_count)
 
 
 # Triton specialises an integer argument on one fact about its factors: whether 16 divides it. A kernel over 24
@@ -170,9 +170,12 @@ def unit_of(values: Sequence[int]) -> int:
 # dividing it, and one model's layers take both kinds of value (3136 and 196 pixels): each config of a template would
 # compile twice. Only where some tensor is contiguous along the rows (a row stride of 1: an NCHW input, a transposed
 # GEMM operand, a one-channel output) does the row mask `offs_m < M` set an access width; elsewhere the two compiles
-# load and store alike (RESULTS.md, 2026-12-04 offline). So the templates declare their row counts
-# `@triton.jit(do_not_specialize_on_alignment=[...])` (`rows_jit`), take a ROW_UNIT constexpr (`row_unit_of`, from
-# the launch's row strides) and rebind the row counts as multiples of it.
+# load and store alike, the aligned one with a few registers fewer (RESULTS.md, 2026-12-04 offline). So the
+# templates declare their row counts `@triton.jit(do_not_specialize_on_alignment=[...])` (`rows_jit`), take a
+# ROW_UNIT constexpr and rebind the row counts as multiples of it. That is for a kernel a plan launches at both
+# kinds of row count (ROW_UNIT 1 unless a tensor runs along the rows: `row_unit_of`); any other is compiled from a
+# copy of its source without `rows_jit`, as Triton specialises it (`RowFolding`: the aligned compile has fewer
+# registers, and rebinding M as a multiple of 16 does not give them back).
 def rows_jit(rows: Sequence[str]) -> str:
     """The decorator of a template whose row counts are `rows`: Triton does not specialise them on alignment."""
     return f"@triton.jit(do_not_specialize_on_alignment={list(rows)!r})"
@@ -184,6 +187,45 @@ def row_unit_of(rows: Sequence[int], strides: Sequence[int]) -> int:
     divide the rows: Triton knows the sizes of a row's parts (R2, AR3) only as multiples of 16, so a run along the
     rows is never known longer than that (a smaller unit would only add compiles)."""
     return UNIT_MAX if 1 in strides and all(row % UNIT_MAX == 0 for row in rows) else 1
+
+
+class RowFolding:
+    """Which of one plan's generated kernels fold the alignment of their row counts (`rows_jit`): a jitted function
+    the plan's groups launch at row counts 16 divides and at others, where folding saves a compile. Every other
+    Launcher switches to a copy of its kernel that Triton specialises on its row counts (`Launcher.specialise_rows`),
+    which compiles as before folding. Collected while the plan's kernels are built (`folding_rows`), each Launcher
+    with the rows of the group it serves, then decided."""
+
+    def __init__(self) -> None:
+        self._kinds: dict[tuple[str, str], set[bool]] = {}
+        self._launchers: list[Launcher] = []
+
+    def add(self, launcher: "Launcher", rows: int | None) -> None:
+        kinds = self._kinds.setdefault((launcher.path, launcher.name), set())
+        kinds.update({True, False} if rows is None else {rows % UNIT_MAX == 0})
+        self._launchers.append(launcher)
+
+    def decide(self) -> None:
+        kinds = {id(launcher): self._kinds[launcher.path, launcher.name] for launcher in self._launchers}
+        for launcher in self._launchers:
+            if len(kinds[id(launcher)]) < 2:
+                launcher.specialise_rows()
+
+
+_FOLDING: ContextVar[RowFolding | None] = ContextVar("opfuse_row_folding", default=None)
+
+
+@contextmanager
+def folding_rows() -> Iterator[RowFolding]:
+    """Inside, every Launcher built joins one `RowFolding`, decided on leaving: how a plan's kernels are built.
+    A Launcher built outside folds its row counts."""
+    folding = RowFolding()
+    token = _FOLDING.set(folding)
+    try:
+        yield folding
+    finally:
+        _FOLDING.reset(token)
+    folding.decide()
 
 
 def unit_code(names: Sequence[str], rows: Sequence[str] = (), indent: str = "    ") -> str:
@@ -228,7 +270,7 @@ class Launcher:
     inside `recording_launches()` a launch is recorded instead."""
 
     def __init__(self, function: Any, path: str, name: str, units: Sequence[str] = (), rows: Sequence[str] = (),
-                 row_strides: Sequence[str] = ()):
+                 row_strides: Sequence[str] = (), row_count: int | None = None):
         self.function, self.path, self.name = function, path, name
         self.units = tuple(units)
         # where each unit parameter is among the positional arguments (a launch may also pass one by name)
@@ -241,8 +283,25 @@ class Launcher:
                              "unspecialised on alignment")
         if rows and not row_strides:
             raise ValueError(f"{name}: row counts {list(rows)} need the row strides that set ROW_UNIT")
+        self._rows = tuple(rows)
         self._row_positions = self._positions(rows)
         self._row_stride_positions = self._positions(row_strides)
+        folding = _FOLDING.get()
+        if rows and folding is not None:
+            folding.add(self, row_count)
+
+    def specialise_rows(self) -> None:
+        """Launch a copy of this kernel whose decorator is plain `triton.jit` (written beside it, same function
+        name): Triton specialises its row counts itself, and ROW_UNIT stays 1."""
+        if not self._rows:
+            return
+        source = Path(self.path).read_text()
+        plain = source.replace(rows_jit(self._rows), "@triton.jit", 1)
+        if plain == source:
+            raise ValueError(f"{self.name}: no {rows_jit(self._rows)} in its source")
+        module = load_source(plain, self.name)
+        self.function, self.path = getattr(module, self.name), module.__file__
+        self._row_positions = []
 
     def _positions(self, names: Sequence[str]) -> list[tuple[int, str]]:
         return [(self.function.arg_names.index(name), name) for name in names]
@@ -264,8 +323,8 @@ class Launcher:
         def launch(*args: Any, **kwargs: Any) -> Any:
             if self.units:
                 kwargs["UNIT"] = self.unit(args, kwargs)
-            if self._row_positions:
-                kwargs["ROW_UNIT"] = self.row_unit(args, kwargs)
+            if self._rows:
+                kwargs["ROW_UNIT"] = self.row_unit(args, kwargs) if self._row_positions else 1
             records = _RECORDING.get()
             if records is None:
                 return self.function[grid](*args, **kwargs)

@@ -238,7 +238,8 @@ class ConvConvKernel(EpilogueKernel):
         roles = (["expand_conv"] + self.expansion.epilogue.ops[1:] if expansion else []) + \
             ["dw_conv"] + self.depthwise.epilogue.ops[1:] + ["pw_conv"] + self.epilogue.ops[1:]
         name, source, self.kernel = load_kernel("fused", roles, source, units, ["M"],
-                                                ["s_xn", "s_xh", "s_xw", *self.epilogue.row_stride_names])
+                                                ["s_xn", "s_xh", "s_xw", *self.epilogue.row_stride_names],
+                                                self.epilogue.layout.rows)
         super().__init__(graph, group, name, source)
         self.stage_vectors = [v for stage in inner for v in stage.vectors]
         # arrival counts of split tiles, zero between launches (`_split_buffers`): made here, never inside a CUDA

@@ -463,7 +463,7 @@ def generate_kernel(template: str, epilogue: Epilogue, prefix: str = "fused", un
     names = () if units is None else (*units, *epilogue.unit_names)
     source = template.format(params=epilogue.params, epilogue=epilogue.code(), units=unit_code(names, rows))
     strides = (*row_strides, *epilogue.row_stride_names) if rows else ()
-    return load_kernel(prefix, epilogue.ops, source, names, rows, strides)
+    return load_kernel(prefix, epilogue.ops, source, names, rows, strides, epilogue.layout.rows)
 
 
 # The row and batch indices of the contract (module docstring), for templates whose tile covers rows offs_m of M and

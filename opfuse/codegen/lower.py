@@ -17,7 +17,7 @@ from typing import Callable, MutableMapping
 
 import torch
 
-from opfuse.codegen.base import GroupKernel
+from opfuse.codegen.base import GroupKernel, folding_rows
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.operands import INT32_LIMIT
 from opfuse.fusion.legality import MAPPED_COPIES, joins_as_map
@@ -174,8 +174,9 @@ def lower_plan(plan: FusionPlan, device: torch.device | str
     kernels: dict[str, GroupKernel] = {}
     reasons: dict[str, Reason] = {}
     hw = plan_hardware(plan)
-    for group in plan.groups:
-        kernel = lower_group(plan.graph, group, device, reasons, hw)
-        if kernel is not None:
-            kernels[group.name] = kernel
+    with folding_rows():        # which kernels fold their row counts' alignment: those launched at both kinds
+        for group in plan.groups:
+            kernel = lower_group(plan.graph, group, device, reasons, hw)
+            if kernel is not None:
+                kernels[group.name] = kernel
     return kernels, reasons

@@ -68,7 +68,7 @@ class SplitK:
         if template is not None:
             source = template.format(params="ws_ptr, ", epilogue=partial, units=unit_code(units, rows))
             self.name, self.source, self.partial = load_kernel("splitk", epilogue.ops, source, units, rows,
-                                                               row_strides)
+                                                               row_strides, epilogue.layout.rows)
         self.reduce_name, self.reduce_source, self.reduce = generate_kernel(REDUCE_TEMPLATE, epilogue, units=("N",),
                                                                             rows=("M",), row_strides=("N",))
 

@@ -342,3 +342,41 @@ def test_row_counts_launch_in_row_units_only_where_a_tensor_runs_along_the_rows(
         with recording_launches() as launches:
             kernel.run([b.feeds[name] for name in kernel.runtime_inputs])
         assert [dict(record.kwargs)["ROW_UNIT"] for record in launches] == [unit], (batch, side, skip_layout)
+
+
+def test_a_plan_folds_the_row_counts_of_a_kernel_only_where_it_launches_both_kinds():
+    """Inside `folding_rows` (how `lower_plan` builds a plan's kernels) one conv source built for 4x4 images (16
+    rows) and for 3x3 (9) folds its row counts: its decorator leaves them unspecialised, one compile. Another whose
+    groups all have rows 16 divides (4x4, 8x8) launches a copy of its module with a plain `triton.jit`, which
+    Triton specialises on them as before folding; a kernel built outside any plan folds. Every launch passes
+    ROW_UNIT 1 (no tensor runs along the rows) and every result is the reference's."""
+    from pathlib import Path
+
+    from opfuse.codegen.base import folding_rows, recording_launches, rows_jit
+
+    def build(side: int, relu: bool) -> tuple[Builder, object, str]:
+        b = Builder()
+        y = b.conv(b.input("x", (1, 6, side, side)), 6, 3, padding=1)
+        y = b.op("relu", y) if relu else y
+        return b, lower_conv_group(b.graph, b.group([y]), "cpu"), y
+
+    def row_unit(built) -> int:
+        b, kernel, y = built
+        kernel.epilogue.output_fill = float("nan")
+        b.check([y], kernel.run([b.feeds[name] for name in kernel.runtime_inputs]))
+        with recording_launches() as launches:
+            kernel.run([b.feeds[name] for name in kernel.runtime_inputs])
+        (record,) = launches
+        return dict(record.kwargs)["ROW_UNIT"]
+
+    with folding_rows():
+        mixed = [build(4, relu=True), build(3, relu=True)]
+        aligned = [build(4, relu=False), build(8, relu=False)]
+    alone = build(4, relu=False)
+    assert mixed[0][1].kernel.function is mixed[1][1].kernel.function          # one source, one jitted function
+    assert aligned[0][1].kernel.function is aligned[1][1].kernel.function
+    decorated = {name: rows_jit(["M"]) in Path(built[1].kernel.path).read_text()
+                 for name, built in (("mixed", mixed[0]), ("aligned", aligned[0]), ("alone", alone))}
+    assert decorated == {"mixed": True, "aligned": False, "alone": True}
+    assert aligned[0][1].kernel.path != alone[1].kernel.path and aligned[0][1].kernel.name == alone[1].kernel.name
+    assert [row_unit(k) for k in (*mixed, *aligned, alone)] == [1] * 5
