@@ -181,6 +181,12 @@ def rows_jit(rows: Sequence[str]) -> str:
     return f"@triton.jit(do_not_specialize_on_alignment={list(rows)!r})"
 
 
+def unaligned_params(function: Any) -> set[str]:
+    """The parameters a jitted function's decorator keeps from alignment specialisation (`rows_jit`); none under
+    the interpreter, which keeps no flags."""
+    return {p.name for p in getattr(function, "params", ()) if p.do_not_specialize_on_alignment}
+
+
 def row_unit_of(rows: Sequence[int], strides: Sequence[int]) -> int:
     """The ROW_UNIT of a launch with row counts `rows` and row strides `strides`: 16 where some stride is 1 and 16
     divides every row count, else 1. Nothing is vectorised along rows without a stride of 1, nor where 16 does not
@@ -206,10 +212,10 @@ class RowFolding:
         self._launchers.append(launcher)
 
     def decide(self) -> None:
-        kinds = {id(launcher): self._kinds[launcher.path, launcher.name] for launcher in self._launchers}
-        for launcher in self._launchers:
-            if len(kinds[id(launcher)]) < 2:
-                launcher.specialise_rows()
+        # chosen before any switches: switching changes a Launcher's path, which keys `_kinds`
+        single = [launcher for launcher in self._launchers if len(self._kinds[launcher.path, launcher.name]) < 2]
+        for launcher in single:
+            launcher.specialise_rows()
 
 
 _FOLDING: ContextVar[RowFolding | None] = ContextVar("opfuse_row_folding", default=None)
@@ -277,7 +283,7 @@ class Launcher:
         self._unit_positions = self._positions(self.units)
         # the row counts and the strides that decide the kernel's ROW_UNIT (`row_unit_of`); the row counts are
         # those its decorator keeps from alignment specialisation (`rows_jit`; the interpreter keeps no flags)
-        unaligned = {p.name for p in getattr(function, "params", ()) if p.do_not_specialize_on_alignment}
+        unaligned = unaligned_params(function)
         if hasattr(function, "params") and unaligned != set(rows):
             raise ValueError(f"{name}: row counts {sorted(rows)}, but the decorator leaves {sorted(unaligned)} "
                              "unspecialised on alignment")

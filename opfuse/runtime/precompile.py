@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from opfuse.codegen.base import (GroupKernel, KernelConfig, LaunchRecord, TensorArg, import_file,
-                                 recording_launches)
+                                 recording_launches, unaligned_params)
 from opfuse.environment import worker_log
 
 MIN_LAUNCHES = 8        # fewer distinct launches than this compile faster in the tuner than workers start
@@ -157,7 +157,7 @@ def compile_key(record: LaunchRecord) -> tuple:
     if raw is None:                   # not loaded here: the launch is its own key
         return (record,)
     params = list(inspect.signature(raw).parameters.values())
-    unaligned = {p.name for p in getattr(function, "params", ()) if p.do_not_specialize_on_alignment}
+    unaligned = unaligned_params(function)
 
     def argument(param: inspect.Parameter, value: Any) -> tuple:
         if "constexpr" in str(param.annotation):
