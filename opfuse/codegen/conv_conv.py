@@ -38,7 +38,7 @@ import torch
 import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel, rows_jit, unit_code
-from opfuse.codegen.conv import ConvGeometry
+from opfuse.codegen.conv import X_ROW_STRIDES, ConvGeometry
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, interpreting
 from opfuse.codegen.forms import EpilogueKernel
 from opfuse.codegen.split_k import planned_slices, slices_of
@@ -238,7 +238,7 @@ class ConvConvKernel(EpilogueKernel):
         roles = (["expand_conv"] + self.expansion.epilogue.ops[1:] if expansion else []) + \
             ["dw_conv"] + self.depthwise.epilogue.ops[1:] + ["pw_conv"] + self.epilogue.ops[1:]
         name, source, self.kernel = load_kernel("fused", roles, source, units, ["M"],
-                                                ["s_xn", "s_xh", "s_xw", *self.epilogue.row_stride_names],
+                                                [*X_ROW_STRIDES, *self.epilogue.row_stride_names],
                                                 self.epilogue.layout.rows)
         super().__init__(graph, group, name, source)
         self.stage_vectors = [v for stage in inner for v in stage.vectors]
