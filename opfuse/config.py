@@ -20,6 +20,9 @@ class FusionConfig:
     conv_conv_expand: bool = True       # ... and the 1x1 expansion before it (whole inverted residual), where it pays
     norm_prologue: bool = False         # a linear absorbs the layer norm before it (row statistics in its GEMM);
                                         # off: measured 0.4-5% slower than without (RESULTS.md, run 32)
+    norm_epilogue: bool = False         # a depthwise conv's kernel normalizes its rows: the layer norm or RMS norm
+                                        # over the channels after it (ConvNeXt's 7x7 conv -> permute -> LayerNorm)
+                                        # in its epilogue, each tile spanning every channel; off until measured
     squeeze: bool = True                # global average pool -> small GEMM -> small GEMM (squeeze-and-excitation)
                                         # as one kernel (RESULTS.md, run 88: a third fewer launches, about half
                                         # the cold compile, faster or even on the SE models)

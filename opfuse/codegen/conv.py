@@ -45,10 +45,11 @@ from opfuse.codegen.gemm import GROUP_M, GemmKernel, prologue_source, anchor_bia
 from opfuse.codegen.library_fused import FusedConvLibrary, fused_chain
 from opfuse.codegen.lower import find_anchor
 from opfuse.codegen.prologue import Prologue
-from opfuse.fusion.legality import anchor_prologue
+from opfuse.fusion.legality import anchor_prologue, row_norm_epilogue
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.fusion.resources import ADDRESSING_REGISTERS
-from opfuse.fusion.tiles import GATHER_CHANNELS, anchor_steps, by_occupancy, conv_as_gemm, group_block
+from opfuse.fusion.tiles import (GATHER_CHANNELS, anchor_steps, by_occupancy, conv_as_gemm, group_block,
+                                 whole_row_tile)
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph, Node, torch_dtype
 from opfuse.numerics import dot_precision
@@ -328,6 +329,7 @@ DEPTHWISE_CONFIGS = [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=128, BLO
                      KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=32, BLOCK_N=128),
                      KernelConfig.of(num_warps=8, num_stages=1, BLOCK_M=128, BLOCK_N=64),
                      KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=128)]
+INTERPRETED_DEPTHWISE = {"BLOCK_M": 32, "BLOCK_N": 16}    # the one tile Triton's interpreter runs (tests)
 SMALL_DEPTHWISE_CONFIGS = [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=64),
                            KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=32, BLOCK_N=32),
                            KernelConfig.of(num_warps=2, num_stages=1, BLOCK_M=16, BLOCK_N=32)]
@@ -352,7 +354,8 @@ def unrolled_tap_registers(config: KernelConfig, taps: int, itemsize: int) -> in
 
 
 def depthwise_configs(m: int, n: int, sm_count: int, taps: int = 1, itemsize: int = 2,
-                      max_registers: int = 255, width: int | None = None) -> list[KernelConfig]:
+                      max_registers: int = 255, width: int | None = None, whole_rows: bool = False
+                      ) -> list[KernelConfig]:
     """Tile candidates of the direct depthwise kernel over `m` output pixels x `n` channels (in rows of `width`)
     with a filter of `taps` taps on `itemsize`-byte inputs, on a GPU of `sm_count` SMs and `max_registers`
     registers per thread, the default first. A depthwise conv does a few multiply-adds per element it loads, so its
@@ -363,12 +366,19 @@ def depthwise_configs(m: int, n: int, sm_count: int, taps: int = 1, itemsize: in
     of an H200's 132 SMs with the first tile). A pixel tile whose taps unrolled would not fit the registers
     (`unrolled_tap_registers`) loops over the filter rows instead (ROW_LOOP=1), each row's taps unrolled: unrolled,
     they spill (a 7x7 filter on a 128 x 32 tile: 6 KB per thread, 20x slower than cuDNN), and a row loop keeps the
-    loads of one row in flight."""
-    tiles = [KernelConfig.of(num_warps=c.num_warps, num_stages=c.num_stages, **dict(c.params),
-                             ROW_LOOP=int(unrolled_tap_registers(c, taps, itemsize) > max_registers))
-             for c in DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS]
+    loads of one row in flight. With `whole_rows` (a norm over the channels in the epilogue) each tile becomes its
+    `whole_row_tile`, spanning all `n` channels with as many elements."""
     runs = [c for c in DEPTHWISE_RUN_CONFIGS if width is None or -(-width // c["COLS"]) * c["COLS"] < 2 * width]
-    return by_occupancy(runs + tiles, m, n, 1, sm_count)
+    configs: list[KernelConfig] = []
+    for c in runs + DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS:
+        params = whole_row_tile(dict(c.params), n) if whole_rows else dict(c.params)
+        tile = KernelConfig.of(num_warps=c.num_warps, num_stages=c.num_stages, **params)
+        if "COLS" not in params:
+            tile = KernelConfig.of(num_warps=c.num_warps, num_stages=c.num_stages, **params,
+                                   ROW_LOOP=int(unrolled_tap_registers(tile, taps, itemsize) > max_registers))
+        if tile not in configs:
+            configs.append(tile)
+    return by_occupancy(configs, m, n, 1, sm_count)
 
 
 def _pair(value, node: Node, attr: str) -> tuple[int, int]:
@@ -590,6 +600,7 @@ class DepthwiseConvKernel(EpilogueKernel):
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, epilogue: Epilogue, x: str,
                  geometry: ConvGeometry, weight: torch.Tensor, hw: HardwareProfile | None = None):
+        """An epilogue of `whole_rows` (a norm over the channels) gets tiles spanning every channel."""
         name, source, self.kernel = generate_kernel(DEPTHWISE_TEMPLATE, epilogue, units=DEPTHWISE_UNITS,
                                                     rows=("M",), row_strides=X_ROW_STRIDES)
         super().__init__(graph, group, name, source)
@@ -600,10 +611,13 @@ class DepthwiseConvKernel(EpilogueKernel):
         self.multiplier = self.layout.channels // geometry.cin
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
         hw = hw or get_hardware()
+        whole = epilogue.whole_rows
         self._configs = (depthwise_configs(self.layout.rows, self.layout.channels, hw.sm_count, geometry.kh * geometry.kw,
                                            weight.element_size(), hw.max_registers_per_thread,
-                                           self.layout.row_sizes()[2])
-                         if not interpreting() else [KernelConfig.of(BLOCK_M=32, BLOCK_N=16, ROW_LOOP=0)])
+                                           self.layout.row_sizes()[2], whole)
+                         if not interpreting() else
+                         [KernelConfig.of(**(whole_row_tile(INTERPRETED_DEPTHWISE, self.layout.channels) if whole
+                                             else INTERPRETED_DEPTHWISE), ROW_LOOP=0)])
         # the kernel's source is every form it may run: what the tuning cache and a package's check compare
         for cols in sorted({dict(c.params).get("COLS", 1) for c in self._configs} - {1}):
             self.source += "\n\n" + self._runs_form(cols)[0]
@@ -621,6 +635,9 @@ class DepthwiseConvKernel(EpilogueKernel):
         if cols & (cols - 1) or config["BLOCK_M"] % cols:
             raise Unsupported(f"{self.name}: runs of {cols} outputs need a power of two dividing BLOCK_M "
                               f"({config['BLOCK_M']})")
+        if self.epilogue.whole_rows and config["BLOCK_N"] < channels:
+            raise Unsupported(f"{self.name}: its norm over the channels needs a tile of all {channels} channels, "
+                              f"not {config['BLOCK_N']}")
         if cols > 1:      # runs of COLS outputs along a row: the row's runs, the last one cut at the row's end
             runs = m // (r1 * r2) * r1 * triton.cdiv(r2, cols)
             grid = (triton.cdiv(runs, config["BLOCK_M"] // cols), triton.cdiv(channels, config["BLOCK_N"]))
@@ -675,7 +692,10 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
     n, _, h_out, w_out = first.type.shape
     layout = TileLayout((n, sum(w.shape[0] for w in weights), h_out, w_out), channel_dim=1, channels_last=True)
     biases = anchor_biases(graph, anchors)
-    epilogue = Epilogue(graph, group, chains, layout, device, biases)
+    norm = row_norm_epilogue(graph, anchors[0], group.nodes)
+    if norm is not None and (len(anchors) > 1 or not geometry.is_depthwise(layout.channels)):
+        raise Unsupported(f"group {group.name}: norm {norm} in the epilogue of {first.describe()}")
+    epilogue = Epilogue(graph, group, chains, layout, device, biases, whole_rows=norm is not None)
 
     g = geometry
     library = ConvLibraryAnchor(x, weights, dtype, device, geometry)
@@ -701,6 +721,8 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
                             conv=True)
     else:
         kernel = ConvKernel(graph, group, device, epilogue, x, geometry, weights, dtype, hw)
+    if norm is not None:    # no library form: its epilogue kernel's tiles would have to span the channels too
+        return kernel
     kernel.library_anchor = library
     chain = fused_chain(graph, group, anchors, chains, device)
     if chain is not None:

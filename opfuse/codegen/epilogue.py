@@ -31,6 +31,11 @@ every value stays at the tile's coordinates, and a node after the permute sees i
 the inverse permutation (`spaces`: per chain position, the anchor dims its dims are). An output after a permute is
 the permuted view of a buffer laid out as the anchor's output.
 
+A row norm (layer norm or RMS norm over the channels) is the one reduction an epilogue computes, and only on a tile
+of whole rows (`Epilogue(..., whole_rows=True)`: a depthwise conv's tiles spanning every channel, for
+`opfuse.fusion.legality.row_norm_epilogue`): each row's statistics come from the tile itself, the lanes past the
+channels masked out of them.
+
 Horizontal groups (sibling anchors on one input) run one kernel over the concatenated output channels: the
 siblings' epilogues must be structurally identical; their constant operands are concatenated along the channels,
 and each sibling's outputs are views (narrow on the channel dim) of one buffer per stored value.
@@ -50,7 +55,8 @@ import torch
 
 from opfuse.codegen.base import load_kernel, unit_code
 from opfuse.codegen.expr import Unsupported, emit, literal, triton_dtype
-from opfuse.fusion.legality import EPILOGUE_VIEWS, Users, anchor_prologue, epilogue_spaces, operand_views
+from opfuse.fusion.legality import (EPILOGUE_VIEWS, ROW_NORMS, Users, anchor_prologue, epilogue_spaces,
+                                    normalizes_last_dim, operand_views)
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.reasons import Reason
 from opfuse.fusion.tiles import interpreting  # noqa: F401  (the anchor templates take it from here)
@@ -224,12 +230,15 @@ class Epilogue:
     """The elementwise tail of an anchor group, as kernel parameters, Triton lines and launch arguments."""
 
     def __init__(self, graph: Graph, group: FusionGroup, chains: list[list[str]], layout: TileLayout,
-                 device: torch.device, bias: list[torch.Tensor | None] | None = None, flat: bool = False):
+                 device: torch.device, bias: list[torch.Tensor | None] | None = None, flat: bool = False,
+                 whole_rows: bool = False):
         """`chains`: per sibling anchor, its name then its epilogue nodes; `bias`: per sibling, the anchor's
         bias (a [channels] constant) or None; `layout`: the output's layout with all siblings' channels; `flat`:
-        code for a 1-D block of elements instead of a 2-D tile (module docstring)."""
+        code for a 1-D block of elements instead of a 2-D tile (module docstring); `whole_rows`: the template's
+        tile spans every channel (BLOCK_N >= channels, one program along them), so that a row norm over the
+        channels (`opfuse.fusion.legality.row_norm_epilogue`) is computed in the tile (`_row_norm`)."""
         self.graph, self.group, self.layout, self.device = graph, group, layout, device
-        self.flat = flat
+        self.flat, self.whole_rows = flat, whole_rows
         self._arguments = (graph, group, chains, layout, device, bias)
         self._flat_form: Epilogue | None = None
         self.chains = chains
@@ -259,6 +268,9 @@ class Epilogue:
             if nodes[0].op in EPILOGUE_VIEWS:
                 self.lines.append(f"x{p} = x{self._permute(nodes, position)}")
                 continue
+            if nodes[0].op in ROW_NORMS:
+                self.lines += self._row_norm(nodes, position)
+                continue
             self._check_node(nodes, position)
             args = [self._operand(nodes, i, position) for i in range(len(nodes[0].inputs))]
             self.lines.append(f"x{p} = {emit(nodes[0].op, nodes[0].attrs, args)}")
@@ -284,7 +296,7 @@ class Epilogue:
         if self.flat:
             return self
         if self._flat_form is None:
-            self._flat_form = Epilogue(*self._arguments, flat=True)
+            self._flat_form = Epilogue(*self._arguments, flat=True, whole_rows=self.whole_rows)
         self._flat_form.output_fill = self.output_fill
         return self._flat_form
 
@@ -299,6 +311,25 @@ class Epilogue:
         if len(nodes) > 1:
             raise Unsupported(f"horizontal group: {node.describe()} permutes a sibling's epilogue")
         return position[node.inputs[0]]
+
+    def _row_norm(self, nodes: list[Node], position: dict[str, int]) -> list[str]:
+        """The lines of a layer norm or RMS norm over the channels at its chain position: each row's statistics
+        from the tile (which must span every channel: `whole_rows`), its elements past the channels masked out."""
+        node = nodes[0]
+        p, source = position[node.name], f"x{position[node.inputs[0]]}"
+        if self.flat or not self.whole_rows or len(nodes) > 1:
+            raise Unsupported(f"{node.describe()}: a norm over the channels needs a tile of whole rows (a depthwise "
+                              "conv's, one anchor)")
+        if not normalizes_last_dim(self.graph, node) or self.spaces[p][-1] != self.layout.channel_dim:
+            raise Unsupported(f"{node.describe()} does not normalize the anchor's channels alone")
+        n, eps = self.layout.channels, repr(float(node.attrs["eps"]))
+        lines = [f"t{p} = tl.where(mask, {source}, 0.0)"]
+        if node.op == "layer_norm":
+            lines += [f"t{p} = tl.where(mask, t{p} - tl.sum(t{p}, axis=1)[:, None] / {n}, 0.0)"]
+        lines.append(f"x{p} = t{p} * tl.rsqrt(tl.sum(t{p} * t{p}, axis=1)[:, None] / {n} + {eps})")
+        for value, op in zip(node.inputs[1:], ("*", "+")):     # weight, bias: [channels] constants
+            lines.append(f"x{p} = x{p} {op} {self._channel_vector([self.graph.constants[value]])}")
+        return lines
 
     def _shape_in(self, space: tuple[int, ...], chain: Sequence[str] | None = None) -> tuple[int, ...]:
         """The shape of a value in `space`, of `chain`'s anchor (default: the first)."""

@@ -184,7 +184,8 @@ def estimate_kernel(graph: Graph, nodes: Sequence[str], users: Users, hw: Hardwa
     matrix = anchor is not None and not is_depthwise_conv(graph, anchor)
     time = predict_time(traffic.flops, traffic.bytes_moved, hw, dtype, matrix=matrix,
                         tile_efficiency=tile_efficiency(resources), conv=is_conv(graph, anchor))
-    norm = next((n for n in kernels if graph[n].op == "layer_norm"), None) if anchor is not None else None
+    norm = next((n for n in kernels if graph[n].op == "layer_norm"), None) \
+        if anchor is not None and graph[anchor].op == "linear" else None    # (a depthwise conv's norm runs once)
     if norm is not None and resources is not None and "BLOCK_N" in resources.tile:
         return _row_norm_recompute(graph, norm, anchor, traffic, resources, time, hw)
     return KernelEstimate(traffic, resources, time, anchor)

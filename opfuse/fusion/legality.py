@@ -11,6 +11,10 @@ group has at most one *hub*: an anchor (conv, gemm, attention) or a reduction.
   input comes from outside the group (pre-LN transformers' ln -> qkv / fc1, ConvNeXt's LN -> pwconv1): the kernel
   computes the row statistics in a first pass over K, then normalizes each A tile before its dot. Other anchors
   load their operand tiles as they are (through views, below).
+- a depthwise conv's row norm (switch `config.norm_epilogue`): the layer norm or RMS norm over the channels that
+  follows a depthwise conv through its epilogue (ConvNeXt's 7x7 conv -> permute -> LayerNorm) joins the conv's
+  epilogue (`row_norm_epilogue`): a depthwise tile reduces nothing across channels, so a tile spanning every channel
+  of its pixels holds whole rows and normalizes them in registers. Elementwise ops may follow the norm.
 - reduction + prologue/epilogue: elementwise ops of the reduction's input size before it (the residual add
   before a layer norm, the scale before a softmax; a prologue value read outside too is stored by the kernel),
   elementwise ops of its output size after it.
@@ -24,7 +28,7 @@ group has at most one *hub*: an anchor (conv, gemm, attention) or a reduction.
   the pointwise conv; whether its halo recompute pays is the cost model's business. Each stage but the last is
   read only by the next conv and takes only constant operands (it is computed on the fly, per tile).
 
-Everything else is refused with a reason: any other pair of anchors, an anchor and a reduction, two reductions,
+Everything else is refused with a reason: any other pair of anchors, an anchor and any other reduction, two reductions,
 opaque ops, a value the consumer reads that someone outside the pair reads too (several users), and a merge that
 would put a group outside the pair both after and before the fused kernel (a cycle). Each reason is an
 `opfuse.fusion.reasons.Reason`: a stable code (listed there) and the words. Choices made here, and why:
@@ -50,6 +54,7 @@ from typing import Iterable, Mapping, Sequence
 
 from opfuse.config import FusionConfig
 from opfuse.fusion.reasons import Code, Reason
+from opfuse.fusion.tiles import MAX_ROW_CHANNELS
 from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import FusionKind, along_channels, get_op, kind_of
 from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, through_views
@@ -245,6 +250,52 @@ def is_row_norm_prologue(graph: Graph, name: str, reader: str, within: Iterable[
     if source in set(within) or graph.is_constant(source) or graph[source].type.dtype != node.type.dtype:
         return False
     return all(graph.is_constant(v) and graph[v].type.numel == shape[-1] for v in node.inputs[1:])
+
+
+ROW_NORMS = frozenset({"layer_norm", "rms_norm"})   # reductions over the last dim that keep every element
+
+
+def normalizes_last_dim(graph: Graph, node: Node) -> bool:
+    """A layer norm or RMS norm over the last dim alone, its weight and bias constants of that size (or absent)."""
+    shape = node.type.shape
+    if node.op not in ROW_NORMS or not shape:
+        return False
+    if node.op == "layer_norm":
+        normalized = node.attrs["normalized_shape"]
+        normalized = [normalized] if isinstance(normalized, int) else list(normalized)
+        if len(normalized) != 1 or normalized[0] != shape[-1]:
+            return False
+    return all(graph.is_constant(v) and graph[v].type.numel == shape[-1] for v in node.inputs[1:])
+
+
+def row_norm_epilogue(graph: Graph, anchor: str, within: Iterable[str]) -> str | None:
+    """The row norm of `within` that depthwise conv `anchor` computes in its epilogue (`config.norm_epilogue`), or
+    None: the one layer norm or RMS norm of `within`, over its last dim alone (`normalizes_last_dim`), whose input
+    the anchor's epilogue computes (elementwise ops and EPILOGUE_VIEWS permutes of `within`) with the anchor's
+    channel dim last, and the anchor has at most MAX_ROW_CHANNELS channels. Its kernel's tile then spans every
+    channel of its pixels (`opfuse.fusion.tiles.whole_row_tile`), which a depthwise conv can afford: it reduces
+    nothing across channels, so its registers hold only its outputs."""
+    if not is_depthwise_conv(graph, anchor) or graph[anchor].type.shape[1] > MAX_ROW_CHANNELS:
+        return None
+    within = set(within)
+    norms = [n for n in within if graph[n].op in ROW_NORMS]
+    if len(norms) != 1 or not normalizes_last_dim(graph, graph[norms[0]]):
+        return None
+    norm = graph[norms[0]]
+    path, value = [], norm.inputs[0]        # the epilogue from the anchor to the norm, each node one full input
+    while value != anchor:
+        if value not in within:
+            return None
+        node = graph[value]
+        full = [v for v in node.inputs if v in within or v == anchor]
+        if not (kind_of(node).elementwise or node.op in EPILOGUE_VIEWS) or len(full) != 1:
+            return None
+        path.append(value)
+        value = full[0]
+    spaces = epilogue_spaces(graph, anchor, path[::-1] + [norm.name])
+    if isinstance(spaces, Reason) or spaces[norm.name][-1] != 1:   # NCHW: the conv's channels are dim 1
+        return None
+    return norm.name
 
 
 def operand_views(graph: Graph, nodes: Iterable[str], users: Users) -> set[str]:
@@ -451,11 +502,15 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
     reductions = [n for n in order if kind_of(graph[n]) is FusionKind.REDUCTION]
     if len(anchors) > 1:
         return two_anchor_rule(graph, merged, anchors, users, config, index)
-    if anchors and reductions and not set(reductions) <= set(anchor_prologue(graph, anchors[0], merged, users)):
+    norm = row_norm_epilogue(graph, anchors[0], merged) if anchors and len(reductions) == 1 else None
+    if norm is not None and not config.norm_epilogue:
+        return Reason(Code.DISABLED, f"layer norm {norm} in {anchors[0]}'s epilogue: off (FusionConfig.norm_epilogue)")
+    if anchors and reductions and norm is None \
+            and not set(reductions) <= set(anchor_prologue(graph, anchors[0], merged, users)):
         return Reason(Code.ANCHOR_AND_REDUCTION, f"reduction {reductions[0]} and anchor {anchors[0]} in one kernel: "
-                      "anchors take elementwise epilogues only (and a linear the layer norm of an input from "
-                      "outside as its prologue)")
-    if anchors and reductions and not config.norm_prologue:
+                      "anchors take elementwise epilogues only (but a depthwise conv the norm over its channels, and "
+                      "a linear the layer norm of an input from outside as its prologue)")
+    if anchors and reductions and norm is None and not config.norm_prologue:
         return Reason(Code.DISABLED, f"layer norm {reductions[0]} as {anchors[0]}'s prologue: off "
                       "(FusionConfig.norm_prologue)")
     if len(reductions) > 1:
@@ -487,7 +542,8 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
         spaces = epilogue_spaces(graph, hub, epilogue)
         if isinstance(spaces, Reason):
             return spaces
-    view = next((n for n in epilogue if is_view(graph[n])), None)
+    after_norm = reachable(graph, norm, merged, users) if norm is not None else set()
+    view = next((n for n in epilogue if is_view(graph[n]) and (norm is None or n in after_norm)), None)
     if view is not None and reductions:
         return Reason(Code.VIEW_AFTER_REDUCTION, f"view {view} ({graph[view].op}) after reduction {hub}: its "
                       "epilogue is computed at the reduction's own coordinates")

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
 from opfuse.fusion.legality import (EPILOGUE_VIEWS, MAPPED_COPIES, anchor_prologue, can_fuse, in_order, is_view,
-                                    joins_as_map, node_index, operand_chain, path_outside, row_norm_prologue,
+                                    joins_as_map, node_index, operand_chain, path_outside, row_norm_epilogue,
+                                    row_norm_prologue,
                                     skip_operands)
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
@@ -183,14 +184,16 @@ class _Planner:
     def views_blocked(self, candidate: _Candidate, with_producer: bool = True) -> Reason | None:
         """Why the views between the pair cannot join the consumer as coordinate maps, or None when they can:
         neither side (the consumer alone, without `with_producer`) has an anchor, or the producer's anchor may
-        take them into its epilogue (EPILOGUE_VIEWS, before an elementwise consumer); each view keeps every
+        take them into its epilogue (EPILOGUE_VIEWS, before an elementwise consumer or the row norm a depthwise conv
+        computes, `row_norm_epilogue`); each view keeps every
         element, and the consumer (or a view on the way) is all that reads it."""
         producer, consumer = self.groups[candidate.producer], self.groups[candidate.consumer]
         sides = producer + consumer if with_producer else consumer
         anchor = next((n for n in sides if kind_of(self.graph[n]) is FusionKind.ANCHOR), None)
         hubs = (FusionKind.ANCHOR, FusionKind.REDUCTION)
-        epilogue = anchor in producer and not any(kind_of(self.graph[n]) in hubs for n in consumer)
         within = set(consumer) | set(candidate.views)
+        epilogue = anchor in producer and (not any(kind_of(self.graph[n]) in hubs for n in consumer)
+                                           or row_norm_epilogue(self.graph, anchor, within | set(producer)) is not None)
         # the row views between a layer norm and the linear that takes it as its prologue
         rows = {n for n in anchor_prologue(self.graph, anchor, set(sides) | within, self.users)
                 if is_view(self.graph[n])} if anchor is not None and with_producer else set()

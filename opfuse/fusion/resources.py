@@ -35,8 +35,9 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping
 
-from opfuse.fusion.legality import conv_stages
+from opfuse.fusion.legality import ROW_NORMS, conv_stages, is_depthwise_conv, row_norm_epilogue
 from opfuse.fusion.plan import ResourceEstimate
+from opfuse.fusion.tiles import whole_row_tile
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import DTYPE_BYTES, Graph, dtype_name
 from opfuse.ir.ops import FusionKind, get_op, kind_of
@@ -105,6 +106,9 @@ def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, h
     elif anchor is not None and (chain := conv_chain(graph, nodes)):
         candidates = [_conv_conv(graph, nodes, chain, hw, itemsize, t)
                       for t in conv_conv_tiles(graph, chain, hw.sm_count, tile)]
+    elif anchor is not None and row_norm_epilogue(graph, anchor, nodes) is not None:   # one tile over the channels
+        rows = whole_row_tile(GEMM_TILES[2], graph[anchor].type.shape[1]) if tile is None else dict(tile)
+        candidates = [_gemm(graph, nodes, anchor, hw, itemsize, rows)]
     elif anchor is not None:
         candidates = [_gemm(graph, nodes, anchor, hw, itemsize, t) for t in _gemm_tiles(graph, anchor, tile)]
     elif (reduction := row_reduction(graph, nodes)) is not None:
@@ -215,7 +219,10 @@ def _gemm(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile, item
                  (f"{vectors} per-channel vector(s)", vectors * _per_thread(bn, threads)),
                  (f"{twice} value(s) used twice", twice * _per_thread(bm * bn, threads)),
                  ("addressing", ADDRESSING_REGISTERS)]
-    if any(graph[n].op == "layer_norm" for n in nodes):   # legal only as a linear's prologue (`anchor_prologue`)
+    if any(graph[n].op in ROW_NORMS for n in nodes) and is_depthwise_conv(graph, anchor):   # `row_norm_epilogue`
+        registers += [("row statistics (mean, rstd)", 2 * _per_thread(bm, threads)),
+                      ("the centered tile, kept for the variance", _per_thread(bm * bn, threads))]
+    elif any(graph[n].op == "layer_norm" for n in nodes):   # otherwise only as a linear's prologue (`anchor_prologue`)
         registers += [("row statistics (mean, rstd)", 2 * _per_thread(bm, threads)),
                       ("layer norm weight and bias per K tile", 2 * _per_thread(bk, threads)),
                       ("normalized A tile in float32", _per_thread(bm * bk, threads))]

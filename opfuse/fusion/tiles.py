@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Mapping, TypeVar
 
 from opfuse.environment import triton_interpreter
 from opfuse.hardware import HardwareProfile
@@ -109,6 +109,20 @@ def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
     if gather:
         ordered = [GATHER] + [t for t in ordered if t != GATHER]
     return ordered
+
+
+MAX_ROW_CHANNELS = 4096    # channels a whole-row tile spans at most (`whole_row_tile`)
+
+
+def whole_row_tile(tile: Mapping[str, int], channels: int) -> dict[str, int]:
+    """Depthwise `tile` (a tile dict or a kernel config's params: BLOCK_M pixels x BLOCK_N channels, COLS outputs a
+    run in the runs form) made to span all `channels` of its pixels, as a depthwise conv that normalizes
+    its rows in its epilogue runs it: BLOCK_N the least power of two >= channels, BLOCK_M shrunk to keep the tile's
+    elements, at least one run (COLS) of outputs."""
+    params = dict(tile)
+    block_n = next_power_of_2(channels)
+    block_m = max(params.get("COLS", 1), params["BLOCK_M"] * params["BLOCK_N"] // block_n)
+    return params | {"BLOCK_M": block_m, "BLOCK_N": block_n}
 
 
 def narrow_tiles(k: int) -> list[dict[str, int]]:

@@ -363,29 +363,36 @@ def test_integer_arithmetic_past_two_to_the_24_runs_exactly():
     assert any(why.code.value == "unsupported" and "int64" in why.text for why in compiled.fallbacks.values())
 
 
-@pytest.mark.parametrize("norm_prologue", [False, True])
-def test_convnext_block_scales_and_adds_its_residual_in_the_second_linear(norm_prologue):
+@pytest.mark.parametrize("norm", ["apart", "prologue", "epilogue"])
+def test_convnext_block_scales_and_adds_its_residual_in_the_second_linear(norm):
     """torchvision's CNBlock: depthwise 7x7, permute to NHWC, layer norm, linear + GELU, linear, permute back,
     layer scale, residual. With `norm_prologue` the layer norm is the first linear's prologue (read through the
-    permute); the permute back, the scale and the residual are the second linear's epilogue."""
+    permute), with `norm_epilogue` the depthwise conv's epilogue (the permute with it); the permute back, the scale
+    and the residual are the second linear's epilogue."""
     from torchvision.models.convnext import CNBlock
 
     torch.manual_seed(6)
-    block = CNBlock(8, layer_scale=0.5, stochastic_depth_prob=0.0).eval()
-    x = torch.randn(1, 8, 5, 6).contiguous(memory_format=torch.channels_last)
-    compiled = opfuse.compile(block, (x,), opfuse.FusionConfig(dtype="float32", norm_prologue=norm_prologue))
+    block = CNBlock(12, layer_scale=0.5, stochastic_depth_prob=0.0).eval()
+    x = torch.randn(2, 12, 5, 6).contiguous(memory_format=torch.channels_last)
+    config = opfuse.FusionConfig(dtype="float32", norm_prologue=norm == "prologue", norm_epilogue=norm == "epilogue")
+    compiled = opfuse.compile(block, (x,), config)
     assert compiled.checks and all(c.passed for c in compiled.checks)
     graph = compiled.plan.graph
     second = [g for g in compiled.plan.groups if any(graph[n].op == "linear" for n in g.nodes)][-1]
     assert [graph[n].op for n in second.nodes] == ["linear", "permute", "mul", "add"]
-    assert [why.code for why in compiled.fallbacks.values()] == [Code.VIEW]    # the free permute after the conv
     first = [g for g in compiled.plan.groups if any(graph[n].op == "linear" for n in g.nodes)][0]
-    if norm_prologue:
+    conv = next(g for g in compiled.plan.groups if any(graph[n].op == "conv2d" for n in g.nodes))
+    if norm == "epilogue":
+        assert [graph[n].op for n in conv.nodes] == ["conv2d", "permute", "layer_norm"]
+        assert not compiled.fallbacks                  # the permute is the conv's epilogue's too
+    else:
+        assert [why.code for why in compiled.fallbacks.values()] == [Code.VIEW]    # the free permute after the conv
+    if norm == "prologue":
         assert [graph[n].op for n in first.nodes] == ["layer_norm", "linear", "gelu"]   # the norm: its prologue
     else:
         assert [graph[n].op for n in first.nodes] == ["linear", "gelu"]
-    assert compiled.launches == 4 - norm_prologue   # depthwise, [layer norm,] linear + GELU, linear + tail
-    fresh = torch.randn(1, 8, 5, 6).contiguous(memory_format=torch.channels_last)
+    assert compiled.launches == (4 if norm == "apart" else 3)  # depthwise, [layer norm,] linear + GELU, linear + tail
+    fresh = torch.randn(2, 12, 5, 6).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         assert relative_error(compiled(fresh), block(fresh)) < 1e-5
 

@@ -127,6 +127,49 @@ def test_depthwise_runs(k, stride, dilation, cols, width):
     torch.testing.assert_close(runs, direct, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("norm,stride", [("layer_norm", 1), ("rms_norm", 2)])
+def test_depthwise_conv_normalizes_its_channels_in_its_epilogue(norm, stride):
+    """ConvNeXt's depthwise conv -> permute -> layer norm (and an RMS norm), then GELU and a store channels-last, as one
+    kernel whose tiles span every channel: 12 channels in a 16-wide tile (masked lanes stay out of the statistics),
+    pixels past the last row, the pixel tile (unrolled, in a row loop) and the runs form alike; a tile narrower than
+    the channels is refused."""
+    b = Builder()
+    x = b.input("x", (2, 12, 7, 9))
+    rows = b.op("permute", b.conv(x, 12, 5, stride=stride, padding=2, groups=12), dims=[0, 2, 3, 1])
+    weight = b.const("nw", b.random(12) * 0.5 + 1.0)
+    if norm == "layer_norm":
+        normed = b.op("layer_norm", rows, weight, b.const("nb", b.random(12)), normalized_shape=[12], eps=1e-6)
+    else:
+        normed = b.op("rms_norm", rows, weight, eps=1e-6)
+    y = b.op("gelu", normed)
+    kernel, (direct,) = run_group(b, [y])
+    assert isinstance(kernel, DepthwiseConvKernel) and kernel.epilogue.whole_rows
+    assert all(c["BLOCK_N"] >= 12 for c in kernel.configs()) and kernel.library_anchor is None
+    feeds = [b.feeds[name] for name in kernel.runtime_inputs]
+    for config in (KernelConfig.of(BLOCK_M=8, BLOCK_N=16, ROW_LOOP=1), KernelConfig.of(BLOCK_M=16, BLOCK_N=16, COLS=4)):
+        (out,) = kernel.run(feeds, config)
+        b.check([y], [out])
+        torch.testing.assert_close(out, direct, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Unsupported, match="all 12 channels"):
+        kernel.run(feeds, KernelConfig.of(BLOCK_M=32, BLOCK_N=8, ROW_LOOP=0))
+
+
+def test_whole_row_depthwise_tiles_span_the_channels_with_as_many_elements():
+    """With a norm in the epilogue every depthwise candidate spans the channels (ConvNeXt's 96 to 768) and keeps
+    its elements per program, at least one run of outputs."""
+    from opfuse.codegen.conv import depthwise_configs
+
+    for channels in (96, 768):
+        plain = depthwise_configs(3136, channels, sm_count=132, taps=49, width=56)
+        whole = depthwise_configs(3136, channels, sm_count=132, taps=49, width=56, whole_rows=True)
+        width = 1 << (channels - 1).bit_length()
+        assert whole and all(c["BLOCK_N"] == width for c in whole)
+        assert {c["BLOCK_M"] * c["BLOCK_N"] for c in whole} <= {max(c["BLOCK_M"] * c["BLOCK_N"],
+                                                                    dict(c.params).get("COLS", 1) * width)
+                                                                for c in plain}
+        assert all(c["BLOCK_M"] >= dict(c.params).get("COLS", 1) for c in whole)
+
+
 def test_depthwise_row_loop_where_taps_overflow_registers():
     """A tile whose unrolled taps would not fit a thread's 255 registers loops over the filter rows; a 3x3 filter
     and small tiles of a 7x7 one stay unrolled."""

@@ -555,6 +555,36 @@ def test_the_residual_sum_before_a_layer_norm_stays_stored_by_the_previous_gemm(
     assert can_fuse(graph, ["residual"], ["ln", "fc", "gelu"], graph.users()).code is Code.ANCHOR_AND_REDUCTION
 
 
+def _depthwise_then_norm(channels: int = 96, permute: bool = True, groups: int | None = None) -> Graph:
+    b = GraphBuilder("dw_norm")
+    x = b.input("x", (1, channels, 14, 14))
+    y = b.conv(x, channels, kernel=7, padding=3, groups=channels if groups is None else groups, name="dw")
+    if permute:
+        y = b.op("permute", [y], {"dims": [0, 2, 3, 1]}, "perm")
+    return b.output(b.unary("gelu", b.layer_norm(y, "ln"), "act"))
+
+
+def test_a_depthwise_conv_takes_the_norm_over_its_channels_into_its_epilogue():
+    """ConvNeXt's dwconv -> permute -> LayerNorm (-> GELU here): one kernel with `norm_epilogue`, whose tile spans
+    the channels; off by default (the decision says so). A norm over another dim than the channels, after a conv
+    that is not depthwise, or over more channels than a tile spans, stays its own kernel."""
+    from opfuse.fusion.tiles import MAX_ROW_CHANNELS
+
+    plan = plan_fusion(_depthwise_then_norm(), FusionConfig(norm_epilogue=True), H200)
+    assert_well_formed(plan)
+    assert groups_of(plan)["dw"] == ["dw", "perm", "ln", "act"] and plan.kernel_launches == 1
+    group = plan.group_of("dw")
+    assert group.resources.fits and group.resources.tile["BLOCK_N"] == 128      # 96 channels in one tile
+    off = plan_fusion(_depthwise_then_norm(), FusionConfig(), H200)
+    assert groups_of(off)["dw"] == ["dw"]
+    assert decisions_between(off, "dw", "ln")[0].code is Code.DISABLED
+    for graph in (_depthwise_then_norm(permute=False, channels=14),      # normalizes the width
+                  _depthwise_then_norm(groups=1),                        # a full conv
+                  _depthwise_then_norm(channels=2 * MAX_ROW_CHANNELS)):
+        plan = plan_fusion(graph, FusionConfig(norm_epilogue=True), H200)
+        assert groups_of(plan)["dw"] == ["dw"], graph.name
+
+
 def test_a_layer_norm_over_two_dims_stays_its_own_kernel():
     b = GraphBuilder("ln_2d")
     x = b.input("x", (1, 16, 64))
