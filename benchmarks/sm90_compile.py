@@ -14,6 +14,7 @@ memory access before a GPU session, it does not replace measuring.
 
     python benchmarks/sm90_compile.py shufflenet_v2_x1_0 --batch 64 [--forms library] [--json out.json]
     python benchmarks/sm90_compile.py convnext_tiny --batch 64 --with-ops linear,gelu --tune-top 99 --forms triton
+    python benchmarks/sm90_compile.py convnext_tiny --enable norm_epilogue --with-ops conv2d,layer_norm
     python benchmarks/sm90_compile.py --compare before.json after.json    # two trees' --json of one model
 
 Must run without TRITON_INTERPRET (the interpreter compiles nothing).
@@ -220,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                         "tune_top by default)")
     parser.add_argument("--with-ops", default="", metavar="OPS",
                         help="only the groups holding every one of these ops (comma-separated, e.g. linear,gelu)")
+    parser.add_argument("--enable", action="append", default=[], metavar="SWITCH",
+                        help="a FusionConfig switch that is off by default, on (e.g. norm_epilogue; repeatable)")
     parser.add_argument("--json", help="write every compiled launch here")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
@@ -235,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     driver.set_active(OfflineDriver())
     model, inputs = load_builtin(args.model, args.batch)
     model, inputs = protocol_form(model, inputs, torch.float32, device="cpu")
-    config = opfuse.FusionConfig(dtype="float16")
+    from opfuse.bench.zoo_bench import enable_switches
+
+    config = opfuse.FusionConfig(dtype="float16", **dict.fromkeys(enable_switches(args.enable), True))
     plan = opfuse.analyze(model, inputs, config).plan
     top = args.tune_top if args.tune_top is not None else config.tune_top
     ops = {op for op in args.with_ops.split(",") if op}
