@@ -194,6 +194,28 @@ def _layer_norm_with_statistics(t: Translator, a: dict) -> MultiOutput:
     return _first_output(t, _layer_norm(t, a))
 
 
+def _rms_norm(t: Translator, a: dict) -> str:
+    """x * rsqrt(mean(x^2 over the last dim) + eps) [* weight] in float32 (nn.RMSNorm); eps None is float32's
+    epsilon (float64's for float64 inputs), as PyTorch takes it."""
+    x = t.value(a["input"])
+    x_type = t.type_of(x)
+    if [int(d) for d in a["normalized_shape"]] != list(x_type.shape[-1:]):
+        raise Unmapped("RMS norm over more than the last dim")
+    eps = a.get("eps")
+    if eps is None:
+        eps = torch.finfo(torch.float64 if x_type.dtype == "float64" else torch.float32).eps
+    inputs = [x] + ([a["weight"]] if a.get("weight") is not None else [])
+    return t.emit("rms_norm", inputs, {"eps": float(eps)})
+
+
+maps("rms_norm")(_rms_norm)
+
+
+@maps("_fused_rms_norm")
+def _rms_norm_with_statistics(t: Translator, a: dict) -> MultiOutput:
+    return _first_output(t, _rms_norm(t, a))
+
+
 # elementwise
 
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")

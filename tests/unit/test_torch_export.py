@@ -113,6 +113,8 @@ CASES = [
     ("layer_norm_plain", Lambda(lambda m, x: F.layer_norm(x, (5,), eps=1e-3)), (X2,), {"layer_norm"}),
     ("native_layer_norm", Lambda(lambda m, x: torch.ops.aten.native_layer_norm(x, [5], None, m.b, 1e-5)[0],
                                  b=nn.Parameter(torch.randn(5))), (X2,), {"layer_norm"}),
+    ("rms_norm", nn.RMSNorm(5), (X2,), {"rms_norm"}),
+    ("rms_norm_plain", Lambda(lambda m, x: F.rms_norm(x, (5,), eps=1e-3)), (X2,), {"rms_norm"}),
     ("mean_sum", Lambda(lambda m, x: (x.mean(dim=(2, 3), keepdim=True), x.sum(dim=-1), x.mean(), x.sum())),
      (X4,), {"mean", "sum"}),
     ("pooling", Lambda(lambda m, x: (F.max_pool2d(x, 3, 2, 1), F.avg_pool2d(x, 3, 2, 1, ceil_mode=True,
@@ -183,6 +185,15 @@ def test_attrs_are_canonical():
     assert softmax.attrs["dim"] == 3  # normalised from -1
     (reshape,) = [n for n in graph if n.op == "reshape"]
     assert reshape.attrs["shape"] == [2, 4 * 4 * 4]
+
+
+def test_an_rms_norm_without_eps_takes_float32s_epsilon():
+    """nn.RMSNorm's default eps (None) is float32's epsilon for float16 and float32 inputs alike, as PyTorch's."""
+    graph, _ = capture_and_check(nn.RMSNorm(5), X2)
+    (norm,) = [n for n in graph if n.op == "rms_norm"]
+    assert norm.attrs["eps"] == torch.finfo(torch.float32).eps and len(norm.inputs) == 2
+    graph, ops = capture_and_check(Lambda(lambda m, x: F.rms_norm(x, (3, 5))), X2.reshape(1, 3, 5))
+    assert ops["rms_norm"] == 0 and ops["opaque"] == 1      # over two dims: no IR equivalent, runs through PyTorch
 
 
 def test_slice_end_is_clamped_and_scalars_take_the_tensor_dtype():
