@@ -323,7 +323,7 @@ class Epilogue:
         if not normalizes_last_dim(self.graph, node) or self.spaces[p][-1] != self.layout.channel_dim:
             raise Unsupported(f"{node.describe()} does not normalize the anchor's channels alone")
         n, eps = self.layout.channels, repr(float(node.attrs["eps"]))
-        lines = [f"t{p} = tl.where(mask, {source}, 0.0)"]
+        lines = [f"t{p} = tl.where(mask, {source}, 0.0).to(tl.float32)"]    # (a cast before it: stats in float32)
         if node.op == "layer_norm":
             lines += [f"t{p} = tl.where(mask, t{p} - tl.sum(t{p}, axis=1)[:, None] / {n}, 0.0)"]
         lines.append(f"x{p} = t{p} * tl.rsqrt(tl.sum(t{p} * t{p}, axis=1)[:, None] / {n} + {eps})")

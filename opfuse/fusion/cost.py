@@ -180,7 +180,7 @@ def estimate_kernel(graph: Graph, nodes: Sequence[str], users: Users, hw: Hardwa
         return conv_conv_estimate(graph, kernels, chain, traffic, hw, dtype)
     resources = None
     if not opaque:
-        resources = estimate_resources(graph, kernels, anchor, hw, dtype)
+        resources = estimate_resources(graph, nodes, anchor, hw, dtype)   # (views too: a norm epilogue's)
     matrix = anchor is not None and not is_depthwise_conv(graph, anchor)
     time = predict_time(traffic.flops, traffic.bytes_moved, hw, dtype, matrix=matrix,
                         tile_efficiency=tile_efficiency(resources), conv=is_conv(graph, anchor))

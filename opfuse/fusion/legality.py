@@ -272,11 +272,11 @@ def row_norm_epilogue(graph: Graph, anchor: str, within: Iterable[str]) -> str |
     """The row norm of `within` that depthwise conv `anchor` computes in its epilogue (`config.norm_epilogue`), or
     None: the one layer norm or RMS norm of `within`, over its last dim alone (`normalizes_last_dim`), whose input
     the anchor's epilogue computes (elementwise ops and EPILOGUE_VIEWS permutes of `within`) with the anchor's
-    channel dim last, and the anchor has at most MAX_ROW_CHANNELS channels. Its kernel's tile then spans every
+    channel dim last, and the anchor has 2 to MAX_ROW_CHANNELS channels. Its kernel's tile then spans every
     channel of its pixels (`opfuse.fusion.tiles.whole_row_tile`), which a depthwise conv can afford: it reduces
     nothing across channels, so its registers hold only its outputs."""
-    if not is_depthwise_conv(graph, anchor) or graph[anchor].type.shape[1] > MAX_ROW_CHANNELS:
-        return None
+    if not is_depthwise_conv(graph, anchor) or not 1 < graph[anchor].type.shape[1] <= MAX_ROW_CHANNELS:
+        return None     # (one channel is a plain conv to the kernels: `ConvGeometry.is_depthwise`)
     within = set(within)
     norms = [n for n in within if graph[n].op in ROW_NORMS]
     if len(norms) != 1 or not normalizes_last_dim(graph, graph[norms[0]]):
@@ -504,7 +504,8 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
         return two_anchor_rule(graph, merged, anchors, users, config, index)
     norm = row_norm_epilogue(graph, anchors[0], merged) if anchors and len(reductions) == 1 else None
     if norm is not None and not config.norm_epilogue:
-        return Reason(Code.DISABLED, f"layer norm {norm} in {anchors[0]}'s epilogue: off (FusionConfig.norm_epilogue)")
+        return Reason(Code.DISABLED, f"{graph[norm].op} {norm} in {anchors[0]}'s epilogue: off "
+                      "(FusionConfig.norm_epilogue)")
     if anchors and reductions and norm is None \
             and not set(reductions) <= set(anchor_prologue(graph, anchors[0], merged, users)):
         return Reason(Code.ANCHOR_AND_REDUCTION, f"reduction {reductions[0]} and anchor {anchors[0]} in one kernel: "

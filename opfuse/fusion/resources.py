@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping
 
-from opfuse.fusion.legality import ROW_NORMS, conv_stages, is_depthwise_conv, row_norm_epilogue
+from opfuse.fusion.legality import conv_stages, row_norm_epilogue
 from opfuse.fusion.plan import ResourceEstimate
 from opfuse.fusion.tiles import whole_row_tile
 from opfuse.hardware import HardwareProfile
@@ -95,7 +95,10 @@ ROW_STATISTICS = {"softmax": 2, "layer_norm": 2, "rms_norm": 1, "mean": 1, "sum"
 
 def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, hw: HardwareProfile,
                        dtype: str, tile: Mapping[str, int] | None = None) -> ResourceEstimate:
-    """Registers and shared memory of the group's kernel for `tile` (or the first candidate tile that fits)."""
+    """Registers and shared memory of the group's kernel for `tile` (or the first candidate tile that fits). `nodes`
+    with their views: the permute that leads a depthwise conv's epilogue to its norm (`row_norm_epilogue`)."""
+    nodes = list(nodes)
+    norm = row_norm_epilogue(graph, anchor, nodes) if anchor is not None else None
     nodes = [n for n in nodes if not get_op(graph[n].op).alias]
     if not nodes:
         return ResourceEstimate(tile={}, registers_per_thread=0, shared_memory_bytes=0, fits=True,
@@ -106,9 +109,9 @@ def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, h
     elif anchor is not None and (chain := conv_chain(graph, nodes)):
         candidates = [_conv_conv(graph, nodes, chain, hw, itemsize, t)
                       for t in conv_conv_tiles(graph, chain, hw.sm_count, tile)]
-    elif anchor is not None and row_norm_epilogue(graph, anchor, nodes) is not None:   # one tile over the channels
+    elif norm is not None:   # one tile over the channels
         rows = whole_row_tile(GEMM_TILES[2], graph[anchor].type.shape[1]) if tile is None else dict(tile)
-        candidates = [_gemm(graph, nodes, anchor, hw, itemsize, rows)]
+        candidates = [_whole_rows(graph, nodes, anchor, hw, itemsize, rows)]
     elif anchor is not None:
         candidates = [_gemm(graph, nodes, anchor, hw, itemsize, t) for t in _gemm_tiles(graph, anchor, tile)]
     elif (reduction := row_reduction(graph, nodes)) is not None:
@@ -219,16 +222,33 @@ def _gemm(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile, item
                  (f"{vectors} per-channel vector(s)", vectors * _per_thread(bn, threads)),
                  (f"{twice} value(s) used twice", twice * _per_thread(bm * bn, threads)),
                  ("addressing", ADDRESSING_REGISTERS)]
-    if any(graph[n].op in ROW_NORMS for n in nodes) and is_depthwise_conv(graph, anchor):   # `row_norm_epilogue`
-        registers += [("row statistics (mean, rstd)", 2 * _per_thread(bm, threads)),
-                      ("the centered tile, kept for the variance", _per_thread(bm * bn, threads))]
-    elif any(graph[n].op == "layer_norm" for n in nodes):   # otherwise only as a linear's prologue (`anchor_prologue`)
+    if any(graph[n].op == "layer_norm" for n in nodes):   # legal only as a linear's prologue (`anchor_prologue`)
         registers += [("row statistics (mean, rstd)", 2 * _per_thread(bm, threads)),
                       ("layer norm weight and bias per K tile", 2 * _per_thread(bk, threads)),
                       ("normalized A tile in float32", _per_thread(bm * bk, threads))]
     shared = [(f"{tile['num_stages']} stages x ({bm}x{bk} + {bk}x{bn}) x {itemsize} B",
                tile["num_stages"] * (bm * bk + bk * bn) * itemsize),
               ("epilogue staging", bm * bn * itemsize if full else 0)]
+    return _check(hw, tile, threads, registers, shared)
+
+
+def _whole_rows(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile, itemsize: int,
+                tile: dict[str, int]) -> ResourceEstimate:
+    """A depthwise conv whose tile spans the channels and normalizes its rows (`row_norm_epilogue`): its float32
+    tile, the centered copy the variance is taken of, the row statistics, the epilogue's operands; each tap is
+    loaded straight into registers, so no shared memory but the row sums' exchange between warps."""
+    bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
+    threads = 32 * tile["num_warps"]
+    full, vectors, twice = epilogue_operands(graph, nodes, anchor)
+    vectors += len(graph[anchor].inputs) > 2      # the conv's bias
+    registers = [("accumulator", _per_thread(bm * bn, threads)),
+                 ("the centered tile", _per_thread(bm * bn, threads)),
+                 ("row statistics (mean, rstd)", 2 * _per_thread(bm, threads)),
+                 (f"{full} full-tile operand(s)", full * _per_thread(bm * bn * itemsize // 4, threads)),
+                 (f"{vectors} per-channel vector(s)", vectors * _per_thread(bn, threads)),
+                 (f"{twice} value(s) used twice", twice * _per_thread(bm * bn, threads)),
+                 ("addressing", ADDRESSING_REGISTERS)]
+    shared = [("row sums exchanged between warps", 2 * bm * tile["num_warps"] * 4)]
     return _check(hw, tile, threads, registers, shared)
 
 

@@ -570,16 +570,18 @@ def test_a_depthwise_conv_takes_the_norm_over_its_channels_into_its_epilogue():
     that is not depthwise, or over more channels than a tile spans, stays its own kernel."""
     from opfuse.fusion.tiles import MAX_ROW_CHANNELS
 
-    plan = plan_fusion(_depthwise_then_norm(), FusionConfig(norm_epilogue=True), H200)
+    plan = plan_fusion(_depthwise_then_norm(384), FusionConfig(norm_epilogue=True), H200)
     assert_well_formed(plan)
     assert groups_of(plan)["dw"] == ["dw", "perm", "ln", "act"] and plan.kernel_launches == 1
     group = plan.group_of("dw")
-    assert group.resources.fits and group.resources.tile["BLOCK_N"] == 128      # 96 channels in one tile
+    assert group.resources.fits and group.resources.tile["BLOCK_N"] == 512      # 384 channels in one tile
+    assert group.resources.shared_memory_bytes < 1024                           # no operand pipeline
     off = plan_fusion(_depthwise_then_norm(), FusionConfig(), H200)
     assert groups_of(off)["dw"] == ["dw"]
     assert decisions_between(off, "dw", "ln")[0].code is Code.DISABLED
     for graph in (_depthwise_then_norm(permute=False, channels=14),      # normalizes the width
                   _depthwise_then_norm(groups=1),                        # a full conv
+                  _depthwise_then_norm(channels=1),                      # one channel: a plain conv's kernel
                   _depthwise_then_norm(channels=2 * MAX_ROW_CHANNELS)):
         plan = plan_fusion(graph, FusionConfig(norm_epilogue=True), H200)
         assert groups_of(plan)["dw"] == ["dw"], graph.name
