@@ -28,9 +28,9 @@ group has at most one *hub*: an anchor (conv, gemm, attention) or a reduction.
   the pointwise conv; whether its halo recompute pays is the cost model's business. Each stage but the last is
   read only by the next conv and takes only constant operands (it is computed on the fly, per tile).
 
-Everything else is refused with a reason: any other pair of anchors, an anchor and any other reduction, two reductions,
-opaque ops, a value the consumer reads that someone outside the pair reads too (several users), and a merge that
-would put a group outside the pair both after and before the fused kernel (a cycle). Each reason is an
+Everything else is refused with a reason: any other pair of anchors, an anchor and any other reduction, two
+reductions, opaque ops, a value the consumer reads that someone outside the pair reads too (several users), and a
+merge that would put a group outside the pair both after and before the fused kernel (a cycle). Each reason is an
 `opfuse.fusion.reasons.Reason`: a stable code (listed there) and the words. Choices made here, and why:
 
 - injective ops that copy stay single kernels (a gather, a pad), but a roll (an index map: Swin's shifted windows),
@@ -241,15 +241,10 @@ def is_row_norm_prologue(graph: Graph, name: str, reader: str, within: Iterable[
     node = graph[name]
     if node.op != "layer_norm" or name in graph.outputs or [u.name for u in users[name]] != [reader]:
         return False
-    normalized = node.attrs["normalized_shape"]
-    normalized = [normalized] if isinstance(normalized, int) else list(normalized)
-    shape = node.type.shape
-    if len(normalized) != 1 or not shape or normalized[0] != shape[-1]:
-        return False
     source = node.inputs[0]
     if source in set(within) or graph.is_constant(source) or graph[source].type.dtype != node.type.dtype:
         return False
-    return all(graph.is_constant(v) and graph[v].type.numel == shape[-1] for v in node.inputs[1:])
+    return normalizes_last_dim(graph, node)
 
 
 ROW_NORMS = frozenset({"layer_norm", "rms_norm"})   # reductions over the last dim that keep every element

@@ -35,8 +35,7 @@ from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
 from opfuse.fusion.legality import (EPILOGUE_VIEWS, MAPPED_COPIES, anchor_prologue, can_fuse, in_order, is_view,
                                     joins_as_map, node_index, operand_chain, path_outside, row_norm_epilogue,
-                                    row_norm_prologue,
-                                    skip_operands)
+                                    row_norm_prologue, skip_operands)
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, conv_chain, conv_conv_key, conv_conv_slice_table, gemm_view
@@ -185,8 +184,8 @@ class _Planner:
         """Why the views between the pair cannot join the consumer as coordinate maps, or None when they can:
         neither side (the consumer alone, without `with_producer`) has an anchor, or the producer's anchor may
         take them into its epilogue (EPILOGUE_VIEWS, before an elementwise consumer or the row norm a depthwise conv
-        computes, `row_norm_epilogue`); each view keeps every
-        element, and the consumer (or a view on the way) is all that reads it."""
+        computes, `row_norm_epilogue`); each view keeps every element, and the consumer (or a view on the way) is
+        all that reads it."""
         producer, consumer = self.groups[candidate.producer], self.groups[candidate.consumer]
         sides = producer + consumer if with_producer else consumer
         anchor = next((n for n in sides if kind_of(self.graph[n]) is FusionKind.ANCHOR), None)

@@ -210,18 +210,27 @@ def _gemm_tiles(graph: Graph, anchor: str, tile: Mapping[str, int] | None) -> li
     return clipped
 
 
+def _tile_registers(graph: Graph, nodes: list[str], anchor: str, itemsize: int, bm: int, bn: int,
+                    threads: int) -> list[tuple[str, int]]:
+    """The registers per thread of an anchor's bm x bn float32 output tile and its epilogue: the accumulator, the
+    epilogue's operands (`epilogue_operands`, the anchor's own bias a per-channel vector among them) and the
+    addressing."""
+    full, vectors, twice = epilogue_operands(graph, nodes, anchor)
+    if len(graph[anchor].inputs) > 2:
+        vectors += 1   # the anchor's own bias is a per-channel vector of the epilogue
+    return [("accumulator", _per_thread(bm * bn, threads)),
+            (f"{full} full-tile operand(s)", full * _per_thread(bm * bn * itemsize // 4, threads)),
+            (f"{vectors} per-channel vector(s)", vectors * _per_thread(bn, threads)),
+            (f"{twice} value(s) used twice", twice * _per_thread(bm * bn, threads)),
+            ("addressing", ADDRESSING_REGISTERS)]
+
+
 def _gemm(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile, itemsize: int,
           tile: dict[str, int]) -> ResourceEstimate:
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     threads = 32 * tile["num_warps"]
-    full, vectors, twice = epilogue_operands(graph, nodes, anchor)
-    if len(graph[anchor].inputs) > 2:
-        vectors += 1   # the anchor's own bias is a per-channel vector of the epilogue
-    registers = [("accumulator", _per_thread(bm * bn, threads)),
-                 (f"{full} full-tile operand(s)", full * _per_thread(bm * bn * itemsize // 4, threads)),
-                 (f"{vectors} per-channel vector(s)", vectors * _per_thread(bn, threads)),
-                 (f"{twice} value(s) used twice", twice * _per_thread(bm * bn, threads)),
-                 ("addressing", ADDRESSING_REGISTERS)]
+    full = epilogue_operands(graph, nodes, anchor)[0]
+    registers = _tile_registers(graph, nodes, anchor, itemsize, bm, bn, threads)
     if any(graph[n].op == "layer_norm" for n in nodes):   # legal only as a linear's prologue (`anchor_prologue`)
         registers += [("row statistics (mean, rstd)", 2 * _per_thread(bm, threads)),
                       ("layer norm weight and bias per K tile", 2 * _per_thread(bk, threads)),
@@ -239,15 +248,9 @@ def _whole_rows(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile
     loaded straight into registers, so no shared memory but the row sums' exchange between warps."""
     bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
     threads = 32 * tile["num_warps"]
-    full, vectors, twice = epilogue_operands(graph, nodes, anchor)
-    vectors += len(graph[anchor].inputs) > 2      # the conv's bias
-    registers = [("accumulator", _per_thread(bm * bn, threads)),
-                 ("the centered tile", _per_thread(bm * bn, threads)),
-                 ("row statistics (mean, rstd)", 2 * _per_thread(bm, threads)),
-                 (f"{full} full-tile operand(s)", full * _per_thread(bm * bn * itemsize // 4, threads)),
-                 (f"{vectors} per-channel vector(s)", vectors * _per_thread(bn, threads)),
-                 (f"{twice} value(s) used twice", twice * _per_thread(bm * bn, threads)),
-                 ("addressing", ADDRESSING_REGISTERS)]
+    registers = _tile_registers(graph, nodes, anchor, itemsize, bm, bn, threads) + [
+        ("the centered tile", _per_thread(bm * bn, threads)),
+        ("row statistics (mean, rstd)", 2 * _per_thread(bm, threads))]
     shared = [("row sums exchanged between warps", 2 * bm * tile["num_warps"] * 4)]
     return _check(hw, tile, threads, registers, shared)
 
