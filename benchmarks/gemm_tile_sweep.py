@@ -4,11 +4,15 @@ For each workload (fp16, channels-last, the zoo's built-in models), the anchor g
 --max-k (EfficientNet's and MobileNet's expansions: K 16-96, N up to 1152, M = N x H x W pixels), the --top
 slowest as the plan predicts them, one of each distinct kernel and shape: each is timed with every config its
 kernel offers (its own tiles and other forms: the library call with the epilogue after it, the ops unfused), then
-with a grid of further tiles (BLOCK_M 64-256, BLOCK_N 32-128, BLOCK_K 16/32, 4 or 8 warps, 1-3 stages), each
+with a grid of further tiles (BLOCK_M 32-256, BLOCK_N 32-128, BLOCK_K 16-64, 4 or 8 warps, 1-3 stages), each
 compiled by the compile workers first, checked against the kernel's first config and timed by the autotuner's
 clock (`graph_time`). Also the bytes each must move (inputs read once, outputs written once) over the measured time.
+With --groups, those groups of every workload are swept instead (any anchor kernel of a conv or linear, whatever its
+reduction: a stem conv that gathers its taps, a linear + GELU), e.g. the groups whose measured time exceeds the cost
+model's prediction most (RESULTS.md, 2026-12-05 offline).
 
     python benchmarks/gemm_tile_sweep.py --out DIR [--workloads efficientnet_b0:64,mobilenet_v2:64] [--top 6]
+    python benchmarks/gemm_tile_sweep.py --out DIR --workloads resnet50:64,convnext_tiny:64 --groups g0,g7
 
 Writes DIR/gemm_tile_sweep.json and prints a table per kernel.
 """
@@ -51,7 +55,8 @@ def reduction_of(graph, anchor: str) -> int | None:
 def grid_configs(first: KernelConfig, k: int, n: int) -> list[KernelConfig]:
     base = {key: value for key, value in first.params if key not in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")}
     configs = []
-    for bm, bn, bk, warps, stages in itertools.product((64, 128, 256), (32, 64, 128), (16, 32), (4, 8), (1, 3)):
+    for bm, bn, bk, warps, stages in itertools.product((32, 64, 128, 256), (32, 64, 128), (16, 32, 64), (4, 8),
+                                                       (1, 3)):
         if bn > max(32, 1 << (n - 1).bit_length()) or bk > max(16, 1 << (k - 1).bit_length()):
             continue
         if bm * bn > 128 * 128 and warps == 4:
@@ -66,11 +71,14 @@ def main() -> None:
     parser.add_argument("--workloads", default="efficientnet_b0:64,mobilenet_v2:64")
     parser.add_argument("--max-k", type=int, default=256)
     parser.add_argument("--top", type=int, default=6)
+    parser.add_argument("--groups", default="", help="sweep these groups of each workload (comma-separated names, "
+                        "as `opfuse analyze` gives them) in place of the --top slowest short reductions")
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
+    wanted = {name for name in args.groups.split(",") if name}
     for workload in args.workloads.split(","):
         name, batch = workload.split(":")
         model, inputs = load_builtin(name, batch=int(batch))
@@ -87,11 +95,11 @@ def main() -> None:
                 continue
             k = reduction_of(plan.graph, group.anchor)
             key = (kernel.name, plan.graph[group.anchor].type.shape, k)
-            if k is None or k > args.max_k or key in seen:
+            if k is None or key in seen or (group.name not in wanted if wanted else k > args.max_k):
                 continue
             seen.add(key)
             chosen.append((group, kernel, k))
-            if len(chosen) == args.top:
+            if len(chosen) == (len(wanted) if wanted else args.top):
                 break
         jobs = []
         for group, kernel, k in chosen:
