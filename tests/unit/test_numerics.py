@@ -139,3 +139,38 @@ def test_the_compile_reads_its_values_layouts_from_the_model():
     values = inner.collect_values(x)
     read = {name for kernel in inner.kernels.values() for name in kernel.runtime_inputs}
     assert read and all(layouts[name] == Layout.of(values[name]) for name in read)
+
+
+def test_the_check_rule_weighs_pytorchs_error_then_the_operands_scale():
+    """`acceptable`: within the tolerance; else within EAGER_ERROR_MARGIN of PyTorch's own error; else, only where
+    PyTorch is over the tolerance too (an ill-conditioned output), within it against the operands' scale."""
+    from opfuse.numerics import EAGER_ERROR_MARGIN, acceptable
+
+    assert acceptable(1e-5, 1e-4)
+    assert not acceptable(1e-3, 1e-4)                                   # nothing to weigh it against
+    assert acceptable(EAGER_ERROR_MARGIN * 1e-2, 1e-4, eager_error=1e-2)
+    assert not acceptable(3e-2, 1e-4, eager_error=1e-2, scaled_error=1e-3)
+    assert acceptable(3e-2, 1e-4, eager_error=1e-2, scaled_error=1e-6)
+    assert not acceptable(3e-4, 1e-4, eager_error=5e-5, scaled_error=1e-6)   # PyTorch gets it right: so must we
+
+
+def test_the_operand_scale_is_that_of_the_values_an_output_is_computed_from():
+    """The mean of a normalised row is rounding noise around 0, computed from values of root mean square 1: its
+    scale is theirs at its own size, found through the view after it; an input has none."""
+    import math
+
+    from opfuse.numerics import operand_scale, relative_error
+    from tests.kernels.builders import KernelGraph
+
+    k = KernelGraph()
+    x = k.input("x", (4, 6, 8))
+    norm = k.op("layer_norm", x, normalized_shape=(8,), eps=1e-5)
+    mean = k.op("mean", norm, dims=(-1,), keepdim=False)
+    flat = k.op("reshape", mean, shape=(24,))
+    values = interpret_all(k.graph, [k.feeds["x"]], torch.float64)
+    assert float(values[flat].abs().max()) < 1e-12
+    scale = operand_scale(k.graph, values, flat)
+    assert scale == pytest.approx(math.sqrt(24), rel=1e-3)
+    assert operand_scale(k.graph, values, x) == 0.0
+    noise = values[flat] + 1e-7      # float32's rounding, about
+    assert relative_error(noise, values[flat]) > 1e4 and relative_error(noise, values[flat], scale) < 1e-6
