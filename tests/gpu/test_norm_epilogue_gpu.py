@@ -24,6 +24,8 @@ from opfuse.ir.graph import Graph, TensorType  # noqa: E402
 from opfuse.ir.ops import infer_type  # noqa: E402
 from opfuse.numerics import relative_error, tolerance  # noqa: E402
 
+from tests.gpu.config_checks import check_every_config  # noqa: E402
+
 
 def depthwise_norm(channels: int, batch: int, size: int, generator: torch.Generator):
     """The kernel of an fp16 group conv2d (7x7 depthwise, bias) -> permute -> layer_norm, and its weights."""
@@ -64,18 +66,7 @@ def test_every_config_matches_the_reference_in_fp16(channels, size, batch):
 
     expected = reference(torch.float32)
     torch_fp16 = relative_error(reference(torch.float16), expected)
-    kernel.epilogue.output_fill = float("nan")
-    spill_free = 0
-    for config in kernel.configs():
-        (out,) = kernel.run([x], config)
-        torch.cuda.synchronize()
-        assert out.shape == expected.shape and out.dtype == torch.float16
-        assert not torch.isnan(out).any(), f"{config}: unwritten elements"
-        error = relative_error(out, expected)
-        assert error < tolerance("float16") and error < 2 * torch_fp16 + 1e-3, (config, error, torch_fp16)
-        info = kernel.last_compiled
-        spill_free += info is not None and info.spills == 0
-    assert spill_free, "every config spills registers"
+    check_every_config(kernel, [x], kernel.configs(), expected, torch_fp16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
