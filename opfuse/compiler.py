@@ -558,27 +558,68 @@ def _end_to_end_error(eager: torch.nn.Module, compiled, inputs: list[torch.Tenso
                       ) -> tuple[float, float | None, float | None]:
     """Worst relative error of the compiled model's outputs against eager run in the reference precision; when
     that is over the tolerance, also eager's own error at the compute dtype, and when that is over it too, the
-    compiled outputs' worst error against their operands' scale (`scaled_errors`; None where not computed)."""
+    compiled outputs' worst error against their operands' scale (`scaled_errors`; None where not computed).
+    Eager computes its float casts in the precision it runs in, as the compiled model does (`_eager_outputs`). A
+    model that cannot run in the reference precision (a float32 tensor held as a plain attribute, which `.to`
+    leaves float32) is compared with eager at the compute dtype instead, with a warning that says so."""
     reference_type = reference_dtype(dtype)
     compute = torch_dtype(dtype)
-
-    def run(model, dtype_: torch.dtype) -> list[torch.Tensor]:
-        with torch.no_grad():
-            out = model(*[x.to(dtype_) if x.is_floating_point() else x for x in inputs])
-        return tree_flatten(out)[0]   # nested tuples/dicts too: the compiled model's outputs are flat
-
-    with reference_convolutions():     # the compiled model's own convolutions keep the user's setting
-        reference = run(copy.deepcopy(eager).to(reference_type), reference_type)
-    outputs = run(compiled, compute)
+    try:
+        with reference_convolutions():     # the compiled model's own convolutions keep the user's setting
+            reference = _eager_outputs(eager, inputs, reference_type)
+    except (RuntimeError, TypeError, GraphError) as problem:
+        return _error_against_compute_dtype(eager, compiled, inputs, dtype, problem)
+    outputs = _flat_outputs(compiled, inputs, compute)
     if len(outputs) != len(reference):   # zip would compare only the first few and pass
         raise GraphError(f"compiled {compiled.graph.name} has {len(outputs)} outputs, eager has {len(reference)}")
     error = max(relative_error(o, r) for o, r in zip(outputs, reference))
     bound = tolerance(dtype, inputs[0].device if inputs else None)
     if error <= bound:
         return error, None, None
-    with without_cudnn_search():     # PyTorch at the compute dtype, as a user runs it
-        eager_outputs = run(copy.deepcopy(eager).to(compute), compute)
+    try:
+        with without_cudnn_search():     # PyTorch at the compute dtype, as a user runs it
+            eager_outputs = _eager_outputs(eager, inputs, compute)
+    except (RuntimeError, TypeError, GraphError):   # no PyTorch figure to compare with: the error stands as measured
+        return error, None, None
     eager_error = max(relative_error(o, r) for o, r in zip(eager_outputs, reference))
     if eager_error <= bound:
         return error, eager_error, None
     return error, eager_error, max(scaled_errors(compiled.graph, inputs, outputs, dtype))
+
+
+def _flat_outputs(model, inputs: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """`model`'s outputs on `inputs` (floating ones in `dtype`), flat: nested tuples/dicts too, as the compiled
+    model's are."""
+    with torch.no_grad():
+        out = model(*[x.to(dtype) if x.is_floating_point() else x for x in inputs])
+    return tree_flatten(out)[0]
+
+
+def _eager_outputs(eager: torch.nn.Module, inputs: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Eager's outputs with everything in `dtype`: a copy's weights, the floating inputs, and every float cast of
+    its forward (`numerics.float_casts_to`: the compiled model computes those in its compute dtype)."""
+    from opfuse.numerics import float_casts_to
+
+    model = copy.deepcopy(eager).to(dtype)     # outside the casts: a deep copy must keep each tensor's own dtype
+    with float_casts_to(dtype):
+        return _flat_outputs(model, inputs, dtype)
+
+
+def _error_against_compute_dtype(eager: torch.nn.Module, compiled, inputs: list[torch.Tensor], dtype: str,
+                                 problem: Exception) -> tuple[float, None, None]:
+    """`_end_to_end_error` where eager failed in the reference precision (`problem`): against eager at the compute
+    dtype, which is then the only PyTorch figure (no eager error of its own); a GraphError if that fails too."""
+    name, reference = compiled.graph.name, str(reference_dtype(dtype)).removeprefix("torch.")
+    try:
+        with reference_convolutions():
+            expected = _eager_outputs(eager, inputs, torch_dtype(dtype))
+    except (RuntimeError, TypeError, GraphError) as again:
+        raise GraphError(f"verification cannot run eager {name}: in {reference}: {type(problem).__name__}: "
+                         f"{problem}; in {dtype}: {type(again).__name__}: {again} (FusionConfig(verify=False) "
+                         "compiles without verifying)") from again
+    warnings.warn(f"opfuse: {name} verified against eager in {dtype}, not {reference}: eager fails in {reference} "
+                  f"({type(problem).__name__}: {problem})", stacklevel=6)
+    outputs = _flat_outputs(compiled, inputs, torch_dtype(dtype))
+    if len(outputs) != len(expected):
+        raise GraphError(f"compiled {name} has {len(outputs)} outputs, eager has {len(expected)}")
+    return max(relative_error(o, e) for o, e in zip(outputs, expected)), None, None

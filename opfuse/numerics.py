@@ -8,8 +8,14 @@ computes in. Where PyTorch is over the threshold too, a result also passes withi
 scale (`operand_scale`): an output that cancellation leaves far smaller than the values it is computed from (the
 mean of a normalised row is rounding noise around zero) carries rounding errors of their size, which differ with
 the order of the arithmetic by more than any margin on PyTorch's own (`acceptable`: the one rule of every check).
+
+An explicit cast to a floating type inside the model (ONNX Cast, torch's `.float()` or `.half()`) is a statement of
+precision, not of meaning: the compiled model computes it in the compute dtype (`cast_precision` retypes it), so every
+reference and every run of PyTorch at the compute dtype computes it in its own precision too (`float_casts_to`), a
+cast to float16 in a float32 model included: rounding there would hold the compiled model to a rounding it does not
+do. Casts to integer or bool types keep their meaning everywhere.
 Entry points: `check_groups`, `relative_error`, `acceptable`, `scaled_errors`, `tolerance`, `random_inputs_like`,
-`reference_convolutions` (for reference runs), `without_cudnn_search`.
+`reference_convolutions` and `float_casts_to` (for reference runs), `without_cudnn_search`.
 """
 
 from __future__ import annotations
@@ -123,7 +129,8 @@ def scaled_errors(graph: Graph, inputs: Sequence[torch.Tensor], outputs: Sequenc
 
 
 def random_inputs_like(examples: Sequence[torch.Tensor], seed: int = 1234) -> list[torch.Tensor]:
-    """Fresh random inputs shaped like the examples (never zeros): floats ~N(0,1), integers in the examples' range."""
+    """Fresh random inputs shaped like the examples (never zeros): floats ~N(0,1), integers in the example's
+    [min, max], and never 0 where the example holds none (`_nonzero_integers`)."""
     generator = torch.Generator().manual_seed(seed)
     fresh = []
     for x in examples:
@@ -131,11 +138,25 @@ def random_inputs_like(examples: Sequence[torch.Tensor], seed: int = 1234) -> li
             value = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(x.dtype)
         elif x.dtype == torch.bool:
             value = torch.rand(x.shape, generator=generator) < 0.5
+        elif not x.numel():
+            value = torch.zeros(x.shape, dtype=x.dtype)
         else:   # indices and the like: stay inside what the example used (a table may be no larger)
-            low, high = (int(x.min().item()), int(x.max().item()) + 1) if x.numel() else (0, 1)
-            value = torch.randint(low, high, x.shape, generator=generator, dtype=x.dtype)
+            low, high = int(x.min().item()), int(x.max().item()) + 1
+            if low < 0 < high - 1 and not bool((x == 0).any()):
+                value = _nonzero_integers(low, high, x.shape, x.dtype, generator)
+            else:
+                value = torch.randint(low, high, x.shape, generator=generator, dtype=x.dtype)
         fresh.append(value.to(x.device))
     return fresh
+
+
+def _nonzero_integers(low: int, high: int, shape: torch.Size, dtype: torch.dtype, generator: torch.Generator
+                      ) -> torch.Tensor:
+    """Integers drawn evenly from [low, high) but 0 (low < 0 < high - 1). An integer input whose example has both
+    signs and no 0 may be a divisor: 0 would make PyTorch raise on the CPU (an integer division by zero), and the
+    model was never meant to see it."""
+    value = torch.randint(low, high - 1, shape, generator=generator, dtype=dtype)
+    return value + (value >= 0).to(dtype)      # 0 .. high - 2 move up one: every value but 0, each as likely
 
 
 @contextlib.contextmanager
@@ -183,6 +204,37 @@ def reference_convolutions() -> Iterator[None]:
     far more than the run itself (a depthwise shape in float32: seconds, RESULTS.md run 95), and cuDNN computes
     float32 convolutions in TF32 by default, a coarser reference than PyTorch's float32 GEMMs."""
     with without_cudnn_search(), _ReferenceConvolutions():
+        yield
+
+
+class _FloatCastsTo(TorchFunctionMode):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FLOAT_CONVERSIONS:
+            return args[0].to(self.dtype)
+        if func not in DTYPE_VIEWS:     # a view as another dtype reinterprets bits: no precision to change
+            args = tuple(self._in_own_precision(a) for a in args)
+            kwargs = {key: self._in_own_precision(value) for key, value in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _in_own_precision(self, value):
+        return self.dtype if isinstance(value, torch.dtype) and value.is_floating_point else value
+
+
+FLOAT_CONVERSIONS = frozenset({torch.Tensor.half, torch.Tensor.float, torch.Tensor.double, torch.Tensor.bfloat16})
+DTYPE_VIEWS = frozenset({torch.Tensor.view, torch.ops.aten.view.dtype})
+
+
+@contextlib.contextmanager
+def float_casts_to(dtype: torch.dtype) -> Iterator[None]:
+    """Inside, every floating dtype a PyTorch call names (`x.to(torch.float16)`, `x.float()`, `dtype=` of a factory
+    or a softmax, ONNX Cast through the op registry) is `dtype`: a model run in `dtype` stays in it (the module
+    docstring's rule on casts), where a cast as written would hand a float64 reference's MatMul a float32 operand."""
+    with _FloatCastsTo(dtype):
         yield
 
 

@@ -4,8 +4,9 @@ eager reference it is verified against.
 `OnnxModule` holds the imported IR graph (`opfuse.frontend.onnx_import.load_onnx`) and runs it node by node through
 each op's PyTorch reference (`opfuse.ir.interpret`), which is how onnxruntime-free "eager" runs an ONNX model. Its
 weights are registered buffers, so `.to(device)` and `.to(dtype)` move and cast them like any module's (the
-verification casts the reference to float64). `opfuse.api.capture` takes its graph as it is, so compiling it never
-goes through torch.export.
+verification casts the reference to float64, and runs its Casts to floating types in float64 too, through
+`opfuse.numerics.float_casts_to`: a Cast(to=FLOAT) before a MatMul would otherwise mix float32 and float64).
+`opfuse.api.capture` takes its graph as it is, so compiling it never goes through torch.export.
 """
 
 from __future__ import annotations
