@@ -3,7 +3,7 @@
     opfuse analyze MODEL [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--html FILE] [--quiet]
     opfuse report  MODEL -o report.html [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--quiet]
     opfuse compile MODEL -o model.opfuse [--batch N | --batches 1,8,64] [--dtype fp16] [--tune-top N] [--json FILE]
-    opfuse bench   model.opfuse [--recompile] [--json FILE]
+    opfuse bench   model.opfuse [--recompile] [--sha256 HEX] [--json FILE]
     opfuse bench   MODEL [--batch N] [--dtype fp16] [--contenders eager,...] [--tune-top N] [--no-split-k] [--json FILE]
     opfuse bench   --zoo [--models a,b] [--batches 1,64] [--workloads a:1,b:64] [--cold-parallel N] [--out DIR]
     opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--no-split-k] [--calibrate] [--html FILE] [--json FILE]
@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -271,13 +272,37 @@ def status(args: argparse.Namespace, text: str):
 
 
 def _writable(*paths: str | None) -> bool:
-    """Whether each output file given can be created (its folder exists); says why not on stderr."""
+    """Whether each output file given (None: not asked for) can be written, checked before any work so that a long
+    compile never ends in a path it cannot write (`_unwritable`); says why not on stderr, one line naming it."""
     for path in paths:
-        if path and not Path(path).resolve().parent.is_dir():
-            Console(stderr=True).print(f"[bold red]opfuse: error:[/] cannot write {escape(path)}: "
-                                       f"folder {escape(str(Path(path).resolve().parent))} does not exist")
+        problem = None if path is None else _unwritable(path)
+        if problem is not None:
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]opfuse: error:[/] cannot write {escape(repr(path))}:"
+                                                       f" {escape(problem)}")
             return False
     return True
+
+
+def _unwritable(path: str) -> str | None:
+    """Why `path` cannot be written as an output file, or None where it can: it must be a non-empty name that is
+    not a folder, in a folder that exists and takes a new file (one is created there and removed: permissions,
+    read-only mounts and the like all answer), and writable itself where it exists."""
+    if not path:
+        return "the path is empty"
+    target = Path(path)
+    if target.is_dir():
+        return "it is a folder; name a file in it"
+    folder = target.resolve().parent
+    if not folder.is_dir():
+        return f"folder {folder} does not exist"
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".opfuse-write-check-"):
+            pass
+    except OSError as problem:
+        return f"folder {folder} takes no new file ({problem.strerror or problem})"
+    if target.exists() and not os.access(target, os.W_OK):
+        return "it is not writable"
+    return None
 
 
 class _null:
@@ -356,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=HelpFormatter)
     _model_arguments(bench, model_optional=True)
     cli_bench.bench_arguments(bench)
+    cli_package.bench_package_arguments(bench)
     bench.set_defaults(handler=cli_bench.cmd_bench)
 
     profile = sub.add_parser("profile", help="on a GPU: time per eager op and per opfuse kernel against the cost "

@@ -1,17 +1,18 @@
 """`opfuse compile` and `opfuse bench PACKAGE`: the command line of deployable packages (`opfuse.runtime.package`).
 
     opfuse compile MODEL -o model.opfuse [--batches 1,8,64] [--dtype fp16] [--tune-top N] [--json FILE] [--quiet]
-    opfuse bench model.opfuse [--recompile] [--json FILE] [--quiet]
+    opfuse bench model.opfuse [--recompile] [--sha256 HEX] [--json FILE] [--quiet]
 
 compile compiles MODEL (a built-in name, an .onnx file or a factory, as every command takes) once per batch size
 (--batches, else --batch) on the GPU, or through Triton's interpreter where TRITON_INTERPRET=1, and writes them as
 one package. bench (a GPU command) loads a package and times it at each batch size it holds: the load, the first
-call, and the median call after warm-up.
+call, and the median call after warm-up; --sha256 pins the package it loads (`opfuse.load(path, sha256=...)`).
 """
 
 from __future__ import annotations
 
 import argparse
+import string
 import time
 
 from rich.console import Console
@@ -30,6 +31,20 @@ def batch_list(text: str) -> list[int]:
     if not values or min(values) < 1 or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"expected distinct batch sizes of at least 1, got {text!r}")
     return sorted(values)
+
+
+def sha256_digest(text: str) -> str:
+    """--sha256: a file's sha256 as 64 hex digits (either case; lower-cased)."""
+    if len(text) != 64 or not set(text) <= set(string.hexdigits):
+        raise argparse.ArgumentTypeError(f"expected a sha256 of 64 hex digits, got {text!r}")
+    return text.lower()
+
+
+def bench_package_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `opfuse bench model.opfuse` that a model's bench has not (--recompile is `cli_bench`'s)."""
+    parser.add_argument("--sha256", type=sha256_digest, metavar="HEX",
+                        help="a package (MODEL.opfuse): load it only if its sha256 is HEX, as pip's hash-checking "
+                             "mode pins a download (`sha256sum model.opfuse` where it was compiled)")
 
 
 def compile_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +108,7 @@ def cmd_bench_package(args: argparse.Namespace, console: Console) -> int:
 
     torch.cuda.synchronize()
     start = time.perf_counter()
-    model = opfuse.load(args.model, recompile=args.recompile)
+    model = opfuse.load(args.model, recompile=args.recompile, sha256=args.sha256)
     torch.cuda.synchronize()
     load_s = time.perf_counter() - start
     rows = []
