@@ -54,6 +54,8 @@ class OpfuseModule(torch.nn.Module):
     def __init__(self, compiled: torch.nn.Module, analysis: Analysis, example_inputs: Sequence[torch.Tensor],
                  output_spec: Any, output_dtypes: list[torch.dtype], checks: list[GroupCheck],
                  end_to_end_error: float | None, seconds: dict[str, float], eager: torch.nn.Module | None = None):
+        from opfuse.runtime.compiled import CallLock
+
         super().__init__()
         self.compiled = compiled
         self.analysis = analysis
@@ -75,6 +77,8 @@ class OpfuseModule(torch.nn.Module):
         self.__dict__["_eager"] = eager
         self._variants: dict[tuple, torch.nn.Module | str] = {}   # recompiled per signature, or why that failed
         self.call_fallbacks: dict[str, str] = {}    # calls run eagerly (fallback="eager"), and why
+        # guards the two dicts above; a call with the compiled signature never takes it (`compiled` has its own)
+        self._lock = CallLock()
 
     @property
     def plan(self):
@@ -145,16 +149,18 @@ class OpfuseModule(torch.nn.Module):
                         and all(isinstance(x, torch.Tensor) and x.numel() > 0 for x in inputs))
         if config.recompile and self._eager is not None and recompilable:
             signature = tuple(_describe(x) for x in inputs)
-            if signature not in self._variants:   # a variant keeps no eager copy of its own: this module has one
-                try:
-                    self._variants[signature] = compile(self._eager, inputs,
-                                                        replace(config, recompile=False, fallback="error"))
-                except Exception as error:
-                    if not eager_fallback:
-                        raise GraphError(f"{problem}; compiling again for these inputs failed: "
-                                         f"{type(error).__name__}: {error}") from error
-                    self._variants[signature] = f"compiling for these inputs failed ({type(error).__name__}: {error})"
-            variant = self._variants[signature]
+            with self._lock:     # threads calling with a new signature at once compile it once
+                if signature not in self._variants:   # a variant keeps no eager copy of its own: this module has one
+                    try:
+                        self._variants[signature] = compile(self._eager, inputs,
+                                                            replace(config, recompile=False, fallback="error"))
+                    except Exception as error:
+                        if not eager_fallback:
+                            raise GraphError(f"{problem}; compiling again for these inputs failed: "
+                                             f"{type(error).__name__}: {error}") from error
+                        self._variants[signature] = (f"compiling for these inputs failed ({type(error).__name__}: "
+                                                     f"{error})")
+                variant = self._variants[signature]
             if isinstance(variant, str):
                 return self._run_eagerly(inputs, variant)
             try:
@@ -170,8 +176,11 @@ class OpfuseModule(torch.nn.Module):
 
     def _run_eagerly(self, inputs: Sequence[Any], reason: str) -> Any:
         key = _call_key(inputs)
-        if key not in self.call_fallbacks:
-            self.call_fallbacks[key] = reason
+        with self._lock:     # one warning per kind of call, whichever thread makes it first
+            first = key not in self.call_fallbacks
+            if first:
+                self.call_fallbacks[key] = reason
+        if first:
             warnings.warn(f"opfuse: running {self.analysis.name} eagerly for this call: {reason}", stacklevel=3)
         with torch.no_grad():
             return self._eager(*inputs)
@@ -233,6 +242,7 @@ def compile(model: Any, example_inputs: Sequence[torch.Tensor],
 
 def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, quiet: bool) -> OpfuseModule:
     from opfuse.analysis import as_compiled
+    from opfuse.runtime.compiled import interpreter_alone
     from opfuse.runtime.precompile import prefetch_triton_hash
 
     for index, x in enumerate(example_inputs):
@@ -255,7 +265,8 @@ def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig
         where = as_compiled.target(example_inputs, analysis.config)
         record_key = as_compiled.plan_key(analysis.plan, analysis.config, where)
         try:
-            module = _build(model, example_inputs, config, quiet, analysis, seconds, device)
+            with interpreter_alone():   # tuning and verification run kernels outside any model's call
+                module = _build(model, example_inputs, config, quiet, analysis, seconds, device)
         except Exception as error:  # the record says so: analyze reports no outcome of an earlier compile instead
             as_compiled.store(record_key, analysis.config, as_compiled.failure(analysis, where.device, error))
             raise

@@ -20,11 +20,18 @@ with that tensor's storage moved or its strides changed in place) captures the g
 copied into from then on. A captured graph's kernel nodes are counted (`opfuse.runtime.graph_nodes`): from then on
 they are `launches`, library helper kernels included.
 
+Calls are thread-safe: they serialise on the model's lock (`call_lock`), which covers a whole run (the eager path,
+the warm-up, the capture, and a replay with its copies in and out), so two calls never share the static buffers.
+Through Triton's CPU interpreter every model shares one lock. For parallel throughput, use one compiled model per
+stream, device or process.
+
 `build_compiled_model(plan, device, example_inputs)` is the whole runtime stage: lower, build, autotune.
 """
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import statistics
 import time
 import warnings
@@ -36,6 +43,7 @@ import torch
 from opfuse.codegen.base import GroupKernel, KernelConfig, recording_launches
 from opfuse.codegen.lower import choose_lowering, lower_plan
 from opfuse.config import FusionConfig
+from opfuse.environment import triton_interpreter
 from opfuse.fusion.plan import FusionGroup, FusionPlan
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
@@ -111,6 +119,38 @@ def input_form(spec: InputSpec) -> tuple[torch.dtype | None, torch.memory_format
     return dtype, torch.channels_last if len(spec.type.shape) == 4 else torch.preserve_format
 
 
+class CallLock(_thread.RLock):
+    """The lock a compiled model's calls take (reentrant: a thread holding it may call a model that takes it again,
+    as a compile through the interpreter does); a copy of the model (deepcopy, pickle) gets a lock of its own, as a
+    lock cannot be copied."""
+
+    def __reduce__(self):
+        return CallLock, ()
+
+
+class _InterpreterLock(CallLock):
+    """The one lock of every model whose kernels Triton's CPU interpreter runs; a copy of a model shares it too."""
+
+    def __reduce__(self):
+        return "INTERPRETER_LOCK"     # a module global: copy and pickle keep the object itself
+
+
+# Triton's interpreter patches triton.language's globals around every kernel it runs, so two kernels interpreted at
+# once break each other ("Did you forget to add @triton.jit ?") whichever models they belong to
+INTERPRETER_LOCK = _InterpreterLock()
+
+
+def call_lock() -> CallLock:
+    """A new model's call lock: its own, or `INTERPRETER_LOCK` where Triton's CPU interpreter runs the kernels."""
+    return INTERPRETER_LOCK if triton_interpreter() else CallLock()
+
+
+def interpreter_alone() -> Any:
+    """A context in which no other thread runs kernels through Triton's CPU interpreter (a compile's tuning and
+    verification run kernels outside any model's call); nothing where the interpreter is off."""
+    return INTERPRETER_LOCK if triton_interpreter() else contextlib.nullcontext()
+
+
 FORWARD_REPLAYS = 10    # timed replays of the forward `measure_forward` takes the median of
 
 
@@ -168,6 +208,7 @@ class CompiledModel(torch.nn.Module):
         self.cuda_graph_error: str | None = None     # why capture failed (the model then runs eagerly)
         self._failed_captures: list[Any] = []
         self._reset_cuda_graph()
+        self._lock = call_lock()      # held by a whole run: see the module docstring
 
     # ---- build time ---------------------------------------------------------------------------------------
     def _aliases_constant(self, name: str) -> bool:
@@ -271,17 +312,19 @@ class CompiledModel(torch.nn.Module):
         unknown = set(configs) - set(self.kernels)
         if unknown:
             raise GraphError(f"configs given for groups without a kernel: {sorted(unknown)}")
-        self.configs.update(configs)
-        for name, config in configs.items():
-            self.kernels[name].keep_form(config)
-        self.forward_ms = None
-        self._reset_cuda_graph()
+        with self._lock:      # not under a call running the old configs or replaying the graph about to be dropped
+            self.configs.update(configs)
+            for name, config in configs.items():
+                self.kernels[name].keep_form(config)
+            self.forward_ms = None
+            self._reset_cuda_graph()
 
     def set_cuda_graph(self, enabled: bool) -> None:
         """Switch CUDA graph capture on or off (only has an effect on CUDA)."""
-        self.use_cuda_graph = enabled and self.device.type == "cuda"
-        self.cuda_graph_error = None
-        self._reset_cuda_graph()
+        with self._lock:
+            self.use_cuda_graph = enabled and self.device.type == "cuda"
+            self.cuda_graph_error = None
+            self._reset_cuda_graph()
 
     # ---- run time -----------------------------------------------------------------------------------------
     def input_signature(self, inputs: Sequence[Any]) -> Signature:
@@ -316,12 +359,15 @@ class CompiledModel(torch.nn.Module):
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        if self._cuda_graph is not None:
-            return self._replay(inputs)
-        prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
-        if self.use_cuda_graph and self.cuda_graph_error is None:
-            return self._run_cuda_graph(prepared, [p is x for p, x in zip(prepared, inputs)])
-        return self._execute(prepared)
+        """One forward, the whole of it under the call lock: a replay's copies in and out share the static buffers
+        with every other call, and the warm-up and capture change what later calls run."""
+        with self._lock:
+            if self._cuda_graph is not None:
+                return self._replay(inputs)
+            prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
+            if self.use_cuda_graph and self.cuda_graph_error is None:
+                return self._run_cuda_graph(prepared, [p is x for p, x in zip(prepared, inputs)])
+            return self._execute(prepared)
 
     @staticmethod
     def _prepare(x: torch.Tensor, form: tuple[torch.dtype | None, torch.memory_format]) -> torch.Tensor:
@@ -338,10 +384,11 @@ class CompiledModel(torch.nn.Module):
             raise GraphError(f"input {wrong}: the model was compiled for {format_signature(self.signature)} "
                              f"but called with {format_signature(signature)}; compile it again for these "
                              "inputs (or pass a recompile callback)")
-        variant = self._variants.get(signature)
-        if variant is None:
-            variant = self.recompile(inputs)
-            self._variants[signature] = variant
+        with self._lock:      # threads calling with a new signature at once compile it once
+            variant = self._variants.get(signature)
+            if variant is None:
+                variant = self.recompile(inputs)
+                self._variants[signature] = variant
         return variant(*inputs)
 
     def _run_steps(self, inputs: Sequence[torch.Tensor], keep_all: bool = False,
