@@ -8,22 +8,27 @@ data, so no padded row is degenerate, as a row of zeros would be for an attentio
 back to the call's batch. A call at exactly a saved batch size runs unpadded, bit for bit as the compiled model it
 was saved from. A call larger than the largest batch size is an error naming the sizes the package holds.
 
-Padding assumes what inference models do: each row of a batch is computed from that row's inputs alone (no batch
-statistics, nothing summed over the batch). The batch is dim 0 of every input and of every output: a package of
-several batch sizes must have one (`check_profiles` refuses it at save otherwise). A package of one compiled model
-takes exactly the shapes it was compiled for: nobody declared a batch there (dim 0 may be tokens), so nothing is
-padded.
+Padding is right only where each row of a batch is computed from that row's inputs alone, as inference models do;
+a softmax over the batch or `x - x.mean(0)` reads every row, and padding would change the rows kept. So at load each
+plan graph a call may be padded to is checked (`padding_problem`, by `opfuse.ir.rows.row_dependence`): where some
+node may mix rows, the package runs only the batch sizes it holds, and a call between them is an error naming that
+node and the sizes held (`PackagedModel.padding_refused_because` says why; `warn_if_exact_batches` says it at save).
+The batch is dim 0 of every input and of every output: a package of several batch sizes must have one
+(`check_profiles` refuses it at save otherwise). A package of one compiled model takes exactly the shapes it was
+compiled for: nobody declared a batch there (dim 0 may be tokens), so nothing is padded.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_unflatten, treespec_loads
 
-from opfuse.ir.graph import GraphError, dtype_name, torch_dtype
+from opfuse.ir.graph import Graph, GraphError, dtype_name, torch_dtype
+from opfuse.ir.rows import row_dependence
 
 
 def batch_of(profile: dict[str, Any]) -> int | None:
@@ -61,6 +66,41 @@ def check_profiles(profiles: Sequence[dict[str, Any]], where: str) -> list[int |
     return batches
 
 
+def padding_problem(graph: Graph) -> str | None:
+    """Why a call's batch may not be padded up to run on `graph` (a plan graph traced at a batch of 2 or more): the
+    node whose output rows may read other rows, and how; None where every output row along dim 0 is computed from
+    the same row of the inputs alone."""
+    found = row_dependence(graph)
+    return None if found is None else str(found)
+
+
+def padding_refused(batches: Sequence[int | None], graphs: Sequence[Graph]) -> str | None:
+    """Why a package of one model at these batch sizes (one plan graph each) must run only them, or None where a
+    call between them may be padded. Only graphs a call may be padded to are asked: several batch sizes, each 2 or
+    more (nothing is padded up to batch 1, and a batch-1 trace cannot tell the batch from any other size-1 dim)."""
+    if len(batches) < 2 or None in batches:
+        return None
+    for batch, graph in sorted(zip(batches, graphs), key=lambda pair: pair[0]):
+        problem = padding_problem(graph) if batch >= 2 else None
+        if problem is not None:
+            return problem
+    return None
+
+
+def exact_batches_message(where: str, batches: Sequence[int], problem: str) -> str:
+    return (f"{where} runs only its batch sizes {', '.join(map(str, sorted(batches)))}, never a batch padded up to "
+            f"one of them: {problem}")
+
+
+def warn_if_exact_batches(batches: Sequence[int | None], graphs: Sequence[Graph], where: str) -> str | None:
+    """At save: a one-line warning where a package of several batch sizes can run only those (see
+    `padding_refused`); returns the reason, or None."""
+    problem = padding_refused(batches, graphs)
+    if problem is not None:
+        warnings.warn(exact_batches_message(where, [b for b in batches if b is not None], problem), stacklevel=3)
+    return problem
+
+
 @dataclass
 class Profile:
     """One compiled model of a package and what a call must match."""
@@ -94,6 +134,11 @@ class PackagedModel(torch.nn.Module):
         self.device = self._profiles[0].compiled.device
         self.batched = len(self._profiles) > 1 and all(p.batch is not None for p in self._profiles)
         self.rebuilt_because = rebuilt_because     # why the saved plan was built again here (recompile=True)
+        # why a call between the batch sizes held is refused instead of padded (None: it is padded, or not batched)
+        self.padding_refused_because = None
+        if self.batched:
+            self.padding_refused_because = padding_refused([p.batch for p in self._profiles],
+                                                           [p.compiled.plan.graph for p in self._profiles])
 
     @property
     def name(self) -> str:
@@ -171,12 +216,20 @@ class PackagedModel(torch.nn.Module):
         if batch < 1:
             raise GraphError(f"{self.path} runs batches of at least 1, got {batch}")
         for profile in self._profiles:
-            if profile.batch >= batch:
+            if profile.batch == batch or (profile.batch > batch and self.padding_refused_because is None):
                 return profile, batch
+            if profile.batch > batch:
+                raise GraphError(f"batch {batch}: " + exact_batches_message(self.path, self.batch_sizes,
+                                                                            self.padding_refused_because)
+                                 + f"; save the package with batch size {batch} too")
         raise GraphError(f"batch {batch} is larger than the largest batch size in {self.path} "
                          f"({self.batch_sizes[-1]}; it holds {', '.join(map(str, self.batch_sizes))}): save the "
                          "package with a larger one")
 
     def extra_repr(self) -> str:
         sizes = ", ".join(map(str, self.batch_sizes)) or "fixed shapes"
-        return f"path={self.path}, device={self.device}, batch_sizes=[{sizes}]"
+        text = f"path={self.path}, device={self.device}, batch_sizes=[{sizes}]"
+        if self.batched:
+            refused = self.padding_refused_because
+            text += ", padding=" + ("rows independent" if refused is None else f"refused ({refused})")
+        return text
