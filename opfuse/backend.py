@@ -48,8 +48,8 @@ class _BoundWeights(torch.nn.Module):
         self.slots: list[tuple[str, int | str]] = []
         runtime = 0
         for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
-            if _is_weight(node, value):
-                name = f"w{index}"
+            if _is_weight(node, value):     # named as dynamo names it, so that a refusal names it so too
+                name = str(node.target) if str(node.target).isidentifier() else f"w{index}"
                 self.register_buffer(name, value.detach().clone())
                 self.slots.append(("weight", name))
             else:

@@ -14,6 +14,10 @@ Every fx node maps to IR nodes through a handler in `opfuse.frontend.aten_ops.HA
 re-derived from the op registry, disagrees with the type torch recorded. Such calls become ``opaque`` nodes that
 re-run the original ATen call, so capture never fails on an unknown op; the node's attrs keep the reason.
 Parameters and buffers become constant nodes (private clones) only when something reads them.
+
+opfuse compiles stateless forwards: a model whose forward writes one of its buffers or parameters (a call counter,
+a batch norm in training mode) is refused naming the state and the node that writes it, as a compiled model that
+never updates it would differ from eager from its second call on.
 """
 
 from __future__ import annotations
@@ -531,9 +535,20 @@ class Translator:
                              lambda reason: self.opaque(node, f"{node.target} not folded: {reason}"), strict=False)
 
     def _outputs(self, node: fx.Node, signature: Any) -> None:
-        for arg, spec in zip(node.args[0], signature.output_specs):
+        """The user outputs become the graph's outputs; a write to the model's state is refused (see module
+        docstring): torch.export lists such writes as outputs once the program is functional."""
+        specs = list(zip(node.args[0], signature.output_specs))
+        state = {OutputKind.BUFFER_MUTATION: "buffer", OutputKind.PARAMETER_MUTATION: "parameter"}
+        written = [f"{state[spec.kind]} {spec.target} ({_writer(arg)})" for arg, spec in specs if spec.kind in state]
+        if written:
+            raise GraphError(f"model {self.graph.name} writes its {', '.join(written)} in forward; opfuse compiles "
+                             "stateless forwards, and a compiled model that never updates that state would differ "
+                             "from eager from its second call on. Keep such state out of forward (a batch norm in "
+                             "training mode updates its running statistics: call model.eval() first), or compile "
+                             "with fallback='eager' to run the model eagerly")
+        for arg, spec in specs:
             if spec.kind != OutputKind.USER_OUTPUT:
-                continue  # buffer and input mutations: inference graphs do not write state back
+                continue  # input mutations, gradients, effect tokens: not outputs of an inference graph
             if not isinstance(arg, fx.Node) or not isinstance(self.env.get(arg), (str, _LazyConstant)):
                 raise GraphError(f"model output {getattr(arg, 'name', arg)!r} is not a tensor; "
                                  "the IR takes tensor outputs only")
@@ -548,6 +563,13 @@ class Translator:
         for node in list(self.graph.nodes.values()):
             if node.name not in live and node.op != "input":
                 self.graph.remove(node.name)
+
+
+def _writer(value: fx.Node) -> str:
+    """'node NAME: OP' of the call that computes `value` (the call of a getitem: a tuple's owner)."""
+    while value.target is operator.getitem and isinstance(value.args[0], fx.Node):
+        value = value.args[0]
+    return f"node {value.name}: {value.target}"
 
 
 def _is_deterministic(target: Any) -> bool:
