@@ -24,6 +24,15 @@ dimension) is never compiled: compiling one is an error, and calling with one is
 `config.fallback == "eager"` returns a model that always runs: a failed compile gives `EagerFallback` (the model
 run eagerly, in eval mode, on a private copy); a compiled model runs eagerly any call it cannot run. Every such
 fallback is recorded with its reason in `.fallbacks`.
+
+A compiled model is an inference model, and says so where that differs from the model run eagerly: a model in
+training mode is compiled in eval mode (dropout off, batch norm on its running statistics; the model keeps its
+training flag), with a warning; a call with an input that requires grad (grad mode on) warns, once, that the outputs
+carry no autograd graph; a forward that writes into an input in place warns at capture, naming the input (the
+outputs are the same, but the compiled model leaves the input as it was, and the compile never writes into the
+example inputs); a forward that writes its own buffers or parameters is refused at capture, naming them: opfuse
+compiles stateless forwards (`opfuse.frontend.torch_export`). Calls from several threads serialise
+(`opfuse.runtime.compiled`).
 """
 
 from __future__ import annotations
@@ -79,6 +88,7 @@ class OpfuseModule(torch.nn.Module):
         self.call_fallbacks: dict[str, str] = {}    # calls run eagerly (fallback="eager"), and why
         # guards the two dicts above; a call with the compiled signature never takes it (`compiled` has its own)
         self._lock = CallLock()
+        self._warned_no_autograd = False
 
     @property
     def plan(self):
@@ -95,6 +105,9 @@ class OpfuseModule(torch.nn.Module):
         return self.compiled.launches
 
     def forward(self, *inputs: torch.Tensor) -> Any:
+        if torch.is_grad_enabled() and not self._warned_no_autograd and _warn_without_autograd(
+                self.analysis.name, inputs, self._input_names):
+            self._warned_no_autograd = True
         if not self._matches(inputs):
             problem = self._mismatch(inputs)
             if problem is not None:
@@ -195,6 +208,34 @@ def _format(description: tuple) -> str:
     return f"{dtype_name(dtype)}[{','.join(map(str, shape))}] on {device}"
 
 
+def _warn_without_autograd(model_name: str, inputs: Sequence[Any], input_names: Sequence[str] = ()) -> bool:
+    """Warn, naming the first input that requires grad, that the outputs carry no autograd graph (the caller checks
+    that grad mode is on); whether it warned."""
+    index = next((i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad), None)
+    if index is None:
+        return False
+    name = f" ({input_names[index]})" if index < len(input_names) else ""
+    warnings.warn(f"opfuse: input {index}{name} of {model_name} requires grad, but the compiled model computes "
+                  "without autograd (as under torch.no_grad()): its outputs carry no autograd graph",
+                  stacklevel=5)     # the caller's line: above forward, nn.Module's __call__ and _call_impl
+    return True
+
+
+class TrainingModeWarning(UserWarning):
+    """A model in training mode is compiled in eval mode (see module docstring)."""
+
+
+def _warn_if_training(model: torch.nn.Module) -> None:
+    """Warn, naming it, that a model in training mode is compiled in eval mode."""
+    training = next((name for name, module in model.named_modules() if module.training), None)
+    if training is None:
+        return
+    where = type(model).__name__ + (f" (its submodule {training})" if training else "")
+    warnings.warn(TrainingModeWarning(f"opfuse: {where} is in training mode; it is compiled in eval mode (dropout off, "
+                                      "batch norm on its running statistics) and keeps its training flag: call "
+                                      "model.eval() before compiling it"), stacklevel=3)
+
+
 def _call_key(inputs: Sequence[Any]) -> str:
     parts = [_format(_describe(x)) if isinstance(x, torch.Tensor) else type(x).__name__ for x in inputs]
     return f"<call with ({', '.join(parts)})>"
@@ -214,8 +255,12 @@ class EagerFallback(torch.nn.Module):
         self.model = private
         self.reason = reason
         self.fallbacks = {"<whole model>": Reason(Code.NOT_COMPILED, reason)}
+        self._warned_no_autograd = False
 
     def forward(self, *inputs: Any) -> Any:
+        if torch.is_grad_enabled() and not self._warned_no_autograd and _warn_without_autograd(
+                type(self.model).__name__, inputs):
+            self._warned_no_autograd = True
         with torch.no_grad():
             return self.model(*inputs)
 
@@ -227,7 +272,9 @@ def compile(model: Any, example_inputs: Sequence[torch.Tensor],
     if config.fallback not in ("error", "eager"):
         raise ValueError(f"fallback must be 'error' or 'eager', not {config.fallback!r}")
     example_inputs = tuple(example_inputs)
-    if not isinstance(model, torch.nn.Module):
+    if isinstance(model, torch.nn.Module):
+        _warn_if_training(model)
+    else:
         from opfuse.frontend.onnx_module import onnx_module
 
         model = onnx_module(model, example_inputs)
@@ -287,8 +334,8 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
     check_memory(analysis, example_inputs, device, config)
 
     eager = _eager_copy(model)
-    with torch.no_grad():
-        eager_out = eager(*example_inputs)
+    with torch.no_grad():       # on copies: a forward that writes into its input must not write into the user's
+        eager_out = eager(*[x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs])
     flat_out, output_spec = tree_flatten(eager_out)
     if not all(isinstance(o, torch.Tensor) for o in flat_out):
         raise GraphError("opfuse.compile supports models whose outputs are tensors (or nested tuples/lists/dicts "

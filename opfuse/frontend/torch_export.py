@@ -17,7 +17,9 @@ Parameters and buffers become constant nodes (private clones) only when somethin
 
 opfuse compiles stateless forwards: a model whose forward writes one of its buffers or parameters (a call counter,
 a batch norm in training mode) is refused naming the state and the node that writes it, as a compiled model that
-never updates it would differ from eager from its second call on.
+never updates it would differ from eager from its second call on. A forward that writes into one of its inputs in
+place warns (`InputWrittenWarning`, naming the input and the node): the graph computes the same outputs, but the
+compiled model leaves the input as it was.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import contextlib
 import copy
 import operator
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,6 +40,16 @@ from opfuse.frontend.aten_ops import HANDLERS, MultiOutput, Unmapped, op_name, t
 from opfuse.ir.graph import Graph, GraphError, TensorType, torch_dtype
 from opfuse.ir.ops import infer_type
 from opfuse.ir.verify import verify
+
+
+class InputWrittenWarning(UserWarning):
+    """The model writes into its input `index` (in call order) in place, which the compiled model does not (see
+    module docstring)."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
 
 FALLBACK_HINT = ('fall back to torch.compile(model, backend="opfuse"), which handles graph breaks, '
                  'or opfuse.compile(..., fallback="eager")')
@@ -535,8 +548,8 @@ class Translator:
                              lambda reason: self.opaque(node, f"{node.target} not folded: {reason}"), strict=False)
 
     def _outputs(self, node: fx.Node, signature: Any) -> None:
-        """The user outputs become the graph's outputs; a write to the model's state is refused (see module
-        docstring): torch.export lists such writes as outputs once the program is functional."""
+        """The user outputs become the graph's outputs; a write to the model's state is refused, a write into an
+        input warns (see module docstring). torch.export lists both as outputs once the program is functional."""
         specs = list(zip(node.args[0], signature.output_specs))
         state = {OutputKind.BUFFER_MUTATION: "buffer", OutputKind.PARAMETER_MUTATION: "parameter"}
         written = [f"{state[spec.kind]} {spec.target} ({_writer(arg)})" for arg, spec in specs if spec.kind in state]
@@ -546,9 +559,15 @@ class Translator:
                              "from eager from its second call on. Keep such state out of forward (a batch norm in "
                              "training mode updates its running statistics: call model.eval() first), or compile "
                              "with fallback='eager' to run the model eagerly")
+        inputs = [spec.arg.name for spec in signature.input_specs if spec.kind == InputKind.USER_INPUT]
         for arg, spec in specs:
+            if spec.kind == OutputKind.USER_INPUT_MUTATION:
+                warnings.warn(InputWrittenWarning(
+                    f"opfuse: {self.graph.name} writes into its input {spec.target} in place ({_writer(arg)}); the "
+                    f"compiled model computes the same outputs but leaves {spec.target} as it was",
+                    inputs.index(spec.target)))
             if spec.kind != OutputKind.USER_OUTPUT:
-                continue  # input mutations, gradients, effect tokens: not outputs of an inference graph
+                continue  # gradients, effect tokens: not outputs of an inference graph
             if not isinstance(arg, fx.Node) or not isinstance(self.env.get(arg), (str, _LazyConstant)):
                 raise GraphError(f"model output {getattr(arg, 'name', arg)!r} is not a tensor; "
                                  "the IR takes tensor outputs only")
