@@ -40,7 +40,7 @@ from opfuse.codegen.epilogue import (Epilogue, TileLayout, compute_dtype, genera
                                      siblings_and_chains)
 from opfuse.codegen.forms import EpilogueKernel
 from opfuse.codegen.split_k import SplitK, sliced_template, slices_of, with_slices
-from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.expr import Unsupported, int_pair
 from opfuse.codegen.gemm import GROUP_M, GemmKernel, prologue_source, anchor_biases, gemm_configs
 from opfuse.codegen.library_fused import FusedConvLibrary, fused_chain
 from opfuse.codegen.lower import find_anchor
@@ -381,14 +381,6 @@ def depthwise_configs(m: int, n: int, sm_count: int, taps: int = 1, itemsize: in
     return by_occupancy(configs, m, n, 1, sm_count)
 
 
-def _pair(value, node: Node, attr: str) -> tuple[int, int]:
-    if isinstance(value, int):
-        return value, value
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
-        return int(value[0]), int(value[1])
-    raise Unsupported(f"{node.describe()}: {attr}={value!r} is not an int pair")
-
-
 class ConvGeometry:
     """Stride, padding, dilation, groups and kernel size of a conv2d node, as the kernels take them."""
 
@@ -396,9 +388,9 @@ class ConvGeometry:
         x_type, w_type = graph[node.inputs[0]].type, graph[node.inputs[1]].type
         if len(x_type.shape) != 4:
             raise Unsupported(f"{node.describe()}: input {x_type} is not [N, C, H, W]")
-        self.stride = _pair(node.attrs.get("stride", 1), node, "stride")
-        self.padding = _pair(node.attrs.get("padding", 0), node, "padding")
-        self.dilation = _pair(node.attrs.get("dilation", 1), node, "dilation")
+        self.stride = int_pair(node.attrs.get("stride", 1), node, "stride")
+        self.padding = int_pair(node.attrs.get("padding", 0), node, "padding")
+        self.dilation = int_pair(node.attrs.get("dilation", 1), node, "dilation")
         self.groups = int(node.attrs.get("groups", 1))
         self.batch, self.cin, self.height, self.width = x_type.shape
         self.cin_per_group, self.kh, self.kw = w_type.shape[1:]

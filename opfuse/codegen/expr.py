@@ -35,6 +35,16 @@ def literal(value: float) -> str:
     return repr(value)
 
 
+def int_pair(value: Any, node: Any, attr: str) -> tuple[int, int]:
+    """An int, or a pair of ints, of attribute `attr` of `node` as a pair: the only form a template pastes a stride,
+    padding, dilation or window into its source (anything else, a string above all, is Unsupported)."""
+    if type(value) is int:
+        return value, value
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(type(v) is int for v in value):
+        return value[0], value[1]
+    raise Unsupported(f"{node.describe()}: {attr}={value!r} is not an int pair")
+
+
 def _tanh(x: str) -> str:
     # tanh(x) = 2·sigmoid(2x) − 1 : tl has no tanh in every supported Triton version. That form cancels for small
     # |x| (an absolute error of ~1e-7, so 5e-3 relative at x = 1e-5), so below 0.1 the odd Taylor series is used:

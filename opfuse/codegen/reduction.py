@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from opfuse.codegen.base import KernelConfig
-from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported
+from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, int_pair
 from opfuse.codegen.operands import (VIEW_OPS, Coords, Emitter, Region, TemplateKernel, broadcast_coords,
                                      build_kernel, group_operands, held_constants, interpreting, next_power_of_2)
 from opfuse.fusion.plan import FusionGroup
@@ -369,15 +369,12 @@ class PoolKernel(TemplateKernel):
             kernel = stride = (h // out_h, w // out_w)
             padding, dilation, self.is_max, include_pad = (0, 0), (1, 1), False, True
         else:
-            pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
-            kernel = pair(attrs["kernel_size"])
-            stride = pair(attrs.get("stride") or kernel)
-            padding = pair(attrs.get("padding", 0))
-            dilation = pair(attrs.get("dilation", 1))
+            kernel = int_pair(attrs["kernel_size"], node, "kernel_size")
+            stride = int_pair(attrs.get("stride") or kernel, node, "stride")
+            padding = int_pair(attrs.get("padding", 0), node, "padding")
+            dilation = int_pair(attrs.get("dilation", 1), node, "dilation")
             self.is_max = node.op == "max_pool2d"
-            include_pad = attrs.get("count_include_pad", True)
-            if attrs.get("divisor_override"):
-                raise Unsupported(f"{node.describe()}: divisor_override is not generated")
+            include_pad = bool(attrs.get("count_include_pad", True))
         prologue, epilogue = split_outputs(graph, group, node)
         if prologue:
             raise Unsupported(f"{node.describe()}: pool windows overlap or skip pixels, so prologue values "

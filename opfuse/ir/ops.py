@@ -11,13 +11,15 @@ Entry points: `get_op(name)`, `infer_type(op, input_types, attrs)`, `node_flops`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from opfuse.ir.attrs import (ANY, DIM, DIMS, MAX_INT, SHAPE, SIZE, SPATIAL, Bool, Dtype, Float, Int, Ints, Optional,
+                              Rule, Word)
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, torch_dtype
 
 
@@ -52,6 +54,8 @@ class OpDef:
     bytes_read: Callable[[Types, TensorType, Attrs], int] | None = None   # default: every input once
     alias: bool = False       # a view: no kernel and no traffic when run unfused
     doc: str = ""
+    # the attributes the op takes and what each may hold (`opfuse.ir.attrs`); ANY (None): not checked
+    attrs: Mapping[str, Rule] | None = field(default_factory=dict)
 
     def read_bytes(self, ins: Types, out: TensorType, attrs: Attrs) -> int:
         if self.alias or self.kind is FusionKind.SOURCE:
@@ -226,6 +230,11 @@ def _run_opaque(xs, a):
 
 # ---- the registry ----------------------------------------------------------------------------------
 
+REDUCE_ATTRS = {"dims": DIMS, "keepdim": Bool()}
+POOL_ATTRS = {"kernel_size": SPATIAL, "stride": Optional(SPATIAL), "padding": SPATIAL, "ceil_mode": Bool()}
+MAX_POOL_ATTRS = POOL_ATTRS | {"dilation": SPATIAL}
+AVG_POOL_ATTRS = POOL_ATTRS | {"count_include_pad": Bool()}
+
 S, P, B, I, R, A, O = (FusionKind.SOURCE, FusionKind.POINTWISE, FusionKind.BROADCAST, FusionKind.INJECTIVE,
                        FusionKind.REDUCTION, FusionKind.ANCHOR, FusionKind.OPAQUE)
 
@@ -239,20 +248,25 @@ register(OpDef("constant", S, _source_not_runnable, doc="compile-time tensor (we
 
 # anchors: inputs (x, weight[, bias]) with PyTorch's weight layouts
 register(OpDef("conv2d", A, _run_conv2d, conv2d_flops,
-               doc="attrs stride, padding, dilation (pairs), groups; inputs x[N,C,H,W], w[Co,Ci/g,Kh,Kw], bias?"))
+               doc="attrs stride, padding, dilation (pairs), groups; inputs x[N,C,H,W], w[Co,Ci/g,Kh,Kw], bias?",
+               attrs={"stride": SPATIAL, "padding": SPATIAL, "dilation": SPATIAL, "groups": Int(1, 1 << 20)}))
 # no Triton template: runs through PyTorch (cuDNN), never fused
 register(OpDef("conv_transpose", O, _run_conv_transpose, conv_transpose_flops,
                doc="1-D, 2-D or 3-D transposed convolution; attrs stride, padding, output_padding, dilation (one "
-                   "per spatial dim), groups; inputs x[N,C,*spatial], w[C,Co/g,*kernel], bias?"))
+                   "per spatial dim), groups; inputs x[N,C,*spatial], w[C,Co/g,*kernel], bias?",
+               attrs={"stride": SPATIAL, "padding": SPATIAL, "output_padding": SPATIAL, "dilation": SPATIAL,
+                      "groups": Int(1, 1 << 20)}))
 register(OpDef("linear", A, lambda xs, a: F.linear(xs[0], xs[1], _optional(xs, 2)), linear_flops,
                doc="inputs x[..., K], w[N, K], bias?[N]"))
 register(OpDef("matmul", A, _binary(torch.matmul), matmul_flops, doc="batched matmul with broadcasting"))
 register(OpDef("sdpa", A, _run_sdpa, attention_flops,
-               doc="scaled dot-product attention; inputs q, k, v[, mask]; attrs is_causal, scale"))
+               doc="scaled dot-product attention; inputs q, k, v[, mask]; attrs is_causal, scale",
+               attrs={"is_causal": Bool(), "scale": Optional(Float())}))
 
 # elementwise
 register(OpDef("batch_norm", B, _run_batch_norm, per_output_element(2),
-               doc="eval-mode batch norm; inputs x, weight, bias, running_mean, running_var; attrs eps"))
+               doc="eval-mode batch norm; inputs x, weight, bias, running_mean, running_var; attrs eps",
+               attrs={"eps": Float()}))
 for _name, _fn in {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}.items():
     register(OpDef(_name, B, _binary(_fn), per_output_element(1)))
 register(OpDef("trunc_div", B, lambda xs, a: torch.div(xs[0], xs[1], rounding_mode="trunc"), per_output_element(1),
@@ -274,64 +288,80 @@ for _name, _fn, _cost in [
     register(OpDef(_name, P, _unary(_fn), per_output_element(_cost)))
 register(OpDef("isinf", P, _unary(torch.isinf), per_output_element(1), doc="bool: |x| is infinite"))
 register(OpDef("gelu", P, lambda xs, a: F.gelu(xs[0], approximate=a.get("approximate", "none")),
-               per_output_element(10), doc="attrs approximate: 'none' (erf) or 'tanh'"))
-register(OpDef("clamp", P, _run_clamp, per_output_element(2), doc="attrs min, max (None for unbounded); relu6"))
+               per_output_element(10), doc="attrs approximate: 'none' (erf) or 'tanh'",
+               attrs={"approximate": Word(("none", "tanh"))}))
+register(OpDef("clamp", P, _run_clamp, per_output_element(2), doc="attrs min, max (None for unbounded); relu6",
+               attrs={"min": Optional(Float(infinite=True)), "max": Optional(Float(infinite=True))}))
 register(OpDef("cast", P, lambda xs, a: xs[0].to(torch_dtype(a["dtype"])), per_output_element(0),
-               doc="dtype conversion; attrs dtype"))
+               doc="dtype conversion; attrs dtype", attrs={"dtype": Dtype()}))
 
 # reductions
 register(OpDef("softmax", R, lambda xs, a: torch.softmax(xs[0], a["dim"]), per_output_element(5),
-               doc="attrs dim"))
+               doc="attrs dim", attrs={"dim": DIM}))
 register(OpDef("layer_norm", R, lambda xs, a: F.layer_norm(xs[0], a["normalized_shape"], _optional(xs, 1),
                                                           _optional(xs, 2), a["eps"]),
-               per_output_element(8), doc="inputs x, weight?, bias?; attrs normalized_shape, eps"))
+               per_output_element(8), doc="inputs x, weight?, bias?; attrs normalized_shape, eps",
+               attrs={"normalized_shape": Ints(SIZE), "eps": Float()}))
 register(OpDef("rms_norm", R, lambda xs, a: _run_rms_norm(xs, a), per_output_element(4),
-               doc="x * rsqrt(mean(x^2 over the last dim) + eps) [* weight]; inputs x, weight?; attrs eps"))
-register(OpDef("mean", R, _run_mean, per_input_element(1), doc="attrs dims, keepdim"))
+               doc="x * rsqrt(mean(x^2 over the last dim) + eps) [* weight]; inputs x, weight?; attrs eps",
+               attrs={"eps": Float()}))
+register(OpDef("mean", R, _run_mean, per_input_element(1), doc="attrs dims, keepdim", attrs=REDUCE_ATTRS))
 register(OpDef("any", R, lambda xs, a: torch.amax(xs[0] != 0, dim=a["dims"], keepdim=a.get("keepdim", False)),
-               per_input_element(1), doc="bool: any element non-zero over dims; attrs dims, keepdim"))
+               per_input_element(1), doc="bool: any element non-zero over dims; attrs dims, keepdim",
+               attrs=REDUCE_ATTRS))
 register(OpDef("sum", R, lambda xs, a: torch.sum(xs[0], dim=a["dims"], keepdim=a.get("keepdim", False)),
-               per_input_element(1), doc="attrs dims, keepdim"))
+               per_input_element(1), doc="attrs dims, keepdim", attrs=REDUCE_ATTRS))
 for _name, _fn in {"amax": torch.amax, "amin": torch.amin}.items():
     register(OpDef(_name, R, (lambda fn: lambda xs, a: fn(xs[0], dim=a["dims"], keepdim=a.get("keepdim", False)))(_fn),
                    per_input_element(1), doc="largest (smallest) element over dims, NaN if any is; attrs dims, "
-                                             "keepdim"))
+                                             "keepdim", attrs=REDUCE_ATTRS))
 register(OpDef("local_response_norm", O, _run_local_response_norm, lambda ins, out, a: (a["size"] + 4) * out.numel,
-               doc="ONNX LRN over dim 1; attrs size, alpha, beta, bias"))
+               doc="ONNX LRN over dim 1; attrs size, alpha, beta, bias",
+               attrs={"size": Int(1, 1 << 20), "alpha": Float(), "beta": Float(), "bias": Float()}))
 register(OpDef("max_pool2d", R, lambda xs, a: F.max_pool2d(xs[0], a["kernel_size"], a["stride"], a["padding"],
                                                           a["dilation"], a["ceil_mode"]),
-               pool_flops, doc="attrs kernel_size, stride, padding, dilation, ceil_mode"))
+               pool_flops, doc="attrs kernel_size, stride, padding, dilation, ceil_mode", attrs=MAX_POOL_ATTRS))
 register(OpDef("avg_pool2d", R, lambda xs, a: F.avg_pool2d(xs[0], a["kernel_size"], a["stride"], a["padding"],
                                                           a["ceil_mode"], a["count_include_pad"]),
-               pool_flops, doc="attrs kernel_size, stride, padding, ceil_mode, count_include_pad"))
+               pool_flops, doc="attrs kernel_size, stride, padding, ceil_mode, count_include_pad",
+               attrs=AVG_POOL_ATTRS))
 register(OpDef("max_pool3d", R, lambda xs, a: F.max_pool3d(xs[0], a["kernel_size"], a["stride"], a["padding"],
                                                           a["dilation"], a["ceil_mode"]),
-               pool_flops, doc="attrs kernel_size, stride, padding, dilation (triples), ceil_mode"))
+               pool_flops, doc="attrs kernel_size, stride, padding, dilation (triples), ceil_mode",
+               attrs=MAX_POOL_ATTRS))
 register(OpDef("avg_pool3d", R, lambda xs, a: F.avg_pool3d(xs[0], a["kernel_size"], a["stride"], a["padding"],
                                                           a["ceil_mode"], a["count_include_pad"]),
-               pool_flops, doc="attrs kernel_size, stride, padding (triples), ceil_mode, count_include_pad"))
+               pool_flops, doc="attrs kernel_size, stride, padding (triples), ceil_mode, count_include_pad",
+               attrs=AVG_POOL_ATTRS))
 register(OpDef("adaptive_avg_pool2d", R, lambda xs, a: F.adaptive_avg_pool2d(xs[0], a["output_size"]),
-               per_input_element(1), doc="attrs output_size"))
+               per_input_element(1), doc="attrs output_size", attrs={"output_size": Ints(SIZE)}))
 
 # layout and gathers; views cost nothing when run unfused
-register(OpDef("reshape", I, lambda xs, a: xs[0].reshape(a["shape"]), alias=True, doc="attrs shape"))
-register(OpDef("permute", I, lambda xs, a: xs[0].permute(a["dims"]), alias=True, doc="attrs dims"))
-register(OpDef("expand", I, lambda xs, a: xs[0].expand(a["shape"]), alias=True, doc="attrs shape"))
-register(OpDef("slice", I, _run_slice, alias=True, doc="attrs dim, start, end, step"))
+register(OpDef("reshape", I, lambda xs, a: xs[0].reshape(a["shape"]), alias=True, doc="attrs shape",
+               attrs={"shape": SHAPE}))
+register(OpDef("permute", I, lambda xs, a: xs[0].permute(a["dims"]), alias=True, doc="attrs dims",
+               attrs={"dims": DIMS}))
+register(OpDef("expand", I, lambda xs, a: xs[0].expand(a["shape"]), alias=True, doc="attrs shape",
+               attrs={"shape": SHAPE}))
+register(OpDef("slice", I, _run_slice, alias=True, doc="attrs dim, start, end, step",
+               attrs={"dim": DIM, "start": Optional(Int()), "end": Optional(Int()), "step": Int(1, MAX_INT)}))
 register(OpDef("identity", I, lambda xs, a: xs[0], alias=True, doc="dropout in eval, Identity"))
-register(OpDef("cat", I, lambda xs, a: torch.cat(xs, a["dim"]), doc="attrs dim"))
+register(OpDef("cat", I, lambda xs, a: torch.cat(xs, a["dim"]), doc="attrs dim", attrs={"dim": DIM}))
 register(OpDef("roll", I, lambda xs, a: torch.roll(xs[0], a["shifts"], a["dims"]),
-               doc="cyclic shift; attrs shifts, dims (lists of one length)"))
+               doc="cyclic shift; attrs shifts, dims (lists of one length)",
+               attrs={"shifts": Ints(), "dims": DIMS}))
 register(OpDef("pad", I, lambda xs, a: F.pad(xs[0], a["pads"], value=a["value"]),
-               doc="constant padding; attrs pads (F.pad's order: last dim's begin and end first), value"))
+               doc="constant padding; attrs pads (F.pad's order: last dim's begin and end first), value",
+               attrs={"pads": Ints(Int(), None), "value": Float(infinite=True, nan=True)}))
 register(OpDef("take", I, _run_take, bytes_read=embedding_bytes,
-               doc="inputs x, indices (negative from the end); attrs axis: ONNX's Gather, numpy.take"))
+               doc="inputs x, indices (negative from the end); attrs axis: ONNX's Gather, numpy.take",
+               attrs={"axis": DIM}))
 register(OpDef("embedding", I, lambda xs, a: F.embedding(xs[1], xs[0]), bytes_read=embedding_bytes,
                doc="inputs weight[V, D], indices"))
 
 register(OpDef("opaque", O, _run_opaque,
                doc="runs through PyTorch: attrs target (name), fn (callable on the input list), or none; pure "
-                   "(fn is a deterministic function of its inputs: it may fold at compile time)"))
+                   "(fn is a deterministic function of its inputs: it may fold at compile time)", attrs=ANY))
 
 
 # ---- per-node helpers ------------------------------------------------------------------------------

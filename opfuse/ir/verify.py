@@ -1,7 +1,9 @@
-"""Graph verifier, run between passes: structure, registered ops, and types re-derived from each op."""
+"""Graph verifier, run between passes: structure, registered ops, attributes as each op declares them
+(`opfuse.ir.attrs`), and types re-derived from each op."""
 
 from __future__ import annotations
 
+from opfuse.ir.attrs import check_attrs
 from opfuse.ir.graph import Graph, GraphError
 from opfuse.ir.ops import REGISTRY, infer_type
 
@@ -14,6 +16,7 @@ def verify(graph: Graph, check_types: bool = True) -> None:
             raise GraphError(f"node stored under {name!r} is named {node.name!r}")
         if node.op not in REGISTRY:
             raise GraphError(f"node {node.describe()} has unknown op {node.op!r}")
+        check_attrs(node, REGISTRY[node.op].attrs)
         for i in node.inputs:
             if i not in seen:
                 raise GraphError(f"node {node.describe()} reads {i!r}, which is not defined before it")
