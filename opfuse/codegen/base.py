@@ -10,6 +10,10 @@ every kernel reads its activation inputs through their strides, so a channel sli
 (a strided view) is a valid input.
 
 Generated kernel source is written to a file and imported (`load_source`) because `triton.jit` needs real source.
+The files live in a private folder (`kernel_source_dir`: mode 0700, this user's), each named by the hash of its
+source, and a file is imported only when it holds exactly the source its name says: one found there with other
+contents is written again first (`load_source`), or refused (`import_kernel`, how compile workers and the binary
+collector import a kernel by its path).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import math
 import os
 import sys
 import tempfile
+import warnings
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -31,6 +36,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from opfuse.environment import kernel_dir
+from opfuse.files import UnsafeFolder, check_private, private_dir, write_atomically
 from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import Graph
 
@@ -301,7 +307,7 @@ class Launcher:
         name): Triton specialises its row counts itself, and ROW_UNIT stays 1."""
         if not self._rows:
             return
-        source = Path(self.path).read_text()
+        source = read_kernel_source(self.path)
         plain = source.replace(rows_jit(self._rows), "@triton.jit", 1)
         if plain == source:
             raise ValueError(f"{self.name}: no {rows_jit(self._rows)} in its source")
@@ -368,32 +374,71 @@ def compiled_info(compiled: Any) -> CompiledInfo:
     return CompiledInfo(getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None), shared)
 
 
+_KERNEL_DIRS: dict[str, Path] = {}     # the folder chosen for each configured root, once per process
+GENERATED_PREFIX = "opfuse_generated_"
+
+
 def kernel_source_dir() -> Path:
-    root = kernel_dir() or os.path.join(tempfile.gettempdir(), f"opfuse-kernels-{os.getuid()}")
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """The private folder generated kernels are written to (`opfuse.files.private_dir`): OPFUSE_KERNEL_DIR, else
+    `<temp dir>/opfuse-kernels-<uid>`; where another user holds that default (created it first), a fresh private
+    folder of the temp dir, with a warning. A configured folder that is not private is an error."""
+    root = kernel_dir()
+    key = root or ""
+    if key not in _KERNEL_DIRS:
+        if root:
+            _KERNEL_DIRS[key] = private_dir(root)
+        else:
+            default = Path(tempfile.gettempdir()) / f"opfuse-kernels-{os.getuid()}"
+            try:
+                _KERNEL_DIRS[key] = private_dir(default)
+            except UnsafeFolder as error:
+                warnings.warn(f"opfuse: not using {default} for generated kernels ({error}); using a new private "
+                              "folder instead", stacklevel=2)
+                _KERNEL_DIRS[key] = Path(tempfile.mkdtemp(prefix=f"opfuse-kernels-{os.getuid()}-"))
+    return _KERNEL_DIRS[key]
+
+
+def source_digest(source: str | bytes) -> str:
+    """The hash a generated module's file name carries: the first 16 hex digits of its source's sha256."""
+    return hashlib.sha256(source.encode() if isinstance(source, str) else source).hexdigest()[:16]
 
 
 def load_source(source: str, module_name: str) -> ModuleType:
-    """Import generated Triton source as a module (written atomically to a file keyed by its hash)."""
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    unique = f"opfuse_generated_{module_name}_{digest}"
+    """Import generated Triton source as a module: from the file of the kernel folder named by its hash, written
+    (atomically) first unless that file holds exactly `source`."""
+    unique = f"{GENERATED_PREFIX}{module_name}_{source_digest(source)}"
     if unique in sys.modules:
         return sys.modules[unique]
     path = kernel_source_dir() / f"{unique}.py"
-    if not path.exists():
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(source)
-            os.replace(tmp, path)
-        finally:   # interrupted before the rename: leave no half-written file behind
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    data = source.encode()
+    if not (path.is_file() and not path.is_symlink() and path.read_bytes() == data):
+        write_atomically(path, data)
     module = import_file(path, unique)
     sys.modules[unique] = module
     return module
+
+
+def read_kernel_source(path: str | os.PathLike) -> str:
+    """The source of a generated kernel file (a Launcher's or a LaunchRecord's path), read only where the file lies
+    in a private folder and holds the source its name's hash says (`load_source` named it); else ValueError."""
+    path = Path(path)
+    stem = path.stem
+    if not stem.startswith(GENERATED_PREFIX) or path.suffix != ".py" or path.is_symlink():
+        raise ValueError(f"{path} is not a generated kernel module")
+    try:
+        check_private(path.parent)
+    except UnsafeFolder as error:
+        raise ValueError(str(error)) from None
+    data = path.read_bytes()
+    if source_digest(data) != stem.rpartition("_")[2]:
+        raise ValueError(f"{path} does not hold the source its name says (its contents changed): not imported")
+    return data.decode()
+
+
+def import_kernel(path: str | os.PathLike) -> ModuleType:
+    """The module of a generated kernel file, checked as `read_kernel_source` checks it."""
+    read_kernel_source(path)
+    return import_file(path, Path(path).stem)
 
 
 def import_file(path: str | os.PathLike, name: str) -> ModuleType:

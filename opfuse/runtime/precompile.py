@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from opfuse.codegen.base import (GroupKernel, KernelConfig, LaunchRecord, TensorArg, import_file,
+from opfuse.codegen.base import (GroupKernel, KernelConfig, LaunchRecord, TensorArg, import_kernel,
                                  recording_launches, unaligned_params)
 from opfuse.environment import worker_log
 
@@ -583,7 +583,7 @@ def _compile(record: LaunchRecord, modules: dict[str, object], seconds: dict[str
     try:
         module = modules.get(record.path)
         if module is None:
-            module = modules[record.path] = import_file(record.path, Path(record.path).stem)
+            module = modules[record.path] = import_kernel(record.path)
         compiled = warmup(getattr(module, record.function), record)
     except Exception:
         return False
