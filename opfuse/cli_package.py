@@ -80,14 +80,18 @@ def cmd_compile(args: argparse.Namespace, console: Console) -> int:
         model, inputs = protocol_form(model, inputs, torch_dtype(config.dtype), device)
         compiled.append(opfuse.compile(model, inputs, config, quiet=args.quiet))
     path = opfuse.save(compiled, args.output)
-    info = {"package": str(path), "model": name, "bytes": path.stat().st_size, "device": device,
+    from opfuse.runtime.package import file_sha256
+
+    info = {"package": str(path), "sha256": file_sha256(path), "model": name, "bytes": path.stat().st_size,
+            "device": device,
             "batch_sizes": args.batches or [args.batch], "kernels": [len(c.compiled.kernels) for c in compiled],
             "seconds": time.perf_counter() - start}
     write_json(args.json, info)
     if not args.quiet:
         console.print(f"wrote {escape(str(path))} ({human_bytes(info['bytes'])}): {escape(name)} on {device}, batch "
                       f"sizes {', '.join(map(str, info['batch_sizes']))}, {sum(info['kernels'])} kernels, "
-                      f"compiled in {info['seconds']:.1f} s; run it with opfuse.load({str(path)!r})")
+                      f"compiled in {info['seconds']:.1f} s; run it with opfuse.load({str(path)!r}, "
+                      f"sha256={info['sha256']!r}), which refuses any other file")
     return EXIT_OK
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_unflatten, treespec_loads
+from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from opfuse.ir.graph import Graph, GraphError, dtype_name, torch_dtype
 from opfuse.ir.rows import row_dependence
@@ -113,10 +113,10 @@ class Profile:
     name: str
 
     @classmethod
-    def of(cls, data: dict[str, Any], batch: int | None, compiled: Any) -> "Profile":
-        return cls(batch, compiled, [(tuple(i["shape"]), torch_dtype(i["dtype"])) for i in data["inputs"]],
-                   treespec_loads(data["output_spec"]), [torch_dtype(d) for d in data["output_dtypes"]],
-                   data["name"])
+    def of(cls, saved: Any, batch: int | None, compiled: Any) -> "Profile":
+        """The profile of a checked `opfuse.runtime.package.SavedProfile` and the model built from it."""
+        return cls(batch, compiled, [(shape, torch_dtype(dtype)) for shape, dtype in saved.inputs],
+                   saved.output_spec, [torch_dtype(d) for d in saved.output_dtypes], saved.name)
 
 
 def _format(shape: Sequence[int], dtype: torch.dtype) -> str:

@@ -1,7 +1,9 @@
 """Packages on a real GPU (opfuse.save / opfuse.load): resnet50 and BertModel load in a fresh process in under 2 s
-(resnet50; BertModel's time is reported), compute bit for bit what the compiled model computed, call for call (the
-eager warm-up, the CUDA graph capture, the replays), and compile nothing: the first calls find every binary in the
-Triton cache entries the package restored. Several batch sizes pad through the CUDA graph path.
+once this machine has built Triton's launchers for their kernels' signatures (resnet50; BertModel's time is
+reported; the first load, which builds them, is reported too: launchers are host code, never taken from a package),
+compute bit for bit what the compiled model computed, call for call (the eager warm-up, the CUDA graph capture, the
+replays), and compile no kernel: the load reads every binary from the package's private folder, and no call
+compiles one. Several batch sizes pad through the CUDA graph path.
 
 Run on the device machine: OPFUSE_GPU_TESTS=1 PYTHONPATH=. python3 -m pytest -q -m gpu tests/gpu/test_package_gpu.py
 """
@@ -38,12 +40,16 @@ torch.cuda.synchronize()
 import opfuse, opfuse.runtime.package, opfuse.runtime.packaged
 
 cache = Path(os.environ["TRITON_CACHE_DIR"])
+packages = Path(os.environ["XDG_CACHE_HOME"]) / "opfuse" / "packages"
 entries = lambda: {p.name for p in cache.iterdir() if p.is_dir()}
+kernels = lambda: sorted(p.parent.name for p in cache.glob("*/*.cubin"))
 start = time.perf_counter()
 model = opfuse.load(sys.argv[1])
 torch.cuda.synchronize()
 load_s = time.perf_counter() - start
 restored = entries()
+served = len(list(packages.glob("*/*/*.cubin")))
+compiled_at_load = kernels()
 inputs, expected = torch.load(sys.argv[2])
 inputs = [x.cuda() for x in inputs]
 start = time.perf_counter()
@@ -51,8 +57,8 @@ outputs = [tree_flatten(model(*inputs))[0] for _ in expected]
 torch.cuda.synchronize()
 calls_s = time.perf_counter() - start
 identical = [all(torch.equal(g.cpu(), w) for g, w in zip(got, want)) for got, want in zip(outputs, expected)]
-print(json.dumps({"load_s": load_s, "calls_s": calls_s, "identical": identical, "restored": len(restored),
-                  "compiled_at_call": sorted(entries() - restored)}))
+print(json.dumps({"load_s": load_s, "calls_s": calls_s, "identical": identical, "served": served,
+                  "compiled_at_load": compiled_at_load, "compiled_at_call": sorted(entries() - restored)}))
 '''
 
 
@@ -93,17 +99,20 @@ def test_a_package_loads_fast_in_a_fresh_process_bit_identical_compiling_nothing
     (tmp_path / "loader.py").write_text(LOADER)
     (tmp_path / "triton").mkdir()
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "triton"),
-               OPFUSE_KERNEL_DIR=str(tmp_path / "kernels"))
+               OPFUSE_KERNEL_DIR=str(tmp_path / "kernels"), XDG_CACHE_HOME=str(tmp_path / "cache"))
     env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, str(tmp_path / "loader.py"), str(path), str(reference)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"{name} bs{batch}: {result}")
-    assert result["identical"] == [True] * CALLS, result
-    assert result["restored"] > 0 and result["compiled_at_call"] == [], result
+    results = []
+    for _ in range(2):      # the first load builds Triton's launchers on this machine, the second finds them
+        done = subprocess.run([sys.executable, str(tmp_path / "loader.py"), str(path), str(reference)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(f"{name} bs{batch}: first load {results[0]}, second {results[1]}")
+    for result in results:
+        assert result["identical"] == [True] * CALLS, result
+        assert result["served"] > 0 and result["compiled_at_load"] == [] == result["compiled_at_call"], result
     if load_limit_s is not None:
-        assert result["load_s"] < load_limit_s, result
+        assert results[1]["load_s"] < load_limit_s, results
 
     loaded = opfuse.load(path)               # and in this process, next to the compiled model
     for got, want in zip(reference_calls(loaded, inputs), expected):

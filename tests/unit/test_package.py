@@ -19,6 +19,7 @@ import torch
 import opfuse
 from opfuse.ir.graph import Graph, GraphError, TensorType
 from opfuse.runtime.package import MANIFEST, WEIGHTS, PackageError, encode_graph
+from tests.package_tools import rewrite, with_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,20 +98,6 @@ def package(compiled_convnet, tmp_path_factory):
     return opfuse.save(compiled_convnet, tmp_path_factory.mktemp("pkg") / "convnet.opfuse")
 
 
-def rewrite(path: Path, out: Path, edit) -> Path:
-    """A copy of package `path` with member contents changed by edit(name, bytes) -> bytes."""
-    with zipfile.ZipFile(path) as source, zipfile.ZipFile(out, "w") as target:
-        for info in source.infolist():
-            target.writestr(info, edit(info.filename, source.read(info.filename)))
-    return out
-
-
-def with_manifest(path: Path, out: Path, **changes) -> Path:
-    def edit(name, data):
-        return json.dumps(json.loads(data) | changes).encode() if name == MANIFEST else data
-    return rewrite(path, out, edit)
-
-
 # ---- round trip --------------------------------------------------------------------------------------------
 
 def test_a_loaded_package_is_bit_identical_to_the_compiled_model(compiled_convnet, package):
@@ -158,31 +145,35 @@ def test_the_package_holds_versions_plan_sources_configs_and_weights(compiled_co
         assert not [name for name in archive.namelist() if name.startswith("triton/")]
 
 
-def test_restored_binaries_land_in_tritons_cache_with_their_index_pointing_there(tmp_path, monkeypatch):
-    from opfuse.runtime.binaries import restore_binaries
+def test_restored_binaries_land_in_their_private_folder_with_their_index_pointing_there(tmp_path):
+    from opfuse.runtime.binaries import check_binaries, restore_binaries
 
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    index = {"child_paths": {"k.json": "/elsewhere/ABC/k.json", "k.cubin": "/elsewhere/ABC/k.cubin"}}
-    files = {"ABC/__grp__k.json": json.dumps(index).encode(), "ABC/k.json": b"{}", "ABC/k.cubin": b"\x7fELF"}
-    assert restore_binaries(files) == 3
-    folder = tmp_path / "cache" / "ABC"
+    key = "A" * 52
+    index = {"child_paths": {"k.json": f"/elsewhere/{key}/k.json", "k.cubin": f"/elsewhere/{key}/k.cubin",
+                             "k.ptx": f"/elsewhere/{key}/k.ptx"}}
+    files = {f"{key}/__grp__k.json": json.dumps(index).encode(), f"{key}/k.json": b'{"name": "k"}',
+             f"{key}/k.cubin": b"\x7fELF"}
+    check_binaries(files)
+    folder = tmp_path / "package" / key
+    assert restore_binaries(files, tmp_path / "package") == 3
     assert (folder / "k.cubin").read_bytes() == b"\x7fELF"
-    assert json.loads((folder / "__grp__k.json").read_text())["child_paths"] == {
+    assert json.loads((folder / "__grp__k.json").read_text())["child_paths"] == {     # the ptx did not travel
         "k.json": str(folder / "k.json"), "k.cubin": str(folder / "k.cubin")}
-    assert restore_binaries(files) == 0           # already there: kept, not rewritten
+    assert restore_binaries(files, tmp_path / "package") == 0           # already there: kept, not rewritten
     assert sorted(p.name for p in folder.iterdir()) == ["__grp__k.json", "k.cubin", "k.json"]   # no temp files
 
 
 def test_a_binary_entry_naming_a_path_outside_the_cache_is_refused(package, tmp_path, monkeypatch):
-    """A member "triton/../x" would be written outside Triton's cache: the package is refused, nothing written."""
+    """A member "triton/../x" would be written outside the package's folder: refused, nothing written, even where
+    the manifest lists it."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    evil = tmp_path / "evil.opfuse"
-    evil.write_bytes(Path(package).read_bytes())
-    with zipfile.ZipFile(evil, "a") as z:
-        z.writestr("triton/../outside.txt", b"x")
+    evil = rewrite(package, tmp_path / "evil.opfuse", add={"triton/../outside.txt": b"x"})
     with pytest.raises(PackageError, match="evil.opfuse.*not a folder/file name"):
         opfuse.load(evil, "cpu")
     assert not (tmp_path / "outside.txt").exists()
+    unlisted = rewrite(package, tmp_path / "unlisted.opfuse", add={"triton/../outside.txt": b"x"}, sign=False)
+    with pytest.raises(PackageError, match="not listed in manifest.json"):
+        opfuse.load(unlisted, "cpu")
 
 
 def test_a_package_of_one_model_takes_exactly_its_shapes(tmp_path):
@@ -450,8 +441,9 @@ def test_opfuse_compile_writes_a_package_of_several_batch_sizes(tmp_path):
     code = main(["compile", f"{tmp_path / 'tiny.py'}:make", "-o", str(out), "--batches", "2,1", "--dtype", "fp32",
                  "--quiet", "--json", str(tmp_path / "info.json")])
     assert code == 0
-    assert json.loads((tmp_path / "info.json").read_text())["batch_sizes"] == [1, 2]
-    loaded = opfuse.load(out)
+    info = json.loads((tmp_path / "info.json").read_text())
+    assert info["batch_sizes"] == [1, 2]
+    loaded = opfuse.load(out, sha256=info["sha256"])      # what compile printed pins the file it wrote
     assert loaded.batch_sizes == [1, 2]
     sys.path.insert(0, str(tmp_path))
     try:
