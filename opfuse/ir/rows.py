@@ -1,9 +1,9 @@
 """Which rows of a graph are independent: whether padding its inputs along one dim (the batch) with extra rows, and
 cutting its outputs back, can change the rows kept.
 
-Entry point: `row_dependence(graph, input_dims=None, output_dims=None) -> RowDependence | None`. None means every
-output row is computed from the same row of the inputs alone, so a package may run a batch of 3 on its batch-4
-model padded with a row of its own choosing; otherwise the first node that mixes rows (or that the analysis cannot
+Entry points: `row_dependence(graph, input_dims=None, output_dims=None) -> RowDependence | None`, and `value_rows`
+(where the batch lives in every value). None means every output row is computed from the same row of the inputs
+alone, so a package may run a batch of 3 on its batch-4 model padded with a row of its own choosing; otherwise the first node that mixes rows (or that the analysis cannot
 follow) and why, in words. It errs on the side of refusing: a wrong "independent" is a silent wrong answer, a wrong
 "dependent" only costs running the exact batch sizes.
 
@@ -74,8 +74,23 @@ def row_dependence(graph: Graph, input_dims: Mapping[str, int | None] | None = N
     computed from the same row of the inputs along their dim in `input_dims` (default: dim 0 of every input; None:
     an input without the batch), and from nothing else that depends on the batch; else the first node that may
     mix rows and why."""
-    inputs = graph.input_nodes
-    input_dims = {n.name: 0 for n in inputs} if input_dims is None else dict(input_dims)
+    rows = value_rows(graph, input_dims)
+    if isinstance(rows, RowDependence):
+        return rows
+    for name in graph.outputs:
+        want = 0 if output_dims is None else output_dims[name]
+        try:
+            check_output(graph, graph[name], rows[name], want)
+        except Mixes as why:
+            return RowDependence(graph[name], str(why))
+    return None
+
+
+def value_rows(graph: Graph, input_dims: Mapping[str, int | None] | None = None
+               ) -> dict[str, Rows | None] | RowDependence:
+    """Where the batch lives in every value (`Rows`, None for a value without it), the inputs holding it along
+    their dim in `input_dims` (as `row_dependence` takes them); or the first node that may mix rows and why."""
+    input_dims = {n.name: 0 for n in graph.input_nodes} if input_dims is None else dict(input_dims)
     rows: dict[str, Rows | None] = {}
     batch = None
     for node in graph:
@@ -88,13 +103,7 @@ def row_dependence(graph: Graph, input_dims: Mapping[str, int | None] | None = N
             return RowDependence(node, str(why))
         except UNREADABLE as error:     # attrs or shapes unlike its op's: refuse rather than guess
             return RowDependence(node, f"cannot be analysed ({type(error).__name__}: {error})")
-    for name in graph.outputs:
-        want = 0 if output_dims is None else output_dims[name]
-        try:
-            check_output(graph, graph[name], rows[name], want)
-        except Mixes as why:
-            return RowDependence(graph[name], str(why))
-    return None
+    return rows
 
 
 UNREADABLE = (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, ZeroDivisionError)
