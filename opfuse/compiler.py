@@ -266,19 +266,29 @@ class EagerFallback(torch.nn.Module):
 
 
 def compile(model: Any, example_inputs: Sequence[torch.Tensor],
-            config: FusionConfig = FusionConfig(), quiet: bool = True) -> torch.nn.Module:
+            config: FusionConfig = FusionConfig(), quiet: bool = True, *, dynamic_shapes: Any = None
+            ) -> torch.nn.Module:
     """A faster model computing what `model` computes, for inputs like `example_inputs` (see module docstring);
-    `model` is an nn.Module or an ONNX model (a path to an .onnx file, its bytes, or an onnx.ModelProto)."""
+    `model` is an nn.Module or an ONNX model (a path to an .onnx file, its bytes, or an onnx.ModelProto).
+    `dynamic_shapes` (as torch.export takes it: per input, {dim: torch.export.Dim(name, min=, max=)}) makes one
+    model for those ranges of sizes (`opfuse.runtime.dynamic.DynamicModel`)."""
     if config.fallback not in ("error", "eager"):
         raise ValueError(f"fallback must be 'error' or 'eager', not {config.fallback!r}")
     example_inputs = tuple(example_inputs)
     if isinstance(model, torch.nn.Module):
         _warn_if_training(model)
+    elif dynamic_shapes is not None:
+        raise GraphError("dynamic_shapes takes an nn.Module; an ONNX model is imported at one shape")
     else:
         from opfuse.frontend.onnx_module import onnx_module
 
         model = onnx_module(model, example_inputs)
     config = resolve_dtype(config, example_inputs)
+    if dynamic_shapes is not None:
+        from opfuse.runtime.dynamic import DynamicModel, parse_dynamic_shapes
+
+        return DynamicModel(model, example_inputs, config,
+                            parse_dynamic_shapes(dynamic_shapes, example_inputs, model.forward), quiet)
     try:
         return _compile(model, example_inputs, config, quiet)
     except Exception as error:

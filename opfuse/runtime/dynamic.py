@@ -1,0 +1,327 @@
+"""Shapes that vary: one compile serving a range of sizes per dynamic dim (`opfuse.compile(..., dynamic_shapes=)`).
+
+`dynamic_shapes` is spelled as torch.export spells it: per input (a tuple in the inputs' order, or a dict by the
+forward's argument names), None for an input of fixed shape, or {dim: torch.export.Dim("seq", min=1, max=512)};
+inputs that share a Dim object share its size. A Dim without a max is unbounded.
+
+Each dynamic dim's range is cut into buckets: the powers of two inside it, and its max (`bucket_sizes`: 1..64 gives
+1, 2, 4, 8, 16, 32, 64). A call's size along each dim picks the smallest bucket that holds it, and the bucket's
+model, compiled and tuned at the bucket's sizes (its kernels, tiles and CUDA graph its own), runs the call:
+- at exactly the bucket's sizes, as is;
+- at smaller sizes, padded up to the bucket's (the inputs' last slice repeated along each padded dim) and the outputs
+  cut back, only where padding cannot change a result: the plan's graph computes every output row along that dim
+  from the same row of the inputs, and each output holds that dim whole (`opfuse.ir.rows.value_rows`; a softmax
+  over the batch, attention over a padded key sequence or a reshape merging the dim with another refuse it);
+- otherwise at its exact sizes, compiled once per distinct sizes (`DynamicModel.buckets` lists them, and why).
+A bucket's model is compiled at its first call (`compile_buckets` compiles them up front). Sizes outside a dim's
+range, inputs that disagree on a shared dim, and a fixed dim that differs from the example's are one-line errors
+naming the input and the range; nothing is ever computed at other sizes silently.
+
+The kernels of one bucket are specialised to its sizes: a size between buckets costs the padding of its bucket, and
+each bucket its own compile (run-time sizes in the kernels would let one compile serve every bucket: not done).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from opfuse.config import FusionConfig
+from opfuse.ir.graph import Graph, GraphError
+
+
+@dataclass(frozen=True)
+class DynamicDim:
+    """One dynamic dimension: its name, its range (`max` None: unbounded), and where it lies among the inputs
+    ((input index, dim) pairs)."""
+
+    name: str
+    min: int
+    max: int | None
+    uses: tuple[tuple[int, int], ...]
+
+    def describe(self) -> str:
+        return f"{self.name} in [{self.min}, {'inf' if self.max is None else self.max}]"
+
+
+def bucket_sizes(dim: DynamicDim, up_to: int | None = None) -> list[int]:
+    """The bucket sizes of `dim`: the powers of two in its range and its max, smallest first (an unbounded dim's up
+    to the first at or past `up_to`)."""
+    limit = dim.max if dim.max is not None else max(up_to or dim.min, dim.min)
+    sizes, size = [], 1
+    while size < limit:
+        if size >= dim.min:
+            sizes.append(size)
+        size *= 2
+    sizes.append(limit if dim.max is not None else size)
+    return sizes
+
+
+def bucket_of(dim: DynamicDim, size: int) -> int:
+    """The smallest bucket size of `dim` that holds `size`."""
+    return next(b for b in bucket_sizes(dim, size) if b >= size)
+
+
+def parse_dynamic_shapes(dynamic_shapes: Any, example_inputs: Sequence[torch.Tensor],
+                         forward: Callable[..., Any] | None = None) -> list[DynamicDim]:
+    """The dynamic dims `dynamic_shapes` declares (module docstring) for these example inputs; GraphError naming
+    the input where it is not something this reads, or where an example lies outside a range."""
+    per_input = _per_input(dynamic_shapes, len(example_inputs), forward)
+    found: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+    for index, spec in enumerate(per_input):
+        if spec is None:
+            continue
+        if isinstance(spec, (list, tuple)):
+            spec = dict(enumerate(spec))
+        if not isinstance(spec, Mapping):
+            raise GraphError(f"dynamic_shapes of input {index}: expected None or {{dim: Dim}}, got "
+                             f"{type(spec).__name__}")
+        rank = example_inputs[index].dim()
+        for dim, declared in spec.items():
+            if declared is None:
+                continue
+            if not isinstance(dim, int) or not -rank <= dim < rank:
+                raise GraphError(f"dynamic_shapes of input {index}: no dim {dim!r} in a {rank}-d input")
+            if not hasattr(declared, "__name__") or not hasattr(declared, "min"):
+                raise GraphError(f"dynamic_shapes of input {index}, dim {dim}: expected a torch.export.Dim with a "
+                                 f"name and a range, got {declared!r}")
+            found.setdefault(id(declared), (declared, []))[1].append((index, dim % rank))
+    dims = []
+    for declared, uses in found.values():
+        low = max(1, int(declared.min))
+        high = None if declared.max is None or declared.max >= sys.maxsize or \
+            type(declared.max).__name__ != "int" else int(declared.max)
+        if high is not None and high < low:
+            raise GraphError(f"dynamic dim {declared.__name__}: max {high} is below min {low}")
+        dim = DynamicDim(declared.__name__, low, high, tuple(uses))
+        for index, axis in uses:
+            size = example_inputs[index].shape[axis]
+            if size < dim.min or (dim.max is not None and size > dim.max):
+                raise GraphError(f"example input {index} has {size} along dim {axis}, outside {dim.describe()}")
+        dims.append(dim)
+    return dims
+
+
+def _per_input(dynamic_shapes: Any, count: int, forward: Callable[..., Any] | None) -> list[Any]:
+    if isinstance(dynamic_shapes, Mapping):
+        names = list(inspect.signature(forward).parameters) if forward is not None else []
+        unknown = [key for key in dynamic_shapes if key not in names[:count]]
+        if unknown:
+            raise GraphError(f"dynamic_shapes names {unknown[0]!r}, which is not one of the forward's first {count} "
+                             f"arguments ({', '.join(names[:count])})")
+        return [dynamic_shapes.get(name) for name in names[:count]]
+    if isinstance(dynamic_shapes, (list, tuple)) and len(dynamic_shapes) == count:
+        return list(dynamic_shapes)
+    raise GraphError(f"dynamic_shapes must give one entry per input ({count}), as a tuple or a dict by argument "
+                     f"name, got {type(dynamic_shapes).__name__}")
+
+
+# ---- a call's sizes, padding and cutting ---------------------------------------------------------------------------
+
+def call_sizes(dims: Sequence[DynamicDim], inputs: Sequence[Any], examples: Sequence[torch.Tensor]
+               ) -> tuple[int, ...]:
+    """Each dynamic dim's size in this call, after checking the call: as many tensor inputs as the example, of its
+    dtypes, ranks and fixed sizes, sharing each dim's size, inside each range (GraphError naming the input)."""
+    if len(inputs) != len(examples):
+        raise GraphError(f"the model takes {len(examples)} inputs, got {len(inputs)}")
+    dynamic = {use: dim for dim in dims for use in dim.uses}
+    sizes = []
+    for index, (x, example) in enumerate(zip(inputs, examples)):
+        if not isinstance(x, torch.Tensor):
+            raise GraphError(f"input {index} must be a tensor, got {type(x).__name__}")
+        if x.dim() != example.dim() or x.dtype != example.dtype or x.device != example.device:
+            raise GraphError(f"input {index} is {_describe(x)}, the model takes {_describe(example)}-like inputs")
+        for axis, (got, want) in enumerate(zip(x.shape, example.shape)):
+            if (index, axis) not in dynamic and got != want:
+                raise GraphError(f"input {index} has {got} along dim {axis}, which is fixed at {want} (not declared "
+                                 "in dynamic_shapes)")
+    for dim in dims:
+        seen = {(index, axis): inputs[index].shape[axis] for index, axis in dim.uses}
+        size = next(iter(seen.values()))
+        if len(set(seen.values())) > 1:
+            raise GraphError(f"inputs disagree on dynamic dim {dim.name}: "
+                             + ", ".join(f"input {i} dim {a} is {s}" for (i, a), s in seen.items()))
+        if size < dim.min or (dim.max is not None and size > dim.max):
+            index, axis = dim.uses[0]
+            raise GraphError(f"input {index} has {size} along dim {axis}, outside {dim.describe()}")
+        sizes.append(size)
+    return tuple(sizes)
+
+
+def _describe(x: torch.Tensor) -> str:
+    return f"{str(x.dtype).removeprefix('torch.')}[{','.join(map(str, x.shape))}] on {x.device}"
+
+
+def pad_inputs(inputs: Sequence[torch.Tensor], dims: Sequence[DynamicDim], sizes: Sequence[int],
+               targets: Sequence[int]) -> list[torch.Tensor]:
+    """The inputs grown along each dynamic dim from its size to its target, repeating their last slice (real values:
+    a padded row is never degenerate, as zeros would be for a mask or a normalisation)."""
+    padded = list(inputs)
+    for dim, size, target in zip(dims, sizes, targets):
+        if target == size:
+            continue
+        for index, axis in dim.uses:
+            x = padded[index]
+            last = x.narrow(axis, size - 1, 1)
+            shape = list(x.shape)
+            shape[axis] = target - size
+            padded[index] = torch.cat([x, last.expand(shape)], axis)
+    return padded
+
+
+def padding_problem(graph: Graph, dim: DynamicDim) -> tuple[dict[str, int | None], str | None]:
+    """For padding `dim`: the output dim each of `graph`'s outputs holds it in (None: an output without it, which
+    is the same for every row), or why padding it could change a result (the node, and how)."""
+    from opfuse.ir.rows import row_dependence, value_rows
+
+    inputs = graph.input_nodes
+    input_dims: dict[str, int | None] = {node.name: None for node in inputs}
+    for index, axis in dim.uses:
+        input_dims[inputs[index].name] = axis
+    rows = value_rows(graph, input_dims)
+    if not isinstance(rows, dict):
+        return {}, str(rows)
+    cuts = {name: (rows[name].dim if rows[name] is not None else None) for name in graph.outputs}
+    problem = row_dependence(graph, input_dims, {name: (0 if cut is None else cut) for name, cut in cuts.items()})
+    return cuts, None if problem is None else str(problem)
+
+
+# ---- the model -------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Bucket:
+    """One compiled model of a DynamicModel: its sizes (a bucket's, or a call's exact ones), the model, how it pads
+    (per dynamic dim: the output dims it cuts, or why it may not pad), and its compile time."""
+
+    sizes: tuple[int, ...]
+    model: Any                                  # an OpfuseModule
+    exact: bool                                 # compiled for a call's exact sizes (its bucket may not pad them)
+    cuts: dict[str, dict[str, int | None]] = field(default_factory=dict)   # dim -> output -> dim it is cut along
+    refused: dict[str, str] = field(default_factory=dict)                   # dim -> why padding it is refused
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        pads = "pads " + (", ".join(sorted(self.cuts)) or "nothing") if not self.exact else "exact sizes"
+        refusals = "".join(f"; {dim} not padded: {why}" for dim, why in self.refused.items())
+        return f"{self.sizes}: {pads}{refusals} (compiled in {self.seconds:.1f} s)"
+
+
+class DynamicModel(torch.nn.Module):
+    """A model compiled for ranges of sizes (see the module docstring); called like the model."""
+
+    def __init__(self, model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], config: FusionConfig,
+                 dims: Sequence[DynamicDim], quiet: bool = True):
+        super().__init__()
+        from opfuse.compiler import _eager_copy
+
+        if not dims:
+            raise GraphError("dynamic_shapes declares no dynamic dim: compile without it")
+        self.__dict__["_eager"] = _eager_copy(model)     # a plain attribute: .to()/.half() never reach it
+        self.examples = [x.detach() for x in example_inputs]
+        self.config = replace(config, recompile=False)
+        self.dims = list(dims)
+        self.quiet = quiet
+        self.buckets: dict[tuple[int, ...], Bucket] = {}     # compiled models by their sizes
+        self._lock = threading.Lock()
+        self.compiled = self._bucket(self.bucket_sizes_of(call_sizes(self.dims, self.examples, self.examples)),
+                                     self.examples).model       # the example's bucket: compiled now
+
+    @property
+    def analysis(self) -> Any:
+        return self.compiled.analysis
+
+    @property
+    def fallbacks(self) -> Any:
+        return self.compiled.fallbacks
+
+    def bucket_sizes_of(self, sizes: Sequence[int]) -> tuple[int, ...]:
+        return tuple(bucket_of(dim, size) for dim, size in zip(self.dims, sizes))
+
+    def compile_buckets(self, sizes: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Compile the buckets now (all of each bounded dim's, or those of `sizes`: dim name -> sizes), so that no
+        call compiles."""
+        choices = []
+        for dim in self.dims:
+            wanted = (sizes or {}).get(dim.name)
+            if wanted is None and dim.max is None:
+                raise GraphError(f"dynamic dim {dim.name} is unbounded: name the sizes to compile")
+            choices.append(sorted({bucket_of(dim, s) for s in wanted}) if wanted else bucket_sizes(dim))
+        import itertools
+
+        for key in itertools.product(*choices):
+            if key not in self.buckets:
+                base = call_sizes(self.dims, self.examples, self.examples)
+                self._bucket(key, pad_or_cut(self.examples, self.dims, base, key))
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        sizes = call_sizes(self.dims, inputs, self.examples)
+        key = self.bucket_sizes_of(sizes)
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            with self._lock:
+                bucket = self.buckets.get(key) or self._bucket(key, pad_inputs(inputs, self.dims, sizes, key))
+        if key == sizes:
+            return bucket.model(*inputs)
+        padded = [dim.name for dim, size, target in zip(self.dims, sizes, key) if size != target]
+        if any(name in bucket.refused for name in padded):
+            exact = self.buckets.get(sizes)
+            if exact is None:
+                with self._lock:
+                    exact = self.buckets.get(sizes) or self._bucket(sizes, inputs, exact=True)
+            return exact.model(*inputs)
+        outputs = bucket.model(*pad_inputs(inputs, self.dims, sizes, key))
+        return self._cut(bucket, outputs, sizes, key)
+
+    def _bucket(self, key: tuple[int, ...], inputs: Sequence[torch.Tensor], exact: bool = False) -> Bucket:
+        """Compile the model at sizes `key` on these inputs (of those sizes) and decide how it pads."""
+        from opfuse.compiler import compile as opfuse_compile
+
+        start = time.perf_counter()
+        model = opfuse_compile(self._eager, tuple(inputs), replace(self.config, fallback="error"), self.quiet)
+        bucket = Bucket(key, model, exact, seconds=time.perf_counter() - start)
+        if not exact:
+            graph = model.compiled.plan.graph
+            for dim, size in zip(self.dims, key):
+                if size == 1:        # a call in this bucket has size 1 along it: nothing to pad
+                    continue
+                cuts, problem = padding_problem(graph, dim)
+                if problem is None:
+                    bucket.cuts[dim.name] = cuts
+                else:
+                    bucket.refused[dim.name] = problem
+        self.buckets[key] = bucket
+        return bucket
+
+    def _cut(self, bucket: Bucket, outputs: Any, sizes: Sequence[int], key: Sequence[int]) -> Any:
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        flat, spec = tree_flatten(outputs)
+        names = bucket.model.compiled.plan.graph.outputs
+        for dim, size, target in zip(self.dims, sizes, key):
+            if size == target:
+                continue
+            cuts = bucket.cuts[dim.name]
+            flat = [out if cuts.get(name) is None else out.narrow(cuts[name], 0, size)
+                    for out, name in zip(flat, names)]
+        return tree_unflatten(flat, spec)
+
+    def extra_repr(self) -> str:
+        dims = ", ".join(dim.describe() for dim in self.dims)
+        return f"dims=[{dims}], buckets={len(self.buckets)}"
+
+
+def pad_or_cut(inputs: Sequence[torch.Tensor], dims: Sequence[DynamicDim], sizes: Sequence[int],
+               targets: Sequence[int]) -> list[torch.Tensor]:
+    """The inputs at the target sizes: grown as `pad_inputs` grows them, or cut to their first rows."""
+    grown = pad_inputs(inputs, dims, sizes, [max(s, t) for s, t in zip(sizes, targets)])
+    result = list(grown)
+    for dim, target in zip(dims, targets):
+        for index, axis in dim.uses:
+            result[index] = result[index].narrow(axis, 0, target)
+    return result

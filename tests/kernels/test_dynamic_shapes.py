@@ -1,0 +1,150 @@
+"""One compile for ranges of sizes (`opfuse.compile(..., dynamic_shapes=)`, `opfuse.runtime.dynamic`), through
+Triton's interpreter: calls at odd sizes inside the range equal eager; a call between buckets is padded only where
+the plan proves padding cannot change a result, and runs at its exact sizes otherwise; bad sizes are one-line
+errors naming the input and the range."""
+
+import pytest
+import torch
+from torch.export import Dim
+
+import opfuse
+from opfuse.ir.graph import GraphError
+from opfuse.runtime.dynamic import DynamicDim, bucket_of, bucket_sizes
+
+CONFIG = opfuse.FusionConfig(dtype="float32")
+
+
+class RowWise(torch.nn.Module):
+    """Every output row from its own input row: linear, layer norm over the features, an activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.lin(x)))
+
+
+class OverBatch(torch.nn.Module):
+    """A softmax over the batch: every row reads every other; padding the batch would change the rows kept."""
+
+    def forward(self, x):
+        return torch.softmax(x, 0) * 2.0
+
+
+class Attention(torch.nn.Module):
+    """Per-token projections (independent rows along batch and sequence) and attention over the sequence (its keys:
+    every query reads every key, so the sequence may not be padded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+        self.out = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(b, s, 8)), x.mean(-1)
+
+
+def make(cls):
+    torch.manual_seed(0)
+    return cls().eval()
+
+
+def check(compiled, model, *inputs):
+    with torch.no_grad():
+        want = model(*inputs)
+    got = compiled(*inputs)
+    for g, w in zip(torch.utils._pytree.tree_flatten(got)[0], torch.utils._pytree.tree_flatten(want)[0]):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_buckets_are_the_powers_of_two_in_the_range_and_its_max():
+    assert bucket_sizes(DynamicDim("b", 1, 64, ())) == [1, 2, 4, 8, 16, 32, 64]
+    assert bucket_sizes(DynamicDim("s", 5, 100, ())) == [8, 16, 32, 64, 100]
+    assert bucket_sizes(DynamicDim("s", 3, None, ()), up_to=9) == [4, 8, 16]
+    assert [bucket_of(DynamicDim("s", 1, 100, ()), n) for n in (1, 3, 64, 65, 100)] == [1, 4, 64, 100, 100]
+
+
+def test_a_row_wise_model_serves_its_range_padding_within_a_bucket():
+    model = make(RowWise)
+    compiled = opfuse.compile(model, (torch.randn(4, 8),), CONFIG, dynamic_shapes=({0: Dim("batch", max=16)},))
+    assert list(compiled.buckets) == [(4,)]                 # the example's bucket, compiled up front
+    for batch in (3, 4, 1, 7, 16, 13):
+        check(compiled, model, torch.randn(batch, 8))
+    assert sorted(compiled.buckets) == [(1,), (4,), (8,), (16,)]   # 3, 7 and 13 ran padded: no bucket of their own
+    assert all(not b.exact and "batch" in b.cuts for s, b in compiled.buckets.items() if s != (1,))
+
+
+def test_a_model_whose_rows_interact_runs_exact_sizes_and_says_why():
+    model = make(OverBatch)
+    compiled = opfuse.compile(model, (torch.randn(4, 8),), CONFIG, dynamic_shapes=({0: Dim("batch", max=8)},))
+    for batch in (3, 4, 5):
+        check(compiled, model, torch.randn(batch, 8))
+    assert "softmax" in compiled.buckets[(4,)].refused["batch"]
+    assert compiled.buckets[(3,)].exact and compiled.buckets[(5,)].exact
+
+
+def test_two_dims_pad_the_batch_but_not_the_attended_sequence():
+    model = make(Attention)
+    batch, seq = Dim("batch", max=8), Dim("seq", min=2, max=16)
+    compiled = opfuse.compile(model, (torch.randn(2, 4, 8),), CONFIG, dynamic_shapes=({0: batch, 1: seq},))
+    bucket = compiled.buckets[(2, 4)]
+    assert "batch" in bucket.cuts and "sdpa" in bucket.refused["seq"]
+    check(compiled, model, torch.randn(2, 4, 8))
+    check(compiled, model, torch.randn(3, 4, 8))              # batch padded to 4 in bucket (4, 4)
+    assert not compiled.buckets[(4, 4)].exact and (3, 4) not in compiled.buckets
+    check(compiled, model, torch.randn(2, 3, 8))              # the sequence may not be padded: exact sizes
+    assert compiled.buckets[(2, 3)].exact
+
+
+def test_dynamic_shapes_by_argument_name_and_shared_dims():
+    class Pair(torch.nn.Module):
+        def forward(self, x, y):
+            return x * 2.0 + y
+
+    model = make(Pair)
+    batch = Dim("batch", max=8)
+    compiled = opfuse.compile(model, (torch.randn(2, 3), torch.randn(2, 3)), CONFIG,
+                              dynamic_shapes={"x": {0: batch}, "y": {0: batch}})
+    check(compiled, model, torch.randn(5, 3), torch.randn(5, 3))
+    with pytest.raises(GraphError, match="inputs disagree on dynamic dim batch: input 0 dim 0 is 5, input 1 dim 0 "
+                                         "is 4"):
+        compiled(torch.randn(5, 3), torch.randn(4, 3))
+
+
+@pytest.mark.parametrize("shape, match", [
+    ((17, 8), r"input 0 has 17 along dim 0, outside batch in \[1, 16\]"),
+    ((3, 9), "input 0 has 9 along dim 1, which is fixed at 8"),
+    ((3, 8, 1), "the model takes float32\\[4,8\\]"),
+])
+def test_sizes_outside_the_declared_ranges_are_refused_naming_input_and_range(shape, match):
+    compiled = opfuse.compile(make(RowWise), (torch.randn(4, 8),), CONFIG,
+                              dynamic_shapes=({0: Dim("batch", max=16)},))
+    with pytest.raises(GraphError, match=match):
+        compiled(torch.randn(*shape))
+
+
+@pytest.mark.parametrize("spec, match", [
+    (({0: Dim("b", max=2)},), "example input 0 has 4 along dim 0, outside b in \\[1, 2\\]"),
+    (({5: Dim("b")},), "no dim 5 in a 2-d input"),
+    (({0: 3},), "expected a torch.export.Dim"),
+    ({"y": {0: Dim("b")}}, "'y', which is not one of the forward's first 1 arguments"),
+    ((None,), "declares no dynamic dim"),
+])
+def test_a_dynamic_shapes_it_cannot_read_is_refused(spec, match):
+    with pytest.raises(GraphError, match=match):
+        opfuse.compile(make(RowWise), (torch.randn(4, 8),), CONFIG, dynamic_shapes=spec)
+
+
+def test_compile_buckets_compiles_every_bucket_up_front():
+    model = make(RowWise)
+    compiled = opfuse.compile(model, (torch.randn(3, 8),), CONFIG, dynamic_shapes=({0: Dim("batch", max=8)},))
+    compiled.compile_buckets()
+    assert sorted(compiled.buckets) == [(1,), (2,), (4,), (8,)]
+    check(compiled, model, torch.randn(6, 8))
+    assert sorted(compiled.buckets) == [(1,), (2,), (4,), (8,)]    # nothing compiled at the call
