@@ -124,23 +124,43 @@ def _per_input(dynamic_shapes: Any, count: int, forward: Callable[..., Any] | No
 
 # ---- a call's sizes, padding and cutting ---------------------------------------------------------------------------
 
-def call_sizes(dims: Sequence[DynamicDim], inputs: Sequence[Any], examples: Sequence[torch.Tensor]
+@dataclass(frozen=True)
+class InputKind:
+    """What an input of a dynamic model must be: its dtype, device and rank, and its size along each fixed dim (an
+    example's shape: the dynamic dims' sizes in it are not checked)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> "InputKind":
+        return cls(tuple(x.shape), x.dtype, x.device)
+
+    def describe(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}[{','.join(map(str, self.shape))}] on {self.device}"
+
+
+def call_sizes(dims: Sequence[DynamicDim], inputs: Sequence[Any], expected: Sequence[torch.Tensor | InputKind]
                ) -> tuple[int, ...]:
-    """Each dynamic dim's size in this call, after checking the call: as many tensor inputs as the example, of its
-    dtypes, ranks and fixed sizes, sharing each dim's size, inside each range (GraphError naming the input)."""
-    if len(inputs) != len(examples):
-        raise GraphError(f"the model takes {len(examples)} inputs, got {len(inputs)}")
+    """Each dynamic dim's size in this call, after checking the call: as many tensor inputs as `expected` (example
+    tensors, or InputKinds), of their dtypes, devices, ranks and fixed sizes, sharing each dim's size, inside each
+    range (GraphError naming the input)."""
+    kinds = [e if isinstance(e, InputKind) else InputKind.of(e) for e in expected]
+    if len(inputs) != len(kinds):
+        raise GraphError(f"the model takes {len(kinds)} inputs, got {len(inputs)}")
     dynamic = {use: dim for dim in dims for use in dim.uses}
     sizes = []
-    for index, (x, example) in enumerate(zip(inputs, examples)):
+    for index, (x, kind) in enumerate(zip(inputs, kinds)):
         if not isinstance(x, torch.Tensor):
             raise GraphError(f"input {index} must be a tensor, got {type(x).__name__}")
-        if x.dim() != example.dim() or x.dtype != example.dtype or x.device != example.device:
-            raise GraphError(f"input {index} is {_describe(x)}, the model takes {_describe(example)}-like inputs")
-        for axis, (got, want) in enumerate(zip(x.shape, example.shape)):
+        if x.dim() != len(kind.shape) or x.dtype != kind.dtype or x.device != kind.device:
+            raise GraphError(f"input {index} is {_describe(x)}, the model takes {kind.describe()}-like inputs")
+        for axis, (got, want) in enumerate(zip(x.shape, kind.shape)):
             if (index, axis) not in dynamic and got != want:
-                raise GraphError(f"input {index} has {got} along dim {axis}, which is fixed at {want} (not declared "
-                                 "in dynamic_shapes)")
+                varying = ", ".join(f"{dim.name} (input {i} dim {a})" for dim in dims for i, a in dim.uses)
+                raise GraphError(f"input {index} has {got} along dim {axis}, which is fixed at {want}: only "
+                                 f"{varying or 'nothing'} may vary")
     for dim in dims:
         seen = {(index, axis): inputs[index].shape[axis] for index, axis in dim.uses}
         size = next(iter(seen.values()))
@@ -190,6 +210,20 @@ def padding_problem(graph: Graph, dim: DynamicDim) -> tuple[dict[str, int | None
     cuts = {name: (rows[name].dim if rows[name] is not None else None) for name in graph.outputs}
     problem = row_dependence(graph, input_dims, {name: (0 if cut is None else cut) for name, cut in cuts.items()})
     return cuts, None if problem is None else str(problem)
+
+
+def cut_outputs(outputs: Sequence[torch.Tensor], names: Sequence[str], dims: Sequence[DynamicDim],
+                sizes: Sequence[int], targets: Sequence[int], cuts: Mapping[str, Mapping[str, int | None]]
+                ) -> list[torch.Tensor]:
+    """The outputs (graph outputs `names`) of a run padded from `sizes` up to `targets`, cut back along the dim each
+    holds each padded dynamic dim in (`cuts`: dim name -> output -> its dim, None for an output without it)."""
+    flat = list(outputs)
+    for dim, size, target in zip(dims, sizes, targets):
+        if size != target:
+            held = cuts[dim.name]
+            flat = [out if held.get(name) is None else out.narrow(held[name], 0, size)
+                    for out, name in zip(flat, names)]
+    return flat
 
 
 # ---- the model -------------------------------------------------------------------------------------------------------
@@ -302,13 +336,7 @@ class DynamicModel(torch.nn.Module):
         from torch.utils._pytree import tree_flatten, tree_unflatten
 
         flat, spec = tree_flatten(outputs)
-        names = bucket.model.compiled.plan.graph.outputs
-        for dim, size, target in zip(self.dims, sizes, key):
-            if size == target:
-                continue
-            cuts = bucket.cuts[dim.name]
-            flat = [out if cuts.get(name) is None else out.narrow(cuts[name], 0, size)
-                    for out, name in zip(flat, names)]
+        flat = cut_outputs(flat, bucket.model.compiled.plan.graph.outputs, self.dims, sizes, key, bucket.cuts)
         return tree_unflatten(flat, spec)
 
     def extra_repr(self) -> str:

@@ -2,8 +2,9 @@
 
 A package is a zip file (`model.opfuse`, format `FORMAT`):
 
-    manifest.json          the format, the versions of opfuse, torch and Triton, the GPU, one entry per batch size
-                           (`profile-<i>.json`), and the size and sha256 of every other member
+    manifest.json          the format, the versions of opfuse, torch and Triton, the GPU, the dynamic dims (name,
+                           range, the inputs' dims they lie in), one entry per compiled model (`profile-<i>.json`,
+                           at its sizes of those dims), and the size and sha256 of every other member
     profile-<i>.json       one compiled model: the prepared graph (its constants named by content key), the fusion
                            groups and decisions, the FusionConfig, each kernel's name, Triton source and chosen
                            config (the form: Triton tile, split-K, library or unfused), the groups run through
@@ -33,7 +34,8 @@ this machine, no capture or planning, no binary taken). A package that is not a 
 check is refused naming the file and the problem. `save` writes to a temp name in the target's folder and renames
 it into place, so a failed save leaves no half-written package and an existing one untouched.
 
-Several batch sizes (`save([compiled_b1, compiled_b8], path)`): see `opfuse.runtime.packaged.PackagedModel`.
+Dynamic models (`save(opfuse.compile(..., dynamic_shapes=...))`, every bucket it compiled) and several batch sizes
+(`save([compiled_b1, compiled_b8], path)`): see `opfuse.runtime.packaged.PackagedModel`.
 """
 
 from __future__ import annotations
@@ -326,14 +328,6 @@ class SavedProfile:
     output_dtypes: list[str]
     output_shapes: list[tuple[int, ...]]
 
-    @property
-    def batch(self) -> int | None:
-        """dim 0 shared by every input and every output, or None (no batch dimension)."""
-        shapes = [shape for shape, _ in self.inputs] + self.output_shapes
-        if not self.inputs or any(len(shape) == 0 for shape in shapes):
-            return None
-        return shapes[0][0] if all(shape[0] == shapes[0][0] for shape in shapes) else None
-
 
 def decode_profile(data: Any, weights: dict[str, torch.Tensor], where: str) -> SavedProfile:
     """A profile's JSON checked against what each of its values must be (module docstring); SchemaError naming the
@@ -463,15 +457,23 @@ def retune(compiled: Any) -> None:
 # ---- the file ----------------------------------------------------------------------------------------------------
 
 def save(compiled: Any, path: str | os.PathLike[str]) -> Path:
-    """Write `compiled` (what opfuse.compile returned, or a list of them for several batch sizes) as one package
-    at `path`; see the module docstring. Returns the path."""
+    """Write `compiled` (what opfuse.compile returned: a compiled model, a DynamicModel with every bucket it has
+    compiled, or a list of compiled models at several batch sizes) as one package at `path`; see the module
+    docstring. Returns the path."""
     from safetensors.torch import save as safetensors_bytes
 
     from opfuse.runtime.binaries import collect_binaries
-    from opfuse.runtime.packaged import check_profiles, warn_if_exact_batches
+    from opfuse.runtime.dynamic import DynamicModel
+    from opfuse.runtime.packaged import batch_dim, check_profiles, warn_if_exact_sizes
 
     path = Path(path)
-    modules = list(compiled) if isinstance(compiled, (list, tuple)) else [compiled]
+    if isinstance(compiled, DynamicModel):
+        buckets = sorted(compiled.buckets.values(), key=lambda bucket: bucket.sizes)
+        modules, dims = [bucket.model for bucket in buckets], compiled.dims
+        sizes, exact = [bucket.sizes for bucket in buckets], [bucket.exact for bucket in buckets]
+    else:
+        modules = list(compiled) if isinstance(compiled, (list, tuple)) else [compiled]
+        dims, sizes, exact = [], [()] * len(modules), [False] * len(modules)
     for module in modules:
         if not hasattr(module, "compiled") or not hasattr(module.compiled, "plan"):
             reason = getattr(module, "reason", None)
@@ -479,21 +481,25 @@ def save(compiled: Any, path: str | os.PathLike[str]) -> Path:
                                f"{type(module).__name__}" + (f" (compiling failed: {reason})" if reason else ""))
     weights: dict[str, torch.Tensor] = {}
     profiles = [encode_profile(module, weights) for module in modules]
-    batches = check_profiles(profiles, str(path))
+    if not dims and len(modules) > 1:      # one model at several batch sizes: dim 0 of every input
+        batches = check_profiles(profiles, str(path))
+        dims, sizes = [batch_dim(batches, len(profiles[0]["inputs"]))], [(batch,) for batch in batches]
     devices = {module.compiled.device for module in modules}
     if len(devices) != 1:
         raise PackageError(f"cannot save {path}: its models are on several devices ({sorted(map(str, devices))})")
     device = devices.pop()
-    warn_if_exact_batches(batches, [module.compiled.plan.graph for module in modules], str(path))
+    warn_if_exact_sizes(dims, [(s, e, m.compiled.plan.graph) for s, e, m in zip(sizes, exact, modules)], str(path))
     binaries: dict[str, bytes] = {}
     for module in modules:
         binaries.update(collect_binaries(module.compiled))
-    order = sorted(range(len(profiles)), key=lambda i: batches[i] or 0)
-    entries = [{"file": f"profile-{n}.json", "batch": batches[i]} for n, i in enumerate(order)]
+    order = sorted(range(len(profiles)), key=lambda i: sizes[i])
+    entries = [{"file": f"profile-{n}.json", "sizes": list(sizes[i]), "exact": exact[i]} for n, i in enumerate(order)]
     members: dict[str, bytes] = {entry["file"]: json.dumps(profiles[i]).encode() for entry, i in zip(entries, order)}
     members[WEIGHTS] = safetensors_bytes(weights)
     members.update({BINARIES + name: data for name, data in binaries.items()})
     manifest = {"format": FORMAT, **environment(device), "device": device.type, "profiles": entries,
+                "dims": [{"name": d.name, "min": d.min, "max": d.max, "uses": [list(u) for u in d.uses]}
+                         for d in dims],
                 "members": {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
                             for name, data in members.items()}}
     _write_atomically(path, {MANIFEST: json.dumps(manifest, indent=1).encode()} | members)
@@ -530,7 +536,16 @@ class MemberEntry:
 @dataclass
 class ProfileEntry:
     file: str
-    batch: int | None
+    sizes: list[int]          # of the dynamic dims, in the manifest's order
+    exact: bool               # held for calls at exactly these sizes
+
+
+@dataclass
+class DimEntry:
+    name: str
+    min: int
+    max: int | None
+    uses: list[tuple[int, int]]     # (input, dim)
 
 
 @dataclass
@@ -542,6 +557,7 @@ class Manifest:
     gpu: str
     device: str
     profiles: list[ProfileEntry]
+    dims: list[DimEntry]
     members: dict[str, MemberEntry]
 
     def environment(self) -> dict[str, str]:
@@ -709,10 +725,7 @@ def load(path: str | os.PathLike[str], device: str | torch.device | None = None,
             check_binaries(binaries)
         except (SchemaError, ValueError) as error:
             raise PackageError(f"{package.path}: {error}") from None
-        for entry, profile in zip(manifest.profiles, saved):
-            if entry.batch != profile.batch:
-                raise PackageError(f"{package.path}: {entry.file} is listed at batch {entry.batch}, its inputs "
-                                   f"are at {profile.batch}")
+        dims = _dims(manifest, saved, package.path)
         compiled = []
         for entry, profile in zip(manifest.profiles, saved):
             try:
@@ -725,8 +738,44 @@ def load(path: str | os.PathLike[str], device: str | torch.device | None = None,
                                    f"build ({type(error).__name__}: {error})") from error
         if binaries:
             _serve_binaries(binaries, package.sha256, compiled)
-    profiles = [Profile.of(s, entry.batch, c) for s, entry, c in zip(saved, manifest.profiles, compiled)]
-    return PackagedModel(profiles, str(package.path), rebuilt_because=problem)
+    profiles = [Profile.of(s, entry.sizes, entry.exact, c) for s, entry, c in zip(saved, manifest.profiles, compiled)]
+    return PackagedModel(profiles, str(package.path), dims, rebuilt_because=problem)
+
+
+def _dims(manifest: Manifest, saved: list[SavedProfile], path: Path) -> list[Any]:
+    """The package's dynamic dims, checked against its profiles: each profile's inputs hold its listed sizes where
+    the dims lie and agree with every other profile's elsewhere, its outputs likewise in dtype and structure, its
+    sizes distinct and inside the ranges; so that a call padded to a profile's sizes is exactly what it takes."""
+    from opfuse.runtime.dynamic import DynamicDim
+
+    first = saved[0]
+    dims = []
+    for entry in manifest.dims:
+        uses = tuple((int(i), int(d)) for i, d in entry.uses)
+        if not schema.NAME.fullmatch(entry.name) or entry.min < 1 or (entry.max is not None and entry.max < entry.min) \
+                or not uses or any(not 0 <= i < len(first.inputs) or not 0 <= d < len(first.inputs[i][0])
+                                   for i, d in uses):
+            raise PackageError(f"{path}: dynamic dim {entry.name[:40]!r} is not a dim of the model's inputs")
+        dims.append(DynamicDim(entry.name, entry.min, entry.max, uses))
+    where = {use: n for n, dim in enumerate(dims) for use in dim.uses}
+    if len(saved) > 1 and not dims:
+        raise PackageError(f"{path}: several profiles and no dynamic dim to choose between them")
+    held = set()
+    for entry, profile in zip(manifest.profiles, saved):
+        sizes = tuple(entry.sizes)
+        bad = len(sizes) != len(dims) or sizes in held or any(
+            s < d.min or (d.max is not None and s > d.max) for s, d in zip(sizes, dims))
+        for i, ((shape, dtype), (first_shape, first_dtype)) in enumerate(zip(profile.inputs, first.inputs)):
+            bad |= dtype != first_dtype or len(shape) != len(first_shape)
+            for d, (size, first_size) in enumerate(zip(shape, first_shape)):
+                bad |= size != (sizes[where[i, d]] if (i, d) in where and len(sizes) == len(dims) else first_size)
+        bad |= (len(profile.inputs) != len(first.inputs) or profile.output_dtypes != first.output_dtypes
+                or profile.output_spec != first.output_spec)
+        if bad:
+            raise PackageError(f"{path}: {entry.file} is listed at sizes {list(sizes)}, which its inputs or outputs "
+                               "do not match (or another profile holds them)")
+        held.add(sizes)
+    return dims
 
 
 def _device(device: str | torch.device | None, saved: str, path: Path) -> torch.device:

@@ -1,25 +1,26 @@
-"""A loaded package (`opfuse.load`): `PackagedModel`, one compiled model per batch size, called like the model
-it was saved from (`opfuse.runtime.package` writes and reads the file).
+"""A loaded package (`opfuse.load`): `PackagedModel`, one compiled model per held sizes of its dynamic dims, called
+like the model it was saved from (`opfuse.runtime.package` writes and reads the file).
 
-Several batch sizes, as TensorRT's optimisation profiles: `opfuse.save([compiled_b1, compiled_b8, compiled_b64],
-path)` stores one compiled model per batch size, each compiled and tuned at its batch. A call runs on the smallest
-batch size that holds its batch: its inputs are padded along dim 0 to that size with copies of their last row (real
-data, so no padded row is degenerate, as a row of zeros would be for an attention mask), and its outputs are cut
-back to the call's batch. A call at exactly a saved batch size runs unpadded, bit for bit as the compiled model it
-was saved from. A call larger than the largest batch size is an error naming the sizes the package holds.
+A package's dynamic dims (`opfuse.runtime.dynamic.DynamicDim`) come from what was saved: a `DynamicModel`
+(`opfuse.compile(..., dynamic_shapes=)`) keeps its dims and every bucket it compiled; a list of compiled models at
+several batch sizes (`opfuse.save([compiled_b1, compiled_b8, compiled_b64], path)`, as TensorRT's optimisation
+profiles) has one dim, "batch": dim 0 of every input; one compiled model has none and takes exactly its shapes
+(nobody declared a batch there: dim 0 may be tokens).
 
-Padding is right only where each row of a batch is computed from that row's inputs alone, as inference models do;
-a softmax over the batch or `x - x.mean(0)` reads every row, and padding would change the rows kept. So at load each
-plan graph a call may be padded to is checked (`padding_problem`, by `opfuse.ir.rows.row_dependence`): where some
-node may mix rows, the package runs only the batch sizes it holds, and a call between them is an error naming that
-node and the sizes held (`PackagedModel.padding_refused_because` says why; `warn_if_exact_batches` says it at save).
-The batch is dim 0 of every input and of every output: a package of several batch sizes must have one
-(`check_profiles` refuses it at save otherwise). A package of one compiled model takes exactly the shapes it was
-compiled for: nobody declared a batch there (dim 0 may be tokens), so nothing is padded.
+A call at sizes a compiled model holds runs on it unpadded, bit for bit as the model it was saved from. A call at
+other sizes runs on the smallest model whose sizes hold them, its inputs padded along each dim it grows (their last
+slice repeated: real data, so no padded row is degenerate, as a row of zeros would be for an attention mask) and its
+outputs cut back, only where padding cannot change a result: each model's plan graph a call may be padded up to is
+checked at load (`padding_refusals`, by `opfuse.runtime.dynamic.padding_problem` and `opfuse.ir.rows`). Where some
+node may mix rows along that dim (a softmax over the batch, `x - x.mean(0)`, attention over a padded sequence), the
+package runs only the sizes it holds, and a call at others is an error naming that node and the sizes held
+(`PackagedModel.padding_refused_because` says why; `warn_if_exact_sizes` says it at save). A call larger than every
+size held is an error naming the sizes the package holds.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -28,7 +29,7 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from opfuse.ir.graph import Graph, GraphError, dtype_name, torch_dtype
-from opfuse.ir.rows import row_dependence
+from opfuse.runtime.dynamic import DynamicDim, InputKind, call_sizes, cut_outputs, pad_inputs, padding_problem
 
 
 def batch_of(profile: dict[str, Any]) -> int | None:
@@ -66,46 +67,61 @@ def check_profiles(profiles: Sequence[dict[str, Any]], where: str) -> list[int |
     return batches
 
 
-def padding_problem(graph: Graph) -> str | None:
-    """Why a call's batch may not be padded up to run on `graph` (a plan graph traced at a batch of 2 or more): the
-    node whose output rows may read other rows, and how; None where every output row along dim 0 is computed from
-    the same row of the inputs alone."""
-    found = row_dependence(graph)
-    return None if found is None else str(found)
+def batch_dim(batches: Sequence[int], input_count: int) -> DynamicDim:
+    """The dynamic dim of a package of one model at several batch sizes: dim 0 of every input, from 1 up (a call
+    larger than every size held is refused naming the sizes held)."""
+    return DynamicDim("batch", 1, None, tuple((index, 0) for index in range(input_count)))
 
 
-def padding_refused(batches: Sequence[int | None], graphs: Sequence[Graph]) -> str | None:
-    """Why a package of one model at these batch sizes (one plan graph each) must run only them, or None where a
-    call between them may be padded. Only graphs a call may be padded to are asked: several batch sizes, each 2 or
-    more (nothing is padded up to batch 1, and a batch-1 trace cannot tell the batch from any other size-1 dim)."""
-    if len(batches) < 2 or None in batches:
+def padding_refusals(dims: Sequence[DynamicDim], profiles: Sequence[tuple[tuple[int, ...], bool, Graph]]
+                     ) -> dict[tuple[int, ...], tuple[dict[str, dict[str, int | None]], dict[str, str]]]:
+    """For each profile (its sizes, whether it holds exact sizes only, its plan graph) a call may be padded up to:
+    per dynamic dim, the output dims a padded run is cut back along, or why it may not be padded
+    (`opfuse.runtime.dynamic.padding_problem`). A size of 1 pads nothing, and a trace at size 1 cannot tell that
+    dim from any other of size 1: it is not asked."""
+    found = {}
+    for sizes, exact, graph in profiles:
+        cuts, refused = {}, {}
+        if not exact:
+            for dim, size in zip(dims, sizes):
+                if size > 1:
+                    held, problem = padding_problem(graph, dim)
+                    if problem is None:
+                        cuts[dim.name] = held
+                    else:
+                        refused[dim.name] = problem
+        found[sizes] = (cuts, refused)
+    return found
+
+
+def exact_sizes_message(where: str, dims: Sequence[DynamicDim], held: Sequence[tuple[int, ...]], problem: str
+                        ) -> str:
+    if len(dims) == 1:
+        sizes = ", ".join(str(s[0]) for s in sorted(held))
+        return f"{where} runs only its {dims[0].name} sizes {sizes}, never a {dims[0].name} padded up to one of them: " \
+               f"{problem}"
+    return f"{where} runs only the sizes it holds ({', '.join(map(str, sorted(held)))}), never padded: {problem}"
+
+
+def warn_if_exact_sizes(dims: Sequence[DynamicDim], profiles: Sequence[tuple[tuple[int, ...], bool, Graph]],
+                        where: str) -> str | None:
+    """At save: a one-line warning where a package of several sizes cannot pad a call up to one of them (see
+    `padding_refusals`); returns the reason, or None."""
+    if len(profiles) < 2:
         return None
-    for batch, graph in sorted(zip(batches, graphs), key=lambda pair: pair[0]):
-        problem = padding_problem(graph) if batch >= 2 else None
-        if problem is not None:
-            return problem
-    return None
-
-
-def exact_batches_message(where: str, batches: Sequence[int], problem: str) -> str:
-    return (f"{where} runs only its batch sizes {', '.join(map(str, sorted(batches)))}, never a batch padded up to "
-            f"one of them: {problem}")
-
-
-def warn_if_exact_batches(batches: Sequence[int | None], graphs: Sequence[Graph], where: str) -> str | None:
-    """At save: a one-line warning where a package of several batch sizes can run only those (see
-    `padding_refused`); returns the reason, or None."""
-    problem = padding_refused(batches, graphs)
+    problem = next((why for _, refused in padding_refusals(dims, profiles).values() for why in refused.values()),
+                   None)
     if problem is not None:
-        warnings.warn(exact_batches_message(where, [b for b in batches if b is not None], problem), stacklevel=3)
+        warnings.warn(exact_sizes_message(where, dims, [sizes for sizes, _, _ in profiles], problem), stacklevel=3)
     return problem
 
 
 @dataclass
 class Profile:
-    """One compiled model of a package and what a call must match."""
+    """One compiled model of a package, the sizes of its dynamic dims, and what a call must match."""
 
-    batch: int | None
+    sizes: tuple[int, ...]
+    exact: bool                                 # held for calls at exactly its sizes (its rows interact)
     compiled: Any                               # CompiledModel
     inputs: list[tuple[tuple[int, ...], torch.dtype]]
     output_spec: TreeSpec
@@ -113,9 +129,9 @@ class Profile:
     name: str
 
     @classmethod
-    def of(cls, saved: Any, batch: int | None, compiled: Any) -> "Profile":
+    def of(cls, saved: Any, sizes: Sequence[int], exact: bool, compiled: Any) -> "Profile":
         """The profile of a checked `opfuse.runtime.package.SavedProfile` and the model built from it."""
-        return cls(batch, compiled, [(shape, torch_dtype(dtype)) for shape, dtype in saved.inputs],
+        return cls(tuple(sizes), exact, compiled, [(shape, torch_dtype(dtype)) for shape, dtype in saved.inputs],
                    saved.output_spec, [torch_dtype(d) for d in saved.output_dtypes], saved.name)
 
 
@@ -124,112 +140,122 @@ def _format(shape: Sequence[int], dtype: torch.dtype) -> str:
 
 
 class PackagedModel(torch.nn.Module):
-    """A package's compiled models, one per batch size (see the module docstring)."""
+    """A package's compiled models, one per held sizes of its dynamic dims (see the module docstring)."""
 
-    def __init__(self, profiles: Sequence[Profile], path: str, rebuilt_because: str | None = None):
+    def __init__(self, profiles: Sequence[Profile], path: str, dims: Sequence[DynamicDim] = (),
+                 rebuilt_because: str | None = None):
         super().__init__()
         self.path = path
-        self._profiles = sorted(profiles, key=lambda p: p.batch or 0)
+        self.dims = list(dims)
+        self._profiles = sorted(profiles, key=lambda p: (math.prod(p.sizes), p.sizes))
         self.models = torch.nn.ModuleList(p.compiled for p in self._profiles)
         self.device = self._profiles[0].compiled.device
-        self.batched = len(self._profiles) > 1 and all(p.batch is not None for p in self._profiles)
         self.rebuilt_because = rebuilt_because     # why the saved plan was built again here (recompile=True)
-        # why a call between the batch sizes held is refused instead of padded (None: it is padded, or not batched)
-        self.padding_refused_because = None
-        if self.batched:
-            self.padding_refused_because = padding_refused([p.batch for p in self._profiles],
-                                                           [p.compiled.plan.graph for p in self._profiles])
+        self._kinds = [InputKind(shape, dtype, self.device) for shape, dtype in self._profiles[0].inputs]
+        self._padding = padding_refusals(self.dims, [(p.sizes, p.exact, p.compiled.plan.graph)
+                                                     for p in self._profiles])
+        # why a call between the sizes held is refused instead of padded (None: it is padded, or nothing varies)
+        self.padding_refused_because = next((why for _, refused in self._padding.values()
+                                             for why in refused.values()), None)
 
     @property
     def name(self) -> str:
         return self._profiles[0].name
 
     @property
+    def sizes_held(self) -> list[tuple[int, ...]]:
+        """The sizes of the dynamic dims each compiled model holds, smallest first (one empty tuple: fixed shapes)."""
+        return [p.sizes for p in self._profiles]
+
+    @property
     def batch_sizes(self) -> list[int]:
-        """The batch sizes the package holds, smallest first (empty for a model without a batch dimension)."""
-        return [p.batch for p in self._profiles] if self.batched else []
+        """For a package of one dynamic dim, the sizes it holds, smallest first; else empty."""
+        return [p.sizes[0] for p in self._profiles] if len(self.dims) == 1 else []
 
     @property
     def input_dtypes(self) -> list[torch.dtype]:
         """The dtype each input is passed in (as the model saved took it)."""
         return [dtype for _, dtype in self._profiles[0].inputs]
 
-    def compiled_for(self, batch: int | None = None) -> Any:
-        """The CompiledModel a call of this batch runs on (None: the only one)."""
-        return self._choose_batch(batch)[0].compiled if batch is not None else self._profiles[0].compiled
+    def compiled_for(self, *sizes: int) -> Any:
+        """The CompiledModel a call at these sizes of the dynamic dims runs on (none given: the first one held)."""
+        return self._choose(tuple(sizes))[0].compiled if sizes else self._profiles[0].compiled
 
-    def example_inputs(self, batch: int | None = None) -> list[torch.Tensor]:
-        """Inputs this model takes, at `batch` (default: the smallest batch size held): seeded normal floats, zeros
-        for integers (token ids, masks); for benchmarks and smoke tests."""
+    def example_inputs(self, *sizes: int) -> list[torch.Tensor]:
+        """Inputs this model takes, at these sizes of its dynamic dims (default: the smallest held): seeded normal
+        floats, zeros for integers (token ids, masks); for benchmarks and smoke tests."""
         from opfuse.ir.graph import TensorType
         from opfuse.runtime.binaries import example_inputs
 
-        shapes = [shape for shape, _ in self._profiles[0].inputs]
-        if self.batched:
-            batch = self.batch_sizes[0] if batch is None else batch
-            shapes = [(batch,) + shape[1:] for shape in shapes]
-        types = [TensorType(shape, dtype_name(dtype)) for shape, (_, dtype) in zip(shapes, self._profiles[0].inputs)]
-        return example_inputs(types, self.device)
+        profile = self._profiles[0] if not sizes else self._choose(tuple(sizes))[0]
+        shapes = [list(shape) for shape, _ in profile.inputs]
+        for dim, size in zip(self.dims, sizes or profile.sizes):
+            for index, axis in dim.uses:
+                shapes[index][axis] = size
+        return example_inputs([TensorType(tuple(shape), dtype_name(dtype))
+                               for shape, (_, dtype) in zip(shapes, profile.inputs)], self.device)
 
     def forward(self, *inputs: torch.Tensor) -> Any:
-        profile, batch = self._choose(inputs)
-        padded = batch is not None and batch != profile.batch
+        if not self.dims:
+            self._check_fixed(inputs)
+            profile, sizes = self._profiles[0], ()
+        else:
+            sizes = call_sizes(self.dims, inputs, self._kinds)
+            profile, sizes = self._choose(sizes)
+        padded = sizes != profile.sizes
         if padded:
-            inputs = tuple(torch.cat([x, x[-1:].expand(profile.batch - batch, *x.shape[1:])]) for x in inputs)
+            inputs = tuple(pad_inputs(inputs, self.dims, sizes, profile.sizes))
         outputs = profile.compiled.run_matching(inputs)
         flat = list(outputs) if isinstance(outputs, tuple) else [outputs]
         flat = [out if out.dtype == dtype else out.to(dtype) for out, dtype in zip(flat, profile.output_dtypes)]
         if padded:
-            flat = [out[:batch] for out in flat]
+            flat = cut_outputs(flat, profile.compiled.plan.graph.outputs, self.dims, sizes, profile.sizes,
+                               self._padding[profile.sizes][0])
         return flat[0] if profile.output_spec.is_leaf() else tree_unflatten(flat, profile.output_spec)
 
-    def _choose(self, inputs: Sequence[Any]) -> tuple[Profile, int | None]:
-        """The profile a call runs on and its batch (None: no batch dimension); an error naming the first input
-        that fits none."""
+    def _check_fixed(self, inputs: Sequence[Any]) -> None:
         expected = self._profiles[0].inputs
         if len(inputs) != len(expected):
             raise GraphError(f"{self.path} takes {len(expected)} inputs, got {len(inputs)}")
         for index, (x, (shape, dtype)) in enumerate(zip(inputs, expected)):
             if not isinstance(x, torch.Tensor):
                 raise GraphError(f"input {index} must be a tensor, got {type(x).__name__}")
-            if x.dtype != dtype or x.device != self.device:
-                raise GraphError(f"input {index} is {_format(x.shape, x.dtype)} on {x.device}, {self.path} takes "
-                                 f"{_format(shape, dtype)} on {self.device}")
-        if not self.batched:
-            for index, (x, (shape, dtype)) in enumerate(zip(inputs, expected)):
-                if tuple(x.shape) != shape:
-                    raise GraphError(f"input {index} is {_format(x.shape, x.dtype)}, {self.path} was compiled "
-                                     f"for {_format(shape, dtype)}")
-            return self._profiles[0], None
-        batches = {x.shape[0] if x.dim() else None for x in inputs}
-        if len(batches) != 1 or None in batches:
-            raise GraphError(f"inputs of {self.path} share their batch size in dim 0, got shapes "
-                             f"{[list(x.shape) for x in inputs]}")
-        batch = batches.pop()
-        for index, (x, (shape, dtype)) in enumerate(zip(inputs, expected)):
-            if tuple(x.shape[1:]) != shape[1:]:
-                raise GraphError(f"input {index} is {_format(x.shape, x.dtype)}, {self.path} takes "
-                                 f"{_format(('N',) + shape[1:], dtype)} for N up to {self.batch_sizes[-1]}")
-        return self._choose_batch(batch)
+            if x.dtype != dtype or x.device != self.device or tuple(x.shape) != shape:
+                raise GraphError(f"input {index} is {_format(x.shape, x.dtype)} on {x.device}, {self.path} was "
+                                 f"compiled for {_format(shape, dtype)} on {self.device}")
 
-    def _choose_batch(self, batch: int) -> tuple[Profile, int]:
-        if batch < 1:
-            raise GraphError(f"{self.path} runs batches of at least 1, got {batch}")
+    def _choose(self, sizes: tuple[int, ...]) -> tuple[Profile, tuple[int, ...]]:
+        """The profile a call at these sizes runs on: the one holding them exactly, else the smallest whose sizes
+        hold them and that may pad each dim it grows; a GraphError naming the sizes held and why otherwise."""
+        held = [p.sizes for p in self._profiles]
+        refusal = None
         for profile in self._profiles:
-            if profile.batch == batch or (profile.batch > batch and self.padding_refused_because is None):
-                return profile, batch
-            if profile.batch > batch:
-                raise GraphError(f"batch {batch}: " + exact_batches_message(self.path, self.batch_sizes,
-                                                                            self.padding_refused_because)
-                                 + f"; save the package with batch size {batch} too")
-        raise GraphError(f"batch {batch} is larger than the largest batch size in {self.path} "
-                         f"({self.batch_sizes[-1]}; it holds {', '.join(map(str, self.batch_sizes))}): save the "
-                         "package with a larger one")
+            if profile.sizes == sizes:
+                return profile, sizes
+            if profile.exact or any(s > p for s, p in zip(sizes, profile.sizes)):
+                continue
+            refused = self._padding[profile.sizes][1]
+            why = next((refused[dim.name] for dim, s, p in zip(self.dims, sizes, profile.sizes)
+                        if s != p and dim.name in refused), None)
+            if why is None:
+                return profile, sizes
+            refusal = refusal or why
+        if refusal is not None:
+            prefix = f"{self.dims[0].name} {sizes[0]}" if len(self.dims) == 1 else f"sizes {sizes}"
+            raise GraphError(f"{prefix}: " + exact_sizes_message(self.path, self.dims, held, refusal)
+                             + "; save the package with these sizes too")
+        if len(self.dims) == 1:
+            largest = max(p.sizes[0] for p in self._profiles)
+            name = self.dims[0].name
+            raise GraphError(f"{name} {sizes[0]} is larger than the largest {name} size in {self.path} ({largest}; "
+                             f"it holds {', '.join(str(s[0]) for s in held)}): save the package with a larger one")
+        raise GraphError(f"sizes {sizes} of ({', '.join(d.name for d in self.dims)}) fit none of the sizes "
+                         f"{self.path} holds ({', '.join(map(str, held))})")
 
     def extra_repr(self) -> str:
-        sizes = ", ".join(map(str, self.batch_sizes)) or "fixed shapes"
-        text = f"path={self.path}, device={self.device}, batch_sizes=[{sizes}]"
-        if self.batched:
-            refused = self.padding_refused_because
-            text += ", padding=" + ("rows independent" if refused is None else f"refused ({refused})")
-        return text
+        if not self.dims:
+            return f"path={self.path}, device={self.device}, fixed shapes"
+        dims = ", ".join(dim.describe() for dim in self.dims)
+        refused = self.padding_refused_because
+        return (f"path={self.path}, device={self.device}, dims=[{dims}], sizes={self.sizes_held}, padding="
+                + ("rows independent" if refused is None else f"refused ({refused})"))

@@ -148,3 +148,22 @@ def test_compile_buckets_compiles_every_bucket_up_front():
     assert sorted(compiled.buckets) == [(1,), (2,), (4,), (8,)]
     check(compiled, model, torch.randn(6, 8))
     assert sorted(compiled.buckets) == [(1,), (2,), (4,), (8,)]    # nothing compiled at the call
+
+
+def test_a_dynamic_model_saves_its_buckets_and_loads_serving_its_range(tmp_path):
+    model = make(Attention)
+    batch, seq = Dim("batch", max=4), Dim("seq", min=2, max=8)
+    compiled = opfuse.compile(model, (torch.randn(2, 4, 8),), CONFIG, dynamic_shapes=({0: batch, 1: seq},))
+    compiled.compile_buckets({"batch": [4], "seq": [4, 8]})
+    compiled(torch.randn(2, 3, 8))                           # an exact-size model, saved too
+    path = opfuse.save(compiled, tmp_path / "dynamic.opfuse")
+    loaded = opfuse.load(path, "cpu")
+    assert [d.name for d in loaded.dims] == ["batch", "seq"]
+    assert loaded.sizes_held == sorted(compiled.buckets, key=lambda s: (s[0] * s[1], s))
+    for shape in ((2, 4, 8), (3, 4, 8), (1, 8, 8), (2, 3, 8)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(loaded(x), compiled(x), rtol=0, atol=0)
+    with pytest.raises(GraphError, match=r"sizes \(2, 5\): .* never padded: .*sdpa"):
+        loaded(torch.randn(2, 5, 8))                          # no bucket holds seq 5 exactly, and seq is not padded
+    with pytest.raises(GraphError, match=r"outside seq in \[2, 8\]"):
+        loaded(torch.randn(2, 9, 8))

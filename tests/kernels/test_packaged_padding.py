@@ -10,7 +10,7 @@ import torch
 
 import opfuse
 from opfuse.ir.graph import GraphError
-from opfuse.runtime.packaged import padding_problem, warn_if_exact_batches
+from opfuse.runtime.dynamic import padding_problem
 
 BATCHES = (2, 4)
 
@@ -99,16 +99,15 @@ def test_padding_such_a_model_would_have_been_wrong(mixing):
     assert (padded - eager(model, x)).abs().max() > 0.05
 
 
-def test_save_can_warn_in_one_line_naming_the_node(row_wise, mixing):
-    """`opfuse.save` lives in package.py; it is to call `warn_if_exact_batches` with each model's plan graph."""
+def test_save_warns_in_one_line_naming_the_node(row_wise, mixing, tmp_path):
     _, compiled, _ = mixing
-    graphs = [compiled[b].compiled.plan.graph for b in BATCHES]
     with pytest.warns(UserWarning, match=r"model\.opfuse runs only its batch sizes 2, 4, .*reduces over") as caught:
-        assert warn_if_exact_batches(BATCHES, graphs, "model.opfuse") is not None
-    (warning,) = caught
+        opfuse.save([compiled[b] for b in BATCHES], tmp_path / "model.opfuse")
+    (warning,) = [w for w in caught if "runs only" in str(w.message)]
     assert "\n" not in str(warning.message)
-    assert padding_problem(graphs[0]) in str(warning.message)
+    loaded = opfuse.load(tmp_path / "model.opfuse", "cpu")
+    assert loaded.padding_refused_because in str(warning.message)
     _, independent, _ = row_wise
-    assert padding_problem(independent[4].compiled.plan.graph) is None
-    assert warn_if_exact_batches(BATCHES, [independent[b].compiled.plan.graph for b in BATCHES], "x") is None
-    assert warn_if_exact_batches([4], graphs[1:], "one model") is None       # one batch size: nothing is padded
+    dim = loaded.dims[0]
+    assert padding_problem(independent[4].compiled.plan.graph, dim)[1] is None
+    assert padding_problem(compiled[4].compiled.plan.graph, dim)[1] == loaded.padding_refused_because

@@ -217,3 +217,20 @@ def test_loading_on_a_gpu_this_machine_lacks_is_a_package_error(package, clean):
         pytest.skip("this machine has a GPU")
     with pytest.raises(PackageError, match="no CUDA GPU"):
         opfuse.load(package, "cuda")
+
+
+def test_dynamic_dims_that_do_not_match_the_profiles_are_refused(package, clean):
+    def listed_at(dims, sizes):
+        def edit(name, data):
+            if name != MANIFEST:
+                return data
+            manifest = json.loads(data)
+            manifest["dims"] = dims
+            manifest["profiles"][0]["sizes"] = sizes
+            return json.dumps(manifest).encode()
+        return edit
+    batch = {"name": "batch", "min": 1, "max": 8, "uses": [[0, 0]]}
+    refused(rewrite(package, clean / "wrong.opfuse", listed_at([batch], [3])), "listed at sizes \\[3\\]")
+    refused(rewrite(package, clean / "outside.opfuse", listed_at([batch | {"uses": [[0, 7]]}], [2])),
+            "not a dim of the model's inputs")
+    refused(rewrite(package, clean / "nosizes.opfuse", listed_at([batch], [])), "listed at sizes \\[\\]")
