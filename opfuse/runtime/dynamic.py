@@ -70,8 +70,11 @@ def bucket_of(dim: DynamicDim, size: int) -> int:
 
 def parse_dynamic_shapes(dynamic_shapes: Any, example_inputs: Sequence[torch.Tensor],
                          forward: Callable[..., Any] | None = None) -> list[DynamicDim]:
-    """The dynamic dims `dynamic_shapes` declares (module docstring) for these example inputs; GraphError naming
-    the input where it is not something this reads, or where an example lies outside a range."""
+    """The dynamic dims `dynamic_shapes` declares (module docstring) for these example inputs (a list of DynamicDims
+    as is: the dynamo backend's); GraphError naming the input where it is not something this reads, or where an
+    example lies outside a range."""
+    if isinstance(dynamic_shapes, list) and all(isinstance(d, DynamicDim) for d in dynamic_shapes):
+        return dynamic_shapes
     per_input = _per_input(dynamic_shapes, len(example_inputs), forward)
     found: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
     for index, spec in enumerate(per_input):
@@ -263,8 +266,9 @@ class DynamicModel(torch.nn.Module):
         self.quiet = quiet
         self.buckets: dict[tuple[int, ...], Bucket] = {}     # compiled models by their sizes
         self._lock = threading.Lock()
-        self.compiled = self._bucket(self.bucket_sizes_of(call_sizes(self.dims, self.examples, self.examples)),
-                                     self.examples).model       # the example's bucket: compiled now
+        sizes = call_sizes(self.dims, self.examples, self.examples)
+        key = self.bucket_sizes_of(sizes)
+        self.compiled = self._bucket(key, pad_inputs(self.examples, self.dims, sizes, key)).model   # the example's
 
     @property
     def analysis(self) -> Any:
@@ -315,6 +319,8 @@ class DynamicModel(torch.nn.Module):
     def _bucket(self, key: tuple[int, ...], inputs: Sequence[torch.Tensor], exact: bool = False) -> Bucket:
         """Compile the model at sizes `key` on these inputs (of those sizes) and decide how it pads."""
         from opfuse.compiler import compile as opfuse_compile
+
+        assert call_sizes(self.dims, inputs, self.examples) == key, "a bucket is compiled at its own sizes"
 
         start = time.perf_counter()
         model = opfuse_compile(self._eager, tuple(inputs), replace(self.config, fallback="error"), self.quiet)

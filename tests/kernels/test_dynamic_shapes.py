@@ -144,6 +144,8 @@ def test_a_dynamic_shapes_it_cannot_read_is_refused(spec, match):
 def test_compile_buckets_compiles_every_bucket_up_front():
     model = make(RowWise)
     compiled = opfuse.compile(model, (torch.randn(3, 8),), CONFIG, dynamic_shapes=({0: Dim("batch", max=8)},))
+    assert list(compiled.buckets) == [(4,)]                  # the example's bucket, at the bucket's size
+    assert compiled.buckets[(4,)].model.compiled.signature[0].type.shape == (4, 8)
     compiled.compile_buckets()
     assert sorted(compiled.buckets) == [(1,), (2,), (4,), (8,)]
     check(compiled, model, torch.randn(6, 8))
@@ -167,3 +169,66 @@ def test_a_dynamic_model_saves_its_buckets_and_loads_serving_its_range(tmp_path)
         loaded(torch.randn(2, 5, 8))                          # no bucket holds seq 5 exactly, and seq is not padded
     with pytest.raises(GraphError, match=r"outside seq in \[2, 8\]"):
         loaded(torch.randn(2, 9, 8))
+
+
+# ---- torch.compile(backend="opfuse", dynamic=True) and mark_dynamic -------------------------------------------------
+
+@pytest.fixture
+def dynamic_models(monkeypatch):
+    """Every DynamicModel the backend builds, and dynamo reset before and after (a fresh cache of graphs)."""
+    from opfuse.runtime import dynamic
+
+    built = []
+    original = dynamic.DynamicModel.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append(self)
+    monkeypatch.setattr(dynamic.DynamicModel, "__init__", record)
+    torch._dynamo.reset()
+    yield built
+    torch._dynamo.reset()
+
+
+def test_the_backend_compiles_dynamos_dynamic_graph_once_into_buckets(dynamic_models):
+    from opfuse import backend
+
+    model = make(RowWise)
+    backend.last_fallback_reasons.clear()
+    fast = torch.compile(model, backend="opfuse", dynamic=True)
+    with torch.no_grad():
+        for batch in (3, 5, 7, 4):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+    assert backend.last_fallback_reasons == []
+    (compiled,) = dynamic_models                     # one graph for every batch: dynamo did not recompile
+    assert [d.uses for d in compiled.dims] == [((0, 0),)]
+    assert sorted(compiled.buckets) == [(4,), (8,)]
+
+
+def test_mark_dynamic_gives_the_range(dynamic_models):
+    model = make(RowWise)
+    x = torch.randn(6, 8)
+    torch._dynamo.mark_dynamic(x, 0, min=2, max=12)
+    fast = torch.compile(model, backend="opfuse")
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+    (compiled,) = dynamic_models
+    assert (compiled.dims[0].min, compiled.dims[0].max) == (2, 12)
+
+
+def test_a_float_attribute_dynamo_lifts_is_bound_and_its_change_noticed(dynamic_models):
+    """With dynamic=True dynamo passes a norm's eps as a 0-d tensor input: opfuse binds its value (verification's
+    random inputs would otherwise draw a negative eps), and a later change of it is never run stale (dynamo
+    compiles again, or the backend runs dynamo's graph, warning)."""
+    from opfuse import backend
+
+    model = make(RowWise)
+    backend.last_fallback_reasons.clear()
+    fast = torch.compile(model, backend="opfuse", dynamic=True)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+        assert backend.last_fallback_reasons == [] and len(dynamic_models) == 1
+        model.norm.eps = 0.5
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
