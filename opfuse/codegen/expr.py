@@ -105,6 +105,36 @@ def _pow(x: str, y: str) -> str:
     return f"tl.where(({y}) == 0.0, 1.0, tl.where(({x}) < 0.0, {negative_base}, {magnitude}))"
 
 
+def _log1p(u: str) -> str:
+    """log(1 + u) without losing u's digits when |u| is small: log(w) * u / (w - 1), w = 1 + u rounded, cancels the
+    rounding of w (Goldberg, "What every computer scientist should know about floating-point", theorem 4); u where
+    w rounds to 1, w where it overflows. Triton has no log1p of its own in every version."""
+    w = f"(1.0 + ({u}))"
+    return (f"tl.where({w} == 1.0, ({u}), tl.where({w} == float('inf'), {w}, "
+            f"tl.log({w}) * (({u}) / ({w} - 1.0))))")
+
+
+def _expm1(x: str) -> str:
+    """exp(x) - 1 without cancellation near 0: for |x| < 0.5, (u - 1) * x / log(u), u = exp(x) rounded, cancels
+    u's rounding (Kahan's), x itself where u rounds to 1; elsewhere u - 1 loses nothing (and cannot overflow in a
+    product first)."""
+    u = f"tl.exp({x})"
+    return (f"tl.where(tl.abs({x}) < 0.5, tl.where({u} == 1.0, ({x}), ({u} - 1.0) * ({x}) / tl.log({u})), "
+            f"{u} - 1.0)")
+
+
+def _softplus(attrs: dict, x: str) -> str:
+    """PyTorch's: x where beta * x > threshold, else log1p(exp(beta * x)) / beta."""
+    beta, threshold = literal(attrs["beta"]), literal(attrs["threshold"])
+    return f"tl.where(({x}) * {beta} > {threshold}, ({x}), {_log1p(f'tl.exp(({x}) * {beta})')} / {beta})"
+
+
+def _elu(attrs: dict, x: str) -> str:
+    """scale * x where x > 0, else scale * alpha * expm1(input_scale * x): ELU, SELU and CELU."""
+    alpha, scale, input_scale = (literal(attrs[k]) for k in ("alpha", "scale", "input_scale"))
+    return f"tl.where(({x}) > 0.0, ({x}) * {scale}, {_expm1(f'({x}) * {input_scale}')} * {alpha} * {scale})"
+
+
 def _batch_norm(attrs: dict, x: str, weight: str, bias: str, mean: str, var: str) -> str:
     return f"((({x}) - ({mean})) * tl.rsqrt(({var}) + {literal(attrs['eps'])}) * ({weight}) + ({bias}))"
 
@@ -127,6 +157,20 @@ _UNARY: dict[str, Callable[[dict, str], str]] = {
     "abs": lambda a, x: f"tl.abs({x})",
     "reciprocal": lambda a, x: f"(1.0 / ({x}))",
     "identity": lambda a, x: x,
+    "leaky_relu": lambda a, x: f"tl.where(({x}) > 0.0, ({x}), ({x}) * {literal(a['negative_slope'])})",
+    "softplus": _softplus,
+    "elu": _elu,
+    "mish": lambda a, x: f"(({x}) * {_tanh(_log1p(f'tl.exp({x})'))})",
+    "log_sigmoid": lambda a, x: f"(tl.minimum({x}, 0.0) - {_log1p(f'tl.exp(-tl.abs({x}))')})",
+    "square": lambda a, x: f"(({x}) * ({x}))",
+    "sin": lambda a, x: f"tl.sin({x})",
+    "cos": lambda a, x: f"tl.cos({x})",
+    "log1p": lambda a, x: _log1p(x),
+    "expm1": lambda a, x: _expm1(x),
+    "floor": lambda a, x: f"tl.floor({x})",
+    "ceil": lambda a, x: f"tl.ceil({x})",
+    "sign": lambda a, x: f"tl.where(({x}) > 0.0, 1.0, tl.where(({x}) < 0.0, -1.0, 0.0))",   # NaN: 0, as PyTorch
+    "logical_not": lambda a, x: f"tl.where(({x}) == 0.0, 1.0, 0.0)",
     "isinf": lambda a, x: f"tl.where(tl.abs({x}) == float('inf'), 1.0, 0.0)",   # a bool as 1.0 / 0.0
     # a cast inside a fused kernel rounds through the target type, then continues in float32
     "cast": lambda a, x: f"({x}).to({triton_dtype(a['dtype'])}).to(tl.float32)",
@@ -151,7 +195,7 @@ _TERNARY: dict[str, Callable[[dict, str, str, str], str]] = {
 SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_TERNARY) | {"batch_norm"}
 # ops whose result is discrete (a bool): their operands are rounded to their own dtype first, since a value kept in
 # float32 inside a kernel may cross the threshold eager sees (inf, a comparison's bound) where eager's does not
-DISCRETE_OPS = frozenset({"isinf", "lt", "le", "gt", "ge", "eq", "ne"})
+DISCRETE_OPS = frozenset({"isinf", "lt", "le", "gt", "ge", "eq", "ne", "logical_not", "floor", "ceil", "sign"})
 
 
 def emit(op: str, attrs: dict, args: Sequence[str]) -> str:

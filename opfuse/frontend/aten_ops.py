@@ -255,9 +255,64 @@ def _pow(t: Translator, a: dict) -> str:
 
 
 _UNARY = ("relu", "sigmoid", "tanh", "silu", "hardswish", "hardsigmoid", "erf", "exp", "log", "sqrt", "rsqrt",
-          "neg", "abs", "reciprocal")
+          "neg", "abs", "reciprocal", "square", "mish", "log_sigmoid", "sin", "cos", "log1p", "expm1", "floor", "ceil",
+          "sign", "logical_not")
 for _name in _UNARY:
     HANDLERS[_name] = (lambda op: lambda t, a: t.emit(op, [a["self"]]))(_name)
+
+
+@maps("log_sigmoid_forward")
+def _log_sigmoid_with_buffer(t: Translator, a: dict) -> MultiOutput:
+    return _first_output(t, t.emit("log_sigmoid", [a["self"]]))
+
+
+@maps("leaky_relu")
+def _leaky_relu(t: Translator, a: dict) -> str:
+    return t.emit("leaky_relu", [a["self"]], {"negative_slope": float(a.get("negative_slope", 0.01))})
+
+
+@maps("softplus")
+def _softplus(t: Translator, a: dict) -> str:
+    return t.emit("softplus", [a["self"]], {"beta": float(a.get("beta", 1)), "threshold": float(a.get("threshold", 20))})
+
+
+SELU_ALPHA, SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+@maps("elu", "selu", "celu")
+def _elu(t: Translator, a: dict) -> str:
+    """ELU with its scales; SELU its fixed alpha and scale; CELU(alpha) is ELU(alpha) of x / alpha."""
+    if t.op_name == "selu":
+        alpha, scale, input_scale = SELU_ALPHA, SELU_SCALE, 1.0
+    elif t.op_name == "celu":
+        alpha = float(a.get("alpha", 1.0))
+        if alpha == 0:
+            raise Unmapped("celu with alpha 0")
+        scale, input_scale = 1.0, 1.0 / alpha
+    else:
+        alpha, scale, input_scale = (float(a.get(k, 1)) for k in ("alpha", "scale", "input_scale"))
+    return t.emit("elu", [a["self"]], {"alpha": alpha, "scale": scale, "input_scale": input_scale})
+
+
+@maps("prelu", "_prelu_kernel")
+def _prelu(t: Translator, a: dict) -> str:
+    """x where x > 0, else weight * x, the weight [C] (or one value) along dim 1: gt, mul, where."""
+    x, weight = t.value(a["self"]), t.value(a["weight"])
+    rank, channels = t.rank(x), t.type_of(weight).numel
+    if channels != 1 and rank >= 2:       # [C] lies along dim 1, before the dims after it
+        weight = t.emit("reshape", [weight], {"shape": [channels] + [1] * (rank - 2)})
+    elif channels != 1:
+        raise Unmapped("prelu of a vector with several weights")
+    zero = t.operand(0.0, t.type_of(x).dtype)
+    return t.emit("where", [t.emit("gt", [x, zero]), x, t.emit("mul", [x, weight])])
+
+
+@maps("threshold")
+def _threshold(t: Translator, a: dict) -> str:
+    """x where x > threshold, else value: gt and where."""
+    x = t.value(a["self"])
+    above = t.emit("gt", [x, t.operand(a["threshold"], t.type_of(x).dtype)])
+    return t.emit("where", [above, x, t.operand(a["value"])])
 
 
 @maps("gelu")

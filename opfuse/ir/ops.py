@@ -286,7 +286,25 @@ for _name, _fn, _cost in [
     ("neg", torch.neg, 1), ("abs", torch.abs, 1), ("reciprocal", torch.reciprocal, 1),
 ]:
     register(OpDef(_name, P, _unary(_fn), per_output_element(_cost)))
+for _name, _fn, _cost in [
+    ("square", torch.square, 1), ("mish", F.mish, 12), ("log_sigmoid", F.logsigmoid, 6), ("sin", torch.sin, 4),
+    ("cos", torch.cos, 4), ("log1p", torch.log1p, 4), ("expm1", torch.expm1, 4), ("floor", torch.floor, 1),
+    ("ceil", torch.ceil, 1), ("sign", torch.sign, 2),
+]:
+    register(OpDef(_name, P, _unary(_fn), per_output_element(_cost)))
+register(OpDef("leaky_relu", P, lambda xs, a: F.leaky_relu(xs[0], a["negative_slope"]), per_output_element(2),
+               doc="x if x > 0 else negative_slope * x; attrs negative_slope",
+               attrs={"negative_slope": Float()}))
+register(OpDef("softplus", P, lambda xs, a: F.softplus(xs[0], a["beta"], a["threshold"]), per_output_element(6),
+               doc="log(1 + exp(beta * x)) / beta, x itself where beta * x > threshold; attrs beta, threshold",
+               attrs={"beta": Float(), "threshold": Float(infinite=True)}))
+register(OpDef("elu", P, lambda xs, a: torch.ops.aten.elu(xs[0], a["alpha"], a["scale"], a["input_scale"]),
+               per_output_element(5),
+               doc="scale * (x if x > 0 else alpha * (exp(input_scale * x) - 1)): ELU, SELU and CELU (input_scale "
+                   "1 / alpha); attrs alpha, scale, input_scale",
+               attrs={"alpha": Float(), "scale": Float(), "input_scale": Float()}))
 register(OpDef("isinf", P, _unary(torch.isinf), per_output_element(1), doc="bool: |x| is infinite"))
+register(OpDef("logical_not", P, _unary(torch.logical_not), per_output_element(1), doc="bool: x == 0"))
 register(OpDef("gelu", P, lambda xs, a: F.gelu(xs[0], approximate=a.get("approximate", "none")),
                per_output_element(10), doc="attrs approximate: 'none' (erf) or 'tanh'",
                attrs={"approximate": Word(("none", "tanh"))}))
