@@ -2,7 +2,7 @@
 
 Two templates:
 - rows (`RowReductionKernel`): softmax over any dim, layer_norm over the last dims (weight, bias), rms_norm
-  over the last dim (weight), mean/sum/any over given dims, and adaptive_avg_pool2d to (1,1) (global average pool
+  over the last dim (weight), mean/sum/any/amax/amin over given dims, and adaptive_avg_pool2d to (1,1) (global average pool
   = mean over H, W). The reduction input is viewed as [rows, L] (kept dims x reduced dims, through its strides); a
   program takes BLOCK_M rows and walks each row in chunks of BLOCK_L. When one chunk holds the row (ONE_PASS) it
   stays in registers: one read, one write. Otherwise softmax keeps an online max and sum, layer norm merges
@@ -21,6 +21,7 @@ stored on the first sweep); the epilogue is evaluated at the reduction's output 
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -49,7 +50,7 @@ def lower_reduction_group(graph: Graph, group: FusionGroup, device, hw: Hardware
     group_operands(graph, group)
     node = reduction_node(graph, group)
     x_shape = graph[node.inputs[0]].type.shape
-    view = row_view(graph, node)
+    view = row_view(graph, node) or extreme_view(graph, node)
     if view is not None:
         return RowReductionKernel(graph, group, device, node, view, (hw or get_hardware()).sm_count)
     if node.op == "adaptive_avg_pool2d":
@@ -61,6 +62,21 @@ def lower_reduction_group(graph: Graph, group: FusionGroup, device, hw: Hardware
     if node.op in POOL_OPS:
         return PoolKernel(graph, group, device, node)
     raise Unsupported(f"no reduction template for {node.describe()}")
+
+
+EXTREMES = ("amax", "amin")       # row modes of this template beyond `opfuse.fusion.tiles.ROW_OPS`
+
+
+def extreme_view(graph: Graph, node: Node) -> RowView | None:
+    """amax / amin over dims as the row template computes them (a running max or min, NaN if any element is)."""
+    if node.op not in EXTREMES:
+        return None
+    shape = graph[node.inputs[0]].type.shape
+    dims = node.attrs.get("dims") or list(range(len(shape)))
+    dims = sorted({d % len(shape) for d in ([dims] if isinstance(dims, int) else dims)})
+    kept = [d for d in range(len(shape)) if d not in dims]
+    return RowView(node.op, tuple(dims), math.prod(shape[d] for d in kept), math.prod(shape[d] for d in dims),
+                   len(shape) == 4 and 1 in kept and {2, 3} <= set(dims))
 
 
 def reduction_node(graph: Graph, group: FusionGroup) -> Node:
@@ -134,6 +150,8 @@ class RowReductionKernel(TemplateKernel):
             body += self._layer_norm()
         elif mode == "rms_norm":
             body += self._rms_norm()
+        elif mode in EXTREMES:
+            body += self._extreme(mode)
         else:
             body += self._sum(mode)
         constexprs = ["BLOCK_M", "BLOCK_L", "ONE_PASS", "INT64"]
@@ -265,6 +283,26 @@ class RowReductionKernel(TemplateKernel):
         name = self.node.inputs[1]
         weight = region.value(name, broadcast_coords(full, self._shape, self._shape_of(name)))
         return region.assign(f"{normalized} * {weight}")
+
+    def _extreme(self, mode: str) -> list[str]:
+        """amax or amin: a running max (min) of the row's chunks, and whether any element was NaN (the result is
+        NaN then, as PyTorch's; Triton's max reduction may drop it)."""
+        chunk, region, _, x = self._chunk("start + lanes", True)
+        pick, empty = ("tl.maximum", NEG_INF) if mode == "amax" else ("tl.minimum", 'float("inf")')
+        step = [f"t = tl.where(mask, {x}, {empty})", f"acc = {pick}(acc, t)",
+                "nans = tl.maximum(nans, tl.where(t != t, 1.0, 0.0))"]
+        lines = [f"acc = tl.full([BLOCK_M, BLOCK_L], {empty}, tl.float32)",
+                 "nans = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)",
+                 f"for start in range(0, {self.length}, BLOCK_L):"] + indent(chunk + region.lines + step)
+        reduce = "tl.max" if mode == "amax" else "tl.min"
+        lines.append(f"result = tl.where(tl.max(nans, axis=1)[:, None] > 0.0, float('nan'), "
+                     f"{reduce}(acc, axis=1)[:, None])")
+        out_shape = self.node.type.shape
+        if len(out_shape) == len(self._shape):
+            coords = tuple(None if d in self.reduced else self._kept[d] for d in range(len(out_shape)))
+        else:
+            coords = tuple(self._kept[d] for d in self.kept)
+        return self._finish(lines, self._emitter.region("[BLOCK_M, 1]", "row_mask"), coords, "result")
 
     def _sum(self, mode: str) -> list[str]:
         """mean, sum, or any (a running max of x != 0, as 1.0 / 0.0); a sum or mean also in slices (SPLIT > 1:

@@ -435,6 +435,70 @@ HANDLERS["mean"] = _reduce("mean")
 HANDLERS["sum"] = _reduce("sum")
 
 
+def _reduced_dims(dims: Any, rank: int) -> list[int]:
+    """A reduction's dims (an int, a list, or None / [] for all), non-negative and sorted."""
+    dims = list(range(rank)) if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
+    return sorted({_dim(d, rank) for d in dims})
+
+
+@maps("amax", "amin")
+def _extreme(t: Translator, a: dict) -> str:
+    x = t.value(a["self"])
+    return t.emit(t.op_name, [x], {"dims": _reduced_dims(a.get("dim"), t.rank(x)), "keepdim": bool(a.get("keepdim"))})
+
+
+@maps("max", "min")
+def _max(t: Translator, a: dict) -> str | MultiOutput:
+    """max / min of all elements (amax / amin), or along one dim: its values (amax / amin), not its indices; the
+    binary overloads (max(x, y)) are maximum / minimum."""
+    op = "amax" if t.op_name == "max" else "amin"
+    x = t.value(a["self"])
+    if a.get("other") is not None:
+        return t.emit("maximum" if op == "amax" else "minimum", [x, a["other"]])
+    if a.get("dim") is None:
+        return t.emit(op, [x], {"dims": list(range(t.rank(x))), "keepdim": False})
+    if not isinstance(a["dim"], int):
+        raise Unmapped("max over a named dim")
+    return _first_output(t, t.emit(op, [x], {"dims": [_dim(a["dim"], t.rank(x))], "keepdim": bool(a.get("keepdim"))}))
+
+
+@maps("linalg_vector_norm", "norm")
+def _vector_norm(t: Translator, a: dict) -> str:
+    """The p-norm over dims as reductions with a prologue and an epilogue, computed in float32 at least as PyTorch
+    does (a float16 square overflows past 256): |x| (amax, amin) for p = +-inf, sum |x| for 1, sqrt(sum x^2) for 2,
+    sum(|x|^p)^(1/p) for any other p but 0."""
+    x = t.value(a.get("self", a.get("input")))
+    order = a.get("ord", a.get("p", 2))
+    order = 2.0 if order is None else float(order)
+    if order == 0 or a.get("dtype") is not None:
+        raise Unmapped("the 0-norm (a count), or a norm in another dtype")
+    rank, dtype = t.rank(x), t.type_of(x).dtype
+    attrs = {"dims": _reduced_dims(a.get("dim"), rank), "keepdim": bool(a.get("keepdim"))}
+    wide = dtype if dtype in ("float32", "float64") else "float32"
+    if wide != dtype:
+        x = t.emit("cast", [x], {"dtype": wide})
+    if order == 2:
+        y = t.emit("sqrt", [t.emit("sum", [t.emit("square", [x])], attrs)])
+    elif order == 1:
+        y = t.emit("sum", [t.emit("abs", [x])], attrs)
+    elif order in (float("inf"), float("-inf")):
+        y = t.emit("amax" if order > 0 else "amin", [t.emit("abs", [x])], attrs)
+    else:
+        powered = t.emit("pow", [t.emit("abs", [x]), t.operand(order, wide)])
+        y = t.emit("pow", [t.emit("sum", [powered], attrs), t.operand(1.0 / order, wide)])
+    return t.emit("cast", [y], {"dtype": t.out_type.dtype}) if t.out_type.dtype != wide else y
+
+
+@maps("addcmul", "addcdiv")
+def _addcmul(t: Translator, a: dict) -> str:
+    """self + value * tensor1 * tensor2 (or / tensor2): mul (div), a scale where value is not 1, add."""
+    product = t.emit("mul" if t.op_name == "addcmul" else "div", [a["tensor1"], a["tensor2"]])
+    value = a.get("value", 1)
+    if value != 1:
+        product = t.emit("mul", [product, t.operand(value)])
+    return t.emit("add", [a["self"], product])
+
+
 def _max_pool(t: Translator, a: dict) -> str:
     kernel = _pair(a["kernel_size"])
     stride = _pair(a["stride"]) if a["stride"] else kernel  # empty stride means "the kernel size"
