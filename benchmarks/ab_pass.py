@@ -1,8 +1,8 @@
 """A/B one change on some workloads: opfuse compiled with the default pipeline and config (A), and with one graph
 pass left out or one off-by-default FusionConfig switch on (B), both in one process.
 
-    python benchmarks/ab_pass.py --workloads gpt2:1,vit_b_16:64 --without sink_reshapes --out DIR
-    python benchmarks/ab_pass.py --workloads gpt2:1 --enable norm_prologue --out DIR
+    python -m benchmarks.ab_pass --workloads gpt2:1,vit_b_16:64 --without sink_reshapes --out DIR
+    python -m benchmarks.ab_pass --workloads gpt2:1 --enable norm_prologue --out DIR
 
 Both compiles follow the zoo's protocol (fp16, `opfuse.bench.harness.prepare`, inference mode, default
 FusionConfig but fp16); each tunes into a cache of its own, and its compile seconds are recorded (Triton's kernel
@@ -25,8 +25,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def kernel_times(replay, runs: int = 5) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Where the module call's time over the bare CUDA graph replay goes (issue 17, item 3), on the GPU.
 
-    python benchmarks/call_overhead.py --workloads resnet50:1,resnext50_32x4d:1 [--out DIR] [--rounds 20]
+    python -m benchmarks.call_overhead --workloads resnet50:1,resnext50_32x4d:1 [--out DIR] [--rounds 20]
 
 Each workload is compiled once (fp16, the zoo's protocol form, no autotuning: the call path does not depend on
 the configs) and then timed, by the zoo's clock (latency from an idle GPU, rounds interleaved), as a ladder of
@@ -34,9 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
+import torch
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -75,7 +73,7 @@ def measure(name: str, batch: int, rounds: int, with_inductor: bool = False) -> 
 
         mine = [x.clone() for x in inputs]      # the caller's own tensors: the model moves to private buffers
         compiled(*mine)
-        graph, statics, outs = runtime._cuda_graph, runtime._static_inputs, runtime._static_outputs
+        graph, statics, outs = runtime._cuda_graph, runtime.static_inputs, runtime._static_outputs
 
         def copy_in():
             for static, x in zip(statics, mine):

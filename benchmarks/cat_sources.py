@@ -1,6 +1,6 @@
 """What a concatenation's number of inputs costs a pointwise kernel that reads it (DenseNet's cat + BN + ReLU).
 
-    PYTHONPATH=. python3 benchmarks/cat_sources.py [--out DIR] [--sources 1,2,4,8,16,32]
+    python -m benchmarks.cat_sources [--out DIR] [--sources 1,2,4,8,16,32]
 
 For each n: relu(batch_norm(cat(x_1..x_n, dim=1))) on n channels-last fp16 inputs that split C=512 channels
 equally (batch 64, 28x28: the same bytes for every n), compiled by opfuse (one pointwise kernel: each input loaded

@@ -1,6 +1,6 @@
 """Cold-compile seconds of opfuse with and without the parallel compile workers (issue 17), on a GPU.
 
-    python benchmarks/compile_time.py --workloads resnet50:1,efficientnet_b0:1 --workers 1,8 [--out DIR] [--profile]
+    python -m benchmarks.compile_time --workloads resnet50:1,efficientnet_b0:1 --workers 1,8 [--out DIR] [--profile]
                                       [--warm]
 
 Each (workload, workers) compiles in a process of its own from empty caches (Triton's and opfuse's tuning cache),
@@ -31,8 +31,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 # the stages of opfuse's compile a Triton compile in the main process is attributed to: the innermost on its stack
@@ -131,8 +129,8 @@ def run_child(model: str, batch: str, workers: str, cache: str, warm: bool, args
                TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                OPFUSE_WORKER_LOG=os.path.join(cache, f"workers{suffix}.jsonl"))
     profile_to = str(Path(args.out) / f"{model}-bs{batch}-w{workers}{suffix}.prof") if args.profile else ""
-    done = subprocess.run([sys.executable, __file__, "--child", model, batch, workers, cache, profile_to],
-                          env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--child", model, batch, workers, cache,
+                           profile_to], env=env, capture_output=True, text=True)
     line = next((l for l in reversed(done.stdout.splitlines()) if l.startswith("{")), None)
     row = json.loads(line) if line else {"workload": f"{model}-bs{batch}", "workers": workers,
                                          "error": (done.stderr or done.stdout)[-2000:]}

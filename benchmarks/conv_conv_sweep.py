@@ -13,7 +13,7 @@ For each of mobilenet_v2's 17 blocks at each batch given, fp16, channels-last, a
 Each contender is captured with REPEAT calls in one CUDA graph (so the graph's own launch is spread over them) and
 timed by the median of CUDA events; each config's output is compared with the unsplit default's.
 
-    python benchmarks/conv_conv_sweep.py --out DIR [--batches 1,64] [--blocks 1-17] [--sweep base|deep]
+    python -m benchmarks.conv_conv_sweep --out DIR [--batches 1,64] [--blocks 1-17] [--sweep base|deep]
 
 Writes DIR/conv_conv_sweep.json and DIR/conv_conv_sweep.md after every block.
 """
@@ -25,25 +25,22 @@ import gc
 import json
 import sys
 import traceback
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import opfuse
+from opfuse.bench import harness
+from opfuse.bench.timing import graphed_call_us
+from opfuse.bench.zoo import load_builtin
+from opfuse.codegen.base import KernelConfig
+from opfuse.fusion.legality import is_depthwise_conv
+from opfuse.fusion.plan import GroupKind
+from opfuse.fusion.resources import leaves_a_slice_empty
+from opfuse.fusion.tiles import next_power_of_2
+from opfuse.numerics import relative_error
 
-import opfuse  # noqa: E402
-from opfuse.bench import harness  # noqa: E402
-from opfuse.bench.timing import graphed_call_us  # noqa: E402
-from opfuse.bench.zoo import load_builtin  # noqa: E402
-from opfuse.codegen.base import KernelConfig  # noqa: E402
-from opfuse.fusion.legality import is_depthwise_conv  # noqa: E402
-from opfuse.fusion.plan import GroupKind  # noqa: E402
-from opfuse.fusion.resources import _pow2, leaves_a_slice_empty  # noqa: E402
-from opfuse.numerics import relative_error  # noqa: E402
-
-from mobilenet_blocks import BLOCKS, block_runner, parse_blocks  # noqa: E402  (registers h200forced)
+from benchmarks.mobilenet_blocks import BLOCKS, block_runner, parse_blocks  # registers h200forced
 
 REPEAT = 20
 SPLITS = (1, 2, 4, 8)
@@ -58,6 +55,11 @@ SWEEPS = {
 }
 
 
+def block_size(n: int) -> int:
+    """The power of two a tile dimension of n elements is cut to: the next one up, at least 16 (tl.dot's least)."""
+    return max(16, next_power_of_2(n))
+
+
 def sweep_configs(kernel, sweep: str = "base") -> list[KernelConfig]:
     """The kernel's first config (the plan's tile: what runs untuned), then the sweep's tiles, each with its mid-
     channel slices. (Runs 16 and 17 began with the old default tile instead, 128 x N x 32 unsplit.)"""
@@ -66,8 +68,9 @@ def sweep_configs(kernel, sweep: str = "base") -> list[KernelConfig]:
     tiles = [dict(first.params, num_warps=first.num_warps, num_stages=first.num_stages)]
     for bm, bn, bk, warps, stages, splits in SWEEPS[sweep]:
         for split in splits:
-            tiles.append({"BLOCK_M": min(bm, _pow2(m)), "BLOCK_N": min(bn or 256, _pow2(n)),
-                          "BLOCK_K": min(bk, _pow2(c_mid)), "num_stages": stages, "num_warps": warps, "SPLIT_K": split})
+            tiles.append({"BLOCK_M": min(bm, block_size(m)), "BLOCK_N": min(bn or 256, block_size(n)),
+                          "BLOCK_K": min(bk, block_size(c_mid)), "num_stages": stages, "num_warps": warps,
+                          "SPLIT_K": split})
     configs = []
     for t in tiles:
         if t["SPLIT_K"] > 1 and leaves_a_slice_empty(-(-c_mid // t["BLOCK_K"]), t["SPLIT_K"]):

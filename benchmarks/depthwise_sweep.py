@@ -12,7 +12,7 @@ channels, size, filter and stride) at each batch given, fp16, channels-last, wit
 Each contender is captured with REPEAT calls in one CUDA graph and timed by the median of CUDA events; each output
 is compared with cuDNN's in float32.
 
-    python benchmarks/depthwise_sweep.py --out DIR [--batches 1,64] [--budget 480] [--models convnext]
+    python -m benchmarks.depthwise_sweep --out DIR [--batches 1,64] [--budget 480] [--models convnext]
                                          [--row-loop-twins]
 
 Writes DIR/depthwise_sweep.json and DIR/depthwise_sweep.md after every layer; stops starting layers once `--budget`
@@ -25,21 +25,18 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from opfuse.bench import harness  # noqa: E402
-from opfuse.bench.timing import graphed_call_us  # noqa: E402
-from opfuse.codegen.base import KernelConfig  # noqa: E402
-from opfuse.codegen.conv import (DEPTHWISE_CONFIGS, SMALL_DEPTHWISE_CONFIGS, lower_conv_group,  # noqa: E402
+from opfuse.bench import harness
+from opfuse.bench.timing import graphed_call_us
+from opfuse.codegen.base import KernelConfig
+from opfuse.codegen.conv import (DEPTHWISE_CONFIGS, SMALL_DEPTHWISE_CONFIGS, lower_conv_group,
                                  unrolled_tap_registers)
-from opfuse.fusion.plan import GroupKind  # noqa: E402
-from opfuse.numerics import relative_error  # noqa: E402
-from tests.kernels.test_conv_kernels import Builder  # noqa: E402
+from opfuse.fusion.plan import GroupKind
+from opfuse.numerics import relative_error
+from tests.kernels.test_conv_kernels import Builder
 
 REPEAT = 20
 

@@ -1,6 +1,6 @@
 """End-to-end error of one zoo model compiled in float32, under one tl.dot precision for float32 operands.
 
-    PYTHONPATH=. OUT=out python3 benchmarks/fp32_precision.py MODEL PRECISION
+    OUT=out python -m benchmarks.fp32_precision MODEL PRECISION
 
 PRECISION: tf32, tf32x3 (`opfuse.numerics.TF32_DOT` set to it; cuDNN's tf32 switch left on, as by default) or ieee
 (cuDNN's tf32 switch off, so every float32 dot of opfuse and of eager runs in full float32). Prints and writes

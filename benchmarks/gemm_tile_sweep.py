@@ -11,8 +11,8 @@ With --groups, those groups of every workload are swept instead (any anchor kern
 reduction: a stem conv that gathers its taps, a linear + GELU), e.g. the groups whose measured time exceeds the cost
 model's prediction most (RESULTS.md, 2026-12-05 offline).
 
-    python benchmarks/gemm_tile_sweep.py --out DIR [--workloads efficientnet_b0:64,mobilenet_v2:64] [--top 6]
-    python benchmarks/gemm_tile_sweep.py --out DIR --workloads resnet50:64,convnext_tiny:64 --groups g0,g7
+    python -m benchmarks.gemm_tile_sweep --out DIR [--workloads efficientnet_b0:64,mobilenet_v2:64] [--top 6]
+    python -m benchmarks.gemm_tile_sweep --out DIR --workloads resnet50:64,convnext_tiny:64 --groups g0,g7
 
 Writes DIR/gemm_tile_sweep.json and prints a table per kernel.
 """
@@ -22,23 +22,20 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import opfuse  # noqa: E402
-from opfuse.bench.harness import prepare  # noqa: E402
-from opfuse.bench.zoo import load_builtin  # noqa: E402
-from opfuse.codegen.base import KernelConfig  # noqa: E402
-from opfuse.codegen.forms import EpilogueKernel  # noqa: E402
-from opfuse.codegen.lower import lower_plan  # noqa: E402
-from opfuse.numerics import relative_error  # noqa: E402
-from opfuse.runtime.autotune import graph_time  # noqa: E402
-from opfuse.runtime.compiled import CompiledModel  # noqa: E402
-from opfuse.runtime.precompile import default_workers, precompile  # noqa: E402
+import opfuse
+from opfuse.bench.harness import prepare
+from opfuse.bench.zoo import load_builtin
+from opfuse.codegen.base import KernelConfig
+from opfuse.codegen.forms import EpilogueKernel
+from opfuse.codegen.lower import lower_plan
+from opfuse.numerics import relative_error
+from opfuse.runtime.autotune import graph_time
+from opfuse.runtime.compiled import CompiledModel
+from opfuse.runtime.precompile import default_workers, precompile
 
 
 def reduction_of(graph, anchor: str) -> int | None:

@@ -50,7 +50,7 @@ case "$stage" in
     wait
     tail -15 "$OUT/gpu-tests.log"; tail -15 "$OUT/property.log" ;;
   bench)
-    timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/run_all.py --out "$OUT" --tune-top "${TUNE_TOP:-2}" \
+    timeout "${BENCH_TIMEOUT:-560}" python3 -m benchmarks.run_all --out "$OUT" --tune-top "${TUNE_TOP:-2}" \
       ${NO_SPLIT_K:+--no-split-k} ${NO_LIBRARY:+--no-library} \
       --workloads "${WORKLOADS:-resnet50:1,mobilenet_v2:1,bert-base:1,resnet50:64,mobilenet_v2:64,bert-base:64,resnet18:1,resnet18:64}" \
       > "$OUT/bench.log" 2>&1
@@ -58,9 +58,9 @@ case "$stage" in
   splitk)   # batch-1 workloads: every contender with split-K off, then opfuse alone with it on (issue 4)
     mkdir -p "$OUT/split-off" "$OUT/split-on"
     workloads=${WORKLOADS:-resnet50:1,bert-base:1,mobilenet_v2:1,resnet18:1}
-    timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/run_all.py --out "$OUT/split-off" --tune-top "${TUNE_TOP:-0}" \
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.run_all --out "$OUT/split-off" --tune-top "${TUNE_TOP:-0}" \
       --no-split-k --workloads "$workloads" > "$OUT/split-off/bench.log" 2>&1
-    timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/run_all.py --out "$OUT/split-on" --tune-top "${TUNE_TOP:-0}" \
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.run_all --out "$OUT/split-on" --tune-top "${TUNE_TOP:-0}" \
       --contenders opfuse --workloads "$workloads" > "$OUT/split-on/bench.log" 2>&1
     cat "$OUT/split-off/RESULTS.md" "$OUT/split-on/RESULTS.md" ;;
   profile)
@@ -72,38 +72,38 @@ case "$stage" in
       tests/gpu/test_property_gpu.py > "$OUT/property.log" 2>&1
     tail -30 "$OUT/property.log" ;;
   blocks)
-    timeout "${BLOCKS_TIMEOUT:-560}" python3 benchmarks/mobilenet_blocks.py --out "$OUT/blocks" --blocks "${BLOCKS:-1-8}" \
+    timeout "${BLOCKS_TIMEOUT:-560}" python3 -m benchmarks.mobilenet_blocks --out "$OUT/blocks" --blocks "${BLOCKS:-1-8}" \
       --whole "${WHOLE:-}" --tune-top "${TUNE_TOP:-2}" > "$OUT/blocks.log" 2>&1
     tail -30 "$OUT/blocks.log" ;;
   check)    # the compile workers and the call path (issue 17): cold compile seconds of opfuse without and with
             # the workers (benchmarks/compile_time.py), then the GPU tests of the runtime and of the workers
-    timeout "${COMPILE_TIMEOUT:-300}" python3 benchmarks/compile_time.py --workloads "${WORKLOADS:-resnet50:1}" \
+    timeout "${COMPILE_TIMEOUT:-300}" python3 -m benchmarks.compile_time --workloads "${WORKLOADS:-resnet50:1}" \
       --workers "${WORKERS:-1,8}" --out "$OUT" > "$OUT/compile-time.log" 2>&1
     OPFUSE_GPU_TESTS=1 timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 2 \
       tests/gpu/test_precompile_gpu.py tests/gpu/test_runtime_gpu.py > "$OUT/gpu-tests.log" 2>&1
     cat "$OUT/compile-time.log"; tail -15 "$OUT/gpu-tests.log" ;;
   cold)     # cold compiles, one at a time, each in a process of its own: torch.compile then opfuse (issue 17)
-    timeout "${COMPILE_TIMEOUT:-570}" python3 benchmarks/compile_time.py --workloads "${WORKLOADS:-zoo}" \
+    timeout "${COMPILE_TIMEOUT:-570}" python3 -m benchmarks.compile_time --workloads "${WORKLOADS:-zoo}" \
       --workers inductor,default --out "$OUT" > "$OUT/compile-time.log" 2>&1
     cat "$OUT/compile_time.md" ;;
   zoo)      # the model-zoo benchmark (issue 14): MODELS=a,b BATCHES=1,64 or WORKLOADS=a:1,b:64; ends by ZOO_BUDGET s
-    timeout "${ZOO_TIMEOUT:-585}" python3 benchmarks/zoo.py --out "$OUT" ${MODELS:+--models "$MODELS"} \
+    timeout "${ZOO_TIMEOUT:-585}" python3 -m benchmarks.zoo --out "$OUT" ${MODELS:+--models "$MODELS"} \
       ${WORKLOADS:+--workloads "$WORKLOADS"} \
       --batches "${BATCHES:-1,64}" --cold-parallel "${COLD_PARALLEL:-1}" --budget "${ZOO_BUDGET:-560}" \
       --cold-timeout "${COLD_TIMEOUT:-420}" ${ENABLE:+--enable "$ENABLE"} \
       --tune-top "${TUNE_TOP:-4}" > "$OUT/zoo-run.log" 2>&1
     cat "$OUT/ZOO.md" ;;
   overhead) # the module call's time over the bare replay, step by step (issue 17, item 3)
-    timeout "${OVERHEAD_TIMEOUT:-300}" python3 benchmarks/call_overhead.py --out "$OUT" ${WITH_INDUCTOR:+--with-inductor} \
+    timeout "${OVERHEAD_TIMEOUT:-300}" python3 -m benchmarks.call_overhead --out "$OUT" ${WITH_INDUCTOR:+--with-inductor} \
       --workloads "${WORKLOADS:-resnet50:1,resnext50_32x4d:1}" > "$OUT/call-overhead.log" 2>&1
     cat "$OUT/call-overhead.log" ;;
   ab)       # A/B of one change, both compiles cold and timed in one process (ends by AB_BUDGET s)
-    timeout "${AB_TIMEOUT:-585}" python3 benchmarks/ab_pass.py --out "$OUT" --workloads "${WORKLOADS:?WORKLOADS=model:batch,...}" \
+    timeout "${AB_TIMEOUT:-585}" python3 -m benchmarks.ab_pass --out "$OUT" --workloads "${WORKLOADS:?WORKLOADS=model:batch,...}" \
       ${ENABLE:+--enable "$ENABLE"} ${WITHOUT:+--without "$WITHOUT"} --budget "${AB_BUDGET:-400}" \
       --tune-top "${TUNE_TOP:-4}" > "$OUT/ab.log" 2>&1
     cat "$OUT/ab.log" ;;
   onnx)     # ONNX against PyTorch compiles of the zoo's torchvision models (issue 18, item 4), in one process
-    timeout "${ONNX_TIMEOUT:-585}" python3 benchmarks/onnx_zoo.py --out "$OUT" ${MODELS:+--models "$MODELS"} \
+    timeout "${ONNX_TIMEOUT:-585}" python3 -m benchmarks.onnx_zoo --out "$OUT" ${MODELS:+--models "$MODELS"} \
       --batches "${BATCHES:-1}" --budget "${ONNX_BUDGET:-540}" --tune-top "${TUNE_TOP:-4}" \
       > "$OUT/onnx-zoo.log" 2>&1
     cat "$OUT/ONNX_ZOO.md" || tail -30 "$OUT/onnx-zoo.log" ;;

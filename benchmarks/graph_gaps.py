@@ -1,7 +1,7 @@
 """Where the CUDA graph replays of opfuse and of eager idle: one replay of each under torch.profiler, its time split
 into kernels, copies/memsets and idle gaps, and the largest gaps with the activities on both sides.
 
-    python benchmarks/graph_gaps.py --out DIR [--workloads bert-base:64,bert-base:1] [--tune-top 1] [--with-inductor]
+    python -m benchmarks.graph_gaps --out DIR [--workloads bert-base:64,bert-base:1] [--tune-top 1] [--with-inductor]
 
 Why: in run 12 (benchmarks/RESULTS.md) opfuse's bert-base bs64 graph replayed in 3.491 ms with 3.317 ms of kernels,
 eager's in 3.705 ms with 3.705 ms of kernels. Writes DIR/gaps.json (with every activity of each replay, in order,
@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import opfuse  # noqa: E402
-from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs  # noqa: E402
-from opfuse.bench.gaps import by_family, idle_gaps, replay_activities, summarize  # noqa: E402
-from opfuse.bench.harness import cuda_graphed, frozen_inductor, prepare, torch_compiled  # noqa: E402
-from opfuse.bench.zoo import load_builtin  # noqa: E402
+import opfuse
+from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs
+from opfuse.bench.gaps import by_family, idle_gaps, replay_activities, summarize
+from opfuse.bench.harness import cuda_graphed, frozen_inductor, prepare, torch_compiled
+from opfuse.bench.zoo import load_builtin
 
 
 def report(label: str, replay) -> dict:

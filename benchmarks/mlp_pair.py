@@ -14,7 +14,7 @@ Contenders, each in a CUDA graph of REPEAT calls, median of CUDA events, fp16, i
   inductor   torch.compile of the same three ops (default mode)
 Each output is compared with the float32 reference by relative error.
 
-    python benchmarks/mlp_pair.py --out DIR [--batches 64,1]
+    python -m benchmarks.mlp_pair --out DIR [--batches 64,1]
 
 Writes DIR/mlp_pair.json and DIR/mlp_pair.md.
 """
@@ -25,17 +25,14 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from opfuse.codegen.base import load_source  # noqa: E402
-from opfuse.codegen.expr import emit  # noqa: E402
-from opfuse.fusion.tiles import next_power_of_2  # noqa: E402
-from opfuse.numerics import relative_error  # noqa: E402
+from opfuse.codegen.base import load_source
+from opfuse.codegen.expr import emit
+from opfuse.fusion.tiles import next_power_of_2
+from opfuse.numerics import relative_error
 
 REPEAT = 20
 MAX_OUT = 256          # output features one program's float32 accumulator holds

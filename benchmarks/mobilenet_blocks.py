@@ -16,7 +16,7 @@ median of CUDA events. The row also has the plan's numbers: predicted times, byt
 after, bytes saved, launches. With --whole, the whole model at each batch given (default 1 and 64) against
 torch.compile + CUDA graph in the same run.
 
-    python benchmarks/mobilenet_blocks.py --out DIR [--batch 64] [--blocks 1-17] [--whole 1,64] [--tune-top 4]
+    python -m benchmarks.mobilenet_blocks --out DIR [--batch 64] [--blocks 1-17] [--whole 1,64] [--tune-top 4]
 
 Writes DIR/mobilenet_blocks.json and DIR/mobilenet_blocks.md (paste the table into benchmarks/RESULTS.md), the
 whole model first, then again after every block, so a run stopped by a time limit keeps what it measured.
@@ -32,21 +32,18 @@ import sys
 import time
 import traceback
 from dataclasses import asdict
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import opfuse  # noqa: E402
-from opfuse import hardware  # noqa: E402
-from opfuse.bench import harness  # noqa: E402
-from opfuse.bench.zoo import load_builtin  # noqa: E402
-from opfuse.fusion.legality import is_depthwise_conv, is_pointwise_conv  # noqa: E402
-from opfuse.fusion.plan import FusionGroup, GroupKind  # noqa: E402
-from opfuse.ir.ops import get_op  # noqa: E402
-from opfuse.numerics import relative_error  # noqa: E402
+import opfuse
+from opfuse import hardware
+from opfuse.bench import harness
+from opfuse.bench.zoo import load_builtin
+from opfuse.fusion.legality import is_depthwise_conv, is_pointwise_conv
+from opfuse.fusion.plan import FusionGroup, GroupKind
+from opfuse.ir.ops import get_op
+from opfuse.numerics import relative_error
 
 BLOCKS = range(1, 18)   # model.features[1..17] are the InvertedResidual blocks
 

@@ -1,7 +1,7 @@
 """opfuse from an .onnx file against opfuse from the same PyTorch model (issue 18, item 4), and both against
 onnxruntime, for the zoo's torchvision models, in one process.
 
-    python benchmarks/onnx_zoo.py --out DIR [--models resnet50,mobilenet_v2,...] [--batches 1] [--budget SECONDS]
+    python -m benchmarks.onnx_zoo --out DIR [--models resnet50,mobilenet_v2,...] [--batches 1] [--budget SECONDS]
                                   [--tune-top N] [--exporter auto|dynamo|torchscript] [--device cuda|cpu]
 
 For each model and batch (default: every torchvision model of `opfuse.bench.zoo.ZOO_MODELS` at batch 1):
@@ -50,12 +50,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from opfuse.bench import harness  # noqa: E402
-from opfuse.bench.timing import interleaved_samples, kernel_profile, spread_of, summarize  # noqa: E402
+from opfuse.bench import harness
+from opfuse.bench.timing import interleaved_samples, kernel_profile, spread_of, summarize
 
 MIN_MODEL_S = 60.0      # build, export, two compiles and timing of the smallest zoo model: start none with less left
 FRONTENDS = ("pytorch", "onnx")

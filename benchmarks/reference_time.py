@@ -1,7 +1,7 @@
 """Seconds of verification's float32 reference, op by op, with cuDNN on and off (issue 17: verification that does not
 dominate a compile).
 
-    python benchmarks/reference_time.py --out DIR [--workloads convnext_tiny:64,mobilenet_v2:64,resnet50:1]
+    python -m benchmarks.reference_time --out DIR [--workloads convnext_tiny:64,mobilenet_v2:64,resnet50:1]
 
 For each workload (fp16, channels-last, the prepared graph `opfuse.analyze` plans): the graph's reference values
 computed op by op in float32 as `opfuse.numerics.interpret_all` does, three times in one process (cuDNN on, on
@@ -18,17 +18,14 @@ import json
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import opfuse  # noqa: E402
-from opfuse.bench import harness  # noqa: E402
-from opfuse.bench.zoo import load_builtin  # noqa: E402
-from opfuse.config import FusionConfig  # noqa: E402
-from opfuse.numerics import (_interpret_all, cudnn_setting, random_inputs_like,  # noqa: E402
+import opfuse
+from opfuse.bench import harness
+from opfuse.bench.zoo import load_builtin
+from opfuse.config import FusionConfig
+from opfuse.numerics import (_interpret_all, cudnn_setting, random_inputs_like,
                              without_cudnn_search)
 
 

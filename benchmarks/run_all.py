@@ -8,7 +8,7 @@ against eager in float32; opfuse both through its module call and as its bare gr
 The floor of each workload is measured too: FLOPs over the measured fp16 matrix rate, and the fewest bytes
 (weights, inputs and outputs once) over the measured copy bandwidth.
 
-    python benchmarks/run_all.py --out DIR [--workloads resnet50:1,resnet50:64,...] [--results benchmarks/RESULTS.md]
+    python -m benchmarks.run_all --out DIR [--workloads resnet50:1,resnet50:64,...] [--results benchmarks/RESULTS.md]
 
 Writes DIR/results.json and DIR/RESULTS.md (the table, with date, GPU, driver, torch and triton versions). The
 measuring itself lives in opfuse/bench/harness.py (`run_workload`), which `opfuse bench MODEL` runs too.
@@ -22,14 +22,12 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import opfuse  # noqa: E402
-from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs  # noqa: E402
-from opfuse.bench.harness import (CONTENDERS, TIMED, environment, geometric_mean, measure_ceilings,  # noqa: E402
+import opfuse
+from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs
+from opfuse.bench.harness import (CONTENDERS, TIMED, environment, geometric_mean, measure_ceilings,
                                   run_workload, speedup, start_gpu_run)
-from opfuse.bench.timing import spread_of  # noqa: E402
-from opfuse.bench.zoo import load_builtin  # noqa: E402
+from opfuse.bench.timing import spread_of
+from opfuse.bench.zoo import load_builtin
 
 DEFAULT_WORKLOADS = ("resnet50:1,resnet50:64,mobilenet_v2:1,mobilenet_v2:64,bert-base:1,bert-base:64")
 

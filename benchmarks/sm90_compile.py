@@ -12,10 +12,10 @@ channels-last as opfuse's kernels write them, `channels_last`), so a kernel is s
 except where a real value's strides or alignment differ (a slice of a larger tensor, say). What this cannot say is the time: it finds spills and unvectorised
 memory access before a GPU session, it does not replace measuring.
 
-    python benchmarks/sm90_compile.py shufflenet_v2_x1_0 --batch 64 [--forms library] [--json out.json]
-    python benchmarks/sm90_compile.py convnext_tiny --batch 64 --with-ops linear,gelu --tune-top 99 --forms triton
-    python benchmarks/sm90_compile.py convnext_tiny --enable norm_epilogue --with-ops conv2d,layer_norm
-    python benchmarks/sm90_compile.py --compare before.json after.json    # two trees' --json of one model
+    python -m benchmarks.sm90_compile shufflenet_v2_x1_0 --batch 64 [--forms library] [--json out.json]
+    python -m benchmarks.sm90_compile convnext_tiny --batch 64 --with-ops linear,gelu --tune-top 99 --forms triton
+    python -m benchmarks.sm90_compile convnext_tiny --enable norm_epilogue --with-ops conv2d,layer_norm
+    python -m benchmarks.sm90_compile --compare before.json after.json    # two trees' --json of one model
 
 Must run without TRITON_INTERPRET (the interpreter compiles nothing).
 """
@@ -33,7 +33,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VECTOR = re.compile(r"\b(ld|st)\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.(?:b|f|u|s)(\d+)\b")
 ASYNC_COPY = re.compile(r"\bcp\.async\.c[ag]\.shared\.global(?:\.[a-z0-9]+)*\s+\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-fA-F]+|\d+)")

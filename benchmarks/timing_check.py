@@ -1,7 +1,7 @@
 """The autotuner's clock against Triton's: `opfuse.runtime.autotune.graph_time` and `do_bench_cudagraph` on the same
 kernels (fp16 GEMMs and an elementwise op from a microsecond to a millisecond), and the seconds each spends, on a GPU.
 
-    python benchmarks/timing_check.py [--out DIR]
+    python -m benchmarks.timing_check [--out DIR]
 
 Why: graph_time (TIMING_METHOD 3) replaced do_bench_cudagraph in the autotuner to cut a cold compile's timing
 cost; it must measure the same times. Prints one line per kernel and writes DIR/timing_check.json.
@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from opfuse.runtime.autotune import graph_time  # noqa: E402
+from opfuse.runtime.autotune import graph_time
 
 
 def main() -> None:

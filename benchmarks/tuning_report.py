@@ -1,7 +1,7 @@
 """What opfuse's autotuner measured for every group of a workload, on a GPU: each candidate's time, each rejected
 config's reason, the form it kept; with `--profile`, where the cold compile spent its time.
 
-    python benchmarks/tuning_report.py --out DIR --workloads shufflenet_v2_x1_0:64,resnet50:1 [--tune-top 4] [--profile]
+    python -m benchmarks.tuning_report --out DIR --workloads shufflenet_v2_x1_0:64,resnet50:1 [--tune-top 4] [--profile]
 
 Why: run 39's profiles (benchmarks/RESULTS.md) show most of shufflenet_v2's and regnet_y_400mf's convs at batch 64
 running unfused through PyTorch (cuDNN, then PyTorch's strided bias add), where torch.compile runs the same convs
@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import opfuse  # noqa: E402
-from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs  # noqa: E402
-from opfuse.bench.harness import prepare, tuning_rows  # noqa: E402
-from opfuse.bench.timing import timed_compile  # noqa: E402
-from opfuse.bench.zoo import load_builtin  # noqa: E402
+import opfuse
+from opfuse.bench.cli_bench import add_tuning_arguments, tuning_knobs
+from opfuse.bench.harness import prepare, tuning_rows
+from opfuse.bench.timing import timed_compile
+from opfuse.bench.zoo import load_builtin
 
 
 def main() -> None:

@@ -1,10 +1,10 @@
 """The model-zoo benchmark (issue 14): every zoo model at batch 1 and 64, eager, torch.compile and opfuse, each
 workload in processes of its own, by the fair protocol of opfuse/bench/harness.py.
 
-    python benchmarks/zoo.py --out DIR [--models resnet50,gpt2,...] [--batches 1,64] [--cold-parallel N]
+    python -m benchmarks.zoo --out DIR [--models resnet50,gpt2,...] [--batches 1,64] [--cold-parallel N]
                              [--budget SECONDS] [--tune-top N]
-    python benchmarks/zoo.py --report RUN.json [RUN.json ...] -o benchmarks/ZOO.md [--held-out-from N]
-    python benchmarks/zoo.py --fit RUN.json [RUN.json ...] [--json FIT.json]
+    python -m benchmarks.zoo --report RUN.json [RUN.json ...] -o benchmarks/ZOO.md [--held-out-from N]
+    python -m benchmarks.zoo --fit RUN.json [RUN.json ...] [--json FIT.json]
 
 The first form runs the workloads and writes DIR/zoo.json, DIR/ZOO.md and DIR/zoo.log after every child process
 (`--budget` stops starting children after that many seconds, to fit one call of a lent GPU machine); the second
@@ -21,10 +21,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from opfuse.bench.zoo_bench import main as run_main  # noqa: E402
-from opfuse.bench.zoo_report import render  # noqa: E402
+from opfuse.bench.zoo_bench import main as run_main
+from opfuse.bench.zoo_report import render
 
 
 def report(paths: list[str], output: str, held_out_from: int | None = None) -> int:
