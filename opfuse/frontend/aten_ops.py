@@ -566,6 +566,16 @@ def _cat(t: Translator, a: dict) -> str:
     return t.emit("cat", list(a["tensors"]), {"dim": _dim(a["dim"], len(t.out_type.shape))})
 
 
+@maps("stack")
+def _stack(t: Translator, a: dict) -> str:
+    """stack(tensors, dim): each tensor with a size-1 dim inserted at dim (a reshape, no copy), then their cat (an
+    index map of the kernel that reads it)."""
+    out = list(t.out_type.shape)
+    dim = _dim(a.get("dim") or 0, len(out))
+    pieces = [t.emit("reshape", [x], {"shape": out[:dim] + [1] + out[dim + 1:]}) for x in a["tensors"]]
+    return t.emit("cat", pieces, {"dim": dim}) if len(pieces) > 1 else pieces[0]
+
+
 @maps("slice", "narrow", "select")
 def _slice(t: Translator, a: dict) -> str:
     x = t.value(a["self"])

@@ -1,0 +1,55 @@
+"""Index maps on a kernel's loads, on Triton's interpreter: stack (a cat of reshapes), and the captures that plan
+them with nothing through PyTorch. Outputs are NaN-poisoned and compared with the float32 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from opfuse.codegen.lower import groups_through_pytorch
+from opfuse.config import FusionConfig
+from opfuse.frontend.torch_export import capture_torch
+from opfuse.fusion.plan import GroupKind
+from opfuse.fusion.planner import plan_fusion
+from opfuse.ir.interpret import interpret
+from opfuse.passes import prepare_graph
+from tests.kernels.test_pointwise_kernels import Builder, run_group
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def plan_of(model: nn.Module, *inputs: torch.Tensor):
+    """The captured graph (checked against eager through the reference interpreter) and its plan in float32."""
+    graph = capture_torch(model.eval(), inputs)
+    assert not [n.attrs["target"] for n in graph if n.op == "opaque"]
+    torch.testing.assert_close(interpret(graph, list(inputs))[0], model(*inputs), rtol=1e-5, atol=1e-5)
+    prepared, _ = prepare_graph(graph, "float32")
+    return plan_fusion(prepared, FusionConfig(dtype="float32"))
+
+
+@pytest.mark.parametrize("dim", [0, 1, 3])
+def test_stack_of_three_computed_values_along_a_dim(dim):
+    b = Builder()
+    x = b.input("x", (3, 5, 7), b.random(3, 5, 7))
+    y = b.input("y", (3, 5, 7), b.random(3, 5, 7).permute(2, 0, 1).contiguous().permute(1, 2, 0))
+    parts = [b.op("sin", x), b.op("cos", y), b.op("mul", x, y)]
+    shape = [3, 5, 7]
+    shape.insert(dim, 1)
+    stacked = b.op("cat", *[b.op("reshape", p, shape=shape) for p in parts], dim=dim)
+    run_group(b, [b.op("neg", stacked)], GroupKind.POINTWISE)
+
+
+class RotaryTable(nn.Module):
+    """GPT-J / EVA-02 style: sin and cos interleaved by a stack, then flattened and applied."""
+
+    def forward(self, x):
+        s, c = torch.sin(x), torch.cos(x)
+        return torch.stack([-s, c], dim=-1).flatten(-2) * 2.0
+
+
+def test_a_stack_plans_as_one_kernel_with_what_it_feeds():
+    plan = plan_of(RotaryTable(), torch.randn(2, 5, 6))
+    assert groups_through_pytorch(plan) == {}
+    stacks = [g for g in plan.groups if any(plan.graph[n].op == "cat" for n in g.nodes)]
+    assert len(stacks) == 1 and {"sin", "cos", "mul"} <= {plan.graph[n].op for n in stacks[0].nodes}
