@@ -198,7 +198,13 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     config = analysis_config(args)
     with status(args, f"capturing and planning {escape(args.model)}"):
         analysis = load_analysis(args, config)
-    write_json(args.json, analysis.to_dict())
+    buckets = None
+    if args.dynamic:
+        with status(args, f"planning every bucket of {escape(args.model)}"):
+            buckets = dynamic_analyses(args, config)
+        if buckets is None:
+            return EXIT_USAGE
+    write_json(args.json, analysis.to_dict() | ({"buckets": buckets} if buckets is not None else {}))
     if args.html:
         from opfuse.analysis.report import write_report
 
@@ -229,9 +235,48 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
                           "measures faster, which may launch more. No compile of this plan with these settings "
                           "(the tuning flags) is recorded on this device: once one is, analyze reports what it "
                           "runs[/]")
+        if buckets is not None:
+            console.print(buckets_table(buckets, args.dynamic))
         if args.html:
             console.print(f"report: {escape(args.html)}")
     return EXIT_OK
+
+
+def dynamic_analyses(args: argparse.Namespace, config: FusionConfig) -> list[dict] | None:
+    """`opfuse.runtime.dynamic.bucket_analyses` of MODEL over --dynamic's ranges, or None (the error said why)."""
+    from opfuse.bench.harness import protocol_form
+    from opfuse.cli_package import dynamic_dims
+    from opfuse.ir.graph import GraphError, torch_dtype
+    from opfuse.runtime.dynamic import bucket_analyses
+
+    if args.model.endswith(".onnx"):
+        error("analyze", "--dynamic takes a built-in model or a factory; an ONNX file is imported at one shape")
+        return None
+    model, inputs, _ = load_model(args.model, args.batch)
+    model, inputs = protocol_form(model, inputs, torch_dtype(config.dtype), "cpu")
+    try:
+        return bucket_analyses(model, list(inputs), config, dynamic_dims(args.dynamic, list(inputs)))
+    except GraphError as problem:
+        error("analyze", str(problem))
+        return None
+
+
+def buckets_table(buckets: list[dict], spec: list) -> Table:
+    names = [name for name, *_ in spec]
+    table = Table(title=f"Buckets of {', '.join(f'{n}={lo}:{hi}' for n, lo, hi, _ in spec)}: one compiled model "
+                        "each (opfuse.runtime.dynamic)")
+    for column in names + ["launches", "traffic", "predicted", "a call below it"]:
+        table.add_column(column, justify="left" if column == "a call below it" else "right")
+    for bucket in buckets:
+        padding = "; ".join(f"{name} {'padded' if why == 'pads' else 'exact: ' + _short(why)}"
+                            for name, why in bucket["padding"].items()) or "-"
+        table.add_row(*map(str, bucket["sizes"]), str(bucket["launches"]), human_bytes(bucket["bytes"]),
+                      f"{bucket['predicted_s'] * 1e6:.1f} us", escape(padding))
+    return table
+
+
+def _short(text: str, limit: int = 90) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
@@ -358,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--refused", default=30, type=row_limit,
                          help="how many refused fusions to print, or 'all'")
     analyze.add_argument("--html", metavar="FILE", help="also write the HTML fusion report")
+    analyze.add_argument("--dynamic", type=cli_package.dynamic_list, metavar="NAME=MIN:MAX,...",
+                         help="also plan every bucket of these ranges (as opfuse compile --dynamic takes them) and "
+                              "show each one's launches, traffic and predicted time, and what a call below it pads")
     cli_bench.add_tuning_arguments(analyze)
     analyze.set_defaults(handler=cmd_analyze)
 

@@ -359,3 +359,27 @@ def pad_or_cut(inputs: Sequence[torch.Tensor], dims: Sequence[DynamicDim], sizes
         for index, axis in dim.uses:
             result[index] = result[index].narrow(axis, 0, target)
     return result
+
+
+def bucket_analyses(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], config: FusionConfig,
+                    dims: Sequence[DynamicDim]) -> list[dict[str, Any]]:
+    """What `opfuse.analyze` predicts at every bucket of bounded `dims` (the inputs grown or cut from the example
+    to each bucket's sizes): per bucket, its sizes, fused launches, traffic and predicted time, and per dim whether
+    a call below it is padded or why not (as a DynamicModel would decide on that bucket's plan)."""
+    import itertools
+
+    from opfuse.api import analyze
+
+    base = [example_inputs[dim.uses[0][0]].shape[dim.uses[0][1]] for dim in dims]   # the example may lie outside
+    records = []
+    for key in itertools.product(*(bucket_sizes(dim) for dim in dims)):
+        analysis = analyze(model, pad_or_cut(example_inputs, dims, base, key), config)
+        padding = {}
+        for dim, size in zip(dims, key):
+            if size > 1:
+                padding[dim.name] = padding_problem(analysis.prepared, dim)[1] or "pads"
+        fused = analysis.fused
+        records.append({"sizes": list(key), "launches": fused.kernel_launches, "bytes": fused.total_bytes,
+                        "flops": fused.flops, "predicted_s": fused.predicted_time, "padding": padding})
+    return records
+

@@ -60,3 +60,16 @@ def test_compile_dynamic_writes_every_bucket_and_the_package_serves_the_range(tm
         ids = torch.randint(0, 10, shape)
         with torch.no_grad():
             torch.testing.assert_close(loaded(ids), model(ids), rtol=1e-4, atol=1e-5)
+
+
+def test_analyze_dynamic_plans_every_bucket_and_says_what_pads(tmp_path):
+    (tmp_path / "dynamic_tokens.py").write_text(FACTORY)
+    info = tmp_path / "analysis.json"
+    code = main(["analyze", f"{tmp_path / 'dynamic_tokens.py'}:make", "--batch", "2", "--dynamic", "batch=1:4,seq=2:5",
+                 "--dtype", "fp32", "--quiet", "--json", str(info)])
+    assert code == 0
+    buckets = json.loads(info.read_text())["buckets"]
+    assert [tuple(b["sizes"]) for b in buckets] == [(b, s) for b in (1, 2, 4) for s in (2, 4, 5)]
+    assert all(b["launches"] >= 1 and b["predicted_s"] > 0 for b in buckets)
+    assert buckets[-1]["padding"] == {"batch": "pads", "seq": "pads"}       # token by token: both dims pad
+    assert buckets[-1]["bytes"] > buckets[0]["bytes"]
