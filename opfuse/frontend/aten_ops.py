@@ -97,12 +97,40 @@ def _split_like(t: Translator, a: dict[str, Any], squeeze: bool = False) -> Mult
 
 # anchors
 
+@maps("conv1d")
+def _conv1d(t: Translator, a: dict) -> str:
+    """A 1-D convolution of [N, C, L] as the 2-D one of [N, C, 1, L] with a [Co, Ci/g, 1, K] weight (reshapes, no
+    copy; the weight's folds into a constant): the conv templates take it, the same arithmetic."""
+    x, weight = t.value(a["input"]), t.value(a["weight"])
+    if t.rank(x) != 3:
+        raise Unmapped("an unbatched 1-D convolution")
+    n, c, length = t.type_of(x).shape
+    w_shape = list(t.type_of(weight).shape)
+    single = lambda v: int(list(v)[0]) if isinstance(v, (list, tuple)) else int(v)   # noqa: E731
+    padding = a["padding"]
+    if padding == "same":
+        total = single(a["dilation"]) * (w_shape[2] - 1)
+        if total % 2:
+            raise Unmapped("'same' padding that is not symmetric")
+        padding = total // 2
+    elif padding == "valid":
+        padding = 0
+    image = t.emit("reshape", [x], {"shape": [n, c, 1, length]})
+    kernel = t.emit("reshape", [weight], {"shape": w_shape[:2] + [1, w_shape[2]]})
+    inputs = [image, kernel] + ([a["bias"]] if a["bias"] is not None else [])
+    y = t.emit("conv2d", inputs, {"stride": (1, single(a["stride"])), "padding": (0, single(padding)),
+                                  "dilation": (1, single(a["dilation"])), "groups": int(a["groups"])})
+    return t.emit("reshape", [y], {"shape": list(t.out_type.shape)})
+
+
 @maps("conv2d", "convolution", "_convolution")
 def _conv2d(t: Translator, a: dict) -> str:
     if a.get("transposed"):
         raise Unmapped("transposed convolution")
+    if t.rank(a["input"]) == 3 and t.op_name != "conv2d" and len(list(a["stride"])) == 1:
+        return _conv1d(t, a)
     if t.rank(a["input"]) != 4:
-        raise Unmapped("only 2-D convolutions of NCHW inputs map to conv2d")
+        raise Unmapped("only 1-D and 2-D convolutions of batched inputs map to conv2d")
     stride, dilation, padding = _pair(a["stride"]), _pair(a["dilation"]), a["padding"]
     if padding == "valid":
         padding = 0
