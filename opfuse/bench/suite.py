@@ -109,10 +109,13 @@ HIDDEN, LAYERS, HEADS, FFN, VOCAB, SEQ = 256, 2, 4, 512, 1024, 128
 
 
 def hf_model(name: str, family: str, model_class: str, config_class: str, config: dict, inputs: str = "text",
-             seq: int = SEQ, part: str | None = None, **call) -> SuiteModel:
+             seq: int = SEQ, part: str | None = None, argument: str | None = None, **call) -> SuiteModel:
     """A transformers model from `config_class(**config)`; `inputs`: text (token ids [1, seq]), image ([1, 3, 224,
     224] pixels, or the config's image_size), features ([1, mels, frames] for speech encoders: `seq` frames), wave
-    ([1, seq] samples); `part`: the attribute to analyse instead of the whole model (a speech model's encoder)."""
+    ([1, seq] samples); `part`: the attribute to analyse instead of the whole model (a speech model's encoder);
+    `argument`: the forward's keyword for the input, where it is not the usual one."""
+    argument_name = argument
+
     def build() -> tuple[nn.Module, Inputs]:
         import transformers
 
@@ -134,7 +137,7 @@ def hf_model(name: str, family: str, model_class: str, config_class: str, config
             argument, x = "input_values", torch.randn(1, seq, generator=generator)
         else:
             raise ValueError(f"unknown inputs {inputs!r}")
-        return Call(model, argument, **call).eval(), (x,)
+        return Call(model, argument_name or argument, **call).eval(), (x,)
     return SuiteModel(name, family, "transformers", build)
 
 
@@ -145,6 +148,7 @@ def _llama_like(**extra) -> dict:
 
 BERT_LIKE = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,
                  vocab_size=VOCAB, max_position_embeddings=512)
+TOKENS_IN_VOCABULARY = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)   # defaults lie past the small vocabulary
 VISION_HF = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN)
 NO_CACHE = {"use_cache": False}
 
@@ -231,13 +235,14 @@ SUITE: list[SuiteModel] = [
     hf_model("deberta_v2", "encoder", "DebertaV2Model", "DebertaV2Config", BERT_LIKE),
     hf_model("mobilebert", "encoder", "MobileBertModel", "MobileBertConfig",
              dict(num_hidden_layers=LAYERS, vocab_size=VOCAB)),
-    hf_model("modernbert", "encoder", "ModernBertModel", "ModernBertConfig", BERT_LIKE),
+    hf_model("modernbert", "encoder", "ModernBertModel", "ModernBertConfig",
+             BERT_LIKE | TOKENS_IN_VOCABULARY | dict(cls_token_id=1, sep_token_id=2)),
     hf_model("t5_encoder", "encoder", "T5EncoderModel", "T5Config",
              dict(d_model=HIDDEN, num_layers=LAYERS, num_heads=HEADS, d_kv=64, d_ff=FFN, vocab_size=VOCAB,
                   use_cache=False)),
-    hf_model("hf_vit", "vit", "ViTModel", "ViTConfig", VISION_HF),
-    hf_model("clip_vision", "vit", "CLIPVisionModel", "CLIPVisionConfig", VISION_HF),
-    hf_model("dinov2", "vit", "Dinov2Model", "Dinov2Config", VISION_HF),
+    hf_model("hf_vit", "vit", "ViTModel", "ViTConfig", VISION_HF, inputs="image"),
+    hf_model("clip_vision", "vit", "CLIPVisionModel", "CLIPVisionConfig", VISION_HF, inputs="image"),
+    hf_model("dinov2", "vit", "Dinov2Model", "Dinov2Config", VISION_HF, inputs="image"),
     hf_model("segformer", "hybrid", "SegformerModel", "SegformerConfig", {}, inputs="image"),
     # decoders
     hf_model("gpt2", "decoder", "GPT2Model", "GPT2Config",
@@ -250,7 +255,7 @@ SUITE: list[SuiteModel] = [
     hf_model("qwen2", "decoder", "Qwen2Model", "Qwen2Config", _llama_like()),
     hf_model("qwen3", "decoder", "Qwen3Model", "Qwen3Config", _llama_like(head_dim=64)),
     hf_model("gemma2", "decoder", "Gemma2Model", "Gemma2Config", _llama_like(head_dim=64)),
-    hf_model("phi3", "decoder", "Phi3Model", "Phi3Config", _llama_like()),
+    hf_model("phi3", "decoder", "Phi3Model", "Phi3Config", _llama_like(**TOKENS_IN_VOCABULARY)),
     hf_model("falcon", "decoder", "FalconModel", "FalconConfig",
              dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, vocab_size=VOCAB,
                   use_cache=False)),
@@ -268,11 +273,12 @@ SUITE: list[SuiteModel] = [
     hf_model("whisper_encoder", "audio", "WhisperModel", "WhisperConfig",
              dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
                   decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, vocab_size=VOCAB,
-                  num_mel_bins=80, max_source_positions=100), inputs="features", seq=200, part="encoder"),
+                  num_mel_bins=80, max_source_positions=100, decoder_start_token_id=1, **TOKENS_IN_VOCABULARY),
+             inputs="features", seq=200, part="encoder"),
     hf_model("wav2vec2", "audio", "Wav2Vec2Model", "Wav2Vec2Config", VISION_HF, inputs="wave", seq=16000),
     hf_model("hubert", "audio", "HubertModel", "HubertConfig", VISION_HF, inputs="wave", seq=16000),
     hf_model("ast", "audio", "ASTModel", "ASTConfig", VISION_HF | dict(max_length=128, num_mel_bins=128),
-             inputs="features", seq=128),
+             inputs="features", seq=128, argument="input_values"),
     # MoE
     hf_model("mixtral", "moe", "MixtralModel", "MixtralConfig",
              _llama_like(num_local_experts=4, num_experts_per_tok=2)),
