@@ -19,8 +19,11 @@ The protocol:
 - kernels per forward are counted by torch.profiler on what is timed (a graph replay is profiled kernel by
   kernel), copies and memsets left out; the relative error of each contender's output is taken against eager in
   the reference precision (float32 for fp16/bf16, float64 for fp32).
-The floor of a workload is its FLOPs over the measured fp16 matrix rate and its fewest bytes (weights, inputs and
-outputs once) over the measured copy bandwidth (`measure_ceilings`).
+A row records opfuse's count of the workload's work (`work`: FLOPs, compulsory and planned bytes,
+`opfuse.analysis.roofline.Work`), so its floor can be taken later on any GPU's datasheet: `row_roofline(row, hw)`
+puts each contender's time against it (`opfuse bench`, ZOO.md). With measured ceilings (`measure_ceilings`: the
+fp16 matrix rate and the copy bandwidth of this GPU), the row also holds the same floor at those rates
+(`floor_ms`).
 
 On the CPU (tests) the same code runs without graphs or kernel counts, timed by the host clock.
 """
@@ -42,6 +45,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from opfuse.analysis.roofline import (Ceilings, Floor, Work, datasheet_ceilings, share_of_floor,
+                                      workload_work)
 from opfuse.bench.contenders import CONTENDER_LABELS, CONTENDERS, TIMED  # noqa: F401
 from opfuse.bench.timing import (Forward, cuda_graphed, host_replay, interleaved_samples,  # noqa: F401
                                  kernel_profile, median_ms, summarize, timed_compile)
@@ -176,13 +181,10 @@ def protocol_form(model: torch.nn.Module, inputs: Sequence[torch.Tensor], dtype:
 
 
 def floor_ms(analysis: Any, ceilings: dict[str, float]) -> tuple[float, float]:
-    """(compute floor, memory floor) in ms: the model's FLOPs over the measured matrix rate, and the fewest bytes
-    (every weight, input and output once) over the measured copy bandwidth."""
-    graph = analysis.prepared
-    minimal = sum(n.type.nbytes for n in graph if n.op in ("constant", "input"))
-    minimal += sum(graph[o].type.nbytes for o in graph.outputs)
-    return (analysis.unfused.flops / ceilings["fp16_matrix_flops"] * 1e3,
-            minimal / ceilings["copy_bytes_per_s"] * 1e3)
+    """(compute floor, memory floor) in ms of the workload's floor (`opfuse.analysis.roofline.Work.floor`) at the
+    measured matrix rate and copy bandwidth instead of the datasheet's."""
+    measured = workload_work(analysis).floor(Ceilings(ceilings["fp16_matrix_flops"], ceilings["copy_bytes_per_s"]))
+    return measured.compute * 1e3, measured.memory * 1e3
 
 
 @dataclass
@@ -243,7 +245,8 @@ def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict 
            # fusions planned, then kept apart: every config of their kernel spilled, or it lost to its ops unfused
            "split_back": [d.reason for d in compiled.plan.decisions if d.code is Code.SPLIT_BACK],
            "replan": compiled.compiled.replan_note,      # the split back's measured kernels, and what was kept
-           "tuning": tuning_rows(compiled), "precompiled": precompiled_counts(compiled)}
+           "tuning": tuning_rows(compiled), "precompiled": precompiled_counts(compiled),
+           "work": asdict(workload_work(compiled.analysis))}      # the floor's counts (`row_roofline`)
     if ceilings:
         row["floor_compute_ms"], row["floor_memory_ms"] = floor_ms(compiled.analysis, ceilings)
     profiled = graph.replay if graph is not None else call
@@ -387,6 +390,68 @@ def speedup(row: dict, baseline: str, contender: str = "opfuse") -> float | None
     if "median_ms" not in base or "median_ms" not in other or not other["median_ms"]:
         return None
     return base["median_ms"] / other["median_ms"]
+
+
+BASELINES = ("eager", "eager_graph", "inductor")     # the contenders that are not opfuse
+
+
+def best_baseline(row: dict) -> str | None:
+    """The fastest baseline of a result row (lowest median), or None when none was measured."""
+    timed = [label for label in BASELINES if "median_ms" in row.get(label, {})]
+    return min(timed, key=lambda label: row[label]["median_ms"]) if timed else None
+
+
+def fewest_launches(row: dict) -> int | None:
+    """The fewest kernels per forward any contender of a result row was counted launching (the profiler's count;
+    the plan's launches where nothing was counted): the launches a workload's launch-and-bandwidth floor grants,
+    a count some compiler reached on it."""
+    counts = [row[label]["kernels"] for label in CONTENDERS if (row.get(label) or {}).get("kernels")]
+    return min(counts) if counts else row.get("plan_launches")
+
+
+@dataclass(frozen=True)
+class RowRoofline:
+    """A result row against its workload's floor on one GPU's datasheet (`row_roofline`)."""
+
+    hardware: str                     # the profile's name
+    floor: Floor                      # the workload's, `fewest_launches` granted
+    plan_floor: Floor | None          # of the fused plan's bytes; None where the row ran another plan
+    shares: dict[str, float]          # contender (TIMED) -> floor.roofline / its median
+    launch_shares: dict[str, float]   # contender -> floor.launch_and_bandwidth / its median
+    best_baseline: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hardware": self.hardware, "floor": self.floor.to_dict(),
+                "plan_floor": None if self.plan_floor is None else self.plan_floor.to_dict(),
+                "share_of_roofline": self.shares, "share_of_launch_and_bandwidth": self.launch_shares,
+                "best_baseline": self.best_baseline}
+
+
+def work_of_row(row: dict) -> Work | None:
+    """The `opfuse.analysis.roofline.Work` a result row recorded, or None (rows before it was recorded)."""
+    return Work(**row["work"]) if isinstance(row.get("work"), dict) else None
+
+
+def row_roofline(row: dict, hw: Any, work: Work | None = None) -> RowRoofline | None:
+    """Every timed contender of a result row as a share of the workload's floor on `hw`'s datasheet
+    (`opfuse.analysis.roofline`) at the row's dtype: the roofline's, and the launch-and-bandwidth floor's with
+    the `fewest_launches` of the row. `work` (the workload's `Work`) defaults to the row's own; None without one.
+    The plan's floor is given only where the row's plan is the one counted (same launches)."""
+    work = work if work is not None else work_of_row(row)
+    if work is None:
+        return None
+    ceilings = datasheet_ceilings(hw, row.get("dtype", "float16"))
+    workload = work.floor(ceilings, fewest_launches(row) or 0)
+    plan = work.plan_floor(ceilings) if row.get("plan_launches") == work.plan_launches else None
+    shares, launch_shares = {}, {}
+    for label in TIMED:
+        seconds = (row.get(label) or {}).get("median_ms")
+        seconds = None if seconds is None else seconds / 1e3
+        for into, figure in ((shares, workload.roofline), (launch_shares, workload.launch_and_bandwidth)):
+            value = share_of_floor(figure, seconds)
+            if value is not None:
+                into[label] = value
+    return RowRoofline(hw.name, workload, plan, shares, launch_shares, best_baseline(row))
 
 
 def geometric_mean(values: Sequence[float]) -> float | None:
