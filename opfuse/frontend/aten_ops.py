@@ -10,6 +10,7 @@ are documented on each op in `opfuse.ir.ops`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -169,6 +170,85 @@ def _addmm(t: Translator, a: dict) -> str:
 @maps("mm", "bmm", "matmul")
 def _matmul(t: Translator, a: dict) -> str:
     return t.emit("matmul", [a["self"], a.get("mat2", a.get("other"))])
+
+
+@maps("baddbmm", "addbmm")
+def _baddbmm(t: Translator, a: dict) -> str:
+    """beta * self + alpha * (batch1 @ batch2): a matmul whose scale and add are its epilogue (beta 0 ignores self,
+    NaN included, as PyTorch does); addbmm also sums the products over the batch."""
+    if t.op_name == "addbmm":
+        raise Unmapped("addbmm sums over the batch")
+    product = t.emit("matmul", [a["batch1"], a["batch2"]])
+    alpha, beta = a.get("alpha", 1), a.get("beta", 1)
+    if alpha != 1:
+        product = t.emit("mul", [product, t.operand(alpha)])
+    if beta == 0:
+        return product
+    base = a["self"] if beta == 1 else t.emit("mul", [a["self"], t.operand(beta)])
+    return t.emit("add", [base, product])
+
+
+def _permuted(t: Translator, value: str, order: list[int]) -> str:
+    return value if order == list(range(len(order))) else t.emit("permute", [value], {"dims": order})
+
+
+def _reshaped(t: Translator, value: str, shape: list[int]) -> str:
+    return value if list(t.type_of(value).shape) == shape else t.emit("reshape", [value], {"shape": shape})
+
+
+@maps("einsum")
+def _einsum(t: Translator, a: dict) -> str:
+    """One or two operands with an explicit output and no repeated letter within an operand: letters only one
+    operand has and the output lacks are summed away first; then the two operands, permuted and reshaped to
+    [batch, rows, K] and [batch, K, columns], are one batched matmul (a broadcast mul where nothing is contracted),
+    reshaped and permuted to the output's letters (the batch letters kept as batch dims of the matmul)."""
+    equation = a["equation"].replace(" ", "")
+    if "..." in equation or "->" not in equation:
+        raise Unmapped("einsum with an ellipsis or an implicit output")
+    inputs, output = equation.split("->")
+    specs = inputs.split(",")
+    if len(specs) != len(a["tensors"]) or len(specs) > 2 or any(len(set(s)) != len(s) for s in specs + [output]):
+        raise Unmapped("einsum of more than two operands, or with a diagonal")
+    values = [t.value(x) for x in a["tensors"]]
+    sizes: dict[str, int] = {}
+    for spec, value in zip(specs, values):
+        for letter, size in zip(spec, t.type_of(value).shape):
+            if sizes.setdefault(letter, size) != size:
+                raise Unmapped("einsum with broadcast letters")
+    for i, spec in enumerate(specs):       # letters of this operand alone that the output lacks: summed away
+        others = "".join(specs[:i] + specs[i + 1:]) + output
+        alone = [d for d, letter in enumerate(spec) if letter not in others]
+        if alone:
+            values[i] = t.emit("sum", [values[i]], {"dims": alone, "keepdim": False})
+            specs[i] = "".join(letter for letter in spec if letter in others)
+    if len(specs) == 1:
+        return _permuted(t, values[0], [specs[0].index(letter) for letter in output])
+    (sa, sb), (va, vb) = specs, values
+    batch = [c for c in output if c in sa and c in sb]
+    rows = [c for c in output if c in sa and c not in sb]
+    columns = [c for c in output if c in sb and c not in sa]
+    contracted = [c for c in sa if c in sb and c not in output]
+    size = lambda letters: [sizes[c] for c in letters]      # noqa: E731
+    count = lambda letters: math.prod(size(letters))        # noqa: E731
+    va = _permuted(t, va, [sa.index(c) for c in batch + rows + contracted])
+    vb = _permuted(t, vb, [sb.index(c) for c in batch + contracted + columns])
+    if contracted:      # (the batch letters stay apart: merging them after a permute would copy)
+        va = _reshaped(t, va, size(batch) + [count(rows), count(contracted)])
+        vb = _reshaped(t, vb, size(batch) + [count(contracted), count(columns)])
+        product = t.emit("matmul", [va, vb])
+    else:       # an outer product per batch: broadcast
+        va = _reshaped(t, va, size(batch) + size(rows) + [1] * len(columns))
+        vb = _reshaped(t, vb, size(batch) + [1] * len(rows) + size(columns))
+        product = t.emit("mul", [va, vb])
+    letters = batch + rows + columns
+    product = _reshaped(t, product, size(letters))
+    return _permuted(t, product, [letters.index(c) for c in output])
+
+
+@maps("masked_fill")
+def _masked_fill(t: Translator, a: dict) -> str:
+    """value where mask, else self: where."""
+    return t.emit("where", [a["mask"], t.operand(a["value"]), a["self"]])
 
 
 @maps("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
