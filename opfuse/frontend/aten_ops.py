@@ -302,6 +302,33 @@ def _layer_norm_with_statistics(t: Translator, a: dict) -> MultiOutput:
     return _first_output(t, _layer_norm(t, a))
 
 
+def _group_norm(t: Translator, a: dict) -> str:
+    """group_norm(x[N, C, *S], G) as the layer norm of x viewed [N, G, C/G, prod(S)] over its last two dims, the
+    weight and bias [C] applied there as [G, C/G, 1] (the norm's epilogue, in its kernel's float32), then viewed
+    back: reshapes, no copy."""
+    x = t.value(a["input"])
+    shape = list(t.type_of(x).shape)
+    groups = int(a.get("num_groups", a.get("group")))
+    if len(shape) < 2 or shape[1] % groups:
+        raise Unmapped("group norm of an unbatched input, or channels not divisible by the groups")
+    n, c = shape[:2]
+    grouped = [n, groups, c // groups, math.prod(shape[2:])]
+    y = t.emit("layer_norm", [t.emit("reshape", [x], {"shape": grouped})],
+               {"normalized_shape": grouped[2:], "eps": float(a["eps"])})
+    for key, op in (("weight", "mul"), ("bias", "add")):
+        if a.get(key) is not None:
+            y = t.emit(op, [y, t.emit("reshape", [a[key]], {"shape": [groups, c // groups, 1]})])
+    return t.emit("reshape", [y], {"shape": shape})
+
+
+maps("group_norm")(_group_norm)
+
+
+@maps("native_group_norm")
+def _group_norm_with_statistics(t: Translator, a: dict) -> MultiOutput:
+    return _first_output(t, _group_norm(t, a))
+
+
 def _rms_norm(t: Translator, a: dict) -> str:
     """x * rsqrt(mean(x^2 over the last dim) + eps) [* weight] in float32 (nn.RMSNorm); eps None is float32's
     epsilon (float64's for float64 inputs), as PyTorch takes it."""
