@@ -5,7 +5,8 @@ value (None where the coordinate is always 0, e.g. a size-1 dimension). `Region.
 lines computing a value there: a group input is loaded through its runtime strides, an elementwise node goes
 through `expr.emit` with its operands' coordinates broadcast (numpy rules), a view node (reshape, permute,
 expand, slice, identity) and a roll only map coordinates, a cat picks the input whose slice holds the coordinate
-(each input evaluated under its slice's mask), and an embedding loads its row index (exactly, as an integer) and
+(each input evaluated under its slice's mask), a pad loads its input under the mask of the input's extent (the pad
+value elsewhere), and an embedding loads its row index (exactly, as an integer) and
 then the table at that row. Broadcast constants, channels-last activations and channel-slice views
 therefore need no special case, and no view is ever copied.
 
@@ -22,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel
-from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, triton_dtype
+from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, literal, triton_dtype
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import interpreting, next_power_of_2  # noqa: F401  (pointwise, reduction import them here)
 from opfuse.ir.graph import WIDE_INTEGERS, Graph, GraphError, Node, TensorType, torch_dtype
@@ -228,6 +229,8 @@ class Region:
             result = self.value(node.inputs[0], self._roll_coords(node, coords))
         elif node.op == "embedding":
             result = self._embedding(node, coords)
+        elif node.op == "pad":
+            result = self._pad(node, coords)
         elif node.op in SUPPORTED_OPS:
             args = [self.value(i, self.operand_coords(node, position, coords))
                     for position, i in enumerate(node.inputs)]
@@ -252,6 +255,31 @@ class Region:
             if coords[dim] is not None and offset:
                 result[dim] = f"(({coords[dim]} + {offset}) % {node.type.shape[dim]})"
         return tuple(result)
+
+    def _pad(self, node: Node, coords: Coords) -> str:
+        """A constant pad at `coords`: its input at `coords` less the padding before, loaded under the mask of the
+        input's extent, the pad value outside it. F.pad's pads name the last dim's (before, after) first; a
+        negative pad crops."""
+        pads, shape = node.attrs["pads"], self.graph[node.inputs[0]].type.shape
+        rank = len(shape)
+        inner, inside = list(coords), []
+        for i in range(len(pads) // 2):
+            dim, before = rank - 1 - i, int(pads[2 * i])
+            if before == 0 and int(pads[2 * i + 1]) == 0:
+                continue
+            position = coords[dim] or "0"
+            inner[dim] = position if before == 0 else f"({position} - {before})"
+            inside.append(self.assign(f"({inner[dim]} >= 0) & ({inner[dim]} < {shape[dim]})", "inside"))
+        if not inside:
+            return self.value(node.inputs[0], coords)
+        within = self.assign(" & ".join(f"({c})" for c in inside), "inside")
+        outer = self.mask
+        self.mask = f"{outer} & {within}"
+        try:
+            value = self.value(node.inputs[0], tuple(inner))
+        finally:
+            self.mask = outer
+        return self.assign(f"tl.where({within}, {value}, {literal(node.attrs['value'])})")
 
     def _embedding(self, node: Node, coords: Coords) -> str:
         """The table row the index at `coords` names; an index outside the table (eager raises) reads nothing and

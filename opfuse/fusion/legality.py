@@ -33,11 +33,13 @@ reductions, opaque ops, a value the consumer reads that someone outside the pair
 merge that would put a group outside the pair both after and before the fused kernel (a cycle). Each reason is an
 `opfuse.fusion.reasons.Reason`: a stable code (listed there) and the words. Choices made here, and why:
 
-- injective ops that copy stay single kernels (a gather, a pad), but a roll (an index map: Swin's shifted windows),
-  a concatenation and an embedding (a row index loaded, then the row) join an elementwise chain without a hub: the
-  elementwise template loads each of a cat's inputs under the mask of its slice (DenseNet's cat -> batch norm ->
-  relu, ShuffleNet's cat -> channel shuffle), an embedding's table at the row it loads. Each element is still computed once: inside the group a node has as many elements as each value it
-  reads, a cat's inputs being its slices, and what the group writes has the size of its largest value.
+- injective ops that copy stay single kernels (a gather), but a roll (an index map: Swin's shifted windows), a
+  concatenation, a constant pad and an embedding (a row index loaded, then the row) join an elementwise chain
+  without a hub: the elementwise template loads each of a cat's inputs under the mask of its slice (DenseNet's cat
+  -> batch norm -> relu, ShuffleNet's cat -> channel shuffle), a pad's input under the mask of its extent, an
+  embedding's table at the row it loads. Each element is still computed once: inside the group a node has as many
+  elements as each value it reads, a cat's inputs being its slices and a pad's input its inner part, and what the
+  group writes has the size of its largest value.
 - views that keep every element (reshape, permute, identity) join elementwise kernels and a reduction's prologue,
   whose templates evaluate values at coordinates and map them through views (a reshape of a permuted tensor is
   then no copy but an index map on a load). They never follow a reduction in its kernel (its epilogue is
@@ -63,7 +65,8 @@ Users = Mapping[str, Sequence[Node]]
 ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
 WINDOW_POOLS = frozenset({"max_pool2d", "avg_pool2d", "max_pool3d", "avg_pool3d"})
 EPILOGUE_VIEWS = frozenset({"permute"})      # views an anchor's epilogue maps: values stay at the tile's coordinates
-MAPPED_COPIES = frozenset({"cat", "roll", "embedding"})    # copying ops an elementwise kernel computes as index maps
+MAPPED_COPIES = frozenset({"cat", "roll", "embedding", "pad"})    # copying ops an elementwise kernel computes as
+                                                                  # index maps
 
 
 def can_fuse(graph: Graph, producer_nodes: Iterable[str], consumer_nodes: Iterable[str], users: Users,
@@ -554,7 +557,7 @@ def element_flow_rule(graph: Graph, order: Sequence[str], merged: set[str], user
     loading it: T5's -bound of its overflow clamp), and every value the group writes has the size of its largest."""
     for name in order:
         node = graph[name]
-        if node.op == "cat":      # (a roll keeps its element count)
+        if node.op in ("cat", "pad"):      # each input element read once (a roll keeps its element count)
             continue
         for value in node.inputs:
             if value in merged and graph[value].type.numel not in (node.type.numel, 1):

@@ -53,3 +53,37 @@ def test_a_stack_plans_as_one_kernel_with_what_it_feeds():
     assert groups_through_pytorch(plan) == {}
     stacks = [g for g in plan.groups if any(plan.graph[n].op == "cat" for n in g.nodes)]
     assert len(stacks) == 1 and {"sin", "cos", "mul"} <= {plan.graph[n].op for n in stacks[0].nodes}
+
+
+@pytest.mark.parametrize("pads,value", [((1, 2), 0.0), ((0, 1, 2, 0), -1.5), ((1, 1, 1, 1, 0, 2), 0.0),
+                                        ((-1, 2), 3.0)])
+def test_a_constant_pad_of_a_computed_value_loads_under_the_extent_mask(pads, value):
+    """TF's asymmetric 'same' padding after an activation; a negative pad crops."""
+    b = Builder()
+    x = b.input("x", (2, 3, 5, 6))                     # channels-last
+    padded = b.op("pad", b.op("silu", x), pads=pads, value=value)
+    run_group(b, [b.op("mul", padded, b.const("two", torch.tensor(2.0)))], GroupKind.POINTWISE)
+
+
+def test_a_lone_pad_is_a_kernel_of_ours():
+    b = Builder()
+    x = b.input("x", (3, 7), b.random(3, 7))
+    run_group(b, [b.op("pad", x, pads=(2, 0, 0, 1), value=-7.0)], GroupKind.SINGLE)
+
+
+class PadThenConv(nn.Module):
+    """tf_efficientnet's 'same' convolution: an asymmetric pad of an activation, then a strided conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, stride=2, groups=4)
+
+    def forward(self, x):
+        return self.conv(nn.functional.pad(torch.relu(x), (0, 1, 0, 1)))
+
+
+def test_a_pad_joins_the_activation_before_it_and_nothing_runs_through_pytorch():
+    plan = plan_of(PadThenConv(), torch.randn(1, 4, 8, 8))
+    assert groups_through_pytorch(plan) == {}
+    padded = next(g for g in plan.groups if any(plan.graph[n].op == "pad" for n in g.nodes))
+    assert {plan.graph[n].op for n in padded.nodes} == {"relu", "pad"}
