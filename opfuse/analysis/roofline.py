@@ -170,6 +170,16 @@ def share_of_floor(floor_seconds: float | None, measured_seconds: float | None) 
     return floor_seconds / measured_seconds
 
 
+def format_share(share: float | None) -> str:
+    """A share of a floor as the reports print it: a whole percentage, one decimal under 10%, "<0.1%" under that,
+    "-" for none."""
+    if share is None:
+        return "-"
+    if share < 0.001:
+        return "<0.1%"
+    return f"{share * 100:.1f}%" if share < 0.1 else f"{share * 100:.0f}%"
+
+
 @dataclass(frozen=True)
 class Work:
     """What a workload must do at least, counted by opfuse's analysis (JSON-ready through `asdict`)."""

@@ -110,7 +110,7 @@ def run_zoo(out: Path, workloads: Sequence[tuple[str, int]], settings: ZooSettin
         from opfuse.bench.zoo_report import render
 
         write_atomically(out / "zoo.json", json.dumps(results, indent=1, default=str))
-        write_atomically(out / "ZOO.md", render([results]))
+        write_atomically(out / "ZOO.md", render([results], work_of=None))     # rows carry their work
 
     def finished(key: str, stage: str, child: "Child") -> None:
         entry = results["workloads"][key]
@@ -357,7 +357,7 @@ def run_zoo_command(args: argparse.Namespace) -> int:
     if not getattr(args, "quiet", False):
         from opfuse.bench.zoo_report import render
 
-        print(render([results]))
+        print(render([results], work_of=None))
     return 0
 
 

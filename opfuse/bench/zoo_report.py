@@ -1,17 +1,25 @@
 """ZOO.md: the model-zoo benchmark's results as markdown (`render(runs)`), from one or several runs' zoo.json.
 
 The headline is the geometric mean of opfuse's speedup over torch.compile + CUDA graph (opfuse through its module
-call, what a user's call costs; and as its bare graph replay, as torch.compile is timed) and the list of workloads
-under 1.0x; then the cost model's median error (|predicted - measured replay| / measured replay); then one row per
-workload, then what failed or did not run and why, and which of the zoo's workloads no run has measured.
+call, what a user's call costs; and as its bare graph replay, as torch.compile is timed) beside the geometric mean
+share of the roofline each batch reaches (`roofline_lines`), and the list of workloads under 1.0x; then the cost
+model's median error (|predicted - measured replay| / measured replay); then one row per workload, then what failed
+or did not run and why, and which of the zoo's workloads no run has measured.
+
+A row's floor (`opfuse.bench.harness.row_roofline`) is taken when the page is rendered, from the datasheet of the
+GPU its run measured on and the workload's work (`opfuse.analysis.roofline.Work`): the one its run recorded, or for
+runs before rows recorded it, the count of opfuse's analysis of the built-in model now, on the CPU (`builtin_work`).
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
-from typing import Sequence
+from typing import Callable, Sequence
 
-from opfuse.bench.harness import geometric_mean, pytorch_group_count, speedup
+from opfuse.analysis.roofline import Work, datasheet_ceilings, format_share, hardware_of_gpu
+from opfuse.bench.harness import (RowRoofline, geometric_mean, pytorch_group_count, row_roofline, speedup,
+                                  work_of_row)
 from opfuse.bench.timing import spread_of
 from opfuse.bench.zoo import ZOO_MODELS
 from opfuse.bench.zoo_bench import ZOO_BATCHES, workload_key
@@ -70,6 +78,107 @@ def _launches_line(rows: dict[str, dict]) -> str:
             + (f"; not in {', '.join(differ)}." if differ else "."))
 
 
+WorkOf = Callable[[str, int, str], Work | None]       # (model, batch, dtype) -> its Work, or None
+
+
+@functools.lru_cache(maxsize=None)
+def builtin_work(model: str, batch: int, dtype: str = "float16") -> Work | None:
+    """The `opfuse.analysis.roofline.Work` of a built-in zoo model at `batch`, analysed on the CPU in its benchmark
+    form (`harness.protocol_form`) with the planning a zoo run uses (FusionConfig's defaults at `dtype`); None for a
+    model that is not built in."""
+    import torch
+
+    from opfuse.analysis.roofline import workload_work
+    from opfuse.api import analyze
+    from opfuse.bench.harness import protocol_form
+    from opfuse.bench.zoo import BUILTIN_MODELS, load_builtin
+    from opfuse.config import FusionConfig
+
+    if model not in BUILTIN_MODELS:
+        return None
+    built, inputs = load_builtin(model, batch)
+    built, inputs = protocol_form(built, inputs, getattr(torch, dtype), "cpu")
+    return workload_work(analyze(built, inputs, FusionConfig(dtype=dtype), name=model))
+
+
+def rooflines(workloads: dict[str, dict], rows: dict[str, dict], headers: list[dict], work_of: WorkOf | None
+              ) -> tuple[dict[str, RowRoofline], list[str]]:
+    """({workload: its RowRoofline}, the workloads whose work was counted now, not recorded by their run) for the
+    measured rows whose run names a GPU with a profile (`hardware_of_gpu`)."""
+    found, counted_now = {}, []
+    for key, row in rows.items():
+        entry = workloads[key]
+        hw = hardware_of_gpu((headers[entry["run"] - 1]["env"] or {}).get("gpu"))
+        if hw is None:
+            continue
+        work = work_of_row(row)
+        if work is None and work_of is not None:
+            work = work_of(entry["model"], entry["batch"], row.get("dtype", "float16"))
+            if work is not None:
+                counted_now.append(key)
+        result = row_roofline(row, hw, work)
+        if result is not None:
+            found[key] = result
+    return found, counted_now
+
+
+SHORT = {"eager": "eager", "eager_graph": "eager + graph", "inductor": "torch.compile"}
+
+
+def roofline_lines(workloads: dict[str, dict], found: dict[str, RowRoofline], counted_now: Sequence[str],
+                   headers: list[dict]) -> list[str]:
+    """The headline's roofline paragraph: per batch, the geometric mean share of the roofline (and of the
+    launch-and-bandwidth floor) of opfuse's module call, its bare replay and each row's best baseline; then how
+    the floors were taken."""
+    if not found:
+        return ["Roofline: no measured workload has a floor (its run's GPU has no profile, or no work was counted)."]
+    parts = []
+    for batch in sorted({workloads[key]["batch"] for key in found}):
+        keys = [key for key in found if workloads[key]["batch"] == batch]
+
+        def mean(label: str, launch: bool = False) -> str:
+            shares = [(found[k].launch_shares if launch else found[k].shares).get(
+                found[k].best_baseline if label == "best" else label) for k in keys]
+            return format_share(geometric_mean([v for v in shares if v is not None]))
+
+        parts.append(f"batch {batch} ({len(keys)} workloads): **{mean('opfuse')}** of the roofline through opfuse's "
+                     f"module call ({mean('opfuse_replay')} as its bare replay), {mean('best')} by the best baseline; "
+                     f"of the launch-and-bandwidth floor **{mean('opfuse', True)}**, {mean('opfuse_replay', True)}, "
+                     f"{mean('best', True)}")
+    gpus = sorted({(headers[workloads[k]["run"] - 1]["env"] or {}).get("gpu", "?") for k in found})
+    dates = sorted({(headers[workloads[k]["run"] - 1]["env"] or {}).get("date", "?") for k in found})
+    rates = []
+    for gpu in gpus:
+        hw = hardware_of_gpu(gpu)
+        ceilings = datasheet_ceilings(hw, "float16")
+        rates.append(f"{hw.name} {ceilings.flops / 1e12:.0f} TFLOP/s float16, {ceilings.bandwidth / 1e12:.2f} TB/s, "
+                     f"{ceilings.launch_overhead * 1e6:.1f} us a launch")
+    return [
+        "Roofline, geometric mean of floor / measured time: " + "; ".join(parts) + ".", "",
+        "Floors (`opfuse.analysis.roofline`): the roofline's is max(FLOPs / peak, bytes / bandwidth) of the model's "
+        "unfused FLOPs and its compulsory bytes (weights and inputs read once, an embedding table's gathered rows "
+        "only, outputs written once), counted by opfuse's analysis; the launch-and-bandwidth floor adds a launch "
+        "overhead for each kernel of the fewest any contender launched; the plan's floor takes the bytes opfuse's "
+        "kernels move instead (shown where the row's plan is the one counted). Rates: the datasheet's "
+        f"({'; '.join(rates)}). Computed offline, when this page was rendered, against the times measured on "
+        f"{', '.join(gpus)} ({dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else "") + "); "
+        + (f"the work of {len(counted_now)} of the {len(found)} rows counted by the analysis of the current code "
+           "(their runs recorded none)." if counted_now else "every row's work recorded by its run.")]
+
+
+def _roofline_cells(found: RowRoofline | None) -> str:
+    """The three roofline cells of a row: floors in ms, % of the roofline, % of the launch-and-bandwidth floor."""
+    if found is None:
+        return "- | - | -"
+    floor, plan, best = found.floor, found.plan_floor, found.best_baseline
+    floors = (f"{floor.roofline * 1e3:.4f} ({floor.bound}) / {'-' if plan is None else f'{plan.roofline * 1e3:.4f}'}"
+              f" / {floor.launch_and_bandwidth * 1e3:.4f} ({floor.launches})")
+    name = f" ({SHORT[best]})" if best else ""
+    shares, launch_shares = found.shares, found.launch_shares
+    return (f"{floors} | {format_share(shares.get('opfuse'))} / {format_share(shares.get(best))}{name} | "
+            f"{format_share(launch_shares.get('opfuse'))} / {format_share(launch_shares.get(best))}")
+
+
 def _ms(entry: dict) -> str:
     if "error" in entry:
         return "failed"
@@ -96,12 +205,13 @@ def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
+def render(runs: Sequence[dict], held_out_from: int | None = None, work_of: WorkOf | None = builtin_work) -> str:
     """ZOO.md of `runs`; with `held_out_from` N, the cost model's error is also given over the workloads of runs N
     on alone (the runs measured after the cost model was last fitted, on the runs before them: its error out of
-    sample)."""
+    sample). `work_of` counts the work of a row that recorded none (None: such rows get no floor)."""
     workloads, headers = merge(runs)
     rows = {key: entry["measure"]["row"] for key, entry in workloads.items() if measured(entry)}
+    found, counted_now = rooflines(workloads, rows, headers, work_of)
     lines = ["# Model zoo benchmark", "",
              "Generated by `benchmarks/zoo.py` (`opfuse bench --zoo`); do not edit by hand. Protocol "
              "(opfuse/bench/harness.py): fp16, channels-last images (224 px), token ids (seq 128), seeded random "
@@ -136,6 +246,7 @@ def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
               f"workloads), "
               f"{_times(mean_replay)} as its bare graph replay, as torch.compile is timed ({counted_replays} "
               "workloads).", "",
+              *roofline_lines(workloads, found, counted_now, headers), "",
               f"Under 1.0x (module call): {', '.join(under) if under else 'none'}.", "",
               _launches_line(rows), "",
               _cost_model_line(workloads, rows, held_out_from),
@@ -143,8 +254,10 @@ def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
               "| workload | run | eager | eager + graph | torch.compile + graph | opfuse call | opfuse replay | speedup "
               "(call / replay) | spread: torch.compile / call / replay | compile s, torch.compile cold / warm | compile s, opfuse cold / warm | "
               "opfuse launches: plan / as compiled (analyze) / measured | torch.compile kernels | rel. error opfuse / "
-              "torch.compile | predicted / measured ms | groups through PyTorch |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "torch.compile | predicted / measured ms | groups through PyTorch | floor ms: roofline (bound) / "
+              "plan's bytes / with launches (launches) | % of roofline: opfuse call / best baseline | % of "
+              "launch-and-bandwidth floor: opfuse call / best baseline |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, entry in workloads.items():
         if not measured(entry):
             continue
@@ -170,7 +283,7 @@ def render(runs: Sequence[dict], held_out_from: int | None = None) -> str:
             f"{rel(opfuse)} / {rel(inductor)} | "
             + (f"{row['predicted_ms']:.3f} / {row['opfuse_replay']['median_ms']:.3f} ({error * 100:.0f}%)"
                if error is not None else "-")
-            + f" | {'-' if through is None else through} |")
+            + f" | {'-' if through is None else through} | {_roofline_cells(found.get(key))} |")
     problems = []
     for key, entry in workloads.items():
         row = rows.get(key, {})
