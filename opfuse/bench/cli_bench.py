@@ -8,7 +8,9 @@
 
 bench measures one workload with `opfuse.bench.harness.run_workload` (the code benchmarks/run_all.py runs); profile
 times every eager op and every opfuse kernel alone (`opfuse.bench.profile`) and, with --calibrate, fits the
-hardware profile to those times (`opfuse.bench.calibrate`). Both need an NVIDIA GPU: without one they exit with
+hardware profile to those times (`opfuse.bench.calibrate`). Both set every time against its floor on the datasheet
+of the GPU measured on (`opfuse.analysis.roofline`): bench each contender against the workload's, profile each op
+and kernel against its own and their sum against the workload's. Both need an NVIDIA GPU: without one they exit with
 code 3 (`EXIT_NEEDS_GPU`) before loading anything.
 """
 
@@ -128,7 +130,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
     import torch
 
-    from opfuse.bench.harness import environment, failed_contenders, measure_ceilings, run_workload
+    from opfuse.bench.harness import environment, failed_contenders, measure_ceilings, row_roofline, run_workload
 
     torch.backends.cudnn.benchmark = True
     workload = f"{args.model} bs{args.batch}"
@@ -146,9 +148,13 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
         row = {"workload": workload, "model": name, "batch": args.batch}
         row |= run_workload(model, inputs, workload, ceilings, contenders, _config(args), on_step)
+    hardware = floor_hardware(env, args.hw)
+    roofline = row_roofline(row, hardware)
+    if roofline is not None:
+        row["roofline"] = roofline.to_dict()
     write_json(args.json, {"env": env, "ceilings": ceilings, "results": [row], "tune_top": args.tune_top})
     if not args.quiet:
-        console.print(bench_table(row, env, ceilings))
+        console.print(bench_table(row, env, ceilings, hardware))
     failed = failed_contenders(row)
     for label, message in failed.items():
         error("bench", f"{CONTENDER_LABELS[label]} failed on {workload}: {message}")
@@ -182,28 +188,54 @@ def _bench_zoo(args: argparse.Namespace) -> int:
     return run_zoo_command(args)
 
 
-def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
-    """One workload, one line per contender, plus opfuse's speedup over each and the floor."""
-    from opfuse.bench.harness import CONTENDER_LABELS, TIMED, pytorch_group_count, speedup
+def floor_hardware(env: dict, fallback: str | None = None) -> Any:
+    """The profile whose datasheet a measurement's floors take: the GPU's it ran on (`env["gpu"]`), else the
+    profile named `fallback` (`--hw`), else None."""
+    from opfuse.analysis.roofline import hardware_of_gpu
+    from opfuse.hardware import get_hardware
 
+    return hardware_of_gpu(env.get("gpu")) or (get_hardware(fallback) if fallback else None)
+
+
+def _short_time(seconds: float) -> str:
+    """`human_time`, in ns under a microsecond (a small kernel's floor)."""
+    return f"{seconds * 1e9:.0f} ns" if seconds < 1e-6 else human_time(seconds)
+
+
+def _share(value: float | None) -> str:
+    from opfuse.analysis.roofline import format_share
+
+    return format_share(value)
+
+
+def bench_table(row: dict, env: dict, ceilings: dict, hardware: Any = None) -> Table:
+    """One workload, one line per contender, plus opfuse's speedup over each, each one's share of the workload's
+    floor (on `hardware`'s datasheet, by default the GPU's in `env`: `opfuse.bench.harness.row_roofline`) and the
+    floors."""
+    from opfuse.bench.harness import CONTENDER_LABELS, TIMED, pytorch_group_count, row_roofline, speedup
+
+    hardware = hardware or floor_hardware(env)
+    roofline = row_roofline(row, hardware) if hardware is not None else None
     table = Table(title=f"{escape(row['workload'])} ({row.get('dtype', '')}), {escape(env.get('gpu', '?'))}, "
                         f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}")
-    for column in ("contender", "median ms", "p10-p90 ms", "opfuse speedup", "kernels", "GPU busy ms",
-                   "build peak MB", "held MB", "compile s", "rel. error"):
+    for column in ("contender", "median ms", "p10-p90 ms", "opfuse speedup", "% roofline", "% launch floor",
+                   "kernels", "GPU busy ms", "build peak MB", "held MB", "compile s", "rel. error"):
         table.add_column(column, justify="left" if column == "contender" else "right")
     for label in TIMED:
         if label not in row:
             continue
         value = row[label]
         if "error" in value:
-            table.add_row(CONTENDER_LABELS[label], "[red]failed[/]", "", "", "", "", "", "", "",
+            table.add_row(CONTENDER_LABELS[label], "[red]failed[/]", "", "", "", "", "", "", "", "", "",
                           escape(value["error"][:60]))
             continue
         ratio = speedup(row, label) if not label.startswith("opfuse") else None
         error_value = value.get("rel_error")
         spread = f"{_ms(value['p10_ms'])}-{_ms(value['p90_ms'])}" if "p10_ms" in value else "-"
+        shares = ("-", "-") if roofline is None else (_share(roofline.shares.get(label)),
+                                                      _share(roofline.launch_shares.get(label)))
         table.add_row(CONTENDER_LABELS[label], _ms(value["median_ms"]), spread,
-                      "-" if ratio is None else f"{ratio:.2f}x",
+                      "-" if ratio is None else f"{ratio:.2f}x", *shares,
                       str(value.get("kernels", "-")), _ms(value.get("gpu_busy_ms")),
                       _ms(value.get("peak_memory_mb"), 0), _ms(value.get("held_memory_mb"), 0),
                       _ms(value.get("compile_s"), 1),
@@ -212,8 +244,16 @@ def bench_table(row: dict, env: dict, ceilings: dict) -> Table:
              "rounds interleaved; speedups are of opfuse's module call",
              f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, fp16 matrix "
              f"{ceilings['fp16_matrix_flops'] / 1e12:.0f} TFLOP/s"]
+    if roofline is not None:
+        workload, plan = roofline.floor, roofline.plan_floor
+        notes.append(f"floor on the {escape(roofline.hardware)} datasheet: roofline {workload.roofline * 1e3:.4f} ms "
+                     f"({workload.bound}-bound: compute {workload.compute * 1e3:.4f} ms, compulsory bytes "
+                     f"{workload.memory * 1e3:.4f} ms), with {workload.launches} launches "
+                     f"{workload.launch_and_bandwidth * 1e3:.4f} ms"
+                     + ("" if plan is None else f", of opfuse's plan's bytes {plan.roofline * 1e3:.4f} ms"))
     if "floor_compute_ms" in row:
-        notes.append(f"floor: compute {row['floor_compute_ms']:.3f} ms, memory {row['floor_memory_ms']:.3f} ms")
+        notes.append(f"floor: compute {row['floor_compute_ms']:.3f} ms, memory {row['floor_memory_ms']:.3f} ms at "
+                     "the measured ceilings")
     if "plan_launches" in row:
         notes.append(f"opfuse plan: {row['plan_launches']} launches, {pytorch_group_count(row) or 0} groups "
                      "through PyTorch, "
@@ -276,10 +316,11 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> int:
 
 
 def profile_table(rows: Sequence[Any], title: str, threshold: float, limit: int | None) -> Table:
-    """Rows slowest first: counted work, measured time and rates, the seed's flag, prediction and its error."""
+    """Rows slowest first: counted work, measured time and rates, the seed's flag, prediction and its error, the
+    floor of the counted work and the measured time's share of it (and of the floor with the row's launch)."""
     table = Table(title=title)
     for column in ("name", "ops", "FLOPs", "bytes", "FLOPs/B", "cand.", "measured", "GB/s", "TFLOP/s",
-                   "predicted", "error"):
+                   "predicted", "error", "floor", "% floor", "% +launch"):
         table.add_column(column, justify="left" if column in ("name", "ops", "cand.") else "right",
                          overflow="fold")
     ordered = sorted(rows, key=lambda r: -(r.measured or 0.0))
@@ -292,10 +333,15 @@ def profile_table(rows: Sequence[Any], title: str, threshold: float, limit: int 
                       human_time(r.measured) if measured else "-",
                       f"{r.achieved_bandwidth / 1e9:.0f}" if measured else "-",
                       f"{r.achieved_flops / 1e12:.2f}" if measured else "-",
-                      human_time(r.predicted), f"{r.error * 100:+.0f}%" if measured else "-")
+                      human_time(r.predicted), f"{r.error * 100:+.0f}%" if measured else "-",
+                      "-" if r.floor is None else _short_time(r.floor), _share(r.share_of_floor),
+                      _share(r.share_of_launch_floor))
     measured_total = sum(r.measured or 0.0 for r in rows)
     predicted_total = sum(r.predicted for r in rows)
     caption = f"sum of {len(rows)}: measured {human_time(measured_total)}, predicted {human_time(predicted_total)}"
+    floors = [r.floor for r in rows if r.floor is not None]
+    if floors:
+        caption += f", floors {_short_time(sum(floors))}"
     if len(shown) < len(rows):
         caption += f"; {len(rows) - len(shown)} faster rows not shown (--ops all)"
     table.caption = caption
@@ -315,6 +361,22 @@ def print_profile(profile: Any, console: Console, limit: int | None = 40) -> Non
     def percent(value: float | None) -> str:
         return "-" if value is None else f"{value * 100:.0f}%"
 
+    workload = profile.workload_floor()
+    if workload is not None:
+        from opfuse.analysis.roofline import share_of_floor
+
+        def against(rows: Sequence[Any]) -> str:
+            total = sum(r.measured for r in rows if r.measured)
+            return (f"{human_time(total)}: {_share(share_of_floor(workload.roofline, total))} of the roofline, "
+                    f"{_share(share_of_floor(workload.launch_and_bandwidth, total))} of the launch-and-bandwidth "
+                    "floor")
+
+        console.print(f"workload floor on the {escape(profile.floor_hardware)} datasheet: roofline "
+                      f"{_short_time(workload.roofline)} ({workload.bound}-bound: {human_flops(profile.work.flops)}, "
+                      f"{human_bytes(profile.work.compulsory_bytes)} compulsory), with opfuse's {workload.launches} "
+                      f"launches {human_time(workload.launch_and_bandwidth)}, of opfuse's plan's bytes "
+                      f"{_short_time(profile.plan_floor().roofline)}; opfuse's kernels alone sum to "
+                      f"{against(profile.opfuse)}; the eager ops to {against(profile.eager)}", soft_wrap=True)
     console.print(f"cost model ({escape(profile.hardware.name)}) median relative error: eager ops "
                   f"{percent(median_error(profile.eager))}, opfuse kernels {percent(median_error(profile.opfuse))}, "
                   f"all {percent(median_error(profile.eager + profile.opfuse))}")

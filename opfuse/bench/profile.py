@@ -21,6 +21,10 @@ cannot be captured is timed by events around eager calls instead (its row says s
 Each row carries the FLOPs and bytes of the op registry / fusion plan, so achieved GB/s and TFLOP/s and the
 FLOPs/Byte are the counted work over the measured time, next to the cost model's prediction and its relative
 error. `Profile.samples()` feeds `opfuse.bench.calibrate` (the rows whose prediction is a plain roofline).
+
+Each row's floor is its counted work on the datasheet of the GPU it ran on (`opfuse.analysis.roofline.floor`: the
+roofline's time, and with its one launch); the profile's is the whole workload's (`Profile.workload_floor`), which
+the kernels' measured sum is set against.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from opfuse.analysis.roofline import Ceilings, Floor, Work, datasheet_ceilings, floor, hardware_of_gpu, share_of_floor
 from opfuse.bench.calibrate import Calibration, Sample, calibrate
 from opfuse.codegen.forms import is_library, is_library_fused, is_unfused
 from opfuse.runtime.autotune import recover_rng_after_failed_capture
@@ -62,6 +67,24 @@ class ProfileRow:
     measured: float | None = None   # seconds
     timing: str = ""                # "cuda graph" or "events" (could not be captured)
     conv: bool = False              # a convolution (`opfuse.bench.calibrate.Sample.conv`)
+    floor: float | None = None      # seconds: the roofline's time of its counted work (`with_floor`)
+    launch_floor: float | None = None   # seconds: the same with its launch
+
+    def with_floor(self, ceilings: Ceilings | None) -> "ProfileRow":
+        """This row with its floors under `ceilings` (one launch); unchanged without ceilings."""
+        if ceilings is not None:
+            bound = floor(self.flops, self.bytes_moved, ceilings, launches=1)
+            self.floor, self.launch_floor = bound.roofline, bound.launch_and_bandwidth
+        return self
+
+    @property
+    def share_of_floor(self) -> float | None:
+        """floor / measured (`opfuse.analysis.roofline.share_of_floor`)."""
+        return share_of_floor(self.floor, self.measured)
+
+    @property
+    def share_of_launch_floor(self) -> float | None:
+        return share_of_floor(self.launch_floor, self.measured)
 
     @property
     def density(self) -> float:
@@ -88,7 +111,9 @@ class ProfileRow:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"density": self.density, "achieved_bytes_per_s": self.achieved_bandwidth,
-                               "achieved_flops_per_s": self.achieved_flops, "relative_error": self.error}
+                               "achieved_flops_per_s": self.achieved_flops, "relative_error": self.error,
+                               "share_of_floor": self.share_of_floor,
+                               "share_of_launch_floor": self.share_of_launch_floor}
 
 
 @dataclass
@@ -102,6 +127,19 @@ class Profile:
     calibration: Calibration | None = None
     hardware_key: str = ""                            # the config's name for the profile ("h200")
     compiled: Any = field(default=None, repr=False)   # the opfuse model profiled (the report reads its kernels)
+    work: Work | None = None                          # the workload's (`opfuse.analysis.roofline.workload_work`)
+    ceilings: Ceilings | None = None                  # the floors' rates: the datasheet of the GPU measured on
+    floor_hardware: str = ""                          # whose datasheet that is
+
+    def workload_floor(self) -> Floor | None:
+        """The workload's floor, granted the launches of opfuse's plan."""
+        if self.work is None or self.ceilings is None:
+            return None
+        return self.work.floor(self.ceilings, self.work.plan_launches)
+
+    def plan_floor(self) -> Floor | None:
+        """The looser floor of the plan's bytes."""
+        return None if self.work is None or self.ceilings is None else self.work.plan_floor(self.ceilings)
 
     def candidate(self, row: ProfileRow) -> bool:
         return row.density < self.threshold
@@ -122,7 +160,10 @@ class Profile:
                                  "all": median_error(self.eager + self.opfuse)},
                 "eager": [r.to_dict() | {"candidate": self.candidate(r)} for r in self.eager],
                 "opfuse": [r.to_dict() | {"candidate": self.candidate(r)} for r in self.opfuse],
-                "calibration": self.calibration.to_dict() if self.calibration else None}
+                "calibration": self.calibration.to_dict() if self.calibration else None,
+                "floor": None if self.workload_floor() is None else {
+                    "hardware": self.floor_hardware, "work": asdict(self.work),
+                    "workload": self.workload_floor().to_dict(), "plan": self.plan_floor().to_dict()}}
 
 
 def median_error(rows: Sequence[ProfileRow]) -> float | None:
@@ -239,8 +280,8 @@ def _prediction(graph: Graph, nodes: Sequence[str], users: Any, hardware: Hardwa
 
 
 def eager_rows(analysis: Any, values: dict[str, torch.Tensor], timer: Timer | None = None,
-               progress: Progress | None = None) -> list[ProfileRow]:
-    """One timed row per kernel-launching op of the captured (unfused) graph."""
+               progress: Progress | None = None, ceilings: Ceilings | None = None) -> list[ProfileRow]:
+    """One timed row per kernel-launching op of the captured (unfused) graph (with its floors under `ceilings`)."""
     graph, hardware, dtype = analysis.captured, analysis.hardware, analysis.config.dtype
     users = graph.users()
     rows = []
@@ -248,7 +289,7 @@ def eager_rows(analysis: Any, values: dict[str, torch.Tensor], timer: Timer | No
         node = graph[metrics.name]
         predicted, matrix, tile, roofline, conv = _prediction(graph, [node.name], users, hardware, dtype)
         row = ProfileRow(node.name, node.op, metrics.kind, "pytorch", metrics.flops, metrics.bytes_moved,
-                         predicted, matrix, tile, roofline, conv=conv)
+                         predicted, matrix, tile, roofline, conv=conv).with_floor(ceilings)
         if progress is not None:
             progress(f"eager {node.name}", index, len(analysis.op_rows))
         args = [values[i] for i in node.inputs]
@@ -259,8 +300,10 @@ def eager_rows(analysis: Any, values: dict[str, torch.Tensor], timer: Timer | No
 
 
 def opfuse_rows(compiled_model: Any, values: dict[str, torch.Tensor], hardware: HardwareProfile, dtype: str,
-                timer: Timer | None = None, progress: Progress | None = None) -> list[ProfileRow]:
-    """One timed row per kernel-launching group of a CompiledModel's plan."""
+                timer: Timer | None = None, progress: Progress | None = None, ceilings: Ceilings | None = None
+                ) -> list[ProfileRow]:
+    """One timed row per kernel-launching group of a CompiledModel's plan (with its floors under `ceilings`: the
+    group's FLOPs and bytes as the plan counts them)."""
     plan = compiled_model.plan
     graph = plan.graph
     users = graph.users()
@@ -280,7 +323,7 @@ def opfuse_rows(compiled_model: Any, values: dict[str, torch.Tensor], hardware: 
             library = " (unfused: PyTorch ops)"
         runs_as = "pytorch" if kernel is None else kernel.name + library
         row = ProfileRow(group.name, ops, group.kind.value, runs_as, group.flops, group.bytes_moved, predicted,
-                         matrix, tile, roofline, conv=conv)
+                         matrix, tile, roofline, conv=conv).with_floor(ceilings)
         if progress is not None:
             progress(f"opfuse {group.name}", index, len(groups))
         if kernel is not None:
@@ -299,28 +342,37 @@ def opfuse_rows(compiled_model: Any, values: dict[str, torch.Tensor], hardware: 
 
 def profile_model(model: torch.nn.Module, inputs: Sequence[torch.Tensor], config: FusionConfig,
                   timer: Timer | None = None, progress: Progress | None = None, name: str | None = None,
-                  quiet: bool = True) -> Profile:
+                  quiet: bool = True, floor_hardware: HardwareProfile | None = None) -> Profile:
     """Compile `model` with opfuse, then time every eager op and every opfuse kernel alone (module docstring).
 
     `inputs` are the benchmark's inputs (on the GPU, in the compute dtype); `timer` replaces the CUDA-graph timer
-    (tests pass a fake one, which makes the whole function run on the CPU through Triton's interpreter).
+    (tests pass a fake one, which makes the whole function run on the CPU through Triton's interpreter). Floors
+    take `floor_hardware`'s datasheet, by default the profile of the GPU the inputs are on (`hardware_of_gpu`), or
+    the config's where it has none.
     """
     import opfuse
+    from opfuse.analysis.roofline import workload_work
 
     compiled = opfuse.compile(model, inputs, config, quiet=quiet)
     if not hasattr(compiled, "analysis"):        # fallback="eager" gave the model back: nothing to profile
         raise GraphError(f"opfuse could not compile {name or type(model).__name__}: {compiled.reason}")
     analysis = compiled.analysis
+    if floor_hardware is None and inputs and inputs[0].is_cuda:
+        floor_hardware = hardware_of_gpu(torch.cuda.get_device_name(inputs[0].device))
+    floor_hardware = floor_hardware or analysis.hardware
+    ceilings = datasheet_ceilings(floor_hardware, analysis.config.dtype)
     profile = Profile(name or analysis.name, analysis.config.dtype, analysis.hardware,
-                      analysis.config.density_threshold, hardware_key=analysis.config.hardware, compiled=compiled)
+                      analysis.config.density_threshold, hardware_key=analysis.config.hardware, compiled=compiled,
+                      work=workload_work(analysis), ceilings=ceilings, floor_hardware=floor_hardware.name)
     compute = [x.to(getattr(torch, analysis.config.dtype)) if x.is_floating_point() else x for x in inputs]
     with torch.no_grad():
         values = graph_values(analysis.captured, compute)
-        profile.eager = eager_rows(analysis, values, timer, progress)
+        profile.eager = eager_rows(analysis, values, timer, progress, ceilings)
         del values
         runtime = compiled.compiled
         values = runtime.collect_values(*compute)
-        profile.opfuse = opfuse_rows(runtime, values, analysis.hardware, analysis.config.dtype, timer, progress)
+        profile.opfuse = opfuse_rows(runtime, values, analysis.hardware, analysis.config.dtype, timer, progress,
+                                     ceilings)
         del values
     return profile
 
