@@ -19,8 +19,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/opfuse analyze resnet50 --batch 64
 
-# the default run leaves out the tests marked slow (about 3 minutes on 2 cores); CI runs every test without a GPU:
-# make test TEST_MARKERS="not gpu"
+# the default run leaves out the tests marked slow (about 5 minutes on 2 cores: README.md); CI runs every test
+# without a GPU (about 15 minutes): make test TEST_MARKERS="not gpu"
 TEST_MARKERS ?= not gpu and not slow
 
 test: setup
