@@ -35,7 +35,7 @@ from pathlib import Path
 
 # the stages of opfuse's compile a Triton compile in the main process is attributed to: the innermost on its stack
 # ("build_here": a launch the compiling process built while it waited for the workers, `CompilePool.wait`)
-STAGES = ("build_here", "record_launches", "next_configs", "tune_kernel", "check_groups", "_end_to_end_error",
+STAGES = ("build_here", "record_launches", "next_configs", "tune_kernel", "check_groups", "end_to_end_error",
           "build_compiled_model", "analyze", "compile")
 
 

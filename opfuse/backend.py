@@ -192,7 +192,7 @@ def _compile_bound(bound: _BoundWeights, examples: Sequence[Any], config: Fusion
     where the compile fell back to running the graph eagerly on a private copy (`fallback="eager"`), whose buffers are
     not the model's. The compile's other warnings reach the caller as they were, but the one about the wrapper's
     training flag (the graph holds the model's mode)."""
-    from opfuse.compiler import EagerFallback, TrainingModeWarning
+    from opfuse.module import EagerFallback, TrainingModeWarning
     from opfuse.compiler import compile as opfuse_compile
     from opfuse.frontend.torch_export import InputWrittenWarning
 

@@ -679,7 +679,7 @@ def stand_ins_of(model: CompiledModel, example_inputs: Sequence[torch.Tensor]
     shapes, strides and dtypes where every choice is cached; otherwise the compile workers build every kernel's
     candidates (its default config among them) from them before `collect_values` runs the kernels, which would
     compile the default configs here, one at a time. Verification reads from them how the model lays out the
-    values its kernels get (`compiler._layouts`)."""
+    values its kernels get (`verification.layouts_of`)."""
     if not model.stand_ins_are_safe():
         return None
     try:

@@ -255,11 +255,11 @@ class DynamicModel(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], config: FusionConfig,
                  dims: Sequence[DynamicDim], quiet: bool = True):
         super().__init__()
-        from opfuse.compiler import _eager_copy
+        from opfuse.module import eager_copy
 
         if not dims:
             raise GraphError("dynamic_shapes declares no dynamic dim: compile without it")
-        self.__dict__["_eager"] = _eager_copy(model)     # a plain attribute: .to()/.half() never reach it
+        self.__dict__["_eager"] = eager_copy(model)     # a plain attribute: .to()/.half() never reach it
         self.examples = [x.detach() for x in example_inputs]
         self.config = replace(config, recompile=False)
         self.dims = list(dims)

@@ -128,7 +128,7 @@ def test_torch_compile_backend():
 def test_a_group_whose_every_config_spills_is_split_back():
     """What the autotuner reports on a GPU (every config of a kernel spilled) re-plans with that group split."""
     from opfuse.api import analyze
-    from opfuse.compiler import split_back
+    from opfuse.replan import split_back
     from opfuse.fusion.plan import Verdict
 
     model = Residual().eval()
@@ -531,16 +531,16 @@ def test_the_references_convolve_without_cudnn_and_the_setting_is_restored(monke
 def test_verification_checks_kernels_on_the_models_layouts_from_float32_examples(monkeypatch):
     """A float16 compile from float32 example inputs still hands verification the compiled model's layouts (its
     stand-in values need inputs in the compute dtype)."""
-    from opfuse import compiler
+    from opfuse import verification
 
     handed = []
-    check = compiler.check_groups
+    check = verification.check_groups
 
     def recording(*args, **kwargs):
         handed.append(args[6] if len(args) > 6 else kwargs.get("layouts"))
         return check(*args, **kwargs)
 
-    monkeypatch.setattr(compiler, "check_groups", recording)
+    monkeypatch.setattr(verification, "check_groups", recording)
     x = torch.randn(2, 3, 6, 6)
     compiled = opfuse.compile(small_cnn(), (x,), opfuse.FusionConfig(dtype="float16"))
     (layouts,) = handed
@@ -740,7 +740,7 @@ def test_an_op_split_from_its_anchor_joins_no_later_anchor_as_a_prologue(monkeyp
                                                                       ["add", "layer_norm"]]
     with torch.no_grad():
         assert relative_error(compiled(x), model(x)) < 1e-5
-    from opfuse.compiler import split_back                  # both split: the GELU alone, and the plan says why
+    from opfuse.replan import split_back                  # both split: the GELU alone, and the plan says why
 
     analysis = opfuse.analyze(model, (x,), opfuse.FusionConfig(dtype="float32"))
     both = {g.name: "fastest apart" for g in analysis.plan.groups if len(g.nodes) == 2}
@@ -783,7 +783,7 @@ def test_a_horizontal_group_slower_than_its_ops_is_split_into_every_sibling():
     """Siblings merge one at a time: keeping the three anchors apart as a set would refuse only the last merge;
     every pair is kept apart, so each linear gets its own group."""
     from opfuse.api import analyze
-    from opfuse.compiler import split_back
+    from opfuse.replan import split_back
     from opfuse.fusion.plan import GroupKind
 
     analysis = analyze(ThreeSiblings().eval(), (torch.randn(4, 16),), opfuse.FusionConfig(dtype="float32"))

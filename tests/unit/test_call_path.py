@@ -267,8 +267,8 @@ def compiled_small():
 def test_a_matching_call_is_checked_once_and_describes_nothing(compiled_small, monkeypatch):
     model, compiled = compiled_small
     described = []
-    real_describe = opfuse.compiler._describe
-    monkeypatch.setattr(opfuse.compiler, "_describe", lambda x: described.append(x) or real_describe(x))
+    real_describe = opfuse.module.describe_input
+    monkeypatch.setattr(opfuse.module, "describe_input", lambda x: described.append(x) or real_describe(x))
 
     def second_check(self, inputs):
         raise AssertionError("the inputs were checked a second time")

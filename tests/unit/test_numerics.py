@@ -121,7 +121,7 @@ def test_the_compile_reads_its_values_layouts_from_the_model():
     import torch.nn as nn
 
     import opfuse
-    from opfuse.compiler import _layouts
+    from opfuse.verification import layouts_of
     from opfuse.numerics import Layout
 
     class Permuted(nn.Module):
@@ -135,7 +135,7 @@ def test_the_compile_reads_its_values_layouts_from_the_model():
     x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
     compiled = opfuse.compile(Permuted().eval(), (x,), opfuse.FusionConfig(dtype="float32", verify=False))
     inner = compiled.compiled
-    layouts = _layouts(inner, [x])
+    layouts = layouts_of(inner, [x])
     values = inner.collect_values(x)
     read = {name for kernel in inner.kernels.values() for name in kernel.runtime_inputs}
     assert read and all(layouts[name] == Layout.of(values[name]) for name in read)
