@@ -7,21 +7,11 @@ import json
 import os
 import subprocess
 import sys
+
+from tests.unit.test_sm90_compile import PREAMBLE, ROOT
+
+SCRIPT = PREAMBLE + '''
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-
-SCRIPT = '''
-import json, sys
-from pathlib import Path
-sys.path.insert(0, {root!r})
-import importlib.util
-spec = importlib.util.spec_from_file_location("sm90_compile", {script!r})
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-from triton.runtime.driver import driver
-driver.set_active(module.OfflineDriver())
-
 import torch
 from triton import knobs
 from triton.runtime.jit import MockTensor
