@@ -20,11 +20,15 @@ import typing
 from enum import Enum
 from typing import Any, Union
 
-from opfuse.ir.graph import DTYPE_BYTES
+from opfuse.ir.graph import DTYPE_BYTES, GraphError
 
 MAX_TEXT = 4 << 20           # characters of one string (a kernel's source is the longest: tens of kilobytes)
 MAX_DEPTH = 32               # nesting of plain JSON (Any)
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.]{0,255}")      # a node's or a group's name
+
+
+class PackageError(GraphError):
+    """A package that cannot be written or loaded here; the message names the file and the problem."""
 
 
 class SchemaError(ValueError):

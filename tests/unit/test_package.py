@@ -18,7 +18,8 @@ import torch
 
 import opfuse
 from opfuse.ir.graph import Graph, GraphError, TensorType
-from opfuse.runtime.package import MANIFEST, WEIGHTS, PackageError, encode_graph
+from opfuse.runtime.package import MANIFEST, WEIGHTS, PackageError
+from opfuse.runtime.profile_format import encode_graph
 from tests.package_tools import rewrite, with_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
