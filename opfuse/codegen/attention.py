@@ -59,7 +59,7 @@ from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.resources import ATTENTION_TILES, estimate_resources
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph
-from opfuse.ir.ops import get_op
+from opfuse.ir.ops import get_op, kv_heads_shared
 from opfuse.numerics import dot_precision
 
 LOG2E = 1.4426950408889634
@@ -85,7 +85,8 @@ def KERNEL_NAME(
     s_mb0, s_mb1, s_mm, s_mn,
     {params}
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, K_SHARED: tl.constexpr,
+    V_SHARED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -99,8 +100,8 @@ def KERNEL_NAME(
 
     q = tl.load(q_ptr + b0 * s_qb0 + b1 * s_qb1 + offs_m[:, None] * s_qm + offs_n[None, :] * s_qd,
                 mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-    k_base = k_ptr + b0 * s_kb0 + b1 * s_kb1
-    v_base = v_ptr + b0 * s_vb0 + b1 * s_vb1
+    k_base = k_ptr + b0 * s_kb0 + (b1 // K_SHARED) * s_kb1     # grouped-query attention: query head b1 reads
+    v_base = v_ptr + b0 * s_vb0 + (b1 // V_SHARED) * s_vb1     # key/value head b1 // (query heads per kv head)
     m_base = m_ptr + b0 * s_mb0 + b1 * s_mb1 + offs_m[:, None] * s_mm
 
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -209,7 +210,12 @@ class AttentionKernel(EpilogueKernel):
         leading = out_shape[:-2]
         # operands broadcast to the output's batch dims, each read through the output layout's batch groups
         self.q_layout = TileLayout(leading + (self.s_q, head_dim), len(out_shape) - 1, batch_dims)
-        self.kv_layout = TileLayout(leading + (self.s_k, head_dim), len(out_shape) - 1, batch_dims)
+        # key/value heads several query heads share (grouped-query attention) are read as they are: head b1 of the
+        # grid reads key/value head b1 // shared (`kv_heads_shared`), so a K or V with fewer heads has its own layout
+        self.shared = [kv_heads_shared(q_shape, graph[i].type.shape) for i in (self.k, self.v)]
+        self.k_layout, self.v_layout = (
+            TileLayout(leading[:-1] + (leading[-1] // shared, self.s_k, dim), len(out_shape) - 1, batch_dims)
+            for shared, dim in zip(self.shared, (head_dim, value_dim)))
         self.mask_layout = TileLayout(leading + (self.s_q, self.s_k), len(out_shape) - 1, batch_dims)
         scale = node.attrs.get("scale")
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
@@ -244,8 +250,8 @@ class AttentionKernel(EpilogueKernel):
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)
         q, q_strides = self._operand(self.q_layout, values[self.q])
-        k, k_strides = self._operand(self.kv_layout, values[self.k])
-        v, v_strides = self._operand(self.kv_layout, values[self.v])
+        k, k_strides = self._operand(self.k_layout, values[self.k])
+        v, v_strides = self._operand(self.v_layout, values[self.v])
         if self.mask is not None:
             mask, m_strides = self._operand(self.mask_layout, values[self.mask])
             if mask.dtype == torch.bool:     # read as bytes: one a key, nonzero attends
@@ -259,6 +265,7 @@ class AttentionKernel(EpilogueKernel):
             *q_strides, *k_strides, *v_strides, *m_strides, *args,
             BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=self.block_d,
             CAUSAL=bool(self.node.attrs.get("is_causal")), MASK=self.mask_kind, PRECISION=self.precision(),
+            K_SHARED=self.shared[0], V_SHARED=self.shared[1],
             num_warps=config.num_warps, num_stages=config.num_stages)
         self.last_compiled = compiled_info(compiled)
         return outputs

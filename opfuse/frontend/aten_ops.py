@@ -255,8 +255,9 @@ def _masked_fill(t: Translator, a: dict) -> str:
       "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
       "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math")
 def _sdpa(t: Translator, a: dict) -> str | MultiOutput:
-    if a.get("dropout_p") or a.get("enable_gqa") or a.get("dropout_mask") is not None:
-        raise Unmapped("attention with dropout or grouped-query heads")
+    """Fewer key/value heads than query heads (enable_gqa) are the IR's grouped-query sdpa (`kv_heads_shared`)."""
+    if a.get("dropout_p") or a.get("dropout_mask") is not None:
+        raise Unmapped("attention with dropout")
     mask = a.get("attn_mask", a.get("attn_bias"))
     inputs = [a["query"], a["key"], a["value"]] + ([mask] if mask is not None else [])
     name = t.emit("sdpa", inputs, {"is_causal": bool(a.get("is_causal")), "scale": a.get("scale")})

@@ -30,7 +30,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from opfuse.ir.graph import Graph, Node
-from opfuse.ir.ops import FusionKind, along_channels, get_op
+from opfuse.ir.ops import FusionKind, along_channels, get_op, kv_heads_shared
 
 
 @dataclass(frozen=True)
@@ -325,6 +325,7 @@ def matmul_maps(node: Node, shapes: Shapes) -> list[DimMap]:
 
 
 KEYS = "attends over {where} as its key/value sequence: padding adds keys that every query reads"
+SHARED_HEADS = "holds {where} in key/value heads that several query heads share (grouped-query attention)"
 
 
 def sdpa_maps(node: Node, shapes: Shapes) -> list[DimMap]:
@@ -342,6 +343,9 @@ def sdpa_maps(node: Node, shapes: Shapes) -> list[DimMap]:
     maps = [leading(q) + [queries, CONTRACTS],
             leading(k) + [KEYS, CONTRACTS],
             leading(v) + [KEYS, "holds {where} in its value features, which the analysis does not follow"]]
+    for position in (1, 2):     # key/value heads several query heads share: head h reads h // (Hq / Hkv)
+        if kv_heads_shared(shapes[0], shapes[position]) > 1:
+            maps[position][-3] = SHARED_HEADS
     if len(shapes) > 3:
         mask = len(shapes[3])
         maps.append((leading(mask) + [queries, KEYS])[-mask:] if mask else [])

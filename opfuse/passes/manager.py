@@ -26,6 +26,7 @@ from opfuse.passes.recognize_gelu import recognize_gelu
 from opfuse.passes.recognize_rms_norm import recognize_rms_norm
 from opfuse.passes.recognize_roll import recognize_roll
 from opfuse.passes.remove_noop_layout import remove_noop_layout
+from opfuse.passes.share_kv_heads import share_kv_heads
 from opfuse.passes.simplify_attention_masks import simplify_attention_masks
 
 Pass = Callable[[Graph], tuple[Graph, list[str]]]
@@ -45,11 +46,13 @@ def default_pipeline() -> list[Pass]:
     constant for what follows, and attention masks built from shapes are known; then layout no-ops, so attention
     written out, BN and RMS norms are seen without their no-op expands, dropouts and casts; rolls written as slices
     and a cat (ONNX's) next, so they join the kernel that reads them like a captured roll; attention next, so its
-    mask is simplified like any other; then the reshapes around a linear that flatten its rows (GPT-2's Conv1D),
-    so what reads it and what it reads may join its kernel; then view chains PyTorch would copy that are views of
-    their source (nn.MultiheadAttention's head split), once the reshapes around the linears are settled; RMS norms
-    and tanh GELUs written out become one node each."""
-    return [fold_constants, remove_noop_layout, recognize_roll, recognize_attention, simplify_attention_masks,
+    key/value heads repeated for grouped-query attention are read shared and its mask is simplified like any
+    other; then the reshapes around a linear that flatten its rows (GPT-2's Conv1D), so what reads it and what it
+    reads may join its kernel; then view chains PyTorch would copy that are views of their source
+    (nn.MultiheadAttention's head split), once the reshapes around the linears are settled; RMS norms and tanh
+    GELUs written out become one node each."""
+    return [fold_constants, remove_noop_layout, recognize_roll, recognize_attention, share_kv_heads,
+            simplify_attention_masks,
             fold_linear_reshapes, fold_view_chains, recognize_rms_norm, recognize_gelu, fold_batchnorm,
             eliminate_dead_code]
 

@@ -42,8 +42,9 @@ def reference(b: KernelGraph, node: str) -> torch.Tensor:
     inputs = [b.feeds[name] for name in b.graph[node].inputs]
     inputs = [x.float() if x.is_floating_point() else x for x in inputs]
     attrs = b.graph[node].attrs
+    grouped = any(x.dim() >= 3 and x.shape[-3] not in (1, inputs[0].shape[-3]) for x in inputs[1:3])
     return F.scaled_dot_product_attention(*inputs[:3], attn_mask=inputs[3] if len(inputs) > 3 else None,
-                                          is_causal=attrs["is_causal"], scale=attrs["scale"])
+                                          is_causal=attrs["is_causal"], scale=attrs["scale"], enable_gqa=grouped)
 
 
 def run_triton(b: KernelGraph, outputs: list[str], kind: GroupKind = GroupKind.SINGLE
@@ -77,6 +78,23 @@ def test_matches_sdpa(batch, heads, s_q, s_k, head_dim, causal):
                             (batch, heads, s_k, head_dim)), causal)
     _, (out,) = run_triton(b, [y])
     assert_matches_sdpa(b, y, out)
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, value_heads, s_q, s_k, causal", [
+    (2, 4, 2, 2, 5, 5, True),       # two query heads per key/value head
+    (1, 6, 2, 3, 7, 19, False),     # keys shared by 3 query heads, values by 2; Sq < Sk
+    (2, 3, 1, 1, 9, 9, True),       # one key/value head for all (multi-query): a broadcast
+])
+def test_query_heads_read_their_shared_key_value_head(batch, heads, kv_heads, value_heads, s_q, s_k, causal):
+    """Grouped-query attention: K and V with fewer heads than Q, query head h reading head h // (H / Hkv) on its
+    load (no repeated copy), as torch's sdpa with enable_gqa."""
+    b, y = attention_graph(((batch, heads, s_q, 24), (batch, kv_heads, s_k, 24), (batch, value_heads, s_k, 24)),
+                           causal)
+    kernel, (out,) = run_triton(b, [y])
+    assert kernel.shared == [heads // kv_heads if kv_heads > 1 else 1, heads // value_heads if value_heads > 1 else 1]
+    assert_matches_sdpa(b, y, out)
+    library = kernel.run([b.feeds[name] for name in kernel.runtime_inputs], kernel.configs()[0])[0]
+    assert_matches_sdpa(b, y, library)      # the library form (torch's sdpa) takes them too
 
 
 def test_a_given_scale_is_used():
@@ -270,3 +288,26 @@ def test_compiled_attention_with_an_epilogue_is_one_kernel():
     assert compiled.launches == compiled.plan.kernel_launches == 1
     with torch.no_grad():
         assert relative_error(compiled(q, k, v), model(q, k, v)) < 1e-5
+
+
+def test_compiled_grouped_query_attention_matches_eager_in_both_forms():
+    """K/V heads repeated for grouped-query attention (transformers' repeat_kv: expand + reshape, a copy in eager)
+    are read shared by the attention kernel: no copy kernel, and the model matches eager in torch's attention and
+    in the Triton kernel."""
+    from tests.unit.test_share_kv_heads import GroupedQueryAttention
+
+    torch.manual_seed(0)
+    model = GroupedQueryAttention(repeat=True).eval()
+    x = torch.randn(2, 7, 32)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    plan = compiled.plan
+    attention = next(g for g in plan.groups if any(plan.graph[n].op == "sdpa" for n in g.nodes))
+    assert {why.code for why in compiled.fallbacks.values()} <= {Code.VIEW}
+    kernel = compiled.compiled.kernels[attention.name]
+    assert kernel.shared == [2, 2]
+    with torch.no_grad():
+        fresh = torch.randn(2, 7, 32)
+        expected = model(fresh)
+        assert relative_error(compiled(fresh), expected) < 1e-5
+        compiled.compiled.set_configs({attention.name: next(c for c in kernel.configs() if c.form == FORM_TRITON)})
+        assert relative_error(compiled(fresh), expected) < 1e-5
