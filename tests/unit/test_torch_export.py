@@ -94,6 +94,9 @@ CASES = [
      {"linear"}),
     ("mm_bmm_matmul", Lambda(lambda m, x, y: (torch.mm(x[0], y[0]), torch.bmm(x, y), x @ y)),
      (torch.randn(2, 3, 4), torch.randn(2, 4, 5)), {"matmul"}),
+    ("matmul_by_a_weight_is_linear", Lambda(lambda m, x: (x @ m.w.t(), x @ m.w2, torch.mm(x[0], m.w.T)),
+                                            w=nn.Parameter(W), w2=nn.Parameter(W.t().contiguous())),
+     (torch.randn(2, 3, 5),), {"linear"}),
     ("add_sub_mul_div", Lambda(lambda m, x, y: ((x + y) * 2 - y / 3, x - 1, 2 / (x.abs() + 1), 1 - x)),
      (X2, torch.randn(5)), {"add", "sub", "mul", "div"}),
     ("alpha", Lambda(lambda m, x, y: (torch.add(x, y, alpha=2), torch.sub(x, 3, alpha=2),
@@ -465,3 +468,13 @@ def test_capture_records_no_stack_traces_and_restores_the_switch(monkeypatch):
     capture_and_check(model, torch.randn(1, 3, 8, 8))
     assert seen and seen[0] and not any(seen[0])          # conv, relu: traced, no trace of their source lines
     assert torch.fx.config.do_not_emit_stack_traces == before
+
+
+def test_a_matmul_by_a_weight_is_a_linear_of_it_and_by_an_activation_a_matmul():
+    """x @ W.T with W a parameter (Falcon's, GPT-J's projections) is linear(x, W): its kernel reads the head merge
+    before it through views; a product of two activations stays a matmul."""
+    model = Lambda(lambda m, x, y: (x @ m.w.t()) @ y, w=nn.Parameter(W))
+    graph, ops = capture_and_check(model, torch.randn(2, 3, 5), torch.randn(2, 6, 4))
+    assert ops["linear"] == 1 and ops["matmul"] == 1
+    (linear,) = [n for n in graph if n.op == "linear"]
+    assert graph.is_constant(linear.inputs[1]) and graph[linear.inputs[1]].type.shape == (6, 5)
