@@ -134,8 +134,9 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
     check_memory(analysis, example_inputs, device, config)
 
     eager = eager_copy(model)
+    probe = eager_copy(model) if analysis.captured.state else eager     # a run writes the state: not eager's
     with torch.no_grad():       # on copies: a forward that writes into its input must not write into the user's
-        eager_out = eager(*[x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs])
+        eager_out = probe(*[x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs])
     flat_out, output_spec = tree_flatten(eager_out)
     if not all(isinstance(o, torch.Tensor) for o in flat_out):
         raise GraphError("opfuse.compile supports models whose outputs are tensors (or nested tuples/lists/dicts "
@@ -166,6 +167,7 @@ def _build(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, 
     start = time.perf_counter()
     compiled.measure_forward(examples)
     seconds["measure"] = time.perf_counter() - start
+    compiled.reset_state()       # verification and the measure wrote it: the model starts as eager does
     keep_eager = config.recompile or config.fallback == "eager"
     return OpfuseModule(compiled, analysis, example_inputs, output_spec, output_dtypes, checks, end_to_end, seconds,
                         eager if keep_eager else None)

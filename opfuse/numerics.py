@@ -108,9 +108,9 @@ def operand_scale(graph: Graph, values: Mapping[str, torch.Tensor], name: str) -
     it (through views), all in `values`: the size of the rounding errors it carries, where cancellation makes it
     far smaller than them. 0 for an input or a constant, and where no operand is floating."""
     node = graph[name]
-    while node.op not in ("input", "constant") and get_op(node.op).alias and node.inputs:
+    while node.op not in ("input", "constant", "state") and get_op(node.op).alias and node.inputs:
         node = graph[node.inputs[0]]
-    if node.op in ("input", "constant"):
+    if node.op in ("input", "constant", "state"):
         return 0.0
     operands = [values[i] for i in node.inputs if values[i].is_floating_point() and values[i].numel()]
     if not operands:
@@ -256,7 +256,7 @@ def _interpret_all(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dt
     for node in graph:
         if node.op == "input":
             continue
-        if node.op == "constant":
+        if node.op in ("constant", "state"):
             tensor = graph.constants[node.name].to(device)
             values[node.name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         else:
@@ -384,7 +384,7 @@ def _eager_group_error(graph: Graph, group, reference: Mapping[str, torch.Tensor
 
     for name in group.nodes:
         node = graph[name]
-        if node.op in ("input", "constant"):
+        if node.op in ("input", "constant", "state"):
             continue
         attrs = dict(node.attrs)
         if node.op == "cast" and torch_dtype(attrs["dtype"]).is_floating_point:

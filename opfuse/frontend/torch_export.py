@@ -15,9 +15,11 @@ re-derived from the op registry, disagrees with the type torch recorded. Such ca
 re-run the original ATen call, so capture never fails on an unknown op; the node's attrs keep the reason.
 Parameters and buffers become constant nodes (private clones) only when something reads them.
 
-opfuse compiles stateless forwards: a model whose forward writes one of its buffers or parameters (a call counter,
-a batch norm in training mode) is refused naming the state and the node that writes it, as a compiled model that
-never updates it would differ from eager from its second call on. A forward that writes into one of its inputs in
+opfuse compiles forwards whose only state is declared: a buffer a module marks as state (`mark_state`: a KV cache)
+becomes a ``state`` node, and what the forward writes into it becomes its update (`Graph.state`), which the compiled
+model keeps for its next call. A forward that writes any other buffer or parameter (a call counter, a batch norm in
+training mode) is refused naming it and the node that writes it, as a compiled model that never updates it would
+differ from eager from its second call on. A forward that writes into one of its inputs in
 place warns (`InputWrittenWarning`, naming the input and the node): the graph computes the same outputs, but the
 compiled model leaves the input as it was.
 """
@@ -55,6 +57,24 @@ FALLBACK_HINT = ('fall back to torch.compile(model, backend="opfuse"), which han
                  'or opfuse.compile(..., fallback="eager")')
 
 
+STATE_MARK = "_opfuse_state"      # the attribute `mark_state` keeps a module's state buffer names in
+
+
+def mark_state(module: torch.nn.Module, *names: str) -> None:
+    """Declare buffers of `module` the model's state: its forward may write them (a KV cache at the call's
+    positions), and the compiled model keeps what it wrote for the next call, as eager does."""
+    missing = [name for name in names if name not in dict(module.named_buffers(recurse=False))]
+    if missing:
+        raise GraphError(f"mark_state: {type(module).__name__} has no buffer {missing[0]!r}")
+    module.__dict__.setdefault(STATE_MARK, set()).update(names)
+
+
+def state_buffers(model: torch.nn.Module) -> set[str]:
+    """The dotted names of the buffers the modules of `model` marked as state (`mark_state`)."""
+    return {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+            for name in module.__dict__.get(STATE_MARK, ())}
+
+
 def capture_torch(model: torch.nn.Module, example_inputs: tuple, name: str | None = None) -> Graph:
     """Export `model` (a copy of it, in eval mode) on `example_inputs` and return the verified IR graph."""
     inputs = tuple(example_inputs)
@@ -76,7 +96,7 @@ def capture_torch(model: torch.nn.Module, example_inputs: tuple, name: str | Non
     except Exception as error:
         raise GraphError(f"torch.export could not capture model {name}: {_describe_export_error(error)}; "
                          f"{FALLBACK_HINT}") from error
-    graph = Translator(program, name).run()
+    graph = Translator(program, name, state_buffers(private)).run()
     verify(graph)
     return graph
 
@@ -328,9 +348,10 @@ def _bind(target: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str,
 class Translator:
     """Walks the exported fx graph once, in order, building the IR graph."""
 
-    def __init__(self, program: torch.export.ExportedProgram, name: str):
+    def __init__(self, program: torch.export.ExportedProgram, name: str, state: set[str] = frozenset()):
         self.program = program
         self.graph = Graph(name)
+        self.state = state                 # buffers marked as state (`mark_state`): their writes are kept
         self.env: dict[fx.Node, Any] = {}  # IR node name, _LazyConstant, MultiOutput or a plain python object
         self.constant_names: dict[fx.Node, str] = {}
         self.node: fx.Node | None = None   # the fx node being translated
@@ -465,6 +486,9 @@ class Translator:
             if val is None:
                 raise GraphError(f"model input {node.name} is not a tensor; capture_torch takes tensors only")
             self.env[node] = self.graph.add_input(node.name, TensorType.of(val)).name
+        elif spec.kind == InputKind.BUFFER and spec.target in self.state:
+            tensor = self.program.state_dict[spec.target].detach().clone()
+            self.env[node] = self.graph.add_state(spec.target, tensor, source=node.name).name
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             tensors = self.program.state_dict if spec.target in self.program.state_dict else self.program.constants
             self.env[node] = _LazyConstant(spec.target, tensors[spec.target])
@@ -551,8 +575,15 @@ class Translator:
         """The user outputs become the graph's outputs; a write to the model's state is refused, a write into an
         input warns (see module docstring). torch.export lists both as outputs once the program is functional."""
         specs = list(zip(node.args[0], signature.output_specs))
+        holders = {spec.target: self.env[placeholder] for placeholder, spec in
+                   zip([n for n in self.program.graph.nodes if n.op == "placeholder"], signature.input_specs)
+                   if spec.kind == InputKind.BUFFER and spec.target in self.state}
+        for arg, spec in specs:
+            if spec.kind == OutputKind.BUFFER_MUTATION and spec.target in holders:   # declared state: kept
+                self.graph.state[holders[spec.target]] = self.value(arg)
         state = {OutputKind.BUFFER_MUTATION: "buffer", OutputKind.PARAMETER_MUTATION: "parameter"}
-        written = [f"{state[spec.kind]} {spec.target} ({_writer(arg)})" for arg, spec in specs if spec.kind in state]
+        written = [f"{state[spec.kind]} {spec.target} ({_writer(arg)})" for arg, spec in specs
+                   if spec.kind in state and spec.target not in holders]
         if written:
             raise GraphError(f"model {self.graph.name} writes its {', '.join(written)} in forward; opfuse compiles "
                              "stateless forwards, and a compiled model that never updates that state would differ "
@@ -574,8 +605,8 @@ class Translator:
             self.graph.outputs.append(self.value(arg))
 
     def _remove_unused(self) -> None:
-        """Drop nodes no output depends on (unread parameters, dead getitems); inputs always stay."""
-        live = set(self.graph.outputs)
+        """Drop nodes no output or state update depends on (unread parameters, dead getitems); inputs stay."""
+        live = set(self.graph.observed) | set(self.graph.state)
         for node in reversed(list(self.graph.nodes.values())):
             if node.name in live:
                 live.update(node.inputs)

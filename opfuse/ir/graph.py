@@ -2,7 +2,10 @@
 
 A `Graph` is an ordered list of `Node`s kept in topological order. Every value is a node: graph inputs are
 nodes with op ``input``, weights and other tensors known at compile time are nodes with op ``constant`` whose
-tensor lives in ``graph.constants``. Each node has exactly one output, described by its `TensorType`
+tensor lives in ``graph.constants``. A model's state (a KV cache) is a node with op ``state``, its initial tensor in
+``graph.constants`` too, and ``graph.state`` maps it to the node whose value it holds after a call: the compiled
+model writes that into the state's tensor, which keeps it for the next call (an ``index_copy`` writes it in place).
+Each node has exactly one output, described by its `TensorType`
 (logical PyTorch shape, NCHW for images; the memory layout is the code generator's business).
 Multi-output source ops (split) are lowered by the frontends to several single-output nodes.
 """
@@ -100,12 +103,13 @@ class GraphError(ValueError):
 
 @dataclass
 class Graph:
-    """Nodes in topological order, the names of the output nodes, and the constant tensors."""
+    """Nodes in topological order, the names of the output nodes, the constant tensors, and the state updates."""
 
     name: str = "graph"
     nodes: dict[str, Node] = field(default_factory=dict)
     outputs: list[str] = field(default_factory=list)
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    state: dict[str, str] = field(default_factory=dict)     # state node -> the node it holds after a call
 
     # ---- building -------------------------------------------------------------------------------
     def unique_name(self, base: str) -> str:
@@ -134,6 +138,12 @@ class Graph:
 
     def add_constant(self, name: str, tensor: torch.Tensor, source: str = "") -> Node:
         node = self.add_node("constant", [], TensorType.of(tensor), name=name, source=source)
+        self.constants[node.name] = tensor
+        return node
+
+    def add_state(self, name: str, tensor: torch.Tensor, source: str = "") -> Node:
+        """A state node holding `tensor` before the first call (its updates: `graph.state`)."""
+        node = self.add_node("state", [], TensorType.of(tensor), name=name, source=source)
         self.constants[node.name] = tensor
         return node
 
@@ -168,6 +178,11 @@ class Graph:
     def is_constant(self, name: str) -> bool:
         return self.nodes[name].op == "constant"
 
+    @property
+    def observed(self) -> list[str]:
+        """The values a call makes visible: the outputs, and the values the state holds after it."""
+        return list(self.outputs) + [update for update in self.state.values() if update not in self.outputs]
+
     def scalar_value(self, name: str) -> float | None:
         """The value of `name` when it is a one-element constant, else None."""
         if not self.is_constant(name) or self.nodes[name].type.numel != 1:
@@ -188,6 +203,7 @@ class Graph:
         for node in self.nodes.values():
             node.inputs = [new if i == old else i for i in node.inputs]
         self.outputs = [new if o == old else o for o in self.outputs]
+        self.state = {holder: new if value == old else value for holder, value in self.state.items()}
 
     def remove(self, name: str) -> None:
         self.nodes.pop(name)
@@ -226,7 +242,7 @@ class Graph:
         """A structural copy; constant tensors are shared, so passes must build new tensors, never edit them."""
         nodes = {name: Node(n.name, n.op, list(n.inputs), dict(n.attrs), n.type, n.source)
                  for name, n in self.nodes.items()}
-        return Graph(self.name, nodes, list(self.outputs), dict(self.constants))
+        return Graph(self.name, nodes, list(self.outputs), dict(self.constants), dict(self.state))
 
     # ---- display --------------------------------------------------------------------------------
     def format(self) -> str:

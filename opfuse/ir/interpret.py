@@ -32,7 +32,7 @@ def interpret(graph: Graph, inputs: Sequence[torch.Tensor], device: torch.device
     for node in graph.nodes.values():
         if node.op == "input":
             continue
-        if node.op == "constant":
+        if node.op in ("constant", "state"):
             values[node.name] = (constants if constants is not None else graph.constants)[node.name].to(device)
             continue
         args = [values[i] for i in node.inputs]

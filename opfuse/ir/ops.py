@@ -56,6 +56,7 @@ class OpDef:
     doc: str = ""
     # the attributes the op takes and what each may hold (`opfuse.ir.attrs`); ANY (None): not checked
     attrs: Mapping[str, Rule] | None = field(default_factory=dict)
+    bytes_written: Callable[[Types, TensorType, Attrs], int] | None = None   # default: the whole output
 
     def read_bytes(self, ins: Types, out: TensorType, attrs: Attrs) -> int:
         if self.alias or self.kind is FusionKind.SOURCE:
@@ -67,6 +68,8 @@ class OpDef:
     def written_bytes(self, ins: Types, out: TensorType, attrs: Attrs) -> int:
         if self.alias or self.kind is FusionKind.SOURCE:
             return 0
+        if self.bytes_written is not None:
+            return self.bytes_written(ins, out, attrs)
         return out.nbytes
 
     @property
@@ -260,6 +263,8 @@ def _source_not_runnable(xs, a):
 
 register(OpDef("input", S, _source_not_runnable, doc="graph input"))
 register(OpDef("constant", S, _source_not_runnable, doc="compile-time tensor (weights, scalars)"))
+register(OpDef("state", S, _source_not_runnable, doc="the model's state (a KV cache): its tensor before the first "
+               "call in graph.constants, its value after each call the node graph.state names"))
 
 # anchors: inputs (x, weight[, bias]) with PyTorch's weight layouts
 register(OpDef("conv2d", A, _run_conv2d, conv2d_flops,
@@ -392,6 +397,14 @@ register(OpDef("take", I, _run_take, bytes_read=embedding_bytes,
                attrs={"axis": DIM}))
 register(OpDef("embedding", I, lambda xs, a: F.embedding(xs[1], xs[0]), bytes_read=embedding_bytes,
                doc="inputs weight[V, D], indices"))
+
+# a write into the model's state: runs through PyTorch, in place where it updates a state node (the compiled model's
+# runtime); what it moves is the rows written, not the whole state
+register(OpDef("index_copy", O, lambda xs, a: xs[0].index_copy(a["dim"], xs[1], xs[2]),
+               bytes_read=lambda ins, out, a: ins[1].nbytes + ins[2].nbytes,
+               bytes_written=lambda ins, out, a: ins[2].nbytes,
+               doc="x with the slices `index` along dim replaced by src (a KV cache written at its positions); "
+                   "inputs x, index (int64), src; attrs dim", attrs={"dim": DIM}))
 
 register(OpDef("opaque", O, _run_opaque,
                doc="runs through PyTorch: attrs target (name), fn (callable on the input list), or none; pure "

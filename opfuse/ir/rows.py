@@ -406,7 +406,15 @@ def embedding_maps(node: Node, shapes: Shapes) -> list[DimMap]:
 
 # The ops neither elementwise nor a reduction of `REDUCED_DIMS` whose rows the analysis follows (opaque ops, the
 # generic "opaque" above all, are refused unless listed: what they do is unknown).
+def state_write_maps(node: Node, shapes: Shapes) -> list[DimMap]:
+    """A write into the model's state (`index_copy` of a KV cache) outlives the call: padded rows would stay in it
+    for the next call to read, so no operand dim can hold the batch."""
+    why = "writes the model's state, which outlives the call, from {where}"
+    return [[why] * len(shape) for shape in shapes]
+
+
 RULES: dict[str, Rule] = {
+    "index_copy": state_write_maps,
     "conv2d": per_sample_maps,
     "conv_transpose": per_sample_maps,
     "local_response_norm": per_sample_maps,

@@ -20,12 +20,12 @@ def verify(graph: Graph, check_types: bool = True) -> None:
         for i in node.inputs:
             if i not in seen:
                 raise GraphError(f"node {node.describe()} reads {i!r}, which is not defined before it")
-        if node.op == "constant":
+        if node.op in ("constant", "state"):
             if name not in graph.constants:
-                raise GraphError(f"constant node {node.describe()} has no tensor")
+                raise GraphError(f"{node.op} node {node.describe()} has no tensor")
             tensor = graph.constants[name]
             if tuple(tensor.shape) != node.type.shape:
-                raise GraphError(f"constant node {node.describe()} is typed {node.type} but holds "
+                raise GraphError(f"{node.op} node {node.describe()} is typed {node.type} but holds "
                                  f"{tuple(tensor.shape)}")
         elif check_types and node.op not in ("input", "opaque"):
             expected = infer_type(node.op, graph.input_types(node), node.attrs)
@@ -37,3 +37,9 @@ def verify(graph: Graph, check_types: bool = True) -> None:
     for o in graph.outputs:
         if o not in graph.nodes:
             raise GraphError(f"graph output {o!r} is not a node")
+    for holder, update in graph.state.items():
+        if graph.nodes.get(holder) is None or graph.nodes[holder].op != "state" or update not in graph.nodes:
+            raise GraphError(f"state update {holder!r} <- {update!r} does not name a state node and a node")
+        if graph.nodes[update].type != graph.nodes[holder].type:
+            raise GraphError(f"state {holder} is {graph.nodes[holder].type} but its update {update} is "
+                             f"{graph.nodes[update].type}")

@@ -22,7 +22,7 @@ def cast_precision(graph: Graph, dtype: str) -> tuple[Graph, list[str]]:
     changes = []
     for node in graph:
         old = node.type
-        if node.op == "constant":
+        if node.op in ("constant", "state"):
             tensor = graph.constants[node.name]
             if tensor.is_floating_point() and old.dtype != dtype:
                 graph.constants[node.name] = tensor.to(torch_dtype(dtype))  # a new tensor

@@ -193,10 +193,15 @@ class CompiledModel(torch.nn.Module):
                                           for n in self.graph.input_nodes)
         self._input_forms = [input_form(spec) for spec in self.signature]
         self._steps = self._schedule()
+        users = self.graph.users()
+        # the state updates written in place: an index_copy of the state it updates, which nothing else reads
+        self._in_place = {update for holder, update in self.graph.state.items()
+                          if self.graph[update].op == "index_copy" and self.graph[update].inputs[0] == holder
+                          and [u.name for u in users[holder]] == [update]}
         self._launched: dict[str, int] = {}      # PyTorch-run node -> the kernels it launched as it last ran
         # constants read by PyTorch-run nodes: on the device once, as private copies (never the user's tensors,
         # and never registered as parameters, so .to()/.half() on this module cannot reach the user's model)
-        needed = {r for s in self._steps for r in s.reads} | set(self.graph.outputs)
+        needed = {r for s in self._steps for r in s.reads} | set(self.graph.outputs) | set(self.graph.state)
         self._constants = device_constants(self.graph, [s.node for s in self._steps if s.node is not None],
                                            self.device, private=True)
         self._constants.update({name: self.graph.constants[name].detach().to(self.device, copy=True)
@@ -220,7 +225,7 @@ class CompiledModel(torch.nn.Module):
 
     def _schedule(self) -> list[Step]:
         graph = self.graph
-        available = {n.name for n in graph if n.op in ("input", "constant")}
+        available = {n.name for n in graph if n.op in ("input", "constant", "state")}
         steps: list[Step] = []
 
         def check(step: Step, what: str) -> None:
@@ -239,13 +244,13 @@ class CompiledModel(torch.nn.Module):
                 continue
             for name in group.nodes:
                 node = graph[name]
-                if node.op not in ("input", "constant"):
+                if node.op not in ("input", "constant", "state"):
                     check(Step(group, list(node.inputs), [name], node=node), f"node {node.describe()}")
         for name in graph.outputs:
             if name not in available:
                 raise GraphError(f"graph output {name!r} is produced by no group of the plan")
 
-        outputs = set(graph.outputs)
+        outputs = set(graph.observed)       # the state's updates live to the end of a call, written back there
         last_use = {}
         for index, step in enumerate(steps):
             for name in step.writes:
@@ -402,10 +407,43 @@ class CompiledModel(torch.nn.Module):
             if not keep_all:
                 for name in step.free:
                     values.pop(name, None)
+        for holder, update in self.graph.state.items():      # what an update computed elsewhere leaves in it
+            if values[update] is not self._constants[holder]:
+                self._constants[holder].copy_(values[update])
         return values
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """The model's state (a KV cache) by state node: the tensors each call reads and writes, kept between calls."""
+        return {holder: self._constants[holder] for holder in self.graph.state}
+
+    def reset_state(self) -> None:
+        """Every state tensor back to what it held before the first call (zeros, for a fresh KV cache)."""
+        with torch.no_grad():
+            for holder in self.graph.state:
+                self._constants[holder].copy_(self.graph.constants[holder])
+
+    def bind_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Read and write these tensors as the model's state from now on (another compiled model's, so that two
+        compiled models of one decoder, a prefill and a decode step, share one KV cache); each of the state node's
+        type, on this model's device. Drops a captured CUDA graph, which baked the old ones in."""
+        for holder, tensor in tensors.items():
+            mine = self._constants.get(holder)
+            if holder not in self.graph.state or tensor.shape != mine.shape or tensor.dtype != mine.dtype \
+                    or tensor.device != mine.device:
+                raise GraphError(f"bind_state: {holder!r} is no state of {self.graph.name} of shape "
+                                 f"{list(tensor.shape)} and dtype {tensor.dtype} on {tensor.device}")
+        self._constants.update(tensors)
+        self._reset_cuda_graph()
 
     def _run_step(self, step: Step, values: dict[str, torch.Tensor]) -> None:
         args = [values[name] for name in step.reads]
+        node = step.node
+        if node is not None and node.name in self._in_place:
+            # the state's update: written into the state's own tensor, in place (only the rows of the call move)
+            values[node.name] = args[0].index_copy_(node.attrs["dim"], args[1], args[2])
+            self._launched[node.name] = 1
+            return
         if step.kernel is not None:
             outputs = self._run_kernel(step, args)
             if len(outputs) != len(step.writes):
@@ -656,6 +694,7 @@ def build_compiled_model(plan: FusionPlan, device: torch.device | str,
             del values
             model.build_seconds["tune"] = time.perf_counter() - start
         model.set_configs(dict(model.tuning))
+    model.reset_state()          # the tuning's runs wrote it
     return model
 
 
