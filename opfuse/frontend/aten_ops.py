@@ -169,7 +169,16 @@ def _addmm(t: Translator, a: dict) -> str:
 
 @maps("mm", "bmm", "matmul")
 def _matmul(t: Translator, a: dict) -> str:
-    return t.emit("matmul", [a["self"], a.get("mat2", a.get("other"))])
+    """x @ W with W a 2-D weight (a parameter, maybe transposed: Falcon's and GPT-J's ``x @ self.weight.T``) is a
+    linear of W^T, whose kernel reads its input through views and takes a prologue; anything else a matmul."""
+    x, other = t.value(a["self"]), t.value(a.get("mat2", a.get("other")))
+    if t.rank(x) >= 2 and t.rank(other) == 2:
+        source = t.graph[other]
+        if source.op == "permute" and list(source.attrs["dims"]) == [1, 0] and t.graph.is_constant(source.inputs[0]):
+            return t.emit("linear", [x, source.inputs[0]])
+        if t.graph.is_constant(other):
+            return t.emit("linear", [x, t.emit("permute", [other], {"dims": [1, 0]})])
+    return t.emit("matmul", [x, other])
 
 
 @maps("baddbmm", "addbmm")
