@@ -6,6 +6,7 @@ capture (torch.export | ONNX) -> IR graph -> passes (fold constants and BN, DCE,
 
 Public API: `compile(model, example_inputs, config)`, `analyze(model, example_inputs, config)`, `FusionConfig`,
 `save(compiled, path)` and `load(path)` (deploy a compiled model as one package file, `opfuse.runtime.package`),
+`compile_generator(model, max_batch, max_seq_len, config)` (text generation with a KV cache, `opfuse.generate`),
 and `torch.compile(model, backend="opfuse")`.
 
 Importing opfuse is cheap: `compile` and `analyze` (and torch with them) load on first use, and the dynamo backend
@@ -19,11 +20,11 @@ import sys
 
 from opfuse.config import FusionConfig
 
-__all__ = ["analyze", "compile", "FusionConfig", "load", "save"]
+__all__ = ["analyze", "compile", "compile_generator", "FusionConfig", "load", "save"]
 __version__ = "0.1.0"
 
 _LAZY = {"analyze": "opfuse.api", "compile": "opfuse.compiler", "save": "opfuse.runtime.package",
-         "load": "opfuse.runtime.package"}
+         "load": "opfuse.runtime.package", "compile_generator": "opfuse.generate"}
 
 
 def __getattr__(name: str):

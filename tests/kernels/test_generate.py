@@ -1,0 +1,115 @@
+"""Text generation (`opfuse.compile_generator`, `opfuse.generate`) through Triton's interpreter, on tiny decoders
+from transformers' Config classes: a prefill and token-by-token decode steps over opfuse's static KV cache give the
+tokens transformers' own generate gives, and leave the cache eager leaves."""
+
+import pytest
+import torch
+import transformers as T
+
+import opfuse
+from opfuse.generate import KVCacheDecoder, compile_generator
+from opfuse.ir.graph import GraphError
+
+CONFIG = opfuse.FusionConfig(dtype="float32")
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return T.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model = tiny_llama()
+    return model, compile_generator(model, max_batch=3, max_seq_len=32, config=CONFIG)
+
+
+def reference(model, prompt, new):
+    """transformers' greedy generate, never stopping early (the Configs' default eos id is a token like any other
+    to these random weights)."""
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return model.generate(prompt, max_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt),
+                              min_new_tokens=new)
+
+
+def test_greedy_tokens_equal_transformers_generate_and_the_cache_equals_eagers(llama):
+    model, generator = llama
+    prompt = torch.tensor([[1, 5, 7, 9, 11]])
+    out = generator.generate(prompt, 16)
+    assert torch.equal(out, reference(model, prompt, 16))
+    eager = KVCacheDecoder(model, 3, 32)          # the same steps eagerly: the same cache, row for row
+    rows = torch.cat([out[:, :-1]] * 3)
+    with torch.no_grad():
+        eager(rows[:, :5], torch.arange(5))
+        for position in range(5, 20):
+            eager(rows[:, position:position + 1], torch.tensor([position]))
+    for name, tensor in generator.cache.items():
+        torch.testing.assert_close(tensor[:, :, :20], getattr(eager, name)[:, :, :20], rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_under_max_batch_runs_each_prompt_as_alone(llama):
+    model, generator = llama
+    prompts = torch.tensor([[3, 4, 2, 8], [9, 1, 1, 5]])
+    out = generator.generate(prompts, 6)
+    assert out.shape == (2, 10)
+    for row in range(2):
+        assert torch.equal(out[row:row + 1], reference(model, prompts[row:row + 1], 6))
+
+
+def test_stream_yields_the_tokens_generate_returns_one_step_at_a_time(llama):
+    _, generator = llama
+    prompt = torch.tensor([[2, 3, 4]])
+    steps = list(generator.stream(prompt, 5))
+    assert len(steps) == 5 and all(step.shape == (1,) for step in steps)
+    assert torch.equal(torch.stack(steps, 1), generator.generate(prompt, 5)[:, 3:])
+
+
+def test_sampling_is_seeded_and_top_k_one_is_greedy(llama):
+    _, generator = llama
+    prompt = torch.tensor([[1, 2, 3]])
+    greedy = generator.generate(prompt, 6)
+    assert torch.equal(generator.generate(prompt, 6, temperature=0.7, top_k=1), greedy)
+    draws = [generator.generate(prompt, 6, temperature=1.5, generator=torch.Generator().manual_seed(seed))
+             for seed in (1, 1, 2)]
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+
+
+def test_a_sequence_that_drew_eos_keeps_drawing_it(llama):
+    _, generator = llama
+    prompt = torch.tensor([[1, 5, 7, 9, 11]])
+    first = int(generator.generate(prompt, 1)[0, -1])
+    out = generator.generate(prompt, 8, eos_token_id=first)
+    assert out.shape == (1, 6) and int(out[0, -1]) == first      # the stream ended once every row drew it
+
+
+@pytest.mark.parametrize("prompt, new, match", [
+    (torch.tensor([[1] * 30]), 3, "do not fit max_seq_len 32"),
+    (torch.ones(4, 2, dtype=torch.long), 2, "over max_batch 3"),
+    (torch.ones(1, 2), 2, "int64 token ids"),
+])
+def test_a_call_over_the_limits_is_refused_naming_them(llama, prompt, new, match):
+    _, generator = llama
+    with pytest.raises(GraphError, match=match):
+        generator.generate(prompt, new)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt2"])
+def test_other_decoder_families_generate_as_transformers_does(family):
+    configs = {
+        "qwen2": lambda: T.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+        "mistral": lambda: T.MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                                           max_position_embeddings=64, sliding_window=None),
+        "gpt2": lambda: T.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                     initializer_range=0.5),
+    }
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(configs[family]()).eval()
+    prompts = torch.tensor([[1, 5, 7, 9, 11], [3, 4, 2, 8, 6]])
+    generator = compile_generator(model, max_batch=2, max_seq_len=24, config=CONFIG)
+    assert torch.equal(generator.generate(prompts, 8), reference(model, prompts, 8))
