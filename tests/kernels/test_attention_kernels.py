@@ -311,3 +311,31 @@ def test_compiled_grouped_query_attention_matches_eager_in_both_forms():
         assert relative_error(compiled(fresh), expected) < 1e-5
         compiled.compiled.set_configs({attention.name: next(c for c in kernel.configs() if c.form == FORM_TRITON)})
         assert relative_error(compiled(fresh), expected) < 1e-5
+
+
+class SoftcappedGroupedAttention(nn.Module):
+    """Gemma 2's eager attention: scores softcapped by a tanh (so no sdpa), key/value heads repeated for the query
+    heads (expand + reshape)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        batch, kv_heads, tokens, dim = k.shape
+        rep = q.shape[1] // kv_heads
+        k, v = (t[:, :, None].expand(batch, kv_heads, rep, tokens, dim).reshape(batch, -1, tokens, dim)
+                for t in (k, v))
+        scores = torch.tanh(q @ k.transpose(2, 3) / 8.0) * 8.0
+        return torch.softmax(scores, dim=-1) @ v
+
+
+def test_compiled_matmuls_over_repeated_heads_broadcast_them():
+    """The two matmuls read the unrepeated key/value heads broadcast over the query heads that share them (5-D
+    batched GEMMs, a stride of 0): no copy kernel, no group through PyTorch, and eager's values."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    model = SoftcappedGroupedAttention().eval()
+    compiled = opfuse.compile(model, (q, k, v), opfuse.FusionConfig(dtype="float32"))
+    graph = compiled.plan.graph
+    assert not groups_through_pytorch(compiled.plan)
+    assert [graph[i].type.shape for n in graph if n.op == "matmul" for i in n.inputs] == \
+        [(2, 2, 3, 5, 8), (2, 2, 1, 8, 5), (2, 2, 3, 5, 5), (2, 2, 1, 5, 8)]
+    with torch.no_grad():
+        assert relative_error(compiled(q, k, v), model(q, k, v)) < 1e-5

@@ -12,7 +12,7 @@ from opfuse.api import analyze
 from opfuse.config import FusionConfig
 from opfuse.fusion.reasons import Code
 from opfuse.ir.graph import Graph, TensorType
-from opfuse.passes import share_kv_heads
+from opfuse.passes import recognize_attention, share_kv_heads
 from tests.unit.test_passes import assert_same_numerics, op, run_pass
 
 B, H, HKV, S, D = 2, 6, 2, 5, 4
@@ -59,6 +59,51 @@ def test_an_expand_of_another_dim_is_no_head_repeat():
     before = _repeated(seq=H // HKV, grow_dim=3)
     after, changes = run_pass(share_kv_heads, before)
     assert changes == [] and after.format() == before.format()
+
+
+def _written_out(softcap: bool) -> Graph:
+    """Attention written out over repeated key/value heads: q @ repeat(k)^T, a tanh softcap (Gemma 2's, which keeps
+    it from being one sdpa) or not, softmax, @ repeat(v)."""
+    graph = Graph("eager")
+    q = graph.add_input("q", TensorType((B, H, S, D), "float64")).name
+    repeated = []
+    for name in "kv":
+        x = graph.add_input(name, TensorType((B, HKV, S, D), "float64")).name
+        x = op(graph, f"{name}_unsqueezed", "reshape", [x], shape=(B, HKV, 1, S, D))
+        x = op(graph, f"{name}_expanded", "expand", [x], shape=(B, HKV, H // HKV, S, D))
+        repeated.append(op(graph, f"{name}_repeated", "reshape", [x], shape=(B, H, S, D)))
+    keys = op(graph, "keys", "permute", [repeated[0]], dims=(0, 1, 3, 2))
+    scores = op(graph, "scores", "matmul", [q, keys])
+    if softcap:
+        scores = op(graph, "capped", "tanh", [scores])
+    probs = op(graph, "probs", "softmax", [scores], dim=3)
+    graph.outputs = [op(graph, "context", "matmul", [probs, repeated[1]])]
+    return graph
+
+
+def test_a_matmul_reads_repeated_heads_as_a_broadcast():
+    """q @ repeat(k)^T and p @ repeat(v) become matmuls of the heads split [B, Hkv, rep, ...] by the unrepeated
+    k, v [B, Hkv, 1, ...] (broadcast over rep), merged back: the same values, no expand left."""
+    before = _written_out(softcap=True)
+    after, changes = run_pass(share_kv_heads, before)
+    assert len(changes) == 2
+    products = [n for n in after if n.op == "matmul"]
+    assert [after[i].type.shape for i in products[0].inputs] == [(B, HKV, H // HKV, S, D), (B, HKV, 1, D, S)]
+    assert [after[i].type.shape for i in products[1].inputs] == [(B, HKV, H // HKV, S, S), (B, HKV, 1, S, D)]
+    assert not any(n.op == "expand" for n in after)
+    assert_same_numerics(before, after)
+
+
+def test_recognized_attention_over_repeated_heads_reads_them_shared():
+    """Without the softcap the written-out attention is one sdpa first (its keys a transpose of the transposed
+    repeat), which then reads k and v unrepeated."""
+    before = _written_out(softcap=False)
+    recognized, _ = run_pass(recognize_attention, before)
+    after, changes = run_pass(share_kv_heads, recognized)
+    (sdpa,) = [n for n in after if n.op == "sdpa"]
+    assert [after[i].type.shape for i in sdpa.inputs] == [(B, H, S, D)] + [(B, HKV, S, D)] * 2
+    assert not any(n.op in ("expand", "permute") for n in after)
+    assert_same_numerics(before, after)
 
 
 class GroupedQueryAttention(nn.Module):
