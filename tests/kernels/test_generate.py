@@ -113,3 +113,16 @@ def test_other_decoder_families_generate_as_transformers_does(family):
     prompts = torch.tensor([[1, 5, 7, 9, 11], [3, 4, 2, 8, 6]])
     generator = compile_generator(model, max_batch=2, max_seq_len=24, config=CONFIG)
     assert torch.equal(generator.generate(prompts, 8), reference(model, prompts, 8))
+
+
+def test_the_decode_report_counts_weights_and_cache_per_step(llama):
+    model, generator = llama
+    report = generator.decode_report(position=7)
+    weights = sum(p.numel() * 4 for p in model.parameters())        # float32; the tied head counted once
+    assert weights <= report["weight_bytes"] < weights + 1024        # and small constants: rope's, the mask's range
+    per_position = 2 * 2 * 3 * 2 * 16 * 4         # k and v, 2 layers, 3 rows, 2 kv heads, head dim 16, float32
+    assert report["cache_bytes_read"] == per_position * 32 and report["cache_bytes_needed"] == per_position * 8
+    assert report["launches"] >= 1 and report["predicted_s"] > 0
+    bandwidth = generator.step.analysis.hardware.memory_bandwidth
+    assert report["bandwidth_floor_s"] == pytest.approx((report["weight_bytes"] + per_position * 8) / bandwidth)
+    assert report["measured_s"] is None and report["share_of_bandwidth_floor"] is None     # no GPU timed it
