@@ -41,6 +41,8 @@ class Analysis:
                                     # node for the groups in `pytorch_groups`
     seconds: dict[str, float] = field(default_factory=dict)
     pytorch_groups: dict[str, Reason] = field(default_factory=dict)    # groups without an opfuse kernel, and why
+    library_calls: dict[str, str] = field(default_factory=dict)  # group -> what it runs, where its kernel is a library
+                                                                 # call alone (torch's attention: head dims untiled)
     as_compiled: Any = None         # opfuse.analysis.as_compiled.AsCompiled: what the last compile of this plan
                                     # runs on this device (launches, forms, groups through PyTorch) or why it
                                     # failed; None if none was made
@@ -63,6 +65,7 @@ class Analysis:
             "plan": self.plan.to_dict(),
             "opaque_ops": self.opaque_ops,
             "pytorch_groups": {group: reason.to_dict() for group, reason in self.pytorch_groups.items()},
+            "library_calls": dict(self.library_calls),
             "passes": [{"name": r.name, "changes": r.changes} for r in self.pass_records],
             "unfused": asdict(self.unfused),
             "fused": asdict(self.fused),
@@ -99,7 +102,7 @@ def analyze(model: Any, example_inputs: Sequence[Any] | None = None, config: Fus
     last compile of this plan with this config's settings runs on this device, if one was made (`as_compiled`)."""
     from opfuse.analysis import as_compiled
     from opfuse.analysis.traffic import op_table, summarize_plan, summarize_unfused
-    from opfuse.codegen.lower import groups_through_pytorch
+    from opfuse.codegen.lower import lowered_outcome
     from opfuse.fusion.planner import plan_fusion
     from opfuse.passes.cast_precision import cast_precision
     from opfuse.passes.manager import prepare_graph
@@ -121,12 +124,12 @@ def analyze(model: Any, example_inputs: Sequence[Any] | None = None, config: Fus
     seconds["plan"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    pytorch_groups = groups_through_pytorch(plan)
+    pytorch_groups, library = lowered_outcome(plan)
     seconds["lower"] = time.perf_counter() - start
     display_name = name or graph.name
     return Analysis(display_name, config, hardware, captured, prepared, records, plan,
                     op_table(captured, hardware, config), summarize_unfused(captured, hardware, config),
-                    summarize_plan(plan, hardware, pytorch_groups), seconds, pytorch_groups,
+                    summarize_plan(plan, hardware, pytorch_groups), seconds, pytorch_groups, library,
                     as_compiled.load(plan, config, as_compiled.target(example_inputs, config)))
 
 

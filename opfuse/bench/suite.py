@@ -54,7 +54,9 @@ class SuiteModel:
 @dataclass
 class ModelResult:
     """What the analysis of one model found. `status`: clean (nothing through PyTorch), pytorch (something is),
-    failed (capture or analysis raised: `error`), skipped (its library is not installed: `error` says which)."""
+    failed (capture or analysis raised: `error`), skipped (its library is not installed: `error` says which). A
+    group whose kernel is a library call alone (torch's attention for head dims the template cannot tile) is no run
+    through PyTorch, but is listed (`library_calls`)."""
 
     name: str
     family: str
@@ -65,6 +67,7 @@ class ModelResult:
     pytorch_launches: int = 0           # of those, the launches of ops run through PyTorch
     opaque: dict[str, int] = field(default_factory=dict)     # ATen op -> opaque nodes of it
     no_kernel: dict[str, int] = field(default_factory=dict)  # "code: ops" -> groups with no kernel for another reason
+    library_calls: dict[str, int] = field(default_factory=dict)   # ops -> groups whose kernel is a library call
     examples: dict[str, str] = field(default_factory=dict)   # "code: ops" -> one group's reason, in words
     seconds: float = 0.0
 
@@ -338,7 +341,7 @@ def analyze_model(entry: SuiteModel) -> ModelResult:
 def record_pytorch(result: ModelResult, analysis) -> None:
     """Fill `result` from `analysis`: launches, and what runs through PyTorch by opaque op and by group kind."""
     from opfuse.fusion.reasons import Code
-    from opfuse.ir.ops import launches_kernel
+    from opfuse.ir.ops import get_op, launches_kernel
 
     graph = analysis.prepared
     groups = {g.name: g for g in analysis.plan.groups}
@@ -356,6 +359,9 @@ def record_pytorch(result: ModelResult, analysis) -> None:
         no_kernel[key] += 1
         result.examples.setdefault(key, reason.text[:300])
     result.opaque, result.no_kernel = dict(opaque.most_common()), dict(no_kernel.most_common())
+    calls = Counter("+".join(dict.fromkeys(graph[n].op for n in groups[name].nodes if not get_op(graph[n].op).alias))
+                    for name in analysis.library_calls)
+    result.library_calls = dict(calls.most_common())
     result.status = "pytorch" if analysis.pytorch_groups else "clean"
 
 
@@ -454,8 +460,10 @@ def summarize(results: Sequence[ModelResult]) -> dict:
 
 
 def _through_pytorch(r: ModelResult) -> str:
+    """What runs through PyTorch, then the library calls (which are kernels of the plan: torch's attention)."""
     parts = [f"{_short(target)} x{count}" for target, count in r.opaque.items()]
     parts += [f"{key} x{count}" for key, count in r.no_kernel.items()]
+    parts += [f"library call: {ops} x{count}" for ops, count in r.library_calls.items()]
     return "; ".join(parts)
 
 

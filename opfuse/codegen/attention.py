@@ -15,8 +15,10 @@ dtype for the second (fp16, bf16 or fp32 inputs; fp32 follows torch's matmul pre
 is_causal is top-left aligned like torch's (query i sees keys 0..i, also where Sq != Sk), and a causal program stops
 at its last visible key block. The mask (boolean: True attends; or float: added to the scores) is expanded to
 [..., Sq, Sk] and read through its strides, so a [Sq, Sk] or [B, 1, 1, Sk] mask costs stride 0 on the broadcast
-dims. Q, K and V are read through their strides (the head-split views before attention cost nothing). The head dim
-is padded to the next power of two (at least 16) and masked: 64 and 128 need no padding.
+dims. Q, K and V are read through their strides (the head-split views before attention cost nothing). Q's and K's
+head dim D and V's Dv may differ (LeViT's 16 and 32): each is padded to the next power of two (at least 16) and
+masked, 64 and 128 need no padding; the accumulator and the epilogue's columns are Dv. K and V may have fewer heads
+than Q (grouped-query attention, `opfuse.ir.ops.kv_heads_shared`): query head h reads key/value head h // (H / Hkv).
 
 Count, per (batch, head), with D the head dim and b bytes per element:
   FLOPs:  4·Sq·Sk·D for the two products (half of it with is_causal) + about 5·Sq·Sk for scale, max, exp, sums
@@ -39,7 +41,10 @@ only kept where the autotuner measures it faster. One launch either way, as the 
 epilogue: first the Triton tiles (one kernel, as the plan counts it), and with `library` the unfused form (the sdpa
 and the epilogue ops through PyTorch, what ran before) for the autotuner to measure against. The GEMMs' other library
 form (the library's result, then a generated epilogue kernel) is not offered: that epilogue kernel reads a
-contiguous result, and flash attention's is not, so it would cost a copy kernel too.
+contiguous result, and flash attention's is not, so it would cost a copy kernel too. An sdpa the template cannot
+compute (head dims over MAX_HEAD_DIM: DaViT's channel attention over 3136 pixels; `AttentionKernel._untiled`) is its
+library form alone, a library call the plan keeps without an epilogue (`opfuse.fusion.legality.library_anchor_rule`)
+and the analysis lists as one (`opfuse.codegen.lower.library_calls`).
 """
 
 from __future__ import annotations
@@ -57,13 +62,13 @@ from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.forms import UNFUSED, EpilogueKernel
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.resources import ATTENTION_TILES, estimate_resources
+from opfuse.fusion.tiles import MAX_HEAD_DIM
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph
 from opfuse.ir.ops import get_op, kv_heads_shared
 from opfuse.numerics import dot_precision
 
 LOG2E = 1.4426950408889634
-MAX_HEAD_DIM = 128
 # the mask input, as the template's MASK constexpr reads it
 NO_MASK, BOOLEAN_MASK, ADDITIVE_MASK = 0, 1, 2
 INTERPRETER_TILE = KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=16)
@@ -78,13 +83,13 @@ import triton.language as tl
 @triton.jit
 def KERNEL_NAME(
     q_ptr, k_ptr, v_ptr, m_ptr,
-    M, N_KEYS, D, B1, qk_scale,
+    M, N_KEYS, D, DV, B1, qk_scale,
     s_qb0, s_qb1, s_qm, s_qd,
     s_kb0, s_kb1, s_kn, s_kd,
     s_vb0, s_vb1, s_vn, s_vd,
     s_mb0, s_mb1, s_mm, s_mn,
     {params}
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, K_SHARED: tl.constexpr,
     V_SHARED: tl.constexpr,
 ):
@@ -93,20 +98,22 @@ def KERNEL_NAME(
     b0 = pid_b // B1
     b1 = pid_b % B1
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_D)          # the epilogue's columns: the head dim
+    offs_d = tl.arange(0, BLOCK_D)          # q's and k's head dim
+    offs_n = tl.arange(0, BLOCK_DV)         # v's head dim: the epilogue's columns
     offs_key = tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
-    mask_n = offs_n < D
+    mask_d = offs_d < D
+    mask_n = offs_n < DV
 
-    q = tl.load(q_ptr + b0 * s_qb0 + b1 * s_qb1 + offs_m[:, None] * s_qm + offs_n[None, :] * s_qd,
-                mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+    q = tl.load(q_ptr + b0 * s_qb0 + b1 * s_qb1 + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd,
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     k_base = k_ptr + b0 * s_kb0 + (b1 // K_SHARED) * s_kb1     # grouped-query attention: query head b1 reads
     v_base = v_ptr + b0 * s_vb0 + (b1 // V_SHARED) * s_vb1     # key/value head b1 // (query heads per kv head)
     m_base = m_ptr + b0 * s_mb0 + b1 * s_mb1 + offs_m[:, None] * s_mm
 
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     if CAUSAL:    # top-left aligned: query i sees keys 0..i, none past this block's last row
         key_end = tl.minimum(N_KEYS, (pid_m + 1) * BLOCK_M)
     else:
@@ -114,8 +121,8 @@ def KERNEL_NAME(
     for start in range(0, key_end, BLOCK_N):
         keys = start + offs_key
         key_ok = keys < N_KEYS
-        k_t = tl.load(k_base + keys[None, :] * s_kn + offs_n[:, None] * s_kd,
-                      mask=key_ok[None, :] & mask_n[:, None], other=0.0)
+        k_t = tl.load(k_base + keys[None, :] * s_kn + offs_d[:, None] * s_kd,
+                      mask=key_ok[None, :] & mask_d[:, None], other=0.0)
         scores = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale        # log2 units
         allowed = key_ok[None, :] & mask_m[:, None]
         if CAUSAL:
@@ -182,20 +189,16 @@ class AttentionKernel(EpilogueKernel):
         if len(q_shape) < 3:
             raise Unsupported(f"{node.describe()}: attention needs batch dims before [S, D]")
         head_dim, value_dim = q_shape[-1], v_shape[-1]
-        if value_dim != head_dim or k_shape[-1] != head_dim:
-            raise Unsupported(f"{node.describe()}: q, k and v of different head dims ({head_dim}, {k_shape[-1]}, "
-                              f"{value_dim})")
-        if head_dim > MAX_HEAD_DIM:
-            raise Unsupported(f"{node.describe()}: head dim {head_dim} > {MAX_HEAD_DIM}")
-        dtype = compute_dtype(graph, self.q, node)
-        if any(graph[i].type.dtype != dtype for i in (self.k, self.v)):
-            raise Unsupported(f"{node.describe()}: q, k and v of different dtypes")
+        if k_shape[-1] != head_dim:
+            raise Unsupported(f"{node.describe()}: q and k of different head dims ({head_dim}, {k_shape[-1]})")
+        self.bare = len(chains[0]) == 1 and group.outputs == [anchor]
+        # why the Triton template cannot run it; then a bare sdpa is torch's attention alone (the library form)
+        self.untiled = self._untiled(graph, node)
+        if self.untiled is not None and not self.bare:
+            raise Unsupported(self.untiled)
         self.mask_kind = NO_MASK
         if self.mask is not None:
-            mask_type = graph[self.mask].type
-            self.mask_kind = BOOLEAN_MASK if mask_type.dtype == "bool" else ADDITIVE_MASK
-            if self.mask_kind == ADDITIVE_MASK and mask_type.dtype not in ("float16", "bfloat16", "float32"):
-                raise Unsupported(f"{node.describe()}: a {mask_type.dtype} attention mask")
+            self.mask_kind = BOOLEAN_MASK if graph[self.mask].type.dtype == "bool" else ADDITIVE_MASK
         out_shape = node.type.shape
         batch_dims = tuple(range(len(out_shape) - 2))
         # heads inside the tokens in memory, as flash attention lays its output out (module docstring)
@@ -205,8 +208,8 @@ class AttentionKernel(EpilogueKernel):
         name, source, self.kernel = generate_kernel(ATTENTION_TEMPLATE, epilogue)
         super().__init__(graph, group, name, source)
         self.device, self.epilogue, self.layout = device, epilogue, layout
-        self.s_q, self.s_k, self.head_dim = q_shape[-2], k_shape[-2], head_dim
-        self.block_d = _head_dim_block(head_dim)
+        self.s_q, self.s_k, self.head_dim, self.value_dim = q_shape[-2], k_shape[-2], head_dim, value_dim
+        self.block_d, self.block_dv = _head_dim_block(head_dim), _head_dim_block(value_dim)
         leading = out_shape[:-2]
         # operands broadcast to the output's batch dims, each read through the output layout's batch groups
         self.q_layout = TileLayout(leading + (self.s_q, head_dim), len(out_shape) - 1, batch_dims)
@@ -220,23 +223,44 @@ class AttentionKernel(EpilogueKernel):
         scale = node.attrs.get("scale")
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
         self.constants = {v: graph.constants[v].to(device) for v in node.inputs if graph.is_constant(v)}
-        self.bare = len(chains[0]) == 1 and group.outputs == [anchor]
-        self._configs = attention_configs(graph, group, anchor, hw)
+        self._configs = attention_configs(graph, group, anchor, hw) if self.untiled is None else []
         if self.bare:   # torch's sdpa is the whole group: the library form, first (module docstring)
             self.library_outputs = self._torch_attention
             self._configs = [TORCH_ATTENTION, *self._configs]
+
+    @staticmethod
+    def _untiled(graph: Graph, node) -> str | None:
+        """Why the Triton template cannot compute sdpa `node`, or None: head dims over MAX_HEAD_DIM (its query
+        tile and accumulator hold whole rows), q, k and v of different dtypes, an additive mask of an integer
+        dtype."""
+        dims = [graph[i].type.shape[-1] for i in node.inputs[:3]]
+        if max(dims) > MAX_HEAD_DIM:
+            return f"{node.describe()}: head dims {dims}, over the {MAX_HEAD_DIM} the attention template tiles"
+        dtype = compute_dtype(graph, node.inputs[0], node)
+        if any(graph[i].type.dtype != dtype for i in node.inputs[1:3]):
+            return f"{node.describe()}: q, k and v of different dtypes"
+        mask = graph[node.inputs[3]].type.dtype if len(node.inputs) > 3 else None
+        if mask not in (None, "bool", "float16", "bfloat16", "float32"):
+            return f"{node.describe()}: a {mask} attention mask"
+        return None
 
     def _torch_attention(self, values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The library form: torch's scaled_dot_product_attention, as the runtime runs an sdpa node."""
         return [get_op("sdpa").run([values[i] for i in self.node.inputs], self.node.attrs)]
 
     def describe_library_form(self, config: KernelConfig | None = None) -> str:
-        return f"{self.node.name} through PyTorch's scaled_dot_product_attention (flash/cuDNN), no kernel of opfuse's"
+        why = f" ({self.untiled.split(': ', 1)[-1]})" if self.untiled is not None else ""
+        return (f"{self.node.name} through PyTorch's scaled_dot_product_attention (flash/cuDNN), no kernel of "
+                f"opfuse's{why}")
 
     def alternatives(self, library: bool = True) -> list[KernelConfig]:
         """A bare sdpa has its library form among its configs (and nothing else to unfuse); a group with an
         epilogue offers, with `library`, the unfused form: torch's sdpa, then the epilogue ops through PyTorch."""
         return [UNFUSED] if library and not self.bare else []
+
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+        """The outputs in form `config` (default: the first config, torch's attention for a bare sdpa)."""
+        return super().run(inputs, config or self._configs[0])
 
     def precision(self) -> str:
         """tl.dot precision of float32 operands: TF32 where PyTorch's matmul would use it."""
@@ -261,9 +285,9 @@ class AttentionKernel(EpilogueKernel):
         block_m = config["BLOCK_M"]
         grid = (triton.cdiv(self.s_q, block_m), self.layout.batch)
         compiled = self.kernel[grid](
-            q, k, v, mask, self.s_q, self.s_k, self.head_dim, self.layout.batch_sizes()[1], self.scale * LOG2E,
-            *q_strides, *k_strides, *v_strides, *m_strides, *args,
-            BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=self.block_d,
+            q, k, v, mask, self.s_q, self.s_k, self.head_dim, self.value_dim, self.layout.batch_sizes()[1],
+            self.scale * LOG2E, *q_strides, *k_strides, *v_strides, *m_strides, *args,
+            BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
             CAUSAL=bool(self.node.attrs.get("is_causal")), MASK=self.mask_kind, PRECISION=self.precision(),
             K_SHARED=self.shared[0], V_SHARED=self.shared[1],
             num_warps=config.num_warps, num_stages=config.num_stages)

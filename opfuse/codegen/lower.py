@@ -13,11 +13,11 @@ and the template, never a silent run through PyTorch.
 from __future__ import annotations
 
 import importlib
-from typing import Callable, MutableMapping
+from typing import Callable, Mapping, MutableMapping
 
 import torch
 
-from opfuse.codegen.base import GroupKernel, folding_rows
+from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, folding_rows
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.operands import INT32_LIMIT
 from opfuse.fusion.legality import MAPPED_COPIES, joins_as_map
@@ -159,8 +159,22 @@ def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
 def groups_through_pytorch(plan: FusionPlan) -> dict[str, Reason]:
     """{group name: why} for every group that launches work but gets no opfuse kernel, found by lowering the plan
     (on the CPU: nothing runs or compiles): the compiled model runs those groups' nodes one by one through PyTorch."""
-    _, reasons = lower_plan(plan, "cpu")
-    return {group.name: reasons[group.name] for group in plan.groups if group.launches and group.name in reasons}
+    return lowered_outcome(plan)[0]
+
+
+def lowered_outcome(plan: FusionPlan) -> tuple[dict[str, Reason], dict[str, str]]:
+    """The plan lowered on the CPU (nothing runs or compiles): (`groups_through_pytorch`, `library_calls` of its
+    kernels)."""
+    kernels, reasons = lower_plan(plan, "cpu")
+    through = {group.name: reasons[group.name] for group in plan.groups if group.launches and group.name in reasons}
+    return through, library_calls(kernels)
+
+
+def library_calls(kernels: Mapping[str, GroupKernel]) -> dict[str, str]:
+    """{group name: what it runs, in words} for the kernels whose every form is a library call (an sdpa the attention
+    template cannot tile runs torch's attention): a kernel of the plan, not of opfuse's making."""
+    return {name: kernel.describe_library_form(kernel.configs()[0]) for name, kernel in kernels.items()
+            if kernel.configs() and all(config.form == FORM_LIBRARY for config in kernel.configs())}
 
 
 def plan_hardware(plan: FusionPlan) -> HardwareProfile:

@@ -28,6 +28,9 @@ group has at most one *hub*: an anchor (conv, gemm, attention) or a reduction.
   the pointwise conv; whether its halo recompute pays is the cost model's business. Each stage but the last is
   read only by the next conv and takes only constant operands (it is computed on the fly, per tile).
 
+An anchor no template tiles is a library call alone (`library_anchor_rule`: an sdpa of head dims over the attention
+template's runs torch's attention) and takes no epilogue.
+
 Everything else is refused with a reason: any other pair of anchors, an anchor and any other reduction, two
 reductions, opaque ops, a value the consumer reads that someone outside the pair reads too (several users), and a
 merge that would put a group outside the pair both after and before the fused kernel (a cycle). Each reason is an
@@ -56,7 +59,7 @@ from typing import Iterable, Mapping, Sequence
 
 from opfuse.config import FusionConfig
 from opfuse.fusion.reasons import Code, Reason
-from opfuse.fusion.tiles import MAX_ROW_CHANNELS
+from opfuse.fusion.tiles import MAX_HEAD_DIM, MAX_ROW_CHANNELS, tiles_attention
 from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import FusionKind, along_channels, get_op, kind_of
 from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, through_views
@@ -79,7 +82,7 @@ def can_fuse(graph: Graph, producer_nodes: Iterable[str], consumer_nodes: Iterab
     index = index if index is not None else node_index(graph)
     producer, consumer = set(producer_nodes), set(consumer_nodes)
     merged = producer | consumer
-    for rule in (opaque_rule, injective_rule):
+    for rule in (opaque_rule, injective_rule, library_anchor_rule):
         reason = rule(graph, merged)
         if reason:
             return reason
@@ -125,6 +128,19 @@ def injective_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
             if hub is not None:
                 return Reason(Code.CAT_WITH_HUB, f"{name} ({node.op}) joins elementwise chains only, not the kernel "
                               f"of {hub} ({graph[hub].op})")
+    return None
+
+
+def library_anchor_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
+    """An anchor no template tiles runs as a library call, alone: an sdpa of head dims over the attention
+    template's (`tiles_attention`) is torch's attention, which takes no epilogue."""
+    nodes = sorted(nodes)
+    for name in nodes:
+        if graph[name].op == "sdpa" and not tiles_attention(graph, name) \
+                and any(not is_view(graph[n]) for n in nodes if n != name):
+            dims = sorted({graph[v].type.shape[-1] for v in graph[name].inputs[:3]})
+            return Reason(Code.LIBRARY_ANCHOR, f"{name} (sdpa, head dims {dims}) runs as torch's attention, a "
+                          f"library call: the attention template tiles head dims up to {MAX_HEAD_DIM}")
     return None
 
 

@@ -44,6 +44,8 @@ Fusions refused as illegal (`opfuse.fusion.legality.can_fuse`, and the planner's
   different-epilogues   sibling anchors whose epilogues differ (horizontal fusion)
   sibling-operand       a sibling's epilogue reads an activation: concatenated siblings take constants only
   dependent             groups fused side by side (horizontal) depend on one another
+  library-anchor        an anchor no template tiles runs as a library call alone (an sdpa of head dims over the
+                        attention template's: torch's attention), so it takes no epilogue
 
 Fusions refused for the hardware (verdict over budget) or the cost (verdict unprofitable):
   over-budget           the resource model says the fused kernel needs more registers or shared memory than
@@ -107,6 +109,7 @@ class Code(str, Enum):
     DIFFERENT_EPILOGUES = "different-epilogues"
     SIBLING_OPERAND = "sibling-operand"
     DEPENDENT = "dependent"
+    LIBRARY_ANCHOR = "library-anchor"
 
     OVER_BUDGET = "over-budget"
     SPLIT_BACK = "split-back"

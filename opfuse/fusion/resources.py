@@ -378,22 +378,23 @@ def _attention(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile,
                tile: dict[str, int]) -> ResourceEstimate:
     node = graph[anchor]
     q = graph[node.inputs[0]].type.shape
-    s_q, head_dim = q[-2], q[-1]
+    s_q, head_dim, value_dim = q[-2], q[-1], graph[node.inputs[2]].type.shape[-1]
     tile = dict(tile, BLOCK_M=min(tile["BLOCK_M"], _pow2(s_q)), HEAD_DIM=_pow2(head_dim))
     bm, bn, d = tile["BLOCK_M"], tile["BLOCK_N"], tile["HEAD_DIM"]
+    dv = _pow2(value_dim)       # the accumulator's and the epilogue's columns: V's head dim
     threads = 32 * tile["num_warps"]
     full, vectors, twice = epilogue_operands(graph, nodes, anchor)
     mask = 1 if len(node.inputs) > 3 else 0
-    registers = [("accumulator", _per_thread(bm * d, threads)),
+    registers = [("accumulator", _per_thread(bm * dv, threads)),
                  ("scores", _per_thread(bm * bn, threads)),
                  ("query tile", _per_thread(bm * d * itemsize // 4, threads)),
                  (f"{mask} mask tile(s)", mask * _per_thread(bm * bn * itemsize // 4, threads)),
-                 (f"{full} full-tile operand(s)", full * _per_thread(bm * d * itemsize // 4, threads)),
-                 (f"{vectors} vector(s)", vectors * _per_thread(d, threads)),
-                 (f"{twice} value(s) used twice", twice * _per_thread(bm * d, threads)),
+                 (f"{full} full-tile operand(s)", full * _per_thread(bm * dv * itemsize // 4, threads)),
+                 (f"{vectors} vector(s)", vectors * _per_thread(dv, threads)),
+                 (f"{twice} value(s) used twice", twice * _per_thread(bm * dv, threads)),
                  ("addressing", ADDRESSING_REGISTERS)]
-    shared = [(f"{tile['num_stages']} stages x K and V blocks {bn}x{d} x {itemsize} B",
-               tile["num_stages"] * 2 * bn * d * itemsize)]
+    shared = [(f"{tile['num_stages']} stages x K and V blocks {bn}x{d} and {bn}x{dv} x {itemsize} B",
+               tile["num_stages"] * bn * (d + dv) * itemsize)]
     return _check(hw, tile, threads, registers, shared)
 
 

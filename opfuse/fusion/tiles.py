@@ -112,6 +112,13 @@ def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
 
 
 MAX_ROW_CHANNELS = 4096    # channels a whole-row tile spans at most (`whole_row_tile`)
+MAX_HEAD_DIM = 128         # head dims the attention template tiles: its query tile and accumulator hold whole rows
+
+
+def tiles_attention(graph: Graph, name: str) -> bool:
+    """Whether the attention template tiles sdpa `name`: q's, k's and v's head dims (the last) at most MAX_HEAD_DIM.
+    torch's attention, a library call, runs the others (DaViT's channel attention: head dims of 3136 pixels)."""
+    return all(graph[value].type.shape[-1] <= MAX_HEAD_DIM for value in graph[name].inputs[:3])
 
 
 def whole_row_tile(tile: Mapping[str, int], channels: int) -> dict[str, int]:

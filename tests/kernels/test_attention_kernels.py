@@ -15,7 +15,7 @@ import opfuse
 from opfuse.codegen.attention import AttentionKernel, lower_attention
 from opfuse.codegen.base import FORM_LIBRARY, FORM_TRITON
 from opfuse.codegen.forms import UNFUSED
-from opfuse.codegen.lower import groups_through_pytorch, lower_group
+from opfuse.codegen.lower import groups_through_pytorch, library_calls, lower_group
 from opfuse.fusion.plan import GroupKind
 from opfuse.fusion.reasons import Code
 from opfuse.ir.graph import TensorType, torch_dtype
@@ -206,13 +206,41 @@ def test_an_epilogue_runs_on_the_tile():
     torch.testing.assert_close(unfused[0], results[0], rtol=1e-4, atol=1e-5)
 
 
-def test_groups_the_kernel_cannot_take_run_through_pytorch_with_the_reason():
-    b, y = attention_graph(((1, 2, 5, 160),) * 3)         # head dim over 128
+@pytest.mark.parametrize("head_dim, value_dim, causal", [
+    (16, 32, False),    # LeViT's attention: values twice as wide as queries and keys
+    (24, 72, True),     # both padded (32 and 128), masked
+    (64, 16, False),    # values narrower
+])
+def test_values_of_another_head_dim_than_queries_and_keys(head_dim, value_dim, causal):
+    """Q and K of head dim D, V of Dv: the scores over D, the accumulator, the output and the epilogue over Dv."""
+    b, y = attention_graph(((2, 2, 9, head_dim), (2, 2, 13, head_dim), (2, 2, 13, value_dim)), causal)
+    kernel, (out,) = run_triton(b, [y])
+    assert out.shape == (2, 2, 9, value_dim)
+    assert_matches_sdpa(b, y, out)
+    b, y = attention_graph(((1, 3, 7, head_dim), (1, 3, 7, head_dim), (1, 3, 7, value_dim)), causal, dtype="float16")
+    out = b.op("gelu", b.op("mul", y, b.const("s", torch.tensor(0.5))))
+    _, results = run_triton(b, [out], GroupKind.ANCHOR_EPILOGUE)
+    b.check([out], results)
+
+
+def test_head_dims_over_the_template_are_torch_attention_alone():
+    """A bare sdpa of head dims over 128 (DaViT's channel attention) is a kernel whose one form is torch's attention
+    (a library call, listed as one), no group through PyTorch; with an epilogue the template refuses it."""
+    b, y = attention_graph(((1, 2, 5, 160), (1, 2, 5, 160), (1, 2, 5, 24)))
     reasons = {}
-    assert lower_group(b.graph, b.group([y]), "cpu", reasons) is None
-    assert reasons["g0"].code is Code.UNSUPPORTED and "head dim 160" in reasons["g0"].text
-    b, y = attention_graph(((1, 2, 5, 16), (1, 2, 5, 16), (1, 2, 5, 32)))    # value head dim differs
-    assert lower_group(b.graph, b.group([y]), "cpu", reasons) is None and "different head dims" in reasons["g0"].text
+    kernel = lower_group(b.graph, b.group([y]), "cpu", reasons)
+    assert kernel is not None and not reasons
+    assert [c.form for c in kernel.configs()] == [FORM_LIBRARY] and kernel.alternatives() == []
+    assert library_calls({"g0": kernel}) == {"g0": kernel.describe_library_form()}
+    assert "head dims [160, 160, 24]" in kernel.describe_library_form()
+    (out,) = kernel.run([b.feeds[name] for name in kernel.runtime_inputs])
+    assert_matches_sdpa(b, y, out)
+    activated = b.op("relu", y)
+    assert lower_group(b.graph, b.group([activated], GroupKind.ANCHOR_EPILOGUE), "cpu", reasons) is None
+    assert reasons["g0"].code is Code.UNSUPPORTED and "over the 128" in reasons["g0"].text
+    b, y = attention_graph(((1, 2, 5, 16),) * 3)      # a tileable one: the Triton forms follow the library's
+    kernel = lower_group(b.graph, b.group([y]), "cpu")
+    assert library_calls({"g0": kernel}) == {} and FORM_TRITON in {c.form for c in kernel.configs()}
 
 
 # ---- compiled end to end ------------------------------------------------------------------------------------

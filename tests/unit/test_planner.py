@@ -596,3 +596,19 @@ def test_a_layer_norm_over_two_dims_stays_its_own_kernel():
     plan = plan_fusion(graph, FusionConfig(), H200)
     assert groups_of(plan) == {"ln": ["ln"], "fc": ["fc"]}
     assert decisions_between(plan, "ln", "fc")[0].code is Code.ANCHOR_AND_REDUCTION
+
+
+@pytest.mark.parametrize("head_dim, fused", [(64, True), (3136, False)])
+def test_an_sdpa_the_attention_template_cannot_tile_takes_no_epilogue(head_dim, fused):
+    """DaViT's channel attention (head dims of 3136 pixels) is torch's attention, a library call: the activation
+    after it stays a kernel of its own (library-anchor), where an sdpa of head dim 64 takes it as its epilogue."""
+    b = GraphBuilder("channel_attention")
+    q, k, v = (b.input(name, (1, 3, 32, head_dim)) for name in "qkv")
+    attention = b.op("sdpa", [q, k, v], {"is_causal": False, "scale": 1.0}, name="sdpa")
+    b.graph.outputs = [b.op("gelu", [attention], {"approximate": "none"}, name="act")]
+    plan = plan_fusion(b.graph, FusionConfig(), H200)
+    assert_well_formed(plan)
+    assert (groups_of(plan)["sdpa"] == ["sdpa", "act"]) is fused
+    if not fused:
+        (refusal,) = decisions_between(plan, "sdpa", "act")
+        assert refusal.code is Code.LIBRARY_ANCHOR and "3136" in refusal.reason
