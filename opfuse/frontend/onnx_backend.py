@@ -6,12 +6,14 @@ outputs as numpy arrays (a tuple, also indexable by output name). The model is i
 through each op's PyTorch reference (`opfuse.frontend.onnx_module.OnnxModule`), no GPU needed. With
 `config=FusionConfig(...)` the rep instead compiles the model with `opfuse.compile` at its first run, taking that
 run's inputs as the example inputs, and runs the compiled module (on the CPU its kernels run through Triton's
-interpreter).
+interpreter). opfuse compiles no empty tensor, so a run with an empty input goes through the reference path (there
+is nothing for a kernel to compute).
 
 Shape inputs, graph inputs a node reads where its converter needs a constant (a Reshape's shape, a Slice's starts,
 `onnx_converters.CONSTANT_INPUTS`), are specialised on: opfuse's shapes are static, so the rep imports the model
-for the values each run gives them, as initializers, once per distinct value. ONNX's conformance cases pass shapes
-this way; exported models carry them as constants. `prepare(model, constants=[names])` treats other inputs so
+for the values each run gives them, as initializers, once per distinct value. So are inputs whose value no node
+reads (CastLike's target, Shape's input, an unused input): their value changes nothing. ONNX's conformance cases
+pass shapes this way; exported models carry them as constants. `prepare(model, constants=[names])` treats other inputs so
 too: weights given as inputs, which opfuse's kernels want as constants (a conv's weight, a batch norm's scale).
 
 What opfuse cannot run is refused before it runs, never with a wrong result: a node that imports as an opaque op
@@ -103,12 +105,14 @@ class OpfuseBackendRep(BackendRep):
         names = [name for name in self.inputs if name not in self.constant_inputs]
         tensors = [to_tensor(arrays[name], name, node.type, self.where).to(self.device)
                    for name, node in zip(names, imported.module.graph.input_nodes)]
-        if self.config is not None and imported.compiled is None:
+        # opfuse compiles no empty tensor (nothing for a kernel to do): a run with one goes through the graph
+        compile = self.config is not None and all(t.numel() for t in tensors)
+        if compile and imported.compiled is None:
             import opfuse
 
             imported.compiled = opfuse.compile(imported.model, tensors, self.config)
         with torch.inference_mode():
-            outputs = (imported.compiled or imported.module)(*tensors)
+            outputs = (imported.compiled if compile else imported.module)(*tensors)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         return namedtupledict("Outputs", self.output_names)(*(to_array(y) for y in outputs))
 
@@ -143,10 +147,23 @@ class OpfuseBackendRep(BackendRep):
         return self.imported[key]
 
 
+# the inputs of which a node reads only the type (shape and dtype), never the values
+TYPE_ONLY_INPUTS = {"CastLike": (1,), "Shape": (0,), "Size": (0,), "EyeLike": (0,)}
+
+
 def shape_inputs_of(model: onnx.ModelProto) -> list[str]:
     """The graph inputs some node reads where its converter needs a constant (`CONSTANT_INPUTS`: a Reshape's shape,
-    a Slice's starts, ...), directly or through the arithmetic that computes it (a Pad's pads from a target shape)."""
+    a Slice's starts, ...), directly or through the arithmetic that computes it (a Pad's pads from a target shape),
+    and those whose every reader reads only their type (CastLike's target, Shape's input: reading their value as a
+    constant changes nothing, and an empty one then needs no run-time tensor)."""
     initializers = {t.name for t in model.graph.initializer}
+    readers: dict[str, list[bool]] = {}
+    for node in model.graph.node:
+        for index, name in enumerate(node.input):
+            type_only = node.domain in ("", "ai.onnx") and index in TYPE_ONLY_INPUTS.get(node.op_type, ())
+            readers.setdefault(name, []).append(type_only)
+    outputs = {v.name for v in model.graph.output}
+    typed = {v.name for v in model.graph.input if all(readers.get(v.name, [])) and v.name not in outputs}
     needed = {node.input[i] for node in model.graph.node if node.domain in ("", "ai.onnx")
               for i in CONSTANT_INPUTS.get(node.op_type, ()) if i < len(node.input) and node.input[i]}
     computed = set(needed)
@@ -155,7 +172,7 @@ def shape_inputs_of(model: onnx.ModelProto) -> list[str]:
             computed |= {name for name in node.input if name}
     integer = (TensorProto.INT64, TensorProto.INT32)   # through arithmetic, only shape-like (integer) inputs
     return [v.name for v in model.graph.input if v.name not in initializers and (
-        v.name in needed or (v.name in computed and v.type.tensor_type.elem_type in integer))]
+        v.name in needed or v.name in typed or (v.name in computed and v.type.tensor_type.elem_type in integer))]
 
 
 def check_constant_input(array: np.ndarray, value: onnx.ValueInfoProto, where: str) -> None:

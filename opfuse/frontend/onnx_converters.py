@@ -22,6 +22,7 @@ import torch
 from onnx import TensorProto
 
 from opfuse.ir.graph import torch_dtype
+from opfuse.ir.ops import get_op
 
 if TYPE_CHECKING:
     from opfuse.frontend.onnx_import import Importer
@@ -221,6 +222,9 @@ def _cast(importer: Importer, node, xs, attrs):
         dtype = ONNX_DTYPES[attrs["to"]]
     else:
         raise importer.error(f"casts to {TensorProto.DataType.Name(attrs['to'])}, which opfuse does not support")
+    value = importer.constant(xs[0])
+    if value is not None:   # CastLike of a constant to a run-time value's dtype: a constant too
+        return [importer.add_constant(get_op("cast").run([value], {"dtype": dtype}), node.output[0])]
     return [importer.emit("cast", [xs[0]], {"dtype": dtype})]
 
 

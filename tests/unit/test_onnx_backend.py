@@ -9,7 +9,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from opfuse.frontend.onnx_backend import OpfuseBackend, UnsupportedOnnxNode
+from opfuse.config import FusionConfig
+from opfuse.frontend.onnx_backend import OpfuseBackend, UnsupportedOnnxNode, shape_inputs_of
 from opfuse.ir.graph import GraphError
 
 FLOAT = TensorProto.FLOAT
@@ -115,3 +116,35 @@ def test_named_inputs_are_read_as_constants_like_an_exported_models_weights():
     assert [n.op for n in imported.module.graph if n.op not in ("input", "constant")] == ["linear"]  # a weight
     with pytest.raises(GraphError, match=r"constants \['v'\] are not inputs of the model"):
         OpfuseBackend.prepare(proto, constants=["v"])
+
+
+def test_an_input_whose_value_no_node_reads_is_read_as_a_constant():
+    """CastLike's target and Shape's input are read for their type only, as is an unused input: reading them as
+    constants changes no result, and an empty one then needs no run-time tensor (opfuse compiles none)."""
+    proto = model([helper.make_node("CastLike", ["x", "like"], ["y"]), helper.make_node("Shape", ["s"], ["n"])],
+                  [("x", FLOAT, [2, 3]), ("like", TensorProto.DOUBLE, [0]), ("s", FLOAT, [4, 5]),
+                   ("unused", FLOAT, [1])], [("y", TensorProto.DOUBLE, [2, 3]), ("n", TensorProto.INT64, [2])])
+    assert shape_inputs_of(proto) == ["like", "s", "unused"]
+    x = rng.standard_normal((2, 3)).astype(np.float32)
+    y, n = OpfuseBackend.prepare(proto).run([x, np.zeros(0), np.zeros((4, 5), np.float32), np.zeros(1, np.float32)])
+    assert y.dtype == np.float64 and n.tolist() == [4, 5]
+    np.testing.assert_array_equal(y, x.astype(np.float64))
+    both = model([helper.make_node("CastLike", ["x", "like"], ["y"]), helper.make_node("Neg", ["like"], ["z"])],
+                 [("x", FLOAT, [2]), ("like", TensorProto.DOUBLE, [2])],
+                 [("y", TensorProto.DOUBLE, [2]), ("z", TensorProto.DOUBLE, [2])])
+    assert shape_inputs_of(both) == []                       # its value is read too: a run-time input
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_compiled_rep_runs_an_empty_input_through_the_graph():
+    """opfuse compiles no empty tensor; the rep runs such a run through the reference path instead of failing."""
+    proto = model([helper.make_node("Relu", ["x"], ["y"])], [("x", FLOAT, [0, 3])], [("y", FLOAT, [0, 3])])
+    rep = OpfuseBackend.prepare(proto, config=FusionConfig(dtype="float32"))
+    (y,) = rep.run([np.zeros((0, 3), np.float32)])
+    assert y.shape == (0, 3) and [i.compiled for i in rep.imported.values()] == [None]
+    full = model([helper.make_node("Relu", ["x"], ["y"])], [("x", FLOAT, [2, 3])], [("y", FLOAT, [2, 3])])
+    rep = OpfuseBackend.prepare(full, config=FusionConfig(dtype="float32"))
+    x = rng.standard_normal((2, 3)).astype(np.float32)
+    np.testing.assert_array_equal(rep.run([x])[0], np.maximum(x, 0))
+    (imported,) = rep.imported.values()
+    assert imported.compiled is not None and len(imported.compiled.compiled.kernels) == 1

@@ -536,3 +536,39 @@ def test_lrn_matches_the_onnx_definition(tmp_path, size):
     if size % 2:        # the same as PyTorch's where the window is symmetric
         expected = torch.nn.functional.local_response_norm(torch.from_numpy(x), size, 2e-3, 0.75, 2.0)
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_fixed_empty_first_dim_is_not_a_batch(tmp_path):
+    """Only a symbolic first dim takes the batch: a model whose input is fixed at 0 rows imports (its batch is its
+    own); a symbolic one given batch 0 is still an error."""
+    fixed = save(tmp_path, [helper.make_node("Relu", ["x"], ["y"])], [value("x", [0, 3])], [value("y", [0, 3])])
+    assert load_onnx(fixed, batch=0).input_nodes[0].type.shape == (0, 3)
+    symbolic = save(tmp_path, [helper.make_node("Relu", ["x"], ["y"])], [value("x", ["N", 3])], [value("y", ["N", 3])])
+    with pytest.raises(GraphError, match="batch must be at least 1, got 0"):
+        load_onnx(symbolic, batch=0)
+
+
+def test_an_inference_error_inside_an_operators_own_function_body_is_not_the_models(tmp_path):
+    """onnx 1.23's strict shape inference fails inside MeanVarianceNormalization's function body (a Constant of its
+    own): shapes are then inferred leniently and the node imports; a malformed node of the model is still named."""
+    nodes = [helper.make_node("MeanVarianceNormalization", ["x"], ["y"])]
+    path = save(tmp_path, nodes, [value("x", [3, 3, 3, 1])], [value("y", [3, 3, 3, 1])], opset=13)
+    with pytest.raises(Exception, match="op_type:MeanVarianceNormalization.*op_type:Constant"):
+        onnx.shape_inference.infer_shapes(onnx.load(path), strict_mode=True)
+    graph = load_onnx(path)
+    assert graph[graph.outputs[0]].type.shape == (3, 3, 3, 1)
+    bad = save(tmp_path, [helper.make_node("Add", ["x", "w"], ["y"], name="mismatched")],
+               [value("x", [2, 3]), value("w", [4])], [value("y", [2, 3])])
+    with pytest.raises(GraphError, match="shape inference failed.*mismatched"):
+        load_onnx(bad)
+
+
+def test_cast_like_of_a_constant_is_a_constant(tmp_path):
+    """CastLike(constant, a run-time tensor) reads only the tensor's dtype: the result is known at import (a Pad's
+    constant_value in Attention's function body is made so)."""
+    nodes = [helper.make_node("CastLike", ["half", "x"], ["fill"]),
+             helper.make_node("Pad", ["x", "pads", "fill"], ["y"])]
+    path = save(tmp_path, nodes, [value("x", [2, 3], TensorProto.DOUBLE)], [value("y", [2, 5], TensorProto.DOUBLE)],
+                {"half": np.array(0.5, np.float32), "pads": np.array([0, 1, 0, 1])}, opset=18)
+    graph = check_against_reference(path, {"x": rng.standard_normal((2, 3))})
+    assert ops(graph) == ["pad"] and graph[graph.outputs[0]].attrs["value"] == 0.5
