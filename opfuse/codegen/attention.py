@@ -65,7 +65,7 @@ from opfuse.fusion.resources import ATTENTION_TILES, estimate_resources
 from opfuse.fusion.tiles import MAX_HEAD_DIM
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph
-from opfuse.ir.ops import get_op, kv_heads_shared
+from opfuse.ir.ops import get_op, kv_heads_shared, memory_order
 from opfuse.numerics import dot_precision
 
 LOG2E = 1.4426950408889634
@@ -202,7 +202,7 @@ class AttentionKernel(EpilogueKernel):
         out_shape = node.type.shape
         batch_dims = tuple(range(len(out_shape) - 2))
         # heads inside the tokens in memory, as flash attention lays its output out (module docstring)
-        order = (0, 2, 1, 3) if len(out_shape) == 4 else None
+        order = memory_order(graph, node) if len(out_shape) == 4 else None
         layout = TileLayout(out_shape, channel_dim=len(out_shape) - 1, batch_dims=batch_dims, dim_order=order)
         epilogue = Epilogue(graph, group, chains, layout, device)
         name, source, self.kernel = generate_kernel(ATTENTION_TEMPLATE, epilogue)

@@ -260,19 +260,19 @@ class _Planner:
                 and self.groups[group] == [node.name])
 
     def copy_reads_through(self, candidate: _Candidate) -> bool:
-        """Whether views between a pair that cannot fuse (an anchor's output, say) include one PyTorch would copy
-        and may join the consumer alone: the consumer's kernel then reads the producer's output through them
-        (Swin's window reverse after its projection, read by the roll and residual add; the head merge after
-        attention, read by the output projection's operand load)."""
+        """Whether views between a pair that cannot fuse (an anchor's output, say) may join the consumer alone, its
+        kernel then reading the producer's output through them: views a linear's operand load maps (the head merge
+        after attention, read by the output projection: read through the strides the producer's output comes with,
+        whatever its layout), or views of which one PyTorch would copy, an elementwise or reduction kernel maps
+        (Swin's window reverse after its projection, read by the roll and residual add)."""
         views, consumer = list(candidate.views), self.groups[candidate.consumer]
-        if not any(view_copies(self.graph, self.graph[v]) for v in views):
-            return False
         anchor = anchor_of(self.graph, consumer)
         if anchor is not None:
             within = set(views) | set(consumer)
             if not set(views) <= set(operand_chain(self.graph, anchor, within, self.users)):
                 return False
-        elif self.views_blocked(candidate, with_producer=False) is not None:
+        elif (not any(view_copies(self.graph, self.graph[v]) for v in views)
+              or self.views_blocked(candidate, with_producer=False) is not None):
             return False
         return can_fuse(self.graph, views, consumer, self.users, self.config, self.index) is None
 

@@ -27,6 +27,7 @@ from typing import Mapping, TypeVar
 from opfuse.environment import triton_interpreter
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph
+from opfuse.ir.ops import HEADS_INSIDE_TOKENS_HEAD_DIM
 
 Tile = TypeVar("Tile")      # a tile dict, or a kernel config: what has BLOCK_M and BLOCK_N items
 
@@ -112,7 +113,8 @@ def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
 
 
 MAX_ROW_CHANNELS = 4096    # channels a whole-row tile spans at most (`whole_row_tile`)
-MAX_HEAD_DIM = 128         # head dims the attention template tiles: its query tile and accumulator hold whole rows
+MAX_HEAD_DIM = HEADS_INSIDE_TOKENS_HEAD_DIM   # head dims the attention template tiles: its query tile and
+                                             # accumulator hold whole rows (flash attention's, and its layout's)
 
 
 def tiles_attention(graph: Graph, name: str) -> bool:

@@ -481,9 +481,26 @@ def kind_of(node: Node) -> FusionKind:
     return get_op(node.op).kind
 
 
+# head dims up to which an sdpa's [B, H, S, D] output lies in memory with its heads inside its tokens ([B, S, H, D]):
+# flash attention returns it so, and opfuse's attention kernel, which tiles these head dims, writes it so too
+HEADS_INSIDE_TOKENS_HEAD_DIM = 128
+
+
+def memory_order(graph: Graph, node: Node) -> tuple[int, ...]:
+    """The dims of `node`'s value, outermost first, in the order its kernel lays them out in memory: a 4-D sdpa's
+    heads inside its tokens (0, 2, 1, 3) where its head dims are at most HEADS_INSIDE_TOKENS_HEAD_DIM, so the head
+    merge after it (transpose(1, 2).reshape(B, S, H * D)) is a view; row-major for every other value."""
+    rank = len(node.type.shape)
+    if node.op == "sdpa" and rank == 4 and \
+            all(graph[i].type.shape[-1] <= HEADS_INSIDE_TOKENS_HEAD_DIM for i in node.inputs[:3]):
+        return (0, 2, 1, 3)
+    return tuple(range(rank))
+
+
 def view_copies(graph: Graph, node: Node) -> bool:
-    """Whether this alias op cannot be a view of its (contiguous) source, so PyTorch copies it: a reshape of a
-    permuted tensor, for example. Decided by replaying the chain of views on a meta tensor."""
+    """Whether this alias op cannot be a view of its source, laid out as its kernel writes it (`memory_order`), so
+    PyTorch copies it: a reshape of a permuted tensor, for example. Decided by replaying the chain of views on a
+    meta tensor."""
     if node.op != "reshape":
         return False
     chain = []
@@ -491,7 +508,10 @@ def view_copies(graph: Graph, node: Node) -> bool:
     while get_op(current.op).alias and current.op not in ("input", "constant") and current.inputs:
         chain.append(current)
         current = graph[current.inputs[0]]
-    value = torch.empty(current.type.shape, dtype=torch_dtype(current.type.dtype), device="meta")
+    order = memory_order(graph, current)
+    laid_out = torch.empty([current.type.shape[d] for d in order], dtype=torch_dtype(current.type.dtype),
+                           device="meta")
+    value = laid_out.permute([order.index(d) for d in range(len(order))])
     for step in reversed(chain):
         if step.op == "reshape":
             try:

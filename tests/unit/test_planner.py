@@ -612,3 +612,20 @@ def test_an_sdpa_the_attention_template_cannot_tile_takes_no_epilogue(head_dim, 
     if not fused:
         (refusal,) = decisions_between(plan, "sdpa", "act")
         assert refusal.code is Code.LIBRARY_ANCHOR and "3136" in refusal.reason
+
+
+@pytest.mark.parametrize("head_dim, copies", [(32, False), (160, True)])
+def test_views_of_attention_are_views_of_its_layout(head_dim, copies):
+    """An sdpa's [B, H, S, D] lies in memory as [B, S, H, D] (flash attention's layout, the attention kernel's):
+    CoAtNet's transpose and reshape of it back to an image [B, H*D, h, w] is a view of that (channels last), no
+    copy; over the head dims either tiles, torch's attention writes [B, H, S, D] and the reshape copies."""
+    b = GraphBuilder("attention_to_image")
+    q, k, v = (b.input(name, (1, 4, 49, head_dim)) for name in "qkv")
+    attention = b.op("sdpa", [q, k, v], {"is_causal": False, "scale": None}, name="sdpa")
+    moved = b.op("permute", [attention], {"dims": (0, 1, 3, 2)}, name="moved")
+    image = b.op("reshape", [moved], {"shape": (1, 4 * head_dim, 7, 7)}, name="image")
+    graph = b.output(b.conv(image, 8, 1, name="proj"))
+    assert view_copies(graph, graph["image"]) is copies
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert_well_formed(plan)
+    assert (plan.group_of("image").code is Code.VIEW_COPY) is copies
