@@ -126,3 +126,47 @@ def test_a_conv_with_asymmetric_padding_compiles():
     assert not compiled.fallbacks
     expected = ReferenceEvaluator(proto).run(None, {"x": x.numpy()})[0]
     np.testing.assert_allclose(compiled(x).numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+def reshape_model() -> onnx.ModelProto:
+    """x [2, 3, 4] -> Relu -> Reshape to a shape given as an input (as ONNX's conformance cases give it)."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Reshape", ["r", "shape"], ["y"])]
+    graph = helper.make_graph(nodes, "reshape_input", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4]),
+                                                       helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_an_input_that_fixes_a_shape_is_read_as_a_constant_and_checked_at_each_call():
+    """compile_onnx reads the Reshape's shape from the example inputs (opfuse's shapes are static) and compiles the
+    rest; the compiled model takes every input of the model and refuses another shape, naming the input."""
+    from opfuse.frontend.onnx_compile import SpecialisedOnnxModel, compile_onnx
+
+    x, shape = torch.randn(2, 3, 4), torch.tensor([4, 6])
+    compiled = compile_onnx(reshape_model(), (x, shape), opfuse.FusionConfig(dtype="float32"))
+    assert isinstance(compiled, SpecialisedOnnxModel) and list(compiled.constants) == ["shape"]
+    assert torch.equal(compiled.constants["shape"], shape)
+    torch.testing.assert_close(compiled(x, shape), x.relu().reshape(4, 6))
+    assert len(compiled.compiled.kernels) == 1                    # the compiled model's, through the wrapper
+    with pytest.raises(GraphError, match=r"input 'shape' fixes a shape.*compiled for its value \[4, 6\], got "
+                                         r"\[2, 12\]"):
+        compiled(x, torch.tensor([2, 12]))
+    again = compile_onnx(reshape_model(), (x, shape), opfuse.FusionConfig(dtype="float32", recompile=True))
+    assert again(x, torch.tensor([2, 12])).shape == (2, 12)     # compiled again for the new value
+    torch.testing.assert_close(again(x, shape), x.relu().reshape(4, 6))
+
+
+def test_an_empty_input_read_only_for_its_type_is_no_example_input_and_a_plain_model_is_not_wrapped():
+    from opfuse.frontend.onnx_compile import compile_onnx
+
+    nodes = [helper.make_node("CastLike", ["x", "like"], ["c"]), helper.make_node("Relu", ["c"], ["y"])]
+    graph = helper.make_graph(nodes, "cast_like", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+                                                   helper.make_tensor_value_info("like", TensorProto.DOUBLE, [0])],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [2, 3])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = torch.randn(2, 3)
+    compiled = compile_onnx(proto, (x, torch.zeros(0, dtype=torch.float64)))
+    y = compiled(x, torch.zeros(0, dtype=torch.float64))
+    assert y.dtype == torch.float64 and torch.equal(y, x.double().relu())
+    plain = compile_onnx(small_cnn(), (torch.randn(2, 3, 8, 8),), opfuse.FusionConfig(dtype="float32"))
+    assert type(plain).__name__ == "OpfuseModule" and plain.compiled.kernels
