@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel
@@ -231,6 +232,8 @@ class Region:
             result = self._embedding(node, coords)
         elif node.op == "pad":
             result = self._pad(node, coords)
+        elif node.op == "upsample":
+            result = self._upsample(node, coords)
         elif node.op in SUPPORTED_OPS:
             args = [self.value(i, self.operand_coords(node, position, coords))
                     for position, i in enumerate(node.inputs)]
@@ -280,6 +283,26 @@ class Region:
         finally:
             self.mask = outer
         return self.assign(f"tl.where({within}, {value}, {literal(node.attrs['value'])})")
+
+    def _upsample(self, node: Node, coords: Coords) -> str:
+        """An upsample at `coords`: its input at the source coordinates of each spatial dim (`upsample_source`), one
+        load for nearest modes, the 2^dims neighbours weighted for linear (the outer dims' weights applied last, as
+        PyTorch nests them)."""
+        in_shape = self.graph[node.inputs[0]].type.shape
+        spatial = range(2, len(in_shape))
+        sources = {d: upsample_source(node, d - 2, in_shape[d], coords[d], self.assign) for d in spatial}
+        if node.attrs["mode"] != "linear":
+            return self.value(node.inputs[0], coords[:2] + tuple(sources[d][0] for d in spatial))
+
+        def blend(taken: tuple, dims: list[int]) -> str:
+            if not dims:
+                return self.value(node.inputs[0], coords[:2] + taken)
+            low, high, weight = sources[dims[0]]
+            if high == low:         # a size-1 input dim: one neighbour
+                return blend(taken + (low,), dims[1:])
+            near, far = blend(taken + (low,), dims[1:]), blend(taken + (high,), dims[1:])
+            return self.assign(f"(1.0 - {weight}) * {near} + {weight} * {far}")
+        return blend((), list(spatial))
 
     def _embedding(self, node: Node, coords: Coords) -> str:
         """The table row the index at `coords` names; an index outside the table (eager raises) reads nothing and
@@ -450,6 +473,50 @@ class Region:
         for d, expression in zip(kept, unravel_expressions(flat, [shape[d] for d in kept])):
             result[d] = self.assign(expression, "i")
         return tuple(result)
+
+
+def upsample_scale(node: Node, dim: int, in_size: int) -> float:
+    """The float32 step from output to source index of upsample `node` along its spatial dim `dim`, as PyTorch
+    computes it: (in - 1) / (out - 1) with align_corners (linear), 1 / the scale factor given, else in / out."""
+    out_size = node.attrs["size"][dim]
+    scales = node.attrs.get("scales") or [None] * len(node.attrs["size"])
+    if node.attrs["mode"] == "linear" and node.attrs.get("align_corners"):
+        return float(np.float32(in_size - 1) / np.float32(out_size - 1)) if out_size > 1 else 0.0
+    if scales[dim] is not None and scales[dim] > 0:
+        return float(np.float32(1.0 / scales[dim]))
+    return float(np.float32(in_size) / np.float32(out_size))
+
+
+def upsample_source(node: Node, dim: int, in_size: int, coord: str | None, assign: Callable[..., str]
+                    ) -> tuple[str | None, str | None, str | None]:
+    """(source index, its upper neighbour, the upper neighbour's weight) of the output coordinate `coord` (None: 0)
+    of upsample `node` along spatial dim `dim` of input size `in_size`, in PyTorch's float32 arithmetic: nearest
+    floor(i * scale), nearest-exact floor((i + 0.5) * scale), both at most in - 1 (no neighbour); linear the source
+    position scale * i (align_corners) or max(scale * (i + 0.5) - 0.5, 0), its floor and the next index (at most
+    in - 1), weighted by the fraction. Indices are None where always 0 (a size-1 input), and computed here where the
+    coordinate is (a size-1 output)."""
+    if in_size == 1:
+        return None, None, None
+    scale = upsample_scale(node, dim, in_size)
+    mode, align = node.attrs["mode"], node.attrs.get("align_corners")
+    if coord is None:           # one output index, 0: its sources are numbers
+        f32 = np.float32
+        if mode != "linear":
+            index = min(int(f32(0.0 if mode == "nearest" else 0.5) * f32(scale)), in_size - 1)
+            return (str(index) if index else None), None, None
+        real = f32(0.0) if align else max(f32(0.5) * f32(scale) - f32(0.5), f32(0.0))
+        low = int(real)
+        return (str(low) if low else None), str(min(low + 1, in_size - 1)), literal(min(max(real - low, 0.0), 1.0))
+    position = f"({coord}).to(tl.float32)"
+    if mode != "linear":
+        shifted = position if mode == "nearest" else f"({position} + 0.5)"
+        return assign(f"tl.minimum(({shifted} * {literal(scale)}).to(tl.int32), {in_size - 1})", "i"), None, None
+    real = assign(f"{position} * {literal(scale)}" if align else
+                  f"tl.maximum(({position} + 0.5) * {literal(scale)} - 0.5, 0.0)", "r")
+    low = assign(f"{real}.to(tl.int32)", "i")
+    high = assign(f"tl.minimum({low} + 1, {in_size - 1})", "i")
+    weight = assign(f"tl.minimum(tl.maximum({real} - {low}.to(tl.float32), 0.0), 1.0)", "w")
+    return low, high, weight
 
 
 def unravel_expressions(flat: str, sizes: Sequence[int]) -> list[str]:

@@ -779,6 +779,29 @@ def _pad(t: Translator, a: dict) -> str:
     return t.emit("pad", [a["self"]], {"pads": pads, "value": 0.0 if value is None else float(value)})
 
 
+UPSAMPLE_MODES = {f"upsample_nearest{d}d": "nearest" for d in (1, 2, 3)} \
+    | {f"_upsample_nearest_exact{d}d": "nearest-exact" for d in (1, 2, 3)} \
+    | {"upsample_linear1d": "linear", "upsample_bilinear2d": "linear", "upsample_trilinear3d": "linear"}
+
+
+@maps(*UPSAMPLE_MODES)
+def _upsample(t: Translator, a: dict) -> str:
+    """Nearest, nearest-exact and (bi/tri)linear upsampling of the last 1 to 3 dims, to the output's size; the scale
+    factors it was given, which decide the source index (1 / factor instead of size in / size out), are kept."""
+    mode = UPSAMPLE_MODES[t.op_name]
+    size = list(t.out_type.shape[2:])
+    if "scale_factors" in a:        # the .vec overloads
+        scales = a.get("scale_factors")
+    else:
+        scales = [a.get(key) for key in ("scales_d", "scales_h", "scales_w", "scales") if key in a]
+    scales = None if scales is None or all(v is None for v in scales) else [None if v is None else float(v)
+                                                                            for v in scales]
+    attrs = {"mode": mode, "size": size, "scales": scales}
+    if mode == "linear":
+        attrs["align_corners"] = bool(a["align_corners"])
+    return t.emit("upsample", [a.get("input", a.get("self"))], attrs)
+
+
 @maps("embedding")
 def _embedding(t: Translator, a: dict) -> str:
     return t.emit("embedding", [a["weight"], a["indices"]])

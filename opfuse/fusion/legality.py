@@ -37,12 +37,14 @@ merge that would put a group outside the pair both after and before the fused ke
 `opfuse.fusion.reasons.Reason`: a stable code (listed there) and the words. Choices made here, and why:
 
 - injective ops that copy stay single kernels (a gather), but a roll (an index map: Swin's shifted windows), a
-  concatenation, a constant pad and an embedding (a row index loaded, then the row) join an elementwise chain
-  without a hub: the elementwise template loads each of a cat's inputs under the mask of its slice (DenseNet's cat
-  -> batch norm -> relu, ShuffleNet's cat -> channel shuffle), a pad's input under the mask of its extent, an
-  embedding's table at the row it loads. Each element is still computed once: inside the group a node has as many
-  elements as each value it reads, a cat's inputs being its slices and a pad's input its inner part, and what the
-  group writes has the size of its largest value.
+  concatenation, a constant pad, an embedding (a row index loaded, then the row) and an upsample (nearest: one
+  source index per output element; linear: its 2^dims neighbours weighted) join an elementwise chain without a hub:
+  the elementwise template loads each of a cat's inputs under the mask of its slice (DenseNet's cat -> batch norm
+  -> relu, ShuffleNet's cat -> channel shuffle), a pad's input under the mask of its extent, an embedding's table at
+  the row it loads, an upsample's input at its source indices. Each element is still computed once: inside the
+  group a node has as many elements as each value it reads, a cat's inputs being its slices and a pad's input its
+  inner part (so an upsample reads its input from outside the group: HRNet's upsample -> residual add -> ReLU), and
+  what the group writes has the size of its largest value.
 - views that keep every element (reshape, permute, identity) join elementwise kernels and a reduction's prologue,
   whose templates evaluate values at coordinates and map them through views (a reshape of a permuted tensor is
   then no copy but an index map on a load). They never follow a reduction in its kernel (its epilogue is
@@ -68,8 +70,8 @@ Users = Mapping[str, Sequence[Node]]
 ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
 WINDOW_POOLS = frozenset({"max_pool2d", "avg_pool2d", "max_pool3d", "avg_pool3d"})
 EPILOGUE_VIEWS = frozenset({"permute"})      # views an anchor's epilogue maps: values stay at the tile's coordinates
-MAPPED_COPIES = frozenset({"cat", "roll", "embedding", "pad"})    # copying ops an elementwise kernel computes as
-                                                                  # index maps
+MAPPED_COPIES = frozenset({"cat", "roll", "embedding", "pad", "upsample"})   # copying ops an elementwise kernel
+                                                                             # computes as index maps
 
 
 def can_fuse(graph: Graph, producer_nodes: Iterable[str], consumer_nodes: Iterable[str], users: Users,

@@ -238,6 +238,28 @@ def _run_take(xs, a):
     return torch.index_select(x, axis, flat).reshape(x.shape[:axis] + indices.shape + x.shape[axis + 1:])
 
 
+UPSAMPLES = {("nearest", 1): torch.ops.aten.upsample_nearest1d, ("nearest", 2): torch.ops.aten.upsample_nearest2d,
+             ("nearest", 3): torch.ops.aten.upsample_nearest3d,
+             ("nearest-exact", 1): torch.ops.aten._upsample_nearest_exact1d,
+             ("nearest-exact", 2): torch.ops.aten._upsample_nearest_exact2d,
+             ("nearest-exact", 3): torch.ops.aten._upsample_nearest_exact3d,
+             ("linear", 1): torch.ops.aten.upsample_linear1d, ("linear", 2): torch.ops.aten.upsample_bilinear2d,
+             ("linear", 3): torch.ops.aten.upsample_trilinear3d}
+
+
+def _run_upsample(xs, a):
+    """PyTorch's upsample of the mode over the last 1 to 3 dims (its ATen call: `scales` are the scale factors it
+    was given, which decide the source index, or None, where size in / size out does)."""
+    x, size = xs[0], list(a["size"])
+    if x.dim() - len(size) != 2:
+        raise GraphError(f"upsample of {len(size)} spatial dims takes a tensor of {len(size) + 2}, not {x.dim()}")
+    scales = list(a.get("scales") or [None] * len(size))
+    upsample = UPSAMPLES[(a["mode"], len(size))]
+    if a["mode"] == "linear":
+        return upsample(x, size, a.get("align_corners", False), *scales)
+    return upsample(x, size, *scales)
+
+
 def _run_opaque(xs, a):
     fn = a.get("fn")
     if fn is None:
@@ -392,6 +414,14 @@ register(OpDef("roll", I, lambda xs, a: torch.roll(xs[0], a["shifts"], a["dims"]
 register(OpDef("pad", I, lambda xs, a: F.pad(xs[0], a["pads"], value=a["value"]),
                doc="constant padding; attrs pads (F.pad's order: last dim's begin and end first), value",
                attrs={"pads": Ints(Int(), None), "value": Float(infinite=True, nan=True)}))
+register(OpDef("upsample", I, _run_upsample, lambda ins, out, a: (2 ** len(a["size"]) if a["mode"] == "linear" else 0)
+               * 2 * out.numel,
+               doc="x[N, C, *spatial] resampled to spatial size `size` (1 to 3 dims): mode nearest (source index "
+                   "floor(i * scale)), nearest-exact (floor((i + 0.5) * scale)) or linear (bilinear, trilinear: the "
+                   "2^dims neighbours weighted); scale is in / out, or 1 / the scale factor where `scales` gives "
+                   "one; attrs mode, size, scales (per dim, or None), align_corners (linear)",
+               attrs={"mode": Word(("nearest", "nearest-exact", "linear")), "size": Ints(Int(1, MAX_INT)),
+                      "scales": Optional(Ints(Optional(Float()))), "align_corners": Bool()}))
 register(OpDef("take", I, _run_take, bytes_read=embedding_bytes,
                doc="inputs x, indices (negative from the end); attrs axis: ONNX's Gather, numpy.take",
                attrs={"axis": DIM}))

@@ -432,4 +432,6 @@ RULES: dict[str, Rule] = {
     "roll": except_dims(lambda node, shapes: _dims(node.attrs.get("dims"), len(shapes[0])),
                         "rolls {where}: rows move to other rows"),
     "pad": except_dims(padded_dims, "pads {where}: rows are added by position"),
+    "upsample": except_dims(lambda node, shapes: set(range(2, len(shapes[0]))),
+                            "resamples {where}: rows are read by their positions"),
 }
