@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from opfuse.ir.graph import Graph, Node, TensorType
+from opfuse.ir.graph import Graph, Node, TensorType, torch_dtype
 from opfuse.ir.ops import FusionKind, get_op
 from opfuse.passes.eliminate_dead_code import remove_if_unused
 
@@ -136,13 +136,19 @@ def _largest_input(graph: Graph, node: Node) -> str:
 def node_value(node: Node, tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """A pure node's value on these input values (moved to the largest one's device: python scalars become CPU
     constants), contiguous. None where the reference cannot run here (a float16 op with no CPU kernel) or gives
-    another type than the node's."""
+    another type than the node's; but an opaque call's floating result is cast to the node's floating dtype, which
+    `cast_precision` set (an opaque op follows the compute dtype): a value computed from shapes alone folds whatever
+    dtype the call computes it in (EdgeNeXt's positional encoding: a float32 cumsum of a mask, in a float16
+    graph)."""
     device = max(tensors, key=lambda t: t.numel()).device
     try:
         with torch.no_grad():
             value = get_op(node.op).run([t.to(device) for t in tensors], node.attrs).contiguous()
     except Exception:  # noqa: BLE001 - an opaque call's failure is PyTorch's: the node stays and runs as it is
         return None
+    if node.op == "opaque" and value.is_floating_point() and node.type.is_float \
+            and tuple(value.shape) == node.type.shape:
+        value = value.to(torch_dtype(node.type.dtype))
     return value if TensorType.of(value) == node.type else None
 
 

@@ -837,3 +837,31 @@ def test_infer_type_keeps_answers_by_op_types_and_attrs_of_their_type(monkeypatc
     opaque = {"fn": lambda xs: xs[0] * 2}
     assert infer_type("opaque", [x], opaque) == x and infer_type("opaque", [x], opaque) == x
     assert calls[-2:] == ["opaque", "opaque"]                    # never kept: the callable is not a plain value
+
+
+class _PositionalEncoding(torch.nn.Module):
+    """EdgeNeXt's: a cumsum of a mask of ones (float32 whatever the model's dtype), normalised, sin and cos
+    interleaved by a stack: computed from the input's shape alone."""
+
+    def forward(self, x):
+        mask = torch.zeros(x.shape[0], x.shape[2], x.shape[3], dtype=torch.bool)
+        rows = (~mask).cumsum(1, dtype=torch.float32)
+        rows = rows / (rows[:, -1:, :] + 1e-6) * 6.28
+        encoding = torch.stack((rows.sin(), rows.cos()), dim=3).flatten(3).permute(0, 3, 1, 2)
+        return x + encoding.to(x.dtype)
+
+
+def test_a_value_of_shapes_alone_folds_in_a_graph_cast_to_float16():
+    """The cumsum (an opaque call computing in float32) retyped float16 by cast_precision still folds, with what it
+    feeds: the prepared graph adds one constant, and it equals eager's encoding in float16."""
+    from opfuse.frontend.torch_export import capture_torch
+    from opfuse.passes import prepare_graph
+
+    model, x = _PositionalEncoding().eval(), torch.randn(1, 2, 5, 4)
+    graph = capture_torch(model, (x,))
+    assert any(n.op == "opaque" for n in graph)
+    prepared, _ = prepare_graph(graph, "float16")
+    assert [n.op for n in prepared if n.op not in ("input", "constant")] == ["add"]
+    with torch.no_grad():
+        expected = model(x.half().float()).half()
+    torch.testing.assert_close(interpret(prepared, [x.half()])[0], expected, rtol=2e-3, atol=2e-3)
