@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from opfuse.frontend.aten_ops import HANDLERS, MultiOutput, Unmapped, op_name, tensor_value
-from opfuse.ir.graph import Graph, GraphError, TensorType, torch_dtype
+from opfuse.ir.graph import Graph, GraphError, TensorType, dtype_name, torch_dtype
 from opfuse.ir.ops import infer_type
 from opfuse.ir.verify import verify
 
@@ -87,18 +87,65 @@ def capture_torch(model: torch.nn.Module, example_inputs: tuple, name: str | Non
     except Exception as error:
         raise GraphError(f"cannot copy model {name} for capture ({type(error).__name__}: {error}); "
                          f"{FALLBACK_HINT}") from error
+    narrow = None
     try:
-        with _no_stack_traces():
-            program = torch.export.export(private, inputs, strict=False)
-        refused = [node for node in program.graph.nodes if _mutates(node) and not _rebindable(node)]
-        if refused and not _functionalise_fresh_writes(program.graph, refused):
-            program = program.run_decompositions({})  # functionalise only (seconds): keeps high-level ops
+        program = _export(private, inputs)
     except Exception as error:
-        raise GraphError(f"torch.export could not capture model {name}: {_describe_export_error(error)}; "
-                         f"{FALLBACK_HINT}") from error
+        narrow = _narrow_dtype(private, inputs)
+        program = _export_wide(private, inputs, narrow) if narrow is not None else None
+        if program is None:
+            raise GraphError(f"torch.export could not capture model {name}: {_describe_export_error(error)}; "
+                             f"{FALLBACK_HINT}") from error
+        warnings.warn(CapturedWideWarning(
+            f"opfuse: torch.export could not capture {name} in {narrow} ({_describe_export_error(error)}); it was "
+            f"captured in float32 and cast to {narrow}: what the model does only in {narrow} (transformers' BART "
+            "clamps infinite float16 activations) is not in the graph"))
     graph = Translator(program, name, state_buffers(private)).run()
+    if narrow is not None:
+        from opfuse.passes.cast_precision import cast_precision
+
+        graph, _ = cast_precision(graph, narrow)
     verify(graph)
     return graph
+
+
+class CapturedWideWarning(UserWarning):
+    """A float16 or bfloat16 model torch.export could not capture was captured in float32, then cast."""
+
+
+def _export(module: torch.nn.Module, inputs: tuple) -> torch.export.ExportedProgram:
+    """torch.export of `module` on `inputs`, its in-place writes made functional where they must be."""
+    with _no_stack_traces():
+        program = torch.export.export(module, inputs, strict=False)
+    refused = [node for node in program.graph.nodes if _mutates(node) and not _rebindable(node)]
+    if refused and not _functionalise_fresh_writes(program.graph, refused):
+        program = program.run_decompositions({})  # functionalise only (seconds): keeps high-level ops
+    return program
+
+
+NARROW_FLOATS = (torch.float16, torch.bfloat16)
+
+
+def _narrow_dtype(module: torch.nn.Module, inputs: tuple) -> str | None:
+    """The one float16 or bfloat16 dtype of the model's floating parameters, buffers and inputs, or None (float32
+    already, mixed, or no floating tensor)."""
+    tensors = [*module.parameters(), *module.buffers(), *inputs]
+    dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in NARROW_FLOATS:
+        return None
+    return dtype_name(next(iter(dtypes)))
+
+
+def _export_wide(private: torch.nn.Module, inputs: tuple, narrow: str) -> torch.export.ExportedProgram | None:
+    """The program of `private` (the capture's own copy, made float32 in place) on `inputs` made float32, or None
+    where that fails too: a branch a model takes only in its narrow dtype (BART's ``if hidden_states.dtype ==
+    torch.float16 and (isinf(...).any() ...)``, a data-dependent guard torch.export cannot take) is not taken in
+    float32. The graph is cast back to `narrow` after translation."""
+    wide = tuple(x.float() if x.is_floating_point() else x for x in inputs)
+    try:
+        return _export(private.float(), wide)
+    except Exception:   # noqa: BLE001 - the caller reports the narrow dtype's failure, the one the user met
+        return None
 
 
 @contextlib.contextmanager

@@ -484,3 +484,43 @@ def test_a_matmul_by_a_weight_is_a_linear_of_it_and_by_an_activation_a_matmul():
     assert ops["linear"] == 1 and ops["matmul"] == 1
     (linear,) = [n for n in graph if n.op == "linear"]
     assert graph.is_constant(linear.inputs[1]) and graph[linear.inputs[1]].type.shape == (6, 5)
+
+
+class _ClampedInFloat16(nn.Module):
+    """transformers' BART: in float16 only, a branch on whether an activation holds infinities (data-dependent:
+    torch.export cannot take it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.linear(x)
+        if h.dtype == torch.float16 and torch.isinf(h).any():
+            h = h.clamp(-100.0, 100.0)
+        return torch.relu(h)
+
+
+def test_a_float16_model_export_cannot_take_is_captured_in_float32_and_cast():
+    """The model's own dtype first; where that export fails, the float32 twin's graph cast back to float16, with a
+    warning that says so and what it drops. The user's model stays float16."""
+    from opfuse.frontend.torch_export import CapturedWideWarning
+
+    model = _ClampedInFloat16().half().eval()
+    x = torch.randn(2, 8).half()
+    with pytest.warns(CapturedWideWarning, match="captured in float32 and cast to float16"):
+        graph = capture_torch(model, (x,))
+    assert model.linear.weight.dtype == torch.float16
+    assert {n.type.dtype for n in graph if n.op in ("input", "constant", "linear", "relu")} == {"float16"}
+    assert not any(n.op == "opaque" for n in graph)
+    with torch.no_grad():
+        torch.testing.assert_close(interpret(graph, [x])[0], model(x), rtol=2e-3, atol=2e-3)
+
+
+def test_a_float32_model_export_cannot_take_is_refused_as_before():
+    class Branchy(_ClampedInFloat16):
+        def forward(self, x):
+            return self.linear(x) if self.linear(x).sum() > 0 else x
+
+    with pytest.raises(GraphError, match="torch.export could not capture model Branchy"):
+        capture_torch(Branchy().eval(), (torch.randn(2, 8),))
