@@ -166,18 +166,63 @@ def protocol_form(model: torch.nn.Module, inputs: Sequence[torch.Tensor], dtype:
                   device: str = "cuda") -> tuple[torch.nn.Module, tuple]:
     """(model, inputs) as every benchmark compiles them: on `device`, in `dtype`, channels-last when the model
     takes images. `opfuse analyze` of a built-in model captures this form too, so that it plans what bench runs
-    (a model's code may depend on its dtype: transformers' T5 clamps its float16 activations)."""
-    model = model.to(device=device, dtype=dtype).eval()
+    (a model's code may depend on its dtype: transformers' T5 clamps its float16 activations).
+
+    Channels-last applies to the 4-D parameters and buffers alone (a 5-D weight, a Conv3d's, has no such layout:
+    `Module.to(memory_format=...)` raises on it, naming nothing). An error names the model part that raised it."""
+    try:
+        model = model.to(device=device, dtype=dtype).eval()
+    except Exception as error:
+        raise ValueError(f"preparing {type(model).__name__} ({dtype}, {device}): {_failing_part(model, device, dtype)}"
+                         f"{type(error).__name__}: {error}") from error
     prepared = []
+    images = False
     for x in inputs:
         x = x.to(device)
         if x.is_floating_point():
             x = x.to(dtype)
             if x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
-                model = model.to(memory_format=torch.channels_last)
+                images = True
         prepared.append(x)
+    if images:
+        _channels_last(model)
     return model, tuple(prepared)
+
+
+def _channels_last(model: torch.nn.Module) -> None:
+    """Lay the model's 4-D parameters and buffers out channels-last, in place; an error names the tensor."""
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
+                for name, tensor in tensors.items():
+                    if tensor is None or tensor.dim() != 4:
+                        continue
+                    try:
+                        laid_out = tensor.contiguous(memory_format=torch.channels_last)
+                    except Exception as error:
+                        raise ValueError(f"making {kind} {prefix + '.' if prefix else ''}{name} "
+                                         f"{list(tensor.shape)} of {type(module).__name__} channels-last: "
+                                         f"{type(error).__name__}: {error}") from error
+                    if kind == "parameter":
+                        tensor.data = laid_out
+                    else:
+                        tensors[name] = laid_out
+
+
+def _failing_part(model: torch.nn.Module, device: str, dtype: torch.dtype) -> str:
+    """'parameter NAME [shape] (Module): ' of the first tensor that cannot move to `device` and `dtype`, or ''."""
+    for prefix, module in model.named_modules():
+        for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
+            for name, tensor in tensors.items():
+                if tensor is None:
+                    continue
+                try:
+                    tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+                except Exception:   # noqa: BLE001 - this tensor is the part to name
+                    return f"{kind} {prefix + '.' if prefix else ''}{name} {list(tensor.shape)} of " \
+                           f"{type(module).__name__}: "
+    return ""
 
 
 def floor_ms(analysis: Any, ceilings: dict[str, float]) -> tuple[float, float]:

@@ -107,3 +107,29 @@ def test_summary_is_the_median_and_measured_percentiles():
     assert timing.median_ms == 6.0 and timing.samples == 11
     assert (timing.p10_ms, timing.p90_ms) == (2.0, 10.0)          # nearest rank: values that were measured
     assert timing.spread == (10.0 - 2.0) / 6.0
+
+
+def test_protocol_form_lays_out_4d_weights_channels_last_and_leaves_a_5d_weight():
+    """Module.to(memory_format=channels_last) raises on a 5-D weight ("required rank 4 tensor to use channels_last
+    format", naming nothing): the protocol lays out the 4-D parameters and buffers only."""
+    import torch
+    import torch.nn as nn
+
+    from opfuse.bench.harness import protocol_form
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.volume = nn.Conv3d(1, 2, (1, 3, 3))
+            self.register_buffer("table", torch.randn(1, 2, 3, 4))
+
+        def forward(self, x):
+            return self.conv(x).mean() + self.volume(x[:, :1, None]).mean() + self.table.sum()
+
+    model, (x,) = protocol_form(Mixed(), (torch.randn(1, 3, 8, 8),), torch.float32, "cpu")
+    assert x.is_contiguous(memory_format=torch.channels_last)
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last) and model.conv.weight.stride(1) == 1
+    assert model.table.stride(1) == 1 and model.volume.weight.is_contiguous()
+    assert isinstance(model.conv.weight, nn.Parameter)
+    model(x)
