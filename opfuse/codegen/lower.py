@@ -20,7 +20,7 @@ import torch
 from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, folding_rows
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.operands import INT32_LIMIT
-from opfuse.fusion.legality import MAPPED_COPIES, joins_as_map
+from opfuse.fusion.legality import MAPPED_COPIES, maps_on_load
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.hardware import HardwareProfile, get_hardware
@@ -108,7 +108,7 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reaso
     if group.kind is GroupKind.REDUCTION or any(k is FusionKind.REDUCTION for k in kinds.values()):
         return REDUCTION_LOWERING
     # a slice the group stores as a tensor of its own (`planner.store_slices`) is evaluated through coordinates too
-    if all(k.elementwise or joins_as_map(graph[name]) or graph[name].op == "slice" and name in group.outputs
+    if all(k.elementwise or maps_on_load(graph[name]) or graph[name].op == "slice" and name in group.outputs
            for name, k in kinds.items()):
         computes = any(k.elementwise or view_copies(graph, graph[name]) or graph[name].op in MAPPED_COPIES
                        for name, k in kinds.items())

@@ -706,6 +706,51 @@ def _expand(t: Translator, a: dict) -> str:
     return t.emit("expand", [a["self"]], {"shape": list(t.out_type.shape)})
 
 
+@maps("repeat", "tile")
+def _repeat(t: Translator, a: dict) -> str:
+    """x tiled `repeats` times along each dim (leading new dims for extra repeats): a dim of size 1 is expanded (a
+    view), any other split [.., 1, s, ..], expanded to [.., r, s, ..] and merged back, whose reader maps the merge
+    (an index map of its load: copy or not, no kernel of its own)."""
+    x = t.value(a["self"])
+    repeats = [int(r) for r in a.get("repeats", a.get("dims"))]
+    shape = list(t.type_of(x).shape)
+    if t.op_name == "tile" and len(repeats) < len(shape):      # tile pads the repeats, repeat refuses fewer
+        repeats = [1] * (len(shape) - len(repeats)) + repeats
+    shape = [1] * (len(repeats) - len(shape)) + shape
+    x = _reshaped(t, x, shape)
+    split, grown = [], []
+    for size, times in zip(shape, repeats):
+        if size == 1 or times == 1:
+            split.append(size)
+            grown.append(size * times)
+        else:
+            split += [1, size]
+            grown += [times, size]
+    x = _reshaped(t, x, split)
+    if grown != split:
+        x = t.emit("expand", [x], {"shape": grown})
+    return _reshaped(t, x, list(t.out_type.shape))
+
+
+@maps("repeat_interleave")
+def _repeat_interleave(t: Translator, a: dict) -> str:
+    """Each element repeated `repeats` times along dim (of the flattened tensor without one): [.., s, ..] split
+    [.., s, 1, ..], expanded to [.., s, r, ..] and merged (a size-1 dim is just expanded); tensor repeats are not
+    mapped."""
+    if "self" not in a or isinstance(a.get("repeats"), fx.Node):
+        raise Unmapped("repeat_interleave by a tensor of repeats")
+    x, times = t.value(a["self"]), int(a["repeats"])
+    if a.get("dim") is None:
+        x = _reshaped(t, x, [t.type_of(x).numel])
+    shape = list(t.type_of(x).shape)
+    dim = _dim(a.get("dim") or 0, len(shape))
+    split = shape[:dim + 1] + ([1] if shape[dim] != 1 else []) + shape[dim + 1:]
+    grown = list(split)
+    grown[dim + (shape[dim] != 1)] = times
+    x = t.emit("expand", [_reshaped(t, x, split)], {"shape": grown}) if times != 1 else x
+    return _reshaped(t, x, list(t.out_type.shape))
+
+
 @maps("cat", "concat", "concatenate")
 def _cat(t: Translator, a: dict) -> str:
     return t.emit("cat", list(a["tensors"]), {"dim": _dim(a["dim"], len(t.out_type.shape))})

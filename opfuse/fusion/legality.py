@@ -45,6 +45,9 @@ merge that would put a group outside the pair both after and before the fused ke
   group a node has as many elements as each value it reads, a cat's inputs being its slices and a pad's input its
   inner part (so an upsample reads its input from outside the group: HRNet's upsample -> residual add -> ReLU), and
   what the group writes has the size of its largest value.
+- an expand (a repeat: expand, then a merge PyTorch copies) joins the kernel that reads it, loading its input (a
+  node recomputed per repeat would be broadcast growth, refused below): repeat, tile and repeat_interleave are index
+  maps of their reader's load.
 - views that keep every element (reshape, permute, identity) join elementwise kernels and a reduction's prologue,
   whose templates evaluate values at coordinates and map them through views (a reshape of a permuted tensor is
   then no copy but an index map on a load). They never follow a reduction in its kernel (its epilogue is
@@ -68,6 +71,7 @@ from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, 
 
 Users = Mapping[str, Sequence[Node]]
 ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
+REPEATING_VIEWS = frozenset({"expand"})     # views a kernel without an anchor maps on a load of their input (a repeat)
 WINDOW_POOLS = frozenset({"max_pool2d", "avg_pool2d", "max_pool3d", "avg_pool3d"})
 EPILOGUE_VIEWS = frozenset({"permute"})      # views an anchor's epilogue maps: values stay at the tile's coordinates
 MAPPED_COPIES = frozenset({"cat", "roll", "embedding", "pad", "upsample"})   # copying ops an elementwise kernel
@@ -161,7 +165,7 @@ def view_rule(graph: Graph, nodes: Iterable[str], users: Users) -> Reason | None
             continue
         if anchor is not None:
             return Reason(Code.VIEW_IN_ANCHOR, f"view {name} ({node.op}) cannot join anchor {anchor}'s kernel")
-        if node.op not in ELEMENT_KEEPING_VIEWS:
+        if node.op not in ELEMENT_KEEPING_VIEWS | REPEATING_VIEWS:
             return Reason(Code.VIEW_DROPS_ELEMENTS,
                           f"view {name} ({node.op}) cannot join a kernel: it does not keep every element")
     return None
@@ -341,6 +345,20 @@ def joins_as_map(node: Node) -> bool:
     """A node an elementwise or reduction kernel evaluates through coordinates: a view keeping every element, a
     cat or a roll."""
     return node.op in ELEMENT_KEEPING_VIEWS or node.op in MAPPED_COPIES
+
+
+def loaded_view(graph: Graph, name: str, within: set[str]) -> bool:
+    """Whether `name` is a view of `within` reached through views of `within` alone from a value outside it: no
+    element of it is computed in the kernel, only loaded (the views before a repeat's expand, however small)."""
+    while name in within and is_view(graph[name]) and graph[name].inputs:
+        name = graph[name].inputs[0]
+    return name not in within
+
+
+def maps_on_load(node: Node) -> bool:
+    """A node an elementwise or reduction kernel evaluates through coordinates (`joins_as_map`), or an expand of a
+    value it loads (REPEATING_VIEWS: what reads a repeat)."""
+    return joins_as_map(node) or node.op in REPEATING_VIEWS
 
 
 def is_view(node: Node) -> bool:
@@ -533,7 +551,7 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
     if len(reductions) > 1:
         return Reason(Code.TWO_REDUCTIONS, f"two reductions ({reductions[0]}, {reductions[1]}) in one kernel")
     for name in order:
-        if not kind_of(graph[name]).elementwise and name not in anchors + reductions and not joins_as_map(graph[name]):
+        if not kind_of(graph[name]).elementwise and name not in anchors + reductions and not maps_on_load(graph[name]):
             return Reason(Code.NOT_ELEMENTWISE, f"{name} ({graph[name].op}) is not elementwise")
     if not anchors and not reductions:
         return element_flow_rule(graph, order, merged, users)
@@ -565,8 +583,9 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
         return Reason(Code.VIEW_AFTER_REDUCTION, f"view {view} ({graph[view].op}) after reduction {hub}: its "
                       "epilogue is computed at the reduction's own coordinates")
     hub_input = graph[graph[hub].inputs[0]].type.numel
+    computed = [n for n in prologue if not loaded_view(graph, n, merged)]     # (a repeat's views load its input)
     return (same_size_rule(graph, epilogue, graph[hub].type.numel, f"{hub}'s output")
-            or same_size_rule(graph, prologue, hub_input, f"{hub}'s input"))
+            or same_size_rule(graph, computed, hub_input, f"{hub}'s input"))
 
 
 def element_flow_rule(graph: Graph, order: Sequence[str], merged: set[str], users: Users) -> Reason | None:
@@ -578,7 +597,8 @@ def element_flow_rule(graph: Graph, order: Sequence[str], merged: set[str], user
         if node.op in ("cat", "pad"):      # each input element read once (a roll keeps its element count)
             continue
         for value in node.inputs:
-            if value in merged and graph[value].type.numel not in (node.type.numel, 1):
+            if value in merged and graph[value].type.numel not in (node.type.numel, 1) \
+                    and not loaded_view(graph, value, merged):
                 return Reason(Code.BROADCAST_GROWTH, f"broadcast growth: {name} has {node.type.numel} elements, "
                               f"{value} {graph[value].type.numel} ({graph[value].type})")
     largest = max(graph[n].type.numel for n in order)

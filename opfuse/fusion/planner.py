@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
-from opfuse.fusion.legality import (EPILOGUE_VIEWS, MAPPED_COPIES, anchor_prologue, can_fuse, in_order, is_view,
+from opfuse.fusion.legality import (EPILOGUE_VIEWS, MAPPED_COPIES, REPEATING_VIEWS, anchor_prologue, can_fuse,
+                                    in_order, is_view,
                                     joins_as_map, node_index, operand_chain, path_outside, row_norm_epilogue,
                                     row_norm_prologue, skip_operands)
 from opfuse.fusion.plan import FusionDecision, FusionGroup, FusionPlan, GroupKind, Verdict
@@ -184,7 +185,8 @@ class _Planner:
         """Why the views between the pair cannot join the consumer as coordinate maps, or None when they can:
         neither side (the consumer alone, without `with_producer`) has an anchor, or the producer's anchor may
         take them into its epilogue (EPILOGUE_VIEWS, before an elementwise consumer or the row norm a depthwise conv
-        computes, `row_norm_epilogue`); each view keeps every element, and the consumer (or a view on the way) is
+        computes, `row_norm_epilogue`); each view keeps every element (or, without `with_producer`, repeats it: an
+        expand, whose input the consumer then loads, never recomputes), and the consumer (or a view on the way) is
         all that reads it."""
         producer, consumer = self.groups[candidate.producer], self.groups[candidate.consumer]
         sides = producer + consumer if with_producer else consumer
@@ -201,7 +203,7 @@ class _Planner:
             blocks = f"view {name} ({view.op}) between them blocks fusion"
             if anchor is not None and name not in rows and not (epilogue and view.op in EPILOGUE_VIEWS):
                 return Reason(Code.VIEW_IN_ANCHOR, f"{blocks}: an anchor's kernel maps no views")
-            if not joins_as_map(view):
+            if not (joins_as_map(view) or (not with_producer and view.op in REPEATING_VIEWS)):
                 return Reason(Code.VIEW_DROPS_ELEMENTS, f"{blocks}: it does not keep every element")
             readers = [u.name for u in self.users[name] if u.name not in within]
             if readers or name in self.graph.outputs:
@@ -264,7 +266,8 @@ class _Planner:
         kernel then reading the producer's output through them: views a linear's operand load maps (the head merge
         after attention, read by the output projection: read through the strides the producer's output comes with,
         whatever its layout), or views of which one PyTorch would copy, an elementwise or reduction kernel maps
-        (Swin's window reverse after its projection, read by the roll and residual add)."""
+        (Swin's window reverse after its projection, read by the roll and residual add; a repeat, expand and merge,
+        read by an add: `legality.REPEATING_VIEWS`)."""
         views, consumer = list(candidate.views), self.groups[candidate.consumer]
         anchor = anchor_of(self.graph, consumer)
         if anchor is not None:

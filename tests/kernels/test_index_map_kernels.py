@@ -87,3 +87,45 @@ def test_a_pad_joins_the_activation_before_it_and_nothing_runs_through_pytorch()
     assert groups_through_pytorch(plan) == {}
     padded = next(g for g in plan.groups if any(plan.graph[n].op == "pad" for n in g.nodes))
     assert {plan.graph[n].op for n in padded.nodes} == {"relu", "pad"}
+
+
+def test_a_repeat_is_an_index_map_of_what_reads_it():
+    """x [3, 5] repeated [2, 1, 3] (a split, an expand, a merge PyTorch would copy) read by an add: loaded through
+    the maps, every element written."""
+    b = Builder()
+    x = b.input("x", (3, 5), b.random(3, 5))
+    z = b.input("z", (2, 3, 15), b.random(2, 3, 15))
+    split = b.op("reshape", x, shape=[1, 3, 1, 5])
+    grown = b.op("expand", split, shape=[2, 3, 3, 5])
+    merged = b.op("reshape", grown, shape=[2, 3, 15])
+    run_group(b, [b.op("add", merged, z)], GroupKind.POINTWISE)
+
+
+class Repeats(nn.Module):
+    """repeat, tile and repeat_interleave of activations (along dims of size 1 and more), each read by an op."""
+
+    def forward(self, x, y):
+        a = torch.relu(x).repeat(2, 1, 3) * 2.0                      # [4, 3, 12]: copies in PyTorch
+        b = torch.sigmoid(x).repeat_interleave(2, dim=1) + 1.0       # [2, 6, 4]
+        c = torch.tile(y, (3, 1)) - 1.0                               # y [1, 4] -> [3, 4]: an expand, a view
+        return a.sum() + b.sum() + c.sum()
+
+
+def test_captured_repeats_copy_nothing():
+    """Each repeat joins the kernel that reads it (a sum's prologue here), which loads what it repeats (the ReLU's
+    and the sigmoid's results, not recomputed): nothing runs through PyTorch, and compiled it matches eager."""
+    import opfuse
+    from opfuse.fusion.legality import loaded_view
+
+    x, y = torch.randn(2, 3, 4), torch.randn(1, 4)
+    plan = plan_of(Repeats(), x, y)
+    assert groups_through_pytorch(plan) == {}
+    expands = [n for n in plan.graph if n.op == "expand"]
+    assert len(expands) == 3
+    for node in expands[:2]:        # the two that merge a repeat: read through by the kernel that reads them
+        group = plan.group_of(node.name)
+        assert group.kind is GroupKind.REDUCTION and loaded_view(plan.graph, node.name, set(group.nodes))
+    compiled = opfuse.compile(Repeats(), (x, y), opfuse.FusionConfig(dtype="float32"))
+    assert not {why.code.value for why in compiled.fallbacks.values()} - {"view"}
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, y), Repeats()(x, y), rtol=1e-5, atol=1e-4)
