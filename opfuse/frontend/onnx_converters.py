@@ -342,19 +342,27 @@ REDUCTIONS = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "amax", "Re
 # axes: an attribute before opset 13 (ReduceSum) or 18 (the others), an input after
 @converts(*REDUCTIONS, attributes=("axes", "keepdims", "noop_with_empty_axes"), constant_inputs=(1,))
 def _reduce(importer: Importer, node, xs, attrs):
-    rank = len(importer.type(xs[0]).shape)
-    axes = importer.ints(node, xs, attrs, "axes", 1)
-    if not axes:
-        if attrs.get("noop_with_empty_axes", 0):
-            return [importer.emit("identity", [xs[0]])]
-        axes = list(range(rank))
+    reduction = reduction_of(importer, node, xs, attrs)
+    if reduction is None:
+        return [importer.emit("identity", [xs[0]])]
     op = REDUCTIONS[node.op_type]
-    reduction = {"dims": sorted(a % rank for a in axes), "keepdim": bool(attrs.get("keepdims", 1))}
     shape = importer.type(xs[0]).shape
     if op in ("amax", "amin") and any(shape[d] == 0 for d in reduction["dims"]):
         return [importer.add_constant(_empty_extreme(op, shape, reduction, importer.type(xs[0]).dtype),
                                       node.output[0])]
     return [importer.emit(op, [xs[0]], reduction)]
+
+
+def reduction_of(importer: Importer, node, xs, attrs) -> dict | None:
+    """A Reduce* node's {"dims", "keepdim"}: its axes (an attribute before opset 18, 13 for ReduceSum, then input
+    1), all dims when none are given, or None for no reduction (empty axes with noop_with_empty_axes)."""
+    rank = len(importer.type(xs[0]).shape)
+    axes = importer.ints(node, xs, attrs, "axes", 1)
+    if not axes:
+        if attrs.get("noop_with_empty_axes", 0):
+            return None
+        axes = list(range(rank))
+    return {"dims": sorted(a % rank for a in axes), "keepdim": bool(attrs.get("keepdims", 1))}
 
 
 def _empty_extreme(op: str, shape, reduction: dict, dtype: str) -> torch.Tensor:
@@ -407,4 +415,4 @@ def _gemm(importer: Importer, node, xs, attrs):
 
 
 # the other families register themselves on import (they import `converts` from here, so they come last)
-from opfuse.frontend import onnx_attention, onnx_layout, onnx_resize, onnx_spatial  # noqa: E402,F401
+from opfuse.frontend import onnx_attention, onnx_layout, onnx_math, onnx_resize, onnx_spatial  # noqa: E402,F401
