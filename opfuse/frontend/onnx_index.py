@@ -1,0 +1,244 @@
+"""ONNX converters of indexing and tensor-making operators, written out in the IR's gathers (`take`), views and
+elementwise ops: GatherElements, GatherND, OneHot, Trilu, EyeLike, Compress, CenterCropPad, DepthToSpace,
+SpaceToDepth, and Range and the window functions (whose output length is their inputs' value: constants, which
+the importer evaluates). Registered in `opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter
+contract).
+
+GatherElements and GatherND read data at indices known only at run time: each becomes one `take` from the data
+seen flat, at a flat index computed elementwise from the indices (negative ones counted from the end of their
+dim) and a constant offset per output position. No scatter or new gather op is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from opfuse.frontend.onnx_converters import ONNX_DTYPES, Unsupported, converts
+from opfuse.ir.graph import torch_dtype
+
+if TYPE_CHECKING:
+    from opfuse.frontend.onnx_import import Importer
+
+
+def _strides(shape) -> list[int]:
+    return [math.prod(shape[d + 1:]) for d in range(len(shape))]
+
+
+def _wrapped(importer: Importer, indices: str, sizes: torch.Tensor, name: str) -> str:
+    """Indices as int64, a negative one plus its dim's size (`sizes` broadcasts against them)."""
+    if importer.type(indices).dtype != "int64":
+        indices = importer.emit("cast", [indices], {"dtype": "int64"}, name=f"{name}_int64")
+    size_node = importer.add_constant(sizes.to(torch.int64), f"{name}_sizes")
+    zero = importer.add_constant(torch.tensor(0), f"{name}_zero")
+    negative = importer.emit("lt", [indices, zero], name=f"{name}_negative")
+    return importer.emit("where", [negative, importer.emit("add", [indices, size_node], name=f"{name}_from_end"),
+                                   indices], name=f"{name}_wrapped")
+
+
+def _flat(importer: Importer, x: str, name: str) -> str:
+    return importer.emit("reshape", [x], {"shape": (math.prod(importer.type(x).shape),)}, name=f"{name}_flat")
+
+
+@converts("GatherElements", attributes=("axis",))
+def _gather_elements(importer: Importer, node, xs, attrs):
+    """out[p] = data[p with its `axis` coordinate replaced by indices[p]]: a take from the flat data at
+    offset(p) + indices[p] * stride(axis), offset(p) the flat position of p's other coordinates."""
+    data, indices = xs[:2]
+    out = node.output[0]
+    shape, index_shape = importer.type(data).shape, importer.type(indices).shape
+    axis = attrs.get("axis", 0) % len(shape)
+    strides = _strides(shape)
+    grids = torch.meshgrid(*[torch.arange(n) for n in index_shape], indexing="ij")
+    offsets = sum((grid * strides[d] for d, grid in enumerate(grids) if d != axis),
+                  torch.zeros(index_shape, dtype=torch.int64))
+    known = importer.constant(indices)
+    if known is not None:   # the whole flat index is a constant
+        wrapped = torch.where(known < 0, known + shape[axis], known).to(torch.int64)
+        flat_index = importer.add_constant(offsets + wrapped * strides[axis], f"{out}_flat_index")
+    else:
+        wrapped = _wrapped(importer, indices, torch.tensor(shape[axis]), out)
+        scaled = wrapped if strides[axis] == 1 else importer.emit(
+            "mul", [wrapped, importer.add_constant(torch.tensor(strides[axis]), f"{out}_stride")],
+            name=f"{out}_scaled")
+        flat_index = importer.emit("add", [scaled, importer.add_constant(offsets, f"{out}_offsets")],
+                                   name=f"{out}_flat_index")
+    return [importer.emit("take", [_flat(importer, data, out), flat_index], {"axis": 0}, name=out)]
+
+
+@converts("GatherND", attributes=("batch_dims",))
+def _gather_nd(importer: Importer, node, xs, attrs):
+    """data[batch, indices[..., 0], ..., indices[..., k-1]] for each leading position of the indices: a take from
+    data seen as [batch * the k indexed dims, the rest], at batch * their size + the flat index of the k."""
+    data, indices = xs[:2]
+    out = node.output[0]
+    shape, index_shape = importer.type(data).shape, importer.type(indices).shape
+    batch_dims = attrs.get("batch_dims", 0)
+    depth = index_shape[-1]
+    indexed = shape[batch_dims:batch_dims + depth]
+    rest = shape[batch_dims + depth:]
+    batch = math.prod(shape[:batch_dims])
+    rows = importer.emit("reshape", [data], {"shape": (batch * math.prod(indexed), *rest)}, name=f"{out}_rows")
+    wrapped = _wrapped(importer, indices, torch.tensor(indexed), out)
+    strides = importer.add_constant(torch.tensor(_strides(indexed), dtype=torch.int64), f"{out}_strides")
+    flat_index = importer.emit("sum", [importer.emit("mul", [wrapped, strides], name=f"{out}_terms")],
+                               {"dims": [len(index_shape) - 1], "keepdim": False}, name=f"{out}_index")
+    if batch_dims:   # each leading batch position reads its own block of rows
+        lead = index_shape[:batch_dims]
+        block = torch.arange(batch).reshape(lead + (1,) * (len(index_shape) - 1 - batch_dims)) * math.prod(indexed)
+        flat_index = importer.emit("add", [flat_index, importer.add_constant(block, f"{out}_blocks")],
+                                   name=f"{out}_row")
+    return [importer.emit("take", [rows, flat_index], {"axis": 0}, name=out)]
+
+
+@converts("OneHot", attributes=("axis",), constant_inputs=(1,))
+def _one_hot(importer: Importer, node, xs, attrs):
+    """values[1] where the index (negative ones from the end of depth) is the position along the new axis,
+    values[0] elsewhere (an index out of range matches nowhere)."""
+    indices, depth_input, values = xs[:3]
+    out = node.output[0]
+    depth_value = importer.constant(depth_input)
+    if depth_value is None:
+        raise Unsupported("input 1 (depth) is not a constant")
+    depth = int(depth_value.reshape(-1)[0].item())
+    index_shape = importer.type(indices).shape
+    rank = len(index_shape) + 1
+    axis = attrs.get("axis", -1) % rank
+    index_dtype = torch_dtype(importer.type(indices).dtype)
+    size = importer.add_constant(torch.tensor(depth, dtype=index_dtype), f"{out}_depth")
+    zero = importer.add_constant(torch.tensor(0, dtype=index_dtype), f"{out}_zero")
+    wrapped = importer.emit("where", [importer.emit("lt", [indices, zero], name=f"{out}_negative"),
+                                      importer.emit("add", [indices, size], name=f"{out}_from_end"), indices],
+                            name=f"{out}_wrapped")
+    spread = importer.emit("reshape", [wrapped], {"shape": index_shape[:axis] + (1,) + index_shape[axis:]},
+                           name=f"{out}_spread")
+    along = [1] * rank
+    along[axis] = depth
+    positions = importer.add_constant(torch.arange(depth, dtype=index_dtype).reshape(along), f"{out}_positions")
+    hot = importer.emit("eq", [spread, positions], name=f"{out}_hot")
+    off = importer.emit("slice", [values], {"dim": 0, "start": 0, "end": 1, "step": 1}, name=f"{out}_off")
+    on = importer.emit("slice", [values], {"dim": 0, "start": 1, "end": 2, "step": 1}, name=f"{out}_on")
+    return [importer.emit("where", [hot, on, off], name=out)]
+
+
+@converts("Trilu", attributes=("upper",), constant_inputs=(1,))
+def _trilu(importer: Importer, node, xs, attrs):
+    """x where j - i >= k (upper) or <= k (lower) in its last two dims, zero elsewhere: a constant mask."""
+    shape = importer.type(xs[0]).shape
+    k = 0
+    if len(xs) > 1 and xs[1] is not None:
+        value = importer.constant(xs[1])
+        if value is None:
+            raise Unsupported("input 1 (k) is not a constant")
+        k = int(value.reshape(-1)[0].item())
+    rows, cols = shape[-2:]
+    ones = torch.ones(rows, cols, dtype=torch.bool)
+    mask = torch.triu(ones, k) if attrs.get("upper", 1) else torch.tril(ones, k)
+    zero = importer.add_constant(torch.tensor(0, dtype=torch_dtype(importer.type(xs[0]).dtype)),
+                                 f"{node.output[0]}_zero")
+    return [importer.emit("where", [importer.add_constant(mask, f"{node.output[0]}_mask"), xs[0], zero])]
+
+
+@converts("EyeLike", attributes=("dtype", "k"))
+def _eye_like(importer: Importer, node, xs, attrs):
+    """A constant: ones on the k-th diagonal of the input's 2-D shape, in `dtype` (the input's by default)."""
+    rows, cols = importer.type(xs[0]).shape
+    dtype = ONNX_DTYPES.get(attrs["dtype"]) if "dtype" in attrs else importer.type(xs[0]).dtype
+    if dtype is None:
+        raise Unsupported("EyeLike of a dtype opfuse does not support")
+    eye = torch.from_numpy(np.eye(rows, cols, attrs.get("k", 0))).to(torch_dtype(dtype))
+    return [importer.add_constant(eye, node.output[0])]
+
+
+@converts("Compress", attributes=("axis",), constant_inputs=(1,))
+def _compress(importer: Importer, node, xs, attrs):
+    """The slices along the axis (of the flat input without one) where the condition is true: a take at the
+    condition's true positions, which fix the output's shape and so are read as a constant."""
+    condition = importer.constant(xs[1])
+    if condition is None:
+        raise Unsupported("input 1 (condition) is not a constant: it fixes the output's shape")
+    x = xs[0]
+    if "axis" in attrs:
+        axis = attrs["axis"] % len(importer.type(x).shape)
+    else:
+        x, axis = _flat(importer, x, node.output[0]), 0
+    picked = torch.nonzero(condition.reshape(-1).to(torch.bool)).reshape(-1)
+    if len(picked) and int(picked.max()) >= importer.type(x).shape[axis]:
+        raise Unsupported("a condition longer than the axis with a true past its end")
+    return [importer.emit("take", [x, importer.add_constant(picked, f"{node.output[0]}_picked")], {"axis": axis})]
+
+
+@converts("CenterCropPad", attributes=("axes",), constant_inputs=(1,))
+def _center_crop_pad(importer: Importer, node, xs, attrs):
+    """Each listed axis cropped (a slice) or zero-padded (a pad) to its target size about its centre, the odd
+    element at the end."""
+    target = importer.ints(node, xs, {}, "shape", 1)
+    x = xs[0]
+    rank = len(importer.type(x).shape)
+    axes = [a % rank for a in attrs.get("axes", range(rank))]
+    out = node.output[0]
+    for axis, size in zip(axes, target):
+        dim = importer.type(x).shape[axis]
+        if size < dim:
+            start = (dim - size) // 2
+            x = importer.emit("slice", [x], {"dim": axis, "start": start, "end": start + size, "step": 1},
+                              name=f"{out}_crop{axis}")
+        elif size > dim:
+            before = (size - dim) // 2
+            pads = [0] * (2 * rank)
+            pads[2 * (rank - 1 - axis)], pads[2 * (rank - 1 - axis) + 1] = before, size - dim - before
+            x = importer.emit("pad", [x], {"pads": tuple(pads), "value": 0.0}, name=f"{out}_pad{axis}")
+    return [x if x != xs[0] else importer.emit("identity", [x])]
+
+
+@converts("DepthToSpace", attributes=("blocksize", "mode"))
+def _depth_to_space(importer: Importer, node, xs, attrs):
+    """[N, C, H, W] -> [N, C / b^2, H * b, W * b]: a reshape, a permute, a reshape (DCR: depth, column, row order
+    of the channels; CRD: column, row, depth)."""
+    n, c, h, w = importer.type(xs[0]).shape
+    b = attrs["blocksize"]
+    if attrs.get("mode", "DCR") == "DCR":
+        split, dims = (n, b, b, c // (b * b), h, w), (0, 3, 4, 1, 5, 2)
+    else:
+        split, dims = (n, c // (b * b), b, b, h, w), (0, 1, 4, 2, 5, 3)
+    out = node.output[0]
+    blocks = importer.emit("reshape", [xs[0]], {"shape": split}, name=f"{out}_blocks")
+    moved = importer.emit("permute", [blocks], {"dims": dims}, name=f"{out}_moved")
+    return [importer.emit("reshape", [moved], {"shape": (n, c // (b * b), h * b, w * b)}, name=out)]
+
+
+@converts("SpaceToDepth", attributes=("blocksize", "mode"))
+def _space_to_depth(importer: Importer, node, xs, attrs):
+    """DepthToSpace's inverse: [N, C, H, W] -> [N, C * b^2, H / b, W / b], the channels in DCR (default) or CRD
+    order (opset 28's mode)."""
+    n, c, h, w = importer.type(xs[0]).shape
+    b = attrs["blocksize"]
+    out = node.output[0]
+    dims = (0, 3, 5, 1, 2, 4) if attrs.get("mode", "DCR") == "DCR" else (0, 1, 3, 5, 2, 4)
+    blocks = importer.emit("reshape", [xs[0]], {"shape": (n, c, h // b, b, w // b, b)}, name=f"{out}_blocks")
+    moved = importer.emit("permute", [blocks], {"dims": dims}, name=f"{out}_moved")
+    return [importer.emit("reshape", [moved], {"shape": (n, c * b * b, h // b, w // b)}, name=out)]
+
+
+# ---- constants of the shape their inputs' values give: the importer evaluates these (`Importer.fold`) ------
+
+@converts("Range", constant_inputs=(0, 1, 2))
+def _range(importer: Importer, node, xs, attrs):
+    """start + i * delta for i below max(ceil((limit - start) / delta), 0): reached only where the importer could
+    not evaluate it, for bfloat16 (computed here in float32, then rounded)."""
+    values = [importer.constant(x) for x in xs[:3]]
+    if any(v is None for v in values):
+        raise Unsupported("Range of a value known only at run time: its output's length is that value")
+    start, limit, delta = (float(v.float()) for v in values)
+    count = max(math.ceil((limit - start) / delta), 0)
+    result = torch.tensor(start) + torch.arange(count, dtype=torch.float32) * torch.tensor(delta)
+    return [importer.add_constant(result.to(values[0].dtype), node.output[0])]
+
+
+@converts("HannWindow", "HammingWindow", "BlackmanWindow", attributes=("output_datatype", "periodic"),
+          constant_inputs=(0,))
+def _value_shaped(importer: Importer, node, xs, attrs):
+    raise Unsupported(f"{node.op_type} of a value known only at run time: its output's length is that value")

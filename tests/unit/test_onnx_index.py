@@ -1,0 +1,73 @@
+"""ONNX indexing and tensor-making operators written out in the IR's gathers, views and elementwise ops
+(`opfuse.frontend.onnx_index`), compared with onnx.reference.ReferenceEvaluator; run-time indices included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto
+
+from onnx_cases import node, ops, run_node as run
+
+rng = np.random.default_rng(0)
+
+
+def floats(*shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+# ---- indexing -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_gather_elements_at_run_time_and_constant_indices(axis):
+    data = floats(3, 4, 5)
+    shape = list(data.shape)
+    shape[axis] = 2                 # onnx's reference wants the other dims equal (ONNX allows them smaller)
+    indices = rng.integers(-data.shape[axis], data.shape[axis], shape).astype(np.int64)
+    graph = run(node("GatherElements", ["data", "indices"], axis=axis), {"data": data, "indices": indices})
+    assert ops(graph).count("take") == 1
+    graph = run(node("GatherElements", ["data", "indices"], axis=axis), {"data": data}, weights={"indices": indices})
+    assert ops(graph) == ["reshape", "take"]                     # the whole flat index is a constant
+
+
+@pytest.mark.parametrize("data_shape, index_shape, batch_dims", [
+    ((2, 3, 4), (5, 2), 0), ((2, 3, 4), (2, 1, 3), 0), ((2, 3, 4), (2, 2, 1), 1), ((2, 3, 4, 5), (2, 3, 1), 2),
+])
+def test_gather_nd(data_shape, index_shape, batch_dims):
+    data = floats(*data_shape)
+    depth = index_shape[-1]
+    sizes = data_shape[batch_dims:batch_dims + depth]
+    indices = np.stack([rng.integers(-n, n, index_shape[:-1]) for n in sizes], axis=-1).astype(np.int64)
+    run(node("GatherND", ["data", "indices"], batch_dims=batch_dims), {"data": data, "indices": indices})
+
+
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_one_hot_with_negative_and_out_of_range_indices(axis):
+    indices = np.array([[0, -1, 4], [7, -6, 2]], np.int64)
+    run(node("OneHot", ["indices", "depth", "values"], axis=axis),
+        {"indices": indices, "values": np.array([-2.0, 3.5], np.float32)}, weights={"depth": np.array(5, np.int64)})
+
+
+@pytest.mark.parametrize("upper, k", [(1, 0), (0, 0), (1, -1), (0, 2), (1, 7)])
+def test_trilu(upper, k):
+    run(node("Trilu", ["x", "k"], upper=upper), {"x": floats(2, 4, 5)}, weights={"k": np.array(k, np.int64)})
+
+
+def test_range_eye_like_and_windows_are_constants():
+    graph = run(node("Range", ["start", "limit", "delta"]), {}, weights={
+        "start": np.array(10, np.int32), "limit": np.array(2, np.int32), "delta": np.array(-3, np.int32)})
+    assert ops(graph) == []
+    graph = run(node("EyeLike", ["x"], k=1, dtype=TensorProto.INT32), {"x": floats(3, 4)})
+    assert ops(graph) == []
+    for window in ("HannWindow", "HammingWindow", "BlackmanWindow"):
+        assert ops(run(node(window, ["n"], periodic=0), {}, weights={"n": np.array(7, np.int64)})) == []
+
+
+def test_compress_center_crop_pad_depth_to_space_and_back():
+    run(node("Compress", ["x", "c"], axis=1), {"x": floats(3, 4)}, weights={"c": np.array([True, False, True])})
+    run(node("Compress", ["x", "c"]), {"x": floats(3, 4)}, weights={"c": np.array([0, 1, 1, 0, 1], bool)})
+    run(node("CenterCropPad", ["x", "shape"], axes=[0, 2]), {"x": floats(5, 3, 4)},
+        weights={"shape": np.array([2, 7], np.int64)})
+    for mode in ("DCR", "CRD"):
+        run(node("DepthToSpace", ["x"], blocksize=2, mode=mode), {"x": floats(1, 8, 2, 3)})
+    run(node("SpaceToDepth", ["x"], blocksize=2), {"x": floats(2, 3, 4, 6)}, opset=13)
