@@ -16,7 +16,8 @@ Two templates:
   adaptive_avg_pool2d on NHWC: a program takes [BLOCK_P output pixels, BLOCK_C channels] and visits the window taps.
 
 The prologue is evaluated wherever the reduction reads its input (a prologue value that is also a group output is
-stored on the first sweep); the epilogue is evaluated at the reduction's output coordinates.
+stored on the first sweep); the epilogue is evaluated at the reduction's output coordinates, and after a reshape of
+them (group norm's back to [N, C, H, W]) at the coordinates they map to in row-major order (`store_epilogue`).
 """
 
 from __future__ import annotations
@@ -116,6 +117,32 @@ def store_outputs(region: Region, outputs: Sequence[str], coords: Coords, shape:
         region.store(o, coords if tuple(own) == tuple(shape) else region.reshape_coords(coords, shape, own))
 
 
+def store_epilogue(region: Region, group: FusionGroup, node: Node, coords: Coords, outputs: Sequence[str]) -> None:
+    """Store the epilogue `outputs` of reduction `node`, bound at `coords`, each at the coordinates of its own
+    shape mapped from `coords` through row-major order. A reshape after the reduction (group norm's back to [N, C,
+    H, W]) keeps that order: its value at the mapped coordinates is its input's at `coords` (bound so, no div/mod
+    round trip), and the ops after it read their other operands at its coordinates."""
+    graph = region.graph
+    shape = tuple(node.type.shape)
+    mapped: dict[tuple[int, ...], Coords] = {shape: tuple(coords)}
+
+    def at(own: Sequence[int]) -> Coords:
+        if tuple(own) not in mapped:
+            mapped[tuple(own)] = region.reshape_coords(coords, shape, own)
+        return mapped[tuple(own)]
+    after = {node.name}
+    for name in group.nodes:
+        view = graph[name]
+        if not any(i in after for i in view.inputs):
+            continue
+        after.add(name)
+        if view.op in ("reshape", "identity") and view.inputs[0] in after:
+            source = graph[view.inputs[0]].type.shape
+            region.bind(name, at(view.type.shape), region.value(view.inputs[0], at(source)))
+    for o in outputs:
+        region.store(o, at(graph[o].type.shape))
+
+
 def indent(lines: Sequence[str], depth: int = 1) -> list[str]:
     return ["    " * depth + line for line in lines]
 
@@ -197,7 +224,7 @@ class RowReductionKernel(TemplateKernel):
     def _finish(self, lines: list[str], region: Region, coords: Coords, result: str) -> list[str]:
         """Bind the reduction's result at `coords`, then compute and store the epilogue outputs."""
         region.bind(self.node.name, coords, result)
-        store_outputs(region, self._epilogue, coords, self.node.type.shape)
+        store_epilogue(region, self._emitter.group, self.node, coords, self._epilogue)
         return lines + region.lines
 
     def _loop(self, lines: list[str]) -> list[str]:
@@ -452,7 +479,7 @@ class PoolKernel(TemplateKernel):
         out_coords = (batch, channel, oh if out_h > 1 else None, ow if out_w > 1 else None)
         region = emitter.region("[BLOCK_P, BLOCK_C]", "out_mask")
         region.bind(node.name, out_coords, "result")
-        store_outputs(region, epilogue, out_coords, node.type.shape)
+        store_epilogue(region, group, node, out_coords, epilogue)
         body += region.lines
         name, source, function = build_kernel(graph, group, emitter, body, ["BLOCK_P", "BLOCK_C", "INT64"])
         super().__init__(graph, group, name, source, device, emitter.args, constants, function)

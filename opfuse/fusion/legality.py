@@ -50,8 +50,9 @@ merge that would put a group outside the pair both after and before the fused ke
   maps of their reader's load.
 - views that keep every element (reshape, permute, identity) join elementwise kernels and a reduction's prologue,
   whose templates evaluate values at coordinates and map them through views (a reshape of a permuted tensor is
-  then no copy but an index map on a load). They never follow a reduction in its kernel (its epilogue is
-  computed at the reduction's own coordinates). An anchor's kernel indexes its output tile as it is, but its
+  then no copy but an index map on a load). Of them only a reshape follows a reduction in its kernel (its epilogue
+  is computed at the reduction's own coordinates, and after a reshape at the ones they map to in row-major order:
+  group norm's view back to [N, C, H, W], then its affine, the model's activation). An anchor's kernel indexes its output tile as it is, but its
   epilogue may permute (EPILOGUE_VIEWS: ConvNeXt's linear back to NCHW for the layer scale and residual), and a
   linear reads its input through views (`operand_views`: the head merge after attention, Swin's window partition)
   when they make a strided index map of its operand load (`opfuse.ir.strided`). Slices and expands stay outside (they
@@ -71,6 +72,7 @@ from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, 
 
 Users = Mapping[str, Sequence[Node]]
 ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
+ORDER_KEEPING_VIEWS = frozenset({"reshape", "identity"})   # views that keep the row-major order of elements
 REPEATING_VIEWS = frozenset({"expand"})     # views a kernel without an anchor maps on a load of their input (a repeat)
 WINDOW_POOLS = frozenset({"max_pool2d", "avg_pool2d", "max_pool3d", "avg_pool3d"})
 EPILOGUE_VIEWS = frozenset({"permute"})      # views an anchor's epilogue maps: values stay at the tile's coordinates
@@ -578,10 +580,13 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
         if isinstance(spaces, Reason):
             return spaces
     after_norm = reachable(graph, norm, merged, users) if norm is not None else set()
-    view = next((n for n in epilogue if is_view(graph[n]) and (norm is None or n in after_norm)), None)
+    # a reduction's epilogue is computed at its own coordinates, and after a reshape at the ones they map to in
+    # row-major order (the reduction template's `store_epilogue`: group norm's view back to [N, C, H, W])
+    view = next((n for n in epilogue if is_view(graph[n]) and (norm is None or n in after_norm)
+                 and (anchors or graph[n].op not in ORDER_KEEPING_VIEWS)), None)
     if view is not None and reductions:
         return Reason(Code.VIEW_AFTER_REDUCTION, f"view {view} ({graph[view].op}) after reduction {hub}: its "
-                      "epilogue is computed at the reduction's own coordinates")
+                      "epilogue is computed at the reduction's own coordinates, or a reshape of them")
     hub_input = graph[graph[hub].inputs[0]].type.numel
     computed = [n for n in prologue if not loaded_view(graph, n, merged)]     # (a repeat's views load its input)
     return (same_size_rule(graph, epilogue, graph[hub].type.numel, f"{hub}'s output")

@@ -17,7 +17,7 @@ Fusions refused as illegal (`opfuse.fusion.legality.can_fuse`, and the planner's
   view-in-anchor        a view would join an anchor's kernel, whose template maps no views
   view-drops-elements   a view that drops or repeats elements (slice, expand) would join a kernel
   view-after-reduction  a view would map a reduction's result in its epilogue, which the template writes at the
-                        reduction's own coordinates only
+                        reduction's own coordinates or a reshape of them only (no permute, slice or expand)
   view-shared           a view between the pair is read outside it too (or is a graph output)
   several-users         a value passed from producer to consumer is read outside the pair too
   no-shared-value       the consumer reads no value of the producer

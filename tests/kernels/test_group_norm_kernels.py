@@ -54,3 +54,36 @@ def test_captured_group_norms_match_eager_and_run_nothing_through_pytorch():
     torch.testing.assert_close(interpret(graph, [x, sequence])[0], model(x, sequence), rtol=1e-5, atol=1e-4)
     prepared, _ = prepare_graph(graph, "float32")
     assert groups_through_pytorch(plan_fusion(prepared, FusionConfig(dtype="float32"))) == {}
+
+
+@pytest.mark.parametrize("config", [None, SMALL_CHUNKS], ids=["one-pass", "looped"])
+def test_the_view_back_and_the_ops_after_it_join_the_norm_kernel(config):
+    """group_norm viewed back to [N, C, H, W], then a per-channel bias, a residual and a ReLU: one kernel, the ops
+    after the reshape at the coordinates the reduction's map to (row-major order)."""
+    b = Builder()
+    x = b.input("x", (2, 6, 5, 3))
+    skip = b.input("skip", (2, 6, 5, 3))
+    grouped = b.op("reshape", x, shape=[2, 3, 2, 15])
+    y = b.op("layer_norm", grouped, normalized_shape=[2, 15], eps=1e-5)
+    y = b.op("mul", y, b.const("weight", b.random(3, 2, 1)))
+    image = b.op("reshape", y, shape=[2, 6, 5, 3])
+    out = b.op("relu", b.op("add", b.op("add", image, b.const("bias", b.random(6, 1, 1))), skip))
+    run_group(b, [out], config)
+
+
+class NormThenActivation(nn.Module):
+    """ResNetV2 (BiT) and poolformer: a group norm, then what the model computes on its [N, C, H, W] result."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 8)
+
+    def forward(self, x):
+        return torch.relu(self.norm(x) * 2.0 + 1.0)
+
+
+def test_a_group_norm_and_the_activation_after_it_are_one_kernel():
+    x = torch.randn(1, 8, 6, 5)
+    prepared, _ = prepare_graph(capture_torch(NormThenActivation().eval(), (x,)), "float32")
+    plan = plan_fusion(prepared, FusionConfig(dtype="float32"))
+    assert groups_through_pytorch(plan) == {} and plan.kernel_launches == 1
