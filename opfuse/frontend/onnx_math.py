@@ -364,3 +364,54 @@ def _bit_shift(importer: Importer, node, xs, attrs):
         else:
             outside = zero
     return [importer.emit("where", [in_range, shifted, outside], name=out)]
+
+
+# ---- rounding -----------------------------------------------------------------------------------------------
+
+# below these magnitudes a float may have a fraction; at or above them every value is an integer already (the
+# significand's bits all lie above the binary point), so a cast to int64 and back is exact where it is used
+INTEGRAL_FROM = {"float64": 2.0 ** 52, "float32": 2.0 ** 23, "float16": 2.0 ** 10, "bfloat16": 2.0 ** 7}
+
+
+def floor(importer: Importer, x: str, name: str) -> str:
+    """floor(x), exactly: x truncated by a cast to int64 and back, one less where that is above x; x itself where
+    |x| is too large to have a fraction, and for infinities and NaN (which fail the comparison)."""
+    dtype = importer.type(x).dtype
+    truncated = importer.emit("cast", [importer.emit("cast", [x], {"dtype": "int64"}, name=f"{name}_int")],
+                              {"dtype": dtype}, name=f"{name}_truncated")
+    below = importer.emit("sub", [truncated, importer.scalar(1.0, x)], name=f"{name}_one_below")
+    floored = importer.emit("where", [importer.emit("lt", [x, truncated], name=f"{name}_was_negative"), below,
+                                      truncated], name=f"{name}_floored")
+    fractional = importer.emit("lt", [importer.emit("abs", [x], name=f"{name}_magnitude"),
+                                      importer.scalar(INTEGRAL_FROM[dtype], x)], name=f"{name}_fractional")
+    return importer.emit("where", [fractional, floored, x], name=name)
+
+
+def round_half_to_even(importer: Importer, x: str, name: str) -> str:
+    """x rounded to the nearest integer, a tie to the even one (numpy's rint, ONNX's Round): floor(x) plus 1 where
+    the fraction x - floor(x) (exact) is over a half, or is a half and floor(x) is odd."""
+    low = floor(importer, x, f"{name}_floor")
+    fraction = importer.emit("sub", [x, low], name=f"{name}_fraction")
+    half = importer.scalar(0.5, x)
+    parity = importer.emit("sub", [low, importer.emit("mul", [floor(importer, importer.emit(
+        "mul", [low, half], name=f"{name}_halved"), f"{name}_halved_floor"), importer.scalar(2.0, x)],
+        name=f"{name}_even")], name=f"{name}_parity")                         # 1 where floor(x) is odd, else 0
+    tie_up = importer.emit("minimum", [importer.emit("eq", [fraction, half], name=f"{name}_tie"),
+                                       importer.emit("eq", [parity, importer.scalar(1.0, x)], name=f"{name}_odd")],
+                           name=f"{name}_tie_up")
+    up = importer.emit("maximum", [importer.emit("gt", [fraction, half], name=f"{name}_over_half"), tie_up],
+                       name=f"{name}_up")
+    return importer.emit("where", [up, importer.emit("add", [low, importer.scalar(1.0, x)], name=f"{name}_plus_one"),
+                                   low], name=name)
+
+
+@converts("Floor", "Ceil", "Round")
+def _rounding(importer: Importer, node, xs, attrs):
+    """Floor; Ceil as -floor(-x); Round half to even."""
+    x, out = xs[0], node.output[0]
+    if node.op_type == "Floor":
+        return [floor(importer, x, out)]
+    if node.op_type == "Ceil":
+        negated = importer.emit("neg", [x], name=f"{out}_negated")
+        return [importer.emit("neg", [floor(importer, negated, f"{out}_floor")], name=out)]
+    return [round_half_to_even(importer, x, out)]

@@ -138,3 +138,15 @@ def test_bit_shift_overflow_negative_amounts_and_the_sign(direction, dtype):
     a = np.array([16, 1, low, -1 if low else 3, 5, 100 % (np.iinfo(dtype).max + 1), low + 7, 7], dtype)
     b = np.array([1, bits - 1, 1, 3, -1 if low else 0, bits, bits - 1, 0], dtype)
     run(node("BitShift", ["a", "b"], direction=direction), {"a": a, "b": b})
+
+
+# ---- rounding -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["Floor", "Ceil", "Round"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_floor_ceil_and_round_half_to_even_exactly(op, dtype):
+    big = float(np.finfo(dtype).max) / 2
+    x = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, -0.2, 0.7, 3.0, -4.0, 2.4999, -7.51, 1e3 + 0.5, 1023.5,
+                  big, -big, np.inf, -np.inf, np.nan, 0.0], dtype)
+    graph = run(node(op, ["x"]), {"x": x}, tolerance=0)
+    assert "cast" in [n.op for n in graph]
