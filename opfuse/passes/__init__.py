@@ -13,7 +13,9 @@ from opfuse.passes.recognize_roll import recognize_roll
 from opfuse.passes.remove_noop_layout import remove_noop_layout
 from opfuse.passes.share_kv_heads import share_kv_heads
 from opfuse.passes.simplify_attention_masks import simplify_attention_masks
+from opfuse.passes.unshare_views import unshare_views
 
 __all__ = ["cast_precision", "eliminate_dead_code", "fold_batchnorm", "fold_constants", "fold_linear_reshapes",
            "recognize_attention", "recognize_gelu", "recognize_rms_norm", "recognize_roll", "remove_noop_layout",
-           "share_kv_heads", "simplify_attention_masks", "PassRecord", "default_pipeline", "prepare_graph", "run_passes"]
+           "share_kv_heads", "simplify_attention_masks", "unshare_views", "PassRecord", "default_pipeline",
+           "prepare_graph", "run_passes"]

@@ -27,6 +27,7 @@ from opfuse.passes.recognize_rms_norm import recognize_rms_norm
 from opfuse.passes.recognize_roll import recognize_roll
 from opfuse.passes.remove_noop_layout import remove_noop_layout
 from opfuse.passes.share_kv_heads import share_kv_heads
+from opfuse.passes.unshare_views import unshare_views
 from opfuse.passes.simplify_attention_masks import simplify_attention_masks
 
 Pass = Callable[[Graph], tuple[Graph, list[str]]]
@@ -49,12 +50,11 @@ def default_pipeline() -> list[Pass]:
     key/value heads repeated for grouped-query attention are read shared and its mask is simplified like any
     other; then the reshapes around a linear that flatten its rows (GPT-2's Conv1D), so what reads it and what it
     reads may join its kernel; then view chains PyTorch would copy that are views of their source
-    (nn.MultiheadAttention's head split), once the reshapes around the linears are settled; RMS norms and tanh
-    GELUs written out become one node each."""
+    (nn.MultiheadAttention's head split), once the reshapes around the linears are settled, and those left views
+    of their own where another node shares one; RMS norms and tanh GELUs written out become one node each."""
     return [fold_constants, remove_noop_layout, recognize_roll, recognize_attention, share_kv_heads,
-            simplify_attention_masks,
-            fold_linear_reshapes, fold_view_chains, recognize_rms_norm, recognize_gelu, fold_batchnorm,
-            eliminate_dead_code]
+            simplify_attention_masks, fold_linear_reshapes, fold_view_chains, unshare_views, recognize_rms_norm,
+            recognize_gelu, fold_batchnorm, eliminate_dead_code]
 
 
 def pass_name(graph_pass: Pass) -> str:

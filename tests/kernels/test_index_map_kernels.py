@@ -129,3 +129,30 @@ def test_captured_repeats_copy_nothing():
     assert not {why.code.value for why in compiled.fallbacks.values()} - {"view"}
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, y), Repeats()(x, y), rtol=1e-5, atol=1e-4)
+
+
+class WindowsAndSkip(nn.Module):
+    """TinyViT: a conv's output permuted to NHWC, partitioned into windows (a reshape PyTorch copies) for a layer
+    norm, and added to itself through the same permute."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        nhwc = self.conv(x).permute(0, 2, 3, 1)
+        windows = nhwc.reshape(1, 2, 3, 2, 3, 4).permute(0, 1, 3, 2, 4, 5).reshape(4, 9, 4)
+        return torch.layer_norm(windows, [4]).sum() + (nhwc * 2.0).sum()
+
+
+def test_a_copy_through_a_shared_view_is_an_index_map_of_its_reader():
+    import opfuse
+
+    model, x = WindowsAndSkip().eval(), torch.randn(1, 4, 6, 6)
+    plan = plan_of(model, x)
+    assert groups_through_pytorch(plan) == {}
+    norm = plan.group_of(next(n.name for n in plan.graph if n.op == "layer_norm"))
+    assert sum(plan.graph[n].op == "permute" for n in norm.nodes) == 2     # the NHWC one and the windows'
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-4)
