@@ -67,7 +67,7 @@ from opfuse.config import FusionConfig
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.tiles import MAX_HEAD_DIM, MAX_ROW_CHANNELS, tiles_attention
 from opfuse.ir.graph import Graph, Node
-from opfuse.ir.ops import FusionKind, along_channels, get_op, kind_of
+from opfuse.ir.ops import FusionKind, along_channels, get_op, kind_of, view_copies
 from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, through_views
 
 Users = Mapping[str, Sequence[Node]]
@@ -98,6 +98,7 @@ def can_fuse(graph: Graph, producer_nodes: Iterable[str], consumer_nodes: Iterab
     if reason:
         return reason
     return (several_users_rule(graph, producer, consumer, users, index)
+            or copied_operand_rule(graph, merged)
             or structure_rule(graph, merged, users, config, index)
             or residual_rule(graph, merged, users, config, index)
             or cycle_rule(graph, producer, consumer, users, index))
@@ -136,6 +137,24 @@ def injective_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
             if hub is not None:
                 return Reason(Code.CAT_WITH_HUB, f"{name} ({node.op}) joins elementwise chains only, not the kernel "
                               f"of {hub} ({graph[hub].op})")
+    return None
+
+
+def copied_operand_rule(graph: Graph, nodes: set[str]) -> Reason | None:
+    """An anchor's kernel loads what its epilogue and prologue read from outside through strides, which a view
+    PyTorch would copy (a reshape of a permuted tensor) has none of: such a reader stays out of the anchor's kernel,
+    in one that maps the view on its load (MobileViTv2's residual add of the unfolded patches), instead of a copy
+    through PyTorch before it."""
+    if not any(kind_of(graph[n]) is FusionKind.ANCHOR for n in nodes):
+        return None
+    for name in sorted(nodes):
+        if kind_of(graph[name]) is FusionKind.ANCHOR:
+            continue
+        for value in graph[name].inputs:
+            if value not in nodes and view_copies(graph, graph[value]):
+                return Reason(Code.VIEW_IN_ANCHOR, f"{name} reads {value}, a view PyTorch would copy: an anchor's "
+                              "kernel loads what it reads through strides, so the view is mapped on a load of its "
+                              "reader's own kernel instead")
     return None
 
 

@@ -629,3 +629,25 @@ def test_views_of_attention_are_views_of_its_layout(head_dim, copies):
     plan = plan_fusion(graph, FusionConfig(), H200)
     assert_well_formed(plan)
     assert (plan.group_of("image").code is Code.VIEW_COPY) is copies
+
+
+def test_a_residual_of_a_copying_view_maps_it_in_its_own_kernel():
+    """MobileViTv2: a conv's output unfolded into patches (a reshape PyTorch copies) is the skip of another conv's
+    residual add. The conv's epilogue loads its skip through strides, which the copy has none of: the add stays out
+    of it (view-in-anchor) and maps the patches' views on its load; nothing is copied, the launches are the same."""
+    b = GraphBuilder("patches", "float32")
+    x = b.input("x", (1, 4, 8, 8))
+    first = b.conv(x, 4, 1, name="first")
+    split = b.op("reshape", [first], {"shape": (1, 4, 4, 2, 4, 2)}, name="split")
+    moved = b.op("permute", [split], {"dims": (0, 1, 3, 5, 2, 4)}, name="moved")
+    patches = b.op("reshape", [moved], {"shape": (1, 4, 4, 16)}, name="patches")
+    second = b.conv(b.input("y", (1, 4, 4, 16)), 4, 1, name="second")
+    graph = b.output(b.op("add", [second, patches], name="residual"))
+    assert view_copies(graph, graph["patches"])
+    plan = plan_fusion(graph, FusionConfig(dtype="float32"), H200)
+    assert_well_formed(plan)
+    assert not [g for g in plan.groups if g.code is Code.VIEW_COPY]
+    residual = plan.group_of("residual")
+    assert "second" not in residual.nodes and {"split", "moved", "patches"} <= set(residual.nodes)
+    (refusal,) = [d for d in decisions_between(plan, "second", "residual") if d.code is Code.VIEW_IN_ANCHOR]
+    assert "patches" in refusal.reason and plan.kernel_launches == 3
