@@ -142,20 +142,31 @@ def injective_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
 
 def copied_operand_rule(graph: Graph, nodes: set[str]) -> Reason | None:
     """An anchor's kernel loads what its epilogue and prologue read from outside through strides, which a view
-    PyTorch would copy (a reshape of a permuted tensor) has none of: such a reader stays out of the anchor's kernel,
-    in one that maps the view on its load (MobileViTv2's residual add of the unfolded patches), instead of a copy
-    through PyTorch before it."""
+    PyTorch would copy (a reshape of a permuted tensor), or a view of one, has none of: such a reader stays out of
+    the anchor's kernel, in one that maps the views on its load (MobileViTv2's residual add of the unfolded patches,
+    MobileViT's layer norm of them before a linear), instead of a copy through PyTorch before it."""
     if not any(kind_of(graph[n]) is FusionKind.ANCHOR for n in nodes):
         return None
     for name in sorted(nodes):
         if kind_of(graph[name]) is FusionKind.ANCHOR:
             continue
         for value in graph[name].inputs:
-            if value not in nodes and view_copies(graph, graph[value]):
-                return Reason(Code.VIEW_IN_ANCHOR, f"{name} reads {value}, a view PyTorch would copy: an anchor's "
-                              "kernel loads what it reads through strides, so the view is mapped on a load of its "
-                              "reader's own kernel instead")
+            copy = next((v for v in view_chain(graph, value) if view_copies(graph, graph[v])), None) \
+                if value not in nodes else None
+            if copy is not None:
+                return Reason(Code.VIEW_IN_ANCHOR, f"{name} reads {value}, a view of {copy}, which PyTorch would "
+                              "copy: an anchor's kernel loads what it reads through strides, so the views are mapped "
+                              "on a load of its reader's own kernel instead")
     return None
+
+
+def view_chain(graph: Graph, name: str) -> list[str]:
+    """`name` and the views it is a view of, back to the first value that is none."""
+    chain = []
+    while is_view(graph[name]) and graph[name].inputs:
+        chain.append(name)
+        name = graph[name].inputs[0]
+    return chain
 
 
 def library_anchor_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:

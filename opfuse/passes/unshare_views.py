@@ -1,11 +1,13 @@
-"""Give a view PyTorch would copy its own chain of views back to what it is a view of.
+"""Give each reader of a view chain PyTorch would copy views of its own.
 
 Entry point: `unshare_views(graph)`. A reshape of a permuted tensor is no view (PyTorch copies it), but the kernel
-that reads it maps it as an index map of its load, with every view on the way back to the value it is a view of
-(`opfuse.fusion.planner`). A view belongs to one group, though, and one that another node reads too (TinyViT's
-permute to [N, H, W, C], read by the window partition and by the residual add) keeps the whole chain out of the
-reader's kernel: the copy runs through PyTorch. Views cost nothing, so each such chain gets views of its own from
-the first shared one down: the reader's kernel may then map all of them, the other readers keep the original.
+that reads it, or a view of it, maps it as an index map of its load, with every view on the way back to the value
+it is a view of (`opfuse.fusion.planner`). A view belongs to one group, though, and one that another node reads too
+keeps the whole chain out of the reader's kernel, so the copy runs through PyTorch: TinyViT's permute to [N, H, W,
+C], read by its window partition and by the residual add; MobileViT's unfolded patches, read by a layer norm and
+by the residual add after the attention. Views cost nothing, so each reader (an op that is no view) of a chain
+holding such a copy, a view of which another node reads too, gets the whole chain of its own; the last reader keeps
+the originals.
 """
 
 from __future__ import annotations
@@ -16,36 +18,45 @@ from opfuse.passes.simplify_attention_masks import remove_dead_cone
 
 
 def unshare_views(graph: Graph) -> tuple[Graph, list[str]]:
-    """A copy of `graph` where each copying reshape reads a chain of views no other node reads."""
+    """A copy of `graph` where each reader of a copying view chain reads a chain no other node reads."""
     graph = graph.copy()
     changes: list[str] = []
-    for node in list(graph):
-        if node.op != "reshape" or not view_copies(graph, node):
+    for reader in list(graph):
+        if _is_view(graph, reader.name):
             continue
-        users = graph.users()
-        chain, value = [], node.inputs[0]
-        while _is_view(graph, value):
-            chain.append(value)
-            value = graph[value].inputs[0]
-        shared = [i for i, name in enumerate(chain) if len(users[name]) > 1 or name in graph.outputs]
-        if not shared:
-            continue
-        top = chain[max(shared)]
-        others = [u.name for u in users[top] if u.name not in chain and u is not node] or ["the outputs"]
-        reader = node
-        for name in chain[:max(shared) + 1]:     # from the copy's side: each reader takes a fresh view
-            view = graph[name]
-            clone = graph.add_node(view.op, list(view.inputs), view.type, dict(view.attrs), name=f"{name}_own",
-                                   source=view.source)
-            reader.inputs = [clone.name if i == name else i for i in reader.inputs]
-            reader = clone
-        remove_dead_cone(graph, chain[0])        # the original views this copy alone read
-        changes.append(f"{node.name} reads views of its own from {top}, which {', '.join(others)} read too")
+        for value in dict.fromkeys(reader.inputs):
+            chain = _chain(graph, value)
+            if not any(view_copies(graph, graph[name]) for name in chain):
+                continue
+            readers = {name: {u.name for u in users} for name, users in graph.users().items()}
+            shared = [i for i, name in enumerate(chain) if len(readers[name]) > 1 or name in graph.outputs]
+            if not shared:
+                continue
+            top = chain[max(shared)]
+            others = sorted(readers[top] - set(chain) - {reader.name}) or ["the outputs"]
+            below = reader
+            for name in chain:      # from the reader's side, the whole chain (no view of it left shared above)
+                view = graph[name]
+                clone = graph.add_node(view.op, list(view.inputs), view.type, dict(view.attrs),
+                                       name=f"{name}_own", source=view.source)
+                below.inputs = [clone.name if i == name else i for i in below.inputs]
+                below = clone
+            remove_dead_cone(graph, chain[0])        # what only this reader read
+            changes.append(f"{reader.name} reads views of its own from {top}, which {', '.join(others)} read too")
     if changes:
         graph.sort()
     return graph, changes
 
 
+def _chain(graph: Graph, name: str) -> list[str]:
+    """`name` and the views it is a view of, back to the first value that is none; empty where `name` is none."""
+    chain = []
+    while _is_view(graph, name):
+        chain.append(name)
+        name = graph[name].inputs[0]
+    return chain
+
+
 def _is_view(graph: Graph, name: str) -> bool:
     node = graph[name]
-    return get_op(node.op).alias and node.op not in ("input", "constant") and bool(node.inputs)
+    return get_op(node.op).alias and bool(node.inputs)
