@@ -62,8 +62,8 @@ FORMAT = 5      # bump when the layout changes: a package of another format is r
 MANIFEST, WEIGHTS, BINARIES = "manifest.json", "weights.safetensors", "triton/"
 MANIFEST_LIMIT = 16 << 20   # bytes the manifest may have (it lists every member: tens of kilobytes)
 MAX_MEMBERS = 100_000       # members a package may have (a large model's binaries are a few thousand files)
-# a compressed member may inflate to at most this many times its compressed size: the JSON and binaries of real
-# packages deflate 3-20x (RESULTS.md), a zip bomb a thousand times
+# a compressed member may inflate to at most this many times its compressed size: real profiles deflate about 20x
+# (RESULTS.md, "Packages you can trust"), a zip bomb a thousand times
 EXPANSION_LIMIT = 100
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
