@@ -4,7 +4,6 @@ kernels, on Triton's interpreter) and, in the slow tier, every case through the 
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import numpy as np
@@ -17,7 +16,7 @@ from opfuse.frontend.onnx_conformance import compare
 from opfuse.frontend.onnx_conformance_docs import BEGIN, END, replace_generated
 from opfuse.frontend.onnx_converters import CONVERTERS
 
-JOBS = min(2, os.cpu_count() or 1)
+JOBS = 1   # forking after torch and triton have started threads can deadlock a full pytest run
 
 
 def test_floats_compare_by_relative_error_within_the_dtype_tolerance():
