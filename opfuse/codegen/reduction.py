@@ -118,29 +118,37 @@ def store_outputs(region: Region, outputs: Sequence[str], coords: Coords, shape:
 
 
 def store_epilogue(region: Region, group: FusionGroup, node: Node, coords: Coords, outputs: Sequence[str]) -> None:
-    """Store the epilogue `outputs` of reduction `node`, bound at `coords`, each at the coordinates of its own
-    shape mapped from `coords` through row-major order. A reshape after the reduction (group norm's back to [N, C,
-    H, W]) keeps that order: its value at the mapped coordinates is its input's at `coords` (bound so, no div/mod
-    round trip), and the ops after it read their other operands at its coordinates."""
+    """Store the epilogue `outputs` of reduction `node`, bound at `coords`. A view after the reduction (group norm's
+    reshape back to [N, C, H, W], the permutes and reshapes of a copy the kernel writes directly) maps the
+    coordinates forward: its value at the mapped coordinates is its input's at the input's (bound so, no round trip
+    through div/mod back to `coords`), and an op after it is computed at the coordinates of the value it reads from
+    the reduction. An output found at no mapped coordinates (another shape) is stored through row-major order."""
     graph = region.graph
-    shape = tuple(node.type.shape)
-    mapped: dict[tuple[int, ...], Coords] = {shape: tuple(coords)}
-
-    def at(own: Sequence[int]) -> Coords:
-        if tuple(own) not in mapped:
-            mapped[tuple(own)] = region.reshape_coords(coords, shape, own)
-        return mapped[tuple(own)]
-    after = {node.name}
+    at: dict[str, Coords] = {node.name: tuple(coords)}
     for name in group.nodes:
-        view = graph[name]
-        if not any(i in after for i in view.inputs):
+        current = graph[name]
+        if name in at or not any(i in at for i in current.inputs):
             continue
-        after.add(name)
-        if view.op in ("reshape", "identity") and view.inputs[0] in after:
-            source = graph[view.inputs[0]].type.shape
-            region.bind(name, at(view.type.shape), region.value(view.inputs[0], at(source)))
+        source = current.inputs[0]
+        if current.op in ("reshape", "identity", "permute") and source in at:
+            inner = at[source]
+            if current.op == "permute":
+                own = tuple(inner[d % len(inner)] for d in current.attrs["dims"])
+            elif current.op == "identity":
+                own = inner
+            else:
+                own = region.reshape_coords(inner, graph[source].type.shape, current.type.shape)
+            region.bind(name, own, region.value(source, inner))
+            at[name] = own
+        else:       # elementwise: at the coordinates of the value of its shape it reads from the reduction
+            same = [at[i] for i in current.inputs if i in at and graph[i].type.shape == current.type.shape]
+            if same:
+                at[name] = same[0]
+    shape = tuple(node.type.shape)
     for o in outputs:
-        region.store(o, at(graph[o].type.shape))
+        own = graph[o].type.shape
+        mapped = at.get(o) if len(at.get(o, ())) == len(own) else None
+        region.store(o, mapped if mapped is not None else region.reshape_coords(coords, shape, own))
 
 
 def indent(lines: Sequence[str], depth: int = 1) -> list[str]:

@@ -50,9 +50,10 @@ merge that would put a group outside the pair both after and before the fused ke
   maps of their reader's load.
 - views that keep every element (reshape, permute, identity) join elementwise kernels and a reduction's prologue,
   whose templates evaluate values at coordinates and map them through views (a reshape of a permuted tensor is
-  then no copy but an index map on a load). Of them only a reshape follows a reduction in its kernel (its epilogue
-  is computed at the reduction's own coordinates, and after a reshape at the ones they map to in row-major order:
-  group norm's view back to [N, C, H, W], then its affine, the model's activation). An anchor's kernel indexes its output tile as it is, but its
+  then no copy but an index map on a load). They follow a reduction in its kernel too: its epilogue is computed at
+  the reduction's own coordinates, and after such views at the ones they map to (group norm's reshape back to [N,
+  C, H, W], then its affine and the model's activation; a copy the reduction writes directly, MobileViT's patches
+  folded back after a layer norm), no node reading its values through two views. An anchor's kernel indexes its output tile as it is, but its
   epilogue may permute (EPILOGUE_VIEWS: ConvNeXt's linear back to NCHW for the layer scale and residual), and a
   linear reads its input through views (`operand_views`: the head merge after attention, Swin's window partition)
   when they make a strided index map of its operand load (`opfuse.ir.strided`). Slices and expands stay outside (they
@@ -72,7 +73,6 @@ from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, 
 
 Users = Mapping[str, Sequence[Node]]
 ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
-ORDER_KEEPING_VIEWS = frozenset({"reshape", "identity"})   # views that keep the row-major order of elements
 REPEATING_VIEWS = frozenset({"expand"})     # views a kernel without an anchor maps on a load of their input (a repeat)
 WINDOW_POOLS = frozenset({"max_pool2d", "avg_pool2d", "max_pool3d", "avg_pool3d"})
 EPILOGUE_VIEWS = frozenset({"permute"})      # views an anchor's epilogue maps: values stay at the tile's coordinates
@@ -373,6 +373,20 @@ def epilogue_spaces(graph: Graph, anchor: str, epilogue: Sequence[str]) -> dict[
     return spaces
 
 
+def mixed_orders(graph: Graph, hub: str, epilogue: Sequence[str]) -> Reason | None:
+    """Why a reduction's epilogue (`epilogue` in topological order) cannot be computed once per element at mapped
+    coordinates, or None: a node reads the hub's values through two different views (two coordinates each)."""
+    orders: dict[str, object] = {hub: hub}
+    for name in epilogue:
+        node = graph[name]
+        seen = {orders[v] for v in node.inputs if v in orders}
+        if len(seen) != 1:
+            return Reason(Code.VIEW_AFTER_REDUCTION, f"{name} ({node.op}) reads {hub}'s values through two views")
+        order = seen.pop()
+        orders[name] = name if node.op in ("reshape", "permute") else order
+    return None
+
+
 def joins_as_map(node: Node) -> bool:
     """A node an elementwise or reduction kernel evaluates through coordinates: a view keeping every element, a
     cat or a roll."""
@@ -610,13 +624,18 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
         if isinstance(spaces, Reason):
             return spaces
     after_norm = reachable(graph, norm, merged, users) if norm is not None else set()
-    # a reduction's epilogue is computed at its own coordinates, and after a reshape at the ones they map to in
-    # row-major order (the reduction template's `store_epilogue`: group norm's view back to [N, C, H, W])
+    # a reduction's epilogue is computed at its own coordinates, and after a view that keeps every element at the
+    # ones they map to (the reduction template's `store_epilogue`: group norm's reshape back to [N, C, H, W], a
+    # copy a layer norm writes directly), one mapping per element
     view = next((n for n in epilogue if is_view(graph[n]) and (norm is None or n in after_norm)
-                 and (anchors or graph[n].op not in ORDER_KEEPING_VIEWS)), None)
+                 and (anchors or graph[n].op not in ELEMENT_KEEPING_VIEWS)), None)
     if view is not None and reductions:
         return Reason(Code.VIEW_AFTER_REDUCTION, f"view {view} ({graph[view].op}) after reduction {hub}: its "
-                      "epilogue is computed at the reduction's own coordinates, or a reshape of them")
+                      "epilogue is computed at the reduction's own coordinates, or a reshape or permute of them")
+    if reductions and not anchors:
+        mixed = mixed_orders(graph, hub, epilogue)
+        if mixed is not None:
+            return mixed
     hub_input = graph[graph[hub].inputs[0]].type.numel
     computed = [n for n in prologue if not loaded_view(graph, n, merged)]     # (a repeat's views load its input)
     return (same_size_rule(graph, epilogue, graph[hub].type.numel, f"{hub}'s output")

@@ -214,9 +214,10 @@ class _Planner:
 
     def absorb_copying_views(self) -> None:
         """A view PyTorch would copy (a reshape of a permuted tensor: ShuffleNet's channel shuffle), reached
-        from an elementwise group (no anchor, no reduction) through views only that group's value passes, joins
-        that group with the views on the way: its kernel writes the copy's value directly, one launch and one
-        round trip fewer."""
+        from an elementwise group (no anchor) through views only that group's value passes, joins that group with
+        the views on the way: its kernel writes the copy's value directly, one launch and one round trip fewer. A
+        group with a reduction (MobileViT's layer norm before its patches fold back) does where the views may
+        follow its reduction (`can_fuse`: they map its coordinates forward, each element once)."""
         for group in list(self.groups):
             if group not in self.groups or not self.is_view_group(group) or not self.copies(self.groups[group]):
                 continue
@@ -232,10 +233,17 @@ class _Planner:
                 nodes = self.groups.get(producer, []) if producer is not None else []
                 if (nodes and chain and [u.name for u in self.users[value]] == [chain[-1]]
                         and value not in self.graph.outputs
-                        and all(kind_of(self.graph[n]).elementwise or joins_as_map(self.graph[n]) for n in nodes)):
+                        and (all(kind_of(self.graph[n]).elementwise or joins_as_map(self.graph[n]) for n in nodes)
+                             or self.reduction_writes(nodes, chain))):
                     for name in chain:
                         self.merge(producer, self.group_of[name], f"view {name} ({self.graph[name].op}) written "
                                    "directly: no copy kernel")
+
+    def reduction_writes(self, nodes: list[str], views: list[str]) -> bool:
+        """Whether reduction group `nodes` (no anchor) may take `views` of its value into its kernel."""
+        kinds = [kind_of(self.graph[n]) for n in nodes]
+        return (FusionKind.REDUCTION in kinds and FusionKind.ANCHOR not in kinds
+                and can_fuse(self.graph, nodes, views, self.users, self.config, self.index) is None)
 
     def store_slices(self) -> None:
         """An elementwise group whose one output (no graph output) is read only through slices along one dim, each

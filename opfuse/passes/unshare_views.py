@@ -5,15 +5,16 @@ that reads it, or a view of it, maps it as an index map of its load, with every 
 it is a view of (`opfuse.fusion.planner`). A view belongs to one group, though, and one that another node reads too
 keeps the whole chain out of the reader's kernel, so the copy runs through PyTorch: TinyViT's permute to [N, H, W,
 C], read by its window partition and by the residual add; MobileViT's unfolded patches, read by a layer norm and
-by the residual add after the attention. Views cost nothing, so each reader (an op that is no view) of a chain
-holding such a copy, a view of which another node reads too, gets the whole chain of its own; the last reader keeps
-the originals.
+by the residual add after the attention. Views cost nothing, so each reader whose kernel maps views (an elementwise
+op or a reduction) of a chain of views it maps (no slice) holding such a copy, a view of which another node reads
+too, gets the whole chain of its own; the other readers keep the originals (ShuffleNet's shuffle, read through two
+slices by convs, stays one copy its producer writes).
 """
 
 from __future__ import annotations
 
 from opfuse.ir.graph import Graph
-from opfuse.ir.ops import get_op, view_copies
+from opfuse.ir.ops import FusionKind, get_op, view_copies
 from opfuse.passes.simplify_attention_masks import remove_dead_cone
 
 
@@ -22,11 +23,12 @@ def unshare_views(graph: Graph) -> tuple[Graph, list[str]]:
     graph = graph.copy()
     changes: list[str] = []
     for reader in list(graph):
-        if _is_view(graph, reader.name):
+        if get_op(reader.op).kind not in MAPPING_READERS:
             continue
         for value in dict.fromkeys(reader.inputs):
             chain = _chain(graph, value)
-            if not any(view_copies(graph, graph[name]) for name in chain):
+            if not any(view_copies(graph, graph[name]) for name in chain) \
+                    or any(graph[name].op not in MAPPED for name in chain):
                 continue
             readers = {name: {u.name for u in users} for name, users in graph.users().items()}
             shared = [i for i, name in enumerate(chain) if len(readers[name]) > 1 or name in graph.outputs]
@@ -46,6 +48,12 @@ def unshare_views(graph: Graph) -> tuple[Graph, list[str]]:
     if changes:
         graph.sort()
     return graph, changes
+
+
+# readers whose kernels map views on their loads (`opfuse.fusion.legality.maps_on_load`), and the views they map:
+# an anchor's kernel maps none (a copy it reads is written by its producer's kernel, once for all readers)
+MAPPING_READERS = (FusionKind.POINTWISE, FusionKind.BROADCAST, FusionKind.REDUCTION)
+MAPPED = ("reshape", "permute", "identity", "expand")
 
 
 def _chain(graph: Graph, name: str) -> list[str]:

@@ -324,3 +324,33 @@ def test_groups_that_compute_the_same_share_one_kernel_and_one_tuning(tmp_path):
     result = tune(kernels, values, FusionConfig(tune_top=None), TuningCache(tmp_path), benchmark=clock, quiet=True)
     assert result.from_cache == {second.group.name}
     assert len(timed) == len(first.configs()) and result[first.group.name] == result[second.group.name]
+
+
+# ---- views after the reduction ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", [None, SMALL_CHUNKS], ids=["one-pass", "looped"])
+def test_a_layer_norm_writes_its_patches_folded_back_directly(config):
+    """MobileViT: tokens [P, N, C] layer-normed, then viewed back to an image [1, C, H, W] through a reshape, a
+    permute and a reshape (a copy in PyTorch): the kernel stores each element at the coordinates the views map its
+    own to, a relu on the way computed there too; every element written (NaN-poisoned)."""
+    b = Builder()
+    tokens = b.input("tokens", (4, 6, 5), b.random(4, 6, 5))              # 4 patch positions, 6 patches, C = 5
+    normed = b.op("layer_norm", tokens, normalized_shape=[5], eps=1e-5)
+    split = b.op("reshape", normed, shape=[1, 2, 2, 2, 3, 5])
+    moved = b.op("permute", split, dims=(0, 5, 3, 1, 4, 2))               # [1, C, 2, 2, 3, 2]
+    image = b.op("reshape", b.op("relu", moved), shape=[1, 5, 4, 6])
+    run_group(b, [image], config)
+
+
+def test_a_node_reading_a_reduction_through_two_views_is_refused():
+    from opfuse.fusion.legality import can_fuse
+    from opfuse.fusion.reasons import Code
+
+    b = Builder()
+    normed = b.op("softmax", b.input("x", (4, 4), b.random(4, 4)), dim=1)
+    both = b.op("add", b.op("permute", normed, dims=(1, 0)), normed)
+    graph = b.graph
+    graph.outputs = [both]
+    nodes = [n.name for n in graph if n.op not in ("input", "constant")]
+    reason = can_fuse(graph, nodes[:1], nodes[1:], graph.users())
+    assert reason is not None and reason.code is Code.VIEW_AFTER_REDUCTION and "two views" in reason.text

@@ -651,3 +651,20 @@ def test_a_residual_of_a_copying_view_maps_it_in_its_own_kernel():
     assert "second" not in residual.nodes and {"split", "moved", "patches"} <= set(residual.nodes)
     (refusal,) = [d for d in decisions_between(plan, "second", "residual") if d.code is Code.VIEW_IN_ANCHOR]
     assert "patches" in refusal.reason and plan.kernel_launches == 3
+
+
+def test_a_layer_norm_writes_the_copy_a_conv_reads():
+    """MobileViT folds its patches back to an image after a layer norm (reshape, permute, reshape: a copy in
+    PyTorch) for a conv, whose kernel maps no views: the layer norm's kernel writes the image directly."""
+    b = GraphBuilder("fold", "float32")
+    tokens = b.input("tokens", (4, 16, 8))
+    normed = b.op("layer_norm", [tokens], {"normalized_shape": [8], "eps": 1e-5}, name="norm")
+    split = b.op("reshape", [normed], {"shape": (1, 2, 2, 4, 4, 8)}, name="split")
+    moved = b.op("permute", [split], {"dims": (0, 5, 3, 1, 4, 2)}, name="moved")
+    image = b.op("reshape", [moved], {"shape": (1, 8, 8, 8)}, name="image")
+    graph = b.output(b.conv(image, 8, 1, name="conv"))
+    assert view_copies(graph, graph["image"])
+    plan = plan_fusion(graph, FusionConfig(dtype="float32"), H200)
+    assert_well_formed(plan)
+    assert plan.group_of("norm").nodes == ["norm", "split", "moved", "image"]
+    assert plan.group_of("norm").outputs == ["image"] and plan.kernel_launches == 2
