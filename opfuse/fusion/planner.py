@@ -688,8 +688,10 @@ class _Planner:
             return GroupKind.INJECTIVE      # a gather, pad or other copy runs through PyTorch, and a lone copy of
                                             # wide integers too; a cat or roll, even alone, is an index map of the
                                             # elementwise template
-        if len(nodes) == 1:
-            return GroupKind.SINGLE
+        computing = [n for n in nodes if not is_view(self.graph[n])]
+        stored = [n for n in nodes if n in self.graph.outputs or any(u.name not in nodes for u in self.users[n])]
+        if len(nodes) == 1 or (len(computing) == 1 and stored == computing):
+            return GroupKind.SINGLE         # one op, alone or reading through views (a linear after a flatten)
         if conv_chain(self.graph, nodes):
             return GroupKind.CONV_CONV
         anchor = anchor_of(self.graph, nodes)

@@ -668,3 +668,20 @@ def test_a_layer_norm_writes_the_copy_a_conv_reads():
     assert_well_formed(plan)
     assert plan.group_of("norm").nodes == ["norm", "split", "moved", "image"]
     assert plan.group_of("norm").outputs == ["image"] and plan.kernel_launches == 2
+
+
+def test_a_linear_reading_through_a_flatten_is_a_single_op_group():
+    """A group's kind names what it computes: a linear whose operand load maps the flatten before it (ResNet's
+    head, after its pooling) is one op alone, single, not an anchor with an epilogue; a relu after it makes it one."""
+    import torch
+    import torch.nn as nn
+
+    import opfuse
+
+    for head, kind in ((nn.Identity(), GroupKind.SINGLE), (nn.ReLU(), GroupKind.ANCHOR_EPILOGUE)):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+                              head).eval()
+        plan = opfuse.analyze(model, (torch.randn(2, 3, 6, 6),), FusionConfig(dtype="float32")).plan
+        group = plan.group_of(next(n.name for n in plan.graph if n.op == "linear"))
+        assert [plan.graph[n].op for n in group.nodes][:2] == ["reshape", "linear"], group.nodes
+        assert group.kind is kind
