@@ -261,9 +261,10 @@ def _explicit_attention(importer: Importer, q: str, k: str, v: str, bias: _Bias,
     """Attention op by op, as ONNX's reference: (Q * sqrt(scale)) @ (K * sqrt(scale))^T, softcap, the bias,
     softmax (in softmax_precision), the masked rows zeroed, @ V; and the qk_matmul_output of `mode`."""
     root = importer.scalar(math.sqrt(scale), q)
+    k_scaled = importer.emit("mul", [k, root], name=f"{out}_k_scaled")
     scores = importer.emit("matmul", [importer.emit("mul", [q, root], name=f"{out}_q_scaled"),
-                                      importer.emit("permute", [importer.emit("mul", [k, root], name=f"{out}_k_scaled")],
-                                                    {"dims": (0, 1, 3, 2)}, name=f"{out}_k_t")], name=f"{out}_scores")
+                                      importer.emit("permute", [k_scaled], {"dims": (0, 1, 3, 2)}, name=f"{out}_k_t")],
+                           name=f"{out}_scores")
     shown = scores
     softcap = attrs.get("softcap", 0.0)
     if softcap > 0:
@@ -347,7 +348,8 @@ def _rotary_embedding(importer: Importer, node, xs, attrs):
     sin = importer.emit("reshape", [sin], {"shape": table}, name=f"{out}_sin_table")
 
     def part(start: int, end: int, step: int, name: str) -> str:
-        return importer.emit("slice", [work], {"dim": 3, "start": start, "end": end, "step": step}, name=f"{out}_{name}")
+        return importer.emit("slice", [work], {"dim": 3, "start": start, "end": end, "step": step},
+                             name=f"{out}_{name}")
 
     interleaved = bool(attrs.get("interleaved", 0))
     x1 = part(0, rotated, 2, "even") if interleaved else part(0, half, 1, "first")
@@ -371,3 +373,86 @@ def _rotary_embedding(importer: Importer, node, xs, attrs):
     if len(shape) == 3:
         result = importer.emit("reshape", [result], {"shape": shape}, name=out)
     return [result]
+
+
+# ---- LinearAttention (opset 27) ------------------------------------------------------------------------------
+
+@converts("LinearAttention", attributes=("chunk_size", "kv_num_heads", "q_num_heads", "scale", "update_rule"))
+def _linear_attention(importer: Importer, node, xs, attrs):
+    """The recurrence run token by token, as ONNX defines it, in float32: for each t the state [B, H_kv, d_k, d_v]
+    decays by exp(decay_t) (gated rules), the value is corrected by beta_t * (v_t - S^T k_t) (delta rules), the
+    state gains k_t v_t^T (a matmul of [d_k, 1] by [1, d_v]) and the output is scale * q_t^T S, each key head's
+    state read by its group of query heads. Unrolled over the sequence, which is static: a long prefill is a long
+    graph (chunk_size is a tuning hint and changes nothing)."""
+    xs = xs + [None] * (6 - len(xs))
+    query, key, value, past, decay, beta = xs[:6]
+    out = node.output[0]
+    rule = attrs.get("update_rule", "gated_delta")
+    gating, delta = rule in ("gated", "gated_delta"), rule in ("delta", "gated_delta")
+    if rule not in ("linear", "gated", "delta", "gated_delta") or (decay is None) == gating or (beta is None) == delta:
+        raise Unsupported(f"update_rule {rule!r} with{'' if decay else 'out'} decay and "
+                          f"with{'' if beta else 'out'} beta")
+    heads, kv_heads = attrs["q_num_heads"], attrs["kv_num_heads"]
+    if heads % kv_heads:
+        raise Unsupported(f"{heads} query heads over {kv_heads} key heads")
+
+    def wide(x, name):
+        return x if importer.type(x).dtype == "float32" else importer.emit("cast", [x], {"dtype": "float32"},
+                                                                            name=f"{out}_{name}_f32")
+
+    q = _heads_first(importer, wide(query, "q"), heads, f"{out}_q")            # [B, H, T, d_k]
+    k = _heads_first(importer, wide(key, "k"), kv_heads, f"{out}_k")
+    v = _heads_first(importer, wide(value, "v"), kv_heads, f"{out}_v")
+    batch, _, steps, d_k = importer.type(q).shape
+    d_v = importer.type(v).shape[3]
+    scale = attrs.get("scale", 0.0) or 1 / math.sqrt(d_k)
+    gates = None
+    if gating:   # [B, T, H_kv] or [B, T, H_kv * d_k] as [B, H_kv, T, 1 or d_k]
+        per = importer.type(decay).shape[2] // kv_heads
+        gates = _heads_first(importer, wide(decay, "decay"), kv_heads, f"{out}_decay") if per > 1 else \
+            importer.emit("permute", [importer.emit("reshape", [wide(decay, "decay")], {
+                "shape": (batch, steps, kv_heads, 1)}, name=f"{out}_decay_heads")], {"dims": (0, 2, 1, 3)},
+                name=f"{out}_decay_heads_first")
+    rates = None
+    if delta:    # [B, T, H_kv or 1] as [B, H_kv or 1, T, 1]
+        width = importer.type(beta).shape[2]
+        rates = importer.emit("permute", [importer.emit("reshape", [wide(beta, "beta")], {
+            "shape": (batch, steps, width, 1)}, name=f"{out}_beta_heads")], {"dims": (0, 2, 1, 3)},
+            name=f"{out}_beta_heads_first")
+    if past is None:
+        state = importer.add_constant(torch.zeros((batch, kv_heads, d_k, d_v)), f"{out}_no_past")
+    else:
+        state = wide(past, "past")
+
+    def step(x, t, name):
+        return importer.emit("slice", [x], {"dim": 2, "start": t, "end": t + 1, "step": 1}, name=f"{out}_{name}{t}")
+
+    outputs = []
+    for t in range(steps):
+        k_t, v_t = step(k, t, "k"), step(v, t, "v")                            # [B, H_kv, 1, d]
+        if gating:
+            g_t = step(gates, t, "g")                                          # [B, H_kv, 1, d_k or 1]
+            g_t = importer.emit("reshape", [g_t], {"shape": (batch, kv_heads, importer.type(g_t).shape[3], 1)},
+                                name=f"{out}_g{t}_column")
+            state = importer.emit("mul", [state, importer.emit("exp", [g_t], name=f"{out}_decay{t}")],
+                                  name=f"{out}_decayed{t}")
+        if delta:
+            retrieved = importer.emit("matmul", [k_t, state], name=f"{out}_retrieved{t}")      # [B, H, 1, d_v]
+            v_t = importer.emit("mul", [step(rates, t, "beta"), importer.emit("sub", [v_t, retrieved],
+                                                                              name=f"{out}_error{t}")],
+                                name=f"{out}_corrected{t}")
+        column = importer.emit("permute", [k_t], {"dims": (0, 1, 3, 2)}, name=f"{out}_k_column{t}")
+        state = importer.emit("add", [state, importer.emit("matmul", [column, v_t], name=f"{out}_outer{t}")],
+                              name=f"{out}_state{t}")
+        read = _repeat_heads(importer, state, heads // kv_heads, f"{out}_state{t}")
+        outputs.append(importer.emit("mul", [importer.emit("matmul", [step(q, t, "q"), read], name=f"{out}_read{t}"),
+                                             importer.scalar(scale, read)], name=f"{out}_o{t}"))
+    y = outputs[0] if steps == 1 else importer.emit("cat", outputs, {"dim": 2}, name=f"{out}_steps")
+    y = importer.emit("permute", [y], {"dims": (0, 2, 1, 3)}, name=f"{out}_heads_last")
+    y = importer.emit("reshape", [y], {"shape": (batch, steps, heads * d_v)}, name=f"{out}_packed")
+    dtype = importer.type(query).dtype
+    y = y if dtype == "float32" else importer.emit("cast", [y], {"dtype": dtype}, name=out)
+    state_dtype = importer.type(past).dtype if past is not None else dtype
+    present = state if state_dtype == "float32" else importer.emit("cast", [state], {"dtype": state_dtype},
+                                                                   name=f"{out}_present")
+    return [y, present]

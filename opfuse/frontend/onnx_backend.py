@@ -13,8 +13,9 @@ Shape inputs, graph inputs a node reads where its converter needs a constant (a 
 `onnx_converters.CONSTANT_INPUTS`), are specialised on: opfuse's shapes are static, so the rep imports the model
 for the values each run gives them, as initializers, once per distinct value. So are inputs whose value no node
 reads (CastLike's target, Shape's input, an unused input): their value changes nothing. ONNX's conformance cases
-pass shapes this way; exported models carry them as constants. `prepare(model, constants=[names])` treats other inputs so
-too: weights given as inputs, which opfuse's kernels want as constants (a conv's weight, a batch norm's scale).
+pass shapes this way; exported models carry them as constants. `prepare(model, constants=[names])` treats other
+inputs so too: weights given as inputs, which opfuse's kernels want as constants (a conv's weight, a batch norm's
+scale).
 
 What opfuse cannot run is refused before it runs, never with a wrong result: a node that imports as an opaque op
 (an operator without a converter, or a use of a mapped one its converter refuses) raises `UnsupportedOnnxNode`,

@@ -415,5 +415,5 @@ def _gemm(importer: Importer, node, xs, attrs):
 
 
 # the other families register themselves on import (they import `converts` from here, so they come last)
-from opfuse.frontend import (onnx_attention, onnx_index, onnx_layout, onnx_losses, onnx_math,  # noqa: E402,F401
-                             onnx_quantize, onnx_resize, onnx_spatial)
+from opfuse.frontend import (onnx_attention, onnx_einsum, onnx_index, onnx_layout, onnx_losses,  # noqa: E402,F401
+                             onnx_math, onnx_quantize, onnx_recurrent, onnx_resize, onnx_signal, onnx_spatial)

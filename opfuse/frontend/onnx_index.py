@@ -1,8 +1,8 @@
 """ONNX converters of indexing and tensor-making operators, written out in the IR's gathers (`take`), views and
 elementwise ops: GatherElements, GatherND, OneHot, Trilu, EyeLike, Compress, CenterCropPad, DepthToSpace,
-SpaceToDepth, and Range and the window functions (whose output length is their inputs' value: constants, which
-the importer evaluates). Registered in `opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter
-contract).
+SpaceToDepth, ReverseSequence, AffineGrid, and Range, the window functions and MelWeightMatrix (whose output's
+shape is their inputs' value: constants, which the importer evaluates). Registered in
+`opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
 
 GatherElements and GatherND read data at indices known only at run time: each becomes one `take` from the data
 seen flat, at a flat index computed elementwise from the indices (negative ones counted from the end of their
@@ -240,5 +240,59 @@ def _range(importer: Importer, node, xs, attrs):
 
 @converts("HannWindow", "HammingWindow", "BlackmanWindow", attributes=("output_datatype", "periodic"),
           constant_inputs=(0,))
+@converts("MelWeightMatrix", attributes=("output_datatype",), constant_inputs=(0, 1, 2, 3, 4))
 def _value_shaped(importer: Importer, node, xs, attrs):
     raise Unsupported(f"{node.op_type} of a value known only at run time: its output's length is that value")
+
+
+@converts("ReverseSequence", attributes=("batch_axis", "time_axis"))
+def _reverse_sequence(importer: Importer, node, xs, attrs):
+    """Each batch entry's first sequence_lens[b] steps reversed, the rest kept: a take from the flat input at
+    offset(p) + source_step * stride(time), the source step len - 1 - t below len, else t (at run time)."""
+    x, lengths = xs[:2]
+    out = node.output[0]
+    shape = importer.type(x).shape
+    batch_axis, time_axis = attrs.get("batch_axis", 1), attrs.get("time_axis", 0)
+    strides = _strides(shape)
+    grids = torch.meshgrid(*[torch.arange(n) for n in shape], indexing="ij")
+    offsets = sum((grid * strides[d] for d, grid in enumerate(grids) if d != time_axis),
+                  torch.zeros(shape, dtype=torch.int64))
+    along_time = [1] * len(shape)
+    along_time[time_axis] = shape[time_axis]
+    along_batch = [1] * len(shape)
+    along_batch[batch_axis] = shape[batch_axis]
+    steps = importer.add_constant(torch.arange(shape[time_axis]).reshape(along_time), f"{out}_steps")
+    length = importer.emit("reshape", [importer.emit("cast", [lengths], {"dtype": "int64"}, name=f"{out}_lengths")],
+                           {"shape": tuple(along_batch)}, name=f"{out}_lengths_along_batch")
+    mirrored = importer.emit("sub", [importer.emit("sub", [length, importer.add_constant(torch.tensor(1),
+                                                                                         f"{out}_one")],
+                                                   name=f"{out}_last"), steps], name=f"{out}_mirrored")
+    source = importer.emit("where", [importer.emit("lt", [steps, length], name=f"{out}_inside"), mirrored, steps],
+                           name=f"{out}_source_step")
+    scaled = importer.emit("mul", [source, importer.add_constant(torch.tensor(strides[time_axis]), f"{out}_stride")],
+                           name=f"{out}_source_offset")
+    flat_index = importer.emit("add", [scaled, importer.add_constant(offsets, f"{out}_offsets")],
+                               name=f"{out}_flat_index")
+    return [importer.emit("take", [_flat(importer, x, out), flat_index], {"axis": 0}, name=out)]
+
+
+@converts("AffineGrid", attributes=("align_corners",), constant_inputs=(1,))
+def _affine_grid(importer: Importer, node, xs, attrs):
+    """theta [N, 2, 3] (or [N, 3, 4]) times the constant homogeneous grid of normalised positions: one matmul,
+    then [N, H, W, 2] (or [N, D, H, W, 3])."""
+    theta, out = xs[0], node.output[0]
+    size = importer.ints(node, xs, {}, "size", 1)
+    spatial = size[2:]
+    corners = bool(attrs.get("align_corners", 0))
+    axes = []
+    for n in spatial:   # positions in [-1, 1]: the pixel centres, or the corners with align_corners
+        i = np.arange(n, dtype=np.float64)
+        axes.append((-1 + 2 * i / (n - 1)) if corners and n > 1 else (-1 + (2 * i + 1) / n) if not corners
+                    else np.zeros(1))
+    mesh = np.meshgrid(*axes, indexing="ij")
+    # homogeneous coordinates, x first: (x, y, 1) or (x, y, z, 1)
+    columns = [m.reshape(-1) for m in reversed(mesh)] + [np.ones(math.prod(spatial))]
+    base = torch.from_numpy(np.stack(columns)).to(torch_dtype(importer.type(theta).dtype))   # [dims + 1, points]
+    grid = importer.emit("matmul", [theta, importer.add_constant(base, f"{out}_positions")], name=f"{out}_mapped")
+    points_last = importer.emit("permute", [grid], {"dims": (0, 2, 1)}, name=f"{out}_points_first")
+    return [importer.emit("reshape", [points_last], {"shape": (size[0], *spatial, len(spatial))}, name=out)]

@@ -40,7 +40,8 @@ def _mod(importer: Importer, node, xs, attrs):
     if importer.type(a).is_float:
         if dtype == "float64":
             raise Unsupported("Mod of float64 values: no wider type to compute it exactly in (needs an fmod IR op)")
-        a, b = (importer.emit("cast", [x], {"dtype": "float64"}, name=f"{out}_{n}_wide") for x, n in ((a, "a"), (b, "b")))
+        a, b = (importer.emit("cast", [x], {"dtype": "float64"}, name=f"{out}_{n}_wide")
+                for x, n in ((a, "a"), (b, "b")))
     quotient = importer.emit("trunc_div", [a, b], name=f"{out}_quotient")
     remainder = importer.emit("sub", [a, importer.emit("mul", [quotient, b], name=f"{out}_multiple")],
                               name=f"{out}_remainder")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from opfuse.frontend.onnx_converters import Converter, Unsupported, converts
@@ -240,3 +241,120 @@ def _dilated_average_pool(importer: Importer, node, xs, attrs) -> str:
 def _global_max_pool(importer: Importer, node, xs, attrs):
     rank = len(importer.type(xs[0]).shape)
     return [importer.emit("amax", [xs[0]], {"dims": list(range(2, rank)), "keepdim": True})]
+
+
+@converts("LpPool", attributes=("auto_pad", "ceil_mode", "dilations", "kernel_shape", "p", "pads", "strides"))
+def _lp_pool(importer: Importer, node, xs, attrs):
+    """(sum of |x|^p over each window)^(1/p): |x|^p, zero-padded (padding adds nothing), summed by a depthwise
+    conv2d of ones (3-D: the IR has no 3-D convolution, so an avg_pool3d counting the padding, times the window's
+    size, undilated only), then the p-th root."""
+    shape = importer.type(xs[0]).shape
+    if len(shape) == 3:
+        return _as_2d(importer, node, xs, attrs, _lp_pool)
+    if len(shape) not in (4, 5):
+        raise Unsupported("only 1-D, 2-D and 3-D LpPool are mapped")
+    if attrs.get("ceil_mode", 0):
+        raise Unsupported("LpPool in ceil mode")
+    out = node.output[0]
+    p = attrs.get("p", 2)
+    x = xs[0]
+    if p == 1:
+        powered = importer.emit("abs", [x], name=f"{out}_abs")
+    elif p == 2:
+        powered = importer.emit("mul", [x, x], name=f"{out}_squares")
+    else:
+        powered = importer.emit("pow", [importer.emit("abs", [x], name=f"{out}_abs"), importer.scalar(float(p), x)],
+                                name=f"{out}_powers")
+    kernel = tuple(attrs["kernel_shape"])
+    if len(shape) == 5:
+        if any(d != 1 for d in attrs.get("dilations", (1, 1, 1))):
+            raise Unsupported("dilated 3-D LpPool")
+        padded, window = _window(importer, [powered], attrs, kernel, pad_value=0.0, pool=True)
+        window.pop("dilation")
+        pool = {"kernel_size": kernel, **window, "ceil_mode": False, "count_include_pad": True}
+        averaged = importer.emit("avg_pool3d", [padded], pool, name=f"{out}_averages")
+        summed = importer.emit("mul", [averaged, importer.scalar(float(math.prod(kernel)), averaged)],
+                               name=f"{out}_sums")
+    else:
+        padded, window = _window(importer, [powered], attrs, kernel, pad_value=0.0)
+        ones = torch.ones((shape[1], 1, *kernel), dtype=torch_dtype(importer.type(x).dtype))
+        summed = importer.emit("conv2d", [padded, importer.add_constant(ones, f"{out}_window")],
+                               {**window, "groups": shape[1]}, name=f"{out}_sums")
+    if p == 1:
+        return [importer.emit("identity", [summed], name=out)]
+    if p == 2:
+        return [importer.emit("sqrt", [summed], name=out)]
+    return [importer.emit("pow", [summed, importer.scalar(1.0 / p, summed)], name=out)]
+
+
+@converts("CausalConvWithState", attributes=("activation",))
+def _causal_conv_with_state(importer: Importer, node, xs, attrs):
+    """Opset 27's stateful causal depthwise conv1d: the past state (zeros without one) concatenated in front of the
+    input along the length, a depthwise conv2d of it seen one high, the bias added and an optional SiLU; the
+    present state is the last k - 1 positions of the concatenation."""
+    x, weight = xs[:2]
+    bias = xs[2] if len(xs) > 2 else None
+    past = xs[3] if len(xs) > 3 else None
+    out = node.output[0]
+    activation = attrs.get("activation", "none")
+    if activation not in ("none", "silu", "swish"):
+        raise Unsupported(f"activation {activation!r}")
+    n, c, length = importer.type(x).shape
+    k = importer.type(weight).shape[2]
+    if past is None:
+        past = importer.add_constant(torch.zeros((n, c, k - 1), dtype=torch_dtype(importer.type(x).dtype)),
+                                     f"{out}_no_past")
+    padded = importer.emit("cat", [past, x], {"dim": 2}, name=f"{out}_padded") if k > 1 else x
+    rows = importer.emit("reshape", [padded], {"shape": (n, c, 1, length + k - 1)}, name=f"{out}_rows")
+    kernel = importer.emit("reshape", [weight], {"shape": (c, 1, 1, k)}, name=f"{out}_kernel")
+    window = {"stride": (1, 1), "padding": (0, 0), "dilation": (1, 1), "groups": c}
+    conv = importer.emit("conv2d", [rows, kernel] + ([bias] if bias is not None else []), window,
+                         name=f"{out}_conv")
+    result = importer.emit("reshape", [conv], {"shape": (n, c, length)}, name=f"{out}_flat" if activation != "none"
+                           else out)
+    if activation != "none":
+        result = importer.emit("silu", [result], name=out)
+    if k > 1:
+        present = importer.emit("slice", [padded], {"dim": 2, "start": length, "end": length + k - 1, "step": 1},
+                                name=f"{out}_present")
+    else:   # no state to carry: an empty one
+        present = importer.add_constant(torch.zeros((n, c, 0), dtype=torch_dtype(importer.type(x).dtype)),
+                                        f"{out}_present")
+    return [result, present]
+
+
+@converts("Col2Im", attributes=("dilations", "pads", "strides"), constant_inputs=(1, 2))
+def _col2im(importer: Importer, node, xs, attrs):
+    """Sliding blocks [N, C * prod(block), L] summed back into an image [N, C, *image]: a grouped transposed
+    convolution (1-D to 3-D) whose weight puts block element k at its kernel position (one-hot, so the sums are
+    of the blocks' own values), then ONNX's pads cropped (and any rows no block reaches added as zeros)."""
+    x, out = xs[0], node.output[0]
+    image = importer.ints(node, xs, {}, "image_shape", 1)
+    block = importer.ints(node, xs, {}, "block_shape", 2)
+    spatial = len(image)
+    if spatial not in (1, 2, 3):
+        raise Unsupported("Col2Im of other than 1 to 3 spatial dims")
+    n, rows, length = importer.type(x).shape
+    kernel = math.prod(block)
+    channels = rows // kernel
+    strides = tuple(attrs.get("strides", (1,) * spatial))
+    dilations = tuple(attrs.get("dilations", (1,) * spatial))
+    pads = list(attrs.get("pads", [0] * 2 * spatial))
+    counts = [(size + pads[d] + pads[d + spatial] - dilation * (k - 1) - 1) // stride + 1
+              for d, (size, k, stride, dilation) in enumerate(zip(image, block, strides, dilations))]
+    if math.prod(counts) != length or channels * kernel != rows:
+        raise Unsupported(f"{length} blocks for an image of {image} in blocks of {block}")
+    blocks = importer.emit("reshape", [x], {"shape": (n, rows, *counts)}, name=f"{out}_blocks")
+    weight = torch.zeros((rows, 1, *block), dtype=torch_dtype(importer.type(x).dtype))
+    for c in range(channels):
+        for k in range(kernel):
+            weight[(c * kernel + k, 0, *np.unravel_index(k, block))] = 1
+    full = importer.emit("conv_transpose", [blocks, importer.add_constant(weight, f"{out}_placement")],
+                         {"stride": strides, "padding": (0,) * spatial, "output_padding": (0,) * spatial,
+                          "dilation": dilations, "groups": channels}, name=f"{out}_full")
+    reached = importer.type(full).shape[2:]
+    # the full image spans the padded one from its start: crop the leading pads, pad or crop its end to the image
+    crop = tuple(v for d in reversed(range(spatial)) for v in (-pads[d], image[d] + pads[d] - reached[d]))
+    if not any(crop):
+        return [importer.emit("identity", [full], name=out)]
+    return [importer.emit("pad", [full], {"pads": crop, "value": 0.0}, name=out)]

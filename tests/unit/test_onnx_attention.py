@@ -152,3 +152,34 @@ def test_rotary_embedding_with_position_ids(interleaved, rotary_dim):
 def test_rotary_embedding_of_a_3d_input_without_position_ids():
     feeds = {"x": floats(2, 4, 3 * 6), "cos": floats(2, 4, 3), "sin": floats(2, 4, 3)}
     run(helper.make_node("RotaryEmbedding", ["x", "cos", "sin"], ["y"], num_heads=3), feeds)
+
+
+# ---- LinearAttention --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rule, decay_width, beta_width", [("linear", None, None), ("gated", "head", None),
+                                                           ("gated", "key", None), ("delta", None, "head"),
+                                                           ("gated_delta", "head", "one")])
+def test_linear_attention_rules_with_grouped_heads_and_a_past_state(rule, decay_width, beta_width):
+    """Opset 27: the recurrence unrolled over 3 tokens; 4 query heads read 2 key heads' states."""
+    b, t, heads, kv_heads, d_k, d_v = 2, 3, 4, 2, 4, 5
+    feeds = {"q": floats(b, t, heads * d_k), "k": floats(b, t, kv_heads * d_k) * 0.5,
+             "v": floats(b, t, kv_heads * d_v), "past": floats(b, kv_heads, d_k, d_v) * 0.1}
+    inputs = ["q", "k", "v", "past", "", ""]
+    if decay_width:
+        feeds["decay"] = -np.abs(floats(b, t, kv_heads * (d_k if decay_width == "key" else 1)))
+        inputs[4] = "decay"
+    if beta_width:
+        feeds["beta"] = rng.random((b, t, kv_heads if beta_width == "head" else 1)).astype(np.float32)
+        inputs[5] = "beta"
+    node = helper.make_node("LinearAttention", inputs, ["y", "state"], q_num_heads=heads, kv_num_heads=kv_heads,
+                            update_rule=rule)
+    graph = run(node, feeds, opset=27)
+    assert ops(graph).count("matmul") >= 2 * t
+
+
+def test_linear_attention_in_float16_without_a_past():
+    feeds = {"q": floats(1, 2, 8, dtype=np.float16), "k": floats(1, 2, 8, dtype=np.float16),
+             "v": floats(1, 2, 6, dtype=np.float16)}
+    node = helper.make_node("LinearAttention", ["q", "k", "v"], ["y", "state"], q_num_heads=2, kv_num_heads=2,
+                            update_rule="linear", scale=0.5)
+    run(node, feeds, opset=27, tolerance=1e-3)

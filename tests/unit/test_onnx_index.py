@@ -61,6 +61,9 @@ def test_range_eye_like_and_windows_are_constants():
     assert ops(graph) == []
     for window in ("HannWindow", "HammingWindow", "BlackmanWindow"):
         assert ops(run(node(window, ["n"], periodic=0), {}, weights={"n": np.array(7, np.int64)})) == []
+    mel = {"bins": np.array(4, np.int64), "dft": np.array(16, np.int64), "rate": np.array(8000, np.int64),
+           "low": np.array(100.0, np.float32), "high": np.array(3000.0, np.float32)}
+    assert ops(run(node("MelWeightMatrix", list(mel)), {}, weights=mel)) == []
 
 
 def test_compress_center_crop_pad_depth_to_space_and_back():
@@ -71,3 +74,20 @@ def test_compress_center_crop_pad_depth_to_space_and_back():
     for mode in ("DCR", "CRD"):
         run(node("DepthToSpace", ["x"], blocksize=2, mode=mode), {"x": floats(1, 8, 2, 3)})
     run(node("SpaceToDepth", ["x"], blocksize=2), {"x": floats(2, 3, 4, 6)}, opset=13)
+
+
+@pytest.mark.parametrize("batch_axis, time_axis", [(1, 0), (0, 1)])
+def test_reverse_sequence_with_lengths_known_at_run_time(batch_axis, time_axis):
+    x = floats(4, 3, 2) if time_axis == 0 else floats(3, 4, 2)
+    lengths = np.array([4, 0, 2], np.int64)
+    graph = run(node("ReverseSequence", ["x", "lengths"], batch_axis=batch_axis, time_axis=time_axis),
+                {"x": x, "lengths": lengths})
+    assert ops(graph).count("take") == 1
+
+
+@pytest.mark.parametrize("size, corners", [((2, 3, 4, 5), 0), ((2, 3, 4, 5), 1), ((1, 2, 3, 4, 2), 0)])
+def test_affine_grid(size, corners):
+    theta = floats(size[0], len(size) - 2, len(size) - 1)
+    graph = run(node("AffineGrid", ["theta", "size"], align_corners=corners), {"theta": theta},
+                weights={"size": np.array(size, np.int64)}, opset=20)
+    assert ops(graph) == ["matmul", "permute", "reshape"]

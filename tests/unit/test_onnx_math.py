@@ -44,7 +44,8 @@ def test_float64_mod_is_refused_by_name():
 
 @pytest.mark.parametrize("op, attrs", [
     ("IsInf", {}), ("IsInf", {"detect_negative": 0}), ("IsInf", {"detect_positive": 0}), ("IsNaN", {}),
-    ("Sign", {}), ("Celu", {"alpha": 1.5}), ("ThresholdedRelu", {"alpha": 0.3}), ("Shrink", {"lambd": 0.4, "bias": 0.1}),
+    ("Sign", {}), ("Celu", {"alpha": 1.5}), ("ThresholdedRelu", {"alpha": 0.3}),
+    ("Shrink", {"lambd": 0.4, "bias": 0.1}),
     ("Softsign", {}), ("Mish", {}), ("Swish", {}), ("Swish", {"alpha": 0.7}),
 ])
 def test_unary_functions_with_edge_values(op, attrs):
@@ -118,7 +119,8 @@ def test_lp_normalization_with_a_zero_slice(p, axis):
 
 def test_instance_and_group_normalization():
     x = floats(2, 6, 3, 5)
-    run(node("InstanceNormalization", ["x", "s", "b"], epsilon=1e-3), {"x": x}, weights={"s": floats(6), "b": floats(6)})
+    run(node("InstanceNormalization", ["x", "s", "b"], epsilon=1e-3), {"x": x},
+        weights={"s": floats(6), "b": floats(6)})
     run(node("GroupNormalization", ["x", "s", "b"], num_groups=3, epsilon=1e-4), {"x": x},
         weights={"s": floats(6), "b": floats(6)}, opset=21)
 

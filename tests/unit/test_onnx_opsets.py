@@ -210,6 +210,51 @@ def test_global_pools(op, opset, shape):
     check([node(op, ["x"])], {"x": x}, opset=opset, expected=[reduce(x, axis=tuple(range(2, x.ndim)), keepdims=True)])
 
 
+@pytest.mark.parametrize("attrs, shape", [
+    (dict(kernel_shape=[2, 2], p=3), (1, 2, 5, 5)),
+    (dict(kernel_shape=[3, 2], pads=[1, 0, 0, 1], strides=[2, 1]), (1, 3, 6, 5)),
+    (dict(kernel_shape=[2, 2], dilations=[2, 1], p=1), (2, 2, 6, 4)),
+    (dict(kernel_shape=[3], p=2), (1, 2, 7)),
+    (dict(kernel_shape=[2, 2, 2], auto_pad="SAME_UPPER"), (1, 2, 3, 4, 5)),
+])
+def test_lp_pool(attrs, shape):
+    """(sum of |x|^p over each window)^(1/p): a depthwise conv2d of ones (1-D as 2-D), 3-D an avg_pool3d times the
+    window's size."""
+    graph = check([node("LpPool", ["x"], **attrs)], {"x": floats(*shape)}, opset=18)
+    assert ("avg_pool3d" if len(shape) == 5 else "conv2d") in [n.op for n in graph]
+
+
+@pytest.mark.parametrize("k, activation, with_past, with_bias", [(4, "none", True, True), (3, "silu", False, False),
+                                                                 (1, "swish", True, False)])
+def test_causal_conv_with_state(k, activation, with_past, with_bias):
+    """Opset 27: the past state in front of the input, a depthwise conv, the last k - 1 positions carried."""
+    feeds = {"x": floats(2, 3, 5), "w": floats(3, 1, k)}
+    inputs = ["x", "w", "b" if with_bias else "", "past" if with_past else ""]
+    if with_bias:
+        feeds["b"] = floats(3)
+    if with_past:
+        feeds["past"] = floats(2, 3, k - 1)
+    graph = check([node("CausalConvWithState", inputs, ["y", "state"], activation=activation)], feeds, opset=27)
+    assert "conv2d" in [n.op for n in graph]
+
+
+@pytest.mark.parametrize("image, block, attrs", [
+    ((5, 5), (2, 2), {}), ((6, 7), (3, 2), dict(strides=[2, 1], pads=[1, 0, 1, 1], dilations=[1, 2])),
+    ((7,), (3,), dict(strides=[2])), ((3, 4, 3), (2, 2, 2), {}),
+])
+def test_col2im(image, block, attrs):
+    """Blocks summed back into an image: a grouped conv_transpose of one-hot weights, the pads cropped."""
+    spatial = len(image)
+    strides, dilations = attrs.get("strides", [1] * spatial), attrs.get("dilations", [1] * spatial)
+    pads = attrs.get("pads", [0] * 2 * spatial)
+    counts = [(n + pads[d] + pads[d + spatial] - dil * (k - 1) - 1) // s + 1
+              for d, (n, k, s, dil) in enumerate(zip(image, block, strides, dilations))]
+    x = floats(2, 2 * int(np.prod(block)), int(np.prod(counts)))
+    graph = check([node("Col2Im", ["x", "image", "block"], **attrs)], {"x": x},
+                  {"image": np.array(image, np.int64), "block": np.array(block, np.int64)}, opset=18)
+    assert "conv_transpose" in [n.op for n in graph]
+
+
 # ---- activations and elementwise ---------------------------------------------------------------------
 
 ACTIVATIONS = [("Relu", {}, [7, 14]), ("LeakyRelu", dict(alpha=0.2), [7, 16]), ("Sigmoid", {}, [7, 13]),
