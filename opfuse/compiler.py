@@ -69,10 +69,10 @@ def compile(model: Any, example_inputs: Sequence[torch.Tensor],
         warn_if_training(model)
     elif dynamic_shapes is not None:
         raise GraphError("dynamic_shapes takes an nn.Module; an ONNX model is imported at one shape")
-    else:
-        from opfuse.frontend.onnx_module import onnx_module
+    else:   # inputs that fix a shape are read as constants from the examples, checked at each call
+        from opfuse.frontend.onnx_compile import compile_onnx
 
-        model = onnx_module(model, example_inputs)
+        return compile_onnx(model, example_inputs, config, quiet)
     config = resolve_dtype(config, example_inputs)
     if dynamic_shapes is not None:
         from opfuse.runtime.dynamic import DynamicModel, parse_dynamic_shapes

@@ -67,7 +67,7 @@ def compile_onnx(source: OnnxSource, example_inputs: Sequence[torch.Tensor], con
     names = [v.name for v in model.graph.input if v.name not in initializers]
     positions = constant_inputs(model)
     if not positions:
-        module = onnx_module(model, example_inputs).eval()
+        module = onnx_module(source, example_inputs).eval()      # (errors name the file)
         return opfuse.compile(module, example_inputs, config, quiet)
     if len(example_inputs) != len(names):
         raise GraphError(f"{where}: the model takes {len(names)} inputs ({', '.join(names)}), "
