@@ -34,6 +34,7 @@ from opfuse.hardware import KIB, HardwareProfile, get_hardware
 from opfuse.ir.graph import GraphError
 from opfuse.ir.ops import FusionKind, kind_of
 from opfuse.runtime.cache import TuningCache, tuning_key
+from opfuse.runtime.gate import CAPTURE_GATE
 from opfuse.runtime.precompile import (TIMEOUT_S, CompilePool, Precompiled, active_pool, distinct_compiles,
                                       gpu_index, launches_by_config, pool_of_its_own, record_launches,
                                       workers_of)
@@ -193,7 +194,7 @@ def graph_time(fn: Callable[[], Any]) -> float:
         estimate_s = max(start.elapsed_time(end) / 3 / 1e3, 1e-7)
         calls = max(1, min(GRAPH_MAX_CALLS, int(GRAPH_WINDOW_S / estimate_s)))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        with CAPTURE_GATE.exclusive(), torch.cuda.graph(graph, stream=stream):   # no model's call meanwhile
             for _ in range(calls):
                 fn()
         times = []

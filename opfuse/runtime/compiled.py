@@ -52,6 +52,7 @@ from opfuse.ir.ops import get_op, launches_kernel
 from opfuse.runtime.autotune import (Compiling, every_choice_cached, kernel_inputs, out_of_resources,
                                      recover_rng_after_failed_capture, tune, tunes)
 from opfuse.runtime.cache import TuningCache
+from opfuse.runtime.gate import CAPTURE_GATE
 from opfuse.runtime.graph_nodes import kept_graph, kernel_nodes, ready
 from opfuse.runtime.precompile import active_pool, compile_pool, workers_of
 
@@ -367,12 +368,17 @@ class CompiledModel(torch.nn.Module):
         """One forward, the whole of it under the call lock: a replay's copies in and out share the static buffers
         with every other call, and the warm-up and capture change what later calls run."""
         with self._lock:
-            if self._cuda_graph is not None:
-                return self._replay(inputs)
-            prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
-            if self.use_cuda_graph and self.cuda_graph_error is None:
-                return self._run_cuda_graph(prepared, [p is x for p, x in zip(prepared, inputs)])
-            return self._execute(prepared)
+            if self._cuda_graph is not None and self._replays(inputs):
+                with CAPTURE_GATE.shared():
+                    return self._replay(inputs)
+            if self.use_cuda_graph and self.cuda_graph_error is None:     # warm-up or (re)capture: alone
+                with CAPTURE_GATE.exclusive():
+                    if self._cuda_graph is not None:
+                        return self._replay(inputs)
+                    prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
+                    return self._run_cuda_graph(prepared, [p is x for p, x in zip(prepared, inputs)])
+            with CAPTURE_GATE.shared():
+                return self._execute([self._prepare(x, form) for x, form in zip(inputs, self._input_forms)])
 
     @staticmethod
     def _prepare(x: torch.Tensor, form: tuple[torch.dtype | None, torch.memory_format]) -> torch.Tensor:
@@ -570,6 +576,11 @@ class CompiledModel(torch.nn.Module):
             return self._execute(inputs)
         return self._replay(self._static_inputs)
 
+    def _replays(self, inputs: Sequence[torch.Tensor]) -> bool:
+        """Whether the captured graph replays these inputs as they are (no borrowed input moved: `_replay`)."""
+        return all(where is None or (x is static and x.data_ptr() == where[0] and x.stride() == where[1])
+                   for static, x, where in zip(self._static_inputs, inputs, self._borrowed))
+
     def _replay(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """One replay on these inputs (shape and device checked). `copy_` casts and lays out as it copies, so an
         input needs no preparing first; one that is its static buffer is not copied at all. Another tensor where a
@@ -618,7 +629,9 @@ class CompiledModel(torch.nn.Module):
         with torch.cuda.stream(side):
             self._execute(static)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        with torch.cuda.graph(graph):
+        # thread_local: another thread's CUDA calls (another model's warm-up allocating, a synchronize) do not
+        # invalidate this capture, as under the default "global" mode; this thread makes none while it captures
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             outputs = self._execute(static)
         self._graph_launches = kernel_nodes(graph)
         return outputs
@@ -636,7 +649,8 @@ class CompiledModel(torch.nn.Module):
             prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
             graph = kept_graph()
             try:
-                self._record(graph, self._static_buffers(prepared, [False] * len(prepared)))
+                with CAPTURE_GATE.exclusive():
+                    self._record(graph, self._static_buffers(prepared, [False] * len(prepared)))
             except Exception:
                 self._recover_from_failed_capture(graph)
                 return
