@@ -78,26 +78,29 @@ class Decoding:
         return self.tokens[-1]
 
 
-def contenders(model, batch: int, max_len: int, device: str, tiny: bool) -> tuple[list[Decoding], object]:
+def contenders(model, batch: int, max_len: int, device: str, tiny: bool, names: set[str]
+               ) -> tuple[list[Decoding], object]:
     import opfuse
     from opfuse.generate import KVCacheDecoder, compile_generator
 
     dtype = next(model.parameters()).dtype
     config = opfuse.FusionConfig(dtype=str(dtype).removeprefix("torch."), tune_top=2)
-    generator = compile_generator(model, batch, max_len, config)
-    found = [Decoding("opfuse", lambda ids, pos: generator.prefill_model(ids.shape[1])(ids, pos), generator.step,
-                      generator.reset)]
+    generator, found = None, []
+    if "opfuse" in names:
+        generator = compile_generator(model, batch, max_len, config)
+        found.append(Decoding("opfuse", lambda ids, pos: generator.prefill_model(ids.shape[1])(ids, pos),
+                              generator.step, generator.reset))
     eager = KVCacheDecoder(model, batch, max_len).eval()
-    found.append(Decoding("eager", eager, eager, eager.reset))
-    if device == "cuda" and not tiny:
+    found.append(Decoding("eager", eager, eager, eager.reset))      # the reference of the greedy tokens
+    if device == "cuda" and not tiny and "inductor" in names:
         compiled = KVCacheDecoder(model, batch, max_len).eval()
         step = torch.compile(compiled, mode="reduce-overhead", fullgraph=True)
         found.append(Decoding("inductor", compiled, step, compiled.reset))
     return found, generator
 
 
-def run(model, batch: int, prompt: int, new: int, device: str, tiny: bool) -> dict:
-    found, generator = contenders(model, batch, prompt + new, device, tiny)
+def run(model, batch: int, prompt: int, new: int, device: str, tiny: bool, names: set[str]) -> dict:
+    found, generator = contenders(model, batch, prompt + new, device, tiny, names)
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
     result = {"batch": batch, "prompt": prompt, "new": new, "contenders": {}}
@@ -113,16 +116,22 @@ def run(model, batch: int, prompt: int, new: int, device: str, tiny: bool) -> di
         for position in range(prompt, prompt + new - 1):    # rounds interleaved: a step of each in turn
             for contender in found:
                 step_ms[contender.name].append(cuda_ms(lambda: contender.next(position), device))
-    report = generator.decode_report(position=prompt + new // 2)
-    must_move = report["weight_bytes"] + report["cache_bytes_needed"]
+    if generator is not None:
+        report = generator.decode_report(position=prompt + new // 2)
+        must_move, bandwidth = (report["weight_bytes"] + report["cache_bytes_needed"],
+                                generator.step.analysis.hardware.memory_bandwidth)
+    else:           # no analysis without opfuse: the weights and the cache held, the datasheet's bandwidth
+        from opfuse.analysis.roofline import hardware_of_gpu
+
+        report, bandwidth = {}, hardware_of_gpu(torch.cuda.get_device_name()).memory_bandwidth
+        must_move = sum(p.numel() * p.element_size() for p in model.parameters())
     reference = torch.stack(next(c for c in found if c.name == "eager").tokens, 1)
     for contender in found:
         median = statistics.median(step_ms[contender.name])
         tokens = torch.stack(contender.tokens, 1)
         result["contenders"][contender.name] = {
             "ttft_ms": first_ms[contender.name], "step_ms": median, "tokens_per_s": batch * 1e3 / median,
-            "gb_per_s": must_move / median / 1e6, "share_of_bandwidth": must_move / (median / 1e3) /
-            generator.step.analysis.hardware.memory_bandwidth,
+            "gb_per_s": must_move / median / 1e6, "share_of_bandwidth": must_move / (median / 1e3) / bandwidth,
             "greedy_equal_eager_tokens": int((tokens == reference).all(0).long().cumprod(0).sum())}
     result["decode_report"] = report
     return result
@@ -135,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", default="128,1024")
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of hidden 64: a dry run")
+    parser.add_argument("--contenders", default="opfuse,inductor", help="beside eager, which always runs")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16 if device == "cuda" else torch.float32
@@ -143,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                "dtype": str(dtype), "runs": []}
     for batch in map(int, args.batches.split(",")):
         for prompt in map(int, args.prompts.split(",")):
-            results["runs"].append(run(model, batch, prompt, args.new, device, args.tiny))
+            results["runs"].append(run(model, batch, prompt, args.new, device, args.tiny,
+                                       set(args.contenders.split(","))))
             print(json.dumps(results["runs"][-1]["contenders"]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
