@@ -116,14 +116,16 @@ def run(model, batch: int, prompt: int, new: int, device: str, tiny: bool, names
         for position in range(prompt, prompt + new - 1):    # rounds interleaved: a step of each in turn
             for contender in found:
                 step_ms[contender.name].append(cuda_ms(lambda: contender.next(position), device))
+    from opfuse.analysis.roofline import hardware_of_gpu
+
+    # the datasheet bandwidth of the GPU this runs on (the plan's profile is FusionConfig.hardware, H200 by default)
+    gpu = hardware_of_gpu(torch.cuda.get_device_name()) if device == "cuda" else None
     if generator is not None:
         report = generator.decode_report(position=prompt + new // 2)
-        must_move, bandwidth = (report["weight_bytes"] + report["cache_bytes_needed"],
-                                generator.step.analysis.hardware.memory_bandwidth)
-    else:           # no analysis without opfuse: the weights and the cache held, the datasheet's bandwidth
-        from opfuse.analysis.roofline import hardware_of_gpu
-
-        report, bandwidth = {}, hardware_of_gpu(torch.cuda.get_device_name()).memory_bandwidth
+        must_move = report["weight_bytes"] + report["cache_bytes_needed"]
+        bandwidth = (gpu or generator.step.analysis.hardware).memory_bandwidth
+    else:           # no analysis without opfuse: the weights alone
+        report, bandwidth = {}, gpu.memory_bandwidth
         must_move = sum(p.numel() * p.element_size() for p in model.parameters())
     reference = torch.stack(next(c for c in found if c.name == "eager").tokens, 1)
     for contender in found:
