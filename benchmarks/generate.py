@@ -88,8 +88,7 @@ def contenders(model, batch: int, max_len: int, device: str, tiny: bool, names: 
     generator, found = None, []
     if "opfuse" in names:
         generator = compile_generator(model, batch, max_len, config)
-        found.append(Decoding("opfuse", lambda ids, pos: generator.prefill_model(ids.shape[1])(ids, pos),
-                              generator.step, generator.reset))
+        found.append(Decoding("opfuse", lambda ids, pos: generator.prefill(ids), generator.step, generator.reset))
     eager = KVCacheDecoder(model, batch, max_len).eval()
     found.append(Decoding("eager", eager, eager, eager.reset))      # the reference of the greedy tokens
     if device == "cuda" and not tiny and "inductor" in names:

@@ -7,8 +7,12 @@ and a value buffer, [max_batch, kv_heads, max_seq_len, head_dim], marked as the 
 (`opfuse.frontend.torch_export.mark_state`) and written at the call's `cache_position` by `index_copy_`, which the
 compiled model runs in place (`opfuse.runtime.compiled`); the positions and the causal mask over the cache come
 from `cache_position` too. That module is compiled twice over one cache (`CompiledModel.bind_state`): the decode
-step, one token per sequence (on a GPU one CUDA graph, replayed per token), and the prefill of a prompt at its length
-(compiled at the first prompt of each length). Every compile is verified against eager as `opfuse.compile` verifies.
+step, one token per sequence (on a GPU one CUDA graph, replayed per token), and the prefill, compiled per bucket of
+prompt lengths (the powers of two, capped at max_seq_len; each compiled at its first prompt). A prompt runs padded
+at its end to its bucket (`prefill_length`): the causal mask over the cache keeps the padding out of every prompt
+token's logits, and the padding's keys and values land at positions after the prompt, which each decode step
+overwrites before it reads them (a step at position p writes p and attends to positions up to p). Every compile is
+verified against eager as `opfuse.compile` verifies.
 
 A batch of b <= max_batch prompts runs as max_batch rows (the last row repeated; each row's cache is its own, so the
 others are untouched), and the prompts of a batch share their length (one cache position for all): pad them to one
@@ -165,6 +169,22 @@ class Generator:
             self.prefills[length] = compiled
         return self.prefills[length]
 
+    def prefill_length(self, length: int) -> int:
+        """The length the prefill of a prompt of `length` tokens runs at: the smallest power of two that holds it,
+        at most max_seq_len (see the module docstring)."""
+        return min(1 << (length - 1).bit_length(), self.max_seq_len)
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """The logits [max_batch, T, vocab] of prompts `ids` ([max_batch, T], on the device), written into the
+        cache at positions 0..T-1: run at `prefill_length(T)`, the prompts padded at their end with their last
+        token."""
+        length = ids.shape[1]
+        padded = self.prefill_length(length)
+        if padded > length:
+            ids = torch.cat([ids, ids[:, -1:].expand(ids.shape[0], padded - length)], 1)
+        logits = self.prefill_model(padded)(ids, torch.arange(padded, device=self.device))
+        return logits[:, :length]
+
     def reset(self) -> None:
         """An empty cache (generation starts from it anyway: a prompt overwrites its positions)."""
         self.step.compiled.reset_state()
@@ -177,8 +197,7 @@ class Generator:
         rows, length = input_ids.shape
         sample = Sampling(temperature, top_k, generator)
         with torch.no_grad():
-            logits = self.prefill_model(length)(ids, torch.arange(length, device=self.device))
-            token = sample(logits[:, -1])
+            token = sample(self.prefill(ids)[:, -1])
             done = torch.zeros_like(token, dtype=torch.bool)
             for step in range(max_new_tokens):
                 if eos_token_id is not None:

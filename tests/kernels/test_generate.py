@@ -59,6 +59,16 @@ def test_a_batch_under_max_batch_runs_each_prompt_as_alone(llama):
         assert torch.equal(out[row:row + 1], reference(model, prompts[row:row + 1], 6))
 
 
+def test_prompts_of_lengths_in_one_bucket_share_one_prefill_and_give_transformers_tokens(llama):
+    """Prompts of 5, 6 and 7 tokens run padded to 8 through one compiled prefill; the padding changes no token."""
+    model, generator = llama
+    for length in (5, 6, 7):
+        prompt = torch.arange(1, length + 1)[None] * 3 % 128
+        assert torch.equal(generator.generate(prompt, 4), reference(model, prompt, 4)), length
+    assert generator.prefill_length(5) == generator.prefill_length(7) == 8 and generator.prefill_length(31) == 32
+    assert not {5, 6, 7} & set(generator.prefills) and 8 in generator.prefills
+
+
 def test_stream_yields_the_tokens_generate_returns_one_step_at_a_time(llama):
     _, generator = llama
     prompt = torch.tensor([[2, 3, 4]])
