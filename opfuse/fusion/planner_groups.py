@@ -1,0 +1,201 @@
+"""The finished plan: groups in topological order, each with its kind, the reason it is what it is, its row
+slices and split-K. Methods of `opfuse.fusion.planner._Planner` (`GroupListing`)."""
+
+from __future__ import annotations
+
+import heapq
+
+from opfuse.fusion.cost import KernelEstimate
+from opfuse.fusion.legality import MAPPED_COPIES, is_view, row_norm_prologue, skip_operands
+from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind, Verdict
+from opfuse.fusion.reasons import Code, Reason
+from opfuse.fusion.resources import anchor_of, conv_chain, conv_conv_key, conv_conv_slice_table, gemm_view
+from opfuse.fusion.tiles import (MIN_SPLIT_STEPS, anchor_grid, anchor_loop, anchor_tiles, row_tiles, row_view,
+                                 split_k_slices, split_k_table, tile_key)
+from opfuse.ir.graph import DTYPE_BYTES, WIDE_INTEGERS
+from opfuse.ir.ops import FusionKind, kind_of
+
+
+class GroupListing:
+    """The planner's listing of its groups as a FusionPlan."""
+
+    def ordered_ids(self) -> list[int]:
+        """Group ids in a topological order of the group graph (ties: the earliest node first)."""
+        needs: dict[int, set[int]] = {g: set() for g in self.groups}
+        feeds: dict[int, set[int]] = {g: set() for g in self.groups}
+        for group, nodes in self.groups.items():
+            for name in nodes:
+                for value in self.graph[name].inputs:
+                    other = self.group_of.get(value)
+                    if other is not None and other != group:
+                        needs[group].add(other)
+                        feeds[other].add(group)
+        ready = [(self.index[nodes[0]], g) for g, nodes in self.groups.items() if not needs[g]]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            _, group = heapq.heappop(ready)
+            order.append(group)
+            for user in feeds[group]:
+                needs[user].discard(group)
+                if not needs[user]:
+                    heapq.heappush(ready, (self.index[self.groups[user][0]], user))
+        if len(order) != len(self.groups):
+            raise AssertionError("fusion planner made a cycle between groups")   # can_fuse must prevent this
+        return order
+
+    def classify(self, group: int) -> GroupKind:
+        """The group's kind, read off its nodes' fusion kinds."""
+        if group in self.kinds:
+            return self.kinds[group]
+        nodes = self.groups[group]
+        kinds = [kind_of(self.graph[n]) for n in nodes]
+        if self.is_view_group(group):
+            return GroupKind.VIEW
+        if FusionKind.OPAQUE in kinds:
+            return GroupKind.OPAQUE
+        copies = [n for n in nodes if kind_of(self.graph[n]) is FusionKind.INJECTIVE and not is_view(self.graph[n])]
+        if any(self.graph[n].op not in MAPPED_COPIES for n in copies) or \
+                (len(nodes) == 1 and copies and self.graph[nodes[0]].type.dtype in WIDE_INTEGERS):
+            return GroupKind.INJECTIVE      # a gather, pad or other copy runs through PyTorch, and a lone copy of
+                                            # wide integers too; a cat or roll, even alone, is an index map of the
+                                            # elementwise template
+        computing = [n for n in nodes if not is_view(self.graph[n])]
+        stored = [n for n in nodes if n in self.graph.outputs or any(u.name not in nodes for u in self.users[n])]
+        if len(nodes) == 1 or (len(computing) == 1 and stored == computing):
+            return GroupKind.SINGLE         # one op, alone or reading through views (a linear after a flatten)
+        if conv_chain(self.graph, nodes):
+            return GroupKind.CONV_CONV
+        anchor = anchor_of(self.graph, nodes)
+        if anchor is not None:
+            residual = skip_operands(self.graph, nodes, anchor, self.users, self.index)
+            return GroupKind.RESIDUAL if residual else GroupKind.ANCHOR_EPILOGUE
+        if FusionKind.REDUCTION in kinds:
+            return GroupKind.REDUCTION
+        return GroupKind.POINTWISE
+
+    def explain(self, group: int, kind: GroupKind, refusals: dict[str, Reason]) -> Reason:
+        """Why the group is what it is: a merged group's code is fused, a lone node's the first refusal it met."""
+        nodes = self.groups[group]
+        first = self.graph[nodes[0]]
+        if kind is GroupKind.VIEW and self.copies(nodes):
+            return Reason(Code.VIEW_COPY, f"{first.op} of a permuted tensor is no view: PyTorch copies it (one kernel)")
+        if kind is GroupKind.VIEW:
+            return Reason(Code.VIEW, f"view ({first.op}): no kernel, no traffic")
+        if kind is GroupKind.OPAQUE:
+            return Reason(Code.OPAQUE, f"opaque op {first.name} runs through PyTorch")
+        if kind is GroupKind.INJECTIVE:
+            return Reason(Code.COPYING_OP,
+                          f"{first.name} ({first.op}) stays its own kernel: copying injective ops take no fusion here")
+        if group in self.notes:
+            return Reason(Code.FUSED, "; ".join(self.notes[group]))
+        if nodes[0] in refusals:
+            return Reason(refusals[nodes[0]].code, f"alone: {refusals[nodes[0]].text}")
+        return Reason(Code.NO_CANDIDATE, "alone: no fusion candidate")
+
+    def finish(self) -> FusionPlan:
+        """The plan: groups in topological order with their numbers, and every decision."""
+        refusals: dict[str, Reason] = {}   # why a lone node stayed alone: what stopped its output first
+        refused = [d for d in self.decisions if d.verdict is not Verdict.FUSED]
+        for side in ("producer", "consumer"):
+            for decision in refused:
+                nodes = getattr(decision, side)
+                if len(nodes) == 1:
+                    refusals.setdefault(nodes[0], Reason(decision.code, decision.reason))
+        groups = []
+        for new_id, group in enumerate(self.ordered_ids()):
+            nodes = self.groups[group]
+            kind = self.classify(group)
+            estimate = self.estimate(nodes)
+            traffic = estimate.traffic
+            why = self.explain(group, kind, refusals)
+            reason = why.text
+            table, default_slices, time, unsplit = self.split_k(nodes, kind, estimate)
+            row_slices, time = self.row_slices(nodes, kind, estimate.anchor, time)
+            if row_slices > 1:
+                reason += (f"; its rows split into {row_slices} slices, summed with the epilogue by a second "
+                           "kernel (fewer row blocks than the GPU has SMs)")
+            if default_slices > 1:
+                reason += (f"; split-K: {default_slices} slices of the reduction, summed with the epilogue by a "
+                           "second kernel (the tile grid alone would leave most SMs idle)")
+            elif table and kind is not GroupKind.CONV_CONV:
+                reason += (f"; split-K offered (the resource model's tile would leave most SMs idle), but the "
+                           f"kernel's default tile runs unsplit ({unsplit}): one kernel unless the autotuner "
+                           "measures a split faster")
+            groups.append(FusionGroup(
+                id=new_id, kind=kind, nodes=list(nodes), anchor=estimate.anchor, inputs=list(traffic.inputs),
+                outputs=list(traffic.outputs), flops=traffic.flops, bytes_read=traffic.bytes_read,
+                bytes_written=traffic.bytes_written, predicted_time=time,
+                launches=(0 if kind is GroupKind.VIEW and not self.copies(nodes)
+                          else 1 + (default_slices > 1) + (row_slices > 1)),
+                split_k=table, resources=estimate.resources, reason=reason, code=why.code))
+        return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config, self.hw)
+
+    def row_slices(self, nodes: list[str], kind: GroupKind, anchor: str | None, time: float) -> tuple[int, float]:
+        """(the row slices of the default tile of the group's row reduction, `time` with the second launch and
+        the float32 partial sums priced where it splits); 1 where it does not, or the group is no row reduction
+        (`opfuse.fusion.tiles.row_tiles`, the kernel's own rule): a squeeze-and-excitation group's pool or an
+        anchor's group runs a template of its own."""
+        if kind is GroupKind.SQUEEZE or anchor is not None:
+            return 1, time
+        reductions = [self.graph[n] for n in nodes if kind_of(self.graph[n]) is FusionKind.REDUCTION]
+        view = row_view(self.graph, reductions[0]) if len(reductions) == 1 else None
+        if view is None:
+            return 1, time
+        slices = row_tiles(view, self.hw.sm_count)[0][2]
+        if slices == 1:
+            return 1, time
+        partials = 2 * slices * view.rows * 4
+        return slices, time + (self.hw.launch_overhead + partials / self.hw.memory_bandwidth) * self.hw.time_factor
+
+    def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate
+                ) -> tuple[dict[str, int], int, float, str]:
+        """(the K slices of each tile of the group's kernel, the K slices of its default tile, predicted seconds,
+        why that tile runs unsplit where it does); no slices ({}) where the planner does not split. A conv-conv
+        kernel gets the mid-channel slices of each of its tiles (`conv_conv_slice_table`), summed inside the kernel.
+
+        The decision, made here once: an anchor whose tiles (the resource model's) fill under a quarter of the SMs
+        splits a long reduction (`split_k_slices`). Its kernel then gets a split form, and each config runs the
+        slices the plan gives its tile (`split_k_table`: every tile's own grid and K blocks), which the autotuner
+        measures. Untuned, the kernel runs its default tile (`opfuse.fusion.tiles`), which may need no slices: the
+        plan counts the second launch, and prices it (a launch and the fp32 partial tiles written and read once),
+        only where that tile splits."""
+        tile = estimate.resources.tile if estimate.resources is not None else {}
+        if kind is GroupKind.CONV_CONV:   # mid-channel slices, summed by the tile's last program: one launch
+            chain = conv_chain(self.graph, nodes)
+            table = conv_conv_slice_table(self.graph, chain, self.hw.sm_count)
+            if {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"} <= tile.keys():   # the planned tile, whatever it is
+                table[conv_conv_key(tile)] = tile.get("SPLIT_K", 1)
+            return table, 1, estimate.time, ""
+        if (not self.config.split_k or estimate.anchor is None or kind is GroupKind.SQUEEZE
+                or not {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= tile.keys()):
+            return {}, 1, estimate.time, ""
+        if row_norm_prologue(self.graph, estimate.anchor, nodes, self.users):
+            return {}, 1, estimate.time, ""   # a slice sees part of K, and the layer norm's statistics need all of it
+        view = gemm_view(self.graph, estimate.anchor)
+        if view is None:
+            return {}, 1, estimate.time, ""
+        rows, columns, reduction, batch = view
+        if kind is GroupKind.HORIZONTAL:   # sibling anchors (ungrouped) run as one GEMM over their columns together
+            columns = sum(self.graph[n].type.shape[-1 if self.graph[n].op == "linear" else 1]
+                          for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR)
+        if split_k_slices(*anchor_grid(tile, rows, columns, reduction, batch), self.hw.sm_count) == 1:
+            return {}, 1, estimate.time, ""
+        taps, gather = anchor_loop(self.graph, estimate.anchor)
+        table = split_k_table(rows, columns, reduction, batch, taps, self.hw.sm_count)
+        default = anchor_tiles(rows, columns, reduction, batch, DTYPE_BYTES[self.config.dtype], gather,
+                               hw=self.hw)[0]
+        default_slices = table[tile_key(default)]
+        if default_slices == 1:
+            programs, steps = anchor_grid(default, rows, columns, reduction, batch, taps)
+            if 4 * programs > self.hw.sm_count:
+                unsplit = f"its {programs} tiles keep over a quarter of the SMs busy"
+            elif steps < MIN_SPLIT_STEPS:
+                unsplit = f"its reduction is {steps} K blocks, under the {MIN_SPLIT_STEPS} a split needs"
+            else:
+                unsplit = "too few slices would fit to pay for a second kernel"
+            return table, 1, estimate.time, unsplit
+        partials = 2 * default_slices * rows * columns * batch * 4
+        return (table, default_slices,
+                estimate.time + (self.hw.launch_overhead + partials / self.hw.memory_bandwidth) * self.hw.time_factor,
+                "")

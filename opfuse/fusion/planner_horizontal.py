@@ -1,0 +1,133 @@
+"""Horizontal fusion: sibling anchors reading one input with identical epilogues become one group, and small
+independent elementwise groups share one launch. Methods of `opfuse.fusion.planner._Planner` (`HorizontalFusion`)."""
+
+from __future__ import annotations
+
+from opfuse.fusion.legality import in_order, is_view, path_outside
+from opfuse.fusion.plan import GroupKind, Verdict
+from opfuse.fusion.reasons import Code, Reason
+from opfuse.fusion.resources import anchor_of, conv_chain
+from opfuse.ir.ops import kind_of
+
+
+class HorizontalFusion:
+    """The planner's horizontal fusion (its groups, graph and users are the planner's)."""
+
+    def horizontal_anchors(self) -> None:
+        """Sibling anchors on one input with identical epilogues become one HORIZONTAL group."""
+        families: dict[tuple, list[int]] = {}
+        for group in self.ordered_ids():
+            key = self.sibling_key(group)
+            if key is not None:
+                families.setdefault(key, []).append(group)
+        for members in families.values():
+            if len(members) > 1:
+                self.merge_siblings(members)
+
+    def sibling_key(self, group: int) -> tuple | None:
+        """What siblings must share: op, input value and shape-compatibility attributes; None if not a sibling."""
+        nodes = self.groups[group]
+        anchor = anchor_of(self.graph, nodes)
+        if anchor is None or group in self.kinds or conv_chain(self.graph, nodes):
+            return None   # no anchor, already horizontal, or a conv-conv chain (its first conv is no sibling)
+        node = self.graph[anchor]
+        if nodes[0] != anchor or any(is_view(self.graph[n]) for n in nodes):
+            return None   # one kernel over concatenated siblings reads their input and writes their tiles as they are
+        if not all(self.graph.is_constant(w) for w in node.inputs[1:]):
+            return None   # weights are concatenated at codegen time: they must be known
+        if node.op == "linear":
+            return ("linear", node.inputs[0], self.graph[node.inputs[1]].type.shape[1])
+        if node.op == "conv2d" and node.attrs["groups"] == 1:
+            kernel = self.graph[node.inputs[1]].type.shape[2:]
+            return ("conv2d", node.inputs[0], kernel, tuple(node.attrs["stride"]), tuple(node.attrs["padding"]),
+                    tuple(node.attrs["dilation"]))
+        return None
+
+    def merge_siblings(self, members: list[int]) -> None:
+        """Merge siblings with the most common epilogue; refuse the others with the difference."""
+        signatures = {group: self.epilogue_signature(group) for group in members}
+        classes: dict[tuple, list[int]] = {}
+        for group in members:
+            signature, problem = signatures[group]
+            if problem:
+                other = next(m for m in members if m != group)
+                self.record(self.groups[other], self.groups[group], "horizontal", Verdict.ILLEGAL, problem)
+            else:
+                classes.setdefault(signature, []).append(group)
+        ranked = sorted(classes.values(), key=len, reverse=True)
+        for other in ranked[1:]:   # one refusal per differing epilogue, against the largest class
+            self.record(self.groups[ranked[0][0]], self.groups[other[0]], "horizontal", Verdict.ILLEGAL,
+                        Reason(Code.DIFFERENT_EPILOGUES, f"different epilogues: {self.describe_epilogue(ranked[0][0])} "
+                               f"vs {self.describe_epilogue(other[0])}"))
+        for siblings in ranked:
+            base = siblings[0]
+            for group in siblings[1:]:
+                dependency = self.dependency(base, group)
+                illegal = Reason(Code.DEPENDENT, f"siblings are not independent: {dependency}") if dependency else None
+                self.decide(base, group, "horizontal", illegal, GroupKind.HORIZONTAL)
+
+    def epilogue_signature(self, group: int) -> tuple[tuple, Reason | None]:
+        """The epilogue's ops, attributes and operand pattern; a problem when it reads a non-constant."""
+        nodes = self.groups[group]
+        position = {name: i for i, name in enumerate(nodes)}
+        signature = []
+        for name in nodes[1:]:   # nodes[0] is the anchor (`sibling_key`): the epilogue is all downstream of it
+            node = self.graph[name]
+            operands = []
+            for value in node.inputs:
+                if value in position:
+                    operands.append(position[value])
+                elif self.graph.is_constant(value):
+                    operands.append("scalar" if self.graph[value].type.numel == 1 else "constant")
+                else:
+                    return (), Reason(Code.SIBLING_OPERAND, f"epilogue of {nodes[0]} reads {value}, not a constant: "
+                                      "concatenated siblings take constant per-channel operands only")
+            attrs = tuple(sorted((k, repr(v)) for k, v in node.attrs.items() if not callable(v)))
+            signature.append((node.op, attrs, node.type.dtype, tuple(operands)))
+        return tuple(signature), None
+
+    def describe_epilogue(self, group: int) -> str:
+        """'relu', 'batch_norm, relu' or 'no epilogue' (no brackets: reports render rich markup)."""
+        return ", ".join(self.graph[n].op for n in self.groups[group][1:]) or "no epilogue"
+
+    def horizontal_pointwise(self) -> None:
+        """Small independent elementwise groups, each mostly launch overhead, share one launch."""
+        cluster: int | None = None
+        for group in self.ordered_ids():
+            if not self.is_small_pointwise(group):
+                continue
+            if cluster is None:
+                cluster = group
+                continue
+            dependency = self.dependency(cluster, group)
+            if dependency:
+                self.record(self.groups[cluster], self.groups[group], "horizontal", Verdict.ILLEGAL,
+                            Reason(Code.DEPENDENT, f"not independent: {dependency}"))
+                cluster = group
+                continue
+            if not self.decide(cluster, group, "horizontal", None, GroupKind.HORIZONTAL_POINTWISE):
+                cluster = group
+            elif not self.is_small_pointwise(cluster):
+                cluster = None   # the shared launch is no longer launch-bound: start a new one
+
+    def dependency(self, first: int, second: int) -> str | None:
+        """How one group depends on the other (a direct read or a path through other nodes), or None."""
+        a, b = set(self.groups[first]), set(self.groups[second])
+        for reader, written in ((b, a), (a, b)):
+            for name in in_order(reader, self.index):
+                read = next((v for v in self.graph[name].inputs if v in written), None)
+                if read is not None:
+                    return f"{name} reads {read}"
+        via = path_outside(self.graph, a, b, a | b, self.users, self.index) or \
+            path_outside(self.graph, b, a, a | b, self.users, self.index)
+        return f"a path runs through {via}" if via else None
+
+    def is_small_pointwise(self, group: int) -> bool:
+        """All elementwise (or slices it stores: `store_slices`), and its kernel body takes less time than its
+        launch."""
+        nodes = self.groups[group]
+        if group in self.kinds and self.kinds[group] is not GroupKind.HORIZONTAL_POINTWISE:
+            return False
+        if not all(kind_of(self.graph[n]).elementwise or self.graph[n].op == "slice" for n in nodes):
+            return False
+        return self.estimate(nodes).time - self.hw.launch_time < self.hw.launch_time
