@@ -6,6 +6,7 @@
     opfuse bench   model.opfuse [--recompile] [--sha256 HEX] [--json FILE]
     opfuse bench   MODEL [--batch N] [--dtype fp16] [--contenders eager,...] [--tune-top N] [--no-split-k] [--json FILE]
     opfuse bench   --zoo [--models a,b] [--batches 1,64] [--workloads a:1,b:64] [--cold-parallel N] [--out DIR]
+    opfuse bench   llama-1.1b --generate [--batch N] [--prompt 128] [--new 256] [--json FILE]
     opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--no-split-k] [--calibrate] [--html FILE] [--json FILE]
     opfuse --version
 

@@ -3,6 +3,7 @@
     opfuse bench model.opfuse [--recompile] [--json FILE]   (a package: opfuse.cli_package.cmd_bench_package)
     opfuse bench MODEL [--batch N] [--dtype fp16] [--contenders eager,eager_graph,inductor,opfuse] [--tune-top N]
                        [--no-split-k] [--json FILE] [--quiet]
+    opfuse bench llama-1.1b --generate [--batch N] [--prompt N] [--new N] [--json FILE]   (opfuse.bench.generation)
     opfuse profile MODEL [--batch N] [--dtype fp16] [--tune-top N] [--no-split-k] [--ops N|all] [--calibrate]
                          [--html FILE] [--json FILE] [--quiet]
 
@@ -102,6 +103,13 @@ def bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompile", action="store_true",
                         help="a package (MODEL.opfuse) from another torch, Triton, GPU or opfuse: build its saved plan "
                              "again here instead of refusing it")
+    generation = parser.add_argument_group("text generation (--generate: MODEL is llama-1.1b or llama-tiny, "
+                                           "opfuse.bench.generation; --batch prompts at once)")
+    generation.add_argument("--generate", action="store_true",
+                            help="time the prefill and the decode steps of opfuse's generator, torch.compile's "
+                                 "(reduce-overhead) and eager's: time to first token, tokens/s, GB/s")
+    generation.add_argument("--prompt", type=int, default=128, metavar="N", help="prompt tokens (default 128)")
+    generation.add_argument("--new", type=int, default=256, metavar="N", help="new tokens (default 256)")
     zoo = parser.add_argument_group("the model-zoo benchmark (--zoo: no MODEL; each workload in processes of its "
                                     "own; writes zoo.json, ZOO.md and zoo.log)")
     zoo.add_argument("--zoo", action="store_true", help="run the model-zoo benchmark instead of one model")
@@ -118,6 +126,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         from opfuse.cli_package import cmd_bench_package
 
         return cmd_bench_package(args, console)
+    if args.generate:
+        return _bench_generate(args, console)
 
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = sorted(set(contenders) - set(CONTENDERS))
@@ -159,6 +169,59 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     for label, message in failed.items():
         error("bench", f"{CONTENDER_LABELS[label]} failed on {workload}: {message}")
     return EXIT_MODEL_ERROR if failed else EXIT_OK
+
+
+def _bench_generate(args: argparse.Namespace, console: Console) -> int:
+    """`opfuse bench MODEL --generate`: opfuse.bench.generation's contenders on a built-in decoder."""
+    from opfuse.bench.generation import CONTENDERS, GENERATION_MODELS
+
+    if args.model not in GENERATION_MODELS:
+        error("bench", f"--generate times a built-in decoder: {', '.join(GENERATION_MODELS)}; got {args.model!r}")
+        return EXIT_USAGE
+    names = {c.strip() for c in args.contenders.split(",")} & set(CONTENDERS) | {"eager"}
+    if args.prompt < 1 or args.new < 2:
+        error("bench", f"--prompt must be at least 1 and --new at least 2, got {args.prompt} and {args.new}")
+        return EXIT_USAGE
+    if not _writable(args.json):
+        return EXIT_USAGE
+    problem = gpu_problem()
+    if problem is not None:
+        error("bench", f"--generate needs an NVIDIA GPU: {problem} (exit code {EXIT_NEEDS_GPU})")
+        return EXIT_NEEDS_GPU
+    from opfuse.bench.generation import llama, run_generation
+    from opfuse.bench.harness import environment
+    from opfuse.ir.graph import dtype_name, torch_dtype
+
+    with _progress(args) as progress:
+        progress.add_task(f"{args.model}: compiling, warming and timing {', '.join(sorted(names))}", total=None)
+        model = llama(args.model, "cuda", torch_dtype(dtype_name(args.dtype)))
+        result = run_generation(model, args.batch, args.prompt, args.new, names, args.tune_top)
+    write_json(args.json, {"env": environment(), "model": args.model, "results": [result]})
+    if not args.quiet:
+        console.print(generation_table(args.model, result))
+    return EXIT_OK
+
+
+def generation_table(model: str, result: dict) -> Table:
+    """One line per contender of a `run_generation` result, and opfuse's decode step: bytes, launches."""
+    title = (f"{model}: batch {result['batch']}, prompt {result['prompt']}, {result['new']} new tokens "
+             "(greedy; decode steps timed in interleaved rounds)")
+    table = Table(title=title)
+    for column in ("contender", "time to first token (ms)", "decode step (ms)", "tokens/s", "bytes per step / time",
+                   "of the GPU's bandwidth", "tokens equal to eager's"):
+        table.add_column(column, justify="left" if column == "contender" else "right")
+    for name, row in result["contenders"].items():
+        table.add_row(name, _ms(row["ttft_ms"]), _ms(row["step_ms"]),
+                      "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:.1f}",
+                      "-" if row["gb_per_s"] is None else f"{row['gb_per_s']:.1f} GB/s",
+                      _share(row["share_of_bandwidth"]), f"{row['greedy_equal_eager_tokens']} of {result['new']}")
+    report = result.get("decode_report") or {}
+    if report:
+        table.caption = (f"opfuse's decode step: {human_bytes(report['weight_bytes'])} of weights and "
+                         f"{human_bytes(report['cache_bytes_needed'])} of cache to read at position "
+                         f"{report['position']}, {report['launches']} launches, predicted "
+                         f"{human_time(report['predicted_s'])}")
+    return table
 
 
 def _bench_zoo(args: argparse.Namespace) -> int:

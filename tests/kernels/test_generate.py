@@ -136,3 +136,32 @@ def test_the_decode_report_counts_weights_and_cache_per_step(llama):
     bandwidth = generator.step.analysis.hardware.memory_bandwidth
     assert report["bandwidth_floor_s"] == pytest.approx((report["weight_bytes"] + per_position * 8) / bandwidth)
     assert report["measured_s"] is None and report["share_of_bandwidth_floor"] is None     # no GPU timed it
+
+
+def test_opfuse_bench_generate_times_each_contender_and_counts_the_tokens_equal_to_eagers(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """`opfuse bench llama-tiny --generate` end to end, its GPU parts on the CPU (the model built there, the
+    interpreter running the kernels, the environment faked; torch.compile's contender needs a GPU, so opfuse and
+    eager alone)."""
+    import json
+
+    from opfuse.bench import cli_bench, generation, harness
+    from opfuse.cli import main
+
+    build = generation.llama
+    monkeypatch.setattr(cli_bench, "gpu_problem", lambda: None)
+    monkeypatch.setattr(harness, "environment", lambda: {"gpu": "none: the CPU"})
+    monkeypatch.setattr(generation, "llama", lambda name, device, dtype: build(name, "cpu", torch.float32))
+    out = tmp_path / "generate.json"
+    assert main(["bench", "llama-tiny", "--generate", "--prompt", "5", "--new", "3", "--dtype", "fp32",
+                 "--tune-top", "0", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["results"][0]
+    assert (result["batch"], result["prompt"], result["new"]) == (1, 5, 3)
+    assert set(result["contenders"]) == {"opfuse", "eager"}
+    for row in result["contenders"].values():
+        assert row["ttft_ms"] > 0 and row["step_ms"] > 0 and row["greedy_equal_eager_tokens"] == 3
+        assert row["tokens_per_s"] == pytest.approx(1e3 / row["step_ms"])
+    report = result["decode_report"]
+    assert report["launches"] > 0 and report["weight_bytes"] > 0 and report["position"] == 5 + 3 // 2
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "llama-tiny: batch 1, prompt 5, 3 new tokens" in printed and "launches" in printed
