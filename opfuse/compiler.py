@@ -67,8 +67,12 @@ def compile(model: Any, example_inputs: Sequence[torch.Tensor],
     example_inputs = tuple(example_inputs)
     if isinstance(model, torch.nn.Module):
         warn_if_training(model)
-    elif dynamic_shapes is not None:
-        raise GraphError("dynamic_shapes takes an nn.Module; an ONNX model is imported at one shape")
+    elif dynamic_shapes is not None:        # an ONNX model, imported at each bucket's sizes
+        from opfuse.frontend.onnx_compile import input_names
+        from opfuse.runtime.dynamic import DynamicModel, parse_dynamic_shapes
+
+        dims = parse_dynamic_shapes(dynamic_shapes, example_inputs, names=input_names(model))
+        return DynamicModel(model, example_inputs, resolve_dtype(config, example_inputs), dims, quiet)
     else:   # inputs that fix a shape are read as constants from the examples, checked at each call
         from opfuse.frontend.onnx_compile import compile_onnx
 

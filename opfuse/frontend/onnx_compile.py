@@ -26,6 +26,13 @@ from opfuse.frontend.onnx_import import OnnxSource, _read_model, describe_source
 from opfuse.ir.graph import GraphError
 
 
+def input_names(source: OnnxSource) -> list[str]:
+    """The names of the model's inputs that are no initializers, in order (what a call passes)."""
+    model = _read_model(source)
+    initializers = {t.name for t in model.graph.initializer}
+    return [v.name for v in model.graph.input if v.name not in initializers]
+
+
 def constant_inputs(model: onnx.ModelProto) -> list[int]:
     """The positions, among the model's inputs that are not initializers, of those read as constants."""
     initializers = {t.name for t in model.graph.initializer}

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 import numpy as np
 import onnx
@@ -85,14 +85,19 @@ def check_runnable(graph: Graph, opset: int, where: str) -> None:
         raise UnsupportedOnnxNode(where, op_type, node.source or node.name, opset, reason)
 
 
-def load_onnx(source: OnnxSource, batch: int | None = None, runnable: bool = False) -> Graph:
+def load_onnx(source: OnnxSource, batch: int | None = None, runnable: bool = False,
+              shapes: Sequence[Sequence[int]] | None = None) -> Graph:
     """The IR graph of an ONNX model (a file's path, its bytes or an onnx.ModelProto); a symbolic first dim of an
-    input becomes `batch` (default 1). With `runnable`, a node opfuse cannot run is an `UnsupportedOnnxNode`
-    error; without, an opaque node (it can be analysed)."""
+    input becomes `batch` (default 1), or, with `shapes` (one per graph input that is no initializer: the example
+    inputs'), every symbolic dim becomes the example's size (`_pin_dims`). With `runnable`, a node opfuse cannot
+    run is an `UnsupportedOnnxNode` error; without, an opaque node (it can be analysed)."""
     path = describe_source(source)
     batch = 1 if batch is None else int(batch)
     model = _read_model(source)
-    _fix_batch_dim(model, path, batch)
+    if shapes is not None:
+        _pin_dims(model, path, shapes)
+    else:
+        _fix_batch_dim(model, path, batch)
     model = _infer_shapes(model, path)
     graph = Importer(model, path).run()
     if runnable:
@@ -202,6 +207,36 @@ def _fix_batch_dim(model: onnx.ModelProto, path: str, batch: int) -> None:
         for dim in value.type.tensor_type.shape.dim:
             if dim.HasField("dim_param") and dim.dim_param in batch_names:
                 dim.dim_value = batch
+
+
+def _pin_dims(model: onnx.ModelProto, path: str, shapes: Sequence[Sequence[int]]) -> None:
+    """Give every symbolic dim of the graph inputs the size of their examples' (`shapes`, in the order of the
+    inputs that are no initializers); inputs naming one symbolic dim (dim_param) must agree on it, and outputs and
+    value_info naming it take it too. Fixed dims are left for the caller to compare with the examples."""
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = [v for v in model.graph.input if v.name not in initializers]
+    if len(shapes) != len(inputs):
+        raise GraphError(f"{path}: the model takes {len(inputs)} inputs ({', '.join(v.name for v in inputs)}), "
+                         f"{len(shapes)} example inputs given")
+    sizes: dict[str, int] = {}
+    for value, shape in zip(inputs, shapes):
+        if not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
+            raise GraphError(f"{path}: input {value.name!r} has no tensor shape; export it with a fixed shape")
+        dims = value.type.tensor_type.shape.dim
+        if len(dims) != len(shape):
+            continue            # the caller compares the example with the input's type, and names both
+        for axis, (dim, size) in enumerate(zip(dims, shape)):
+            if dim.HasField("dim_value"):
+                continue
+            if dim.dim_param:
+                if sizes.setdefault(dim.dim_param, size) != size:
+                    raise GraphError(f"{path}: inputs disagree on {dim.dim_param!r}: {sizes[dim.dim_param]} and "
+                                     f"{size} (input {value.name!r} dim {axis})")
+            dim.dim_value = int(size)
+    for value in [*model.graph.output, *model.graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param") and dim.dim_param in sizes:
+                dim.dim_value = sizes[dim.dim_param]
 
 
 def _static_type(value: onnx.ValueInfoProto) -> TensorType | None:

@@ -43,15 +43,17 @@ class OnnxModule(torch.nn.Module):
 
 def onnx_module(source: OnnxSource, example_inputs: Sequence[torch.Tensor] = (), batch: int | None = None
                 ) -> OnnxModule:
-    """The module of an ONNX model (path, bytes or ModelProto); a symbolic batch dim takes the first example
-    input's (else `batch`), and the example inputs must match the model's inputs, each named where not."""
+    """The module of an ONNX model (path, bytes or ModelProto); every symbolic dim of its inputs takes the size of
+    the example inputs' (without them, a symbolic first dim takes `batch`), and the example inputs must match the
+    model's inputs, each named where not."""
     where = describe_source(source)
+    shapes = None
     if example_inputs:
-        first = example_inputs[0]
-        if not isinstance(first, torch.Tensor) or first.dim() == 0:
-            raise GraphError(f"{where}: example inputs must be tensors with a batch dimension")
-        batch = first.shape[0]
-    graph = load_onnx(source, batch=batch, runnable=True)   # a node it cannot run: an error naming it
+        for index, x in enumerate(example_inputs):
+            if not isinstance(x, torch.Tensor):
+                raise GraphError(f"{where}: example input {index} must be a tensor, got {type(x).__name__}")
+        shapes = [tuple(x.shape) for x in example_inputs]
+    graph = load_onnx(source, batch=batch, runnable=True, shapes=shapes)   # a node it cannot run: an error naming it
     expected = graph.input_nodes
     if example_inputs:
         if len(example_inputs) != len(expected):

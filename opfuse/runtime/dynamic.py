@@ -69,13 +69,14 @@ def bucket_of(dim: DynamicDim, size: int) -> int:
 
 
 def parse_dynamic_shapes(dynamic_shapes: Any, example_inputs: Sequence[torch.Tensor],
-                         forward: Callable[..., Any] | None = None) -> list[DynamicDim]:
+                         forward: Callable[..., Any] | None = None, names: Sequence[str] | None = None
+                         ) -> list[DynamicDim]:
     """The dynamic dims `dynamic_shapes` declares (module docstring) for these example inputs (a list of DynamicDims
     as is: the dynamo backend's); GraphError naming the input where it is not something this reads, or where an
     example lies outside a range."""
     if isinstance(dynamic_shapes, list) and all(isinstance(d, DynamicDim) for d in dynamic_shapes):
         return dynamic_shapes
-    per_input = _per_input(dynamic_shapes, len(example_inputs), forward)
+    per_input = _per_input(dynamic_shapes, len(example_inputs), forward, names)
     found: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
     for index, spec in enumerate(per_input):
         if spec is None:
@@ -111,13 +112,18 @@ def parse_dynamic_shapes(dynamic_shapes: Any, example_inputs: Sequence[torch.Ten
     return dims
 
 
-def _per_input(dynamic_shapes: Any, count: int, forward: Callable[..., Any] | None) -> list[Any]:
+def _per_input(dynamic_shapes: Any, count: int, forward: Callable[..., Any] | None,
+               names: Sequence[str] | None = None) -> list[Any]:
+    """One spec per input: `dynamic_shapes` as a sequence, or a dict by the inputs' `names` (by default the
+    forward's arguments)."""
     if isinstance(dynamic_shapes, Mapping):
-        names = list(inspect.signature(forward).parameters) if forward is not None else []
+        what = "the model's inputs" if names is not None else f"the forward's first {count} arguments"
+        names = list(names) if names is not None else \
+            list(inspect.signature(forward).parameters) if forward is not None else []
         unknown = [key for key in dynamic_shapes if key not in names[:count]]
         if unknown:
-            raise GraphError(f"dynamic_shapes names {unknown[0]!r}, which is not one of the forward's first {count} "
-                             f"arguments ({', '.join(names[:count])})")
+            raise GraphError(f"dynamic_shapes names {unknown[0]!r}, which is not one of {what} "
+                             f"({', '.join(names[:count])})")
         return [dynamic_shapes.get(name) for name in names[:count]]
     if isinstance(dynamic_shapes, (list, tuple)) and len(dynamic_shapes) == count:
         return list(dynamic_shapes)
@@ -259,7 +265,9 @@ class DynamicModel(torch.nn.Module):
 
         if not dims:
             raise GraphError("dynamic_shapes declares no dynamic dim: compile without it")
-        self.__dict__["_eager"] = eager_copy(model)     # a plain attribute: .to()/.half() never reach it
+        # a plain attribute: .to()/.half() never reach it; an ONNX model (path, bytes, ModelProto) is imported at each
+        # bucket's sizes
+        self.__dict__["_eager"] = eager_copy(model) if isinstance(model, torch.nn.Module) else model
         self.examples = [x.detach() for x in example_inputs]
         self.config = replace(config, recompile=False)
         self.dims = list(dims)

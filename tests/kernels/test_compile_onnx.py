@@ -170,3 +170,38 @@ def test_an_empty_input_read_only_for_its_type_is_no_example_input_and_a_plain_m
     assert y.dtype == torch.float64 and torch.equal(y, x.double().relu())
     plain = compile_onnx(small_cnn(), (torch.randn(2, 3, 8, 8),), opfuse.FusionConfig(dtype="float32"))
     assert type(plain).__name__ == "OpfuseModule" and plain.compiled.kernels
+
+
+def tokens_model(softmax_axis: int) -> onnx.ModelProto:
+    """x [batch, seq, 8] (both symbolic) -> MatMul by a weight, Add, Softmax over `softmax_axis`."""
+    rng = np.random.default_rng(1)
+    weights = {"w": rng.standard_normal((8, 8)).astype(np.float32) * 0.5, "b": rng.standard_normal(8).astype(np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["a"]),
+             helper.make_node("Softmax", ["a"], ["y"], axis=softmax_axis)]
+    graph = helper.make_graph(nodes, "tokens", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                              ["batch", "seq", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 8])],
+                              initializer=[numpy_helper.from_array(a, n) for n, a in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("softmax_axis, pads_seq", [(-1, True), (1, False)])
+def test_an_onnx_model_with_symbolic_dims_serves_their_ranges_from_one_compile(softmax_axis, pads_seq):
+    """dynamic_shapes by the ONNX input's name: each bucket is imported at its sizes; a call pads the sequence
+    only where the softmax keeps its positions apart, else runs its exact size; every call matches the reference."""
+    from torch.export import Dim
+
+    model = tokens_model(softmax_axis)
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"),
+                              dynamic_shapes={"x": {0: Dim("batch", max=4), 1: Dim("seq", max=16)}})
+    reference = ReferenceEvaluator(model)
+    for shape in [(3, 7, 8), (1, 16, 8), (2, 5, 8)]:
+        call = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
+        want = reference.run(None, {"x": call.numpy()})[0]
+        np.testing.assert_allclose(compiled(call).numpy(), want, rtol=1e-5, atol=1e-6)
+    bucket = compiled.buckets[(4, 8)]                   # the bucket of (3, 7)
+    if pads_seq:        # (3, 7) ran padded to it
+        assert not bucket.refused and (3, 7) not in compiled.buckets
+    else:               # the softmax over the sequence mixes its positions: (3, 7) compiled at its own sizes
+        assert list(bucket.refused) == ["seq"] and (3, 7) in compiled.buckets
