@@ -93,7 +93,7 @@ def compile(model: Any, example_inputs: Sequence[torch.Tensor],
 
 def _compile(model: torch.nn.Module, example_inputs: tuple, config: FusionConfig, quiet: bool) -> OpfuseModule:
     from opfuse.analysis import as_compiled
-    from opfuse.runtime.compiled import interpreter_alone
+    from opfuse.runtime.gate import interpreter_alone
     from opfuse.runtime.precompile import prefetch_triton_hash
 
     for index, x in enumerate(example_inputs):

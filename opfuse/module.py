@@ -30,7 +30,7 @@ class OpfuseModule(torch.nn.Module):
     def __init__(self, compiled: torch.nn.Module, analysis: Analysis, example_inputs: Sequence[torch.Tensor],
                  output_spec: Any, output_dtypes: list[torch.dtype], checks: list[GroupCheck],
                  end_to_end_error: float | None, seconds: dict[str, float], eager: torch.nn.Module | None = None):
-        from opfuse.runtime.compiled import CallLock
+        from opfuse.runtime.gate import CallLock
 
         super().__init__()
         self.compiled = compiled

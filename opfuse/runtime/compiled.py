@@ -17,24 +17,21 @@ call passed already in the compiled dtype and layout is its own static buffer (b
 it in place, so a caller that passes that very tensor again (whatever it wrote into it) pays no copy, as
 torch.compile's CUDA graphs skip inputs whose address they captured. The first call with any other tensor there (or
 with that tensor's storage moved or its strides changed in place) captures the graph again over private buffers,
-copied into from then on. A captured graph's kernel nodes are counted (`opfuse.runtime.graph_nodes`): from then on
-they are `launches`, library helper kernels included.
+copied into from then on (`opfuse.runtime.cuda_graph`). A captured graph's kernel nodes are counted
+(`opfuse.runtime.graph_nodes`): from then on they are `launches`, library helper kernels included.
 
-Calls are thread-safe: they serialise on the model's lock (`call_lock`), which covers a whole run (the eager path,
-the warm-up, the capture, and a replay with its copies in and out), so two calls never share the static buffers.
-Through Triton's CPU interpreter every model shares one lock. For parallel throughput, use one compiled model per
-stream, device or process.
+Calls are thread-safe: they serialise on the model's lock (`opfuse.runtime.gate.call_lock`), which covers a whole
+run (the eager path, the warm-up, the capture, and a replay with its copies in and out), so two calls never share
+the static buffers; a capture also waits for every other compiled model's calls and holds them back
+(`opfuse.runtime.gate.CAPTURE_GATE`). Through Triton's CPU interpreter every model shares one lock. For parallel
+throughput, use one compiled model per stream, device or process.
 
 `build_compiled_model(plan, device, example_inputs)` is the whole runtime stage: lower, build, autotune.
 """
 
 from __future__ import annotations
 
-import _thread
-import contextlib
-import statistics
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -43,17 +40,15 @@ import torch
 from opfuse.codegen.base import GroupKernel, KernelConfig, recording_launches
 from opfuse.codegen.lower import choose_lowering, lower_plan
 from opfuse.config import FusionConfig
-from opfuse.environment import triton_interpreter
 from opfuse.fusion.plan import FusionGroup, FusionPlan
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 from opfuse.ir.interpret import device_constants, launches_of
 from opfuse.ir.ops import get_op, launches_kernel
-from opfuse.runtime.autotune import (Compiling, every_choice_cached, kernel_inputs, out_of_resources,
-                                     recover_rng_after_failed_capture, tune, tunes)
+from opfuse.runtime.autotune import Compiling, every_choice_cached, kernel_inputs, out_of_resources, tune, tunes
 from opfuse.runtime.cache import TuningCache
-from opfuse.runtime.gate import CAPTURE_GATE
-from opfuse.runtime.graph_nodes import kept_graph, kernel_nodes, ready
+from opfuse.runtime.cuda_graph import CudaGraphReplay
+from opfuse.runtime.gate import CAPTURE_GATE, call_lock
 from opfuse.runtime.precompile import active_pool, compile_pool, workers_of
 
 
@@ -120,42 +115,7 @@ def input_form(spec: InputSpec) -> tuple[torch.dtype | None, torch.memory_format
     return dtype, torch.channels_last if len(spec.type.shape) == 4 else torch.preserve_format
 
 
-class CallLock(_thread.RLock):
-    """The lock a compiled model's calls take (reentrant: a thread holding it may call a model that takes it again,
-    as a compile through the interpreter does); a copy of the model (deepcopy, pickle) gets a lock of its own, as a
-    lock cannot be copied."""
-
-    def __reduce__(self):
-        return CallLock, ()
-
-
-class _InterpreterLock(CallLock):
-    """The one lock of every model whose kernels Triton's CPU interpreter runs; a copy of a model shares it too."""
-
-    def __reduce__(self):
-        return "INTERPRETER_LOCK"     # a module global: copy and pickle keep the object itself
-
-
-# Triton's interpreter patches triton.language's globals around every kernel it runs, so two kernels interpreted at
-# once break each other ("Did you forget to add @triton.jit ?") whichever models they belong to
-INTERPRETER_LOCK = _InterpreterLock()
-
-
-def call_lock() -> CallLock:
-    """A new model's call lock: its own, or `INTERPRETER_LOCK` where Triton's CPU interpreter runs the kernels."""
-    return INTERPRETER_LOCK if triton_interpreter() else CallLock()
-
-
-def interpreter_alone() -> Any:
-    """A context in which no other thread runs kernels through Triton's CPU interpreter (a compile's tuning and
-    verification run kernels outside any model's call); nothing where the interpreter is off."""
-    return INTERPRETER_LOCK if triton_interpreter() else contextlib.nullcontext()
-
-
-FORWARD_REPLAYS = 10    # timed replays of the forward `measure_forward` takes the median of
-
-
-class CompiledModel(torch.nn.Module):
+class CompiledModel(CudaGraphReplay, torch.nn.Module):
     """A fusion plan's kernels, run in plan order (see module docstring)."""
 
     def __init__(self, plan: FusionPlan, kernels: Mapping[str, GroupKernel | None], device: torch.device | str,
@@ -541,130 +501,6 @@ class CompiledModel(torch.nn.Module):
                         if values[name].untyped_storage().data_ptr() not in given:
                             values[name].zero_()
         return values
-
-    # ---- CUDA graph ---------------------------------------------------------------------------------------
-    def _reset_cuda_graph(self) -> None:
-        self._cuda_graph = None
-        self._graph_launches: int | None = None     # the kernel nodes of the last graph captured or counted
-        self._static_inputs: list[torch.Tensor] = []
-        self._static_outputs: list[torch.Tensor] = []
-        # per input: (address, strides) of a borrowed caller's tensor as captured, else None
-        self._borrowed: list[tuple[int, tuple[int, ...]] | None] = []
-        self._eager_calls = 0
-        self._borrow_inputs = True     # off once a call passed another tensor where a borrowed one was
-
-    @property
-    def static_inputs(self) -> tuple[torch.Tensor, ...]:
-        """The captured CUDA graph's input buffers (none before the capture): a caller that writes its next inputs
-        into them in place and passes them saves the copy in."""
-        return tuple(self._static_inputs)
-
-    def _run_cuda_graph(self, inputs: list[torch.Tensor], own: list[bool]) -> list[torch.Tensor]:
-        """The warm-up calls, then the capture (inputs prepared; `own`: which of them are the caller's tensors, which
-        the graph may borrow); `_replay` runs every call after it."""
-        if self._eager_calls < self.cuda_graph_warmup:   # compiles the Triton kernels outside any capture
-            self._eager_calls += 1
-            return self._execute(inputs)
-        graph = kept_graph()
-        try:
-            self._capture(graph, inputs, [mine and self._borrow_inputs for mine in own])
-        except Exception as error:   # e.g. an opaque op that syncs with the host
-            self._recover_from_failed_capture(graph)
-            self.cuda_graph_error = f"CUDA graph capture failed, running eagerly: {error}"
-            warnings.warn(f"opfuse: {self.cuda_graph_error}", stacklevel=4)
-            self._reset_cuda_graph()
-            return self._execute(inputs)
-        return self._replay(self._static_inputs)
-
-    def _replays(self, inputs: Sequence[torch.Tensor]) -> bool:
-        """Whether the captured graph replays these inputs as they are (no borrowed input moved: `_replay`)."""
-        return all(where is None or (x is static and x.data_ptr() == where[0] and x.stride() == where[1])
-                   for static, x, where in zip(self._static_inputs, inputs, self._borrowed))
-
-    def _replay(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """One replay on these inputs (shape and device checked). `copy_` casts and lays out as it copies, so an
-        input needs no preparing first; one that is its static buffer is not copied at all. Another tensor where a
-        borrowed one was (or the borrowed one with its storage moved or restrided) captures again over private
-        buffers."""
-        for static, x, where in zip(self._static_inputs, inputs, self._borrowed):
-            if where is not None:    # the very tensor, at the address and with the strides captured
-                if x is not static or x.data_ptr() != where[0] or x.stride() != where[1]:
-                    return self._capture_private(inputs)
-            elif x is not static:
-                static.copy_(x)
-        self._cuda_graph.replay()
-        # the static outputs are overwritten by the next replay: the caller gets its own copies
-        return [out.clone() for out in self._static_outputs]
-
-    def _capture_private(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Capture again, every input in a private buffer (the borrowing graph is dropped), and run this call."""
-        self._reset_cuda_graph()
-        self._borrow_inputs = False
-        self._eager_calls = self.cuda_graph_warmup     # the kernels are compiled: no warm-up again
-        prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
-        return self._run_cuda_graph(prepared, [False] * len(prepared))
-
-    @staticmethod
-    def _static_buffers(inputs: Sequence[torch.Tensor], borrow: Sequence[bool]) -> list[torch.Tensor]:
-        """The graph's input buffers: a borrowed input itself, any other a clone (which keeps the channels-last
-        strides of dense inputs)."""
-        return [x if keep else x.clone() for x, keep in zip(inputs, borrow)]
-
-    def _captured(self, graph: Any, static: list[torch.Tensor], outputs: list[torch.Tensor],
-                  borrow: Sequence[bool]) -> None:
-        self._cuda_graph, self._static_inputs, self._static_outputs = graph, static, outputs
-        self._borrowed = [(x.data_ptr(), x.stride()) if keep else None for x, keep in zip(static, borrow)]
-
-    def _capture(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], borrow: list[bool]) -> None:
-        static = self._static_buffers(inputs, borrow)
-        outputs = self._record(graph, static)
-        ready(graph)
-        self._captured(graph, static, outputs, borrow)
-
-    def _record(self, graph: torch.cuda.CUDAGraph, static: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Capture the forward on the buffers `static` into `graph` and count its kernels (`_graph_launches`)."""
-        # one eager run on exactly these buffers, so no kernel is compiled for new strides during the capture
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._execute(static)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        # thread_local: another thread's CUDA calls (another model's warm-up allocating, a synchronize) do not
-        # invalidate this capture, as under the default "global" mode; this thread makes none while it captures
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = self._execute(static)
-        self._graph_launches = kernel_nodes(graph)
-        return outputs
-
-    def measure_forward(self, inputs: Sequence[torch.Tensor]) -> None:
-        """Capture one forward on these inputs into a CUDA graph of its own, count its kernel nodes (`launches`)
-        and time its replays (`forward_ms`: the median of FORWARD_REPLAYS, each from an idle GPU after one untimed
-        replay, as the zoo benchmark times a bare replay), then drop it. The compile does this, so that the record
-        `opfuse.analyze` reads says what a replay launches and how long it took there. Nothing is measured where the
-        model runs without CUDA graphs or the capture fails (`launches` stays the estimate; the first call then
-        captures, and reports a failure, as ever)."""
-        if not self.use_cuda_graph or self.cuda_graph_error is not None:
-            return
-        with torch.no_grad():                 # as a call runs the forward (`run_matching`)
-            prepared = [self._prepare(x, form) for x, form in zip(inputs, self._input_forms)]
-            graph = kept_graph()
-            try:
-                with CAPTURE_GATE.exclusive():
-                    self._record(graph, self._static_buffers(prepared, [False] * len(prepared)))
-            except Exception:
-                self._recover_from_failed_capture(graph)
-                return
-        from opfuse.bench.timing import time_once    # the zoo's clock for one call from an idle GPU
-
-        ready(graph)
-        graph.replay()
-        self.forward_ms = statistics.median(time_once(graph.replay, cuda=True) for _ in range(FORWARD_REPLAYS))
-
-    def _recover_from_failed_capture(self, graph: torch.cuda.CUDAGraph) -> None:
-        """Undo what a capture that raised leaves behind in PyTorch (`recover_rng_after_failed_capture`). The
-        allocator may still hold a pool filter that refers to the graph object, so it is kept alive."""
-        self._failed_captures.append(graph)
-        recover_rng_after_failed_capture(self.device.index)
 
     def extra_repr(self) -> str:
         return (f"graph={self.graph.name}, device={self.device}, kernels={len(self.kernels)}, "

@@ -1,10 +1,15 @@
-"""The process-wide gate between CUDA graph captures and every other GPU call of opfuse's models."""
+"""What keeps a compiled model's calls apart: each model's call lock (`call_lock`: one for every model through Triton's
+CPU interpreter), and the process-wide gate between CUDA graph captures and every other call (`CAPTURE_GATE`)."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import threading
 from collections import Counter
+from typing import Any
+
+from opfuse.environment import triton_interpreter
 
 
 class CaptureGate:
@@ -69,3 +74,35 @@ class CaptureGate:
 
 
 CAPTURE_GATE = CaptureGate()
+
+
+class CallLock(_thread.RLock):
+    """The lock a compiled model's calls take (reentrant: a thread holding it may call a model that takes it again,
+    as a compile through the interpreter does); a copy of the model (deepcopy, pickle) gets a lock of its own, as a
+    lock cannot be copied."""
+
+    def __reduce__(self):
+        return CallLock, ()
+
+
+class _InterpreterLock(CallLock):
+    """The one lock of every model whose kernels Triton's CPU interpreter runs; a copy of a model shares it too."""
+
+    def __reduce__(self):
+        return "INTERPRETER_LOCK"     # a module global: copy and pickle keep the object itself
+
+
+# Triton's interpreter patches triton.language's globals around every kernel it runs, so two kernels interpreted at
+# once break each other ("Did you forget to add @triton.jit ?") whichever models they belong to
+INTERPRETER_LOCK = _InterpreterLock()
+
+
+def call_lock() -> CallLock:
+    """A new model's call lock: its own, or `INTERPRETER_LOCK` where Triton's CPU interpreter runs the kernels."""
+    return INTERPRETER_LOCK if triton_interpreter() else CallLock()
+
+
+def interpreter_alone() -> Any:
+    """A context in which no other thread runs kernels through Triton's CPU interpreter (a compile's tuning and
+    verification run kernels outside any model's call); nothing where the interpreter is off."""
+    return INTERPRETER_LOCK if triton_interpreter() else contextlib.nullcontext()

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from opfuse.runtime.compiled import INTERPRETER_LOCK, CallLock
+from opfuse.runtime.gate import INTERPRETER_LOCK, CallLock
 from tests.unit.test_call_path import (CpuGraph, cpu_graphs, expected, graphed_model, inputs,  # noqa: F401 (a fixture)
                                        plain_model)
 
