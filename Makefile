@@ -20,7 +20,7 @@ demo: setup
 	$(VENV)/bin/opfuse analyze resnet50 --batch 64
 
 # the default run leaves out the tests marked slow (about 5 minutes on 2 cores: README.md); CI runs every test
-# without a GPU (about 15 minutes): make test TEST_MARKERS="not gpu"
+# without a GPU (about 20 minutes): make test TEST_MARKERS="not gpu"
 TEST_MARKERS ?= not gpu and not slow
 
 test: setup
