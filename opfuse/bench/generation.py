@@ -21,10 +21,11 @@ leading tokens equal to eager's.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
+
+from opfuse.bench.timing import time_once
 
 GENERATION_MODELS = {
     "llama-1.1b": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
@@ -44,20 +45,6 @@ def llama(name: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
         model = T.LlamaForCausalLM(T.LlamaConfig(**GENERATION_MODELS[name], initializer_range=0.02)).eval()
     model.generation_config.eos_token_id = None
     return model.to(device, dtype)
-
-
-def elapsed_ms(fn: Callable[[], object], device: str) -> float:
-    """Milliseconds of one call: CUDA events on a GPU, the wall clock elsewhere."""
-    if device != "cuda":
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end)
 
 
 class Decoding:
@@ -118,10 +105,10 @@ def run_generation(model: torch.nn.Module, batch: int, prompt: int, new: int,
             for position in range(prompt, prompt + min(3, new - 1)):
                 contender.next(position)
         for contender in found:
-            first_ms[contender.name] = elapsed_ms(lambda: contender.first(ids), device)
+            first_ms[contender.name] = time_once(lambda: contender.first(ids), device == "cuda")
         for position in range(prompt, prompt + new - 1):    # rounds interleaved: a step of each in turn
             for contender in found:
-                step_ms[contender.name].append(elapsed_ms(lambda: contender.next(position), device))
+                step_ms[contender.name].append(time_once(lambda: contender.next(position), device == "cuda"))
     must_move, bandwidth, report = _bytes_and_bandwidth(model, generator, prompt + new // 2, device)
     reference = torch.stack(next(c for c in found if c.name == "eager").tokens, 1)
     result: dict[str, Any] = {"batch": batch, "prompt": prompt, "new": new, "contenders": {},
