@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from opfuse.cli import EXIT_NEEDS_GPU, EXIT_OK, EXIT_USAGE, _writable, error, human_bytes, load_model, write_json
+from opfuse.cli import EXIT_OK, EXIT_USAGE, _writable, error, human_bytes, load_model, write_json
 
 
 def batch_list(text: str) -> list[int]:
@@ -164,14 +164,11 @@ def cmd_compile(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_bench_package(args: argparse.Namespace, console: Console) -> int:
     """`opfuse bench model.opfuse`: load time, first call and median call at each batch size held."""
-    from opfuse.bench.cli_bench import gpu_problem
+    from opfuse.bench.cli_bench import preflight
 
-    if not _writable(args.json):
-        return EXIT_USAGE
-    problem = gpu_problem()
-    if problem is not None:
-        error("bench", f"needs an NVIDIA GPU: {problem} (exit code {EXIT_NEEDS_GPU})")
-        return EXIT_NEEDS_GPU
+    stop = preflight(args, args.json, analyzable=False)
+    if stop is not None:
+        return stop
     import torch
 
     import opfuse

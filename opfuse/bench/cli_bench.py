@@ -45,14 +45,15 @@ def gpu_problem() -> str | None:
     return None
 
 
-def _preflight(args: argparse.Namespace, *outputs: str | None) -> int | None:
-    """The exit code that stops the command before any work (usage, then GPU), or None to go on."""
+def preflight(args: argparse.Namespace, *outputs: str | None, analyzable: bool = True) -> int | None:
+    """The exit code that stops the command before any work (usage, then GPU), or None to go on; without a GPU the
+    error points at `opfuse analyze` where that predicts the same model (`analyzable`)."""
     if not _writable(*outputs):
         return EXIT_USAGE
     problem = gpu_problem()
     if problem is not None:
-        error(args.command, f"needs an NVIDIA GPU: {problem} (exit code {EXIT_NEEDS_GPU}); "
-                            f"`opfuse analyze {args.model}` predicts the same model without one")
+        hint = f"; `opfuse analyze {args.model}` predicts the same model without one" if analyzable else ""
+        error(args.command, f"needs an NVIDIA GPU: {problem} (exit code {EXIT_NEEDS_GPU}){hint}")
         return EXIT_NEEDS_GPU
     return None
 
@@ -134,7 +135,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     if unknown or not contenders:
         error("bench", f"unknown contenders {unknown}; choose among {', '.join(CONTENDERS)}")
         return EXIT_USAGE
-    stop = _preflight(args, args.json)
+    stop = preflight(args, args.json)
     if stop is not None:
         return stop
 
@@ -182,12 +183,9 @@ def _bench_generate(args: argparse.Namespace, console: Console) -> int:
     if args.prompt < 1 or args.new < 2:
         error("bench", f"--prompt must be at least 1 and --new at least 2, got {args.prompt} and {args.new}")
         return EXIT_USAGE
-    if not _writable(args.json):
-        return EXIT_USAGE
-    problem = gpu_problem()
-    if problem is not None:
-        error("bench", f"--generate needs an NVIDIA GPU: {problem} (exit code {EXIT_NEEDS_GPU})")
-        return EXIT_NEEDS_GPU
+    stop = preflight(args, args.json, analyzable=False)
+    if stop is not None:
+        return stop
     from opfuse.bench.generation import llama, run_generation
     from opfuse.bench.harness import environment
     from opfuse.ir.graph import dtype_name, torch_dtype
@@ -341,7 +339,7 @@ def profile_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_profile(args: argparse.Namespace, console: Console) -> int:
-    stop = _preflight(args, args.json, args.html)
+    stop = preflight(args, args.json, args.html)
     if stop is not None:
         return stop
 
