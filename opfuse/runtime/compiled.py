@@ -330,7 +330,7 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
         with self._lock:
             if self._cuda_graph is not None and self._replays(inputs):
                 with CAPTURE_GATE.shared():
-                    return self._replay(inputs)
+                    return self._replay_as_captured(inputs)
             if self.use_cuda_graph and self.cuda_graph_error is None:     # warm-up or (re)capture: alone
                 with CAPTURE_GATE.exclusive():
                     if self._cuda_graph is not None:

@@ -55,20 +55,23 @@ class CudaGraphReplay:
         return self._replay(self._static_inputs)
 
     def _replays(self, inputs: Sequence[torch.Tensor]) -> bool:
-        """Whether the captured graph replays these inputs as they are (no borrowed input moved: `_replay`)."""
+        """Whether the captured graph replays these inputs as they are: each borrowed input the very tensor, at the
+        address and with the strides captured."""
         return all(where is None or (x is static and x.data_ptr() == where[0] and x.stride() == where[1])
                    for static, x, where in zip(self._static_inputs, inputs, self._borrowed))
 
     def _replay(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """One replay on these inputs (shape and device checked). `copy_` casts and lays out as it copies, so an
-        input needs no preparing first; one that is its static buffer is not copied at all. Another tensor where a
-        borrowed one was (or the borrowed one with its storage moved or restrided) captures again over private
-        buffers."""
-        for static, x, where in zip(self._static_inputs, inputs, self._borrowed):
-            if where is not None:    # the very tensor, at the address and with the strides captured
-                if x is not static or x.data_ptr() != where[0] or x.stride() != where[1]:
-                    return self._capture_private(inputs)
-            elif x is not static:
+        """One replay on these inputs (shape and device checked); another tensor where a borrowed one was (or the
+        borrowed one with its storage moved or restrided) captures again over private buffers."""
+        if not self._replays(inputs):
+            return self._capture_private(inputs)
+        return self._replay_as_captured(inputs)
+
+    def _replay_as_captured(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """One replay on inputs `_replays` accepts. `copy_` casts and lays out as it copies, so an input needs no
+        preparing first; one that is its static buffer (a borrowed one always is) is not copied at all."""
+        for static, x in zip(self._static_inputs, inputs):
+            if x is not static:
                 static.copy_(x)
         self._cuda_graph.replay()
         # the static outputs are overwritten by the next replay: the caller gets its own copies
