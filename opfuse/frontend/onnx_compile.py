@@ -22,21 +22,18 @@ import torch
 from onnx import numpy_helper
 
 from opfuse.frontend.onnx_backend import check_constant_input, shape_inputs_of
-from opfuse.frontend.onnx_import import OnnxSource, _read_model, describe_source
+from opfuse.frontend.onnx_import import OnnxSource, _read_model, describe_source, runtime_inputs
 from opfuse.ir.graph import GraphError
 
 
 def input_names(source: OnnxSource) -> list[str]:
     """The names of the model's inputs that are no initializers, in order (what a call passes)."""
-    model = _read_model(source)
-    initializers = {t.name for t in model.graph.initializer}
-    return [v.name for v in model.graph.input if v.name not in initializers]
+    return [v.name for v in runtime_inputs(_read_model(source))]
 
 
 def constant_inputs(model: onnx.ModelProto) -> list[int]:
     """The positions, among the model's inputs that are not initializers, of those read as constants."""
-    initializers = {t.name for t in model.graph.initializer}
-    names = [v.name for v in model.graph.input if v.name not in initializers]
+    names = [v.name for v in runtime_inputs(model)]
     read = set(shape_inputs_of(model))
     return [index for index, name in enumerate(names) if name in read]
 
@@ -70,8 +67,7 @@ def compile_onnx(source: OnnxSource, example_inputs: Sequence[torch.Tensor], con
     example_inputs = tuple(example_inputs)
     where = describe_source(source)
     model = _read_model(source)
-    initializers = {t.name for t in model.graph.initializer}
-    names = [v.name for v in model.graph.input if v.name not in initializers]
+    names = [v.name for v in runtime_inputs(model)]
     positions = constant_inputs(model)
     if not positions:
         module = onnx_module(source, example_inputs).eval()      # (errors name the file)

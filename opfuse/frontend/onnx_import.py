@@ -181,13 +181,24 @@ def _check_external_files(model: onnx.ModelProto, path: str) -> None:
                              f"which is missing (looked for {full}); copy it next to the model")
 
 
+def runtime_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """The graph inputs a call passes: those that are no initializers, in order."""
+    initializers = {t.name for t in model.graph.initializer}
+    return [v for v in model.graph.input if v.name not in initializers]
+
+
+def _name_dims(model: onnx.ModelProto, sizes: dict[str, int]) -> None:
+    """Outputs and value_info naming a symbolic dim of `sizes` take its size, so that they agree with the inputs."""
+    for value in [*model.graph.output, *model.graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param") and dim.dim_param in sizes:
+                dim.dim_value = sizes[dim.dim_param]
+
+
 def _fix_batch_dim(model: onnx.ModelProto, path: str, batch: int) -> None:
     """Give every graph input a static shape: a symbolic first dim becomes `batch`; any other is an error."""
-    initializers = {t.name for t in model.graph.initializer}
     batch_names: set[str] = set()
-    for value in model.graph.input:
-        if value.name in initializers:
-            continue
+    for value in runtime_inputs(model):
         if not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
             raise GraphError(f"{path}: input {value.name!r} has no tensor shape; export it with a fixed shape")
         for i, dim in enumerate(value.type.tensor_type.shape.dim):
@@ -202,19 +213,14 @@ def _fix_batch_dim(model: onnx.ModelProto, path: str, batch: int) -> None:
             if dim.dim_param:
                 batch_names.add(dim.dim_param)
             dim.dim_value = batch
-    # Exporters repeat the batch name in outputs and value_info; make those static too so they agree.
-    for value in [*model.graph.output, *model.graph.value_info]:
-        for dim in value.type.tensor_type.shape.dim:
-            if dim.HasField("dim_param") and dim.dim_param in batch_names:
-                dim.dim_value = batch
+    _name_dims(model, dict.fromkeys(batch_names, batch))   # exporters repeat the batch name in outputs, value_info
 
 
 def _pin_dims(model: onnx.ModelProto, path: str, shapes: Sequence[Sequence[int]]) -> None:
     """Give every symbolic dim of the graph inputs the size of their examples' (`shapes`, in the order of the
     inputs that are no initializers); inputs naming one symbolic dim (dim_param) must agree on it, and outputs and
     value_info naming it take it too. Fixed dims are left for the caller to compare with the examples."""
-    initializers = {t.name for t in model.graph.initializer}
-    inputs = [v for v in model.graph.input if v.name not in initializers]
+    inputs = runtime_inputs(model)
     if len(shapes) != len(inputs):
         raise GraphError(f"{path}: the model takes {len(inputs)} inputs ({', '.join(v.name for v in inputs)}), "
                          f"{len(shapes)} example inputs given")
@@ -233,10 +239,7 @@ def _pin_dims(model: onnx.ModelProto, path: str, shapes: Sequence[Sequence[int]]
                     raise GraphError(f"{path}: inputs disagree on {dim.dim_param!r}: {sizes[dim.dim_param]} and "
                                      f"{size} (input {value.name!r} dim {axis})")
             dim.dim_value = int(size)
-    for value in [*model.graph.output, *model.graph.value_info]:
-        for dim in value.type.tensor_type.shape.dim:
-            if dim.HasField("dim_param") and dim.dim_param in sizes:
-                dim.dim_value = sizes[dim.dim_param]
+    _name_dims(model, sizes)
 
 
 def _static_type(value: onnx.ValueInfoProto) -> TensorType | None:
