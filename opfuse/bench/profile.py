@@ -236,7 +236,8 @@ def _time_row(row: ProfileRow, fn: Callable[[], object], timer: Timer | None) ->
 # ---- the rows ----------------------------------------------------------------------------------------------
 
 def graph_values(graph: Graph, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every value of one run of `graph` through the op references; 4-D floating values channels-last."""
+    """Every value of one run of `graph` through the op references; 4-D floating values channels-last; a state
+    node (a KV cache) takes a copy of its initial tensor, so the run leaves the graph's own untouched."""
     device = inputs[0].device if inputs else torch.device("cpu")
 
     def layout(x: torch.Tensor) -> torch.Tensor:
@@ -249,8 +250,9 @@ def graph_values(graph: Graph, inputs: Sequence[torch.Tensor]) -> dict[str, torc
         for node in graph:
             if node.op == "input":
                 continue
-            if node.op == "constant":
-                values[node.name] = layout(graph.constants[node.name].to(device))
+            if node.op in ("constant", "state"):
+                value = graph.constants[node.name].to(device)
+                values[node.name] = layout(value.clone() if node.op == "state" else value)
                 continue
             try:
                 values[node.name] = get_op(node.op).run([values[i] for i in node.inputs], node.attrs)

@@ -383,3 +383,23 @@ def test_profile_command_on_a_gpu(model, tmp_path, capsys):
     rows = data["eager"] + data["opfuse"]
     assert all(r["measured"] and r["measured"] > 0 for r in rows)
     assert data["calibration"]["median_error_after"] <= data["calibration"]["median_error_before"]
+
+
+def test_a_model_with_a_kv_cache_profiles_and_keeps_its_cache():
+    """A decode step (state nodes: the KV cache) profiles: the eager run starts from copies of the cache, so the
+    compiled model's own cache is not written by it."""
+    transformers = pytest.importorskip("transformers")
+    from opfuse.bench.generation import GENERATION_MODELS
+    from opfuse.generate import KVCacheDecoder
+
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**GENERATION_MODELS["llama-tiny"])).eval()
+    decoder = KVCacheDecoder(llama, 1, 8).eval()
+    inputs = (torch.tensor([[5]]), torch.tensor([2]))
+    calls = []
+    profile = profiling.profile_model(decoder, inputs, FusionConfig(dtype="float32"),
+                                      timer=lambda fn: calls.append(fn()) or 1e-5)
+    assert len(calls) == len(profile.eager) + len(profile.opfuse)
+    assert "index_copy" in [row.ops for row in profile.eager]
+    graph = profile.compiled.analysis.captured
+    assert graph.state and all(not graph.constants[name].any() for name in graph.state)
