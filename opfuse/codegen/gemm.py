@@ -304,7 +304,7 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
     biases = anchor_biases(graph, anchors)
     epilogue = Epilogue(graph, group, chains, layout, device, biases)
     rows = layout.rows
-    ops = anchor_prologue(graph, anchors[0], group.nodes, users) if len(anchors) == 1 else []
+    ops = anchor_prologue(graph, anchors[0], group.nodes, users)   # (siblings share only a norm prologue)
     # what the linear reads x through: its operand views, or the row views between a layer norm prologue and it,
     # mapped on the norm's input (of the norm's shape) as they would be on its output
     views = [n for n in ops if get_op(graph[n].op).alias] or operand_chain(graph, anchors[0], group.nodes, users)

@@ -14,7 +14,8 @@ parameters lie along dim 1), read through its strides at the tile's coordinates.
 the tile's elements past M or K are zero again after the prologue (x / s at a masked zero would be NaN, and NaN
 times B's masked zero is still NaN).
 
-A linear's chain may open with a layer norm over the last dim (`opfuse.fusion.legality.row_norm_prologue`): then
+A linear's chain may open with a layer norm or an RMS norm over the last dim (`opfuse.fusion.legality.row_norm_prologue`;
+the sibling linears of a horizontal group share it): then
 `stats_code` gives lines the template runs before its K loop (a pass over K reading the tile's rows as the K loop
 does, through `a_rows`, `offs_k` and A's reduction strides: the A operand is the norm's input, read through the row
 views between the norm and the linear as the linear would read its output), and the code normalizes
@@ -31,6 +32,7 @@ import torch
 
 from opfuse.codegen.epilogue import TileLayout
 from opfuse.codegen.expr import Unsupported, emit, literal, triton_dtype
+from opfuse.fusion.legality import ROW_NORMS
 from opfuse.ir.graph import Graph
 from opfuse.ir.ops import along_channels, get_op
 
@@ -46,7 +48,7 @@ class Prologue:
         self.constants: dict[str, torch.Tensor] = {}     # the constants the nodes read (the library forms run
                                                          # the nodes through PyTorch too)
         self.lines: list[str] = ["p = a.to(tl.float32)"]
-        self.norm: str | None = None                     # the layer norm opening the chain, if any
+        self.norm: str | None = None                     # the layer norm or RMS norm opening the chain, if any
         self.norm_vectors: list[torch.Tensor] = []       # its weight and bias, [K] on the device
         chain = {source}
         for name in self.nodes:
@@ -54,7 +56,7 @@ class Prologue:
             if get_op(node.op).alias:    # a row view between a layer norm and its linear: the same tile
                 chain.add(name)
                 continue
-            if node.op == "layer_norm":
+            if node.op in ROW_NORMS:
                 self.lines.append(f"p = ({self._normalized(node)}).to({triton_dtype(node.type.dtype)}).to(tl.float32)")
                 chain.add(name)
                 continue
@@ -67,11 +69,12 @@ class Prologue:
         self.output = self.nodes[-1]
 
     def _normalized(self, node) -> str:
-        """(p - mean) * rstd [* weight] [+ bias] on the tile, the statistics from `stats_code`'s pass."""
+        """(p - mean) * rstd [* weight] [+ bias] (a layer norm) or p * rstd [* weight] (an RMS norm) on the tile,
+        the statistics from `stats_code`'s pass."""
         if node is not self.graph[self.nodes[0]]:
-            raise Unsupported(f"{node.describe()}: a layer norm prologue must read the kernel's A operand")
+            raise Unsupported(f"{node.describe()}: a norm prologue must read the kernel's A operand")
         self.norm = node.name
-        expression = "(p - ln_mean[:, None]) * ln_rstd[:, None]"
+        expression = "(p - ln_mean[:, None]) * ln_rstd[:, None]" if node.op == "layer_norm" else "p * ln_rstd[:, None]"
         for value, op in zip(node.inputs[1:], ("*", "+")):
             constant = self.constants.setdefault(value, self.graph.constants[value].to(self.device))
             self.norm_vectors.append(constant.reshape(-1))
@@ -89,6 +92,18 @@ class Prologue:
         if self.norm is None:
             return ""
         eps = repr(float(self.graph[self.norm].attrs["eps"]))
+        if self.graph[self.norm].op == "rms_norm":     # the rows' mean square: no cancellation to guard against
+            lines = ["ln_squares = tl.zeros([BLOCK_M], dtype=tl.float32)",
+                     "for ks in range(0, K, BLOCK_K):",
+                     "    ln_k = ks + offs_k",
+                     "    if A_SPLIT_K:",
+                     "        ln_ptrs = a_rows[:, None] + ((ln_k // AK) * s_ako + (ln_k % AK) * s_ak)[None, :]",
+                     "    else:",
+                     "        ln_ptrs = a_rows[:, None] + ln_k[None, :] * s_ak",
+                     "    ln_x = tl.load(ln_ptrs, mask=mask_m[:, None] & (ln_k < K)[None, :], other=0.0).to(tl.float32)",
+                     "    ln_squares += tl.sum(ln_x * ln_x, axis=1)",
+                     f"ln_rstd = tl.rsqrt(ln_squares / K + {eps})"]
+            return "\n".join(indent + line for line in lines)
         lines = ["ln_mean = tl.zeros([BLOCK_M], dtype=tl.float32)",
                  "ln_m2 = tl.zeros([BLOCK_M], dtype=tl.float32)",
                  "ln_seen = tl.zeros([BLOCK_M], dtype=tl.float32)",

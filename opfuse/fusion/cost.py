@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from opfuse.config import FusionConfig
-from opfuse.fusion.legality import conv_stages, is_depthwise_conv
+from opfuse.fusion.legality import ROW_NORMS, conv_stages, is_depthwise_conv
 from opfuse.fusion.plan import ResourceEstimate
 from opfuse.fusion.resources import (ATTENTION_TILES, GEMM_TILES, anchor_of, conv_chain, conv_conv_tiles,
                                      describe_tile, estimate_resources, expansion_block)
@@ -184,7 +184,7 @@ def estimate_kernel(graph: Graph, nodes: Sequence[str], users: Users, hw: Hardwa
     matrix = anchor is not None and not is_depthwise_conv(graph, anchor)
     time = predict_time(traffic.flops, traffic.bytes_moved, hw, dtype, matrix=matrix,
                         tile_efficiency=tile_efficiency(resources), conv=is_conv(graph, anchor))
-    norm = next((n for n in kernels if graph[n].op == "layer_norm"), None) \
+    norm = next((n for n in kernels if graph[n].op in ROW_NORMS), None) \
         if anchor is not None and graph[anchor].op == "linear" else None    # (a depthwise conv's norm runs once)
     if norm is not None and resources is not None and "BLOCK_N" in resources.tile:
         return _row_norm_recompute(graph, norm, anchor, traffic, resources, time, hw)
@@ -193,7 +193,7 @@ def estimate_kernel(graph: Graph, nodes: Sequence[str], users: Users, hw: Hardwa
 
 def _row_norm_recompute(graph: Graph, norm: str, anchor: str, traffic: GroupTraffic, resources: ResourceEstimate,
                         time: float, hw: HardwareProfile) -> KernelEstimate:
-    """A linear with a layer norm prologue (`opfuse.fusion.legality.row_norm_prologue`): every BLOCK_N column tile
+    """A linear with a row norm prologue (`opfuse.fusion.legality.row_norm_prologue`): every BLOCK_N column tile
     recomputes the statistics and the normalization of its rows, on the CUDA cores (the extra pass over A is
     served by L2 and not counted as device-memory traffic)."""
     repeats = -(-graph[anchor].type.shape[-1] // resources.tile["BLOCK_N"])

@@ -285,18 +285,23 @@ def maps_rows(graph: Graph, source: str, views: Sequence[str], row_dims: int) ->
 
 
 def row_norm_prologue(graph: Graph, anchor: str, within: Iterable[str], users: Users) -> str | None:
-    """The layer norm opening `anchor`'s prologue (`anchor_prologue`), or None."""
+    """The layer norm or RMS norm opening `anchor`'s prologue (`anchor_prologue`), or None."""
     chain = anchor_prologue(graph, anchor, within, users)
-    return chain[0] if chain and graph[chain[0]].op == "layer_norm" else None
+    return chain[0] if chain and graph[chain[0]].op in ROW_NORMS else None
 
 
 def is_row_norm_prologue(graph: Graph, name: str, reader: str, within: Iterable[str], users: Users) -> bool:
-    """Whether layer norm `name` may open a linear's prologue (pre-LN transformers' ln_1 -> qkv, ConvNeXt's LN ->
-    pwconv1): it normalizes the last dim only, its weight and bias are constants (or absent), `reader` alone reads
-    it, and its input comes from outside `within` (the kernel computes the row statistics from that input in a
-    pass over K of its own; a residual sum others read is stored by the group that computes it)."""
+    """Whether layer norm or RMS norm `name` may open a linear's prologue (pre-LN transformers' ln_1 -> qkv,
+    ConvNeXt's LN -> pwconv1, Llama's input norm -> its q, k and v projections): it normalizes the last dim only, its
+    weight and bias are constants (or absent), `reader` alone reads it or every reader is a sibling linear of
+    `within` reading it directly (a horizontal group: one GEMM over their columns normalizes its shared A), and its
+    input comes from outside `within` (the kernel computes the row statistics from that input in a pass over K of
+    its own; a residual sum others read is stored by the group that computes it)."""
     node = graph[name]
-    if node.op != "layer_norm" or name in graph.outputs or [u.name for u in users[name]] != [reader]:
+    readers = [u.name for u in users[name]]
+    if node.op not in ROW_NORMS or name in graph.outputs:
+        return False
+    if readers != [reader] and not siblings_read(graph, name, readers, within):
         return False
     source = node.inputs[0]
     if source in set(within) or graph.is_constant(source) or graph[source].type.dtype != node.type.dtype:
@@ -305,6 +310,13 @@ def is_row_norm_prologue(graph: Graph, name: str, reader: str, within: Iterable[
 
 
 ROW_NORMS = frozenset({"layer_norm", "rms_norm"})   # reductions over the last dim that keep every element
+
+
+def siblings_read(graph: Graph, name: str, readers: Sequence[str], within: Iterable[str]) -> bool:
+    """Whether `readers` of `name` are two or more linears of `within`, each reading `name` as its input."""
+    within = set(within)
+    return len(readers) > 1 and all(r in within and graph[r].op == "linear" and graph[r].inputs[0] == name
+                                    for r in readers)
 
 
 def normalizes_last_dim(graph: Graph, node: Node) -> bool:
@@ -590,9 +602,9 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
             and not set(reductions) <= set(anchor_prologue(graph, anchors[0], merged, users)):
         return Reason(Code.ANCHOR_AND_REDUCTION, f"reduction {reductions[0]} and anchor {anchors[0]} in one kernel: "
                       "anchors take elementwise epilogues only (but a depthwise conv the norm over its channels, and "
-                      "a linear the layer norm of an input from outside as its prologue)")
+                      "a linear the layer norm or RMS norm of an input from outside as its prologue)")
     if anchors and reductions and norm is None and not config.norm_prologue:
-        return Reason(Code.DISABLED, f"layer norm {reductions[0]} as {anchors[0]}'s prologue: off "
+        return Reason(Code.DISABLED, f"{graph[reductions[0]].op} {reductions[0]} as {anchors[0]}'s prologue: off "
                       "(FusionConfig.norm_prologue)")
     if len(reductions) > 1:
         return Reason(Code.TWO_REDUCTIONS, f"two reductions ({reductions[0]}, {reductions[1]}) in one kernel")

@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 
 from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
-from opfuse.fusion.legality import can_fuse, in_order, is_view, node_index, skip_operands
+from opfuse.fusion.legality import ROW_NORMS, can_fuse, in_order, is_view, node_index, skip_operands
 from opfuse.fusion.plan import FusionDecision, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.planner_groups import GroupListing
 from opfuse.fusion.planner_horizontal import HorizontalFusion
@@ -72,6 +72,7 @@ def plan_fusion(graph: Graph, config: FusionConfig | None = None, hw: HardwarePr
         planner.store_slices()
     if config.horizontal:
         planner.horizontal_anchors()
+        planner.shared_norm_prologues()
         planner.horizontal_pointwise()
     return planner.finish()
 
@@ -266,7 +267,7 @@ class _Planner(ViewFusion, SqueezeFusion, HorizontalFusion, GroupListing):
         of the linear that alone reads it (`legality.row_norm_prologue`, through row views), which its input must
         then come from outside of; the reason when the cost model predicts that split faster, else None. The
         planner merges pairs greedily, so it compares the two plans of these three groups here."""
-        if len(consumer) != 1 or self.graph[consumer[0]].op != "layer_norm":
+        if len(consumer) != 1 or self.graph[consumer[0]].op not in ROW_NORMS:
             return None
         norm, reader = consumer[0], consumer[0]
         views: list[str] = []

@@ -1,13 +1,13 @@
-"""Horizontal fusion: sibling anchors reading one input with identical epilogues become one group, and small
-independent elementwise groups share one launch. Methods of `opfuse.fusion.planner._Planner` (`HorizontalFusion`)."""
+"""Horizontal fusion: sibling anchors reading one input with identical epilogues become one group (with the row
+norm they all read as its prologue), and small independent elementwise groups share one launch. Methods of `opfuse.fusion.planner._Planner` (`HorizontalFusion`)."""
 
 from __future__ import annotations
 
-from opfuse.fusion.legality import in_order, is_view, path_outside
+from opfuse.fusion.legality import ROW_NORMS, in_order, is_row_norm_prologue, is_view, path_outside
 from opfuse.fusion.plan import GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, conv_chain
-from opfuse.ir.ops import kind_of
+from opfuse.ir.ops import FusionKind, kind_of
 
 
 class HorizontalFusion:
@@ -42,6 +42,24 @@ class HorizontalFusion:
             return ("conv2d", node.inputs[0], kernel, tuple(node.attrs["stride"]), tuple(node.attrs["padding"]),
                     tuple(node.attrs["dilation"]))
         return None
+
+    def shared_norm_prologues(self) -> None:
+        """A layer norm or RMS norm that only sibling linears of one HORIZONTAL group read, alone in its group,
+        becomes that group's prologue (`legality.is_row_norm_prologue`): the GEMM over their columns normalizes its
+        shared A as it loads it (Llama's input norm and its q, k, v projections), as one linear's kernel does."""
+        if not self.config.norm_prologue:
+            return
+        for group in self.ordered_ids():
+            if group not in self.groups or self.kinds.get(group) is not GroupKind.HORIZONTAL:
+                continue
+            nodes = self.groups[group]
+            anchors = [n for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR]
+            norm = self.graph[anchors[0]].inputs[0]
+            if self.graph[norm].op not in ROW_NORMS or self.groups.get(self.group_of.get(norm)) != [norm]:
+                continue
+            if not is_row_norm_prologue(self.graph, norm, anchors[0], nodes + [norm], self.users):
+                continue
+            self.decide(self.group_of[norm], group, "prologue", None, GroupKind.HORIZONTAL)
 
     def merge_siblings(self, members: list[int]) -> None:
         """Merge siblings with the most common epilogue; refuse the others with the difference."""

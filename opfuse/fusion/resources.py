@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping
 
-from opfuse.fusion.legality import conv_stages, row_norm_epilogue
+from opfuse.fusion.legality import ROW_NORMS, conv_stages, row_norm_epilogue
 from opfuse.fusion.plan import ResourceEstimate
 from opfuse.fusion.tiles import whole_row_tile
 from opfuse.hardware import HardwareProfile
@@ -231,9 +231,9 @@ def _gemm(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile, item
     threads = 32 * tile["num_warps"]
     full = epilogue_operands(graph, nodes, anchor)[0]
     registers = _tile_registers(graph, nodes, anchor, itemsize, bm, bn, threads)
-    if any(graph[n].op == "layer_norm" for n in nodes):   # legal only as a linear's prologue (`anchor_prologue`)
+    if any(graph[n].op in ROW_NORMS for n in nodes):   # legal only as a linear's prologue (`anchor_prologue`)
         registers += [("row statistics (mean, rstd)", 2 * _per_thread(bm, threads)),
-                      ("layer norm weight and bias per K tile", 2 * _per_thread(bk, threads)),
+                      ("norm weight and bias per K tile", 2 * _per_thread(bk, threads)),
                       ("normalized A tile in float32", _per_thread(bm * bk, threads))]
     shared = [(f"{tile['num_stages']} stages x ({bm}x{bk} + {bk}x{bn}) x {itemsize} B",
                tile["num_stages"] * (bm * bk + bk * bn) * itemsize),

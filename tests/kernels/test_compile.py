@@ -814,3 +814,42 @@ def test_a_shuffled_value_read_in_halves_is_stored_as_the_halves_and_matches_eag
         fresh = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
         assert relative_error(compiled(fresh), model(fresh)) < 1e-5
     assert compiled.launches == compiled.plan.kernel_launches
+
+
+class RMSNormQKV(nn.Module):
+    """Llama's attention input written as transformers writes it: an RMS norm (in float32, then weight) read by the
+    q, k and v projections alone, then a second RMS norm read by one linear."""
+
+    def __init__(self, width: int = 24):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width) * 0.2 + 1)
+        self.q, self.k, self.v = nn.Linear(width, width, bias=False), nn.Linear(width, 8), nn.Linear(width, 8)
+        self.out = nn.Linear(width + 16, 5, bias=False)
+
+    @staticmethod
+    def norm(x, weight=None):
+        x32 = x.float()
+        y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return y if weight is None else weight * y
+
+    def forward(self, x):
+        h = self.norm(x, self.weight)
+        qkv = torch.cat([self.q(h), self.k(h), self.v(h)], -1)
+        return self.out(self.norm(qkv))
+
+
+def test_sibling_linears_normalize_their_shared_rms_norm_input_and_match_eager():
+    """With `norm_prologue`, both RMS norms are prologues (the first shared by the horizontal q/k/v GEMM, the
+    second of the one linear reading it): no kernel computes a norm alone, and the results match eager's."""
+    torch.manual_seed(3)
+    model = RMSNormQKV().eval()
+    x = torch.randn(2, 3, 24) * 3 + 1
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", norm_prologue=True))
+    assert compiled.checks and all(c.passed for c in compiled.checks)
+    graph = compiled.plan.graph
+    norms = [g for g in compiled.plan.groups if any(graph[n].op == "rms_norm" for n in g.nodes)]
+    assert len(norms) == 2 and all(g.anchor and graph[g.anchor].op == "linear" for g in norms)
+    assert any(g.kind.value == "horizontal" for g in norms)
+    fresh = torch.randn(2, 3, 24) * 3 + 1
+    with torch.no_grad():
+        assert relative_error(compiled(fresh), model(fresh)) < 1e-5

@@ -685,3 +685,34 @@ def test_a_linear_reading_through_a_flatten_is_a_single_op_group():
         group = plan.group_of(next(n.name for n in plan.graph if n.op == "linear"))
         assert [plan.graph[n].op for n in group.nodes][:2] == ["reshape", "linear"], group.nodes
         assert group.kind is kind
+
+
+def _rms_then_siblings() -> Graph:
+    """Llama's attention input: an RMS norm read by the q, k and v projections alone."""
+    b = GraphBuilder("rms_qkv")
+    x = b.input("x", (1, 1, 256))
+    norm = b.op("rms_norm", [x, b.constant("rms_w", (256,))], {"eps": 1e-6}, "rms")
+    return b.output(b.linear(norm, 256, name="q"), b.linear(norm, 64, name="k"), b.linear(norm, 64, name="v"))
+
+
+def test_sibling_linears_share_the_rms_norm_they_read_as_their_prologue():
+    """q, k, v on one RMS norm: one horizontal GEMM that normalizes its A tile (one launch, the normalized
+    activation never written) with `norm_prologue`; without it, the norm is a kernel of its own."""
+    plan = plan_fusion(_rms_then_siblings(), FusionConfig(norm_prologue=True), H200)
+    assert_well_formed(plan)
+    assert [g.nodes for g in plan.groups] == [["rms", "q", "k", "v"]]
+    assert plan.groups[0].kind is GroupKind.HORIZONTAL and plan.kernel_launches == 1
+    assert not plan.groups[0].split_k          # a slice of K would see part of each row's statistics
+    assert [d.verdict for d in plan.decisions if d.fusion == "prologue"] == [Verdict.FUSED]
+    off = plan_fusion(_rms_then_siblings(), FusionConfig(), H200)
+    assert groups_of(off)["rms"] == ["rms"] and off.kernel_launches == 2
+
+
+def test_a_norm_read_by_siblings_and_another_op_stays_its_own_kernel():
+    b = GraphBuilder("rms_qkv_and_more")
+    x = b.input("x", (1, 1, 256))
+    norm = b.op("rms_norm", [x, b.constant("rms_w", (256,))], {"eps": 1e-6}, "rms")
+    graph = b.output(b.linear(norm, 256, name="q"), b.linear(norm, 64, name="k"), b.unary("tanh", norm, "other"))
+    plan = plan_fusion(graph, FusionConfig(norm_prologue=True), H200)
+    assert_well_formed(plan)
+    assert groups_of(plan)["rms"] == ["rms"] and groups_of(plan)["q"] == ["q", "k"]
