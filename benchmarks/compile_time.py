@@ -109,7 +109,8 @@ def child(model_name: str, batch: int, workers: int | None, cache: str, profile_
     from opfuse.environment import worker_log
 
     calls = counting_compiles()
-    from opfuse.runtime.precompile import summarize_worker_log, workers_of   # after Triton's compile is wrapped
+    from opfuse.runtime.compile_worker import summarize_worker_log   # after Triton's compile is wrapped
+    from opfuse.runtime.precompile import workers_of
     model, inputs = prepared(model_name, batch)
     config = opfuse.FusionConfig(dtype="float16", compile_workers=workers, cache_dir=cache)
     with torch.inference_mode():

@@ -113,7 +113,7 @@ def resources(cubin: bytes) -> dict[str, int]:
 def compile_record(record, modules: dict) -> dict:
     """Compile one recorded launch for the offline target: its resources, access widths and compile time."""
     from opfuse.codegen.base import import_file
-    from opfuse.runtime.precompile import warmup
+    from opfuse.runtime.compile_worker import warmup
 
     module = modules.get(record.path)
     if module is None:

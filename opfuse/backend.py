@@ -194,7 +194,7 @@ def _compile_bound(bound: _BoundWeights, examples: Sequence[Any], config: Fusion
     training flag (the graph holds the model's mode)."""
     from opfuse.module import EagerFallback, TrainingModeWarning
     from opfuse.compiler import compile as opfuse_compile
-    from opfuse.frontend.torch_export import InputWrittenWarning
+    from opfuse.frontend.torch_translate import InputWrittenWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

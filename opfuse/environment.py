@@ -5,7 +5,7 @@
   be set before.
 - OPFUSE_DEBUG_DIR: where each stage of a compile dumps what it made (`debug_dir`; FusionConfig.debug_dir wins).
 - OPFUSE_KERNEL_DIR: where generated kernel sources are written (`kernel_dir`; default: a folder in the temp dir).
-- OPFUSE_WORKER_LOG: a file each compile worker (`opfuse.runtime.precompile`) appends a JSON line to per launch
+- OPFUSE_WORKER_LOG: a file each compile worker (`opfuse.runtime.compile_worker`) appends a JSON line to per launch
   it builds, with its seconds (`worker_log`; for benchmarks/compile_time.py).
 - XDG_CACHE_HOME: the root of the default tuning cache (`cache_home`; default ~/.cache).
 """

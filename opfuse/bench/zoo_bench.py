@@ -248,7 +248,7 @@ def child_main(stage: str, model_name: str, batch: int, cache: Path, settings: Z
     from opfuse.bench.zoo import resolve_model
     from opfuse.config import FusionConfig
     from opfuse.environment import worker_log
-    from opfuse.runtime.precompile import summarize_worker_log
+    from opfuse.runtime.compile_worker import summarize_worker_log
 
     result_path = cache / f"{stage}.json"
     result: dict = {"model": model_name, "batch": batch}

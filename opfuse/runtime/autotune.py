@@ -35,9 +35,9 @@ from opfuse.ir.graph import GraphError
 from opfuse.ir.ops import FusionKind, kind_of
 from opfuse.runtime.cache import TuningCache, tuning_key
 from opfuse.runtime.gate import CAPTURE_GATE
-from opfuse.runtime.precompile import (TIMEOUT_S, CompilePool, Precompiled, active_pool, distinct_compiles,
-                                      gpu_index, launches_by_config, pool_of_its_own, record_launches,
-                                      workers_of)
+from opfuse.runtime.launch_records import distinct_compiles, launches_by_config, record_launches
+from opfuse.runtime.precompile import Precompiled, active_pool, gpu_index, pool_of_its_own, workers_of
+from opfuse.runtime.worker_pool import TIMEOUT_S, CompilePool
 
 SPILLS = "register spills"
 EVERY_CONFIG_SPILLS = "over budget: every config spills"

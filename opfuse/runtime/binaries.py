@@ -18,7 +18,7 @@ so the kernels' first compile reads the package's binaries into the JIT's memory
 
 Which binaries: every kernel is run once with its chosen config with its launches recorded
 (`opfuse.codegen.base.recording_launches`, as the compile workers do), and each recorded launch is handed to
-`JITFunction.warmup` on stand-in tensors (`opfuse.runtime.precompile.warmup`), which returns the CompiledKernel
+`JITFunction.warmup` on stand-in tensors (`opfuse.runtime.compile_worker.warmup`), which returns the CompiledKernel
 the real launch uses, from the JIT's memory, without compiling again. Collecting is best effort: a binary that
 cannot be found is compiled at the first call after the load, as it would be without a package.
 """
@@ -96,7 +96,8 @@ def example_inputs(types: Sequence[Any], device: torch.device) -> list[torch.Ten
 
 def _compiled_kernel(record: Any) -> Any:
     """The CompiledKernel of a recorded launch (from the JIT's memory when the model has launched it)."""
-    from opfuse.runtime.precompile import loaded_module, warmup
+    from opfuse.runtime.compile_worker import warmup
+    from opfuse.runtime.launch_records import loaded_module
 
     module = loaded_module(record) or import_kernel(record.path)
     kernel = warmup(getattr(module, record.function), record)

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import opfuse
 from opfuse import backend
-from opfuse.frontend.torch_export import InputWrittenWarning
+from opfuse.frontend.torch_translate import InputWrittenWarning
 from opfuse.ir.graph import GraphError
 
 from tests.unit.test_capture_warnings_export import CallCounter

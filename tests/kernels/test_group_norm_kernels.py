@@ -1,6 +1,6 @@
 """group_norm as the layer norm of x viewed [N, G, C/G, prod(S)] over its last two dims with the affine as its
-epilogue there (`opfuse.frontend.aten_ops._group_norm`): the row reduction kernel on Triton's interpreter, reading
-a channels-last input through the view, NaN-poisoned outputs against the float32 reference; and captured from
+epilogue there (`opfuse.frontend.aten_reductions._group_norm`): the row reduction kernel on Triton's interpreter,
+reading a channels-last input through the view, NaN-poisoned outputs against the float32 reference; and captured from
 PyTorch (nn.GroupNorm, F.group_norm, poolformer's one group) exactly, with nothing through PyTorch."""
 
 from __future__ import annotations

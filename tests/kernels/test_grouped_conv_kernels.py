@@ -26,7 +26,7 @@ from opfuse.fusion.plan import GroupKind
 from opfuse.fusion.tiles import INTERPRETER, MAX_BLOCKED_CHANNELS, group_block, tile_key
 from opfuse.hardware import get_hardware
 from opfuse.runtime.autotune import tune
-from opfuse.runtime.precompile import record_launches
+from opfuse.runtime.launch_records import record_launches
 from tests.kernels.builders import rel_err
 from tests.kernels.test_conv_kernels import Builder
 

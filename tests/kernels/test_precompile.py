@@ -12,7 +12,8 @@ from opfuse.codegen.base import KernelConfig, LaunchRecord, TensorArg, recording
 from opfuse.codegen.conv import lower_conv_group
 from opfuse.codegen.pointwise import lower_pointwise_group
 from opfuse.fusion.plan import GroupKind
-from opfuse.runtime.precompile import precompile, record_launches
+from opfuse.runtime.launch_records import record_launches
+from opfuse.runtime.precompile import precompile
 
 from tests.kernels.builders import KernelGraph
 
@@ -66,14 +67,15 @@ def test_distinct_launches_of_several_configs_and_no_pool_for_few():
 def test_workers_that_cannot_compile_cost_nothing_but_time(monkeypatch):
     """On the CPU the workers find no GPU and compile nothing (nor does the caller meanwhile, here): every launch is
     left to the tuner, no error."""
+    from opfuse.runtime import compile_worker, worker_pool
     from opfuse.runtime import precompile as module
 
     kernel, inputs = relu_kernel()
     monkeypatch.setattr(module, "MIN_LAUNCHES", 1)
-    monkeypatch.setattr(module, "_compile", lambda record, modules, seconds=None: False)
+    monkeypatch.setattr(compile_worker, "_compile", lambda record, modules, seconds=None: False)
     result = precompile([(kernel, inputs, kernel.configs())], workers=2, device_index=0)
     assert result.launches >= 1 and result.compiled == 0 and result.failed == result.launches
-    monkeypatch.setattr(module, "TIMEOUT_S", 0.0)                       # workers killed at once
+    monkeypatch.setattr(worker_pool, "TIMEOUT_S", 0.0)                  # workers killed at once
     second = precompile([(kernel, inputs, kernel.configs())], workers=2, device_index=0)
     assert second.compiled == 0 and second.failed == second.launches
 
@@ -89,19 +91,19 @@ def test_a_kernel_with_its_launcher_copies():
 def test_a_record_goes_to_the_workers_as_json_and_back():
     import json
 
-    from opfuse.runtime.precompile import _decode, _encode
+    from opfuse.runtime.compile_worker import decode_launch, encode_launch
 
     kernel, inputs = relu_kernel()
     with recording_launches() as launches:
         kernel.run(inputs, kernel.configs()[0])
     (record,) = launches
-    assert _decode(json.loads(json.dumps(_encode(record)))) == record
+    assert decode_launch(json.loads(json.dumps(encode_launch(record)))) == record
 
 
 def test_launches_that_compile_alike_are_compiled_once():
     """One kernel whose stride is one multiple of 16 or another is one compile; a stride that is not, a misaligned
     tensor or another constexpr is another compile (what Triton specialises a kernel on)."""
-    from opfuse.runtime.precompile import compile_key, distinct_compiles
+    from opfuse.runtime.launch_records import compile_key, distinct_compiles
 
     kernel, (x,) = relu_kernel()
     with recording_launches() as launches:
@@ -124,7 +126,7 @@ def test_launches_that_compile_alike_are_compiled_once():
 
 def says_ready() -> str:
     """The opening of a stand-in worker's script: the line a worker prints once it takes launches."""
-    from opfuse.runtime.precompile import READY
+    from opfuse.runtime.compile_worker import READY
 
     line = READY + b"\n"
     return f"import sys\nsys.stdout.buffer.write({line!r})\nsys.stdout.buffer.flush()\n"
@@ -153,9 +155,8 @@ for line in sys.stdin.buffer:
 def stand_in_pool(workers: int, build=None):
     import sys
 
-    from opfuse.runtime.precompile import CompilePool
-
-    from opfuse.runtime.precompile import answer
+    from opfuse.runtime.compile_worker import answer
+    from opfuse.runtime.worker_pool import CompilePool
 
     script = says_ready() + f"ANSWER = {[answer(False), answer(True)]!r}\n" + STAND_IN_WORKER
     return CompilePool(workers, 0, command=[sys.executable, "-c", script], build=build).start()
@@ -280,7 +281,8 @@ def test_every_default_config_is_built_first_then_each_kernels_other_candidates(
 
     from opfuse.hardware import get_hardware
     from opfuse.runtime.autotune import Compiling
-    from opfuse.runtime.precompile import CompilePool, answer
+    from opfuse.runtime.compile_worker import answer
+    from opfuse.runtime.worker_pool import CompilePool
 
     log = tmp_path / "handed-out"
     script = says_ready() + (f"import json, sys\nfor line in sys.stdin.buffer:\n    item = json.loads(line)\n"
@@ -331,10 +333,10 @@ def test_a_dispatcher_that_fails_leaves_no_caller_waiting(monkeypatch):
 
 
 def test_a_launch_no_worker_can_read_is_the_tuners_alone(monkeypatch):
-    from opfuse.runtime import precompile as module
+    from opfuse.runtime import worker_pool
 
-    encode = module._encode
-    monkeypatch.setattr(module, "_encode", lambda r: encode(r) if r.function != "odd" else object())
+    encode = worker_pool.encode_launch
+    monkeypatch.setattr(worker_pool, "encode_launch", lambda r: encode(r) if r.function != "odd" else object())
     pool = stand_in_pool(1)
     try:
         assert pool.compile([launch("ok", 0.0), launch("odd"), launch("ok", 0.01)], timeout=30.0) == 2
@@ -351,7 +353,8 @@ def test_past_its_deadline_a_build_gives_up_once_and_the_pool_keeps_its_workers(
 
     from opfuse.hardware import get_hardware
     from opfuse.runtime import autotune
-    from opfuse.runtime.precompile import CompilePool, answer
+    from opfuse.runtime.compile_worker import answer
+    from opfuse.runtime.worker_pool import CompilePool
 
     script = says_ready() + ("import json, sys, time\nfor line in sys.stdin.buffer:\n    item = json.loads(line)\n"
               "    time.sleep(30.0 if 'sigmoid' in item['function'] else 0.3)\n"
@@ -455,7 +458,7 @@ def test_closing_a_pool_waits_for_no_worker_still_starting():
     import sys
     import time
 
-    from opfuse.runtime.precompile import CompilePool
+    from opfuse.runtime.worker_pool import CompilePool
 
     pool = CompilePool(3, 0, command=[sys.executable, "-c", "import time; time.sleep(30)"]).start()
     start = time.monotonic()
@@ -466,13 +469,13 @@ def test_closing_a_pool_waits_for_no_worker_still_starting():
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads the worker's /proc entry")
 def test_a_worker_imports_the_opfuse_that_started_it(monkeypatch, tmp_path):
     """A caller in a directory holding another `opfuse` package: its workers start where this opfuse is, so that
-    `python -m opfuse.runtime.precompile` imports this one, not the directory's."""
+    `python -m opfuse.runtime.compile_worker` imports this one, not the directory's."""
     import os
     import sys
     from pathlib import Path
 
     import opfuse
-    from opfuse.runtime.precompile import CompilePool
+    from opfuse.runtime.worker_pool import CompilePool
 
     (tmp_path / "opfuse").mkdir()
     (tmp_path / "opfuse" / "__init__.py").write_text("raise ImportError('the other opfuse')\n")
@@ -519,7 +522,7 @@ def test_a_worker_builds_the_launcher_of_each_kernel_it_compiles(monkeypatch):
 
     from triton.runtime.driver import driver
 
-    from opfuse.runtime.precompile import _compile
+    from opfuse.runtime.compile_worker import _compile
 
     compiled = SimpleNamespace(src="the kernel's source", metadata="its metadata")
     built = []
@@ -568,24 +571,25 @@ def test_a_worker_logs_each_launch_it_builds_where_asked(monkeypatch, tmp_path):
     import json
     import sys
 
-    from opfuse.runtime import precompile
+    from opfuse.runtime import compile_worker
+    from opfuse.runtime.launch_records import distinct_compiles
 
     kernel, inputs = relu_kernel()
-    (record,) = precompile.distinct_compiles(record_launches([(kernel, inputs, kernel.configs()[:1])]))
-    line = json.dumps(precompile._encode(record)) + "\n"
+    (record,) = distinct_compiles(record_launches([(kernel, inputs, kernel.configs()[:1])]))
+    line = json.dumps(compile_worker.encode_launch(record)) + "\n"
     log = tmp_path / "workers.jsonl"
     monkeypatch.setenv("OPFUSE_WORKER_LOG", str(log))
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
-    monkeypatch.setattr(precompile, "_compile", lambda rec, modules, seconds: seconds.update(compile=0.5) or True)
+    monkeypatch.setattr(compile_worker, "_compile", lambda rec, modules, seconds: seconds.update(compile=0.5) or True)
     stdout = io.BytesIO()
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(line.encode() * 2)))
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(stdout))
-    assert precompile._serve(0) == 0
+    assert compile_worker.serve(0) == 0
     rows = [json.loads(entry) for entry in log.read_text().splitlines()]
     assert [row["ok"] for row in rows] == [True, True] and rows[0]["compile_s"] == 0.5
     assert rows[0]["kernel"] == record.function and rows[0]["ready"] <= rows[0]["came"] <= rows[0]["done"]
-    assert rows[0]["done"] <= rows[1]["came"] and stdout.getvalue().count(precompile.REPLY) == 2
-    assert stdout.getvalue().startswith(precompile.READY + b"\n")           # said before the first launch came
+    assert rows[0]["done"] <= rows[1]["came"] and stdout.getvalue().count(compile_worker.REPLY) == 2
+    assert stdout.getvalue().startswith(compile_worker.READY + b"\n")           # said before the first launch came
 
 
 def test_a_worker_not_yet_ready_gets_no_launch_and_the_caller_builds_meanwhile():
@@ -594,7 +598,7 @@ def test_a_worker_not_yet_ready_gets_no_launch_and_the_caller_builds_meanwhile()
     import sys
     import time
 
-    from opfuse.runtime.precompile import CompilePool
+    from opfuse.runtime.worker_pool import CompilePool
 
     built = []
     starting = "import time\ntime.sleep(30)\n" + says_ready() + "import sys\nsys.stdin.read()\n"
@@ -640,8 +644,7 @@ def test_a_row_count_is_no_compile_of_its_own(monkeypatch):
     from triton.runtime.jit import JITFunction
 
     from opfuse.codegen.base import Launcher
-    from opfuse.runtime import precompile
-    from opfuse.runtime.precompile import compile_key
+    from opfuse.runtime.launch_records import compile_key, loaded_module
     from tests.kernels.test_conv_kernels import Builder
 
     b = Builder()
@@ -650,7 +653,7 @@ def test_a_row_count_is_no_compile_of_its_own(monkeypatch):
     with recording_launches() as launches:
         kernel.run([b.feeds[name] for name in kernel.runtime_inputs])
     (record,) = launches
-    module = precompile.loaded_module(record)
+    module = loaded_module(record)
     interpreted = getattr(module, record.function)
     jitted = JITFunction(interpreted.fn, do_not_specialize_on_alignment=["M"])   # as on a GPU
     monkeypatch.setattr(module, record.function, jitted)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from opfuse.frontend.torch_export import InputWrittenWarning, capture_torch
+from opfuse.frontend.torch_export import capture_torch
+from opfuse.frontend.torch_translate import InputWrittenWarning
 from opfuse.ir.graph import GraphError
 from opfuse.ir.interpret import interpret
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from opfuse.codegen.base import import_file
-from opfuse.runtime.precompile import summarize_worker_log
+from opfuse.runtime.compile_worker import summarize_worker_log
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,8 +16,8 @@ from opfuse.codegen.conv import ConvKernel, group_block_of
 from opfuse.codegen.lower import lower_plan
 from opfuse.ir.graph import GraphError
 from opfuse.runtime.autotune import candidates
+from opfuse.runtime.launch_records import record_launches
 from opfuse.runtime.memory import check_memory, estimate_memory
-from opfuse.runtime.precompile import record_launches
 
 
 def grouped_model() -> nn.Module:

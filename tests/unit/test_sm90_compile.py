@@ -191,7 +191,7 @@ import torch
 from opfuse.codegen.base import KernelConfig, import_file, recording_launches
 from opfuse.codegen.conv import lower_conv_group, unrolled_tap_registers
 from opfuse.fusion.plan import GroupKind
-from opfuse.runtime.precompile import warmup
+from opfuse.runtime.compile_worker import warmup
 from tests.kernels.test_conv_kernels import Builder
 
 b = Builder(dtype="float16")
@@ -238,7 +238,7 @@ import torch
 from opfuse.codegen.base import import_file, recording_launches
 from opfuse.codegen.conv import lower_conv_group
 from opfuse.fusion.plan import GroupKind
-from opfuse.runtime.precompile import stand_in
+from opfuse.runtime.compile_worker import stand_in
 from tests.kernels.test_conv_kernels import Builder
 
 report = {}
@@ -274,7 +274,7 @@ import torch
 from opfuse.codegen.base import import_file, recording_launches
 from opfuse.codegen.conv import lower_conv_group
 from opfuse.fusion.plan import GroupKind
-from opfuse.runtime.precompile import stand_in
+from opfuse.runtime.compile_worker import stand_in
 from tests.kernels.test_conv_kernels import Builder
 
 report = {}

@@ -361,12 +361,12 @@ def test_a_view_of_a_written_value_is_functionalised_even_past_a_no_grad_block(m
 
 def test_a_failing_mapping_is_an_error_naming_the_node(monkeypatch):
     """A mapping that breaks (not one that declines with Unmapped) is a bug: an error, never an opaque op."""
-    from opfuse.frontend import torch_export
+    from opfuse.frontend import aten_ops
 
     def broken(translator, args):
         raise KeyError("input")
 
-    monkeypatch.setitem(torch_export.HANDLERS, "tanh", broken)
+    monkeypatch.setitem(aten_ops.HANDLERS, "tanh", broken)
     with pytest.raises(GraphError, match=r"capturing node tanh \(aten.tanh.default\): its IR mapping failed with "
                                          r"KeyError: 'input'"):
         capture_torch(Lambda(lambda m, x: torch.tanh(x) * 2), (X2,))
