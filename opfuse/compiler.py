@@ -61,21 +61,24 @@ def compile(model: Any, example_inputs: Sequence[torch.Tensor],
     """A faster model computing what `model` computes, for inputs like `example_inputs` (see module docstring);
     `model` is an nn.Module or an ONNX model (a path to an .onnx file, its bytes, or an onnx.ModelProto).
     `dynamic_shapes` (as torch.export takes it: per input, {dim: torch.export.Dim(name, min=, max=)}) makes one
-    model for those ranges of sizes (`opfuse.runtime.dynamic.DynamicModel`)."""
+    model for those ranges of sizes (`opfuse.runtime.dynamic.DynamicModel`). An ONNX model's symbolic input dims
+    are dynamic by default, each over [1, inf) (`onnx_compile.symbolic_shapes`); `dynamic_shapes` by input name
+    gives them ranges, and `dynamic_shapes={}` pins them to the examples' sizes."""
     if config.fallback not in ("error", "eager"):
         raise ValueError(f"fallback must be 'error' or 'eager', not {config.fallback!r}")
     example_inputs = tuple(example_inputs)
     if isinstance(model, torch.nn.Module):
         warn_if_training(model)
-    elif dynamic_shapes is not None:        # an ONNX model, imported at each bucket's sizes
-        from opfuse.frontend.onnx_compile import input_names
+    else:   # an ONNX model: its symbolic dims dynamic (each bucket imported at its sizes) unless pinned
+        from opfuse.frontend.onnx_compile import compile_onnx, input_names, symbolic_shapes
         from opfuse.runtime.dynamic import DynamicModel, parse_dynamic_shapes
 
-        dims = parse_dynamic_shapes(dynamic_shapes, example_inputs, names=input_names(model))
-        return DynamicModel(model, example_inputs, resolve_dtype(config, example_inputs), dims, quiet)
-    else:   # inputs that fix a shape are read as constants from the examples, checked at each call
-        from opfuse.frontend.onnx_compile import compile_onnx
-
+        declared = symbolic_shapes(model) if dynamic_shapes is None else dynamic_shapes
+        dims = parse_dynamic_shapes(declared, example_inputs, names=input_names(model)) if declared else []
+        if dims:
+            return DynamicModel(model, example_inputs, resolve_dtype(config, example_inputs), dims, quiet)
+        # fixed shapes, or pinned (dynamic_shapes={}): inputs that fix a shape are read as constants from the
+        # examples, checked at each call
         return compile_onnx(model, example_inputs, config, quiet)
     config = resolve_dtype(config, example_inputs)
     if dynamic_shapes is not None:

@@ -31,6 +31,35 @@ def input_names(source: OnnxSource) -> list[str]:
     return [v.name for v in runtime_inputs(_read_model(source))]
 
 
+def symbolic_shapes(source: OnnxSource) -> dict[str, dict[int, Any]]:
+    """The dynamic_shapes that make every symbolic dim of the model's call inputs dynamic over [1, inf): by input
+    name, {axis: torch.export.Dim}, one Dim per dim_param (inputs naming it share its size), one per unnamed dim;
+    empty for a model of fixed shapes, or one with inputs read as constants (`constant_inputs`: those are compiled
+    for their examples' values, `compile_onnx`)."""
+    model = _read_model(source)
+    if constant_inputs(model):
+        return {}
+    dims: dict[str, Any] = {}
+    shapes: dict[str, dict[int, Any]] = {}
+    for value in runtime_inputs(model):
+        if not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
+            continue
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.HasField("dim_value"):
+                continue
+            name = dim.dim_param or f"{value.name}_{axis}"
+            if name not in dims:
+                dims[name] = torch.export.Dim(_identifier(name), min=1)
+            shapes.setdefault(value.name, {})[axis] = dims[name]
+    return shapes
+
+
+def _identifier(name: str) -> str:
+    """A dim_param as a Dim's name (a Python identifier, which torch.export.Dim requires)."""
+    cleaned = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    return cleaned if cleaned and not cleaned[0].isdigit() else f"d_{cleaned}"
+
+
 def constant_inputs(model: onnx.ModelProto) -> list[int]:
     """The positions, among the model's inputs that are not initializers, of those read as constants."""
     names = [v.name for v in runtime_inputs(model)]

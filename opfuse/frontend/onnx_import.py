@@ -6,8 +6,8 @@ onnx.ModelProto (never changed); `opfuse.frontend.onnx_module` makes a runnable 
 `UnsupportedOnnxNode` error naming the operator, the node and the opset, and listing the supported operators;
 without it (analysis) it stays in the graph as an opaque node.
 
-Steps: read and check the model, fix the symbolic batch dimension, run ONNX shape inference (strict: a malformed
-node is reported here, by name), then convert node by node:
+Steps: read and check the model, fix the symbolic dimensions at the examples' sizes (a dynamic model's: its bucket's),
+run ONNX shape inference (strict: a malformed node is reported here, by name), then convert node by node:
 - nodes whose inputs are all known at import time (weights, `Shape` of a static tensor, `Constant`) are
   evaluated with ONNX's reference evaluator and become `constant` nodes; this resolves the shape arithmetic
   exporters emit in front of `Reshape`;

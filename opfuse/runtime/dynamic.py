@@ -150,11 +150,14 @@ class InputKind:
         return f"{str(self.dtype).removeprefix('torch.')}[{','.join(map(str, self.shape))}] on {self.device}"
 
 
-def call_sizes(dims: Sequence[DynamicDim], inputs: Sequence[Any], expected: Sequence[torch.Tensor | InputKind]
-               ) -> tuple[int, ...]:
+def call_sizes(dims: Sequence[DynamicDim], inputs: Sequence[Any], expected: Sequence[torch.Tensor | InputKind],
+               names: Sequence[str] = ()) -> tuple[int, ...]:
     """Each dynamic dim's size in this call, after checking the call: as many tensor inputs as `expected` (example
     tensors, or InputKinds), of their dtypes, devices, ranks and fixed sizes, sharing each dim's size, inside each
-    range (GraphError naming the input)."""
+    range (GraphError naming the input: its position, and its name where `names` has it)."""
+    def label(index: int) -> str:
+        return f"input {index} ({names[index]})" if index < len(names) else f"input {index}"
+
     kinds = [e if isinstance(e, InputKind) else InputKind.of(e) for e in expected]
     if len(inputs) != len(kinds):
         raise GraphError(f"the model takes {len(kinds)} inputs, got {len(inputs)}")
@@ -162,29 +165,45 @@ def call_sizes(dims: Sequence[DynamicDim], inputs: Sequence[Any], expected: Sequ
     sizes = []
     for index, (x, kind) in enumerate(zip(inputs, kinds)):
         if not isinstance(x, torch.Tensor):
-            raise GraphError(f"input {index} must be a tensor, got {type(x).__name__}")
+            raise GraphError(f"{label(index)} must be a tensor, got {type(x).__name__}")
         if x.dim() != len(kind.shape) or x.dtype != kind.dtype or x.device != kind.device:
-            raise GraphError(f"input {index} is {_describe(x)}, the model takes {kind.describe()}-like inputs")
+            raise GraphError(f"{label(index)} is {_describe(x)}, the model takes {kind.describe()}-like inputs")
         for axis, (got, want) in enumerate(zip(x.shape, kind.shape)):
             if (index, axis) not in dynamic and got != want:
-                varying = ", ".join(f"{dim.name} (input {i} dim {a})" for dim in dims for i, a in dim.uses)
-                raise GraphError(f"input {index} has {got} along dim {axis}, which is fixed at {want}: only "
+                varying = ", ".join(f"{dim.name} ({label(i)} dim {a})" for dim in dims for i, a in dim.uses)
+                raise GraphError(f"{label(index)} has {got} along dim {axis}, which is fixed at {want}: only "
                                  f"{varying or 'nothing'} may vary")
     for dim in dims:
         seen = {(index, axis): inputs[index].shape[axis] for index, axis in dim.uses}
         size = next(iter(seen.values()))
         if len(set(seen.values())) > 1:
             raise GraphError(f"inputs disagree on dynamic dim {dim.name}: "
-                             + ", ".join(f"input {i} dim {a} is {s}" for (i, a), s in seen.items()))
+                             + ", ".join(f"{label(i)} dim {a} is {s}" for (i, a), s in seen.items()))
         if size < dim.min or (dim.max is not None and size > dim.max):
             index, axis = dim.uses[0]
-            raise GraphError(f"input {index} has {size} along dim {axis}, outside {dim.describe()}")
+            raise GraphError(f"{label(index)} has {size} along dim {axis}, outside {dim.describe()}")
         sizes.append(size)
     return tuple(sizes)
 
 
 def _describe(x: torch.Tensor) -> str:
     return f"{str(x.dtype).removeprefix('torch.')}[{','.join(map(str, x.shape))}] on {x.device}"
+
+
+def _input_names(model: Any, count: int) -> list[str]:
+    """The names of a model's `count` call inputs: an ONNX model's input names, a module's forward parameters (none
+    where its signature does not list them one by one)."""
+    if not isinstance(model, torch.nn.Module):
+        from opfuse.frontend.onnx_compile import input_names
+
+        return input_names(model)
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters[:count]):
+        return []
+    return [p.name for p in parameters[:count]]
 
 
 def pad_inputs(inputs: Sequence[torch.Tensor], dims: Sequence[DynamicDim], sizes: Sequence[int],
@@ -273,6 +292,7 @@ class DynamicModel(torch.nn.Module):
         self.dims = list(dims)
         self.quiet = quiet
         self.buckets: dict[tuple[int, ...], Bucket] = {}     # compiled models by their sizes
+        self.input_names = _input_names(model, len(self.examples))     # what errors name inputs by
         self._lock = threading.Lock()
         sizes = call_sizes(self.dims, self.examples, self.examples)
         key = self.bucket_sizes_of(sizes)
@@ -306,7 +326,7 @@ class DynamicModel(torch.nn.Module):
                 self._bucket(key, pad_or_cut(self.examples, self.dims, base, key))
 
     def forward(self, *inputs: torch.Tensor) -> Any:
-        sizes = call_sizes(self.dims, inputs, self.examples)
+        sizes = call_sizes(self.dims, inputs, self.examples, self.input_names)
         key = self.bucket_sizes_of(sizes)
         bucket = self.buckets.get(key)
         if bucket is None:
@@ -331,7 +351,9 @@ class DynamicModel(torch.nn.Module):
         assert call_sizes(self.dims, inputs, self.examples) == key, "a bucket is compiled at its own sizes"
 
         start = time.perf_counter()
-        model = opfuse_compile(self._eager, tuple(inputs), replace(self.config, fallback="error"), self.quiet)
+        pinned = {} if not isinstance(self._eager, torch.nn.Module) else None   # an ONNX model at these sizes
+        model = opfuse_compile(self._eager, tuple(inputs), replace(self.config, fallback="error"), self.quiet,
+                               dynamic_shapes=pinned)
         bucket = Bucket(key, model, exact, seconds=time.perf_counter() - start)
         if not exact:
             graph = model.compiled.plan.graph

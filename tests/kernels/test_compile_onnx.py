@@ -49,13 +49,28 @@ def test_compiled_onnx_model_matches_onnx_reference(tmp_path, form):
     source = {"path": str(path), "bytes": path.read_bytes(), "proto": proto}[form]
     x = torch.randn(2, 3, 8, 8)
     compiled = opfuse.compile(source, (x,), opfuse.FusionConfig(dtype="float32"))
-    expected = ReferenceEvaluator(str(path)).run(None, {"x": x.numpy()})[0]
-    got = compiled(x)
-    assert got.shape == (2, 4)
-    error = np.linalg.norm(got.detach().numpy() - expected) / np.linalg.norm(expected)
-    assert error < 1e-4
-    assert compiled.compiled.kernels, "the plan got no opfuse kernel"
+    reference = ReferenceEvaluator(str(path))
+    # the symbolic batch N is dynamic by default: one model serves other batch sizes too
+    for batch in (2, 5):
+        x = torch.randn(batch, 3, 8, 8)
+        expected = reference.run(None, {"x": x.numpy()})[0]
+        got = compiled(x)
+        assert got.shape == (batch, 4)
+        error = np.linalg.norm(got.detach().numpy() - expected) / np.linalg.norm(expected)
+        assert error < 1e-4
+    assert [dim.describe() for dim in compiled.dims] == ["N in [1, inf]"]
+    assert sorted(compiled.buckets) == [(2,), (8,)]                    # batch 5 ran padded in bucket 8
+    assert compiled.compiled.compiled.kernels, "the plan got no opfuse kernel"
     assert proto.SerializeToString() == before                          # the caller's ModelProto is untouched
+
+
+def test_an_onnx_models_symbolic_dims_pinned_take_the_examples_sizes():
+    """dynamic_shapes={} pins the symbolic dims to the examples' sizes: another size is a one-line error."""
+    compiled = opfuse.compile(small_cnn(), (torch.randn(2, 3, 8, 8),), opfuse.FusionConfig(dtype="float32"),
+                              dynamic_shapes={})
+    assert compiled.compiled.kernels
+    with pytest.raises(GraphError, match="x"):
+        compiled(torch.randn(3, 3, 8, 8))
 
 
 def test_the_module_runs_the_graph_and_moves_like_a_module(tmp_path):
