@@ -3,7 +3,7 @@ norm they all read as its prologue), and small independent elementwise groups sh
 
 from __future__ import annotations
 
-from opfuse.fusion.legality import ROW_NORMS, in_order, is_row_norm_prologue, is_view, path_outside
+from opfuse.fusion.legality import ROW_NORMS, in_order, is_row_norm_prologue, is_view, maps_on_load, path_outside
 from opfuse.fusion.plan import GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, conv_chain
@@ -141,11 +141,12 @@ class HorizontalFusion:
         return f"a path runs through {via}" if via else None
 
     def is_small_pointwise(self, group: int) -> bool:
-        """All elementwise (or slices it stores: `store_slices`), and its kernel body takes less time than its
-        launch."""
+        """All elementwise (or slices it stores: `store_slices`, or ops its kernel evaluates through coordinates:
+        `legality.maps_on_load`, a rotary embedding's cat), and its kernel body takes less time than its launch."""
         nodes = self.groups[group]
         if group in self.kinds and self.kinds[group] is not GroupKind.HORIZONTAL_POINTWISE:
             return False
-        if not all(kind_of(self.graph[n]).elementwise or self.graph[n].op == "slice" for n in nodes):
-            return False
+        if not all(kind_of(self.graph[n]).elementwise or self.graph[n].op == "slice" or maps_on_load(self.graph[n])
+                   for n in nodes) or all(is_view(self.graph[n]) for n in nodes):
+            return False      # (views alone launch nothing)
         return self.estimate(nodes).time - self.hw.launch_time < self.hw.launch_time

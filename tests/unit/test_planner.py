@@ -406,6 +406,32 @@ def test_independent_small_elementwise_ops_share_a_launch():
     assert plan_fusion(graph, FusionConfig(horizontal=False), H200).kernel_launches == 2
 
 
+def _rotary(b: GraphBuilder, x: str, cos: str, sin: str, name: str) -> str:
+    """x * cos + rotate_half(x) * sin, rotate_half as Llama writes it (two slices, a neg, a cat)."""
+    half = b.graph[x].type.shape[-1] // 2
+    first = b.op("slice", [x], {"dim": 3, "start": 0, "end": half, "step": 1}, f"{name}_x1")
+    second = b.op("slice", [x], {"dim": 3, "start": half, "end": 2 * half, "step": 1}, f"{name}_x2")
+    rotated = b.op("cat", [b.unary("neg", second, f"{name}_neg"), first], {"dim": 3}, f"{name}_cat")
+    return b.op("add", [b.op("mul", [x, cos], name=f"{name}_mul_cos"), b.op("mul", [rotated, sin], name=f"{name}_mul_sin")],
+                name=f"{name}_add")
+
+
+def test_small_groups_with_a_cat_share_a_launch_and_views_alone_join_none():
+    """A decode step's rotary embeddings of q and of k (each a group with a cat) are one launch; a view-only group
+    launches nothing, so it is no member of a shared launch and no decision is recorded for it."""
+    b = GraphBuilder("rotary_q_k")
+    q, k = b.input("q", (1, 8, 1, 16)), b.input("k", (1, 2, 1, 16))
+    cos, sin = b.input("cos", (1, 1, 1, 16)), b.input("sin", (1, 1, 1, 16))
+    view = b.op("reshape", [b.input("h", (1, 4, 4))], {"shape": [1, 16]}, "view")
+    graph = b.output(_rotary(b, q, cos, sin, "q"), _rotary(b, k, cos, sin, "k"), view)
+    plan = plan_fusion(graph, FusionConfig(), H200)
+    assert_well_formed(plan)
+    shared = plan.group_of("q_add")
+    assert shared is plan.group_of("k_add") and shared.kind is GroupKind.HORIZONTAL_POINTWISE
+    assert plan.kernel_launches == 1
+    assert not [d for d in plan.decisions if d.fusion == "horizontal" and "view" in d.producer + d.consumer]
+
+
 # ---- switches, data, speed -------------------------------------------------------------------------------
 
 def test_vertical_switch_off_keeps_every_op_alone():
