@@ -92,8 +92,9 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reaso
     if group.kind in NO_KERNEL_KINDS:
         return NO_KERNEL_KINDS[group.kind]
     kinds = {name: kind_of(graph[name]) for name in group.nodes}
+    in_place = {name for name in group.nodes if graph.writes_state_in_place(name)}   # stored by the pointwise template
     for name, kind in kinds.items():
-        if kind is FusionKind.OPAQUE:
+        if kind is FusionKind.OPAQUE and name not in in_place:
             return Reason(Code.OPAQUE, f"opaque op {graph[name].describe()}: runs through PyTorch")
     if group.kind is GroupKind.CONV_CONV:
         return _within_int32(graph, group) or CONV_CONV_LOWERING
@@ -109,9 +110,9 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reaso
         return REDUCTION_LOWERING
     # a slice the group stores as a tensor of its own (`planner.store_slices`) is evaluated through coordinates too
     if all(k.elementwise or maps_on_load(graph[name]) or graph[name].op == "slice" and name in group.outputs
-           for name, k in kinds.items()):
+           or name in in_place for name, k in kinds.items()):
         computes = any(k.elementwise or view_copies(graph, graph[name]) or graph[name].op in MAPPED_COPIES
-                       for name, k in kinds.items())
+                       or name in in_place for name, k in kinds.items())
         if computes and group.kind in (GroupKind.POINTWISE, GroupKind.HORIZONTAL_POINTWISE, GroupKind.SINGLE):
             return POINTWISE_LOWERING   # (free views alone are no kernel)
     if all(graph[name].op == "identity" or kind is FusionKind.INJECTIVE for name, kind in kinds.items()):

@@ -387,6 +387,19 @@ class Region:
         self._addressed(self.emitter.args.output(name), tuple(coords),
                         lambda pointer: f"tl.store({pointer}, {value}, mask={self.mask})")
 
+    def store_at_index(self, name: str, coords: Coords) -> None:
+        """Store index_copy `name`'s source at `coords` (the source's) into its state's tensor (the output's), the
+        coordinate along its dim replaced by the index's value there (`pointwise.stored_shape`)."""
+        node = self.graph[name]
+        dim = node.attrs["dim"]
+        value = self.value(node.inputs[2], coords)
+        position = self.emitter.fresh("at")
+        self._addressed(self.emitter.args.input(node.inputs[1]), (coords[dim],),
+                        lambda pointer: f"{position} = tl.load({pointer}, mask={self.mask}, other=0)")
+        target = tuple(position if d == dim else c for d, c in enumerate(coords))
+        self._addressed(self.emitter.args.output(name), target,
+                        lambda pointer: f"tl.store({pointer}, {value}, mask={self.mask})")
+
     def _addressed(self, param: TensorParam, coords: Coords, line: Callable[[str], str]) -> None:
         """Emit `line(pointer)` with strided addressing; for a possibly dense tensor also with the flat index."""
         strided = f"{param.prefix}_ptr + {self.offset(param, coords)}"
@@ -614,7 +627,9 @@ class TemplateKernel(GroupKernel):
         return self._allocate_outputs(self.bind(inputs))
 
     def _allocate_outputs(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        return [self.allocate(name, self.output_channels_last(name, tensors)) for name in self.group.outputs]
+        """New outputs; a state written in place (`Graph.writes_state_in_place`) is the state's own tensor."""
+        return [tensors[self.graph[name].inputs[0]] if self.graph[name].op == "index_copy"
+                else self.allocate(name, self.output_channels_last(name, tensors)) for name in self.group.outputs]
 
     def output_channels_last(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
         """Outputs take the layout of the largest input: channels-last if that input is channels-last 4-D."""

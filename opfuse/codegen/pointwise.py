@@ -1,7 +1,9 @@
 """Elementwise groups (POINTWISE, SINGLE, HORIZONTAL_POINTWISE) as one Triton kernel: `lower_pointwise_group`.
 
 The nodes: elementwise ops, views and rolls (coordinate maps) and concatenations (each input loaded under the
-mask of its slice of the output).
+mask of its slice of the output), and updates of the model's state written in place (`Graph.writes_state_in_place`:
+a KV cache's index_copy, whose part iterates its source and stores each element into the state's tensor at the
+index's position along its dim; the kernel returns the state's tensor as the update's value).
 
 Each connected part of the group (one for a chain; several independent chains for a horizontal group) is an
 iteration space: the shape of its largest output, walked by a flat index in the memory order its outputs get
@@ -145,13 +147,21 @@ def split_parts(graph: Graph, group: FusionGroup) -> list[Part]:
             if i not in members and i not in part.inputs:
                 part.inputs.append(i)
     for part in parts.values():
-        largest = max(part.outputs, key=lambda o: graph[o].type.numel)
-        part.shape = graph[largest].type.shape
+        largest = max(part.outputs, key=lambda o: math.prod(stored_shape(graph, o)))
+        part.shape = stored_shape(graph, largest)
         for o in part.outputs:
-            if graph[o].type.numel != part.numel:
-                raise Unsupported(f"output {graph[o].describe()} of group {group.name} has {graph[o].type.numel} "
-                                  f"elements, the group's iteration space {part.numel}")
+            if math.prod(stored_shape(graph, o)) != part.numel:
+                raise Unsupported(f"output {graph[o].describe()} of group {group.name} stores "
+                                  f"{math.prod(stored_shape(graph, o))} elements, the group's iteration space "
+                                  f"{part.numel}")
     return list(parts.values())
+
+
+def stored_shape(graph: Graph, name: str) -> tuple[int, ...]:
+    """The elements a kernel stores of output `name`: its shape, or a state update's source's (`index_copy` written
+    in place stores its source's rows into the state's tensor, at the index's positions along its dim)."""
+    node = graph[name]
+    return graph[node.inputs[2]].type.shape if node.op == "index_copy" else node.type.shape
 
 
 class PointwiseKernel(TemplateKernel):
@@ -161,7 +171,8 @@ class PointwiseKernel(TemplateKernel):
         group_operands(graph, group)
         for name in group.nodes:
             node = graph[name]
-            if node.op not in SUPPORTED_OPS and node.op not in VIEW_OPS and node.op not in MAPPED_COPIES:
+            if node.op not in SUPPORTED_OPS and node.op not in VIEW_OPS and node.op not in MAPPED_COPIES \
+                    and not graph.writes_state_in_place(name):
                 raise Unsupported(f"node {node.describe()} is not elementwise; the pointwise template cannot "
                                   "compute it")
         if not group.outputs:
@@ -234,6 +245,9 @@ class PointwiseKernel(TemplateKernel):
             region.bind(segment.cat, whole, value)
             coords = whole
         for o in part.outputs:
+            if emitter.graph[o].op == "index_copy":     # a state written in place, at the index's positions
+                region.store_at_index(o, coords)
+                continue
             shape_o = emitter.graph[o].type.shape
             out_coords = coords if shape_o == part.shape else region.reshape_coords(coords, part.shape, shape_o)
             region.store(o, out_coords)
@@ -290,6 +304,8 @@ class PointwiseKernel(TemplateKernel):
         config = config or self.configs()[0]
         tensors = self.bind(inputs)
         results = self.outputs_for(tensors, outputs)
+        results = [tensors[self.graph[name].inputs[0]] if self.graph[name].op == "index_copy" else result
+                   for name, result in zip(self.group.outputs, results)]     # a state: written in place
         everything = tensors | dict(zip(self.group.outputs, results))
         constexprs: dict[str, bool] = {}
         orders = {}

@@ -133,8 +133,11 @@ def group_traffic(graph: Graph, nodes: Iterable[str], users: Users) -> GroupTraf
             outputs.append(name)
     if all(get_op(graph[n].op).alias for n in nodes):   # views only: no kernel, no traffic
         return GroupTraffic(0, 0, 0, tuple(inputs), tuple(outputs))
-    read = sum(graph[v].type.nbytes for v in inputs)
-    written = sum(graph[v].type.nbytes for v in outputs)
+    # a state written in place (a KV cache's update) is not read, and only its source's rows are written
+    in_place = {n for n in nodes if graph.writes_state_in_place(n, users)}
+    states = {graph[n].inputs[0] for n in in_place}
+    read = sum(graph[v].type.nbytes for v in inputs if v not in states)
+    written = sum(graph[graph[v].inputs[2] if v in in_place else v].type.nbytes for v in outputs)
     return GroupTraffic(flops, read, written, tuple(inputs), tuple(outputs))
 
 
@@ -171,7 +174,7 @@ def estimate_kernel(graph: Graph, nodes: Sequence[str], users: Users, hw: Hardwa
     if not kernels:
         return KernelEstimate(traffic, None, 0.0, None)
     anchor = anchor_of(graph, kernels)
-    opaque = any(kind_of(graph[n]) is FusionKind.OPAQUE for n in kernels)
+    opaque = any(kind_of(graph[n]) is FusionKind.OPAQUE and not graph.writes_state_in_place(n, users) for n in kernels)
     if not opaque and isinstance(squeeze := squeeze_chain(graph, kernels, users), SqueezeChain):
         return KernelEstimate(traffic, fitting_resources(squeeze, hw, dtype),
                               squeeze_seconds(squeeze, traffic.bytes_moved, traffic.flops, hw, dtype), squeeze.first,

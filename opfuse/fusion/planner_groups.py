@@ -52,8 +52,9 @@ class GroupListing:
         kinds = [kind_of(self.graph[n]) for n in nodes]
         if self.is_view_group(group):
             return GroupKind.VIEW
-        if FusionKind.OPAQUE in kinds:
-            return GroupKind.OPAQUE
+        if any(k is FusionKind.OPAQUE and not self.graph.writes_state_in_place(n, self.users)
+               for n, k in zip(nodes, kinds)):
+            return GroupKind.OPAQUE     # (a state written in place is stored by the elementwise template)
         copies = [n for n in nodes if kind_of(self.graph[n]) is FusionKind.INJECTIVE and not is_view(self.graph[n])]
         if any(self.graph[n].op not in MAPPED_COPIES for n in copies) or \
                 (len(nodes) == 1 and copies and self.graph[nodes[0]].type.dtype in WIDE_INTEGERS):

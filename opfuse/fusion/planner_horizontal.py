@@ -142,11 +142,13 @@ class HorizontalFusion:
 
     def is_small_pointwise(self, group: int) -> bool:
         """All elementwise (or slices it stores: `store_slices`, or ops its kernel evaluates through coordinates:
-        `legality.maps_on_load`, a rotary embedding's cat), and its kernel body takes less time than its launch."""
+        `legality.maps_on_load`, a rotary embedding's cat, or a KV cache's update written in place:
+        `Graph.writes_state_in_place`), and its kernel body takes less time than its launch."""
         nodes = self.groups[group]
         if group in self.kinds and self.kinds[group] is not GroupKind.HORIZONTAL_POINTWISE:
             return False
         if not all(kind_of(self.graph[n]).elementwise or self.graph[n].op == "slice" or maps_on_load(self.graph[n])
-                   for n in nodes) or all(is_view(self.graph[n]) for n in nodes):
+                   or self.graph.writes_state_in_place(n, self.users) for n in nodes) \
+                or all(is_view(self.graph[n]) for n in nodes):
             return False      # (views alone launch nothing)
         return self.estimate(nodes).time - self.hw.launch_time < self.hw.launch_time

@@ -172,6 +172,16 @@ class Graph:
                 users[i].append(node)
         return users
 
+    def writes_state_in_place(self, name: str, users: dict[str, list[Node]] | None = None) -> bool:
+        """Whether node `name` updates the model's state in place: an index_copy of the state node it updates
+        (`graph.state`), which nothing else reads. Its rows are written into the state's own tensor (by PyTorch's
+        index_copy_, or by a kernel's store at the index's positions), never a copy of the whole state."""
+        node = self.nodes[name]
+        if node.op != "index_copy" or self.state.get(node.inputs[0]) != name:
+            return False
+        users = self.users() if users is None else users
+        return [u.name for u in users[node.inputs[0]]] == [name]
+
     def input_types(self, node: Node) -> list[TensorType]:
         return [self.nodes[i].type for i in node.inputs]
 

@@ -155,10 +155,9 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
         self._input_forms = [input_form(spec) for spec in self.signature]
         self._steps = self._schedule()
         users = self.graph.users()
-        # the state updates written in place: an index_copy of the state it updates, which nothing else reads
-        self._in_place = {update for holder, update in self.graph.state.items()
-                          if self.graph[update].op == "index_copy" and self.graph[update].inputs[0] == holder
-                          and [u.name for u in users[holder]] == [update]}
+        # the state updates written in place (`Graph.writes_state_in_place`) that run through PyTorch
+        self._in_place = {update for update in self.graph.state.values()
+                          if self.graph.writes_state_in_place(update, users)}
         self._launched: dict[str, int] = {}      # PyTorch-run node -> the kernels it launched as it last ran
         # constants read by PyTorch-run nodes: on the device once, as private copies (never the user's tensors,
         # and never registered as parameters, so .to()/.half() on this module cannot reach the user's model)

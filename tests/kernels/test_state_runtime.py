@@ -9,6 +9,7 @@ import torch
 
 import opfuse
 from opfuse.ir.graph import GraphError
+from opfuse.frontend.torch_export import mark_state
 from tests.unit.test_state import Cache
 
 
@@ -39,3 +40,46 @@ def test_bind_state_shares_tensors_of_the_state_type_only():
     assert torch.equal(shared[:2], torch.ones(2, 4)) and torch.equal(shared[2:], torch.zeros(4, 4))
     with pytest.raises(GraphError, match="'cache' is no state of .* of shape \\[5, 4\\]"):
         compiled.compiled.bind_state({"cache": torch.zeros(5, 4)})
+
+
+class RotatedCache(torch.nn.Module):
+    """Keys [B, H, T, D] scaled and rotated (an elementwise chain, as a rotary embedding is), then written into a
+    [B, H, S, D] cache at positions along dim 2, beside values written as they come; both caches read whole."""
+
+    def __init__(self, slots: int = 7):
+        super().__init__()
+        self.register_buffer("keys", torch.zeros(2, 3, slots, 5))
+        self.register_buffer("values", torch.zeros(2, 3, slots, 5))
+        mark_state(self, "keys", "values")
+
+    def forward(self, k, v, positions):
+        rotated = torch.cat([-k[..., 3:], k[..., :3]], -1) * 0.5 + k
+        self.keys.index_copy_(2, positions, rotated)
+        self.values.index_copy_(2, positions, v)
+        return self.keys.sum(2) + self.values.sum(2) * 3.0
+
+
+@pytest.mark.parametrize("positions", [[4], [0, 6, 2]])
+def test_a_state_written_in_place_is_a_kernel_that_stores_at_the_positions(positions):
+    """An index_copy updating a state is no opaque op: a kernel stores its source's rows into the state's own tensor
+    (one launch for both caches' writes), at one or several positions along a middle dim, as eager writes them."""
+    model = RotatedCache().eval()
+    eager = copy.deepcopy(model)
+    t = len(positions)
+    example = (torch.randn(2, 3, t, 5), torch.randn(2, 3, t, 5), torch.tensor(positions))
+    compiled = opfuse.compile(model, example, opfuse.FusionConfig(dtype="float32"))
+    plan = compiled.plan
+    writes = [g for g in plan.groups if any(plan.graph[n].op == "index_copy" for n in g.nodes)]
+    assert writes and all(g.kind.value != "opaque" for g in writes)
+    assert all(g.name in compiled.compiled.kernels for g in writes)
+    assert not [f for f in compiled.fallbacks if "index_copy" in str(f)]
+    runtime = compiled.compiled
+    keys, values = runtime.state["keys"], runtime.state["values"]
+    for shift in range(3):
+        at = torch.tensor([(p + shift) % 7 for p in positions])
+        k, v = torch.randn(2, 3, t, 5), torch.randn(2, 3, t, 5)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(k, v, at), eager(k, v, at))
+        assert runtime.state["keys"] is keys and runtime.state["values"] is values    # written in place
+        torch.testing.assert_close(keys, eager.keys)
+        torch.testing.assert_close(values, eager.values)
