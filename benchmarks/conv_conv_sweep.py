@@ -34,7 +34,7 @@ from opfuse.bench import harness
 from opfuse.bench.timing import graphed_call_us
 from opfuse.bench.zoo import load_builtin
 from opfuse.codegen.base import KernelConfig
-from opfuse.fusion.legality import is_depthwise_conv
+from opfuse.fusion.legality_conv import is_depthwise_conv
 from opfuse.fusion.plan import GroupKind
 from opfuse.fusion.resources import leaves_a_slice_empty
 from opfuse.fusion.tiles import next_power_of_2

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from opfuse.bench import harness
 from opfuse.bench.timing import graphed_call_us
 from opfuse.codegen.base import KernelConfig
-from opfuse.codegen.conv import (DEPTHWISE_CONFIGS, SMALL_DEPTHWISE_CONFIGS, lower_conv_group,
-                                 unrolled_tap_registers)
+from opfuse.codegen.conv import lower_conv_group
+from opfuse.codegen.conv_depthwise import DEPTHWISE_CONFIGS, SMALL_DEPTHWISE_CONFIGS, unrolled_tap_registers
 from opfuse.fusion.plan import GroupKind
 from opfuse.numerics import relative_error
 from tests.kernels.test_conv_kernels import Builder

@@ -40,7 +40,7 @@ import opfuse
 from opfuse import hardware
 from opfuse.bench import harness
 from opfuse.bench.zoo import load_builtin
-from opfuse.fusion.legality import is_depthwise_conv, is_pointwise_conv
+from opfuse.fusion.legality_conv import is_depthwise_conv, is_pointwise_conv
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.ir.ops import get_op
 from opfuse.numerics import relative_error

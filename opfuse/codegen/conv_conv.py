@@ -1,7 +1,7 @@
 """Conv-conv kernels: a depthwise conv feeding a 1x1 conv (MobileNet's inverted residual) in one Triton kernel.
 
 Entry point: `lower_conv_conv_group(graph, group, device) -> GroupKernel` for CONV_CONV groups, whose convs the
-planner chained as [expand 1x1 ->] depthwise -> pointwise 1x1 (`opfuse.fusion.legality.conv_chain_problem` says
+planner chained as [expand 1x1 ->] depthwise -> pointwise 1x1 (`opfuse.fusion.legality_conv.conv_chain_problem` says
 what is legal; this module checks a hand-built group the same way).
 
 One program owns BLOCK_M output pixels x BLOCK_N output channels. For each chunk of BLOCK_K mid (depthwise)
@@ -38,13 +38,13 @@ import torch
 import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel, rows_jit, unit_code
-from opfuse.codegen.conv import X_ROW_STRIDES, ConvGeometry
+from opfuse.codegen.conv_common import X_ROW_STRIDES, ConvGeometry
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, interpreting
 from opfuse.codegen.forms import EpilogueKernel
 from opfuse.codegen.split_k import planned_slices, slices_of
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import anchor_biases
-from opfuse.fusion.legality import conv_chain_problem, conv_stages
+from opfuse.fusion.legality_conv import conv_chain_problem, conv_stages
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.resources import conv_chain, conv_conv_blocks, conv_conv_key, expansion_block
 from opfuse.hardware import HardwareProfile, get_hardware

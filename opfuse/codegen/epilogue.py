@@ -33,7 +33,7 @@ the permuted view of a buffer laid out as the anchor's output.
 
 A row norm (layer norm or RMS norm over the channels) is the one reduction an epilogue computes, and only on a tile
 of whole rows (`Epilogue(..., whole_rows=True)`: a depthwise conv's tiles spanning every channel, for
-`opfuse.fusion.legality.row_norm_epilogue`): each row's statistics come from the tile itself, the lanes past the
+`opfuse.fusion.legality_anchors.row_norm_epilogue`): each row's statistics come from the tile itself, the lanes past the
 channels masked out of them.
 
 Horizontal groups (sibling anchors on one input) run one kernel over the concatenated output channels: the
@@ -55,8 +55,9 @@ import torch
 
 from opfuse.codegen.base import load_kernel, unit_code
 from opfuse.codegen.expr import Unsupported, emit, literal, triton_dtype
-from opfuse.fusion.legality import (EPILOGUE_VIEWS, ROW_NORMS, Users, anchor_prologue, epilogue_spaces,
-                                    normalizes_last_dim, operand_views)
+from opfuse.fusion.legality_anchors import ROW_NORMS, anchor_prologue, normalizes_last_dim
+from opfuse.fusion.legality_common import Users
+from opfuse.fusion.legality_views import EPILOGUE_VIEWS, epilogue_spaces, operand_views
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.reasons import Reason
 from opfuse.fusion.tiles import interpreting  # noqa: F401  (the anchor templates take it from here)
@@ -236,7 +237,7 @@ class Epilogue:
         bias (a [channels] constant) or None; `layout`: the output's layout with all siblings' channels; `flat`:
         code for a 1-D block of elements instead of a 2-D tile (module docstring); `whole_rows`: the template's
         tile spans every channel (BLOCK_N >= channels, one program along them), so that a row norm over the
-        channels (`opfuse.fusion.legality.row_norm_epilogue`) is computed in the tile (`_row_norm`)."""
+        channels (`opfuse.fusion.legality_anchors.row_norm_epilogue`) is computed in the tile (`_row_norm`)."""
         self.graph, self.group, self.layout, self.device = graph, group, layout, device
         self.flat, self.whole_rows = flat, whole_rows
         self._arguments = (graph, group, chains, layout, device, bias)

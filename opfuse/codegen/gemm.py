@@ -7,7 +7,7 @@ One template computes C[b, m, n] = sum_k A[b, m, k] · B[b, k, n] on BLOCK_M x B
 accumulation, then runs the group's epilogue (`opfuse.codegen.epilogue`) on the tile. A is read through its
 strides with its row index split over 4 row groups and its reduction index over 2 (`opfuse.ir.strided`): N, H, W
 of an NHWC activation, the leading dims of a [..., K] input, or the views a linear reads its input through
-(`opfuse.fusion.legality.operand_chain`: the head merge after attention reads heads and head dim as two reduction
+(`opfuse.fusion.legality_views.operand_chain`: the head merge after attention reads heads and head dim as two reduction
 groups), so channels-last activations, channel-slice views and reshapes PyTorch would copy need no copy. B is the
 weight packed at build time as [K, N] contiguous (linear, conv) or, for matmul, the second operand read through its
 strides. Batched matmul (with torch.matmul broadcasting of the batch dims) uses grid axis 1.
@@ -30,7 +30,9 @@ from opfuse.codegen.library_fused import FusedLinearLibrary, fused_chain
 from opfuse.codegen.split_k import SplitK, sliced_template, slices_of, with_slices
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.prologue import Prologue
-from opfuse.fusion.legality import Users, anchor_prologue, operand_chain
+from opfuse.fusion.legality_anchors import anchor_prologue
+from opfuse.fusion.legality_common import Users
+from opfuse.fusion.legality_views import operand_chain
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.fusion.tiles import INTERPRETER, anchor_steps, anchor_tiles
 from opfuse.hardware import HardwareProfile, get_hardware

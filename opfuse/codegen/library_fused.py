@@ -27,7 +27,7 @@ from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import Graph
 
 if TYPE_CHECKING:
-    from opfuse.codegen.conv import ConvGeometry
+    from opfuse.codegen.conv_common import ConvGeometry
 
 # the activations each anchor's library call fuses, on CUDA devices and elsewhere
 ACTIVATIONS = {("conv2d", True): ("relu",), ("linear", True): ("relu", "gelu_tanh"), ("linear", False): ("relu",)}

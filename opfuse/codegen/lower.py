@@ -19,8 +19,8 @@ import torch
 
 from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, folding_rows
 from opfuse.codegen.expr import Unsupported
-from opfuse.codegen.operands import INT32_LIMIT
-from opfuse.fusion.legality import MAPPED_COPIES, maps_on_load
+from opfuse.codegen.template_kernel import INT32_LIMIT
+from opfuse.fusion.legality_views import MAPPED_COPIES, maps_on_load
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.hardware import HardwareProfile, get_hardware

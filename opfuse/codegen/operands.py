@@ -8,138 +8,27 @@ expand, slice, identity) and a roll only map coordinates, a cat picks the input 
 (each input evaluated under its slice's mask), a pad loads its input under the mask of the input's extent (the pad
 value elsewhere), and an embedding loads its row index (exactly, as an integer) and
 then the table at that row. Broadcast constants, channels-last activations and channel-slice views
-therefore need no special case, and no view is ever copied.
+therefore need no special case, and no view is ever copied. `build_kernel` wraps the lines into the kernel's source.
 
-`TemplateKernel` is the runtime half both kernel kinds share: constants held on the device, runtime inputs bound
-and checked, outputs allocated in the layout of the largest input, and the launch.
+The coordinate helpers are in `opfuse.codegen.coordinates`; the runtime half both kernel kinds share
+(`TemplateKernel`) and the kernel's tensor parameters (`KernelArgs`) in `opfuse.codegen.template_kernel`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
-import torch
-
-from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel
+from opfuse.codegen.base import load_kernel
+from opfuse.codegen.coordinates import Coords, broadcast_coords, unravel_expressions, upsample_source
 from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, literal, triton_dtype
+from opfuse.codegen.template_kernel import KernelArgs, TensorParam
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import interpreting, next_power_of_2  # noqa: F401  (pointwise, reduction import them here)
-from opfuse.ir.graph import WIDE_INTEGERS, Graph, GraphError, Node, TensorType, torch_dtype
+from opfuse.ir.graph import WIDE_INTEGERS, Graph, Node
 from opfuse.ir.ops import along_channels
 
-Coords = tuple  # tuple[str | None, ...]: a Triton expression per dimension, None meaning 0
-
 VIEW_OPS = frozenset({"reshape", "identity", "permute", "expand", "slice"})
-INT32_LIMIT = 2**31 - 1
-
-
-def extent(tensor: torch.Tensor) -> int:
-    """Elements of memory `tensor` spans through its strides (its largest offset + 1): the offsets a kernel computes
-    for it need int64 past INT32_LIMIT."""
-    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-
-
-# ---- coordinate mappings ----------------------------------------------------------------------------
-
-def broadcast_coords(coords: Coords, out_shape: Sequence[int], in_shape: Sequence[int]) -> Coords:
-    """Coordinates in an operand of `in_shape` broadcast (numpy rules) to `out_shape`."""
-    lead = len(out_shape) - len(in_shape)
-    if lead < 0:
-        raise Unsupported(f"operand {list(in_shape)} has more dimensions than its result {list(out_shape)}")
-    result = []
-    for d, size in enumerate(in_shape):
-        if size == 1:
-            result.append(None)
-        elif size == out_shape[lead + d]:
-            result.append(coords[lead + d])
-        else:
-            raise Unsupported(f"operand {list(in_shape)} does not broadcast to {list(out_shape)}")
-    return tuple(result)
-
-
-def dense_strides(shape: Sequence[int], order: Sequence[int]) -> list[int]:
-    """Strides of a dense tensor whose dimensions are laid out in `order` (outermost first)."""
-    strides = [0] * len(shape)
-    step = 1
-    for d in reversed(order):
-        strides[d] = step
-        step *= shape[d]
-    return strides
-
-
-def layout_order(rank: int, channels_last: bool) -> list[int]:
-    return [0, 2, 3, 1] if channels_last and rank == 4 else list(range(rank))
-
-
-def is_channels_last(tensor: torch.Tensor) -> bool:
-    """A 4-D tensor whose channels are adjacent in memory (dense NHWC, or a channel slice of one)."""
-    return tensor.dim() == 4 and tensor.shape[1] > 1 and tensor.stride(1) == 1
-
-
-def is_dense_in_order(tensor: torch.Tensor, order: Sequence[int]) -> bool:
-    """Whether element offsets equal the flat index enumerating the shape in `order` (size-1 strides ignored)."""
-    expected = dense_strides(tensor.shape, order)
-    return all(size == 1 or stride == want
-               for size, stride, want in zip(tensor.shape, tensor.stride(), expected))
-
-
-# ---- kernel parameters ------------------------------------------------------------------------------
-
-@dataclass
-class TensorParam:
-    """One tensor argument of the kernel: a pointer `<prefix>_ptr` and strides `<prefix>_s<d>`."""
-
-    value: str
-    prefix: str
-    type: TensorType
-
-    def stride(self, d: int) -> str:
-        return f"{self.prefix}_s{d}"
-
-
-class KernelArgs:
-    """The kernel's tensor parameters in signature order; registered as the code generator first uses them."""
-
-    def __init__(self, graph: Graph):
-        self.graph = graph
-        self.inputs: dict[str, TensorParam] = {}
-        self.outputs: dict[str, TensorParam] = {}
-
-    def input(self, name: str) -> TensorParam:
-        if name not in self.inputs:
-            self.inputs[name] = TensorParam(name, f"in{len(self.inputs)}", self.graph[name].type)
-        return self.inputs[name]
-
-    def output(self, name: str) -> TensorParam:
-        if name not in self.outputs:
-            self.outputs[name] = TensorParam(name, f"out{len(self.outputs)}", self.graph[name].type)
-        return self.outputs[name]
-
-    @property
-    def params(self) -> list[TensorParam]:
-        return list(self.inputs.values()) + list(self.outputs.values())
-
-    def signature(self) -> str:
-        names = []
-        for p in self.params:
-            names.append(f"{p.prefix}_ptr")
-            names.extend(p.stride(d) for d in range(len(p.type.shape)))
-        return ", ".join(names)
-
-    def describe(self) -> str:
-        """Comment lines giving each parameter's type (not the value behind it: `build_kernel`)."""
-        return "\n".join(f"# {p.prefix}: {p.type}" for p in self.params)
-
-    def values(self, tensors: dict[str, torch.Tensor]) -> list:
-        values: list = []
-        for p in self.params:
-            tensor = tensors[p.value]
-            values.append(tensor)
-            values.extend(tensor.stride())
-        return values
 
 
 # ---- code emission ----------------------------------------------------------------------------------
@@ -488,96 +377,6 @@ class Region:
         return tuple(result)
 
 
-def upsample_scale(node: Node, dim: int, in_size: int) -> float:
-    """The float32 step from output to source index of upsample `node` along its spatial dim `dim`, as PyTorch
-    computes it: (in - 1) / (out - 1) with align_corners (linear), 1 / the scale factor given, else in / out."""
-    out_size = node.attrs["size"][dim]
-    scales = node.attrs.get("scales") or [None] * len(node.attrs["size"])
-    if node.attrs["mode"] == "linear" and node.attrs.get("align_corners"):
-        return float(np.float32(in_size - 1) / np.float32(out_size - 1)) if out_size > 1 else 0.0
-    if scales[dim] is not None and scales[dim] > 0:
-        return float(np.float32(1.0 / scales[dim]))
-    return float(np.float32(in_size) / np.float32(out_size))
-
-
-def upsample_source(node: Node, dim: int, in_size: int, coord: str | None, assign: Callable[..., str]
-                    ) -> tuple[str | None, str | None, str | None]:
-    """(source index, its upper neighbour, the upper neighbour's weight) of the output coordinate `coord` (None: 0)
-    of upsample `node` along spatial dim `dim` of input size `in_size`, in PyTorch's float32 arithmetic: nearest
-    floor(i * scale), nearest-exact floor((i + 0.5) * scale), both at most in - 1 (no neighbour); linear the source
-    position scale * i (align_corners) or max(scale * (i + 0.5) - 0.5, 0), its floor and the next index (at most
-    in - 1), weighted by the fraction. Indices are None where always 0 (a size-1 input), and computed here where the
-    coordinate is (a size-1 output)."""
-    if in_size == 1:
-        return None, None, None
-    scale = upsample_scale(node, dim, in_size)
-    mode, align = node.attrs["mode"], node.attrs.get("align_corners")
-    if coord is None:           # one output index, 0: its sources are numbers
-        f32 = np.float32
-        if mode != "linear":
-            index = min(int(f32(0.0 if mode == "nearest" else 0.5) * f32(scale)), in_size - 1)
-            return (str(index) if index else None), None, None
-        real = f32(0.0) if align else max(f32(0.5) * f32(scale) - f32(0.5), f32(0.0))
-        low = int(real)
-        return (str(low) if low else None), str(min(low + 1, in_size - 1)), literal(min(max(real - low, 0.0), 1.0))
-    position = f"({coord}).to(tl.float32)"
-    if mode != "linear":
-        shifted = position if mode == "nearest" else f"({position} + 0.5)"
-        return assign(f"tl.minimum(({shifted} * {literal(scale)}).to(tl.int32), {in_size - 1})", "i"), None, None
-    real = assign(f"{position} * {literal(scale)}" if align else
-                  f"tl.maximum(({position} + 0.5) * {literal(scale)} - 0.5, 0.0)", "r")
-    low = assign(f"{real}.to(tl.int32)", "i")
-    high = assign(f"tl.minimum({low} + 1, {in_size - 1})", "i")
-    weight = assign(f"tl.minimum(tl.maximum({real} - {low}.to(tl.float32), 0.0), 1.0)", "w")
-    return low, high, weight
-
-
-def unravel_expressions(flat: str, sizes: Sequence[int]) -> list[str]:
-    """Row-major digits of `flat` over `sizes`; the outermost takes no modulo (flat is in range where unmasked)."""
-    expressions = []
-    inner = 1
-    for position in range(len(sizes) - 1, -1, -1):
-        e = flat if inner == 1 else f"({flat} // {inner})"
-        if position > 0:
-            e = f"{e} % {sizes[position]}"
-        expressions.append(e)
-        inner *= sizes[position]
-    return expressions[::-1]
-
-
-# ---- runtime ----------------------------------------------------------------------------------------
-
-def held_constants(graph: Graph, group: FusionGroup, device) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The constants the group reads, on the device in their node dtype, and the one-element ones as literals."""
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, str] = {}
-    for name in dict.fromkeys(group.inputs + [i for n in group.nodes for i in graph[n].inputs]):
-        node = graph[name]
-        if node.op != "constant":
-            continue
-        tensor = graph.constants[name]
-        if tensor.numel() == 1:
-            value = float(tensor.reshape(-1)[0])
-            scalars[name] = repr(value) if math.isfinite(value) else f"float('{value}')"
-        else:
-            tensors[name] = tensor.to(device=device, dtype=torch_dtype(node.type.dtype))
-    return tensors, scalars
-
-
-def group_operands(graph: Graph, group: FusionGroup) -> None:
-    """Check that every value the group's nodes read is a member or a declared input (clear error otherwise)."""
-    members = set(group.nodes)
-    declared = set(group.inputs)
-    for name in group.nodes:
-        for i in graph[name].inputs:
-            if i not in members and i not in declared and not graph.is_constant(i):
-                raise GraphError(f"node {graph[name].describe()} of group {group.name} reads {i!r}, which is "
-                                 "neither in the group nor among its inputs")
-    for o in group.outputs:
-        if o not in members:
-            raise GraphError(f"group {group.name} outputs {o!r}, which is not one of its nodes")
-
-
 def build_kernel(graph: Graph, group: FusionGroup, emitter: Emitter, body: list[str], constexprs: list[str],
                  params: Sequence[str] = ()):
     """Wrap the kernel body's lines into source, name it and load it: (name, source, triton function); `params`
@@ -593,74 +392,3 @@ def build_kernel(graph: Graph, group: FusionGroup, emitter: Emitter, body: list[
     template = (f"{header}\n@triton.jit\ndef KERNEL_NAME({signature}):\n"
                 + "\n".join("    " + line for line in body) + "\n")
     return load_kernel("fused", ops, template)
-
-
-class TemplateKernel(GroupKernel):
-    """The shared runtime half of pointwise and reduction kernels."""
-
-    def __init__(self, graph: Graph, group: FusionGroup, name: str, source: str, device,
-                 args: KernelArgs, constants: dict[str, torch.Tensor], function):
-        super().__init__(graph, group, name, source)
-        self.device = torch.device(device)
-        self.args = args
-        self.constants = constants
-        self.function = function            # the triton.jit function
-        self.output_fill: float | None = None   # tests set NaN so an element the kernel misses shows
-
-    def bind(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Runtime inputs (in `runtime_inputs` order) plus held constants, by value name, checked against types."""
-        names = self.runtime_inputs
-        if len(inputs) != len(names):
-            raise GraphError(f"kernel {self.name} (group {self.group.name}) takes {len(names)} inputs "
-                             f"({', '.join(names)}), got {len(inputs)}")
-        tensors = dict(self.constants)
-        for name, tensor in zip(names, inputs):
-            expected = self.graph[name].type
-            if tuple(tensor.shape) != expected.shape:
-                raise GraphError(f"kernel {self.name}: input {name} should be {expected}, got "
-                                 f"{list(tensor.shape)}")
-            tensors[name] = tensor
-        return tensors
-
-    def empty_outputs(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Outputs in the layout `run` allocates (uninitialised unless `output_fill` is set)."""
-        return self._allocate_outputs(self.bind(inputs))
-
-    def _allocate_outputs(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """New outputs; a state written in place (`Graph.writes_state_in_place`) is the state's own tensor."""
-        return [tensors[self.graph[name].inputs[0]] if self.graph[name].op == "index_copy"
-                else self.allocate(name, self.output_channels_last(name, tensors)) for name in self.group.outputs]
-
-    def output_channels_last(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
-        """Outputs take the layout of the largest input: channels-last if that input is channels-last 4-D."""
-        candidates = [tensors[i] for i in self.group.inputs if i in tensors]
-        if not candidates:
-            return False
-        largest = max(candidates, key=lambda t: t.numel())   # max keeps the first of equals
-        return is_channels_last(largest)
-
-    def allocate(self, name: str, channels_last: bool) -> torch.Tensor:
-        type = self.graph[name].type
-        memory_format = torch.channels_last if channels_last and len(type.shape) == 4 else torch.contiguous_format
-        tensor = torch.empty(type.shape, dtype=torch_dtype(type.dtype), device=self.device,
-                             memory_format=memory_format)
-        return tensor if self.output_fill is None else tensor.fill_(self.output_fill)
-
-    def outputs_for(self, tensors: dict[str, torch.Tensor],
-                    outputs: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        """The caller's preallocated outputs (any strides), or new ones in the default layout."""
-        if outputs is None:
-            return self._allocate_outputs(tensors)
-        if len(outputs) != len(self.group.outputs):
-            raise GraphError(f"kernel {self.name} writes {len(self.group.outputs)} outputs, got {len(outputs)}")
-        return list(outputs)
-
-    def launch(self, grid: tuple[int, ...], config: KernelConfig, tensors: dict[str, torch.Tensor],
-               index_space: int, **constexprs) -> None:
-        """Run the kernel; offsets switch to int64 when any tensor's extent or the index space passes int32."""
-        widest = max([index_space] + [extent(t) for t in tensors.values() if t.numel()])
-        handle = self.function[grid](*self.args.values(tensors), **dict(config.params), **constexprs,
-                                     INT64=widest > INT32_LIMIT, num_warps=config.num_warps,
-                                     num_stages=config.num_stages)
-        self.last_compiled = compiled_info(handle)
-

@@ -32,11 +32,12 @@ from typing import Sequence
 import torch
 
 from opfuse.codegen.base import KernelConfig
+from opfuse.codegen.coordinates import is_channels_last, is_dense_in_order, layout_order, unravel_expressions
 from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported
-from opfuse.codegen.operands import (VIEW_OPS, Emitter, FlatIndex, Region, TemplateKernel, build_kernel, exact,
-                                     group_operands, held_constants, interpreting, is_channels_last, is_dense_in_order,
-                                     layout_order, next_power_of_2, unravel_expressions)
-from opfuse.fusion.legality import MAPPED_COPIES
+from opfuse.codegen.operands import (VIEW_OPS, Emitter, FlatIndex, Region, build_kernel, exact, interpreting,
+                                     next_power_of_2)
+from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
+from opfuse.fusion.legality_views import MAPPED_COPIES
 from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import Graph
 

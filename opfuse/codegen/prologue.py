@@ -1,9 +1,9 @@
 """Prologues of GEMM kernels: elementwise ops applied to the A tile as it is loaded, before the dot.
 
 Entry point: `Prologue(graph, nodes, source, layout, k, device)` for the chain `nodes` between A's source value and
-the anchor (`opfuse.fusion.legality.anchor_prologue`: squeeze-and-excitation's channel scale before the project
-conv, a scale before a linear). It gives the GEMM template its extra parameters (`params`), the Triton lines that
-turn the loaded tile `a` into the prologue's result (`code`, run on every K block), and the launch arguments
+the anchor (`opfuse.fusion.legality_anchors.anchor_prologue`: squeeze-and-excitation's channel scale before the
+project conv, a scale before a linear). It gives the GEMM template its extra parameters (`params`), the Triton lines
+that turn the loaded tile `a` into the prologue's result (`code`, run on every K block), and the launch arguments
 (`launch_args`).
 
 Contract with the template: at the prologue point `a` [BLOCK_M, BLOCK_K] is the loaded A tile, `k_at` [BLOCK_K]
@@ -14,8 +14,8 @@ parameters lie along dim 1), read through its strides at the tile's coordinates.
 the tile's elements past M or K are zero again after the prologue (x / s at a masked zero would be NaN, and NaN
 times B's masked zero is still NaN).
 
-A linear's chain may open with a layer norm or an RMS norm over the last dim (`opfuse.fusion.legality.row_norm_prologue`;
-the sibling linears of a horizontal group share it): then
+A linear's chain may open with a layer norm or an RMS norm over the last dim
+(`opfuse.fusion.legality_anchors.row_norm_prologue`; the sibling linears of a horizontal group share it): then
 `stats_code` gives lines the template runs before its K loop (a pass over K reading the tile's rows as the K loop
 does, through `a_rows`, `offs_k` and A's reduction strides: the A operand is the norm's input, read through the row
 views between the norm and the linear as the linear would read its output), and the code normalizes
@@ -32,7 +32,7 @@ import torch
 
 from opfuse.codegen.epilogue import TileLayout
 from opfuse.codegen.expr import Unsupported, emit, literal, triton_dtype
-from opfuse.fusion.legality import ROW_NORMS
+from opfuse.fusion.legality_anchors import ROW_NORMS
 from opfuse.ir.graph import Graph
 from opfuse.ir.ops import along_channels, get_op
 

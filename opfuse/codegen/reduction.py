@@ -28,9 +28,10 @@ from typing import Sequence
 import torch
 
 from opfuse.codegen.base import KernelConfig
+from opfuse.codegen.coordinates import Coords, broadcast_coords
 from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, int_pair
-from opfuse.codegen.operands import (VIEW_OPS, Coords, Emitter, Region, TemplateKernel, broadcast_coords,
-                                     build_kernel, group_operands, held_constants, interpreting, next_power_of_2)
+from opfuse.codegen.operands import VIEW_OPS, Emitter, Region, build_kernel, interpreting, next_power_of_2
+from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import ROW_SPLIT_MODES, RowView, row_tiles, row_view
 from opfuse.hardware import HardwareProfile, get_hardware

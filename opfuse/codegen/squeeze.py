@@ -32,7 +32,7 @@ import torch
 from opfuse.codegen.base import (FORM_SEPARATE, FORM_UNFUSED, GroupKernel, KernelConfig, compiled_info,
                                  load_kernel)
 from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, literal
-from opfuse.codegen.operands import INT32_LIMIT, extent
+from opfuse.codegen.template_kernel import INT32_LIMIT, extent
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.fusion.squeeze import SqueezeChain, squeeze_chain, squeeze_tile
 from opfuse.fusion.tiles import interpreting

@@ -55,7 +55,8 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from opfuse.config import FusionConfig
-from opfuse.fusion.legality import ROW_NORMS, conv_stages, is_depthwise_conv
+from opfuse.fusion.legality_anchors import ROW_NORMS
+from opfuse.fusion.legality_conv import conv_stages, is_depthwise_conv
 from opfuse.fusion.plan import ResourceEstimate
 from opfuse.fusion.resources import (ATTENTION_TILES, GEMM_TILES, anchor_of, conv_chain, conv_conv_tiles,
                                      describe_tile, estimate_resources, expansion_block)
@@ -196,7 +197,7 @@ def estimate_kernel(graph: Graph, nodes: Sequence[str], users: Users, hw: Hardwa
 
 def _row_norm_recompute(graph: Graph, norm: str, anchor: str, traffic: GroupTraffic, resources: ResourceEstimate,
                         time: float, hw: HardwareProfile) -> KernelEstimate:
-    """A linear with a row norm prologue (`opfuse.fusion.legality.row_norm_prologue`): every BLOCK_N column tile
+    """A linear with a row norm prologue (`opfuse.fusion.legality_anchors.row_norm_prologue`): every BLOCK_N column tile
     recomputes the statistics and the normalization of its rows, on the CUDA cores (the extra pass over A is
     served by L2 and not counted as device-memory traffic)."""
     repeats = -(-graph[anchor].type.shape[-1] // resources.tile["BLOCK_N"])

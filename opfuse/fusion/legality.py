@@ -1,7 +1,9 @@
 """Fusion legality: may a producer group and a consumer group become one kernel? (`can_fuse` -> None | Reason).
 
 The rules are written over fusion kinds (`opfuse.ir.ops.FusionKind`), TVM style, never over op names. A legal
-group has at most one *hub*: an anchor (conv, gemm, attention) or a reduction.
+group has at most one *hub*: an anchor (conv, gemm, attention) or a reduction. This module holds `can_fuse` and
+the rules it chains; beside it, `legality_anchors` (an anchor's prologue and row norms), `legality_views` (views
+and copies mapped on loads), `legality_conv` (conv-conv chains) and `legality_common` (graph walks they share).
 
 - anchor + epilogue: the anchor followed by elementwise ops of its output's size. An epilogue may read other
   full-size activations from outside (the skip of a residual add: kind RESIDUAL, switch `config.residual`).
@@ -65,19 +67,19 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Sequence
 
 from opfuse.config import FusionConfig
+from opfuse.fusion.legality_anchors import anchor_prologue, row_norm_epilogue
+from opfuse.fusion.legality_common import (Users, in_order, node_index, path_outside, reachable, reachable_backwards,
+                                           same_size_rule)
+from opfuse.fusion.legality_conv import two_anchor_rule
+from opfuse.fusion.legality_views import (ELEMENT_KEEPING_VIEWS, EPILOGUE_VIEWS, MAPPED_COPIES, REPEATING_VIEWS,
+                                          epilogue_spaces, is_view, loaded_view, maps_on_load, mixed_orders,
+                                          operand_chain, operand_views, view_chain)
 from opfuse.fusion.reasons import Code, Reason
-from opfuse.fusion.tiles import MAX_HEAD_DIM, MAX_ROW_CHANNELS, tiles_attention
+from opfuse.fusion.tiles import MAX_HEAD_DIM, tiles_attention
 from opfuse.ir.graph import Graph, Node
-from opfuse.ir.ops import FusionKind, along_channels, get_op, kind_of, view_copies
-from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, through_views
+from opfuse.ir.ops import FusionKind, get_op, kind_of, view_copies
 
-Users = Mapping[str, Sequence[Node]]
-ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
-REPEATING_VIEWS = frozenset({"expand"})     # views a kernel without an anchor maps on a load of their input (a repeat)
 WINDOW_POOLS = frozenset({"max_pool2d", "avg_pool2d", "max_pool3d", "avg_pool3d"})
-EPILOGUE_VIEWS = frozenset({"permute"})      # views an anchor's epilogue maps: values stay at the tile's coordinates
-MAPPED_COPIES = frozenset({"cat", "roll", "embedding", "pad", "upsample"})   # copying ops an elementwise kernel
-                                                                             # computes as index maps
 
 
 def can_fuse(graph: Graph, producer_nodes: Iterable[str], consumer_nodes: Iterable[str], users: Users,
@@ -102,15 +104,6 @@ def can_fuse(graph: Graph, producer_nodes: Iterable[str], consumer_nodes: Iterab
             or structure_rule(graph, merged, users, config, index)
             or residual_rule(graph, merged, users, config, index)
             or cycle_rule(graph, producer, consumer, users, index))
-
-
-def node_index(graph: Graph) -> dict[str, int]:
-    """Position of each node in the graph's topological order."""
-    return {name: i for i, name in enumerate(graph.nodes)}
-
-
-def in_order(names: Iterable[str], index: Mapping[str, int]) -> list[str]:
-    return sorted(names, key=index.__getitem__)
 
 
 # ---- rules on single nodes -----------------------------------------------------------------------------
@@ -160,15 +153,6 @@ def copied_operand_rule(graph: Graph, nodes: set[str]) -> Reason | None:
     return None
 
 
-def view_chain(graph: Graph, name: str) -> list[str]:
-    """`name` and the views it is a view of, back to the first value that is none."""
-    chain = []
-    while is_view(graph[name]) and graph[name].inputs:
-        chain.append(name)
-        name = graph[name].inputs[0]
-    return chain
-
-
 def library_anchor_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
     """An anchor no template tiles runs as a library call, alone: an sdpa of head dims over the attention
     template's (`tiles_attention`) is torch's attention, which takes no epilogue."""
@@ -203,226 +187,6 @@ def view_rule(graph: Graph, nodes: Iterable[str], users: Users) -> Reason | None
     return None
 
 
-def operand_chain(graph: Graph, anchor: str, within: Iterable[str], users: Users) -> list[str]:
-    """The views of `within` through which linear `anchor` reads its input, source side first: a chain of
-    MAPPED_VIEWS, each read by the next alone (the last by the anchor alone), that replayed on the contiguous
-    source is a strided map of the operand load (`opfuse.ir.strided.operand_groups`); empty when there is none."""
-    node = graph[anchor]
-    within = set(within)
-    if node.op != "linear":
-        return []
-    chain: list[str] = []
-    value, reader = node.inputs[0], anchor
-    while value in within and graph[value].op in MAPPED_VIEWS and [u.name for u in users[value]] == [reader] \
-            and value not in graph.outputs:
-        chain.append(value)
-        value, reader = graph[value].inputs[0], value
-    chain.reverse()
-    if not chain:
-        return []
-    source = graph[value].type.shape
-    dims = through_views(source, contiguous_strides(source), [graph[v] for v in chain])
-    if dims is None or operand_groups(dims, len(node.type.shape) - 1) is None:
-        return []
-    return chain
-
-
-def anchor_prologue(graph: Graph, anchor: str, within: Iterable[str], users: Users) -> list[str]:
-    """The elementwise nodes of `within` that a linear or a 1x1 conv (stride 1, no padding, one group) applies to
-    its input tile as it loads it, source side first: a chain ending at the anchor's input, each node read by the
-    next alone (the last by the anchor alone), in the input's dtype, reading one full-size value (the previous
-    node, or the source) and otherwise only constants and smaller broadcasts; a linear's chain may open with a
-    layer norm over the last dim (`is_row_norm_prologue`: the kernel computes its row statistics first); empty when
-    there is none."""
-    node = graph[anchor]
-    within = set(within)
-    if not (node.op == "linear" or is_pointwise_conv(graph, anchor)):
-        return []
-    dtype = graph[node.inputs[0]].type.dtype
-    chain: list[str] = []
-    value, reader = node.inputs[0], anchor
-    while (value in within and kind_of(graph[value]).elementwise and graph[value].type.dtype == dtype
-           and [u.name for u in users[value]] == [reader] and value not in graph.outputs):
-        step = graph[value]
-        full = [v for v in step.inputs if not graph.is_constant(v) and graph[v].type.numel >= step.type.numel]
-        if len(full) != 1 or graph[full[0]].type.numel != step.type.numel or graph[full[0]].type.dtype != dtype:
-            break       # (a cast from another dtype stays out: the tile is loaded in the anchor's dtype)
-        chain.append(value)
-        value, reader = full[0], value
-    if node.op == "linear":     # the layer norm the linear normalizes its tiles with, maybe through row views
-        # (only as the whole chain: the views map A's rows, which the other ops' operands are not read through)
-        views, norm, norm_reader = [], value, reader
-        while not chain and norm in within and keeps_rows(graph, graph[norm]) and [u.name for u in users[norm]] == [norm_reader] \
-                and norm not in graph.outputs:
-            views.append(norm)
-            norm, norm_reader = graph[norm].inputs[0], norm
-        if norm in within and is_row_norm_prologue(graph, norm, norm_reader, within, users) \
-                and (not views or maps_rows(graph, norm, views[::-1], len(node.type.shape) - 1)):
-            chain += views + [norm]
-    chain.reverse()
-    return chain
-
-
-def keeps_rows(graph: Graph, node: Node) -> bool:
-    """A view that regroups or reorders the leading dims and keeps the last one last (GPT-2's [1, T, C] -> [T, C]
-    before its addmm, ViT's [N, T, C] -> [T, N, C] before the attention's in_proj): a layer norm over the last dim
-    commutes with it, so the linear may normalize its rows read through it."""
-    source = graph[node.inputs[0]].type.shape
-    if node.op == "reshape":
-        return bool(node.type.shape) and bool(source) and node.type.shape[-1] == source[-1]
-    if node.op == "permute":
-        dims = list(node.attrs["dims"])
-        return bool(dims) and dims[-1] % len(dims) == len(dims) - 1
-    return False
-
-
-def maps_rows(graph: Graph, source: str, views: Sequence[str], row_dims: int) -> bool:
-    """Whether `views` (source side first) replayed on the contiguous `source` are a strided map of a GEMM operand
-    load (`opfuse.ir.strided.operand_groups`): the kernel reads through them, no copy."""
-    shape = graph[source].type.shape
-    dims = through_views(shape, contiguous_strides(shape), [graph[v] for v in views])
-    return dims is not None and operand_groups(dims, row_dims) is not None
-
-
-def row_norm_prologue(graph: Graph, anchor: str, within: Iterable[str], users: Users) -> str | None:
-    """The layer norm or RMS norm opening `anchor`'s prologue (`anchor_prologue`), or None."""
-    chain = anchor_prologue(graph, anchor, within, users)
-    return chain[0] if chain and graph[chain[0]].op in ROW_NORMS else None
-
-
-def is_row_norm_prologue(graph: Graph, name: str, reader: str, within: Iterable[str], users: Users) -> bool:
-    """Whether layer norm or RMS norm `name` may open a linear's prologue (pre-LN transformers' ln_1 -> qkv,
-    ConvNeXt's LN -> pwconv1, Llama's input norm -> its q, k and v projections): it normalizes the last dim only, its
-    weight and bias are constants (or absent), `reader` alone reads it or every reader is a sibling linear of
-    `within` reading it directly (a horizontal group: one GEMM over their columns normalizes its shared A), and its
-    input comes from outside `within` (the kernel computes the row statistics from that input in a pass over K of
-    its own; a residual sum others read is stored by the group that computes it)."""
-    node = graph[name]
-    readers = [u.name for u in users[name]]
-    if node.op not in ROW_NORMS or name in graph.outputs:
-        return False
-    if readers != [reader] and not siblings_read(graph, name, readers, within):
-        return False
-    source = node.inputs[0]
-    if source in set(within) or graph.is_constant(source) or graph[source].type.dtype != node.type.dtype:
-        return False
-    return normalizes_last_dim(graph, node)
-
-
-ROW_NORMS = frozenset({"layer_norm", "rms_norm"})   # reductions over the last dim that keep every element
-
-
-def siblings_read(graph: Graph, name: str, readers: Sequence[str], within: Iterable[str]) -> bool:
-    """Whether `readers` of `name` are two or more linears of `within`, each reading `name` as its input."""
-    within = set(within)
-    return len(readers) > 1 and all(r in within and graph[r].op == "linear" and graph[r].inputs[0] == name
-                                    for r in readers)
-
-
-def normalizes_last_dim(graph: Graph, node: Node) -> bool:
-    """A layer norm or RMS norm over the last dim alone, its weight and bias constants of that size (or absent)."""
-    shape = node.type.shape
-    if node.op not in ROW_NORMS or not shape:
-        return False
-    if node.op == "layer_norm":
-        normalized = node.attrs["normalized_shape"]
-        normalized = [normalized] if isinstance(normalized, int) else list(normalized)
-        if len(normalized) != 1 or normalized[0] != shape[-1]:
-            return False
-    return all(graph.is_constant(v) and graph[v].type.numel == shape[-1] for v in node.inputs[1:])
-
-
-def row_norm_epilogue(graph: Graph, anchor: str, within: Iterable[str]) -> str | None:
-    """The row norm of `within` that depthwise conv `anchor` computes in its epilogue (`config.norm_epilogue`), or
-    None: the one layer norm or RMS norm of `within`, over its last dim alone (`normalizes_last_dim`), whose input
-    the anchor's epilogue computes (elementwise ops and EPILOGUE_VIEWS permutes of `within`) with the anchor's
-    channel dim last, and the anchor has 2 to MAX_ROW_CHANNELS channels. Its kernel's tile then spans every
-    channel of its pixels (`opfuse.fusion.tiles.whole_row_tile`), which a depthwise conv can afford: it reduces
-    nothing across channels, so its registers hold only its outputs."""
-    if not is_depthwise_conv(graph, anchor) or not 1 < graph[anchor].type.shape[1] <= MAX_ROW_CHANNELS:
-        return None     # (one channel is a plain conv to the kernels: `ConvGeometry.is_depthwise`)
-    within = set(within)
-    norms = [n for n in within if graph[n].op in ROW_NORMS]
-    if len(norms) != 1 or not normalizes_last_dim(graph, graph[norms[0]]):
-        return None
-    norm = graph[norms[0]]
-    path, value = [], norm.inputs[0]        # the epilogue from the anchor to the norm, each node one full input
-    while value != anchor:
-        if value not in within:
-            return None
-        node = graph[value]
-        full = [v for v in node.inputs if v in within or v == anchor]
-        if not (kind_of(node).elementwise or node.op in EPILOGUE_VIEWS) or len(full) != 1:
-            return None
-        path.append(value)
-        value = full[0]
-    spaces = epilogue_spaces(graph, anchor, path[::-1] + [norm.name])
-    if isinstance(spaces, Reason) or spaces[norm.name][-1] != 1:   # NCHW: the conv's channels are dim 1
-        return None
-    return norm.name
-
-
-def operand_views(graph: Graph, nodes: Iterable[str], users: Users) -> set[str]:
-    """The views of `nodes` that are operand maps of a linear anchor among them (`operand_chain`)."""
-    nodes = list(nodes)
-    return {view for name in nodes if kind_of(graph[name]) is FusionKind.ANCHOR
-            for view in operand_chain(graph, name, nodes, users)}
-
-
-def epilogue_spaces(graph: Graph, anchor: str, epilogue: Sequence[str]) -> dict[str, tuple[int, ...]] | Reason:
-    """Per value of the anchor's epilogue (`epilogue` in topological order), the anchor dims its dims are: an
-    EPILOGUE_VIEWS permute reorders them, any other node has its inputs'. A Reason names a node that reads the
-    anchor's values in two orders (its template would need two coordinates per element)."""
-    spaces = {anchor: tuple(range(len(graph[anchor].type.shape)))}
-    for name in epilogue:
-        node = graph[name]
-        seen = {spaces[v] for v in node.inputs if v in spaces}
-        if len(seen) != 1:
-            return Reason(Code.VIEW_IN_ANCHOR,
-                          f"{name} ({node.op}) reads {anchor}'s values in two orders of their dims")
-        space = seen.pop()
-        spaces[name] = tuple(space[d] for d in node.attrs["dims"]) if node.op in EPILOGUE_VIEWS else space
-    return spaces
-
-
-def mixed_orders(graph: Graph, hub: str, epilogue: Sequence[str]) -> Reason | None:
-    """Why a reduction's epilogue (`epilogue` in topological order) cannot be computed once per element at mapped
-    coordinates, or None: a node reads the hub's values through two different views (two coordinates each)."""
-    orders: dict[str, object] = {hub: hub}
-    for name in epilogue:
-        node = graph[name]
-        seen = {orders[v] for v in node.inputs if v in orders}
-        if len(seen) != 1:
-            return Reason(Code.VIEW_AFTER_REDUCTION, f"{name} ({node.op}) reads {hub}'s values through two views")
-        order = seen.pop()
-        orders[name] = name if node.op in ("reshape", "permute") else order
-    return None
-
-
-def joins_as_map(node: Node) -> bool:
-    """A node an elementwise or reduction kernel evaluates through coordinates: a view keeping every element, a
-    cat or a roll."""
-    return node.op in ELEMENT_KEEPING_VIEWS or node.op in MAPPED_COPIES
-
-
-def loaded_view(graph: Graph, name: str, within: set[str]) -> bool:
-    """Whether `name` is a view of `within` reached through views of `within` alone from a value outside it: no
-    element of it is computed in the kernel, only loaded (the views before a repeat's expand, however small)."""
-    while name in within and is_view(graph[name]) and graph[name].inputs:
-        name = graph[name].inputs[0]
-    return name not in within
-
-
-def maps_on_load(node: Node) -> bool:
-    """A node an elementwise or reduction kernel evaluates through coordinates (`joins_as_map`), or an expand of a
-    value it loads (REPEATING_VIEWS: what reads a repeat)."""
-    return joins_as_map(node) or node.op in REPEATING_VIEWS
-
-
-def is_view(node: Node) -> bool:
-    return get_op(node.op).alias
-
-
 # ---- rules on the pair ---------------------------------------------------------------------------------
 
 def several_users_rule(graph: Graph, producer: set[str], consumer: set[str], users: Users,
@@ -454,136 +218,6 @@ def windowed(node: Node) -> bool:
     if node.op == "adaptive_avg_pool2d":
         return tuple(node.type.shape[-2:]) != (1, 1)
     return node.op in WINDOW_POOLS
-
-
-def two_anchor_rule(graph: Graph, merged: set[str], anchors: Sequence[str], users: Users, config: FusionConfig,
-                    index: Mapping[str, int]) -> Reason | None:
-    """Several anchors in one kernel: only a conv-conv chain ([expand 1x1 ->] depthwise -> 1x1) is legal."""
-    names = ", ".join(anchors)
-    prefix = f"two anchors ({names})" if len(anchors) == 2 else f"{len(anchors)} anchors ({names})"
-    if not config.conv_conv:
-        return Reason(Code.DISABLED, f"{prefix}: conv-conv fusion disabled (config.conv_conv)")
-    if len(anchors) > 2 and not config.conv_conv_expand:
-        return Reason(Code.DISABLED, f"{prefix}: fusing the expansion conv too is disabled (config.conv_conv_expand)")
-    problem = conv_chain_problem(graph, merged, list(anchors), users)
-    return Reason(problem.code, f"{prefix}: {problem.text}") if problem else None
-
-
-def conv_chain_problem(graph: Graph, merged: set[str], anchors: list[str], users: Users) -> Reason | None:
-    """Why `anchors` (in order) with the rest of `merged` are no conv-conv kernel, or None when they are one."""
-    for name in anchors:
-        if graph[name].op != "conv2d":
-            return Reason(Code.TWO_ANCHORS,
-                          f"{name} ({graph[name].op}) is no convolution: only convolutions chain in one kernel")
-    if len(anchors) > 3:
-        return Reason(Code.TWO_ANCHORS, "at most three convolutions (expand, depthwise, pointwise) chain in one kernel")
-    stages = conv_stages(graph, merged, anchors)
-    owner = {name: i for i, stage in enumerate(stages) for name in stage}
-    for i, (earlier, later) in enumerate(zip(anchors, anchors[1:])):
-        if owner.get(graph[later].inputs[0]) != i:
-            return Reason(Code.TWO_ANCHORS, f"{earlier} does not feed {later}: convolutions share a kernel only as "
-                          "a chain, each reading the previous one's result (depthwise into 1x1)")
-    if len(anchors) == 2 and is_pointwise_conv(graph, anchors[0]) and is_depthwise_conv(graph, anchors[1]):
-        return Reason(Code.EXPAND_ALONE, f"the 1x1 conv {anchors[0]} joins the depthwise conv {anchors[1]} only "
-                      f"together with {anchors[1]}'s pointwise conv (the whole inverted-residual block)")
-    *expand, depthwise, pointwise = anchors
-    if not is_depthwise_conv(graph, depthwise):
-        return Reason(Code.CONV_SHAPE, f"{depthwise} is not a depthwise conv (groups == in == out channels): "
-                      "conv-conv fusion takes a depthwise conv feeding a 1x1 conv")
-    for name in expand + [pointwise]:
-        if not is_pointwise_conv(graph, name):
-            return Reason(Code.CONV_SHAPE, f"{name} is not a 1x1 conv (stride 1, no padding, groups 1)")
-    for name in anchors:
-        for value in graph[name].inputs[1:]:
-            if not graph.is_constant(value):
-                return Reason(Code.INNER_OPERAND, f"{name} reads {value} as weight or bias, not a constant")
-    for name in sorted(merged - set(owner)):
-        return Reason(Code.ANCHOR_PROLOGUE, f"{name} would be a prologue of {anchors[0]}: anchors take epilogues only")
-    for i, stage in enumerate(stages):
-        anchor = stage[0]
-        for name in stage[1:]:
-            if not kind_of(graph[name]).elementwise:
-                return Reason(Code.NOT_ELEMENTWISE, f"{name} ({graph[name].op}) is not elementwise")
-            for value in graph[name].inputs:
-                if owner.get(value, i) < i:
-                    return Reason(Code.INNER_READ, f"{name} reads {value} from the chain of {stages[owner[value]][0]}, "
-                                  "which is never written")
-        problem = same_size_rule(graph, stage[1:], graph[anchor].type.numel, f"{anchor}'s output")
-        if problem:
-            return problem
-        if i == len(stages) - 1:
-            break
-        following = stages[i + 1][0]
-        handed = graph[following].inputs[0]
-        for name in stage:
-            readers = [u.name for u in users[name] if u.name not in stage and not
-                       (name == handed and u.name == following)]
-            if readers or name in graph.outputs:
-                who = ", ".join(dict.fromkeys(readers)) or "the graph's outputs"
-                return Reason(Code.INNER_READ, f"{name} is read by {who}: the {graph[anchor].op} result of {anchor} "
-                              "stays in registers in a conv-conv kernel")
-        problem = constant_operands_only(graph, stage, owner)
-        if problem:
-            return problem
-    return None
-
-
-def constant_operands_only(graph: Graph, stage: Sequence[str], owner: Mapping[str, int]) -> Reason | None:
-    """An inner stage is recomputed per tile from constants: scalars and per-channel vectors only."""
-    for name in stage[1:]:
-        node = graph[name]
-        for position, value in enumerate(node.inputs):
-            if value in owner:
-                continue
-            if not graph.is_constant(value):
-                return Reason(Code.INNER_OPERAND, f"{name} reads activation {value}: an inner conv's epilogue takes "
-                              "constant operands only (bias, scale, clamp bounds)")
-            shape = graph[value].type.shape
-            aligned = (1,) * (len(node.type.shape) - len(shape)) + tuple(shape)   # broadcasting aligns right
-            per_channel = all(size == 1 for dim, size in enumerate(aligned) if dim != 1)
-            if not (per_channel or along_channels(node, position)):
-                return Reason(Code.INNER_OPERAND, f"{name} reads constant {value} {graph[value].type}, which varies "
-                              "along more than the channels")
-    return None
-
-
-def conv_stages(graph: Graph, nodes: Iterable[str], anchors: Sequence[str]) -> list[list[str]]:
-    """Per anchor of a conv chain, the anchor and its epilogue (the nodes of `nodes` it reaches before the next
-    anchor), in topological order; nodes reached from no anchor are left out."""
-    within = set(nodes)
-    order = {name: i for i, name in enumerate(graph.nodes)}
-    owner: dict[str, int] = {}
-    for name in sorted(within, key=order.__getitem__):
-        if name in anchors:
-            owner[name] = anchors.index(name)
-            continue
-        sources = [owner[v] for v in graph[name].inputs if v in owner]
-        if sources:
-            owner[name] = max(sources)
-    return [[n for n in sorted(owner, key=order.__getitem__) if owner[n] == i] for i in range(len(anchors))]
-
-
-def conv_pairs(node: Node, attr: str, default: int) -> tuple[int, int]:
-    value = node.attrs.get(attr, default)
-    return (value, value) if isinstance(value, int) else tuple(value)
-
-
-def is_depthwise_conv(graph: Graph, name: str) -> bool:
-    """A conv2d with one filter per channel: groups == input channels == output channels."""
-    node = graph[name]
-    if node.op != "conv2d" or len(node.type.shape) != 4:
-        return False
-    channels = graph[node.inputs[0]].type.shape[1]
-    return node.attrs.get("groups", 1) == channels == node.type.shape[1]
-
-
-def is_pointwise_conv(graph: Graph, name: str) -> bool:
-    """A 1x1 conv2d with stride 1, no padding and one group: a GEMM over pixels."""
-    node = graph[name]
-    if node.op != "conv2d" or len(node.type.shape) != 4:
-        return False
-    return (tuple(graph[node.inputs[1]].type.shape[2:]) == (1, 1) and node.attrs.get("groups", 1) == 1
-            and conv_pairs(node, "stride", 1) == (1, 1) and conv_pairs(node, "padding", 0) == (0, 0))
 
 
 def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionConfig,
@@ -676,15 +310,6 @@ def element_flow_rule(graph: Graph, order: Sequence[str], merged: set[str], user
     return None
 
 
-def same_size_rule(graph: Graph, names: Sequence[str], numel: int, what: str) -> Reason | None:
-    """Every node has `numel` elements: no broadcast growth inside a kernel."""
-    for name in names:
-        if graph[name].type.numel != numel:
-            return Reason(Code.BROADCAST_GROWTH, f"broadcast growth: {name} has {graph[name].type.numel} elements, "
-                          f"{what} {numel} ({graph[name].type})")
-    return None
-
-
 def skip_operands(graph: Graph, nodes: Iterable[str], anchor: str, users: Users,
                   index: Mapping[str, int]) -> list[str]:
     """Full-size activations from outside that the anchor's epilogue reads (the skip of a residual add)."""
@@ -720,56 +345,4 @@ def cycle_rule(graph: Graph, producer: set[str], consumer: set[str], users: User
         path_outside(graph, consumer, producer, merged, users, index)
     if via:
         return Reason(Code.CYCLE, f"cycle through {via}: it reads one side of the pair and feeds the other")
-    return None
-
-
-# ---- graph walks ---------------------------------------------------------------------------------------
-
-def reachable(graph: Graph, start: str, within: set[str], users: Users) -> set[str]:
-    """Nodes of `within` reachable from `start` along edges inside `within` (start included)."""
-    seen, stack = {start}, [start]
-    while stack:
-        for user in users[stack.pop()]:
-            if user.name in within and user.name not in seen:
-                seen.add(user.name)
-                stack.append(user.name)
-    return seen
-
-
-def reachable_backwards(graph: Graph, start: str, within: set[str]) -> set[str]:
-    """Nodes of `within` that reach `start` along edges inside `within` (start included)."""
-    seen, stack = {start}, [start]
-    while stack:
-        for value in graph[stack.pop()].inputs:
-            if value in within and value not in seen:
-                seen.add(value)
-                stack.append(value)
-    return seen
-
-
-def path_outside(graph: Graph, sources: set[str], targets: set[str], exclude: set[str], users: Users,
-                 index: Mapping[str, int]) -> str | None:
-    """The first node outside `exclude` on a path from `sources` to `targets`, or None when there is none.
-
-    Only nodes placed before the last target can lie on such a path (the graph is in topological order),
-    which keeps the walk short: usually it ends at once.
-    """
-    if not targets:
-        return None
-    last = max(index[t] for t in targets)
-    origin: dict[str, str] = {}
-    stack: list[str] = []
-    for name in sources:
-        for user in users[name]:
-            if user.name not in exclude and user.name not in origin and index[user.name] < last:
-                origin[user.name] = user.name
-                stack.append(user.name)
-    while stack:
-        name = stack.pop()
-        for user in users[name]:
-            if user.name in targets:
-                return origin[name]
-            if user.name not in exclude and user.name not in origin and index[user.name] < last:
-                origin[user.name] = origin[name]
-                stack.append(user.name)
     return None

@@ -37,7 +37,10 @@ from typing import Mapping, Sequence
 
 from opfuse.config import FusionConfig, for_graph
 from opfuse.fusion.cost import GroupTraffic, KernelEstimate, estimate_kernel, group_traffic
-from opfuse.fusion.legality import ROW_NORMS, can_fuse, in_order, is_view, node_index, skip_operands
+from opfuse.fusion.legality import can_fuse, skip_operands
+from opfuse.fusion.legality_anchors import ROW_NORMS
+from opfuse.fusion.legality_common import in_order, node_index
+from opfuse.fusion.legality_views import is_view
 from opfuse.fusion.plan import FusionDecision, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.planner_groups import GroupListing
 from opfuse.fusion.planner_horizontal import HorizontalFusion
@@ -264,8 +267,8 @@ class _Planner(ViewFusion, SqueezeFusion, HorizontalFusion, GroupListing):
 
     def norm_joins_linear_instead(self, producer: list[str], consumer: list[str]) -> Reason | None:
         """Why elementwise ops should not join a lone layer norm as its prologue: the norm may instead be the prologue
-        of the linear that alone reads it (`legality.row_norm_prologue`, through row views), which its input must
-        then come from outside of; the reason when the cost model predicts that split faster, else None. The
+        of the linear that alone reads it (`legality_anchors.row_norm_prologue`, through row views), which its input
+        must then come from outside of; the reason when the cost model predicts that split faster, else None. The
         planner merges pairs greedily, so it compares the two plans of these three groups here."""
         if len(consumer) != 1 or self.graph[consumer[0]].op not in ROW_NORMS:
             return None

@@ -6,7 +6,9 @@ from __future__ import annotations
 import heapq
 
 from opfuse.fusion.cost import KernelEstimate
-from opfuse.fusion.legality import MAPPED_COPIES, is_view, row_norm_prologue, skip_operands
+from opfuse.fusion.legality import skip_operands
+from opfuse.fusion.legality_anchors import row_norm_prologue
+from opfuse.fusion.legality_views import MAPPED_COPIES, is_view
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, conv_chain, conv_conv_key, conv_conv_slice_table, gemm_view

@@ -3,7 +3,9 @@ norm they all read as its prologue), and small independent elementwise groups sh
 
 from __future__ import annotations
 
-from opfuse.fusion.legality import ROW_NORMS, in_order, is_row_norm_prologue, is_view, maps_on_load, path_outside
+from opfuse.fusion.legality_anchors import ROW_NORMS, is_row_norm_prologue
+from opfuse.fusion.legality_common import in_order, path_outside
+from opfuse.fusion.legality_views import is_view, maps_on_load
 from opfuse.fusion.plan import GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, conv_chain
@@ -45,8 +47,9 @@ class HorizontalFusion:
 
     def shared_norm_prologues(self) -> None:
         """A layer norm or RMS norm that only sibling linears of one HORIZONTAL group read, alone in its group,
-        becomes that group's prologue (`legality.is_row_norm_prologue`): the GEMM over their columns normalizes its
-        shared A as it loads it (Llama's input norm and its q, k, v projections), as one linear's kernel does."""
+        becomes that group's prologue (`legality_anchors.is_row_norm_prologue`): the GEMM over their columns
+        normalizes its shared A as it loads it (Llama's input norm and its q, k, v projections), as one linear's
+        kernel does."""
         if not self.config.norm_prologue:
             return
         for group in self.ordered_ids():

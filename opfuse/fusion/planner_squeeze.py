@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from opfuse.fusion.legality import in_order
+from opfuse.fusion.legality_common import in_order
 from opfuse.fusion.plan import FusionDecision, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of

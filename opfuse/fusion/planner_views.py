@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from opfuse.fusion.legality import (EPILOGUE_VIEWS, REPEATING_VIEWS, anchor_prologue, can_fuse, is_view, joins_as_map,
-                                    operand_chain, row_norm_epilogue)
+from opfuse.fusion.legality import can_fuse
+from opfuse.fusion.legality_anchors import anchor_prologue, row_norm_epilogue
+from opfuse.fusion.legality_views import EPILOGUE_VIEWS, REPEATING_VIEWS, is_view, joins_as_map, operand_chain
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of
 from opfuse.ir.graph import Node
@@ -122,7 +123,7 @@ class ViewFusion:
         after attention, read by the output projection: read through the strides the producer's output comes with,
         whatever its layout), or views of which one PyTorch would copy, an elementwise or reduction kernel maps
         (Swin's window reverse after its projection, read by the roll and residual add; a repeat, expand and merge,
-        read by an add: `legality.REPEATING_VIEWS`)."""
+        read by an add: `legality_views.REPEATING_VIEWS`)."""
         views, consumer = list(candidate.views), self.groups[candidate.consumer]
         anchor = anchor_of(self.graph, consumer)
         if anchor is not None:

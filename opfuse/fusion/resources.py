@@ -35,7 +35,8 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping
 
-from opfuse.fusion.legality import ROW_NORMS, conv_stages, row_norm_epilogue
+from opfuse.fusion.legality_anchors import ROW_NORMS, row_norm_epilogue
+from opfuse.fusion.legality_conv import conv_stages
 from opfuse.fusion.plan import ResourceEstimate
 from opfuse.fusion.tiles import whole_row_tile
 from opfuse.hardware import HardwareProfile

@@ -28,7 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from opfuse.fusion.legality import is_pointwise_conv, reachable
+from opfuse.fusion.legality_common import reachable
+from opfuse.fusion.legality_conv import is_pointwise_conv
 from opfuse.fusion.plan import ResourceEstimate
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.hardware import HardwareProfile

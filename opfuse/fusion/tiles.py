@@ -1,7 +1,8 @@
 """The tiles an anchor kernel (GEMM, 1x1 conv, implicit-GEMM conv) tries, the one it runs untuned, and its K loop:
-one source for the Triton templates (`opfuse.codegen.gemm.gemm_configs`, `opfuse.codegen.conv.ConvKernel`) and for
-the planner, which decides the K slices of each tile (`split_k_table`, carried by the plan) and counts split-K's
-second launch only where the default tile splits the reduction.
+one source for the Triton templates (`opfuse.codegen.gemm.gemm_configs`,
+`opfuse.codegen.conv_implicit_gemm.ConvKernel`) and for the planner, which decides the K slices of each tile
+(`split_k_table`, carried by the plan) and counts split-K's second launch only where the default tile splits the
+reduction.
 
 A tile is a dict: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages. `anchor_tiles(m, n, k, batch, itemsize,
 gather, hw=...)` lists the candidates for a GPU (`opfuse.hardware.HardwareProfile`: its SMs pick the default, its

@@ -3,7 +3,7 @@
 ONNX has no roll: exporters write torch.roll(x, k, d) as cat([x[n-k:], x[:n-k]], d), one such pair per rolled dim
 (Swin's shifted windows roll H, then W), and code written by hand does the same. For 0 < a < n along dim d,
 ``cat([x[a:], x[:a]], d) == roll(x, n - a, d)``. As a roll it is an index map that the elementwise kernel reading
-it computes (`opfuse.fusion.legality.MAPPED_COPIES`), with the views before it; as two slices and a cat it is a
+it computes (`opfuse.fusion.legality_views.MAPPED_COPIES`), with the views before it; as two slices and a cat it is a
 copy of its own, and the views before it must be copied first. A roll whose one reader is a roll (one this pass
 made or one captured) becomes one roll with the reader: the reader's shifts follow its own, as torch.roll applies a
 roll's shifts one after the other.

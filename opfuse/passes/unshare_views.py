@@ -50,7 +50,7 @@ def unshare_views(graph: Graph) -> tuple[Graph, list[str]]:
     return graph, changes
 
 
-# readers whose kernels map views on their loads (`opfuse.fusion.legality.maps_on_load`), and the views they map:
+# readers whose kernels map views on their loads (`opfuse.fusion.legality_views.maps_on_load`), and the views they map:
 # an anchor's kernel maps none (a copy it reads is written by its producer's kernel, once for all readers)
 MAPPING_READERS = (FusionKind.POINTWISE, FusionKind.BROADCAST, FusionKind.REDUCTION)
 MAPPED = ("reshape", "permute", "identity", "expand")

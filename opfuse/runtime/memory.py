@@ -6,8 +6,8 @@ when `estimate_memory(...)` exceeds `available_memory(device, config)`.
 The estimate is what compiling adds on the device, from the plan alone (no tensor is allocated to find it):
 - weights: the compiled model's private copies of the constants, in the compute dtype;
 - packed weights: what a grouped conv's weight packed block-diagonally for programs of several conv groups takes
-  beyond that one copy (`opfuse.codegen.conv.packed_weight_extra_bytes`): each kernel's own, and those of the
-  configs the autotuner runs for one kernel at a time where it tunes;
+  beyond that one copy (`opfuse.codegen.conv_implicit_gemm.packed_weight_extra_bytes`): each kernel's own, and those
+  of the configs the autotuner runs for one kernel at a time where it tunes;
 - other forms (where it tunes): the library form's copy of one kernel's weights and its unfused form's copies of
   them, made while that kernel is timed and freed once its choice is made (`keep_form`);
 - inputs: the example inputs cast to the compute dtype;
@@ -73,7 +73,7 @@ def estimate_memory(analysis: Any, example_inputs: Sequence[torch.Tensor], verif
                     tuning: bool = False) -> MemoryEstimate:
     """What compiling `analysis.plan` on these inputs needs on the device, autotuning its kernels or not (see module
     docstring)."""
-    from opfuse.codegen.conv import packed_weight_extra_bytes
+    from opfuse.codegen.conv_implicit_gemm import packed_weight_extra_bytes
     from opfuse.codegen.lower import ANCHOR_LOWERINGS, choose_lowering, plan_hardware
     from opfuse.numerics import reference_dtype
 

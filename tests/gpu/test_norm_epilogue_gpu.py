@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
 import opfuse  # noqa: E402
-from opfuse.codegen.conv import DepthwiseConvKernel, lower_conv_group  # noqa: E402
+from opfuse.codegen.conv import lower_conv_group  # noqa: E402
+from opfuse.codegen.conv_depthwise import DepthwiseConvKernel  # noqa: E402
 from opfuse.fusion.plan import FusionGroup, GroupKind  # noqa: E402
 from opfuse.hardware import get_hardware  # noqa: E402
 from opfuse.ir.graph import Graph, TensorType  # noqa: E402

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from opfuse.codegen.base import KernelConfig
-from opfuse.codegen.conv import ConvKernel, DepthwiseConvKernel, lower_conv_group
+from opfuse.codegen.conv import lower_conv_group
+from opfuse.codegen.conv_depthwise import DepthwiseConvKernel
+from opfuse.codegen.conv_implicit_gemm import ConvKernel
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.gemm import GemmKernel
 from opfuse.fusion.plan import GroupKind
@@ -157,7 +159,7 @@ def test_depthwise_conv_normalizes_its_channels_in_its_epilogue(norm, stride):
 def test_whole_row_depthwise_tiles_span_the_channels_with_as_many_elements():
     """With a norm in the epilogue every depthwise candidate spans the channels (ConvNeXt's 96 to 768) and keeps
     its elements per program, at least one run of outputs."""
-    from opfuse.codegen.conv import depthwise_configs
+    from opfuse.codegen.conv_depthwise import depthwise_configs
 
     for channels in (96, 768):
         plain = depthwise_configs(3136, channels, sm_count=132, taps=49, width=56)
@@ -173,7 +175,7 @@ def test_whole_row_depthwise_tiles_span_the_channels_with_as_many_elements():
 def test_depthwise_row_loop_where_taps_overflow_registers():
     """A tile whose unrolled taps would not fit a thread's 255 registers loops over the filter rows; a 3x3 filter
     and small tiles of a 7x7 one stay unrolled."""
-    from opfuse.codegen.conv import depthwise_configs, unrolled_tap_registers
+    from opfuse.codegen.conv_depthwise import depthwise_configs, unrolled_tap_registers
 
     for taps in (9, 25, 49):
         configs = [c for c in depthwise_configs(64 * 56 * 56, 96, sm_count=132, taps=taps) if "COLS" not in dict(c.params)]
@@ -301,7 +303,7 @@ def test_unsupported_cases():
 def test_depthwise_tiles_fill_the_gpu_first():
     """A layer the measured tiles fill keeps their order; one too small for them (ConvNeXt's last stage at batch 1:
     49 pixels x 768 channels) gets the tiles with the most programs first."""
-    from opfuse.codegen.conv import DEPTHWISE_CONFIGS, DEPTHWISE_RUN_CONFIGS, depthwise_configs
+    from opfuse.codegen.conv_depthwise import DEPTHWISE_CONFIGS, DEPTHWISE_RUN_CONFIGS, depthwise_configs
 
     def programs(config, m, n):
         return -(-m // config["BLOCK_M"]) * -(-n // config["BLOCK_N"])
@@ -329,26 +331,27 @@ def test_depthwise_tiles_fill_the_gpu_first():
 def test_depthwise_source_holds_every_form_it_may_run(monkeypatch):
     """A depthwise kernel's source (what the tuning cache and a package compare) holds its runs forms' sources
     where its candidates run them, so a change to the runs template alone is noticed."""
-    from opfuse.codegen import conv
+    from opfuse.codegen import conv, conv_depthwise
 
     b = Builder()
     x = b.input("x", (1, 4, 5, 16))
     y = b.conv(x, 4, 3, padding=1, groups=4)
     direct = conv.lower_conv_group(b.graph, b.group([y]), "cpu")
     assert "dw_acc" not in direct.source                  # the interpreter's one candidate is a pixel tile
-    monkeypatch.setattr(conv, "interpreting", lambda: False)
+    monkeypatch.setattr(conv_depthwise, "interpreting", lambda: False)
     runs = conv.lower_conv_group(b.graph, b.group([y]), "cpu")
     lengths = sorted({dict(c.params).get("COLS", 1) for c in runs.configs()} - {1})
     assert lengths == [4, 8] and runs.source.startswith(direct.source)
     assert runs.source.count("\ndef fused_") == 3 and "dw_acc7" in runs.source
-    monkeypatch.setattr(conv, "DEPTHWISE_RUNS_TEMPLATE", conv.DEPTHWISE_RUNS_TEMPLATE.replace("# run of", "# a run of"))
+    monkeypatch.setattr(conv_depthwise, "DEPTHWISE_RUNS_TEMPLATE",
+                        conv_depthwise.DEPTHWISE_RUNS_TEMPLATE.replace("# run of", "# a run of"))
     assert conv.lower_conv_group(b.graph, b.group([y]), "cpu").source != runs.source
 
 
 def test_depthwise_runs_only_where_rows_hold_them():
     """Runs of COLS outputs are candidates where a row's runs are mostly outputs: 7-wide rows take runs of 8 and 4,
     3-wide rows runs of 4 only, 1-wide rows none; a run length that is no power of two is refused."""
-    from opfuse.codegen.conv import depthwise_configs
+    from opfuse.codegen.conv_depthwise import depthwise_configs
 
     def run_lengths(width):
         configs = depthwise_configs(64 * 7 * width, 768, sm_count=132, taps=49, width=width)

@@ -201,7 +201,7 @@ def test_the_epilogue_permutes_back_to_nchw_for_a_layer_scale_and_residual():
 
 def test_a_value_read_in_two_orders_is_refused():
     """An epilogue node reading the anchor's values through a permute and directly: no kernel, and the planner
-    never makes one (the same rule, `legality.epilogue_spaces`)."""
+    never makes one (the same rule, `legality_views.epilogue_spaces`)."""
     b = Builder()
     x = b.input("x", (4, 4))
     y = linear(b, x, 4)

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from opfuse.codegen.base import KernelConfig
-from opfuse.codegen.conv import ConvKernel, group_block_of, lower_conv_group, pack_conv_weight
+from opfuse.codegen.conv import lower_conv_group
+from opfuse.codegen.conv_implicit_gemm import ConvKernel, group_block_of, pack_conv_weight
 from opfuse.codegen.forms import LIBRARY, UNFUSED, is_library, is_unfused
 from opfuse.codegen.split_k import slices_of
 from opfuse.config import FusionConfig

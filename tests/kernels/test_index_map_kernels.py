@@ -115,7 +115,7 @@ def test_captured_repeats_copy_nothing():
     """Each repeat joins the kernel that reads it (a sum's prologue here), which loads what it repeats (the ReLU's
     and the sigmoid's results, not recomputed): nothing runs through PyTorch, and compiled it matches eager."""
     import opfuse
-    from opfuse.fusion.legality import loaded_view
+    from opfuse.fusion.legality_views import loaded_view
 
     x, y = torch.randn(2, 3, 4), torch.randn(1, 4)
     plan = plan_of(Repeats(), x, y)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from opfuse.codegen.base import KernelConfig, recording_launches
-from opfuse.codegen.conv import ConvKernel, lower_conv_group
+from opfuse.codegen.conv import lower_conv_group
+from opfuse.codegen.conv_implicit_gemm import ConvKernel
 from opfuse.codegen.forms import is_unfused
 from opfuse.codegen.split_k import slices_of
 from opfuse.codegen.gemm import GemmKernel, lower_gemm_group

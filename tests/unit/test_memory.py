@@ -1,5 +1,6 @@
 """The memory pre-flight (`opfuse.runtime.memory`) counts what the build allocates: here, the block-diagonal packed
-weights of group-blocked grouped convs (`opfuse.codegen.conv.pack_conv_weight`), against the kernels the build makes.
+weights of group-blocked grouped convs (`opfuse.codegen.conv_implicit_gemm.pack_conv_weight`), against the kernels
+the build makes.
 
 The weights, inputs, intermediates and verification parts are tested in tests/unit/test_bad_inputs.py.
 """
@@ -12,7 +13,7 @@ import torch.nn as nn
 
 import opfuse
 from opfuse.codegen.base import FORM_TRITON
-from opfuse.codegen.conv import ConvKernel, group_block_of
+from opfuse.codegen.conv_implicit_gemm import ConvKernel, group_block_of
 from opfuse.codegen.lower import lower_plan
 from opfuse.ir.graph import GraphError
 from opfuse.runtime.autotune import candidates

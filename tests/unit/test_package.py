@@ -220,7 +220,7 @@ def test_a_split_k_plan_round_trips_and_its_kernels_run_the_saved_slices(tmp_pat
 def test_a_group_blocked_config_round_trips_and_runs_its_blocks(tmp_path):
     """A grouped conv tuned to compute several conv groups a program (BLOCK_G): the loaded model runs that config
     (packing its block-diagonal weight again) and computes the same bits."""
-    from opfuse.codegen.conv import ConvKernel, group_block_of
+    from opfuse.codegen.conv_implicit_gemm import ConvKernel, group_block_of
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(10, 10, 3, padding=1, groups=5), torch.nn.ReLU()).eval()

@@ -169,7 +169,7 @@ def test_each_config_runs_the_slices_its_own_grid_needs(gpu_tiles):
     import triton
 
     from graph_builders import GraphBuilder
-    from opfuse.codegen.conv import ConvKernel
+    from opfuse.codegen.conv_implicit_gemm import ConvKernel
     from opfuse.fusion.planner import plan_fusion
     from opfuse.fusion.tiles import anchor_steps, split_k_slices
 

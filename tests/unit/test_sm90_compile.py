@@ -189,7 +189,8 @@ def test_every_template_and_form_compiles_for_sm90(tmp_path):
 DEPTHWISE = '''
 import torch
 from opfuse.codegen.base import KernelConfig, import_file, recording_launches
-from opfuse.codegen.conv import lower_conv_group, unrolled_tap_registers
+from opfuse.codegen.conv import lower_conv_group
+from opfuse.codegen.conv_depthwise import unrolled_tap_registers
 from opfuse.fusion.plan import GroupKind
 from opfuse.runtime.compile_worker import warmup
 from tests.kernels.test_conv_kernels import Builder
