@@ -269,6 +269,22 @@ class Region:
                         lambda pointer: f"{target} = tl.load({pointer}, mask={self.mask}, other=0.0).to(tl.float32)")
         return target
 
+    def load_exact(self, name: str, coords: Coords) -> str:
+        """Group input `name` at `coords` in its own dtype, with no float32 round trip: a wide integer a scan
+        carries exactly (`opfuse.codegen.reduction`'s cumsum), which `value` refuses (`exact`)."""
+        key = (name, tuple(coords), self.mask, "exact")
+        if key not in self.cache:
+            target = self.emitter.fresh("x")
+            self._addressed(self.emitter.args.input(name), tuple(coords),
+                            lambda pointer: f"{target} = tl.load({pointer}, mask={self.mask}, other=0)")
+            self.cache[key] = target
+        return self.cache[key]
+
+    def store_exact(self, name: str, coords: Coords, value: str) -> None:
+        """Write the Triton expression `value`, as it is (an int64 scan, say), to output `name` at `coords`."""
+        self._addressed(self.emitter.args.output(name), tuple(coords),
+                        lambda pointer: f"tl.store({pointer}, {value}, mask={self.mask})")
+
     def store(self, name: str, coords: Coords) -> None:
         """Write value `name` at `coords` to its output tensor (tl.store casts to the output dtype)."""
         exact(self.graph[name])

@@ -11,7 +11,9 @@ Two templates:
   few channels over a large image, any reduction at batch 1) splits each row into SPLIT slices: launch one
   (PHASE 0, programs over row blocks x slices) writes each slice's float32 sum to a workspace, launch two (PHASE
   1) adds up a row's SPLIT sums (one fixed tree) and runs the epilogue. Deterministic, no atomics; the unsplit form
-  is an alternative the autotuner times beside it, and the resource screen reads launch one's registers.
+  is an alternative the autotuner times beside it, and the resource screen reads launch one's registers. cumsum
+  over any dim is a scan of the same rows: one sweep, each chunk's `tl.cumsum` plus the running carry of the chunks
+  before it, written (and its epilogue computed) as it goes; an integer scan carries int64 exactly (`_cumsum`).
 - pools (`PoolKernel`): max_pool2d / avg_pool2d (kernel, stride, padding, dilation, ceil_mode) and divisible
   adaptive_avg_pool2d on NHWC: a program takes [BLOCK_P output pixels, BLOCK_C channels] and visits the window taps.
 
@@ -23,19 +25,19 @@ them (group norm's back to [N, C, H, W]) at the coordinates they map to in row-m
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.coordinates import Coords, broadcast_coords
-from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, int_pair
+from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, int_pair, triton_dtype
 from opfuse.codegen.operands import VIEW_OPS, Emitter, Region, build_kernel, interpreting, next_power_of_2
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.tiles import ROW_SPLIT_MODES, RowView, row_tiles, row_view
+from opfuse.fusion.tiles import ROW_SPLIT_MODES, SCAN_OPS, RowView, row_tiles, row_view
 from opfuse.hardware import HardwareProfile, get_hardware
-from opfuse.ir.graph import Graph, Node
+from opfuse.ir.graph import FLOAT_DTYPES, WIDE_INTEGERS, Graph, Node
 from opfuse.ir.ops import FusionKind, kind_of
 
 POOL_OPS = ("max_pool2d", "avg_pool2d")
@@ -157,8 +159,8 @@ def indent(lines: Sequence[str], depth: int = 1) -> list[str]:
 
 
 class RowReductionKernel(TemplateKernel):
-    """softmax / layer_norm / rms_norm / mean / sum / any over some dims of one input, BLOCK_M rows a program; a
-    sum or mean in SPLIT slices per row where there are fewer row blocks than `sm_count` SMs."""
+    """softmax / layer_norm / rms_norm / mean / sum / any / cumsum over some dims of one input, BLOCK_M rows a
+    program; a sum or mean in SPLIT slices per row where there are fewer row blocks than `sm_count` SMs."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, view: RowView, sm_count: int):
         self.node, self.view, self.mode, self.sm_count = node, view, view.mode, sm_count
@@ -188,6 +190,8 @@ class RowReductionKernel(TemplateKernel):
             body += self._rms_norm()
         elif mode in EXTREMES:
             body += self._extreme(mode)
+        elif mode in SCAN_OPS:
+            body += self._cumsum()
         else:
             body += self._sum(mode)
         constexprs = ["BLOCK_M", "BLOCK_L", "ONE_PASS", "INT64"]
@@ -215,8 +219,10 @@ class RowReductionKernel(TemplateKernel):
         return super().output_channels_last(name, tensors)
 
     # ---- code generation ------------------------------------------------------------------------------
-    def _chunk(self, first: str, store_prologue: bool) -> tuple[list[str], Region, Coords, str]:
-        """Lines loading one [BLOCK_M, BLOCK_L] chunk of the reduction input (prologue applied).
+    def _chunk(self, first: str, store_prologue: bool, load: Callable[[Region, Coords], str] | None = None
+               ) -> tuple[list[str], Region, Coords, str]:
+        """Lines loading one [BLOCK_M, BLOCK_L] chunk of the reduction input (prologue applied; `load` gives its
+        expression, default `Region.value`: float32).
 
         Returns the lines so far, the region (to extend), the chunk's full coordinates and the input expression.
         """
@@ -224,7 +230,7 @@ class RowReductionKernel(TemplateKernel):
         reduced = region.unravel("cols", [self._shape[d] for d in self.reduced])
         coords = dict(self._kept) | dict(zip(self.reduced, reduced))
         full = tuple(coords[d] for d in range(len(self._shape)))
-        value = region.value(self._x, full)
+        value = (load or (lambda r, c: r.value(self._x, c)))(region, full)
         if store_prologue:
             store_outputs(region, self._prologue, full, self._shape)
         lines = [f"cols = {first}", f"mask = row_mask & (cols < {self.length})"]
@@ -339,6 +345,42 @@ class RowReductionKernel(TemplateKernel):
         else:
             coords = tuple(self._kept[d] for d in self.kept)
         return self._finish(lines, self._emitter.region("[BLOCK_M, 1]", "row_mask"), coords, "result")
+
+    def _cumsum(self) -> list[str]:
+        """The inclusive scan along the row, one sweep: each chunk's `tl.cumsum` plus the carry of the chunks
+        before it, the carry then the chunk's last lane (lanes past the row add 0). Float results carry float32;
+        integer ones (int64 for bool and integer inputs) carry int64 exactly, read their input exactly (a wide
+        integer straight from memory, `Region.load_exact`; a narrow or float one is exact in float32, a float
+        truncated as torch casts it) and are stored as they are, with no epilogue (`integer_scan_rule`)."""
+        out_dtype = self.node.type.dtype
+        integer = out_dtype not in FLOAT_DTYPES
+        accumulator, zero = ("tl.int64", "0") if integer else ("tl.float32", "0.0")
+        cast = self.node.attrs.get("dtype")
+        if integer and self._epilogue != [self.node.name]:
+            raise Unsupported(f"{self.node.describe()}: an integer scan takes no epilogue and is its own output "
+                              f"(outputs {', '.join(self._epilogue)})")
+
+        def load(region: Region, coords: Coords) -> str:
+            graph, members = self._emitter.graph, self._emitter.members
+            name = self._x
+            while name in members and graph[name].op in VIEW_OPS:
+                coords, name = region.view_coords(graph[name], coords), graph[name].inputs[0]
+            if name not in members and name not in self._emitter.scalars and graph[name].type.dtype in WIDE_INTEGERS:
+                return region.assign(f"{region.load_exact(name, coords)}.to({accumulator})")
+            value = region.value(self._x, coords)
+            if cast is not None and not integer:      # the input cast to dtype first, as torch.cumsum does
+                value = region.assign(f"({value}).to({triton_dtype(cast)}).to(tl.float32)")
+            return region.assign(f"({value}).to({accumulator})") if integer else value
+
+        chunk, region, full, x = self._chunk("start + lanes", True, load)
+        region.lines += [f"t = tl.where(mask, {x}, {zero})", "scanned = tl.cumsum(t, axis=1) + carry",
+                         f"carry = tl.sum(tl.where(lanes == BLOCK_L - 1, scanned, {zero}), axis=1)[:, None]"]
+        if integer:
+            region.store_exact(self.node.name, full, "scanned")
+            chunk += region.lines
+        else:
+            chunk = self._finish(chunk, region, full, "scanned")
+        return [f"carry = tl.zeros([BLOCK_M, 1], dtype={accumulator})"] + self._loop(chunk)
 
     def _sum(self, mode: str) -> list[str]:
         """mean, sum, or any (a running max of x != 0, as 1.0 / 0.0); a sum or mean also in slices (SPLIT > 1:

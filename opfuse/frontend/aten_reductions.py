@@ -134,6 +134,20 @@ HANDLERS["mean"] = _reduce("mean")
 HANDLERS["sum"] = _reduce("sum")
 
 
+@maps("cumsum")
+def _cumsum(t: Translator, a: dict) -> str:
+    """The inclusive scan along `dim`; `dtype` (the input cast to it first) kept as the op's attr where it changes
+    the input's dtype. A 0-d tensor has no row to scan (it stays opaque)."""
+    x = t.value(a["self"])
+    rank = t.rank(x)
+    if rank == 0:
+        raise Unmapped("cumsum of a 0-d tensor")
+    attrs: dict[str, Any] = {"dim": wrap_dim(int(a["dim"]), rank)}
+    if a.get("dtype") is not None and dtype_name(a["dtype"]) != t.type_of(x).dtype:
+        attrs["dtype"] = dtype_name(a["dtype"])
+    return t.emit("cumsum", [x], attrs)
+
+
 def reduced_dims(dims: Any, rank: int) -> list[int]:
     """A reduction's dims (an int, a list, or None / [] for all), non-negative and sorted."""
     dims = list(range(rank)) if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)

@@ -19,7 +19,7 @@ becomes, counted the way a Triton kernel holds data:
   staged as the MMA's A operand, the expansion weight chunk and input tap. Both tiles must fit together.
 - attention (sdpa): flash attention, a BLOCK_M x head_dim accumulator plus a BLOCK_M x BLOCK_N score tile;
   K and V blocks in shared memory.
-- row reductions (softmax, layer norm, mean, sum, adaptive pooling): one row per program, held in registers
+- row reductions (softmax, layer norm, mean, sum, cumsum, adaptive pooling): one row per program, held in registers
   (BLOCK = next power of two of the row); every live row-sized operand costs BLOCK/threads registers. The row
   must fit, or the group is over budget.
 - everything else (elementwise, pooling windows, copies): BLOCK elements per program; every live operand costs
@@ -89,8 +89,9 @@ POINTWISE_BLOCKS = (1024, 512, 256, 128)
 POINTWISE_WARPS = 4
 REDUCTION_WARPS = (4, 8, 16, 32)
 
-# reduced quantities a row reduction keeps per row (max and sum, mean and variance): its cross-warp scratch
-ROW_STATISTICS = {"softmax": 2, "layer_norm": 2, "rms_norm": 1, "mean": 1, "sum": 1, "any": 1,
+# reduced quantities a row reduction keeps per row (max and sum, mean and variance, a scan's carry): its cross-warp
+# scratch
+ROW_STATISTICS = {"softmax": 2, "layer_norm": 2, "rms_norm": 1, "mean": 1, "sum": 1, "any": 1, "cumsum": 1,
                   "adaptive_avg_pool2d": 1}
 
 
@@ -168,7 +169,7 @@ def row_length(graph: Graph, reduction: str) -> int:
     """Elements one program reduces: the softmax dim, the normalized shape, the reduced dims, a pooling cell."""
     node = graph[reduction]
     shape = graph[node.inputs[0]].type.shape
-    if node.op == "softmax":
+    if node.op in ("softmax", "cumsum"):
         return shape[node.attrs["dim"]]
     if node.op == "layer_norm":
         return math.prod(node.attrs["normalized_shape"])

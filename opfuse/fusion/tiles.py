@@ -13,10 +13,10 @@ rules, and the plan always follows them; only the kernels, under Triton's interp
 run one tiny tile instead (`INTERPRETER`, whose K slices the plan decides too), so there an interpreted model may
 launch other split-K kernels than its plan counts.
 
-Row reductions (softmax, norms, sums and means, global pools) the same way: `row_view` says how the row template
-sees one, `row_tiles` lists its tiles with the row slices of each (`row_slices`), the default first, for the kernel
-and for the planner, which counts the second launch of a split default tile; under the interpreter the kernel runs
-one unsplit tile, so there it may launch fewer kernels than its plan counts.
+Row reductions (softmax, norms, sums and means, cumsum's scan, global pools) the same way: `row_view` says how the
+row template sees one, `row_tiles` lists its tiles with the row slices of each (`row_slices`), the default first, for
+the kernel and for the planner, which counts the second launch of a split default tile; under the interpreter the
+kernel runs one unsplit tile, so there it may launch fewer kernels than its plan counts.
 """
 
 from __future__ import annotations
@@ -265,7 +265,8 @@ def anchor_loop(graph: Graph, anchor: str) -> tuple[int, bool]:
 
 # ---- row reductions ----------------------------------------------------------------------------------------
 
-ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "any")
+ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "any", "cumsum")
+SCAN_OPS = ("cumsum",)              # row ops that keep every element and carry a running value along the row
 ROW_SPLIT_MODES = ("sum", "mean")   # the reductions whose rows split into slices
 MAX_ROW_SLICES = 128                # slices of a row at most: the second launch holds [BLOCK_M, SPLIT] float32 sums
 
@@ -301,7 +302,7 @@ def row_view(graph: Graph, node) -> RowView | None:
 
 
 def _reduced_dims(node, rank: int) -> list[int]:
-    if node.op == "softmax":
+    if node.op in ("softmax", "cumsum"):
         return [node.attrs["dim"] % rank]
     if node.op == "layer_norm":
         normalized = node.attrs["normalized_shape"]

@@ -1,16 +1,18 @@
 """Retype a graph to the compute dtype the compiled model runs in (float16, bfloat16 or float32).
 
 Entry point: `cast_precision(graph, dtype)`. Floating inputs and constants take `dtype` (constants as new
-tensors), casts to a floating type become casts to `dtype`, and every other node's type is re-derived from its
-op, so batch-norm statistics, biases and the like simply follow. Integer and bool values (embedding indices,
-masks) keep their dtype. Besides building the fp16 graph for the kernels, this lets a CPU machine analyse a
-model at fp16 without running it.
+tensors), casts to a floating type (and a cumsum's dtype= of one) become casts to `dtype`, and every other node's
+type is re-derived from its op, so batch-norm statistics, biases and the like simply follow. Integer and bool values
+(embedding indices, masks) keep their dtype. Besides building the fp16 graph for the kernels, this lets a CPU
+machine analyse a model at fp16 without running it.
 """
 
 from __future__ import annotations
 
 from opfuse.ir.graph import FLOAT_DTYPES, Graph, dtype_name, torch_dtype
 from opfuse.ir.ops import infer_type
+
+CASTING = ("cast", "cumsum")    # ops whose dtype attr casts their input (cumsum's dtype=): a float one follows `dtype`
 
 
 def cast_precision(graph: Graph, dtype: str) -> tuple[Graph, list[str]]:
@@ -34,9 +36,10 @@ def cast_precision(graph: Graph, dtype: str) -> tuple[Graph, list[str]]:
                 node.type = old.with_dtype(dtype)
                 changes.append(f"cast input {node.name} from {old.dtype} to {dtype}")
             continue
-        if node.op == "cast" and dtype_name(node.attrs["dtype"]) in FLOAT_DTYPES \
-                and dtype_name(node.attrs["dtype"]) != dtype:
-            changes.append(f"cast {node.name} now casts to {dtype} instead of {dtype_name(node.attrs['dtype'])}")
+        if node.op in CASTING and node.attrs.get("dtype") is not None \
+                and dtype_name(node.attrs["dtype"]) in FLOAT_DTYPES and dtype_name(node.attrs["dtype"]) != dtype:
+            changes.append(f"{node.op} {node.name} now casts to {dtype} instead of "
+                           f"{dtype_name(node.attrs['dtype'])}")
             node.attrs = {**node.attrs, "dtype": dtype}
         if node.op == "opaque":  # no reference to re-derive from: keep the shape, follow the compute dtype
             node.type = old.with_dtype(dtype) if old.is_float else old

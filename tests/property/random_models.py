@@ -10,8 +10,8 @@ What is drawn: convolutions (kernel 1/3, stride 1/2, padding, dilation, dense/gr
 batch norm with non-trivial statistics, linear, sibling anchors (two 1x1 convs or two linears on one value:
 horizontal fusion), batched matmul and attention on sequences, pointwise activations and scalar arithmetic,
 binary ops with broadcasting (residual adds, squeeze-excite style products), reductions (softmax, layer_norm,
-mean, max/avg/adaptive pools), layout ops (reshape, permute, flatten, channel slice, cat) and ops opfuse has no
-kernel for (torch.cumsum, leaky_relu) in between. Sizes are mostly one tile, sometimes several (masked tails).
+mean, max/avg/adaptive pools), layout ops (reshape, permute, flatten, channel slice, cat) and ops that once ran
+through PyTorch (torch.cumsum, leaky_relu) in between. Sizes are mostly one tile, sometimes several (masked tails).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class ModelSpec:
 
 POINTWISE = ["relu", "relu6", "sigmoid", "tanh", "silu", "gelu", "gelu_tanh", "hardswish", "hardsigmoid", "abs",
              "neg", "mul_scalar", "add_scalar", "div_scalar", "clamp"]
-OPAQUE = ["cumsum", "leaky_relu"]   # no IR kernel: they run through PyTorch between fused groups
+OPAQUE = ["cumsum", "leaky_relu"]   # once run through PyTorch between fused groups: a scan and an activation now
 
 
 def apply_pointwise(kind: str, x: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
