@@ -83,3 +83,16 @@ def test_a_state_written_in_place_is_a_kernel_that_stores_at_the_positions(posit
         assert runtime.state["keys"] is keys and runtime.state["values"] is values    # written in place
         torch.testing.assert_close(keys, eager.keys)
         torch.testing.assert_close(values, eager.values)
+
+
+def test_reset_restores_a_state_that_did_not_start_as_zeros():
+    """A zero state is zeroed on its device at a reset; any other is copied back from its initial value."""
+    model = Cache().eval()
+    with torch.no_grad():
+        model.cache.copy_(torch.arange(24.0).reshape(6, 4))
+    compiled = opfuse.compile(model, (torch.randn(2, 4), torch.tensor([1, 3])), opfuse.FusionConfig(dtype="float32"))
+    runtime = compiled.compiled
+    compiled(torch.zeros(2, 4), torch.tensor([0, 5]))
+    assert not torch.equal(runtime.state["cache"], model.cache)
+    runtime.reset_state()
+    assert torch.equal(runtime.state["cache"], torch.arange(24.0).reshape(6, 4))
