@@ -148,21 +148,15 @@ def split_parts(graph: Graph, group: FusionGroup) -> list[Part]:
             if i not in members and i not in part.inputs:
                 part.inputs.append(i)
     for part in parts.values():
-        largest = max(part.outputs, key=lambda o: math.prod(stored_shape(graph, o)))
-        part.shape = stored_shape(graph, largest)
+        largest = max(part.outputs, key=lambda o: math.prod(graph.stored_shape(o)))
+        part.shape = graph.stored_shape(largest)
         for o in part.outputs:
-            if math.prod(stored_shape(graph, o)) != part.numel:
+            if math.prod(graph.stored_shape(o)) != part.numel:
                 raise Unsupported(f"output {graph[o].describe()} of group {group.name} stores "
-                                  f"{math.prod(stored_shape(graph, o))} elements, the group's iteration space "
+                                  f"{math.prod(graph.stored_shape(o))} elements, the group's iteration space "
                                   f"{part.numel}")
     return list(parts.values())
 
-
-def stored_shape(graph: Graph, name: str) -> tuple[int, ...]:
-    """The elements a kernel stores of output `name`: its shape, or a state update's source's (`index_copy` written
-    in place stores its source's rows into the state's tensor, at the index's positions along its dim)."""
-    node = graph[name]
-    return graph[node.inputs[2]].type.shape if node.op == "index_copy" else node.type.shape
 
 
 class PointwiseKernel(TemplateKernel):

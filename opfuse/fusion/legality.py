@@ -67,6 +67,7 @@ merge that would put a group outside the pair both after and before the fused ke
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Mapping, Sequence
 
 from opfuse.config import FusionConfig
@@ -112,10 +113,11 @@ def can_fuse(graph: Graph, producer_nodes: Iterable[str], consumer_nodes: Iterab
 # ---- rules on single nodes -----------------------------------------------------------------------------
 
 def opaque_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
-    """Opaque ops run through PyTorch and never share a kernel."""
+    """Opaque ops run through PyTorch and never share a kernel (but a state written in place, which an elementwise
+    chain's kernel stores: `Graph.writes_state_in_place`)."""
     for name in sorted(nodes):
         node = graph[name]
-        if kind_of(node) is FusionKind.OPAQUE:
+        if kind_of(node) is FusionKind.OPAQUE and not graph.writes_state_in_place(name):
             target = node.attrs.get("target")
             return Reason(Code.OPAQUE, f"opaque op {name}{f' ({target})' if target else ''} runs through PyTorch")
     return None
@@ -271,8 +273,14 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
                       "(FusionConfig.norm_prologue)")
     if len(reductions) > 1:
         return Reason(Code.TWO_REDUCTIONS, f"two reductions ({reductions[0]}, {reductions[1]}) in one kernel")
+    writes = [n for n in order if graph.writes_state_in_place(n, users)]
+    if writes and (anchors or reductions):
+        hub = (anchors + reductions)[0]
+        return Reason(Code.NOT_ELEMENTWISE, f"{writes[0]} ({graph[writes[0]].op}) writes the model's state, which only "
+                      f"an elementwise chain's kernel stores, not {hub}'s")
     for name in order:
-        if not kind_of(graph[name]).elementwise and name not in anchors + reductions and not maps_on_load(graph[name]):
+        if not kind_of(graph[name]).elementwise and name not in anchors + reductions + writes \
+                and not maps_on_load(graph[name]):
             return Reason(Code.NOT_ELEMENTWISE, f"{name} ({graph[name].op}) is not elementwise")
     if not anchors and not reductions:
         return element_flow_rule(graph, order, merged, users)
@@ -320,21 +328,24 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
 def element_flow_rule(graph: Graph, order: Sequence[str], merged: set[str], users: Users) -> Reason | None:
     """A chain computes each element once: a node has as many elements as each value it reads inside the group
     (a cat's inputs are its slices; a one-element value, recomputed for every element it meets, costs no more than
-    loading it: T5's -bound of its overflow clamp), and every value the group writes has the size of its largest."""
+    loading it: T5's -bound of its overflow clamp), and every value the group writes has the size of its largest.
+    A state written in place counts the elements it stores (`Graph.stored_shape`: its source's)."""
+    def numel(name: str) -> int:
+        return math.prod(graph.stored_shape(name))
+
     for name in order:
         node = graph[name]
         if node.op in ("cat", "pad"):      # each input element read once (a roll keeps its element count)
             continue
         for value in node.inputs:
-            if value in merged and graph[value].type.numel not in (node.type.numel, 1) \
-                    and not loaded_view(graph, value, merged):
-                return Reason(Code.BROADCAST_GROWTH, f"broadcast growth: {name} has {node.type.numel} elements, "
-                              f"{value} {graph[value].type.numel} ({graph[value].type})")
-    largest = max(graph[n].type.numel for n in order)
+            if value in merged and numel(value) not in (numel(name), 1) and not loaded_view(graph, value, merged):
+                return Reason(Code.BROADCAST_GROWTH, f"broadcast growth: {name} has {numel(name)} elements, "
+                              f"{value} {numel(value)} ({graph[value].type})")
+    largest = max(numel(n) for n in order)
     for name in order:
         written = name in graph.outputs or any(u.name not in merged for u in users[name])
-        if written and graph[name].type.numel != largest:
-            return Reason(Code.OUTPUT_SIZE, f"{name} is written with {graph[name].type.numel} elements, the kernel "
+        if written and numel(name) != largest:
+            return Reason(Code.OUTPUT_SIZE, f"{name} is written with {numel(name)} elements, the kernel "
                           f"iterates over {largest}")
     return None
 

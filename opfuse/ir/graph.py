@@ -182,6 +182,12 @@ class Graph:
         users = self.users() if users is None else users
         return [u.name for u in users[node.inputs[0]]] == [name]
 
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        """The elements a kernel computing node `name` stores: its shape, or, for an index_copy, its source's (the
+        rows it writes into the state's tensor at the index's positions: `writes_state_in_place`)."""
+        node = self.nodes[name]
+        return self.nodes[node.inputs[2]].type.shape if node.op == "index_copy" else node.type.shape
+
     def input_types(self, node: Node) -> list[TensorType]:
         return [self.nodes[i].type for i in node.inputs]
 

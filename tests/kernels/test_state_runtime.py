@@ -61,8 +61,9 @@ class RotatedCache(torch.nn.Module):
 
 @pytest.mark.parametrize("positions", [[4], [0, 6, 2]])
 def test_a_state_written_in_place_is_a_kernel_that_stores_at_the_positions(positions):
-    """An index_copy updating a state is no opaque op: a kernel stores its source's rows into the state's own tensor
-    (one launch for both caches' writes), at one or several positions along a middle dim, as eager writes them."""
+    """An index_copy updating a state is no opaque op: the kernel computing its source (the rotation) stores the
+    source's rows into the state's own tensor, the other cache's write sharing that launch, at one or several
+    positions along a middle dim, as eager writes them."""
     model = RotatedCache().eval()
     eager = copy.deepcopy(model)
     t = len(positions)
@@ -70,7 +71,9 @@ def test_a_state_written_in_place_is_a_kernel_that_stores_at_the_positions(posit
     compiled = opfuse.compile(model, example, opfuse.FusionConfig(dtype="float32"))
     plan = compiled.plan
     writes = [g for g in plan.groups if any(plan.graph[n].op == "index_copy" for n in g.nodes)]
-    assert writes and all(g.kind.value != "opaque" for g in writes)
+    assert len(writes) == 1 and writes[0].kind.value != "opaque"
+    assert "cat" in [plan.graph[n].op for n in writes[0].nodes]          # written by the kernel that rotates
+    assert [plan.graph[n].op for n in writes[0].nodes].count("index_copy") == 2
     assert all(g.name in compiled.compiled.kernels for g in writes)
     assert not [f for f in compiled.fallbacks if "index_copy" in str(f)]
     runtime = compiled.compiled
@@ -96,3 +99,31 @@ def test_reset_restores_a_state_that_did_not_start_as_zeros():
     assert not torch.equal(runtime.state["cache"], model.cache)
     runtime.reset_state()
     assert torch.equal(runtime.state["cache"], torch.arange(24.0).reshape(6, 4))
+
+
+class ProjectedCache(torch.nn.Module):
+    """A linear's rows written into a state (a V projection into its cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(6, 4))
+        mark_state(self, "cache")
+
+    def forward(self, x, positions):
+        self.cache.index_copy_(0, positions, self.proj(x))
+        return self.cache * 2.0
+
+
+def test_a_state_write_joins_no_anchors_kernel_and_the_plan_says_why():
+    model = ProjectedCache().eval()
+    eager = copy.deepcopy(model)
+    example = (torch.randn(2, 4), torch.tensor([1, 4]))
+    compiled = opfuse.compile(model, example, opfuse.FusionConfig(dtype="float32"))
+    plan = compiled.plan
+    write = next(g for g in plan.groups if any(plan.graph[n].op == "index_copy" for n in g.nodes))
+    assert all(plan.graph[n].op != "linear" for n in write.nodes)
+    refusal = next(d for d in plan.decisions if write.nodes[0] in d.consumer and d.verdict.value != "fused")
+    assert "writes the model's state" in refusal.reason
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*example), eager(*example))
