@@ -28,9 +28,9 @@ from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, TileLayout, compute_d
 from opfuse.codegen.forms import EpilogueKernel, LibraryAnchor
 from opfuse.codegen.library_fused import FusedLinearLibrary, fused_chain
 from opfuse.codegen.split_k import SplitK, sliced_template, slices_of, with_slices
-from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.expr import Unsupported, emit
 from opfuse.codegen.prologue import Prologue
-from opfuse.fusion.legality_anchors import anchor_prologue
+from opfuse.fusion.legality_anchors import GatedPair, anchor_prologue, gated_pair
 from opfuse.fusion.legality_common import Users
 from opfuse.fusion.legality_views import operand_chain
 from opfuse.fusion.plan import FusionGroup, GroupKind
@@ -181,7 +181,7 @@ class GemmKernel(EpilogueKernel):
                  b_layout: TileLayout | None = None,
                  a_view: Callable[[torch.Tensor], torch.Tensor] | None = None, a_map: OperandMap | None = None,
                  prologue: Prologue | None = None, hw: HardwareProfile | None = None,
-                 conv: bool = False, library_anchor: LibraryAnchor | None = None):
+                 conv: bool = False, library_anchor: LibraryAnchor | None = None, template: str = GEMM_TEMPLATE):
         if prologue is not None and (a_view is not None or a_map is not None and (prologue.norm is None
                                                                                   or prologue.operands)):
             raise Unsupported(f"group {group.name}: a prologue on an operand read through views")
@@ -191,7 +191,7 @@ class GemmKernel(EpilogueKernel):
         elif a_map is not None:
             self.operand_nodes = a_map.views
         row_strides = (*GEMM_ROW_STRIDES, *(prologue.row_stride_names if prologue is not None else ()))
-        name, source, self.kernel = generate_kernel(_with_prologue(GEMM_TEMPLATE, prologue), epilogue,
+        name, source, self.kernel = generate_kernel(_with_prologue(template, prologue), epilogue,
                                                     units=GEMM_UNITS, rows=GEMM_ROWS, row_strides=row_strides)
         super().__init__(graph, group, name, source)
         self.device, self.epilogue, self.layout = device, epilogue, epilogue.layout
@@ -265,6 +265,52 @@ class GemmKernel(EpilogueKernel):
                 a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, *args, *prologue, **launch)
         self.last_compiled = compiled_info(compiled)
         return outputs
+
+
+# a gated pair's GEMM (`opfuse.fusion.legality_anchors.gated_pair`): B holds the two weights' columns interleaved
+# (gate_0, up_0, gate_1, up_1, ...), so each tile of BLOCK_N columns holds BLOCK_N / 2 of each for the same outputs;
+# after the K loop the tile splits into the two, the gate's activation runs on its half and the product is the value
+# the epilogue starts from, over BLOCK_N / 2 output columns of N / 2 (N: the interleaved columns)
+GATED_CODE = """\
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+{activation}
+    acc = gate * up
+    offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    mask_n = offs_n < N // 2
+
+"""
+
+
+class GatedGemmKernel(GemmKernel):
+    """act(x W_gate^T) * (x W_up^T) (+ epilogue) as one GEMM over the interleaved weights (`GATED_CODE`); no split-K
+    and no library form (the unfused form remains)."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, pair: GatedPair, epilogue: Epilogue,
+                 a: str, k: int, weight: torch.Tensor, hw: HardwareProfile | None):
+        activation = "\n".join(f"    gate = {emit(graph[name].op, graph[name].attrs, ['gate'])}"
+                                for name in pair.activation)
+        template = GEMM_TEMPLATE.replace("{epilogue}", GATED_CODE.format(activation=activation) + "{epilogue}")
+        super().__init__(graph, group, device, epilogue, a=a, k=k, b_packed=weight, hw=hw, template=template)
+        self.split = None
+        self._configs = [c for c in self._configs if c["BLOCK_N"] % 32 == 0]
+        self._sizes = (self._sizes[0], 2 * self._sizes[1], *self._sizes[2:])     # the B columns the grid covers
+
+
+def _lower_gated(graph: Graph, group: FusionGroup, device: torch.device, pair: GatedPair,
+                 hw: HardwareProfile | None) -> GemmKernel:
+    gate = graph[pair.gate]
+    x = gate.inputs[0]
+    dtype = compute_dtype(graph, x, gate)
+    weights = [graph.constants[graph[name].inputs[1]] for name in (pair.gate, pair.up)]
+    n, k = weights[0].shape
+    weight = torch.stack([w.t() for w in weights], 2).reshape(k, 2 * n)      # columns gate_j, up_j interleaved
+    weight = weight.contiguous().to(device=device, dtype=torch_dtype(dtype))
+    after = [name for name in group.nodes if name not in (pair.gate, pair.up, *pair.activation)]
+    if after[0] != pair.product:
+        raise Unsupported(f"group {group.name}: the gated pair's product {pair.product} is not its first epilogue node")
+    shape = graph[pair.product].type.shape
+    epilogue = Epilogue(graph, group, [after], TileLayout(shape, channel_dim=len(shape) - 1), device)
+    return GatedGemmKernel(graph, group, device, pair, epilogue, x, k, weight, hw)
 
 
 def _pack_linear_weights(graph: Graph, anchors: list[str], dtype: str, device: torch.device) -> torch.Tensor:
@@ -379,6 +425,9 @@ def lower_gemm_group(graph: Graph, group: FusionGroup, device: torch.device | st
     for GPU `hw` (default: the default profile)."""
     device = torch.device(device)
     users = graph.users()      # once for the whole lowering: each step below reads it
+    pair = gated_pair(graph, group.nodes, users)
+    if pair is not None:
+        return _lower_gated(graph, group, device, pair, hw)
     anchors, chains = siblings_and_chains(graph, group, ("linear", "matmul"), users)
     if len(anchors) > 1 and group.kind is not GroupKind.HORIZONTAL:
         raise Unsupported(f"group {group.name} ({group.kind.value}) holds several anchors: "

@@ -1,11 +1,13 @@
 """What an anchor takes besides its elementwise epilogue (the rules in `opfuse.fusion.legality`'s docstring): the
 prologue a linear or a 1x1 conv applies to its operand tiles as it loads them (`anchor_prologue`), which a linear's
 may open with a row norm (`row_norm_prologue`, through row views), and the row norm a depthwise conv computes in its
-epilogue (`row_norm_epilogue`).
+epilogue (`row_norm_epilogue`); and the gated pair of sibling linears one kernel computes together
+(`gated_pair`: act(x W_gate^T) * (x W_up^T), a SwiGLU or GeGLU MLP's first half).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from opfuse.fusion.legality_common import Users
@@ -150,3 +152,46 @@ def row_norm_epilogue(graph: Graph, anchor: str, within: Iterable[str]) -> str |
     if isinstance(spaces, Reason) or spaces[norm.name][-1] != 1:   # NCHW: the conv's channels are dim 1
         return None
     return norm.name
+
+
+@dataclass(frozen=True)
+class GatedPair:
+    """Two sibling linears and how their results combine (`gated_pair`)."""
+
+    gate: str                  # the linear whose result is activated
+    activation: tuple[str, ...]    # the single-input elementwise ops on it, in order (SiLU, GELU; may be none)
+    up: str                    # the linear whose result multiplies it
+    product: str               # the mul of the two
+
+
+def gated_pair(graph: Graph, nodes: Iterable[str], users: Users) -> GatedPair | None:
+    """The gated pair `nodes` are, or None: two linears on one input with constant weights, no bias and as many
+    output features, one followed by a chain of single-input elementwise ops, the two results multiplied, and
+    nothing but the product (and what the group computes from it) read outside them. One GEMM over the two weights'
+    columns interleaved then computes act(gate) * up in its tile (`opfuse.codegen.gemm`): the activation and the
+    other linear's result are never written."""
+    nodes = set(nodes)
+    linears = [n for n in nodes if graph[n].op == "linear"]
+    if len(linears) != 2:
+        return None
+    first, second = (graph[n] for n in linears)
+    if first.inputs[0] != second.inputs[0] or len(first.inputs) != 2 or len(second.inputs) != 2 \
+            or not all(graph.is_constant(n.inputs[1]) for n in (first, second)) \
+            or first.type.shape != second.type.shape:
+        return None
+    for gate, up in ((first, second), (second, first)):
+        chain, value = [], gate.name
+        while True:
+            readers = users[value]
+            if len(readers) != 1 or value in graph.outputs or readers[0].name not in nodes:
+                break
+            reader = readers[0]
+            if reader.op == "mul" and sorted(reader.inputs) == sorted([value, up.name]) \
+                    and [u.name for u in users[up.name]] == [reader.name] and up.name not in graph.outputs \
+                    and reader.type.shape == gate.type.shape:
+                return GatedPair(gate.name, tuple(chain), up.name, reader.name)
+            if not kind_of(reader).elementwise or len(reader.inputs) != 1 or reader.type.shape != gate.type.shape:
+                break
+            chain.append(reader.name)
+            value = reader.name
+    return None

@@ -75,6 +75,7 @@ def plan_fusion(graph: Graph, config: FusionConfig | None = None, hw: HardwarePr
         planner.store_slices()
     if config.horizontal:
         planner.horizontal_anchors()
+        planner.gated_siblings()
         planner.shared_norm_prologues()
         planner.horizontal_pointwise()
     return planner.finish()

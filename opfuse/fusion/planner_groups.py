@@ -7,7 +7,7 @@ import heapq
 
 from opfuse.fusion.cost import KernelEstimate
 from opfuse.fusion.legality import skip_operands
-from opfuse.fusion.legality_anchors import row_norm_prologue
+from opfuse.fusion.legality_anchors import gated_pair, row_norm_prologue
 from opfuse.fusion.legality_views import MAPPED_COPIES, is_view
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
@@ -175,6 +175,8 @@ class GroupListing:
             return {}, 1, estimate.time, ""
         if row_norm_prologue(self.graph, estimate.anchor, nodes, self.users):
             return {}, 1, estimate.time, ""   # a slice sees part of K, and the layer norm's statistics need all of it
+        if gated_pair(self.graph, nodes, self.users) is not None:
+            return {}, 1, estimate.time, ""   # the gating needs the whole sum of each tile
         view = gemm_view(self.graph, estimate.anchor)
         if view is None:
             return {}, 1, estimate.time, ""

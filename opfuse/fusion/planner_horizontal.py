@@ -3,7 +3,7 @@ norm they all read as its prologue), and small independent elementwise groups sh
 
 from __future__ import annotations
 
-from opfuse.fusion.legality_anchors import ROW_NORMS, is_row_norm_prologue
+from opfuse.fusion.legality_anchors import ROW_NORMS, gated_pair, is_row_norm_prologue
 from opfuse.fusion.legality_common import in_order, path_outside
 from opfuse.fusion.legality_views import is_view, maps_on_load
 from opfuse.fusion.plan import GroupKind, Verdict
@@ -45,6 +45,26 @@ class HorizontalFusion:
                     tuple(node.attrs["dilation"]))
         return None
 
+    def gated_siblings(self) -> None:
+        """Two sibling linears whose results one multiplies by the other's activation (a SwiGLU or GeGLU MLP's
+        gate and up projections, each with its own epilogue, so no HORIZONTAL family) become one HORIZONTAL group
+        when the pair is a `legality_anchors.gated_pair`: one GEMM computes act(gate) * up, one launch fewer, and
+        neither the activation nor the up projection is written."""
+        for group in self.ordered_ids():
+            if group not in self.groups or group in self.kinds:
+                continue
+            nodes = self.groups[group]
+            product = next((n for n in nodes if self.graph[n].op == "mul"), None)
+            if product is None:
+                continue
+            others = {self.group_of[v] for v in self.graph[product].inputs if v in self.group_of} - {group}
+            if len(others) != 1:
+                continue
+            other = others.pop()
+            if other in self.kinds or gated_pair(self.graph, self.groups[other] + nodes, self.users) is None:
+                continue
+            self.decide(other, group, "gated", None, GroupKind.HORIZONTAL)
+
     def shared_norm_prologues(self) -> None:
         """A layer norm or RMS norm that only sibling linears of one HORIZONTAL group read, alone in its group,
         becomes that group's prologue (`legality_anchors.is_row_norm_prologue`): the GEMM over their columns
@@ -58,8 +78,9 @@ class HorizontalFusion:
             nodes = self.groups[group]
             anchors = [n for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR]
             norm = self.graph[anchors[0]].inputs[0]
-            if self.graph[norm].op not in ROW_NORMS or self.groups.get(self.group_of.get(norm)) != [norm]:
-                continue
+            if self.graph[norm].op not in ROW_NORMS or self.groups.get(self.group_of.get(norm)) != [norm] \
+                    or gated_pair(self.graph, nodes, self.users) is not None:
+                continue      # (a gated pair's kernel takes no prologue)
             if not is_row_norm_prologue(self.graph, norm, anchors[0], nodes + [norm], self.users):
                 continue
             self.decide(self.group_of[norm], group, "prologue", None, GroupKind.HORIZONTAL)
@@ -72,7 +93,9 @@ class HorizontalFusion:
             signature, problem = signatures[group]
             if problem:
                 other = next(m for m in members if m != group)
-                self.record(self.groups[other], self.groups[group], "horizontal", Verdict.ILLEGAL, problem)
+                if gated_pair(self.graph, self.groups[other] + self.groups[group], self.users) is None:
+                    self.record(self.groups[other], self.groups[group], "horizontal", Verdict.ILLEGAL, problem)
+                # (else `gated_siblings` merges the two, and says so)
             else:
                 classes.setdefault(signature, []).append(group)
         ranked = sorted(classes.values(), key=len, reverse=True)

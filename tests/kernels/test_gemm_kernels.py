@@ -386,3 +386,41 @@ def test_a_split_whose_workspace_passes_int32_runs_through_pytorch():
             assert _within_int32(graph, group) is None
         else:
             assert lower_group(graph, group, "cpu", reasons) is None and "workspace" in reasons[group.name].text
+
+
+class GatedMLP(torch.nn.Module):
+    """A SwiGLU (or GeGLU) MLP as Llama and T5 v1.1 write it: act(gate(x)) * up(x), then down."""
+
+    def __init__(self, width: int = 24, hidden: int = 40, act=torch.nn.functional.silu, up_first: bool = False):
+        super().__init__()
+        self.gate = torch.nn.Linear(width, hidden, bias=False)
+        self.up = torch.nn.Linear(width, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, width, bias=False)
+        self.act, self.up_first = act, up_first
+
+    def forward(self, x):
+        gated = self.up(x) * self.act(self.gate(x)) if self.up_first else self.act(self.gate(x)) * self.up(x)
+        return self.down(gated)
+
+
+@pytest.mark.parametrize("act, up_first, rows", [
+    (torch.nn.functional.silu, False, 7),
+    (torch.nn.functional.gelu, True, 33),
+    (torch.nn.functional.silu, False, 1),
+])
+def test_a_gated_pair_runs_as_one_gemm_over_interleaved_weights_and_matches_eager(act, up_first, rows):
+    """The gate and up projections, the activation and the product: one kernel (GatedGemmKernel), at odd row counts
+    and widths, with the product on either side, equal to eager in float32."""
+    import opfuse
+    from opfuse.codegen.gemm import GatedGemmKernel
+
+    torch.manual_seed(2)
+    model = GatedMLP(act=act, up_first=up_first).eval()
+    x = torch.randn(rows, 24)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    gated = [k for k in compiled.compiled.kernels.values() if isinstance(k, GatedGemmKernel)]
+    assert len(gated) == 1 and compiled.plan.kernel_launches == 2
+    fresh = torch.randn(rows, 24)
+    with torch.no_grad():
+        got, want = compiled(fresh), model(fresh)
+    assert (got - want).abs().max() / want.abs().max() < 1e-5

@@ -742,3 +742,28 @@ def test_a_norm_read_by_siblings_and_another_op_stays_its_own_kernel():
     plan = plan_fusion(graph, FusionConfig(norm_prologue=True), H200)
     assert_well_formed(plan)
     assert groups_of(plan)["rms"] == ["rms"] and groups_of(plan)["q"] == ["q", "k"]
+
+
+def _gated(bias: bool = False, act_read: bool = False) -> Graph:
+    """A SwiGLU MLP's first half: silu(x W_g^T) * (x W_u^T), then the down projection."""
+    b = GraphBuilder("swiglu")
+    x = b.input("x", (1, 4, 64))
+    gate = b.linear(x, 128, name="gate", bias=bias)
+    act = b.unary("silu", gate, "act")
+    product = b.op("mul", [act, b.linear(x, 128, name="up", bias=False)], name="product")
+    outputs = [b.linear(product, 64, name="down", bias=False)] + ([b.unary("tanh", act, "other")] if act_read else [])
+    return b.output(*outputs)
+
+
+def test_a_gated_pair_of_sibling_linears_is_one_gemm():
+    """gate -> SiLU, up, their product: one HORIZONTAL group (the `gated` decision), one launch fewer; not with a
+    bias (the interleaved GEMM takes none) or where the activation is read outside the pair."""
+    plan = plan_fusion(_gated(), FusionConfig(), H200)
+    assert_well_formed(plan)
+    group = plan.group_of("gate")
+    assert group.nodes == ["gate", "act", "up", "product"] and group.kind is GroupKind.HORIZONTAL
+    assert group.outputs == ["product"] and not group.split_k and plan.kernel_launches == 2
+    assert [d.verdict for d in plan.decisions if d.fusion == "gated"] == [Verdict.FUSED]
+    for graph in (_gated(bias=True), _gated(act_read=True)):
+        plan = plan_fusion(graph, FusionConfig(), H200)
+        assert plan.group_of("gate").nodes != plan.group_of("up").nodes, graph.name
