@@ -299,8 +299,6 @@ class PointwiseKernel(TemplateKernel):
         config = config or self.configs()[0]
         tensors = self.bind(inputs)
         results = self.outputs_for(tensors, outputs)
-        results = [tensors[self.graph[name].inputs[0]] if self.graph[name].op == "index_copy" else result
-                   for name, result in zip(self.group.outputs, results)]     # a state: written in place
         everything = tensors | dict(zip(self.group.outputs, results))
         constexprs: dict[str, bool] = {}
         orders = {}
