@@ -292,7 +292,7 @@ class GatedGemmKernel(GemmKernel):
         template = GEMM_TEMPLATE.replace("{epilogue}", GATED_CODE.format(activation=activation) + "{epilogue}")
         super().__init__(graph, group, device, epilogue, a=a, k=k, b_packed=weight, hw=hw, template=template)
         self.split = None
-        self._configs = [c for c in self._configs if c["BLOCK_N"] % 32 == 0]
+        self._configs = [c for c in self._configs if c["BLOCK_N"] % 32 == 0]   # half tiles of 16 columns or more
         self._sizes = (self._sizes[0], 2 * self._sizes[1], *self._sizes[2:])     # the B columns the grid covers
 
 
