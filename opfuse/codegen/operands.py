@@ -294,16 +294,15 @@ class Region:
 
     def store_at_index(self, name: str, coords: Coords) -> None:
         """Store index_copy `name`'s source at `coords` (the source's) into its state's tensor (the output's), the
-        coordinate along its dim replaced by the index's value there (`pointwise.stored_shape`)."""
+        coordinate along its dim replaced by the index's value there (`Graph.stored_shape`), loaded as the integer
+        it is (the index must be a group input, as an embedding's indices must)."""
         node = self.graph[name]
-        dim = node.attrs["dim"]
+        dim, index = node.attrs["dim"], node.inputs[1]
+        if index in self.emitter.members:
+            raise Unsupported(f"{node.describe()} writes at positions computed in the kernel")
         value = self.value(node.inputs[2], coords)
-        position = self.emitter.fresh("at")
-        self._addressed(self.emitter.args.input(node.inputs[1]), (coords[dim],),
-                        lambda pointer: f"{position} = tl.load({pointer}, mask={self.mask}, other=0)")
-        target = tuple(position if d == dim else c for d, c in enumerate(coords))
-        self._addressed(self.emitter.args.output(name), target,
-                        lambda pointer: f"tl.store({pointer}, {value}, mask={self.mask})")
+        position = self.load_exact(index, (coords[dim],))
+        self.store_exact(name, tuple(position if d == dim else c for d, c in enumerate(coords)), value)
 
     def _addressed(self, param: TensorParam, coords: Coords, line: Callable[[str], str]) -> None:
         """Emit `line(pointer)` with strided addressing; for a possibly dense tensor also with the flat index."""

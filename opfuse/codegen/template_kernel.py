@@ -147,14 +147,15 @@ class TemplateKernel(GroupKernel):
 
     def _allocate_outputs(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """New outputs; a state written in place (`Graph.writes_state_in_place`) is the state's own tensor."""
-        return [self._state_of(name, tensors) if self.graph[name].op == "index_copy"
-                else self.allocate(name, self.output_channels_last(name, tensors)) for name in self.group.outputs]
+        return [self._output(name, tensors) for name in self.group.outputs]
 
-    def _state_of(self, name: str, tensors: dict[str, torch.Tensor], other: torch.Tensor | None = None
-                  ) -> torch.Tensor | None:
-        """The state's tensor output `name` writes in place (an index_copy's, which the kernels store into only
-        where it updates a state: `Graph.writes_state_in_place`), else `other`."""
-        return tensors[self.graph[name].inputs[0]] if self.graph[name].op == "index_copy" else other
+    def _output(self, name: str, tensors: dict[str, torch.Tensor], given: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """The tensor output `name` is written to: for an index_copy, its state's own (the kernels store one only
+        where it updates a state in place: `Graph.writes_state_in_place`); else `given`, or a new one."""
+        if self.graph[name].op == "index_copy":
+            return tensors[self.graph[name].inputs[0]]
+        return given if given is not None else self.allocate(name, self.output_channels_last(name, tensors))
 
     def output_channels_last(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
         """Outputs take the layout of the largest input: channels-last if that input is channels-last 4-D."""
@@ -179,7 +180,7 @@ class TemplateKernel(GroupKernel):
             return self._allocate_outputs(tensors)
         if len(outputs) != len(self.group.outputs):
             raise GraphError(f"kernel {self.name} writes {len(self.group.outputs)} outputs, got {len(outputs)}")
-        return [self._state_of(name, tensors, output) for name, output in zip(self.group.outputs, outputs)]
+        return [self._output(name, tensors, output) for name, output in zip(self.group.outputs, outputs)]
 
     def launch(self, grid: tuple[int, ...], config: KernelConfig, tensors: dict[str, torch.Tensor],
                index_space: int, **constexprs) -> None:

@@ -138,7 +138,7 @@ def group_traffic(graph: Graph, nodes: Iterable[str], users: Users) -> GroupTraf
     in_place = {n for n in nodes if graph.writes_state_in_place(n, users)}
     states = {graph[n].inputs[0] for n in in_place}
     read = sum(graph[v].type.nbytes for v in inputs if v not in states)
-    written = sum(graph[graph[v].inputs[2] if v in in_place else v].type.nbytes for v in outputs)
+    written = sum(math.prod(graph.stored_shape(v)) * graph[v].type.itemsize for v in outputs)
     return GroupTraffic(flops, read, written, tuple(inputs), tuple(outputs))
 
 
