@@ -70,13 +70,19 @@ def compile(model: Any, example_inputs: Sequence[torch.Tensor],
     if isinstance(model, torch.nn.Module):
         warn_if_training(model)
     else:   # an ONNX model: its symbolic dims dynamic (each bucket imported at its sizes) unless pinned
-        from opfuse.frontend.onnx_compile import compile_onnx, input_names, symbolic_shapes
+        from opfuse.frontend.onnx_compile import compile_onnx, symbolic_shapes
+        from opfuse.frontend.onnx_import import _read_model, runtime_inputs
         from opfuse.runtime.dynamic import DynamicModel, parse_dynamic_shapes
 
-        declared = symbolic_shapes(model) if dynamic_shapes is None else dynamic_shapes
-        dims = parse_dynamic_shapes(declared, example_inputs, names=input_names(model)) if declared else []
+        dims = []
+        if dynamic_shapes != {}:      # read once for its inputs' names and symbolic dims
+            proto = _read_model(model)
+            names = [v.name for v in runtime_inputs(proto)]
+            declared = symbolic_shapes(proto) if dynamic_shapes is None else dynamic_shapes
+            dims = parse_dynamic_shapes(declared, example_inputs, names=names) if declared else []
         if dims:
-            return DynamicModel(model, example_inputs, resolve_dtype(config, example_inputs), dims, quiet)
+            return DynamicModel(model, example_inputs, resolve_dtype(config, example_inputs), dims, quiet,
+                                names=names)
         # fixed shapes, or pinned (dynamic_shapes={}): inputs that fix a shape are read as constants from the
         # examples, checked at each call
         return compile_onnx(model, example_inputs, config, quiet)

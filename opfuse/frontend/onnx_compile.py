@@ -26,17 +26,11 @@ from opfuse.frontend.onnx_import import OnnxSource, _read_model, describe_source
 from opfuse.ir.graph import GraphError
 
 
-def input_names(source: OnnxSource) -> list[str]:
-    """The names of the model's inputs that are no initializers, in order (what a call passes)."""
-    return [v.name for v in runtime_inputs(_read_model(source))]
-
-
-def symbolic_shapes(source: OnnxSource) -> dict[str, dict[int, Any]]:
-    """The dynamic_shapes that make every symbolic dim of the model's call inputs dynamic over [1, inf): by input
-    name, {axis: torch.export.Dim}, one Dim per dim_param (inputs naming it share its size), one per unnamed dim;
-    empty for a model of fixed shapes, or one with inputs read as constants (`constant_inputs`: those are compiled
-    for their examples' values, `compile_onnx`)."""
-    model = _read_model(source)
+def symbolic_shapes(model: onnx.ModelProto) -> dict[str, dict[int, Any]]:
+    """The dynamic_shapes that make every symbolic dim of the (read) model's call inputs dynamic over [1, inf): by
+    input name, {axis: torch.export.Dim}, one Dim per dim_param (inputs naming it share its size), one per unnamed
+    dim; empty for a model of fixed shapes, or one with inputs read as constants (`constant_inputs`: those are
+    compiled for their examples' values, `compile_onnx`)."""
     if constant_inputs(model):
         return {}
     dims: dict[str, Any] = {}

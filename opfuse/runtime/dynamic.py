@@ -191,12 +191,10 @@ def _describe(x: torch.Tensor) -> str:
 
 
 def _input_names(model: Any, count: int) -> list[str]:
-    """The names of a model's `count` call inputs: an ONNX model's input names, a module's forward parameters (none
-    where its signature does not list them one by one)."""
+    """The names of a module's `count` call inputs: its forward's parameters (none where its signature does not list
+    them one by one, nor for an ONNX model, whose names its caller gives)."""
     if not isinstance(model, torch.nn.Module):
-        from opfuse.frontend.onnx_compile import input_names
-
-        return input_names(model)
+        return []
     try:
         parameters = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
@@ -278,7 +276,7 @@ class DynamicModel(torch.nn.Module):
     """A model compiled for ranges of sizes (see the module docstring); called like the model."""
 
     def __init__(self, model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], config: FusionConfig,
-                 dims: Sequence[DynamicDim], quiet: bool = True):
+                 dims: Sequence[DynamicDim], quiet: bool = True, names: Sequence[str] | None = None):
         super().__init__()
         from opfuse.module import eager_copy
 
@@ -292,7 +290,8 @@ class DynamicModel(torch.nn.Module):
         self.dims = list(dims)
         self.quiet = quiet
         self.buckets: dict[tuple[int, ...], Bucket] = {}     # compiled models by their sizes
-        self.input_names = _input_names(model, len(self.examples))     # what errors name inputs by
+        # what errors name inputs by: an ONNX model's, given by the caller, which read the model
+        self.input_names = list(names) if names is not None else _input_names(model, len(self.examples))
         self._lock = threading.Lock()
         sizes = call_sizes(self.dims, self.examples, self.examples)
         key = self.bucket_sizes_of(sizes)
