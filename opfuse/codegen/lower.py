@@ -87,8 +87,6 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reaso
     if group.kind is GroupKind.OPAQUE:      # name the op: "opaque" alone does not say what runs through PyTorch
         ops = ", ".join(graph[n].describe() for n in group.nodes)
         return Reason(Code.OPAQUE, f"opaque op {ops}: runs through PyTorch")
-    if group.kind is GroupKind.VIEW and group.code is Code.VIEW_COPY:   # PyTorch copies it: the planner says why
-        return Reason(Code.VIEW_COPY, group.reason)
     if group.kind in NO_KERNEL_KINDS:
         return NO_KERNEL_KINDS[group.kind]
     kinds = {name: kind_of(graph[name]) for name in group.nodes}

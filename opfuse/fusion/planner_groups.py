@@ -52,8 +52,8 @@ class GroupListing:
             return self.kinds[group]
         nodes = self.groups[group]
         kinds = [kind_of(self.graph[n]) for n in nodes]
-        if self.is_view_group(group):
-            return GroupKind.VIEW
+        if self.is_view_group(group):   # one PyTorch would copy: opfuse's copy kernel, reading through the views
+            return GroupKind.POINTWISE if self.copies(nodes) else GroupKind.VIEW
         if any(k is FusionKind.OPAQUE and not self.graph.writes_state_in_place(n, self.users)
                for n, k in zip(nodes, kinds)):
             return GroupKind.OPAQUE     # (a state written in place is stored by the elementwise template)
@@ -81,8 +81,9 @@ class GroupListing:
         """Why the group is what it is: a merged group's code is fused, a lone node's the first refusal it met."""
         nodes = self.groups[group]
         first = self.graph[nodes[0]]
-        if kind is GroupKind.VIEW and self.copies(nodes):
-            return Reason(Code.VIEW_COPY, f"{first.op} of a permuted tensor is no view: PyTorch copies it (one kernel)")
+        if self.is_view_group(group) and self.copies(nodes):
+            return Reason(Code.VIEW_COPY, f"{first.op} of a permuted tensor is no view and nothing reads it through "
+                          "its index map: one copy kernel does (as PyTorch would)")
         if kind is GroupKind.VIEW:
             return Reason(Code.VIEW, f"view ({first.op}): no kernel, no traffic")
         if kind is GroupKind.OPAQUE:

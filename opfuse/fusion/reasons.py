@@ -59,11 +59,12 @@ Fusions refused for the hardware (verdict over budget) or the cost (verdict unpr
 
 A group's code (`FusionGroup.code`): fused for a merged group, the code of the first refusal a lone node met, or
   no-candidate          a lone node no fusion was ever considered for
+  view-copy             views PyTorch would copy (a reshape of a permuted tensor) that no neighbour reads through:
+                        one copy kernel of the elementwise template, reading through their index map
 
 Groups that run through PyTorch (`opfuse.codegen.lower.choose_lowering`, `lower_group`, `opfuse.compile`):
   opaque, copying-op    as above: the op has no kernel of opfuse's
   view                  a view: metadata only, nothing to launch
-  view-copy             a view PyTorch must copy (a reshape of a permuted tensor): one PyTorch kernel
   no-template           no Triton template covers the group's anchor op or its mix of ops
   unsupported           the template refused the group (`Unsupported`; the text says why)
   no-kernel             no kernel was built for the group

@@ -156,3 +156,32 @@ def test_a_copy_through_a_shared_view_is_an_index_map_of_its_reader():
     compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-4)
+
+
+class Subsample(nn.Module):
+    """LeViT's attention subsample: a residual sum read by the next block and, every other row and column of its
+    token grid, by a linear (a strided slice merged back into tokens: a reshape PyTorch copies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        tokens = x + y
+        grid = tokens.view(1, 6, 6, 4)[:, ::2, ::2].reshape(1, 9, 4)
+        return self.q(grid).mean(1) + tokens.amax(1)
+
+
+def test_a_copying_view_no_neighbour_reads_is_a_copy_kernel_of_ours():
+    import opfuse
+    from opfuse.fusion.reasons import Code
+
+    model, x, y = Subsample().eval(), torch.randn(1, 36, 4), torch.randn(1, 36, 4)
+    plan = plan_of(model, x, y)
+    (copy,) = [g for g in plan.groups if g.code is Code.VIEW_COPY]
+    assert copy.kind is GroupKind.POINTWISE and copy.launches == 1
+    assert groups_through_pytorch(plan) == {}
+    compiled = opfuse.compile(model, (x, y), opfuse.FusionConfig(dtype="float32"))
+    assert {why.code for why in compiled.fallbacks.values()} <= {Code.VIEW}   # free views: no kernel
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, y), model(x, y), rtol=1e-5, atol=1e-5)

@@ -55,8 +55,8 @@ def assert_well_formed(plan: FusionPlan) -> None:
         copies = any(view_copies(graph, graph[n]) for n in group.nodes)
         if group.kind is GroupKind.VIEW and not copies:
             assert (group.launches, group.bytes_moved, group.predicted_time) == (0, 0, 0.0)
-        elif group.kind is GroupKind.VIEW:   # a reshape of a permuted tensor: PyTorch copies it
-            assert group.launches == 1 and group.bytes_moved == 2 * graph[group.nodes[-1]].type.nbytes
+        elif group.code is Code.VIEW_COPY:   # a reshape of a permuted tensor: a copy kernel
+            assert group.kind is GroupKind.POINTWISE and group.launches == 1 and group.bytes_moved == 2 * graph[group.nodes[-1]].type.nbytes
         else:
             assert group.launches == 1 and group.predicted_time > 0
     assert [g.id for g in plan.groups] == list(range(len(plan.groups)))
