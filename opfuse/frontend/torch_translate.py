@@ -5,7 +5,9 @@ Every fx node maps to IR nodes through a handler in `opfuse.frontend.aten_ops.HA
 `Unmapped` when a call has no IR equivalent (or none with these arguments); so does any mapping whose type,
 re-derived from the op registry, disagrees with the type torch recorded. Such calls become ``opaque`` nodes that
 re-run the original ATen call, so capture never fails on an unknown op; the node's attrs keep the reason.
-Parameters and buffers become constant nodes (private clones) only when something reads them. The program's
+A region a higher-order op wraps only for a mode inference does not change (autocast turned off, grad mode) is
+inlined: its sub-graph's calls are translated as if they stood in the program (`_inline`); one that autocasts runs
+as an opaque call. Parameters and buffers become constant nodes (private clones) only when something reads them. The program's
 outputs become the graph's, its writes to declared state the graph's state updates; other writes to the model's
 state are refused and writes into its inputs warned of (`InputWrittenWarning`), as
 `opfuse.frontend.torch_export` describes.
@@ -242,6 +244,8 @@ class Translator:
             return self._getitem(node)
         if not node.all_input_nodes and _is_deterministic(node.target):
             return self._fold(node)
+        if str(node.target) in INLINED_REGIONS:
+            return self._inline(node)
         handler = HANDLERS.get(name)
         self.op_name = name
         if handler is None:
@@ -271,6 +275,30 @@ class Translator:
                 self.graph.remove(name)
             return fallback(str(error) if isinstance(error, Unmapped)
                             else f"{type(error).__name__}: {error}")
+
+    def _inline(self, node: fx.Node) -> str | MultiOutput:
+        """The region a higher-order op wraps (`INLINED_REGIONS`), translated call by call in its place: its
+        outputs are read by getitem as a tuple call's are."""
+        body, operands, reason = INLINED_REGIONS[str(node.target)](node.args)
+        if reason:
+            return self._opaque_call(node, f"{node.target}: {reason}")
+        module, outer = self.env[body], self.node
+        results: tuple = ()
+        for sub in module.graph.nodes:
+            if sub.op == "placeholder":
+                operand = operands.pop(0)
+                self.env[sub] = self.env[operand] if isinstance(operand, fx.Node) else operand
+            elif sub.op == "get_attr":
+                value = getattr(module, str(sub.target))
+                self.env[sub] = _LazyConstant(f"{body.name}.{sub.target}", value) \
+                    if isinstance(value, torch.Tensor) else value
+            elif sub.op == "call_function" and sub.users:
+                self.node = sub
+                self.env[sub] = self._call(sub)
+            elif sub.op == "output":
+                results = tuple(sub.args[0])
+        self.node = outer
+        return MultiOutput(node, lambda i: self.value(results[i]))
 
     def _opaque_call(self, node: fx.Node, reason: str) -> str | MultiOutput:
         if tensor_value(node) is None and isinstance(node.meta.get("val"), (tuple, list)):
@@ -334,6 +362,23 @@ class Translator:
         for node in list(self.graph.nodes.values()):
             if node.name not in live and node.op != "input":
                 self.graph.remove(node.name)
+
+
+def _autocast_region(args: tuple) -> tuple[fx.Node, list, str]:
+    device_type, dtype, enabled, cache_enabled, body, *operands = args
+    return body, operands, f"autocast to {dtype} on {device_type} casts its operations" if enabled else ""
+
+
+def _grad_region(args: tuple) -> tuple[fx.Node, list, str]:
+    enabled, body, *operands = args
+    return body, operands, ""
+
+
+# higher-order ops whose region is inlined: (sub-graph, its operands, why not: "" where it is inlined)
+INLINED_REGIONS: dict[str, Callable[[tuple], tuple[fx.Node, list, str]]] = {
+    "wrap_with_autocast": _autocast_region,        # torch.autocast(..., enabled=False): the region as it is
+    "wrap_with_set_grad_enabled": _grad_region,     # torch.no_grad() / enable_grad(): nothing differs in inference
+}
 
 
 def _writer(value: fx.Node) -> str:

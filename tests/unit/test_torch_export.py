@@ -527,3 +527,31 @@ def test_a_float32_model_export_cannot_take_is_refused_as_before():
 
     with pytest.raises(GraphError, match="torch.export could not capture model Branchy"):
         capture_torch(Branchy().eval(), (torch.randn(2, 8),))
+
+
+class AutocastRegions(nn.Module):
+    """EfficientViT's linear attention: a region with autocast turned off (in float32 whatever the caller's
+    autocast), and a region that autocasts to bfloat16."""
+
+    def __init__(self, casting: bool):
+        super().__init__()
+        self.casting = casting
+
+    def forward(self, q, v):
+        with torch.autocast("cpu", enabled=False):
+            kv = q.float().transpose(-1, -2) @ v.float()
+            out = q @ kv
+            out = out[..., :-1] / (out[..., -1:] + 1e-3)
+        if self.casting:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = out @ kv[:, :-1, :-1]
+        return out
+
+
+@pytest.mark.parametrize("casting", [False, True])
+def test_a_region_without_autocast_is_inlined_and_one_that_casts_stays_a_call(casting):
+    q, v = torch.rand(2, 5, 4), torch.rand(2, 5, 4)
+    graph, ops = capture_and_check(AutocastRegions(casting), q, v, tolerance=1e-2 if casting else 1e-5)
+    opaque = [n.attrs["target"] for n in graph if n.op == "opaque"]
+    assert ops["matmul"] + ops["linear"] >= 2
+    assert opaque == (["wrap_with_autocast[0]"] if casting else [])
