@@ -73,9 +73,13 @@ def contenders(model: torch.nn.Module, batch: int, max_len: int, names: set[str]
     import opfuse
     from opfuse.generate import KVCacheDecoder, compile_generator
 
+    from opfuse.analysis.roofline import hardware_of_gpu
+
     dtype = next(model.parameters()).dtype
     cuda = next(model.parameters()).is_cuda
-    config = opfuse.FusionConfig(dtype=str(dtype).removeprefix("torch."), tune_top=tune_top)
+    gpu = hardware_of_gpu(torch.cuda.get_device_name()) if cuda else None     # the plan's profile: the GPU's own
+    config = opfuse.FusionConfig(dtype=str(dtype).removeprefix("torch."), tune_top=tune_top,
+                                 **({"hardware": gpu.name} if gpu is not None else {}))
     generator, found = None, []
     if "opfuse" in names:
         generator = compile_generator(model, batch, max_len, config)
