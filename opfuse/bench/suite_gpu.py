@@ -1,0 +1,189 @@
+"""The coverage suite on the GPU (issue 54): each model of `opfuse.bench.suite.SUITE` compiled by opfuse and by the
+best PyTorch paths, checked against a float32 reference and timed by the fair protocol
+(`opfuse.bench.harness.run_workload`: one process, one `torch.inference_mode()`, rounds interleaved), in float16.
+
+    python -m opfuse.bench.suite_gpu [--only REGEX] [--family NAME] [--batch N] [--budget S] [--json FILE]
+                                     [--markdown FILE]
+
+Per model: whether opfuse compiled it, whether its output matches the float32 reference as `opfuse.numerics.acceptable`
+rules (within float16's tolerance, or within the margin of eager float16's own error), and its speedup over the best
+baseline (eager, eager in a CUDA graph, torch.compile: the fastest of them, not a convenient one). Over the suite
+(`summarize`): the share of models compiled and matched, the geometric mean of the speedups, the slowest. Models run
+one family at a time in turn (so that a budget cut leaves a spread of families), until `budget` seconds have passed;
+the ones not reached are listed as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+
+from opfuse.bench.suite import SEED, SUITE, SuiteModel, library_problem, select
+
+CONTENDERS = ("eager", "eager_graph", "inductor", "opfuse")
+
+
+@dataclass
+class GpuResult:
+    """One model's row: `status` is matched, mismatched, failed (opfuse did not compile it: `error`), no-baseline
+    (no PyTorch path ran), skipped (its library is missing) or not-reached (the budget ran out)."""
+
+    name: str
+    family: str
+    status: str
+    error: str = ""
+    opfuse_ms: float | None = None
+    best: str | None = None             # the fastest baseline
+    best_ms: float | None = None
+    speedup: float | None = None        # best_ms / opfuse_ms
+    rel_error: float | None = None      # opfuse's against the float32 reference
+    eager_error: float | None = None    # eager float16's
+    seconds: float = 0.0
+
+
+def interleave_families(models: Sequence[SuiteModel]) -> list[SuiteModel]:
+    """The models one family at a time in turn, each family in suite order."""
+    families: dict[str, list[SuiteModel]] = {}
+    for m in models:
+        families.setdefault(m.family, []).append(m)
+    order = []
+    while any(families.values()):
+        for queue in families.values():
+            if queue:
+                order.append(queue.pop(0))
+    return order
+
+
+def judge(entry: SuiteModel, row: dict, dtype: str, seconds: float) -> GpuResult:
+    """A result row of `run_workload` as the suite's verdict on the model."""
+    from opfuse.bench.harness import best_baseline
+    from opfuse.numerics import acceptable, tolerance
+
+    result = GpuResult(entry.name, entry.family, "failed", seconds=seconds)
+    opfuse_row, eager_row = row.get("opfuse", {}), row.get("eager", {})
+    if "median_ms" not in opfuse_row:
+        result.error = opfuse_row.get("error", "opfuse was not timed")[:400]
+        return result
+    result.opfuse_ms, result.rel_error = opfuse_row["median_ms"], opfuse_row.get("rel_error")
+    result.eager_error = eager_row.get("rel_error")
+    best = best_baseline(row)
+    if best is not None:
+        result.best, result.best_ms = best, row[best]["median_ms"]
+        result.speedup = result.best_ms / result.opfuse_ms
+    matched = result.rel_error is not None and acceptable(result.rel_error, tolerance(dtype), result.eager_error)
+    result.status = "matched" if matched else "mismatched"
+    if matched and best is None:
+        result.status = "no-baseline"
+    return result
+
+
+def run_gpu_suite(models: Sequence[SuiteModel], batch: int = 1, budget: float = float("inf"),
+                  device: str = "cuda", contenders: Sequence[str] = CONTENDERS, dtype: str = "float16",
+                  on_result=None) -> list[GpuResult]:
+    """Compile, check and time every model (`judge`), until `budget` seconds have passed."""
+    from opfuse.bench.harness import measure_ceilings, run_workload
+    from opfuse.config import FusionConfig
+
+    ceilings = measure_ceilings() if torch.device(device).type == "cuda" else {}
+    start, results = time.monotonic(), []
+    for entry in models:
+        problem = library_problem(entry.library)
+        if problem is not None or time.monotonic() - start > budget:
+            results.append(GpuResult(entry.name, entry.family, "skipped" if problem else "not-reached",
+                                     error=problem or ""))
+            continue
+        began = time.monotonic()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(SEED)
+                model, inputs = entry.build()
+            if batch != 1:
+                inputs = tuple(x.expand(batch, *x.shape[1:]).contiguous() for x in inputs)
+            row = run_workload(model, inputs, f"{entry.name}:{batch}", ceilings, contenders,
+                               FusionConfig(dtype=dtype), device=device)
+            result = judge(entry, row, dtype, time.monotonic() - began)
+        except Exception as error:      # a model that cannot even be built is a result, not the suite's end
+            traceback.print_exc()
+            result = GpuResult(entry.name, entry.family, "failed", error=f"{type(error).__name__}: {error}"[:400],
+                               seconds=time.monotonic() - began)
+        results.append(result)
+        if on_result:
+            on_result(result)
+    return results
+
+
+def summarize(results: Sequence[GpuResult]) -> dict:
+    """Over the models tried (not skipped or unreached): how many compiled, how many matched, the geometric mean
+    of the speedups over the best baseline (matched models), the slowest and how many fell under 0.9x."""
+    tried = [r for r in results if r.status not in ("skipped", "not-reached")]
+    matched = [r for r in tried if r.status in ("matched", "no-baseline")]
+    speedups = [r.speedup for r in matched if r.speedup]
+    geomean = float(torch.tensor(speedups).log().mean().exp()) if speedups else None
+    slowest = min((r for r in matched if r.speedup), key=lambda r: r.speedup, default=None)
+    return {"tried": len(tried), "compiled": sum(r.opfuse_ms is not None for r in tried), "matched": len(matched),
+            "matched_percent": round(100.0 * len(matched) / len(tried), 1) if tried else 0.0,
+            "geomean_speedup": geomean, "below_0_9": sum(s < 0.9 for s in speedups),
+            "slowest": f"{slowest.name} {slowest.speedup:.2f}x" if slowest else None,
+            "not_reached": sum(r.status == "not-reached" for r in results)}
+
+
+def markdown(results: Sequence[GpuResult], batch: int) -> str:
+    s = summarize(results)
+    geomean = f"{s['geomean_speedup']:.2f}x" if s["geomean_speedup"] else "-"
+    lines = [f"Batch {batch}: {s['matched']} of {s['tried']} models ({s['matched_percent']}%) compiled and matched "
+             f"eager; geometric mean {geomean} over the best PyTorch path, {s['below_0_9']} under 0.9x (slowest: "
+             f"{s['slowest']}); {s['not_reached']} not reached.", "",
+             "| model | family | status | opfuse ms | best baseline | ms | speedup | rel. error (eager fp16) |",
+             "| --- | --- | --- | ---: | --- | ---: | ---: | --- |"]
+    for r in results:
+        if r.status == "not-reached":
+            continue
+        error = f"{r.rel_error:.1e} ({r.eager_error:.1e})" if r.rel_error is not None and r.eager_error is not None \
+            else r.error.replace("|", "/")[:120]
+        lines.append(f"| {r.name} | {r.family} | {r.status} | {_ms(r.opfuse_ms)} | {r.best or '-'} | "
+                     f"{_ms(r.best_ms)} | {f'{r.speedup:.2f}x' if r.speedup else '-'} | {error} |")
+    return "\n".join(lines) + "\n"
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:.3f}" if value is not None else "-"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m opfuse.bench.suite_gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="the models whose name matches this regular expression")
+    parser.add_argument("--family", help="the models of this family")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--budget", type=float, default=float("inf"), help="seconds; models past it are not run")
+    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--markdown", metavar="FILE")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the GPU suite needs a CUDA GPU (the CPU analysis is python -m opfuse.bench.suite)", file=sys.stderr)
+        return 2
+    models = interleave_families(select(SUITE, args.only, args.family))
+
+    def progress(r: GpuResult) -> None:
+        speed = f"{r.speedup:.2f}x over {r.best}" if r.speedup else r.error[:100]
+        print(f"{r.name:28} {r.status:10} {r.seconds:6.1f} s  {speed}", flush=True)
+
+    results = run_gpu_suite(models, args.batch, args.budget, on_result=progress)
+    print("\n" + markdown(results, args.batch).split("\n")[0])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summarize(results), "models": [asdict(r) for r in results]}, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(results, args.batch))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The GPU half of the coverage suite: how a result row becomes a verdict, the summary over models, the family
+order, and one tiny model run through the whole path on the CPU (interpreter; eager as the only baseline)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from opfuse.bench.suite import SuiteModel
+from opfuse.bench.suite_gpu import GpuResult, interleave_families, judge, markdown, run_gpu_suite, summarize
+
+
+def entry(name: str = "m", family: str = "cnn") -> SuiteModel:
+    return SuiteModel(name, family, "torch", lambda: (nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval(),
+                                                       (torch.randn(2, 8),)))
+
+
+def test_families_take_turns_each_in_suite_order():
+    models = [entry("a1", "a"), entry("a2", "a"), entry("a3", "a"), entry("b1", "b"), entry("c1", "c")]
+    assert [m.name for m in interleave_families(models)] == ["a1", "b1", "c1", "a2", "a3"]
+
+
+@pytest.mark.parametrize("row, status, speedup", [
+    ({"opfuse": {"median_ms": 1.0, "rel_error": 1e-3}, "eager": {"median_ms": 3.0, "rel_error": 1e-3},
+      "inductor": {"median_ms": 2.0, "rel_error": 1e-3}}, "matched", 2.0),
+    # over float16's 1e-2, but within the margin of eager float16's own error: still a match
+    ({"opfuse": {"median_ms": 2.0, "rel_error": 0.03}, "eager": {"median_ms": 1.0, "rel_error": 0.025}},
+     "matched", 0.5),
+    ({"opfuse": {"median_ms": 1.0, "rel_error": 0.2}, "eager": {"median_ms": 1.0, "rel_error": 1e-3}},
+     "mismatched", 1.0),
+    ({"opfuse": {"error": "GraphError: no"}, "eager": {"median_ms": 1.0, "rel_error": 1e-3}}, "failed", None),
+])
+def test_a_row_is_judged_against_the_fastest_baseline_and_the_float16_rule(row, status, speedup):
+    result = judge(entry(), row, "float16", 1.0)
+    assert result.status == status
+    assert result.speedup == speedup
+    if status == "failed":
+        assert result.error == "GraphError: no"
+
+
+def test_the_summary_counts_matches_and_takes_the_geometric_mean_of_matched_models():
+    results = [GpuResult("a", "cnn", "matched", speedup=2.0, opfuse_ms=1.0),
+               GpuResult("b", "vit", "matched", speedup=0.5, opfuse_ms=1.0),
+               GpuResult("c", "vit", "mismatched", speedup=9.0, opfuse_ms=1.0),
+               GpuResult("d", "moe", "failed"), GpuResult("e", "moe", "not-reached")]
+    s = summarize(results)
+    assert (s["tried"], s["compiled"], s["matched"], s["below_0_9"], s["not_reached"]) == (4, 3, 2, 1, 1)
+    assert math.isclose(s["geomean_speedup"], 1.0, rel_tol=1e-6) and s["slowest"] == "b 0.50x"
+    assert markdown(results, 1).startswith("Batch 1: 2 of 4 models (50.0%)")
+
+
+def test_a_tiny_model_goes_the_whole_way_and_the_budget_stops_the_rest():
+    results = run_gpu_suite([entry("tiny"), entry("late", "vit")], budget=0.0, device="cpu",
+                            contenders=("eager", "opfuse"), dtype="float32")
+    assert [r.status for r in results] == ["not-reached", "not-reached"]
+    (result,) = run_gpu_suite([entry("tiny")], device="cpu", contenders=("eager", "opfuse"), dtype="float32")
+    assert result.status == "matched", result
+    assert result.best == "eager" and result.speedup > 0 and result.rel_error < 1e-5
