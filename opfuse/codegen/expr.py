@@ -198,6 +198,28 @@ SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_TERNARY) | {
 DISCRETE_OPS = frozenset({"isinf", "lt", "le", "gt", "ge", "eq", "ne", "logical_not", "floor", "ceil", "sign"})
 
 
+# ops a kernel computes exactly on wide integers (int32, int64: token ids, positions), in int64; a bool operand is
+# 0 or 1, `where`'s condition a float32 0.0 / 1.0 as elsewhere
+_INTEGER: dict[str, Callable[[Sequence[str]], str]] = {
+    "add": lambda a: f"(({a[0]}) + ({a[1]}))",
+    "sub": lambda a: f"(({a[0]}) - ({a[1]}))",
+    "mul": lambda a: f"(({a[0]}) * ({a[1]}))",
+    "square": lambda a: f"(({a[0]}) * ({a[0]}))",
+    "neg": lambda a: f"(-({a[0]}))",
+    "abs": lambda a: f"tl.abs({a[0]})",
+    "maximum": lambda a: f"tl.maximum({a[0]}, {a[1]})",
+    "minimum": lambda a: f"tl.minimum({a[0]}, {a[1]})",
+    "identity": lambda a: a[0],
+    "where": lambda a: f"tl.where(({a[0]}) != 0.0, {a[1]}, {a[2]})",
+}
+INTEGER_OPS = frozenset(_INTEGER)
+
+
+def emit_integer(op: str, args: Sequence[str]) -> str:
+    """Triton expression for integer op `op` (`INTEGER_OPS`) on the int64 expressions `args`."""
+    return _INTEGER[op](args)
+
+
 def emit(op: str, attrs: dict, args: Sequence[str]) -> str:
     """Triton expression for `op` applied to the float32 expressions `args` (in the IR node's input order)."""
     if op in _UNARY and len(args) == 1:

@@ -2,12 +2,13 @@
 
 A generated kernel evaluates group values at *coordinates*: one Triton expression per logical dimension of the
 value (None where the coordinate is always 0, e.g. a size-1 dimension). `Region.value(name, coords)` emits the
-lines computing a value there: a group input is loaded through its runtime strides, an elementwise node goes
+lines computing a value there, in float32; `Region.integer` one of a wide integer dtype (int32, int64), exactly, in
+int64 (a float op reads it converted, as eager's type promotion does): a group input is loaded through its runtime strides, an elementwise node goes
 through `expr.emit` with its operands' coordinates broadcast (numpy rules), a view node (reshape, permute,
 expand, slice, identity) and a roll only map coordinates, a cat picks the input whose slice holds the coordinate
 (each input evaluated under its slice's mask), a pad loads its input under the mask of the input's extent (the pad
-value elsewhere), and an embedding loads its row index (exactly, as an integer) and
-then the table at that row. Broadcast constants, channels-last activations and channel-slice views
+value elsewhere), and an embedding, a take or a gather computes its index (exactly, as an
+integer) and then loads the source there. Broadcast constants, channels-last activations and channel-slice views
 therefore need no special case, and no view is ever copied. `build_kernel` wraps the lines into the kernel's source.
 
 The coordinate helpers are in `opfuse.codegen.coordinates`; the runtime half both kernel kinds share
@@ -21,7 +22,8 @@ from typing import Callable, Sequence
 
 from opfuse.codegen.base import load_kernel
 from opfuse.codegen.coordinates import Coords, broadcast_coords, unravel_expressions, upsample_source
-from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, literal, triton_dtype
+from opfuse.codegen.expr import (DISCRETE_OPS, INTEGER_OPS, SUPPORTED_OPS, Unsupported, emit, emit_integer, literal,
+                                 triton_dtype)
 from opfuse.codegen.template_kernel import KernelArgs, TensorParam
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import interpreting, next_power_of_2  # noqa: F401  (pointwise, reduction import them here)
@@ -29,6 +31,7 @@ from opfuse.ir.graph import WIDE_INTEGERS, Graph, Node
 from opfuse.ir.ops import along_channels
 
 VIEW_OPS = frozenset({"reshape", "identity", "permute", "expand", "slice"})
+GATHERS = frozenset({"take", "gather"})     # index maps whose index is a value the kernel computes
 
 
 # ---- code emission ----------------------------------------------------------------------------------
@@ -96,8 +99,10 @@ class Region:
         return name
 
     def bind(self, name: str, coords: Coords, variable: str) -> None:
-        """Declare that `variable` holds value `name` at `coords` (a reduction result, say)."""
-        self.cache[(name, tuple(coords), self.mask)] = variable
+        """Declare that `variable` holds value `name` at `coords` (a reduction result, say; an int64 one where
+        `name` is a wide integer, as `integer` gives)."""
+        exact = ("int",) if self.graph[name].type.dtype in WIDE_INTEGERS else ()
+        self.cache[(name, tuple(coords), self.mask) + exact] = variable
 
     # ---- values -----------------------------------------------------------------------------------
     def value(self, name: str, coords: Coords) -> str:
@@ -109,7 +114,9 @@ class Region:
         if name in self.emitter.scalars:
             return self.emitter.scalars[name]
         node = self.graph[name]
-        if name not in self.emitter.members:
+        if node.type.dtype in WIDE_INTEGERS:        # computed exactly; a float op reads it converted
+            result = self.assign(f"{self.integer(name, coords)}.to(tl.float32)")
+        elif name not in self.emitter.members:
             result = self._load(name, coords)
         elif node.op in VIEW_OPS:
             result = self.value(node.inputs[0], self.view_coords(node, coords))
@@ -119,20 +126,104 @@ class Region:
             result = self.value(node.inputs[0], self._roll_coords(node, coords))
         elif node.op == "embedding":
             result = self._embedding(node, coords)
+        elif node.op in GATHERS:
+            result = self._gather(node, coords)
         elif node.op == "pad":
             result = self._pad(node, coords)
         elif node.op == "upsample":
             result = self._upsample(node, coords)
         elif node.op in SUPPORTED_OPS:
-            args = [self.value(i, self.operand_coords(node, position, coords))
-                    for position, i in enumerate(node.inputs)]
-            if node.op in DISCRETE_OPS:    # decide on the value eager would hold: rounded to its dtype
-                args = [self._rounded(arg, i) for arg, i in zip(args, node.inputs)]
+            args = [self._operand(node, position, i, coords) for position, i in enumerate(node.inputs)]
             result = self.assign(emit(node.op, node.attrs, args))
         else:
             raise Unsupported(f"node {node.describe()} cannot be computed elementwise inside this kernel")
         self.cache[key] = result
         return result
+
+    def _operand(self, node: Node, position: int, name: str, coords: Coords) -> str:
+        """Input `position` (value `name`) of elementwise `node` at the coordinates of its output's `coords`. A
+        discrete op (a comparison) decides on the value eager would hold: a wide integer exactly, a float rounded
+        to its dtype."""
+        coords = self.operand_coords(node, position, coords)
+        if node.op not in DISCRETE_OPS:
+            return self.value(name, coords)
+        if self.graph[name].type.dtype in WIDE_INTEGERS:
+            return self.integer(name, coords)
+        return self._rounded(self.value(name, coords), name)
+
+    def integer(self, name: str, coords: Coords) -> str:
+        """An int64 Triton expression for value `name`, of a wide integer dtype (int32, int64: token ids,
+        positions, counts), at `coords`, computed exactly: loaded as the integer it is, mapped through views and
+        index maps, computed by `INTEGER_OPS` in int64 (each result wrapped to its dtype, as torch's int32
+        arithmetic wraps) or cast (a float truncated toward zero, as torch casts). Any other op has no exact form
+        here and is refused (`Unsupported`): the group runs through PyTorch."""
+        coords = tuple(coords)
+        key = (name, coords, self.mask, "int")
+        if key in self.cache:
+            return self.cache[key]
+        node = self.graph[name]
+        if name in self.emitter.scalars:
+            return str(int(self.graph.constants[name].reshape(-1)[0]))
+        if name not in self.emitter.members:
+            result = self.assign(f"{self.load_exact(name, coords)}.to(tl.int64)")
+        elif node.op in VIEW_OPS:
+            result = self.integer(node.inputs[0], self.view_coords(node, coords))
+        elif node.op == "roll":
+            result = self.integer(node.inputs[0], self._roll_coords(node, coords))
+        elif node.op == "cat":
+            result = self._cat(node, coords, exact=True)
+        elif node.op == "pad":
+            result = self._pad(node, coords, exact=True)
+        elif node.op in GATHERS:
+            result = self._gather(node, coords, exact=True)
+        elif node.op == "cast":
+            result = self.assign(self._wrapped(self.as_integer(node.inputs[0], coords), node))
+        elif node.op in INTEGER_OPS:
+            args = [self.value(i, self.operand_coords(node, 0, coords)) if node.op == "where" and position == 0
+                    else self.as_integer(i, self.operand_coords(node, position, coords))
+                    for position, i in enumerate(node.inputs)]
+            result = self.assign(self._wrapped(emit_integer(node.op, args), node))
+        else:
+            raise Unsupported(f"{node.describe()} holds {node.type.dtype} values, which a kernel computes exactly "
+                              f"only through integer arithmetic, and {node.op} has no integer form here")
+        self.cache[key] = result
+        return result
+
+    def as_integer(self, name: str, coords: Coords) -> str:
+        """Value `name` at `coords` as an int64 expression: a wide integer exactly, a bool or narrow integer from
+        its float32 value (exact), a float truncated toward zero (torch's cast)."""
+        if self.graph[name].type.dtype in WIDE_INTEGERS:
+            return self.integer(name, coords)
+        return f"({self.value(name, coords)}).to(tl.int64)"
+
+    def _wrapped(self, expression: str, node: Node) -> str:
+        """An int64 `expression` wrapped to `node`'s dtype where that is int32, as torch's arithmetic wraps."""
+        return f"({expression}).to(tl.int32).to(tl.int64)" if node.type.dtype == "int32" else expression
+
+    def _gather(self, node: Node, coords: Coords, exact: bool = False) -> str:
+        """A take (numpy.take along `axis`: the indices' dims replace it) or a gather (torch.gather: the index has
+        the output's shape and replaces the coordinate along `dim`) at `coords`: the index computed exactly, a
+        negative one counting from the end, then the source there. An index outside the source (eager raises)
+        reads nothing and gives NaN, or 0 for an integer source."""
+        source, indices = node.inputs[:2]
+        shape = self.graph[source].type.shape
+        if node.op == "take":
+            axis, rank = node.attrs["axis"] % len(shape), len(self.graph[indices].type.shape)
+            at, before, after = coords[axis:axis + rank], coords[:axis], coords[axis + rank:]
+        else:
+            axis = node.attrs["dim"] % len(shape)
+            at, before, after = coords, coords[:axis], coords[axis + 1:]
+        index = self.integer(indices, at)
+        position = self.assign(f"tl.where({index} < 0, {index} + {shape[axis]}, {index})", "i")
+        inside = self.assign(f"({position} >= 0) & ({position} < {shape[axis]})", "inside")
+        outer = self.mask
+        self.mask = f"{outer} & {inside}"
+        try:
+            value = (self.integer if exact else self.value)(source, before + (position,) + after)
+        finally:
+            self.mask = outer
+        missing = "0" if exact else "float('nan')"
+        return self.assign(f"tl.where({inside}, {value}, {missing})")
 
     def _roll_coords(self, node: Node, coords: Coords) -> Coords:
         """Coordinates in the input of a roll: out[i] = in[(i - shift) mod n] along each rolled dim; shifts along
@@ -148,7 +239,7 @@ class Region:
                 result[dim] = f"(({coords[dim]} + {offset}) % {node.type.shape[dim]})"
         return tuple(result)
 
-    def _pad(self, node: Node, coords: Coords) -> str:
+    def _pad(self, node: Node, coords: Coords, exact: bool = False) -> str:
         """A constant pad at `coords`: its input at `coords` less the padding before, loaded under the mask of the
         input's extent, the pad value outside it. F.pad's pads name the last dim's (before, after) first; a
         negative pad crops."""
@@ -162,16 +253,18 @@ class Region:
             position = coords[dim] or "0"
             inner[dim] = position if before == 0 else f"({position} - {before})"
             inside.append(self.assign(f"({inner[dim]} >= 0) & ({inner[dim]} < {shape[dim]})", "inside"))
+        fetch = self.integer if exact else self.value
         if not inside:
-            return self.value(node.inputs[0], coords)
+            return fetch(node.inputs[0], coords)
         within = self.assign(" & ".join(f"({c})" for c in inside), "inside")
         outer = self.mask
         self.mask = f"{outer} & {within}"
         try:
-            value = self.value(node.inputs[0], tuple(inner))
+            value = fetch(node.inputs[0], tuple(inner))
         finally:
             self.mask = outer
-        return self.assign(f"tl.where({within}, {value}, {literal(node.attrs['value'])})")
+        fill = str(int(node.attrs["value"])) if exact else literal(node.attrs["value"])
+        return self.assign(f"tl.where({within}, {value}, {fill})")
 
     def _upsample(self, node: Node, coords: Coords) -> str:
         """An upsample at `coords`: its input at the source coordinates of each spatial dim (`upsample_source`), one
@@ -196,7 +289,7 @@ class Region:
     def _embedding(self, node: Node, coords: Coords) -> str:
         """The table row the index at `coords` names; an index outside the table (eager raises) reads nothing and
         gives NaN, never another row's values or memory past the table."""
-        row = self._row_index(node, coords[:-1])
+        row = self.integer(node.inputs[1], coords[:-1])
         rows = self.graph[node.inputs[0]].type.shape[0]
         inside = self.assign(f"({row} >= 0) & ({row} < {rows})", "inside")
         outer = self.mask
@@ -207,20 +300,6 @@ class Region:
             self.mask = outer
         return self.assign(f"tl.where({inside}, {value}, float('nan'))")
 
-    def _row_index(self, node: Node, coords: Coords) -> str:
-        """The table row an embedding reads at `coords` of its indices: loaded as the integer it is (the indices
-        must be a group input; positions 2^24 and up would not survive the float32 path of computed values)."""
-        indices = node.inputs[1]
-        if indices in self.emitter.members:
-            raise Unsupported(f"{node.describe()} gathers by indices computed in the kernel")
-        key = (indices, tuple(coords), self.mask)
-        if key not in self.cache:
-            target = self.emitter.fresh("row")
-            self._addressed(self.emitter.args.input(indices), tuple(coords),
-                            lambda pointer: f"{target} = tl.load({pointer}, mask={self.mask}, other=0).to(tl.int64)")
-            self.cache[key] = target
-        return self.cache[key]
-
     def _rounded(self, value: str, name: str) -> str:
         """`value` (float32) rounded to the dtype of node `name` where that is narrower and the kernel computed it
         (a float16 sum past 65504 is inf in eager, finite in float32)."""
@@ -229,7 +308,7 @@ class Region:
             return value
         return f"({value}).to({triton_dtype(dtype)}).to(tl.float32)"
 
-    def _cat(self, node: Node, coords: Coords) -> str:
+    def _cat(self, node: Node, coords: Coords, exact: bool = False) -> str:
         """A cat at `coords`: each input computed (loaded) at its own coordinates under the mask of its slice of
         the cat dim, the one whose slice holds the coordinate picked."""
         dim = node.attrs["dim"] % len(node.type.shape)
@@ -247,7 +326,8 @@ class Region:
             inside = self.assign(f"({position} >= {start}) & ({position} < {end})", "inside")
             self.mask = f"{outer} & {inside}"
             try:
-                branches.append((end, self.value(name, coords[:dim] + (local,) + coords[dim + 1:])))
+                branches.append((end, (self.integer if exact else self.value)(
+                    name, coords[:dim] + (local,) + coords[dim + 1:])))
             finally:
                 self.mask = outer
             start = end
@@ -286,22 +366,20 @@ class Region:
                         lambda pointer: f"tl.store({pointer}, {value}, mask={self.mask})")
 
     def store(self, name: str, coords: Coords) -> None:
-        """Write value `name` at `coords` to its output tensor (tl.store casts to the output dtype)."""
-        exact(self.graph[name])
-        value = self.value(name, coords)
+        """Write value `name` at `coords` to its output tensor (tl.store casts to the output dtype); a wide integer
+        as `integer` computes it."""
+        wide = self.graph[name].type.dtype in WIDE_INTEGERS
+        value = self.integer(name, coords) if wide else self.value(name, coords)
         self._addressed(self.emitter.args.output(name), tuple(coords),
                         lambda pointer: f"tl.store({pointer}, {value}, mask={self.mask})")
 
     def store_at_index(self, name: str, coords: Coords) -> None:
         """Store index_copy `name`'s source at `coords` (the source's) into its state's tensor (the output's), the
-        coordinate along its dim replaced by the index's value there (`Graph.stored_shape`), loaded as the integer
-        it is (the index must be a group input, as an embedding's indices must)."""
+        coordinate along its dim replaced by the index's value there (`Graph.stored_shape`), computed exactly."""
         node = self.graph[name]
         dim, index = node.attrs["dim"], node.inputs[1]
-        if index in self.emitter.members:
-            raise Unsupported(f"{node.describe()} writes at positions computed in the kernel")
         value = self.value(node.inputs[2], coords)
-        position = self.load_exact(index, (coords[dim],))
+        position = self.integer(index, (coords[dim],))
         self.store_exact(name, tuple(position if d == dim else c for d, c in enumerate(coords)), value)
 
     def _addressed(self, param: TensorParam, coords: Coords, line: Callable[[str], str]) -> None:

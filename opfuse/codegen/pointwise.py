@@ -39,7 +39,7 @@ from opfuse.codegen.operands import (VIEW_OPS, Emitter, FlatIndex, Region, build
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.legality_views import MAPPED_COPIES
 from opfuse.fusion.plan import FusionGroup
-from opfuse.ir.graph import Graph
+from opfuse.ir.graph import WIDE_INTEGERS, Graph
 
 
 @dataclass
@@ -82,9 +82,10 @@ def cat_segments(graph: Graph, part: Part) -> list[Segment] | None:
     """The segments of a part to walk one cat input at a time, or None (walk it whole): where the part holds one
     cat, of at least two non-empty inputs, whose coordinates are the iteration's: the cat has the part's shape and
     so has every node of the part that reads it, directly or not, none of them a view or another index map (a
-    channel shuffle after the cat reads it elsewhere: walked whole, its cat computed under masks)."""
+    channel shuffle after the cat reads it elsewhere: walked whole, its cat computed under masks). A cat of wide
+    integers is walked whole too: `Region.integer` computes it exactly (a segment's loads are float32)."""
     cats = [n for n in part.nodes if graph[n].op == "cat"]
-    if len(cats) != 1:
+    if len(cats) != 1 or graph[cats[0]].type.dtype in WIDE_INTEGERS:
         return None
     after, grown = {cats[0]}, True
     while grown:

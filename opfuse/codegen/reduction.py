@@ -53,6 +53,9 @@ def lower_reduction_group(graph: Graph, group: FusionGroup, device, hw: Hardware
     GPU `hw` (default: the default profile)."""
     group_operands(graph, group)
     node = reduction_node(graph, group)
+    if node.type.dtype in WIDE_INTEGERS and node.op not in SCAN_OPS:
+        raise Unsupported(f"{node.describe()}: its {node.type.dtype} result would be reduced in float32, which "
+                          "rounds past 2^24 (only a scan carries an integer sum)")
     x_shape = graph[node.inputs[0]].type.shape
     view = row_view(graph, node) or extreme_view(graph, node)
     if view is not None:
@@ -141,7 +144,8 @@ def store_epilogue(region: Region, group: FusionGroup, node: Node, coords: Coord
                 own = inner
             else:
                 own = region.reshape_coords(inner, graph[source].type.shape, current.type.shape)
-            region.bind(name, own, region.value(source, inner))
+            region.bind(name, own, region.integer(source, inner) if graph[name].type.dtype in WIDE_INTEGERS
+                        else region.value(source, inner))
             at[name] = own
         else:       # elementwise: at the coordinates of the value of its shape it reads from the reduction
             same = [at[i] for i in current.inputs if i in at and graph[i].type.shape == current.type.shape]
@@ -349,38 +353,26 @@ class RowReductionKernel(TemplateKernel):
     def _cumsum(self) -> list[str]:
         """The inclusive scan along the row, one sweep: each chunk's `tl.cumsum` plus the carry of the chunks
         before it, the carry then the chunk's last lane (lanes past the row add 0). Float results carry float32;
-        integer ones (int64 for bool and integer inputs) carry int64 exactly, read their input exactly (a wide
-        integer straight from memory, `Region.load_exact`; a narrow or float one is exact in float32, a float
-        truncated as torch casts it) and are stored as they are, with no epilogue (`integer_scan_rule`)."""
-        out_dtype = self.node.type.dtype
-        integer = out_dtype not in FLOAT_DTYPES
+        integer ones (int64 for bool and integer inputs) carry int64 exactly and read their input exactly (a wide
+        integer as `Region.integer` computes it, a narrow or bool one exact in float32, a float truncated as torch
+        casts it); an epilogue reads the int64 sum as `Region.integer` does."""
+        integer = self.node.type.dtype not in FLOAT_DTYPES
         accumulator, zero = ("tl.int64", "0") if integer else ("tl.float32", "0.0")
         cast = self.node.attrs.get("dtype")
-        if integer and self._epilogue != [self.node.name]:
-            raise Unsupported(f"{self.node.describe()}: an integer scan takes no epilogue and is its own output "
-                              f"(outputs {', '.join(self._epilogue)})")
 
         def load(region: Region, coords: Coords) -> str:
-            graph, members = self._emitter.graph, self._emitter.members
-            name = self._x
-            while name in members and graph[name].op in VIEW_OPS:
-                coords, name = region.view_coords(graph[name], coords), graph[name].inputs[0]
-            if name not in members and name not in self._emitter.scalars and graph[name].type.dtype in WIDE_INTEGERS:
-                return region.assign(f"{region.load_exact(name, coords)}.to({accumulator})")
+            if integer:
+                return region.assign(region.as_integer(self._x, coords))
             value = region.value(self._x, coords)
-            if cast is not None and not integer:      # the input cast to dtype first, as torch.cumsum does
+            if cast is not None:      # the input cast to dtype first, as torch.cumsum does
                 value = region.assign(f"({value}).to({triton_dtype(cast)}).to(tl.float32)")
-            return region.assign(f"({value}).to({accumulator})") if integer else value
+            return value
 
         chunk, region, full, x = self._chunk("start + lanes", True, load)
         region.lines += [f"t = tl.where(mask, {x}, {zero})", "scanned = tl.cumsum(t, axis=1) + carry",
                          f"carry = tl.sum(tl.where(lanes == BLOCK_L - 1, scanned, {zero}), axis=1)[:, None]"]
-        if integer:
-            region.store_exact(self.node.name, full, "scanned")
-            chunk += region.lines
-        else:
-            chunk = self._finish(chunk, region, full, "scanned")
-        return [f"carry = tl.zeros([BLOCK_M, 1], dtype={accumulator})"] + self._loop(chunk)
+        return [f"carry = tl.zeros([BLOCK_M, 1], dtype={accumulator})"] + self._loop(
+            self._finish(chunk, region, full, "scanned"))
 
     def _sum(self, mode: str) -> list[str]:
         """mean, sum, or any (a running max of x != 0, as 1.0 / 0.0); a sum or mean also in slices (SPLIT > 1:

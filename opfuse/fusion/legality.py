@@ -20,9 +20,8 @@ and copies mapped on loads), `legality_conv` (conv-conv chains) and `legality_co
 - reduction + prologue/epilogue: elementwise ops of the reduction's input size before it (the residual add
   before a layer norm, the scale before a softmax; a prologue value read outside too is stored by the kernel),
   elementwise ops of its output size after it.
-  A scan (cumsum, a reduction that keeps every element) takes both the same way; one with an integer result
-  takes no epilogue and no int32/int64 prologue (`integer_scan_rule`: only its carry is exact, kernels compute in
-  float32).
+  A scan (cumsum, a reduction that keeps every element) takes both the same way (an integer one carries its sum in
+  int64, and wide integers before and after it are computed exactly: `opfuse.codegen.operands.Region.integer`).
 - elementwise chain: elementwise ops that all have the same number of elements (no broadcast growth, so the
   kernel iterates over one index space and recomputes nothing).
 
@@ -79,8 +78,8 @@ from opfuse.fusion.legality_views import (ELEMENT_KEEPING_VIEWS, EPILOGUE_VIEWS,
                                           epilogue_spaces, is_view, loaded_view, maps_on_load, mixed_orders,
                                           operand_chain, operand_views, view_chain)
 from opfuse.fusion.reasons import Code, Reason
-from opfuse.fusion.tiles import MAX_HEAD_DIM, SCAN_OPS, tiles_attention
-from opfuse.ir.graph import FLOAT_DTYPES, WIDE_INTEGERS, Graph, Node
+from opfuse.fusion.tiles import MAX_HEAD_DIM, tiles_attention
+from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import FusionKind, get_op, kind_of, view_copies
 
 WINDOW_POOLS = frozenset({"max_pool2d", "avg_pool2d", "max_pool3d", "avg_pool3d"})
@@ -100,7 +99,7 @@ def can_fuse(graph: Graph, producer_nodes: Iterable[str], consumer_nodes: Iterab
         reason = rule(graph, merged)
         if reason:
             return reason
-    reason = view_rule(graph, merged, users) or integer_scan_rule(graph, merged, users)
+    reason = view_rule(graph, merged, users)
     if reason:
         return reason
     return (several_users_rule(graph, producer, consumer, users, index)
@@ -135,32 +134,6 @@ def injective_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
             if hub is not None:
                 return Reason(Code.CAT_WITH_HUB, f"{name} ({node.op}) joins elementwise chains only, not the kernel "
                               f"of {hub} ({graph[hub].op})")
-    return None
-
-
-def integer_scan_rule(graph: Graph, nodes: set[str], users: Users) -> Reason | None:
-    """A scan with an integer result (cumsum of bool or integer values: int64) carries its running sum exactly, in
-    int64, and reads and writes its own input and output exactly; but every other value a generated kernel computes
-    is float32, which rounds integers past 2^24. So nothing may follow it in its kernel, and what it reads may be
-    computed there only where that is exact in float32: values of a narrow dtype (bool, int8, uint8, int16) or a
-    float one, never int32 or int64 (RoBERTa's int32 padding mask, cast from a compare, stays out)."""
-    for name in sorted(nodes):
-        node = graph[name]
-        if node.op not in SCAN_OPS or node.type.dtype in FLOAT_DTYPES:
-            continue
-        after = sorted(reachable(graph, name, nodes, users) - {name})
-        if after:
-            return Reason(Code.INTEGER_SCAN, f"{after[0]} ({graph[after[0]].op}) would follow {name} ({node.op}, "
-                          f"{node.type.dtype}) in its kernel: the scan's {node.type.dtype} result is exact in its own "
-                          "carry only, and a kernel computes everything else in float32, which rounds past 2^24")
-        source = node.inputs[0]
-        while source in nodes and is_view(graph[source]) and graph[source].inputs:
-            source = graph[source].inputs[0]
-        if source in nodes and graph[source].type.dtype in WIDE_INTEGERS:
-            return Reason(Code.INTEGER_SCAN, f"{name} ({node.op}) would scan {source} ({graph[source].op}, "
-                          f"{graph[source].type.dtype}) computed in its kernel, whose float32 arithmetic rounds "
-                          f"{graph[source].type.dtype} values past 2^24: the scan reads {graph[source].type.dtype} "
-                          "exactly only from memory")
     return None
 
 

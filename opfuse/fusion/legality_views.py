@@ -17,8 +17,8 @@ from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, 
 ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
 REPEATING_VIEWS = frozenset({"expand"})     # views a kernel without an anchor maps on a load of their input (a repeat)
 EPILOGUE_VIEWS = frozenset({"permute"})      # views an anchor's epilogue maps: values stay at the tile's coordinates
-MAPPED_COPIES = frozenset({"cat", "roll", "embedding", "pad", "upsample"})   # copying ops an elementwise kernel
-                                                                             # computes as index maps
+MAPPED_COPIES = frozenset({"cat", "roll", "embedding", "take", "gather", "pad", "upsample"})   # copying ops an
+                                                                    # elementwise kernel computes as index maps
 
 
 def is_view(node: Node) -> bool:

@@ -14,7 +14,7 @@ from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, conv_chain, conv_conv_key, conv_conv_slice_table, gemm_view
 from opfuse.fusion.tiles import (MIN_SPLIT_STEPS, anchor_grid, anchor_loop, anchor_tiles, row_tiles, row_view,
                                  split_k_slices, split_k_table, tile_key)
-from opfuse.ir.graph import DTYPE_BYTES, WIDE_INTEGERS
+from opfuse.ir.graph import DTYPE_BYTES
 from opfuse.ir.ops import FusionKind, kind_of
 
 
@@ -58,11 +58,9 @@ class GroupListing:
                for n, k in zip(nodes, kinds)):
             return GroupKind.OPAQUE     # (a state written in place is stored by the elementwise template)
         copies = [n for n in nodes if kind_of(self.graph[n]) is FusionKind.INJECTIVE and not is_view(self.graph[n])]
-        if any(self.graph[n].op not in MAPPED_COPIES for n in copies) or \
-                (len(nodes) == 1 and copies and self.graph[nodes[0]].type.dtype in WIDE_INTEGERS):
-            return GroupKind.INJECTIVE      # a gather, pad or other copy runs through PyTorch, and a lone copy of
-                                            # wide integers too; a cat or roll, even alone, is an index map of the
-                                            # elementwise template
+        if any(self.graph[n].op not in MAPPED_COPIES for n in copies):
+            return GroupKind.INJECTIVE      # a copy no kernel maps runs through PyTorch; a cat, pad or gather, even
+                                            # alone, is an index map of the elementwise template
         computing = [n for n in nodes if not is_view(self.graph[n])]
         stored = [n for n in nodes if n in self.graph.outputs or any(u.name not in nodes for u in self.users[n])]
         if len(nodes) == 1 or (len(computing) == 1 and stored == computing):

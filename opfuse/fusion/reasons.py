@@ -44,9 +44,6 @@ Fusions refused as illegal (`opfuse.fusion.legality.can_fuse`, and the planner's
   different-epilogues   sibling anchors whose epilogues differ (horizontal fusion)
   sibling-operand       a sibling's epilogue reads an activation: concatenated siblings take constants only
   dependent             groups fused side by side (horizontal) depend on one another
-  integer-scan          a scan with an integer result (cumsum of bools or integers) would take an epilogue, or
-                        an int32/int64 input computed in its kernel: only the scan's own carry, loads and stores are
-                        exact integers, everything else a kernel computes is float32
   library-anchor        an anchor no template tiles runs as a library call alone (an sdpa of head dims over the
                         attention template's: torch's attention), so it takes no epilogue
 
@@ -114,7 +111,6 @@ class Code(str, Enum):
     SIBLING_OPERAND = "sibling-operand"
     DEPENDENT = "dependent"
     LIBRARY_ANCHOR = "library-anchor"
-    INTEGER_SCAN = "integer-scan"
 
     OVER_BUDGET = "over-budget"
     SPLIT_BACK = "split-back"

@@ -143,7 +143,7 @@ def pool_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
 
 
 def embedding_bytes(ins: Types, out: TensorType, attrs: Attrs) -> int:
-    """Only the gathered rows of the table are read, plus the indices (embedding, take)."""
+    """Only the gathered rows of the table are read, plus the indices (embedding, take, gather)."""
     return out.nbytes + ins[1].nbytes
 
 
@@ -435,6 +435,9 @@ register(OpDef("upsample", I, _run_upsample, lambda ins, out, a: (2 ** len(a["si
 register(OpDef("take", I, _run_take, bytes_read=embedding_bytes,
                doc="inputs x, indices (negative from the end); attrs axis: ONNX's Gather, numpy.take",
                attrs={"axis": DIM}))
+register(OpDef("gather", I, lambda xs, a: torch.gather(xs[0], a["dim"], xs[1]), bytes_read=embedding_bytes,
+               doc="inputs x, index (of the output's shape): x at index's value along dim, at each position of "
+                   "index elsewhere (torch.gather); attrs dim", attrs={"dim": DIM}))
 register(OpDef("embedding", I, lambda xs, a: F.embedding(xs[1], xs[0]), bytes_read=embedding_bytes,
                doc="inputs weight[V, D], indices"))
 

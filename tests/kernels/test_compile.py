@@ -359,12 +359,12 @@ class LargeIds(nn.Module):
 
 
 def test_integer_arithmetic_past_two_to_the_24_runs_exactly():
-    """Kernels compute in float32, where 16777217 is 16777216: a group computing on int64 values runs through
-    PyTorch (and says so) rather than give another answer than eager."""
+    """In float32 16777217 is 16777216: a kernel computes int64 values in int64 (`Region.integer`), so the
+    comparison eager makes on them is the kernel's too, with nothing through PyTorch."""
     ids, x = torch.tensor([1, 2, 3, 1]), torch.randn(4)
     compiled = opfuse.compile(LargeIds(), (ids, x), opfuse.FusionConfig(dtype="float32"))
     assert torch.equal(compiled(ids, x), LargeIds()(ids, x))
-    assert any(why.code.value == "unsupported" and "int64" in why.text for why in compiled.fallbacks.values())
+    assert not compiled.fallbacks, compiled.fallbacks
 
 
 @pytest.mark.parametrize("norm", ["apart", "prologue", "epilogue"])

@@ -185,3 +185,62 @@ def test_a_copying_view_no_neighbour_reads_is_a_copy_kernel_of_ours():
     assert {why.code for why in compiled.fallbacks.values()} <= {Code.VIEW}   # free views: no kernel
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, y), model(x, y), rtol=1e-5, atol=1e-5)
+
+
+class PositionsAndGathers(nn.Module):
+    """RoBERTa's embeddings: position ids computed from the token ids (int32 mask, scan, casts), an integer buffer
+    gathered at them (values past 2^24), a float tensor gathered at them, and the position embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("kinds", 2 ** 40 + torch.arange(12).reshape(1, 12) * 3)
+        self.positions = nn.Embedding(12, 4)
+
+    def forward(self, ids, x):
+        mask = ids.ne(1).int()
+        positions = ((torch.cumsum(mask, dim=1).type_as(mask) + 1) * mask).long() + 1
+        kinds = torch.gather(self.kinds.expand(ids.shape[0], -1), 1, positions)
+        picked = torch.gather(x, 1, positions.unsqueeze(-1).expand(-1, -1, 4))
+        return self.positions(positions) * 2.0 + picked, kinds - 5
+
+
+def shift_tokens_right(ids: torch.Tensor, pad: int, start: int) -> torch.Tensor:
+    """transformers' BART: the decoder's tokens, shifted right by one, the start token first."""
+    shifted = ids.new_zeros(ids.shape)
+    shifted[:, 1:] = ids[:, :-1].clone()
+    shifted[:, 0] = start
+    shifted.masked_fill_(shifted == -100, pad)
+    return shifted
+
+
+class ShiftedTokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        shifted = shift_tokens_right(ids, 1, 2)
+        return self.tokens(shifted), shifted
+
+
+@pytest.mark.parametrize("build", ["positions", "shift"])
+def test_integer_index_chains_compile_exactly_with_nothing_through_pytorch(build):
+    import opfuse
+    from opfuse.fusion.reasons import Code
+
+    ids = torch.tensor([[0, 5, 7, 1, 1, 3, 1, 9], [1, 1, 4, 0, 2, 9, 8, 6]])
+    if build == "positions":
+        model, inputs = PositionsAndGathers().eval(), (ids, torch.randn(2, 12, 4))
+    else:       # (called below with BART's -100 for "ignore", replaced by the pad token)
+        model, inputs = ShiftedTokens().eval(), (ids,)
+    config = opfuse.FusionConfig(dtype="float32")
+    analysis = opfuse.analyze(model, inputs, config)
+    assert not analysis.opaque_ops and analysis.pytorch_groups == {}
+    compiled = opfuse.compile(model, inputs, config)
+    assert {why.code for why in compiled.fallbacks.values()} <= {Code.VIEW}
+    if build == "shift":
+        inputs = (torch.where(ids == 4, -100, ids),)
+    with torch.no_grad():
+        got, want = compiled(*inputs), model(*inputs)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert got[1].dtype == want[1].dtype and torch.equal(got[1], want[1])

@@ -15,6 +15,7 @@ from opfuse.codegen.reduction import RowReductionKernel, lower_reduction_group
 from opfuse.config import FusionConfig
 from opfuse.frontend.torch_export import capture_torch
 from opfuse.fusion.legality import can_fuse
+from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.fusion.reasons import Code
 from opfuse.fusion.tiles import row_view
 from opfuse.ir.graph import Graph, TensorType
@@ -172,22 +173,30 @@ def test_float_dtype_argument_rounds_the_input_first():
 
 # ---- legality ----------------------------------------------------------------------------------------------------
 
-def test_an_integer_scan_refuses_an_epilogue_and_a_wide_integer_prologue_with_a_reason():
+def test_an_integer_scan_takes_wide_integer_prologue_and_epilogue_exactly():
+    """ids - 7 (int64, past 2^24) scanned, then times 3 wrapped to int32 and compared: every step exact."""
     g = Graph("int")
-    ids = g.add_input("ids", TensorType((2, 9), "int64")).name
-    pad = g.add_constant("pad", torch.tensor(1)).name
-    mask = g.add_node("ne", [ids, pad], TensorType((2, 9), "bool")).name
-    wide = g.add_node("cast", [mask], TensorType((2, 9), "int32"), {"dtype": "int32"}).name
-    scan = g.add_node("cumsum", [wide], TensorType((2, 9), "int64"), {"dim": 1}).name
-    after = g.add_node("cast", [scan], TensorType((2, 9), "int32"), {"dtype": "int32"}).name
-    g.outputs = [after]
+    ids = g.add_input("ids", TensorType((2, 37), "int64")).name
+    seven = g.add_constant("seven", torch.tensor(7)).name
+    three = g.add_constant("three", torch.tensor(3, dtype=torch.int32)).name
+    shifted = g.add_node("sub", [ids, seven], TensorType((2, 37), "int64")).name
+    scan = g.add_node("cumsum", [shifted], TensorType((2, 37), "int64"), {"dim": 1}).name
+    narrow = g.add_node("cast", [scan], TensorType((2, 37), "int32"), {"dtype": "int32"}).name
+    wrapped = g.add_node("mul", [narrow, three], TensorType((2, 37), "int32")).name
+    odd = g.add_node("ne", [wrapped, scan], TensorType((2, 37), "bool")).name
+    g.outputs = [wrapped, odd]
     users = g.users()
-    before = can_fuse(g, [mask, wide], [scan], users)
-    assert before is not None and before.code is Code.INTEGER_SCAN and "int32" in before.text
-    following = can_fuse(g, [scan], [after], users)
-    assert following is not None and following.code is Code.INTEGER_SCAN and after in following.text
-    # a bool compare before the scan is exact in float32: it may join
-    assert can_fuse(g, [mask], [wide], users) is None
+    assert can_fuse(g, [shifted], [scan], users) is None and can_fuse(g, [shifted, scan], [narrow, wrapped, odd],
+                                                                    users) is None
+    group = FusionGroup(0, GroupKind.REDUCTION, [shifted, scan, narrow, wrapped, odd], inputs=[ids],
+                        outputs=[wrapped, odd])
+    kernel = lower_reduction_group(g, group, "cpu")
+    values = torch.randint(2 ** 40, 2 ** 41, (2, 37))
+    for config in (None, SMALL_CHUNKS):
+        got = kernel.run([values], config)
+        want = interpret(g, [values])
+        assert [t.dtype for t in got] == [torch.int32, torch.bool]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 # ---- models ------------------------------------------------------------------------------------------------------
@@ -220,9 +229,8 @@ def test_position_ids_of_a_float_mask_compile_into_one_kernel_with_nothing_throu
     torch.testing.assert_close(compiled(x), model(x))
 
 
-def test_position_ids_of_token_ids_run_the_scan_in_a_kernel():
-    """RoBERTa's own: int64 ids, an int32 mask; the integer scan is its own kernel (the planner says why it takes
-    neither the int32 mask nor the casts after it), and nothing of it is opaque."""
+def test_position_ids_of_token_ids_compile_into_one_kernel_with_nothing_through_pytorch():
+    """RoBERTa's own: int64 ids, an int32 mask, the scan and the casts after it: one kernel, exact."""
     ids = torch.tensor([[0, 5, 7, 1, 1, 3, 1], [1, 1, 4, 4, 2, 9, 8]])
 
     class TokenPositions(nn.Module):
@@ -233,10 +241,9 @@ def test_position_ids_of_token_ids_run_the_scan_in_a_kernel():
     model = TokenPositions().eval()
     config = FusionConfig(dtype="float32")
     analysis = opfuse.analyze(model, (ids,), config)
-    assert "cumsum" not in " ".join(analysis.opaque_ops)
+    assert not analysis.opaque_ops and analysis.pytorch_groups == {}
     (group,) = scan_groups(analysis)
-    assert group.name not in analysis.pytorch_groups
-    assert any(d.code is Code.INTEGER_SCAN for d in analysis.plan.decisions)
+    assert len([g for g in analysis.plan.groups if g.launches]) == 1, analysis.plan.groups
     compiled = opfuse.compile(model, (ids,), config)
     got = compiled(ids)
-    assert torch.equal(got, model(ids))
+    assert got.dtype == torch.int32 and torch.equal(got, model(ids))

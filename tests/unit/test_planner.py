@@ -494,15 +494,20 @@ def test_sibling_linears_whose_epilogues_permute_are_not_concatenated():
         assert plan.group_of(f"fc{i}").kind is not GroupKind.HORIZONTAL
 
 
-def test_a_lone_cat_of_token_ids_stays_pytorchs():
-    """Kernels compute in float32, which rounds int64 past 2^24: a lone copy of wide integers is PyTorch's cat
-    (a copy, said as one), not a kernel the template would then refuse."""
+def test_a_lone_cat_of_token_ids_is_an_exact_kernel_of_ours():
+    """A lone copy of wide integers is the elementwise template's index map, computed in int64: values past 2^24,
+    which float32 would round, come through exactly."""
+    from opfuse.codegen.lower import lower_group
+
     b = GraphBuilder("ids")
     ids = [b.input(f"ids{i}", (2, 5), dtype="int64") for i in range(2)]
     graph = b.output(b.op("cat", ids, {"dim": 1}, "joined"))
     group = plan_fusion(graph, FusionConfig(), H200).group_of("joined")
-    assert group.kind is GroupKind.INJECTIVE
-    assert choose_lowering(graph, group).code is Code.COPYING_OP
+    assert choose_lowering(graph, group) == POINTWISE_LOWERING
+    kernel = lower_group(graph, group, "cpu")
+    values = [torch.randint(2 ** 40, 2 ** 41, (2, 5)) for _ in ids]
+    (joined,) = kernel.run(values)
+    assert torch.equal(joined, torch.cat(values, 1))
 
 
 def test_every_group_says_why_it_is_what_it_is_with_a_code():
