@@ -1,7 +1,7 @@
 """Coordinates of the elementwise and reduction kernels (`opfuse.codegen.operands`), as Triton expressions: a
 value's coordinates broadcast to an operand (`broadcast_coords`), a flat index unravelled into row-major digits
-(`unravel_expressions`), an upsample's source indices (`upsample_source`), and the layouts a flat index addresses
-directly (`is_dense_in_order`, `is_channels_last`).
+(`unravel_expressions`), an upsample's source indices (`upsample_source`; bicubic's 4 taps a dim: `cubic_taps`), and
+the layouts a flat index addresses directly (`is_dense_in_order`, `is_channels_last`).
 """
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ def unravel_expressions(flat: str, sizes: Sequence[int]) -> list[str]:
 
 def upsample_scale(node: Node, dim: int, in_size: int) -> float:
     """The float32 step from output to source index of upsample `node` along its spatial dim `dim`, as PyTorch
-    computes it: (in - 1) / (out - 1) with align_corners (linear), 1 / the scale factor given, else in / out."""
+    computes it: (in - 1) / (out - 1) with align_corners (linear, cubic), 1 / the scale factor given, else in / out."""
     out_size = node.attrs["size"][dim]
     scales = node.attrs.get("scales") or [None] * len(node.attrs["size"])
-    if node.attrs["mode"] == "linear" and node.attrs.get("align_corners"):
+    if node.attrs["mode"] in ("linear", "cubic") and node.attrs.get("align_corners"):
         return float(np.float32(in_size - 1) / np.float32(out_size - 1)) if out_size > 1 else 0.0
     if scales[dim] is not None and scales[dim] > 0:
         return float(np.float32(1.0 / scales[dim]))
@@ -114,3 +114,58 @@ def upsample_source(node: Node, dim: int, in_size: int, coord: str | None, assig
     high = assign(f"tl.minimum({low} + 1, {in_size - 1})", "i")
     weight = assign(f"tl.minimum(tl.maximum({real} - {low}.to(tl.float32), 0.0), 1.0)", "w")
     return low, high, weight
+
+
+# Keys' cubic convolution with A = -0.75 as PyTorch's UpSample.h writes it (cubic_convolution1 for |x| <= 1,
+# cubic_convolution2 for 1 < |x| < 2), its constants folded: A + 2, A + 3, 5A, 8A and 4A are exact in float32, and
+# subtracting a negative constant is adding its magnitude, bit for bit. Not bit for bit with every PyTorch build:
+# its compiler may fuse some of these multiply-adds (torch 2.14's x86 CPU wheel fuses the far weight's `+ 8A`), as
+# Triton's may on a GPU; the weights then differ by an ulp of the terms (~2e-7), the outputs by ~1e-6 relative
+CUBIC_NEAR = "((1.25 * {x} - 2.25) * {x}) * {x} + 1.0"
+CUBIC_FAR = "((-0.75 * {x} + 3.75) * {x} - 6.0) * {x} + 3.0"
+
+
+def _cubic_weights_f32(t: np.float32) -> list[np.float32]:
+    """`CUBIC_NEAR` and `CUBIC_FAR` at distances t + 1, t, 1 - t, 2 - t, in numpy float32 (a size-1 output dim)."""
+    f32 = np.float32
+
+    def near(x):
+        return ((f32(1.25) * x - f32(2.25)) * x) * x + f32(1.0)
+
+    def far(x):
+        return ((f32(-0.75) * x + f32(3.75)) * x - f32(6.0)) * x + f32(3.0)
+    u = f32(1.0) - t
+    return [far(t + f32(1.0)), near(t), near(u), far(u + f32(1.0))]
+
+
+def cubic_taps(node: Node, dim: int, in_size: int, coord: str | None, assign: Callable[..., str]
+               ) -> list[tuple[str | None, str]]:
+    """The 4 (source index, weight) taps of the output coordinate `coord` (None: 0) of bicubic upsample `node` along
+    spatial dim `dim` of input size `in_size`, in PyTorch's float32 arithmetic (upsample_bicubic2d): the source
+    position scale * i (align_corners) or scale * (i + 0.5) - 0.5, not clamped at 0 (unlike linear); its floor f, at
+    most in - 1, and the fraction t = position - f (clamped to [0, 1], as PyTorch guards it); indices f - 1 .. f + 2
+    clamped to [0, in - 1], weighted by Keys' kernel at distances t + 1, t, 1 - t, 2 - t. Indices are None where
+    always 0 (a size-1 input, whose 4 taps PyTorch still weights and sums); all are numbers where the coordinate is
+    (a size-1 output)."""
+    scale = upsample_scale(node, dim, in_size)
+    align = node.attrs.get("align_corners")
+    last = in_size - 1
+    if coord is None:           # one output index, 0: its taps are numbers
+        f32 = np.float32
+        real = f32(0.0) if align else f32(0.5) * f32(scale) - f32(0.5)
+        low = min(int(np.floor(real)), last)
+        t = min(max(real - f32(low), f32(0.0)), f32(1.0))
+        indices = [min(max(low + k, 0), last) for k in (-1, 0, 1, 2)]
+        return [(str(i) if i else None, literal(w)) for i, w in zip(indices, _cubic_weights_f32(t))]
+    position = f"({coord}).to(tl.float32)"
+    real = assign(f"{position} * {literal(scale)}" if align else f"({position} + 0.5) * {literal(scale)} - 0.5", "r")
+    low = assign(f"tl.minimum(tl.floor({real}).to(tl.int32), {last})", "i")
+    t = assign(f"tl.minimum(tl.maximum({real} - {low}.to(tl.float32), 0.0), 1.0)", "t")
+    u = assign(f"1.0 - {t}", "t")
+    distances = [assign(f"{t} + 1.0", "t"), t, u, assign(f"{u} + 1.0", "t")]
+    weights = [assign((CUBIC_FAR if k in (0, 3) else CUBIC_NEAR).format(x=x), "w") for k, x in enumerate(distances)]
+    if in_size == 1:
+        return [(None, w) for w in weights]
+    indices = [assign(f"tl.minimum(tl.maximum({low}{offset}, 0), {last})", "i")
+               for offset in (" - 1", "", " + 1", " + 2")]
+    return list(zip(indices, weights))

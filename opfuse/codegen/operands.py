@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from opfuse.codegen.base import load_kernel
-from opfuse.codegen.coordinates import Coords, broadcast_coords, unravel_expressions, upsample_source
+from opfuse.codegen.coordinates import Coords, broadcast_coords, cubic_taps, unravel_expressions, upsample_source
 from opfuse.codegen.expr import (DISCRETE_OPS, INTEGER_OPS, SUPPORTED_OPS, Unsupported, emit, emit_integer, literal,
                                  triton_dtype)
 from opfuse.codegen.template_kernel import KernelArgs, TensorParam
@@ -268,10 +268,20 @@ class Region:
 
     def _upsample(self, node: Node, coords: Coords) -> str:
         """An upsample at `coords`: its input at the source coordinates of each spatial dim (`upsample_source`), one
-        load for nearest modes, the 2^dims neighbours weighted for linear (the outer dims' weights applied last, as
-        PyTorch nests them)."""
+        load for nearest modes, the 2^dims neighbours weighted for linear; cubic's 4 taps a dim (`cubic_taps`: 16
+        loads in 2-D) weighted and summed in tap order (x0 * w0 + x1 * w1 + x2 * w2 + x3 * w3, PyTorch's
+        cubic_interp1d). The outer dims' weights are applied last, as PyTorch nests them."""
         in_shape = self.graph[node.inputs[0]].type.shape
         spatial = range(2, len(in_shape))
+        if node.attrs["mode"] == "cubic":
+            taps = {d: cubic_taps(node, d - 2, in_shape[d], coords[d], self.assign) for d in spatial}
+
+            def convolve(taken: tuple, dims: list[int]) -> str:
+                if not dims:
+                    return self.value(node.inputs[0], coords[:2] + taken)
+                return self.assign(" + ".join(f"{convolve(taken + (index,), dims[1:])} * {weight}"
+                                              for index, weight in taps[dims[0]]))
+            return convolve((), list(spatial))
         sources = {d: upsample_source(node, d - 2, in_shape[d], coords[d], self.assign) for d in spatial}
         if node.attrs["mode"] != "linear":
             return self.value(node.inputs[0], coords[:2] + tuple(sources[d][0] for d in spatial))

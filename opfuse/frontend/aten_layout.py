@@ -180,13 +180,15 @@ def _pad(t: Translator, a: dict) -> str:
 
 UPSAMPLE_MODES = {f"upsample_nearest{d}d": "nearest" for d in (1, 2, 3)} \
     | {f"_upsample_nearest_exact{d}d": "nearest-exact" for d in (1, 2, 3)} \
-    | {"upsample_linear1d": "linear", "upsample_bilinear2d": "linear", "upsample_trilinear3d": "linear"}
+    | {"upsample_linear1d": "linear", "upsample_bilinear2d": "linear", "upsample_trilinear3d": "linear"} \
+    | {"upsample_bicubic2d": "cubic"}
 
 
 @maps(*UPSAMPLE_MODES)
 def _upsample(t: Translator, a: dict) -> str:
-    """Nearest, nearest-exact and (bi/tri)linear upsampling of the last 1 to 3 dims, to the output's size; the scale
-    factors it was given, which decide the source index (1 / factor instead of size in / size out), are kept."""
+    """Nearest, nearest-exact, (bi/tri)linear and bicubic upsampling of the last 1 to 3 dims (bicubic: 2), to the
+    output's size; the scale factors it was given, which decide the source index (1 / factor instead of size in /
+    size out), are kept."""
     mode = UPSAMPLE_MODES[t.op_name]
     size = list(t.out_type.shape[2:])
     if "scale_factors" in a:        # the .vec overloads
@@ -196,9 +198,17 @@ def _upsample(t: Translator, a: dict) -> str:
     scales = None if scales is None or all(v is None for v in scales) else [None if v is None else float(v)
                                                                             for v in scales]
     attrs = {"mode": mode, "size": size, "scales": scales}
-    if mode == "linear":
+    if mode in ("linear", "cubic"):
         attrs["align_corners"] = bool(a["align_corners"])
     return t.emit("upsample", [a.get("input", a.get("self"))], attrs)
+
+
+@maps("_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
+def _antialiased_upsample(t: Translator, a: dict) -> str:
+    """F.interpolate's antialias=True stays PyTorch's: downsampling widens its filter with the scale (taps beyond
+    the upsample op's fixed 2 or 4 a dim, normalised), and its bicubic kernel is PIL's (A = -0.5, not -0.75)."""
+    raise Unmapped("antialiased resampling: a filter that widens with the scale, which the upsample op's fixed "
+                   "taps do not cover")
 
 
 @maps("embedding")

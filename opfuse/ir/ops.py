@@ -249,7 +249,8 @@ UPSAMPLES = {("nearest", 1): torch.ops.aten.upsample_nearest1d, ("nearest", 2): 
              ("nearest-exact", 2): torch.ops.aten._upsample_nearest_exact2d,
              ("nearest-exact", 3): torch.ops.aten._upsample_nearest_exact3d,
              ("linear", 1): torch.ops.aten.upsample_linear1d, ("linear", 2): torch.ops.aten.upsample_bilinear2d,
-             ("linear", 3): torch.ops.aten.upsample_trilinear3d}
+             ("linear", 3): torch.ops.aten.upsample_trilinear3d, ("cubic", 2): torch.ops.aten.upsample_bicubic2d}
+UPSAMPLE_TAPS = {"nearest": 0, "nearest-exact": 0, "linear": 2, "cubic": 4}     # weighted taps a dim (nearest: none)
 
 
 def _run_upsample(xs, a):
@@ -258,9 +259,11 @@ def _run_upsample(xs, a):
     x, size = xs[0], list(a["size"])
     if x.dim() - len(size) != 2:
         raise GraphError(f"upsample of {len(size)} spatial dims takes a tensor of {len(size) + 2}, not {x.dim()}")
+    if (a["mode"], len(size)) not in UPSAMPLES:
+        raise GraphError(f"{a['mode']} upsample of {len(size)} spatial dims: PyTorch has it in 2 only")
     scales = list(a.get("scales") or [None] * len(size))
     upsample = UPSAMPLES[(a["mode"], len(size))]
-    if a["mode"] == "linear":
+    if a["mode"] in ("linear", "cubic"):
         return upsample(x, size, a.get("align_corners", False), *scales)
     return upsample(x, size, *scales)
 
@@ -424,13 +427,14 @@ register(OpDef("roll", I, lambda xs, a: torch.roll(xs[0], a["shifts"], a["dims"]
 register(OpDef("pad", I, lambda xs, a: F.pad(xs[0], a["pads"], value=a["value"]),
                doc="constant padding; attrs pads (F.pad's order: last dim's begin and end first), value",
                attrs={"pads": Ints(Int(), None), "value": Float(infinite=True, nan=True)}))
-register(OpDef("upsample", I, _run_upsample, lambda ins, out, a: (2 ** len(a["size"]) if a["mode"] == "linear" else 0)
+register(OpDef("upsample", I, _run_upsample, lambda ins, out, a: UPSAMPLE_TAPS[a["mode"]] ** len(a["size"])
                * 2 * out.numel,
                doc="x[N, C, *spatial] resampled to spatial size `size` (1 to 3 dims): mode nearest (source index "
-                   "floor(i * scale)), nearest-exact (floor((i + 0.5) * scale)) or linear (bilinear, trilinear: the "
-                   "2^dims neighbours weighted); scale is in / out, or 1 / the scale factor where `scales` gives "
-                   "one; attrs mode, size, scales (per dim, or None), align_corners (linear)",
-               attrs={"mode": Word(("nearest", "nearest-exact", "linear")), "size": Ints(Int(1, MAX_INT)),
+                   "floor(i * scale)), nearest-exact (floor((i + 0.5) * scale)), linear (bilinear, trilinear: the "
+                   "2^dims neighbours weighted) or cubic (bicubic, 2 dims: 4 taps a dim, Keys' kernel with A = "
+                   "-0.75); scale is in / out, or 1 / the scale factor where `scales` gives one; attrs mode, size, "
+                   "scales (per dim, or None), align_corners (linear, cubic)",
+               attrs={"mode": Word(("nearest", "nearest-exact", "linear", "cubic")), "size": Ints(Int(1, MAX_INT)),
                       "scales": Optional(Ints(Optional(Float()))), "align_corners": Bool()}))
 register(OpDef("take", I, _run_take, bytes_read=embedding_bytes,
                doc="inputs x, indices (negative from the end); attrs axis: ONNX's Gather, numpy.take",

@@ -1,7 +1,8 @@
 """Upsampling as an index map of the elementwise template, on Triton's interpreter: nearest (1-D to 3-D, size or
-scale factor, which decides the source index), nearest-exact, and linear interpolation (its 2^dims neighbours
-weighted, align_corners or not), odd sizes and size-1 dims; each against PyTorch's own upsample in float32, outputs
-NaN-poisoned. Then captured models (GhostNetV2's gate, HRNet's fuse layer) plan with nothing through PyTorch."""
+scale factor, which decides the source index), nearest-exact, linear interpolation (its 2^dims neighbours
+weighted, align_corners or not) and bicubic (4 taps a dim, 16 loads; element by element against F.interpolate),
+odd sizes and size-1 dims; each against PyTorch's own upsample in float32, outputs NaN-poisoned. Then captured
+models (GhostNetV2's gate, HRNet's fuse layer, CrossViT's resized image) plan with nothing through PyTorch."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import opfuse
 from opfuse.codegen.lower import groups_through_pytorch
 from opfuse.fusion.plan import GroupKind
 from tests.kernels.test_index_map_kernels import plan_of
@@ -23,8 +25,8 @@ def upsampled(shape: tuple, mode: str, size: list[int], scales: list | None = No
     """x of `shape` upsampled, then scaled (the elementwise chain it starts), run and checked; the result."""
     b = Builder()
     x = b.input("x", shape, b.random(*shape))
-    attrs = {"mode": mode, "size": size, "scales": scales} | ({"align_corners": align_corners} if mode == "linear"
-                                                              else {})
+    attrs = {"mode": mode, "size": size, "scales": scales} | ({"align_corners": align_corners}
+                                                              if mode in ("linear", "cubic") else {})
     y = b.op("upsample", x, **attrs)
     out = b.op("mul", y, b.const("two", torch.tensor(2.0))) if kind is GroupKind.POINTWISE else y
     _, (result,) = run_group(b, [out], kind)
@@ -79,6 +81,60 @@ def test_linear_1d_and_trilinear(shape, size, align_corners):
     upsampled(shape, "linear", size, None, align_corners)
 
 
+def bicubic(x: torch.Tensor, size: list[int] | None, scales: tuple | None, align_corners: bool,
+            kind: GroupKind = GroupKind.SINGLE) -> torch.Tensor:
+    """x (as laid out) upsampled bicubic by the kernel, checked element by element against F.interpolate (its
+    size, or its scale factors, which then decide the source positions) in float32; the result. POINTWISE: inside
+    one kernel, a sigmoid before (computed at each of the 16 taps) and a multiply by another input after."""
+    b = Builder()
+    name = b.input("x", tuple(x.shape), x)
+    size = size or [int(n * s) for n, s in zip(x.shape[2:], scales)]
+    if kind is GroupKind.POINTWISE:
+        name = b.op("sigmoid", name)
+    y = b.op("upsample", name, mode="cubic", size=size, scales=None if scales is None else list(scales),
+             align_corners=align_corners)
+    other = torch.randn(*x.shape[:2], *size)
+    if kind is GroupKind.POINTWISE:
+        y = b.op("mul", y, b.input("other", tuple(other.shape), other))
+    _, (result,) = run_group(b, [y], kind)
+    source = torch.sigmoid(x) if kind is GroupKind.POINTWISE else x
+    expected = F.interpolate(source.contiguous(), size=None if scales else size, scale_factor=scales, mode="bicubic",
+                             align_corners=align_corners)
+    if kind is GroupKind.POINTWISE:
+        expected = expected * other
+    torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
+    return result
+
+
+@pytest.mark.parametrize("shape, size, scales, align_corners", [
+    ((1, 3, 5, 7), [9, 11], None, False),       # odd sizes up: the first positions lie below 0, not clamped
+    ((1, 3, 5, 7), [9, 11], None, True),
+    ((2, 2, 9, 11), [4, 6], None, False),       # odd sizes down
+    ((2, 2, 9, 11), [4, 6], None, True),
+    ((1, 3, 15, 15), [14, 14], None, False),    # CrossViT: its 240-pixel image resized to 224 (15 : 14)
+    ((2, 2, 4, 5), None, (1.7, 2.3), False),    # the factors decide: i / 1.7, not i * 4 / 6
+    ((1, 2, 5, 6), None, (0.6, 1.5), True),     # align_corners: the sizes decide, the factors are ignored
+    ((1, 2, 1, 6), [3, 9], None, False),        # one input row: 4 taps of row 0, still weighted and summed
+    ((1, 2, 6, 1), [7, 3], None, True),
+    ((1, 2, 6, 5), [1, 7], None, False),        # one output row: its taps and weights are numbers
+    ((1, 2, 6, 5), [1, 7], None, True),
+    ((1, 2, 5, 4), [5, 7], None, False),        # H kept: weights 0, 1, 0, 0
+])
+def test_bicubic(shape, size, scales, align_corners):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    bicubic(x, size, scales, align_corners)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_bicubic_between_elementwise_ops_in_one_kernel(channels_last):
+    """sigmoid -> bicubic -> multiply as one kernel: the sigmoid computed at each of the 16 taps (the planner
+    would load it instead, but the template computes any member at any coordinates), read through either layout."""
+    x = torch.randn(1, 3, 5, 6, generator=torch.Generator().manual_seed(1))
+    x = x.to(memory_format=torch.channels_last) if channels_last else x
+    bicubic(x, [8, 9], None, False, GroupKind.POINTWISE)
+    bicubic(x, None, (1.5, 0.5), False, GroupKind.POINTWISE)
+
+
 def test_a_lone_upsample_is_a_kernel_of_ours():
     result = upsampled((1, 4, 3, 5), "nearest", [6, 10], [2.0, 2.0], kind=GroupKind.SINGLE)
     assert result.shape == (1, 4, 6, 10)
@@ -113,3 +169,33 @@ def test_captured_upsamples_join_the_kernels_that_read_them():
         readers = {u.op for u in graph.users()[node.name]}
         assert readers <= {graph[n].op for n in group.nodes}           # its reader computes it
         assert graph[node.inputs[0]].name not in group.nodes            # its input is loaded
+
+
+class ResizedBranch(nn.Module):
+    """CrossViT's second branch: its image resized bicubic (240 -> 224 there: 15 -> 14 here) before its patch
+    embedding; a small map upsampled bicubic (align_corners) and added to a feature map, then GELU; both
+    concatenated. (A parameter's upsample, a position table's, is folded into a constant before planning.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv2d(3, 4, 2, stride=2)
+
+    def forward(self, image, small, features):
+        tokens = self.embed(F.interpolate(image, size=(14, 14), mode="bicubic", align_corners=False))
+        table = F.interpolate(small, size=features.shape[-2:], mode="bicubic", align_corners=True)
+        return torch.cat([tokens, F.gelu(features + table)], dim=1)
+
+
+def test_captured_bicubic_upsamples_compile_to_kernels_of_ours():
+    """Both resizes are kernels of ours (the small map's joins the add and GELU that read it): nothing runs
+    through PyTorch, and the compiled model matches eager in float32."""
+    model = ResizedBranch().eval()
+    inputs = (torch.randn(1, 3, 15, 15), torch.randn(1, 4, 3, 3), torch.randn(1, 4, 7, 7))
+    plan = plan_of(model, *inputs)
+    assert groups_through_pytorch(plan) == {}
+    upsamples = {n.attrs["align_corners"]: n.name for n in plan.graph if n.op == "upsample"}
+    assert len(upsamples) == 2
+    assert "gelu" in {plan.graph[n].op for n in plan.group_of(upsamples[True]).nodes}
+    compiled = opfuse.compile(model, inputs, opfuse.FusionConfig(dtype="float32"))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)

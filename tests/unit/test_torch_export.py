@@ -100,6 +100,11 @@ CASES = [
                                       F.interpolate(x[0], scale_factor=3, mode="linear"),
                                       F.interpolate(x[None], size=(3, 9, 9), mode="trilinear"))),
      (X4,), {"upsample"}),
+    ("upsample_bicubic", Lambda(lambda m, x: (F.interpolate(x, size=(11, 5), mode="bicubic"),
+                                              F.interpolate(x, scale_factor=1.7, mode="bicubic", align_corners=True),
+                                              F.interpolate(x, scale_factor=(0.6, 2.3), mode="bicubic"),
+                                              F.interpolate(x[:, :, :1], size=(3, 7), mode="bicubic"))),
+     (X4,), {"upsample"}),
     ("repeat", Lambda(lambda m, x: (x.repeat(2, 1, 3, 1, 1), torch.tile(x, (2, 1)), x.repeat_interleave(3, dim=1),
                                      x.repeat_interleave(2), x[:, :1].repeat_interleave(4, dim=1))),
      (X4,), {"expand"}),
@@ -555,3 +560,15 @@ def test_a_region_without_autocast_is_inlined_and_one_that_casts_stays_a_call(ca
     opaque = [n.attrs["target"] for n in graph if n.op == "opaque"]
     assert ops["matmul"] + ops["linear"] >= 2
     assert opaque == (["wrap_with_autocast[0]"] if casting else [])
+
+
+def test_bicubic_maps_to_a_cubic_upsample_and_antialiasing_stays_opaque():
+    """upsample_bicubic2d is the upsample op's cubic mode, align_corners and the scale factors kept; antialiased
+    resampling (a filter widening with the scale, PIL's A = -0.5) stays PyTorch's, saying why."""
+    graph, ops = capture_and_check(Lambda(lambda m, x: (
+        F.interpolate(x, scale_factor=(0.6, 2.3), mode="bicubic", align_corners=True),
+        F.interpolate(x, size=(5, 3), mode="bicubic", antialias=True))), X4)
+    (upsample,) = [n for n in graph if n.op == "upsample"]
+    assert upsample.attrs == {"mode": "cubic", "size": [4, 18], "scales": [0.6, 2.3], "align_corners": True}
+    (opaque,) = [n for n in graph if n.op == "opaque"]
+    assert "_upsample_bicubic2d_aa" in opaque.attrs["reason"] and "antialiased" in opaque.attrs["reason"]
