@@ -183,8 +183,10 @@ CONVOLUTIONS = frozenset({torch.conv1d, torch.conv2d, torch.conv3d})
 def library_grouped(args: Sequence, kwargs: Mapping) -> bool:
     """Whether a convolution call (`torch.conv2d`'s arguments) is grouped but not depthwise: PyTorch's own kernels
     would run it group by group and, on a GPU, image by image."""
+    x = args[0] if args else kwargs["input"]
+    weight = args[1] if len(args) > 1 else kwargs["weight"]    # by keyword too (transformers' conv1d fallback)
     groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
-    return groups > 1 and groups != args[0].shape[-args[1].dim() + 1]
+    return groups > 1 and groups != x.shape[-weight.dim() + 1]
 
 
 class _ReferenceConvolutions(TorchFunctionMode):

@@ -47,6 +47,16 @@ def test_reference_convolutions_turn_cudnn_off_but_for_grouped_ones():
         torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark = saved
 
 
+def test_reference_convolutions_take_their_operands_by_keyword():
+    """transformers' causal conv1d fallback (Mamba) names its input and weight: the mode reads them so."""
+    x, weight = torch.randn(1, 6, 9), torch.randn(6, 1, 4)
+    with reference_convolutions():
+        got = torch.nn.functional.conv1d(input=x, weight=weight, bias=None, padding=3, groups=6)
+        grouped = torch.nn.functional.conv1d(input=x, weight=torch.randn(6, 3, 4), groups=2)
+    torch.testing.assert_close(got, torch.nn.functional.conv1d(x, weight, None, 1, 3, 1, 6))
+    assert grouped.shape == (1, 6, 6)
+
+
 def test_interpret_all_runs_convolutions_without_cudnn():
     """The float32 reference's depthwise convolutions see cuDNN off (its first call of such a shape costs seconds
     on a GPU); the values are the convolution's."""
