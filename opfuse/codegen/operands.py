@@ -37,11 +37,13 @@ GATHERS = frozenset({"take", "gather"})     # index maps whose index is a value 
 # ---- code emission ----------------------------------------------------------------------------------
 
 def exact(node: Node) -> None:
-    """Refuse a value the float32 arithmetic of a generated kernel would not hold exactly: 32- and 64-bit integers
-    (token ids, positions) round past 2^24. Such a group runs through PyTorch instead, and says why."""
-    if node.type.dtype in WIDE_INTEGERS:
+    """Refuse a value the float32 arithmetic of a generated kernel would not hold exactly where it is loaded as a
+    float: float64 values (a float64 model's, which its float32 arithmetic would round, copies and index maps too),
+    and 32- and 64-bit integers (token ids, positions) outside `Region.integer`, which round past 2^24. Such a group
+    runs through PyTorch instead, and says why."""
+    if node.type.dtype in WIDE_INTEGERS or node.type.dtype == "float64":
         raise Unsupported(f"{node.describe()} holds {node.type.dtype} values, which a kernel's float32 arithmetic "
-                          "rounds past 2^24")
+                          "rounds")
 
 
 class Emitter:
