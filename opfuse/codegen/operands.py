@@ -7,9 +7,10 @@ int64 (a float op reads it converted, as eager's type promotion does): a group i
 through `expr.emit` with its operands' coordinates broadcast (numpy rules), a view node (reshape, permute,
 expand, slice, identity) and a roll only map coordinates, a cat picks the input whose slice holds the coordinate
 (each input evaluated under its slice's mask), a pad loads its input under the mask of the input's extent (the pad
-value elsewhere), and an embedding, a take or a gather computes its index (exactly, as an
-integer) and then loads the source there. Broadcast constants, channels-last activations and channel-slice views
-therefore need no special case, and no view is ever copied. `build_kernel` wraps the lines into the kernel's source.
+value elsewhere), an embedding, a take or a gather computes its index (exactly, as an integer) and then loads the
+source there, and the sliding windows (unfold, im2col, col2im: `opfuse.codegen.windows`) map coordinates, masked
+where they pad. Broadcast constants, channels-last activations and channel-slice views therefore need no special
+case, and no view is ever copied. `build_kernel` wraps the lines into the kernel's source.
 
 The coordinate helpers are in `opfuse.codegen.coordinates`; the runtime half both kernel kinds share
 (`TemplateKernel`) and the kernel's tensor parameters (`KernelArgs`) in `opfuse.codegen.template_kernel`.
@@ -25,6 +26,7 @@ from opfuse.codegen.coordinates import Coords, broadcast_coords, cubic_taps, unr
 from opfuse.codegen.expr import (DISCRETE_OPS, INTEGER_OPS, SUPPORTED_OPS, Unsupported, emit, emit_integer, literal,
                                  triton_dtype)
 from opfuse.codegen.template_kernel import KernelArgs, TensorParam
+from opfuse.codegen.windows import col2im_value, im2col_value, unfold_coords
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import interpreting, next_power_of_2  # noqa: F401  (pointwise, reduction import them here)
 from opfuse.ir.graph import WIDE_INTEGERS, Graph, Node
@@ -134,6 +136,12 @@ class Region:
             result = self._pad(node, coords)
         elif node.op == "upsample":
             result = self._upsample(node, coords)
+        elif node.op == "unfold":
+            result = self.value(node.inputs[0], unfold_coords(node, self.graph[node.inputs[0]].type.shape, coords))
+        elif node.op == "im2col":
+            result = im2col_value(self, node, coords)
+        elif node.op == "col2im":
+            result = col2im_value(self, node, coords)
         elif node.op in SUPPORTED_OPS:
             args = [self._operand(node, position, i, coords) for position, i in enumerate(node.inputs)]
             result = self.assign(emit(node.op, node.attrs, args))
@@ -217,15 +225,8 @@ class Region:
             at, before, after = coords, coords[:axis], coords[axis + 1:]
         index = self.integer(indices, at)
         position = self.assign(f"tl.where({index} < 0, {index} + {shape[axis]}, {index})", "i")
-        inside = self.assign(f"({position} >= 0) & ({position} < {shape[axis]})", "inside")
-        outer = self.mask
-        self.mask = f"{outer} & {inside}"
-        try:
-            value = (self.integer if exact else self.value)(source, before + (position,) + after)
-        finally:
-            self.mask = outer
-        missing = "0" if exact else "float('nan')"
-        return self.assign(f"tl.where({inside}, {value}, {missing})")
+        return self.masked(source, before + (position,) + after, f"({position} >= 0) & ({position} < {shape[axis]})",
+                           "0" if exact else "float('nan')", exact)
 
     def _roll_coords(self, node: Node, coords: Coords) -> Coords:
         """Coordinates in the input of a roll: out[i] = in[(i - shift) mod n] along each rolled dim; shifts along
@@ -255,18 +256,23 @@ class Region:
             position = coords[dim] or "0"
             inner[dim] = position if before == 0 else f"({position} - {before})"
             inside.append(self.assign(f"({inner[dim]} >= 0) & ({inner[dim]} < {shape[dim]})", "inside"))
-        fetch = self.integer if exact else self.value
         if not inside:
-            return fetch(node.inputs[0], coords)
-        within = self.assign(" & ".join(f"({c})" for c in inside), "inside")
+            return (self.integer if exact else self.value)(node.inputs[0], coords)
+        fill = str(int(node.attrs["value"])) if exact else literal(node.attrs["value"])
+        return self.masked(node.inputs[0], tuple(inner), " & ".join(f"({c})" for c in inside), fill, exact)
+
+    def masked(self, name: str, coords: Coords, inside: str, other: str, exact: bool = False) -> str:
+        """Value `name` at `coords` (`integer`'s where `exact`) computed under the kernel's mask narrowed by the
+        Triton condition `inside` (where it is false nothing is loaded, so an address outside a tensor is never
+        read), `other` there."""
+        within = self.assign(inside, "inside")
         outer = self.mask
         self.mask = f"{outer} & {within}"
         try:
-            value = fetch(node.inputs[0], tuple(inner))
+            value = (self.integer if exact else self.value)(name, coords)
         finally:
             self.mask = outer
-        fill = str(int(node.attrs["value"])) if exact else literal(node.attrs["value"])
-        return self.assign(f"tl.where({within}, {value}, {fill})")
+        return self.assign(f"tl.where({within}, {value}, {other})")
 
     def _upsample(self, node: Node, coords: Coords) -> str:
         """An upsample at `coords`: its input at the source coordinates of each spatial dim (`upsample_source`), one
@@ -303,14 +309,7 @@ class Region:
         gives NaN, never another row's values or memory past the table."""
         row = self.integer(node.inputs[1], coords[:-1])
         rows = self.graph[node.inputs[0]].type.shape[0]
-        inside = self.assign(f"({row} >= 0) & ({row} < {rows})", "inside")
-        outer = self.mask
-        self.mask = f"{outer} & {inside}"
-        try:
-            value = self.value(node.inputs[0], (row, coords[-1]))
-        finally:
-            self.mask = outer
-        return self.assign(f"tl.where({inside}, {value}, float('nan'))")
+        return self.masked(node.inputs[0], (row, coords[-1]), f"({row} >= 0) & ({row} < {rows})", "float('nan')")
 
     def _rounded(self, value: str, name: str) -> str:
         """`value` (float32) rounded to the dtype of node `name` where that is narrower and the kernel computed it

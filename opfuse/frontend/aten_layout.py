@@ -1,5 +1,6 @@
 """ATen handlers of layout ops (`opfuse.frontend.aten_ops`): views, permutes, expands and repeats, cat and stack,
-slices and splits, roll, padding, upsampling, embedding lookups and index copies.
+slices and splits, roll, padding, upsampling, sliding windows (unfold, im2col, col2im), embedding lookups and index
+copies.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
-from opfuse.frontend.aten_common import Handler, MultiOutput, Unmapped, registrar, reshaped, wrap_dim
+from opfuse.frontend.aten_common import Handler, MultiOutput, Unmapped, pair, registrar, reshaped, wrap_dim
 
 if TYPE_CHECKING:
     from opfuse.frontend.torch_translate import Translator
@@ -209,6 +210,37 @@ def _antialiased_upsample(t: Translator, a: dict) -> str:
     the upsample op's fixed 2 or 4 a dim, normalised), and its bicubic kernel is PIL's (A = -0.5, not -0.75)."""
     raise Unmapped("antialiased resampling: a filter that widens with the scale, which the upsample op's fixed "
                    "taps do not cover")
+
+
+@maps("unfold", "unfold_copy")
+def _unfold(t: Translator, a: dict) -> str:
+    """Tensor.unfold(dim, size, step): sliding windows along one dim, copied (halonet's overlapping key/value
+    windows); computed as an index map of the load that reads them, never a view of the input."""
+    rank = t.rank(a["self"])
+    if rank == 0:
+        raise Unmapped("unfold of a 0-d tensor")
+    return t.emit("unfold", [a["self"]], {"dim": wrap_dim(a["dimension"], rank), "size": int(a["size"]),
+                                          "step": int(a["step"])})
+
+
+def _window_attrs(a: dict) -> dict:
+    return {key: list(pair(a[key])) for key in ("kernel_size", "dilation", "padding", "stride")}
+
+
+@maps("im2col")
+def _im2col(t: Translator, a: dict) -> str:
+    """F.unfold: sliding blocks of an image [N, C, H, W] (or one unbatched [C, H, W]) as columns (VOLO's outlook
+    attention)."""
+    return t.emit("im2col", [a["self"]], _window_attrs(a))
+
+
+@maps("col2im")
+def _col2im(t: Translator, a: dict) -> str:
+    """F.fold: columns summed back into an image [N, C, H, W] (or one unbatched [C, H, W]); a symbolic output
+    size is not mapped."""
+    if not all(isinstance(v, int) for v in a["output_size"]):
+        raise Unmapped("col2im to a symbolic output size")
+    return t.emit("col2im", [a["self"]], {"output_size": list(pair(a["output_size"]))} | _window_attrs(a))
 
 
 @maps("embedding")

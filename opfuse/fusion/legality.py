@@ -41,14 +41,18 @@ merge that would put a group outside the pair both after and before the fused ke
 `opfuse.fusion.reasons.Reason`: a stable code (listed there) and the words. Choices made here, and why:
 
 - injective ops that copy stay single kernels (a gather), but a roll (an index map: Swin's shifted windows), a
-  concatenation, a constant pad, an embedding (a row index loaded, then the row) and an upsample (nearest: one
-  source index per output element; linear: its 2^dims neighbours weighted) join an elementwise chain without a hub:
-  the elementwise template loads each of a cat's inputs under the mask of its slice (DenseNet's cat -> batch norm
-  -> relu, ShuffleNet's cat -> channel shuffle), a pad's input under the mask of its extent, an embedding's table at
-  the row it loads, an upsample's input at its source indices. Each element is still computed once: inside the
-  group a node has as many elements as each value it reads, a cat's inputs being its slices and a pad's input its
-  inner part (so an upsample reads its input from outside the group: HRNet's upsample -> residual add -> ReLU), and
-  what the group writes has the size of its largest value.
+  concatenation, a constant pad, an embedding (a row index loaded, then the row), an upsample (nearest: one
+  source index per output element; linear: its 2^dims neighbours weighted) and sliding windows (unfold, im2col,
+  col2im: `opfuse.codegen.windows`) join an elementwise chain without a hub: the elementwise template loads each of
+  a cat's inputs under the mask of its slice (DenseNet's cat -> batch norm -> relu, ShuffleNet's cat -> channel
+  shuffle), a pad's input under the mask of its extent, an embedding's table at the row it loads, an upsample's
+  input at its source indices, a window's element at its position in the input (col2im: the sum of the column
+  entries landing there). Each element is still computed once (`element_flow_rule`): inside the group a node has as
+  many elements as each value it reads, but where it reads each input element at most once (a cat's inputs are its
+  slices, a pad's input its inner part, col2im's columns, windows that do not overlap) or reads a value that is only
+  loaded through index maps (halonet's pad read by two unfolds of overlapping windows); so an upsample or
+  overlapping windows read a computed input from outside the group (HRNet's upsample -> residual add -> ReLU), and
+  what the group writes has one size.
 - an expand (a repeat: expand, then a merge PyTorch copies) joins the kernel that reads it, loading its input (a
   node recomputed per repeat would be broadcast growth, refused below): repeat, tile and repeat_interleave are index
   maps of their reader's load.
@@ -76,7 +80,7 @@ from opfuse.fusion.legality_common import (Users, in_order, node_index, path_out
 from opfuse.fusion.legality_conv import two_anchor_rule
 from opfuse.fusion.legality_views import (ELEMENT_KEEPING_VIEWS, EPILOGUE_VIEWS, MAPPED_COPIES, REPEATING_VIEWS,
                                           epilogue_spaces, is_view, loaded_view, maps_on_load, mixed_orders,
-                                          operand_chain, operand_views, view_chain)
+                                          operand_chain, operand_views, reads_each_once, view_chain)
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.tiles import MAX_HEAD_DIM, tiles_attention
 from opfuse.ir.graph import Graph, Node
@@ -123,7 +127,8 @@ def opaque_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
 
 
 def injective_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
-    """Copying injective ops stay single kernels, but a cat in a chain without a hub (see the module docstring)."""
+    """Copying injective ops stay single kernels, but the index maps of MAPPED_COPIES (a cat, a pad, sliding
+    windows, ...) in a chain without a hub (see the module docstring)."""
     nodes = sorted(nodes)
     hub = next((n for n in nodes if kind_of(graph[n]) in (FusionKind.ANCHOR, FusionKind.REDUCTION)), None)
     for name in nodes:
@@ -299,25 +304,29 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
 
 
 def element_flow_rule(graph: Graph, order: Sequence[str], merged: set[str], users: Users) -> Reason | None:
-    """A chain computes each element once: a node has as many elements as each value it reads inside the group
-    (a cat's inputs are its slices; a one-element value, recomputed for every element it meets, costs no more than
-    loading it: T5's -bound of its overflow clamp), and every value the group writes has the size of its largest.
-    A state written in place counts the elements it stores (`Graph.stored_shape`: its source's)."""
+    """A chain computes each element once: a node has as many elements as each value it reads inside the group,
+    but a copying map that reads each input element at most once (`reads_each_once`: a cat's inputs are its slices,
+    a pad's input its inner part, a col2im's columns land on one position each), a value only loaded through index
+    maps (`loaded_view`: a pad read by the unfolds of overlapping windows costs loads, not arithmetic), and a
+    one-element value (recomputed for every element it meets, it costs no more than loading it: T5's -bound of its
+    overflow clamp); and every value the group writes has one size, the kernel's iteration space (a value before a
+    crop or a col2im may be larger: the elements no output reads are never computed). A state written in place
+    counts the elements it stores (`Graph.stored_shape`: its source's)."""
     def numel(name: str) -> int:
         return math.prod(graph.stored_shape(name))
 
     for name in order:
         node = graph[name]
-        if node.op in ("cat", "pad"):      # each input element read once (a roll keeps its element count)
+        if reads_each_once(node):       # (a roll keeps its element count)
             continue
         for value in node.inputs:
             if value in merged and numel(value) not in (numel(name), 1) and not loaded_view(graph, value, merged):
                 return Reason(Code.BROADCAST_GROWTH, f"broadcast growth: {name} has {numel(name)} elements, "
                               f"{value} {numel(value)} ({graph[value].type})")
-    largest = max(numel(n) for n in order)
-    for name in order:
-        written = name in graph.outputs or any(u.name not in merged for u in users[name])
-        if written and numel(name) != largest:
+    written = [n for n in order if n in graph.outputs or any(u.name not in merged for u in users[n])]
+    largest = max((numel(n) for n in written), default=0)
+    for name in written:
+        if numel(name) != largest:
             return Reason(Code.OUTPUT_SIZE, f"{name} is written with {numel(name)} elements, the kernel "
                           f"iterates over {largest}")
     return None

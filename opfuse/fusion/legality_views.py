@@ -1,7 +1,7 @@
 """Views and copying index maps in fusion legality (the rules in `opfuse.fusion.legality`'s docstring): which views
-and copies a kernel maps on its loads instead of copying (`maps_on_load`), the chain of views a linear reads its
-operand through (`operand_chain`), and the orders in which an epilogue reads its hub's values (`epilogue_spaces`,
-`mixed_orders`).
+and copies a kernel maps on its loads instead of copying (`maps_on_load`), which of them read each input element once
+(`reads_each_once`) or compute nothing (`loaded_view`), the chain of views a linear reads its operand through
+(`operand_chain`), and the orders in which an epilogue reads its hub's values (`epilogue_spaces`, `mixed_orders`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from opfuse.ir.strided import MAPPED_VIEWS, contiguous_strides, operand_groups, 
 ELEMENT_KEEPING_VIEWS = frozenset({"reshape", "permute", "identity"})
 REPEATING_VIEWS = frozenset({"expand"})     # views a kernel without an anchor maps on a load of their input (a repeat)
 EPILOGUE_VIEWS = frozenset({"permute"})      # views an anchor's epilogue maps: values stay at the tile's coordinates
-MAPPED_COPIES = frozenset({"cat", "roll", "embedding", "take", "gather", "pad", "upsample"})   # copying ops an
-                                                                    # elementwise kernel computes as index maps
+# copying ops an elementwise kernel computes as index maps
+MAPPED_COPIES = frozenset({"cat", "roll", "embedding", "take", "gather", "pad", "upsample", "unfold", "im2col",
+                           "col2im"})
 
 
 def is_view(node: Node) -> bool:
@@ -40,12 +41,45 @@ def joins_as_map(node: Node) -> bool:
     return node.op in ELEMENT_KEEPING_VIEWS or node.op in MAPPED_COPIES
 
 
+def reads_each_once(node: Node) -> bool:
+    """A copying index map that reads each element of its inputs at most once, so what computes them before it in
+    its kernel computes each once: a cat, a pad, a col2im (each column entry lands on one image position, or none),
+    and an unfold or im2col whose windows do not overlap (step >= size; each dim's dilated kernel span at most its
+    stride)."""
+    if node.op in ("cat", "pad", "col2im"):
+        return True
+    if node.op == "unfold":
+        return node.attrs["step"] >= node.attrs["size"]
+    if node.op == "im2col":
+        return all(dilation * (kernel - 1) < stride for kernel, dilation, stride
+                   in zip(node.attrs["kernel_size"], node.attrs["dilation"], node.attrs["stride"]))
+    return False
+
+
+def loads_only(node: Node) -> bool:
+    """A view, or a copying index map each of whose elements is one load of an input element (or a constant): no
+    arithmetic (an upsample's linear blend and a col2im's sum compute), no index computed from data (an
+    embedding's)."""
+    if is_view(node):
+        return True
+    if node.op == "upsample":
+        return node.attrs["mode"] != "linear"
+    return node.op in ("cat", "roll", "pad", "unfold", "im2col")
+
+
 def loaded_view(graph: Graph, name: str, within: set[str]) -> bool:
-    """Whether `name` is a view of `within` reached through views of `within` alone from a value outside it: no
-    element of it is computed in the kernel, only loaded (the views before a repeat's expand, however small)."""
-    while name in within and is_view(graph[name]) and graph[name].inputs:
-        name = graph[name].inputs[0]
-    return name not in within
+    """Whether no element of `name` is computed in a kernel of `within`, only loaded: it is outside `within`, or
+    reached from values outside through views and copying maps of `within` that only load (`loads_only`: the views
+    before a repeat's expand, however small; a pad before the unfolds of overlapping windows, read several times)."""
+    pending = [name]
+    while pending:
+        name = pending.pop()
+        if name not in within:
+            continue
+        if not loads_only(graph[name]) or not graph[name].inputs:
+            return False
+        pending += graph[name].inputs
+    return True
 
 
 def maps_on_load(node: Node) -> bool:

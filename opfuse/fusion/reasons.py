@@ -31,7 +31,7 @@ Fusions refused as illegal (`opfuse.fusion.legality.can_fuse`, and the planner's
   not-elementwise       an op beside the group's anchor or reduction is not elementwise
   side-branch           an op would reach the hub's epilogue from a branch neither before nor after the hub
   broadcast-growth      an op of the kernel has more elements than the value it reads (it would recompute)
-  output-size           a value the kernel writes has fewer elements than the kernel iterates over
+  output-size           the values the kernel writes differ in size (it iterates over the largest)
   two-anchors           anchors that form no conv-conv chain: not all convolutions, more than three, or one does
                         not feed the next
   conv-shape            convolutions that chain but are not [1x1 ->] depthwise -> 1x1 (stride 1, no padding)

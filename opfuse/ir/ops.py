@@ -268,6 +268,20 @@ def _run_upsample(xs, a):
     return upsample(x, size, *scales)
 
 
+def sliding_windows(size: int, kernel: int, dilation: int, padding: int, stride: int) -> int:
+    """How many windows of `kernel` taps `dilation` apart, `stride` apart, fit along a dim of `size` padded by
+    `padding` on both sides (im2col's and col2im's block count along that dim)."""
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def _run_im2col(xs, a):
+    return torch.ops.aten.im2col(xs[0], a["kernel_size"], a["dilation"], a["padding"], a["stride"])
+
+
+def _run_col2im(xs, a):
+    return torch.ops.aten.col2im(xs[0], a["output_size"], a["kernel_size"], a["dilation"], a["padding"], a["stride"])
+
+
 def _run_opaque(xs, a):
     fn = a.get("fn")
     if fn is None:
@@ -282,6 +296,8 @@ REDUCE_ATTRS = {"dims": DIMS, "keepdim": Bool()}
 POOL_ATTRS = {"kernel_size": SPATIAL, "stride": Optional(SPATIAL), "padding": SPATIAL, "ceil_mode": Bool()}
 MAX_POOL_ATTRS = POOL_ATTRS | {"dilation": SPATIAL}
 AVG_POOL_ATTRS = POOL_ATTRS | {"count_include_pad": Bool()}
+PAIR = Ints(Int(1, 1 << 20), 2)
+WINDOW_ATTRS = {"kernel_size": PAIR, "dilation": PAIR, "padding": Ints(Int(0, 1 << 20), 2), "stride": PAIR}
 
 S, P, B, I, R, A, O = (FusionKind.SOURCE, FusionKind.POINTWISE, FusionKind.BROADCAST, FusionKind.INJECTIVE,
                        FusionKind.REDUCTION, FusionKind.ANCHOR, FusionKind.OPAQUE)
@@ -436,6 +452,20 @@ register(OpDef("upsample", I, _run_upsample, lambda ins, out, a: UPSAMPLE_TAPS[a
                    "scales (per dim, or None), align_corners (linear, cubic)",
                attrs={"mode": Word(("nearest", "nearest-exact", "linear", "cubic")), "size": Ints(Int(1, MAX_INT)),
                       "scales": Optional(Ints(Optional(Float()))), "align_corners": Bool()}))
+register(OpDef("unfold", I, lambda xs, a: xs[0].unfold(a["dim"], a["size"], a["step"]).contiguous(),
+               doc="sliding windows (Tensor.unfold, a copy): dim's L positions become (L - size) // step + 1 windows "
+                   "and a new last dim of size; out[..., i, ..., j] = x[..., i * step + j, ...]; attrs dim, size, step",
+               attrs={"dim": DIM, "size": Int(1, MAX_INT), "step": Int(1, MAX_INT)}))
+register(OpDef("im2col", I, _run_im2col,
+               doc="F.unfold, sliding blocks as columns: x[N?, C, H, W] -> [N?, C * kh * kw, oh * ow], "
+                   "out[n, (c * kh + i) * kw + j, p * ow + q] = x[n, c, p * sh - ph + i * dh, q * sw - pw + j * dw], "
+                   "0 outside x (oh, ow: `sliding_windows`); attrs kernel_size, dilation, padding, stride (pairs)",
+               attrs=WINDOW_ATTRS))
+register(OpDef("col2im", I, _run_col2im, per_input_element(1),
+               doc="F.fold, im2col's adjoint: x[N?, C * kh * kw, oh * ow] -> [N?, C, *output_size], each column "
+                   "entry added at the image position im2col reads it from (padding dropped); attrs output_size, "
+                   "kernel_size, dilation, padding, stride (pairs)",
+               attrs={"output_size": Ints(Int(1, MAX_INT), 2)} | WINDOW_ATTRS))
 register(OpDef("take", I, _run_take, bytes_read=embedding_bytes,
                doc="inputs x, indices (negative from the end); attrs axis: ONNX's Gather, numpy.take",
                attrs={"axis": DIM}))

@@ -393,6 +393,15 @@ def padded_dims(node: Node, shapes: Shapes) -> set[int]:
     return {rank - 1 - i for i in range(len(pads) // 2) if pads[2 * i] or pads[2 * i + 1]}
 
 
+def image_window_maps(node: Node, shapes: Shapes) -> list[DimMap]:
+    """im2col and col2im: each image of a batch alone (dim 0); its channels and positions are rearranged into
+    (out of) columns of sliding windows. One dim fewer is one unbatched image, whose dim 0 is not a batch."""
+    rank, batched = len(shapes[0]), len(shapes[0]) == (4 if node.op == "im2col" else 3)
+    why = "rearranges {where} into sliding windows of an image" if node.op == "im2col" else \
+        "sums {where} back from sliding windows of an image"
+    return [([0] if batched else [why]) + [why] * (rank - 1)]
+
+
 def take_maps(node: Node, shapes: Shapes) -> list[DimMap]:
     """numpy.take(x, indices, axis): x's axis is replaced by the indices' dims."""
     rank, index_rank = len(shapes[0]), len(shapes[1])
@@ -437,4 +446,8 @@ RULES: dict[str, Rule] = {
     "pad": except_dims(padded_dims, "pads {where}: rows are added by position"),
     "upsample": except_dims(lambda node, shapes: set(range(2, len(shapes[0]))),
                             "resamples {where}: rows are read by their positions"),
+    "unfold": except_dims(lambda node, shapes: {node.attrs["dim"] % len(shapes[0])},
+                          "slides windows along {where}: a window reads several rows"),
+    "im2col": image_window_maps,
+    "col2im": image_window_maps,
 }

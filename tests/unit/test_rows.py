@@ -110,6 +110,17 @@ def batch_times_matrix() -> Graph:
     return b.output(b.unary("softmax", gram, "softmax", dim=-1))
 
 
+def sliding_windows() -> Graph:
+    """VOLO's and halonet's windows, per image: im2col, col2im back, and overlapping unfolds along H and W."""
+    b = builder("windows")
+    window = {"kernel_size": [3, 2], "dilation": [1, 1], "padding": [1, 0], "stride": [1, 1]}
+    columns = b.op("im2col", [b.input("x", (B, 2, 5, 4))], window, "im2col")
+    image = b.op("col2im", [columns], {"output_size": [5, 4]} | window, "col2im")
+    rows = b.op("unfold", [b.op("unfold", [image], {"dim": 2, "size": 3, "step": 2}, "rows")],
+                {"dim": 3, "size": 2, "step": 1}, "columns")
+    return b.output(b.unary("softmax", rows, "softmax", dim=-1))
+
+
 INDEPENDENT = {
     "conv_bn_relu": lambda: conv_bn_relu(B, 3, 4, 5),
     "resnet_bottleneck": lambda: resnet_bottleneck(B, 8, 2, 5, fold_bn=False),
@@ -123,6 +134,7 @@ INDEPENDENT = {
     "class_token": class_token,
     "token_ids": token_ids,
     "matmuls": batch_times_matrix,
+    "sliding_windows": sliding_windows,
 }
 
 
@@ -191,6 +203,18 @@ def gathered() -> Graph:
     return b.output(b.op("take", [x, indices], {"axis": 0}, "take"))
 
 
+def windows_along_batch() -> Graph:
+    b = builder("batch_windows")
+    return b.output(b.op("unfold", [b.input("x", (B, 4))], {"dim": 0, "size": 2, "step": 1}, "unfold"))
+
+
+def unbatched_image_windows() -> Graph:
+    """F.unfold of one unbatched image [C, H, W]: its dim 0 holds channels, which the columns merge."""
+    b = builder("unbatched_windows")
+    window = {"kernel_size": [2, 2], "dilation": [1, 1], "padding": [0, 0], "stride": [1, 1]}
+    return b.output(b.op("im2col", [b.input("x", (B, 3, 3))], window, "im2col"))
+
+
 def batch_in_the_keys() -> Graph:
     """[B, H] rows read as one sequence: every row attends to every other."""
     b = builder("batch_keys")
@@ -255,6 +279,8 @@ DEPENDENT = {
     "pad_along_batch": (shifted_up_by_pad, "pad", "pads the batch", True),
     "roll_along_batch": (rolled, "roll", "rolls the batch", True),
     "gather_along_batch": (gathered, "take", "gathers along the batch", True),
+    "windows_along_batch": (windows_along_batch, "unfold", "slides windows along the batch", False),
+    "unbatched_image_windows": (unbatched_image_windows, "im2col", "into sliding windows", True),
     "batch_in_keys": (batch_in_the_keys, "sdpa", "as its key/value sequence", True),
     "batch_merged_into_last_dim": (batch_merged_into_last_dim, "merge", "reshapes to [4, 24]", True),
     "gram_over_batch": (gram_over_batch, "gram", "as the K of its product", True),

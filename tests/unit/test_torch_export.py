@@ -179,6 +179,12 @@ CASES = [
     ("pads", Lambda(lambda m, x: (F.pad(x, (1, 2, 0, 1)), F.pad(x, (0, 0, 0, 0)) * 2,
                                   F.pad(x, (1, 1), value=-3.0), torch.constant_pad_nd(x, [0, 1], 0.5))), (X4,),
      {"pad", "mul"}),
+    ("sliding_windows", Lambda(lambda m, x: (
+        x.unfold(2, 3, 2).unfold(-2, 2, 3), x[0, 0].unfold(0, 8, 1),
+        F.unfold(x, 3, padding=1), F.unfold(x[0], (2, 3), dilation=(2, 1), stride=(1, 2)),     # batched, unbatched
+        F.fold(F.unfold(x, 2, stride=2), (8, 8), 2, stride=2),
+        F.fold(x[0, :, :, :5].reshape(16, 10), (3, 4), (2, 2), padding=1, stride=(2, 1)))),
+     (X4,), {"unfold", "im2col", "col2im"}),
 ]
 
 
@@ -202,6 +208,23 @@ def test_attrs_are_canonical():
     assert softmax.attrs["dim"] == 3  # normalised from -1
     (reshape,) = [n for n in graph if n.op == "reshape"]
     assert reshape.attrs["shape"] == [2, 4 * 4 * 4]
+
+
+def test_sliding_window_attrs_are_canonical_and_unfold_copies():
+    """unfold's dim is made non-negative; im2col's and col2im's windows are int pairs whatever form the call gave;
+    an unfold is a copy (no alias: its windows overlap)."""
+    from opfuse.ir.ops import get_op
+
+    graph, _ = capture_and_check(CASES_BY_NAME["sliding_windows"][1], X4)
+    unfolds = [n.attrs for n in graph if n.op == "unfold"]
+    assert unfolds == [{"dim": 2, "size": 3, "step": 2}, {"dim": 3, "size": 2, "step": 3},
+                       {"dim": 0, "size": 8, "step": 1}]
+    assert not get_op("unfold").alias
+    windows = [n.attrs for n in graph if n.op == "im2col"]
+    assert windows[1] == {"kernel_size": [2, 3], "dilation": [2, 1], "padding": [0, 0], "stride": [1, 2]}
+    folds = [n.attrs for n in graph if n.op == "col2im"]
+    assert folds[1] == {"output_size": [3, 4], "kernel_size": [2, 2], "dilation": [1, 1], "padding": [1, 1],
+                        "stride": [2, 1]}
 
 
 def test_an_rms_norm_without_eps_takes_float32s_epsilon():
