@@ -325,9 +325,10 @@ def _causal_conv_with_state(importer: Importer, node, xs, attrs):
 
 @converts("Col2Im", attributes=("dilations", "pads", "strides"), constant_inputs=(1, 2))
 def _col2im(importer: Importer, node, xs, attrs):
-    """Sliding blocks [N, C * prod(block), L] summed back into an image [N, C, *image]: a grouped transposed
-    convolution (1-D to 3-D) whose weight puts block element k at its kernel position (one-hot, so the sums are
-    of the blocks' own values), then ONNX's pads cropped (and any rows no block reaches added as zeros)."""
+    """Sliding blocks [N, C * prod(block), L] summed back into an image [N, C, *image]: F.fold's col2im (an index
+    map of the kernel that reads it) for 2-D images padded alike on both sides of each dim; otherwise a grouped
+    transposed convolution (1-D to 3-D) whose weight puts block element k at its kernel position (one-hot, so the
+    sums are of the blocks' own values), then ONNX's pads cropped (and any rows no block reaches added as zeros)."""
     x, out = xs[0], node.output[0]
     image = importer.ints(node, xs, {}, "image_shape", 1)
     block = importer.ints(node, xs, {}, "block_shape", 2)
@@ -344,6 +345,11 @@ def _col2im(importer: Importer, node, xs, attrs):
               for d, (size, k, stride, dilation) in enumerate(zip(image, block, strides, dilations))]
     if math.prod(counts) != length or channels * kernel != rows:
         raise Unsupported(f"{length} blocks for an image of {image} in blocks of {block}")
+    if spatial == 2 and pads[:2] == pads[2:]:
+        window = {"output_size": image, "kernel_size": block, "dilation": dilations, "padding": pads[:2],
+                  "stride": strides}
+        return [importer.emit("col2im", [x], {key: [int(v) for v in value] for key, value in window.items()},
+                              name=out)]
     blocks = importer.emit("reshape", [x], {"shape": (n, rows, *counts)}, name=f"{out}_blocks")
     weight = torch.zeros((rows, 1, *block), dtype=torch_dtype(importer.type(x).dtype))
     for c in range(channels):

@@ -240,10 +240,12 @@ def test_causal_conv_with_state(k, activation, with_past, with_bias):
 
 @pytest.mark.parametrize("image, block, attrs", [
     ((5, 5), (2, 2), {}), ((6, 7), (3, 2), dict(strides=[2, 1], pads=[1, 0, 1, 1], dilations=[1, 2])),
+    ((6, 7), (3, 2), dict(strides=[2, 1], pads=[1, 2, 1, 2], dilations=[1, 2])),
     ((7,), (3,), dict(strides=[2])), ((3, 4, 3), (2, 2, 2), {}),
 ])
 def test_col2im(image, block, attrs):
-    """Blocks summed back into an image: a grouped conv_transpose of one-hot weights, the pads cropped."""
+    """Blocks summed back into an image: F.fold's col2im for a 2-D image padded alike on both sides, else a
+    grouped conv_transpose of one-hot weights, the pads cropped."""
     spatial = len(image)
     strides, dilations = attrs.get("strides", [1] * spatial), attrs.get("dilations", [1] * spatial)
     pads = attrs.get("pads", [0] * 2 * spatial)
@@ -252,7 +254,8 @@ def test_col2im(image, block, attrs):
     x = floats(2, 2 * int(np.prod(block)), int(np.prod(counts)))
     graph = check([node("Col2Im", ["x", "image", "block"], **attrs)], {"x": x},
                   {"image": np.array(image, np.int64), "block": np.array(block, np.int64)}, opset=18)
-    assert "conv_transpose" in [n.op for n in graph]
+    folds = spatial == 2 and pads[:2] == pads[2:]
+    assert ("col2im" if folds else "conv_transpose") in [n.op for n in graph]
 
 
 # ---- activations and elementwise ---------------------------------------------------------------------
