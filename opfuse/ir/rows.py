@@ -411,6 +411,14 @@ def take_maps(node: Node, shapes: Shapes) -> list[DimMap]:
     return [x, [axis + d for d in range(index_rank)]]
 
 
+def gather_maps(node: Node, shapes: Shapes) -> list[DimMap]:
+    """torch.gather(x, dim, index): the output has the index's dims; x's `dim` is picked by the index's values."""
+    rank = len(shapes[0])
+    axis = node.attrs["dim"] % rank
+    x: DimMap = [d if d != axis else "gathers along {where}: the indices pick rows" for d in range(rank)]
+    return [x, list(range(len(shapes[1])))]
+
+
 def embedding_maps(node: Node, shapes: Shapes) -> list[DimMap]:
     """weight[V, D] gathered by indices[...]: the output is the indices' dims, then D."""
     return weights(shapes[:1]) + [list(range(len(shapes[1])))]
@@ -437,6 +445,7 @@ RULES: dict[str, Rule] = {
     "permute": permute_maps,
     "expand": expand_maps,
     "take": take_maps,
+    "gather": gather_maps,
     "embedding": embedding_maps,
     "slice": except_dims(sliced_dims, "slices {where}: which rows it keeps depends on their positions"),
     "cat": except_dims(lambda node, shapes: {node.attrs["dim"] % len(shapes[0])},
