@@ -5,7 +5,9 @@ best PyTorch paths, checked against a float32 reference and timed by the fair pr
     python -m opfuse.bench.suite_gpu [--only REGEX] [--family NAME] [--batch N] [--budget S] [--json FILE]
                                      [--markdown FILE]
 
-Per model: whether opfuse compiled it, whether its output matches the float32 reference as `opfuse.numerics.acceptable`
+The seeded random weights are made to look trained as the zoo's are (`looks_trained`): a layer initialised to zero
+(timm's classification heads) would make every output 0 and leave nothing to check. Per model: whether opfuse
+compiled it, whether its output matches the float32 reference as `opfuse.numerics.acceptable`
 rules (within float16's tolerance, or within the margin of eager float16's own error), and its speedup over the best
 baseline (eager, eager in a CUDA graph, torch.compile: the fastest of them, not a convenient one). Over the suite
 (`summarize`): the share of models compiled and matched, the geometric mean of the speedups, the slowest. Models run
@@ -61,6 +63,18 @@ def interleave_families(models: Sequence[SuiteModel]) -> list[SuiteModel]:
     return order
 
 
+def looks_trained(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its zero-initialised layers reset, its norms and layer scales off their initial values
+    (`opfuse.bench.zoo_models`)."""
+    from opfuse.bench.zoo_models import randomise_layer_norms, reset_zero_layers, set_layer_scales
+
+    with torch.no_grad():
+        reset_zero_layers(model)
+        randomise_layer_norms(model)
+        set_layer_scales(model)
+    return model
+
+
 def judge(entry: SuiteModel, row: dict, dtype: str, seconds: float) -> GpuResult:
     """A result row of `run_workload` as the suite's verdict on the model."""
     from opfuse.bench.harness import best_baseline
@@ -104,6 +118,7 @@ def run_gpu_suite(models: Sequence[SuiteModel], batch: int = 1, budget: float = 
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(SEED)
                 model, inputs = entry.build()
+                looks_trained(model)
             if batch != 1:
                 inputs = tuple(x.expand(batch, *x.shape[1:]).contiguous() for x in inputs)
             row = run_workload(model, inputs, f"{entry.name}:{batch}", ceilings, contenders,

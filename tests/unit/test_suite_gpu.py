@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from opfuse.bench.suite import SuiteModel
-from opfuse.bench.suite_gpu import GpuResult, interleave_families, judge, markdown, run_gpu_suite, summarize
+from opfuse.bench.suite_gpu import (GpuResult, interleave_families, judge, looks_trained, markdown, run_gpu_suite,
+                                   summarize)
 
 
 def entry(name: str = "m", family: str = "cnn") -> SuiteModel:
@@ -59,3 +60,13 @@ def test_a_tiny_model_goes_the_whole_way_and_the_budget_stops_the_rest():
     (result,) = run_gpu_suite([entry("tiny")], device="cpu", contenders=("eager", "opfuse"), dtype="float32")
     assert result.status == "matched", result
     assert result.best == "eager" and result.speedup > 0 and result.rel_error < 1e-5
+
+
+def test_a_zero_initialised_head_is_reset_so_the_check_sees_something():
+    """timm zeroes some classification heads: an output of zeros would match anything."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    nn.init.zeros_(model[2].weight)
+    nn.init.zeros_(model[2].bias)
+    looks_trained(model)
+    assert model[2].weight.any() and not torch.equal(model[1].weight, torch.ones(8))
+    assert model(torch.randn(2, 8)).abs().sum() > 0
