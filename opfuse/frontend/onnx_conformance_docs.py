@@ -40,7 +40,6 @@ WHY_UNCLAIMED = {
                              "Multinomial")},
     **{op: STRINGS for op in ("StringSplit", "StringNormalizer", "StringConcat", "RegexFullMatch", "ImageDecoder",
                               "TfIdfVectorizer", "ai.onnx.ml.LabelEncoder")},
-    "CumSum": NEEDS_OP + "a scan (cumulative sum)",
     "CumProd": NEEDS_OP + "a scan (cumulative product)",
     "ScatterElements": NEEDS_OP + "scatter (with add, mul, max, min reductions)",
     "ScatterND": NEEDS_OP + "scatter (with add, mul, max, min reductions)",

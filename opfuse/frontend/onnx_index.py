@@ -1,5 +1,5 @@
 """ONNX converters of indexing and tensor-making operators, written out in the IR's gathers (`take`), views and
-elementwise ops: GatherElements, GatherND, OneHot, Trilu, EyeLike, Compress, CenterCropPad, DepthToSpace,
+elementwise ops: GatherElements, GatherND, OneHot, Trilu, EyeLike, Compress, CumSum (a scan), CenterCropPad, DepthToSpace,
 SpaceToDepth, ReverseSequence, AffineGrid, and Range, the window functions and MelWeightMatrix (whose output's
 shape is their inputs' value: constants, which the importer evaluates). Registered in
 `opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
@@ -169,6 +169,33 @@ def _compress(importer: Importer, node, xs, attrs):
     if len(picked) and int(picked.max()) >= importer.type(x).shape[axis]:
         raise Unsupported("a condition longer than the axis with a true past its end")
     return [importer.emit("take", [x, importer.add_constant(picked, f"{node.output[0]}_picked")], {"axis": axis})]
+
+
+@converts("CumSum", attributes=("exclusive", "reverse"), constant_inputs=(1,))
+def _cumsum(importer: Importer, node, xs, attrs):
+    """The IR's scan along `axis`: `reverse` scans the axis read backwards (a take at descending indices, before
+    and after), `exclusive` scans the input shifted one place along it (a pad of one zero before, cropping the
+    last), so every sum is of the input's own values."""
+    axis = importer.constant(xs[1])
+    if axis is None or axis.numel() != 1:
+        raise Unsupported("input 1 (axis) is not a constant of one element")
+    x, out = xs[0], node.output[0]
+    shape = importer.type(x).shape
+    dim = int(axis.reshape(-1)[0]) % len(shape)
+    backwards = None
+    if attrs.get("reverse", 0):
+        backwards = importer.add_constant(torch.arange(shape[dim] - 1, -1, -1), f"{out}_backwards")
+        x = importer.emit("take", [x, backwards], {"axis": dim}, name=f"{out}_reversed")
+    if attrs.get("exclusive", 0):
+        pads = [0] * (2 * (len(shape) - dim))
+        pads[-2:] = [1, -1]                         # F.pad's order: the last dim's pair first
+        x = importer.emit("pad", [x], {"pads": tuple(pads), "value": 0.0}, name=f"{out}_shifted")
+    dtype = importer.type(xs[0]).dtype
+    scanned = importer.emit("cumsum", [x], {"dim": dim, "dtype": dtype}, name=out if backwards is None else
+                            f"{out}_scanned")
+    if backwards is None:
+        return [scanned]
+    return [importer.emit("take", [scanned, backwards], {"axis": dim}, name=out)]
 
 
 @converts("CenterCropPad", attributes=("axes",), constant_inputs=(1,))

@@ -91,3 +91,13 @@ def test_affine_grid(size, corners):
     graph = run(node("AffineGrid", ["theta", "size"], align_corners=corners), {"theta": theta},
                 weights={"size": np.array(size, np.int64)}, opset=20)
     assert ops(graph) == ["matmul", "permute", "reshape"]
+
+
+@pytest.mark.parametrize("exclusive, reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_cumsum_is_the_scan_of_the_input_read_backwards_or_shifted(exclusive, reverse, dtype):
+    x = (floats(3, 5) * 4).astype(dtype)
+    graph = run(node("CumSum", ["x", "axis"], exclusive=exclusive, reverse=reverse), {"x": x},
+                weights={"axis": np.array(-1, dtype=np.int64)})
+    assert ops(graph).count("cumsum") == 1 and ops(graph).count("take") == 2 * reverse
+    assert ops(graph).count("pad") == exclusive
