@@ -172,7 +172,7 @@ class Region:
         if key in self.cache:
             return self.cache[key]
         node = self.graph[name]
-        if name in self.emitter.scalars:
+        if name in self.emitter.scalars:        # (a float one truncated, as torch casts it)
             return str(int(self.graph.constants[name].reshape(-1)[0]))
         if name not in self.emitter.members:
             result = self.assign(f"{self.load_exact(name, coords)}.to(tl.int64)")
@@ -200,11 +200,12 @@ class Region:
         return result
 
     def as_integer(self, name: str, coords: Coords) -> str:
-        """Value `name` at `coords` as an int64 expression: a wide integer exactly, a bool or narrow integer from
-        its float32 value (exact), a float truncated toward zero (torch's cast)."""
-        if self.graph[name].type.dtype in WIDE_INTEGERS:
+        """Value `name` at `coords` as an int64 expression: a wide integer or a one-element constant exactly, a bool
+        or narrow integer from its float32 value (exact), a float rounded to its dtype, then truncated toward zero
+        (torch's cast of the value eager holds)."""
+        if self.graph[name].type.dtype in WIDE_INTEGERS or name in self.emitter.scalars:
             return self.integer(name, coords)
-        return f"({self.value(name, coords)}).to(tl.int64)"
+        return f"({self._rounded(self.value(name, coords), name)}).to(tl.int64)"
 
     def _wrapped(self, expression: str, node: Node) -> str:
         """An int64 `expression` wrapped to `node`'s dtype where that is int32, as torch's arithmetic wraps."""

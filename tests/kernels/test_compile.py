@@ -367,6 +367,18 @@ def test_integer_arithmetic_past_two_to_the_24_runs_exactly():
     assert not compiled.fallbacks, compiled.fallbacks
 
 
+class IdsAndCasts(nn.Module):
+    def forward(self, ids, x):
+        return (ids + True) * 3 + (x * 10).long()     # a bool scalar operand; floats truncated toward zero
+
+
+def test_integer_operands_of_every_kind_are_exact():
+    ids, x = torch.tensor([[1, 2 ** 40, 5]]), torch.tensor([[0.29, 1.7, -2.5]])
+    compiled = opfuse.compile(IdsAndCasts().eval(), (ids, x), opfuse.FusionConfig(dtype="float32"))
+    assert not compiled.fallbacks
+    assert torch.equal(compiled(ids, x), IdsAndCasts()(ids, x))
+
+
 @pytest.mark.parametrize("norm", ["apart", "prologue", "epilogue"])
 def test_convnext_block_scales_and_adds_its_residual_in_the_second_linear(norm):
     """torchvision's CNBlock: depthwise 7x7, permute to NHWC, layer norm, linear + GELU, linear, permute back,
