@@ -22,7 +22,7 @@ than Q (grouped-query attention, `opfuse.ir.ops.kv_heads_shared`): query head h 
 
 Count, per (batch, head), with D the head dim and b bytes per element:
   FLOPs:  4·Sq·Sk·D for the two products (half of it with is_causal) + about 5·Sq·Sk for scale, max, exp, sums
-          (`opfuse.ir.ops.attention_flops`, the plan's count).
+          (`opfuse.ir.op_costs.attention_flops`, the plan's count).
   Bytes:  Q read once, the output written once: 2·Sq·D·b; K and V read once per query block:
           2·ceil(Sq / BLOCK_M)·Sk·D·b, of which DRAM sees 2·Sk·D·b when the heads' K and V stay in L2; a mask
           Sq·Sk·(its bytes) per distinct (batch, head) it has. The unfused ops would also write and read the

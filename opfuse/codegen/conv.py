@@ -13,7 +13,7 @@ load zeros for padding taps, and store channels-last outputs through the shared 
 `opfuse.codegen.conv_common`. The conv through PyTorch (`ConvLibraryAnchor`) is a kernel's library form.
 
 Traffic: the input is read once per output-channel tile (Kh·Kw times through L2/shared memory), the packed
-weight once per pixel tile, the output written once; FLOPs as `opfuse.ir.ops.conv2d_flops`.
+weight once per pixel tile, the output written once; FLOPs as `opfuse.ir.op_costs.conv2d_flops`.
 """
 
 from __future__ import annotations

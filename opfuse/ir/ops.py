@@ -5,12 +5,12 @@ and bytes read/written as functions of the input and output types, and a referen
 The reference implementation is the op's semantics: the interpreter, shape inference (run on the ``meta``
 device) and the fallback path for anything opfuse does not fuse all go through it.
 
-Entry points: `get_op(name)`, `infer_type(op, input_types, attrs)`, `node_flops`, `node_bytes`.
+Entry points: `get_op(name)`, `infer_type(op, input_types, attrs)`, `node_flops`, `node_bytes`. The cost formulas
+are in `opfuse.ir.op_costs`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping, Sequence
@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from opfuse.ir.attrs import (ANY, DIM, DIMS, MAX_INT, SHAPE, SIZE, SPATIAL, Bool, Dtype, Float, Int, Ints, Optional,
                               Rule, Word)
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, torch_dtype
+from opfuse.ir.op_costs import (Attrs, Types, attention_flops, conv2d_flops, conv_transpose_flops, embedding_bytes,
+                                linear_flops, matmul_flops, per_input_element, per_output_element, pool_flops)
 
 
 class FusionKind(str, Enum):
@@ -39,8 +41,6 @@ class FusionKind(str, Enum):
         return self in (FusionKind.POINTWISE, FusionKind.BROADCAST)
 
 
-Types = Sequence[TensorType]
-Attrs = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -93,58 +93,6 @@ def get_op(name: str) -> OpDef:
         return REGISTRY[name]
     except KeyError:
         raise GraphError(f"unknown IR op {name!r}") from None
-
-
-# ---- FLOP formulas ---------------------------------------------------------------------------------
-
-def per_output_element(cost: int) -> Callable[[Types, TensorType, Attrs], int]:
-    return lambda ins, out, attrs: cost * out.numel
-
-
-def per_input_element(cost: int) -> Callable[[Types, TensorType, Attrs], int]:
-    return lambda ins, out, attrs: cost * ins[0].numel
-
-
-def conv2d_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
-    """2·N·Hout·Wout·Cout·(Cin/groups)·Kh·Kw (one multiply and one add per MAC; bias not counted)."""
-    n, c_out, h_out, w_out = out.shape
-    _, c_in_per_group, kh, kw = ins[1].shape
-    return 2 * n * h_out * w_out * c_out * c_in_per_group * kh * kw
-
-
-def conv_transpose_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
-    # every input element meets (C_out / groups) * the kernel's weights: weight [C_in, C_out / groups, *kernel]
-    return 2 * ins[0].numel * math.prod(ins[1].shape[1:])
-
-
-def linear_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
-    """2·M·N·K, M = rows of x, N = output features, K = input features."""
-    k = ins[0].shape[-1]
-    return 2 * out.numel * k
-
-
-def matmul_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
-    """2·(batch·M·N)·K, K being the contracted dimension."""
-    k = ins[0].shape[-1]
-    return 2 * out.numel * k
-
-
-def attention_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
-    """Q·Kᵀ and P·V (2·2·B·H·Sq·Sk·D) plus about 5 FLOPs per score for the softmax and scaling."""
-    q, k = ins[0], ins[1]
-    batch_heads = math.prod(q.shape[:-2])
-    s_q, d = q.shape[-2], q.shape[-1]
-    s_k = k.shape[-2]
-    return batch_heads * (4 * s_q * s_k * d + 5 * s_q * s_k)
-
-
-def pool_flops(ins: Types, out: TensorType, attrs: Attrs) -> int:
-    return out.numel * math.prod(attrs["kernel_size"])
-
-
-def embedding_bytes(ins: Types, out: TensorType, attrs: Attrs) -> int:
-    """Only the gathered rows of the table are read, plus the indices (embedding, take, gather)."""
-    return out.nbytes + ins[1].nbytes
 
 
 # ---- reference implementations ---------------------------------------------------------------------
