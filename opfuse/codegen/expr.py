@@ -1,7 +1,8 @@
 """Triton expressions for the elementwise IR ops: the one table every kernel template's epilogue/prologue uses.
 
 `emit(op, attrs, args)` returns a Triton expression (a string) computing the op on already-loaded float32 values
-named in `args`. Generated kernels do all elementwise math in float32 and cast once when storing.
+named in `args`. Generated kernels do all elementwise math in float32 and cast once when storing, but for wide
+integers (int32, int64), which `emit_integer` computes in int64 (`INTEGER_OPS`; `opfuse.codegen.operands`).
 An op not in the table raises `Unsupported`; the group holding it then runs through PyTorch (and the report says so).
 """
 
