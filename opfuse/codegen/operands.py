@@ -3,8 +3,8 @@
 A generated kernel evaluates group values at *coordinates*: one Triton expression per logical dimension of the
 value (None where the coordinate is always 0, e.g. a size-1 dimension). `Region.value(name, coords)` emits the
 lines computing a value there, in float32; `Region.integer` one of a wide integer dtype (int32, int64), exactly, in
-int64 (a float op reads it converted, as eager's type promotion does): a group input is loaded through its runtime strides, an elementwise node goes
-through `expr.emit` with its operands' coordinates broadcast (numpy rules), a view node (reshape, permute,
+int64 (a float op reads it converted, as eager's type promotion does): a group input is loaded through its runtime
+strides, an elementwise node goes through `expr.emit` with its operands' coordinates broadcast (numpy rules), a view node (reshape, permute,
 expand, slice, identity) and a roll only map coordinates, a cat picks the input whose slice holds the coordinate
 (each input evaluated under its slice's mask), a pad loads its input under the mask of the input's extent (the pad
 value elsewhere), an embedding, a take or a gather computes its index (exactly, as an integer) and then loads the
@@ -377,11 +377,15 @@ class Region:
         self._addressed(self.emitter.args.output(name), tuple(coords),
                         lambda pointer: f"tl.store({pointer}, {value}, mask={self.mask})")
 
-    def store(self, name: str, coords: Coords) -> None:
-        """Write value `name` at `coords` to its output tensor (tl.store casts to the output dtype); a wide integer
-        as `integer` computes it."""
+    def held(self, name: str, coords: Coords) -> str:
+        """Value `name` at `coords` as a kernel holds it: a wide integer as `integer` computes it, else `value`."""
         wide = self.graph[name].type.dtype in WIDE_INTEGERS
-        value = self.integer(name, coords) if wide else self.value(name, coords)
+        return self.integer(name, coords) if wide else self.value(name, coords)
+
+    def store(self, name: str, coords: Coords) -> None:
+        """Write value `name` at `coords` to its output tensor as the kernel holds it (`held`; tl.store casts to the
+        output dtype)."""
+        value = self.held(name, coords)
         self._addressed(self.emitter.args.output(name), tuple(coords),
                         lambda pointer: f"tl.store({pointer}, {value}, mask={self.mask})")
 

@@ -144,8 +144,7 @@ def store_epilogue(region: Region, group: FusionGroup, node: Node, coords: Coord
                 own = inner
             else:
                 own = region.reshape_coords(inner, graph[source].type.shape, current.type.shape)
-            region.bind(name, own, region.integer(source, inner) if graph[name].type.dtype in WIDE_INTEGERS
-                        else region.value(source, inner))
+            region.bind(name, own, region.held(source, inner))
             at[name] = own
         else:       # elementwise: at the coordinates of the value of its shape it reads from the reduction
             same = [at[i] for i in current.inputs if i in at and graph[i].type.shape == current.type.shape]
