@@ -128,8 +128,7 @@ class GroupListing:
                 id=new_id, kind=kind, nodes=list(nodes), anchor=estimate.anchor, inputs=list(traffic.inputs),
                 outputs=list(traffic.outputs), flops=traffic.flops, bytes_read=traffic.bytes_read,
                 bytes_written=traffic.bytes_written, predicted_time=time,
-                launches=(0 if kind is GroupKind.VIEW and not self.copies(nodes)
-                          else 1 + (default_slices > 1) + (row_slices > 1)),
+                launches=(0 if kind is GroupKind.VIEW else 1 + (default_slices > 1) + (row_slices > 1)),
                 split_k=table, resources=estimate.resources, reason=reason, code=why.code))
         return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config, self.hw)
 
