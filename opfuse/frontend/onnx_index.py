@@ -1,6 +1,6 @@
-"""ONNX converters of indexing and tensor-making operators, written out in the IR's gathers (`take`), views and
-elementwise ops: GatherElements, GatherND, OneHot, Trilu, EyeLike, Compress, CumSum (a scan), CenterCropPad, DepthToSpace,
-SpaceToDepth, ReverseSequence, AffineGrid, and Range, the window functions and MelWeightMatrix (whose output's
+"""ONNX converters of indexing and tensor-making operators, written out in the IR's gathers (`take`), views,
+elementwise ops and scan: GatherElements, GatherND, OneHot, Trilu, EyeLike, Compress, CumSum, CenterCropPad,
+DepthToSpace, SpaceToDepth, ReverseSequence, AffineGrid, and Range, the window functions and MelWeightMatrix (whose output's
 shape is their inputs' value: constants, which the importer evaluates). Registered in
 `opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
 

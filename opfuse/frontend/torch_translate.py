@@ -7,9 +7,9 @@ re-derived from the op registry, disagrees with the type torch recorded. Such ca
 re-run the original ATen call, so capture never fails on an unknown op; the node's attrs keep the reason.
 A region a higher-order op wraps only for a mode inference does not change (autocast turned off, grad mode) is
 inlined: its sub-graph's calls are translated as if they stood in the program (`_inline`); one that autocasts runs
-as an opaque call. Parameters and buffers become constant nodes (private clones) only when something reads them. The program's
-outputs become the graph's, its writes to declared state the graph's state updates; other writes to the model's
-state are refused and writes into its inputs warned of (`InputWrittenWarning`), as
+as an opaque call. Parameters and buffers become constant nodes (private clones) only when something reads them.
+The program's outputs become the graph's, its writes to declared state the graph's state updates; other writes to
+the model's state are refused and writes into its inputs warned of (`InputWrittenWarning`), as
 `opfuse.frontend.torch_export` describes.
 """
 
