@@ -152,6 +152,19 @@ def _where(t: Translator, a: dict) -> str:
     return t.emit("where", [a["condition"], t.operand(a["self"]), t.operand(a["other"])])
 
 
+@maps("logical_and", "logical_or", "bitwise_and", "bitwise_or", "__and__", "__or__")
+def _boolean_logic(t: Translator, a: dict) -> str:
+    """and/or of two booleans as a selection: a and b is where(a, b, a), a or b is where(a, a, b). Integers (bitwise)
+    and mixed dtypes stay PyTorch's."""
+    if t.out_type.dtype != "bool":
+        raise Unmapped(f"{t.op_name} of {t.out_type.dtype} values")
+    first, second = (t.operand(a[k], "bool") for k in ("self", "other"))
+    if any(t.type_of(v).dtype != "bool" for v in (first, second)):
+        raise Unmapped(f"{t.op_name} of a boolean and a number")
+    conjunction = t.op_name in ("logical_and", "bitwise_and", "__and__")
+    return t.emit("where", [first, second, first] if conjunction else [first, first, second])
+
+
 @maps("masked_fill")
 def _masked_fill(t: Translator, a: dict) -> str:
     """value where mask, else self: where."""

@@ -1,7 +1,11 @@
-"""ATen handlers of indexed reads and writes (`opfuse.frontend.aten_ops`), as index maps of the IR: gather, the
-functional writes of a slice or a select back into a tensor (slice_scatter, select_scatter, which torch.export
+"""ATen handlers of indexed reads and writes (`opfuse.frontend.aten_ops`), as index maps of the IR: gather,
+advanced indexing (`x[i, j]`), the functional writes of a slice or a select back into a tensor (slice_scatter, select_scatter, which torch.export
 makes of `x[:, 1:] = y` on a fresh tensor: BART's shift of its decoder tokens), and the fills and copies such
 writes carry.
+
+Advanced indexing by k index tensors in adjacent dims reads x seen with those dims merged into one, at the flat
+index sum(wrap(i_j) * stride_j) (a take): a flat index known at compile time that counts 0, 1, 2, ... is no gather but
+a view of x (transformers' padding masks, `mask[batch_arange, key_arange]`), a reshape and expand.
 
 A scatter is the written value padded to the base's shape, picked over the base where a constant mask of the
 written positions is true: `where(mask, pad(src), base)`, all three index maps an elementwise kernel computes on its
@@ -13,6 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+import math
 
 from opfuse.frontend.aten_common import Handler, Unmapped, registrar, wrap_dim
 from opfuse.ir.graph import torch_dtype
@@ -31,6 +37,59 @@ def _gather(t: Translator, a: dict) -> str:
         raise Unmapped("gather with sparse gradients")
     x, index = t.value(a["self"]), t.value(a["index"])
     return t.emit("gather", [x, index], {"dim": wrap_dim(a["dim"], t.rank(x))})
+
+
+@maps("index")
+def _index(t: Translator, a: dict) -> str:
+    """x[i_0, ..., i_k-1] (aten.index.Tensor): integer index tensors in adjacent dims, None for a dim taken whole
+    (module docstring); boolean masks (a data-dependent shape) and indices apart from each other stay PyTorch's."""
+    from opfuse.passes.simplify_attention_masks import CompileTimeValues
+
+    x = t.value(a["self"])
+    shape = t.type_of(x).shape
+    indices = list(a["indices"])
+    placed = [d for d, index in enumerate(indices) if index is not None]
+    if not placed or placed != list(range(placed[0], placed[-1] + 1)):
+        raise Unmapped("indices in dims apart from each other")
+    names = [t.value(indices[d]) for d in placed]
+    if any(not t.type_of(n).dtype.startswith(("int", "uint")) for n in names):
+        raise Unmapped("a boolean mask as an index")
+    first, indexed = placed[0], [shape[d] for d in placed]
+    rest = list(shape[placed[-1] + 1:])
+    merged = t.emit("reshape", [x], {"shape": [*shape[:first], math.prod(indexed), *rest]})
+    strides = [math.prod(indexed[j + 1:]) for j in range(len(indexed))]
+    values = CompileTimeValues(t.graph)
+    known = [values.value(n) for n in names]
+    out_shape = t.out_type.shape
+    if all(k is not None for k in known):
+        flat = sum(torch.where(k < 0, k + size, k).long() * stride for k, size, stride in zip(known, indexed, strides))
+        view = _counting(flat, math.prod(indexed))
+        if view is not None:      # the index reads x in order: a view
+            shaped = t.emit("reshape", [merged], {"shape": [*shape[:first], *view, *rest]})
+            return t.emit("expand", [shaped], {"shape": list(out_shape)}) if tuple(view) != tuple(
+                out_shape[first:first + len(view)]) else shaped
+        index = t.constant("flat_index", flat)
+    else:
+        index = None
+        for name, size, stride in zip(names, indexed, strides):
+            wrapped = t.emit("where", [t.emit("lt", [name, t.operand(0, t.type_of(name).dtype)]),
+                                       t.emit("add", [name, t.operand(size, t.type_of(name).dtype)]), name])
+            if t.type_of(wrapped).dtype != "int64":
+                wrapped = t.emit("cast", [wrapped], {"dtype": "int64"})
+            term = wrapped if stride == 1 else t.emit("mul", [wrapped, t.operand(stride, "int64")])
+            index = term if index is None else t.emit("add", [index, term])
+    return t.emit("take", [merged, index], {"axis": first})
+
+
+def _counting(flat: torch.Tensor, count: int) -> list[int] | None:
+    """The shape `flat` (a broadcast flat index) has at its smallest broadcast where it counts 0 .. count-1 in
+    order, else None."""
+    from opfuse.passes.fold_constants import smallest_broadcast
+
+    compact = smallest_broadcast(flat)
+    if compact.numel() != count or not torch.equal(compact.reshape(-1), torch.arange(count)):
+        return None
+    return list(compact.shape)
 
 
 def _spread(t: Translator, x: str) -> str:

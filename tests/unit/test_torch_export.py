@@ -595,3 +595,35 @@ def test_bicubic_maps_to_a_cubic_upsample_and_antialiasing_stays_opaque():
     assert upsample.attrs == {"mode": "cubic", "size": [4, 18], "scales": [0.6, 2.3], "align_corners": True}
     (opaque,) = [n for n in graph if n.op == "opaque"]
     assert "_upsample_bicubic2d_aa" in opaque.attrs["reason"] and "antialiased" in opaque.attrs["reason"]
+
+
+class Indexed(nn.Module):
+    """Advanced indexing three ways: by aranges that read in order (transformers' padding mask, a view), by a
+    constant permutation (a take of a constant index), and by an index the model is given (a take of it, negative
+    indices counting from the end)."""
+
+    def forward(self, mask, x, picks):
+        b, s = mask.shape
+        spread = mask.bool()[torch.arange(b)[:, None, None, None], torch.arange(s)[None, None, None, :]]
+        keep = spread & (torch.arange(s)[:, None] >= 0)           # and of booleans
+        either = keep | (torch.arange(s)[None, :] > s - 2)        # or of booleans
+        reversed_rows = x[:, torch.arange(x.shape[1] - 1, -1, -1)]
+        return either, reversed_rows, x[picks], x[:, picks]
+
+
+def test_advanced_indexing_is_a_view_a_constant_take_or_a_take_and_boolean_logic_a_selection():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    graph, ops = capture_and_check(Indexed(), mask, torch.randn(4, 5), torch.tensor([0, -1, 2, 2]))
+    assert ops["opaque"] == 0 and ops["take"] == 3                 # the reversal and the two given index reads
+    spread = [n for n in graph if n.source == "index"]
+    assert spread and {n.op for n in spread} <= {"reshape", "expand"}    # the in-order read: a view
+    assert ops["where"] >= 2
+
+
+def test_boolean_logic_of_integers_stays_pytorchs():
+    class Bitwise(nn.Module):
+        def forward(self, x):
+            return x & 6
+
+    _, ops = capture_and_check(Bitwise(), torch.tensor([3, 5, 7]))
+    assert ops["opaque"] == 1
