@@ -11,7 +11,10 @@ model, compiled and tuned at the bucket's sizes (its kernels, tiles and CUDA gra
 - at smaller sizes, padded up to the bucket's (the inputs' last slice repeated along each padded dim) and the outputs
   cut back, only where padding cannot change a result: the plan's graph computes every output row along that dim
   from the same row of the inputs, and each output holds that dim whole (`opfuse.ir.rows.value_rows`; a softmax
-  over the batch, attention over a padded key sequence or a reshape merging the dim with another refuse it);
+  over the batch, attention over a padded key sequence or a reshape merging the dim with another refuse it); or,
+  where rows interact, the positions a padded sequence adds at its end are never read by the real ones
+  (`opfuse.ir.seq_padding`, checked against the model traced one position shorter): a causal model, or attention
+  under a mask that an input padded with zeros masks (an attention mask: `Bucket.zero_filled` names it);
 - otherwise at its exact sizes, compiled once per distinct sizes (`DynamicModel.buckets` lists them, and why).
 A bucket's model is compiled at its first call (`compile_buckets` compiles them up front). Sizes outside a dim's
 range, inputs that disagree on a shared dim, and a fixed dim that differs from the example's are one-line errors
@@ -205,19 +208,21 @@ def _input_names(model: Any, count: int) -> list[str]:
 
 
 def pad_inputs(inputs: Sequence[torch.Tensor], dims: Sequence[DynamicDim], sizes: Sequence[int],
-               targets: Sequence[int]) -> list[torch.Tensor]:
+               targets: Sequence[int], zero_filled: Mapping[str, Sequence[int]] | None = None) -> list[torch.Tensor]:
     """The inputs grown along each dynamic dim from its size to its target, repeating their last slice (real values:
-    a padded row is never degenerate, as zeros would be for a mask or a normalisation)."""
+    a padded row is never degenerate, as zeros would be for a mask or a normalisation), or with zeros for the inputs
+    `zero_filled` names by dim (an attention mask, whose zeros mask the padded keys)."""
     padded = list(inputs)
     for dim, size, target in zip(dims, sizes, targets):
         if target == size:
             continue
         for index, axis in dim.uses:
             x = padded[index]
-            last = x.narrow(axis, size - 1, 1)
             shape = list(x.shape)
             shape[axis] = target - size
-            padded[index] = torch.cat([x, last.expand(shape)], axis)
+            tail = x.new_zeros(shape) if index in (zero_filled or {}).get(dim.name, ()) else \
+                x.narrow(axis, size - 1, 1).expand(shape)
+            padded[index] = torch.cat([x, tail], axis)
     return padded
 
 
@@ -242,13 +247,16 @@ def cut_outputs(outputs: Sequence[torch.Tensor], names: Sequence[str], dims: Seq
                 sizes: Sequence[int], targets: Sequence[int], cuts: Mapping[str, Mapping[str, int | None]]
                 ) -> list[torch.Tensor]:
     """The outputs (graph outputs `names`) of a run padded from `sizes` up to `targets`, cut back along the dim each
-    holds each padded dynamic dim in (`cuts`: dim name -> output -> its dim, None for an output without it)."""
+    holds each padded dynamic dim in (`cuts`: dim name -> output -> its dim, or its dims, None or () for an output
+    without it)."""
     flat = list(outputs)
     for dim, size, target in zip(dims, sizes, targets):
         if size != target:
             held = cuts[dim.name]
-            flat = [out if held.get(name) is None else out.narrow(held[name], 0, size)
-                    for out, name in zip(flat, names)]
+            for position, name in enumerate(names):
+                along = held.get(name)
+                for axis in (() if along is None else (along,) if isinstance(along, int) else along):
+                    flat[position] = flat[position].narrow(axis, 0, size)
     return flat
 
 
@@ -262,12 +270,20 @@ class Bucket:
     sizes: tuple[int, ...]
     model: Any                                  # an OpfuseModule
     exact: bool                                 # compiled for a call's exact sizes (its bucket may not pad them)
-    cuts: dict[str, dict[str, int | None]] = field(default_factory=dict)   # dim -> output -> dim it is cut along
-    refused: dict[str, str] = field(default_factory=dict)                   # dim -> why padding it is refused
+    cuts: dict[str, dict[str, Any]] = field(default_factory=dict)   # dim -> output -> the dim(s) it is cut along
+    refused: dict[str, str] = field(default_factory=dict)            # dim -> why padding it is refused
+    zero_filled: dict[str, tuple[int, ...]] = field(default_factory=dict)   # dim -> inputs padded with zeros
+    least: dict[str, int] = field(default_factory=dict)     # dim -> the smallest size padding serves (default 1)
     seconds: float = 0.0
 
+    def pads(self, name: str, size: int) -> bool:
+        """Whether a call of `size` along dim `name` may run padded on this bucket."""
+        return name not in self.refused and size >= self.least.get(name, 1)
+
     def describe(self) -> str:
-        pads = "pads " + (", ".join(sorted(self.cuts)) or "nothing") if not self.exact else "exact sizes"
+        pads = "pads " + (", ".join(n + zeros_note(self.zero_filled.get(n, ())) for n in sorted(self.cuts))
+                          or "nothing") if not self.exact \
+            else "exact sizes"
         refusals = "".join(f"; {dim} not padded: {why}" for dim, why in self.refused.items())
         return f"{self.sizes}: {pads}{refusals} (compiled in {self.seconds:.1f} s)"
 
@@ -333,14 +349,13 @@ class DynamicModel(torch.nn.Module):
                 bucket = self.buckets.get(key) or self._bucket(key, pad_inputs(inputs, self.dims, sizes, key))
         if key == sizes:
             return bucket.model(*inputs)
-        padded = [dim.name for dim, size, target in zip(self.dims, sizes, key) if size != target]
-        if any(name in bucket.refused for name in padded):
+        if not all(bucket.pads(dim.name, size) for dim, size, target in zip(self.dims, sizes, key) if size != target):
             exact = self.buckets.get(sizes)
             if exact is None:
                 with self._lock:
                     exact = self.buckets.get(sizes) or self._bucket(sizes, inputs, exact=True)
             return exact.model(*inputs)
-        outputs = bucket.model(*pad_inputs(inputs, self.dims, sizes, key))
+        outputs = bucket.model(*pad_inputs(inputs, self.dims, sizes, key, bucket.zero_filled))
         return self._cut(bucket, outputs, sizes, key)
 
     def _bucket(self, key: tuple[int, ...], inputs: Sequence[torch.Tensor], exact: bool = False) -> Bucket:
@@ -360,12 +375,25 @@ class DynamicModel(torch.nn.Module):
                 if size == 1:        # a call in this bucket has size 1 along it: nothing to pad
                     continue
                 cuts, problem = padding_problem(graph, dim)
+                if problem is not None:     # rows interact: perhaps not the real positions with those padded
+                    problem = self._end_padding(bucket, dim, inputs, problem)
                 if problem is None:
-                    bucket.cuts[dim.name] = cuts
+                    bucket.cuts.setdefault(dim.name, cuts)
                 else:
                     bucket.refused[dim.name] = problem
         self.buckets[key] = bucket
         return bucket
+
+    def _end_padding(self, bucket: Bucket, dim: DynamicDim, inputs: Sequence[torch.Tensor], rows: str) -> str | None:
+        """Where rows along `dim` interact (`rows` says how): `end_padding_of` the bucket's graph; None where the
+        end may be padded (the bucket's cuts, zero-filled inputs and least size set), else why not."""
+        found = end_padding_of(self._eager, bucket.model.analysis.prepared, bucket.model.analysis.config.dtype,
+                               self.dims, dim, bucket.sizes, inputs, rows)
+        if isinstance(found, str):
+            return found
+        padding, zeros = found
+        bucket.cuts[dim.name], bucket.zero_filled[dim.name], bucket.least[dim.name] = padding.cuts, zeros, padding.least
+        return None
 
     def _cut(self, bucket: Bucket, outputs: Any, sizes: Sequence[int], key: Sequence[int]) -> Any:
         from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -377,6 +405,46 @@ class DynamicModel(torch.nn.Module):
     def extra_repr(self) -> str:
         dims = ", ".join(dim.describe() for dim in self.dims)
         return f"dims=[{dims}], buckets={len(self.buckets)}"
+
+
+def zeros_note(inputs: Sequence[int]) -> str:
+    """' (input 1 padded with zeros)', or nothing for no input."""
+    if not inputs:
+        return ""
+    return f" ({'inputs' if len(inputs) > 1 else 'input'} {', '.join(map(str, inputs))} padded with zeros)"
+
+
+def end_padding_of(model: Any, graph: Graph, dtype: str, dims: Sequence[DynamicDim], dim: DynamicDim,
+                   sizes: Sequence[int], inputs: Sequence[torch.Tensor], rows: str) -> tuple[Any, tuple[int, ...]] | str:
+    """Whether `graph` (`model` prepared in `dtype` at `sizes`, from `inputs`), whose rows along `dim` interact as
+    `rows` says, may be padded at the end of `dim` for some choice of inputs padded with zeros
+    (`opfuse.ir.seq_padding`, against the model traced one position shorter): (its EndPadding, those inputs), or
+    why not. An ONNX model is not traced again: `rows` stands."""
+    import itertools
+
+    from opfuse.api import capture
+    from opfuse.ir.seq_padding import end_padding
+    from opfuse.passes.manager import prepare_graph
+
+    size = sizes[list(dims).index(dim)]
+    if not isinstance(model, torch.nn.Module) or size - 1 < max(dim.min, 1):
+        return rows
+    shorter = [s - (d is dim) for d, s in zip(dims, sizes)]
+    try:
+        reference, _ = prepare_graph(capture(model, pad_or_cut(inputs, dims, sizes, shorter)), dtype)
+    except GraphError as error:
+        return f"{rows}; the model traced at {size - 1} positions failed: {error}"
+    names = [node.name for node in graph.input_nodes]
+    input_dims = {names[index]: axis for index, axis in dim.uses}
+    users = [index for index, _ in dim.uses]
+    why = rows
+    for count in range(len(users) + 1):
+        for zeros in itertools.combinations(users, count):
+            found = end_padding(graph, reference, input_dims, [names[i] for i in zeros])
+            if hasattr(found, "cuts"):
+                return found, zeros
+            why = str(found) if why is rows else why     # the first refusal of padding the end
+    return why
 
 
 def pad_or_cut(inputs: Sequence[torch.Tensor], dims: Sequence[DynamicDim], sizes: Sequence[int],
@@ -407,6 +475,10 @@ def bucket_analyses(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
         for dim, size in zip(dims, key):
             if size > 1:
                 padding[dim.name] = padding_problem(analysis.prepared, dim)[1] or "pads"
+                if padding[dim.name] != "pads":     # as a DynamicModel decides: perhaps its end pads
+                    found = end_padding_of(model, analysis.prepared, analysis.config.dtype, dims, dim, key,
+                                           pad_or_cut(example_inputs, dims, base, key), padding[dim.name])
+                    padding[dim.name] = found if isinstance(found, str) else "pads" + zeros_note(found[1])
         fused = analysis.fused
         records.append({"sizes": list(key), "launches": fused.kernel_launches, "bytes": fused.total_bytes,
                         "flops": fused.flops, "predicted_s": fused.predicted_time, "padding": padding})
