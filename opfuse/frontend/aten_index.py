@@ -87,7 +87,7 @@ def _counting(flat: torch.Tensor, count: int) -> list[int] | None:
     from opfuse.passes.fold_constants import smallest_broadcast
 
     compact = smallest_broadcast(flat)
-    if compact.numel() != count or not torch.equal(compact.reshape(-1), torch.arange(count)):
+    if compact.numel() != count or not torch.equal(compact.reshape(-1).cpu(), torch.arange(count)):
         return None
     return list(compact.shape)
 
