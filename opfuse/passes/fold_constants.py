@@ -27,6 +27,10 @@ Rules that keep folding from costing memory or traffic:
 - a folded constant is named after its largest input and the op (GPT-2's ``model_h_0_attn_c_attn_weight_permute``;
   a chain appends one op a step), so names depend on the graph alone; it keeps the folded node's ``source``.
 
+A selection (where) by a constant condition that is one value throughout is the operand it selects: transformers
+combine a padding mask with an all-true mask function this way, and the mask then stays the [batch, 1, 1, keys]
+broadcast it was instead of a [batch, 1, queries, keys] tensor written at every call.
+
 The arithmetic is the op's own, in the graph's dtypes (run after `cast_precision`, it computes what the unfolded
 graph would compute at run time).
 """
@@ -51,6 +55,7 @@ def fold_constants(graph: Graph) -> tuple[Graph, list[str]]:
     users = graph.users()
     for node in graph:  # a snapshot in topological order: a folded node makes its readers foldable in turn
         if not _foldable(graph, node, node.name in frontier):
+            _select_by_constant(graph, node, changes)
             continue
         value = _evaluate(graph, node)
         if value is None:
@@ -72,6 +77,35 @@ def fold_constants(graph: Graph) -> tuple[Graph, list[str]]:
     if changes:
         graph.sort()  # a new constant sits at the end, after its readers
     return graph, changes
+
+
+def _select_by_constant(graph: Graph, node: Node, changes: list[str]) -> None:
+    """A where whose condition is a constant one value throughout is the operand it selects, broadcast to the
+    where's shape and cast to its dtype (transformers' padding masks: where(true everywhere, mask, true))."""
+    if node.op != "where" or not graph.is_constant(node.inputs[0]) or node.name in graph.outputs:
+        return
+    condition = graph.constants[node.inputs[0]].reshape(-1)
+    if condition.numel() == 0 or not bool((condition == condition[0]).all()):
+        return
+    chosen = node.inputs[1 if bool(condition[0]) else 2]
+    value, shape = graph[chosen].type, node.type.shape
+    if value.dtype != node.type.dtype:
+        chosen = graph.add_node("cast", [chosen], TensorType(value.shape, node.type.dtype),
+                                {"dtype": node.type.dtype}, name=f"{node.name}_cast", source=node.source).name
+    if len(value.shape) < len(shape):
+        chosen = graph.add_node("reshape", [chosen], TensorType((1,) * (len(shape) - len(value.shape)) + value.shape,
+                                                                node.type.dtype),
+                                {"shape": [1] * (len(shape) - len(value.shape)) + list(value.shape)},
+                                name=f"{node.name}_reshape", source=node.source).name
+    if graph[chosen].type.shape != shape:
+        chosen = graph.add_node("expand", [chosen], node.type, {"shape": list(shape)}, name=f"{node.name}_expand",
+                                source=node.source).name
+    graph.replace_uses(node.name, chosen)
+    graph.remove(node.name)
+    for name in dict.fromkeys(node.inputs):
+        remove_if_unused(graph, name)
+    changes.append(f"replaced {node.name} by {chosen}: its condition {node.inputs[0]} is "
+                   f"{bool(condition[0])} everywhere")
 
 
 def is_pure(node: Node) -> bool:

@@ -865,3 +865,25 @@ def test_a_value_of_shapes_alone_folds_in_a_graph_cast_to_float16():
     with torch.no_grad():
         expected = model(x.half().float()).half()
     torch.testing.assert_close(interpret(prepared, [x.half()])[0], expected, rtol=2e-3, atol=2e-3)
+
+
+def test_fold_constants_replaces_a_where_by_a_constant_condition_by_the_operand_it_selects():
+    """transformers' padding mask: where(a mask function true everywhere, the [B, 1, 1, S] mask, true)."""
+    graph = Graph("mask")
+    mask = graph.add_input("mask", TensorType((2, 1, 1, 5), "float64")).name
+    everywhere = const(graph, "everywhere", torch.ones(1, 1, 5, 1, dtype=torch.bool))
+    keep = op(graph, "keep", "where", [everywhere, mask, const(graph, "low", rand())])
+    graph.outputs = [op(graph, "scores", "add", [keep, const(graph, "zero", rand(2, 1, 5, 5))])]
+    after, changes = run_pass(fold_constants, graph)
+    assert "where" not in {n.op for n in after} and {"everywhere", "low"}.isdisjoint(after.nodes)
+    assert after[after["scores"].inputs[0]].op == "expand" and changes[0].startswith("replaced keep by")
+    assert_same_numerics(graph, after)
+
+
+def test_fold_constants_keeps_a_where_whose_constant_condition_varies():
+    graph = Graph("mask")
+    mask = graph.add_input("mask", TensorType((2, 1, 1, 5), "float64")).name
+    triangle = const(graph, "triangle", torch.ones(5, 5, dtype=torch.bool).tril())
+    graph.outputs = [op(graph, "keep", "where", [triangle, mask, const(graph, "low", rand())])]
+    after, _ = run_pass(fold_constants, graph)
+    assert after["keep"].op == "where"
