@@ -169,7 +169,8 @@ def check_batch_free(graph: Graph, name: str, dim: int, rows: Rows) -> None:
 
 def same_for_every_row(graph: Graph, name: str, dim: int, rows: Rows) -> bool:
     """Whether the value `name` (no batch in it) is the same for every row along `dim`, which holds the batch as
-    `rows` say: a constant equal across the batch's digit of that dim, or an expand of size 1 along it."""
+    `rows` say: a constant equal across the batch's digit of that dim, an expand of size 1 along it, an embedding
+    of ids that are, or an elementwise op of operands that are."""
     node = graph[name]
     if node.op == "constant":
         tensor = graph.constants[name]
@@ -180,6 +181,17 @@ def same_for_every_row(graph: Graph, name: str, dim: int, rows: Rows) -> bool:
         source = graph[node.inputs[0]].type.shape
         inner = dim - (len(node.type.shape) - len(source))
         return inner < 0 or source[inner] == 1 or same_for_every_row(graph, node.inputs[0], inner, rows)
+    if node.op == "embedding" and dim < len(graph[node.inputs[1]].type.shape):   # rows of the table its ids pick
+        return same_for_every_row(graph, node.inputs[1], dim, rows)
+    if get_op(node.op).kind.elementwise and node.op != "batch_norm":
+        # computed from constants too large to fold (BERT's token-type embedding at batch 32 x 512): the same for
+        # every row where each operand is, broadcast from the right
+        for name in node.inputs:
+            shape = graph[name].type.shape
+            inner = dim - (len(node.type.shape) - len(shape))
+            if inner >= 0 and shape[inner] != 1 and not same_for_every_row(graph, name, inner, rows):
+                return False
+        return True
     return False
 
 

@@ -394,3 +394,26 @@ def test_every_registered_op_is_followed_or_refused_on_purpose():
     """A new op has no rule until one is written: the analysis refuses it (conservative), and this test names it."""
     followed = {name for name, op in REGISTRY.items() if op.kind.elementwise} | set(REDUCED_DIMS) | set(RULES)
     assert set(REGISTRY) - followed - {"input", "constant", "state", "reshape"} == {"opaque"}
+
+
+def test_an_unfolded_value_of_constants_the_same_for_every_row_lets_the_batch_pad():
+    """BERT's token-type embedding at a size too large to fold: embedding(table, expand(ids)) + x, computed from
+    constants alone and the same for every row; a table read by ids that vary along the batch is refused."""
+    from opfuse.ir.graph import TensorType
+    from opfuse.ir.ops import infer_type
+
+    def graph_of(ids: torch.Tensor) -> Graph:
+        graph = Graph("token_types")
+        x = graph.add_input("x", TensorType((B, 4, 8), "float32")).name
+        table = graph.add_constant("table", torch.randn(2, 8)).name
+        index = graph.add_constant("ids", ids).name
+        if ids.shape[0] == 1:
+            index = graph.add_node("expand", [index], TensorType((B, 4), "int64"), {"shape": [B, 4]}).name
+        types = [graph[table].type, graph[index].type]
+        picked = graph.add_node("embedding", [table, index], infer_type("embedding", types, {}), {}).name
+        graph.outputs = [graph.add_node("add", [x, picked], TensorType((B, 4, 8), "float32")).name]
+        return graph
+
+    assert row_dependence(graph_of(torch.zeros(1, 4, dtype=torch.int64))) is None
+    refused = row_dependence(graph_of((torch.arange(B)[:, None] % 2).expand(B, 4).contiguous()))
+    assert refused is not None and refused.node.op == "add"
