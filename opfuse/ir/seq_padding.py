@@ -185,6 +185,10 @@ class _Walk:
                     raise Mixes(f"moves {where} to dim {target}, which does not change with the size")
         if get_op(node.op).kind.elementwise:
             return {dim: self.elementwise_fill(node, maps, dim) for dim in out_dims}
+        if len(node.inputs) == 1 and (get_op(node.op).alias or node.op == "expand"):   # a view moves its entries
+            moved = {target: self.fills[node.inputs[0]].get(dim) for dim, target in enumerate(maps[0])
+                     if isinstance(target, int) and dim in self.seq[node.inputs[0]]}
+            return {dim: moved.get(dim) for dim in out_dims}
         if node.op == "softmax" and node.attrs["dim"] % len(node.type.shape) in out_dims:
             return {dim: (0.0 if dim == node.attrs["dim"] % len(node.type.shape) else None) for dim in out_dims}
         return {dim: None for dim in out_dims}
