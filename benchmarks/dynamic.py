@@ -16,6 +16,10 @@ per point, torch.compile's first call (and per recompile for the static one).
 
     python -m benchmarks.dynamic --out DIR --model resnet50 --dims batch=1:128 --points 1,3,17,64,128
     python -m benchmarks.dynamic --out DIR --model bert --dims batch=1:32,seq=1:512 --points 1x16,8x37,8x128
+    python -m benchmarks.dynamic --out DIR --model bert --mask --dims batch=1:64,seq=1:512 --points 8x37,32x200
+
+`--mask` calls a token model with an attention mask of ones beside its ids (as a server calls it), dynamic alike:
+the sequence then pads under the mask (zeros mask the padded keys) where the model's own mask would refuse it.
 
 Writes DIR/dynamic-<model>.json and prints one line per point.
 """
@@ -40,11 +44,11 @@ def parse_dims(text: str) -> dict[str, tuple[int, int]]:
     return dims
 
 
-def inputs_at(name: str, point: tuple[int, ...]) -> tuple:
+def inputs_at(name: str, point: tuple[int, ...], mask: bool = False) -> tuple:
     from opfuse.bench.zoo import load_builtin
 
     _, inputs = load_builtin(name, batch=point[0], **({"seq_len": point[1]} if len(point) > 1 else {}))
-    return inputs
+    return (*inputs, torch.ones_like(inputs[0])) if mask else inputs
 
 
 class DynamicCopy(torch.nn.Module):
@@ -90,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--points", default="1,3,17,64,128", help="sizes per point, 'x' between dims")
     parser.add_argument("--tune-top", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--mask", action="store_true", help="call the token model with an attention mask of ones")
     args = parser.parse_args(argv)
     dims = parse_dims(args.dims)
     points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
@@ -97,11 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
 
-    model, example = load_builtin(args.model, batch=points[0][0],
-                                  **({"seq_len": points[0][1]} if len(points[0]) > 1 else {}))
-    model, example = protocol_form(model, example, torch.float16, "cuda")
-    spec = ({i: torch.export.Dim(name, min=low, max=high) for i, (name, (low, high)) in enumerate(dims.items())},)
-    result = {"model": args.model, "dims": dims, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    model, _ = load_builtin(args.model, batch=points[0][0],
+                            **({"seq_len": points[0][1]} if len(points[0]) > 1 else {}))
+    model, example = protocol_form(model, inputs_at(args.model, points[0], args.mask), torch.float16, "cuda")
+    per_input = {i: torch.export.Dim(name, min=low, max=high) for i, (name, (low, high)) in enumerate(dims.items())}
+    spec = (per_input,) * len(example)
+    result = {"model": args.model, "mask": args.mask, "dims": dims, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "points": []}
     with torch.inference_mode():
         dynamic, seconds = timed(lambda: opfuse.compile(model, example, config, dynamic_shapes=spec))
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             inductor_dynamic = torch.compile(DynamicCopy(model), dynamic=True)
             inductor_static = torch.compile(StaticCopy(model), dynamic=False)
             for point in points:
-                _, inputs = protocol_form(model, inputs_at(args.model, point), torch.float16, "cuda")
+                _, inputs = protocol_form(model, inputs_at(args.model, point, args.mask), torch.float16, "cuda")
                 row: dict = {"point": point, "compile_s": {}}
                 before = set(dynamic.buckets)
                 _, row["compile_s"]["opfuse_dynamic"] = timed(dynamic, *inputs)

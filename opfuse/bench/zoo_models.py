@@ -209,7 +209,8 @@ def import_transformers(purpose: str):
 
 
 class LastHiddenState(nn.Module):
-    """A transformers model called with token ids only, returning its last hidden state [batch, seq, hidden].
+    """A transformers model called with token ids (and, where given, an attention mask: 1 attends, 0 masks),
+    returning its last hidden state [batch, seq, hidden].
 
     The transformers module is `self.model`, unchanged: what runs is the library's own code path.
     """
@@ -222,8 +223,10 @@ class LastHiddenState(nn.Module):
     def config(self):
         return self.model.config
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attention_mask is None:
+            return self.model(input_ids=input_ids).last_hidden_state
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
 def text_model_config(name: str, **config_overrides):
