@@ -79,6 +79,7 @@ class _Walk:
         self.seq: dict[str, tuple[int, ...]] = {}          # value -> its sequence dims
         self.fills: dict[str, dict[int, Fill]] = {}        # value computed from the inputs -> padded entries' fills
         self.checked: dict[str, Fill] = {}                 # static value checked -> its value where all one, else None
+        self.static_fills: dict[str, dict[int, Fill]] = {}  # static value checked -> its padded entries' fills
         self.least = 1
         name = next(iter(input_dims))
         self.size = graph[name].type.shape[input_dims[name]]
@@ -154,6 +155,7 @@ class _Walk:
         flat = value.reshape(-1)
         uniform = flat.numel() > 0 and bool((flat == flat[0]).all())
         self.checked[name] = flat[0].item() if uniform else None
+        self.static_fills[name] = {dim: padded_value(value, self.seq[name], dim) for dim in self.seq[name]}
         return self.checked[name]
 
     # ---- nodes -----------------------------------------------------------------------------------------------
@@ -264,13 +266,18 @@ class _Walk:
         for position, name in enumerate(node.inputs):
             held = [d for d, target in enumerate(maps[position]) if target == dim]
             if name in self.values.cone:
-                known.append(self.checked.get(name))
+                fills = self.static_fills.get(name, {})
+                known.append(fills.get(held[0]) if held and held[0] in fills else self.checked.get(name))
             elif held and held[0] in self.seq[name]:
                 known.append(self.fills[name].get(held[0]))
             else:
                 known.append(None)          # real values, broadcast along the padded positions
         if node.op == "where" and known[0] is not None:
             return known[1] if known[0] else known[2]
+        if node.op == "where" and node.inputs[0] == node.inputs[2] and known[1] is False:
+            return False                    # a and b (the capture's where(a, b, a)) with b False
+        if node.op == "where" and node.inputs[0] == node.inputs[1] and known[2] is True:
+            return True                     # a or b, where(a, a, b), with b True
         if node.op in ("add", "sub") and known.count(None) == 1:
             bias = known[1 - known.index(None)]
             if type(bias) is float and bias <= SATURATED and (node.op == "add" or known[0] is not None):
@@ -283,6 +290,23 @@ class _Walk:
         except Exception:       # an op that cannot run on scalars: its fill is unknown
             return None
         return result.item() if result.numel() == 1 else None
+
+
+def padded_value(value: torch.Tensor, dims: tuple[int, ...], dim: int) -> Fill:
+    """The one value a constant holds at every entry that may be padded along `dim` while real along its other
+    sequence dims `dims`, for any call size: the entries whose index along `dim` exceeds their index along each
+    other one (a causal triangle is False there), or, with no other, every entry past the first; None where they
+    differ."""
+    shape = value.shape
+    positions = [torch.arange(shape[d], device=value.device).reshape([-1 if e == d else 1 for e in range(len(shape))])
+                 for d in dims]
+    along = positions[dims.index(dim)]
+    others = [p for d, p in zip(dims, positions) if d != dim]
+    padded = along > (torch.stack(torch.broadcast_tensors(*others)).amax(0) if others else 0)
+    picked = value[padded.expand(shape)] if others or along.numel() > 1 else value.new_empty(0)
+    if picked.numel() == 0 or not bool((picked == picked.reshape(-1)[0]).all()):
+        return None
+    return picked.reshape(-1)[0].item()
 
 
 def end_padding(graph: Graph, reference: Graph, input_dims: Mapping[str, int],

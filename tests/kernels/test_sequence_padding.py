@@ -119,6 +119,7 @@ def test_a_causal_mask_and_a_padding_mask_together_pad_and_a_slice_of_the_first_
     seq = Dim("seq", max=8)
     compiled = opfuse.compile(model, tokens(2, 8), CONFIG, dynamic_shapes=({1: seq}, {1: seq}))
     assert compiled.buckets[(8,)].least["seq"] == 6       # the slice reads positions 0-5 at every size
+    assert compiled.buckets[(8,)].zero_filled["seq"] == ()   # the causal triangle masks the padded keys alone
     check(compiled, model, *tokens(2, 7))
     assert (7,) not in compiled.buckets                    # padded on bucket 8
     check(compiled, model, *tokens(2, 5))                  # below the slice's end: exact sizes
