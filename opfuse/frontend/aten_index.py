@@ -1,15 +1,15 @@
-"""ATen handlers of indexed reads and writes (`opfuse.frontend.aten_ops`), as index maps of the IR: gather,
-advanced indexing (`x[i, j]`), the functional writes of a slice or a select back into a tensor (slice_scatter, select_scatter, which torch.export
-makes of `x[:, 1:] = y` on a fresh tensor: BART's shift of its decoder tokens), and the fills and copies such
-writes carry.
+"""ATen handlers of indexed reads and writes (`opfuse.frontend.aten_ops`), as index maps of the IR: gather, advanced
+indexing (`x[i, j]`), the functional writes of a slice or a select back into a tensor (slice_scatter,
+select_scatter, which torch.export makes of `x[:, 1:] = y` on a fresh tensor: BART's shift of its decoder tokens),
+and the fills and copies such writes carry.
 
 Advanced indexing by k index tensors in adjacent dims reads x seen with those dims merged into one, at the flat
-index sum(wrap(i_j) * stride_j) (a take): a flat index known at compile time that counts 0, 1, 2, ... is no gather but
-a view of x (transformers' padding masks, `mask[batch_arange, key_arange]`), a reshape and expand.
+index sum(wrap(i_j) * stride_j) (a take): a flat index known at compile time that counts 0, 1, 2, ... is no gather
+but a view of x (transformers' padding masks, `mask[batch_arange, key_arange]`), a reshape and expand.
 
 A scatter is the written value padded to the base's shape, picked over the base where a constant mask of the
-written positions is true: `where(mask, pad(src), base)`, all three index maps an elementwise kernel computes on its
-loads (`opfuse.codegen.operands`), exactly for integers.
+written positions is true: `where(mask, pad(src), base)`, all three index maps an elementwise kernel computes on
+its loads (`opfuse.codegen.operands`), exactly for integers.
 """
 
 from __future__ import annotations

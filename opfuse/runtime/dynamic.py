@@ -415,7 +415,8 @@ def zeros_note(inputs: Sequence[int]) -> str:
 
 
 def end_padding_of(model: Any, graph: Graph, dtype: str, dims: Sequence[DynamicDim], dim: DynamicDim,
-                   sizes: Sequence[int], inputs: Sequence[torch.Tensor], rows: str) -> tuple[Any, tuple[int, ...]] | str:
+                   sizes: Sequence[int], inputs: Sequence[torch.Tensor], rows: str
+                   ) -> tuple[Any, tuple[int, ...]] | str:
     """Whether `graph` (`model` prepared in `dtype` at `sizes`, from `inputs`), whose rows along `dim` interact as
     `rows` says, may be padded at the end of `dim` for some choice of inputs padded with zeros
     (`opfuse.ir.seq_padding`, against the model traced one position shorter): (its EndPadding, those inputs), or
@@ -443,7 +444,7 @@ def end_padding_of(model: Any, graph: Graph, dtype: str, dims: Sequence[DynamicD
             found = end_padding(graph, reference, input_dims, [names[i] for i in zeros])
             if hasattr(found, "cuts"):
                 return found, zeros
-            why = str(found) if why is rows else why     # the first refusal of padding the end
+            why = f"{rows}; nor may its end be padded: {found}" if why is rows else why   # the first refusal
     return why
 
 

@@ -11,9 +11,11 @@ A call at sizes a compiled model holds runs on it unpadded, bit for bit as the m
 other sizes runs on the smallest model whose sizes hold them, its inputs padded along each dim it grows (their last
 slice repeated: real data, so no padded row is degenerate, as a row of zeros would be for an attention mask) and its
 outputs cut back, only where padding cannot change a result: each model's plan graph a call may be padded up to is
-checked at load (`padding_refusals`, by `opfuse.runtime.dynamic.padding_problem` and `opfuse.ir.rows`). Where some
-node may mix rows along that dim (a softmax over the batch, `x - x.mean(0)`, attention over a padded sequence), the
-package runs only the sizes it holds, and a call at others is an error naming that node and the sizes held
+checked at load (`padding_refusals`, by `opfuse.runtime.dynamic.padding_problem` and `opfuse.ir.rows`, or for a
+sequence whose positions interact by `opfuse.ir.seq_padding` against the next smaller size held: attention under an
+attention mask, padded with zeros, or causal). Where some node may mix rows along that dim (a softmax over the
+batch, `x - x.mean(0)`, attention over a padded sequence without a mask), the package runs only the sizes it holds,
+and a call at others is an error naming that node and the sizes held
 (`PackagedModel.padding_refused_because` says why; `warn_if_exact_sizes` says it at save). A call larger than every
 size held is an error naming the sizes the package holds.
 """
@@ -73,25 +75,75 @@ def batch_dim(batches: Sequence[int], input_count: int) -> DynamicDim:
     return DynamicDim("batch", 1, None, tuple((index, 0) for index in range(input_count)))
 
 
+@dataclass
+class Padding:
+    """How a call may be padded up to one profile: per dynamic dim, the output dims a padded run is cut back along
+    (an int, or a tuple of dims), or why it may not be padded; the inputs padded with zeros and the smallest size
+    served, where the sequence pads at its end (`opfuse.ir.seq_padding`)."""
+
+    cuts: dict[str, dict[str, Any]]
+    refused: dict[str, str]
+    zero_filled: dict[str, tuple[int, ...]]
+    least: dict[str, int]
+
+    def pads(self, name: str, size: int) -> bool:
+        return name not in self.refused and size >= self.least.get(name, 1)
+
+
 def padding_refusals(dims: Sequence[DynamicDim], profiles: Sequence[tuple[tuple[int, ...], bool, Graph]]
-                     ) -> dict[tuple[int, ...], tuple[dict[str, dict[str, int | None]], dict[str, str]]]:
+                     ) -> dict[tuple[int, ...], Padding]:
     """For each profile (its sizes, whether it holds exact sizes only, its plan graph) a call may be padded up to:
-    per dynamic dim, the output dims a padded run is cut back along, or why it may not be padded
-    (`opfuse.runtime.dynamic.padding_problem`). A size of 1 pads nothing, and a trace at size 1 cannot tell that
-    dim from any other of size 1: it is not asked."""
+    per dynamic dim, whether and how a padded call runs on it (`Padding`): every output row from its own input row
+    (`opfuse.runtime.dynamic.padding_problem`); or else no real position reading the padded end of the sequence
+    (`opfuse.ir.seq_padding.end_padding`), checked against the profile the package holds at the next smaller size
+    along that dim (the others alike), whose positions the constants are compared on: fewer than the compile's
+    trace one position shorter compares. A size of 1 pads nothing, and a trace at size 1 cannot tell that dim from
+    any other of size 1: it is not asked."""
     found = {}
     for sizes, exact, graph in profiles:
-        cuts, refused = {}, {}
+        padding = Padding({}, {}, {}, {})
         if not exact:
-            for dim, size in zip(dims, sizes):
+            for position, (dim, size) in enumerate(zip(dims, sizes)):
                 if size > 1:
                     held, problem = padding_problem(graph, dim)
+                    if problem is not None:
+                        problem = _end_padding(padding, dims, position, sizes, graph, profiles, problem)
                     if problem is None:
-                        cuts[dim.name] = held
+                        padding.cuts.setdefault(dim.name, held)
                     else:
-                        refused[dim.name] = problem
-        found[sizes] = (cuts, refused)
+                        padding.refused[dim.name] = problem
+        found[sizes] = padding
     return found
+
+
+def _end_padding(padding: Padding, dims: Sequence[DynamicDim], position: int, sizes: tuple[int, ...], graph: Graph,
+                 profiles: Sequence[tuple[tuple[int, ...], bool, Graph]], rows: str) -> str | None:
+    """`padding_refusals`' second way: None where the end of dim `position` pads (`padding` filled in), else why
+    not."""
+    import itertools
+
+    from opfuse.ir.seq_padding import end_padding
+
+    dim = dims[position]
+    smaller = [(other[position], reference) for other, _, reference in profiles
+               if other[position] < sizes[position] and all(o == s for i, (o, s) in enumerate(zip(other, sizes))
+                                                            if i != position)]
+    if not smaller:
+        return rows
+    _, reference = max(smaller, key=lambda pair: pair[0])
+    names = [node.name for node in graph.input_nodes]
+    input_dims = {names[index]: axis for index, axis in dim.uses}
+    users = [index for index, _ in dim.uses]
+    why = rows
+    for count in range(len(users) + 1):
+        for zeros in itertools.combinations(users, count):
+            found = end_padding(graph, reference, input_dims, [names[i] for i in zeros])
+            if hasattr(found, "cuts"):
+                padding.cuts[dim.name], padding.zero_filled[dim.name] = found.cuts, zeros
+                padding.least[dim.name] = found.least
+                return None
+            why = f"{rows}; nor may its end be padded: {found}" if why is rows else why
+    return why
 
 
 def exact_sizes_message(where: str, dims: Sequence[DynamicDim], held: Sequence[tuple[int, ...]], problem: str
@@ -109,7 +161,7 @@ def warn_if_exact_sizes(dims: Sequence[DynamicDim], profiles: Sequence[tuple[tup
     `padding_refusals`); returns the reason, or None."""
     if len(profiles) < 2:
         return None
-    problem = next((why for _, refused in padding_refusals(dims, profiles).values() for why in refused.values()),
+    problem = next((why for padding in padding_refusals(dims, profiles).values() for why in padding.refused.values()),
                    None)
     if problem is not None:
         warnings.warn(exact_sizes_message(where, dims, [sizes for sizes, _, _ in profiles], problem), stacklevel=3)
@@ -155,8 +207,8 @@ class PackagedModel(torch.nn.Module):
         self._padding = padding_refusals(self.dims, [(p.sizes, p.exact, p.compiled.plan.graph)
                                                      for p in self._profiles])
         # why a call between the sizes held is refused instead of padded (None: it is padded, or nothing varies)
-        self.padding_refused_because = next((why for _, refused in self._padding.values()
-                                             for why in refused.values()), None)
+        self.padding_refused_because = next((why for padding in self._padding.values()
+                                             for why in padding.refused.values()), None)
 
     @property
     def name(self) -> str:
@@ -204,13 +256,14 @@ class PackagedModel(torch.nn.Module):
             profile, sizes = self._choose(sizes)
         padded = sizes != profile.sizes
         if padded:
-            inputs = tuple(pad_inputs(inputs, self.dims, sizes, profile.sizes))
+            inputs = tuple(pad_inputs(inputs, self.dims, sizes, profile.sizes,
+                                      self._padding[profile.sizes].zero_filled))
         outputs = profile.compiled.run_matching(inputs)
         flat = list(outputs) if isinstance(outputs, tuple) else [outputs]
         flat = [out if out.dtype == dtype else out.to(dtype) for out, dtype in zip(flat, profile.output_dtypes)]
         if padded:
             flat = cut_outputs(flat, profile.compiled.plan.graph.outputs, self.dims, sizes, profile.sizes,
-                               self._padding[profile.sizes][0])
+                               self._padding[profile.sizes].cuts)
         return flat[0] if profile.output_spec.is_leaf() else tree_unflatten(flat, profile.output_spec)
 
     def _check_fixed(self, inputs: Sequence[Any]) -> None:
@@ -234,9 +287,11 @@ class PackagedModel(torch.nn.Module):
                 return profile, sizes
             if profile.exact or any(s > p for s, p in zip(sizes, profile.sizes)):
                 continue
-            refused = self._padding[profile.sizes][1]
-            why = next((refused[dim.name] for dim, s, p in zip(self.dims, sizes, profile.sizes)
-                        if s != p and dim.name in refused), None)
+            padding = self._padding[profile.sizes]
+            why = next((padding.refused.get(dim.name, f"{dim.name} {s} is below the {padding.least.get(dim.name)} "
+                                            "positions a slice of the model reads")
+                        for dim, s, p in zip(self.dims, sizes, profile.sizes)
+                        if s != p and not padding.pads(dim.name, s)), None)
             if why is None:
                 return profile, sizes
             refusal = refusal or why

@@ -13,6 +13,7 @@ from torch.export import Dim
 
 import opfuse
 from opfuse.api import capture
+from opfuse.ir.graph import GraphError
 from opfuse.ir.seq_padding import end_padding
 from opfuse.passes.manager import prepare_graph
 
@@ -192,3 +193,24 @@ def test_analyze_over_the_buckets_says_the_sequence_pads_under_the_mask_as_the_c
     padding = {tuple(r["sizes"]): r["padding"].get("seq") for r in records}
     assert padding[(8,)] == padding[(4,)] == "pads (input 1 padded with zeros)"
     assert padding[(1,)] is None                             # nothing below size 1 to pad
+
+
+def test_a_package_pads_its_sequence_under_the_mask_checked_against_the_next_smaller_size_it_holds(tmp_path):
+    model = make(MaskedAttention)
+    seq = Dim("seq", max=8)
+    compiled = opfuse.compile(model, tokens(2, 8), CONFIG, dynamic_shapes=({1: seq}, {1: seq}))
+    compiled.compile_buckets()
+    loaded = opfuse.load(opfuse.save(compiled, tmp_path / "masked.opfuse"), "cpu")
+    assert loaded.padding_refused_because is None
+    for size in (7, 5, 3, 8):
+        inputs = tokens(2, size)
+        torch.testing.assert_close(loaded(*inputs), compiled(*inputs), rtol=0, atol=0)
+
+
+def test_a_package_without_a_smaller_size_to_compare_with_refuses_to_pad_its_sequence(tmp_path):
+    model = make(MaskedAttention)
+    seq = Dim("seq", min=5, max=8)
+    compiled = opfuse.compile(model, tokens(2, 8), CONFIG, dynamic_shapes=({1: seq}, {1: seq}))
+    loaded = opfuse.load(opfuse.save(compiled, tmp_path / "masked.opfuse"), "cpu")
+    with pytest.raises(GraphError, match="never a seq padded up to one of them"):
+        loaded(*tokens(2, 6))
