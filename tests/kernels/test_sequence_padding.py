@@ -214,3 +214,25 @@ def test_a_package_without_a_smaller_size_to_compare_with_refuses_to_pad_its_seq
     loaded = opfuse.load(opfuse.save(compiled, tmp_path / "masked.opfuse"), "cpu")
     with pytest.raises(GraphError, match="never a seq padded up to one of them"):
         loaded(*tokens(2, 6))
+
+
+def test_the_backend_with_dynamic_shapes_pads_the_sequence_under_the_mask(monkeypatch):
+    from opfuse.runtime import dynamic
+
+    built = []
+    original = dynamic.DynamicModel.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append(self)
+    monkeypatch.setattr(dynamic.DynamicModel, "__init__", record)
+    torch._dynamo.reset()
+    model = make(MaskedAttention)
+    compiled = torch.compile(model, backend="opfuse", dynamic=True)
+    with torch.no_grad():
+        for size in (8, 7, 5):
+            check(compiled, model, *tokens(2, size))
+    torch._dynamo.reset()
+    (dynamic_model,) = built
+    assert sorted(dynamic_model.buckets) == [(2, 8)]              # 7 and 5 ran padded on it
+    assert list(dynamic_model.buckets[(2, 8)].zero_filled.values()) == [(1,)]
