@@ -51,6 +51,8 @@ class FusionConfig:
     verify: bool = True
     fallback: str = "error"             # "error": raise on a failed compile; "eager": return the eager model
     recompile: bool = False             # inputs of another shape/dtype/device: compile for them instead of raising
+    bucket_steps: int = 1               # a dynamic dim's buckets per power of two (runtime.dynamic.bucket_sizes): more
+                                        # buckets, each a compile at its first call, pad a call less
     memory_limit: int | None = None     # bytes a compile may use; None: free CUDA memory / available host memory
     cache_dir: str | None = None        # autotune cache; default ~/.cache/opfuse
     debug_dir: str | None = None        # where each stage dumps what it made

@@ -5,7 +5,8 @@ forward's argument names), None for an input of fixed shape, or {dim: torch.expo
 inputs that share a Dim object share its size. A Dim without a max is unbounded.
 
 Each dynamic dim's range is cut into buckets: the powers of two inside it, and its max (`bucket_sizes`: 1..64 gives
-1, 2, 4, 8, 16, 32, 64). A call's size along each dim picks the smallest bucket that holds it, and the bucket's
+1, 2, 4, 8, 16, 32, 64); `FusionConfig.bucket_steps` puts more between each two (2: 1, 2, 3, 4, 6, 8, 12, ...), a
+compile each, for less padding. A call's size along each dim picks the smallest bucket that holds it, and the bucket's
 model, compiled and tuned at the bucket's sizes (its kernels, tiles and CUDA graph its own), runs the call:
 - at exactly the bucket's sizes, as is;
 - at smaller sizes, padded up to the bucket's (the inputs' last slice repeated along each padded dim) and the outputs
@@ -27,6 +28,7 @@ each bucket its own compile (run-time sizes in the kernels would let one compile
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 import threading
 import time
@@ -53,22 +55,38 @@ class DynamicDim:
         return f"{self.name} in [{self.min}, {'inf' if self.max is None else self.max}]"
 
 
-def bucket_sizes(dim: DynamicDim, up_to: int | None = None) -> list[int]:
-    """The bucket sizes of `dim`: the powers of two in its range and its max, smallest first (an unbounded dim's up
-    to the first at or past `up_to`)."""
+def bucket_sizes(dim: DynamicDim, up_to: int | None = None, steps: int = 1) -> list[int]:
+    """The bucket sizes of `dim`, smallest first: its powers of two, with `steps` - 1 more between each two (evenly on
+    a log scale, rounded up: 2 steps give 1, 2, 3, 4, 6, 8, 12, 16, 23, 32, ...), inside its range, and its max (an
+    unbounded dim's up to the first at or past `up_to`)."""
     limit = dim.max if dim.max is not None else max(up_to or dim.min, dim.min)
-    sizes, size = [], 1
-    while size < limit:
+    sizes: list[int] = []
+    for size in _ladder(steps):
+        if size >= limit:
+            sizes.append(limit if dim.max is not None else size)
+            return sizes
         if size >= dim.min:
             sizes.append(size)
-        size *= 2
-    sizes.append(limit if dim.max is not None else size)
-    return sizes
+    raise AssertionError("the ladder of bucket sizes is endless")
 
 
-def bucket_of(dim: DynamicDim, size: int) -> int:
+def _ladder(steps: int):
+    """1, then ceil(2 ** (k + i / steps)) for k = 0, 1, ... and i < steps, each once, increasing."""
+    if steps < 1:
+        raise ValueError(f"bucket steps must be at least 1, got {steps}")
+    last, octave = 0, 0
+    while True:
+        for i in range(steps):
+            size = math.ceil(2 ** (octave + i / steps) - 1e-9)
+            if size > last:
+                last = size
+                yield size
+        octave += 1
+
+
+def bucket_of(dim: DynamicDim, size: int, steps: int = 1) -> int:
     """The smallest bucket size of `dim` that holds `size`."""
-    return next(b for b in bucket_sizes(dim, size) if b >= size)
+    return next(b for b in bucket_sizes(dim, size, steps) if b >= size)
 
 
 def parse_dynamic_shapes(dynamic_shapes: Any, example_inputs: Sequence[torch.Tensor],
@@ -322,7 +340,7 @@ class DynamicModel(torch.nn.Module):
         return self.compiled.fallbacks
 
     def bucket_sizes_of(self, sizes: Sequence[int]) -> tuple[int, ...]:
-        return tuple(bucket_of(dim, size) for dim, size in zip(self.dims, sizes))
+        return tuple(bucket_of(dim, size, self.config.bucket_steps) for dim, size in zip(self.dims, sizes))
 
     def compile_buckets(self, sizes: Mapping[str, Sequence[int]] | None = None) -> None:
         """Compile the buckets now (all of each bounded dim's, or those of `sizes`: dim name -> sizes), so that no
@@ -332,7 +350,9 @@ class DynamicModel(torch.nn.Module):
             wanted = (sizes or {}).get(dim.name)
             if wanted is None and dim.max is None:
                 raise GraphError(f"dynamic dim {dim.name} is unbounded: name the sizes to compile")
-            choices.append(sorted({bucket_of(dim, s) for s in wanted}) if wanted else bucket_sizes(dim))
+            steps = self.config.bucket_steps
+            choices.append(sorted({bucket_of(dim, s, steps) for s in wanted}) if wanted
+                           else bucket_sizes(dim, None, steps))
         import itertools
 
         for key in itertools.product(*choices):
@@ -470,7 +490,7 @@ def bucket_analyses(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
 
     base = [example_inputs[dim.uses[0][0]].shape[dim.uses[0][1]] for dim in dims]   # the example may lie outside
     records = []
-    for key in itertools.product(*(bucket_sizes(dim) for dim in dims)):
+    for key in itertools.product(*(bucket_sizes(dim, None, config.bucket_steps) for dim in dims)):
         analysis = analyze(model, pad_or_cut(example_inputs, dims, base, key), config)
         padding = {}
         for dim, size in zip(dims, key):

@@ -70,6 +70,22 @@ def test_buckets_are_the_powers_of_two_in_the_range_and_its_max():
     assert [bucket_of(DynamicDim("s", 1, 100, ()), n) for n in (1, 3, 64, 65, 100)] == [1, 4, 64, 100, 100]
 
 
+def test_more_bucket_steps_put_sizes_between_the_powers_of_two():
+    assert bucket_sizes(DynamicDim("s", 1, 64, ()), steps=2) == [1, 2, 3, 4, 6, 8, 12, 16, 23, 32, 46, 64]
+    assert bucket_sizes(DynamicDim("s", 5, 100, ()), steps=2) == [6, 8, 12, 16, 23, 32, 46, 64, 91, 100]
+    sizes = bucket_sizes(DynamicDim("s", 1, 512, ()), steps=4)
+    assert all(b / a <= 1.25 for a, b in zip(sizes[8:], sizes[9:]))     # past 8, a call pads at most 25%
+    assert bucket_of(DynamicDim("s", 1, 512, ()), 200, steps=4) == 216
+
+
+def test_a_dynamic_model_with_more_bucket_steps_pads_to_the_nearer_bucket():
+    model = make(RowWise)
+    config = opfuse.FusionConfig(dtype="float32", bucket_steps=2)
+    compiled = opfuse.compile(model, (torch.randn(4, 8),), config, dynamic_shapes=({0: Dim("batch", max=16)},))
+    check(compiled, model, torch.randn(5, 8))
+    assert sorted(compiled.buckets) == [(4,), (6,)]         # 5 padded to 6, not 8
+
+
 def test_a_row_wise_model_serves_its_range_padding_within_a_bucket():
     model = make(RowWise)
     compiled = opfuse.compile(model, (torch.randn(4, 8),), CONFIG, dynamic_shapes=({0: Dim("batch", max=16)},))
