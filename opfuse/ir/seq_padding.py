@@ -15,8 +15,9 @@ its sequence dims) are the model's at s:
   bias) must equal the reference's on its first s' positions along its sequence dims, and all of it where it has
   none: a constant that depends on the size otherwise is refused;
 - attention over the sequence as its keys only where padded keys are masked: the mask's padded entries are False,
-  or an additive bias of at most `MASKED` (float16's lowest: transformers' mask value in every dtype is at most
-  that) or -inf; or the attention is causal with its queries the same sequence. A softmax over the sequence
+  or an additive bias of at most `MASKED` (-10000: transformers' dtype minimum, -1e9 and -inf all are) or -inf,
+  assuming the scores it is added to lie within 4900 of each other (exp then underflows to 0 in float32); or the
+  attention is causal with its queries the same sequence. A softmax over the sequence
   likewise (its padded outputs are then exactly 0), and a product contracting the sequence only where one operand's
   padded entries are exactly 0 (those probabilities);
 - a scan along the sequence (cumsum) reads only the positions before each: kept;
@@ -48,8 +49,8 @@ from opfuse.ir.ops import get_op
 from opfuse.ir.rows import CONTRACTS, KEYS, SCANS, UNREADABLE, Mixes, RowDependence, dim_maps
 
 Fill = "bool | int | float | None"      # the value of a value's padded entries along one of its sequence dims
-MASKED = -65504.0       # an additive bias at most this gives a key probability 0 (float16's lowest value)
-SATURATED = -1e30       # a bias at most this stays at most MASKED whatever finite score is added to it
+MASKED = -1e4           # an additive bias at most this gives a key probability 0 (exp underflows in float32)
+SATURATED = -2e4        # a bias at most this stays at most MASKED whatever score (under 1e4) is added to it
 
 
 @dataclass(frozen=True)

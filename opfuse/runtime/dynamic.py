@@ -439,8 +439,8 @@ def end_padding_of(model: Any, graph: Graph, dtype: str, dims: Sequence[DynamicD
                    ) -> tuple[Any, tuple[int, ...]] | str:
     """Whether `graph` (`model` prepared in `dtype` at `sizes`, from `inputs`), whose rows along `dim` interact as
     `rows` says, may be padded at the end of `dim` for some choice of inputs padded with zeros
-    (`opfuse.ir.seq_padding`, against the model traced one position shorter): (its EndPadding, those inputs), or
-    why not. An ONNX model is not traced again: `rows` stands."""
+    (`opfuse.ir.seq_padding`, against the model traced one position shorter, or an ONNX model imported at those
+    sizes): (its EndPadding, those inputs), or why not."""
     import itertools
 
     from opfuse.api import capture
@@ -448,11 +448,19 @@ def end_padding_of(model: Any, graph: Graph, dtype: str, dims: Sequence[DynamicD
     from opfuse.passes.manager import prepare_graph
 
     size = sizes[list(dims).index(dim)]
-    if not isinstance(model, torch.nn.Module) or size - 1 < max(dim.min, 1):
+    if size - 1 < max(dim.min, 1):
         return rows
-    shorter = [s - (d is dim) for d, s in zip(dims, sizes)]
+    shorter = pad_or_cut(inputs, dims, sizes, [s - (d is dim) for d, s in zip(dims, sizes)])
     try:
-        reference, _ = prepare_graph(capture(model, pad_or_cut(inputs, dims, sizes, shorter)), dtype)
+        if not isinstance(model, torch.nn.Module):      # an ONNX model, imported at the shorter sizes
+            from opfuse.frontend.onnx_compile import constant_inputs
+            from opfuse.frontend.onnx_import import _read_model
+            from opfuse.frontend.onnx_module import onnx_module
+
+            if constant_inputs(_read_model(model)):     # its shape inputs read as constants: not compared
+                return rows
+            model = onnx_module(model, shorter).eval()
+        reference, _ = prepare_graph(capture(model, shorter), dtype)
     except GraphError as error:
         return f"{rows}; the model traced at {size - 1} positions failed: {error}"
     names = [node.name for node in graph.input_nodes]

@@ -220,3 +220,50 @@ def test_an_onnx_model_with_symbolic_dims_serves_their_ranges_from_one_compile(s
         assert not bucket.refused and (3, 7) not in compiled.buckets
     else:               # the softmax over the sequence mixes its positions: (3, 7) compiled at its own sizes
         assert list(bucket.refused) == ["seq"] and (3, 7) in compiled.buckets
+
+
+def masked_attention_model() -> onnx.ModelProto:
+    """x [batch, seq, 8], mask [batch, seq] (1 attends, 0 masks; both symbolic) -> softmax(x xᵀ + (1 - mask) * -1e9)
+    x: attention under a padding mask, as exported encoders compute it."""
+    rng = np.random.default_rng(2)
+    weights = {"w": rng.standard_normal((8, 8)).astype(np.float32) * 0.5, "one": np.array(1.0, np.float32),
+               "low": np.array(-1e9, np.float32), "axis": np.array([1], np.int64)}
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["q"]),
+             helper.make_node("Transpose", ["x"], ["kt"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["q", "kt"], ["scores"]),
+             helper.make_node("Sub", ["one", "mask"], ["masked"]),
+             helper.make_node("Mul", ["masked", "low"], ["bias_rows"]),
+             helper.make_node("Unsqueeze", ["bias_rows", "axis"], ["bias"]),
+             helper.make_node("Add", ["scores", "bias"], ["biased"]),
+             helper.make_node("Softmax", ["biased"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "x"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 8]),
+              helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["batch", "seq"])]
+    graph = helper.make_graph(nodes, "masked", inputs,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 8])],
+                              initializer=[numpy_helper.from_array(a, n) for n, a in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_an_onnx_model_pads_its_sequence_under_an_attention_mask():
+    """The ONNX model imported one position shorter is the reference the sequence padding checks against: a call at
+    7 runs padded on bucket 8, the mask padded with zeros, equal to the reference evaluator."""
+    from torch.export import Dim
+
+    model = masked_attention_model()
+    generator = torch.Generator().manual_seed(0)
+    seq = Dim("seq", max=8)
+
+    def call(length: int):
+        mask = torch.ones(2, length)
+        mask[1, length - 2:] = 0
+        return torch.randn(2, length, 8, generator=generator), mask
+
+    compiled = opfuse.compile(model, call(8), opfuse.FusionConfig(dtype="float32"),
+                              dynamic_shapes={"x": {1: seq}, "mask": {1: seq}})
+    reference = ReferenceEvaluator(model)
+    for length in (7, 5):
+        x, mask = call(length)
+        want = reference.run(None, {"x": x.numpy(), "mask": mask.numpy()})[0]
+        np.testing.assert_allclose(compiled(x, mask).numpy(), want, rtol=1e-5, atol=1e-6)
+    assert sorted(compiled.buckets) == [(8,)] and compiled.buckets[(8,)].zero_filled["seq"] == (1,)
