@@ -23,6 +23,7 @@ its sequence dims) are the model's at s:
 - a scan along the sequence (cumsum) reads only the positions before each: kept;
 - a slice along the sequence that keeps positions [start, end) at both sizes reads the first `end` positions
   (`EndPadding.least`: the smallest call padding may serve);
+- an attr other than a size (`SIZE_ATTRS`) that differs between the two traces (a roll by the length) is refused;
 - anything else along the sequence (an opaque op, a reduction, a slice from the end) is refused, naming the node.
 
 What padded entries hold is followed as far as a mask needs (`Fill`): an input is padded with copies of its last
@@ -51,6 +52,21 @@ from opfuse.ir.rows import CONTRACTS, KEYS, SCANS, UNREADABLE, Mixes, RowDepende
 Fill = "bool | int | float | None"      # the value of a value's padded entries along one of its sequence dims
 MASKED = -1e4           # an additive bias at most this gives a key probability 0 (exp underflows in float32)
 SATURATED = -2e4        # a bias at most this stays at most MASKED whatever score (under 1e4) is added to it
+
+
+# attrs that may differ between the two traces: sizes, whose effect shows in the shapes the walk reads (a reshape's
+# target, a whole slice's end), and an opaque call's function (a closure of each trace)
+SIZE_ATTRS = frozenset({"shape", "size", "end", "fn"})
+
+
+def _same(a: object, b: object) -> bool:
+    try:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
+                bool(torch.equal(a.cpu(), b.cpu()))
+        return bool(a == b)
+    except Exception:       # values that cannot be compared are taken to differ
+        return False
 
 
 @dataclass(frozen=True)
@@ -117,6 +133,11 @@ class _Walk:
         if other is None or other.op != node.op or other.inputs != node.inputs:
             raise Mixes(f"is not the same node in the model traced at {self.reference_size} positions: the graph "
                         "changes with the size")
+        for key in node.attrs.keys() | other.attrs.keys():
+            mine, theirs = node.attrs.get(key), other.attrs.get(key)
+            if key not in SIZE_ATTRS and not _same(mine, theirs):
+                raise Mixes(f"has {key} {mine!r} at {self.size} positions and {theirs!r} at {self.reference_size}: "
+                            "it computes otherwise at another size")
         shape, other_shape = node.type.shape, other.type.shape
         if len(shape) != len(other_shape):
             raise Mixes(f"has rank {len(shape)} at {self.size} positions and {len(other_shape)} at "

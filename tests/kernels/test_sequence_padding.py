@@ -236,3 +236,14 @@ def test_the_backend_with_dynamic_shapes_pads_the_sequence_under_the_mask(monkey
     (dynamic_model,) = built
     assert sorted(dynamic_model.buckets) == [(2, 8)]              # 7 and 5 ran padded on it
     assert list(dynamic_model.buckets[(2, 8)].zero_filled.values()) == [(1,)]
+
+
+def test_an_op_whose_attrs_follow_the_size_is_refused_even_off_the_sequence():
+    class RolledByLength(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.roll(x, x.shape[1], 2)      # a roll along the features by the length
+
+    model = make(RolledByLength)
+    long, short = graphs(model, (torch.randn(2, 8, 5),), (torch.randn(2, 7, 5),))
+    refused = end_padding(long, short, {long.input_nodes[0].name: 1})
+    assert "computes otherwise at another size" in refused.why
