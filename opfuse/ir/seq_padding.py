@@ -26,6 +26,12 @@ its sequence dims) are the model's at s:
 - an attr other than a size (`SIZE_ATTRS`) that differs between the two traces (a roll by the length) is refused;
 - anything else along the sequence (an opaque op, a reduction, a slice from the end) is refused, naming the node.
 
+Whether padded entries are finite is followed too (`taints`): a masked softmax gives its padded keys probability 0,
+and a product their values times 0, only where the scores and values there are finite. Padded copies of real
+positions compute finite values as the real ones do; values computed from an input padded with zeros may not be
+(a division by the mask), and where the walk loses track of them through an op that can make an infinity, they
+may not be read by attention, a masked product or a saturated bias.
+
 What padded entries hold is followed as far as a mask needs (`Fill`): an input is padded with copies of its last
 position (unknown, None) or, where `zero_filled` names it, with zeros (an attention mask: 0 masks a key); an
 elementwise op whose operands' padded entries are known computes its own (a mask cast to bool, combined with a
@@ -53,6 +59,11 @@ Fill = "bool | int | float | None"      # the value of a value's padded entries 
 MASKED = -1e4           # an additive bias at most this gives a key probability 0 (exp underflows in float32)
 SATURATED = -2e4        # a bias at most this stays at most MASKED whatever score (under 1e4) is added to it
 
+
+# elementwise ops that make no infinity of finite operands: a known padded value they lose track of stays finite
+FINITE_OPS = frozenset({"add", "sub", "mul", "neg", "abs", "where", "cast", "identity", "relu", "relu6", "gelu",
+                        "silu", "sigmoid", "tanh", "hardswish", "hardsigmoid", "leaky_relu", "maximum", "minimum",
+                        "clamp", "lt", "le", "gt", "ge", "eq", "ne", "logical_not", "erf", "sin", "cos"})
 
 # attrs that may differ between the two traces: sizes, whose effect shows in the shapes the walk reads (a reshape's
 # target, a whole slice's end), and an opaque call's function (a closure of each trace)
@@ -97,6 +108,7 @@ class _Walk:
         self.fills: dict[str, dict[int, Fill]] = {}        # value computed from the inputs -> padded entries' fills
         self.checked: dict[str, Fill] = {}                 # static value checked -> its value where all one, else None
         self.static_fills: dict[str, dict[int, Fill]] = {}  # static value checked -> its padded entries' fills
+        self.tainted: set[str] = set()      # values whose padded entries may not be finite (module docstring)
         self.least = 1
         name = next(iter(input_dims))
         self.size = graph[name].type.shape[input_dims[name]]
@@ -113,6 +125,8 @@ class _Walk:
                     self.input(node)
                 elif node.name not in self.values.cone:
                     self.fills[node.name] = self.node(node)
+                    if self.taints(node):
+                        self.tainted.add(node.name)
             except Mixes as why:
                 return RowDependence(node, str(why))
             except UNREADABLE as error:
@@ -217,6 +231,28 @@ class _Walk:
             return {dim: (0.0 if dim == node.attrs["dim"] % len(node.type.shape) else None) for dim in out_dims}
         return {dim: None for dim in out_dims}
 
+    def taints(self, node: Node) -> bool:
+        """Whether `node`'s padded entries may hold +inf or NaN: an operand's may; or the value it computes for them
+        is one; or it turns a known padded value into unknown ones where that value is infinite (a -inf mask
+        anywhere but in a selection, a sum with scores, a softmax or attention's mask) or the op can make an
+        infinity of finite values (a division, a log: not in `FINITE_OPS`)."""
+        if any(i in self.tainted for i in node.inputs):
+            return True
+        computed = self.fills[node.name]
+        if any(isinstance(f, float) and (math.isnan(f) or f == math.inf) for f in computed.values()):
+            return True
+        elementwise = get_op(node.op).kind.elementwise
+        for position, name in enumerate(node.inputs):
+            known = [f for f in self.fills.get(name, {}).values() if f is not None]
+            if not known or node.op in ("where", "softmax") or (node.op == "sdpa" and position == 3):
+                continue        # a selection, or a mask's -inf where it masks
+            infinite = any(isinstance(f, float) and not math.isfinite(f) for f in known)
+            if infinite and node.op in ("add", "sub"):
+                continue        # -inf plus finite scores: still -inf, a mask
+            if (infinite or (elementwise and node.op not in FINITE_OPS)) and None in computed.values():
+                return True
+        return False
+
     def along_sequence(self, node: Node, position: int, dim: int, why: str, where: str) -> None:
         """An op reading the sequence dim `dim` of operand `position` other than position by position: fine only
         as the module docstring lists."""
@@ -229,7 +265,9 @@ class _Walk:
         if why == CONTRACTS and node.op == "matmul":
             other = node.inputs[1 - position]
             other_dim = len(self.graph[other].type.shape) - (2 if position == 0 else 1)
-            if other_dim in self.seq[other] and (is_zero(fill) or is_zero(self.fills.get(other, {}).get(other_dim))):
+            zero_here, zero_there = is_zero(fill), is_zero(self.fills.get(other, {}).get(other_dim))
+            if other_dim in self.seq[other] and ((zero_here and other not in self.tainted) or
+                                                 (zero_there and name not in self.tainted)):
                 return
             raise Mixes(f"contracts {where} with neither operand's padded entries known to be 0")
         if node.op == "softmax":
@@ -257,6 +295,8 @@ class _Walk:
             if any(d < rank[mask] - 2 for d in self.seq[mask]):
                 raise Mixes(f"holds the sequence in its mask {mask} other than along queries or keys")
         if keys:
+            if {k, v} & self.tainted:
+                raise Mixes(f"reads padded keys or values ({k}, {v}) that may not be finite")
             causal = node.attrs.get("is_causal") and self.seq[q]
             masked = len(node.inputs) > 3 and (rank[mask] - 1) in self.seq[mask] and \
                 masks(self.fills.get(mask, {}).get(rank[mask] - 1))
@@ -300,7 +340,7 @@ class _Walk:
             return False                    # a and b (the capture's where(a, b, a)) with b False
         if node.op == "where" and node.inputs[0] == node.inputs[1] and known[2] is True:
             return True                     # a or b, where(a, a, b), with b True
-        if node.op in ("add", "sub") and known.count(None) == 1:
+        if node.op in ("add", "sub") and known.count(None) == 1 and node.inputs[known.index(None)] not in self.tainted:
             bias = known[1 - known.index(None)]
             if type(bias) is float and bias <= SATURATED and (node.op == "add" or known[0] is not None):
                 return bias                 # a saturated bias plus or minus a finite value

@@ -247,3 +247,31 @@ def test_an_op_whose_attrs_follow_the_size_is_refused_even_off_the_sequence():
     long, short = graphs(model, (torch.randn(2, 8, 5),), (torch.randn(2, 7, 5),))
     refused = end_padding(long, short, {long.input_nodes[0].name: 1})
     assert "computes otherwise at another size" in refused.why
+
+
+class DividedByMask(torch.nn.Module):
+    """Values divided by the mask (finite while every real token attends): padded with zeros, the padded values are
+    infinite, and a probability of 0 times them is NaN, so the sequence may not pad."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(WIDTH, 3 * WIDTH)
+
+    def forward(self, x, mask):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)
+        v = v / mask[:, None, :, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.bool()[:, None, None, :])
+
+
+def test_padded_values_that_may_be_infinite_keep_the_sequence_from_padding():
+    model = make(DividedByMask)
+    seq = Dim("seq", max=8)
+    example = (torch.randn(2, 8, WIDTH), torch.ones(2, 8))
+    compiled = opfuse.compile(model, example, CONFIG, dynamic_shapes=({1: seq}, {1: seq}))
+    check(compiled, model, torch.randn(2, 5, WIDTH), torch.ones(2, 5))
+    assert compiled.buckets[(5,)].exact                      # padded, its real outputs would be NaN
+    long, short = graphs(model, example, (torch.randn(2, 7, WIDTH), torch.ones(2, 7)))
+    names = [node.name for node in long.input_nodes]
+    refused = end_padding(long, short, {name: 1 for name in names}, [names[1]])
+    assert refused.node.op == "sdpa" and "may not be finite" in refused.why
