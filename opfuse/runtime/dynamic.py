@@ -255,10 +255,15 @@ def padding_problem(graph: Graph, dim: DynamicDim) -> tuple[dict[str, int | None
         input_dims[inputs[index].name] = axis
     rows = value_rows(graph, input_dims)
     if not isinstance(rows, dict):
-        return {}, str(rows)
+        return {}, _named(str(rows), dim)
     cuts = {name: (rows[name].dim if rows[name] is not None else None) for name in graph.outputs}
     problem = row_dependence(graph, input_dims, {name: (0 if cut is None else cut) for name, cut in cuts.items()})
-    return cuts, None if problem is None else str(problem)
+    return cuts, None if problem is None else _named(str(problem), dim)
+
+
+def _named(why: str, dim: DynamicDim) -> str:
+    """The rows analysis's words (it calls the padded dim "the batch") with the dim's own name."""
+    return why if dim.name == "batch" else why.replace("the batch", dim.name)
 
 
 def cut_outputs(outputs: Sequence[torch.Tensor], names: Sequence[str], dims: Sequence[DynamicDim],
