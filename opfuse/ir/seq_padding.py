@@ -66,8 +66,9 @@ FINITE_OPS = frozenset({"add", "sub", "mul", "neg", "abs", "where", "cast", "ide
                         "clamp", "lt", "le", "gt", "ge", "eq", "ne", "logical_not", "erf", "sin", "cos"})
 
 # attrs that may differ between the two traces: sizes, whose effect shows in the shapes the walk reads (a reshape's
-# target, a whole slice's end), and an opaque call's function (a closure of each trace)
-SIZE_ATTRS = frozenset({"shape", "size", "end", "fn"})
+# target, a whole slice's end); an opaque call's function, a closure of each trace, never compares equal: a graph
+# with an opaque call does not pad (what the call bakes in of the size is unknown)
+SIZE_ATTRS = frozenset({"shape", "size", "end"})
 
 
 def _same(a: object, b: object) -> bool:
@@ -109,6 +110,8 @@ class _Walk:
         self.checked: dict[str, Fill] = {}                 # static value checked -> its value where all one, else None
         self.static_fills: dict[str, dict[int, Fill]] = {}  # static value checked -> its padded entries' fills
         self.tainted: set[str] = set()      # values whose padded entries may not be finite (module docstring)
+        self.zero_derived: set[str] = set()  # values computed from an input padded with zeros (`derives_from_zeros`)
+        self.approximate: set[str] = set()   # values whose fill is a saturated bias plus unknown finite values
         self.least = 1
         name = next(iter(input_dims))
         self.size = graph[name].type.shape[input_dims[name]]
@@ -127,6 +130,8 @@ class _Walk:
                     self.fills[node.name] = self.node(node)
                     if self.taints(node):
                         self.tainted.add(node.name)
+                    if self.derives_from_zeros(node):
+                        self.zero_derived.add(node.name)
             except Mixes as why:
                 return RowDependence(node, str(why))
             except UNREADABLE as error:
@@ -172,6 +177,8 @@ class _Walk:
         if self.seq[node.name] != want:
             raise Mixes(f"holds the sequence in dims {list(self.seq[node.name])}, declared {list(want)}")
         self.fills[node.name] = {d: (0 if node.name in self.zero_filled else None) for d in want}
+        if node.name in self.zero_filled:
+            self.zero_derived.add(node.name)
 
     def static(self, name: str) -> Fill:
         """Check a value computed from constants alone against the reference (module docstring); its value where it
@@ -234,24 +241,52 @@ class _Walk:
     def taints(self, node: Node) -> bool:
         """Whether `node`'s padded entries may hold +inf or NaN: an operand's may; or the value it computes for them
         is one; or it turns a known padded value into unknown ones where that value is infinite (a -inf mask
-        anywhere but in a selection, a sum with scores, a softmax or attention's mask) or the op can make an
-        infinity of finite values (a division, a log: not in `FINITE_OPS`)."""
+        anywhere but in a selection, a sum with scores, a softmax or attention's mask); or an op that can make an
+        infinity of finite values (a division, a log: not in `FINITE_OPS`) reads a value computed from an input
+        padded with zeros (`zero_derived`: 0 / 0); or a softmax or attention masks whole padded rows (-inf
+        everywhere: NaN)."""
         if any(i in self.tainted for i in node.inputs):
             return True
         computed = self.fills[node.name]
         if any(isinstance(f, float) and (math.isnan(f) or f == math.inf) for f in computed.values()):
             return True
         elementwise = get_op(node.op).kind.elementwise
+        if elementwise and node.op not in FINITE_OPS and not self.finite_divisor(node) and \
+                None in computed.values() and any(i in self.zero_derived for i in node.inputs):
+            return True
+        if node.op in ("softmax", "sdpa"):
+            scores = node.inputs[0] if node.op == "softmax" else (node.inputs[3] if len(node.inputs) > 3 else None)
+            reduced = node.attrs["dim"] % len(node.type.shape) if node.op == "softmax" else \
+                len(self.graph[scores].type.shape) - 1 if scores else None
+            rows = {d: f for d, f in self.fills.get(scores, {}).items() if d != reduced}
+            if any(masks(f) or (type(f) is float and f == -math.inf) for f in rows.values()):
+                return True     # padded rows masked throughout
         for position, name in enumerate(node.inputs):
             known = [f for f in self.fills.get(name, {}).values() if f is not None]
             if not known or node.op in ("where", "softmax") or (node.op == "sdpa" and position == 3):
                 continue        # a selection, or a mask's -inf where it masks
             infinite = any(isinstance(f, float) and not math.isfinite(f) for f in known)
-            if infinite and node.op in ("add", "sub"):
+            if infinite and (node.op == "add" or (node.op == "sub" and position == 0)):
                 continue        # -inf plus finite scores: still -inf, a mask
             if (infinite or (elementwise and node.op not in FINITE_OPS)) and None in computed.values():
                 return True
         return False
+
+    def finite_divisor(self, node: Node) -> bool:
+        """A division by a constant that is nowhere 0 (a scale): as finite as a product."""
+        if node.op != "div" or node.inputs[1] not in self.values.cone:
+            return False
+        value = self.values.value(node.inputs[1])
+        return value is not None and bool((value != 0).all()) and bool(torch.isfinite(value).all())
+
+    def derives_from_zeros(self, node: Node) -> bool:
+        """Whether a value computed from an input padded with zeros flows into `node`'s padded entries: through any
+        operand but a selection's condition or attention's mask (which pick, not flow), and a softmax (probabilities
+        are finite)."""
+        if node.op == "softmax":
+            return False
+        flowing = node.inputs[1:] if node.op == "where" else node.inputs[:3] if node.op == "sdpa" else node.inputs
+        return any(i in self.zero_derived for i in flowing)
 
     def along_sequence(self, node: Node, position: int, dim: int, why: str, where: str) -> None:
         """An op reading the sequence dim `dim` of operand `position` other than position by position: fine only
@@ -331,7 +366,8 @@ class _Walk:
                 fills = self.static_fills.get(name, {})
                 known.append(fills.get(held[0]) if held and held[0] in fills else self.checked.get(name))
             elif held and held[0] in self.seq[name]:
-                known.append(self.fills[name].get(held[0]))
+                exact = name not in self.approximate or node.op in ("add", "sub")   # a bias plus scores: a mask only
+                known.append(self.fills[name].get(held[0]) if exact else None)
             else:
                 known.append(None)          # real values, broadcast along the padded positions
         if node.op == "where" and known[0] is not None:
@@ -343,7 +379,8 @@ class _Walk:
         if node.op in ("add", "sub") and known.count(None) == 1 and node.inputs[known.index(None)] not in self.tainted:
             bias = known[1 - known.index(None)]
             if type(bias) is float and bias <= SATURATED and (node.op == "add" or known[0] is not None):
-                return bias                 # a saturated bias plus or minus a finite value
+                self.approximate.add(node.name)
+                return bias                 # a saturated bias plus or minus a finite value: still a mask
         if any(k is None for k in known):
             return None
         try:

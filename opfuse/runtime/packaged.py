@@ -97,8 +97,8 @@ def padding_refusals(dims: Sequence[DynamicDim], profiles: Sequence[tuple[tuple[
     (`opfuse.runtime.dynamic.padding_problem`); or else no real position reading the padded end of the sequence
     (`opfuse.ir.seq_padding.end_padding`), checked against the profile the package holds at the next smaller size
     along that dim (the others alike), whose positions the constants are compared on: fewer than the compile's
-    trace one position shorter compares. A size of 1 pads nothing, and a trace at size 1 cannot tell that dim from
-    any other of size 1: it is not asked."""
+    trace one position shorter compares, so at least half the size (or one less). A size of 1 pads nothing, and a trace
+    at size 1 cannot tell that dim from any other of size 1: it is not asked."""
     found = {}
     for sizes, exact, graph in profiles:
         padding = Padding({}, {}, {}, {})
@@ -128,9 +128,9 @@ def _end_padding(padding: Padding, dims: Sequence[DynamicDim], position: int, si
     smaller = [(other[position], reference) for other, _, reference in profiles
                if other[position] < sizes[position] and all(o == s for i, (o, s) in enumerate(zip(other, sizes))
                                                             if i != position)]
-    if not smaller:
-        return rows
-    _, reference = max(smaller, key=lambda pair: pair[0])
+    nearest, reference = max(smaller, key=lambda pair: pair[0]) if smaller else (0, None)
+    if nearest < max(2, sizes[position] // 2) and nearest != sizes[position] - 1:
+        return rows     # constants compared on fewer than half the positions prove too little
     names = [node.name for node in graph.input_nodes]
     input_dims = {names[index]: axis for index, axis in dim.uses}
     users = [index for index, _ in dim.uses]

@@ -275,3 +275,50 @@ def test_padded_values_that_may_be_infinite_keep_the_sequence_from_padding():
     names = [node.name for node in long.input_nodes]
     refused = end_padding(long, short, {name: 1 for name in names}, [names[1]])
     assert refused.node.op == "sdpa" and "may not be finite" in refused.why
+
+
+class NormalisedByMask(torch.nn.Module):
+    """Features zeroed at masked positions, then scaled by their own sum: at a position padded with a zero mask that
+    is 0 / 0, NaN, which a probability of 0 does not cancel."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(WIDTH, 3 * WIDTH)
+
+    def forward(self, x, mask):
+        b, s, _ = x.shape
+        x = x * mask[:, :, None]
+        x = x / x.abs().sum(-1, keepdim=True)
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.bool()[:, None, None, :])
+
+
+class RowAndKeyMask(torch.nn.Module):
+    """A [queries, keys] mask of -inf from the padding mask on both sides: a padded query row is -inf throughout, its
+    softmax NaN, and the next layer reads it as a value."""
+
+    def forward(self, x, mask):
+        keep = mask.bool()
+        bias = torch.where(keep[:, :, None] & keep[:, None, :], 0.0, float("-inf"))
+        for _ in range(2):
+            x = torch.softmax(x @ x.transpose(1, 2) + bias, -1) @ x
+        return x
+
+
+@pytest.mark.parametrize("cls", [NormalisedByMask, RowAndKeyMask])
+def test_padded_positions_made_nan_by_the_zero_mask_keep_the_sequence_from_padding(cls):
+    model = make(cls)
+    long, short = graphs(model, (torch.randn(2, 8, WIDTH), torch.ones(2, 8)),
+                         (torch.randn(2, 7, WIDTH), torch.ones(2, 7)))
+    names = [node.name for node in long.input_nodes]
+    refused = end_padding(long, short, {name: 1 for name in names}, [names[1]])
+    assert not hasattr(refused, "cuts") and "may not be finite" in refused.why
+
+
+def test_a_package_whose_next_smaller_size_is_far_below_does_not_pad_on_its_constants(tmp_path):
+    model = make(SizeScaled)
+    compiled = opfuse.compile(model, (torch.randn(2, 8, 4),), CONFIG, dynamic_shapes=({1: Dim("seq", max=8)},))
+    compiled(torch.randn(2, 1, 4))                        # the package holds sizes 1 and 8
+    loaded = opfuse.load(opfuse.save(compiled, tmp_path / "scaled.opfuse"), "cpu")
+    with pytest.raises(GraphError, match="never a seq padded"):
+        loaded(torch.randn(2, 5, 4))                       # compared on 1 position, arange(8) / 8 would pass
