@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Collection, Mapping
+from typing import Collection, Mapping, Sequence
 
 import torch
 
@@ -414,3 +414,24 @@ def end_padding(graph: Graph, reference: Graph, input_dims: Mapping[str, int],
     `zero_filled`, else copies of their last position) and cutting the outputs back gives the model's results at the
     smaller size (module docstring): how to cut, or the first node that may read a padded position and why."""
     return _Walk(graph, reference, input_dims, zero_filled).run()
+
+
+def end_padding_with_zeros(graph: Graph, reference: Graph, uses: Sequence[tuple[int, int]], rows: str
+                           ) -> tuple[EndPadding, tuple[int, ...]] | str:
+    """`end_padding` of the inputs at `uses` ((input index, dim) pairs) for the first choice of them padded with
+    zeros that pads, fewest first: (how it pads, those inputs' indices); else why not, after `rows` (why the rows
+    analysis refused) the first refusal."""
+    import itertools
+
+    names = [node.name for node in graph.input_nodes]
+    input_dims = {names[index]: axis for index, axis in uses}
+    users = [index for index, _ in uses]
+    why = rows
+    for count in range(len(users) + 1):
+        for zeros in itertools.combinations(users, count):
+            found = end_padding(graph, reference, input_dims, [names[i] for i in zeros])
+            if isinstance(found, EndPadding):
+                return found, zeros
+            why = f"{rows}; nor may its end be padded: {found}" if why is rows else why
+    return why
+

@@ -446,10 +446,8 @@ def end_padding_of(model: Any, graph: Graph, dtype: str, dims: Sequence[DynamicD
     `rows` says, may be padded at the end of `dim` for some choice of inputs padded with zeros
     (`opfuse.ir.seq_padding`, against the model traced one position shorter, or an ONNX model imported at those
     sizes): (its EndPadding, those inputs), or why not."""
-    import itertools
-
     from opfuse.api import capture
-    from opfuse.ir.seq_padding import end_padding
+    from opfuse.ir.seq_padding import end_padding_with_zeros
     from opfuse.passes.manager import prepare_graph
 
     size = sizes[list(dims).index(dim)]
@@ -468,17 +466,7 @@ def end_padding_of(model: Any, graph: Graph, dtype: str, dims: Sequence[DynamicD
         reference, _ = prepare_graph(capture(model, shorter), dtype)
     except GraphError as error:
         return f"{rows}; the model traced at {size - 1} positions failed: {error}"
-    names = [node.name for node in graph.input_nodes]
-    input_dims = {names[index]: axis for index, axis in dim.uses}
-    users = [index for index, _ in dim.uses]
-    why = rows
-    for count in range(len(users) + 1):
-        for zeros in itertools.combinations(users, count):
-            found = end_padding(graph, reference, input_dims, [names[i] for i in zeros])
-            if hasattr(found, "cuts"):
-                return found, zeros
-            why = f"{rows}; nor may its end be padded: {found}" if why is rows else why   # the first refusal
-    return why
+    return end_padding_with_zeros(graph, reference, dim.uses, rows)
 
 
 def pad_or_cut(inputs: Sequence[torch.Tensor], dims: Sequence[DynamicDim], sizes: Sequence[int],

@@ -120,9 +120,7 @@ def _end_padding(padding: Padding, dims: Sequence[DynamicDim], position: int, si
                  profiles: Sequence[tuple[tuple[int, ...], bool, Graph]], rows: str) -> str | None:
     """`padding_refusals`' second way: None where the end of dim `position` pads (`padding` filled in), else why
     not."""
-    import itertools
-
-    from opfuse.ir.seq_padding import end_padding
+    from opfuse.ir.seq_padding import end_padding_with_zeros
 
     dim = dims[position]
     smaller = [(other[position], reference) for other, _, reference in profiles
@@ -131,19 +129,12 @@ def _end_padding(padding: Padding, dims: Sequence[DynamicDim], position: int, si
     nearest, reference = max(smaller, key=lambda pair: pair[0]) if smaller else (0, None)
     if nearest < max(2, sizes[position] // 2) and nearest != sizes[position] - 1:
         return rows     # constants compared on fewer than half the positions prove too little
-    names = [node.name for node in graph.input_nodes]
-    input_dims = {names[index]: axis for index, axis in dim.uses}
-    users = [index for index, _ in dim.uses]
-    why = rows
-    for count in range(len(users) + 1):
-        for zeros in itertools.combinations(users, count):
-            found = end_padding(graph, reference, input_dims, [names[i] for i in zeros])
-            if hasattr(found, "cuts"):
-                padding.cuts[dim.name], padding.zero_filled[dim.name] = found.cuts, zeros
-                padding.least[dim.name] = found.least
-                return None
-            why = f"{rows}; nor may its end be padded: {found}" if why is rows else why
-    return why
+    found = end_padding_with_zeros(graph, reference, dim.uses, rows)
+    if isinstance(found, str):
+        return found
+    end, zeros = found
+    padding.cuts[dim.name], padding.zero_filled[dim.name], padding.least[dim.name] = end.cuts, zeros, end.least
+    return None
 
 
 def exact_sizes_message(where: str, dims: Sequence[DynamicDim], held: Sequence[tuple[int, ...]], problem: str
