@@ -95,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune-top", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--mask", action="store_true", help="call the token model with an attention mask of ones")
+    parser.add_argument("--bucket-steps", type=int, default=1, help="FusionConfig.bucket_steps: buckets per power of two")
     args = parser.parse_args(argv)
     dims = parse_dims(args.dims)
     points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
-    config = opfuse.FusionConfig(dtype="float16", tune_top=args.tune_top)
+    config = opfuse.FusionConfig(dtype="float16", tune_top=args.tune_top, bucket_steps=args.bucket_steps)
     out = Path(args.out)
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
 
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     model, example = protocol_form(model, inputs_at(args.model, points[0], args.mask), torch.float16, "cuda")
     per_input = {i: torch.export.Dim(name, min=low, max=high) for i, (name, (low, high)) in enumerate(dims.items())}
     spec = (per_input,) * len(example)
-    result = {"model": args.model, "mask": args.mask, "dims": dims, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    result = {"model": args.model, "mask": args.mask, "bucket_steps": args.bucket_steps, "dims": dims,
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "points": []}
     with torch.inference_mode():
         dynamic, seconds = timed(lambda: opfuse.compile(model, example, config, dynamic_shapes=spec))
