@@ -19,6 +19,7 @@ import torch
 from opfuse.api import Analysis
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import GroupKind
+from opfuse.runtime.autotune import TuningResult
 
 
 def replan(analysis: Analysis, compiled: Any, device: torch.device, examples: Sequence[torch.Tensor],
@@ -29,11 +30,10 @@ def replan(analysis: Analysis, compiled: Any, device: torch.device, examples: Se
     model built again. `seconds["rebuild"]` gets the second build's time, `compiled.replan_note` what happened."""
     from opfuse.runtime.compiled import build_compiled_model
 
-    tuning = compiled.tuning
-    over_budget = dict(getattr(tuning, "over_budget", None) or {})
-    apart = dict(getattr(tuning, "slower_fused", None) or {})
+    tuning = compiled.tuning if compiled.tuning is not None else TuningResult()
+    over_budget, apart = dict(tuning.over_budget), dict(tuning.slower_fused)
     if config.split_epilogues:
-        apart |= getattr(tuning, "epilogue_apart", None) or {}
+        apart |= tuning.epilogue_apart
     if not (over_budget or kept_apart(analysis, apart)):     # no kernel spilled or lost to its ops
         return analysis, compiled
     replanned, notes = split_back(analysis, over_budget, apart), []
@@ -101,7 +101,7 @@ def changed_seconds(model, than) -> tuple[int, float | None]:
     has no measured time (untuned, or run through PyTorch without a kernel of opfuse's: the tuner times kernels
     only)."""
     others = {frozenset(g.nodes) for g in than.plan.groups}
-    seconds = getattr(model.tuning, "seconds", None) or {}
+    seconds = model.tuning.seconds if model.tuning is not None else {}
     changed = [g.name for g in model.plan.groups if frozenset(g.nodes) not in others and g.kind is not GroupKind.VIEW]
     return len(changed), sum(seconds[name] for name in changed) if all(name in seconds for name in changed) else None
 

@@ -301,18 +301,18 @@ def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict 
 def precompiled_counts(compiled: Any) -> dict[str, int] | None:
     """What the compile workers did in an `opfuse.compile` result's tuning (`Precompiled`: launches, compiled,
     failed, built by the compiling process), or None where they did not run (no tuning, or everything cached)."""
-    precompiled = getattr(compiled.compiled.tuning, "precompiled", None)
-    return None if precompiled is None else dict(vars(precompiled))
+    tuning = compiled.compiled.tuning
+    return None if tuning is None or tuning.precompiled is None else dict(vars(tuning.precompiled))
 
 
 def tuning_rows(compiled: Any) -> dict[str, dict]:
     """{group: kind, nodes, its anchor's op and shapes (inputs, output), planned time, the chosen form, every
     candidate's time in us, the rejected configs and why} of an `opfuse.compile` result's kernels: what the tuner
     measured, for tile and form rules to be read off whole runs."""
-    from opfuse.runtime.autotune import format_config
+    from opfuse.runtime.autotune import TuningResult, format_config
 
     runtime, graph = compiled.compiled, compiled.plan.graph
-    tuning = runtime.tuning
+    tuning = runtime.tuning if runtime.tuning is not None else TuningResult()
     rows = {}
     for group in compiled.plan.groups:
         if group.name not in runtime.kernels:
@@ -325,10 +325,10 @@ def tuning_rows(compiled: Any) -> dict[str, dict]:
                                                    "inputs": [list(graph[i].type.shape) for i in anchor.inputs]},
             "chosen": format_config(chosen) if chosen is not None else None,
             "timings_us": {format_config(c): round(t * 1e6, 2)
-                           for c, t in (tuning.timings.get(group.name, {}) if tuning else {}).items()},
+                           for c, t in tuning.timings.get(group.name, {}).items()},
             "rejected": {format_config(c): r
-                         for c, r in (tuning.rejected.get(group.name, {}) if tuning else {}).items()},
-            "over_budget": tuning.over_budget.get(group.name) if tuning else None}
+                         for c, r in tuning.rejected.get(group.name, {}).items()},
+            "over_budget": tuning.over_budget.get(group.name)}
     return rows
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -45,20 +46,57 @@ EVERY_CONFIG_SPILLS = "over budget: every config spills"
 Benchmark = Callable[[Callable[[], Any]], float]   # runs fn repeatedly, returns seconds per call
 
 
-class TuningResult(dict):
-    """{group name: chosen KernelConfig}, plus what the tuner saw on the way."""
+@dataclass
+class TuningRecord:
+    """What `tune` writes while it tunes, kernel by kernel; `freeze` makes the `TuningResult` it returns."""
+    configs: dict[str, KernelConfig] = field(default_factory=dict)            # group name -> chosen config
+    over_budget: dict[str, str] = field(default_factory=dict)                 # group name -> why no config fits
+    slower_fused: dict[str, str] = field(default_factory=dict)                # anchor group -> why its unfused form won
+    epilogue_apart: dict[str, str] = field(default_factory=dict)              # group of one anchor -> why its fastest
+                                                                              # form runs the anchor apart from its ops
+    seconds: dict[str, float] = field(default_factory=dict)                   # group -> measured time of its choice
+    rejected: dict[str, dict[KernelConfig, str]] = field(default_factory=dict)    # group -> {config: reason}
+    timings: dict[str, dict[KernelConfig, float]] = field(default_factory=dict)   # group -> {config: median seconds}
+    from_cache: set[str] = field(default_factory=set)                         # groups whose choice the cache gave
+    precompiled: Precompiled | None = None                                    # what the compile workers did, if they ran
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.over_budget: dict[str, str] = {}                     # group name -> why no config fits
-        self.slower_fused: dict[str, str] = {}                    # anchor group -> why its unfused form won
-        self.epilogue_apart: dict[str, str] = {}                  # group of one anchor -> why its fastest form runs
-                                                                  # the anchor apart from its other ops
-        self.seconds: dict[str, float] = {}                       # group -> measured time of its chosen config
-        self.rejected: dict[str, dict[KernelConfig, str]] = {}    # group name -> {config: reason}
-        self.timings: dict[str, dict[KernelConfig, float]] = {}   # group name -> {config: seconds (median)}
-        self.from_cache: set[str] = set()
-        self.precompiled: Precompiled | None = None                 # what the compile workers did, if they ran
+    def freeze(self) -> "TuningResult":
+        return TuningResult(configs=self.configs, over_budget=self.over_budget, slower_fused=self.slower_fused,
+                            epilogue_apart=self.epilogue_apart, seconds=self.seconds,
+                            rejected={name: MappingProxyType(dict(r)) for name, r in self.rejected.items()},
+                            timings={name: MappingProxyType(dict(t)) for name, t in self.timings.items()},
+                            from_cache=frozenset(self.from_cache), precompiled=self.precompiled)
+
+
+@dataclass(frozen=True, eq=False)
+class TuningResult(Mapping[str, KernelConfig]):
+    """What autotuning chose, read-only: a mapping of group name -> chosen KernelConfig, and what the tuner saw on
+    the way (the fields of `TuningRecord`, which `tune` fills and freezes into this). The replanning
+    (`opfuse.replan`) reads `over_budget`, `slower_fused`, `epilogue_apart` and `seconds`; the report reads
+    `timings` and `from_cache`."""
+    configs: Mapping[str, KernelConfig] = field(default_factory=dict)
+    over_budget: Mapping[str, str] = field(default_factory=dict)
+    slower_fused: Mapping[str, str] = field(default_factory=dict)
+    epilogue_apart: Mapping[str, str] = field(default_factory=dict)
+    seconds: Mapping[str, float] = field(default_factory=dict)
+    rejected: Mapping[str, Mapping[KernelConfig, str]] = field(default_factory=dict)
+    timings: Mapping[str, Mapping[KernelConfig, float]] = field(default_factory=dict)
+    from_cache: frozenset[str] = frozenset()
+    precompiled: Precompiled | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("configs", "over_budget", "slower_fused", "epilogue_apart", "seconds", "rejected", "timings"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+        object.__setattr__(self, "from_cache", frozenset(self.from_cache))
+
+    def __getitem__(self, group: str) -> KernelConfig:
+        return self.configs[group]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.configs)
+
+    def __len__(self) -> int:
+        return len(self.configs)
 
 
 def format_config(config: KernelConfig) -> str:
@@ -304,7 +342,7 @@ def cached_choice(kernel: GroupKernel, inputs: list[torch.Tensor], configs: list
 
 
 def note_choice(kernel: GroupKernel, chosen: KernelConfig, timings: Mapping[str, float],
-                result: TuningResult) -> None:
+                result: TuningRecord) -> None:
     """Report the group's measured time (`TuningResult.seconds`, where `timings`, seconds by `format_config`, has
     the chosen config's), and a group with an anchor whose fastest form runs it apart from the group's other ops:
     the unfused form (`TuningResult.slower_fused`, with its fastest other form and the unfused time) or, for a group
@@ -327,7 +365,7 @@ def note_choice(kernel: GroupKernel, chosen: KernelConfig, timings: Mapping[str,
 
 
 def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: HardwareProfile, benchmark: Benchmark,
-                result: TuningResult, cache: TuningCache | None = None, gpu_name: str = "",
+                result: TuningRecord, cache: TuningCache | None = None, gpu_name: str = "",
                 top: int | None = None, library: bool = False) -> KernelConfig:
     """Choose the config of one kernel among its first `top` configs (and further ones while all of those are
     rejected: `more_configs`) and its other forms (`alternatives`: unsplit, and with `library` the anchor through
@@ -336,7 +374,7 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
     own, configs = candidates(kernel, top, library)
     key, entry, cached = cached_choice(kernel, inputs, configs, cache, gpu_name)
     if cached is not None:
-        result[name] = cached
+        result.configs[name] = cached
         result.from_cache.add(name)
         if entry.get("over_budget"):
             result.over_budget[name] = entry["over_budget"]
@@ -365,7 +403,7 @@ def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: Hardw
         over_budget = screening.over_budget
     if over_budget:
         result.over_budget[name] = over_budget
-    result[name] = chosen
+    result.configs[name] = chosen
     note_choice(kernel, chosen, {format_config(c): t for c, t in timings.items()}, result)
     # the other forms' weights and constants go now, not after every kernel is tuned: one kernel's extra copies
     # at a time (a form run again later makes them again)
@@ -391,7 +429,7 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
     (`Compiling.start`), else queued here.
     """
     kernels = list(kernels.values()) if isinstance(kernels, Mapping) else list(kernels)
-    result = TuningResult()
+    result = TuningRecord()
     gpu = next((v.device for v in example_values.values()
                 if isinstance(v, torch.Tensor) and timing_available(v.device)), None)
     on_gpu = gpu is not None
@@ -399,8 +437,8 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
         benchmark = cuda_median_time
     if benchmark is None or not config.autotune:
         for kernel in kernels:
-            result[kernel.group.name] = kernel.configs()[0]
-        return result
+            result.configs[kernel.group.name] = kernel.configs()[0]
+        return result.freeze()
 
     hardware = hardware or get_hardware(config.hardware)
     gpu_name = torch.cuda.get_device_name(gpu) if on_gpu else "cpu"
@@ -425,7 +463,7 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
     finally:
         if compiling is not None:
             result.precompiled = compiling.close() if own else compiling.counts()
-    return result
+    return result.freeze()
 
 
 Job = tuple[GroupKernel, list[torch.Tensor], list[KernelConfig]]     # a kernel, its inputs, its candidates

@@ -45,7 +45,8 @@ from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 from opfuse.ir.interpret import device_constants, launches_of
 from opfuse.ir.ops import get_op, launches_kernel
-from opfuse.runtime.autotune import Compiling, every_choice_cached, kernel_inputs, out_of_resources, tune, tunes
+from opfuse.runtime.autotune import (Compiling, TuningResult, every_choice_cached, kernel_inputs, out_of_resources,
+                                     tune, tunes)
 from opfuse.runtime.cache import TuningCache
 from opfuse.runtime.cuda_graph import CudaGraphReplay
 from opfuse.runtime.gate import CAPTURE_GATE, call_lock
@@ -140,7 +141,7 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
                 self.fallbacks[group.name] = (fallbacks or {}).get(group.name) or default_reason(plan.graph, group)
         self.recompile = recompile
         self.unflatten = unflatten
-        self.tuning: Any = None          # the TuningResult, when autotuned
+        self.tuning: TuningResult | None = None      # when autotuned
         # seconds of build_compiled_model's stages: lower; where it tunes, precompile (recording every candidate's
         # launches for the compile workers) and tune (the example values, each kernel's run once the workers
         # built its default config, then the timing of each kernel once they built its candidates)
@@ -262,9 +263,11 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
         from opfuse.codegen.forms import is_library, is_unfused
         from opfuse.runtime.autotune import format_config
 
-        if name in getattr(self.tuning, "from_cache", ()):
+        if self.tuning is None:
+            return ""
+        if name in self.tuning.from_cache:
             return ": the tuning cache's choice (measured when this kernel was first tuned)"
-        timings = dict(getattr(self.tuning, "timings", {}).get(name, {}))
+        timings = dict(self.tuning.timings.get(name, {}))
         chosen = timings.pop(self.configs[name], None)
         timings = {c: t for c, t in timings.items() if not (is_library(c) or is_unfused(c))}   # the Triton forms
         if chosen is None or not timings:
@@ -551,7 +554,7 @@ def build_compiled_model(plan: FusionPlan, device: torch.device | str,
             model.tuning = tune(kernels, values, config, cache, quiet=quiet, compiling=compiling)
             del values
             model.build_seconds["tune"] = time.perf_counter() - start
-        model.set_configs(dict(model.tuning))
+        model.set_configs(dict(model.tuning.configs))
     model.reset_state()          # the tuning's runs wrote it
     return model
 

@@ -136,7 +136,7 @@ def retune(compiled: Any) -> None:
     values = compiled.collect_values(*example_inputs([spec.type for spec in compiled.signature], compiled.device))
     compiled.tuning = tune(compiled.kernels, values, config, TuningCache.for_config(config), quiet=True)
     del values
-    compiled.set_configs(dict(compiled.tuning))
+    compiled.set_configs(dict(compiled.tuning.configs))
 
 
 # ---- the file ----------------------------------------------------------------------------------------------------

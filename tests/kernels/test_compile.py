@@ -566,10 +566,10 @@ def test_verification_checks_kernels_on_the_models_layouts_from_float32_examples
 
 
 def builds_reporting(monkeypatch, report) -> list:
-    """Every build_compiled_model of the compile records its plan (the list returned) and gets a fresh
-    TuningResult, which `report(plan, tuning, builds_so_far)` fills as the GPU's tuner would."""
+    """Every build_compiled_model of the compile records its plan (the list returned) and gets the TuningResult
+    of a fresh TuningRecord, which `report(plan, record, builds_so_far)` fills as the GPU's tuner would."""
     from opfuse.runtime import compiled as runtime
-    from opfuse.runtime.autotune import TuningResult
+    from opfuse.runtime.autotune import TuningRecord
 
     plans = []
     build = runtime.build_compiled_model
@@ -577,8 +577,9 @@ def builds_reporting(monkeypatch, report) -> list:
     def reporting(plan, *args, **kwargs):
         model = build(plan, *args, **kwargs)
         plans.append(plan)
-        model.tuning = TuningResult()
-        report(plan, model.tuning, len(plans))
+        record = TuningRecord()
+        report(plan, record, len(plans))
+        model.tuning = record.freeze()
         return model
 
     monkeypatch.setattr(runtime, "build_compiled_model", reporting)

@@ -510,6 +510,21 @@ def test_tune_times_the_configs_that_fit_and_keeps_the_fastest(tmp_path):
     assert again["g0"] == cfgs[2] and again.from_cache == {"g0"} and kernel.calls == []
 
 
+def test_a_tuning_result_is_read_only(tmp_path):
+    """What the tuner returns is a frozen record: the replanning and the report read it, nothing writes it after."""
+    import dataclasses
+
+    kernel, values = tuned_kernel({KernelConfig.of(BLOCK=16): CompiledInfo(64, 0, 1024)})
+    result = tune({"g0": kernel}, values, FusionConfig(), quiet=True, benchmark=lambda fn: 1e-5)
+    assert dict(result) == {"g0": KernelConfig.of(BLOCK=16)} and result.seconds == {"g0": 1e-5}
+    with pytest.raises(TypeError):
+        result.over_budget["g0"] = "spills"            # type: ignore[index]
+    with pytest.raises(TypeError):
+        result.timings["g0"][KernelConfig.of(BLOCK=32)] = 1.0     # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.seconds = {}                            # type: ignore[misc]
+
+
 def test_every_choice_cached_reads_shapes_and_strides_not_values(tmp_path):
     kernel, values = tuned_kernel()
     cache, cpu = TuningCache(tmp_path), torch.device("cpu")
