@@ -58,7 +58,7 @@ from opfuse.config import FusionConfig
 from opfuse.fusion.legality_anchors import ROW_NORMS
 from opfuse.fusion.legality_conv import conv_stages, is_depthwise_conv
 from opfuse.fusion.plan import ResourceEstimate
-from opfuse.fusion.resources import (ATTENTION_TILES, GEMM_TILES, anchor_of, conv_chain, conv_conv_tiles,
+from opfuse.fusion.resources import (ATTENTION_TILES, anchor_of, conv_chain, conv_conv_tiles,
                                      describe_tile, estimate_resources, expansion_block)
 from opfuse.fusion.squeeze import SqueezeChain, fitting_resources, squeeze_chain, squeeze_seconds
 from opfuse.hardware import HardwareProfile
@@ -142,19 +142,24 @@ def group_traffic(graph: Graph, nodes: Iterable[str], users: Users) -> GroupTraf
     return GroupTraffic(flops, read, written, tuple(inputs), tuple(outputs))
 
 
+CALIBRATED_TILE = {"BLOCK_M": 128, "BLOCK_N": 128}   # the GEMM tile `matrix_efficiency` was fitted on
+
+
 def tile_efficiency(resources: ResourceEstimate | None) -> float:
-    """Tensor-core rate of a tile relative to the default tile: operand reuse BM*BN/(BM+BN), at most 1.
+    """Tensor-core rate of a tile (the estimate's `rate_tile`, else its tile) relative to CALIBRATED_TILE: operand
+    reuse BM*BN/(BM+BN), at most 1.
 
     A BM x BN tile loads (BM + BN) * BK operand elements per 2 * BM * BN * BK FLOPs, so a smaller tile feeds
-    the tensor cores from memory proportionally more often; `matrix_efficiency` is calibrated on the default.
+    the tensor cores from memory proportionally more often; `matrix_efficiency` is calibrated on that tile.
     """
     if resources is None or "BLOCK_M" not in resources.tile or "BLOCK_N" not in resources.tile:
         return 1.0
-    default = ATTENTION_TILES[0] if "HEAD_DIM" in resources.tile else GEMM_TILES[0]
-    return reuse_efficiency(resources.tile["BLOCK_M"], resources.tile["BLOCK_N"], default)
+    default = ATTENTION_TILES[0] if "HEAD_DIM" in resources.tile else CALIBRATED_TILE
+    tile = resources.rate_tile or resources.tile
+    return reuse_efficiency(tile["BLOCK_M"], tile["BLOCK_N"], default)
 
 
-def reuse_efficiency(rows: int, columns: int, default: Mapping[str, int] = GEMM_TILES[0]) -> float:
+def reuse_efficiency(rows: int, columns: int, default: Mapping[str, int] = CALIBRATED_TILE) -> float:
     """Operand reuse of a rows x columns MMA tile relative to the `default` tile's, at most 1."""
     def reuse(m: int, n: int) -> float:
         return m * n / (m + n)

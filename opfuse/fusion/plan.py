@@ -56,6 +56,9 @@ class ResourceEstimate:
     shared_memory_bytes: int
     fits: bool
     reason: str = ""                        # why it does not fit, in words
+    rate_tile: dict[str, int] | None = None  # the tile whose tensor-core rate prices the kernel (None: `tile`):
+                                            # an anchor's best-reusing tile that fits, clipped to its problem
+                                            # (`opfuse.fusion.resources.rate_tile`), the autotuner's likely choice
 
 
 @dataclass

@@ -11,9 +11,9 @@ from opfuse.fusion.legality_anchors import gated_pair, row_norm_prologue
 from opfuse.fusion.legality_views import MAPPED_COPIES, is_view
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
-from opfuse.fusion.resources import anchor_of, conv_chain, conv_conv_key, conv_conv_slice_table, gemm_view
+from opfuse.fusion.resources import anchor_of, anchor_problem, conv_chain, conv_conv_key, conv_conv_slice_table
 from opfuse.fusion.tiles import (MIN_SPLIT_STEPS, anchor_grid, anchor_loop, anchor_tiles, row_tiles, row_view,
-                                 split_k_slices, split_k_table, tile_key)
+                                 split_k_table, tile_key)
 from opfuse.ir.graph import DTYPE_BYTES
 from opfuse.ir.ops import FusionKind, kind_of
 
@@ -121,7 +121,7 @@ class GroupListing:
                 reason += (f"; split-K: {default_slices} slices of the reduction, summed with the epilogue by a "
                            "second kernel (the tile grid alone would leave most SMs idle)")
             elif table and kind is not GroupKind.CONV_CONV:
-                reason += (f"; split-K offered (the resource model's tile would leave most SMs idle), but the "
+                reason += (f"; split-K offered (a tile the autotuner may run would leave most SMs idle), but the "
                            f"kernel's default tile runs unsplit ({unsplit}): one kernel unless the autotuner "
                            "measures a split faster")
             groups.append(FusionGroup(
@@ -155,8 +155,8 @@ class GroupListing:
         why that tile runs unsplit where it does); no slices ({}) where the planner does not split. A conv-conv
         kernel gets the mid-channel slices of each of its tiles (`conv_conv_slice_table`), summed inside the kernel.
 
-        The decision, made here once: an anchor whose tiles (the resource model's) fill under a quarter of the SMs
-        splits a long reduction (`split_k_slices`). Its kernel then gets a split form, and each config runs the
+        The decision, made here once: an anchor one of whose tiles (`anchor_tiles`, those the autotuner may run)
+        fills under a quarter of the SMs splits a long reduction (`split_k_slices`). Its kernel then gets a split form, and each config runs the
         slices the plan gives its tile (`split_k_table`: every tile's own grid and K blocks), which the autotuner
         measures. Untuned, the kernel runs its default tile (`opfuse.fusion.tiles`), which may need no slices: the
         plan counts the second launch, and prices it (a launch and the fp32 partial tiles written and read once),
@@ -175,19 +175,17 @@ class GroupListing:
             return {}, 1, estimate.time, ""   # a slice sees part of K, and the layer norm's statistics need all of it
         if gated_pair(self.graph, nodes, self.users) is not None:
             return {}, 1, estimate.time, ""   # the gating needs the whole sum of each tile
-        view = gemm_view(self.graph, estimate.anchor)
-        if view is None:
+        problem = anchor_problem(self.graph, nodes, estimate.anchor)
+        if problem is None:
             return {}, 1, estimate.time, ""
-        rows, columns, reduction, batch = view
-        if kind is GroupKind.HORIZONTAL:   # sibling anchors (ungrouped) run as one GEMM over their columns together
-            columns = sum(self.graph[n].type.shape[-1 if self.graph[n].op == "linear" else 1]
-                          for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR)
-        if split_k_slices(*anchor_grid(tile, rows, columns, reduction, batch), self.hw.sm_count) == 1:
-            return {}, 1, estimate.time, ""
+        rows, columns, reduction, batch = problem
         taps, gather = anchor_loop(self.graph, estimate.anchor)
         table = split_k_table(rows, columns, reduction, batch, taps, self.hw.sm_count)
-        default = anchor_tiles(rows, columns, reduction, batch, DTYPE_BYTES[self.config.dtype], gather,
-                               hw=self.hw)[0]
+        candidates = anchor_tiles(rows, columns, reduction, batch, DTYPE_BYTES[self.config.dtype], gather,
+                                  hw=self.hw)
+        if all(table[tile_key(t)] == 1 for t in candidates):
+            return {}, 1, estimate.time, ""
+        default = candidates[0]
         default_slices = table[tile_key(default)]
         if default_slices == 1:
             programs, steps = anchor_grid(default, rows, columns, reduction, batch, taps)

@@ -25,9 +25,10 @@ becomes, counted the way a Triton kernel holds data:
 - everything else (elementwise, pooling windows, copies): BLOCK elements per program; every live operand costs
   BLOCK/threads registers.
 
-Each family tries its tiles from the default down (anchors: 128x128x32/3 stages/8 warps, then 128x64, 64x64,
-32x32; rows: more warps) and takes the first that fits; only when none fits is the group over budget, with the
-reason in words. Hardware limits come from `HardwareProfile` only.
+Each family tries its tiles from the default down and takes the first that fits: an anchor group the tiles its
+kernel runs (`opfuse.fusion.tiles.anchor_tiles` for GPU `hw`, the default first, the list the GEMM and conv
+templates take their configs from), attention the tutorial's, rows more warps. Only when none fits is the group over
+budget, with the reason in words. Hardware limits come from `HardwareProfile` only.
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ from typing import Iterable, Mapping
 from opfuse.fusion.legality_anchors import ROW_NORMS, row_norm_epilogue
 from opfuse.fusion.legality_conv import conv_stages
 from opfuse.fusion.plan import ResourceEstimate
-from opfuse.fusion.tiles import whole_row_tile
+from opfuse.fusion.tiles import anchor_loop, anchor_tiles, whole_row_tile
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import DTYPE_BYTES, Graph, dtype_name
 from opfuse.ir.ops import FusionKind, get_op, kind_of
 
 ADDRESSING_REGISTERS = 40   # pointers, offsets, masks and loop counters every kernel holds besides its data
 
-GEMM_TILES = (   # default first: what a Triton GEMM autotuner starts from in fp16 on Hopper/Ampere
+DEPTHWISE_TILES = (   # a depthwise conv priced as a GEMM tile (its kernel's own tiles: codegen.conv_depthwise)
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_stages": 3, "num_warps": 8},
     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "num_stages": 3, "num_warps": 4},
     {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_stages": 3, "num_warps": 4},
@@ -112,10 +113,14 @@ def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, h
         candidates = [_conv_conv(graph, nodes, chain, hw, itemsize, t)
                       for t in conv_conv_tiles(graph, chain, hw.sm_count, tile)]
     elif norm is not None:   # one tile over the channels
-        rows = whole_row_tile(GEMM_TILES[2], graph[anchor].type.shape[1]) if tile is None else dict(tile)
+        rows = whole_row_tile(DEPTHWISE_TILES[2], graph[anchor].type.shape[1]) if tile is None else dict(tile)
         candidates = [_whole_rows(graph, nodes, anchor, hw, itemsize, rows)]
     elif anchor is not None:
-        candidates = [_gemm(graph, nodes, anchor, hw, itemsize, t) for t in _gemm_tiles(graph, anchor, tile)]
+        candidates = [_gemm(graph, nodes, anchor, hw, itemsize, t)
+                      for t in _anchor_tiles(graph, nodes, anchor, itemsize, hw, tile)]
+        estimate = _first_fit(candidates)
+        estimate.rate_tile = rate_tile(graph, nodes, anchor, [c.tile for c in candidates if c.fits])
+        return estimate
     elif (reduction := row_reduction(graph, nodes)) is not None:
         candidates = [_reduction(graph, nodes, reduction, hw, t) for t in _reduction_tiles(graph, reduction, tile)]
     else:
@@ -200,11 +205,52 @@ def gemm_shape(graph: Graph, anchor: str) -> tuple[int, int, int]:
     return (x[-2] if len(x) > 1 else 1), (w[-1] if len(w) > 1 else 1), x[-1]   # matmul: per batch
 
 
-def _gemm_tiles(graph: Graph, anchor: str, tile: Mapping[str, int] | None) -> list[dict[str, int]]:
-    """Candidate tiles, each dim clipped to the problem (at least 16, Triton's smallest dot)."""
+def anchor_problem(graph: Graph, nodes: Iterable[str], anchor: str) -> tuple[int, int, int, int] | None:
+    """(rows, columns, reduction length, independent GEMMs) of the GEMM a group anchored on `anchor` runs: the
+    anchor's `gemm_view`, with the columns of every sibling anchor of a horizontal group (one GEMM over their
+    concatenated weights); None where the anchor is no GEMM (a depthwise conv)."""
+    view = gemm_view(graph, anchor)
+    if view is None:
+        return None
+    rows, columns, reduction, batch = view
+    siblings = [n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR]
+    if len(siblings) > 1:
+        columns = sum(graph[n].type.shape[-1 if graph[n].op == "linear" else 1] for n in siblings)
+    return rows, columns, reduction, batch
+
+
+def rate_tile(graph: Graph, nodes: Iterable[str], anchor: str, fitting: list[dict[str, int]]
+              ) -> dict[str, int] | None:
+    """The tile whose tensor-core rate prices an anchor kernel (`opfuse.fusion.cost.tile_efficiency`): of the tiles
+    that fit, the one of most operand reuse BM*BN/(BM+BN), each dim clipped to the problem (at least 16). The
+    autotuner keeps the fastest tile, and the rate the calibration measured (`HardwareProfile.matrix_efficiency`)
+    is that of a large tile; the default tile a kernel launches untuned (`anchor_tiles`, priced for registers and
+    shared memory) is often smaller. None where nothing fits (the fitted tile prices it)."""
+    problem = anchor_problem(graph, nodes, anchor)
+    if problem is None or not fitting:
+        return None
+    rows, columns = problem[:2]
+
+    def clipped(t: dict[str, int]) -> tuple[int, int]:
+        return min(t["BLOCK_M"], _pow2(rows)), min(t["BLOCK_N"], _pow2(columns))
+
+    m, n = max((clipped(t) for t in fitting), key=lambda mn: mn[0] * mn[1] / (mn[0] + mn[1]))
+    return {"BLOCK_M": m, "BLOCK_N": n}
+
+
+def _anchor_tiles(graph: Graph, nodes: list[str], anchor: str, itemsize: int, hw: HardwareProfile,
+                  tile: Mapping[str, int] | None) -> list[dict[str, int]]:
+    """The tiles an anchor group's kernel runs, the default first: a GEMM's (linear, matmul, implicit-GEMM conv) are
+    `anchor_tiles` for GPU `hw`, the templates' own list; a depthwise conv's are `DEPTHWISE_TILES`, each dim
+    clipped to the problem (at least 16)."""
+    if tile is not None:
+        return [dict(tile)]
+    problem = anchor_problem(graph, nodes, anchor)
+    if problem is not None:
+        return anchor_tiles(*problem, itemsize, anchor_loop(graph, anchor)[1], hw=hw)
     m, n, k = gemm_shape(graph, anchor)
     clipped = []
-    for t in _tiles(GEMM_TILES, tile):
+    for t in DEPTHWISE_TILES:
         t = dict(t, BLOCK_M=min(t["BLOCK_M"], _pow2(m)), BLOCK_N=min(t["BLOCK_N"], _pow2(n)),
                  BLOCK_K=min(t["BLOCK_K"], _pow2(k)))
         if t not in clipped:
@@ -508,17 +554,18 @@ def _check(hw: HardwareProfile, tile: dict[str, int], threads: int, registers: l
 
 
 def _first_fit(candidates: list[ResourceEstimate]) -> ResourceEstimate:
-    """The first candidate that fits (noting what the default needed), else the smallest, explained."""
+    """The first candidate that fits (noting what the default needed), else the smallest (fewest registers, then
+    least shared memory), explained."""
     for estimate in candidates:
         if estimate.fits:
             if estimate is not candidates[0]:
                 estimate.reason = (f"fits with tile {describe_tile(estimate.tile)}; the default "
                                    f"{describe_tile(candidates[0].tile)} {candidates[0].reason}")
             return estimate
-    last = candidates[-1]
+    least = min(candidates, key=lambda e: (e.registers_per_thread, e.shared_memory_bytes))
     tried = f"{len(candidates)} tiles tried, " if len(candidates) > 1 else ""
-    last.reason = f"{tried}tile {describe_tile(last.tile)} {last.reason}"
-    return last
+    least.reason = f"{tried}the smallest, tile {describe_tile(least.tile)}, {least.reason}"
+    return least
 
 
 def describe_tile(tile: Mapping[str, int]) -> str:

@@ -10,6 +10,7 @@ from opfuse.config import FusionConfig
 from opfuse.fusion.cost import (estimate_kernel, group_traffic, is_fusion_candidate, op_density, predict_time,
                                 tile_efficiency)
 from opfuse.fusion.resources import ADDRESSING_REGISTERS, estimate_resources, gemm_shape
+from opfuse.fusion.tiles import anchor_tiles
 from opfuse.hardware import get_hardware
 from opfuse.ir.ops import get_op, node_bytes, node_flops
 
@@ -130,22 +131,27 @@ def test_density_rule_flags_batch_norm_and_relu_not_the_conv():
 # ---- resources -----------------------------------------------------------------------------------------
 
 def test_conv_default_tile_registers_and_shared_memory_by_hand():
+    """The tile priced is the kernel's default (`anchor_tiles`, the list the conv template launches from): a 3x3
+    conv of 3136 pixels x 128 channels reducing 288 runs 64x64x64 tiles (3 stages, 4 warps)."""
     graph = conv_relu(c_out=128)
     estimate = estimate_resources(graph, ["conv", "relu"], "conv", H200, "float16")
     assert estimate.fits
-    assert estimate.tile == {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_stages": 3, "num_warps": 8}
-    # accumulator 128*128/256 = 64, bias vector ceil(128/256) = 1, addressing 40
-    assert estimate.registers_per_thread == 64 + 1 + ADDRESSING_REGISTERS
-    assert estimate.shared_memory_bytes == 3 * (128 * 32 + 32 * 128) * 2
+    assert estimate.tile == anchor_tiles(3136, 128, 288, 1, 2, False, hw=H200)[0] == \
+        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_stages": 3, "num_warps": 4}
+    # accumulator 64*64/128 = 32, bias vector ceil(64/128) = 1, addressing 40
+    assert estimate.registers_per_thread == 32 + 1 + ADDRESSING_REGISTERS
+    assert estimate.shared_memory_bytes == 3 * (64 * 64 + 64 * 64) * 2
 
 
 def test_residual_operand_costs_a_tile_of_registers_and_staging():
     graph = resnet_bottleneck()
     estimate = estimate_resources(graph, ["conv3", "add", "relu_out"], "conv3", H200, "float16")
     assert estimate.fits
-    # + the skip tile: 128*128*2 B / 4 B per register / 256 threads = 32 registers, staged through smem
+    assert estimate.tile == {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_stages": 4, "num_warps": 4}
+    # accumulator 64*128/128 = 64, the skip tile 64*128*2 B / 4 B per register / 128 threads = 32 registers (staged
+    # through smem), bias 1
     assert estimate.registers_per_thread == 64 + 32 + 1 + ADDRESSING_REGISTERS
-    assert estimate.shared_memory_bytes == 3 * (128 * 32 + 32 * 128) * 2 + 128 * 128 * 2
+    assert estimate.shared_memory_bytes == 4 * (64 * 32 + 32 * 128) * 2 + 64 * 128 * 2
 
 
 def test_smaller_tile_chosen_before_declaring_over_budget():
@@ -162,10 +168,10 @@ def test_over_budget_reason_lists_where_the_registers_go():
     tiny = dataclasses.replace(H200, max_registers_per_thread=48)
     estimate = estimate_resources(graph, ["conv3", "add", "relu_out"], "conv3", tiny, "float16")
     assert not estimate.fits
-    # smallest tile 32x32, 4 warps: accumulator 8, skip tile 4, bias 1, addressing 40
-    assert estimate.registers_per_thread == 53
-    assert "needs 53 registers/thread > 48" in estimate.reason
-    assert "accumulator 8" in estimate.reason and "1 full-tile operand(s) 4" in estimate.reason
+    # the smallest tile, 2048 elements on 4 warps (32x64 or 64x32): accumulator 16, skip tile 8, bias 1, addressing 40
+    assert estimate.tile["BLOCK_M"] * estimate.tile["BLOCK_N"] == 2048 and estimate.registers_per_thread == 65
+    assert "the smallest" in estimate.reason and "needs 65 registers/thread > 48" in estimate.reason
+    assert "accumulator 16" in estimate.reason and "1 full-tile operand(s) 8" in estimate.reason
 
 
 def test_shared_memory_over_budget():

@@ -44,6 +44,34 @@ def test_plan_launches_are_what_the_default_configs_launch(gpu_tiles, name, batc
         assert "K blocks, under the 16" in why or "quarter of the SMs busy" in why, why
 
 
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+@pytest.mark.parametrize("name,batch", [("resnet18", 1), ("resnet50", 8), ("regnet_y_400mf", 1),
+                                        ("efficientnet_b0", 1), ("bert", 2), ("vit_b_16", 1)])
+def test_the_tile_priced_is_the_tile_launched(gpu_tiles, name, batch):
+    """Every GEMM, matmul and implicit-GEMM conv group of the plan is priced (registers, shared memory, the
+    split-K decision) on the tile its kernel launches untuned: the resource model and the templates read one tile
+    space (`opfuse.fusion.tiles.anchor_tiles`), the default first."""
+    from opfuse.codegen.conv_depthwise import DepthwiseConvKernel
+
+    model, inputs = load_builtin(name, batch=batch, seq_len=64)
+    inputs = tuple(x.half() if x.is_floating_point() else x for x in inputs)
+    plan = analyze(model.half(), inputs, FusionConfig(dtype="float16"), name=name).plan
+    kernels, _ = lower_plan(plan, "cpu")
+    compared = 0
+    for group in plan.groups:
+        kernel, tile = kernels.get(group.name), group.resources.tile if group.resources else {}
+        if kernel is None or isinstance(kernel, DepthwiseConvKernel) or not set(TILE_KEYS) <= tile.keys():
+            continue
+        config = kernel.configs()[0]
+        launched = {key: config[key] for key in TILE_KEYS[:3]} | {"num_warps": config.num_warps,
+                                                                   "num_stages": config.num_stages}
+        assert launched == {key: tile[key] for key in TILE_KEYS}, (group.name, group.nodes)
+        compared += 1
+    assert compared >= 10
+
+
 def test_kernels_follow_the_profile_the_plan_was_made_for(monkeypatch):
     """A plan for a GPU of 4 SMs, under a name opfuse does not know: its kernels split K for those 4 SMs."""
     import dataclasses
