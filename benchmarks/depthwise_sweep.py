@@ -3,7 +3,7 @@
 For each depthwise layer of the zoo's convnets (ConvNeXt's 7x7, EfficientNet's 5x5 and 3x3, MobileNetV2's 3x3:
 channels, size, filter and stride) at each batch given, fp16, channels-last, with a bias:
 
-- `DepthwiseConvKernel` with each of its pixel tiles (`DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS`, the taps
+- `DepthwiseConvKernel` with each of its pixel tiles (`tiles.DEPTHWISE + SMALL_DEPTHWISE`, the taps
   unrolled or in a row loop as `depthwise_configs` decides), and in its runs form (COLS neighbouring outputs of a
   row share their input columns) with each of `RUN_TILES` at each of `RUN_COLS`, with the registers and local
   memory (spills) ptxas gave each and the seconds its first call took (compiling it);
@@ -33,7 +33,7 @@ from opfuse.bench import harness
 from opfuse.bench.timing import graphed_call_us
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.conv import lower_conv_group
-from opfuse.codegen.conv_depthwise import DEPTHWISE_CONFIGS, SMALL_DEPTHWISE_CONFIGS, unrolled_tap_registers
+from opfuse.fusion.tiles import DEPTHWISE, SMALL_DEPTHWISE, unrolled_tap_registers
 from opfuse.fusion.plan import GroupKind
 from opfuse.numerics import relative_error
 from tests.kernels.test_conv_kernels import Builder
@@ -60,10 +60,10 @@ def configs(taps: int, twins: bool = False) -> list[KernelConfig]:
     """The direct form's tiles (taps unrolled or in a row loop as `depthwise_configs` decides; with `twins`, each
     unrolled tile in a row loop too: what an unrolled tile's long compile buys), then the runs form's."""
     direct = []
-    for t in DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS:
+    for t in DEPTHWISE + SMALL_DEPTHWISE:
         loops = [int(unrolled_tap_registers(t, taps, 2) > 255)]
         loops += [1] if twins and loops == [0] else []
-        direct += [KernelConfig.of(num_warps=t.num_warps, num_stages=t.num_stages, BLOCK_M=t["BLOCK_M"],
+        direct += [KernelConfig.of(num_warps=t["num_warps"], num_stages=t["num_stages"], BLOCK_M=t["BLOCK_M"],
                                    BLOCK_N=t["BLOCK_N"], ROW_LOOP=loop) for loop in loops]
     runs = [KernelConfig.of(num_warps=w, num_stages=1, BLOCK_M=m, BLOCK_N=n, COLS=cols)
             for cols in RUN_COLS for m, n, w in RUN_TILES]

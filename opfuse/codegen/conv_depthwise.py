@@ -17,8 +17,7 @@ from opfuse.codegen.epilogue import Epilogue, generate_kernel, interpreting
 from opfuse.codegen.forms import EpilogueKernel
 from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.resources import ADDRESSING_REGISTERS
-from opfuse.fusion.tiles import by_occupancy, whole_row_tile
+from opfuse.fusion.tiles import INTERPRETED_DEPTHWISE, depthwise_tiles, whole_row_tile
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import Graph
 
@@ -184,66 +183,17 @@ def depthwise_runs_template(cols: int, kw: int, stride: int, dilation: int) -> s
                                           interleave=interleave(names, "BLOCK_M"))
 
 
-# [pixels, channels] tiles, in the order measured best on an H200 for MobileNet-sized layers (64 x 32 second: it
-# beat 128 x 32 on EfficientNet's batch-64 layers, RESULTS.md run 55), then smaller ones for layers too small to
-# fill the GPU with those (`depthwise_configs`)
-DEPTHWISE_CONFIGS = [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=128, BLOCK_N=32),
-                     KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=64, BLOCK_N=32),
-                     KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=64, BLOCK_N=64),
-                     KernelConfig.of(num_warps=8, num_stages=1, BLOCK_M=256, BLOCK_N=32),
-                     KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=32, BLOCK_N=128),
-                     KernelConfig.of(num_warps=8, num_stages=1, BLOCK_M=128, BLOCK_N=64),
-                     KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=128)]
-INTERPRETED_DEPTHWISE = {"BLOCK_M": 32, "BLOCK_N": 16}    # the one tile Triton's interpreter runs (tests)
-SMALL_DEPTHWISE_CONFIGS = [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=64),
-                           KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=32, BLOCK_N=32),
-                           KernelConfig.of(num_warps=2, num_stages=1, BLOCK_M=16, BLOCK_N=32)]
-
-
-# the runs form's tiles (COLS outputs a run), in the order of their geometric mean over the zoo's depthwise layers at
-# batch 64 (RESULTS.md run 92), then smaller ones for layers too small to fill the GPU with those
-DEPTHWISE_RUN_CONFIGS = [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=128, BLOCK_N=32, COLS=8),
-                         KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=128, BLOCK_N=64, COLS=8),
-                         KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=64, BLOCK_N=64, COLS=8),
-                         KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=128, BLOCK_N=32, COLS=4),
-                         KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=64, BLOCK_N=32, COLS=4),
-                         KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=32, BLOCK_N=64, COLS=4)]
-
-
-def unrolled_tap_registers(config: KernelConfig, taps: int, itemsize: int) -> int:
-    """Registers per thread a depthwise tile needs with all `taps` unrolled: ptxas issues every tap's load before
-    the multiply-adds, so each thread holds all of its elements' taps (packed 32 bits to a register), its float32
-    accumulator and the addressing."""
-    elements = config["BLOCK_M"] * config["BLOCK_N"] // (32 * config.num_warps)
-    return -(-taps * elements * itemsize // 4) + elements + ADDRESSING_REGISTERS
-
-
 def depthwise_configs(m: int, n: int, sm_count: int, taps: int = 1, itemsize: int = 2,
                       max_registers: int = 255, width: int | None = None, whole_rows: bool = False
                       ) -> list[KernelConfig]:
-    """Tile candidates of the direct depthwise kernel over `m` output pixels x `n` channels (in rows of `width`)
-    with a filter of `taps` taps on `itemsize`-byte inputs, on a GPU of `sm_count` SMs and `max_registers`
-    registers per thread, the default first. A depthwise conv does a few multiply-adds per element it loads, so its
-    speed is the loads it issues: the runs form's tiles (`DEPTHWISE_RUN_CONFIGS`: a run of outputs along a row
-    loads each input column once; only where a row's runs are at least half outputs, not the padding past its end)
-    come before the pixel tiles, and all are ordered `by_occupancy`, those whose grid has a program for every SM first, in
-    the listed (measured) order (a 7x7 layer of ConvNeXt's last stage, 49 pixels x 768 channels at batch 1, fills 24
-    of an H200's 132 SMs with the first tile). A pixel tile whose taps unrolled would not fit the registers
-    (`unrolled_tap_registers`) loops over the filter rows instead (ROW_LOOP=1), each row's taps unrolled: unrolled,
-    they spill (a 7x7 filter on a 128 x 32 tile: 6 KB per thread, 20x slower than cuDNN), and a row loop keeps the
-    loads of one row in flight. With `whole_rows` (a norm over the channels in the epilogue) each tile becomes its
-    `whole_row_tile`, spanning all `n` channels with as many elements."""
-    runs = [c for c in DEPTHWISE_RUN_CONFIGS if width is None or -(-width // c["COLS"]) * c["COLS"] < 2 * width]
-    configs: list[KernelConfig] = []
-    for c in runs + DEPTHWISE_CONFIGS + SMALL_DEPTHWISE_CONFIGS:
-        params = whole_row_tile(dict(c.params), n) if whole_rows else dict(c.params)
-        tile = KernelConfig.of(num_warps=c.num_warps, num_stages=c.num_stages, **params)
-        if "COLS" not in params:
-            tile = KernelConfig.of(num_warps=c.num_warps, num_stages=c.num_stages, **params,
-                                   ROW_LOOP=int(unrolled_tap_registers(tile, taps, itemsize) > max_registers))
-        if tile not in configs:
-            configs.append(tile)
-    return by_occupancy(configs, m, n, 1, sm_count)
+    """`opfuse.fusion.tiles.depthwise_tiles` (the default first) as launch configs."""
+    return [config_of(t) for t in depthwise_tiles(m, n, sm_count, taps, itemsize, max_registers, width, whole_rows)]
+
+
+def config_of(tile: dict[str, int]) -> KernelConfig:
+    """A depthwise tile dict as a launch config."""
+    params = {k: v for k, v in tile.items() if k not in ("num_warps", "num_stages")}
+    return KernelConfig.of(num_warps=tile["num_warps"], num_stages=tile["num_stages"], **params)
 
 
 class DepthwiseConvKernel(EpilogueKernel):

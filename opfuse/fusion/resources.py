@@ -37,21 +37,13 @@ import math
 from typing import Iterable, Mapping
 
 from opfuse.fusion.legality_anchors import ROW_NORMS, row_norm_epilogue
-from opfuse.fusion.legality_conv import conv_stages
+from opfuse.fusion.legality_conv import conv_stages, is_depthwise_conv
 from opfuse.fusion.plan import ResourceEstimate
-from opfuse.fusion.tiles import anchor_loop, anchor_tiles, whole_row_tile
+from opfuse.fusion.tiles import ADDRESSING_REGISTERS, anchor_loop, anchor_tiles, depthwise_tiles
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import DTYPE_BYTES, Graph, dtype_name
 from opfuse.ir.ops import FusionKind, get_op, kind_of
 
-ADDRESSING_REGISTERS = 40   # pointers, offsets, masks and loop counters every kernel holds besides its data
-
-DEPTHWISE_TILES = (   # a depthwise conv priced as a GEMM tile (its kernel's own tiles: codegen.conv_depthwise)
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_stages": 3, "num_warps": 8},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "num_stages": 3, "num_warps": 4},
-    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_stages": 3, "num_warps": 4},
-    {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "num_stages": 2, "num_warps": 4},
-)
 ATTENTION_TILES = (  # the Triton fused-attention tutorial's configurations
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2, "num_warps": 8},
     {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4},
@@ -112,9 +104,12 @@ def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, h
     elif anchor is not None and (chain := conv_chain(graph, nodes)):
         candidates = [_conv_conv(graph, nodes, chain, hw, itemsize, t)
                       for t in conv_conv_tiles(graph, chain, hw.sm_count, tile)]
-    elif norm is not None:   # one tile over the channels
-        rows = whole_row_tile(DEPTHWISE_TILES[2], graph[anchor].type.shape[1]) if tile is None else dict(tile)
-        candidates = [_whole_rows(graph, nodes, anchor, hw, itemsize, rows)]
+    elif norm is not None:   # tiles over all the channels
+        candidates = [_whole_rows(graph, nodes, anchor, hw, itemsize, t)
+                      for t in _depthwise_tiles(graph, anchor, itemsize, hw, tile, whole_rows=True)]
+    elif anchor is not None and is_depthwise_conv(graph, anchor):
+        candidates = [_depthwise(graph, nodes, anchor, hw, itemsize, t)
+                      for t in _depthwise_tiles(graph, anchor, itemsize, hw, tile)]
     elif anchor is not None:
         candidates = [_gemm(graph, nodes, anchor, hw, itemsize, t)
                       for t in _anchor_tiles(graph, nodes, anchor, itemsize, hw, tile)]
@@ -209,10 +204,9 @@ def anchor_problem(graph: Graph, nodes: Iterable[str], anchor: str) -> tuple[int
     """(rows, columns, reduction length, independent GEMMs) of the GEMM a group anchored on `anchor` runs: the
     anchor's `gemm_view`, with the columns of every sibling anchor of a horizontal group (one GEMM over their
     concatenated weights); None where the anchor is no GEMM (a depthwise conv)."""
-    view = gemm_view(graph, anchor)
-    if view is None:
+    if is_depthwise_conv(graph, anchor):
         return None
-    rows, columns, reduction, batch = view
+    rows, columns, reduction, batch = gemm_view(graph, anchor) or (*gemm_shape(graph, anchor), 1)   # (1-D matmuls)
     siblings = [n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR]
     if len(siblings) > 1:
         columns = sum(graph[n].type.shape[-1 if graph[n].op == "linear" else 1] for n in siblings)
@@ -240,22 +234,39 @@ def rate_tile(graph: Graph, nodes: Iterable[str], anchor: str, fitting: list[dic
 
 def _anchor_tiles(graph: Graph, nodes: list[str], anchor: str, itemsize: int, hw: HardwareProfile,
                   tile: Mapping[str, int] | None) -> list[dict[str, int]]:
-    """The tiles an anchor group's kernel runs, the default first: a GEMM's (linear, matmul, implicit-GEMM conv) are
-    `anchor_tiles` for GPU `hw`, the templates' own list; a depthwise conv's are `DEPTHWISE_TILES`, each dim
-    clipped to the problem (at least 16)."""
+    """The tiles a GEMM-shaped anchor group's kernel (linear, matmul, implicit-GEMM conv) runs, the default first:
+    `anchor_tiles` for GPU `hw`, the list the templates take their configs from."""
     if tile is not None:
         return [dict(tile)]
-    problem = anchor_problem(graph, nodes, anchor)
-    if problem is not None:
-        return anchor_tiles(*problem, itemsize, anchor_loop(graph, anchor)[1], hw=hw)
-    m, n, k = gemm_shape(graph, anchor)
-    clipped = []
-    for t in DEPTHWISE_TILES:
-        t = dict(t, BLOCK_M=min(t["BLOCK_M"], _pow2(m)), BLOCK_N=min(t["BLOCK_N"], _pow2(n)),
-                 BLOCK_K=min(t["BLOCK_K"], _pow2(k)))
-        if t not in clipped:
-            clipped.append(t)
-    return clipped
+    return anchor_tiles(*anchor_problem(graph, nodes, anchor), itemsize, anchor_loop(graph, anchor)[1], hw=hw)
+
+
+def _depthwise_tiles(graph: Graph, anchor: str, itemsize: int, hw: HardwareProfile, tile: Mapping[str, int] | None,
+                     whole_rows: bool = False) -> list[dict[str, int]]:
+    """The tiles a depthwise conv's kernel runs, the default first: `depthwise_tiles` for GPU `hw`, the list its
+    template takes its configs from."""
+    if tile is not None:
+        return [dict(tile)]
+    n, channels, _, width = graph[anchor].type.shape
+    kh, kw = graph[graph[anchor].inputs[1]].type.shape[2:]
+    pixels = graph[anchor].type.numel // channels
+    return depthwise_tiles(pixels, channels, hw.sm_count, kh * kw, itemsize, hw.max_registers_per_thread, width,
+                           whole_rows)
+
+
+def _depthwise(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile, itemsize: int,
+               tile: dict[str, int]) -> ResourceEstimate:
+    """A direct depthwise conv (`opfuse.codegen.conv_depthwise`): its float32 tile and epilogue as an anchor's, and
+    the taps it holds at once, packed 32 bits to a register: every tap of the filter unrolled, one filter row where
+    it loops over rows (ROW_LOOP) or runs along a row (COLS). Each tap is loaded straight into registers: no shared
+    memory."""
+    kh, kw = graph[graph[anchor].inputs[1]].type.shape[2:]
+    threads = 32 * tile["num_warps"]
+    elements = _per_thread(tile["BLOCK_M"] * tile["BLOCK_N"], threads)
+    taps = kw if tile.get("ROW_LOOP") or tile.get("COLS") else kh * kw
+    registers = _tile_registers(graph, nodes, anchor, itemsize, tile["BLOCK_M"], tile["BLOCK_N"], threads) + [
+        (f"{taps} taps held", math.ceil(taps * elements * itemsize / 4))]
+    return _check(hw, tile, threads, registers, [])
 
 
 def _tile_registers(graph: Graph, nodes: list[str], anchor: str, itemsize: int, bm: int, bn: int,

@@ -113,6 +113,61 @@ def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
     return ordered
 
 
+# ---- depthwise convs ---------------------------------------------------------------------------------------
+
+ADDRESSING_REGISTERS = 40   # pointers, offsets, masks and loop counters every kernel holds besides its data
+
+
+def _depthwise(m: int, n: int, warps: int = 4, cols: int | None = None) -> dict[str, int]:
+    return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": 1} | ({"COLS": cols} if cols else {})
+
+
+# [pixels, channels] tiles of the direct depthwise kernel (`opfuse.codegen.conv_depthwise`), in the order measured
+# best on an H200 for MobileNet-sized layers (64 x 32 second: it beat 128 x 32 on EfficientNet's batch-64 layers,
+# RESULTS.md run 55), then smaller ones for layers too small to fill the GPU with those (`depthwise_tiles`)
+DEPTHWISE = [_depthwise(128, 32), _depthwise(64, 32), _depthwise(64, 64), _depthwise(256, 32, 8),
+             _depthwise(32, 128), _depthwise(128, 64, 8), _depthwise(16, 128)]
+SMALL_DEPTHWISE = [_depthwise(16, 64), _depthwise(32, 32), _depthwise(16, 32, 2)]
+# the runs form's tiles (COLS outputs a run), in the order of their geometric mean over the zoo's depthwise layers at
+# batch 64 (RESULTS.md run 92)
+DEPTHWISE_RUNS = [_depthwise(128, 32, cols=8), _depthwise(128, 64, cols=8), _depthwise(64, 64, cols=8),
+                  _depthwise(128, 32, cols=4), _depthwise(64, 32, cols=4), _depthwise(32, 64, cols=4)]
+INTERPRETED_DEPTHWISE = {"BLOCK_M": 32, "BLOCK_N": 16}    # the one tile Triton's interpreter runs (tests)
+
+
+def unrolled_tap_registers(tile: Mapping[str, int], taps: int, itemsize: int) -> int:
+    """Registers per thread a depthwise tile (a tile dict or kernel config) needs with all `taps` unrolled: ptxas
+    issues every tap's load before the multiply-adds, so each thread holds all of its elements' taps (packed 32 bits
+    to a register), its float32 accumulator and the addressing."""
+    elements = tile["BLOCK_M"] * tile["BLOCK_N"] // (32 * tile["num_warps"])
+    return -(-taps * elements * itemsize // 4) + elements + ADDRESSING_REGISTERS
+
+
+def depthwise_tiles(m: int, n: int, sm_count: int, taps: int = 1, itemsize: int = 2, max_registers: int = 255,
+                    width: int | None = None, whole_rows: bool = False) -> list[dict[str, int]]:
+    """Tile candidates of the direct depthwise kernel over `m` output pixels x `n` channels (in rows of `width`)
+    with a filter of `taps` taps on `itemsize`-byte inputs, on a GPU of `sm_count` SMs and `max_registers`
+    registers per thread, the default first. A depthwise conv does a few multiply-adds per element it loads, so its
+    speed is the loads it issues: the runs form's tiles (`DEPTHWISE_RUNS`: a run of outputs along a row loads each
+    input column once; only where a row's runs are at least half outputs, not the padding past its end) come before
+    the pixel tiles, and all are ordered `by_occupancy`, those whose grid has a program for every SM first, in the
+    listed (measured) order (a 7x7 layer of ConvNeXt's last stage, 49 pixels x 768 channels at batch 1, fills 24 of
+    an H200's 132 SMs with the first tile). A pixel tile whose taps unrolled would not fit the registers
+    (`unrolled_tap_registers`) loops over the filter rows instead (ROW_LOOP=1), each row's taps unrolled: unrolled,
+    they spill (a 7x7 filter on a 128 x 32 tile: 6 KB per thread, 20x slower than cuDNN), and a row loop keeps the
+    loads of one row in flight. With `whole_rows` (a norm over the channels in the epilogue) each tile becomes its
+    `whole_row_tile`, spanning all `n` channels with as many elements."""
+    runs = [t for t in DEPTHWISE_RUNS if width is None or -(-width // t["COLS"]) * t["COLS"] < 2 * width]
+    tiles: list[dict[str, int]] = []
+    for t in runs + DEPTHWISE + SMALL_DEPTHWISE:
+        tile = whole_row_tile(t, n) if whole_rows else dict(t)
+        if "COLS" not in tile:
+            tile["ROW_LOOP"] = int(unrolled_tap_registers(tile, taps, itemsize) > max_registers)
+        if tile not in tiles:
+            tiles.append(tile)
+    return by_occupancy(tiles, m, n, 1, sm_count)
+
+
 MAX_ROW_CHANNELS = 4096    # channels a whole-row tile spans at most (`whole_row_tile`)
 MAX_HEAD_DIM = HEADS_INSIDE_TOKENS_HEAD_DIM   # head dims the attention template tiles: its query tile and
                                              # accumulator hold whole rows (flash attention's, and its layout's)

@@ -175,18 +175,20 @@ def test_whole_row_depthwise_tiles_span_the_channels_with_as_many_elements():
 def test_depthwise_row_loop_where_taps_overflow_registers():
     """A tile whose unrolled taps would not fit a thread's 255 registers loops over the filter rows; a 3x3 filter
     and small tiles of a 7x7 one stay unrolled."""
-    from opfuse.codegen.conv_depthwise import depthwise_configs, unrolled_tap_registers
+    from opfuse.codegen.conv_depthwise import depthwise_configs
+    from opfuse.fusion.tiles import unrolled_tap_registers
 
     for taps in (9, 25, 49):
         configs = [c for c in depthwise_configs(64 * 56 * 56, 96, sm_count=132, taps=taps) if "COLS" not in dict(c.params)]
         for config in configs:
-            assert config["ROW_LOOP"] == int(unrolled_tap_registers(config, taps, 2) > 255)
+            tile = dict(config.params, num_warps=config.num_warps)
+            assert config["ROW_LOOP"] == int(unrolled_tap_registers(tile, taps, 2) > 255)
         looped = {(c["BLOCK_M"], c["BLOCK_N"]) for c in configs if c["ROW_LOOP"]}
         if taps == 9:
             assert not looped
         else:
             assert (128, 32) in looped and (16, 32) not in looped
-    assert unrolled_tap_registers(KernelConfig.of(num_warps=4, BLOCK_M=128, BLOCK_N=32), 49, 2) > 255
+    assert unrolled_tap_registers({"num_warps": 4, "BLOCK_M": 128, "BLOCK_N": 32}, 49, 2) > 255
 
 
 @pytest.mark.parametrize("stride", [1, 2])
@@ -303,7 +305,10 @@ def test_unsupported_cases():
 def test_depthwise_tiles_fill_the_gpu_first():
     """A layer the measured tiles fill keeps their order; one too small for them (ConvNeXt's last stage at batch 1:
     49 pixels x 768 channels) gets the tiles with the most programs first."""
-    from opfuse.codegen.conv_depthwise import DEPTHWISE_CONFIGS, DEPTHWISE_RUN_CONFIGS, depthwise_configs
+    from opfuse.codegen.conv_depthwise import config_of, depthwise_configs
+    from opfuse.fusion.tiles import DEPTHWISE, DEPTHWISE_RUNS
+
+    DEPTHWISE_CONFIGS, DEPTHWISE_RUN_CONFIGS = [config_of(t) for t in DEPTHWISE], [config_of(t) for t in DEPTHWISE_RUNS]
 
     def programs(config, m, n):
         return -(-m // config["BLOCK_M"]) * -(-n // config["BLOCK_N"])

@@ -48,28 +48,34 @@ TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
 @pytest.mark.parametrize("name,batch", [("resnet18", 1), ("resnet50", 8), ("regnet_y_400mf", 1),
-                                        ("efficientnet_b0", 1), ("bert", 2), ("vit_b_16", 1)])
+                                        ("efficientnet_b0", 1), ("convnext_tiny", 2), ("bert", 2), ("vit_b_16", 1)])
 def test_the_tile_priced_is_the_tile_launched(gpu_tiles, name, batch):
-    """Every GEMM, matmul and implicit-GEMM conv group of the plan is priced (registers, shared memory, the
-    split-K decision) on the tile its kernel launches untuned: the resource model and the templates read one tile
-    space (`opfuse.fusion.tiles.anchor_tiles`), the default first."""
+    """Every anchor group of the plan (GEMM, matmul, implicit-GEMM and depthwise conv) is priced (registers, shared
+    memory, the split-K decision) on the tile its kernel launches untuned: the resource model and the templates
+    read one tile space (`opfuse.fusion.tiles.anchor_tiles`, `depthwise_tiles`), the default first."""
     from opfuse.codegen.conv_depthwise import DepthwiseConvKernel
+    from opfuse.codegen.conv_implicit_gemm import ConvKernel
+    from opfuse.codegen.gemm import GemmKernel
 
     model, inputs = load_builtin(name, batch=batch, seq_len=64)
     inputs = tuple(x.half() if x.is_floating_point() else x for x in inputs)
     plan = analyze(model.half(), inputs, FusionConfig(dtype="float16"), name=name).plan
     kernels, _ = lower_plan(plan, "cpu")
-    compared = 0
+    compared = {GemmKernel: 0, ConvKernel: 0, DepthwiseConvKernel: 0}
     for group in plan.groups:
         kernel, tile = kernels.get(group.name), group.resources.tile if group.resources else {}
-        if kernel is None or isinstance(kernel, DepthwiseConvKernel) or not set(TILE_KEYS) <= tile.keys():
+        family = next((f for f in compared if isinstance(kernel, f)), None)
+        if family is None:
             continue
         config = kernel.configs()[0]
-        launched = {key: config[key] for key in TILE_KEYS[:3]} | {"num_warps": config.num_warps,
-                                                                   "num_stages": config.num_stages}
-        assert launched == {key: tile[key] for key in TILE_KEYS}, (group.name, group.nodes)
-        compared += 1
-    assert compared >= 10
+        launched = dict(config.params) | {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        if family is not DepthwiseConvKernel:
+            launched = {key: launched[key] for key in TILE_KEYS}
+        assert launched == tile, (group.name, group.nodes)
+        compared[family] += 1
+    assert sum(compared.values()) >= 10
+    if name in ("efficientnet_b0", "convnext_tiny"):
+        assert compared[DepthwiseConvKernel] > 0
 
 
 def test_kernels_follow_the_profile_the_plan_was_made_for(monkeypatch):

@@ -190,7 +190,7 @@ DEPTHWISE = '''
 import torch
 from opfuse.codegen.base import KernelConfig, import_file, recording_launches
 from opfuse.codegen.conv import lower_conv_group
-from opfuse.codegen.conv_depthwise import unrolled_tap_registers
+from opfuse.fusion.tiles import unrolled_tap_registers
 from opfuse.fusion.plan import GroupKind
 from opfuse.runtime.compile_worker import warmup
 from tests.kernels.test_conv_kernels import Builder
@@ -208,7 +208,7 @@ for loop in (0, 1):
     (record,) = launches
     compiled = warmup(getattr(import_file(record.path, "dw_offline"), record.function), record)
     report[str(loop)] = module.resources(compiled.asm["cubin"])
-report["estimate"] = unrolled_tap_registers(config, 49, 2)
+report["estimate"] = unrolled_tap_registers(dict(config.params, num_warps=config.num_warps), 49, 2)
 print(json.dumps(report))
 '''
 
