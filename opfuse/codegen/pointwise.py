@@ -38,6 +38,7 @@ from opfuse.codegen.operands import (VIEW_OPS, Emitter, FlatIndex, Region, build
                                      next_power_of_2)
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.legality_views import MAPPED_COPIES
+from opfuse.fusion.tiles import POINTWISE
 from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import WIDE_INTEGERS, Graph
 
@@ -283,8 +284,7 @@ class PointwiseKernel(TemplateKernel):
         largest = max(part.numel for part in self.parts)
         if interpreting():
             return [KernelConfig.of(BLOCK=min(256, next_power_of_2(largest)), num_warps=1)]
-        return [KernelConfig.of(BLOCK=1024, num_warps=4), KernelConfig.of(BLOCK=2048, num_warps=8),
-                KernelConfig.of(BLOCK=512, num_warps=4), KernelConfig.of(BLOCK=4096, num_warps=8)]
+        return [KernelConfig.of(**tile) for tile in POINTWISE]
 
     def part_channels_last(self, part: Part, tensors: dict[str, torch.Tensor]) -> bool:
         candidates = [tensors[i] for i in part.inputs if i in tensors]

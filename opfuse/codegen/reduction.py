@@ -24,7 +24,6 @@ them (group norm's back to [N, C, H, W]) at the coordinates they map to in row-m
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence
 
 import torch
@@ -35,7 +34,8 @@ from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, int_pair, triton_dty
 from opfuse.codegen.operands import VIEW_OPS, Emitter, Region, build_kernel, interpreting, next_power_of_2
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.tiles import ROW_SPLIT_MODES, SCAN_OPS, RowView, row_tiles, row_view
+from opfuse.fusion.tiles import (EXTREMES, ROW_SPLIT_MODES, SCAN_OPS, RowView, extreme_view, pool_tiles,
+                                 row_kernel_tiles, row_view)
 from opfuse.hardware import HardwareProfile, get_hardware
 from opfuse.ir.graph import FLOAT_DTYPES, WIDE_INTEGERS, Graph, Node
 from opfuse.ir.ops import FusionKind, kind_of
@@ -69,21 +69,6 @@ def lower_reduction_group(graph: Graph, group: FusionGroup, device, hw: Hardware
     if node.op in POOL_OPS:
         return PoolKernel(graph, group, device, node)
     raise Unsupported(f"no reduction template for {node.describe()}")
-
-
-EXTREMES = ("amax", "amin")       # row modes of this template beyond `opfuse.fusion.tiles.ROW_OPS`
-
-
-def extreme_view(graph: Graph, node: Node) -> RowView | None:
-    """amax / amin over dims as the row template computes them (a running max or min, NaN if any element is)."""
-    if node.op not in EXTREMES:
-        return None
-    shape = graph[node.inputs[0]].type.shape
-    dims = node.attrs.get("dims") or list(range(len(shape)))
-    dims = sorted({d % len(shape) for d in ([dims] if isinstance(dims, int) else dims)})
-    kept = [d for d in range(len(shape)) if d not in dims]
-    return RowView(node.op, tuple(dims), math.prod(shape[d] for d in kept), math.prod(shape[d] for d in dims),
-                   len(shape) == 4 and 1 in kept and {2, 3} <= set(dims))
 
 
 def reduction_node(graph: Graph, group: FusionGroup) -> Node:
@@ -413,9 +398,7 @@ class RowReductionKernel(TemplateKernel):
         if interpreting():
             return [KernelConfig.of(BLOCK_M=min(next_power_of_2(self.rows), 16), num_warps=1,
                                     BLOCK_L=min(next_power_of_2(self.length), 128), **({"SPLIT": 1} if split else {}))]
-        return [KernelConfig.of(BLOCK_M=block_m, BLOCK_L=block_l, **({"SPLIT": slices} if split else {}),
-                                num_warps=4 if block_m * block_l <= 2048 else 8)
-                for block_m, block_l, slices in row_tiles(self.view, self.sm_count)]
+        return [KernelConfig.of(**tile) for tile in row_kernel_tiles(self.view, self.sm_count)]
 
     def alternatives(self, library: bool = True) -> list[KernelConfig]:
         """The first config unsplit, where it is split."""
@@ -530,13 +513,7 @@ class PoolKernel(TemplateKernel):
         channels = next_power_of_2(self.channels)
         if interpreting():
             return [KernelConfig.of(BLOCK_P=16, BLOCK_C=min(channels, 32), num_warps=1)]
-        shapes = [(32, 64), (64, 32), (16, 128), (64, 64)]
-        configs = []
-        for block_p, block_c in shapes:
-            config = KernelConfig.of(BLOCK_P=block_p, BLOCK_C=min(block_c, channels), num_warps=4)
-            if config not in configs:
-                configs.append(config)
-        return configs
+        return [KernelConfig.of(**tile) for tile in pool_tiles(self.channels)]
 
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
             outputs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:

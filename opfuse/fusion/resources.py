@@ -19,16 +19,16 @@ becomes, counted the way a Triton kernel holds data:
   staged as the MMA's A operand, the expansion weight chunk and input tap. Both tiles must fit together.
 - attention (sdpa): flash attention, a BLOCK_M x head_dim accumulator plus a BLOCK_M x BLOCK_N score tile;
   K and V blocks in shared memory.
-- row reductions (softmax, layer norm, mean, sum, cumsum, adaptive pooling): one row per program, held in registers
-  (BLOCK = next power of two of the row); every live row-sized operand costs BLOCK/threads registers. The row
-  must fit, or the group is over budget.
-- everything else (elementwise, pooling windows, copies): BLOCK elements per program; every live operand costs
-  BLOCK/threads registers.
+- row reductions (softmax, layer norm, mean, sum, cumsum, amax, global pools): the row template's chunk of
+  BLOCK_M rows x BLOCK_L elements (`tiles.row_kernel_tiles`; a longer row is walked in chunks); every live operand
+  costs a chunk of registers, each reduction a cross-warp exchange in shared memory. Pooling windows: the pooling
+  template's BLOCK_P pixels x BLOCK_C channels (`tiles.pool_tiles`).
+- everything else (elementwise, pooling windows, copies): BLOCK elements per program (`tiles.POINTWISE`, the
+  template's blocks); every live operand costs BLOCK/threads registers.
 
-Each family tries its tiles from the default down and takes the first that fits: an anchor group the tiles its
-kernel runs (`opfuse.fusion.tiles.anchor_tiles` for GPU `hw`, the default first, the list the GEMM and conv
-templates take their configs from), attention the tutorial's, rows more warps. Only when none fits is the group over
-budget, with the reason in words. Hardware limits come from `HardwareProfile` only.
+Each family tries the tiles its template launches (one tile space, `opfuse.fusion.tiles`: the templates take their
+configs from the same lists) from the default down and takes the first that fits; only when none fits is the group
+over budget, with the reason in words. Hardware limits come from `HardwareProfile` only.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from typing import Iterable, Mapping
 from opfuse.fusion.legality_anchors import ROW_NORMS, row_norm_epilogue
 from opfuse.fusion.legality_conv import conv_stages, is_depthwise_conv
 from opfuse.fusion.plan import ResourceEstimate
-from opfuse.fusion.tiles import ADDRESSING_REGISTERS, anchor_loop, anchor_tiles, depthwise_tiles
+from opfuse.fusion.tiles import (ADDRESSING_REGISTERS, POINTWISE, RowView, anchor_loop, anchor_tiles, depthwise_tiles,
+                                 extreme_view, pool_tiles, row_kernel_tiles, row_view)
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import DTYPE_BYTES, Graph, dtype_name
 from opfuse.ir.ops import FusionKind, get_op, kind_of
@@ -78,14 +79,10 @@ CONV_CONV_SLICES = (1, 2, 4, 8)   # mid-channel slices a depthwise + pointwise t
 # runs 16, 17, 19) 64 ran without spills (16x64 with 8 slices, 32x64 with 4, 4 warps), 128 spilled up to 2 values
 # (32x256 with 2 slices) and 256 spilled 32 to 360 (32x128 with 8, 32x256 with 4, 64x64 with 8)
 SLICE_SUM_REGISTERS = 64
-POINTWISE_BLOCKS = (1024, 512, 256, 128)
-POINTWISE_WARPS = 4
-REDUCTION_WARPS = (4, 8, 16, 32)
 
-# reduced quantities a row reduction keeps per row (max and sum, mean and variance, a scan's carry): its cross-warp
-# scratch
-ROW_STATISTICS = {"softmax": 2, "layer_norm": 2, "rms_norm": 1, "mean": 1, "sum": 1, "any": 1, "cumsum": 1,
-                  "adaptive_avg_pool2d": 1}
+# reduced quantities the row template keeps per row, by its mode (max and sum, mean and variance, a scan's carry; 1
+# for the others): its cross-warp scratch
+ROW_STATISTICS = {"softmax": 2, "layer_norm": 2}
 
 
 def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, hw: HardwareProfile,
@@ -116,10 +113,10 @@ def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, h
         estimate = _first_fit(candidates)
         estimate.rate_tile = rate_tile(graph, nodes, anchor, [c.tile for c in candidates if c.fits])
         return estimate
-    elif (reduction := row_reduction(graph, nodes)) is not None:
-        candidates = [_reduction(graph, nodes, reduction, hw, t) for t in _reduction_tiles(graph, reduction, tile)]
+    elif (reduction := reduction_of(graph, nodes)) is not None:
+        candidates = _reduction_candidates(graph, nodes, reduction, hw, tile)
     else:
-        candidates = [_pointwise(graph, nodes, hw, t) for t in _pointwise_tiles(graph, nodes, tile)]
+        candidates = [_pointwise(graph, nodes, hw, t) for t in _pointwise_tiles(tile)]
     return _first_fit(candidates)
 
 
@@ -160,27 +157,9 @@ def conv_chain(graph: Graph, nodes: Iterable[str]) -> list[str]:
     return []
 
 
-def row_reduction(graph: Graph, nodes: Iterable[str]) -> str | None:
-    """The group's reduction node when it reduces whole rows (pooling windows are elementwise-like loops)."""
-    return next((n for n in nodes if graph[n].op in ROW_STATISTICS), None)
-
-
-def row_length(graph: Graph, reduction: str) -> int:
-    """Elements one program reduces: the softmax dim, the normalized shape, the reduced dims, a pooling cell."""
-    node = graph[reduction]
-    shape = graph[node.inputs[0]].type.shape
-    if node.op in ("softmax", "cumsum"):
-        return shape[node.attrs["dim"]]
-    if node.op == "layer_norm":
-        return math.prod(node.attrs["normalized_shape"])
-    if node.op == "rms_norm":
-        return shape[-1]
-    if node.op == "adaptive_avg_pool2d":
-        out_h, out_w = node.type.shape[-2:]
-        return math.ceil(shape[-2] / out_h) * math.ceil(shape[-1] / out_w)
-    dims = node.attrs["dims"]
-    dims = [dims] if isinstance(dims, int) else dims
-    return math.prod(shape[d] for d in dims)
+def reduction_of(graph: Graph, nodes: Iterable[str]) -> str | None:
+    """The group's reduction node (a row reduction, an extreme, a pooling window), or None."""
+    return next((n for n in nodes if kind_of(graph[n]) is FusionKind.REDUCTION), None)
 
 
 # ---- the anchor kernels --------------------------------------------------------------------------------
@@ -487,41 +466,56 @@ def epilogue_operands(graph: Graph, nodes: list[str], anchor: str) -> tuple[int,
 
 # ---- rows and elementwise ------------------------------------------------------------------------------
 
-def _reduction_tiles(graph: Graph, reduction: str, tile: Mapping[str, int] | None) -> list[dict[str, int]]:
-    block = _pow2(row_length(graph, reduction))
-    if tile is not None:
-        return [dict(tile)]
-    first = 4 if block <= 1024 else 8 if block <= 2048 else 16   # the Triton softmax tutorial's choice
-    return [{"BLOCK": block, "num_warps": w} for w in REDUCTION_WARPS if w >= first]
+def _reduction_candidates(graph: Graph, nodes: list[str], reduction: str, hw: HardwareProfile,
+                          tile: Mapping[str, int] | None) -> list[ResourceEstimate]:
+    """A reduction group priced on the tiles its template runs, the default first: the row template's
+    (`row_kernel_tiles`: softmax, norms, sums, means, scans, extremes, global pools) or the pooling template's
+    (`pool_tiles`: pooling windows, adaptive pools to other sizes)."""
+    node = graph[reduction]
+    view = row_view(graph, node) or extreme_view(graph, node)
+    if view is not None:
+        tiles = [dict(tile)] if tile is not None else row_kernel_tiles(view, hw.sm_count)
+        return [_rows(graph, nodes, view, hw, t) for t in tiles]
+    tiles = [dict(tile)] if tile is not None else pool_tiles(graph[node.inputs[0]].type.shape[1])
+    return [_elements(graph, nodes, hw, t, t["BLOCK_P"] * t["BLOCK_C"]) for t in tiles]
 
 
-def _reduction(graph: Graph, nodes: list[str], reduction: str, hw: HardwareProfile,
-               tile: dict[str, int]) -> ResourceEstimate:
+def _rows(graph: Graph, nodes: list[str], view: RowView, hw: HardwareProfile, tile: dict[str, int]
+          ) -> ResourceEstimate:
+    """The row template: a chunk of BLOCK_M rows x BLOCK_L elements at a time (the row walked in chunks where it is
+    longer), every live operand a chunk of registers, each row's statistics beside them, and the cross-warp
+    exchange of each reduction in shared memory."""
     threads = 32 * tile["num_warps"]
-    rows, twice = _live_operands(graph, nodes)
-    per_row = _per_thread(tile["BLOCK"], threads)
-    registers = [(f"{rows} row operand(s) of {row_length(graph, reduction)} elements", rows * per_row),
-                 ("reduction scratch row", per_row),
-                 (f"{twice} value(s) used twice", twice * per_row),
+    operands, twice = _live_operands(graph, nodes)
+    chunk = _per_thread(tile["BLOCK_M"] * tile["BLOCK_L"], threads)
+    statistics = ROW_STATISTICS.get(view.mode, 1)
+    registers = [(f"{operands} operand chunk(s) of {tile['BLOCK_M']}x{tile['BLOCK_L']}", operands * chunk),
+                 ("reduction scratch chunk", chunk),
+                 (f"{twice} value(s) used twice", twice * chunk),
+                 (f"{statistics} row statistic(s)", statistics * _per_thread(tile["BLOCK_M"], threads)),
                  ("addressing", ADDRESSING_REGISTERS)]
-    statistics = ROW_STATISTICS[graph[reduction].op]
-    shared = [(f"cross-warp scratch for {statistics} statistic(s)", tile["num_warps"] * 4 * statistics)]
+    shared = [(f"cross-warp scratch for {statistics} statistic(s)",
+               tile["num_warps"] * 4 * statistics * tile["BLOCK_M"])]
     return _check(hw, tile, threads, registers, shared)
 
 
-def _pointwise_tiles(graph: Graph, nodes: list[str], tile: Mapping[str, int] | None) -> list[dict[str, int]]:
-    if tile is not None:
-        return [dict(tile)]
-    largest = max(graph[n].type.numel for n in nodes)
-    blocks = dict.fromkeys(min(b, max(128, _pow2(largest))) for b in POINTWISE_BLOCKS)
-    return [{"BLOCK": b, "num_warps": POINTWISE_WARPS} for b in blocks]
+def _pointwise_tiles(tile: Mapping[str, int] | None) -> list[dict[str, int]]:
+    """The blocks the elementwise template runs (`POINTWISE`), the default first."""
+    return [dict(tile)] if tile is not None else [dict(t) for t in POINTWISE]
 
 
 def _pointwise(graph: Graph, nodes: list[str], hw: HardwareProfile, tile: dict[str, int]) -> ResourceEstimate:
+    return _elements(graph, nodes, hw, tile, tile["BLOCK"])
+
+
+def _elements(graph: Graph, nodes: list[str], hw: HardwareProfile, tile: dict[str, int], block: int
+              ) -> ResourceEstimate:
+    """An elementwise or pooling kernel of `block` outputs a program: every live operand, the result and each
+    pooling window's accumulator a block of registers."""
     threads = 32 * tile["num_warps"]
     operands, twice = _live_operands(graph, nodes)
     windows = sum(1 for n in nodes if kind_of(graph[n]) is FusionKind.REDUCTION)   # pooling accumulators
-    per_block = _per_thread(tile["BLOCK"], threads)
+    per_block = _per_thread(block, threads)
     registers = [(f"{operands} operand(s)", operands * per_block),
                  ("result", per_block),
                  (f"{twice + windows} value(s) kept alive", (twice + windows) * per_block),

@@ -113,6 +113,14 @@ def anchor_tiles(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
     return ordered
 
 
+# ---- elementwise kernels ------------------------------------------------------------------------------------
+
+# BLOCK elements a program of the elementwise template (`opfuse.codegen.pointwise`: elementwise ops, pooling windows,
+# copies) computes, and its warps; the default first
+POINTWISE = [{"BLOCK": 1024, "num_warps": 4}, {"BLOCK": 2048, "num_warps": 8}, {"BLOCK": 512, "num_warps": 4},
+             {"BLOCK": 4096, "num_warps": 8}]
+
+
 # ---- depthwise convs ---------------------------------------------------------------------------------------
 
 ADDRESSING_REGISTERS = 40   # pointers, offsets, masks and loop counters every kernel holds besides its data
@@ -402,3 +410,44 @@ def row_slices(view: RowView, block_m: int, block_l: int, sm_count: int) -> int:
     while split > 1 and split * 2 * block_l > view.length:
         split //= 2
     return split
+
+
+EXTREMES = ("amax", "amin")       # row modes of the row template beyond ROW_OPS
+
+
+def extreme_view(graph: Graph, node) -> RowView | None:
+    """amax / amin over dims as the row template computes them (a running max or min, NaN if any element is)."""
+    if node.op not in EXTREMES:
+        return None
+    shape = graph[node.inputs[0]].type.shape
+    dims = node.attrs.get("dims") or list(range(len(shape)))
+    dims = sorted({d % len(shape) for d in ([dims] if isinstance(dims, int) else dims)})
+    kept = [d for d in range(len(shape)) if d not in dims]
+    return RowView(node.op, tuple(dims), math.prod(shape[d] for d in kept), math.prod(shape[d] for d in dims),
+                   len(shape) == 4 and 1 in kept and {2, 3} <= set(dims))
+
+
+def row_kernel_tiles(view: RowView, sm_count: int) -> list[dict[str, int]]:
+    """`row_tiles` as the row template launches them, the default first: BLOCK_M, BLOCK_L, SPLIT (a sum's or a
+    mean's slices only) and num_warps, 4 for up to 2048 elements a program, else 8."""
+    split = view.mode in ROW_SPLIT_MODES
+    return [{"BLOCK_M": m, "BLOCK_L": length, **({"SPLIT": slices} if split else {}),
+             "num_warps": 4 if m * length <= 2048 else 8}
+            for m, length, slices in row_tiles(view, sm_count)]
+
+
+# ---- pooling windows ---------------------------------------------------------------------------------------
+
+POOL_SHAPES = ((32, 64), (64, 32), (16, 128), (64, 64))    # [output pixels, channels] of the pooling template
+
+
+def pool_tiles(channels: int) -> list[dict[str, int]]:
+    """The tiles of the pooling template (`opfuse.codegen.reduction.PoolKernel`: max/avg pools, adaptive pools of
+    even windows), the default first: BLOCK_P output pixels x BLOCK_C channels (at most the channels' power of two),
+    4 warps."""
+    tiles: list[dict[str, int]] = []
+    for block_p, block_c in POOL_SHAPES:
+        tile = {"BLOCK_P": block_p, "BLOCK_C": min(block_c, next_power_of_2(channels)), "num_warps": 4}
+        if tile not in tiles:
+            tiles.append(tile)
+    return tiles

@@ -47,35 +47,54 @@ def test_plan_launches_are_what_the_default_configs_launch(gpu_tiles, name, batc
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
-@pytest.mark.parametrize("name,batch", [("resnet18", 1), ("resnet50", 8), ("regnet_y_400mf", 1),
-                                        ("efficientnet_b0", 1), ("convnext_tiny", 2), ("bert", 2), ("vit_b_16", 1)])
+@pytest.mark.parametrize("name,batch", [("resnet18", 2), ("resnet50", 8), ("regnet_y_400mf", 1),
+                                        ("efficientnet_b0", 1), ("convnext_tiny", 2), ("mobilenet_v2", 8),
+                                        ("bert", 2), ("vit_b_16", 1)])
 def test_the_tile_priced_is_the_tile_launched(gpu_tiles, name, batch):
-    """Every anchor group of the plan (GEMM, matmul, implicit-GEMM and depthwise conv) is priced (registers, shared
-    memory, the split-K decision) on the tile its kernel launches untuned: the resource model and the templates
-    read one tile space (`opfuse.fusion.tiles.anchor_tiles`, `depthwise_tiles`), the default first."""
+    """Every group of the plan is priced (registers, shared memory, the split-K decision) on the tile its kernel
+    launches untuned: GEMMs, matmuls and implicit-GEMM convs, depthwise convs, attention (its Triton form, where the
+    library form comes first), elementwise, row and pooling kernels. The resource model and the templates read one
+    tile space (`opfuse.fusion.tiles`), the default first."""
+    from opfuse.codegen.attention import AttentionKernel
+    from opfuse.codegen.base import FORM_TRITON
+    from opfuse.codegen.conv_conv import ConvConvKernel
     from opfuse.codegen.conv_depthwise import DepthwiseConvKernel
     from opfuse.codegen.conv_implicit_gemm import ConvKernel
     from opfuse.codegen.gemm import GemmKernel
+    from opfuse.codegen.pointwise import PointwiseKernel
+    from opfuse.codegen.reduction import PoolKernel, RowReductionKernel
+    from opfuse.codegen.squeeze import SqueezeKernel
 
     model, inputs = load_builtin(name, batch=batch, seq_len=64)
     inputs = tuple(x.half() if x.is_floating_point() else x for x in inputs)
     plan = analyze(model.half(), inputs, FusionConfig(dtype="float16"), name=name).plan
     kernels, _ = lower_plan(plan, "cpu")
-    compared = {GemmKernel: 0, ConvKernel: 0, DepthwiseConvKernel: 0}
+    compared = {family: 0 for family in (GemmKernel, ConvKernel, DepthwiseConvKernel, ConvConvKernel,
+                                         AttentionKernel, PointwiseKernel, RowReductionKernel, PoolKernel,
+                                         SqueezeKernel)}
     for group in plan.groups:
         kernel, tile = kernels.get(group.name), group.resources.tile if group.resources else {}
         family = next((f for f in compared if isinstance(kernel, f)), None)
-        if family is None:
+        if kernel is None:
             continue
-        config = kernel.configs()[0]
+        assert family is not None, (group.name, type(kernel).__name__)
+        config = next(c for c in kernel.configs() if c.form == FORM_TRITON)
         launched = dict(config.params) | {"num_warps": config.num_warps, "num_stages": config.num_stages}
-        if family is not DepthwiseConvKernel:
-            launched = {key: launched[key] for key in TILE_KEYS}
-        assert launched == tile, (group.name, group.nodes)
+        priced = dict(tile)
+        if family in (GemmKernel, ConvKernel):
+            launched.pop("SPLIT_K", None)           # the plan's slices of that tile (`FusionGroup.split_k`)
+            launched.pop("BLOCK_G", None)
+        if family is AttentionKernel:
+            priced.pop("HEAD_DIM")                  # the head dim's block, from the shapes
+        if "num_stages" not in priced:              # (Triton's default: the template has no pipeline)
+            launched.pop("num_stages")
+        assert launched == priced, (group.name, group.nodes, type(kernel).__name__)
         compared[family] += 1
-    assert sum(compared.values()) >= 10
-    if name in ("efficientnet_b0", "convnext_tiny"):
-        assert compared[DepthwiseConvKernel] > 0
+    assert sum(compared.values()) == len([g for g in plan.groups if g.name in kernels])
+    kinds = {"bert": [AttentionKernel, PointwiseKernel, RowReductionKernel], "resnet18": [PoolKernel],
+             "efficientnet_b0": [DepthwiseConvKernel, SqueezeKernel], "convnext_tiny": [DepthwiseConvKernel],
+             "mobilenet_v2": [ConvConvKernel]}
+    assert all(compared[family] > 0 for family in kinds.get(name, []))
 
 
 def test_kernels_follow_the_profile_the_plan_was_made_for(monkeypatch):
