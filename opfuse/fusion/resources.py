@@ -574,11 +574,13 @@ def _first_fit(candidates: list[ResourceEstimate]) -> ResourceEstimate:
 
 
 def describe_tile(tile: Mapping[str, int]) -> str:
-    """'128x128x32 (3 stages, 8 warps)', 'BLOCK 1024 (4 warps)'."""
-    dims = "x".join(str(tile[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in tile) or \
-        f"BLOCK {tile.get('BLOCK')}"
+    """'128x128x32 (3 stages, 8 warps)', '2x1024 (4 warps)' (rows x lanes), '32x64 (4 warps)' (pixels x channels),
+    'BLOCK 1024 (4 warps)'."""
+    dims = "x".join(str(tile[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_L", "BLOCK_P", "BLOCK_C")
+                    if k in tile) or f"BLOCK {tile.get('BLOCK')}"
     stages = f"{tile['num_stages']} stages, " if "num_stages" in tile else ""
-    slices = f", {tile['SPLIT_K']} slices" if tile.get("SPLIT_K", 1) > 1 else ""
+    split = tile.get("SPLIT_K", tile.get("SPLIT", 1))
+    slices = f", {split} slices" if split > 1 else ""
     return f"{dims} ({stages}{tile['num_warps']} warps{slices})"
 
 

@@ -9,7 +9,7 @@ from graph_builders import GraphBuilder, conv_bn_relu, conv_relu, resnet_bottlen
 from opfuse.config import FusionConfig
 from opfuse.fusion.cost import (estimate_kernel, group_traffic, is_fusion_candidate, op_density, predict_time,
                                 tile_efficiency)
-from opfuse.fusion.resources import ADDRESSING_REGISTERS, estimate_resources, gemm_shape
+from opfuse.fusion.resources import ADDRESSING_REGISTERS, describe_tile, estimate_resources, gemm_shape
 from opfuse.fusion.tiles import anchor_tiles
 from opfuse.hardware import get_hardware
 from opfuse.ir.ops import get_op, node_bytes, node_flops
@@ -191,6 +191,7 @@ def test_a_row_reduction_holds_chunks_of_its_rows():
     estimate = estimate_resources(graph, ["ln"], None, H200, "float16")
     assert estimate.fits
     assert estimate.tile == {"BLOCK_M": 2, "BLOCK_L": 1024, "num_warps": 4}
+    assert describe_tile(estimate.tile) == "2x1024 (4 warps)"          # rows x lanes, as the reasons say it
     # x, weight, bias chunks + a scratch chunk, each 2048 / 128 threads = 16 registers; mean and rstd of 2 rows
     assert estimate.registers_per_thread == 4 * 16 + 2 + ADDRESSING_REGISTERS
 
