@@ -151,7 +151,7 @@ def refused_table(plan, limit: int | None = None) -> Table:
         table.add_column(column, overflow="fold")
     rows = plan.refused if limit is None else plan.refused[:limit]
     for d in rows:
-        table.add_row(escape(", ".join(d.producer)), escape(", ".join(d.consumer)), d.fusion, d.verdict.value,
+        table.add_row(escape(", ".join(d.producer)), escape(", ".join(d.consumer)), d.fusion.value, d.verdict.value,
                       d.code.value, escape(d.reason))
     if len(rows) < len(plan.refused):
         table.caption = (f"{len(plan.refused) - len(rows)} more refusals not shown (--refused all to show every "

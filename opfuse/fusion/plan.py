@@ -32,6 +32,17 @@ class Verdict(str, Enum):
     OVER_BUDGET = "over budget"         # the fused kernel would exceed registers or shared memory
 
 
+class Fusion(str, Enum):
+    """What a candidate fusion would make of its two sides."""
+    VERTICAL = "vertical"                   # the consumer's ops into the producer's kernel (an epilogue)
+    RESIDUAL = "residual"                   # an anchor with the add of a skip connection in its epilogue
+    PROLOGUE = "prologue"                   # elementwise ops into the reduction or GEMM that reads them
+    HORIZONTAL = "horizontal"               # siblings reading one input, in one launch
+    GATED = "gated"                         # act(x W_gate) * (x W_up): two sibling linears as one GEMM
+    CONV_CONV = "conv-conv"                 # a depthwise conv and the conv it feeds, in one kernel
+    SQUEEZE = "squeeze"                     # squeeze-excitation's pool, GEMMs and scale, in one kernel
+
+
 class GroupKind(str, Enum):
     ANCHOR_EPILOGUE = "anchor+epilogue"     # conv/gemm/attention with bias, activation, cast after it
     RESIDUAL = "residual"                   # anchor + add(skip) (+ activation): cross-layer fusion
@@ -106,13 +117,16 @@ class FusionDecision:
 
     producer: list[str]                     # node names of the producing side
     consumer: list[str]                     # node names of the consuming side
-    fusion: str                             # "vertical", "residual", "prologue", "horizontal", "conv-conv"
+    fusion: Fusion
     verdict: Verdict
     reason: str
     code: Code
     bytes_saved: int = 0                    # traffic the fusion removes (if taken)
     time_unfused: float = 0.0               # predicted seconds of the two parts
     time_fused: float = 0.0                 # predicted seconds of the fused kernel
+
+    def __post_init__(self) -> None:
+        self.fusion = Fusion(self.fusion)   # its value given ("vertical"): the member, or a ValueError
 
 
 @dataclass

@@ -41,7 +41,7 @@ from opfuse.fusion.legality import can_fuse, skip_operands
 from opfuse.fusion.legality_anchors import ROW_NORMS
 from opfuse.fusion.legality_common import in_order, node_index
 from opfuse.fusion.legality_views import is_view
-from opfuse.fusion.plan import FusionDecision, FusionPlan, GroupKind, Verdict
+from opfuse.fusion.plan import Fusion, FusionDecision, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.planner_groups import GroupListing
 from opfuse.fusion.planner_horizontal import HorizontalFusion
 from opfuse.fusion.planner_squeeze import SqueezeFusion
@@ -200,18 +200,18 @@ class _Planner(ViewFusion, SqueezeFusion, HorizontalFusion, GroupListing):
         return self.decide(candidate.producer, candidate.consumer, fusion,
                            can_fuse(self.graph, producer, consumer, self.users, self.config, self.index))
 
-    def fusion_label(self, producer: list[str], consumer: list[str]) -> str:
-        """'vertical', 'residual', 'prologue' or 'conv-conv': what kind of fusion the pair would be."""
+    def fusion_label(self, producer: list[str], consumer: list[str]) -> Fusion:
+        """What kind of fusion the pair would be: vertical, residual, prologue or conv-conv."""
         merged = producer + consumer
         anchors = [n for n in merged if kind_of(self.graph[n]) is FusionKind.ANCHOR]
         if len(anchors) > 1:
-            return "conv-conv" if all(self.graph[a].op == "conv2d" for a in anchors) else "vertical"
+            return Fusion.CONV_CONV if all(self.graph[a].op == "conv2d" for a in anchors) else Fusion.VERTICAL
         if any(kind_of(self.graph[n]) is FusionKind.REDUCTION for n in consumer) and \
                 all(kind_of(self.graph[n]).elementwise for n in producer):
-            return "prologue"
+            return Fusion.PROLOGUE
         if anchors and skip_operands(self.graph, merged, anchors[0], self.users, self.index):
-            return "residual"
-        return "vertical"
+            return Fusion.RESIDUAL
+        return Fusion.VERTICAL
 
     # ---- taking or refusing one fusion --------------------------------------------------------------
     def measured_against(self, merged: Sequence[str]) -> tuple[Verdict, Reason] | None:
@@ -227,7 +227,7 @@ class _Planner(ViewFusion, SqueezeFusion, HorizontalFusion, GroupListing):
                                                     f"{', '.join(sorted(nodes))} measured {why}")
         return None
 
-    def decide(self, first: int, second: int, fusion: str, illegal: Reason | None,
+    def decide(self, first: int, second: int, fusion: Fusion, illegal: Reason | None,
                kind: GroupKind | None = None) -> bool:
         """Check budget and profit of merging groups `first` and `second`; merge and record."""
         a, b = self.groups[first], self.groups[second]
@@ -245,12 +245,12 @@ class _Planner(ViewFusion, SqueezeFusion, HorizontalFusion, GroupListing):
             over = f"fused kernel over budget, kept apart: {resources.reason}"
             self.record(a, b, fusion, Verdict.OVER_BUDGET, Reason(Code.OVER_BUDGET, over), fused.time)
             return False
-        instead = self.norm_joins_linear_instead(a, b) if fusion == "prologue" and self.config.use_cost_model else None
+        instead = self.norm_joins_linear_instead(a, b) if fusion is Fusion.PROLOGUE and self.config.use_cost_model else None
         if instead is not None:
             self.record(a, b, fusion, Verdict.UNPROFITABLE, instead, fused.time)
             return False
         note = f" ({fused.note})" if fused.note else ""   # the recompute a conv-conv kernel pays
-        step = self.whole_block_pays(a, b) if fusion == "conv-conv" else None
+        step = self.whole_block_pays(a, b) if fusion is Fusion.CONV_CONV else None
         if self.config.use_cost_model and fused.time >= apart and step is None:
             tile = f" ({resources.reason})" if resources is not None and resources.reason else ""
             slower = f"predicted {fused.time * 1e6:.2f} us fused >= {apart * 1e6:.2f} us apart{tile}{note}"
@@ -263,7 +263,7 @@ class _Planner(ViewFusion, SqueezeFusion, HorizontalFusion, GroupListing):
             reason = Reason(Code.WHOLE_BLOCK, f"saves {saved:,} B and 1 launch, a step to the whole block ({step}); "
                             f"alone {apart * 1e6:.2f} -> {fused.time * 1e6:.2f} us{note}")
         self.record(a, b, fusion, Verdict.FUSED, reason, fused.time)
-        self.merge(first, second, f"{fusion}: {', '.join(b)} into {', '.join(a)} ({reason.text})", kind)
+        self.merge(first, second, f"{fusion.value}: {', '.join(b)} into {', '.join(a)} ({reason.text})", kind)
         return True
 
     def norm_joins_linear_instead(self, producer: list[str], consumer: list[str]) -> Reason | None:
@@ -316,7 +316,7 @@ class _Planner(ViewFusion, SqueezeFusion, HorizontalFusion, GroupListing):
             return None
         return f"predicted {apart * 1e6:.2f} -> {whole.time * 1e6:.2f} us with {', '.join(first)}"
 
-    def record(self, first: list[str], second: list[str], fusion: str, verdict: Verdict, reason: Reason,
+    def record(self, first: list[str], second: list[str], fusion: Fusion, verdict: Verdict, reason: Reason,
                time_fused: float = 0.0) -> None:
         """Append a decision; `time_fused` stays 0 when no fused kernel was estimated (illegal pairs)."""
         self.decisions.append(FusionDecision(

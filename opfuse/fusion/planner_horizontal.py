@@ -6,7 +6,7 @@ from __future__ import annotations
 from opfuse.fusion.legality_anchors import ROW_NORMS, gated_pair, is_row_norm_prologue
 from opfuse.fusion.legality_common import in_order, path_outside
 from opfuse.fusion.legality_views import is_view, maps_on_load
-from opfuse.fusion.plan import GroupKind, Verdict
+from opfuse.fusion.plan import Fusion, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, conv_chain
 from opfuse.ir.ops import FusionKind, kind_of
@@ -63,7 +63,7 @@ class HorizontalFusion:
             other = others.pop()
             if other in self.kinds or gated_pair(self.graph, self.groups[other] + nodes, self.users) is None:
                 continue
-            self.decide(other, group, "gated", None, GroupKind.HORIZONTAL)
+            self.decide(other, group, Fusion.GATED, None, GroupKind.HORIZONTAL)
 
     def shared_norm_prologues(self) -> None:
         """A layer norm or RMS norm that only sibling linears of one HORIZONTAL group read, alone in its group,
@@ -83,7 +83,7 @@ class HorizontalFusion:
                 continue      # (a gated pair's kernel takes no prologue)
             if not is_row_norm_prologue(self.graph, norm, anchors[0], nodes + [norm], self.users):
                 continue
-            self.decide(self.group_of[norm], group, "prologue", None, GroupKind.HORIZONTAL)
+            self.decide(self.group_of[norm], group, Fusion.PROLOGUE, None, GroupKind.HORIZONTAL)
 
     def merge_siblings(self, members: list[int]) -> None:
         """Merge siblings with the most common epilogue; refuse the others with the difference."""
@@ -94,13 +94,13 @@ class HorizontalFusion:
             if problem:
                 other = next(m for m in members if m != group)
                 if gated_pair(self.graph, self.groups[other] + self.groups[group], self.users) is None:
-                    self.record(self.groups[other], self.groups[group], "horizontal", Verdict.ILLEGAL, problem)
+                    self.record(self.groups[other], self.groups[group], Fusion.HORIZONTAL, Verdict.ILLEGAL, problem)
                 # (else `gated_siblings` merges the two, and says so)
             else:
                 classes.setdefault(signature, []).append(group)
         ranked = sorted(classes.values(), key=len, reverse=True)
         for other in ranked[1:]:   # one refusal per differing epilogue, against the largest class
-            self.record(self.groups[ranked[0][0]], self.groups[other[0]], "horizontal", Verdict.ILLEGAL,
+            self.record(self.groups[ranked[0][0]], self.groups[other[0]], Fusion.HORIZONTAL, Verdict.ILLEGAL,
                         Reason(Code.DIFFERENT_EPILOGUES, f"different epilogues: {self.describe_epilogue(ranked[0][0])} "
                                f"vs {self.describe_epilogue(other[0])}"))
         for siblings in ranked:
@@ -108,7 +108,7 @@ class HorizontalFusion:
             for group in siblings[1:]:
                 dependency = self.dependency(base, group)
                 illegal = Reason(Code.DEPENDENT, f"siblings are not independent: {dependency}") if dependency else None
-                self.decide(base, group, "horizontal", illegal, GroupKind.HORIZONTAL)
+                self.decide(base, group, Fusion.HORIZONTAL, illegal, GroupKind.HORIZONTAL)
 
     def epilogue_signature(self, group: int) -> tuple[tuple, Reason | None]:
         """The epilogue's ops, attributes and operand pattern; a problem when it reads a non-constant."""
@@ -145,11 +145,11 @@ class HorizontalFusion:
                 continue
             dependency = self.dependency(cluster, group)
             if dependency:
-                self.record(self.groups[cluster], self.groups[group], "horizontal", Verdict.ILLEGAL,
+                self.record(self.groups[cluster], self.groups[group], Fusion.HORIZONTAL, Verdict.ILLEGAL,
                             Reason(Code.DEPENDENT, f"not independent: {dependency}"))
                 cluster = group
                 continue
-            if not self.decide(cluster, group, "horizontal", None, GroupKind.HORIZONTAL_POINTWISE):
+            if not self.decide(cluster, group, Fusion.HORIZONTAL, None, GroupKind.HORIZONTAL_POINTWISE):
                 cluster = group
             elif not self.is_small_pointwise(cluster):
                 cluster = None   # the shared launch is no longer launch-bound: start a new one

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from opfuse.fusion.legality_common import in_order
-from opfuse.fusion.plan import FusionDecision, GroupKind, Verdict
+from opfuse.fusion.plan import Fusion, FusionDecision, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of
 from opfuse.fusion.squeeze import global_average, squeeze_chain
@@ -48,7 +48,7 @@ class SqueezeFusion:
         saved = sum(self.traffic(p).bytes_moved for p in parts) - self.traffic(merged).bytes_moved
 
         def record(verdict: Verdict, reason: Reason, time_fused: float = 0.0) -> None:
-            self.decisions.append(FusionDecision(producer=list(producer), consumer=consumer, fusion="squeeze",
+            self.decisions.append(FusionDecision(producer=list(producer), consumer=consumer, fusion=Fusion.SQUEEZE,
                                                  verdict=verdict, reason=reason.text, code=reason.code,
                                                  bytes_saved=saved, time_unfused=apart, time_fused=time_fused))
 

@@ -13,7 +13,7 @@ from opfuse.analysis.report import graph_layout, render_report, report_data, wri
 from opfuse.analysis.roofline import attainable, ridge_point, roofline
 from opfuse.api import analyze
 from opfuse.cli import main, refused_table
-from opfuse.fusion.plan import FusionDecision, Verdict
+from opfuse.fusion.plan import Fusion, FusionDecision, Verdict
 from opfuse.fusion.reasons import Code
 from opfuse.hardware import get_hardware
 from opfuse.ir.graph import Node, TensorType
@@ -214,7 +214,7 @@ def test_cli_exit_codes(tmp_path, capsys):
 
 def test_cli_prints_brackets_in_reasons_literally(block_analysis):
     plan = block_analysis.plan
-    decision = FusionDecision(["conv[0]"], ["add"], "vertical", Verdict.ILLEGAL, "needs [bold]x[/bold] and [red]",
+    decision = FusionDecision(["conv[0]"], ["add"], Fusion.VERTICAL, Verdict.ILLEGAL, "needs [bold]x[/bold] and [red]",
                               Code.SEVERAL_USERS)
     original = plan.decisions
     plan.decisions = [*original, decision]
