@@ -60,6 +60,8 @@ class HardwareProfile:
     # loop floors, launch): every kernel time is multiplied by it, so it moves no decision of the planner, only
     # the predicted times. Fitted to the zoo's measured replays by `benchmarks/zoo.py --fit` where measured
     time_factor: float = 1.0
+    # kernels run through Triton's CPU interpreter (tests): each template launches one tiny tile (`kernel_profile`)
+    interpreted: bool = False
     notes: str = field(default="", compare=False)
 
     def matrix_peak(self, dtype: str) -> float:
@@ -114,6 +116,16 @@ PROFILES: dict[str, HardwareProfile] = {
 
 
 DEFAULT_HARDWARE = "h200"     # the profile a compile assumes unless told (FusionConfig.hardware)
+
+
+def kernel_profile(hw: HardwareProfile | None = None) -> HardwareProfile:
+    """The profile a model's kernels are generated for: `hw` (default: the default profile), run by Triton's CPU
+    interpreter (`interpreted`: one tiny tile a template) where TRITON_INTERPRET is set. The one place the
+    environment decides a tile: the templates read the profile."""
+    from opfuse.environment import triton_interpreter
+
+    hw = hw or get_hardware()
+    return replace(hw, interpreted=True) if triton_interpreter() and not hw.interpreted else hw
 
 
 def get_hardware(name: str = DEFAULT_HARDWARE) -> HardwareProfile:

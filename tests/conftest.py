@@ -11,10 +11,26 @@ changes what a test sees: the tests see a fresh machine, as CI does.
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+
+import pytest
 
 if os.environ.get("OPFUSE_GPU_TESTS") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="opfuse-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+
+
+@pytest.fixture
+def gpu_tiles(monkeypatch):
+    """The GPU's tile rules for one test (`opfuse.hardware.kernel_profile` reads TRITON_INTERPRET); the generated
+    kernel modules it imports (compiled for the GPU, not the interpreter) are dropped afterwards so that later tests
+    generate their own."""
+    before = set(sys.modules)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    yield
+    for name in set(sys.modules) - before:
+        if name.startswith("opfuse_generated_"):
+            del sys.modules[name]

@@ -56,14 +56,13 @@ import torch
 import triton
 
 from opfuse.codegen.base import FORM_LIBRARY, KernelConfig, compiled_info
-from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting, \
-    siblings_and_chains
+from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, generate_kernel, siblings_and_chains
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.forms import UNFUSED, EpilogueKernel
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.resources import ATTENTION_TILES, estimate_resources
 from opfuse.fusion.tiles import MAX_HEAD_DIM
-from opfuse.hardware import HardwareProfile, get_hardware
+from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import Graph
 from opfuse.ir.ops import get_op, kv_heads_shared, memory_order
 from opfuse.numerics import dot_precision
@@ -157,7 +156,7 @@ def attention_configs(graph: Graph, group: FusionGroup, anchor: str, hw: Hardwar
     """The ATTENTION_TILES (`opfuse.fusion.resources`) whose registers and shared memory fit GPU `hw`, as launch
     configs in their order, each query block cut to the queries (distinct tiles only); the interpreter's one small
     tile under Triton's interpreter. None fitting: the smallest, so the group still has a kernel to measure."""
-    if interpreting():
+    if hw.interpreted:
         return [INTERPRETER_TILE]
     dtype = graph[graph[anchor].inputs[0]].type.dtype
     configs: list[KernelConfig] = []
@@ -302,4 +301,4 @@ def lower_attention(graph: Graph, group: FusionGroup, device: torch.device | str
     anchors, chains = siblings_and_chains(graph, group, ("sdpa",))
     if len(anchors) > 1:
         raise Unsupported(f"group {group.name} holds several attention anchors: {', '.join(anchors)}")
-    return AttentionKernel(graph, group, torch.device(device), anchors[0], chains, hw or get_hardware())
+    return AttentionKernel(graph, group, torch.device(device), anchors[0], chains, kernel_profile(hw))

@@ -39,7 +39,7 @@ import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel, rows_jit, unit_code
 from opfuse.codegen.conv_common import X_ROW_STRIDES, ConvGeometry
-from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, interpreting
+from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype
 from opfuse.codegen.forms import EpilogueKernel
 from opfuse.codegen.split_k import planned_slices, slices_of
 from opfuse.codegen.expr import Unsupported
@@ -47,7 +47,7 @@ from opfuse.codegen.gemm import anchor_biases
 from opfuse.fusion.legality_conv import conv_chain_problem, conv_stages
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.resources import conv_chain, conv_conv_blocks, conv_conv_key, expansion_block
-from opfuse.hardware import HardwareProfile, get_hardware
+from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import Graph, torch_dtype
 from opfuse.numerics import dot_precision
 
@@ -254,7 +254,7 @@ class ConvConvKernel(EpilogueKernel):
                            ) -> list[KernelConfig]:
         """The planner's tile first (the fastest that fits, by the cost model), then the resource model's others,
         each with the mid-channel slices the plan decided for it (`group.split_k`, by `conv_conv_key`)."""
-        if interpreting():
+        if hw.interpreted:
             return [KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=1)]
         tiles = conv_conv_blocks(graph, chain)
         planned = group.resources.tile if group.resources is not None else None
@@ -311,4 +311,4 @@ def lower_conv_conv_group(graph: Graph, group: FusionGroup, device: torch.device
     problem = conv_chain_problem(graph, set(group.nodes), chain, graph.users())
     if problem:
         raise Unsupported(f"group {group.name}: {problem}")
-    return ConvConvKernel(graph, group, torch.device(device), chain, hw or get_hardware())
+    return ConvConvKernel(graph, group, torch.device(device), chain, kernel_profile(hw))

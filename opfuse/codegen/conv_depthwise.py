@@ -13,12 +13,12 @@ import triton
 
 from opfuse.codegen.base import KernelConfig, compiled_info, rows_jit
 from opfuse.codegen.conv_common import X_ROW_STRIDES, ConvGeometry
-from opfuse.codegen.epilogue import Epilogue, generate_kernel, interpreting
+from opfuse.codegen.epilogue import Epilogue, generate_kernel
 from opfuse.codegen.forms import EpilogueKernel
 from opfuse.codegen.expr import Unsupported
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import INTERPRETED_DEPTHWISE, depthwise_tiles, whole_row_tile
-from opfuse.hardware import HardwareProfile, get_hardware
+from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import Graph
 
 # the template's integers that address its channel dims, rebound as multiples of UNIT
@@ -211,12 +211,12 @@ class DepthwiseConvKernel(EpilogueKernel):
         self.weight = weight[:, 0].permute(1, 2, 0).reshape(-1, weight.shape[0]).contiguous()
         self.multiplier = self.layout.channels // geometry.cin
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
-        hw = hw or get_hardware()
+        hw = kernel_profile(hw)
         whole = epilogue.whole_rows
         self._configs = (depthwise_configs(self.layout.rows, self.layout.channels, hw.sm_count, geometry.kh * geometry.kw,
                                            weight.element_size(), hw.max_registers_per_thread,
                                            self.layout.row_sizes()[2], whole)
-                         if not interpreting() else
+                         if not hw.interpreted else
                          [KernelConfig.of(**(whole_row_tile(INTERPRETED_DEPTHWISE, self.layout.channels) if whole
                                              else INTERPRETED_DEPTHWISE), ROW_LOOP=0)])
         # the kernel's source is every form it may run: what the tuning cache and a package's check compare

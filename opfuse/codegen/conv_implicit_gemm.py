@@ -32,7 +32,7 @@ from opfuse.codegen.gemm import GROUP_M, gemm_configs
 from opfuse.codegen.lower import find_anchor
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import GATHER_CHANNELS, anchor_steps, group_block
-from opfuse.hardware import HardwareProfile, get_hardware
+from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import Graph, torch_dtype
 from opfuse.numerics import dot_precision
 
@@ -246,7 +246,7 @@ class ConvKernel(EpilogueKernel):
                  hw: HardwareProfile | None = None):
         name, source, self.kernel = generate_kernel(CONV_TEMPLATE, epilogue, units=CONV_UNITS, rows=("M",),
                                                     row_strides=X_ROW_STRIDES)
-        hw = hw or get_hardware()
+        hw = kernel_profile(hw)
         super().__init__(graph, group, name, source)
         self.epilogue, self.layout, self.x, self.geometry = epilogue, epilogue.layout, x, geometry
         # the anchors' weights as the graph holds them: each block size's packing starts from them, on first use

@@ -60,7 +60,6 @@ from opfuse.fusion.legality_common import Users
 from opfuse.fusion.legality_views import EPILOGUE_VIEWS, epilogue_spaces, operand_views
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.reasons import Reason
-from opfuse.fusion.tiles import interpreting  # noqa: F401  (the anchor templates take it from here)
 from opfuse.ir.graph import Graph, Node, torch_dtype
 from opfuse.ir.ops import FusionKind, along_channels, kind_of
 

@@ -23,7 +23,7 @@ import torch
 import triton
 
 from opfuse.codegen.base import KernelConfig, compiled_info, rows_jit
-from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, TileLayout, compute_dtype, generate_kernel, interpreting,
+from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, TileLayout, compute_dtype, generate_kernel,
                                      siblings_and_chains)
 from opfuse.codegen.forms import EpilogueKernel, LibraryAnchor
 from opfuse.codegen.library_fused import FusedLinearLibrary, fused_chain
@@ -35,7 +35,7 @@ from opfuse.fusion.legality_common import Users
 from opfuse.fusion.legality_views import operand_chain
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.fusion.tiles import INTERPRETER, anchor_steps, anchor_tiles
-from opfuse.hardware import HardwareProfile, get_hardware
+from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir import strided
 from opfuse.ir.graph import Graph, torch_dtype
 from opfuse.ir.interpret import run_nodes
@@ -130,12 +130,10 @@ GEMM_PARTIAL = '''\
 
 def gemm_configs(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gather: bool = False,
                  hw: HardwareProfile | None = None) -> list[KernelConfig]:
-    """The anchor tiles for GPU `hw` (`opfuse.fusion.tiles.anchor_tiles`, the default first; default: the default
-    profile) as launch configs; under Triton's interpreter the one tiny tile."""
-    if interpreting():
-        tiles = [INTERPRETER]
-    else:
-        tiles = anchor_tiles(m, n, k, batch, itemsize, gather, hw=hw or get_hardware())
+    """The anchor tiles for GPU `hw` (`opfuse.fusion.tiles.anchor_tiles`, the default first; `kernel_profile`) as
+    launch configs; the interpreter's one tiny tile where Triton's interpreter runs them."""
+    hw = kernel_profile(hw)
+    tiles = [INTERPRETER] if hw.interpreted else anchor_tiles(m, n, k, batch, itemsize, gather, hw=hw)
     return [KernelConfig.of(num_warps=t["num_warps"], num_stages=t["num_stages"], BLOCK_M=t["BLOCK_M"],
                             BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"]) for t in tiles]
 
@@ -199,7 +197,7 @@ class GemmKernel(EpilogueKernel):
         self.b, self.b_packed, self.b_layout = b, b_packed, b_layout
         self.conv = conv    # a 1x1 conv: float32 follows cuDNN's tf32 switch, a GEMM torch's matmul precision
         self.library_anchor = library_anchor
-        hw = hw or get_hardware()
+        hw = kernel_profile(hw)
         self._configs = gemm_configs(self.layout.rows, self.layout.channels, k, self.layout.batch,
                                      graph[a].type.itemsize, hw=hw)
         self.split = None

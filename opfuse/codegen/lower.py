@@ -23,7 +23,7 @@ from opfuse.codegen.template_kernel import INT32_LIMIT
 from opfuse.fusion.legality_views import MAPPED_COPIES, maps_on_load
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
 from opfuse.fusion.reasons import Code, Reason
-from opfuse.hardware import HardwareProfile, get_hardware
+from opfuse.hardware import HardwareProfile, get_hardware, kernel_profile
 from opfuse.ir.graph import Graph, GraphError
 from opfuse.ir.ops import FusionKind, kind_of, view_copies
 
@@ -38,8 +38,6 @@ CONV_CONV_LOWERING = ("opfuse.codegen.conv_conv", "lower_conv_conv_group")
 SQUEEZE_LOWERING = ("opfuse.codegen.squeeze", "lower_squeeze_group")
 POINTWISE_LOWERING = ("opfuse.codegen.pointwise", "lower_pointwise_group")
 REDUCTION_LOWERING = ("opfuse.codegen.reduction", "lower_reduction_group")
-# the anchor templates pick tiles and K slices for a GPU, reductions their row slices: they take its profile (`hw`)
-ON_TILES = frozenset(ANCHOR_LOWERINGS.values()) | {CONV_CONV_LOWERING, SQUEEZE_LOWERING, REDUCTION_LOWERING}
 
 # kinds that never get a kernel of ours, and why
 NO_KERNEL_KINDS = {
@@ -126,8 +124,8 @@ def _load(module: str, function: str) -> Callable[..., GroupKernel]:
 def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
                 reasons: MutableMapping[str, Reason] | None = None, hw: HardwareProfile | None = None
                 ) -> GroupKernel | None:
-    """The group's kernel for GPU `hw` (default: the default profile), or None (reason stored in
-    `reasons[group.name]`) when it runs through PyTorch."""
+    """The group's kernel for GPU `hw` (default: the default profile; every template takes its tiles from it, as
+    `kernel_profile` gives it), or None (reason stored in `reasons[group.name]`) when it runs through PyTorch."""
     choice = choose_lowering(graph, group)
     if isinstance(choice, Reason):
         reason = choice
@@ -139,8 +137,7 @@ def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
             raise GraphError(f"group {group.name}: the kernel template {module}.{function} cannot be loaded "
                              f"({type(error).__name__}: {error})") from error
         try:
-            kernel = lower(graph, group, torch.device(device), **({"hw": hw or get_hardware()} if choice in ON_TILES
-                                                                  else {}))
+            kernel = lower(graph, group, torch.device(device), kernel_profile(hw))
         except Unsupported as error:
             reason = Reason(Code.UNSUPPORTED, f"unsupported by {function}: {error}")
         except ImportError as error:
@@ -177,8 +174,9 @@ def library_calls(kernels: Mapping[str, GroupKernel]) -> dict[str, str]:
 
 
 def plan_hardware(plan: FusionPlan) -> HardwareProfile:
-    """The GPU profile a plan's kernels pick their tiles for: the one it was planned for."""
-    return plan.profile or get_hardware(plan.hardware)
+    """The GPU profile a plan's kernels pick their tiles for: the one it was planned for (`kernel_profile`: under
+    Triton's interpreter, its one tiny tile a template)."""
+    return kernel_profile(plan.profile or get_hardware(plan.hardware))
 
 
 def lower_plan(plan: FusionPlan, device: torch.device | str

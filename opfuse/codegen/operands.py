@@ -28,7 +28,7 @@ from opfuse.codegen.expr import (DISCRETE_OPS, INTEGER_OPS, SUPPORTED_OPS, Unsup
 from opfuse.codegen.template_kernel import KernelArgs, TensorParam
 from opfuse.codegen.windows import col2im_value, im2col_value, unfold_coords
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.tiles import interpreting, next_power_of_2  # noqa: F401  (pointwise, reduction import them here)
+from opfuse.fusion.tiles import next_power_of_2  # noqa: F401  (pointwise, reduction import it here)
 from opfuse.ir.graph import WIDE_INTEGERS, Graph, Node
 from opfuse.ir.ops import along_channels
 

@@ -34,11 +34,11 @@ import torch
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.coordinates import is_channels_last, is_dense_in_order, layout_order, unravel_expressions
 from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported
-from opfuse.codegen.operands import (VIEW_OPS, Emitter, FlatIndex, Region, build_kernel, exact, interpreting,
-                                     next_power_of_2)
+from opfuse.codegen.operands import VIEW_OPS, Emitter, FlatIndex, Region, build_kernel, exact, next_power_of_2
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.legality_views import MAPPED_COPIES
 from opfuse.fusion.tiles import POINTWISE
+from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import WIDE_INTEGERS, Graph
 
@@ -118,9 +118,11 @@ def cat_segments(graph: Graph, part: Part) -> list[Segment] | None:
             for run in runs.values()]
 
 
-def lower_pointwise_group(graph: Graph, group: FusionGroup, device) -> "PointwiseKernel":
-    """Lower an elementwise group (chains of POINTWISE/BROADCAST ops and views) to one Triton kernel."""
-    return PointwiseKernel(graph, group, device)
+def lower_pointwise_group(graph: Graph, group: FusionGroup, device, hw: HardwareProfile | None = None
+                          ) -> "PointwiseKernel":
+    """Lower an elementwise group (chains of POINTWISE/BROADCAST ops and views) to one Triton kernel, its blocks for
+    GPU `hw` (`kernel_profile`)."""
+    return PointwiseKernel(graph, group, device, kernel_profile(hw))
 
 
 def split_parts(graph: Graph, group: FusionGroup) -> list[Part]:
@@ -164,7 +166,8 @@ def split_parts(graph: Graph, group: FusionGroup) -> list[Part]:
 class PointwiseKernel(TemplateKernel):
     """One launch computing every elementwise chain of a group."""
 
-    def __init__(self, graph: Graph, group: FusionGroup, device):
+    def __init__(self, graph: Graph, group: FusionGroup, device, hw: HardwareProfile | None = None):
+        self.hw = kernel_profile(hw)
         group_operands(graph, group)
         for name in group.nodes:
             node = graph[name]
@@ -282,7 +285,7 @@ class PointwiseKernel(TemplateKernel):
     # ---- runtime ----------------------------------------------------------------------------------
     def configs(self) -> list[KernelConfig]:
         largest = max(part.numel for part in self.parts)
-        if interpreting():
+        if self.hw.interpreted:
             return [KernelConfig.of(BLOCK=min(256, next_power_of_2(largest)), num_warps=1)]
         return [KernelConfig.of(**tile) for tile in POINTWISE]
 

@@ -31,12 +31,12 @@ import torch
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.coordinates import Coords, broadcast_coords
 from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, int_pair, triton_dtype
-from opfuse.codegen.operands import VIEW_OPS, Emitter, Region, build_kernel, interpreting, next_power_of_2
+from opfuse.codegen.operands import VIEW_OPS, Emitter, Region, build_kernel, next_power_of_2
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import (EXTREMES, ROW_SPLIT_MODES, SCAN_OPS, RowView, extreme_view, pool_tiles,
                                  row_kernel_tiles, row_view)
-from opfuse.hardware import HardwareProfile, get_hardware
+from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import FLOAT_DTYPES, WIDE_INTEGERS, Graph, Node
 from opfuse.ir.ops import FusionKind, kind_of
 
@@ -57,17 +57,18 @@ def lower_reduction_group(graph: Graph, group: FusionGroup, device, hw: Hardware
         raise Unsupported(f"{node.describe()}: its {node.type.dtype} result would be reduced in float32, which "
                           "rounds past 2^24 (only a scan carries an integer sum)")
     x_shape = graph[node.inputs[0]].type.shape
+    hw = kernel_profile(hw)
     view = row_view(graph, node) or extreme_view(graph, node)
     if view is not None:
-        return RowReductionKernel(graph, group, device, node, view, (hw or get_hardware()).sm_count)
+        return RowReductionKernel(graph, group, device, node, view, hw)
     if node.op == "adaptive_avg_pool2d":
         out_h, out_w = node.type.shape[-2:]
         if len(x_shape) != 4 or x_shape[2] % out_h or x_shape[3] % out_w:
             raise Unsupported(f"{node.describe()}: adaptive pooling to {out_h}x{out_w} of {x_shape[2]}x"
                               f"{x_shape[3]} has uneven windows")
-        return PoolKernel(graph, group, device, node)
+        return PoolKernel(graph, group, device, node, hw)
     if node.op in POOL_OPS:
-        return PoolKernel(graph, group, device, node)
+        return PoolKernel(graph, group, device, node, hw)
     raise Unsupported(f"no reduction template for {node.describe()}")
 
 
@@ -148,10 +149,10 @@ def indent(lines: Sequence[str], depth: int = 1) -> list[str]:
 
 class RowReductionKernel(TemplateKernel):
     """softmax / layer_norm / rms_norm / mean / sum / any / cumsum over some dims of one input, BLOCK_M rows a
-    program; a sum or mean in SPLIT slices per row where there are fewer row blocks than `sm_count` SMs."""
+    program; a sum or mean in SPLIT slices per row where there are fewer row blocks than the GPU `hw` has SMs."""
 
-    def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, view: RowView, sm_count: int):
-        self.node, self.view, self.mode, self.sm_count = node, view, view.mode, sm_count
+    def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, view: RowView, hw: HardwareProfile):
+        self.node, self.view, self.mode, self.hw = node, view, view.mode, hw
         x = graph[node.inputs[0]]
         shape = x.type.shape
         mode = view.mode
@@ -395,10 +396,10 @@ class RowReductionKernel(TemplateKernel):
     # ---- runtime ----------------------------------------------------------------------------------
     def configs(self) -> list[KernelConfig]:
         split = self.mode in ROW_SPLIT_MODES
-        if interpreting():
+        if self.hw.interpreted:
             return [KernelConfig.of(BLOCK_M=min(next_power_of_2(self.rows), 16), num_warps=1,
                                     BLOCK_L=min(next_power_of_2(self.length), 128), **({"SPLIT": 1} if split else {}))]
-        return [KernelConfig.of(**tile) for tile in row_kernel_tiles(self.view, self.sm_count)]
+        return [KernelConfig.of(**tile) for tile in row_kernel_tiles(self.view, self.hw.sm_count)]
 
     def alternatives(self, library: bool = True) -> list[KernelConfig]:
         """The first config unsplit, where it is split."""
@@ -447,8 +448,8 @@ class RowReductionKernel(TemplateKernel):
 class PoolKernel(TemplateKernel):
     """max/avg pool2d on NHWC tiles of [BLOCK_P output pixels, BLOCK_C channels]."""
 
-    def __init__(self, graph: Graph, group: FusionGroup, device, node: Node):
-        self.node = node
+    def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, hw: HardwareProfile):
+        self.node, self.hw = node, hw
         x = graph[node.inputs[0]]
         if len(x.type.shape) != 4:
             raise Unsupported(f"{node.describe()}: only batched 4-D pooling is generated")
@@ -511,7 +512,7 @@ class PoolKernel(TemplateKernel):
 
     def configs(self) -> list[KernelConfig]:
         channels = next_power_of_2(self.channels)
-        if interpreting():
+        if self.hw.interpreted:
             return [KernelConfig.of(BLOCK_P=16, BLOCK_C=min(channels, 32), num_warps=1)]
         return [KernelConfig.of(**tile) for tile in pool_tiles(self.channels)]
 

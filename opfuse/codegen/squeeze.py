@@ -35,8 +35,7 @@ from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, 
 from opfuse.codegen.template_kernel import INT32_LIMIT, extent
 from opfuse.fusion.plan import FusionGroup, GroupKind
 from opfuse.fusion.squeeze import SqueezeChain, squeeze_chain, squeeze_tile
-from opfuse.fusion.tiles import interpreting
-from opfuse.hardware import HardwareProfile, get_hardware
+from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import Graph, GraphError, torch_dtype
 from opfuse.ir.interpret import run_nodes
 from opfuse.ir.ops import launches_kernel
@@ -116,7 +115,7 @@ def KERNEL_NAME(
 def lower_squeeze_group(graph: Graph, group: FusionGroup, device, hw: HardwareProfile | None = None
                         ) -> "SqueezeKernel":
     """The group's squeeze kernel (see the module docstring)."""
-    return SqueezeKernel(graph, group, torch.device(device), hw or get_hardware())
+    return SqueezeKernel(graph, group, torch.device(device), kernel_profile(hw))
 
 
 def _indent(lines: list[str], depth: int) -> str:
@@ -217,7 +216,7 @@ class SqueezeKernel(GroupKernel):
     def configs(self) -> list[KernelConfig]:
         """The split form (the planner's tile: about two programs per SM), fewer and more slices, then plain."""
         chain, sms = self.chain, self.hw.sm_count
-        if interpreting():    # tiny tiles, so that the interpreter walks several channel blocks and slices
+        if self.hw.interpreted:    # tiny tiles, so that the interpreter walks several channel blocks and slices
             small = {"BLOCK_C": 4, "BLOCK_HW": 4, "BLOCK_K": 4}
             tiles = [squeeze_tile(chain, sms, 1, split=2) | small, squeeze_tile(chain, sms, 1, split=0) | small]
             tiles[0]["SPLIT"] = min(3, -(-chain.spatial // 4))

@@ -9,8 +9,8 @@ gather, hw=...)` lists the candidates for a GPU (`opfuse.hardware.HardwareProfil
 shared memory bounds the pipelines), the default first; `anchor_steps(taps, channels, block_k)` counts the K-loop
 steps of a tile, `split_k_slices` its K slices, `group_block` how many conv groups one program of a grouped
 conv computes together; `anchor_loop(graph, anchor)` says which loop a graph's anchor gets. These are the GPU's
-rules, and the plan always follows them; only the kernels, under Triton's interpreter (tests, `interpreting()`),
-run one tiny tile instead (`INTERPRETER`, whose K slices the plan decides too), so there an interpreted model may
+rules, and the plan always follows them; only the kernels, under Triton's interpreter (tests: a profile whose
+`interpreted` is set, `opfuse.hardware.kernel_profile`), run one tiny tile instead (`INTERPRETER`, whose K slices the plan decides too), so there an interpreted model may
 launch other split-K kernels than its plan counts.
 
 Row reductions (softmax, norms, sums and means, cumsum's scan, global pools) the same way: `row_view` says how the
@@ -25,7 +25,6 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, TypeVar
 
-from opfuse.environment import triton_interpreter
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph
 from opfuse.ir.ops import HEADS_INSIDE_TOKENS_HEAD_DIM
@@ -62,11 +61,6 @@ SHARED_SLACK = 27 * 1024    # a block's shared memory the operand pipeline leave
 def next_power_of_2(n: int) -> int:
     """The least power of two >= n (1 for n <= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
-
-
-def interpreting() -> bool:
-    """Whether Triton runs through its CPU interpreter (tests): tuning spaces shrink to one tiny config."""
-    return triton_interpreter()
 
 
 def fits(tile: dict[str, int], itemsize: int, hw: HardwareProfile) -> bool:

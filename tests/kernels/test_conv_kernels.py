@@ -337,13 +337,14 @@ def test_depthwise_source_holds_every_form_it_may_run(monkeypatch):
     """A depthwise kernel's source (what the tuning cache and a package compare) holds its runs forms' sources
     where its candidates run them, so a change to the runs template alone is noticed."""
     from opfuse.codegen import conv, conv_depthwise
+    from opfuse.hardware import get_hardware
 
     b = Builder()
     x = b.input("x", (1, 4, 5, 16))
     y = b.conv(x, 4, 3, padding=1, groups=4)
     direct = conv.lower_conv_group(b.graph, b.group([y]), "cpu")
     assert "dw_acc" not in direct.source                  # the interpreter's one candidate is a pixel tile
-    monkeypatch.setattr(conv_depthwise, "interpreting", lambda: False)
+    monkeypatch.setattr(conv_depthwise, "kernel_profile", lambda hw=None: hw or get_hardware())   # the GPU's tiles
     runs = conv.lower_conv_group(b.graph, b.group([y]), "cpu")
     lengths = sorted({dict(c.params).get("COLS", 1) for c in runs.configs()} - {1})
     assert lengths == [4, 8] and runs.source.startswith(direct.source)

@@ -129,7 +129,8 @@ def test_group_block_rule(groups, cout_per_group, cin_per_group, block_n, expect
 def test_blocked_configs_are_offered_exactly_for_narrow_groups(monkeypatch):
     """With the GPU's tile list: every tile keeps its one-group-a-program config, with its blocked form beside it
     exactly where the tile holds two groups' output channels or more; none for an ungrouped or a wide-grouped conv."""
-    monkeypatch.setattr("opfuse.codegen.gemm.interpreting", lambda: False)
+    for template in ("gemm", "conv_implicit_gemm"):     # the GPU's profile, not as the interpreter runs it
+        monkeypatch.setattr(f"opfuse.codegen.{template}.kernel_profile", lambda hw=None: hw or get_hardware())
     _, kernel, _, _ = grouped_conv(13, 8, 20, size=(5, 5), batch=1)     # 25 pixels: tiles 32 to 128 wide
     configs = kernel.configs()
     plain = [c for c in configs if group_block_of(c) == 1]

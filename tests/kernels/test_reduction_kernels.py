@@ -201,7 +201,7 @@ def test_rows_split_where_their_blocks_leave_sms_idle():
     b = Builder()
     few = b.op("mean", b.input("x", (2, 8, 64, 64)), dims=[2, 3], keepdim=True)     # 16 rows of 4096
     kernel = lower_reduction_group(b.graph, b.group([few]), "cpu")
-    assert kernel.sm_count == 132                         # the default profile's, an H200's
+    assert kernel.hw.sm_count == 132                      # the default profile's, an H200's
     assert row_slices(kernel.view, 64, 64, 132) == 32     # 1 program -> 32 slices of 128 lanes, 2 chunks each
     assert row_slices(kernel.view, 64, 256, 132) == 8
     assert row_tiles(kernel.view, 132)[0] == (16, 64, 32)  # rows past the 16 are not tiled

@@ -7,7 +7,7 @@ import torch
 import opfuse
 from opfuse.compiler import EagerFallback
 from opfuse.environment import triton_interpreter
-from opfuse.fusion.tiles import interpreting
+from opfuse.hardware import get_hardware, kernel_profile
 from opfuse.ir.graph import GraphError
 from opfuse.runtime.autotune import timing_available
 
@@ -16,13 +16,14 @@ from opfuse.runtime.autotune import timing_available
                                        (" y ", True), ("0", False), ("false", False), ("", False), ("2", False)])
 def test_triton_interpret_means_what_it_means_to_triton(value, on, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", value)
-    assert triton_interpreter() is on and interpreting() is on
+    assert triton_interpreter() is on and kernel_profile().interpreted is on
+    assert kernel_profile(get_hardware("h100")).interpreted is on        # a given profile, as the interpreter runs it
     assert not timing_available("cpu")
 
 
 def test_every_reader_agrees_when_unset(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not triton_interpreter() and not interpreting()
+    assert not triton_interpreter() and not kernel_profile().interpreted
 
 
 def tiny() -> tuple[torch.nn.Module, tuple]:

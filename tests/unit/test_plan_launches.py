@@ -3,7 +3,6 @@ kernel's default tile (`opfuse.fusion.tiles`, shared by the templates and the pl
 kernels are built with the interpreter's tiny tile switched off (nothing runs); the plan follows the GPU's rules
 whether or not the interpreter is on."""
 
-import sys
 
 import pytest
 
@@ -12,18 +11,6 @@ from opfuse.bench.zoo import load_builtin
 from opfuse.codegen.split_k import slices_of
 from opfuse.codegen.lower import lower_plan
 from opfuse.config import FusionConfig
-
-
-@pytest.fixture
-def gpu_tiles(monkeypatch):
-    """The GPU's tile rules for one test; the generated kernel modules it imports (compiled for the GPU, not the
-    interpreter) are dropped afterwards so that later tests generate their own."""
-    before = set(sys.modules)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    yield
-    for name in set(sys.modules) - before:
-        if name.startswith("opfuse_generated_"):
-            del sys.modules[name]
 
 
 @pytest.mark.parametrize("name,batch", [("resnet18", 1), ("resnet18", 8)])
