@@ -286,22 +286,49 @@ def cut_outputs(outputs: Sequence[torch.Tensor], names: Sequence[str], dims: Seq
 # ---- the model -------------------------------------------------------------------------------------------------------
 
 @dataclass
-class Bucket:
-    """One compiled model of a DynamicModel: its sizes (a bucket's, or a call's exact ones), the model, how it pads
-    (per dynamic dim: the output dims it cuts, or why it may not pad), and its compile time."""
+class Padding:
+    """How a call may be padded up to one compiled size (a bucket's, or a package's profile): per dynamic dim, the
+    output dims a padded run is cut back along, or why it may not be padded; the inputs padded with zeros and the
+    smallest size served, where the sequence pads at its end (`opfuse.ir.seq_padding`)."""
 
-    sizes: tuple[int, ...]
-    model: Any                                  # an OpfuseModule
-    exact: bool                                 # compiled for a call's exact sizes (its bucket may not pad them)
     cuts: dict[str, dict[str, Any]] = field(default_factory=dict)   # dim -> output -> the dim(s) it is cut along
     refused: dict[str, str] = field(default_factory=dict)            # dim -> why padding it is refused
     zero_filled: dict[str, tuple[int, ...]] = field(default_factory=dict)   # dim -> inputs padded with zeros
     least: dict[str, int] = field(default_factory=dict)     # dim -> the smallest size padding serves (default 1)
-    seconds: float = 0.0
 
     def pads(self, name: str, size: int) -> bool:
-        """Whether a call of `size` along dim `name` may run padded on this bucket."""
+        """Whether a call of `size` along dim `name` may run padded up to these sizes."""
         return name not in self.refused and size >= self.least.get(name, 1)
+
+
+def padding_of(dims: Sequence[DynamicDim], sizes: Sequence[int], graph: Graph,
+               end_padding: Callable[[Padding, int, str], str | None]) -> Padding:
+    """How a call pads up to `sizes` on a model whose plan graph is `graph`, per dynamic dim over 1: its rows held
+    apart (`padding_problem`), else its end padded where `end_padding(padding, position, how rows interact)` fills
+    `padding` in (returning None) rather than saying why not. A size of 1 pads nothing."""
+    padding = Padding()
+    for position, (dim, size) in enumerate(zip(dims, sizes)):
+        if size == 1:
+            continue
+        cuts, problem = padding_problem(graph, dim)
+        if problem is not None:     # rows interact: perhaps not the real positions with those padded
+            problem = end_padding(padding, position, problem)
+        if problem is None:
+            padding.cuts.setdefault(dim.name, cuts)
+        else:
+            padding.refused[dim.name] = problem
+    return padding
+
+
+@dataclass(kw_only=True)
+class Bucket(Padding):
+    """One compiled model of a DynamicModel: its sizes (a bucket's, or a call's exact ones), the model, how it pads
+    (`Padding`), and its compile time."""
+
+    sizes: tuple[int, ...]
+    model: Any                                  # an OpfuseModule
+    exact: bool                                 # compiled for a call's exact sizes (its bucket may not pad them)
+    seconds: float = 0.0
 
     def describe(self) -> str:
         pads = "pads " + (", ".join(n + zeros_note(self.zero_filled.get(n, ())) for n in sorted(self.cuts))
@@ -393,32 +420,24 @@ class DynamicModel(torch.nn.Module):
         pinned = {} if not isinstance(self._eager, torch.nn.Module) else None   # an ONNX model at these sizes
         model = opfuse_compile(self._eager, tuple(inputs), replace(self.config, fallback="error"), self.quiet,
                                dynamic_shapes=pinned)
-        bucket = Bucket(key, model, exact, seconds=time.perf_counter() - start)
-        if not exact:
-            graph = model.compiled.plan.graph
-            for dim, size in zip(self.dims, key):
-                if size == 1:        # a call in this bucket has size 1 along it: nothing to pad
-                    continue
-                cuts, problem = padding_problem(graph, dim)
-                if problem is not None:     # rows interact: perhaps not the real positions with those padded
-                    problem = self._end_padding(bucket, dim, inputs, problem)
-                if problem is None:
-                    bucket.cuts.setdefault(dim.name, cuts)
-                else:
-                    bucket.refused[dim.name] = problem
+        seconds = time.perf_counter() - start
+
+        def end_padding(padding: Padding, position: int, rows: str) -> str | None:
+            """Where rows along the dim interact (`rows` says how): `end_padding_of` the model's graph, traced
+            again one position shorter."""
+            dim = self.dims[position]
+            found = end_padding_of(self._eager, model.analysis.prepared, model.analysis.config.dtype, self.dims, dim,
+                                   key, inputs, rows)
+            if isinstance(found, str):
+                return found
+            end, zeros = found
+            padding.cuts[dim.name], padding.zero_filled[dim.name], padding.least[dim.name] = end.cuts, zeros, end.least
+            return None
+
+        padding = Padding() if exact else padding_of(self.dims, key, model.compiled.plan.graph, end_padding)
+        bucket = Bucket(sizes=key, model=model, exact=exact, seconds=seconds, **vars(padding))
         self.buckets[key] = bucket
         return bucket
-
-    def _end_padding(self, bucket: Bucket, dim: DynamicDim, inputs: Sequence[torch.Tensor], rows: str) -> str | None:
-        """Where rows along `dim` interact (`rows` says how): `end_padding_of` the bucket's graph; None where the
-        end may be padded (the bucket's cuts, zero-filled inputs and least size set), else why not."""
-        found = end_padding_of(self._eager, bucket.model.analysis.prepared, bucket.model.analysis.config.dtype,
-                               self.dims, dim, bucket.sizes, inputs, rows)
-        if isinstance(found, str):
-            return found
-        padding, zeros = found
-        bucket.cuts[dim.name], bucket.zero_filled[dim.name], bucket.least[dim.name] = padding.cuts, zeros, padding.least
-        return None
 
     def _cut(self, bucket: Bucket, outputs: Any, sizes: Sequence[int], key: Sequence[int]) -> Any:
         from torch.utils._pytree import tree_flatten, tree_unflatten

@@ -31,7 +31,8 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from opfuse.ir.graph import Graph, GraphError, dtype_name, torch_dtype
-from opfuse.runtime.dynamic import DynamicDim, InputKind, call_sizes, cut_outputs, pad_inputs, padding_problem
+from opfuse.runtime.dynamic import (DynamicDim, InputKind, Padding, call_sizes, cut_outputs, pad_inputs,
+                                    padding_of)
 
 
 def batch_of(profile: dict[str, Any]) -> int | None:
@@ -75,21 +76,6 @@ def batch_dim(batches: Sequence[int], input_count: int) -> DynamicDim:
     return DynamicDim("batch", 1, None, tuple((index, 0) for index in range(input_count)))
 
 
-@dataclass
-class Padding:
-    """How a call may be padded up to one profile: per dynamic dim, the output dims a padded run is cut back along
-    (an int, or a tuple of dims), or why it may not be padded; the inputs padded with zeros and the smallest size
-    served, where the sequence pads at its end (`opfuse.ir.seq_padding`)."""
-
-    cuts: dict[str, dict[str, Any]]
-    refused: dict[str, str]
-    zero_filled: dict[str, tuple[int, ...]]
-    least: dict[str, int]
-
-    def pads(self, name: str, size: int) -> bool:
-        return name not in self.refused and size >= self.least.get(name, 1)
-
-
 def padding_refusals(dims: Sequence[DynamicDim], profiles: Sequence[tuple[tuple[int, ...], bool, Graph]]
                      ) -> dict[tuple[int, ...], Padding]:
     """For each profile (its sizes, whether it holds exact sizes only, its plan graph) a call may be padded up to:
@@ -101,18 +87,9 @@ def padding_refusals(dims: Sequence[DynamicDim], profiles: Sequence[tuple[tuple[
     at size 1 cannot tell that dim from any other of size 1: it is not asked."""
     found = {}
     for sizes, exact, graph in profiles:
-        padding = Padding({}, {}, {}, {})
-        if not exact:
-            for position, (dim, size) in enumerate(zip(dims, sizes)):
-                if size > 1:
-                    held, problem = padding_problem(graph, dim)
-                    if problem is not None:
-                        problem = _end_padding(padding, dims, position, sizes, graph, profiles, problem)
-                    if problem is None:
-                        padding.cuts.setdefault(dim.name, held)
-                    else:
-                        padding.refused[dim.name] = problem
-        found[sizes] = padding
+        found[sizes] = Padding() if exact else padding_of(
+            dims, sizes, graph, lambda padding, position, rows: _end_padding(padding, dims, position, sizes, graph,
+                                                                           profiles, rows))
     return found
 
 
