@@ -127,14 +127,17 @@ def anchor_of(graph: Graph, nodes: Iterable[str]) -> str | None:
 
 def gemm_view(graph: Graph, anchor: str) -> tuple[int, int, int, int] | None:
     """(rows, columns, reduction length, independent GEMMs) of an anchor as its kernel computes it: a linear or
-    matmul directly, a conv as implicit GEMM per conv group (pixels x output channels of a group x taps * input
-    channels of a group); None for other anchors and depthwise convs (their kernel reduces nothing across channels)."""
+    matmul directly (a 1-D matmul operand is one row, left, or one column, right, as torch.matmul reads it), a conv as
+    implicit GEMM per conv group (pixels x output channels of a group x taps * input channels of a group); None for
+    other anchors and depthwise convs (their kernel reduces nothing across channels)."""
     node = graph[anchor]
     shape = node.type.shape
     if node.op == "linear":
         return math.prod(shape[:-1]), shape[-1], graph[node.inputs[1]].type.shape[1], 1
-    if node.op == "matmul" and len(shape) >= 2:
-        return shape[-2], shape[-1], graph[node.inputs[0]].type.shape[-1], math.prod(shape[:-2])
+    if node.op == "matmul":
+        x, w = (graph[i].type.shape for i in node.inputs[:2])
+        rows, columns = (x[-2] if len(x) > 1 else 1), (w[-1] if len(w) > 1 else 1)
+        return rows, columns, x[-1], math.prod(shape) // (rows * columns)
     if node.op == "conv2d" and len(shape) == 4:
         groups = int(node.attrs.get("groups", 1))
         cin_g, kh, kw = graph[node.inputs[1]].type.shape[1:]
@@ -164,28 +167,14 @@ def reduction_of(graph: Graph, nodes: Iterable[str]) -> str | None:
 
 # ---- the anchor kernels --------------------------------------------------------------------------------
 
-def gemm_shape(graph: Graph, anchor: str) -> tuple[int, int, int]:
-    """(M, N, K) of the anchor's GEMM: conv2d as implicit GEMM (M = N*Hout*Wout, N = Cout, K = Cin/g*Kh*Kw); a 1-D
-    matmul operand is one row (left) or one column (right), as torch.matmul reads it."""
-    node = graph[anchor]
-    out = node.type.shape
-    x = graph[node.inputs[0]].type.shape
-    if node.op == "conv2d":
-        weight = graph[node.inputs[1]].type.shape
-        return out[0] * out[2] * out[3], out[1], math.prod(weight[1:])
-    if node.op == "linear":
-        return math.prod(out[:-1]), out[-1], x[-1]
-    w = graph[node.inputs[1]].type.shape
-    return (x[-2] if len(x) > 1 else 1), (w[-1] if len(w) > 1 else 1), x[-1]   # matmul: per batch
-
-
 def anchor_problem(graph: Graph, nodes: Iterable[str], anchor: str) -> tuple[int, int, int, int] | None:
     """(rows, columns, reduction length, independent GEMMs) of the GEMM a group anchored on `anchor` runs: the
     anchor's `gemm_view`, with the columns of every sibling anchor of a horizontal group (one GEMM over their
     concatenated weights); None where the anchor is no GEMM (a depthwise conv)."""
-    if is_depthwise_conv(graph, anchor):
+    view = gemm_view(graph, anchor)
+    if view is None:
         return None
-    rows, columns, reduction, batch = gemm_view(graph, anchor) or (*gemm_shape(graph, anchor), 1)   # (1-D matmuls)
+    rows, columns, reduction, batch = view
     siblings = [n for n in nodes if kind_of(graph[n]) is FusionKind.ANCHOR]
     if len(siblings) > 1:
         columns = sum(graph[n].type.shape[-1 if graph[n].op == "linear" else 1] for n in siblings)

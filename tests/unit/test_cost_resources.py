@@ -9,7 +9,7 @@ from graph_builders import GraphBuilder, conv_bn_relu, conv_relu, resnet_bottlen
 from opfuse.config import FusionConfig
 from opfuse.fusion.cost import (estimate_kernel, group_traffic, is_fusion_candidate, op_density, predict_time,
                                 tile_efficiency)
-from opfuse.fusion.resources import ADDRESSING_REGISTERS, describe_tile, estimate_resources, gemm_shape
+from opfuse.fusion.resources import ADDRESSING_REGISTERS, describe_tile, estimate_resources, gemm_view
 from opfuse.fusion.tiles import anchor_tiles
 from opfuse.hardware import get_hardware
 from opfuse.ir.ops import get_op, node_bytes, node_flops
@@ -216,12 +216,13 @@ def test_elementwise_registers_grow_with_live_operands():
     assert two.registers_per_thread == (3 + 1) * per_operand + ADDRESSING_REGISTERS
 
 
-@pytest.mark.parametrize("x_shape, w_shape, mnk", [((4,), (4,), (1, 1, 4)), ((3, 4), (4,), (3, 1, 4)),
-                                                   ((4,), (2, 4, 5), (1, 5, 4)), ((2, 3, 4), (4, 5), (3, 5, 4))])
-def test_a_matmul_with_a_1d_operand_is_one_row_or_column(x_shape, w_shape, mnk):
-    """torch.matmul reads a 1-D left operand as one row and a 1-D right one as one column (ONNX's MatMul too)."""
+@pytest.mark.parametrize("x_shape, w_shape, view", [((4,), (4,), (1, 1, 4, 1)), ((3, 4), (4,), (3, 1, 4, 1)),
+                                                    ((4,), (2, 4, 5), (1, 5, 4, 2)), ((2, 3, 4), (4, 5), (3, 5, 4, 2))])
+def test_a_matmul_with_a_1d_operand_is_one_row_or_column(x_shape, w_shape, view):
+    """torch.matmul reads a 1-D left operand as one row and a 1-D right one as one column (ONNX's MatMul too): (rows,
+    columns, reduction, GEMMs) of each."""
     b = GraphBuilder("matmul_1d", dtype="float32")
     y = b.op("matmul", [b.input("x", x_shape), b.input("w", w_shape)])
     graph = b.output(y)
-    assert gemm_shape(graph, y) == mnk
+    assert gemm_view(graph, y) == view
     assert estimate_resources(graph, [y], y, H200, "float32").fits
