@@ -218,22 +218,9 @@ def render(runs: Sequence[dict], held_out_from: int | None = None, work_of: Work
              "weights made to look trained; every contender compiled, warmed, captured into a CUDA graph and timed "
              "under one `torch.inference_mode()` (torch.compile: inductor's default mode, freezing on), timing rounds "
              "interleaved across contenders, each model in processes of its own. Times are medians in ms per "
-             "forward; a spread is (p90 - p10) / median of one contender's samples.", ""]
-    for index, header in enumerate(headers, 1):
-        env, settings = header["env"] or {}, header["settings"]
-        lines.append(f"- run {index}: {env.get('date', '?')}, {env.get('gpu', '?')} (driver {env.get('driver', '?')}), "
-                     f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, Python {env.get('python', '?')}; "
-                     f"opfuse tune_top {settings.get('tune_top')}, cold compiles {settings.get('cold_parallel')} at "
-                     f"a time, {settings.get('rounds')} rounds x {settings.get('per_round')} samples")
-        if settings.get("enable"):
-            lines[-1] += f"; opfuse with {', '.join(settings['enable'])} on (off by default)"
-        lines[-1] += ("; the module call reads the tensors its graph captured (no input copy)"
-                      if header.get("call_inputs") == "captured" else
-                      "; the module call copies its inputs in, unless the commit measured reads the captured "
-                      "tensors in place (715ce9d on: run 29 of RESULTS.md)")
-        if header.get("tuned_alone") is False:
-            lines[-1] += ("; opfuse's kernels were tuned in the cold compiles, several at once on one GPU (only "
-                          "opfuse can have lost by it)")
+             "forward; a spread is (p90 - p10) / median of one contender's samples. Each row names the run it comes "
+             f"from ({len(headers)} runs merged, a later run's row replacing an earlier one's; where and how each ran: "
+             "Runs, at the end)."]
     calls = {key: speedup(row, "inductor", "opfuse") for key, row in rows.items()}
     replays = {key: speedup(row, "inductor", "opfuse_replay") for key, row in rows.items()}
     mean_call, mean_replay = geometric_mean(list(calls.values())), geometric_mean(list(replays.values()))
@@ -301,4 +288,49 @@ def render(runs: Sequence[dict], held_out_from: int | None = None, work_of: Work
                         f"workloads): {', '.join(missing)}")
     if problems:
         lines += ["", "## Failed or not run", "", *problems]
+    lines += ["", "## Runs", "", *run_lines(headers)]
     return "\n".join(lines) + "\n"
+
+
+def run_lines(headers: Sequence[dict]) -> list[str]:
+    """Where and how the merged runs ran: what every run shares, then one line for the runs (by number) that ran
+    alike in the rest."""
+    described = [_run_facts(header) for header in headers]
+    shared = [fact for fact in described[0] if all(fact in facts for facts in described)] if described else []
+    alike: dict[str, list[int]] = {}
+    for index, facts in enumerate(described, 1):
+        alike.setdefault("; ".join(f for f in facts if f not in shared) or "as above", []).append(index)
+    lead = [f"- every run: {'; '.join(shared)}"] if shared else []
+    return lead + [f"- {'run' if len(numbers) == 1 else 'runs'} {_number_ranges(numbers)}: {text}"
+                   for text, numbers in alike.items()]
+
+
+def _run_facts(header: dict) -> list[str]:
+    env, settings = header["env"] or {}, header["settings"]
+    facts = [f"{env.get('date', '?')}",
+             f"{env.get('gpu', '?')} (driver {env.get('driver', '?')}), torch {env.get('torch', '?')}, triton "
+             f"{env.get('triton', '?')}, Python {env.get('python', '?')}",
+             f"opfuse tune_top {settings.get('tune_top')}",
+             f"cold compiles {settings.get('cold_parallel')} at a time",
+             f"{settings.get('rounds')} rounds x {settings.get('per_round')} samples"]
+    if settings.get("enable"):
+        facts.append(f"opfuse with {', '.join(settings['enable'])} on (off by default)")
+    facts.append("the module call reads the tensors its graph captured (no input copy)"
+                 if header.get("call_inputs") == "captured" else
+                 "the module call copies its inputs in, unless the commit measured reads the captured tensors in "
+                 "place (715ce9d on: run 29 of RESULTS.md)")
+    if header.get("tuned_alone") is False:
+        facts.append("opfuse's kernels were tuned in the cold compiles, several at once on one GPU (only opfuse can "
+                     "have lost by it)")
+    return facts
+
+
+def _number_ranges(numbers: Sequence[int]) -> str:
+    """'1-3, 5, 7-8' of increasing numbers."""
+    spans: list[list[int]] = []
+    for number in numbers:
+        if spans and number == spans[-1][1] + 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

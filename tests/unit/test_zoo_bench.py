@@ -152,11 +152,15 @@ def test_zoo_md_headline_cost_model_and_merging():
     assert "over 2 workloads, as predicted when measured: **38%**" in page      # median of 25% and 50%
     assert "| a-bs1 | 1 | - | - | 1.000 | 0.500 | 0.400 | 2.00x / 2.50x | 30% / 30% / 30% |" in page
     assert "tuned in the cold compiles, several at once" in page     # the fake runs' cold_parallel is 4
-    assert "- run 2: 2026-12-02, NVIDIA H200" in page
+    runs = page[page.index("## Runs"):]                              # what the runs share, once; then each one's
+    assert "- every run: NVIDIA H200 (driver ?)" in runs and "- run 2: 2026-12-02\n" in runs
+    assert page.index("## Headline") < page.index("## Runs") and runs.count("NVIDIA H200") == 1
     assert "b-bs1, measure" not in page                           # run 2 measured what run 1 could not
     assert "a-bs1, measure: failed (exit code 1)" not in page     # ... and run 2's failure does not hide run 1's row
     assert "not measured in any run yet (26 of the zoo's 26 workloads): resnet50-bs1, resnet50-bs64," in page
     assert "runs 2 on" not in page
+    third = zoo_run("2026-12-01", {"a-bs1": None})
+    assert "- runs 1, 3: 2026-12-01\n" in render([first, second, third])      # runs alike: one line
     held_out = render([first, second], held_out_from=2)              # b-bs1 alone was measured in run 2
     assert "over 2 workloads, as predicted when measured: **38%**. Over the 1 workloads of runs 2 on" in held_out
     assert "fitted to the runs before them: **50%**." in held_out
