@@ -5,7 +5,7 @@ forward's argument names), None for an input of fixed shape, or {dim: torch.expo
 inputs that share a Dim object share its size. A Dim without a max is unbounded.
 
 Each dynamic dim's range is cut into buckets: the powers of two inside it, and its max (`bucket_sizes`: 1..64 gives
-1, 2, 4, 8, 16, 32, 64); `FusionConfig.bucket_steps` puts more between each two (2: 1, 2, 3, 4, 6, 8, 12, ...), a
+1, 2, 4, 8, 16, 32, 64); `FusionConfig.bucket_steps` puts more between each two (2: 1, 2, 3, 4, 6, 8, 16, 24, ...), a
 compile each, for less padding. A call's size along each dim picks the smallest bucket that holds it, and the bucket's
 model, compiled and tuned at the bucket's sizes (its kernels, tiles and CUDA graph its own), runs the call:
 - at exactly the bucket's sizes, as is;
@@ -57,8 +57,8 @@ class DynamicDim:
 
 def bucket_sizes(dim: DynamicDim, up_to: int | None = None, steps: int = 1) -> list[int]:
     """The bucket sizes of `dim`, smallest first: its powers of two, with `steps` - 1 more between each two (evenly on
-    a log scale, rounded up: 2 steps give 1, 2, 3, 4, 6, 8, 12, 16, 23, 32, ...), inside its range, and its max (an
-    unbounded dim's up to the first at or past `up_to`)."""
+    a log scale, rounded up, past BUCKET_ALIGNMENT to a multiple of it: 2 steps give 1, 2, 3, 4, 6, 8, 16, 24, 32,
+    48, ...), inside its range, and its max (an unbounded dim's up to the first at or past `up_to`)."""
     limit = dim.max if dim.max is not None else max(up_to or dim.min, dim.min)
     sizes: list[int] = []
     for size in _ladder(steps):
@@ -70,14 +70,21 @@ def bucket_sizes(dim: DynamicDim, up_to: int | None = None, steps: int = 1) -> l
     raise AssertionError("the ladder of bucket sizes is endless")
 
 
+BUCKET_ALIGNMENT = 8   # bucket sizes past it are multiples of it (`_ladder`)
+
+
 def _ladder(steps: int):
-    """1, then ceil(2 ** (k + i / steps)) for k = 0, 1, ... and i < steps, each once, increasing."""
+    """1, then ceil(2 ** (k + i / steps)) for k = 0, 1, ... and i < steps, each once, increasing; past
+    BUCKET_ALIGNMENT rounded up to a multiple of it: a sequence of 431 keys (16-byte rows of fp16 broken) sends
+    PyTorch's attention to a path 1.7x slower than at 432 (RESULTS.md, session 32)."""
     if steps < 1:
         raise ValueError(f"bucket steps must be at least 1, got {steps}")
     last, octave = 0, 0
     while True:
         for i in range(steps):
             size = math.ceil(2 ** (octave + i / steps) - 1e-9)
+            if size > BUCKET_ALIGNMENT:
+                size = -(-size // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT
             if size > last:
                 last = size
                 yield size
