@@ -137,7 +137,7 @@ def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
             raise GraphError(f"group {group.name}: the kernel template {module}.{function} cannot be loaded "
                              f"({type(error).__name__}: {error})") from error
         try:
-            kernel = lower(graph, group, torch.device(device), kernel_profile(hw))
+            kernel = lower(graph, group, torch.device(device), hw=kernel_profile(hw))
         except Unsupported as error:
             reason = Reason(Code.UNSUPPORTED, f"unsupported by {function}: {error}")
         except ImportError as error:

@@ -135,7 +135,7 @@ def test_tune_times_real_kernels_and_caches(tmp_path):
 def test_build_compiled_model_end_to_end(tmp_path, monkeypatch):
     plan = conv_relu_sigmoid()
 
-    def relu_only(graph, group, device):
+    def relu_only(graph, group, device, **_):
         if group.nodes != ["relu"]:
             raise Unsupported("only relu in this test")
         return TritonRelu(graph, group)
