@@ -39,6 +39,7 @@ from opfuse.environment import kernel_dir
 from opfuse.files import UnsafeFolder, check_private, private_dir, write_atomically
 from opfuse.fusion.plan import FusionGroup
 from opfuse.ir.graph import Graph
+from opfuse.ir.ops import FusionKind, kind_of
 
 
 # the forms a group runs in (`KernelConfig.form`): its Triton kernel, the anchor through cuBLAS/cuDNN and the
@@ -69,6 +70,13 @@ class KernelConfig:
 
     def as_dict(self) -> dict[str, int | str]:
         return dict(self.params) | {"num_warps": self.num_warps, "num_stages": self.num_stages, "form": self.form}
+
+
+def find_anchor(graph: Graph, group: FusionGroup) -> str | None:
+    """The group's anchor node: the one the planner named, else its first anchor-kind node."""
+    if group.anchor is not None:
+        return group.anchor
+    return next((name for name in group.nodes if kind_of(graph[name]) is FusionKind.ANCHOR), None)
 
 
 def tuned_configs(configs: Sequence[KernelConfig], top: int | None) -> list[KernelConfig]:

@@ -23,13 +23,12 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import FORM_TRITON, KernelConfig, compiled_info, rows_jit, tuned_configs
+from opfuse.codegen.base import FORM_TRITON, KernelConfig, compiled_info, find_anchor, rows_jit, tuned_configs
 from opfuse.codegen.conv_common import X_ROW_STRIDES, ConvGeometry, weights_on_device
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, generate_kernel
 from opfuse.codegen.forms import EpilogueKernel
 from opfuse.codegen.split_k import SplitK, sliced_template, slices_of, with_slices
 from opfuse.codegen.gemm import GROUP_M, gemm_configs
-from opfuse.codegen.lower import find_anchor
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import GATHER_CHANNELS, anchor_steps, group_block
 from opfuse.hardware import HardwareProfile, kernel_profile

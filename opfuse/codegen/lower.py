@@ -5,19 +5,18 @@ global average pool and two small GEMMs) -> `lower_squeeze_group`, conv2d -> `lo
 `lower_gemm_group`, sdpa -> `lower_attention` (its forms: torch's attention and a Triton flash kernel), elementwise
 groups -> `lower_pointwise_group`, reductions -> `lower_reduction_group`. A group that gets no kernel (a view, an
 opaque op, a gather, or a template that raised `Unsupported`) runs through PyTorch at run time; the reason (a stable
-code and the words, `opfuse.fusion.reasons.Reason`) is recorded so the report can say why. The template modules are
-imported lazily; one that cannot be imported (a broken install, or a bug in opfuse) is an error naming the group
-and the template, never a silent run through PyTorch.
+code and the words, `opfuse.fusion.reasons.Reason`) is recorded so the report can say why. The templates' lowerings
+are in `TEMPLATES`, by name: `choose_lowering` names one, `lower_group` calls it.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Mapping, MutableMapping
 
 import torch
 
-from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, folding_rows
+from opfuse.codegen import attention, conv, conv_conv, gemm, pointwise, reduction, squeeze
+from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, find_anchor, folding_rows
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.template_kernel import INT32_LIMIT
 from opfuse.fusion.legality_views import MAPPED_COPIES, maps_on_load
@@ -27,17 +26,13 @@ from opfuse.hardware import HardwareProfile, get_hardware, kernel_profile
 from opfuse.ir.graph import Graph, GraphError
 from opfuse.ir.ops import FusionKind, kind_of, view_copies
 
-# anchor op -> (module, function) of its template
-ANCHOR_LOWERINGS = {
-    "conv2d": ("opfuse.codegen.conv", "lower_conv_group"),
-    "linear": ("opfuse.codegen.gemm", "lower_gemm_group"),
-    "matmul": ("opfuse.codegen.gemm", "lower_gemm_group"),
-    "sdpa": ("opfuse.codegen.attention", "lower_attention"),
+# template name -> its lowering: (graph, group, device, hw=profile) -> its kernel, or Unsupported
+TEMPLATES: dict[str, Callable[..., GroupKernel | None]] = {
+    "conv": conv.lower_conv_group, "gemm": gemm.lower_gemm_group, "attention": attention.lower_attention,
+    "conv-conv": conv_conv.lower_conv_conv_group, "squeeze": squeeze.lower_squeeze_group,
+    "pointwise": pointwise.lower_pointwise_group, "reduction": reduction.lower_reduction_group,
 }
-CONV_CONV_LOWERING = ("opfuse.codegen.conv_conv", "lower_conv_conv_group")
-SQUEEZE_LOWERING = ("opfuse.codegen.squeeze", "lower_squeeze_group")
-POINTWISE_LOWERING = ("opfuse.codegen.pointwise", "lower_pointwise_group")
-REDUCTION_LOWERING = ("opfuse.codegen.reduction", "lower_reduction_group")
+ANCHOR_TEMPLATES = {"conv2d": "conv", "linear": "gemm", "matmul": "gemm", "sdpa": "attention"}   # anchor op ->
 
 # kinds that never get a kernel of ours, and why
 NO_KERNEL_KINDS = {
@@ -45,16 +40,6 @@ NO_KERNEL_KINDS = {
     GroupKind.INJECTIVE: Reason(Code.COPYING_OP,
                                 "injective (gather/pad/copy): no Triton template, runs through PyTorch"),
 }
-
-
-def find_anchor(graph: Graph, group: FusionGroup) -> str | None:
-    """The group's anchor node: the one the planner named, else its first anchor-kind node."""
-    if group.anchor is not None:
-        return group.anchor
-    for name in group.nodes:
-        if kind_of(graph[name]) is FusionKind.ANCHOR:
-            return name
-    return None
 
 
 def _within_int32(graph: Graph, group: FusionGroup) -> Reason | None:
@@ -80,8 +65,8 @@ def _within_int32(graph: Graph, group: FusionGroup) -> Reason | None:
     return None
 
 
-def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reason:
-    """(module, function) of the template for `group`, or the reason it has none."""
+def choose_lowering(graph: Graph, group: FusionGroup) -> str | Reason:
+    """The name of the template for `group` (a key of TEMPLATES), or the reason it has none."""
     if group.kind is GroupKind.OPAQUE:      # name the op: "opaque" alone does not say what runs through PyTorch
         ops = ", ".join(graph[n].describe() for n in group.nodes)
         return Reason(Code.OPAQUE, f"opaque op {ops}: runs through PyTorch")
@@ -93,32 +78,28 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> tuple[str, str] | Reaso
         if kind is FusionKind.OPAQUE and name not in in_place:
             return Reason(Code.OPAQUE, f"opaque op {graph[name].describe()}: runs through PyTorch")
     if group.kind is GroupKind.CONV_CONV:
-        return _within_int32(graph, group) or CONV_CONV_LOWERING
+        return _within_int32(graph, group) or "conv-conv"
     if group.kind is GroupKind.SQUEEZE:
-        return SQUEEZE_LOWERING
+        return "squeeze"
     anchor = find_anchor(graph, group)
     if anchor is not None:
         op = graph[anchor].op
-        if op not in ANCHOR_LOWERINGS:
+        if op not in ANCHOR_TEMPLATES:
             return Reason(Code.NO_TEMPLATE, f"no Triton template for anchor op {op!r}")
-        return _within_int32(graph, group) or ANCHOR_LOWERINGS[op]
+        return _within_int32(graph, group) or ANCHOR_TEMPLATES[op]
     if group.kind is GroupKind.REDUCTION or any(k is FusionKind.REDUCTION for k in kinds.values()):
-        return REDUCTION_LOWERING
+        return "reduction"
     # a slice the group stores as a tensor of its own (`planner.store_slices`) is evaluated through coordinates too
     if all(k.elementwise or maps_on_load(graph[name]) or graph[name].op == "slice" and name in group.outputs
            or name in in_place for name, k in kinds.items()):
         computes = any(k.elementwise or view_copies(graph, graph[name]) or graph[name].op in MAPPED_COPIES
                        or name in in_place for name, k in kinds.items())
         if computes and group.kind in (GroupKind.POINTWISE, GroupKind.HORIZONTAL_POINTWISE, GroupKind.SINGLE):
-            return POINTWISE_LOWERING   # (free views alone are no kernel)
+            return "pointwise"   # (free views alone are no kernel)
     if all(graph[name].op == "identity" or kind is FusionKind.INJECTIVE for name, kind in kinds.items()):
         return NO_KERNEL_KINDS[GroupKind.INJECTIVE]
     return Reason(Code.NO_TEMPLATE, f"no Triton template for a {group.kind.value} group of ops "
                   f"{', '.join(dict.fromkeys(graph[n].op for n in group.nodes))}")
-
-
-def _load(module: str, function: str) -> Callable[..., GroupKernel]:
-    return getattr(importlib.import_module(module), function)
 
 
 def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
@@ -130,23 +111,17 @@ def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
     if isinstance(choice, Reason):
         reason = choice
     else:
-        module, function = choice
         try:
-            lower = _load(module, function)
-        except (ImportError, AttributeError) as error:   # every template exists: this install or opfuse is broken
-            raise GraphError(f"group {group.name}: the kernel template {module}.{function} cannot be loaded "
-                             f"({type(error).__name__}: {error})") from error
-        try:
-            kernel = lower(graph, group, torch.device(device), hw=kernel_profile(hw))
+            kernel = TEMPLATES[choice](graph, group, torch.device(device), hw=kernel_profile(hw))
         except Unsupported as error:
-            reason = Reason(Code.UNSUPPORTED, f"unsupported by {function}: {error}")
+            reason = Reason(Code.UNSUPPORTED, f"unsupported by the {choice} template: {error}")
         except ImportError as error:
-            raise GraphError(f"group {group.name}: the kernel template {module}.{function} needs what this "
-                             f"install lacks ({error})") from error
+            raise GraphError(f"group {group.name}: the {choice} template needs what this install lacks "
+                             f"({error})") from error
         else:
             if kernel is not None:
                 return kernel
-            reason = Reason(Code.NO_KERNEL, f"{function} made no kernel for it")
+            reason = Reason(Code.NO_KERNEL, f"the {choice} template made no kernel for it")
     if reasons is not None:
         reasons[group.name] = reason
     return None

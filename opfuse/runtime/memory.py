@@ -74,7 +74,7 @@ def estimate_memory(analysis: Any, example_inputs: Sequence[torch.Tensor], verif
     """What compiling `analysis.plan` on these inputs needs on the device, autotuning its kernels or not (see module
     docstring)."""
     from opfuse.codegen.conv_implicit_gemm import packed_weight_extra_bytes
-    from opfuse.codegen.lower import ANCHOR_LOWERINGS, choose_lowering, plan_hardware
+    from opfuse.codegen.lower import choose_lowering, plan_hardware
     from opfuse.numerics import reference_dtype
 
     graph = analysis.prepared
@@ -83,7 +83,7 @@ def estimate_memory(analysis: Any, example_inputs: Sequence[torch.Tensor], verif
     plan, hw = analysis.plan, plan_hardware(analysis.plan)
     packings = [packed_weight_extra_bytes(plan.graph, group, hw, tuning, analysis.config.tune_top)
                 for group in plan.groups if group.name not in analysis.pytorch_groups
-                and choose_lowering(plan.graph, group) == ANCHOR_LOWERINGS["conv2d"]]
+                and choose_lowering(plan.graph, group) == "conv"]
     # every kernel holds its own, and one at a time all of those its configs run
     packed = sum(held for held, _ in packings) + max((tuned - held for held, tuned in packings), default=0)
     # while one kernel is recorded or tuned, its library form's weight (cuDNN's channels-last copy) and its unfused

@@ -178,7 +178,7 @@ def test_analysis_counts_launches_as_the_compiled_model_runs_them():
     assert analysis.plan.kernel_launches == 1
     (why,) = analysis.pytorch_groups.values()
     assert why.code is Code.UNSUPPORTED
-    assert why.text == "unsupported by lower_gemm_group: addmm [linear]: the weight is not a constant"   # names it
+    assert why.text == "unsupported by the gemm template: addmm [linear]: the weight is not a constant"   # names it
     compiled = opfuse.compile(model, inputs, config)
     assert analysis.fused.kernel_launches == compiled.launches == 3     # linear, relu, mul
     planned = sum(g.predicted_time for g in analysis.plan.groups)

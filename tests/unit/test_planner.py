@@ -13,7 +13,7 @@ import torch
 from graph_builders import (GraphBuilder, attention_block, bert_like, conv_bn_relu, conv_relu, inception_siblings,
                             mobilenet_inverted_residual, resnet_basic_block, resnet_bottleneck, transformer_ffn)
 from opfuse import config
-from opfuse.codegen.lower import POINTWISE_LOWERING, choose_lowering
+from opfuse.codegen.lower import choose_lowering
 from opfuse.fusion.legality import can_fuse
 from opfuse.fusion.plan import Fusion, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code
@@ -192,7 +192,7 @@ def test_a_cat_of_anchor_outputs_stays_its_own_kernel():
     plan = plan_fusion(inception_siblings(), FusionConfig(), H200)
     assert plan.group_of("cat").nodes == ["cat"] and plan.group_of("cat").kind is GroupKind.SINGLE
     assert decisions_between(plan, "relu_pool", "cat")[0].code is Code.CAT_WITH_HUB
-    assert choose_lowering(plan.graph, plan.group_of("cat")) == POINTWISE_LOWERING
+    assert choose_lowering(plan.graph, plan.group_of("cat")) == "pointwise"
 
 
 def test_a_cat_joins_the_elementwise_chain_after_it_and_the_shuffle_views_before_a_copy():
@@ -211,7 +211,7 @@ def test_a_cat_joins_the_elementwise_chain_after_it_and_the_shuffle_views_before
     assert set(group.nodes) == {"rx", "scaled", "sy", "joined", "grouped", "swapped", "shuffled", "half"}
     # the shuffle written directly, and of it only the half that is read (`test_a_value_read_only_in_slices...`)
     assert group.kind is GroupKind.POINTWISE and group.outputs == ["half"] and group.launches == 1
-    assert choose_lowering(plan.graph, group) == POINTWISE_LOWERING
+    assert choose_lowering(plan.graph, group) == "pointwise"
     assert "written directly: no copy kernel" in group.reason
     assert sum(g.launches for g in plan.groups) == 2
 
@@ -233,7 +233,7 @@ def test_a_value_read_only_in_slices_is_stored_as_the_slices():
     group = plan.group_of("y")
     assert group.nodes == ["y", "piece0", "piece1"] and group.outputs == ["piece0", "piece1"]
     assert group.kind is GroupKind.POINTWISE and "stored as a tensor of its own" in group.reason
-    assert choose_lowering(plan.graph, group) == POINTWISE_LOWERING     # one kernel of the elementwise template
+    assert choose_lowering(plan.graph, group) == "pointwise"     # one kernel of the elementwise template
     assert group.bytes_written == 2 * 8 * 6 * 6 * 2                 # fp16: the bytes of the whole value
 
 
@@ -503,7 +503,7 @@ def test_a_lone_cat_of_token_ids_is_an_exact_kernel_of_ours():
     ids = [b.input(f"ids{i}", (2, 5), dtype="int64") for i in range(2)]
     graph = b.output(b.op("cat", ids, {"dim": 1}, "joined"))
     group = plan_fusion(graph, FusionConfig(), H200).group_of("joined")
-    assert choose_lowering(graph, group) == POINTWISE_LOWERING
+    assert choose_lowering(graph, group) == "pointwise"
     kernel = lower_group(graph, group, "cpu")
     values = [torch.randint(2 ** 40, 2 ** 41, (2, 5)) for _ in ids]
     (joined,) = kernel.run(values)

@@ -96,7 +96,7 @@ def assert_same(outputs, expected):
 
 def test_all_groups_through_pytorch_match_interpret():
     graph = build_graph()
-    given = Reason(Code.UNSUPPORTED, "unsupported by lower_gemm_group: x")
+    given = Reason(Code.UNSUPPORTED, "unsupported by the gemm template: x")
     model = CompiledModel(build_plan(graph), {}, "cpu", fallbacks={"g2": given})
     assert model.launches == 5    # conv, relu, linear, add, sigmoid; the graph says the reshape is a view
     x, y = example_inputs()
@@ -349,23 +349,22 @@ def dispatch_graph() -> Graph:
 
 
 @pytest.mark.parametrize("kind, nodes, anchor, expected", [
-    (GroupKind.ANCHOR_EPILOGUE, ["conv", "relu"], "conv", "lower_conv_group"),
-    (GroupKind.SINGLE, ["conv"], None, "lower_conv_group"),
-    (GroupKind.ANCHOR_EPILOGUE, ["lin", "out"], "lin", "lower_gemm_group"),
-    (GroupKind.SINGLE, ["mm"], "mm", "lower_gemm_group"),
-    (GroupKind.POINTWISE, ["out", "sig"], None, "lower_pointwise_group"),
-    (GroupKind.SINGLE, ["sig"], None, "lower_pointwise_group"),
-    (GroupKind.HORIZONTAL_POINTWISE, ["relu", "sig"], None, "lower_pointwise_group"),
-    (GroupKind.REDUCTION, ["soft"], None, "lower_reduction_group"),
-    (GroupKind.SINGLE, ["soft"], None, "lower_reduction_group"),
-    (GroupKind.SINGLE, ["joined"], None, "lower_pointwise_group"),     # a lone cat: an index map of the template
-    (GroupKind.ANCHOR_EPILOGUE, ["attn"], "attn", "lower_attention"),
-    (GroupKind.SINGLE, ["attn"], None, "lower_attention"),
+    (GroupKind.ANCHOR_EPILOGUE, ["conv", "relu"], "conv", "conv"),
+    (GroupKind.SINGLE, ["conv"], None, "conv"),
+    (GroupKind.ANCHOR_EPILOGUE, ["lin", "out"], "lin", "gemm"),
+    (GroupKind.SINGLE, ["mm"], "mm", "gemm"),
+    (GroupKind.POINTWISE, ["out", "sig"], None, "pointwise"),
+    (GroupKind.SINGLE, ["sig"], None, "pointwise"),
+    (GroupKind.HORIZONTAL_POINTWISE, ["relu", "sig"], None, "pointwise"),
+    (GroupKind.REDUCTION, ["soft"], None, "reduction"),
+    (GroupKind.SINGLE, ["soft"], None, "reduction"),
+    (GroupKind.SINGLE, ["joined"], None, "pointwise"),     # a lone cat: an index map of the template
+    (GroupKind.ANCHOR_EPILOGUE, ["attn"], "attn", "attention"),
+    (GroupKind.SINGLE, ["attn"], None, "attention"),
 ])
 def test_dispatch_picks_the_template(kind, nodes, anchor, expected):
     graph = dispatch_graph()
-    choice = lower.choose_lowering(graph, FusionGroup(0, kind, nodes, anchor=anchor))
-    assert isinstance(choice, tuple) and choice[1] == expected
+    assert lower.choose_lowering(graph, FusionGroup(0, kind, nodes, anchor=anchor)) == expected
 
 
 @pytest.mark.parametrize("kind, nodes, anchor, code", [
@@ -375,7 +374,8 @@ def test_dispatch_picks_the_template(kind, nodes, anchor, expected):
     (GroupKind.INJECTIVE, ["joined"], None, Code.COPYING_OP),
 ])
 def test_dispatch_gives_a_reason_for_groups_without_a_kernel(kind, nodes, anchor, code, monkeypatch):
-    monkeypatch.setattr(lower, "_load", lambda *a: pytest.fail("no template should be loaded"))
+    for name in lower.TEMPLATES:
+        monkeypatch.setitem(lower.TEMPLATES, name, lambda *a, **k: pytest.fail("no template should be called"))
     graph = dispatch_graph()
     group = FusionGroup(7, kind, nodes, anchor=anchor)
     reasons = {}
@@ -388,7 +388,7 @@ def test_a_free_view_launches_nothing():     # (one that copies is a copy kernel
     assert lower.choose_lowering(dispatch_graph(), free).code is Code.VIEW
 
 
-def test_lower_group_records_unsupported_and_refuses_missing_templates(monkeypatch):
+def test_lower_group_records_unsupported_and_refuses_missing_dependencies(monkeypatch):
     graph = build_graph()
     group = build_plan(graph).groups[0]
     reasons = {}
@@ -396,20 +396,20 @@ def test_lower_group_records_unsupported_and_refuses_missing_templates(monkeypat
     def unsupported(graph, group, device, hw=None):
         raise Unsupported("dilation 2 conv")
 
-    monkeypatch.setattr(lower, "_load", lambda module, function: unsupported)
+    monkeypatch.setitem(lower.TEMPLATES, "conv", unsupported)
     assert lower.lower_group(graph, group, "cpu", reasons) is None
-    assert reasons["g0"] == Reason(Code.UNSUPPORTED, "unsupported by lower_conv_group: dilation 2 conv")   # its words
+    assert reasons["g0"] == Reason(Code.UNSUPPORTED, "unsupported by the conv template: dilation 2 conv")  # its words
 
-    def missing(module, function):
-        raise ModuleNotFoundError(f"No module named {module!r}")
+    def missing(graph, group, device, hw=None):
+        raise ModuleNotFoundError("No module named 'cudnn'")
 
-    monkeypatch.setattr(lower, "_load", missing)              # a template that cannot be loaded is an error
-    with pytest.raises(GraphError, match=r"group g0: the kernel template opfuse\.codegen\.conv\.lower_conv_group "
-                                         r"cannot be loaded \(ModuleNotFoundError"):
+    monkeypatch.setitem(lower.TEMPLATES, "conv", missing)     # a template whose needs are not installed: an error
+    with pytest.raises(GraphError, match=r"group g0: the conv template needs what this install lacks "
+                                         r"\(No module named 'cudnn'\)"):
         lower.lower_group(graph, group, "cpu", reasons)
 
     made = {}
-    monkeypatch.setattr(lower, "_load", lambda module, function: lambda g, grp, dev, hw=None: made.setdefault(
+    monkeypatch.setitem(lower.TEMPLATES, "conv", lambda g, grp, dev, hw=None: made.setdefault(
         "kernel", FakeKernel(g, grp)))
     assert lower.lower_group(graph, group, "cpu") is made["kernel"]
 
@@ -421,10 +421,9 @@ def test_build_compiled_model_on_cpu(monkeypatch):
     def refuse(g, group, device, hw=None):
         raise Unsupported("not this group")
 
-    def fake_load(module, function):
-        return (lambda g, group, device, hw=None: FakeKernel(g, group)) if function == "lower_conv_group" else refuse
-
-    monkeypatch.setattr(lower, "_load", fake_load)
+    for name in lower.TEMPLATES:
+        monkeypatch.setitem(lower.TEMPLATES, name, (lambda g, group, device, hw=None: FakeKernel(g, group))
+                            if name == "conv" else refuse)
     model = build_compiled_model(plan, "cpu", example_inputs())
     assert list(model.kernels) == ["g0"] and set(model.fallbacks) == {"g1", "g2"}
     assert model.fallbacks["g2"].code is Code.UNSUPPORTED
@@ -545,8 +544,8 @@ def test_every_choice_cached_reads_shapes_and_strides_not_values(tmp_path):
 @pytest.mark.parametrize("cached", [True, False])
 def test_a_build_whose_every_choice_is_cached_tunes_on_stand_ins(cached, monkeypatch):
     graph = build_graph()
-    monkeypatch.setattr(lower, "_load", lambda module, function: lambda g, group, device, hw=None:
-                        FakeKernel(g, group))
+    for name in lower.TEMPLATES:
+        monkeypatch.setitem(lower.TEMPLATES, name, lambda g, group, device, hw=None: FakeKernel(g, group))
     monkeypatch.setattr(compiled_module, "tunes", lambda config, device: True)
     monkeypatch.setattr(compiled_module, "every_choice_cached", lambda *args: cached)
     ran = []

@@ -5,7 +5,7 @@ switch, the shapes and the budget refuse it with their codes."""
 import pytest
 
 from graph_builders import GraphBuilder
-from opfuse.codegen.lower import SQUEEZE_LOWERING, choose_lowering, groups_through_pytorch
+from opfuse.codegen.lower import choose_lowering, groups_through_pytorch
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import GroupKind, Verdict
 from opfuse.fusion.planner import plan_fusion
@@ -46,7 +46,7 @@ def test_the_squeeze_is_one_group_of_one_launch(batch, activation):
     squeeze = plan.group_of("pool")
     assert squeeze.kind is GroupKind.SQUEEZE and squeeze.nodes == SQUEEZE and squeeze.launches == 1
     assert squeeze.code is Code.FUSED and squeeze.outputs == ["scale"]
-    assert choose_lowering(plan.graph, squeeze) == SQUEEZE_LOWERING
+    assert choose_lowering(plan.graph, squeeze) == "squeeze"
     assert plan.group_of("excite") is plan.group_of("project")      # the scale stays the project conv's prologue
     assert plan.kernel_launches == 3                                 # conv + silu, the squeeze, mul + project
     assert groups_through_pytorch(plan) == {}
