@@ -37,7 +37,7 @@ import math
 from typing import Iterable, Mapping
 
 from opfuse.fusion.legality_anchors import ROW_NORMS, row_norm_epilogue
-from opfuse.fusion.legality_conv import conv_stages, is_depthwise_conv
+from opfuse.fusion.legality_conv import conv_stages
 from opfuse.fusion.plan import ResourceEstimate
 from opfuse.fusion.tiles import (ADDRESSING_REGISTERS, POINTWISE, RowView, anchor_loop, anchor_tiles, depthwise_tiles,
                                  extreme_view, pool_tiles, row_kernel_tiles, row_view)
@@ -104,7 +104,7 @@ def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, h
     elif norm is not None:   # tiles over all the channels
         candidates = [_whole_rows(graph, nodes, anchor, hw, itemsize, t)
                       for t in _depthwise_tiles(graph, anchor, itemsize, hw, tile, whole_rows=True)]
-    elif anchor is not None and is_depthwise_conv(graph, anchor):
+    elif anchor is not None and gemm_view(graph, anchor) is None:     # a conv of one input channel a group
         candidates = [_depthwise(graph, nodes, anchor, hw, itemsize, t)
                       for t in _depthwise_tiles(graph, anchor, itemsize, hw, tile)]
     elif anchor is not None:

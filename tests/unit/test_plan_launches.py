@@ -84,6 +84,22 @@ def test_the_tile_priced_is_the_tile_launched(gpu_tiles, name, batch):
     assert all(compared[family] > 0 for family in kinds.get(name, []))
 
 
+def test_a_conv_of_one_input_channel_a_group_is_priced_on_the_depthwise_tiles(gpu_tiles):
+    """groups == input channels with two filters each (a channel multiplier of 2) runs the depthwise template, not a
+    GEMM: it is priced on that template's tiles (random models found it priced as a GEMM it has no view of)."""
+    from graph_builders import GraphBuilder
+    from opfuse.fusion.planner import plan_fusion
+
+    b = GraphBuilder("multiplier")
+    graph = b.output(b.conv(b.input("x", (1, 7, 3, 3)), 14, 1, groups=7, name="conv"))
+    plan = plan_fusion(graph, FusionConfig())
+    (kernel,) = lower_plan(plan, "cpu")[0].values()
+    config = kernel.configs()[0]
+    assert type(kernel).__name__ == "DepthwiseConvKernel"
+    assert plan.group_of("conv").resources.tile == dict(config.params) | {"num_warps": config.num_warps,
+                                                                         "num_stages": config.num_stages}
+
+
 def test_kernels_follow_the_profile_the_plan_was_made_for(monkeypatch):
     """A plan for a GPU of 4 SMs, under a name opfuse does not know: its kernels split K for those 4 SMs."""
     import dataclasses
