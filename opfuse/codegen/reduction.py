@@ -34,8 +34,8 @@ from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, int_pair, triton_dty
 from opfuse.codegen.operands import VIEW_OPS, Emitter, Region, build_kernel, next_power_of_2
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.tiles import (EXTREMES, ROW_SPLIT_MODES, SCAN_OPS, RowView, extreme_view, pool_tiles,
-                                 row_kernel_tiles, row_view)
+from opfuse.fusion.tiles import (EXTREMES, ROW_SPLIT_MODES, SCAN_OPS, RowView, pool_tiles, row_kernel_tiles,
+                                 row_view)
 from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import FLOAT_DTYPES, WIDE_INTEGERS, Graph, Node
 from opfuse.ir.ops import FusionKind, kind_of
@@ -58,7 +58,7 @@ def lower_reduction_group(graph: Graph, group: FusionGroup, device, hw: Hardware
                           "rounds past 2^24 (only a scan carries an integer sum)")
     x_shape = graph[node.inputs[0]].type.shape
     hw = kernel_profile(hw)
-    view = row_view(graph, node) or extreme_view(graph, node)
+    view = row_view(graph, node)
     if view is not None:
         return RowReductionKernel(graph, group, device, node, view, hw)
     if node.op == "adaptive_avg_pool2d":

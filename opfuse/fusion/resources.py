@@ -40,7 +40,7 @@ from opfuse.fusion.legality_anchors import ROW_NORMS, row_norm_epilogue
 from opfuse.fusion.legality_conv import conv_stages
 from opfuse.fusion.plan import ResourceEstimate
 from opfuse.fusion.tiles import (ADDRESSING_REGISTERS, POINTWISE, RowView, anchor_loop, anchor_tiles, depthwise_tiles,
-                                 extreme_view, pool_tiles, row_kernel_tiles, row_view)
+                                 pool_tiles, row_kernel_tiles, row_view)
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import DTYPE_BYTES, Graph, dtype_name
 from opfuse.ir.ops import FusionKind, get_op, kind_of
@@ -461,7 +461,7 @@ def _reduction_candidates(graph: Graph, nodes: list[str], reduction: str, hw: Ha
     (`row_kernel_tiles`: softmax, norms, sums, means, scans, extremes, global pools) or the pooling template's
     (`pool_tiles`: pooling windows, adaptive pools to other sizes)."""
     node = graph[reduction]
-    view = row_view(graph, node) or extreme_view(graph, node)
+    view = row_view(graph, node)
     if view is not None:
         tiles = [dict(tile)] if tile is not None else row_kernel_tiles(view, hw.sm_count)
         return [_rows(graph, nodes, view, hw, t) for t in tiles]

@@ -323,6 +323,7 @@ def anchor_loop(graph: Graph, anchor: str) -> tuple[int, bool]:
 # ---- row reductions ----------------------------------------------------------------------------------------
 
 ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "any", "cumsum")
+EXTREMES = ("amax", "amin")         # row ops of a running max or min
 SCAN_OPS = ("cumsum",)              # row ops that keep every element and carry a running value along the row
 ROW_SPLIT_MODES = ("sum", "mean")   # the reductions whose rows split into slices
 MAX_ROW_SLICES = 128                # slices of a row at most: the second launch holds [BLOCK_M, SPLIT] float32 sums
@@ -349,7 +350,7 @@ def row_view(graph: Graph, node) -> RowView | None:
         if tuple(node.type.shape[-2:]) != (1, 1):
             return None
         mode, dims = "mean", [rank - 2, rank - 1]
-    elif node.op in ROW_OPS:
+    elif node.op in ROW_OPS + EXTREMES:     # (an extreme: a running max or min, NaN if any element is)
         mode, dims = node.op, _reduced_dims(node, rank)
     else:
         return None
@@ -404,21 +405,6 @@ def row_slices(view: RowView, block_m: int, block_l: int, sm_count: int) -> int:
     while split > 1 and split * 2 * block_l > view.length:
         split //= 2
     return split
-
-
-EXTREMES = ("amax", "amin")       # row modes of the row template beyond ROW_OPS
-
-
-def extreme_view(graph: Graph, node) -> RowView | None:
-    """amax / amin over dims as the row template computes them (a running max or min, NaN if any element is)."""
-    if node.op not in EXTREMES:
-        return None
-    shape = graph[node.inputs[0]].type.shape
-    dims = node.attrs.get("dims") or list(range(len(shape)))
-    dims = sorted({d % len(shape) for d in ([dims] if isinstance(dims, int) else dims)})
-    kept = [d for d in range(len(shape)) if d not in dims]
-    return RowView(node.op, tuple(dims), math.prod(shape[d] for d in kept), math.prod(shape[d] for d in dims),
-                   len(shape) == 4 and 1 in kept and {2, 3} <= set(dims))
 
 
 def row_kernel_tiles(view: RowView, sm_count: int) -> list[dict[str, int]]:
