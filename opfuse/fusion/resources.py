@@ -104,15 +104,16 @@ def estimate_resources(graph: Graph, nodes: Iterable[str], anchor: str | None, h
     elif norm is not None:   # tiles over all the channels
         candidates = [_whole_rows(graph, nodes, anchor, hw, itemsize, t)
                       for t in _depthwise_tiles(graph, anchor, itemsize, hw, tile, whole_rows=True)]
-    elif anchor is not None and gemm_view(graph, anchor) is None:     # a conv of one input channel a group
+    elif anchor is not None and (problem := anchor_problem(graph, nodes, anchor)) is not None:
+        tiles = [dict(tile)] if tile is not None else anchor_tiles(*problem, itemsize, anchor_loop(graph, anchor)[1],
+                                                                   hw=hw)
+        candidates = [_gemm(graph, nodes, anchor, hw, itemsize, t) for t in tiles]
+        estimate = _first_fit(candidates)
+        estimate.rate_tile = rate_tile(problem, [c.tile for c in candidates if c.fits])
+        return estimate
+    elif anchor is not None:     # a conv of one input channel a group: no GEMM, the depthwise template
         candidates = [_depthwise(graph, nodes, anchor, hw, itemsize, t)
                       for t in _depthwise_tiles(graph, anchor, itemsize, hw, tile)]
-    elif anchor is not None:
-        candidates = [_gemm(graph, nodes, anchor, hw, itemsize, t)
-                      for t in _anchor_tiles(graph, nodes, anchor, itemsize, hw, tile)]
-        estimate = _first_fit(candidates)
-        estimate.rate_tile = rate_tile(graph, nodes, anchor, [c.tile for c in candidates if c.fits])
-        return estimate
     elif (reduction := reduction_of(graph, nodes)) is not None:
         candidates = _reduction_candidates(graph, nodes, reduction, hw, tile)
     else:
@@ -181,15 +182,14 @@ def anchor_problem(graph: Graph, nodes: Iterable[str], anchor: str) -> tuple[int
     return rows, columns, reduction, batch
 
 
-def rate_tile(graph: Graph, nodes: Iterable[str], anchor: str, fitting: list[dict[str, int]]
-              ) -> dict[str, int] | None:
+def rate_tile(problem: tuple[int, int, int, int], fitting: list[dict[str, int]]) -> dict[str, int] | None:
     """The tile whose tensor-core rate prices an anchor kernel (`opfuse.fusion.cost.tile_efficiency`): of the tiles
     that fit, the one of most operand reuse BM*BN/(BM+BN), each dim clipped to the problem (at least 16). The
     autotuner keeps the fastest tile, and the rate the calibration measured (`HardwareProfile.matrix_efficiency`)
     is that of a large tile; the default tile a kernel launches untuned (`anchor_tiles`, priced for registers and
-    shared memory) is often smaller. None where nothing fits (the fitted tile prices it)."""
-    problem = anchor_problem(graph, nodes, anchor)
-    if problem is None or not fitting:
+    shared memory) is often smaller. None where nothing fits (the fitted tile prices it). `problem`: the anchor's
+    `anchor_problem`."""
+    if not fitting:
         return None
     rows, columns = problem[:2]
 
@@ -198,15 +198,6 @@ def rate_tile(graph: Graph, nodes: Iterable[str], anchor: str, fitting: list[dic
 
     m, n = max((clipped(t) for t in fitting), key=lambda mn: mn[0] * mn[1] / (mn[0] + mn[1]))
     return {"BLOCK_M": m, "BLOCK_N": n}
-
-
-def _anchor_tiles(graph: Graph, nodes: list[str], anchor: str, itemsize: int, hw: HardwareProfile,
-                  tile: Mapping[str, int] | None) -> list[dict[str, int]]:
-    """The tiles a GEMM-shaped anchor group's kernel (linear, matmul, implicit-GEMM conv) runs, the default first:
-    `anchor_tiles` for GPU `hw`, the list the templates take their configs from."""
-    if tile is not None:
-        return [dict(tile)]
-    return anchor_tiles(*anchor_problem(graph, nodes, anchor), itemsize, anchor_loop(graph, anchor)[1], hw=hw)
 
 
 def _depthwise_tiles(graph: Graph, anchor: str, itemsize: int, hw: HardwareProfile, tile: Mapping[str, int] | None,
