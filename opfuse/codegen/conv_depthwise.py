@@ -187,13 +187,8 @@ def depthwise_configs(m: int, n: int, sm_count: int, taps: int = 1, itemsize: in
                       max_registers: int = 255, width: int | None = None, whole_rows: bool = False
                       ) -> list[KernelConfig]:
     """`opfuse.fusion.tiles.depthwise_tiles` (the default first) as launch configs."""
-    return [config_of(t) for t in depthwise_tiles(m, n, sm_count, taps, itemsize, max_registers, width, whole_rows)]
-
-
-def config_of(tile: dict[str, int]) -> KernelConfig:
-    """A depthwise tile dict as a launch config."""
-    params = {k: v for k, v in tile.items() if k not in ("num_warps", "num_stages")}
-    return KernelConfig.of(num_warps=tile["num_warps"], num_stages=tile["num_stages"], **params)
+    return [KernelConfig.of(**t) for t in depthwise_tiles(m, n, sm_count, taps, itemsize, max_registers, width,
+                                                           whole_rows)]
 
 
 class DepthwiseConvKernel(EpilogueKernel):

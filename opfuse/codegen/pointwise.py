@@ -121,8 +121,8 @@ def cat_segments(graph: Graph, part: Part) -> list[Segment] | None:
 def lower_pointwise_group(graph: Graph, group: FusionGroup, device, hw: HardwareProfile | None = None
                           ) -> "PointwiseKernel":
     """Lower an elementwise group (chains of POINTWISE/BROADCAST ops and views) to one Triton kernel, its blocks for
-    GPU `hw` (`kernel_profile`)."""
-    return PointwiseKernel(graph, group, device, kernel_profile(hw))
+    GPU `hw` (as `kernel_profile` gives it)."""
+    return PointwiseKernel(graph, group, device, hw)
 
 
 def split_parts(graph: Graph, group: FusionGroup) -> list[Part]:

@@ -305,10 +305,11 @@ def test_unsupported_cases():
 def test_depthwise_tiles_fill_the_gpu_first():
     """A layer the measured tiles fill keeps their order; one too small for them (ConvNeXt's last stage at batch 1:
     49 pixels x 768 channels) gets the tiles with the most programs first."""
-    from opfuse.codegen.conv_depthwise import config_of, depthwise_configs
+    from opfuse.codegen.conv_depthwise import depthwise_configs
     from opfuse.fusion.tiles import DEPTHWISE, DEPTHWISE_RUNS
 
-    DEPTHWISE_CONFIGS, DEPTHWISE_RUN_CONFIGS = [config_of(t) for t in DEPTHWISE], [config_of(t) for t in DEPTHWISE_RUNS]
+    DEPTHWISE_CONFIGS = [KernelConfig.of(**t) for t in DEPTHWISE]
+    DEPTHWISE_RUN_CONFIGS = [KernelConfig.of(**t) for t in DEPTHWISE_RUNS]
 
     def programs(config, m, n):
         return -(-m // config["BLOCK_M"]) * -(-n // config["BLOCK_N"])
