@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune-top", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--mask", action="store_true", help="call the token model with an attention mask of ones")
-    parser.add_argument("--bucket-steps", type=int, default=1, help="FusionConfig.bucket_steps: buckets per power of two")
+    parser.add_argument("--bucket-steps", type=int, default=1,
+                        help="FusionConfig.bucket_steps: buckets per power of two")
     args = parser.parse_args(argv)
     dims = parse_dims(args.dims)
     points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]

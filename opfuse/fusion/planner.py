@@ -245,7 +245,8 @@ class _Planner(ViewFusion, SqueezeFusion, HorizontalFusion, GroupListing):
             over = f"fused kernel over budget, kept apart: {resources.reason}"
             self.record(a, b, fusion, Verdict.OVER_BUDGET, Reason(Code.OVER_BUDGET, over), fused.time)
             return False
-        instead = self.norm_joins_linear_instead(a, b) if fusion is Fusion.PROLOGUE and self.config.use_cost_model else None
+        instead = (self.norm_joins_linear_instead(a, b) if fusion is Fusion.PROLOGUE and self.config.use_cost_model
+                   else None)
         if instead is not None:
             self.record(a, b, fusion, Verdict.UNPROFITABLE, instead, fused.time)
             return False

@@ -156,8 +156,8 @@ class GroupListing:
         kernel gets the mid-channel slices of each of its tiles (`conv_conv_slice_table`), summed inside the kernel.
 
         The decision, made here once: an anchor one of whose tiles (`anchor_tiles`, those the autotuner may run)
-        fills under a quarter of the SMs splits a long reduction (`split_k_slices`). Its kernel then gets a split form, and each config runs the
-        slices the plan gives its tile (`split_k_table`: every tile's own grid and K blocks), which the autotuner
+        fills under a quarter of the SMs splits a long reduction (`split_k_slices`). Its kernel then gets a split
+        form, and each config runs the slices the plan gives its tile (`split_k_table`: every tile's own grid and K blocks), which the autotuner
         measures. Untuned, the kernel runs its default tile (`opfuse.fusion.tiles`), which may need no slices: the
         plan counts the second launch, and prices it (a launch and the fp32 partial tiles written and read once),
         only where that tile splits."""

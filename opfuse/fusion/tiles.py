@@ -10,8 +10,8 @@ shared memory bounds the pipelines), the default first; `anchor_steps(taps, chan
 steps of a tile, `split_k_slices` its K slices, `group_block` how many conv groups one program of a grouped
 conv computes together; `anchor_loop(graph, anchor)` says which loop a graph's anchor gets. These are the GPU's
 rules, and the plan always follows them; only the kernels, under Triton's interpreter (tests: a profile whose
-`interpreted` is set, `opfuse.hardware.kernel_profile`), run one tiny tile instead (`INTERPRETER`, whose K slices the plan decides too), so there an interpreted model may
-launch other split-K kernels than its plan counts.
+`interpreted` is set, `opfuse.hardware.kernel_profile`), run one tiny tile instead (`INTERPRETER`, whose K slices
+the plan decides too), so there an interpreted model may launch other split-K kernels than its plan counts.
 
 Row reductions (softmax, norms, sums and means, cumsum's scan, global pools) the same way: `row_view` says how the
 row template sees one, `row_tiles` lists its tiles with the row slices of each (`row_slices`), the default first, for

@@ -58,7 +58,7 @@ class TuningRecord:
     rejected: dict[str, dict[KernelConfig, str]] = field(default_factory=dict)    # group -> {config: reason}
     timings: dict[str, dict[KernelConfig, float]] = field(default_factory=dict)   # group -> {config: median seconds}
     from_cache: set[str] = field(default_factory=set)                         # groups whose choice the cache gave
-    precompiled: Precompiled | None = None                                    # what the compile workers did, if they ran
+    precompiled: Precompiled | None = None                                    # what the compile workers did
 
     def freeze(self) -> "TuningResult":
         return TuningResult(configs=self.configs, over_budget=self.over_budget, slower_fused=self.slower_fused,
