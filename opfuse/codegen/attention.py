@@ -34,6 +34,13 @@ attention returns it on a GPU, so the transformers' transpose(1, 2).reshape(B, S
 is a view and the projection reads contiguous rows; every opfuse kernel reads its inputs through their strides, so
 either layout is correct downstream.
 
+Key slices (flash-decoding). Where the plan splits the keys (`FusionGroup.split_k`, by
+`opfuse.fusion.tiles.key_split_table`: one query a head over a long cache leaves most SMs idle), each config runs
+its tile's slices (SPLIT_K): slice s of a third grid axis walks its run of whole key blocks and stores its rows'
+unnormalized output, running max and sum in float32 (`ATTENTION_SLICE_TEMPLATE`), and a second kernel
+(`COMBINE_TEMPLATE`) rescales the slices to their common max, sums them in slice order (the same every run),
+normalizes and runs the epilogue: two launches. The unsplit form of the first split config is offered beside it.
+
 Forms (`KernelConfig.form`). A group of the sdpa alone: first the library form (`TORCH_ATTENTION`: torch's
 scaled_dot_product_attention, exactly as opfuse ran it before this kernel), then the Triton tiles. Untuned (tuning
 off, or no GPU to time on) it runs PyTorch's flash/cuDNN attention, which is the safest for speed: this kernel is
@@ -55,13 +62,14 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import FORM_LIBRARY, KernelConfig, compiled_info
+from opfuse.codegen.base import FORM_LIBRARY, KernelConfig, compiled_info, load_kernel
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, generate_kernel, siblings_and_chains
 from opfuse.codegen.expr import Unsupported
-from opfuse.codegen.forms import UNFUSED, EpilogueKernel
+from opfuse.codegen.forms import UNFUSED, EpilogueKernel, is_library, is_unfused
+from opfuse.codegen.split_k import planned_slices, sliced_template, slices_of
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.resources import ATTENTION_TILES, estimate_resources
-from opfuse.fusion.tiles import MAX_HEAD_DIM
+from opfuse.fusion.resources import estimate_resources
+from opfuse.fusion.tiles import ATTENTION_TILES, INTERPRETED_ATTENTION, MAX_HEAD_DIM, attention_key
 from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import Graph
 from opfuse.ir.ops import get_op, kv_heads_shared, memory_order
@@ -70,7 +78,7 @@ from opfuse.numerics import dot_precision
 LOG2E = 1.4426950408889634
 # the mask input, as the template's MASK constexpr reads it
 NO_MASK, BOOLEAN_MASK, ADDITIVE_MASK = 0, 1, 2
-INTERPRETER_TILE = KernelConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=16)
+INTERPRETER_TILE = KernelConfig.of(**INTERPRETED_ATTENTION)
 # the library form of a bare sdpa: torch's attention picks its own kernel, so the config has no tile
 TORCH_ATTENTION = KernelConfig.of(num_warps=1, num_stages=1, form=FORM_LIBRARY)
 
@@ -151,6 +159,64 @@ def KERNEL_NAME(
 {epilogue}
 '''
 
+# the key-split form (flash-decoding: `opfuse.fusion.tiles.key_split_table`): slice pid_s of the grid's third axis walks
+# KEYS_PER_SLICE keys and stores its rows' unnormalized output, running max and sum (float32) in place of the epilogue
+ATTENTION_SLICE_TEMPLATE = sliced_template(ATTENTION_TEMPLATE, [
+    ("    s_mb0, s_mb1, s_mm, s_mn,\n", "    s_mb0, s_mb1, s_mm, s_mn,\n    KEYS_PER_SLICE,\n"),
+    ("    pid_b = tl.program_id(1)\n", "    pid_b = tl.program_id(1)\n    pid_s = tl.program_id(2)\n"),
+    ("    for start in range(0, key_end, BLOCK_N):\n",
+     "    key_first = pid_s * KEYS_PER_SLICE\n    key_end = tl.minimum(key_end, key_first + KEYS_PER_SLICE)\n"
+     "    for start in range(key_first, key_end, BLOCK_N):\n"),
+    ("    acc = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]\n",
+     "    row = (pid_s * tl.num_programs(1) + pid_b) * M + offs_m      # (slice, batch, query)\n"
+     "    tl.store(ws_ptr + row[:, None] * DV + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])\n"
+     "    tl.store(stat_ptr + row * 2, row_max, mask=mask_m)\n"
+     "    tl.store(stat_ptr + row * 2 + 1, row_sum, mask=mask_m)\n")])
+
+# the key-split form's second kernel: each row's slices rescaled to their common maximum and summed in slice order
+# (the same order every run), normalized, then the group's epilogue under the attention template's contract
+COMBINE_TEMPLATE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def KERNEL_NAME(
+    ws_ptr, stat_ptr, M, DV, B1, SLICES,
+    {params}
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    b0 = pid_b // B1
+    b1 = pid_b % B1
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_DV)
+    mask_m = offs_m < M
+    mask_n = offs_n < DV
+    batches = tl.num_programs(1)
+    top = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    for s in range(SLICES):
+        top = tl.maximum(top, tl.load(stat_ptr + ((s * batches + pid_b) * M + offs_m) * 2, mask=mask_m,
+                                      other=float("-inf")))
+    # rows no slice saw an allowed key of keep max -inf: subtract 0 there so exp2 gives 0, not NaN
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    for s in range(SLICES):
+        row = (s * batches + pid_b) * M + offs_m
+        weight = tl.exp2(tl.load(stat_ptr + row * 2, mask=mask_m, other=float("-inf")) - shift)
+        row_sum += weight * tl.load(stat_ptr + row * 2 + 1, mask=mask_m, other=0.0)
+        acc += weight[:, None] * tl.load(ws_ptr + row[:, None] * DV + offs_n[None, :],
+                                         mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+    acc = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+
+    r0 = 0
+    r1 = 0
+    r2 = offs_m
+{epilogue}
+'''
+
 
 def attention_configs(graph: Graph, group: FusionGroup, anchor: str, hw: HardwareProfile) -> list[KernelConfig]:
     """The ATTENTION_TILES (`opfuse.fusion.resources`) whose registers and shared memory fit GPU `hw`, as launch
@@ -223,6 +289,15 @@ class AttentionKernel(EpilogueKernel):
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
         self.constants = {v: graph.constants[v].to(device) for v in node.inputs if graph.is_constant(v)}
         self._configs = attention_configs(graph, group, anchor, hw) if self.untiled is None else []
+        self.slice_kernel = self.combine = None
+        if group.split_k and self._configs:     # the plan splits the keys (`key_split_table`): each tile's slices
+            self._configs = list(dict.fromkeys(KernelConfig.of(
+                c.num_warps, c.num_stages, **(dict(c.params) | {"SPLIT_K": planned_slices(group, attention_key(
+                    dict(c.params)), "key slices")})) for c in self._configs))
+            sliced = ATTENTION_SLICE_TEMPLATE.format(params="ws_ptr, stat_ptr, ", epilogue="")
+            _, sliced, self.slice_kernel = load_kernel("splitkeys", epilogue.ops, sliced)
+            _, combine, self.combine = generate_kernel(COMBINE_TEMPLATE, epilogue, "combine")
+            self.source += "\n\n" + sliced + "\n\n" + combine    # every kernel it may run: what the cache keys
         if self.bare:   # torch's sdpa is the whole group: the library form, first (module docstring)
             self.library_outputs = self._torch_attention
             self._configs = [TORCH_ATTENTION, *self._configs]
@@ -253,9 +328,21 @@ class AttentionKernel(EpilogueKernel):
                 f"opfuse's{why}")
 
     def alternatives(self, library: bool = True) -> list[KernelConfig]:
-        """A bare sdpa has its library form among its configs (and nothing else to unfuse); a group with an
-        epilogue offers, with `library`, the unfused form: torch's sdpa, then the epilogue ops through PyTorch."""
-        return [UNFUSED] if library and not self.bare else []
+        """The unsplit form of the first key-split config, where the plan split the keys; a bare sdpa has its
+        library form among its configs (and nothing else to unfuse); a group with an epilogue offers, with
+        `library`, the unfused form: torch's sdpa, then the epilogue ops through PyTorch."""
+        split = next((c for c in self._configs if slices_of(c) > 1), None)
+        forms = [] if split is None else [KernelConfig.of(split.num_warps, split.num_stages,
+                                                          **(dict(split.params) | {"SPLIT_K": 1}))]
+        return forms + ([UNFUSED] if library and not self.bare else [])
+
+    def launches(self, config: KernelConfig | None = None) -> int:
+        """Two for a key-split config (the slices, then their combination with the epilogue), else as every
+        anchor kernel's forms launch."""
+        config = config or self._configs[0]
+        if not (is_library(config) or is_unfused(config)) and slices_of(config) > 1:
+            return 2
+        return super().launches(config)
 
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         """The outputs in form `config` (default: the first config, torch's attention for a bare sdpa)."""
@@ -281,15 +368,28 @@ class AttentionKernel(EpilogueKernel):
                 mask = mask.view(torch.uint8)
         else:
             mask, m_strides = q, [0, 0, 0, 0]    # never read
-        block_m = config["BLOCK_M"]
-        grid = (triton.cdiv(self.s_q, block_m), self.layout.batch)
-        compiled = self.kernel[grid](
-            q, k, v, mask, self.s_q, self.s_k, self.head_dim, self.value_dim, self.layout.batch_sizes()[1],
-            self.scale * LOG2E, *q_strides, *k_strides, *v_strides, *m_strides, *args,
-            BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
-            CAUSAL=bool(self.node.attrs.get("is_causal")), MASK=self.mask_kind, PRECISION=self.precision(),
-            K_SHARED=self.shared[0], V_SHARED=self.shared[1],
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        block_m, block_n, heads = config["BLOCK_M"], config["BLOCK_N"], self.layout.batch
+        common = (q, k, v, mask, self.s_q, self.s_k, self.head_dim, self.value_dim, self.layout.batch_sizes()[1],
+                  self.scale * LOG2E, *q_strides, *k_strides, *v_strides, *m_strides)
+        constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
+                          CAUSAL=bool(self.node.attrs.get("is_causal")), MASK=self.mask_kind,
+                          PRECISION=self.precision(), K_SHARED=self.shared[0], V_SHARED=self.shared[1],
+                          num_warps=config.num_warps, num_stages=config.num_stages)
+        query_blocks = triton.cdiv(self.s_q, block_m)
+        slices = slices_of(config)
+        if slices == 1:
+            compiled = self.kernel[(query_blocks, heads)](*common, *args, **constexprs)
+        else:   # each slice a run of whole key blocks, none empty
+            per_slice = triton.cdiv(triton.cdiv(self.s_k, block_n), slices) * block_n
+            slices = triton.cdiv(self.s_k, per_slice)
+            rows = slices * heads * self.s_q
+            partial = torch.empty(rows * self.value_dim, device=q.device, dtype=torch.float32)
+            stats = torch.empty(rows * 2, device=q.device, dtype=torch.float32)
+            compiled = self.slice_kernel[(query_blocks, heads, slices)](*common, per_slice, partial, stats,
+                                                                          **constexprs)
+            self.combine[(query_blocks, heads)](partial, stats, self.s_q, self.value_dim,
+                                                self.layout.batch_sizes()[1], slices, *args, BLOCK_M=block_m,
+                                                BLOCK_DV=self.block_dv, num_warps=4)
         self.last_compiled = compiled_info(compiled)
         return outputs
 

@@ -91,7 +91,8 @@ class FusionGroup:
     split_k: dict[str, int] = field(default_factory=dict)   # the planner's split-K decision for an anchor kernel:
                                             # K slices per tile (`opfuse.fusion.tiles.split_k_table`, by tile_key),
                                             # which its configs run; empty: no split form. A conv-conv kernel: its
-                                            # mid-channel slices per tile (`resources.conv_conv_slice_table`)
+                                            # mid-channel slices per tile (`resources.conv_conv_slice_table`); an
+                                            # attention kernel: its key slices (`tiles.key_split_table`)
     resources: ResourceEstimate | None = None
     reason: str = ""                        # why the group is what it is
     code: Code = Code.NO_CANDIDATE          # the same as a stable code: fused for a merged group, the first refusal

@@ -4,6 +4,7 @@ slices and split-K. Methods of `opfuse.fusion.planner._Planner` (`GroupListing`)
 from __future__ import annotations
 
 import heapq
+import math
 
 from opfuse.fusion.cost import KernelEstimate
 from opfuse.fusion.legality import skip_operands
@@ -12,8 +13,8 @@ from opfuse.fusion.legality_views import MAPPED_COPIES, is_view
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, anchor_problem, conv_chain, conv_conv_key, conv_conv_slice_table
-from opfuse.fusion.tiles import (MIN_SPLIT_STEPS, anchor_grid, anchor_loop, anchor_tiles, row_tiles, row_view,
-                                 split_k_table, tile_key)
+from opfuse.fusion.tiles import (MIN_SPLIT_STEPS, anchor_grid, anchor_loop, anchor_tiles, attention_key,
+                                 key_split_table, row_tiles, row_view, split_k_table, tile_key, tiles_attention)
 from opfuse.ir.graph import DTYPE_BYTES
 from opfuse.ir.ops import FusionKind, kind_of
 
@@ -117,9 +118,16 @@ class GroupListing:
             if row_slices > 1:
                 reason += (f"; its rows split into {row_slices} slices, summed with the epilogue by a second "
                            "kernel (fewer row blocks than the GPU has SMs)")
-            if default_slices > 1:
+            attention = estimate.anchor is not None and self.graph[estimate.anchor].op == "sdpa"
+            if default_slices > 1 and attention:
+                reason += (f"; its keys split into {default_slices} slices, combined with the epilogue by a second "
+                           "kernel (flash-decoding: the query tiles alone would leave most SMs idle)")
+            elif default_slices > 1:
                 reason += (f"; split-K: {default_slices} slices of the reduction, summed with the epilogue by a "
                            "second kernel (the tile grid alone would leave most SMs idle)")
+            elif table and attention:
+                reason += ("; its keys split into slices offered (the query tiles would leave most SMs idle), but "
+                           f"{unsplit}: one kernel unless the autotuner measures a split faster")
             elif table and kind is not GroupKind.CONV_CONV:
                 reason += (f"; split-K offered (a tile the autotuner may run would leave most SMs idle), but the "
                            f"kernel's default tile runs unsplit ({unsplit}): one kernel unless the autotuner "
@@ -168,6 +176,8 @@ class GroupListing:
             if {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"} <= tile.keys():   # the planned tile, whatever it is
                 table[conv_conv_key(tile)] = tile.get("SPLIT_K", 1)
             return table, 1, estimate.time, ""
+        if self.config.split_k and estimate.anchor is not None and self.graph[estimate.anchor].op == "sdpa":
+            return self.key_splits(nodes, estimate)
         if (not self.config.split_k or estimate.anchor is None or kind is GroupKind.SQUEEZE
                 or not {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= tile.keys()):
             return {}, 1, estimate.time, ""
@@ -198,5 +208,30 @@ class GroupListing:
             return table, 1, estimate.time, unsplit
         partials = 2 * default_slices * rows * columns * batch * 4
         return (table, default_slices,
+                estimate.time + (self.hw.launch_overhead + partials / self.hw.memory_bandwidth) * self.hw.time_factor,
+                "")
+
+    def key_splits(self, nodes: list[str], estimate: KernelEstimate) -> tuple[dict[str, int], int, float, str]:
+        """`split_k` of an sdpa group: the key slices of each attention tile (`key_split_table`: where the query
+        tiles leave most SMs idle and the keys are many, decoding over a cache), of its default tile, the predicted
+        seconds with the second launch and the float32 partial rows where that tile splits, and why it runs unsplit
+        where it does. A bare sdpa runs torch's attention untuned (`opfuse.codegen.attention`), which the
+        autotuner measures against the split kernel."""
+        node = self.graph[estimate.anchor]
+        q, k = (self.graph[i].type.shape for i in node.inputs[:2])
+        tile = estimate.resources.tile if estimate.resources is not None else {}
+        if len(q) < 3 or not tiles_attention(self.graph, node.name) or "BLOCK_N" not in tile:
+            return {}, 1, estimate.time, ""
+        heads = math.prod(node.type.shape[:-2])
+        table = key_split_table(q[-2], k[-2], heads, self.hw.sm_count)
+        if all(slices == 1 for slices in table.values()):
+            return {}, 1, estimate.time, ""
+        if [n for n in nodes if self.graph[n].op not in ("input", "constant")] == [node.name]:
+            return table, 1, estimate.time, "a bare attention runs torch's untuned"
+        slices = table[attention_key(tile)]
+        if slices == 1:
+            return table, 1, estimate.time, f"its default tile {attention_key(tile)} runs unsplit"
+        partials = 2 * slices * heads * q[-2] * (node.type.shape[-1] + 2) * 4
+        return (table, slices,
                 estimate.time + (self.hw.launch_overhead + partials / self.hw.memory_bandwidth) * self.hw.time_factor,
                 "")

@@ -39,18 +39,12 @@ from typing import Iterable, Mapping
 from opfuse.fusion.legality_anchors import ROW_NORMS, row_norm_epilogue
 from opfuse.fusion.legality_conv import conv_stages
 from opfuse.fusion.plan import ResourceEstimate
-from opfuse.fusion.tiles import (ADDRESSING_REGISTERS, POINTWISE, RowView, anchor_loop, anchor_tiles, depthwise_tiles,
-                                 pool_tiles, row_kernel_tiles, row_view)
+from opfuse.fusion.tiles import (ADDRESSING_REGISTERS, ATTENTION_TILES, POINTWISE, RowView, anchor_loop, anchor_tiles,
+                                 attention_tile, depthwise_tiles, pool_tiles, row_kernel_tiles, row_view)
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import DTYPE_BYTES, Graph, dtype_name
 from opfuse.ir.ops import FusionKind, get_op, kind_of
 
-ATTENTION_TILES = (  # the Triton fused-attention tutorial's configurations
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2, "num_warps": 8},
-    {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4},
-    {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2, "num_warps": 4},
-    {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4},
-)
 # conv-conv tiles: pixels x output channels x mid channels. A depthwise + pointwise kernel walks its mid channels
 # in a chain of BLOCK_K chunks, each waiting for its taps, so small pixel tiles with 4 warps win at both batch sizes;
 # 3 stages put the taps in shared memory (126 registers where 2 stages took 237). Measured on the H200 (2026-11-30,
@@ -397,7 +391,7 @@ def _attention(graph: Graph, nodes: list[str], anchor: str, hw: HardwareProfile,
     node = graph[anchor]
     q = graph[node.inputs[0]].type.shape
     s_q, head_dim, value_dim = q[-2], q[-1], graph[node.inputs[2]].type.shape[-1]
-    tile = dict(tile, BLOCK_M=min(tile["BLOCK_M"], _pow2(s_q)), HEAD_DIM=_pow2(head_dim))
+    tile = dict(attention_tile(tile, s_q), HEAD_DIM=_pow2(head_dim))
     bm, bn, d = tile["BLOCK_M"], tile["BLOCK_N"], tile["HEAD_DIM"]
     dv = _pow2(value_dim)       # the accumulator's and the epilogue's columns: V's head dim
     threads = 32 * tile["num_warps"]

@@ -181,6 +181,42 @@ def tiles_attention(graph: Graph, name: str) -> bool:
     return all(graph[value].type.shape[-1] <= MAX_HEAD_DIM for value in graph[name].inputs[:3])
 
 
+# ---- attention -----------------------------------------------------------------------------------------
+
+ATTENTION_TILES = (  # the Triton fused-attention tutorial's configurations
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2, "num_warps": 8},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2, "num_warps": 4},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4},
+)
+INTERPRETED_ATTENTION = {"BLOCK_M": 16, "BLOCK_N": 16, "num_stages": 1, "num_warps": 4}   # Triton's interpreter's
+
+
+def attention_tile(tile: Mapping[str, int], queries: int) -> dict[str, int]:
+    """An attention tile with its query block cut to the queries' power of two (at least 16, tl.dot's least)."""
+    return dict(tile, BLOCK_M=min(tile["BLOCK_M"], max(16, next_power_of_2(queries))))
+
+
+def attention_key(tile: Mapping[str, int]) -> str:
+    """An attention tile's name in the plan's key-split table (`FusionGroup.split_k`): BLOCK_MxBLOCK_N."""
+    return f"{tile['BLOCK_M']}x{tile['BLOCK_N']}"
+
+
+def key_split_table(queries: int, keys: int, heads: int, sm_count: int) -> dict[str, int]:
+    """{`attention_key`: key slices} of an attention kernel over `queries` x `keys` in `heads` (batch x heads)
+    grid rows: the keys are its reduction, split by split-K's rule (`split_k_slices`: the tiles leave three
+    quarters of the SMs idle and the key loop is long), every tile the kernel may run cut to the queries
+    (`attention_tile`), the interpreter's included. Decoding is the case: one query a head, a cache of keys. Each
+    slice stores its rows' running max, sum and unnormalized output in float32; a second kernel combines them in
+    slice order and runs the epilogue (flash-decoding)."""
+    table: dict[str, int] = {}
+    for tile in (*ATTENTION_TILES, INTERPRETED_ATTENTION):
+        cut = attention_tile(tile, queries)
+        programs = -(-queries // cut["BLOCK_M"]) * heads
+        table.setdefault(attention_key(cut), split_k_slices(programs, -(-keys // cut["BLOCK_N"]), sm_count))
+    return table
+
+
 def whole_row_tile(tile: Mapping[str, int], channels: int) -> dict[str, int]:
     """Depthwise `tile` (a tile dict or a kernel config's params: BLOCK_M pixels x BLOCK_N channels, COLS outputs a
     run in the runs form) made to span all `channels` of its pixels, as a depthwise conv that normalizes

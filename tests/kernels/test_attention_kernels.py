@@ -16,8 +16,10 @@ from opfuse.codegen.attention import AttentionKernel, lower_attention
 from opfuse.codegen.base import FORM_LIBRARY, FORM_TRITON
 from opfuse.codegen.forms import UNFUSED
 from opfuse.codegen.lower import groups_through_pytorch, library_calls, lower_group
+from opfuse.codegen.split_k import slices_of
 from opfuse.fusion.plan import GroupKind
 from opfuse.fusion.reasons import Code
+from opfuse.fusion.tiles import key_split_table
 from opfuse.ir.graph import TensorType, torch_dtype
 from opfuse.numerics import relative_error
 from tests.kernels.builders import KernelGraph, rel_err
@@ -95,6 +97,73 @@ def test_query_heads_read_their_shared_key_value_head(batch, heads, kv_heads, va
     assert_matches_sdpa(b, y, out)
     library = kernel.run([b.feeds[name] for name in kernel.runtime_inputs], kernel.configs()[0])[0]
     assert_matches_sdpa(b, y, library)      # the library form (torch's sdpa) takes them too
+
+
+def run_config(b: KernelGraph, kernel: AttentionKernel, config) -> list[torch.Tensor]:
+    """The kernel's results in form `config`, NaN-poisoned."""
+    kernel.epilogue.output_fill = float("nan")
+    results = kernel.run([b.feeds[name] for name in kernel.runtime_inputs], config)
+    for result in results:
+        assert not torch.isnan(result).any(), "unwritten (NaN) elements"
+    return results
+
+
+@pytest.mark.parametrize("heads, kv_heads, keys, queries, mask, causal, slices", [
+    (4, 4, 37, 1, None, False, 3),          # one query a head over an odd cache: 3 slices of one key block
+    (8, 2, 61, 1, "bool", False, 2),        # 4 query heads a key/value head, the cache filled part way
+    (8, 1, 45, 1, "additive", False, 3),    # 8 a key/value head (multi-query), an additive mask
+    (2, 2, 50, 3, None, True, 4),           # causal: slices past a row's last key see none of it
+    (2, 2, 40, 1, "none-allowed", False, 3),  # a row every key of which is masked is 0, as sdpa's
+])
+def test_key_slices_combine_to_sdpa(heads, kv_heads, keys, queries, mask, causal, slices):
+    """The key-split form (flash-decoding) runs the slices the plan gives its tile: each stores its rows' partial
+    output, max and sum; the second kernel combines them in slice order. It matches sdpa, launches twice, and its
+    unsplit twin (offered to the autotuner) matches too."""
+    if mask == "bool":
+        mask_tensor = (torch.arange(keys) < keys - 13)[None, None, None, :]
+    elif mask == "additive":
+        mask_tensor = torch.where(torch.arange(keys) % 5 == 0, -1e4, 0.5)[None, None, None, :]
+    elif mask == "none-allowed":
+        mask_tensor = (torch.arange(keys)[None, None, None, :] < 30).expand(1, heads, 1, keys).clone()
+        mask_tensor[:, 1] = False
+    else:
+        mask_tensor = None
+    b, y = attention_graph(((1, heads, queries, 16), (1, kv_heads, keys, 16), (1, kv_heads, keys, 16)), causal,
+                           mask_tensor)
+    group = b.group([y], GroupKind.SINGLE)
+    group.split_k = {"16x16": slices}
+    kernel = lower_attention(b.graph, group, "cpu")
+    split = next(c for c in kernel.configs() if c.form == FORM_TRITON)
+    assert slices_of(split) == slices and kernel.launches(split) == 2
+    assert_matches_sdpa(b, y, run_config(b, kernel, split)[0])
+    unsplit = kernel.alternatives(library=False)
+    assert [slices_of(c) for c in unsplit] == [1] and kernel.launches(unsplit[0]) == 1
+    assert_matches_sdpa(b, y, run_config(b, kernel, unsplit[0])[0])
+
+
+def test_the_combining_kernel_runs_the_epilogue():
+    """Split keys with an epilogue (a scale, the head merge, a residual): the second kernel runs it, and the
+    unfused form is still offered."""
+    b, y = attention_graph(((1, 4, 1, 16), (1, 2, 53, 16), (1, 2, 53, 16)))
+    scaled = b.op("mul", y, b.const("s", torch.tensor(0.5)))
+    moved = b.op("permute", scaled, dims=(0, 2, 1, 3))
+    out = b.op("add", moved, b.input("r", (1, 1, 4, 16)))
+    group = b.group([out], GroupKind.ANCHOR_EPILOGUE)
+    group.split_k = {"16x16": 3}
+    kernel = lower_attention(b.graph, group, "cpu")
+    assert slices_of(kernel.configs()[0]) == 3 and kernel.launches() == 2
+    assert kernel.alternatives(library=True)[1:] == [UNFUSED]
+    b.check([out], run_config(b, kernel, kernel.configs()[0]))
+
+
+def test_keys_split_where_the_query_tiles_leave_the_gpu_idle():
+    """The plan's rule (`key_split_table`, split-K's): one query a head over a long cache splits at batch 1 (32
+    heads on 132 SMs), not at batch 8 (256 heads) nor a short cache nor a prefill of 512 queries."""
+    decode = key_split_table(1, 1280, 32, 132)
+    assert decode["16x64"] > 1 and decode["16x32"] > 1 and decode["16x16"] > 1
+    assert set(key_split_table(1, 1280, 256, 132).values()) == {1}
+    assert set(key_split_table(1, 128, 32, 132).values()) == {1}
+    assert set(key_split_table(512, 1280, 32, 132).values()) == {1}
 
 
 def test_a_given_scale_is_used():
