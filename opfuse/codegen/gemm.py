@@ -284,18 +284,21 @@ class GatedGemmKernel(GemmKernel):
     and no library form (the unfused form remains)."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, pair: GatedPair, epilogue: Epilogue,
-                 a: str, k: int, weight: torch.Tensor, hw: HardwareProfile | None):
+                 a: str, k: int, weight: torch.Tensor, hw: HardwareProfile | None, prologue: Prologue | None = None):
         activation = "\n".join(f"    gate = {emit(graph[name].op, graph[name].attrs, ['gate'])}"
                                 for name in pair.activation)
         template = GEMM_TEMPLATE.replace("{epilogue}", GATED_CODE.format(activation=activation) + "{epilogue}")
-        super().__init__(graph, group, device, epilogue, a=a, k=k, b_packed=weight, hw=hw, template=template)
+        super().__init__(graph, group, device, epilogue, a=a, k=k, b_packed=weight, hw=hw, template=template,
+                         prologue=prologue)
         self.split = None
         self._configs = [c for c in self._configs if c["BLOCK_N"] % 32 == 0]   # half tiles of 16 columns or more
         self._sizes = (self._sizes[0], 2 * self._sizes[1], *self._sizes[2:])     # the B columns the grid covers
 
 
 def _lower_gated(graph: Graph, group: FusionGroup, device: torch.device, pair: GatedPair,
-                 hw: HardwareProfile | None) -> GemmKernel:
+                 hw: HardwareProfile | None, users: Users) -> GemmKernel:
+    """The gated pair's kernel; a row norm the two linears alone read (`anchor_prologue`, with
+    FusionConfig.norm_prologue) normalizes its A tiles as it loads them."""
     gate = graph[pair.gate]
     x = gate.inputs[0]
     dtype = compute_dtype(graph, x, gate)
@@ -303,12 +306,18 @@ def _lower_gated(graph: Graph, group: FusionGroup, device: torch.device, pair: G
     n, k = weights[0].shape
     weight = torch.stack([w.t() for w in weights], 2).reshape(k, 2 * n)      # columns gate_j, up_j interleaved
     weight = weight.contiguous().to(device=device, dtype=torch_dtype(dtype))
-    after = [name for name in group.nodes if name not in (pair.gate, pair.up, *pair.activation)]
+    ops = anchor_prologue(graph, pair.gate, group.nodes, users)
+    after = [name for name in group.nodes if name not in (pair.gate, pair.up, *pair.activation, *ops)]
     if after[0] != pair.product:
         raise Unsupported(f"group {group.name}: the gated pair's product {pair.product} is not its first epilogue node")
     shape = graph[pair.product].type.shape
     epilogue = Epilogue(graph, group, [after], TileLayout(shape, channel_dim=len(shape) - 1), device)
-    return GatedGemmKernel(graph, group, device, pair, epilogue, x, k, weight, hw)
+    prologue = None
+    if ops:
+        prologue = Prologue(graph, ops, prologue_source(graph, ops),
+                            TileLayout(graph[x].type.shape, channel_dim=len(shape) - 1), k, device)
+    return GatedGemmKernel(graph, group, device, pair, epilogue, prologue.source if prologue else x, k, weight, hw,
+                           prologue)
 
 
 def _pack_linear_weights(graph: Graph, anchors: list[str], dtype: str, device: torch.device) -> torch.Tensor:
@@ -425,7 +434,7 @@ def lower_gemm_group(graph: Graph, group: FusionGroup, device: torch.device | st
     users = graph.users()      # once for the whole lowering: each step below reads it
     pair = gated_pair(graph, group.nodes, users)
     if pair is not None:
-        return _lower_gated(graph, group, device, pair, hw)
+        return _lower_gated(graph, group, device, pair, hw, users)
     anchors, chains = siblings_and_chains(graph, group, ("linear", "matmul"), users)
     if len(anchors) > 1 and group.kind is not GroupKind.HORIZONTAL:
         raise Unsupported(f"group {group.name} ({group.kind.value}) holds several anchors: "

@@ -78,9 +78,8 @@ class HorizontalFusion:
             nodes = self.groups[group]
             anchors = [n for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR]
             norm = self.graph[anchors[0]].inputs[0]
-            if self.graph[norm].op not in ROW_NORMS or self.groups.get(self.group_of.get(norm)) != [norm] \
-                    or gated_pair(self.graph, nodes, self.users) is not None:
-                continue      # (a gated pair's kernel takes no prologue)
+            if self.graph[norm].op not in ROW_NORMS or self.groups.get(self.group_of.get(norm)) != [norm]:
+                continue
             if not is_row_norm_prologue(self.graph, norm, anchors[0], nodes + [norm], self.users):
                 continue
             self.decide(self.group_of[norm], group, Fusion.PROLOGUE, None, GroupKind.HORIZONTAL)

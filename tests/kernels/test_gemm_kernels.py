@@ -424,3 +424,30 @@ def test_a_gated_pair_runs_as_one_gemm_over_interleaved_weights_and_matches_eage
     with torch.no_grad():
         got, want = compiled(fresh), model(fresh)
     assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
+class NormedGatedMLP(GatedMLP):
+    """Llama's MLP: an RMS norm, then the gated pair and the down projection."""
+
+    def forward(self, x):
+        x32 = x.float()
+        return super().forward((x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype))
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_a_gated_pair_normalizes_its_input_tiles_and_matches_eager(rows):
+    """With `norm_prologue` the RMS norm is the gated GEMM's prologue (its row statistics computed in the kernel):
+    one kernel for norm, gate, up, SiLU and the product, equal to eager in float32."""
+    import opfuse
+    from opfuse.codegen.gemm import GatedGemmKernel
+
+    torch.manual_seed(4)
+    model = NormedGatedMLP(act=torch.nn.functional.silu, up_first=False).eval()
+    x = torch.randn(rows, 24) * 3 + 1
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", norm_prologue=True))
+    gated = [k for k in compiled.compiled.kernels.values() if isinstance(k, GatedGemmKernel)]
+    assert len(gated) == 1 and gated[0].prologue is not None and compiled.plan.kernel_launches == 2
+    fresh = torch.randn(rows, 24) * 3 + 1
+    with torch.no_grad():
+        got, want = compiled(fresh), model(fresh)
+    assert (got - want).abs().max() / want.abs().max() < 1e-5

@@ -772,3 +772,18 @@ def test_a_gated_pair_of_sibling_linears_is_one_gemm():
     for graph in (_gated(bias=True), _gated(act_read=True)):
         plan = plan_fusion(graph, FusionConfig(), H200)
         assert plan.group_of("gate").nodes != plan.group_of("up").nodes, graph.name
+
+
+def test_a_gated_pair_takes_the_rms_norm_it_reads_as_its_prologue():
+    """Llama's MLP input: an RMS norm read by gate and up alone becomes the gated GEMM's prologue with
+    `norm_prologue` (one launch: norm, both linears, SiLU and the product); without it, a kernel of its own."""
+    b = GraphBuilder("rms_swiglu")
+    x = b.input("x", (1, 4, 64))
+    norm = b.op("rms_norm", [x, b.constant("rms_w", (64,))], {"eps": 1e-6}, "rms")
+    gate = b.linear(norm, 128, name="gate", bias=False)
+    product = b.op("mul", [b.unary("silu", gate, "act"), b.linear(norm, 128, name="up", bias=False)], name="product")
+    graph = b.output(product)
+    plan = plan_fusion(graph, FusionConfig(norm_prologue=True), H200)
+    assert_well_formed(plan)
+    assert plan.group_of("rms").nodes == ["rms", "gate", "act", "up", "product"] and plan.kernel_launches == 1
+    assert plan_fusion(graph, FusionConfig(), H200).group_of("rms").nodes == ["rms"]
