@@ -157,11 +157,70 @@ def load_kernel(prefix: str, ops: Sequence[str], source: str, units: Sequence[st
     (`unit_code`); the launcher passes UNIT (`unit_of` their values). `rows`: its row counts (`rows_jit`), and
     `row_strides` the strides along the rows of every tensor it addresses by row; the launcher passes ROW_UNIT
     (`row_unit_of` their values). `row_count`: the rows of the group it is built for (`RowFolding`)."""
+    source = with_dependent_launch(source)
     name = kernel_name(prefix, ops, source)
     source = source.replace("KERNEL_NAME", name)
     module = load_source(source, name)
     return name, source, Launcher(getattr(module, name), module.__file__, name, units, rows, row_strides, row_count)
 
+
+
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the kernel before it
+# in the stream drains, and waits inside (griddepcontrol.wait) until that kernel's writes are visible. Every
+# generated kernel opens with `DEPENDENT_LAUNCH_CODE` under its PDL constexpr (0 unless a launcher passes 1): it
+# waits for the kernel before it to finish, then lets the next one start. So nothing it does overlaps the kernel
+# before it (no read before that one's writes, no write before its reads: the same order as without), while the
+# next kernel's launch, its blocks' scheduling and setup overlap this one's run and tail. A kernel not launched
+# dependently (PyTorch's, cuBLAS's) is waited for whole, as always. In a CUDA graph the launch attribute becomes a
+# programmatic edge: the gaps between a decode step's 180 small kernels are the launches this hides.
+DEPENDENT_LAUNCH_PARAM = "PDL: tl.constexpr = 0"
+DEPENDENT_LAUNCH_CODE = """\
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+"""
+
+
+def with_dependent_launch(source: str) -> str:
+    """Generated `source` whose KERNEL_NAME function takes the PDL constexpr last and opens with
+    DEPENDENT_LAUNCH_CODE (the signature's parentheses matched, its body on the lines after it)."""
+    start = source.index("def KERNEL_NAME(") + len("def KERNEL_NAME(")
+    depth, close = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(source[close], 0)
+        close += 1
+    params = source[start:close - 1].rstrip()
+    separator = "" if not params else " " if params.endswith(",") else ", "
+    body = source.index("\n", close) + 1
+    return (f"{source[:start]}{params}{separator}{DEPENDENT_LAUNCH_PARAM}{source[close - 1:body]}"
+            f"{DEPENDENT_LAUNCH_CODE}{source[body:]}")
+
+
+_DEPENDENT: ContextVar[bool] = ContextVar("opfuse_dependent_launch", default=False)
+_DEPENDENT_DEVICES: dict[int, bool] = {}     # CUDA device index -> whether it launches dependently (sm_90+)
+
+
+@contextmanager
+def dependent_launches(enabled: bool) -> Iterator[None]:
+    """Inside, every Launcher built launches its kernel dependently (`DEPENDENT_LAUNCH_CODE`) where `enabled` and
+    the launch's GPU can (compute capability 9.0 or later: Triton's interpreter and older GPUs never do). The
+    plan's kernels are built so (`opfuse.codegen.lower.lower_plan`, FusionConfig.dependent_launch)."""
+    token = _DEPENDENT.set(enabled)
+    try:
+        yield
+    finally:
+        _DEPENDENT.reset(token)
+
+
+def launches_dependently(args: Sequence[Any]) -> bool:
+    """Whether a launch with these arguments runs on a GPU that launches dependently (the first tensor's)."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if device is None or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _DEPENDENT_DEVICES:
+        _DEPENDENT_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _DEPENDENT_DEVICES[index]
 
 # Triton specialises an integer argument on one fact about its factors: whether 16 divides it. A kernel over 24
 # channels (a row stride of 24 elements, a mask `offs_n < 24`) is compiled as if its rows could start anywhere, so
@@ -309,6 +368,7 @@ class Launcher:
         folding = _FOLDING.get()
         if rows and folding is not None:
             folding.add(self, row_count)
+        self.dependent = _DEPENDENT.get()     # launched dependently where the GPU can (`dependent_launches`)
 
     def specialise_rows(self) -> None:
         """Launch a copy of this kernel whose decorator is plain `triton.jit` (written beside it, same function
@@ -345,6 +405,8 @@ class Launcher:
                 kwargs["UNIT"] = self.unit(args, kwargs)
             if self._rows:
                 kwargs["ROW_UNIT"] = self.row_unit(args, kwargs) if self._row_positions else 1
+            if self.dependent and launches_dependently(args):
+                kwargs["PDL"], kwargs["launch_pdl"] = 1, True
             records = _RECORDING.get()
             if records is None:
                 return self.function[grid](*args, **kwargs)

@@ -16,7 +16,7 @@ from typing import Callable, Mapping, MutableMapping
 import torch
 
 from opfuse.codegen import attention, conv, conv_conv, gemm, pointwise, reduction, squeeze
-from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, find_anchor, folding_rows
+from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, dependent_launches, find_anchor, folding_rows
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.template_kernel import INT32_LIMIT
 from opfuse.fusion.legality_views import MAPPED_COPIES, maps_on_load
@@ -160,7 +160,9 @@ def lower_plan(plan: FusionPlan, device: torch.device | str
     kernels: dict[str, GroupKernel] = {}
     reasons: dict[str, Reason] = {}
     hw = plan_hardware(plan)
-    with folding_rows():        # which kernels fold their row counts' alignment: those launched at both kinds
+    dependent = plan.config is not None and plan.config.dependent_launch
+    # which kernels fold their row counts' alignment: those launched at both kinds (`folding_rows`)
+    with folding_rows(), dependent_launches(dependent):
         for group in plan.groups:
             kernel = lower_group(plan.graph, group, device, reasons, hw)
             if kernel is not None:

@@ -358,3 +358,37 @@ def test_compare_names_each_launch_whose_compile_changed_once():
     assert lines[1] == "1 distinct launches differ of 3 launches; compile 3.0 s -> 1.5 s"
     with pytest.raises(ValueError, match="different launches"):
         sm90_compile.compare(before, after[:2])
+
+
+DEPENDENT = '''
+from triton.runtime.jit import MockTensor
+import torch
+from opfuse.codegen.base import load_kernel
+
+SOURCE = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def KERNEL_NAME(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+"""
+_, source, launcher = load_kernel("dependent", ["add"], SOURCE)
+report = {}
+for pdl in (0, 1):
+    kernel = launcher.function.warmup(MockTensor(torch.float16), MockTensor(torch.float16), 4096, BLOCK=1024, PDL=pdl,
+                                      launch_pdl=bool(pdl), grid=(1,))
+    ptx = kernel.asm["ptx"]
+    report[str(pdl)] = ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
+                        bool(kernel.metadata.launch_pdl)]
+print(json.dumps(report))
+'''
+
+
+def test_a_kernel_launched_dependently_waits_for_the_one_before_then_lets_the_next_start(tmp_path):
+    """Every generated kernel takes the PDL constexpr (`with_dependent_launch`): compiled for sm_90 with PDL=1 and
+    launch_pdl its PTX waits on the prerequisite grid and then triggers its dependents; with PDL=0 neither."""
+    report = run_offline(tmp_path, DEPENDENT, timeout=300)
+    assert report == {"0": [False, False, False], "1": [True, True, True]}
