@@ -202,18 +202,30 @@ def attention_key(tile: Mapping[str, int]) -> str:
     return f"{tile['BLOCK_M']}x{tile['BLOCK_N']}"
 
 
+def key_split_slices(programs: int, steps: int, sm_count: int) -> int:
+    """Key slices of an attention kernel of `programs` query tiles (all heads) over `steps` key blocks: 1 unless
+    the tiles leave three quarters of the SMs idle and there are two key blocks or more; else enough slices to
+    fill the SMs, at most MAX_SPLIT_K, none empty. A key block is two dots, the exponentials and two loads the
+    next block waits for, so a slice of one block already keeps an SM busy (a GEMM's slice needs
+    MIN_STEPS_PER_SLICE): the decode step of RESULTS.md (32 heads over 384 keys) spent 9.8 us an attention
+    walking six blocks on 32 of 132 SMs."""
+    if 4 * programs > sm_count or steps < 2:
+        return 1
+    per_slice = -(-steps // min(-(-sm_count // programs), steps, MAX_SPLIT_K))
+    return -(-steps // per_slice)
+
+
 def key_split_table(queries: int, keys: int, heads: int, sm_count: int) -> dict[str, int]:
     """{`attention_key`: key slices} of an attention kernel over `queries` x `keys` in `heads` (batch x heads)
-    grid rows: the keys are its reduction, split by split-K's rule (`split_k_slices`: the tiles leave three
-    quarters of the SMs idle and the key loop is long), every tile the kernel may run cut to the queries
-    (`attention_tile`), the interpreter's included. Decoding is the case: one query a head, a cache of keys. Each
-    slice stores its rows' running max, sum and unnormalized output in float32; a second kernel combines them in
-    slice order and runs the epilogue (flash-decoding)."""
+    grid rows (`key_split_slices`), every tile the kernel may run cut to the queries (`attention_tile`), the
+    interpreter's included. Decoding is the case: one query a head, a cache of keys. Each slice stores its rows'
+    running max, sum and unnormalized output in float32; a second kernel combines them in slice order and runs the
+    epilogue (flash-decoding); the autotuner measures the split against its unsplit twin."""
     table: dict[str, int] = {}
     for tile in (*ATTENTION_TILES, INTERPRETED_ATTENTION):
         cut = attention_tile(tile, queries)
         programs = -(-queries // cut["BLOCK_M"]) * heads
-        table.setdefault(attention_key(cut), split_k_slices(programs, -(-keys // cut["BLOCK_N"]), sm_count))
+        table.setdefault(attention_key(cut), key_split_slices(programs, -(-keys // cut["BLOCK_N"]), sm_count))
     return table
 
 

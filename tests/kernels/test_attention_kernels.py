@@ -157,12 +157,13 @@ def test_the_combining_kernel_runs_the_epilogue():
 
 
 def test_keys_split_where_the_query_tiles_leave_the_gpu_idle():
-    """The plan's rule (`key_split_table`, split-K's): one query a head over a long cache splits at batch 1 (32
-    heads on 132 SMs), not at batch 8 (256 heads) nor a short cache nor a prefill of 512 queries."""
-    decode = key_split_table(1, 1280, 32, 132)
-    assert decode["16x64"] > 1 and decode["16x32"] > 1 and decode["16x16"] > 1
+    """The plan's rule (`key_split_slices`): one query a head over a cache of several key blocks splits at batch 1
+    (32 heads on 132 SMs: about four programs a head fill them, each slice whole blocks, none empty), not at batch 8
+    (256 heads), nor a cache of one key block, nor a prefill of 512 queries."""
+    assert key_split_table(1, 384, 32, 132) == {"16x64": 3, "16x32": 4, "16x16": 5}
+    assert key_split_table(1, 1280, 32, 132) == {"16x64": 5, "16x32": 5, "16x16": 5}
     assert set(key_split_table(1, 1280, 256, 132).values()) == {1}
-    assert set(key_split_table(1, 128, 32, 132).values()) == {1}
+    assert set(key_split_table(1, 16, 32, 132).values()) == {1}
     assert set(key_split_table(512, 1280, 32, 132).values()) == {1}
 
 
