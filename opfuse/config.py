@@ -48,7 +48,7 @@ class FusionConfig:
     compile_workers: int | None = None  # processes compiling the autotuner's candidates in parallel before it times
                                         # them (opfuse.runtime.precompile; None: half the CPUs, at most 8; 1: none)
     cuda_graph: bool = True
-    dependent_launch: bool = False      # on Hopper and later, each kernel launched so that it may start while the one
+    dependent_launch: bool = True       # on Hopper and later, each kernel launched so that it may start while the one
                                         # before it drains (`opfuse.codegen.base.DEPENDENT_LAUNCH_CODE`)
     verify: bool = True
     fallback: str = "error"             # "error": raise on a failed compile; "eager": return the eager model
