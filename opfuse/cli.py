@@ -1,6 +1,7 @@
 """The `opfuse` command: analyze | report | compile | bench | profile.
 
     opfuse analyze MODEL [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--html FILE] [--quiet]
+    opfuse analyze llama-1.1b --decode [--batch N] [--max-seq 384]     (a decode step: bytes, launches, floor)
     opfuse report  MODEL -o report.html [--batch N] [--dtype fp16] [--hw h200] [--json FILE] [--quiet]
     opfuse compile MODEL -o model.opfuse [--batch N | --batches 1,8,64] [--dtype fp16] [--tune-top N] [--json FILE]
     opfuse bench   model.opfuse [--recompile] [--sha256 HEX] [--json FILE]
@@ -104,12 +105,61 @@ def load_analysis(args: argparse.Namespace, config: FusionConfig):
 
     if args.model.endswith(".onnx"):
         return analyze(args.model, config=config, batch=args.batch)
+    if args.decode:
+        return decode_analysis(args, config)
     from opfuse.bench.harness import protocol_form
     from opfuse.ir.graph import torch_dtype
 
     model, inputs, name = load_model(args.model, args.batch)
     model, inputs = protocol_form(model, inputs, torch_dtype(config.dtype), "cpu")   # as `opfuse bench` compiles it
     return analyze(model, inputs, config=config, name=name)
+
+
+def decode_analysis(args: argparse.Namespace, config: FusionConfig):
+    """Analysis of the decode step of built-in decoder MODEL (`opfuse.bench.generation.GENERATION_MODELS`): one token
+    a sequence for --batch sequences over a static KV cache of --max-seq positions (`opfuse.generate`)."""
+    import torch
+
+    from opfuse.api import analyze
+    from opfuse.bench.generation import GENERATION_MODELS, llama
+    from opfuse.generate import KVCacheDecoder
+    from opfuse.ir.graph import GraphError
+
+    if args.model not in GENERATION_MODELS:
+        raise GraphError(f"--decode analyzes a built-in decoder ({', '.join(GENERATION_MODELS)}), not "
+                         f"{args.model!r}")
+    decoder = KVCacheDecoder(llama(args.model, "cpu", torch.float32), args.batch, args.max_seq).eval()
+    ids = torch.zeros(args.batch, 1, dtype=torch.long)
+    return analyze(decoder, (ids, torch.zeros(1, dtype=torch.long)), config=config,
+                   name=f"{args.model} decode step")
+
+
+def decode_table(analysis, args: argparse.Namespace) -> tuple[Table, dict]:
+    """What a decode step moves and launches, and how near the bandwidth floor it is (`opfuse.generate.decode_report`
+    at the last cache position; measured where a compile of this plan on this device recorded its replay)."""
+    from opfuse.generate import decode_report
+
+    measured = analysis.as_compiled.forward_ms if analysis.as_compiled is not None else None
+    report = decode_report(analysis, args.batch, args.max_seq, measured_ms=measured)
+    table = Table(title=f"Decode step at cache position {report['position']} ({report['tokens_per_step']} "
+                        f"token(s) a step, {report['hardware']})")
+    table.add_column("per step", justify="left")
+    table.add_column("value", justify="right")
+    rows = [("weights read", human_bytes(report["weight_bytes"])),
+            ("cache it must read (up to the position)", human_bytes(report["cache_bytes_needed"])),
+            ("cache the plan reads (the whole static cache)", human_bytes(report["cache_bytes_read"])),
+            ("bytes the plan moves", human_bytes(report["plan_bytes"])),
+            ("kernel launches", str(report["launches"])),
+            ("predicted time", human_time(report["predicted_s"])),
+            ("bandwidth floor (weights + needed cache)", human_time(report["bandwidth_floor_s"])),
+            ("predicted share of the floor", f"{report['bandwidth_floor_s'] / report['predicted_s']:.0%}"),
+            ("measured time", "none recorded on this device" if report["measured_s"] is None
+             else human_time(report["measured_s"])),
+            ("measured share of the floor", "" if report["share_of_bandwidth_floor"] is None
+             else f"{report['share_of_bandwidth_floor']:.0%}")]
+    for row in rows:
+        table.add_row(*row)
+    return table, report
 
 
 def ops_table(analysis, limit: int | None) -> Table:
@@ -205,7 +255,9 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
             buckets = dynamic_analyses(args, config)
         if buckets is None:
             return EXIT_USAGE
-    write_json(args.json, analysis.to_dict() | ({"buckets": buckets} if buckets is not None else {}))
+    decode = decode_table(analysis, args) if args.decode else None
+    write_json(args.json, analysis.to_dict() | ({"buckets": buckets} if buckets is not None else {})
+               | ({"decode": decode[1]} if decode is not None else {}))
     if args.html:
         from opfuse.analysis.report import write_report
 
@@ -238,6 +290,8 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
                           "runs[/]")
         if buckets is not None:
             console.print(buckets_table(buckets, args.dynamic))
+        if decode is not None:
+            console.print(decode[0])
         if args.html:
             console.print(f"report: {escape(args.html)}")
     return EXIT_OK
@@ -407,6 +461,12 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--dynamic", type=cli_package.dynamic_list, metavar="NAME=MIN:MAX,...",
                          help="also plan every bucket of these ranges (as opfuse compile --dynamic takes them) and "
                               "show each one's launches, traffic and predicted time, and what a call below it pads")
+    analyze.add_argument("--decode", action="store_true",
+                         help="analyze the decode step of a built-in decoder (llama-1.1b, llama-tiny): one token for "
+                              "each of --batch sequences over a KV cache of --max-seq positions, with the bytes, "
+                              "launches and bandwidth floor of a step")
+    analyze.add_argument("--max-seq", type=positive_int, default=384, metavar="N",
+                         help="the KV cache's positions with --decode (default 384)")
     cli_bench.add_tuning_arguments(analyze)
     analyze.set_defaults(handler=cmd_analyze)
 

@@ -215,30 +215,10 @@ class Generator:
         return torch.cat([input_ids, torch.stack(new, 1).to(input_ids.device)], 1) if new else input_ids
 
     def decode_report(self, position: int | None = None) -> dict[str, Any]:
-        """What one decode step moves and how near the memory-bandwidth limit it is, at cache `position` (default
-        the last): the weight bytes, the cache bytes a step must read there (the keys and values up to it, every
-        row) and the cache bytes this decode step reads (its attention reads the whole static cache), the bytes per
-        step of opfuse's plan, its launches, its predicted time, the bandwidth floor of the bytes it must move
-        (`opfuse.analysis.roofline.floor`: weights + the cache up to `position`, on the plan's hardware profile),
-        and, once a GPU has timed the step (`CompiledModel.forward_ms`), the measured time and its share of that
-        floor. Per step; a step makes `max_batch` tokens."""
-        from opfuse.analysis.roofline import datasheet_ceilings, floor, share_of_floor
-
-        analysis = self.step.analysis
-        graph = analysis.prepared
-        position = self.max_seq_len - 1 if position is None else position
-        weights = sum(graph[name].type.nbytes for name in graph.constants if graph[name].op == "constant")
-        cache = sum(graph[name].type.nbytes for name in graph.state)
-        needed = cache * (position + 1) // self.max_seq_len
-        minimum = floor(analysis.fused.flops, weights + needed, datasheet_ceilings(analysis.hardware,
-                                                                                   analysis.config.dtype))
-        measured = self.step.compiled.forward_ms
-        measured_s = None if measured is None else measured / 1e3
-        return {"tokens_per_step": self.max_batch, "position": position, "weight_bytes": weights,
-                "cache_bytes_needed": needed, "cache_bytes_read": cache, "plan_bytes": analysis.fused.total_bytes,
-                "launches": analysis.fused.kernel_launches, "predicted_s": analysis.fused.predicted_time,
-                "bandwidth_floor_s": minimum.memory, "measured_s": measured_s, "hardware": analysis.hardware.name,
-                "share_of_bandwidth_floor": share_of_floor(minimum.memory, measured_s)}
+        """`decode_report` of this generator's decode step at cache `position` (default the last), with the
+        measured time once a GPU has timed the step (`CompiledModel.forward_ms`)."""
+        return decode_report(self.step.analysis, self.max_batch, self.max_seq_len, position,
+                             self.step.compiled.forward_ms)
 
     def _rows(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """The prompts as the compiled models take them: max_batch rows on the device (the last repeated)."""
@@ -260,3 +240,29 @@ def compile_generator(model: torch.nn.Module, max_batch: int, max_seq_len: int,
     """A Generator of `model` (a transformers decoder LM, in eval mode, on its device and dtype) for batches of up to
     `max_batch` prompts and sequences of up to `max_seq_len` tokens; see the module docstring."""
     return Generator(model, max_batch, max_seq_len, config, quiet)
+
+
+def decode_report(analysis: Any, max_batch: int, max_seq_len: int, position: int | None = None,
+                  measured_ms: float | None = None) -> dict[str, Any]:
+    """What one decode step (`analysis`: opfuse.analyze of a `KVCacheDecoder` at one token a sequence) moves and how
+    near the memory-bandwidth limit it is, at cache `position` (default the last): the weight bytes, the cache bytes
+    a step must read there (the keys and values up to it, every row) and the cache bytes this decode step reads
+    (its attention reads the whole static cache), the bytes per step of opfuse's plan, its launches, its predicted
+    time, the bandwidth floor of the bytes it must move (`opfuse.analysis.roofline.floor`: weights + the cache up to
+    `position`, on the plan's hardware profile), and, given a measured step, its time and its share of that floor.
+    Per step; a step makes `max_batch` tokens."""
+    from opfuse.analysis.roofline import datasheet_ceilings, floor, share_of_floor
+
+    graph = analysis.prepared
+    position = max_seq_len - 1 if position is None else position
+    weights = sum(graph[name].type.nbytes for name in graph.constants if graph[name].op == "constant")
+    cache = sum(graph[name].type.nbytes for name in graph.state)
+    needed = cache * (position + 1) // max_seq_len
+    minimum = floor(analysis.fused.flops, weights + needed, datasheet_ceilings(analysis.hardware,
+                                                                               analysis.config.dtype))
+    measured_s = None if measured_ms is None else measured_ms / 1e3
+    return {"tokens_per_step": max_batch, "position": position, "weight_bytes": weights,
+            "cache_bytes_needed": needed, "cache_bytes_read": cache, "plan_bytes": analysis.fused.total_bytes,
+            "launches": analysis.fused.kernel_launches, "predicted_s": analysis.fused.predicted_time,
+            "bandwidth_floor_s": minimum.memory, "measured_s": measured_s, "hardware": analysis.hardware.name,
+            "share_of_bandwidth_floor": share_of_floor(minimum.memory, measured_s)}

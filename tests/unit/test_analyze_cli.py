@@ -120,3 +120,25 @@ def test_analyze_captures_a_model_in_the_compute_dtype_as_bench_compiles_it(monk
         assert main(["analyze", "dtype_model:build", "--dtype", dtype, "--json", str(out), "--ops", "0"]) == 0
         ops = [node for group in json.loads(out.read_text())["plan"]["groups"] for node in group["nodes"]]
         assert sum(1 for n in ops if n.startswith("clamp")) == clamps, (dtype, ops)
+
+
+def test_analyze_decode_reports_a_decode_step_bytes_launches_and_floor(tmp_path, capsys):
+    """`opfuse analyze llama-tiny --decode`: the decode step of the built-in decoder (one token for each of --batch
+    rows over a cache of --max-seq positions), with its bytes per step, launches and bandwidth floor; another model
+    is a one-line error naming the built-in decoders."""
+    import torch
+
+    from opfuse.bench.generation import llama
+
+    out = tmp_path / "decode.json"
+    assert main(["analyze", "llama-tiny", "--decode", "--batch", "2", "--max-seq", "64", "--dtype", "fp32",
+                 "--json", str(out)]) == 0
+    assert "Decode step at cache position 63" in capsys.readouterr().out
+    decode = json.loads(out.read_text())["decode"]
+    weights = sum(p.numel() * 4 for p in llama("llama-tiny", "cpu", torch.float32).parameters())
+    assert weights <= decode["weight_bytes"] < weights + 1024     # and small constants: rope's, the mask's range
+    per_position = 2 * 2 * 2 * 2 * 16 * 4       # k and v, 2 layers, 2 rows, 2 kv heads, head dim 16, float32
+    assert decode["cache_bytes_read"] == per_position * 64 == decode["cache_bytes_needed"]
+    assert decode["tokens_per_step"] == 2 and decode["launches"] >= 1 and decode["measured_s"] is None
+    assert main(["analyze", "resnet18", "--decode"]) != 0
+    assert "--decode analyzes a built-in decoder" in capsys.readouterr().err
