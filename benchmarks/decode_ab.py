@@ -5,8 +5,12 @@ bandwidth, one step's kernels under torch.profiler (count, span from the first k
 end, the slowest kernels by name), and the step's logits against eager's. Writes DIR/decode_ab.json.
 
     python -m benchmarks.decode_ab --out DIR [--batch 1] [--max-seq 384] [--variants default,dependent_launch=0]
+                                   [--sweep 12]
 
 A variant is `default` or comma-free `switch=0|1` settings joined by `+` (`norm_prologue=1+dependent_launch=0`).
+--sweep N then times the first variant's step in place with each of the first N candidates (its configs, then its
+other forms) of each kind of GEMM and attention kernel, set for every layer's group of that kind at once: what the
+autotuner, timing one kernel alone with its weights in L2, cannot see of a step that streams 2 GB of weights.
 torch.compile is not among them: it and opfuse in one process hit an illegal memory access (RESULTS.md); `generate`
 times it in a process of its own.
 """
@@ -56,6 +60,50 @@ def step_profile(step, positions: list[torch.Tensor]) -> dict:
             "slowest": [[name, len(times), round(sum(times), 1)] for name, times in slowest]}
 
 
+def step_ms(step, positions: list[torch.Tensor]) -> float:
+    """Median milliseconds of `step` over `positions`, each timed from an idle GPU (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for position in positions:
+        torch.cuda.synchronize()
+        start.record()
+        step(position)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def sweep(generator, step, positions: list[torch.Tensor], top: int) -> dict[str, dict]:
+    """{kind: {"chosen": the autotuner's config, "steps": [[config, step ms], ...]}} for each kind of GEMM and
+    attention kernel of the decode step (its ops and output shape), every group of the kind set to one candidate
+    at a time (`CompiledModel.set_configs`), then back to the tuner's choices."""
+    compiled = generator.step.compiled
+    graph = compiled.plan.graph
+    kinds: dict[str, list[str]] = collections.defaultdict(list)
+    for group in compiled.plan.groups:
+        if group.name in compiled.kernels and group.anchor and graph[group.anchor].op in ("linear", "matmul", "sdpa"):
+            ops = "+".join(dict.fromkeys(graph[n].op for n in group.nodes))
+            kinds[f"{ops} {list(graph[group.anchor].type.shape)}"].append(group.name)
+    chosen = dict(compiled.configs)
+    found = {}
+    for kind, names in kinds.items():
+        kernel = compiled.kernels[names[0]]
+        rows = []
+        for config in list(dict.fromkeys(kernel.configs() + kernel.alternatives(library=True)))[:top]:
+            try:
+                compiled.set_configs({name: config for name in names})
+                for position in positions[:3]:      # compiles, captures the graph again
+                    step(position)
+                rows.append([str(config), step_ms(step, positions[:24])])
+            except Exception as error:              # a config this GPU refuses: say so, go on
+                rows.append([str(config), f"{type(error).__name__}: {error}"[:200]])
+        compiled.set_configs({name: chosen[name] for name in names})
+        found[kind] = {"groups": len(names), "chosen": str(chosen[names[0]]), "steps": rows}
+        print(kind, "chosen", chosen[names[0]], *(f"\n  {row}" for row in rows))
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     import opfuse
     from opfuse.analysis.roofline import hardware_of_gpu
@@ -68,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seq", type=int, default=384, help="the cache; the prompt is 256 tokens shorter")
     parser.add_argument("--variants", default="default,dependent_launch=0")
     parser.add_argument("--tune-top", type=int, default=2)
+    parser.add_argument("--sweep", type=int, default=0, metavar="N", help="candidates per kind of kernel (0: none)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -81,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch,
                "max_seq": args.max_seq, "weight_bytes": weights, "variants": {}}
-    steps = {}
+    steps, generators = {}, {}
     with torch.inference_mode():
         eager = KVCacheDecoder(model, args.batch, args.max_seq).eval()
         token = eager(ids, torch.arange(prompt, device="cuda"))[:, -1].argmax(-1)[:, None]
@@ -89,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         for variant in args.variants.split(","):
             config = opfuse.FusionConfig(dtype="float16", tune_top=args.tune_top,
                                          **({"hardware": gpu.name} if gpu is not None else {}), **settings(variant))
-            generator = opfuse.compile_generator(model, args.batch, args.max_seq, config)
+            generator = generators[variant] = opfuse.compile_generator(model, args.batch, args.max_seq, config)
             generator.prefill(ids)
             logits = generator.step(token, positions[0]).float()
             steps[variant] = lambda position, generator=generator: generator.step(token, position)
@@ -110,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                     end.record()
                     end.synchronize()
                     times[variant].append(start.elapsed_time(end))
+        if args.sweep:
+            first = next(iter(steps))
+            results["sweep"] = sweep(generators[first], steps[first], positions, args.sweep)
     for variant, samples in times.items():
         ms = statistics.median(samples)
         share = None if gpu is None else weights / (ms / 1e3) / gpu.memory_bandwidth
