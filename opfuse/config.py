@@ -50,6 +50,8 @@ class FusionConfig:
     cuda_graph: bool = True
     dependent_launch: bool = True       # on Hopper and later, each kernel launched so that it may start while the one
                                         # before it drains (`opfuse.codegen.base.DEPENDENT_LAUNCH_CODE`)
+    weight_prefetch: bool = False       # ... and a GEMM's first weight blocks are prefetched into L2 meanwhile
+                                        # (`opfuse.codegen.gemm.GemmKernel.prefetch_rows`; not yet measured)
     verify: bool = True
     fallback: str = "error"             # "error": raise on a failed compile; "eager": return the eager model
     recompile: bool = False             # inputs of another shape/dtype/device: compile for them instead of raising

@@ -183,7 +183,9 @@ DEPENDENT_LAUNCH_CODE = """\
 
 def with_dependent_launch(source: str) -> str:
     """Generated `source` whose KERNEL_NAME function takes the PDL constexpr last and opens with
-    DEPENDENT_LAUNCH_CODE (the signature's parentheses matched, its body on the lines after it)."""
+    DEPENDENT_LAUNCH_CODE (the signature's parentheses matched, its body on the lines after it); a template that
+    waits itself (its own `gdc_wait()` under PDL, after reading only what no kernel writes: the GEMM's weight
+    prefetch) keeps its place."""
     start = source.index("def KERNEL_NAME(") + len("def KERNEL_NAME(")
     depth, close = 1, start
     while depth:
@@ -192,24 +194,33 @@ def with_dependent_launch(source: str) -> str:
     params = source[start:close - 1].rstrip()
     separator = "" if not params else " " if params.endswith(",") else ", "
     body = source.index("\n", close) + 1
-    return (f"{source[:start]}{params}{separator}{DEPENDENT_LAUNCH_PARAM}{source[close - 1:body]}"
-            f"{DEPENDENT_LAUNCH_CODE}{source[body:]}")
+    code = "" if "tl.extra.cuda.gdc_wait()" in source[body:] else DEPENDENT_LAUNCH_CODE
+    return f"{source[:start]}{params}{separator}{DEPENDENT_LAUNCH_PARAM}{source[close - 1:body]}{code}{source[body:]}"
 
 
 _DEPENDENT: ContextVar[bool] = ContextVar("opfuse_dependent_launch", default=False)
+_PREFETCH: ContextVar[bool] = ContextVar("opfuse_weight_prefetch", default=False)
 _DEPENDENT_DEVICES: dict[int, bool] = {}     # CUDA device index -> whether it launches dependently (sm_90+)
 
 
 @contextmanager
-def dependent_launches(enabled: bool) -> Iterator[None]:
+def dependent_launches(enabled: bool, prefetch: bool = False) -> Iterator[None]:
     """Inside, every Launcher built launches its kernel dependently (`DEPENDENT_LAUNCH_CODE`) where `enabled` and
-    the launch's GPU can (compute capability 9.0 or later: Triton's interpreter and older GPUs never do). The
-    plan's kernels are built so (`opfuse.codegen.lower.lower_plan`, FusionConfig.dependent_launch)."""
-    token = _DEPENDENT.set(enabled)
+    the launch's GPU can (compute capability 9.0 or later: Triton's interpreter and older GPUs never do), and with
+    `prefetch` every GEMM kernel built prefetches its first weight blocks before it waits
+    (`opfuse.codegen.gemm.GemmKernel.prefetch_rows`). The plan's kernels are built so
+    (`opfuse.codegen.lower.lower_plan`, FusionConfig.dependent_launch and weight_prefetch)."""
+    tokens = _DEPENDENT.set(enabled), _PREFETCH.set(enabled and prefetch)
     try:
         yield
     finally:
-        _DEPENDENT.reset(token)
+        _DEPENDENT.reset(tokens[0])
+        _PREFETCH.reset(tokens[1])
+
+
+def prefetches_weights() -> bool:
+    """Whether GEMM kernels built here prefetch their weights while waiting to launch (`dependent_launches`)."""
+    return _PREFETCH.get()
 
 
 def launches_dependently(args: Sequence[Any]) -> bool:

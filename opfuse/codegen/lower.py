@@ -160,9 +160,10 @@ def lower_plan(plan: FusionPlan, device: torch.device | str
     kernels: dict[str, GroupKernel] = {}
     reasons: dict[str, Reason] = {}
     hw = plan_hardware(plan)
-    dependent = plan.config is not None and plan.config.dependent_launch
+    config = plan.config
     # which kernels fold their row counts' alignment: those launched at both kinds (`folding_rows`)
-    with folding_rows(), dependent_launches(dependent):
+    with folding_rows(), dependent_launches(config is not None and config.dependent_launch,
+                                            config is not None and config.weight_prefetch):
         for group in plan.groups:
             kernel = lower_group(plan.graph, group, device, reasons, hw)
             if kernel is not None:

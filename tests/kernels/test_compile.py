@@ -869,16 +869,18 @@ def test_sibling_linears_normalize_their_shared_rms_norm_input_and_match_eager()
 
 
 def test_kernels_built_to_launch_dependently_run_plainly_where_the_gpu_cannot():
-    """With FusionConfig.dependent_launch every launcher of the plan is built to launch dependently; on the CPU
-    (Triton's interpreter) no launch does (`launches_dependently`), and the model matches eager."""
+    """With FusionConfig.dependent_launch every launcher of the plan is built to launch dependently (and with
+    weight_prefetch every GEMM to prefetch its weight); on the CPU (Triton's interpreter) no launch does
+    (`launches_dependently`), and the model matches eager."""
     from opfuse.codegen.base import launches_dependently
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).eval()
     x = torch.randn(3, 16)
-    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", dependent_launch=True))
-    launchers = [k.kernel for k in compiled.compiled.kernels.values()]
-    assert launchers and all(launcher.dependent for launcher in launchers)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", dependent_launch=True,
+                                                               weight_prefetch=True))
+    kernels = list(compiled.compiled.kernels.values())
+    assert kernels and all(k.kernel.dependent and k.prefetch for k in kernels)
     assert not launches_dependently([x])
     with torch.no_grad():
         assert relative_error(compiled(x), model(x)) < 1e-5
