@@ -4,7 +4,7 @@ the ~1.1B Llama per variant, each prefilled with the same prompts, then decode s
 bandwidth, one step's kernels under torch.profiler (count, span from the first kernel's start to the last one's
 end, the slowest kernels by name), and the step's logits against eager's. Writes DIR/decode_ab.json.
 
-    python -m benchmarks.decode_ab --out DIR [--batch 1] [--max-seq 384] [--variants default,dependent_launch=0]
+    python -m benchmarks.decode_ab --out DIR [--batch 1] [--max-seq 384] [--variants default,weight_prefetch=1]
                                    [--sweep 12]
 
 A variant is `default` or comma-free `switch=0|1` settings joined by `+` (`norm_prologue=1+dependent_launch=0`).
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--max-seq", type=int, default=384, help="the cache; the prompt is 256 tokens shorter")
-    parser.add_argument("--variants", default="default,dependent_launch=0")
+    parser.add_argument("--variants", default="default,weight_prefetch=1,dependent_launch=0")
     parser.add_argument("--tune-top", type=int, default=2)
     parser.add_argument("--sweep", type=int, default=0, metavar="N", help="candidates per kind of kernel (0: none)")
     args = parser.parse_args(argv)
