@@ -68,7 +68,7 @@ def test_the_tile_priced_is_the_tile_launched(gpu_tiles, name, batch):
         config = next(c for c in kernel.configs() if c.form == FORM_TRITON)
         launched = dict(config.params) | {"num_warps": config.num_warps, "num_stages": config.num_stages}
         priced = dict(tile)
-        if family in (GemmKernel, ConvKernel):
+        if family in (GemmKernel, ConvKernel, AttentionKernel):
             launched.pop("SPLIT_K", None)           # the plan's slices of that tile (`FusionGroup.split_k`)
             launched.pop("BLOCK_G", None)
         if family is AttentionKernel:
