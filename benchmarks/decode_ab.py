@@ -9,8 +9,9 @@ end, the slowest kernels by name), and the step's logits against eager's. Writes
 
 A variant is `default` or comma-free `switch=0|1` settings joined by `+` (`norm_prologue=1+dependent_launch=0`).
 --sweep N then times the first variant's step in place with each of the first N candidates (its configs, then its
-other forms) of each kind of GEMM and attention kernel, set for every layer's group of that kind at once: what the
-autotuner, timing one kernel alone with its weights in L2, cannot see of a step that streams 2 GB of weights.
+other forms; a GEMM with a split form each of its tiles in 2, 3 and 4 K slices too, whatever the plan's table says)
+of each kind of GEMM and attention kernel, set for every layer's group of that kind at once: what the autotuner,
+timing one kernel alone with its weights in L2, cannot see of a step that streams 2 GB of weights.
 torch.compile is not among them: it and opfuse in one process hit an illegal memory access (RESULTS.md); `generate`
 times it in a process of its own.
 """
@@ -78,6 +79,8 @@ def sweep(generator, step, positions: list[torch.Tensor], top: int) -> dict[str,
     """{kind: {"chosen": the autotuner's config, "steps": [[config, step ms], ...]}} for each kind of GEMM and
     attention kernel of the decode step (its ops and output shape), every group of the kind set to one candidate
     at a time (`CompiledModel.set_configs`), then back to the tuner's choices."""
+    from opfuse.codegen.base import KernelConfig
+
     compiled = generator.step.compiled
     graph = compiled.plan.graph
     kinds: dict[str, list[str]] = collections.defaultdict(list)
@@ -89,8 +92,13 @@ def sweep(generator, step, positions: list[torch.Tensor], top: int) -> dict[str,
     found = {}
     for kind, names in kinds.items():
         kernel = compiled.kernels[names[0]]
+        candidates = list(dict.fromkeys(kernel.configs() + kernel.alternatives(library=True)))[:top]
+        if getattr(kernel, "split", None) is not None:     # a GEMM with a split form: its tiles in 2-4 K slices too
+            candidates += [KernelConfig.of(c.num_warps, c.num_stages, **(dict(c.params) | {"SPLIT_K": slices}))
+                           for c in candidates if "SPLIT_K" in dict(c.params) for slices in (2, 3, 4)
+                           if dict(c.params)["SPLIT_K"] != slices]
         rows = []
-        for config in list(dict.fromkeys(kernel.configs() + kernel.alternatives(library=True)))[:top]:
+        for config in candidates:
             try:
                 compiled.set_configs({name: config for name in names})
                 for position in positions[:3]:      # compiles, captures the graph again
