@@ -271,6 +271,16 @@ def render(runs: Sequence[dict], held_out_from: int | None = None, work_of: Work
             + (f"{row['predicted_ms']:.3f} / {row['opfuse_replay']['median_ms']:.3f} ({error * 100:.0f}%)"
                if error is not None else "-")
             + f" | {'-' if through is None else through} | {_roofline_cells(found.get(key))} |")
+    problems = problem_lines(workloads, rows)
+    if problems:
+        lines += ["", "## Failed or not run", "", *problems]
+    lines += ["", "## Runs", "", *run_lines(headers)]
+    return "\n".join(lines) + "\n"
+
+
+def problem_lines(workloads: dict, rows: dict) -> list[str]:
+    """ZOO.md's "Failed or not run": each stage or contender that failed, with its error's first line, then the
+    zoo's workloads no run measured."""
     problems = []
     for key, entry in workloads.items():
         row = rows.get(key, {})
@@ -286,10 +296,7 @@ def render(runs: Sequence[dict], held_out_from: int | None = None, work_of: Work
     if missing:
         problems.append(f"- not measured in any run yet ({len(missing)} of the zoo's {len(ZOO_MODELS) * len(ZOO_BATCHES)} "
                         f"workloads): {', '.join(missing)}")
-    if problems:
-        lines += ["", "## Failed or not run", "", *problems]
-    lines += ["", "## Runs", "", *run_lines(headers)]
-    return "\n".join(lines) + "\n"
+    return problems
 
 
 def run_lines(headers: Sequence[dict]) -> list[str]:
