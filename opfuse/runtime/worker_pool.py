@@ -186,88 +186,76 @@ class CompilePool:
     def _serve(self, selector: selectors.BaseSelector) -> None:
         """Hand out queued launches to ready idle workers, read their answers, replace the dead, until `close`."""
         selector.register(self._wake_read, selectors.EVENT_READ, None)
-        idle: list[subprocess.Popen] = []
-        starting: dict[subprocess.Popen, bytes] = {}     # a worker not yet `READY` -> what it has printed
-        busy: dict[subprocess.Popen, bytes] = {}         # a worker with a launch out -> what it has printed since
-        held: dict[subprocess.Popen, tuple] = {}          # -> the key of that launch
-
-        def started(process: subprocess.Popen) -> None:
-            starting[process] = b""
-            selector.register(process.stdout, selectors.EVENT_READ, process)
-
-        def replace(process: subprocess.Popen) -> None:
-            fresh = self._drop(process)
-            if fresh is not None:
-                started(fresh)
-
+        workers = _Workers(selector, lambda process: self._drop(process))     # (looked up at each use)
         for process in self.processes:
-            started(process)
-
-        def release(process: subprocess.Popen) -> tuple:
-            selector.unregister(process.stdout)
-            busy.pop(process)
-            return held.pop(process)
-
+            workers.started(process)
         while True:
             with self._state:
                 if self._closing:
                     break
-                for process in [p for p, key in held.items() if key in self._abandoned]:
-                    key = release(process)
-                    replace(process)
-                    self._finish(key, False)
-                self._abandoned.clear()
-                while self._queue and idle:
-                    process = idle.pop()
-                    if process.poll() is not None:       # died while idle (between rounds)
-                        replace(process)
-                        continue
-                    key, record = self._queue.popleft()
-                    try:
-                        line = (json.dumps(encode_launch(record)) + "\n").encode()
-                    except Exception:                    # not data a worker can read: the tuner's
-                        idle.append(process)
-                        self._finish(key, False)
-                        continue
-                    try:
-                        process.stdin.write(line)
-                    except OSError:                      # it died: the launch goes to the tuner
-                        replace(process)
-                        self._finish(key, False)
-                        continue
-                    held[process], busy[process] = key, b""
-                    selector.register(process.stdout, selectors.EVENT_READ, process)
-                if not self.processes:                   # no worker left: what is queued goes to the tuner
-                    while self._queue:
-                        self._finish(self._queue.popleft()[0], False)
+                self._hand_out(workers)
             for event, _ in selector.select():
                 if event.data is None:
                     os.read(self._wake_read, 4096)
                     continue
-                process = event.data
-                data = os.read(process.stdout.fileno(), 65536)
-                with self._state:
-                    if process in starting:
-                        starting[process] += data
-                        if not data or READY in starting[process].split(b"\n"):   # died starting, or ready
-                            selector.unregister(process.stdout)
-                            del starting[process]
-                            if data:
-                                idle.append(process)
-                            else:
-                                replace(process)
-                        continue
-                    if not data:                         # it died with the launch
-                        key = release(process)
-                        replace(process)
-                        self._finish(key, False)
-                        continue
-                    busy[process] += data
-                    answers = [line for line in busy[process].split(b"\n")[:-1] if line.startswith(REPLY)]
-                    if answers:                          # anything else it printed is not ours
-                        key = release(process)
-                        idle.append(process)
-                        self._finish(key, answers[-1][len(REPLY):].strip() == b"1")
+                self._read(workers, event.data)
+
+    def _hand_out(self, workers: "_Workers") -> None:
+        """With `_state` held: replace the workers whose launch was given up on, hand the queue to the idle ones."""
+        for process in [p for p, key in workers.held.items() if key in self._abandoned]:
+            key = workers.release(process)
+            workers.replace(process)
+            self._finish(key, False)
+        self._abandoned.clear()
+        while self._queue and workers.idle:
+            process = workers.idle.pop()
+            if process.poll() is not None:       # died while idle (between rounds)
+                workers.replace(process)
+                continue
+            key, record = self._queue.popleft()
+            try:
+                line = (json.dumps(encode_launch(record)) + "\n").encode()
+            except Exception:                    # not data a worker can read: the tuner's
+                workers.idle.append(process)
+                self._finish(key, False)
+                continue
+            try:
+                process.stdin.write(line)
+            except OSError:                      # it died: the launch goes to the tuner
+                workers.replace(process)
+                self._finish(key, False)
+                continue
+            workers.held[process], workers.busy[process] = key, b""
+            workers.selector.register(process.stdout, selectors.EVENT_READ, process)
+        if not self.processes:                   # no worker left: what is queued goes to the tuner
+            while self._queue:
+                self._finish(self._queue.popleft()[0], False)
+
+    def _read(self, workers: "_Workers", process: subprocess.Popen) -> None:
+        """What `process` printed: its READY (idle from now on), its answer to its launch, or its death."""
+        data = os.read(process.stdout.fileno(), 65536)
+        with self._state:
+            if process in workers.starting:
+                workers.starting[process] += data
+                if not data or READY in workers.starting[process].split(b"\n"):   # died starting, or ready
+                    workers.selector.unregister(process.stdout)
+                    del workers.starting[process]
+                    if data:
+                        workers.idle.append(process)
+                    else:
+                        workers.replace(process)
+                return
+            if not data:                         # it died with the launch
+                key = workers.release(process)
+                workers.replace(process)
+                self._finish(key, False)
+                return
+            workers.busy[process] += data
+            answers = [line for line in workers.busy[process].split(b"\n")[:-1] if line.startswith(REPLY)]
+            if answers:                          # anything else it printed is not ours
+                key = workers.release(process)
+                workers.idle.append(process)
+                self._finish(key, answers[-1][len(REPLY):].strip() == b"1")
 
     def _drop(self, process: subprocess.Popen) -> subprocess.Popen | None:
         """Kill `process`; its replacement, if `restarts` lasts."""
@@ -304,3 +292,31 @@ class CompilePool:
             if fd >= 0:
                 os.close(fd)
         self._wake_read = self._wake_write = -1
+
+
+class _Workers:
+    """The dispatcher's view of the worker processes (`CompilePool._serve`): starting, idle, or busy with a launch
+    whose key it holds; `drop` ends one and returns its replacement, if the pool's restarts allow one."""
+
+    def __init__(self, selector: selectors.BaseSelector,
+                 drop: Callable[[subprocess.Popen], subprocess.Popen | None]):
+        self.selector, self.drop = selector, drop
+        self.idle: list[subprocess.Popen] = []
+        self.starting: dict[subprocess.Popen, bytes] = {}     # a worker not yet `READY` -> what it has printed
+        self.busy: dict[subprocess.Popen, bytes] = {}         # a worker with a launch out -> what it has printed since
+        self.held: dict[subprocess.Popen, tuple] = {}         # -> the key of that launch
+
+    def started(self, process: subprocess.Popen) -> None:
+        self.starting[process] = b""
+        self.selector.register(process.stdout, selectors.EVENT_READ, process)
+
+    def replace(self, process: subprocess.Popen) -> None:
+        fresh = self.drop(process)
+        if fresh is not None:
+            self.started(fresh)
+
+    def release(self, process: subprocess.Popen) -> tuple:
+        """`process`'s launch key; it is no longer read nor busy."""
+        self.selector.unregister(process.stdout)
+        self.busy.pop(process)
+        return self.held.pop(process)
