@@ -57,7 +57,7 @@ from typing import Iterable, Mapping, Sequence
 from opfuse.config import FusionConfig
 from opfuse.fusion.legality_anchors import ROW_NORMS
 from opfuse.fusion.legality_conv import conv_stages, is_depthwise_conv
-from opfuse.fusion.plan import ResourceEstimate
+from opfuse.fusion.plan import Moves, ResourceEstimate
 from opfuse.fusion.resources import (ATTENTION_TILES, anchor_of, conv_chain, conv_conv_tiles,
                                      describe_tile, estimate_resources, expansion_block)
 from opfuse.fusion.squeeze import SqueezeChain, fitting_resources, squeeze_chain, squeeze_seconds
@@ -70,7 +70,7 @@ Users = Mapping[str, Sequence[Node]]
 
 
 @dataclass(frozen=True)
-class GroupTraffic:
+class GroupTraffic(Moves):
     """FLOPs and bytes of one kernel, and the values it reads and writes."""
 
     flops: int
@@ -78,14 +78,6 @@ class GroupTraffic:
     bytes_written: int
     inputs: tuple[str, ...]      # values read from outside, in first-use order
     outputs: tuple[str, ...]     # values written (read outside, or graph outputs)
-
-    @property
-    def bytes_moved(self) -> int:
-        return self.bytes_read + self.bytes_written
-
-    @property
-    def density(self) -> float:
-        return self.flops / self.bytes_moved if self.bytes_moved else 0.0
 
 
 @dataclass(frozen=True)

@@ -72,8 +72,21 @@ class ResourceEstimate:
                                             # (`opfuse.fusion.resources.rate_tile`), the autotuner's likely choice
 
 
+class Moves:
+    """What a kernel of `flops`, `bytes_read` and `bytes_written` moves: its bytes, and its compute density (FLOPs
+    per byte moved: under the config's threshold, a fusion candidate). A base of the records that have the three."""
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+    @property
+    def density(self) -> float:
+        return self.flops / self.bytes_moved if self.bytes_moved else 0.0
+
+
 @dataclass
-class FusionGroup:
+class FusionGroup(Moves):
     """One kernel of the fused model (or none, for views)."""
 
     id: int
@@ -97,14 +110,6 @@ class FusionGroup:
     reason: str = ""                        # why the group is what it is
     code: Code = Code.NO_CANDIDATE          # the same as a stable code: fused for a merged group, the first refusal
                                             # a lone node met, view, view-copy, opaque or copying-op
-
-    @property
-    def bytes_moved(self) -> int:
-        return self.bytes_read + self.bytes_written
-
-    @property
-    def density(self) -> float:
-        return self.flops / self.bytes_moved if self.bytes_moved else 0.0
 
     @property
     def name(self) -> str:
