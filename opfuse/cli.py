@@ -105,7 +105,7 @@ def load_analysis(args: argparse.Namespace, config: FusionConfig):
 
     if args.model.endswith(".onnx"):
         return analyze(args.model, config=config, batch=args.batch)
-    if args.decode:
+    if getattr(args, "decode", False):      # (analyze's option: report has none)
         return decode_analysis(args, config)
     from opfuse.bench.harness import protocol_form
     from opfuse.ir.graph import torch_dtype
