@@ -227,7 +227,7 @@ class GroupListing:
         if all(slices == 1 for slices in table.values()):
             return {}, 1, estimate.time, ""
         if [n for n in nodes if self.graph[n].op not in ("input", "constant")] == [node.name]:
-            return table, 1, estimate.time, "a bare attention runs torch's untuned"
+            return table, 1, estimate.time, "a bare attention runs torch's attention untuned"
         slices = table[attention_key(tile)]
         if slices == 1:
             return table, 1, estimate.time, f"its default tile {attention_key(tile)} runs unsplit"
