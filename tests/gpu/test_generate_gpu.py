@@ -35,13 +35,15 @@ def test_greedy_tokens_equal_transformers_in_float32():
     assert torch.equal(generator.generate(prompt, 32), want)
 
 
-def test_every_decode_step_is_within_float16_tolerance_of_eager():
+@pytest.mark.parametrize("switches", [{}, {"weight_prefetch": True}, {"dependent_launch": False}])
+def test_every_decode_step_is_within_float16_tolerance_of_eager(switches):
+    """(with the GEMMs' weight prefetch, and with dependent launch off, too)"""
     import opfuse
     from opfuse.generate import KVCacheDecoder
     from opfuse.numerics import relative_error
 
     llama = model(torch.float16)
-    generator = opfuse.compile_generator(llama, 1, 96, opfuse.FusionConfig(dtype="float16"))
+    generator = opfuse.compile_generator(llama, 1, 96, opfuse.FusionConfig(dtype="float16", **switches))
     eager = KVCacheDecoder(llama, 1, 96).eval()
     prompt = torch.randint(0, 1024, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.no_grad():
