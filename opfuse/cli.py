@@ -159,7 +159,32 @@ def decode_table(analysis, args: argparse.Namespace) -> tuple[Table, dict]:
              else f"{report['share_of_bandwidth_floor']:.0%}")]
     for row in rows:
         table.add_row(*row)
+    report["by_kind"] = decode_kinds(analysis)
+    for kind, figures in report["by_kind"].items():
+        table.add_row(f"  {kind}: launches, bytes, predicted",
+                      f"{figures['launches']}, {human_bytes(figures['bytes'])}, {human_time(figures['predicted_s'])}")
     return table, report
+
+
+def decode_kinds(analysis) -> dict[str, dict]:
+    """A decode step's plan by kind of kernel: GEMMs (linear and matmul anchors), attention, row reductions (norms,
+    softmax) and the rest: launches, bytes moved and predicted seconds of each kind's groups."""
+    from opfuse.ir.ops import FusionKind, kind_of
+
+    graph = analysis.plan.graph
+    kinds: dict[str, dict] = {}
+    for group in analysis.plan.groups:
+        if not group.launches:
+            continue
+        op = graph[group.anchor].op if group.anchor else None
+        reduces = any(kind_of(graph[name]) is FusionKind.REDUCTION for name in group.nodes)
+        kind = ("GEMMs" if op in ("linear", "matmul") else "attention" if op == "sdpa"
+                else "row reductions" if reduces and op is None else "elementwise and other")
+        figures = kinds.setdefault(kind, {"launches": 0, "bytes": 0, "predicted_s": 0.0})
+        figures["launches"] += group.launches
+        figures["bytes"] += group.bytes_moved
+        figures["predicted_s"] += group.predicted_time
+    return dict(sorted(kinds.items(), key=lambda item: -item[1]["predicted_s"]))
 
 
 def ops_table(analysis, limit: int | None) -> Table:

@@ -140,5 +140,9 @@ def test_analyze_decode_reports_a_decode_step_bytes_launches_and_floor(tmp_path,
     per_position = 2 * 2 * 2 * 2 * 16 * 4       # k and v, 2 layers, 2 rows, 2 kv heads, head dim 16, float32
     assert decode["cache_bytes_read"] == per_position * 64 == decode["cache_bytes_needed"]
     assert decode["tokens_per_step"] == 2 and decode["launches"] >= 1 and decode["measured_s"] is None
+    kinds = decode["by_kind"]       # where the step's launches and bytes go, by kind of kernel
+    assert sum(k["launches"] for k in kinds.values()) == decode["launches"]
+    assert sum(k["bytes"] for k in kinds.values()) == decode["plan_bytes"]
+    assert kinds["GEMMs"]["bytes"] > 0.7 * decode["plan_bytes"] and kinds["attention"]["launches"] == 2
     assert main(["analyze", "resnet18", "--decode"]) != 0
     assert "--decode analyzes a built-in decoder" in capsys.readouterr().err
