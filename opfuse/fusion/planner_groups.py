@@ -155,7 +155,7 @@ class GroupListing:
         if slices == 1:
             return 1, time
         partials = 2 * slices * view.rows * 4
-        return slices, time + (self.hw.launch_overhead + partials / self.hw.memory_bandwidth) * self.hw.time_factor
+        return slices, self.with_second_launch(time, partials)
 
     def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate
                 ) -> tuple[dict[str, int], int, float, str]:
@@ -207,15 +207,13 @@ class GroupListing:
                 unsplit = "too few slices would fit to pay for a second kernel"
             return table, 1, estimate.time, unsplit
         partials = 2 * default_slices * rows * columns * batch * 4
-        return (table, default_slices,
-                estimate.time + (self.hw.launch_overhead + partials / self.hw.memory_bandwidth) * self.hw.time_factor,
-                "")
+        return table, default_slices, self.with_second_launch(estimate.time, partials), ""
 
     def key_splits(self, nodes: list[str], estimate: KernelEstimate) -> tuple[dict[str, int], int, float, str]:
         """`split_k` of an sdpa group: the key slices of each attention tile (`key_split_table`: where the query
-        tiles leave most SMs idle and the keys are many, decoding over a cache), of its default tile, the predicted
-        seconds with the second launch and the float32 partial rows where that tile splits, and why it runs unsplit
-        where it does. A bare sdpa runs torch's attention untuned (`opfuse.codegen.attention`), which the
+        tiles leave most SMs idle over two key blocks or more, decoding over a cache), of its default tile, the
+        predicted seconds with the second launch and the float32 partial rows where that tile splits, and why it
+        runs unsplit where it does. A bare sdpa runs torch's attention untuned (`opfuse.codegen.attention`), which the
         autotuner measures against the split kernel."""
         node = self.graph[estimate.anchor]
         q, k = (self.graph[i].type.shape for i in node.inputs[:2])
@@ -232,6 +230,9 @@ class GroupListing:
         if slices == 1:
             return table, 1, estimate.time, f"its default tile {attention_key(tile)} runs unsplit"
         partials = 2 * slices * heads * q[-2] * (node.type.shape[-1] + 2) * 4
-        return (table, slices,
-                estimate.time + (self.hw.launch_overhead + partials / self.hw.memory_bandwidth) * self.hw.time_factor,
-                "")
+        return table, slices, self.with_second_launch(estimate.time, partials), ""
+
+    def with_second_launch(self, time: float, partial_bytes: int) -> float:
+        """`time` with the second kernel of a split priced: its launch, and the float32 partials written once and
+        read once (`partial_bytes`, both ways)."""
+        return time + (self.hw.launch_overhead + partial_bytes / self.hw.memory_bandwidth) * self.hw.time_factor

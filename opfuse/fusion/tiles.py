@@ -211,8 +211,7 @@ def key_split_slices(programs: int, steps: int, sm_count: int) -> int:
     walking six blocks on 32 of 132 SMs."""
     if 4 * programs > sm_count or steps < 2:
         return 1
-    per_slice = -(-steps // min(-(-sm_count // programs), steps, MAX_SPLIT_K))
-    return -(-steps // per_slice)
+    return nonempty_slices(steps, min(-(-sm_count // programs), steps, MAX_SPLIT_K))
 
 
 def key_split_table(queries: int, keys: int, heads: int, sm_count: int) -> dict[str, int]:
@@ -296,6 +295,12 @@ def split_k_slices(programs: int, steps: int, sm_count: int) -> int:
     slices = min(-(-sm_count // programs), steps // MIN_STEPS_PER_SLICE, MAX_SPLIT_K)
     if slices < MIN_SPLIT_K:
         return 1
+    return nonempty_slices(steps, slices)
+
+
+def nonempty_slices(steps: int, slices: int) -> int:
+    """The slices `steps` loop steps cut into at most `slices` runs of equal length take, none of them empty
+    (17 steps in 4 slices: runs of 5, the last 2; 6 in 5: runs of 2, so 3 slices)."""
     per_slice = -(-steps // slices)
     return -(-steps // per_slice)
 
