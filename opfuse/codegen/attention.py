@@ -66,7 +66,7 @@ from opfuse.codegen.base import FORM_LIBRARY, KernelConfig, compiled_info, load_
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, generate_kernel, siblings_and_chains
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.forms import UNFUSED, EpilogueKernel, is_library, is_unfused
-from opfuse.codegen.split_k import planned_slices, sliced_template, slices_of
+from opfuse.codegen.split_k import planned_slices, sliced_template, slices_of, unsplit
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.resources import estimate_resources
 from opfuse.fusion.tiles import ATTENTION_TILES, INTERPRETED_ATTENTION, MAX_HEAD_DIM, attention_key
@@ -332,8 +332,7 @@ class AttentionKernel(EpilogueKernel):
         library form among its configs (and nothing else to unfuse); a group with an epilogue offers, with
         `library`, the unfused form: torch's sdpa, then the epilogue ops through PyTorch."""
         split = next((c for c in self._configs if slices_of(c) > 1), None)
-        forms = [] if split is None else [KernelConfig.of(split.num_warps, split.num_stages,
-                                                          **(dict(split.params) | {"SPLIT_K": 1}))]
+        forms = [] if split is None else [unsplit(split)]
         return forms + ([UNFUSED] if library and not self.bare else [])
 
     def launches(self, config: KernelConfig | None = None) -> int:

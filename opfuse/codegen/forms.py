@@ -17,7 +17,7 @@ import triton
 
 from opfuse.codegen.base import FORM_LIBRARY, FORM_UNFUSED, GroupKernel, KernelConfig
 from opfuse.codegen.epilogue import generate_kernel
-from opfuse.codegen.split_k import REDUCE_BLOCK_M, REDUCE_BLOCK_N, SplitK, slices_of
+from opfuse.codegen.split_k import REDUCE_BLOCK_M, REDUCE_BLOCK_N, SplitK, slices_of, unsplit
 from opfuse.ir.graph import Node
 from opfuse.ir.interpret import device_constants, run_nodes
 from opfuse.ir.ops import launches_kernel
@@ -165,7 +165,7 @@ class EpilogueKernel(GroupKernel):
         forms = []
         if self.split is not None:
             first = next(c for c in self._configs if "SPLIT_K" in dict(c.params))
-            forms.append(KernelConfig.of(first.num_warps, first.num_stages, **(dict(first.params) | {"SPLIT_K": 1})))
+            forms.append(unsplit(first))
         if library:
             if self.library_outputs is not None:
                 forms.append(LIBRARY)              # no epilogue kernel, so no epilogue tile to choose

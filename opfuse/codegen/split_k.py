@@ -123,5 +123,10 @@ def planned_slices(group: "FusionGroup", key: str, what: str) -> int:
     return group.split_k[key]
 
 
+def unsplit(config: KernelConfig) -> KernelConfig:
+    """`config` run as one kernel (SPLIT_K 1): the unsplit form a split kernel offers the autotuner."""
+    return KernelConfig.of(config.num_warps, config.num_stages, **(dict(config.params) | {"SPLIT_K": 1}))
+
+
 def slices_of(config: KernelConfig) -> int:
     return dict(config.params).get("SPLIT_K", 1)
