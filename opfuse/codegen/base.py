@@ -164,7 +164,6 @@ def load_kernel(prefix: str, ops: Sequence[str], source: str, units: Sequence[st
     return name, source, Launcher(getattr(module, name), module.__file__, name, units, rows, row_strides, row_count)
 
 
-
 # Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the kernel before it
 # in the stream drains, and waits inside (griddepcontrol.wait) until that kernel's writes are visible. Every
 # generated kernel opens with `DEPENDENT_LAUNCH_CODE` under its PDL constexpr (0 unless a launcher passes 1): it
@@ -184,8 +183,8 @@ DEPENDENT_LAUNCH_CODE = """\
 def with_dependent_launch(source: str) -> str:
     """Generated `source` whose KERNEL_NAME function takes the PDL constexpr last and opens with
     DEPENDENT_LAUNCH_CODE (the signature's parentheses matched, its body on the lines after it); a template that
-    waits itself (its own `gdc_wait()` under PDL, after reading only what no kernel writes: the GEMM's weight
-    prefetch) keeps its place."""
+    has the code itself (further down, after reading only what no kernel writes: the GEMM's weight prefetch) keeps
+    its place."""
     start = source.index("def KERNEL_NAME(") + len("def KERNEL_NAME(")
     depth, close = 1, start
     while depth:
@@ -194,7 +193,7 @@ def with_dependent_launch(source: str) -> str:
     params = source[start:close - 1].rstrip()
     separator = "" if not params else " " if params.endswith(",") else ", "
     body = source.index("\n", close) + 1
-    code = "" if "tl.extra.cuda.gdc_wait()" in source[body:] else DEPENDENT_LAUNCH_CODE
+    code = "" if DEPENDENT_LAUNCH_CODE in source[body:] else DEPENDENT_LAUNCH_CODE
     return f"{source[:start]}{params}{separator}{DEPENDENT_LAUNCH_PARAM}{source[close - 1:body]}{code}{source[body:]}"
 
 
@@ -232,6 +231,7 @@ def launches_dependently(args: Sequence[Any]) -> bool:
     if index not in _DEPENDENT_DEVICES:
         _DEPENDENT_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _DEPENDENT_DEVICES[index]
+
 
 # Triton specialises an integer argument on one fact about its factors: whether 16 divides it. A kernel over 24
 # channels (a row stride of 24 elements, a mask `offs_n < 24`) is compiled as if its rows could start anywhere, so

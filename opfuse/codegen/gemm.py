@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import KernelConfig, compiled_info, prefetches_weights, rows_jit
+from opfuse.codegen.base import DEPENDENT_LAUNCH_CODE, KernelConfig, compiled_info, prefetches_weights, rows_jit
 from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, TileLayout, compute_dtype, generate_kernel,
                                      siblings_and_chains)
 from opfuse.codegen.forms import EpilogueKernel, LibraryAnchor
@@ -101,15 +101,13 @@ def KERNEL_NAME(
     a_ptrs = a_rows[:, None] + offs_k[None, :] * s_ak
     b_ptrs = b_ptr + (b0 * s_bb0 + b1 * s_bb1) + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
     k_prefetch = 0
-    if PDL:
-        if PREFETCH_K > 0:      # the module docstring's weight prefetch
-            rows = tl.minimum(k_prefetch + tl.arange(0, PREFETCH_K), K - 1)
-            lines = tl.minimum(pid_n * BLOCK_N + tl.arange(0, (BLOCK_N + 63) // 64) * 64, N - 1)
-            weight = b_ptr + (b0 * s_bb0 + b1 * s_bb1) + rows[:, None] * s_bk + lines[None, :] * s_bn
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];", "=r,l", [weight], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL and PREFETCH_K > 0:      # the module docstring's weight prefetch
+        rows = tl.minimum(k_prefetch + tl.arange(0, PREFETCH_K), K - 1)
+        lines = tl.minimum(pid_n * BLOCK_N + tl.arange(0, (BLOCK_N + 63) // 64) * 64, N - 1)
+        weight = b_ptr + (b0 * s_bb0 + b1 * s_bb1) + rows[:, None] * s_bk + lines[None, :] * s_bn
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];", "=r,l", [weight], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+''' + DEPENDENT_LAUNCH_CODE + '''\
 {prologue_stats}
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
