@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from opfuse.bench.timing import time_once
+
 ROUNDS, STEPS_PER_ROUND = 6, 8
 
 
@@ -62,17 +64,9 @@ def step_profile(step, positions: list[torch.Tensor]) -> dict:
 
 
 def step_ms(step, positions: list[torch.Tensor]) -> float:
-    """Median milliseconds of `step` over `positions`, each timed from an idle GPU (CUDA events)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for position in positions:
-        torch.cuda.synchronize()
-        start.record()
-        step(position)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    """Median milliseconds of `step` over `positions`, each timed from an idle GPU (`time_once`)."""
+    torch.cuda.synchronize()
+    return statistics.median([time_once(lambda: step(position), True) for position in positions])
 
 
 def sweep(generator, step, positions: list[torch.Tensor], top: int) -> dict[str, dict]:
@@ -157,16 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                 "logits_rel_err_vs_eager": ((logits - reference).norm() / reference.norm()).item(),
                 "profile": step_profile(steps[variant], positions[10:13])}
         times: dict[str, list[float]] = {variant: [] for variant in steps}
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
         for round_ in range(ROUNDS):
             for variant, step in steps.items():
                 for position in positions[round_ * STEPS_PER_ROUND:(round_ + 1) * STEPS_PER_ROUND]:
-                    torch.cuda.synchronize()
-                    start.record()
-                    step(position)
-                    end.record()
-                    end.synchronize()
-                    times[variant].append(start.elapsed_time(end))
+                    times[variant].append(time_once(lambda: step(position), True))
         if args.sweep:
             first = next(iter(steps))
             results["sweep"] = sweep(generators[first], steps[first], positions, args.sweep)
