@@ -337,10 +337,7 @@ def _lower_gated(graph: Graph, group: FusionGroup, device: torch.device, pair: G
         raise Unsupported(f"group {group.name}: the gated pair's product {pair.product} is not its first epilogue node")
     shape = graph[pair.product].type.shape
     epilogue = Epilogue(graph, group, [after], TileLayout(shape, channel_dim=len(shape) - 1), device)
-    prologue = None
-    if ops:
-        prologue = Prologue(graph, ops, prologue_source(graph, ops),
-                            TileLayout(graph[x].type.shape, channel_dim=len(shape) - 1), k, device)
+    prologue = linear_prologue(graph, ops, x, k, device)
     return GatedGemmKernel(graph, group, device, pair, epilogue, prologue.source if prologue else x, k, weight, hw,
                            prologue)
 
@@ -390,10 +387,9 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
     views = [n for n in ops if get_op(graph[n].op).alias] or operand_chain(graph, anchors[0], group.nodes, users)
     a_map = OperandMap(graph, views, len(shape) - 1) if views else None
     a = graph[views[0]].inputs[0] if views else x
-    prologue = None
-    if ops:     # what the linear computes on its input tiles: it reads the prologue's source
-        a = prologue_source(graph, ops)
-        prologue = Prologue(graph, ops, a, TileLayout(graph[x].type.shape, channel_dim=len(shape) - 1), k, device)
+    prologue = linear_prologue(graph, ops, x, k, device)
+    if prologue is not None:    # what the linear computes on its input tiles: it reads the prologue's source
+        a = prologue.source
 
     # the library forms read x itself: the kernel computes it through PyTorch first (`operand_nodes`)
     kernel = GemmKernel(graph, group, device, epilogue, a=a, k=k, b_packed=weight, a_map=a_map, prologue=prologue,
@@ -404,6 +400,15 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
     if chain is not None:
         kernel.library_fused = FusedLinearLibrary(chain, x, weight, biases[0], first.type.shape[:-1])
     return kernel
+
+
+def linear_prologue(graph: Graph, ops: Sequence[str], x: str, k: int, device: torch.device) -> Prologue | None:
+    """The prologue of a linear (or a gated pair) that computes its input `x` through `ops` (`anchor_prologue`) on
+    its A tiles, reading their source; None without ops."""
+    if not ops:
+        return None
+    shape = graph[x].type.shape
+    return Prologue(graph, ops, prologue_source(graph, ops), TileLayout(shape, channel_dim=len(shape) - 1), k, device)
 
 
 def prologue_source(graph: Graph, ops: Sequence[str]) -> str:
