@@ -125,7 +125,7 @@ def KERNEL_NAME(
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * s_ak
         b_ptrs += BLOCK_K * s_bk
-
+{prologue_scale}
 {epilogue}
 '''
 
@@ -156,12 +156,12 @@ def gemm_configs(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gath
 
 def _with_prologue(template: str, prologue: Prologue | None) -> str:
     """`template` with the prologue's parameters and code in its slots (none without one)."""
-    params, code, stats = (prologue.params, prologue.code(), prologue.stats_code()) if prologue is not None \
-        else ("", "", "")
-    code = code.replace("{", "{{").replace("}", "}}")     # the template is formatted again for the epilogue
-    stats = stats.replace("{", "{{").replace("}", "}}")
+    params, code, stats, scale = ((prologue.params, prologue.code(), prologue.stats_code(), prologue.scale_code())
+                                  if prologue is not None else ("", "", "", ""))
+    code, stats, scale = (text.replace("{", "{{").replace("}", "}}")   # the template is formatted again for the
+                          for text in (code, stats, scale))             # epilogue
     return (template.replace("{prologue_params}", params).replace("{prologue_stats}\n", stats + "\n" if stats else "")
-            .replace("{prologue}", code))
+            .replace("{prologue}", code).replace("{prologue_scale}\n", scale + "\n" if scale else ""))
 
 
 class OperandMap:

@@ -22,6 +22,11 @@ views between the norm and the linear as the linear would read its output), and 
 each tile with the rows' mean and rstd and the norm's weight and bias (`pn0_ptr`, `pn1_ptr`: [K] vectors), rounded
 to the norm's dtype as its stored output would be. The library form computes the norm through PyTorch first
 (the kernel's `operand_nodes`: F.layer_norm, one more launch, which its `launches` counts).
+
+An RMS norm that only row views follow to the linear is deferred instead (`deferred`): x * rstd * w @ B is
+rstd * (x * w @ B) for each row, so the K loop that loads the rows anyway sums their squares, the tiles go to the dot
+as x * w / max|w| (rounded once, as the norm's output is; never larger than x, so never past float16's range), and
+`scale_code` multiplies the accumulator by rstd * max|w| after the loop: no pass of its own before it.
 """
 
 from __future__ import annotations
@@ -50,10 +55,18 @@ class Prologue:
         self.lines: list[str] = ["p = a.to(tl.float32)"]
         self.norm: str | None = None                     # the layer norm or RMS norm opening the chain, if any
         self.norm_vectors: list[torch.Tensor] = []       # its weight and bias, [K] on the device
+        opening = graph[self.nodes[0]] if self.nodes else None
+        self.deferred = (opening is not None and opening.op == "rms_norm"   # the module docstring's deferred norm
+                         and all(get_op(graph[name].op).alias for name in self.nodes[1:]))
+        self.norm_scale = 1.0                            # a deferred norm's max |weight|
         chain = {source}
         for name in self.nodes:
             node = graph[name]
             if get_op(node.op).alias:    # a row view between a layer norm and its linear: the same tile
+                chain.add(name)
+                continue
+            if node.op in ROW_NORMS and self.deferred:
+                self.lines += ["ln_squares += tl.sum(p * p, axis=1)", *self._weighted(node)]
                 chain.add(name)
                 continue
             if node.op in ROW_NORMS:
@@ -83,6 +96,24 @@ class Prologue:
                           ".to(tl.float32)[None, :]")
         return expression
 
+    def _weighted(self, node) -> list[str]:
+        """A deferred RMS norm's lines on the tile: its weight over the largest of its magnitudes."""
+        self.norm = node.name
+        if len(node.inputs) < 2:
+            return []
+        weight = self.graph.constants[node.inputs[1]].reshape(-1).float()
+        self.constants.setdefault(node.inputs[1], self.graph.constants[node.inputs[1]].to(self.device))
+        self.norm_scale = float(weight.abs().max()) or 1.0
+        self.norm_vectors.append((weight / self.norm_scale).to(self.device))
+        return ["p = p * tl.load(pn0_ptr + k_at, mask=k_at < K, other=0.0)[None, :]"]
+
+    def scale_code(self, indent: str = "    ") -> str:
+        """Lines run after the K loop: a deferred norm's rstd * max|weight| on each row of the accumulator."""
+        if not self.deferred:
+            return ""
+        eps = repr(float(self.graph[self.norm].attrs["eps"]))
+        return f"{indent}acc = acc * (tl.rsqrt(ln_squares / K + {eps}) * {self.norm_scale!r})[:, None]"
+
     def stats_code(self, indent: str = "    ") -> str:
         """Lines run before the K loop when the chain opens with a layer norm: the mean and rstd of each of the
         tile's rows in a pass over K of their own. Each K block's mean and sum of squared deviations are merged
@@ -91,6 +122,8 @@ class Prologue:
         (transformer residual streams), the merge does not, at one more subtraction per element."""
         if self.norm is None:
             return ""
+        if self.deferred:     # the squares are summed in the K loop
+            return indent + "ln_squares = tl.zeros([BLOCK_M], dtype=tl.float32)"
         eps = repr(float(self.graph[self.norm].attrs["eps"]))
         if self.graph[self.norm].op == "rms_norm":     # the rows' mean square: no cancellation to guard against
             lines = ["ln_squares = tl.zeros([BLOCK_M], dtype=tl.float32)",

@@ -35,9 +35,11 @@ def test_greedy_tokens_equal_transformers_in_float32():
     assert torch.equal(generator.generate(prompt, 32), want)
 
 
-@pytest.mark.parametrize("switches", [{}, {"weight_prefetch": True}, {"dependent_launch": False}])
+@pytest.mark.parametrize("switches", [{}, {"weight_prefetch": True}, {"dependent_launch": False},
+                                      {"norm_prologue": True}])
 def test_every_decode_step_is_within_float16_tolerance_of_eager(switches):
-    """(with the GEMMs' weight prefetch, and with dependent launch off, too)"""
+    """(with the GEMMs' weight prefetch, with dependent launch off, and with the RMS norms deferred into the
+    GEMMs that read them, too)"""
     import opfuse
     from opfuse.generate import KVCacheDecoder
     from opfuse.numerics import relative_error

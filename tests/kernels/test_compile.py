@@ -868,6 +868,29 @@ def test_sibling_linears_normalize_their_shared_rms_norm_input_and_match_eager()
         assert relative_error(compiled(fresh), model(fresh)) < 1e-5
 
 
+
+def test_a_deferred_rms_norm_prologue_keeps_float16_tiles_in_range():
+    """An RMS norm that only row views follow to its linears is deferred: the GEMM's K loop sums the rows' squares
+    and the accumulator takes rstd after it (no statistics pass of its own before the loop). Its tiles are
+    x * w / max|w|: with activations near 3000 and weights up to 40, whose product float16 cannot hold, the model
+    compiled in float16 still matches eager in float64."""
+    from opfuse.codegen.gemm import GemmKernel
+
+    torch.manual_seed(3)
+    model = RMSNormQKV().eval()
+    with torch.no_grad():
+        model.weight.uniform_(-40, 40)
+    x = torch.randn(2, 3, 24) * 3000
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float16", norm_prologue=True))
+    prologues = [kernel.prologue for kernel in compiled.compiled.kernels.values()
+                 if isinstance(kernel, GemmKernel) and kernel.prologue is not None]
+    assert len(prologues) == 2 and all(prologue.deferred for prologue in prologues)
+    assert all("ln_k" not in kernel.source for kernel in compiled.compiled.kernels.values())   # no stats pass
+    fresh = torch.randn(2, 3, 24) * 3000
+    with torch.no_grad():
+        got, want = compiled(fresh), model.double()(fresh.double())
+    assert torch.isfinite(got).all() and relative_error(got.double(), want) < 1e-2
+
 def test_kernels_built_to_launch_dependently_run_plainly_where_the_gpu_cannot():
     """With FusionConfig.dependent_launch every launcher of the plan is built to launch dependently (and with
     weight_prefetch every GEMM to prefetch its weight); on the CPU (Triton's interpreter) no launch does
