@@ -43,6 +43,9 @@ class FusionConfig:
     autotune: bool = True
     tune_top: int | None = 4            # autotune among each kernel's first N configs (None: all), and its next N
                                         # while every one tried spills; compiling is slow
+    tune_cold: bool = False             # where a forward's weights outgrow L2, the tuner times each kernel that
+                                        # mostly reads weights with them out of L2, as the forward finds them
+                                        # (`opfuse.runtime.autotune.cold_groups`; not yet measured)
     library_anchors: bool = True        # autotuning also times each conv/GEMM anchor through cuBLAS/cuDNN with its
                                         # epilogue as a generated kernel, and the group unfused (its ops through
                                         # PyTorch), and keeps either where it is faster than the fused kernel

@@ -211,6 +211,51 @@ def cuda_median_time(fn: Callable[[], Any]) -> float:
         return do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3
 
 
+class ColdClock:
+    """Median seconds per call of fn with nothing of its previous call left in L2 (FusionConfig.tune_cold): each call
+    of the graph `graph_time` replays follows a read of a buffer twice the device's L2, whose own time (measured
+    once) is taken off. Where fn cannot be captured, `cuda_median_time` (warm L2)."""
+
+    def __init__(self, device: torch.device):
+        size = 2 * torch.cuda.get_device_properties(device).L2_cache_size
+        self.scrub = torch.empty(size // 2, dtype=torch.float16, device=device).normal_()
+        self.read_s = graph_time(self.read)
+
+    def read(self) -> None:
+        self.scrub.sum()
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        def cold() -> None:
+            self.read()
+            fn()
+
+        torch.cuda.synchronize()
+        try:
+            return max(graph_time(cold) - self.read_s, 0.0)
+        except Exception:
+            recover_rng_after_failed_capture()
+            return cuda_median_time(fn)
+
+
+def cold_groups(kernels: Sequence[GroupKernel], l2_bytes: int) -> set[str]:
+    """The groups the tuner times cold (`ColdClock`): none where the kernels' constant inputs fit in L2 together
+    (a forward may find them there again), else those whose constants are at least half the bytes they read
+    (a GEMM of a few rows streams its weights: warm, a weight of 12 MB times as if read from L2)."""
+    def constant_bytes(kernel: GroupKernel) -> int:
+        return sum(kernel.graph[v].type.nbytes for v in kernel.group.inputs if kernel.graph.is_constant(v))
+
+    if sum(map(constant_bytes, kernels)) <= l2_bytes:
+        return set()
+    return {k.group.name for k in kernels if 2 * constant_bytes(k) >= max(k.group.bytes_read, 1)}
+
+
+def cold_set(kernels: Sequence[GroupKernel], config: FusionConfig, gpu: torch.device | None) -> set[str]:
+    """`cold_groups` on `gpu`'s L2 where FusionConfig.tune_cold asks for it and the GPU times, else none."""
+    if not config.tune_cold or gpu is None or not timing_available(gpu):
+        return set()
+    return cold_groups(kernels, torch.cuda.get_device_properties(gpu).L2_cache_size)
+
+
 def graph_time(fn: Callable[[], Any]) -> float:
     """Seconds per call of fn: a CUDA graph of n calls (n from three plain calls' time, so that a replay runs about
     GRAPH_WINDOW_S, at most GRAPH_MAX_CALLS), then the median over GRAPH_REPLAYS of one replay's time over n, each
@@ -331,12 +376,13 @@ def more_configs(kernel: GroupKernel, own: list[KernelConfig], compiled: dict[Ke
 
 
 def cached_choice(kernel: GroupKernel, inputs: list[torch.Tensor], configs: list[KernelConfig],
-                  cache: TuningCache | None, gpu_name: str) -> tuple[str | None, dict | None, KernelConfig | None]:
+                  cache: TuningCache | None, gpu_name: str,
+                  cold: bool = False) -> tuple[str | None, dict | None, KernelConfig | None]:
     """(tuning key, cache entry, the cached config if it is still a candidate) of a kernel: one of `configs`, or
-    of the kernel's configs past them that the tuning went on to (`more_configs`)."""
+    of the kernel's configs past them that the tuning went on to (`more_configs`); timed `cold` or not."""
     if cache is None:
         return None, None, None
-    key = tuning_key(kernel.source, inputs, gpu_name, candidates=[c.as_dict() for c in configs])
+    key = tuning_key(kernel.source, inputs, gpu_name, candidates=[c.as_dict() for c in configs], cold=cold)
     entry = cache.load(key)
     return key, entry, _restore(entry, configs + [c for c in kernel.configs() if c not in configs])
 
@@ -366,13 +412,14 @@ def note_choice(kernel: GroupKernel, chosen: KernelConfig, timings: Mapping[str,
 
 def tune_kernel(kernel: GroupKernel, inputs: list[torch.Tensor], hardware: HardwareProfile, benchmark: Benchmark,
                 result: TuningRecord, cache: TuningCache | None = None, gpu_name: str = "",
-                top: int | None = None, library: bool = False) -> KernelConfig:
+                top: int | None = None, library: bool = False, cold: bool = False) -> KernelConfig:
     """Choose the config of one kernel among its first `top` configs (and further ones while all of those are
     rejected: `more_configs`) and its other forms (`alternatives`: unsplit, and with `library` the anchor through
-    cuBLAS/cuDNN and the group unfused; see module docstring); record it."""
+    cuBLAS/cuDNN and the group unfused; see module docstring), timed by `benchmark` (`cold`: a `ColdClock`, which
+    the cache keys apart); record it."""
     name = kernel.group.name
     own, configs = candidates(kernel, top, library)
-    key, entry, cached = cached_choice(kernel, inputs, configs, cache, gpu_name)
+    key, entry, cached = cached_choice(kernel, inputs, configs, cache, gpu_name, cold)
     if cached is not None:
         result.configs[name] = cached
         result.from_cache.add(name)
@@ -447,6 +494,8 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
     columns = (TextColumn("[bold]autotuning[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     inputs = {kernel.group.name: kernel_inputs(kernel, example_values) for kernel in kernels}
+    cold = cold_set(kernels, config, gpu) if benchmark is cuda_median_time else set()
+    cold_clock = ColdClock(gpu) if cold else None
     own = compiling is None and on_gpu
     if own:
         compiling = Compiling.start(kernels, inputs, config, cache, gpu)
@@ -457,8 +506,9 @@ def tune(kernels: Mapping[str, GroupKernel] | Iterable[GroupKernel], example_val
                 progress.update(task, description=kernel.name)
                 if compiling is not None:
                     compiling.ready(kernel.group.name, inputs[kernel.group.name])
-                tune_kernel(kernel, inputs[kernel.group.name], hardware, benchmark, result, cache, gpu_name,
-                            config.tune_top, config.library_anchors)
+                timed_cold = kernel.group.name in cold
+                tune_kernel(kernel, inputs[kernel.group.name], hardware, cold_clock if timed_cold else benchmark,
+                            result, cache, gpu_name, config.tune_top, config.library_anchors, timed_cold)
                 progress.advance(task)
     finally:
         if compiling is not None:
@@ -505,7 +555,8 @@ class Compiling:
         workers = workers_of(config)
         if workers < 2:
             return None
-        jobs = uncached(kernels, inputs, config, cache, torch.cuda.get_device_name(gpu))
+        jobs = uncached(kernels, inputs, config, cache, torch.cuda.get_device_name(gpu),
+                        cold_set(kernels, config, gpu))
         if not jobs:
             return None
         hardware = get_hardware(config.hardware)
@@ -572,14 +623,15 @@ class Compiling:
 
 
 def uncached(kernels: Iterable[GroupKernel], inputs: Mapping[str, list[torch.Tensor]], config: FusionConfig,
-             cache: TuningCache | None, gpu_name: str) -> list[Job]:
+             cache: TuningCache | None, gpu_name: str, cold: set[str] = frozenset()) -> list[Job]:
     """(kernel, its inputs, the candidates `tune_kernel` would time) of each kernel the cache holds no choice of
     (`inputs`: each kernel's runtime inputs by group; a key reads only their shapes, strides and dtypes, so
-    stand-ins will do)."""
+    stand-ins will do; `cold`: the groups timed cold, `cold_set`)."""
     jobs = []
     for kernel in kernels:
         _, configs = candidates(kernel, config.tune_top, config.library_anchors)
-        if cached_choice(kernel, inputs[kernel.group.name], configs, cache, gpu_name)[2] is None:
+        if cached_choice(kernel, inputs[kernel.group.name], configs, cache, gpu_name,
+                         kernel.group.name in cold)[2] is None:
             jobs.append((kernel, inputs[kernel.group.name], configs))
     return jobs
 
@@ -588,7 +640,9 @@ def every_choice_cached(kernels: Iterable[GroupKernel], inputs: Mapping[str, lis
                         config: FusionConfig, cache: TuningCache | None, gpu: torch.device) -> bool:
     """Whether `tune` would time nothing: the cache holds a choice of every kernel (`uncached`)."""
     gpu_name = torch.cuda.get_device_name(gpu) if timing_available(gpu) else "cpu"     # as `tune` names it
-    return cache is not None and not uncached(kernels, inputs, config, cache, gpu_name)
+    kernels = list(kernels)
+    return cache is not None and not uncached(kernels, inputs, config, cache, gpu_name,
+                                              cold_set(kernels, config, gpu))
 
 
 def kernel_inputs(kernel: GroupKernel, example_values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -60,14 +60,17 @@ FORMS_REVISION = 2
 
 
 def tuning_key(source: str, inputs: Sequence[torch.Tensor] | Sequence[dict[str, Any]], gpu_name: str,
-               versions: dict[str, str] | None = None, candidates: Sequence[dict[str, int]] = ()) -> str:
+               versions: dict[str, str] | None = None, candidates: Sequence[dict[str, int]] = (),
+               cold: bool = False) -> str:
     """sha256 over the kernel source, the inputs' shapes/dtypes/strides, the GPU name, the software versions, the
     candidate configs timed (a tuning that offered other forms, e.g. without the library form, is another key),
-    what those forms run (`FORMS_REVISION`) and the timing method."""
+    what those forms run (`FORMS_REVISION`) and the timing method (`cold`: with L2 scrubbed before each call)."""
     described = [item if isinstance(item, dict) else describe_inputs([item])[0] for item in inputs]
     payload = {"source": source, "inputs": described, "gpu": gpu_name,
                "versions": versions if versions is not None else software_versions(),
                "candidates": [dict(c) for c in candidates], "forms": FORMS_REVISION, "timing": TIMING_METHOD}
+    if cold:       # (absent otherwise: the keys of warm tunings stay what they were)
+        payload["cold"] = True
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

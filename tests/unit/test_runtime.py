@@ -541,6 +541,31 @@ def test_every_choice_cached_reads_shapes_and_strides_not_values(tmp_path):
     assert not every_choice_cached([kernel], inputs(wider), FusionConfig(), cache, cpu)
 
 
+def test_the_tuner_times_cold_the_kernels_that_mostly_read_weights_once_weights_outgrow_l2():
+    """`cold_groups`: a linear reading 2 rows through a 64 KB weight is timed cold, one reading 512 rows through a
+    256-byte weight is not; and none is where the weights together fit in L2. A cold timing is another cache key."""
+    import opfuse
+    from opfuse.codegen.lower import lower_plan
+    from opfuse.runtime.autotune import cold_groups
+    from opfuse.runtime.cache import tuning_key
+
+    class TwoLinears(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wide, self.narrow = torch.nn.Linear(64, 256), torch.nn.Linear(8, 8)
+
+        def forward(self, x, y):
+            return self.wide(x), self.narrow(y)
+
+    torch.manual_seed(0)
+    plan = opfuse.analyze(TwoLinears(), (torch.randn(2, 64), torch.randn(512, 8))).plan
+    kernels, _ = lower_plan(plan, "cpu")
+    by_anchor = {plan.graph[k.group.anchor].inputs[0]: name for name, k in kernels.items() if k.group.anchor}
+    assert cold_groups(list(kernels.values()), l2_bytes=1024) == {by_anchor["x"]}
+    assert cold_groups(list(kernels.values()), l2_bytes=1 << 30) == set()
+    x = torch.randn(2, 64)
+    assert tuning_key("src", [x], "gpu", cold=True) != tuning_key("src", [x], "gpu")
+
 @pytest.mark.parametrize("cached", [True, False])
 def test_a_build_whose_every_choice_is_cached_tunes_on_stand_ins(cached, monkeypatch):
     graph = build_graph()
