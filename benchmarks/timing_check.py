@@ -1,4 +1,4 @@
-"""The autotuner's clock against Triton's: `opfuse.runtime.autotune.graph_time` and `do_bench_cudagraph` on the same
+"""The autotuner's clock against Triton's: `opfuse.runtime.clock.graph_time` and `do_bench_cudagraph` on the same
 kernels (fp16 GEMMs and an elementwise op from a microsecond to a millisecond), and the seconds each spends, on a GPU.
 
     python -m benchmarks.timing_check [--out DIR]
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from opfuse.runtime.autotune import graph_time
+from opfuse.runtime.clock import graph_time
 
 
 def main() -> None:

@@ -45,7 +45,7 @@ class FusionConfig:
                                         # while every one tried spills; compiling is slow
     tune_cold: bool = False             # where a forward's weights outgrow L2, the tuner times each kernel that
                                         # mostly reads weights with them out of L2, as the forward finds them
-                                        # (`opfuse.runtime.autotune.cold_groups`; not yet measured)
+                                        # (`opfuse.runtime.clock.cold_groups`; not yet measured)
     library_anchors: bool = True        # autotuning also times each conv/GEMM anchor through cuBLAS/cuDNN with its
                                         # epilogue as a generated kernel, and the group unfused (its ops through
                                         # PyTorch), and keeps either where it is faster than the fused kernel

@@ -39,7 +39,7 @@ import torch
 from opfuse.analysis.roofline import Ceilings, Floor, Work, datasheet_ceilings, floor, hardware_of_gpu, share_of_floor
 from opfuse.bench.calibrate import Calibration, Sample, calibrate
 from opfuse.codegen.forms import is_library, is_library_fused, is_unfused
-from opfuse.runtime.autotune import recover_rng_after_failed_capture
+from opfuse.runtime.clock import recover_rng_after_failed_capture
 from opfuse.config import FusionConfig
 from opfuse.fusion.cost import estimate_kernel, is_conv, predict_time, tile_efficiency
 from opfuse.hardware import HardwareProfile

@@ -51,7 +51,7 @@ def software_versions() -> dict[str, str]:
 
 
 # how the autotuner times candidates; part of every key, so a change of method re-tunes instead of reusing choices
-# made by another clock (1: do_bench, plain launches; 2: do_bench_cudagraph; 3: autotune.graph_time)
+# made by another clock (1: do_bench, plain launches; 2: do_bench_cudagraph; 3: clock.graph_time)
 TIMING_METHOD = 3
 # what the forms other than the Triton configs run (the library forms' epilogue and prologue kernels, the unfused
 # ops): part of every key, since a kernel's source does not say, so a change of them re-tunes (1: until 77be925;

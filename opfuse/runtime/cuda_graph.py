@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from opfuse.runtime.autotune import recover_rng_after_failed_capture
+from opfuse.runtime.clock import recover_rng_after_failed_capture
 from opfuse.runtime.gate import CAPTURE_GATE
 from opfuse.runtime.graph_nodes import kept_graph, kernel_nodes, ready
 

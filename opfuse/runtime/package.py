@@ -126,9 +126,10 @@ def build_profile(saved: SavedProfile, device: torch.device, rebuild: bool, wher
 def retune(compiled: Any) -> None:
     """Autotune a rebuilt CompiledModel here, as `build_compiled_model` does, on example inputs of its signature
     (nothing to time under the interpreter: each kernel keeps its first config)."""
-    from opfuse.runtime.autotune import timing_available, tune
+    from opfuse.runtime.autotune import tune
     from opfuse.runtime.binaries import example_inputs
     from opfuse.runtime.cache import TuningCache
+    from opfuse.runtime.clock import timing_available
 
     config = compiled.config
     if not (config.autotune and compiled.kernels and timing_available(compiled.device)):

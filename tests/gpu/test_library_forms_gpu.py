@@ -13,7 +13,7 @@ from opfuse.codegen.conv import lower_conv_group
 from opfuse.codegen.forms import LIBRARY_CONFIGS, LIBRARY_FUSED, is_flat
 from opfuse.codegen.gemm import lower_gemm_group
 from opfuse.fusion.plan import GroupKind
-from opfuse.runtime.autotune import graph_time
+from opfuse.runtime.clock import graph_time
 from tests.kernels.test_conv_kernels import Builder
 from tests.kernels.test_gemm_kernels import linear
 

@@ -9,7 +9,7 @@ from opfuse.compiler import EagerFallback
 from opfuse.environment import triton_interpreter
 from opfuse.hardware import get_hardware, kernel_profile
 from opfuse.ir.graph import GraphError
-from opfuse.runtime.autotune import timing_available
+from opfuse.runtime.clock import timing_available
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("TRUE", True), ("on", True), ("yes", True),

@@ -546,7 +546,7 @@ def test_the_tuner_times_cold_the_kernels_that_mostly_read_weights_once_weights_
     256-byte weight is not; and none is where the weights together fit in L2. A cold timing is another cache key."""
     import opfuse
     from opfuse.codegen.lower import lower_plan
-    from opfuse.runtime.autotune import cold_groups
+    from opfuse.runtime.clock import cold_groups
     from opfuse.runtime.cache import tuning_key
 
     class TwoLinears(torch.nn.Module):
