@@ -18,9 +18,10 @@ class FusionConfig:
     horizontal: bool = True             # sibling anchors on one input; independent small pointwise ops
     conv_conv: bool = True              # depthwise + pointwise convolution in one kernel
     conv_conv_expand: bool = True       # ... and the 1x1 expansion before it (whole inverted residual), where it pays
-    norm_prologue: bool = False         # a linear absorbs the layer norm before it (row statistics in its GEMM;
-                                        # an RMS norm's rstd applied after its K loop); off: measured 0.4-5%
-                                        # slower than without (RESULTS.md, run 32)
+    norm_prologue: bool = False         # a linear absorbs the layer norm or RMS norm before it (row statistics in
+                                        # its GEMM); off: measured 0.4-5% slower than without (RESULTS.md, run 32)
+    rms_norm_prologue: bool = False     # ... an RMS norm alone (its rstd applied after the GEMM's K loop, no pass
+                                        # of its own: `opfuse.codegen.prologue`); not yet measured
     norm_epilogue: bool = False         # a depthwise conv's kernel normalizes its rows: the layer norm or RMS norm
                                         # over the channels after it (ConvNeXt's 7x7 conv -> permute -> LayerNorm)
                                         # in its epilogue, each tile spanning every channel; off until measured

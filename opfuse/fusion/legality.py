@@ -74,7 +74,7 @@ import math
 from typing import Iterable, Mapping, Sequence
 
 from opfuse.config import FusionConfig
-from opfuse.fusion.legality_anchors import anchor_prologue, row_norm_epilogue
+from opfuse.fusion.legality_anchors import anchor_prologue, norm_prologue_on, row_norm_epilogue
 from opfuse.fusion.legality_common import (Users, in_order, node_index, path_outside, reachable, reachable_backwards,
                                            same_size_rule)
 from opfuse.fusion.legality_conv import two_anchor_rule
@@ -246,7 +246,7 @@ def structure_rule(graph: Graph, merged: set[str], users: Users, config: FusionC
         return Reason(Code.ANCHOR_AND_REDUCTION, f"reduction {reductions[0]} and anchor {anchors[0]} in one kernel: "
                       "anchors take elementwise epilogues only (but a depthwise conv the norm over its channels, and "
                       "a linear the layer norm or RMS norm of an input from outside as its prologue)")
-    if anchors and reductions and norm is None and not config.norm_prologue:
+    if anchors and reductions and norm is None and not norm_prologue_on(config, graph[reductions[0]].op):
         return Reason(Code.DISABLED, f"{graph[reductions[0]].op} {reductions[0]} as {anchors[0]}'s prologue: off "
                       "(FusionConfig.norm_prologue)")
     if len(reductions) > 1:

@@ -79,6 +79,12 @@ def maps_rows(graph: Graph, source: str, views: Sequence[str], row_dims: int) ->
     return dims is not None and operand_groups(dims, row_dims) is not None
 
 
+def norm_prologue_on(config, op: str) -> bool:
+    """Whether FusionConfig `config` lets a norm of `op` open a linear's prologue: norm_prologue any row norm,
+    rms_norm_prologue an RMS norm (deferred after the K loop, `opfuse.codegen.prologue`)."""
+    return config.norm_prologue or (op == "rms_norm" and config.rms_norm_prologue)
+
+
 def row_norm_prologue(graph: Graph, anchor: str, within: Iterable[str], users: Users) -> str | None:
     """The layer norm or RMS norm opening `anchor`'s prologue (`anchor_prologue`), or None."""
     chain = anchor_prologue(graph, anchor, within, users)

@@ -3,7 +3,7 @@ norm they all read as its prologue), and small independent elementwise groups sh
 
 from __future__ import annotations
 
-from opfuse.fusion.legality_anchors import ROW_NORMS, gated_pair, is_row_norm_prologue
+from opfuse.fusion.legality_anchors import ROW_NORMS, gated_pair, is_row_norm_prologue, norm_prologue_on
 from opfuse.fusion.legality_common import in_order, path_outside
 from opfuse.fusion.legality_views import is_view, maps_on_load
 from opfuse.fusion.plan import Fusion, GroupKind, Verdict
@@ -70,15 +70,14 @@ class HorizontalFusion:
         becomes that group's prologue (`legality_anchors.is_row_norm_prologue`): the GEMM over their columns
         normalizes its shared A as it loads it (Llama's input norm and its q, k, v projections), as one linear's
         kernel does."""
-        if not self.config.norm_prologue:
-            return
         for group in self.ordered_ids():
             if group not in self.groups or self.kinds.get(group) is not GroupKind.HORIZONTAL:
                 continue
             nodes = self.groups[group]
             anchors = [n for n in nodes if kind_of(self.graph[n]) is FusionKind.ANCHOR]
             norm = self.graph[anchors[0]].inputs[0]
-            if self.graph[norm].op not in ROW_NORMS or self.groups.get(self.group_of.get(norm)) != [norm]:
+            if self.graph[norm].op not in ROW_NORMS or self.groups.get(self.group_of.get(norm)) != [norm] \
+                    or not norm_prologue_on(self.config, self.graph[norm].op):
                 continue
             if not is_row_norm_prologue(self.graph, norm, anchors[0], nodes + [norm], self.users):
                 continue

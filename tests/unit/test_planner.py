@@ -739,6 +739,22 @@ def test_sibling_linears_share_the_rms_norm_they_read_as_their_prologue():
     assert groups_of(off)["rms"] == ["rms"] and off.kernel_launches == 2
 
 
+
+def test_rms_norm_prologue_takes_rms_norms_and_leaves_layer_norms_their_kernels():
+    """`rms_norm_prologue` lets an RMS norm open its linears' prologue (deferred: `opfuse.codegen.prologue`), not a
+    layer norm, which stays a kernel of its own (norm_prologue takes both)."""
+    rms = plan_fusion(_rms_then_siblings(), FusionConfig(rms_norm_prologue=True), H200)
+    assert [g.nodes for g in rms.groups] == [["rms", "q", "k", "v"]]
+    b = GraphBuilder("ln_qkv")
+    x = b.input("x", (1, 1, 256))
+    norm = b.op("layer_norm", [x, b.constant("ln_w", (256,)), b.constant("ln_b", (256,))],
+                {"normalized_shape": [256], "eps": 1e-5}, "ln")
+    graph = b.output(b.linear(norm, 256, name="q"), b.linear(norm, 64, name="k"), b.linear(norm, 64, name="v"))
+    layer = plan_fusion(graph, FusionConfig(rms_norm_prologue=True), H200)
+    assert groups_of(layer)["ln"] == ["ln"] and layer.kernel_launches == 2
+    both = plan_fusion(graph, FusionConfig(norm_prologue=True), H200)
+    assert groups_of(both)["ln"] == ["ln", "q", "k", "v"]
+
 def test_a_norm_read_by_siblings_and_another_op_stays_its_own_kernel():
     b = GraphBuilder("rms_qkv_and_more")
     x = b.input("x", (1, 1, 256))
