@@ -15,6 +15,11 @@ from opfuse.ir.graph import Graph, Node
 # the input's strides along the output rows' pixels, which set ROW_UNIT with the epilogue's
 # (`opfuse.codegen.base.row_unit_of`)
 X_ROW_STRIDES = ("s_xn", "s_xh", "s_xw")
+# the conv templates' geometry parameters (`ConvGeometry.constexprs` gives their values), in their signatures
+GEOMETRY_PARAMS = """\
+    KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
+    PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+"""
 
 
 class ConvGeometry:

@@ -38,7 +38,7 @@ import torch
 import triton
 
 from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel, rows_jit, unit_code
-from opfuse.codegen.conv_common import X_ROW_STRIDES, ConvGeometry
+from opfuse.codegen.conv_common import GEOMETRY_PARAMS, X_ROW_STRIDES, ConvGeometry
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype
 from opfuse.codegen.forms import EpilogueKernel
 from opfuse.codegen.split_k import planned_slices, slices_of
@@ -65,9 +65,7 @@ def KERNEL_NAME(
     M, C_IN, C_MID, N, H, W, R1, R2,
     s_xn, s_xc, s_xh, s_xw,
     {stage_params}{params}
-    KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
-    PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CIN: tl.constexpr,
+''' + GEOMETRY_PARAMS + '''    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CIN: tl.constexpr,
     SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr, ROW_UNIT: tl.constexpr,
 ):
 {units}

@@ -12,7 +12,7 @@ import torch
 import triton
 
 from opfuse.codegen.base import KernelConfig, compiled_info, rows_jit
-from opfuse.codegen.conv_common import X_ROW_STRIDES, ConvGeometry
+from opfuse.codegen.conv_common import GEOMETRY_PARAMS, X_ROW_STRIDES, ConvGeometry
 from opfuse.codegen.epilogue import Epilogue, generate_kernel
 from opfuse.codegen.forms import EpilogueKernel
 from opfuse.codegen.expr import Unsupported
@@ -50,9 +50,7 @@ def KERNEL_NAME(
     M, N, H, W, R1, R2,
     s_xn, s_xc, s_xh, s_xw,
     {params}
-    KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
-    PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-    MULTIPLIER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_LOOP: tl.constexpr,
+''' + GEOMETRY_PARAMS + '''    MULTIPLIER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_LOOP: tl.constexpr,
     UNIT: tl.constexpr, ROW_UNIT: tl.constexpr,
 ):
 {units}
@@ -98,9 +96,7 @@ def KERNEL_NAME(
     P, N, H, W, R1, R2,
     s_xn, s_xc, s_xh, s_xw,
     {{params}}
-    KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
-    PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-    MULTIPLIER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLS: tl.constexpr,
+''' + GEOMETRY_PARAMS + '''    MULTIPLIER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLS: tl.constexpr,
     UNIT: tl.constexpr, ROW_UNIT: tl.constexpr,
 ):
 {{units}}

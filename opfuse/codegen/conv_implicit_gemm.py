@@ -24,11 +24,11 @@ import torch
 import triton
 
 from opfuse.codegen.base import FORM_TRITON, KernelConfig, compiled_info, find_anchor, rows_jit, tuned_configs
-from opfuse.codegen.conv_common import X_ROW_STRIDES, ConvGeometry, weights_on_device
+from opfuse.codegen.conv_common import GEOMETRY_PARAMS, X_ROW_STRIDES, ConvGeometry, weights_on_device
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, generate_kernel
 from opfuse.codegen.forms import EpilogueKernel
 from opfuse.codegen.split_k import SplitK, sliced_template, slices_of, with_slices
-from opfuse.codegen.gemm import GROUP_M, gemm_configs
+from opfuse.codegen.gemm import GROUP_M, gemm_configs, swizzled_tile
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import GATHER_CHANNELS, anchor_steps, group_block
 from opfuse.hardware import HardwareProfile, kernel_profile
@@ -46,22 +46,13 @@ def KERNEL_NAME(
     M, N_TOTAL, COUT_G, CIN_G, C_IN, H, W, R1, R2,
     s_xn, s_xc, s_xh, s_xw,
     {params}
-    KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
-    PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+''' + GEOMETRY_PARAMS + '''    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     K_GATHER: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr, ROW_UNIT: tl.constexpr,
 ):
 {units}
     pid = tl.program_id(0)
     group = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(COUT_G, BLOCK_N)
-    group_width = GROUP_M * num_pid_n
-    first_m = (pid // group_width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_width) % group_rows
-    pid_n = (pid % group_width) // group_rows
-
+''' + swizzled_tile("COUT_G") + '''
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)       # output pixel
     offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)       # output channel within the (blocked) conv group
     offs_n = group * COUT_G + offs_c                        # output channel

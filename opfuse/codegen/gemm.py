@@ -50,6 +50,21 @@ from opfuse.ir.ops import get_op
 from opfuse.numerics import dot_precision
 
 GROUP_M = 8   # tiles of 8 consecutive row blocks share B in L2 (the Triton matmul tutorial's swizzle)
+
+
+def swizzled_tile(columns: str) -> str:
+    """Template lines giving program `pid` its tile (pid_m, pid_n) of M rows by `columns` columns in GROUP_M
+    order: consecutive programs take GROUP_M row blocks of one column block, then the next column block."""
+    return f"""\
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv({columns}, BLOCK_N)
+    group_width = GROUP_M * num_pid_n
+    first_m = (pid // group_width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_width) % group_rows
+    pid_n = (pid % group_width) // group_rows
+"""
+
 # the template's integers that address its vectorised dims (N of the tile and B, K of A), rebound as multiples of
 # UNIT (`opfuse.codegen.base.unit_code`)
 GEMM_UNITS = ("N", "K", "s_ab0", "s_ab1", "s_ar0", "s_ar1", "s_ar2", "s_ar3", "s_ako", "s_bb0", "s_bb1", "s_bk")
@@ -77,14 +92,7 @@ def KERNEL_NAME(
 {units}
     pid = tl.program_id(0)
     pid_b = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_width = GROUP_M * num_pid_n
-    first_m = (pid // group_width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_width) % group_rows
-    pid_n = (pid % group_width) // group_rows
-
+''' + swizzled_tile("N") + '''
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
