@@ -133,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch,
                "max_seq": args.max_seq, "weight_bytes": weights, "variants": {}}
     steps, generators = {}, {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:      # after each stage: a run cut short still leaves what it measured
+        (out / "decode_ab.json").write_text(json.dumps(results, indent=1))
+
     with torch.inference_mode():
         eager = KVCacheDecoder(model, args.batch, args.max_seq).eval()
         token = eager(ids, torch.arange(prompt, device="cuda"))[:, -1].argmax(-1)[:, None]
@@ -150,26 +156,32 @@ def main(argv: list[str] | None = None) -> int:
                 "launches_planned": generator.step.analysis.fused.kernel_launches,
                 "logits_rel_err_vs_eager": ((logits - reference).norm() / reference.norm()).item(),
                 "profile": step_profile(steps[variant], positions[10:13])}
+            print(variant, json.dumps(results["variants"][variant]), flush=True)
+            save()
         times: dict[str, list[float]] = {variant: [] for variant in steps}
         torch.cuda.synchronize()
         for round_ in range(ROUNDS):
             for variant, step in steps.items():
                 for position in positions[round_ * STEPS_PER_ROUND:(round_ + 1) * STEPS_PER_ROUND]:
                     times[variant].append(time_once(lambda: step(position), True))
+        report_times(results, times, weights, gpu)
+        save()
         if args.sweep:
             first = next(iter(steps))
             results["sweep"] = sweep(generators[first], steps[first], positions, args.sweep)
+            save()
+    return 0
+
+
+def report_times(results: dict, times: dict[str, list[float]], weights: int, gpu) -> None:
+    """Each variant's median step, its weights' bytes over it and their share of the datasheet bandwidth."""
     for variant, samples in times.items():
         ms = statistics.median(samples)
         share = None if gpu is None else weights / (ms / 1e3) / gpu.memory_bandwidth
-        results["variants"][variant] |= {"step_ms": ms, "tokens_per_s": args.batch * 1e3 / ms,
+        results["variants"][variant] |= {"step_ms": ms, "tokens_per_s": results["batch"] * 1e3 / ms,
                                          "weights_gb_per_s": weights / ms / 1e6, "share_of_bandwidth": share}
         print(f"{variant:32s} {ms:.3f} ms  {weights / ms / 1e6:.0f} GB/s"
-              + ("" if share is None else f"  {100 * share:.1f}% of the datasheet's"))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_ab.json").write_text(json.dumps(results, indent=1))
-    return 0
+              + ("" if share is None else f"  {100 * share:.1f}% of the datasheet's"), flush=True)
 
 
 if __name__ == "__main__":
