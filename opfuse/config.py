@@ -21,7 +21,8 @@ class FusionConfig:
     norm_prologue: bool = False         # a linear absorbs the layer norm or RMS norm before it (row statistics in
                                         # its GEMM); off: measured 0.4-5% slower than without (RESULTS.md, run 32)
     rms_norm_prologue: bool = False     # ... an RMS norm alone (its rstd applied after the GEMM's K loop, no pass
-                                        # of its own: `opfuse.codegen.prologue`); not yet measured
+                                        # of its own: `opfuse.codegen.prologue`); off: measured even (RESULTS.md,
+                                        # session 34)
     norm_epilogue: bool = False         # a depthwise conv's kernel normalizes its rows: the layer norm or RMS norm
                                         # over the channels after it (ConvNeXt's 7x7 conv -> permute -> LayerNorm)
                                         # in its epilogue, each tile spanning every channel; off until measured
@@ -46,7 +47,8 @@ class FusionConfig:
                                         # while every one tried spills; compiling is slow
     tune_cold: bool = False             # where a forward's weights outgrow L2, the tuner times each kernel that
                                         # mostly reads weights with them out of L2, as the forward finds them
-                                        # (`opfuse.runtime.clock.cold_groups`; not yet measured)
+                                        # (`opfuse.runtime.clock.cold_groups`); off: measured to choose as warm
+                                        # timing does (RESULTS.md, session 34)
     library_anchors: bool = True        # autotuning also times each conv/GEMM anchor through cuBLAS/cuDNN with its
                                         # epilogue as a generated kernel, and the group unfused (its ops through
                                         # PyTorch), and keeps either where it is faster than the fused kernel
@@ -56,7 +58,8 @@ class FusionConfig:
     dependent_launch: bool = True       # on Hopper and later, each kernel launched so that it may start while the one
                                         # before it drains (`opfuse.codegen.base.DEPENDENT_LAUNCH_CODE`)
     weight_prefetch: bool = False       # ... and a GEMM's first weight blocks are prefetched into L2 meanwhile
-                                        # (`opfuse.codegen.gemm.GemmKernel.prefetch_rows`; not yet measured)
+                                        # (`opfuse.codegen.gemm.GemmKernel.prefetch_rows`); off: measured 0.8%
+                                        # slower (RESULTS.md, session 34)
     verify: bool = True
     fallback: str = "error"             # "error": raise on a failed compile; "eager": return the eager model
     recompile: bool = False             # inputs of another shape/dtype/device: compile for them instead of raising
