@@ -345,7 +345,13 @@ def _lower_gated(graph: Graph, group: FusionGroup, device: torch.device, pair: G
         raise Unsupported(f"group {group.name}: the gated pair's product {pair.product} is not its first epilogue node")
     shape = graph[pair.product].type.shape
     epilogue = Epilogue(graph, group, [after], TileLayout(shape, channel_dim=len(shape) - 1), device)
-    prologue = linear_prologue(graph, ops, x, k, device)
+    prologue = linear_prologue(graph, ops, x, k, device, fold_weight=True)
+    if prologue is not None and prologue.row_scale is not None:    # the norm's weight on B's rows (K)
+        folded = (weight.float() * prologue.row_scale.to(device)[:, None]).to(weight.dtype)
+        if torch.isfinite(folded).all():
+            weight = folded
+        else:           # past the dtype's range: the tiles take the weight instead
+            prologue = linear_prologue(graph, ops, x, k, device)
     return GatedGemmKernel(graph, group, device, pair, epilogue, prologue.source if prologue else x, k, weight, hw,
                            prologue)
 
@@ -410,13 +416,16 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
     return kernel
 
 
-def linear_prologue(graph: Graph, ops: Sequence[str], x: str, k: int, device: torch.device) -> Prologue | None:
+def linear_prologue(graph: Graph, ops: Sequence[str], x: str, k: int, device: torch.device,
+                    fold_weight: bool = False) -> Prologue | None:
     """The prologue of a linear (or a gated pair) that computes its input `x` through `ops` (`anchor_prologue`) on
-    its A tiles, reading their source; None without ops."""
+    its A tiles, reading their source (`fold_weight`: a deferred RMS norm's weight goes to B's rows, which the caller
+    scales by its `row_scale`); None without ops."""
     if not ops:
         return None
     shape = graph[x].type.shape
-    return Prologue(graph, ops, prologue_source(graph, ops), TileLayout(shape, channel_dim=len(shape) - 1), k, device)
+    return Prologue(graph, ops, prologue_source(graph, ops), TileLayout(shape, channel_dim=len(shape) - 1), k, device,
+                    fold_weight)
 
 
 def prologue_source(graph: Graph, ops: Sequence[str]) -> str:

@@ -26,7 +26,11 @@ to the norm's dtype as its stored output would be. The library form computes the
 An RMS norm that only row views follow to the linear is deferred instead (`deferred`): x * rstd * w @ B is
 rstd * (x * w @ B) for each row, so the K loop that loads the rows anyway sums their squares, the tiles go to the dot
 as x * w / max|w| (rounded once, as the norm's output is; never larger than x, so never past float16's range), and
-`scale_code` multiplies the accumulator by rstd * max|w| after the loop: no pass of its own before it.
+`scale_code` multiplies the accumulator by rstd * max|w| after the loop: no pass of its own before it. Where the
+kernel folds w into its weight instead (`fold_weight`: B's row k times w[k], `row_scale`; the gated pair's kernel,
+whose weight no other form shares), the A tiles go to the dot as loaded and the loop only sums their squares,
+elementwise ([BLOCK_M, BLOCK_K]) and across the tile once after it: no change of the tile's layout and no reduction
+across threads in the loop.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ class Prologue:
     """The elementwise ops between a GEMM's A source and its anchor, as kernel parameters, code and arguments."""
 
     def __init__(self, graph: Graph, nodes: Sequence[str], source: str, layout: TileLayout, k: int,
-                 device: torch.device):
+                 device: torch.device, fold_weight: bool = False):
         self.graph, self.nodes, self.source, self.layout, self.k = graph, list(nodes), source, layout, k
         self.device = device
         self.operands: list[str | torch.Tensor] = []     # runtime value names, or constants held on the device
@@ -59,10 +63,19 @@ class Prologue:
         self.deferred = (opening is not None and opening.op == "rms_norm"   # the module docstring's deferred norm
                          and all(get_op(graph[name].op).alias for name in self.nodes[1:]))
         self.norm_scale = 1.0                            # a deferred norm's max |weight|
+        self.folded = self.deferred and fold_weight      # the module docstring's fold_weight
+        self.row_scale: torch.Tensor | None = None       # then the norm's weight [K], for B's rows
         chain = {source}
         for name in self.nodes:
             node = graph[name]
             if get_op(node.op).alias:    # a row view between a layer norm and its linear: the same tile
+                chain.add(name)
+                continue
+            if node.op in ROW_NORMS and self.folded:
+                self.norm = node.name
+                self.row_scale = self.graph.constants[node.inputs[1]].reshape(-1).float() \
+                    if len(node.inputs) > 1 else None
+                self.lines.append("ln_squares += p * p")
                 chain.add(name)
                 continue
             if node.op in ROW_NORMS and self.deferred:
@@ -78,7 +91,8 @@ class Prologue:
             self.lines.append(f"p = ({emit(node.op, node.attrs, args)}).to({triton_dtype(node.type.dtype)})"
                               ".to(tl.float32)")
             chain.add(name)
-        self.lines.append("a = tl.where(mask_m[:, None] & (k_at < K)[None, :], p, 0.0).to(a.dtype)")
+        if not self.folded:     # (folded, the tile goes to the dot as loaded)
+            self.lines.append("a = tl.where(mask_m[:, None] & (k_at < K)[None, :], p, 0.0).to(a.dtype)")
         self.output = self.nodes[-1]
 
     def _normalized(self, node) -> str:
@@ -112,7 +126,8 @@ class Prologue:
         if not self.deferred:
             return ""
         eps = repr(float(self.graph[self.norm].attrs["eps"]))
-        return f"{indent}acc = acc * (tl.rsqrt(ln_squares / K + {eps}) * {self.norm_scale!r})[:, None]"
+        squares = "tl.sum(ln_squares, axis=1)" if self.folded else "ln_squares"
+        return f"{indent}acc = acc * (tl.rsqrt({squares} / K + {eps}) * {self.norm_scale!r})[:, None]"
 
     def stats_code(self, indent: str = "    ") -> str:
         """Lines run before the K loop when the chain opens with a layer norm: the mean and rstd of each of the
@@ -122,8 +137,9 @@ class Prologue:
         (transformer residual streams), the merge does not, at one more subtraction per element."""
         if self.norm is None:
             return ""
-        if self.deferred:     # the squares are summed in the K loop
-            return indent + "ln_squares = tl.zeros([BLOCK_M], dtype=tl.float32)"
+        if self.deferred:     # the squares are summed in the K loop (folded: elementwise, across the tile after)
+            shape = "[BLOCK_M, BLOCK_K]" if self.folded else "[BLOCK_M]"
+            return indent + f"ln_squares = tl.zeros({shape}, dtype=tl.float32)"
         eps = repr(float(self.graph[self.norm].attrs["eps"]))
         if self.graph[self.norm].op == "rms_norm":     # the rows' mean square: no cancellation to guard against
             lines = ["ln_squares = tl.zeros([BLOCK_M], dtype=tl.float32)",

@@ -451,3 +451,43 @@ def test_a_gated_pair_normalizes_its_input_tiles_and_matches_eager(rows):
     with torch.no_grad():
         got, want = compiled(fresh), model(fresh)
     assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
+class WeightedNormGatedMLP(GatedMLP):
+    """Llama's MLP with its RMS norm's weight: weight * (x * rstd) in float32, as transformers writes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(24) + 0.5)
+
+    def forward(self, x):
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return super().forward(self.weight * normed)
+
+
+def test_a_gated_pair_folds_its_rms_norms_weight_into_its_own():
+    """With `rms_norm_prologue` the gated kernel folds the norm's weight into its weight's rows (`fold_weight`):
+    its A tiles go to the dot as loaded, and the result is eager's in float32. Where the folded weight would leave
+    float16's range (a norm weight of 1000 on a channel whose gate weights are 100) the kernel keeps the weight on
+    its tiles instead (`opfuse.codegen.prologue`: x * w / max|w|, tested in float16 in test_compile)."""
+    import opfuse
+    from opfuse.codegen.gemm import GatedGemmKernel
+    from opfuse.codegen.lower import lower_plan
+
+    torch.manual_seed(5)
+    model = WeightedNormGatedMLP().eval()
+    x = torch.randn(3, 24) * 2 + 1
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", rms_norm_prologue=True))
+    (gated,) = [k for k in compiled.compiled.kernels.values() if isinstance(k, GatedGemmKernel)]
+    assert gated.prologue.folded and compiled.plan.kernel_launches == 2
+    fresh = torch.randn(3, 24) * 2 + 1
+    with torch.no_grad():
+        got, want = compiled(fresh), model(fresh)
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+    with torch.no_grad():
+        model.weight[0], model.gate.weight[:, 0] = 1000.0, 100.0
+    plan = opfuse.analyze(model, (x,), opfuse.FusionConfig(dtype="float16", rms_norm_prologue=True)).plan
+    (gated,) = [k for k in lower_plan(plan, "cpu")[0].values() if isinstance(k, GatedGemmKernel)]
+    assert gated.prologue.deferred and not gated.prologue.folded
