@@ -73,8 +73,10 @@ class Prologue:
                 continue
             if node.op in ROW_NORMS and self.folded:
                 self.norm = node.name
-                self.row_scale = self.graph.constants[node.inputs[1]].reshape(-1).float() \
-                    if len(node.inputs) > 1 else None
+                if len(node.inputs) > 1:     # (the constant also for the forms that run the norm through PyTorch)
+                    weight = self.graph.constants[node.inputs[1]]
+                    self.constants.setdefault(node.inputs[1], weight.to(self.device))
+                    self.row_scale = weight.reshape(-1).float()
                 self.lines.append("ln_squares += p * p")
                 chain.add(name)
                 continue
