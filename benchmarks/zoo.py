@@ -4,6 +4,7 @@ workload in processes of its own, by the fair protocol of opfuse/bench/harness.p
     python -m benchmarks.zoo --out DIR [--models resnet50,gpt2,...] [--batches 1,64] [--cold-parallel N]
                              [--budget SECONDS] [--tune-top N]
     python -m benchmarks.zoo --report RUN.json [RUN.json ...] -o benchmarks/ZOO.md [--held-out-from N]
+                             [--generation generate.json]
     python -m benchmarks.zoo --fit RUN.json [RUN.json ...] [--json FIT.json]
 
 The first form runs the workloads and writes DIR/zoo.json, DIR/ZOO.md and DIR/zoo.log after every child process
@@ -25,9 +26,10 @@ from opfuse.bench.zoo_bench import main as run_main
 from opfuse.bench.zoo_report import render
 
 
-def report(paths: list[str], output: str, held_out_from: int | None = None) -> int:
+def report(paths: list[str], output: str, held_out_from: int | None = None, generation: str | None = None) -> int:
     runs = [json.loads(Path(p).read_text()) for p in paths]
-    Path(output).write_text(render(runs, held_out_from))
+    generated = json.loads(Path(generation).read_text()) if generation else None
+    Path(output).write_text(render(runs, held_out_from, generation=generated))
     print(f"wrote {output} from {len(runs)} run(s)")
     return 0
 
@@ -62,6 +64,8 @@ if __name__ == "__main__":
         parser.add_argument("--held-out-from", type=int, default=None, metavar="N",
                             help="also give the cost model's error over runs N on (numbered as given), measured "
                                  "after it was fitted to the runs before them")
+        parser.add_argument("--generation", default=None, metavar="GENERATE_JSON",
+                            help="also the text-generation table, from a benchmarks/generate.py run's generate.json")
         args = parser.parse_args()
-        sys.exit(report(args.report, args.output, args.held_out_from))
+        sys.exit(report(args.report, args.output, args.held_out_from, args.generation))
     sys.exit(run_main(sys.argv[1:]))

@@ -18,6 +18,7 @@ import statistics
 from typing import Callable, Sequence
 
 from opfuse.analysis.roofline import Work, datasheet_ceilings, format_share, hardware_of_gpu
+from opfuse.bench.generation_report import generation_lines
 from opfuse.bench.harness import (RowRoofline, geometric_mean, pytorch_group_count, row_roofline, speedup,
                                   work_of_row)
 from opfuse.bench.timing import spread_of
@@ -205,10 +206,12 @@ def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def render(runs: Sequence[dict], held_out_from: int | None = None, work_of: WorkOf | None = builtin_work) -> str:
+def render(runs: Sequence[dict], held_out_from: int | None = None, work_of: WorkOf | None = builtin_work,
+           generation: dict | None = None) -> str:
     """ZOO.md of `runs`; with `held_out_from` N, the cost model's error is also given over the workloads of runs N
     on alone (the runs measured after the cost model was last fitted, on the runs before them: its error out of
-    sample). `work_of` counts the work of a row that recorded none (None: such rows get no floor)."""
+    sample). `work_of` counts the work of a row that recorded none (None: such rows get no floor). `generation`: a
+    `benchmarks/generate.py` result, rendered as the text-generation table (`generation_report`)."""
     workloads, headers = merge(runs)
     rows = {key: entry["measure"]["row"] for key, entry in workloads.items() if measured(entry)}
     found, counted_now = rooflines(workloads, rows, headers, work_of)
@@ -271,6 +274,8 @@ def render(runs: Sequence[dict], held_out_from: int | None = None, work_of: Work
             + (f"{row['predicted_ms']:.3f} / {row['opfuse_replay']['median_ms']:.3f} ({error * 100:.0f}%)"
                if error is not None else "-")
             + f" | {'-' if through is None else through} | {_roofline_cells(found.get(key))} |")
+    if generation is not None:
+        lines += ["", *generation_lines(generation)]
     problems = problem_lines(workloads, rows)
     if problems:
         lines += ["", "## Failed or not run", "", *problems]

@@ -199,3 +199,33 @@ def test_a_run_with_fusions_enabled_says_so_in_zoo_md():
     settings = ZooSettings(enable=("norm_prologue",), **CPU)
     page = render([{"settings": json.loads(json.dumps(settings.__dict__)), "env": None, "workloads": {}}])
     assert "opfuse with norm_prologue on (off by default)" in page
+
+
+GENERATED = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "dtype": "torch.float16", "runs": [
+    {"batch": 1, "prompt": 128, "new": 64,
+     "contenders": {"opfuse": {"ttft_ms": 1.9, "step_ms": 1.6, "tokens_per_s": 600.0, "gb_per_s": 1350.0,
+                               "share_of_bandwidth": 0.403, "greedy_equal_eager_tokens": 53},
+                    "inductor": {"ttft_ms": 9.0, "step_ms": 2.5, "tokens_per_s": 400.0, "gb_per_s": 860.0,
+                                 "share_of_bandwidth": 0.257, "greedy_equal_eager_tokens": 3}},
+     "decode_report": {"weight_bytes": 2_069_000_000, "cache_bytes_needed": 6_000_000, "tokens_per_step": 1,
+                       "launches": 185}},
+    {"batch": 8, "prompt": 128, "new": 64,
+     "contenders": {"opfuse": {"ttft_ms": 2.0, "step_ms": 1.7, "tokens_per_s": 4700.0, "gb_per_s": 1300.0,
+                               "share_of_bandwidth": None, "greedy_equal_eager_tokens": 6}}}]}
+
+
+def test_zoo_md_carries_the_text_generation_table_of_a_generate_run():
+    """`render(..., generation=)`: a row per contender and run, opfuse's tokens/s over torch.compile's where the run
+    timed it ("-" where not), the share of bandwidth in percent, the greedy tokens equal eager's, and under the
+    table opfuse's launches and bytes per token."""
+    from opfuse.bench.zoo_report import render
+
+    page = render([{"settings": {}, "env": None, "workloads": {}}], generation=GENERATED)
+    assert "## Text generation" in page and "NVIDIA H100 80GB HBM3" in page
+    rows = [line for line in page.splitlines() if line.startswith("| 1 | 128 |") or line.startswith("| 8 | 128 |")]
+    assert rows[0] == ("| 1 | 128 | 64 | opfuse | 1.90 ms | 1.600 ms | 600 | 1350 | 40.3% | 1.50x | 53 of 64 |")
+    assert rows[1].startswith("| 1 | 128 | 64 | torch.compile reduce-overhead | 9.00 ms | 2.500 ms | 400 |")
+    assert rows[1].endswith("| 25.7% | - | 3 of 64 |")
+    assert rows[2].endswith("| - | - | 6 of 64 |")
+    assert "- batch 1, prompt 128: opfuse's decode step plans 185 launches and must read 2.075 GB a token" in page
+    assert "## Text generation" not in render([{"settings": {}, "env": None, "workloads": {}}])
