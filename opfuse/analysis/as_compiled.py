@@ -12,9 +12,9 @@ time as the compiled model's.
 
 The key covers the prepared graph (every node's op and type), the plan (groups and decisions), the settings that
 change what a compile of it runs (split_k, verify, dependent_launch, weight_prefetch; and where the build tunes,
-autotune, tune_top, tune_cold, library_anchors), the device by name (the GPU's, or the CPU's interpreter: `target`, one rule
-for compile and analyze), and the torch, Triton and opfuse versions: an analysis finds the record only of a compile
-that started from the same plan with the same settings on the same kind of device.
+autotune, tune_top, tune_cold, library_anchors), the device by name (the GPU's, or the CPU's interpreter: `target`,
+one rule for compile and analyze), and the torch, Triton and opfuse versions: an analysis finds the record only of a
+compile that started from the same plan with the same settings on the same kind of device.
 """
 
 from __future__ import annotations

@@ -71,17 +71,8 @@ class Prologue:
             if get_op(node.op).alias:    # a row view between a layer norm and its linear: the same tile
                 chain.add(name)
                 continue
-            if node.op in ROW_NORMS and self.folded:
-                self.norm = node.name
-                if len(node.inputs) > 1:     # (the constant also for the forms that run the norm through PyTorch)
-                    weight = self.graph.constants[node.inputs[1]]
-                    self.constants.setdefault(node.inputs[1], weight.to(self.device))
-                    self.row_scale = weight.reshape(-1).float()
-                self.lines.append("ln_squares += p * p")
-                chain.add(name)
-                continue
             if node.op in ROW_NORMS and self.deferred:
-                self.lines += ["ln_squares += tl.sum(p * p, axis=1)", *self._weighted(node)]
+                self.lines += self._deferred_lines(node)
                 chain.add(name)
                 continue
             if node.op in ROW_NORMS:
@@ -112,16 +103,25 @@ class Prologue:
                           ".to(tl.float32)[None, :]")
         return expression
 
-    def _weighted(self, node) -> list[str]:
-        """A deferred RMS norm's lines on the tile: its weight over the largest of its magnitudes."""
+    def _deferred_lines(self, node) -> list[str]:
+        """A deferred RMS norm's lines on the tile (module docstring): the squares summed; folded, its weight left to
+        B's rows (`row_scale`), else the tile times its weight over the largest of its magnitudes."""
         self.norm = node.name
+        if self.folded:
+            squares = ["ln_squares += p * p"]
+        else:
+            squares = ["ln_squares += tl.sum(p * p, axis=1)"]
         if len(node.inputs) < 2:
-            return []
-        weight = self.graph.constants[node.inputs[1]].reshape(-1).float()
-        self.constants.setdefault(node.inputs[1], self.graph.constants[node.inputs[1]].to(self.device))
+            return squares
+        constant = self.graph.constants[node.inputs[1]]
+        self.constants.setdefault(node.inputs[1], constant.to(self.device))   # (for the forms that run it in PyTorch)
+        weight = constant.reshape(-1).float()
+        if self.folded:
+            self.row_scale = weight
+            return squares
         self.norm_scale = float(weight.abs().max()) or 1.0
         self.norm_vectors.append((weight / self.norm_scale).to(self.device))
-        return ["p = p * tl.load(pn0_ptr + k_at, mask=k_at < K, other=0.0)[None, :]"]
+        return squares + ["p = p * tl.load(pn0_ptr + k_at, mask=k_at < K, other=0.0)[None, :]"]
 
     def scale_code(self, indent: str = "    ") -> str:
         """Lines run after the K loop: a deferred norm's rstd * max|weight| on each row of the accumulator."""

@@ -2,15 +2,15 @@
 
 For each kernel and each of its candidate configs: compile and run it once, read what the compiler reports
 (registers, spills, shared memory; `GroupKernel.last_compiled`), reject configs that spill or exceed the hardware
-profile (`screen_configs`, a pure function; where every one of the first `tune_top` is rejected, the kernel's
-next configs are compiled too, `more_configs`, until one fits), time the rest in a CUDA graph (`cuda_median_time`,
-median; `opfuse.runtime.clock`) and keep the fastest. Besides its own configs a kernel offers other forms (`GroupKernel.alternatives`):
-an anchor kernel's unsplit form, its anchor through cuBLAS/cuDNN with a generated epilogue, and its group unfused
-(the ops through PyTorch): a fusion that measures slower than the ops it merges is not kept. A group whose every
-config is rejected is reported in `TuningResult.over_budget` ("over budget: every config spills") so the caller
-can split it; it still gets the least bad config, so the model runs either way. An anchor group whose unfused form
-wins is reported in `TuningResult.slower_fused`, for the caller to plan again without that fusion
-(`compiler.split_back`).
+profile (`screen_configs`, a pure function; where every one of the first `tune_top` is rejected, the kernel's next
+configs are compiled too, `more_configs`, until one fits), time the rest in a CUDA graph (`cuda_median_time`,
+median; `opfuse.runtime.clock`) and keep the fastest. Besides its own configs a kernel offers other forms
+(`GroupKernel.alternatives`): an anchor kernel's unsplit form, its anchor through cuBLAS/cuDNN with a generated
+epilogue, and its group unfused (the ops through PyTorch): a fusion that measures slower than the ops it merges is
+not kept. A group whose every config is rejected is reported in `TuningResult.over_budget` ("over budget: every
+config spills") so the caller can split it; it still gets the least bad config, so the model runs either way. An
+anchor group whose unfused form wins is reported in `TuningResult.slower_fused`, for the caller to plan again
+without that fusion (`compiler.split_back`).
 Results are kept in the on-disk `TuningCache`. On a GPU the candidates of every kernel not in the cache are
 compiled in parallel by worker processes (`opfuse.runtime.precompile`, `Compiling`) while the tuner times the
 kernels before, so that its own runs load them from Triton's cache. Without a GPU (Triton's interpreter) nothing
