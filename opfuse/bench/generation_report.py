@@ -15,10 +15,13 @@ CONTENDER_NAMES = {"opfuse": "opfuse", "inductor": "torch.compile reduce-overhea
 
 def generation_lines(results: dict[str, Any]) -> list[str]:
     """The section's Markdown lines for one `generate.json` (its "device", "torch", "dtype" and "runs")."""
+    processes = results.get("processes", 1)
+    where = ("in one process" if processes == 1 else
+             f"in {processes} processes of their own (joined by `--merge`), each beside eager")
     lines = ["## Text generation", "",
              f"`benchmarks/generate.py` on {results.get('device', '?')} (torch {results.get('torch', '?')}, "
              f"{results.get('dtype', '?')}): the ~1.1B Llama of `opfuse.bench.generation`, greedy, each contender on "
-             "the same KV-cache decoder in one process, decode steps timed in interleaved rounds (CUDA events, "
+             f"the same KV-cache decoder {where}, decode steps timed in interleaved rounds (CUDA events, "
              "median). GB/s: the bytes a step must read (weights, and the cache up to the middle of the new tokens) "
              "over the step.", "",
              "| batch | prompt | new | contender | time to first token | decode step | tokens/s | GB/s | share of "
@@ -44,6 +47,25 @@ def generation_lines(results: dict[str, Any]) -> list[str]:
                          f"{report['launches']} launches and must read {per_token / 1e9:.3f} GB a token "
                          f"({report['tokens_per_step']} token(s) a step).")
     return lines + ([""] + notes if notes else [])
+
+
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result of several `generate.json`s: runs keyed by (batch, prompt, new), contenders joined, the first
+    file's figures kept where two have the same contender."""
+    merged = {key: results[0][key] for key in ("device", "torch", "dtype")}
+    merged["processes"] = len(results)
+    runs: dict[tuple[int, int, int], dict[str, Any]] = {}
+    for result in results:
+        if result["device"] != merged["device"]:
+            raise ValueError(f"generate runs on {result['device']!r} and {merged['device']!r} cannot be joined")
+        for run in result["runs"]:
+            key = (run["batch"], run["prompt"], run["new"])
+            into = runs.setdefault(key, {**run, "contenders": {}})
+            into["decode_report"] = into.get("decode_report") or run.get("decode_report")
+            for name, figures in run["contenders"].items():
+                into["contenders"].setdefault(name, figures)
+    merged["runs"] = list(runs.values())
+    return merged
 
 
 def _percent(share: float | None) -> float | None:

@@ -229,3 +229,33 @@ def test_zoo_md_carries_the_text_generation_table_of_a_generate_run():
     assert rows[2].endswith("| - | - | 6 of 64 |")
     assert "- batch 1, prompt 128: opfuse's decode step plans 185 launches and must read 2.075 GB a token" in page
     assert "## Text generation" not in render([{"settings": {}, "env": None, "workloads": {}}])
+
+
+def test_generate_merge_joins_contenders_timed_in_processes_of_their_own():
+    """`generation_report.merge` (`benchmarks.generate --merge`): runs of equal (batch, prompt, new) side by side,
+    the first file's eager and decode report kept, and the table says the contenders ran in processes of their
+    own."""
+    import copy
+
+    from opfuse.bench.generation_report import merge
+    from opfuse.bench.zoo_report import render
+
+    opfuse_only, inductor_only = copy.deepcopy(GENERATED), copy.deepcopy(GENERATED)
+    for run in opfuse_only["runs"]:
+        run["contenders"].pop("inductor", None)
+        run["contenders"]["eager"] = {"step_ms": 14.0, "tokens_per_s": 71.0}
+    del inductor_only["runs"][1]
+    inductor_only["runs"][0]["contenders"] = {"inductor": GENERATED["runs"][0]["contenders"]["inductor"],
+                                              "eager": {"step_ms": 13.0, "tokens_per_s": 77.0}}
+    inductor_only["runs"][0]["decode_report"] = None
+    merged = merge([opfuse_only, inductor_only])
+    assert [(run["batch"], sorted(run["contenders"])) for run in merged["runs"]] == [
+        (1, ["eager", "inductor", "opfuse"]), (8, ["eager", "opfuse"])]
+    assert merged["runs"][0]["contenders"]["eager"]["step_ms"] == 14.0
+    assert merged["runs"][0]["decode_report"]["launches"] == 185
+    page = render([{"settings": {}, "env": None, "workloads": {}}], generation=merged)
+    assert "in 2 processes of their own" in page
+    assert "| 1 | 128 | 64 | opfuse | 1.90 ms | 1.600 ms | 600 | 1350 | 40.3% | 1.50x | 53 of 64 |" in page
+    inductor_only["device"] = "NVIDIA H200"
+    with pytest.raises(ValueError, match="cannot be joined"):
+        merge([opfuse_only, inductor_only])
