@@ -251,17 +251,25 @@ def _interpret_all(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dt
                    after_node: Callable[[Node], None] | None = None) -> dict[str, torch.Tensor]:
     """`interpret_all` under whatever convolution settings are in force; `after_node` is called with each node
     (but the inputs) once its value is computed (benchmarks/reference_time.py times the ops so)."""
-    device = inputs[0].device if inputs else torch.device("cpu")
     values: dict[str, torch.Tensor] = {}
+    for node in _reference_values(graph, inputs, dtype, values):
+        if after_node is not None and node.op != "input":
+            after_node(node)
+    return values
+
+
+def _reference_values(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dtype,
+                      values: dict[str, torch.Tensor]) -> Iterator[Node]:
+    """Compute every node's reference value into `values` in graph order, yielding each node once its value is
+    there (the caller may drop values it no longer needs)."""
+    device = inputs[0].device if inputs else torch.device("cpu")
     for node, x in zip(graph.input_nodes, inputs):
         values[node.name] = x.to(dtype) if x.is_floating_point() else x
     for node in graph:
-        if node.op == "input":
-            continue
         if node.op in ("constant", "state"):
             tensor = graph.constants[node.name].to(device)
             values[node.name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-        else:
+        elif node.op != "input":
             attrs = dict(node.attrs)
             if node.op == "cast" and torch_dtype(attrs["dtype"]).is_floating_point:
                 attrs["dtype"] = str(dtype).removeprefix("torch.")   # keep the reference in its own precision
@@ -269,9 +277,68 @@ def _interpret_all(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch.dt
                 values[node.name] = get_op(node.op).run([values[i] for i in node.inputs], attrs)
             except Exception as error:
                 raise GraphError(f"reference run of node {node.describe()} failed: {error}") from error
-        if after_node is not None:
-            after_node(node)
-    return values
+        yield node
+
+
+def check_needs(graph: Graph, group) -> set[str]:
+    """The reference values a group's check reads: its nodes and outputs, every operand of its nodes (its inputs;
+    PyTorch at the compute dtype recomputes the nodes from them for an error over the tolerance), and what
+    `operand_scale` reads behind each output's views."""
+    names = set(group.nodes) | set(group.outputs)
+    for name in group.nodes:
+        names.update(graph[name].inputs)
+    for name in group.outputs:
+        node = graph[name]
+        while node.op not in ("input", "constant", "state") and get_op(node.op).alias and node.inputs:
+            node = graph[node.inputs[0]]
+            names.add(node.name)
+        names.update(node.inputs)
+    return names
+
+
+@dataclass(frozen=True)
+class ReferenceSchedule:
+    """When, walking the graph in order, each check can run and each reference value can go: `ready[i]`, the checks
+    whose values are all computed once node i is; `free[i]`, the values nothing reads after node i (neither a later
+    node, a later check, nor a view of them that is still needed)."""
+
+    ready: dict[int, list[str]]
+    free: dict[int, list[str]]
+
+
+def reference_schedule(graph: Graph, needs: Mapping[str, set[str]]) -> ReferenceSchedule:
+    """The schedule of checks that read `needs` (check name -> value names) over `graph`'s reference run."""
+    position = {node.name: i for i, node in enumerate(graph)}
+    last = dict(position)
+    for node in graph:
+        for name in node.inputs:
+            last[name] = max(last[name], position[node.name])
+    ready: dict[int, list[str]] = {}
+    for check, names in needs.items():
+        at = max((position[n] for n in names if n in position), default=0)
+        ready.setdefault(at, []).append(check)
+        for name in names:
+            if name in last:
+                last[name] = max(last[name], at)
+    for node in reversed(list(graph)):      # a view keeps its source's memory alive
+        if node.op not in ("input", "constant", "state") and get_op(node.op).alias and node.inputs:
+            last[node.inputs[0]] = max(last[node.inputs[0]], last[node.name])
+    free: dict[int, list[str]] = {}
+    for name, at in last.items():
+        free.setdefault(at, []).append(name)
+    return ReferenceSchedule(ready, free)
+
+
+def reference_peak(graph: Graph, needs: Mapping[str, set[str]], size: Callable[[Node], int]) -> int:
+    """The most the reference values live at once take when the checks reading `needs` run as soon as they can and
+    each value goes once nothing reads it (`reference_schedule`); `size(node)` is what its value holds."""
+    schedule = reference_schedule(graph, needs)
+    live = peak = 0
+    for i, node in enumerate(graph):
+        live += size(node)
+        peak = max(peak, live)
+        live -= sum(size(graph[name]) for name in schedule.free.get(i, ()))
+    return peak
 
 
 @dataclass(frozen=True)
@@ -335,42 +402,59 @@ def check_groups(graph: Graph, kernels: Mapping[str, object], inputs: Sequence[t
                  layouts: Mapping[str, Layout] | None = None) -> list[GroupCheck]:
     """Run each kernel on reference inputs, each laid out as `layouts` says (the compiled model's values, by name:
     `laid_out`), and compare its outputs with the reference values of the same nodes; `on_kernel(name)` is called
-    before each kernel runs (progress)."""
-    reference = interpret_all(graph, inputs, reference_dtype(dtype))
+    before each kernel runs (progress). The reference run keeps a value only while a later node or check reads it:
+    each kernel is checked as soon as the values it needs are computed (`reference_schedule`), so the reference holds
+    about what an eager run at the reference dtype holds, not every value of the graph at once."""
     compute = torch_dtype(dtype)
-    checks = []
-    for name, kernel in kernels.items():
-        if on_kernel is not None:
-            on_kernel(kernel.name)
-        args = []
-        for value_name in kernel.runtime_inputs:
-            value = reference[value_name]
-            value = value.to(compute) if value.is_floating_point() else value
-            args.append(laid_out(value, (layouts or {}).get(value_name)))
-        config = (configs or {}).get(name)
-        detail, outputs = "", []
+    bound = tolerance(dtype, inputs[0].device if inputs else None)
+    schedule = reference_schedule(graph, {name: check_needs(graph, kernel.group) | set(kernel.runtime_inputs)
+                                          for name, kernel in kernels.items()})
+    checks: dict[str, GroupCheck] = {}
+    reference: dict[str, torch.Tensor] = {}
+    values = _reference_values(graph, inputs, reference_dtype(dtype), reference)
+    for i in range(len(graph)):
+        with reference_convolutions():      # the reference's convolutions only: the kernels run as compiled
+            next(values)
+        for name in schedule.ready.get(i, ()):
+            kernel = kernels[name]
+            if on_kernel is not None:
+                on_kernel(kernel.name)
+            checks[name] = _check_kernel(graph, name, kernel, reference, compute, dtype, bound,
+                                         (configs or {}).get(name), layouts)
+        for value in schedule.free.get(i, ()):
+            reference.pop(value, None)
+    return [checks[name] for name in kernels]
+
+
+def _check_kernel(graph: Graph, name: str, kernel, reference: Mapping[str, torch.Tensor], compute: torch.dtype,
+                  dtype: str, bound: float, config, layouts: Mapping[str, Layout] | None) -> GroupCheck:
+    """One kernel's check against the reference values (`check_groups`)."""
+    args = []
+    for value_name in kernel.runtime_inputs:
+        value = reference[value_name]
+        value = value.to(compute) if value.is_floating_point() else value
+        args.append(laid_out(value, (layouts or {}).get(value_name)))
+    detail, outputs = "", []
+    try:
+        outputs = kernel.run(args, config)
+        if len(outputs) != len(kernel.group.outputs):   # zip would check only some of them
+            raise GraphError(f"returned {len(outputs)} outputs, the group has {len(kernel.group.outputs)}")
+        error = max(relative_error(out, reference[o]) for out, o in zip(outputs, kernel.group.outputs))
+    except Exception as crash:  # a kernel that crashes is as wrong as one that miscomputes: record why
+        error, detail = float("inf"), f"{type(crash).__name__}: {crash}"
+    check = GroupCheck(name, kernel.name, error, bound, detail)
+    if bound < error < float("inf"):
         try:
-            outputs = kernel.run(args, config)
-            if len(outputs) != len(kernel.group.outputs):   # zip would check only some of them
-                raise GraphError(f"returned {len(outputs)} outputs, the group has {len(kernel.group.outputs)}")
-            error = max(relative_error(out, reference[o]) for out, o in zip(outputs, kernel.group.outputs))
-        except Exception as crash:  # a kernel that crashes is as wrong as one that miscomputes: record why
-            error, detail = float("inf"), f"{type(crash).__name__}: {crash}"
-        bound = tolerance(dtype, inputs[0].device if inputs else None)
-        check = GroupCheck(name, kernel.name, error, bound, detail)
-        if bound < error < float("inf"):
-            try:
-                check.eager_error = _eager_group_error(graph, kernel.group, reference, compute)
-            except Exception:   # no PyTorch figure to compare with: the check stands as measured
-                pass
-            if check.eager_error is not None and check.eager_error > bound:
-                check.scaled_error = max(relative_error(out, reference[o], operand_scale(graph, reference, o))
-                                         for out, o in zip(outputs, kernel.group.outputs))
-            if check.passed:
-                check.detail = (f"ill-conditioned: PyTorch in {dtype} differs from the reference by "
-                                f"{check.eager_error:.2e} too")
-        checks.append(check)
-    return checks
+            check.eager_error = _eager_group_error(graph, kernel.group, reference, compute)
+        except Exception:   # no PyTorch figure to compare with: the check stands as measured
+            pass
+        if check.eager_error is not None and check.eager_error > bound:
+            check.scaled_error = max(relative_error(out, reference[o], operand_scale(graph, reference, o))
+                                     for out, o in zip(outputs, kernel.group.outputs))
+        if check.passed:
+            check.detail = (f"ill-conditioned: PyTorch in {dtype} differs from the reference by "
+                            f"{check.eager_error:.2e} too")
+    return check
 
 
 def _eager_group_error(graph: Graph, group, reference: Mapping[str, torch.Tensor], compute: torch.dtype) -> float:

@@ -13,9 +13,10 @@ The estimate is what compiling adds on the device, from the plan alone (no tenso
 - inputs: the example inputs cast to the compute dtype;
 - intermediates: the plan's peak of live intermediate buffers (`peak_intermediate_bytes`, the same number the
   report shows), outputs included;
-- verification (when config.verify): the reference run keeps every value of the graph (views aside) at the
-  reference dtype (float64 for float32 models), and the end-to-end check holds a reference-dtype copy of the
-  weights.
+- verification (when config.verify): the most the reference run's values take at once at the reference dtype
+  (float64 for float32 models), each kept only until the last node or kernel check that reads it
+  (`opfuse.numerics.reference_peak`, the schedule `check_groups` follows; views aside), and the end-to-end check's
+  reference-dtype copy of the weights.
 The limit is `config.memory_limit` when set, else the free memory CUDA reports (`torch.cuda.mem_get_info`) or, on
 the CPU, MemAvailable from /proc/meminfo (no limit where that cannot be read).
 """
@@ -75,7 +76,7 @@ def estimate_memory(analysis: Any, example_inputs: Sequence[torch.Tensor], verif
     docstring)."""
     from opfuse.codegen.conv_implicit_gemm import packed_weight_extra_bytes
     from opfuse.codegen.lower import choose_lowering, plan_hardware
-    from opfuse.numerics import reference_dtype
+    from opfuse.numerics import check_needs, reference_dtype, reference_peak
 
     graph = analysis.prepared
     compute_size = DTYPE_BYTES[analysis.config.dtype]
@@ -103,9 +104,13 @@ def estimate_memory(analysis: Any, example_inputs: Sequence[torch.Tensor], verif
         def at_reference(t) -> int:
             return t.numel * reference_size if t.is_float else t.nbytes
 
-        # every value the reference run makes is kept; views share their source's memory
-        values = sum(at_reference(n.type) for n in graph if n.op == "input" or launches_kernel(graph, n))
-        verification = values + sum(at_reference(n.type) for n in graph if n.op == "constant")
+        def held(node) -> int:       # views share their source's memory
+            return at_reference(node.type) if node.op in ("input", "constant") or launches_kernel(graph, node) else 0
+
+        needs = {group.name: check_needs(graph, group) for group in plan.groups
+                 if group.launches and group.name not in analysis.pytorch_groups}
+        verification = reference_peak(graph, needs, held) + sum(at_reference(n.type) for n in graph
+                                                                if n.op == "constant")
     return MemoryEstimate(weights, inputs, intermediates, verification, packed, other_forms)
 
 

@@ -344,7 +344,8 @@ def test_memory_estimate_counts_weights_inputs_peak_and_verification():
     weights = (32 * 64 + 32) * 4
     assert estimate.weights == weights and estimate.inputs == 8 * 64 * 4
     assert estimate.intermediates == 8 * 32 * 4                     # the one output
-    assert estimate.verification == (8 * 64 + 8 * 32) * 8 + weights * 2   # float64 values and weights
+    # float64 values (all live at the linear's check) and weights, and the end-to-end check's float64 weights
+    assert estimate.verification == (8 * 64 + 8 * 32) * 8 + weights * 2 + weights * 2
     assert estimate_memory(analysis, (x,), verify=False).verification == 0
     limit, source = available_memory("cpu", F32)
     assert (limit is None) or (limit > 0 and "MemAvailable" in source)

@@ -184,3 +184,30 @@ def test_the_operand_scale_is_that_of_the_values_an_output_is_computed_from():
     assert operand_scale(k.graph, values, x) == 0.0
     noise = values[flat] + 1e-7      # float32's rounding, about
     assert relative_error(noise, values[flat]) > 1e4 and relative_error(noise, values[flat], scale) < 1e-6
+
+
+def test_the_checks_keep_a_reference_value_only_while_something_reads_it():
+    """A chain of four relus, each its own kernel: each check runs once its input and output are computed, each value
+    goes once the next node and check have read it, so at most two values live at once (not all five); the checks
+    come back in the kernels' order, each against the right reference."""
+    from opfuse.numerics import check_groups, check_needs, reference_peak, reference_schedule
+
+    b = Builder()
+    chain = [b.input("x", (1, 4, 5, 5))]
+    for _ in range(4):
+        chain.append(b.op("relu", b.op("neg", chain[-1])))
+    kernels = {}
+    for k in range(4, 0, -1):       # the kernels' order is not the graph's
+        kernels[f"g{k}"] = _Recording(b.graph, chain[k], [chain[k - 1]])
+        kernels[f"g{k}"].group.nodes = [b.graph[chain[k]].inputs[0], chain[k]]
+    needs = {name: check_needs(b.graph, kernel.group) | set(kernel.runtime_inputs) for name, kernel in kernels.items()}
+    position = {node.name: i for i, node in enumerate(b.graph)}
+    schedule = reference_schedule(b.graph, needs)
+    assert schedule.ready == {position[chain[k]]: [f"g{k}"] for k in range(4, 0, -1)}
+    # x and the first neg go once g1 has checked relu 1
+    assert sorted(schedule.free[position[chain[1]]]) == sorted([chain[0], b.graph[chain[1]].inputs[0]])
+    assert reference_peak(b.graph, needs, lambda node: 1) == 3      # a relu's input, its neg and the relu
+    checks = check_groups(b.graph, kernels, [b.feeds["x"]], "float32")
+    assert [c.group for c in checks] == ["g4", "g3", "g2", "g1"] and all(c.passed for c in checks)
+    reference = interpret_all(b.graph, [b.feeds["x"]], torch.float32)
+    assert all(torch.equal(kernels[f"g{k}"].args[0], reference[chain[k - 1]]) for k in range(1, 5))
