@@ -10,8 +10,11 @@ Two templates:
   reads, one write. A sum or mean with fewer row blocks than the GPU has SMs (a squeeze-and-excitation pool of
   few channels over a large image, any reduction at batch 1) splits each row into SPLIT slices: launch one
   (PHASE 0, programs over row blocks x slices) writes each slice's float32 sum to a workspace, launch two (PHASE
-  1) adds up a row's SPLIT sums (one fixed tree) and runs the epilogue. Deterministic, no atomics; the unsplit form
-  is an alternative the autotuner times beside it, and the resource screen reads launch one's registers. cumsum
+  1) adds up a row's SPLIT sums (one fixed tree) and runs the epilogue. A layer or RMS norm of so few, long rows
+  (a group norm of one group at batch 1) splits likewise: launch one writes each slice's mean and M2 (sum of
+  squares), launch two, over the same programs, merges a row's and writes its own slice. Deterministic, no
+  atomics; the unsplit form is an alternative the autotuner times beside it, and the resource screen reads launch
+  one's registers. cumsum
   over any dim is a scan of the same rows: one sweep, each chunk's `tl.cumsum` plus the running carry of the chunks
   before it, written (and its epilogue computed) as it goes; an integer scan carries int64 exactly (`_cumsum`).
 - pools (`PoolKernel`): max_pool2d / avg_pool2d (kernel, stride, padding, dilation, ceil_mode) and divisible
@@ -34,7 +37,7 @@ from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, int_pair, triton_dty
 from opfuse.codegen.operands import VIEW_OPS, Emitter, Region, build_kernel, next_power_of_2
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.tiles import (EXTREMES, ROW_SPLIT_MODES, SCAN_OPS, RowView, pool_tiles, row_kernel_tiles,
+from opfuse.fusion.tiles import (EXTREMES, NORM_MODES, ROW_SPLIT_MODES, SCAN_OPS, RowView, pool_tiles, row_kernel_tiles,
                                  row_view)
 from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import FLOAT_DTYPES, WIDE_INTEGERS, Graph, Node
@@ -149,7 +152,8 @@ def indent(lines: Sequence[str], depth: int = 1) -> list[str]:
 
 class RowReductionKernel(TemplateKernel):
     """softmax / layer_norm / rms_norm / mean / sum / any / cumsum over some dims of one input, BLOCK_M rows a
-    program; a sum or mean in SPLIT slices per row where there are fewer row blocks than the GPU `hw` has SMs."""
+    program; a sum, a mean or a norm in SPLIT slices per row where there are fewer row blocks than the GPU `hw` has
+    SMs (`opfuse.fusion.tiles.row_slices`)."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, view: RowView, hw: HardwareProfile):
         self.node, self.view, self.mode, self.hw = node, view, view.mode, hw
@@ -266,6 +270,9 @@ class RowReductionKernel(TemplateKernel):
         return self._emitter.graph[name].type.shape
 
     def _layer_norm(self) -> list[str]:
+        """One sweep when the row fits a chunk; else per-chunk mean and M2 merged (Chan et al.), then a second sweep
+        recomputes the prologue and writes; in SPLIT slices (`_sliced`), each slice's mean and M2 merged likewise
+        from the workspace."""
         eps, n = repr(float(self.node.attrs["eps"])), self.length
         one, region, full, x = self._chunk("lanes", True)
         region.lines += [f"t = tl.where(mask, {x}, 0.0)", f"mean = tl.sum(t, axis=1)[:, None] / {n}",
@@ -273,27 +280,51 @@ class RowReductionKernel(TemplateKernel):
                          f"rstd = tl.rsqrt(tl.sum(centered * centered, axis=1)[:, None] / {n} + {eps})"]
         one = self._finish(one, region, full, self._affine(region, full, region.assign("centered * rstd")))
         stats, region, _, x = self._chunk("start + lanes", True)
-        stats += region.lines + [
+        stats += region.lines + [      # a chunk wholly past the row (a last slice's) counts 0 and changes nothing
             f"t = tl.where(mask, {x}, 0.0)",
             f"count = tl.sum(tl.where(cols < {n}, 1.0, 0.0), axis=1)[:, None]",
-            "chunk_mean = tl.sum(t, axis=1)[:, None] / count",
+            "chunk_mean = tl.sum(t, axis=1)[:, None] / tl.maximum(count, 1.0)",
             "d = tl.where(mask, t - chunk_mean, 0.0)",
             "total = seen + count",
             "delta = chunk_mean - mean",
-            "mean = mean + delta * (count / total)",
-            "m2 = m2 + tl.sum(d * d, axis=1)[:, None] + delta * delta * (seen * count / total)",
+            "mean = mean + delta * (count / tl.maximum(total, 1.0))",
+            "m2 = m2 + tl.sum(d * d, axis=1)[:, None] + delta * delta * (seen * count / tl.maximum(total, 1.0))",
             "seen = total"]
         write, region, full, x = self._chunk("start + lanes", False)
         result = self._affine(region, full, region.assign(f"({x} - mean) * rstd"))
         write = self._finish(write, region, full, result)
-        return (["if ONE_PASS:"] + indent(one) + ["else:"] + indent(
-            ["mean = tl.zeros([BLOCK_M, 1], dtype=tl.float32)", "m2 = tl.zeros([BLOCK_M, 1], dtype=tl.float32)",
-             "seen = tl.zeros([1, 1], dtype=tl.float32)"] + self._loop(stats)
-            + [f"rstd = tl.rsqrt(m2 / {n} + {eps})"] + self._loop(write)))
+        start = ["mean = tl.zeros([BLOCK_M, 1], dtype=tl.float32)", "m2 = tl.zeros([BLOCK_M, 1], dtype=tl.float32)",
+                 "seen = tl.zeros([1, 1], dtype=tl.float32)"]
+        rows = self.rows
+        merge = [f"means = tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other=0.0)",
+                 f"m2s = tl.load(partials_ptr + (SPLIT + parts) * {rows} + rows, mask=row_mask, other=0.0)",
+                 f"counts = tl.minimum(tl.maximum({n} - parts * SPAN, 0), SPAN).to(tl.float32)",
+                 f"mean = tl.sum(counts * means, axis=1)[:, None] / {n}",
+                 "m2 = tl.sum(m2s + counts * (means - mean) * (means - mean), axis=1)[:, None]"]
+        return self._sliced(
+            ["if ONE_PASS:"] + indent(one) + ["else:"] + indent(
+                start + self._loop(stats) + [f"rstd = tl.rsqrt(m2 / {n} + {eps})"] + self._loop(write)),
+            start + self._slice_loop(stats) + [
+                f"tl.store(partials_ptr + part * {rows} + rows, mean, mask=row_mask)",
+                f"tl.store(partials_ptr + (SPLIT + part) * {rows} + rows, m2, mask=row_mask)"],
+            merge + [f"rstd = tl.rsqrt(m2 / {n} + {eps})"] + self._slice_loop(write))
+
+    def _sliced(self, whole: list[str], partial: list[str], finish: list[str]) -> list[str]:
+        """A norm's lines: `whole` unsplit (SPLIT 1); in SPLIT slices, PHASE 0 (programs over row blocks x slices)
+        runs `partial` (a slice's statistics into the workspace) and PHASE 1 (the same programs) `finish` (the
+        row's statistics from every slice's, then its own slice written): each reads its slice, so a row of 200k
+        elements is no longer one program's walk."""
+        return (["if SPLIT == 1:"] + indent(whole) + ["else:"]
+                + indent(["part = tl.program_id(1)", "parts = tl.arange(0, SPLIT)[None, :]", "if PHASE == 0:"]
+                         + indent(partial) + ["else:"] + indent(finish)))
+
+    def _slice_loop(self, lines: list[str]) -> list[str]:
+        return ["for start in range(part * SPAN, part * SPAN + SPAN, BLOCK_L):"] + indent(lines)
 
     def _rms_norm(self) -> list[str]:
         """x * rsqrt(mean(x^2) + eps) * weight: one sweep when the row fits a chunk, else sum the squares, then a
-        second sweep recomputes the prologue and writes."""
+        second sweep recomputes the prologue and writes; in SPLIT slices (`_sliced`), each slice's sum of squares
+        through the workspace."""
         eps, n = repr(float(self.node.attrs["eps"])), self.length
         one, region, full, x = self._chunk("lanes", True)
         region.lines += [f"t = tl.where(mask, {x}, 0.0)",
@@ -303,9 +334,15 @@ class RowReductionKernel(TemplateKernel):
         stats += region.lines + [f"t = tl.where(mask, {x}, 0.0)", "squares += tl.sum(t * t, axis=1)[:, None]"]
         write, region, full, x = self._chunk("start + lanes", False)
         write = self._finish(write, region, full, self._scaled(region, full, region.assign(f"({x}) * rstd")))
-        return (["if ONE_PASS:"] + indent(one) + ["else:"] + indent(
-            ["squares = tl.zeros([BLOCK_M, 1], dtype=tl.float32)"] + self._loop(stats)
-            + [f"rstd = tl.rsqrt(squares / {n} + {eps})"] + self._loop(write)))
+        start = ["squares = tl.zeros([BLOCK_M, 1], dtype=tl.float32)"]
+        rows = self.rows
+        return self._sliced(
+            ["if ONE_PASS:"] + indent(one) + ["else:"] + indent(
+                start + self._loop(stats) + [f"rstd = tl.rsqrt(squares / {n} + {eps})"] + self._loop(write)),
+            start + self._slice_loop(stats) + [f"tl.store(partials_ptr + part * {rows} + rows, squares, "
+                                               "mask=row_mask)"],
+            [f"squares = tl.sum(tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other=0.0), "
+             "axis=1)[:, None]", f"rstd = tl.rsqrt(squares / {n} + {eps})"] + self._slice_loop(write))
 
     def _scaled(self, region: Region, full: Coords, normalized: str) -> str:
         """rms_norm's optional weight (input 1) over the last dim."""
@@ -435,12 +472,15 @@ class RowReductionKernel(TemplateKernel):
                         partials_ptr=results[0])
             return results
         span = -(-self.length // (split * block_l)) * block_l
-        partials = torch.empty(split * self.rows, dtype=torch.float32, device=self.device)
-        self.launch((programs, split), config, tensors, index_space + split * self.rows, ONE_PASS=False,
-                    PHASE=0, SPAN=span, partials_ptr=partials)
+        statistics = 2 if self.mode == "layer_norm" else 1       # a layer norm's mean and M2, else a sum
+        partials = torch.empty(statistics * split * self.rows, dtype=torch.float32, device=self.device)
+        space = index_space + statistics * split * self.rows
+        self.launch((programs, split), config, tensors, space, ONE_PASS=False, PHASE=0, SPAN=span,
+                    partials_ptr=partials)
         sweep = self.last_compiled           # the resource screen judges the launch that holds the row tiles
-        self.launch((programs,), config, tensors, index_space + split * self.rows, ONE_PASS=False, PHASE=1,
-                    SPAN=span, partials_ptr=partials)
+        # a sum's second launch adds a row's sums up; a norm's writes each slice of the row again
+        self.launch((programs, split) if self.mode in NORM_MODES else (programs,), config, tensors, space,
+                    ONE_PASS=False, PHASE=1, SPAN=span, partials_ptr=partials)
         self.last_compiled = sweep
         return results
 

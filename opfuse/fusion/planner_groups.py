@@ -116,7 +116,7 @@ class GroupListing:
             table, default_slices, time, unsplit = self.split_k(nodes, kind, estimate)
             row_slices, time = self.row_slices(nodes, kind, estimate.anchor, time)
             if row_slices > 1:
-                reason += (f"; its rows split into {row_slices} slices, summed with the epilogue by a second "
+                reason += (f"; its rows split into {row_slices} slices, merged with the epilogue by a second "
                            "kernel (fewer row blocks than the GPU has SMs)")
             attention = estimate.anchor is not None and self.graph[estimate.anchor].op == "sdpa"
             if default_slices > 1 and attention:
@@ -154,7 +154,8 @@ class GroupListing:
         slices = row_tiles(view, self.hw.sm_count)[0][2]
         if slices == 1:
             return 1, time
-        partials = 2 * slices * view.rows * 4
+        statistics = 2 if view.mode == "layer_norm" else 1       # a layer norm's slices keep a mean and an M2
+        partials = 2 * statistics * slices * view.rows * 4
         return slices, self.with_second_launch(time, partials)
 
     def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate

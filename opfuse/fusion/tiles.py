@@ -378,7 +378,8 @@ def anchor_loop(graph: Graph, anchor: str) -> tuple[int, bool]:
 ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "any", "cumsum")
 EXTREMES = ("amax", "amin")         # row ops of a running max or min
 SCAN_OPS = ("cumsum",)              # row ops that keep every element and carry a running value along the row
-ROW_SPLIT_MODES = ("sum", "mean")   # the reductions whose rows split into slices
+NORM_MODES = ("layer_norm", "rms_norm")
+ROW_SPLIT_MODES = ("sum", "mean") + NORM_MODES   # the reductions whose rows split into slices
 MAX_ROW_SLICES = 128                # slices of a row at most: the second launch holds [BLOCK_M, SPLIT] float32 sums
 
 
@@ -429,11 +430,14 @@ def _reduced_dims(node, rank: int) -> list[int]:
 
 def row_tiles(view: RowView, sm_count: int) -> list[tuple[int, int, int]]:
     """The (BLOCK_M rows, BLOCK_L lanes, SPLIT slices) tiles the row template tries on a GPU, its default first:
-    many rows of short chunks where the kept channels are adjacent (larger tiles keep more bytes in flight), else
-    about 2048-4096 elements a program along the row; each split by `row_slices`."""
+    many rows of short chunks where the kept channels are adjacent (larger tiles keep more bytes in flight; fewer
+    rows than a tile's, its elements along the row: a group norm of one group at batch 1 is one row of 200k
+    elements, which 64-lane chunks walked 22x slower, RESULTS.md), else about 2048-4096 elements a program along
+    the row; each split by `row_slices`."""
     rows, length = next_power_of_2(view.rows), next_power_of_2(view.length)
-    if view.channels_inner:
-        shapes = [(64, 64), (64, 32), (128, 16), (32, 256), (128, 64)]
+    if view.channels_inner:     # rows fewer than a shape's take its elements along the row instead (up to 4096)
+        shapes = [(min(m, rows), min(m * lanes // min(m, rows), max(lanes, 4096)))
+                  for m, lanes in ((64, 64), (64, 32), (128, 16), (32, 256), (128, 64))]
     else:
         block_l = min(length, 4096)
         shapes = [(max(1, min(rows, target // block_l)), block_l) for target in (2048, 4096, 1024)]
@@ -445,11 +449,29 @@ def row_tiles(view: RowView, sm_count: int) -> list[tuple[int, int, int]]:
         tile = (block_m, block_l, row_slices(view, block_m, block_l, sm_count))
         if tile not in tiles:
             tiles.append(tile)
-    return tiles
+    finer = _finer_slices(view, tiles[0], sm_count)
+    return [finer] + [tile for tile in tiles if tile != finer]
+
+
+MIN_SLICE_LANES = 512   # a split row's chunks are not made shorter than this to reach more slices
+
+
+def _finer_slices(view: RowView, tile: tuple[int, int, int], sm_count: int) -> tuple[int, int, int]:
+    """The tile, its chunks halved (down to MIN_SLICE_LANES) while its programs times slices are fewer than the SMs
+    and that gives more of them, where it splits at all: one row of 200k elements splits into 16 slices at 4096
+    lanes, 128 at 512."""
+    block_m, block_l, slices = tile
+    programs = -(-view.rows // block_m)
+    while slices > 1 and programs * slices < sm_count and block_l > MIN_SLICE_LANES:
+        finer = row_slices(view, block_m, block_l // 2, sm_count)
+        if finer <= slices:
+            break
+        block_l, slices = block_l // 2, finer
+    return block_m, block_l, slices
 
 
 def row_slices(view: RowView, block_m: int, block_l: int, sm_count: int) -> int:
-    """SPLIT for a tile of a sum or mean: a power of two giving about two programs per SM, each slice two chunks
+    """SPLIT for a tile of a sum, a mean or a norm: a power of two giving about two programs per SM, each slice two chunks
     or more; 1 for other modes, for no rows, and where there are as many row blocks as SMs."""
     programs = -(-view.rows // block_m)
     if view.mode not in ROW_SPLIT_MODES or programs == 0 or programs >= sm_count:
@@ -461,8 +483,8 @@ def row_slices(view: RowView, block_m: int, block_l: int, sm_count: int) -> int:
 
 
 def row_kernel_tiles(view: RowView, sm_count: int) -> list[dict[str, int]]:
-    """`row_tiles` as the row template launches them, the default first: BLOCK_M, BLOCK_L, SPLIT (a sum's or a
-    mean's slices only) and num_warps, 4 for up to 2048 elements a program, else 8."""
+    """`row_tiles` as the row template launches them, the default first: BLOCK_M, BLOCK_L, SPLIT (the slices of a
+    sum, a mean or a norm only) and num_warps, 4 for up to 2048 elements a program, else 8."""
     split = view.mode in ROW_SPLIT_MODES
     return [{"BLOCK_M": m, "BLOCK_L": length, **({"SPLIT": slices} if split else {}),
              "num_warps": 4 if m * length <= 2048 else 8}

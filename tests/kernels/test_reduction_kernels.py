@@ -195,6 +195,44 @@ def test_a_mean_in_row_slices_keeps_its_prologue_output_and_epilogue(split):
     assert kernel.launches(config) == 2 and kernel.launches(KernelConfig.of(BLOCK_M=4, BLOCK_L=4, SPLIT=1)) == 1
 
 
+@pytest.mark.parametrize("split,block", [(2, 4), (4, 4), (4, 64)])
+def test_a_group_norm_of_one_group_in_row_slices(split, block):
+    """GroupNorm(1, C) at batch 1 is one long row: SPLIT slices each keep a mean and an M2 (a large mean tests the
+    merge; at 4 slices of 4-lane chunks the last slice lies wholly past the 35 lanes), and the second launch writes
+    every slice normalised, the residual prologue stored once, the per-channel affine after the reshape back."""
+    b = Builder()
+    h = b.op("add", b.input("x", (1, 3, 5, 7), b.random(1, 3, 5, 7) * 3 + 5), b.input("r", (1, 3, 5, 7)))
+    rows = b.op("reshape", h, shape=[1, 1, 3, 35])
+    normed = b.op("reshape", b.op("layer_norm", rows, normalized_shape=[3, 35], eps=1e-5), shape=[1, 3, 5, 7])
+    y = b.op("add", b.op("mul", normed, b.const("w", b.random(3, 1, 1))), b.const("b", b.random(3, 1, 1)))
+    config = KernelConfig.of(BLOCK_M=1, BLOCK_L=block, SPLIT=split, num_warps=1)
+    kernel, _ = run_group(b, [h, y], config)
+    assert kernel.launches(config) == 2
+
+
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_in_row_slices(split, weighted):
+    b = Builder()
+    x = b.op("add", b.input("x", (2, 37)), b.input("skip", (2, 37)))
+    normed = b.op("rms_norm", *([x] + ([b.const("w", b.random(37))] if weighted else [])), eps=1e-6)
+    config = KernelConfig.of(BLOCK_M=2, BLOCK_L=4, SPLIT=split, num_warps=1)
+    kernel, _ = run_group(b, [x, b.op("relu", normed)], config)
+    assert kernel.launches(config) == 2
+
+
+def test_a_long_norm_row_splits_and_keeps_thousands_of_elements_a_program():
+    """A norm of one row of 200k elements (poolformer's first GroupNorm at batch 1) is chunked along the row in
+    thousands of lanes, not 64 (channels_inner's tile shapes are for many rows), in slices for most SMs (at 4096
+    lanes, 16 slices of two chunks or more; at 512, 128); short rows stay whole."""
+    from opfuse.fusion.tiles import RowView, row_tiles
+
+    tiles = row_tiles(RowView("layer_norm", (2, 3), 1, 64 * 56 * 56, True), 132)
+    assert tiles[:2] == [(1, 512, 128), (1, 4096, 16)]
+    assert row_tiles(RowView("rms_norm", (1,), 1, 2048, False), 132)[0] == (1, 2048, 1)
+    assert row_tiles(RowView("layer_norm", (2,), 128, 768, False), 132)[0][2] == 1
+
+
 def test_rows_split_where_their_blocks_leave_sms_idle():
     from opfuse.fusion.tiles import row_slices, row_tiles
 
@@ -204,12 +242,12 @@ def test_rows_split_where_their_blocks_leave_sms_idle():
     assert kernel.hw.sm_count == 132                      # the default profile's, an H200's
     assert row_slices(kernel.view, 64, 64, 132) == 32     # 1 program -> 32 slices of 128 lanes, 2 chunks each
     assert row_slices(kernel.view, 64, 256, 132) == 8
-    assert row_tiles(kernel.view, 132)[0] == (16, 64, 32)  # rows past the 16 are not tiled
+    assert row_tiles(kernel.view, 132)[0] == (16, 256, 8)  # 16 rows: the 64 x 64 tile's elements along them
     b = Builder()
     many = b.op("mean", b.input("x", (300, 64, 2, 2)), dims=[2, 3], keepdim=True)   # 19200 rows: no split
     assert row_slices(lower_reduction_group(b.graph, b.group([many]), "cpu").view, 64, 64, 132) == 1
     b = Builder()
-    norm = b.op("softmax", b.input("x", (2, 4096)), dim=-1)                           # not a sum: never split
+    norm = b.op("softmax", b.input("x", (2, 4096)), dim=-1)                 # neither a sum nor a norm: never split
     kernel = lower_reduction_group(b.graph, b.group([norm]), "cpu")
     assert "SPLIT" not in kernel.source and kernel.alternatives() == []
     assert all(slices == 1 for _, _, slices in row_tiles(kernel.view, 132))

@@ -190,7 +190,7 @@ def test_a_row_reduction_holds_chunks_of_its_rows():
     graph = b.output(b.layer_norm(x, "ln"))
     estimate = estimate_resources(graph, ["ln"], None, H200, "float16")
     assert estimate.fits
-    assert estimate.tile == {"BLOCK_M": 2, "BLOCK_L": 1024, "num_warps": 4}
+    assert estimate.tile == {"BLOCK_M": 2, "BLOCK_L": 1024, "SPLIT": 1, "num_warps": 4}
     assert describe_tile(estimate.tile) == "2x1024 (4 warps)"          # rows x lanes, as the reasons say it
     # x, weight, bias chunks + a scratch chunk, each 2048 / 128 threads = 16 registers; mean and rstd of 2 rows
     assert estimate.registers_per_thread == 4 * 16 + 2 + ADDRESSING_REGISTERS
