@@ -194,8 +194,9 @@ class PointwiseKernel(TemplateKernel):
             if len(self.spaces) == 1:
                 body += lines
             else:
-                body.append(f"{'if' if index == 0 else 'elif'} pid < {end}:  # part {part.key}"
-                            + (f", {', '.join(segment.sources)} of {segment.cat}" if segment else ""))
+                body.append(f"{'if' if index == 0 else 'elif'} pid < {end}:  # part {part.key}"   # ops, not values
+                            + (f", {', '.join(graph[s].op for s in segment.sources)} of {graph[segment.cat].op}"
+                               if segment else ""))
                 body += ["    " + line for line in lines]
             if part.has_layout_choice and f"CL{part.key}" not in constexprs:
                 constexprs.append(f"CL{part.key}")

@@ -212,6 +212,19 @@ def test_a_cat_is_walked_one_input_at_a_time_each_loaded_alone():
     run_group(b, [joined, out])                                        # the cat an output too
 
 
+def test_a_walked_cat_names_no_value_in_its_source():
+    """The cat's parts say which ops they walk, not which values: each layer's rotate-half of a decoder (Llama's 22,
+    whose comments named their nodes) is one source, one Triton compile."""
+    sources = []
+    for names in (("a", "b"), ("p", "q")):
+        b = Builder()
+        x, y = (b.input(name, (2, c, 3, 5)) for name, c in zip(names, (3, 2)))
+        kernel, _ = run_group(b, [b.op("relu", b.op("cat", b.op("neg", x), y, dim=1))])
+        assert len(kernel.spaces) > 1 and "neg of cat" in kernel.source
+        sources.append(kernel.source)
+    assert sources[0] == sources[1]
+
+
 @pytest.mark.parametrize("layout", ["channels_last", "one_contiguous"])
 def test_inputs_of_one_shape_share_a_segment_and_its_code(layout):
     """DenseNet's cat of equal feature maps: one segment, one copy of the code, each program picking its input;
