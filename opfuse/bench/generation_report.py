@@ -41,7 +41,9 @@ def generation_lines(results: dict[str, Any]) -> list[str]:
                 f"{_number(_percent(figures.get('share_of_bandwidth')), '.1f', '%')} | "
                 f"{_number(ratio, '.2f', 'x')} | {figures.get('greedy_equal_eager_tokens', '-')} of {run['new']} |")
         report = run.get("decode_report") or {}
-        if report:
+        if "opfuse" not in contenders:
+            notes.append(f"- batch {run['batch']}, prompt {run['prompt']}: no opfuse figures in this run.")
+        elif report:
             per_token = (report["weight_bytes"] + report["cache_bytes_needed"]) / max(report["tokens_per_step"], 1)
             notes.append(f"- batch {run['batch']}, prompt {run['prompt']}: opfuse's decode step plans "
                          f"{report['launches']} launches and must read {per_token / 1e9:.3f} GB a token "

@@ -237,7 +237,7 @@ def test_generate_merge_joins_contenders_timed_in_processes_of_their_own():
     own."""
     import copy
 
-    from opfuse.bench.generation_report import merge
+    from opfuse.bench.generation_report import generation_lines, merge
     from opfuse.bench.zoo_report import render
 
     opfuse_only, inductor_only = copy.deepcopy(GENERATED), copy.deepcopy(GENERATED)
@@ -256,6 +256,10 @@ def test_generate_merge_joins_contenders_timed_in_processes_of_their_own():
     page = render([{"settings": {}, "env": None, "workloads": {}}], generation=merged)
     assert "in 2 processes of their own" in page
     assert "| 1 | 128 | 64 | opfuse | 1.90 ms | 1.600 ms | 600 | 1350 | 40.3% | 1.50x | 53 of 64 |" in page
+    assert "- batch 8, prompt 128: no opfuse" not in page
+    inductor_only["runs"][0]["batch"] = 32
+    assert "- batch 32, prompt 128: no opfuse figures in this run." in generation_lines(merge([opfuse_only,
+                                                                                                 inductor_only]))
     inductor_only["device"] = "NVIDIA H200"
     with pytest.raises(ValueError, match="cannot be joined"):
         merge([opfuse_only, inductor_only])
