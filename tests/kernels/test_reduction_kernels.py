@@ -195,17 +195,21 @@ def test_a_mean_in_row_slices_keeps_its_prologue_output_and_epilogue(split):
     assert kernel.launches(config) == 2 and kernel.launches(KernelConfig.of(BLOCK_M=4, BLOCK_L=4, SPLIT=1)) == 1
 
 
-@pytest.mark.parametrize("split,block", [(2, 4), (4, 4), (4, 64)])
-def test_a_group_norm_of_one_group_in_row_slices(split, block):
-    """GroupNorm(1, C) at batch 1 is one long row: SPLIT slices each keep a mean and an M2 (a large mean tests the
-    merge; at 4 slices of 4-lane chunks the last slice lies wholly past the 35 lanes), and the second launch writes
-    every slice normalised, the residual prologue stored once, the per-channel affine after the reshape back."""
+@pytest.mark.parametrize("groups,split,block", [(1, 2, 4), (1, 4, 4), (1, 4, 64), (2, 4, 4)])
+def test_a_group_norm_of_few_groups_in_row_slices(groups, split, block):
+    """GroupNorm(G, C) at batch 1 is G long rows: SPLIT slices each keep a mean and an M2 (a large mean tests the
+    merge; at 4 slices of 4-lane chunks the last slice of a 35-lane row lies wholly past it), and the second launch
+    writes every slice normalised, the residual prologue stored once, the per-channel affine after the reshape back;
+    two groups, two rows a program."""
     b = Builder()
-    h = b.op("add", b.input("x", (1, 3, 5, 7), b.random(1, 3, 5, 7) * 3 + 5), b.input("r", (1, 3, 5, 7)))
-    rows = b.op("reshape", h, shape=[1, 1, 3, 35])
-    normed = b.op("reshape", b.op("layer_norm", rows, normalized_shape=[3, 35], eps=1e-5), shape=[1, 3, 5, 7])
-    y = b.op("add", b.op("mul", normed, b.const("w", b.random(3, 1, 1))), b.const("b", b.random(3, 1, 1)))
-    config = KernelConfig.of(BLOCK_M=1, BLOCK_L=block, SPLIT=split, num_warps=1)
+    channels = 3 * groups
+    h = b.op("add", b.input("x", (1, channels, 5, 7), b.random(1, channels, 5, 7) * 3 + 5),
+             b.input("r", (1, channels, 5, 7)))
+    rows = b.op("reshape", h, shape=[1, groups, 3, 35])
+    normed = b.op("reshape", b.op("layer_norm", rows, normalized_shape=[3, 35], eps=1e-5),
+                  shape=[1, channels, 5, 7])
+    y = b.op("add", b.op("mul", normed, b.const("w", b.random(channels, 1, 1))), b.const("b", b.random(channels, 1, 1)))
+    config = KernelConfig.of(BLOCK_M=groups, BLOCK_L=block, SPLIT=split, num_warps=1)
     kernel, _ = run_group(b, [h, y], config)
     assert kernel.launches(config) == 2
 
