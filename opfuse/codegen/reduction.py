@@ -1,22 +1,22 @@
 """Reduction groups with an elementwise prologue and epilogue as one Triton kernel: `lower_reduction_group`.
 
 Two templates:
-- rows (`RowReductionKernel`): softmax over any dim, layer_norm over the last dims (weight, bias), rms_norm
-  over the last dim (weight), mean/sum/any/amax/amin over given dims, and adaptive_avg_pool2d to (1,1) (global average pool
-  = mean over H, W). The reduction input is viewed as [rows, L] (kept dims x reduced dims, through its strides); a
+- rows (`RowReductionKernel`): softmax over any dim, layer_norm over the last dims (weight, bias), rms_norm over
+  the last dim (weight), mean/sum/any/amax/amin over given dims, and adaptive_avg_pool2d to (1,1) (global average
+  pool = mean over H, W). The reduction input is viewed as [rows, L] (kept dims x reduced dims, through its strides); a
   program takes BLOCK_M rows and walks each row in chunks of BLOCK_L. When one chunk holds the row (ONE_PASS) it
   stays in registers: one read, one write. Otherwise softmax keeps an online max and sum, layer norm merges
   per-chunk mean and M2 (Chan et al.), and a second sweep recomputes the prologue and writes the result: two
   reads, one write. A sum or mean with fewer row blocks than the GPU has SMs (a squeeze-and-excitation pool of
   few channels over a large image, any reduction at batch 1) splits each row into SPLIT slices: launch one
   (PHASE 0, programs over row blocks x slices) writes each slice's float32 sum to a workspace, launch two (PHASE
-  1) adds up a row's SPLIT sums (one fixed tree) and runs the epilogue. A layer or RMS norm of so few, long rows
-  (a group norm of one group at batch 1) splits likewise: launch one writes each slice's mean and M2 (sum of
-  squares), launch two, over the same programs, merges a row's and writes its own slice. Deterministic, no
-  atomics; the unsplit form is an alternative the autotuner times beside it, and the resource screen reads launch
-  one's registers. cumsum
-  over any dim is a scan of the same rows: one sweep, each chunk's `tl.cumsum` plus the running carry of the chunks
-  before it, written (and its epilogue computed) as it goes; an integer scan carries int64 exactly (`_cumsum`).
+  1) adds up a row's SPLIT sums (one fixed tree) and runs the epilogue. A layer or RMS norm or a softmax of so
+  few, long rows (a group norm of one group at batch 1) splits likewise: launch one writes each slice's mean and
+  M2 (sum of squares; max and sum of exponentials), launch two, over the same programs, merges a row's and writes
+  its own slice. Deterministic, no atomics; the unsplit form is an alternative the autotuner times beside it, and
+  the resource screen reads launch one's registers. cumsum over any dim is a scan of the same rows: one sweep, each
+  chunk's `tl.cumsum` plus the running carry of the chunks before it, written (and its epilogue computed) as it
+  goes; an integer scan carries int64 exactly (`_cumsum`).
 - pools (`PoolKernel`): max_pool2d / avg_pool2d (kernel, stride, padding, dilation, ceil_mode) and divisible
   adaptive_avg_pool2d on NHWC: a program takes [BLOCK_P output pixels, BLOCK_C channels] and visits the window taps.
 
@@ -37,8 +37,8 @@ from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, int_pair, triton_dty
 from opfuse.codegen.operands import VIEW_OPS, Emitter, Region, build_kernel, next_power_of_2
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.tiles import (EXTREMES, NORM_MODES, ROW_SPLIT_MODES, SCAN_OPS, RowView, pool_tiles, row_kernel_tiles,
-                                 row_view)
+from opfuse.fusion.tiles import (EXTREMES, ROW_SPLIT_MODES, ROW_WRITING_MODES, SCAN_OPS, RowView, pool_tiles,
+                                 row_kernel_tiles, row_view, slice_statistics)
 from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import FLOAT_DTYPES, WIDE_INTEGERS, Graph, Node
 from opfuse.ir.ops import FusionKind, kind_of
@@ -152,8 +152,8 @@ def indent(lines: Sequence[str], depth: int = 1) -> list[str]:
 
 class RowReductionKernel(TemplateKernel):
     """softmax / layer_norm / rms_norm / mean / sum / any / cumsum over some dims of one input, BLOCK_M rows a
-    program; a sum, a mean or a norm in SPLIT slices per row where there are fewer row blocks than the GPU `hw` has
-    SMs (`opfuse.fusion.tiles.row_slices`)."""
+    program; a sum, a mean, a norm or a softmax in SPLIT slices per row where there are fewer row blocks than the
+    GPU `hw` has SMs (`opfuse.fusion.tiles.row_slices`)."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, view: RowView, hw: HardwareProfile):
         self.node, self.view, self.mode, self.hw = node, view, view.mode, hw
@@ -239,6 +239,9 @@ class RowReductionKernel(TemplateKernel):
         return [f"for start in range(0, {self.length}, BLOCK_L):"] + indent(lines)
 
     def _softmax(self) -> list[str]:
+        """One sweep when the row fits a chunk; else an online max and sum over the chunks, then a second sweep
+        writes; in SPLIT slices (`_sliced`), each slice's max and sum through the workspace, rescaled to the row's
+        max."""
         one, region, full, x = self._chunk("lanes", True)
         region.lines += [f"t = tl.where(mask, {x}, {NEG_INF})",
                          f"row_max = tl.maximum(tl.max(t, axis=1)[:, None], {MAX_FLOOR})",
@@ -253,9 +256,19 @@ class RowReductionKernel(TemplateKernel):
         write, region, full, x = self._chunk("start + lanes", False)
         region.lines.append(f"result = tl.exp({x} - row_max) / row_sum")
         write = self._finish(write, region, full, "result")
-        return (["if ONE_PASS:"] + indent(one) + ["else:"] + indent(
-            [f"row_max = tl.full([BLOCK_M, 1], {MAX_FLOOR}, tl.float32)",
-             "row_sum = tl.zeros([BLOCK_M, 1], dtype=tl.float32)"] + self._loop(stats) + self._loop(write)))
+        start = [f"row_max = tl.full([BLOCK_M, 1], {MAX_FLOOR}, tl.float32)",
+                 "row_sum = tl.zeros([BLOCK_M, 1], dtype=tl.float32)"]
+        rows = self.rows
+        merge = [f"maxes = tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other={MAX_FLOOR})",
+                 f"sums = tl.load(partials_ptr + (SPLIT + parts) * {rows} + rows, mask=row_mask, other=0.0)",
+                 "row_max = tl.max(maxes, axis=1)[:, None]",      # a slice past the row: the floor and 0 add 0
+                 "row_sum = tl.sum(sums * tl.exp(maxes - row_max), axis=1)[:, None]"]
+        return self._sliced(
+            ["if ONE_PASS:"] + indent(one) + ["else:"] + indent(start + self._loop(stats) + self._loop(write)),
+            start + self._slice_loop(stats) + [
+                f"tl.store(partials_ptr + part * {rows} + rows, row_max, mask=row_mask)",
+                f"tl.store(partials_ptr + (SPLIT + part) * {rows} + rows, row_sum, mask=row_mask)"],
+            merge + self._slice_loop(write))
 
     def _affine(self, region: Region, full: Coords, normalized: str) -> str:
         """layer_norm's weight and bias (optional inputs 1 and 2), broadcast over the normalized dims."""
@@ -472,14 +485,14 @@ class RowReductionKernel(TemplateKernel):
                         partials_ptr=results[0])
             return results
         span = -(-self.length // (split * block_l)) * block_l
-        statistics = 2 if self.mode == "layer_norm" else 1       # a layer norm's mean and M2, else a sum
+        statistics = slice_statistics(self.mode)
         partials = torch.empty(statistics * split * self.rows, dtype=torch.float32, device=self.device)
         space = index_space + statistics * split * self.rows
         self.launch((programs, split), config, tensors, space, ONE_PASS=False, PHASE=0, SPAN=span,
                     partials_ptr=partials)
         sweep = self.last_compiled           # the resource screen judges the launch that holds the row tiles
-        # a sum's second launch adds a row's sums up; a norm's writes each slice of the row again
-        self.launch((programs, split) if self.mode in NORM_MODES else (programs,), config, tensors, space,
+        # a sum's second launch adds a row's sums up; a norm's or a softmax's writes each slice of the row again
+        self.launch((programs, split) if self.mode in ROW_WRITING_MODES else (programs,), config, tensors, space,
                     ONE_PASS=False, PHASE=1, SPAN=span, partials_ptr=partials)
         self.last_compiled = sweep
         return results

@@ -14,7 +14,8 @@ from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, anchor_problem, conv_chain, conv_conv_key, conv_conv_slice_table
 from opfuse.fusion.tiles import (MIN_SPLIT_STEPS, anchor_grid, anchor_loop, anchor_tiles, attention_key,
-                                 key_split_table, row_tiles, row_view, split_k_table, tile_key, tiles_attention)
+                                 key_split_table, row_tiles, row_view, slice_statistics, split_k_table, tile_key,
+                                 tiles_attention)
 from opfuse.ir.graph import DTYPE_BYTES
 from opfuse.ir.ops import FusionKind, kind_of
 
@@ -154,8 +155,7 @@ class GroupListing:
         slices = row_tiles(view, self.hw.sm_count)[0][2]
         if slices == 1:
             return 1, time
-        statistics = 2 if view.mode == "layer_norm" else 1       # a layer norm's slices keep a mean and an M2
-        partials = 2 * statistics * slices * view.rows * 4
+        partials = 2 * slice_statistics(view.mode) * slices * view.rows * 4
         return slices, self.with_second_launch(time, partials)
 
     def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate

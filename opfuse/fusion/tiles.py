@@ -378,8 +378,14 @@ def anchor_loop(graph: Graph, anchor: str) -> tuple[int, bool]:
 ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "any", "cumsum")
 EXTREMES = ("amax", "amin")         # row ops of a running max or min
 SCAN_OPS = ("cumsum",)              # row ops that keep every element and carry a running value along the row
-NORM_MODES = ("layer_norm", "rms_norm")
-ROW_SPLIT_MODES = ("sum", "mean") + NORM_MODES   # the reductions whose rows split into slices
+ROW_WRITING_MODES = ("softmax", "layer_norm", "rms_norm")    # row reductions whose output is the row again
+ROW_SPLIT_MODES = ("sum", "mean") + ROW_WRITING_MODES   # the reductions whose rows split into slices
+
+
+def slice_statistics(mode: str) -> int:
+    """The float32 numbers a split row's slice leaves in the workspace: a layer norm's mean and M2, a softmax's max
+    and sum of exponentials; one sum otherwise."""
+    return 2 if mode in ("layer_norm", "softmax") else 1
 MAX_ROW_SLICES = 128                # slices of a row at most: the second launch holds [BLOCK_M, SPLIT] float32 sums
 
 
@@ -453,16 +459,16 @@ def row_tiles(view: RowView, sm_count: int) -> list[tuple[int, int, int]]:
     return [finer] + [tile for tile in tiles if tile != finer]
 
 
-MIN_SLICE_LANES = 512   # a split row's chunks are not made shorter than this to reach more slices
+MIN_SLICE_CHUNK = 1024  # a split row's chunks (rows x lanes) are not made smaller than this to reach more slices
 
 
 def _finer_slices(view: RowView, tile: tuple[int, int, int], sm_count: int) -> tuple[int, int, int]:
-    """The tile, its chunks halved (down to MIN_SLICE_LANES) while its programs times slices are fewer than the SMs
-    and that gives more of them, where it splits at all: one row of 200k elements splits into 16 slices at 4096
-    lanes, 128 at 512."""
+    """The tile, its chunks halved along the row (down to MIN_SLICE_CHUNK elements) while its programs times slices
+    are fewer than the SMs and that gives more of them, where it splits at all: one row of 200k elements splits into
+    16 slices of 4096-lane chunks, 64 of 1024."""
     block_m, block_l, slices = tile
     programs = -(-view.rows // block_m)
-    while slices > 1 and programs * slices < sm_count and block_l > MIN_SLICE_LANES:
+    while slices > 1 and programs * slices < sm_count and block_m * block_l > MIN_SLICE_CHUNK:
         finer = row_slices(view, block_m, block_l // 2, sm_count)
         if finer <= slices:
             break
@@ -471,8 +477,8 @@ def _finer_slices(view: RowView, tile: tuple[int, int, int], sm_count: int) -> t
 
 
 def row_slices(view: RowView, block_m: int, block_l: int, sm_count: int) -> int:
-    """SPLIT for a tile of a sum, a mean or a norm: a power of two giving about two programs per SM, each slice two chunks
-    or more; 1 for other modes, for no rows, and where there are as many row blocks as SMs."""
+    """SPLIT for a tile of a sum, a mean, a norm or a softmax: a power of two giving about two programs per SM, each
+    slice two chunks or more; 1 for other modes, for no rows, and where there are as many row blocks as SMs."""
     programs = -(-view.rows // block_m)
     if view.mode not in ROW_SPLIT_MODES or programs == 0 or programs >= sm_count:
         return 1
@@ -484,7 +490,7 @@ def row_slices(view: RowView, block_m: int, block_l: int, sm_count: int) -> int:
 
 def row_kernel_tiles(view: RowView, sm_count: int) -> list[dict[str, int]]:
     """`row_tiles` as the row template launches them, the default first: BLOCK_M, BLOCK_L, SPLIT (the slices of a
-    sum, a mean or a norm only) and num_warps, 4 for up to 2048 elements a program, else 8."""
+    sum, a mean, a norm or a softmax only) and num_warps, 4 for up to 2048 elements a program, else 8."""
     split = view.mode in ROW_SPLIT_MODES
     return [{"BLOCK_M": m, "BLOCK_L": length, **({"SPLIT": slices} if split else {}),
              "num_warps": 4 if m * length <= 2048 else 8}

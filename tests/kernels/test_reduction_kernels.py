@@ -225,14 +225,45 @@ def test_rms_norm_in_row_slices(split, weighted):
     assert kernel.launches(config) == 2
 
 
+@pytest.mark.parametrize("split", [2, 4])
+def test_a_softmax_in_row_slices(split):
+    """Each slice's max and sum of exponentials go to the workspace; the second launch rescales them to the row's
+    max and writes its slice. Large logits (slices' maxes far apart), a row masked but for one lane, and at 4
+    slices of 4-lane chunks a last slice wholly past the 37 lanes."""
+    b = Builder()
+    logits = b.random(3, 37) * 30
+    logits[1, 1:] = float("-inf")
+    x = b.op("mul", b.input("x", (3, 37), logits), b.const("scale", torch.tensor(0.5)))
+    config = KernelConfig.of(BLOCK_M=2, BLOCK_L=4, SPLIT=split, num_warps=1)
+    kernel, _ = run_group(b, [b.op("softmax", x, dim=-1)], config)
+    assert kernel.launches(config) == 2
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "softmax", "layer_norm", "rms_norm"])
+@pytest.mark.parametrize("channels_inner", [True, False])
+def test_no_default_row_tile_leaves_one_program_a_long_walk(mode, channels_inner):
+    """Where the row blocks are fewer than the SMs, no program of the default tile walks more than 8192 elements or
+    four times its share of the work, for any row count and length: the bug class of poolformer's group norms (one
+    program over 200k elements, 0.05x torch.compile)."""
+    from opfuse.fusion.tiles import RowView, row_tiles
+
+    sms = 132
+    for rows in (1, 2, 8, 32, 100):
+        for length in (768, 4096, 25088, 200704, 1 << 20):
+            block_m, block_l, slices = row_tiles(RowView(mode, (1,), rows, length, channels_inner), sms)[0]
+            if -(-rows // block_m) < sms:
+                walk = min(block_m, rows) * -(-length // slices)
+                assert walk <= max(8192, 4 * rows * length / sms), (rows, length, block_m, block_l, slices)
+
+
 def test_a_long_norm_row_splits_and_keeps_thousands_of_elements_a_program():
     """A norm of one row of 200k elements (poolformer's first GroupNorm at batch 1) is chunked along the row in
     thousands of lanes, not 64 (channels_inner's tile shapes are for many rows), in slices for most SMs (at 4096
-    lanes, 16 slices of two chunks or more; at 512, 128); short rows stay whole."""
+    lanes, 16 slices of two chunks or more; at 1024, 64); short rows stay whole."""
     from opfuse.fusion.tiles import RowView, row_tiles
 
     tiles = row_tiles(RowView("layer_norm", (2, 3), 1, 64 * 56 * 56, True), 132)
-    assert tiles[:2] == [(1, 512, 128), (1, 4096, 16)]
+    assert tiles[:2] == [(1, 1024, 64), (1, 4096, 16)]
     assert row_tiles(RowView("rms_norm", (1,), 1, 2048, False), 132)[0] == (1, 2048, 1)
     assert row_tiles(RowView("layer_norm", (2,), 128, 768, False), 132)[0][2] == 1
 
@@ -246,13 +277,13 @@ def test_rows_split_where_their_blocks_leave_sms_idle():
     assert kernel.hw.sm_count == 132                      # the default profile's, an H200's
     assert row_slices(kernel.view, 64, 64, 132) == 32     # 1 program -> 32 slices of 128 lanes, 2 chunks each
     assert row_slices(kernel.view, 64, 256, 132) == 8
-    assert row_tiles(kernel.view, 132)[0] == (16, 256, 8)  # 16 rows: the 64 x 64 tile's elements along them
+    assert row_tiles(kernel.view, 132)[0] == (16, 64, 32)  # chunks of 16 x 256 halved to 16 x 64 for more slices
     b = Builder()
     many = b.op("mean", b.input("x", (300, 64, 2, 2)), dims=[2, 3], keepdim=True)   # 19200 rows: no split
     assert row_slices(lower_reduction_group(b.graph, b.group([many]), "cpu").view, 64, 64, 132) == 1
     b = Builder()
-    norm = b.op("softmax", b.input("x", (2, 4096)), dim=-1)                 # neither a sum nor a norm: never split
-    kernel = lower_reduction_group(b.graph, b.group([norm]), "cpu")
+    scan = b.op("cumsum", b.input("x", (2, 1 << 18)), dim=-1)               # a scan: never split
+    kernel = lower_reduction_group(b.graph, b.group([scan]), "cpu")
     assert "SPLIT" not in kernel.source and kernel.alternatives() == []
     assert all(slices == 1 for _, _, slices in row_tiles(kernel.view, 132))
 

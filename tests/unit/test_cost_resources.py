@@ -184,7 +184,8 @@ def test_shared_memory_over_budget():
 
 def test_a_row_reduction_holds_chunks_of_its_rows():
     """The row template's default tile (`row_kernel_tiles`): a layer norm over 768 holds 2 rows of 1024 lanes on 4
-    warps; a softmax over 2^20 walks its rows in chunks of 4096 on 8 warps, so it fits where a whole row would not."""
+    warps; a softmax of two rows of 2^20 walks them in chunks of 4096 on 8 warps, so it fits where a whole row would
+    not, each row in 128 slices (two rows alone would leave 130 SMs idle)."""
     b = GraphBuilder("rows")
     x = b.input("x", (4, 768))
     graph = b.output(b.layer_norm(x, "ln"))
@@ -199,7 +200,7 @@ def test_a_row_reduction_holds_chunks_of_its_rows():
     x = b.input("x", (2, 1 << 20))
     graph = b.output(b.op("softmax", [x], {"dim": -1}, "softmax"))
     estimate = estimate_resources(graph, ["softmax"], None, H200, "float16")
-    assert estimate.fits and estimate.tile == {"BLOCK_M": 1, "BLOCK_L": 4096, "num_warps": 8}
+    assert estimate.fits and estimate.tile == {"BLOCK_M": 1, "BLOCK_L": 4096, "SPLIT": 128, "num_warps": 8}
     assert estimate.registers_per_thread == 2 * 16 + 2 + ADDRESSING_REGISTERS
 
 
