@@ -7,10 +7,11 @@ Two templates:
   program takes BLOCK_M rows and walks each row in chunks of BLOCK_L. When one chunk holds the row (ONE_PASS) it
   stays in registers: one read, one write. Otherwise softmax keeps an online max and sum, layer norm merges
   per-chunk mean and M2 (Chan et al.), and a second sweep recomputes the prologue and writes the result: two
-  reads, one write. A sum or mean with fewer row blocks than the GPU has SMs (a squeeze-and-excitation pool of
-  few channels over a large image, any reduction at batch 1) splits each row into SPLIT slices: launch one
-  (PHASE 0, programs over row blocks x slices) writes each slice's float32 sum to a workspace, launch two (PHASE
-  1) adds up a row's SPLIT sums (one fixed tree) and runs the epilogue. A layer or RMS norm or a softmax of so
+  reads, one write. A sum, mean, any, amax or amin with fewer row blocks than the GPU has SMs (a
+  squeeze-and-excitation pool of few channels over a large image, any reduction at batch 1) splits each row into
+  SPLIT slices: launch one (PHASE 0, programs over row blocks x slices) writes each slice's float32 sum (or
+  extreme) to a workspace, launch two (PHASE 1) combines a row's SPLIT of them (one fixed tree) and runs the
+  epilogue. A layer or RMS norm or a softmax of so
   few, long rows (a group norm of one group at batch 1) splits likewise: launch one writes each slice's mean and
   M2 (sum of squares; max and sum of exponentials), launch two, over the same programs, merges a row's and writes
   its own slice. Deterministic, no atomics; the unsplit form is an alternative the autotuner times beside it, and
@@ -152,8 +153,8 @@ def indent(lines: Sequence[str], depth: int = 1) -> list[str]:
 
 class RowReductionKernel(TemplateKernel):
     """softmax / layer_norm / rms_norm / mean / sum / any / cumsum over some dims of one input, BLOCK_M rows a
-    program; a sum, a mean, a norm or a softmax in SPLIT slices per row where there are fewer row blocks than the
-    GPU `hw` has SMs (`opfuse.fusion.tiles.row_slices`)."""
+    program; every mode but cumsum in SPLIT slices per row where there are fewer row blocks than the GPU `hw` has
+    SMs (`opfuse.fusion.tiles.row_slices`)."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, view: RowView, hw: HardwareProfile):
         self.node, self.view, self.mode, self.hw = node, view, view.mode, hw
@@ -367,23 +368,42 @@ class RowReductionKernel(TemplateKernel):
 
     def _extreme(self, mode: str) -> list[str]:
         """amax or amin: a running max (min) of the row's chunks, and whether any element was NaN (the result is
-        NaN then, as PyTorch's; Triton's max reduction may drop it)."""
-        chunk, region, _, x = self._chunk("start + lanes", True)
+        NaN then, as PyTorch's; Triton's max reduction may drop it); in SPLIT slices, each slice's result (NaN
+        included) through the workspace, PHASE 1 the extreme of them."""
         pick, empty = ("tl.maximum", NEG_INF) if mode == "amax" else ("tl.minimum", 'float("inf")')
-        step = [f"t = tl.where(mask, {x}, {empty})", f"acc = {pick}(acc, t)",
-                "nans = tl.maximum(nans, tl.where(t != t, 1.0, 0.0))"]
-        lines = [f"acc = tl.full([BLOCK_M, BLOCK_L], {empty}, tl.float32)",
-                 "nans = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)",
-                 f"for start in range(0, {self.length}, BLOCK_L):"] + indent(chunk + region.lines + step)
         reduce = "tl.max" if mode == "amax" else "tl.min"
-        lines.append(f"result = tl.where(tl.max(nans, axis=1)[:, None] > 0.0, float('nan'), "
-                     f"{reduce}(acc, axis=1)[:, None])")
+
+        def accumulate(first: str) -> list[str]:
+            chunk, region, _, x = self._chunk("start + lanes", True)
+            step = [f"t = tl.where(mask, {x}, {empty})", f"acc = {pick}(acc, t)",
+                    "nans = tl.maximum(nans, tl.where(t != t, 1.0, 0.0))"]
+            return [f"acc = tl.full([BLOCK_M, BLOCK_L], {empty}, tl.float32)",
+                    "nans = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)",
+                    f"for start in range({first}, BLOCK_L):"] + indent(chunk + region.lines + step)
+
+        def extreme(values: str, nans: str) -> str:
+            return f"tl.where(tl.max({nans}, axis=1)[:, None] > 0.0, float('nan'), {reduce}({values}, axis=1)[:, None])"
+
+        def finish(lines: list[str]) -> list[str]:
+            return self._finish(lines, self._emitter.region("[BLOCK_M, 1]", "row_mask"), self._reduced_coords(),
+                                "result")
+
+        whole = finish(accumulate(f"0, {self.length}") + [f"result = {extreme('acc', 'nans')}"])
+        rows = self.rows
+        partial = (["part = tl.program_id(1)"] + accumulate("part * SPAN, part * SPAN + SPAN")
+                   + [f"tl.store(partials_ptr + part * {rows} + rows, {extreme('acc', 'nans')}, mask=row_mask)"])
+        total = finish(["parts = tl.arange(0, SPLIT)[None, :]",
+                        f"values = tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other={empty})",
+                        f"result = {extreme('values', 'tl.where(values != values, 1.0, 0.0)')}"])
+        return (["if SPLIT == 1:"] + indent(whole) + ["elif PHASE == 0:"] + indent(partial)
+                + ["else:"] + indent(total))
+
+    def _reduced_coords(self) -> tuple:
+        """The coordinates of a reduction's result: the kept dims', the reduced ones None where it keeps them."""
         out_shape = self.node.type.shape
-        if len(out_shape) == len(self._shape):
-            coords = tuple(None if d in self.reduced else self._kept[d] for d in range(len(out_shape)))
-        else:
-            coords = tuple(self._kept[d] for d in self.kept)
-        return self._finish(lines, self._emitter.region("[BLOCK_M, 1]", "row_mask"), coords, "result")
+        if len(out_shape) == len(self._shape):       # keepdim: reduced dims stay with size 1
+            return tuple(None if d in self.reduced else self._kept[d] for d in range(len(out_shape)))
+        return tuple(self._kept[d] for d in self.kept)
 
     def _cumsum(self) -> list[str]:
         """The inclusive scan along the row, one sweep: each chunk's `tl.cumsum` plus the carry of the chunks
@@ -410,8 +430,8 @@ class RowReductionKernel(TemplateKernel):
             self._finish(chunk, region, full, "scanned"))
 
     def _sum(self, mode: str) -> list[str]:
-        """mean, sum, or any (a running max of x != 0, as 1.0 / 0.0); a sum or mean also in slices (SPLIT > 1:
-        PHASE 0 sums a slice of SPAN lanes of each row into the workspace, PHASE 1 adds them up)."""
+        """mean, sum, or any (a running max of x != 0, as 1.0 / 0.0); also in slices (SPLIT > 1: PHASE 0 sums, or
+        for any takes the max of, a slice of SPAN lanes of each row into the workspace, PHASE 1 combines them)."""
         def accumulate(first: str) -> list[str]:
             chunk, region, _, x = self._chunk("start + lanes", True)
             step = (f"acc = tl.maximum(acc, tl.where(mask & (({x}) != 0.0), 1.0, 0.0))" if mode == "any"
@@ -419,27 +439,22 @@ class RowReductionKernel(TemplateKernel):
             return ["acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)",
                     f"for start in range({first}, BLOCK_L):"] + indent(chunk + region.lines + [step])
 
-        out_shape = self.node.type.shape
-        if len(out_shape) == len(self._shape):       # keepdim: reduced dims stay with size 1
-            coords = tuple(None if d in self.reduced else self._kept[d] for d in range(len(out_shape)))
-        else:
-            coords = tuple(self._kept[d] for d in self.kept)
+        coords = self._reduced_coords()
         scale = f" / {self.length}" if mode == "mean" else ""
+        combine = "tl.max" if mode == "any" else "tl.sum"
 
         def finish(lines: list[str], total: str) -> list[str]:
             region = self._emitter.region("[BLOCK_M, 1]", "row_mask")
             return self._finish(lines + [f"result = {total}{scale}"], region, coords, "result")
 
-        whole = finish(accumulate(f"0, {self.length}"), "tl.max(acc, axis=1)[:, None]" if mode == "any"
-                       else "tl.sum(acc, axis=1)[:, None]")
-        if mode not in ROW_SPLIT_MODES:
-            return whole
+        whole = finish(accumulate(f"0, {self.length}"), f"{combine}(acc, axis=1)[:, None]")
         rows = self.rows
         partial = (["part = tl.program_id(1)"] + accumulate("part * SPAN, part * SPAN + SPAN")
-                   + [f"tl.store(partials_ptr + part * {rows} + rows, tl.sum(acc, axis=1)[:, None], mask=row_mask)"])
+                   + [f"tl.store(partials_ptr + part * {rows} + rows, {combine}(acc, axis=1)[:, None], "
+                      "mask=row_mask)"])
         total = finish(["parts = tl.arange(0, SPLIT)[None, :]",
                         f"sums = tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other=0.0)"],
-                       "tl.sum(sums, axis=1)[:, None]")
+                       f"{combine}(sums, axis=1)[:, None]")
         return (["if SPLIT == 1:"] + indent(whole) + ["elif PHASE == 0:"] + indent(partial)
                 + ["else:"] + indent(total))
 

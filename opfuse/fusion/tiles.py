@@ -379,7 +379,7 @@ ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "any", "cumsum")
 EXTREMES = ("amax", "amin")         # row ops of a running max or min
 SCAN_OPS = ("cumsum",)              # row ops that keep every element and carry a running value along the row
 ROW_WRITING_MODES = ("softmax", "layer_norm", "rms_norm")    # row reductions whose output is the row again
-ROW_SPLIT_MODES = ("sum", "mean") + ROW_WRITING_MODES   # the reductions whose rows split into slices
+ROW_SPLIT_MODES = ("sum", "mean", "any") + EXTREMES + ROW_WRITING_MODES   # rows that split into slices: all but scans
 
 
 def slice_statistics(mode: str) -> int:
@@ -477,8 +477,8 @@ def _finer_slices(view: RowView, tile: tuple[int, int, int], sm_count: int) -> t
 
 
 def row_slices(view: RowView, block_m: int, block_l: int, sm_count: int) -> int:
-    """SPLIT for a tile of a sum, a mean, a norm or a softmax: a power of two giving about two programs per SM, each
-    slice two chunks or more; 1 for other modes, for no rows, and where there are as many row blocks as SMs."""
+    """SPLIT for a tile of any row mode but a scan: a power of two giving about two programs per SM, each slice two
+    chunks or more; 1 for a scan, for no rows, and where there are as many row blocks as SMs."""
     programs = -(-view.rows // block_m)
     if view.mode not in ROW_SPLIT_MODES or programs == 0 or programs >= sm_count:
         return 1
@@ -489,8 +489,8 @@ def row_slices(view: RowView, block_m: int, block_l: int, sm_count: int) -> int:
 
 
 def row_kernel_tiles(view: RowView, sm_count: int) -> list[dict[str, int]]:
-    """`row_tiles` as the row template launches them, the default first: BLOCK_M, BLOCK_L, SPLIT (the slices of a
-    sum, a mean, a norm or a softmax only) and num_warps, 4 for up to 2048 elements a program, else 8."""
+    """`row_tiles` as the row template launches them, the default first: BLOCK_M, BLOCK_L, SPLIT (the slices of
+    every mode but a scan) and num_warps, 4 for up to 2048 elements a program, else 8."""
     split = view.mode in ROW_SPLIT_MODES
     return [{"BLOCK_M": m, "BLOCK_L": length, **({"SPLIT": slices} if split else {}),
              "num_warps": 4 if m * length <= 2048 else 8}

@@ -169,6 +169,19 @@ def test_rms_norm_with_a_residual_prologue_and_a_clamp_epilogue(weighted, config
     run_group(b, [x, b.op("clamp", normed, min=-1.0, max=1.0)], config)
 
 
+@pytest.mark.parametrize("split", [2, 4])
+def test_any_in_row_slices(split):
+    """Each slice's flag (the max of its x != 0) to the workspace, the row's the max of them: an inf in one slice
+    of one row only."""
+    b = Builder()
+    value = b.random(4, 3, 40)
+    value[1, 2, 37] = float("inf")
+    seen = b.op("any", b.op("isinf", b.input("h", (4, 3, 40), value)), dims=[2], keepdim=True)
+    config = KernelConfig.of(BLOCK_M=4, BLOCK_L=4, SPLIT=split, num_warps=1)
+    kernel, (flags,) = run_group(b, [seen], config)
+    assert kernel.launches(config) == 2 and flags.flatten().tolist() == [i == 5 for i in range(12)]
+
+
 def test_global_average_pool_on_channels_last_input():
     b = Builder()
     y = b.op("adaptive_avg_pool2d", b.input("x", (2, 40, 7, 7)), output_size=[1, 1])
@@ -239,7 +252,7 @@ def test_a_softmax_in_row_slices(split):
     assert kernel.launches(config) == 2
 
 
-@pytest.mark.parametrize("mode", ["sum", "mean", "softmax", "layer_norm", "rms_norm"])
+@pytest.mark.parametrize("mode", ["sum", "mean", "any", "amax", "amin", "softmax", "layer_norm", "rms_norm"])
 @pytest.mark.parametrize("channels_inner", [True, False])
 def test_no_default_row_tile_leaves_one_program_a_long_walk(mode, channels_inner):
     """Where the row blocks are fewer than the SMs, no program of the default tile walks more than 8192 elements or

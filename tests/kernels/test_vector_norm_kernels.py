@@ -46,6 +46,25 @@ def test_amax_is_nan_where_a_row_holds_nan_and_minus_inf_rows_stay():
     torch.testing.assert_close(got, torch.amax(values, dim=1), equal_nan=True)
 
 
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("op", ["amax", "amin"])
+def test_amax_amin_in_row_slices_keep_nan_and_infinite_rows(op, split):
+    """Each slice's extreme (NaN where the slice holds one) goes to the workspace, the second launch takes the
+    extreme of them, NaN if any is: a NaN in the row's last slice, a row of -inf, a row of +inf; at 4 slices of
+    4-lane chunks a last slice wholly past the 19 lanes."""
+    b = Builder()
+    values = torch.randn(4, 19)
+    values[1, 17] = float("nan")
+    values[2], values[3] = float("-inf"), float("inf")
+    y = b.op(op, b.input("x", (4, 19), values), dims=[1], keepdim=False)
+    kernel = lower_reduction_group(b.graph, b.group([y]), "cpu")
+    kernel.output_fill = 123.0
+    config = KernelConfig.of(BLOCK_M=2, BLOCK_L=4, SPLIT=split, num_warps=1)
+    (got,) = kernel.run([values], config)
+    torch.testing.assert_close(got, getattr(torch, op)(values, dim=1), equal_nan=True)
+    assert kernel.launches(config) == 2
+
+
 @pytest.mark.parametrize("config", [None, SMALL_CHUNKS], ids=["one-pass", "looped"])
 def test_l2_norm_over_h_w_of_nhwc_in_float16_computed_in_float32(config):
     """ConvNeXt-V2's GRN statistic: cast -> square -> sum over (1, 2) keepdim -> sqrt -> cast; values near 300,
