@@ -46,6 +46,10 @@ from opfuse.ir.ops import FusionKind, kind_of
 
 POOL_OPS = ("max_pool2d", "avg_pool2d")
 NEG_INF = 'float("-inf")'
+# a split row's slice and the slices it merges, in int64 where the kernel indexes in int64 (part * SPAN and
+# part * rows may pass 2^31)
+SLICE_LINES = ["part = tl.program_id(1)", "if INT64:", "    part = part.to(tl.int64)"]
+PARTS_LINES = ["parts = tl.arange(0, SPLIT)[None, :]", "if INT64:", "    parts = parts.to(tl.int64)"]
 # softmax's running max never drops below this finite floor: a chunk of only -inf (a padding mask) would
 # otherwise rescale the running sum by exp(-inf - -inf) = NaN; a row of only -inf still gives 0/0 = NaN, as in PyTorch
 MAX_FLOOR = "-3.0e38"
@@ -329,7 +333,7 @@ class RowReductionKernel(TemplateKernel):
         row's statistics from every slice's, then its own slice written): each reads its slice, so a row of 200k
         elements is no longer one program's walk."""
         return (["if SPLIT == 1:"] + indent(whole) + ["else:"]
-                + indent(["part = tl.program_id(1)", "parts = tl.arange(0, SPLIT)[None, :]", "if PHASE == 0:"]
+                + indent(SLICE_LINES + PARTS_LINES + ["if PHASE == 0:"]
                          + indent(partial) + ["else:"] + indent(finish)))
 
     def _slice_loop(self, lines: list[str]) -> list[str]:
@@ -390,11 +394,11 @@ class RowReductionKernel(TemplateKernel):
 
         whole = finish(accumulate(f"0, {self.length}") + [f"result = {extreme('acc', 'nans')}"])
         rows = self.rows
-        partial = (["part = tl.program_id(1)"] + accumulate("part * SPAN, part * SPAN + SPAN")
+        partial = (SLICE_LINES + accumulate("part * SPAN, part * SPAN + SPAN")
                    + [f"tl.store(partials_ptr + part * {rows} + rows, {extreme('acc', 'nans')}, mask=row_mask)"])
-        total = finish(["parts = tl.arange(0, SPLIT)[None, :]",
-                        f"values = tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other={empty})",
-                        f"result = {extreme('values', 'tl.where(values != values, 1.0, 0.0)')}"])
+        total = finish(PARTS_LINES + [
+            f"values = tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other={empty})",
+            f"result = {extreme('values', 'tl.where(values != values, 1.0, 0.0)')}"])
         return (["if SPLIT == 1:"] + indent(whole) + ["elif PHASE == 0:"] + indent(partial)
                 + ["else:"] + indent(total))
 
@@ -449,12 +453,11 @@ class RowReductionKernel(TemplateKernel):
 
         whole = finish(accumulate(f"0, {self.length}"), f"{combine}(acc, axis=1)[:, None]")
         rows = self.rows
-        partial = (["part = tl.program_id(1)"] + accumulate("part * SPAN, part * SPAN + SPAN")
+        partial = (SLICE_LINES + accumulate("part * SPAN, part * SPAN + SPAN")
                    + [f"tl.store(partials_ptr + part * {rows} + rows, {combine}(acc, axis=1)[:, None], "
                       "mask=row_mask)"])
-        total = finish(["parts = tl.arange(0, SPLIT)[None, :]",
-                        f"sums = tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other=0.0)"],
-                       f"{combine}(sums, axis=1)[:, None]")
+        merged = f"sums = tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other=0.0)"
+        total = finish(PARTS_LINES + [merged], f"{combine}(sums, axis=1)[:, None]")
         return (["if SPLIT == 1:"] + indent(whole) + ["elif PHASE == 0:"] + indent(partial)
                 + ["else:"] + indent(total))
 

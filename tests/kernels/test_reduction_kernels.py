@@ -440,3 +440,21 @@ def test_a_node_reading_a_reduction_through_two_views_is_refused():
     nodes = [n.name for n in graph if n.op not in ("input", "constant")]
     reason = can_fuse(graph, nodes[:1], nodes[1:], graph.users())
     assert reason is not None and reason.code is Code.VIEW_AFTER_REDUCTION and "two views" in reason.text
+
+
+@pytest.mark.parametrize("mode", ["layer_norm", "softmax", "mean", "amax"])
+def test_split_rows_index_in_int64_where_the_kernel_does(monkeypatch, mode):
+    """Past int32 offsets (forced here: every launch counts as past them) a split kernel's slice and slices index
+    in int64 too, and the results are unchanged."""
+    from opfuse.codegen import template_kernel
+
+    monkeypatch.setattr(template_kernel, "INT32_LIMIT", 0)
+    b = Builder()
+    x = b.op("add", b.input("x", (2, 37), b.random(2, 37) * 3 + 5), b.input("r", (2, 37)))
+    reduced = {"layer_norm": lambda: b.op("layer_norm", x, normalized_shape=[37], eps=1e-5),
+               "softmax": lambda: b.op("softmax", x, dim=-1),
+               "mean": lambda: b.op("mean", x, dims=[1], keepdim=True),
+               "amax": lambda: b.op("amax", x, dims=[1], keepdim=True)}[mode]()
+    config = KernelConfig.of(BLOCK_M=2, BLOCK_L=4, SPLIT=4, num_warps=1)
+    kernel, _ = run_group(b, [reduced], config)
+    assert kernel.launches(config) == 2 and kernel.last_compiled is not None
