@@ -29,7 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from opfuse.ir.graph import Graph, GraphError, Node, torch_dtype
-from opfuse.ir.ops import get_op
+from opfuse.ir.ops import get_op, view_chain, view_source
 
 # a result may differ from the high-precision reference by this much more than PyTorch at the same precision
 # does, when both are over the tolerance (an ill-conditioned computation, not a wrong kernel)
@@ -107,9 +107,7 @@ def operand_scale(graph: Graph, values: Mapping[str, torch.Tensor], name: str) -
     """The norm value `name` would have at the root mean square of the floating operands of the node that computes
     it (through views), all in `values`: the size of the rounding errors it carries, where cancellation makes it
     far smaller than them. 0 for an input or a constant, and where no operand is floating."""
-    node = graph[name]
-    while node.op not in ("input", "constant", "state") and get_op(node.op).alias and node.inputs:
-        node = graph[node.inputs[0]]
+    node = view_source(graph, name)
     if node.op in ("input", "constant", "state"):
         return 0.0
     operands = [values[i] for i in node.inputs if values[i].is_floating_point() and values[i].numel()]
@@ -288,11 +286,8 @@ def check_needs(graph: Graph, group) -> set[str]:
     for name in group.nodes:
         names.update(graph[name].inputs)
     for name in group.outputs:
-        node = graph[name]
-        while node.op not in ("input", "constant", "state") and get_op(node.op).alias and node.inputs:
-            node = graph[node.inputs[0]]
-            names.add(node.name)
-        names.update(node.inputs)
+        source = view_source(graph, name)
+        names.update(view_chain(graph, name), [source.name], source.inputs)
     return names
 
 
@@ -321,7 +316,7 @@ def reference_schedule(graph: Graph, needs: Mapping[str, set[str]]) -> Reference
             if name in last:
                 last[name] = max(last[name], at)
     for node in reversed(list(graph)):      # a view keeps its source's memory alive
-        if node.op not in ("input", "constant", "state") and get_op(node.op).alias and node.inputs:
+        if get_op(node.op).alias and node.inputs:
             last[node.inputs[0]] = max(last[node.inputs[0]], last[node.name])
     free: dict[int, list[str]] = {}
     for name, at in last.items():

@@ -80,11 +80,11 @@ from opfuse.fusion.legality_common import (Users, in_order, node_index, path_out
 from opfuse.fusion.legality_conv import two_anchor_rule
 from opfuse.fusion.legality_views import (ELEMENT_KEEPING_VIEWS, EPILOGUE_VIEWS, MAPPED_COPIES, REPEATING_VIEWS,
                                           epilogue_spaces, is_view, loaded_view, maps_on_load, mixed_orders,
-                                          operand_chain, operand_views, reads_each_once, view_chain)
+                                          operand_chain, operand_views, reads_each_once)
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.tiles import MAX_HEAD_DIM, tiles_attention
 from opfuse.ir.graph import Graph, Node
-from opfuse.ir.ops import FusionKind, get_op, kind_of, view_copies
+from opfuse.ir.ops import FusionKind, get_op, kind_of, view_chain, view_copies
 
 WINDOW_POOLS = frozenset({"max_pool2d", "avg_pool2d", "max_pool3d", "avg_pool3d"})
 

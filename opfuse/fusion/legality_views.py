@@ -26,15 +26,6 @@ def is_view(node: Node) -> bool:
     return get_op(node.op).alias
 
 
-def view_chain(graph: Graph, name: str) -> list[str]:
-    """`name` and the views it is a view of, back to the first value that is none."""
-    chain = []
-    while is_view(graph[name]) and graph[name].inputs:
-        chain.append(name)
-        name = graph[name].inputs[0]
-    return chain
-
-
 def joins_as_map(node: Node) -> bool:
     """A node an elementwise or reduction kernel evaluates through coordinates: a view keeping every element, a
     cat or a roll."""

@@ -522,17 +522,30 @@ def memory_order(graph: Graph, node: Node) -> tuple[int, ...]:
     return tuple(range(rank))
 
 
+def view_chain(graph: Graph, name: str) -> list[str]:
+    """`name` and the views it is a view of (alias ops over a source), back to the first value that is none; empty
+    where `name` is none."""
+    chain = []
+    while get_op(graph[name].op).alias and graph[name].inputs:
+        chain.append(name)
+        name = graph[name].inputs[0]
+    return chain
+
+
+def view_source(graph: Graph, name: str) -> Node:
+    """The first node at or behind `name` that is no view: whose storage `name` shares."""
+    chain = view_chain(graph, name)
+    return graph[graph[chain[-1]].inputs[0]] if chain else graph[name]
+
+
 def view_copies(graph: Graph, node: Node) -> bool:
     """Whether this alias op cannot be a view of its source, laid out as its kernel writes it (`memory_order`), so
     PyTorch copies it: a reshape of a permuted tensor, for example. Decided by replaying the chain of views on a
     meta tensor."""
     if node.op != "reshape":
         return False
-    chain = []
-    current = node
-    while get_op(current.op).alias and current.op not in ("input", "constant") and current.inputs:
-        chain.append(current)
-        current = graph[current.inputs[0]]
+    chain = [graph[name] for name in view_chain(graph, node.name)]
+    current = view_source(graph, node.name)
     order = memory_order(graph, current)
     laid_out = torch.empty([current.type.shape[d] for d in order], dtype=torch_dtype(current.type.dtype),
                            device="meta")

@@ -14,7 +14,7 @@ slices by convs, stays one copy its producer writes).
 from __future__ import annotations
 
 from opfuse.ir.graph import Graph
-from opfuse.ir.ops import FusionKind, get_op, view_copies
+from opfuse.ir.ops import FusionKind, get_op, view_chain, view_copies
 from opfuse.passes.simplify_attention_masks import remove_dead_cone
 
 
@@ -26,7 +26,7 @@ def unshare_views(graph: Graph) -> tuple[Graph, list[str]]:
         if get_op(reader.op).kind not in MAPPING_READERS:
             continue
         for value in dict.fromkeys(reader.inputs):
-            chain = _chain(graph, value)
+            chain = view_chain(graph, value)
             if not any(view_copies(graph, graph[name]) for name in chain) \
                     or any(graph[name].op not in MAPPED for name in chain):
                 continue
@@ -56,15 +56,3 @@ MAPPING_READERS = (FusionKind.POINTWISE, FusionKind.BROADCAST, FusionKind.REDUCT
 MAPPED = ("reshape", "permute", "identity", "expand")
 
 
-def _chain(graph: Graph, name: str) -> list[str]:
-    """`name` and the views it is a view of, back to the first value that is none; empty where `name` is none."""
-    chain = []
-    while _is_view(graph, name):
-        chain.append(name)
-        name = graph[name].inputs[0]
-    return chain
-
-
-def _is_view(graph: Graph, name: str) -> bool:
-    node = graph[name]
-    return get_op(node.op).alias and bool(node.inputs)

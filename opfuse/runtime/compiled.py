@@ -44,7 +44,7 @@ from opfuse.fusion.plan import FusionGroup, FusionPlan
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
 from opfuse.ir.interpret import device_constants, launches_of
-from opfuse.ir.ops import get_op, launches_kernel
+from opfuse.ir.ops import get_op, launches_kernel, view_source
 from opfuse.runtime.autotune import (Compiling, TuningResult, every_choice_cached, kernel_inputs, out_of_resources,
                                      tune, tunes)
 from opfuse.runtime.cache import TuningCache
@@ -180,10 +180,7 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
     # ---- build time ---------------------------------------------------------------------------------------
     def _aliases_constant(self, name: str) -> bool:
         """Whether value `name` is a constant or a view of one (through alias ops run by PyTorch)."""
-        node = self.graph[name]
-        while get_op(node.op).alias and node.op not in ("input", "constant") and node.inputs:
-            node = self.graph[node.inputs[0]]
-        return node.op == "constant"
+        return view_source(self.graph, name).op == "constant"
 
     def _schedule(self) -> list[Step]:
         graph = self.graph
