@@ -46,10 +46,6 @@ from opfuse.ir.ops import FusionKind, kind_of
 
 POOL_OPS = ("max_pool2d", "avg_pool2d")
 NEG_INF = 'float("-inf")'
-# a split row's slice and the slices it merges, in int64 where the kernel indexes in int64 (part * SPAN and
-# part * rows may pass 2^31)
-SLICE_LINES = ["part = tl.program_id(1)", "if INT64:", "    part = part.to(tl.int64)"]
-PARTS_LINES = ["parts = tl.arange(0, SPLIT)[None, :]", "if INT64:", "    parts = parts.to(tl.int64)"]
 # softmax's running max never drops below this finite floor: a chunk of only -inf (a padding mask) would
 # otherwise rescale the running sum by exp(-inf - -inf) = NaN; a row of only -inf still gives 0/0 = NaN, as in PyTorch
 MAX_FLOOR = "-3.0e38"
@@ -328,13 +324,15 @@ class RowReductionKernel(TemplateKernel):
             merge + [f"rstd = tl.rsqrt(m2 / {n} + {eps})"] + self._slice_loop(write))
 
     def _sliced(self, whole: list[str], partial: list[str], finish: list[str]) -> list[str]:
-        """A norm's lines: `whole` unsplit (SPLIT 1); in SPLIT slices, PHASE 0 (programs over row blocks x slices)
-        runs `partial` (a slice's statistics into the workspace) and PHASE 1 (the same programs) `finish` (the
-        row's statistics from every slice's, then its own slice written): each reads its slice, so a row of 200k
-        elements is no longer one program's walk."""
+        """A split reduction's lines: `whole` unsplit (SPLIT 1); in SPLIT slices, PHASE 0 (programs over row blocks
+        x slices) runs `partial` (a slice's statistics into the workspace) and PHASE 1 `finish` (the row's
+        statistics from every slice's; a norm's or a softmax's programs, the same as PHASE 0's, then write their
+        own slice): each reads its slice, so a row of 200k elements is no longer one program's walk."""
+        # the slice and the slices merged, in int64 where the kernel is (part * SPAN, part * rows may pass 2^31)
+        split = ["part = tl.program_id(1)", "parts = tl.arange(0, SPLIT)[None, :]",
+                 "if INT64:", "    part = part.to(tl.int64)", "    parts = parts.to(tl.int64)"]
         return (["if SPLIT == 1:"] + indent(whole) + ["else:"]
-                + indent(SLICE_LINES + PARTS_LINES + ["if PHASE == 0:"]
-                         + indent(partial) + ["else:"] + indent(finish)))
+                + indent(split + ["if PHASE == 0:"] + indent(partial) + ["else:"] + indent(finish)))
 
     def _slice_loop(self, lines: list[str]) -> list[str]:
         return ["for start in range(part * SPAN, part * SPAN + SPAN, BLOCK_L):"] + indent(lines)
@@ -372,8 +370,8 @@ class RowReductionKernel(TemplateKernel):
 
     def _extreme(self, mode: str) -> list[str]:
         """amax or amin: a running max (min) of the row's chunks, and whether any element was NaN (the result is
-        NaN then, as PyTorch's; Triton's max reduction may drop it); in SPLIT slices, each slice's result (NaN
-        included) through the workspace, PHASE 1 the extreme of them."""
+        NaN then, as PyTorch's; Triton's max reduction may drop it); in SPLIT slices (`_sliced`), each slice's
+        result (NaN included) through the workspace, PHASE 1 the extreme of them."""
         pick, empty = ("tl.maximum", NEG_INF) if mode == "amax" else ("tl.minimum", 'float("inf")')
         reduce = "tl.max" if mode == "amax" else "tl.min"
 
@@ -388,19 +386,18 @@ class RowReductionKernel(TemplateKernel):
         def extreme(values: str, nans: str) -> str:
             return f"tl.where(tl.max({nans}, axis=1)[:, None] > 0.0, float('nan'), {reduce}({values}, axis=1)[:, None])"
 
-        def finish(lines: list[str]) -> list[str]:
-            return self._finish(lines, self._emitter.region("[BLOCK_M, 1]", "row_mask"), self._reduced_coords(),
-                                "result")
-
-        whole = finish(accumulate(f"0, {self.length}") + [f"result = {extreme('acc', 'nans')}"])
+        whole = self._finish_row(accumulate(f"0, {self.length}") + [f"result = {extreme('acc', 'nans')}"])
         rows = self.rows
-        partial = (SLICE_LINES + accumulate("part * SPAN, part * SPAN + SPAN")
+        partial = (accumulate("part * SPAN, part * SPAN + SPAN")
                    + [f"tl.store(partials_ptr + part * {rows} + rows, {extreme('acc', 'nans')}, mask=row_mask)"])
-        total = finish(PARTS_LINES + [
+        total = self._finish_row([
             f"values = tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other={empty})",
             f"result = {extreme('values', 'tl.where(values != values, 1.0, 0.0)')}"])
-        return (["if SPLIT == 1:"] + indent(whole) + ["elif PHASE == 0:"] + indent(partial)
-                + ["else:"] + indent(total))
+        return self._sliced(whole, partial, total)
+
+    def _finish_row(self, lines: list[str]) -> list[str]:
+        """`lines`, then the row's `result` bound at the reduction's output coordinates and the epilogue stored."""
+        return self._finish(lines, self._emitter.region("[BLOCK_M, 1]", "row_mask"), self._reduced_coords(), "result")
 
     def _reduced_coords(self) -> tuple:
         """The coordinates of a reduction's result: the kept dims', the reduced ones None where it keeps them."""
@@ -434,7 +431,7 @@ class RowReductionKernel(TemplateKernel):
             self._finish(chunk, region, full, "scanned"))
 
     def _sum(self, mode: str) -> list[str]:
-        """mean, sum, or any (a running max of x != 0, as 1.0 / 0.0); also in slices (SPLIT > 1: PHASE 0 sums, or
+        """mean, sum, or any (a running max of x != 0, as 1.0 / 0.0); also in slices (`_sliced`: PHASE 0 sums, or
         for any takes the max of, a slice of SPAN lanes of each row into the workspace, PHASE 1 combines them)."""
         def accumulate(first: str) -> list[str]:
             chunk, region, _, x = self._chunk("start + lanes", True)
@@ -443,23 +440,16 @@ class RowReductionKernel(TemplateKernel):
             return ["acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)",
                     f"for start in range({first}, BLOCK_L):"] + indent(chunk + region.lines + [step])
 
-        coords = self._reduced_coords()
         scale = f" / {self.length}" if mode == "mean" else ""
         combine = "tl.max" if mode == "any" else "tl.sum"
-
-        def finish(lines: list[str], total: str) -> list[str]:
-            region = self._emitter.region("[BLOCK_M, 1]", "row_mask")
-            return self._finish(lines + [f"result = {total}{scale}"], region, coords, "result")
-
-        whole = finish(accumulate(f"0, {self.length}"), f"{combine}(acc, axis=1)[:, None]")
+        whole = self._finish_row(accumulate(f"0, {self.length}") + [f"result = {combine}(acc, axis=1)[:, None]{scale}"])
         rows = self.rows
-        partial = (SLICE_LINES + accumulate("part * SPAN, part * SPAN + SPAN")
+        partial = (accumulate("part * SPAN, part * SPAN + SPAN")
                    + [f"tl.store(partials_ptr + part * {rows} + rows, {combine}(acc, axis=1)[:, None], "
                       "mask=row_mask)"])
-        merged = f"sums = tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other=0.0)"
-        total = finish(PARTS_LINES + [merged], f"{combine}(sums, axis=1)[:, None]")
-        return (["if SPLIT == 1:"] + indent(whole) + ["elif PHASE == 0:"] + indent(partial)
-                + ["else:"] + indent(total))
+        total = self._finish_row([f"sums = tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other=0.0)",
+                                  f"result = {combine}(sums, axis=1)[:, None]{scale}"])
+        return self._sliced(whole, partial, total)
 
     # ---- runtime ----------------------------------------------------------------------------------
     def configs(self) -> list[KernelConfig]:

@@ -380,13 +380,13 @@ EXTREMES = ("amax", "amin")         # row ops of a running max or min
 SCAN_OPS = ("cumsum",)              # row ops that keep every element and carry a running value along the row
 ROW_WRITING_MODES = ("softmax", "layer_norm", "rms_norm")    # row reductions whose output is the row again
 ROW_SPLIT_MODES = ("sum", "mean", "any") + EXTREMES + ROW_WRITING_MODES   # rows that split into slices: all but scans
+MAX_ROW_SLICES = 128                # slices of a row at most: the second launch holds [BLOCK_M, SPLIT] float32 sums
 
 
 def slice_statistics(mode: str) -> int:
     """The float32 numbers a split row's slice leaves in the workspace: a layer norm's mean and M2, a softmax's max
-    and sum of exponentials; one sum otherwise."""
+    and sum of exponentials; one sum (or extreme) otherwise."""
     return 2 if mode in ("layer_norm", "softmax") else 1
-MAX_ROW_SLICES = 128                # slices of a row at most: the second launch holds [BLOCK_M, SPLIT] float32 sums
 
 
 @dataclass(frozen=True)
