@@ -126,6 +126,11 @@ class GroupKernel(ABC):
     def keep_form(self, config: KernelConfig) -> None:
         """Called once `config` is the config that runs: free what only other forms of the kernel need."""
 
+    def streamed_weight(self, config: KernelConfig | None) -> torch.Tensor | None:
+        """The constant tensor that `config` reads whole from device memory, the kernel's cost (a GEMM's packed
+        weight), or None: what a kernel before it may prefetch (`opfuse.runtime.prefetch`)."""
+        return None
+
     def keep_default(self) -> None:
         """`keep_form` of the default config, after runs of several configs that chose none (the compile workers'
         recording, the spill check before tuning): what those made goes, and is made again where it runs."""
@@ -179,12 +184,30 @@ DEPENDENT_LAUNCH_CODE = """\
         tl.extra.cuda.gdc_launch_dependents()
 """
 
+# Prefetch ahead (Hopper and later; `opfuse.runtime.prefetch` decides who prefetches what): before anything else,
+# a kernel launched with PREFETCH=1 asks L2 for pf_bytes of device memory from address pf_addr, a later kernel's
+# weight, in bulk prefetches of PREFETCH_CHUNK bytes spread over its programs' lanes (cp.async.bulk.prefetch.L2:
+# no register receives the data and nothing waits for it). A weight is no kernel's output, so this reads nothing a
+# kernel before may still write.
+PREFETCH_CHUNK = 4096
+PREFETCH_PARAMS = "pf_addr=0, pf_bytes=0, PREFETCH: tl.constexpr = 0"
+PREFETCH_CODE = f"""\
+    if PREFETCH:
+        pf_program = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+        pf_lane = pf_program * 128 + tl.arange(0, 128)
+        for pf_first in range(0, tl.cdiv(pf_bytes, {PREFETCH_CHUNK}), tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) * 128):
+            pf_offset = (pf_first + pf_lane).to(tl.int64) * {PREFETCH_CHUNK}
+            pf_size = tl.minimum(tl.maximum(pf_bytes - pf_offset, 0), {PREFETCH_CHUNK}).to(tl.int32)
+            tl.inline_asm_elementwise(
+                "{{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }}",
+                "=r,l,r", [pf_addr + pf_offset, pf_size], dtype=tl.int32, is_pure=False, pack=1)
+"""
+
 
 def with_dependent_launch(source: str) -> str:
-    """Generated `source` whose KERNEL_NAME function takes the PDL constexpr last and opens with
-    DEPENDENT_LAUNCH_CODE (the signature's parentheses matched, its body on the lines after it); a template that
-    has the code itself (further down, after reading only what no kernel writes: the GEMM's weight prefetch) keeps
-    its place."""
+    """Generated `source` whose KERNEL_NAME function takes the prefetch parameters and the PDL constexpr last and
+    opens with PREFETCH_CODE, then DEPENDENT_LAUNCH_CODE (the signature's parentheses matched, its body on the
+    lines after it)."""
     start = source.index("def KERNEL_NAME(") + len("def KERNEL_NAME(")
     depth, close = 1, start
     while depth:
@@ -193,33 +216,52 @@ def with_dependent_launch(source: str) -> str:
     params = source[start:close - 1].rstrip()
     separator = "" if not params else " " if params.endswith(",") else ", "
     body = source.index("\n", close) + 1
-    code = "" if DEPENDENT_LAUNCH_CODE in source[body:] else DEPENDENT_LAUNCH_CODE
-    return f"{source[:start]}{params}{separator}{DEPENDENT_LAUNCH_PARAM}{source[close - 1:body]}{code}{source[body:]}"
+    return (f"{source[:start]}{params}{separator}{PREFETCH_PARAMS}, {DEPENDENT_LAUNCH_PARAM}{source[close - 1:body]}"
+            f"{PREFETCH_CODE}{DEPENDENT_LAUNCH_CODE}{source[body:]}")
 
 
 _DEPENDENT: ContextVar[bool] = ContextVar("opfuse_dependent_launch", default=False)
-_PREFETCH: ContextVar[bool] = ContextVar("opfuse_weight_prefetch", default=False)
 _DEPENDENT_DEVICES: dict[int, bool] = {}     # CUDA device index -> whether it launches dependently (sm_90+)
 
 
 @contextmanager
-def dependent_launches(enabled: bool, prefetch: bool = False) -> Iterator[None]:
+def dependent_launches(enabled: bool) -> Iterator[None]:
     """Inside, every Launcher built launches its kernel dependently (`DEPENDENT_LAUNCH_CODE`) where `enabled` and
-    the launch's GPU can (compute capability 9.0 or later: Triton's interpreter and older GPUs never do), and with
-    `prefetch` every GEMM kernel built prefetches its first weight blocks before it waits
-    (`opfuse.codegen.gemm.GemmKernel.prefetch_rows`). The plan's kernels are built so
-    (`opfuse.codegen.lower.lower_plan`, FusionConfig.dependent_launch and weight_prefetch)."""
-    tokens = _DEPENDENT.set(enabled), _PREFETCH.set(enabled and prefetch)
+    the launch's GPU can (compute capability 9.0 or later: Triton's interpreter and older GPUs never do). The plan's
+    kernels are built so (`opfuse.codegen.lower.lower_plan`, FusionConfig.dependent_launch)."""
+    token = _DEPENDENT.set(enabled)
     try:
         yield
     finally:
-        _DEPENDENT.reset(tokens[0])
-        _PREFETCH.reset(tokens[1])
+        _DEPENDENT.reset(token)
 
 
-def prefetches_weights() -> bool:
-    """Whether GEMM kernels built here prefetch their weights while waiting to launch (`dependent_launches`)."""
-    return _PREFETCH.get()
+@dataclass
+class Ahead:
+    """What the next generated kernel launched prefetches into L2 (`PREFETCH_CODE`): the first `nbytes` of
+    `weight`'s memory; `issued` once a launch took it."""
+
+    weight: torch.Tensor
+    nbytes: int
+    issued: bool = False
+
+
+_AHEAD: ContextVar[Ahead | None] = ContextVar("opfuse_prefetch_ahead", default=None)
+
+
+@contextmanager
+def prefetching(target: tuple[torch.Tensor, int] | None) -> Iterator[None]:
+    """Inside, the first generated kernel launched on a GPU that can (`launches_dependently`: compute capability 9.0
+    or later) prefetches the first bytes of a weight, `target` = (weight, bytes) (`PREFETCH_CODE`); nothing where
+    `target` is None."""
+    if target is None:
+        yield
+        return
+    token = _AHEAD.set(Ahead(*target))
+    try:
+        yield
+    finally:
+        _AHEAD.reset(token)
 
 
 def launches_dependently(args: Sequence[Any]) -> bool:
@@ -418,6 +460,10 @@ class Launcher:
                 kwargs["ROW_UNIT"] = self.row_unit(args, kwargs) if self._row_positions else 1
             if self.dependent and launches_dependently(args):
                 kwargs["PDL"], kwargs["launch_pdl"] = 1, True
+            ahead = _AHEAD.get()
+            if ahead is not None and not ahead.issued and launches_dependently(args):
+                kwargs.update(pf_addr=ahead.weight.data_ptr(), pf_bytes=ahead.nbytes, PREFETCH=1)
+                ahead.issued = True
             records = _RECORDING.get()
             if records is None:
                 return self.function[grid](*args, **kwargs)

@@ -13,13 +13,6 @@ weight packed at build time as [K, N] contiguous (linear, conv) or, for matmul, 
 strides. Batched matmul (with torch.matmul broadcasting of the batch dims) uses grid axis 1.
 
 Traffic per tile: BLOCK_M·K + K·BLOCK_N operand elements, BLOCK_M·BLOCK_N outputs; FLOPs 2·BLOCK_M·BLOCK_N·K.
-
-Weight prefetch (FusionConfig.weight_prefetch, with dependent launch on Hopper: `opfuse.codegen.base`). The
-template waits for the kernel before it itself, after its program has issued L2 prefetches of the weight rows its
-pipeline loads first (PREFETCH_K of them, `GemmKernel.prefetch_rows`): a weight is no kernel's output, so its
-first blocks stream in while the kernel before drains, and the K loop starts on L2 hits. Nothing else is read
-before the wait (the activation A is; a matmul's B may be, so it prefetches nothing). For a decode step's GEMMs
-(one row, 8-46 MB of weights, about 3 us of each spent before the stream is full: RESULTS.md, session 33).
 """
 
 from __future__ import annotations
@@ -29,10 +22,10 @@ from typing import Callable, Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import DEPENDENT_LAUNCH_CODE, KernelConfig, compiled_info, prefetches_weights, rows_jit
+from opfuse.codegen.base import KernelConfig, compiled_info, rows_jit
 from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, TileLayout, compute_dtype, generate_kernel,
                                      siblings_and_chains)
-from opfuse.codegen.forms import EpilogueKernel, LibraryAnchor
+from opfuse.codegen.forms import EpilogueKernel, LibraryAnchor, is_library, is_unfused
 from opfuse.codegen.library_fused import FusedLinearLibrary, fused_chain
 from opfuse.codegen.split_k import SplitK, sliced_template, slices_of, with_slices
 from opfuse.codegen.expr import Unsupported, emit
@@ -87,7 +80,7 @@ def KERNEL_NAME(
     {params}{prologue_params}
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, A_SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr,
-    ROW_UNIT: tl.constexpr, PREFETCH_K: tl.constexpr,
+    ROW_UNIT: tl.constexpr,
 ):
 {units}
     pid = tl.program_id(0)
@@ -108,14 +101,6 @@ def KERNEL_NAME(
     a_rows = a_ptr + (b0 * s_ab0 + b1 * s_ab1) + a_g0 * s_ar0 + a_g1 * s_ar1 + a_g2 * s_ar2 + a_g3 * s_ar3
     a_ptrs = a_rows[:, None] + offs_k[None, :] * s_ak
     b_ptrs = b_ptr + (b0 * s_bb0 + b1 * s_bb1) + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
-    k_prefetch = 0
-    if PDL and PREFETCH_K > 0:      # the module docstring's weight prefetch
-        rows = tl.minimum(k_prefetch + tl.arange(0, PREFETCH_K), K - 1)
-        lines = tl.minimum(pid_n * BLOCK_N + tl.arange(0, (BLOCK_N + 63) // 64) * 64, N - 1)
-        weight = b_ptr + (b0 * s_bb0 + b1 * s_bb1) + rows[:, None] * s_bk + lines[None, :] * s_bn
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];", "=r,l", [weight], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-''' + DEPENDENT_LAUNCH_CODE + '''\
 {prologue_stats}
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -143,7 +128,6 @@ def KERNEL_NAME(
 GEMM_SLICE_TEMPLATE = sliced_template(GEMM_TEMPLATE, [
     ("    {params}{prologue_params}\n", "    {params}{prologue_params}\n    SLICE_STEPS,\n"),
     ("    pid_b = tl.program_id(1)\n", "    pid_b = tl.program_id(1)\n    pid_k = tl.program_id(2)\n"),
-    ("    k_prefetch = 0\n", "    k_prefetch = pid_k * SLICE_STEPS * BLOCK_K\n"),
     ("    for k0 in range(0, K, BLOCK_K):\n",
      "    k_first = pid_k * SLICE_STEPS * BLOCK_K\n    a_ptrs += k_first * s_ak\n    b_ptrs += k_first * s_bk\n"
      "    for k0 in range(k_first, tl.minimum(K, k_first + SLICE_STEPS * BLOCK_K), BLOCK_K):\n")])
@@ -219,7 +203,6 @@ class GemmKernel(EpilogueKernel):
         self.device, self.epilogue, self.layout = device, epilogue, epilogue.layout
         self.a, self.k, self.a_view, self.a_map = a, k, a_view, a_map
         self.b, self.b_packed, self.b_layout = b, b_packed, b_layout
-        self.prefetch = prefetches_weights()    # its weight's first blocks into L2 while it waits (`prefetch_rows`)
         self.conv = conv    # a 1x1 conv: float32 follows cuDNN's tf32 switch, a GEMM torch's matmul precision
         self.library_anchor = library_anchor
         hw = kernel_profile(hw)
@@ -237,6 +220,13 @@ class GemmKernel(EpilogueKernel):
                        self.layout.batch_sizes()[1] if self.layout.batch_dims else 1)
         # constant operands (a matmul with a constant side) are held by the kernel, on the device
         self.constants = {v: graph.constants[v].to(device) for v in (a, b) if v is not None and graph.is_constant(v)}
+
+    def streamed_weight(self, config: KernelConfig | None) -> torch.Tensor | None:
+        """The packed weight, which the Triton form and a linear's library forms read (a 1x1 conv's go through
+        cuDNN's own weight; the unfused form reads the graph's)."""
+        if self.b_packed is None or is_unfused(config) or is_library(config) and self.conv:
+            return None
+        return self.b_packed
 
     def _steps(self, config: KernelConfig) -> int:
         """K-loop steps of the template for `config`."""
@@ -261,14 +251,6 @@ class GemmKernel(EpilogueKernel):
         _, size1, size2 = self.layout.row_sizes()
         return a, [*batch, size1, size2, 1, r0, r1, r2, 0, self.k, 0, channel], False
 
-    def prefetch_rows(self, config: KernelConfig) -> int:
-        """PREFETCH_K: the rows of its weight a program prefetches into L2 before it waits for the kernel before it
-        (launched dependently): what its pipeline loads first, num_stages blocks of BLOCK_K rows (a power of two
-        holding them, at most K's); 0 where B is no weight (a matmul's operand a kernel before may write)."""
-        if self.b_packed is None or not self.prefetch:
-            return 0
-        return triton.next_power_of_2(min(self.k, config.num_stages * config["BLOCK_K"]))
-
     def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         config, values, args, outputs = self.bind(inputs, config)
         a, a_strides, a_split_k = self.operand_a(values)
@@ -283,7 +265,7 @@ class GemmKernel(EpilogueKernel):
         slices = slices_of(config)
         launch = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                       GROUP_M=GROUP_M, EVEN_K=self.k % config["BLOCK_K"] == 0, A_SPLIT_K=a_split_k,
-                      PRECISION=self.precision(), PREFETCH_K=self.prefetch_rows(config),
+                      PRECISION=self.precision(),
                       num_warps=config.num_warps, num_stages=config.num_stages)
         if slices > 1:   # K slices store fp32 partial tiles; the reduce kernel sums them and runs the epilogue
             workspace = torch.empty((slices, self.layout.batch, m, n), dtype=torch.float32, device=a.device)

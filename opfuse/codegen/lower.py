@@ -162,8 +162,7 @@ def lower_plan(plan: FusionPlan, device: torch.device | str
     hw = plan_hardware(plan)
     config = plan.config
     # which kernels fold their row counts' alignment: those launched at both kinds (`folding_rows`)
-    with folding_rows(), dependent_launches(config is not None and config.dependent_launch,
-                                            config is not None and config.weight_prefetch):
+    with folding_rows(), dependent_launches(config is not None and config.dependent_launch):
         for group in plan.groups:
             kernel = lower_group(plan.graph, group, device, reasons, hw)
             if kernel is not None:

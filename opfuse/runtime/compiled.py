@@ -37,8 +37,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from opfuse.codegen.base import GroupKernel, KernelConfig, recording_launches
-from opfuse.codegen.lower import choose_lowering, lower_plan
+from opfuse.codegen.base import GroupKernel, KernelConfig, prefetching, recording_launches
+from opfuse.codegen.lower import choose_lowering, lower_plan, plan_hardware
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import FusionGroup, FusionPlan
 from opfuse.fusion.reasons import Code, Reason
@@ -51,6 +51,7 @@ from opfuse.runtime.cache import TuningCache
 from opfuse.runtime.cuda_graph import CudaGraphReplay
 from opfuse.runtime.gate import CAPTURE_GATE, call_lock
 from opfuse.runtime.precompile import active_pool, compile_pool, workers_of
+from opfuse.runtime.prefetch import prefetch_targets
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Step:
     kernel: GroupKernel | None = None
     node: Node | None = None
     free: list[str] = field(default_factory=list)     # values dead after this step
+    ahead: tuple[torch.Tensor, int] | None = None     # a later kernel's weight it prefetches (`opfuse.runtime.prefetch`)
 
 
 def default_reason(graph: Graph, group: FusionGroup) -> Reason:
@@ -155,6 +157,7 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
                                           for n in self.graph.input_nodes)
         self._input_forms = [input_form(spec) for spec in self.signature]
         self._steps = self._schedule()
+        self._plan_prefetch()
         users = self.graph.users()
         # the state updates written in place (`Graph.writes_state_in_place`) that run through PyTorch
         self._in_place = {update for update in self.graph.state.values()
@@ -221,6 +224,14 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
                 steps[index].free.append(name)
         return steps
 
+    def _plan_prefetch(self) -> None:
+        """Each step's `ahead` for the configs that run, with FusionConfig.weight_prefetch on CUDA."""
+        targets = {}
+        if self.config.weight_prefetch and self.device.type == "cuda":
+            targets = prefetch_targets(self._steps, self.configs, plan_hardware(self.plan))
+        for index, step in enumerate(self._steps):
+            step.ahead = targets.get(index)
+
     # ---- introspection ------------------------------------------------------------------------------------
     @property
     def launches(self) -> int:
@@ -282,6 +293,7 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
             self.configs.update(configs)
             for name, config in configs.items():
                 self.kernels[name].keep_form(config)
+            self._plan_prefetch()
             self.forward_ms = None
             self._reset_cuda_graph()
 
@@ -419,7 +431,8 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
             self._launched[node.name] = 1
             return
         if step.kernel is not None:
-            outputs = self._run_kernel(step, args)
+            with prefetching(step.ahead):
+                outputs = self._run_kernel(step, args)
             if len(outputs) != len(step.writes):
                 raise GraphError(f"kernel {step.kernel.name} of group {step.group.name} returned "
                                  f"{len(outputs)} outputs, the group has {len(step.writes)} {step.writes}")

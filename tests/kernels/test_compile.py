@@ -892,9 +892,9 @@ def test_a_deferred_rms_norm_prologue_keeps_float16_tiles_in_range():
     assert torch.isfinite(got).all() and relative_error(got.double(), want) < 1e-2
 
 def test_kernels_built_to_launch_dependently_run_plainly_where_the_gpu_cannot():
-    """With FusionConfig.dependent_launch every launcher of the plan is built to launch dependently (and with
-    weight_prefetch every GEMM to prefetch its weight); on the CPU (Triton's interpreter) no launch does
-    (`launches_dependently`), and the model matches eager."""
+    """With FusionConfig.dependent_launch every launcher of the plan is built to launch dependently; on the CPU
+    (Triton's interpreter) no launch does (`launches_dependently`), weight_prefetch plans no prefetch, and the
+    model matches eager."""
     from opfuse.codegen.base import launches_dependently
 
     torch.manual_seed(0)
@@ -903,7 +903,8 @@ def test_kernels_built_to_launch_dependently_run_plainly_where_the_gpu_cannot():
     compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", dependent_launch=True,
                                                                weight_prefetch=True))
     kernels = list(compiled.compiled.kernels.values())
-    assert kernels and all(k.kernel.dependent and k.prefetch for k in kernels)
+    assert kernels and all(k.kernel.dependent for k in kernels)
+    assert all(step.ahead is None for step in compiled.compiled._steps)
     assert not launches_dependently([x])
     with torch.no_grad():
         assert relative_error(compiled(x), model(x)) < 1e-5
