@@ -36,12 +36,13 @@ def main() -> None:
         print(f"  {r.name:<28}{r.kind:<11}{r.bytes_moved / 1e6:>7.2f} MB{r.density:>9.1f}  "
               f"{'yes' if r.candidate else ''}")
 
-    # 2. What opfuse fuses: one kernel per group (two where the reduction is split, summed by a second kernel).
+    # 2. What opfuse fuses: one kernel per group (two where a row reduction's rows are split: a second kernel
+    # merges the slices).
     kinds = Counter(g.kind.value for g in analysis.plan.groups if g.launches)
     split = sum(1 for g in analysis.plan.groups if g.launches > 1)
     print(f"\nopfuse runs {analysis.plan.kernel_launches} kernels for {sum(kinds.values())} groups: "
           + ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
-          + (f" ({split} of them split-K: two kernels each)" if split else ""))
+          + (f" ({split} of them split rows: two kernels each)" if split else ""))
 
     # 3. The seed's table: the whole model, unfused vs fused.
     unfused, fused = analysis.unfused, analysis.fused

@@ -85,23 +85,23 @@ def summarize_unfused(graph: Graph, hw: HardwareProfile | None = None, config: F
 
 def summarize_plan(plan: FusionPlan, hw: HardwareProfile | None = None,
                    through_pytorch: Iterable[str] = ()) -> TrafficSummary:
-    """What the compiled model runs: every group of the plan one kernel (views none, split-K groups two launches),
+    """What the compiled model runs: every group of the plan one kernel (views none, split rows two launches),
     except the groups in `through_pytorch`, which get no kernel and run node by node (each launching node its own
     kernel, priced as in `op_table`); times recomputed when a `hw` other than the plan's is given (by the cost
-    model's kernel estimates and a launch for each split-K reduce kernel, without the partial tiles the planner
-    prices too)."""
+    model's kernel estimates and a launch for each split row reduction's second kernel, without the partials the
+    planner prices too)."""
     graph = plan.graph
     config = for_graph(plan.config, graph)
     pytorch = set(through_pytorch)
     kernels = [g for g in plan.groups if g.launches and g.name not in pytorch]
     nodes = {name for g in plan.groups if g.name in pytorch for name in g.nodes}
     profile = get_hardware(config.hardware)
-    if hw is None or hw == profile:      # the planner's prices (second kernels of split-K and row splits in)
+    if hw is None or hw == profile:      # the planner's prices (split partials and row splits' second kernels in)
         time = sum(g.predicted_time for g in kernels)
     else:
         users = graph.users()
         time = sum(estimate_kernel(graph, g.nodes, users, hw, config.dtype).time for g in kernels)
-        time += sum(g.launches - 1 for g in kernels) * hw.launch_time     # split-K's and row splits' second kernels
+        time += sum(g.launches - 1 for g in kernels) * hw.launch_time     # row splits' second kernels
     rows = [r for r in op_table(graph, hw or profile, config) if r.name in nodes] \
         if nodes else []
     time += sum(r.predicted_time for r in rows)

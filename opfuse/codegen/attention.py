@@ -37,9 +37,10 @@ either layout is correct downstream.
 Key slices (flash-decoding). Where the plan splits the keys (`FusionGroup.split_k`, by
 `opfuse.fusion.tiles.key_split_table`: one query a head over a long cache leaves most SMs idle), each config runs
 its tile's slices (SPLIT_K): slice s of a third grid axis walks its run of whole key blocks and stores its rows'
-unnormalized output, running max and sum in float32 (`ATTENTION_SLICE_TEMPLATE`), and a second kernel
-(`COMBINE_TEMPLATE`) rescales the slices to their common max, sums them in slice order (the same every run),
-normalizes and runs the epilogue: two launches. The unsplit form of the first split config is offered beside it.
+unnormalized output, running max and sum in float32 (`ATTENTION_SLICE_TEMPLATE`), and the last slice of each tile
+to finish (a count a tile, kept by the kernel) rescales the slices to their common max, sums them in slice order
+(the same every run), normalizes and runs the epilogue (`COMBINE_CODE`): one launch. The unsplit form of the first
+split config is offered beside it.
 
 Forms (`KernelConfig.form`). A group of the sdpa alone: first the library form (`TORCH_ATTENTION`: torch's
 scaled_dot_product_attention, exactly as opfuse ran it before this kernel), then the Triton tiles. Untuned (tuning
@@ -62,10 +63,10 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import FORM_LIBRARY, KernelConfig, compiled_info, load_kernel
+from opfuse.codegen.base import FORM_LIBRARY, KernelConfig, compiled_info
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, generate_kernel, siblings_and_chains
 from opfuse.codegen.expr import Unsupported
-from opfuse.codegen.forms import UNFUSED, EpilogueKernel, is_library, is_unfused
+from opfuse.codegen.forms import UNFUSED, EpilogueKernel
 from opfuse.codegen.split_k import planned_slices, sliced_template, slices_of, unsplit
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.resources import estimate_resources
@@ -160,62 +161,45 @@ def KERNEL_NAME(
 '''
 
 # the key-split form (flash-decoding: `opfuse.fusion.tiles.key_split_table`): slice pid_s of the grid's third axis walks
-# KEYS_PER_SLICE keys and stores its rows' unnormalized output, running max and sum (float32) in place of the epilogue
-ATTENTION_SLICE_TEMPLATE = sliced_template(ATTENTION_TEMPLATE, [
-    ("    s_mb0, s_mb1, s_mm, s_mn,\n", "    s_mb0, s_mb1, s_mm, s_mn,\n    KEYS_PER_SLICE,\n"),
-    ("    pid_b = tl.program_id(1)\n", "    pid_b = tl.program_id(1)\n    pid_s = tl.program_id(2)\n"),
-    ("    for start in range(0, key_end, BLOCK_N):\n",
-     "    key_first = pid_s * KEYS_PER_SLICE\n    key_end = tl.minimum(key_end, key_first + KEYS_PER_SLICE)\n"
-     "    for start in range(key_first, key_end, BLOCK_N):\n"),
-    ("    acc = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]\n",
-     "    row = (pid_s * tl.num_programs(1) + pid_b) * M + offs_m      # (slice, batch, query)\n"
-     "    tl.store(ws_ptr + row[:, None] * DV + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])\n"
-     "    tl.store(stat_ptr + row * 2, row_max, mask=mask_m)\n"
-     "    tl.store(stat_ptr + row * 2 + 1, row_sum, mask=mask_m)\n")])
-
-# the key-split form's second kernel: each row's slices rescaled to their common maximum and summed in slice order
-# (the same order every run), normalized, then the group's epilogue under the attention template's contract
-COMBINE_TEMPLATE = '''
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def KERNEL_NAME(
-    ws_ptr, stat_ptr, M, DV, B1, SLICES,
-    {params}
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    b0 = pid_b // B1
-    b1 = pid_b % B1
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_DV)
-    mask_m = offs_m < M
-    mask_n = offs_n < DV
+# KEYS_PER_SLICE keys and stores its rows' unnormalized output, running max and sum (float32); the last slice of a
+# tile to finish (its count in cnt_ptr, reset for the next launch) rescales every slice's rows to their common maximum,
+# sums them in slice order (the same order every run, whichever slice is last), normalizes and runs the epilogue.
+# The barrier before the count orders all the program's stores before its release; the last slice reads the others'
+# through L2 (.cg), after its acquire.
+COMBINE_CODE = """\
+    row = (pid_s * tl.num_programs(1) + pid_b) * M + offs_m      # (slice, batch, query)
+    tl.store(ws_ptr + row[:, None] * DV + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(stat_ptr + row * 2, row_max, mask=mask_m)
+    tl.store(stat_ptr + row * 2 + 1, row_sum, mask=mask_m)
+    tl.debug_barrier()
+    tile = pid_m * tl.num_programs(1) + pid_b
+    if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") != tl.num_programs(2) - 1:
+        return
+    tl.store(cnt_ptr + tile, 0)
     batches = tl.num_programs(1)
     top = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    for s in range(SLICES):
+    for s in range(tl.num_programs(2)):
         top = tl.maximum(top, tl.load(stat_ptr + ((s * batches + pid_b) * M + offs_m) * 2, mask=mask_m,
-                                      other=float("-inf")))
+                                      other=float("-inf"), cache_modifier=".cg"))
     # rows no slice saw an allowed key of keep max -inf: subtract 0 there so exp2 gives 0, not NaN
     shift = tl.where(top == float("-inf"), 0.0, top)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
-    for s in range(SLICES):
+    for s in range(tl.num_programs(2)):
         row = (s * batches + pid_b) * M + offs_m
-        weight = tl.exp2(tl.load(stat_ptr + row * 2, mask=mask_m, other=float("-inf")) - shift)
-        row_sum += weight * tl.load(stat_ptr + row * 2 + 1, mask=mask_m, other=0.0)
+        weight = tl.exp2(tl.load(stat_ptr + row * 2, mask=mask_m, other=float("-inf"), cache_modifier=".cg") - shift)
+        row_sum += weight * tl.load(stat_ptr + row * 2 + 1, mask=mask_m, other=0.0, cache_modifier=".cg")
         acc += weight[:, None] * tl.load(ws_ptr + row[:, None] * DV + offs_n[None, :],
-                                         mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+                                         mask=mask_m[:, None] & mask_n[None, :], other=0.0, cache_modifier=".cg")
     acc = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
-
-    r0 = 0
-    r1 = 0
-    r2 = offs_m
-{epilogue}
-'''
+"""
+ATTENTION_SLICE_TEMPLATE = sliced_template(ATTENTION_TEMPLATE, [
+    ("    s_mb0, s_mb1, s_mm, s_mn,\n", "    s_mb0, s_mb1, s_mm, s_mn,\n    KEYS_PER_SLICE, ws_ptr, stat_ptr, cnt_ptr,\n"),
+    ("    pid_b = tl.program_id(1)\n", "    pid_b = tl.program_id(1)\n    pid_s = tl.program_id(2)\n"),
+    ("    for start in range(0, key_end, BLOCK_N):\n",
+     "    key_first = pid_s * KEYS_PER_SLICE\n    key_end = tl.minimum(key_end, key_first + KEYS_PER_SLICE)\n"
+     "    for start in range(key_first, key_end, BLOCK_N):\n"),
+    ("    acc = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]\n", COMBINE_CODE)])
 
 
 def attention_configs(graph: Graph, group: FusionGroup, anchor: str, hw: HardwareProfile) -> list[KernelConfig]:
@@ -289,15 +273,14 @@ class AttentionKernel(EpilogueKernel):
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
         self.constants = {v: graph.constants[v].to(device) for v in node.inputs if graph.is_constant(v)}
         self._configs = attention_configs(graph, group, anchor, hw) if self.untiled is None else []
-        self.slice_kernel = self.combine = None
+        self.slice_kernel = None
+        self._counts: torch.Tensor | None = None     # a count a tile for the key-split form's last slice
         if group.split_k and self._configs:     # the plan splits the keys (`key_split_table`): each tile's slices
             self._configs = list(dict.fromkeys(KernelConfig.of(
                 c.num_warps, c.num_stages, **(dict(c.params) | {"SPLIT_K": planned_slices(group, attention_key(
                     dict(c.params)), "key slices")})) for c in self._configs))
-            sliced = ATTENTION_SLICE_TEMPLATE.format(params="ws_ptr, stat_ptr, ", epilogue="")
-            _, sliced, self.slice_kernel = load_kernel("splitkeys", epilogue.ops, sliced)
-            _, combine, self.combine = generate_kernel(COMBINE_TEMPLATE, epilogue, "combine")
-            self.source += "\n\n" + sliced + "\n\n" + combine    # every kernel it may run: what the cache keys
+            _, sliced, self.slice_kernel = generate_kernel(ATTENTION_SLICE_TEMPLATE, epilogue, "splitkeys")
+            self.source += "\n\n" + sliced     # every kernel it may run: what the cache keys
         if self.bare:   # torch's sdpa is the whole group: the library form, first (module docstring)
             self.library_outputs = self._torch_attention
             self._configs = [TORCH_ATTENTION, *self._configs]
@@ -334,14 +317,6 @@ class AttentionKernel(EpilogueKernel):
         split = next((c for c in self._configs if slices_of(c) > 1), None)
         forms = [] if split is None else [unsplit(split)]
         return forms + ([UNFUSED] if library and not self.bare else [])
-
-    def launches(self, config: KernelConfig | None = None) -> int:
-        """Two for a key-split config (the slices, then their combination with the epilogue), else as every
-        anchor kernel's forms launch."""
-        config = config or self._configs[0]
-        if not (is_library(config) or is_unfused(config)) and slices_of(config) > 1:
-            return 2
-        return super().launches(config)
 
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         """The outputs in form `config` (default: the first config, torch's attention for a bare sdpa)."""
@@ -384,11 +359,10 @@ class AttentionKernel(EpilogueKernel):
             rows = slices * heads * self.s_q
             partial = torch.empty(rows * self.value_dim, device=q.device, dtype=torch.float32)
             stats = torch.empty(rows * 2, device=q.device, dtype=torch.float32)
+            if self._counts is None or self._counts.device != q.device or len(self._counts) < query_blocks * heads:
+                self._counts = torch.zeros(query_blocks * heads, device=q.device, dtype=torch.int32)
             compiled = self.slice_kernel[(query_blocks, heads, slices)](*common, per_slice, partial, stats,
-                                                                          **constexprs)
-            self.combine[(query_blocks, heads)](partial, stats, self.s_q, self.value_dim,
-                                                self.layout.batch_sizes()[1], slices, *args, BLOCK_M=block_m,
-                                                BLOCK_DV=self.block_dv, num_warps=4)
+                                                                          self._counts, *args, **constexprs)
         self.last_compiled = compiled_info(compiled)
         return outputs
 

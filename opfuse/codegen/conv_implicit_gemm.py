@@ -125,9 +125,7 @@ CONV_SLICE_TEMPLATE = sliced_template(CONV_TEMPLATE, [
 # the templates' integers that address their channel dims, rebound as multiples of UNIT
 # (`opfuse.codegen.base.unit_code`)
 CONV_UNITS = ("N_TOTAL", "COUT_G", "CIN_G", "C_IN", "s_xn", "s_xh", "s_xw")
-CONV_PARTIAL = '''\
-    ws = ws_ptr + pid_k * M * N_TOTAL + offs_m[:, None] * N_TOTAL + offs_n[None, :]
-    tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])'''
+CONV_TILE_AT = "({s}) * M * N_TOTAL + offs_m[:, None] * N_TOTAL + offs_n[None, :]"   # ws[slice, 0, row, column]
 
 
 def group_block_of(config: KernelConfig) -> int:
@@ -245,7 +243,7 @@ class ConvKernel(EpilogueKernel):
         self.constants = {x: graph.constants[x].to(device)} if graph.is_constant(x) else {}
         self._configs = implicit_gemm_configs(group, geometry, self.layout, dtype.itemsize, hw)
         # the planner split K: each config runs the slices the plan gives its tile
-        self.split = (SplitK(CONV_SLICE_TEMPLATE, CONV_PARTIAL, epilogue, CONV_UNITS, ("M",),
+        self.split = (SplitK(CONV_SLICE_TEMPLATE, CONV_TILE_AT, epilogue, CONV_UNITS, ("M",),
                              (*X_ROW_STRIDES, "N_TOTAL")) if group.split_k else None)
         if self.split is not None:      # every kernel it may run: what the tuning cache and a package compare
             self.source += "\n\n" + self.split.sources
@@ -291,11 +289,11 @@ class ConvKernel(EpilogueKernel):
                       num_warps=config.num_warps, num_stages=config.num_stages)
         common = (x, self.packed_weight(block), m, channels, cout_per_block, cin_per_block, g.cin, g.height,
                   g.width, r1, r2, *x.stride())
-        if slices > 1:   # K slices store fp32 partial tiles; the reduce kernel sums them and runs the epilogue
+        if slices > 1:   # K slices store fp32 partial tiles; the last of a tile sums them and runs the epilogue
             workspace = torch.empty((slices, 1, m, channels), dtype=torch.float32, device=x.device)
             compiled = self.split.partial[(tiles, blocks, slices)](
-                *common, workspace, SLICE_STEPS=triton.cdiv(self._steps(config), slices), **launch)
-            self.split.run_reduce(workspace, self.layout, args)
+                *common, workspace, self.split.counts(tiles * blocks, x.device), *args,
+                SLICE_STEPS=triton.cdiv(self._steps(config), slices), **launch)
         else:
             compiled = self.kernel[(tiles, blocks)](*common, *args, **launch)
         self.last_compiled = compiled_info(compiled)

@@ -17,7 +17,7 @@ import triton
 
 from opfuse.codegen.base import FORM_LIBRARY, FORM_UNFUSED, GroupKernel, KernelConfig
 from opfuse.codegen.epilogue import generate_kernel
-from opfuse.codegen.split_k import REDUCE_BLOCK_M, REDUCE_BLOCK_N, SplitK, slices_of, unsplit
+from opfuse.codegen.split_k import REDUCE_BLOCK_M, REDUCE_BLOCK_N, SplitK, unsplit
 from opfuse.ir.graph import Node
 from opfuse.ir.interpret import device_constants, run_nodes
 from opfuse.ir.ops import launches_kernel
@@ -187,11 +187,11 @@ class EpilogueKernel(GroupKernel):
                 "a generated kernel")
 
     def launches(self, config: KernelConfig | None = None) -> int:
-        """Two with K slices (the slices, then their sum with the epilogue) or in the library form (the library's
-        kernel, then the epilogue, which a group of bare anchors and the fused library form do without; cuBLAS/cuDNN may add helper kernels
-        of their own), plus what computing the anchor's input first launches (`operand_nodes`: one `operand_kernel`
-        for a prologue's ops, else what PyTorch launches, a view it must copy); one per launching op in the unfused
-        form; else one. What PyTorch launches is what the form's last run launched (`run_nodes`' count), or before
+        """Two in the library form (the library's kernel, then the epilogue, which a group of bare anchors and the
+        fused library form do without; cuBLAS/cuDNN may add helper kernels of their own), plus what computing the
+        anchor's input first launches (`operand_nodes`: one `operand_kernel` for a prologue's ops, else what PyTorch
+        launches, a view it must copy); one per launching op in the unfused form; else one (K slices too: the last
+        slice of a tile runs the epilogue, `opfuse.codegen.split_k.last_slice`). What PyTorch launches is what the form's last run launched (`run_nodes`' count), or before
         any run what the graph says."""
         launched = self._launched or {}
         if is_unfused(config):
@@ -204,7 +204,7 @@ class EpilogueKernel(GroupKernel):
                 operand = 1 if self.operand_kernel is not None else sum(launches_kernel(self.graph, node)
                                                                         for node in self.operand_nodes)
             return (1 if self.library_outputs is not None or is_library_fused(config) else 2) + operand
-        return 2 if self.split is not None and slices_of(config or self._configs[0]) > 1 else 1
+        return 1
 
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         if is_unfused(config):

@@ -131,9 +131,7 @@ GEMM_SLICE_TEMPLATE = sliced_template(GEMM_TEMPLATE, [
     ("    for k0 in range(0, K, BLOCK_K):\n",
      "    k_first = pid_k * SLICE_STEPS * BLOCK_K\n    a_ptrs += k_first * s_ak\n    b_ptrs += k_first * s_bk\n"
      "    for k0 in range(k_first, tl.minimum(K, k_first + SLICE_STEPS * BLOCK_K), BLOCK_K):\n")])
-GEMM_PARTIAL = '''\
-    ws = ws_ptr + (pid_k * tl.num_programs(1) + pid_b) * M * N + offs_m[:, None] * N + offs_n[None, :]
-    tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])'''
+GEMM_TILE_AT = "(({s}) * tl.num_programs(1) + pid_b) * M * N + offs_m[:, None] * N + offs_n[None, :]"   # ws[slice, batch, row, column]
 
 
 def gemm_configs(m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, gather: bool = False,
@@ -212,7 +210,7 @@ class GemmKernel(EpilogueKernel):
         # the planner split K: each config runs the slices the plan gives its tile (never with row statistics,
         # which need all of K: the planner offers no split for them)
         if group.split_k and (prologue is None or prologue.norm is None):
-            self.split = SplitK(_with_prologue(GEMM_SLICE_TEMPLATE, prologue), GEMM_PARTIAL, epilogue, GEMM_UNITS,
+            self.split = SplitK(_with_prologue(GEMM_SLICE_TEMPLATE, prologue), GEMM_TILE_AT, epilogue, GEMM_UNITS,
                                 GEMM_ROWS, (*row_strides, "N"))
             self._configs = with_slices(self._configs, group)
             self.source += "\n\n" + self.split.sources   # every kernel it may run: what the tuning cache keys
@@ -267,12 +265,12 @@ class GemmKernel(EpilogueKernel):
                       GROUP_M=GROUP_M, EVEN_K=self.k % config["BLOCK_K"] == 0, A_SPLIT_K=a_split_k,
                       PRECISION=self.precision(),
                       num_warps=config.num_warps, num_stages=config.num_stages)
-        if slices > 1:   # K slices store fp32 partial tiles; the reduce kernel sums them and runs the epilogue
+        if slices > 1:   # K slices store fp32 partial tiles; the last of a tile sums them and runs the epilogue
             workspace = torch.empty((slices, self.layout.batch, m, n), dtype=torch.float32, device=a.device)
+            counts = self.split.counts(tiles * self.layout.batch, a.device)
             compiled = self.split.partial[(tiles, self.layout.batch, slices)](
-                a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, workspace, *prologue,
+                a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, workspace, counts, *args, *prologue,
                 SLICE_STEPS=triton.cdiv(self._steps(config), slices), **launch)
-            self.split.run_reduce(workspace, self.layout, args)
         else:
             compiled = self.kernel[(tiles, self.layout.batch)](
                 a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, *args, *prologue, **launch)

@@ -1,10 +1,11 @@
-"""Split-K forms of the anchor kernels: K cut into slices that each store an fp32 partial tile, then one reduce
-kernel that sums them in slice order and runs the group's epilogue (`SplitK`).
+"""Split-K forms of the anchor kernels: K cut into slices that each store an fp32 partial tile; the last slice of a
+tile to finish sums them in slice order and runs the group's epilogue, in the same launch (`SplitK`, `last_slice`).
 
 `sliced_template` derives a template's slice form by line edits that must each apply once; `with_slices` gives each
 config the slices the planner decided for its tile (`FusionGroup.split_k`, `opfuse.fusion.tiles.split_k_table`),
 `slices_of` reads them back.
-The reduce kernel also serves the library form (`SplitK.reduce_only`): the library's result is one slice.
+The reduce kernel (`REDUCE_TEMPLATE`) serves the library form (`SplitK.reduce_only`): the library's result is one
+slice.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import KernelConfig, load_kernel, rows_jit, unit_code
+from opfuse.codegen.base import KernelConfig, rows_jit
 from opfuse.codegen.epilogue import TILE_INDEX, generate_kernel
 from opfuse.fusion.tiles import tile_key
 from opfuse.ir.graph import GraphError
@@ -55,22 +56,53 @@ def KERNEL_NAME(
 REDUCE_BLOCK_M, REDUCE_BLOCK_N = 32, 64
 
 
-class SplitK:
-    """The split-K form of an anchor kernel: `template` with each K slice storing its partial tile (`partial`, the
-    template's code for it) in place of the epilogue, and the reduce kernel that sums the slices and runs the
-    epilogue. Built only for groups the planner split (`FusionGroup.split_k`)."""
+def last_slice(tile_at: str) -> str:
+    """The sliced kernel's tail in place of its epilogue: slice pid_k stores its fp32 partial tile (`tile_at`: the
+    offset in ws of slice {s}'s tile), then the tile's arrival count (an atomic add, acquire-release, in cnt_ptr
+    per program of the grid's first two axes) tells the last slice to finish, which resets the count for the next
+    launch and sums every slice's tile in slice order (the same order every run, whichever slice is last) into acc
+    for the epilogue that follows. The barrier orders the whole tile's stores before the count goes up; the last
+    slice reads the others' through L2 (.cg: they are not in its L1)."""
+    return f"""\
+    tl.store(ws_ptr + {tile_at.format(s="pid_k")}, acc, mask=mask_m[:, None] & mask_n[None, :])
+    tl.debug_barrier()
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") != tl.num_programs(2) - 1:
+        return
+    tl.store(cnt_ptr + tile, 0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(tl.num_programs(2)):
+        acc += tl.load(ws_ptr + {tile_at.format(s="s")}, mask=mask_m[:, None] & mask_n[None, :], other=0.0,
+                       cache_modifier=".cg")
+"""
 
-    def __init__(self, template: str | None, partial: str, epilogue: "Epilogue", units: Sequence[str] = (),
+
+class SplitK:
+    """The split-K form of an anchor kernel: `template` with each K slice storing its partial tile and the last to
+    finish summing them and running the epilogue (`last_slice` of `tile_at`, the template's offset of slice {s}'s
+    tile in its workspace), and the reduce kernel the library form runs its result through. Built only for groups
+    the planner split (`FusionGroup.split_k`)."""
+
+    def __init__(self, template: str | None, tile_at: str, epilogue: "Epilogue", units: Sequence[str] = (),
                  rows: Sequence[str] = (), row_strides: Sequence[str] = ()):
-        """`units`: the template's unit parameters (`opfuse.codegen.base.unit_code`; the partial tile's store
-        has no epilogue strides); `rows` its row counts and `row_strides` the row strides of what the sliced
-        kernel reads and stores (`opfuse.codegen.base.row_unit_of`)."""
+        """`units`: the template's unit parameters (`opfuse.codegen.base.unit_code`); `rows` its row counts and
+        `row_strides` the row strides of what the sliced kernel reads and stores (`opfuse.codegen.base.row_unit_of`;
+        the epilogue's are added)."""
+        self.source, self._counts = "", None
         if template is not None:
-            source = template.format(params="ws_ptr, ", epilogue=partial, units=unit_code(units, rows))
-            self.name, self.source, self.partial = load_kernel("splitk", epilogue.ops, source, units, rows,
-                                                               row_strides, epilogue.layout.rows)
+            sliced = template.replace("{params}", "ws_ptr, cnt_ptr, {params}", 1).replace(
+                "{epilogue}", last_slice(tile_at).replace("{", "{{").replace("}", "}}") + "{epilogue}", 1)
+            self.name, self.source, self.partial = generate_kernel(sliced, epilogue, "splitk", units, rows,
+                                                                   row_strides)
         self.reduce_name, self.reduce_source, self.reduce = generate_kernel(REDUCE_TEMPLATE, epilogue, units=("N",),
                                                                             rows=("M",), row_strides=("N",))
+
+    def counts(self, tiles: int, device: torch.device) -> torch.Tensor:
+        """The tiles' arrival counts (`last_slice`): zeros between launches (each tile's last slice resets its own),
+        kept for the kernel's life; `tiles` at least."""
+        if self._counts is None or self._counts.device != device or len(self._counts) < tiles:
+            self._counts = torch.zeros(tiles, dtype=torch.int32, device=device)
+        return self._counts
 
     @property
     def sources(self) -> str:
@@ -79,7 +111,7 @@ class SplitK:
 
     @classmethod
     def reduce_only(cls, epilogue: "Epilogue") -> "SplitK":
-        """Just the second kernel: what the library form runs over the library's result (one slice)."""
+        """Just the reduce kernel: what the library form runs over the library's result (one slice)."""
         return cls(None, "", epilogue)
 
     def run_reduce(self, workspace: torch.Tensor, layout: "TileLayout", args: list, block_m: int = REDUCE_BLOCK_M,

@@ -121,11 +121,11 @@ class GroupListing:
                            "kernel (fewer row blocks than the GPU has SMs)")
             attention = estimate.anchor is not None and self.graph[estimate.anchor].op == "sdpa"
             if default_slices > 1 and attention:
-                reason += (f"; its keys split into {default_slices} slices, combined with the epilogue by a second "
-                           "kernel (flash-decoding: the query tiles alone would leave most SMs idle)")
+                reason += (f"; its keys split into {default_slices} slices, combined with the epilogue by each "
+                           "tile's last slice (flash-decoding: the query tiles alone would leave most SMs idle)")
             elif default_slices > 1:
-                reason += (f"; split-K: {default_slices} slices of the reduction, summed with the epilogue by a "
-                           "second kernel (the tile grid alone would leave most SMs idle)")
+                reason += (f"; split-K: {default_slices} slices of the reduction, summed with the epilogue by each "
+                           "tile's last slice (the tile grid alone would leave most SMs idle)")
             elif table and attention:
                 reason += ("; its keys split into slices offered (the query tiles would leave most SMs idle), but "
                            f"{unsplit}: one kernel unless the autotuner measures a split faster")
@@ -137,7 +137,7 @@ class GroupListing:
                 id=new_id, kind=kind, nodes=list(nodes), anchor=estimate.anchor, inputs=list(traffic.inputs),
                 outputs=list(traffic.outputs), flops=traffic.flops, bytes_read=traffic.bytes_read,
                 bytes_written=traffic.bytes_written, predicted_time=time,
-                launches=(0 if kind is GroupKind.VIEW else 1 + (default_slices > 1) + (row_slices > 1)),
+                launches=(0 if kind is GroupKind.VIEW else 1 + (row_slices > 1)),
                 split_k=table, resources=estimate.resources, reason=reason, code=why.code))
         return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config, self.hw)
 
@@ -156,7 +156,7 @@ class GroupListing:
         if slices == 1:
             return 1, time
         partials = 2 * slice_statistics(view.mode) * slices * view.rows * 4
-        return slices, self.with_second_launch(time, partials)
+        return slices, self.with_partials(time, partials, launch=True)
 
     def split_k(self, nodes: list[str], kind: GroupKind, estimate: KernelEstimate
                 ) -> tuple[dict[str, int], int, float, str]:
@@ -168,8 +168,8 @@ class GroupListing:
         fills under a quarter of the SMs splits a long reduction (`split_k_slices`). Its kernel then gets a split
         form, and each config runs the slices the plan gives its tile (`split_k_table`: every tile's own grid and K blocks), which the autotuner
         measures. Untuned, the kernel runs its default tile (`opfuse.fusion.tiles`), which may need no slices: the
-        plan counts the second launch, and prices it (a launch and the fp32 partial tiles written and read once),
-        only where that tile splits."""
+        plan prices the fp32 partial tiles (written and read once) only where that tile splits; each tile's last
+        slice sums them and runs the epilogue, in the same launch (`opfuse.codegen.split_k.last_slice`)."""
         tile = estimate.resources.tile if estimate.resources is not None else {}
         if kind is GroupKind.CONV_CONV:   # mid-channel slices, summed by the tile's last program: one launch
             chain = conv_chain(self.graph, nodes)
@@ -205,15 +205,15 @@ class GroupListing:
             elif steps < MIN_SPLIT_STEPS:
                 unsplit = f"its reduction is {steps} K blocks, under the {MIN_SPLIT_STEPS} a split needs"
             else:
-                unsplit = "too few slices would fit to pay for a second kernel"
+                unsplit = "too few slices would fit to pay for their partial tiles"
             return table, 1, estimate.time, unsplit
         partials = 2 * default_slices * rows * columns * batch * 4
-        return table, default_slices, self.with_second_launch(estimate.time, partials), ""
+        return table, default_slices, self.with_partials(estimate.time, partials), ""
 
     def key_splits(self, nodes: list[str], estimate: KernelEstimate) -> tuple[dict[str, int], int, float, str]:
         """`split_k` of an sdpa group: the key slices of each attention tile (`key_split_table`: where the query
         tiles leave most SMs idle over two key blocks or more, decoding over a cache), of its default tile, the
-        predicted seconds with the second launch and the float32 partial rows where that tile splits, and why it
+        predicted seconds with the float32 partial rows where that tile splits, and why it
         runs unsplit where it does. A bare sdpa runs torch's attention untuned (`opfuse.codegen.attention`), which the
         autotuner measures against the split kernel."""
         node = self.graph[estimate.anchor]
@@ -231,9 +231,10 @@ class GroupListing:
         if slices == 1:
             return table, 1, estimate.time, f"its default tile {attention_key(tile)} runs unsplit"
         partials = 2 * slices * heads * q[-2] * (node.type.shape[-1] + 2) * 4
-        return table, slices, self.with_second_launch(estimate.time, partials), ""
+        return table, slices, self.with_partials(estimate.time, partials), ""
 
-    def with_second_launch(self, time: float, partial_bytes: int) -> float:
-        """`time` with the second kernel of a split priced: its launch, and the float32 partials written once and
-        read once (`partial_bytes`, both ways)."""
-        return time + (self.hw.launch_overhead + partial_bytes / self.hw.memory_bandwidth) * self.hw.time_factor
+    def with_partials(self, time: float, partial_bytes: int, launch: bool = False) -> float:
+        """`time` with a split's float32 partials written once and read once (`partial_bytes`, both ways) priced,
+        and with `launch` the second kernel that merges them (row slices: `opfuse.codegen.reduction`)."""
+        extra = partial_bytes / self.hw.memory_bandwidth + (self.hw.launch_overhead if launch else 0.0)
+        return time + extra * self.hw.time_factor

@@ -1,7 +1,7 @@
 """The tiles an anchor kernel (GEMM, 1x1 conv, implicit-GEMM conv) tries, the one it runs untuned, and its K loop:
 one source for the Triton templates (`opfuse.codegen.gemm.gemm_configs`,
 `opfuse.codegen.conv_implicit_gemm.ConvKernel`) and for the planner, which decides the K slices of each tile
-(`split_k_table`, carried by the plan) and counts split-K's second launch only where the default tile splits the
+(`split_k_table`, carried by the plan) and prices split-K's partial tiles only where the default tile splits the
 reduction.
 
 A tile is a dict: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages. `anchor_tiles(m, n, k, batch, itemsize,
@@ -218,8 +218,8 @@ def key_split_table(queries: int, keys: int, heads: int, sm_count: int) -> dict[
     """{`attention_key`: key slices} of an attention kernel over `queries` x `keys` in `heads` (batch x heads)
     grid rows (`key_split_slices`), every tile the kernel may run cut to the queries (`attention_tile`), the
     interpreter's included. Decoding is the case: one query a head, a cache of keys. Each slice stores its rows'
-    running max, sum and unnormalized output in float32; a second kernel combines them in slice order and runs the
-    epilogue (flash-decoding); the autotuner measures the split against its unsplit twin."""
+    running max, sum and unnormalized output in float32; each tile's last slice combines them in slice order and
+    runs the epilogue (flash-decoding); the autotuner measures the split against its unsplit twin."""
     table: dict[str, int] = {}
     for tile in (*ATTENTION_TILES, INTERPRETED_ATTENTION):
         cut = attention_tile(tile, queries)
@@ -276,7 +276,7 @@ def anchor_steps(taps: int, channels: int, block_k: int) -> int:
 
 MAX_SPLIT_K = 16          # K slices at most: each slice's partial tile goes through device memory once
 MIN_STEPS_PER_SLICE = 4   # K blocks a slice walks at least, so the pipeline fills
-MIN_SPLIT_K = 3           # fewer slices do not pay for the second kernel's launch
+MIN_SPLIT_K = 3           # fewer slices do not pay for their partial tiles (set when a second kernel summed them)
 # K blocks the unsplit loop must walk for a split to be planned. On the H200 (2026-11-30, batch 1, planner's tiles,
 # no tuning) splitting took resnet50 from 0.632 to 0.480 ms (0.516 -> 0.378 ms of kernels) and bert-base from 0.748
 # to 0.620 ms (0.589 -> 0.491); mobilenet_v2's kernels were unchanged (its planned splits' tiles need no slices).
@@ -288,8 +288,8 @@ def split_k_slices(programs: int, steps: int, sm_count: int) -> int:
     """How many K slices an anchor kernel of `programs` tiles and `steps` K blocks runs: 1 unless the tiles leave
     three quarters of the SMs idle and the reduction is long (MIN_SPLIT_STEPS blocks), else enough slices to
     fill the SMs (each at least MIN_STEPS_PER_SLICE blocks, at most MAX_SPLIT_K), none of them empty. The slices'
-    fp32 partial tiles are summed in slice order by a second kernel that runs the epilogue (so the result does not
-    depend on timing)."""
+    fp32 partial tiles are summed in slice order by each tile's last slice, which runs the epilogue (so the result
+    does not depend on timing)."""
     if 4 * programs > sm_count or steps < MIN_SPLIT_STEPS:
         return 1
     slices = min(-(-sm_count // programs), steps // MIN_STEPS_PER_SLICE, MAX_SPLIT_K)

@@ -117,8 +117,9 @@ def run_config(b: KernelGraph, kernel: AttentionKernel, config) -> list[torch.Te
 ])
 def test_key_slices_combine_to_sdpa(heads, kv_heads, keys, queries, mask, causal, slices):
     """The key-split form (flash-decoding) runs the slices the plan gives its tile: each stores its rows' partial
-    output, max and sum; the second kernel combines them in slice order. It matches sdpa, launches twice, and its
-    unsplit twin (offered to the autotuner) matches too."""
+    output, max and sum; the last slice of a tile combines them in slice order. It matches sdpa in one launch, the
+    tiles' counts are back at zero for the next launch (which matches again), and its unsplit twin (offered to the
+    autotuner) matches too."""
     if mask == "bool":
         mask_tensor = (torch.arange(keys) < keys - 13)[None, None, None, :]
     elif mask == "additive":
@@ -134,7 +135,9 @@ def test_key_slices_combine_to_sdpa(heads, kv_heads, keys, queries, mask, causal
     group.split_k = {"16x16": slices}
     kernel = lower_attention(b.graph, group, "cpu")
     split = next(c for c in kernel.configs() if c.form == FORM_TRITON)
-    assert slices_of(split) == slices and kernel.launches(split) == 2
+    assert slices_of(split) == slices and kernel.launches(split) == 1
+    assert_matches_sdpa(b, y, run_config(b, kernel, split)[0])
+    assert kernel._counts is not None and not kernel._counts.any()
     assert_matches_sdpa(b, y, run_config(b, kernel, split)[0])
     unsplit = kernel.alternatives(library=False)
     assert [slices_of(c) for c in unsplit] == [1] and kernel.launches(unsplit[0]) == 1
@@ -142,8 +145,8 @@ def test_key_slices_combine_to_sdpa(heads, kv_heads, keys, queries, mask, causal
 
 
 def test_the_combining_kernel_runs_the_epilogue():
-    """Split keys with an epilogue (a scale, the head merge, a residual): the second kernel runs it, and the
-    unfused form is still offered."""
+    """Split keys with an epilogue (a scale, the head merge, a residual): the last slice of each tile runs it, and
+    the unfused form is still offered."""
     b, y = attention_graph(((1, 4, 1, 16), (1, 2, 53, 16), (1, 2, 53, 16)))
     scaled = b.op("mul", y, b.const("s", torch.tensor(0.5)))
     moved = b.op("permute", scaled, dims=(0, 2, 1, 3))
@@ -151,7 +154,7 @@ def test_the_combining_kernel_runs_the_epilogue():
     group = b.group([out], GroupKind.ANCHOR_EPILOGUE)
     group.split_k = {"16x16": 3}
     kernel = lower_attention(b.graph, group, "cpu")
-    assert slices_of(kernel.configs()[0]) == 3 and kernel.launches() == 2
+    assert slices_of(kernel.configs()[0]) == 3 and kernel.launches() == 1
     assert kernel.alternatives(library=True)[1:] == [UNFUSED]
     b.check([out], run_config(b, kernel, kernel.configs()[0]))
 

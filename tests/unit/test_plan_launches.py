@@ -23,7 +23,7 @@ def test_plan_launches_are_what_the_default_configs_launch(gpu_tiles, name, batc
     assert sum(k.launches() for k in kernels.values()) == plan.kernel_launches == analysis.fused.kernel_launches
     offered = {g.name for g in plan.groups if g.split_k}
     split = {name for name, k in kernels.items() if slices_of(k.configs()[0]) > 1}
-    assert split <= offered and {g.name for g in plan.groups if g.launches == 2} == split
+    assert split <= offered and all(g.launches == 1 for g in plan.groups if g.name in split)     # one launch, split
     if batch == 1:     # batch 1: the resource model's tile offers more splits than the default tile takes
         assert split and offered - split
         why = next(g.reason for g in plan.groups if g.name in offered - split)
