@@ -67,7 +67,7 @@ from opfuse.codegen.base import FORM_LIBRARY, KernelConfig, compiled_info
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, generate_kernel, siblings_and_chains
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.forms import UNFUSED, EpilogueKernel
-from opfuse.codegen.split_k import planned_slices, sliced_template, slices_of, unsplit
+from opfuse.codegen.split_k import LAST_ARRIVAL, ArrivalCounts, planned_slices, sliced_template, slices_of, unsplit
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.resources import estimate_resources
 from opfuse.fusion.tiles import ATTENTION_TILES, INTERPRETED_ATTENTION, MAX_HEAD_DIM, attention_key
@@ -162,20 +162,14 @@ def KERNEL_NAME(
 
 # the key-split form (flash-decoding: `opfuse.fusion.tiles.key_split_table`): slice pid_s of the grid's third axis walks
 # KEYS_PER_SLICE keys and stores its rows' unnormalized output, running max and sum (float32); the last slice of a
-# tile to finish (its count in cnt_ptr, reset for the next launch) rescales every slice's rows to their common maximum,
-# sums them in slice order (the same order every run, whichever slice is last), normalizes and runs the epilogue.
-# The barrier before the count orders all the program's stores before its release; the last slice reads the others'
-# through L2 (.cg), after its acquire.
+# tile to arrive (`opfuse.codegen.split_k.LAST_ARRIVAL`) rescales every slice's rows to their common maximum, sums
+# them in slice order (the same order every run, whichever slice is last), normalizes and runs the epilogue.
 COMBINE_CODE = """\
     row = (pid_s * tl.num_programs(1) + pid_b) * M + offs_m      # (slice, batch, query)
     tl.store(ws_ptr + row[:, None] * DV + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
     tl.store(stat_ptr + row * 2, row_max, mask=mask_m)
     tl.store(stat_ptr + row * 2 + 1, row_sum, mask=mask_m)
-    tl.debug_barrier()
-    tile = pid_m * tl.num_programs(1) + pid_b
-    if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") != tl.num_programs(2) - 1:
-        return
-    tl.store(cnt_ptr + tile, 0)
+""" + LAST_ARRIVAL + """\
     batches = tl.num_programs(1)
     top = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     for s in range(tl.num_programs(2)):
@@ -273,13 +267,14 @@ class AttentionKernel(EpilogueKernel):
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
         self.constants = {v: graph.constants[v].to(device) for v in node.inputs if graph.is_constant(v)}
         self._configs = attention_configs(graph, group, anchor, hw) if self.untiled is None else []
-        self.slice_kernel = None
-        self._counts: torch.Tensor | None = None     # a count a tile for the key-split form's last slice
+        self.slice_kernel = self.counts = None
         if group.split_k and self._configs:     # the plan splits the keys (`key_split_table`): each tile's slices
             self._configs = list(dict.fromkeys(KernelConfig.of(
                 c.num_warps, c.num_stages, **(dict(c.params) | {"SPLIT_K": planned_slices(group, attention_key(
                     dict(c.params)), "key slices")})) for c in self._configs))
             _, sliced, self.slice_kernel = generate_kernel(ATTENTION_SLICE_TEMPLATE, epilogue, "splitkeys")
+            self.counts = ArrivalCounts((triton.cdiv(self.s_q, c["BLOCK_M"]) * self.layout.batch
+                                         for c in self._configs if slices_of(c) > 1), device)
             self.source += "\n\n" + sliced     # every kernel it may run: what the cache keys
         if self.bare:   # torch's sdpa is the whole group: the library form, first (module docstring)
             self.library_outputs = self._torch_attention
@@ -359,10 +354,9 @@ class AttentionKernel(EpilogueKernel):
             rows = slices * heads * self.s_q
             partial = torch.empty(rows * self.value_dim, device=q.device, dtype=torch.float32)
             stats = torch.empty(rows * 2, device=q.device, dtype=torch.float32)
-            if self._counts is None or self._counts.device != q.device or len(self._counts) < query_blocks * heads:
-                self._counts = torch.zeros(query_blocks * heads, device=q.device, dtype=torch.int32)
-            compiled = self.slice_kernel[(query_blocks, heads, slices)](*common, per_slice, partial, stats,
-                                                                          self._counts, *args, **constexprs)
+            counts = self.counts.of(query_blocks * heads, q.device, self.name)
+            compiled = self.slice_kernel[(query_blocks, heads, slices)](*common, per_slice, partial, stats, counts,
+                                                                          *args, **constexprs)
         self.last_compiled = compiled_info(compiled)
         return outputs
 

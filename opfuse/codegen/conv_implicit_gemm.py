@@ -247,6 +247,7 @@ class ConvKernel(EpilogueKernel):
                              (*X_ROW_STRIDES, "N_TOTAL")) if group.split_k else None)
         if self.split is not None:      # every kernel it may run: what the tuning cache and a package compare
             self.source += "\n\n" + self.split.sources
+            self.split.count_tiles((math.prod(self._grid(c)) for c in self._configs if slices_of(c) > 1), device)
         self.packed_weight(group_block_of(self._configs[0]))   # the default config's, packed at build time
 
     def packed_weight(self, block: int) -> torch.Tensor:
@@ -266,6 +267,14 @@ class ConvKernel(EpilogueKernel):
         if keep is not None:
             self.packed_weight(keep)
 
+    def _grid(self, config: KernelConfig) -> tuple[int, int]:
+        """Grid axes 0 and 1 of `config`: its tiles of a program's conv groups (`group_block_of` consecutive ones, the
+        last block padded where they do not divide), and those blocks of groups."""
+        block = group_block_of(config)
+        cout_per_block = block * (self.layout.channels // self.geometry.groups)
+        tiles = triton.cdiv(self.layout.rows, config["BLOCK_M"]) * triton.cdiv(cout_per_block, config["BLOCK_N"])
+        return tiles, triton.cdiv(self.geometry.groups, block)
+
     def _steps(self, config: KernelConfig) -> int:
         """K-loop steps of the template for `config` (the gather form walks taps x channels in BLOCK_K blocks)."""
         g = self.geometry
@@ -280,8 +289,7 @@ class ConvKernel(EpilogueKernel):
         # a program's conv group is `block` consecutive groups (the last block padded where they do not divide)
         cout_per_block, cin_per_block = block * (channels // g.groups), block * g.cin_per_group
         _, r1, r2 = self.layout.row_sizes()
-        tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(cout_per_block, config["BLOCK_N"])
-        blocks = triton.cdiv(g.groups, block)
+        tiles, blocks = self._grid(config)
         slices = slices_of(config)
         launch = dict(**g.constexprs(), BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
                       BLOCK_K=config["BLOCK_K"], GROUP_M=GROUP_M, K_GATHER=cin_per_block < config["BLOCK_K"],
@@ -292,7 +300,7 @@ class ConvKernel(EpilogueKernel):
         if slices > 1:   # K slices store fp32 partial tiles; the last of a tile sums them and runs the epilogue
             workspace = torch.empty((slices, 1, m, channels), dtype=torch.float32, device=x.device)
             compiled = self.split.partial[(tiles, blocks, slices)](
-                *common, workspace, self.split.counts(tiles * blocks, x.device), *args,
+                *common, workspace, self.split.counts.of(tiles * blocks, x.device, self.name), *args,
                 SLICE_STEPS=triton.cdiv(self._steps(config), slices), **launch)
         else:
             compiled = self.kernel[(tiles, blocks)](*common, *args, **launch)

@@ -216,6 +216,9 @@ class GemmKernel(EpilogueKernel):
             self.source += "\n\n" + self.split.sources   # every kernel it may run: what the tuning cache keys
         self._sizes = (self.layout.rows, self.layout.channels, *self.layout.row_sizes()[1:],
                        self.layout.batch_sizes()[1] if self.layout.batch_dims else 1)
+        if self.split is not None:
+            self.split.count_tiles((self._tiles(c) * self.layout.batch for c in self._configs if slices_of(c) > 1),
+                                   device)
         # constant operands (a matmul with a constant side) are held by the kernel, on the device
         self.constants = {v: graph.constants[v].to(device) for v in (a, b) if v is not None and graph.is_constant(v)}
 
@@ -229,6 +232,10 @@ class GemmKernel(EpilogueKernel):
     def _steps(self, config: KernelConfig) -> int:
         """K-loop steps of the template for `config`."""
         return anchor_steps(1, self.k, config["BLOCK_K"])
+
+    def _tiles(self, config: KernelConfig) -> int:
+        """Tiles of `config` in one batch: its programs along grid axis 0."""
+        return triton.cdiv(self._sizes[0], config["BLOCK_M"]) * triton.cdiv(self._sizes[1], config["BLOCK_N"])
 
     def precision(self) -> str:
         """tl.dot precision of float32 operands: TF32 where PyTorch's own kernel would use it."""
@@ -259,7 +266,7 @@ class GemmKernel(EpilogueKernel):
             b, strides = self.b_layout.strides(values[self.b])
             b_strides = strides[:2] + strides[-2:]      # batch 0, batch 1, k (last row dim), n
         m, n, r1, r2, b1 = self._sizes
-        tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+        tiles = self._tiles(config)
         slices = slices_of(config)
         launch = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                       GROUP_M=GROUP_M, EVEN_K=self.k % config["BLOCK_K"] == 0, A_SPLIT_K=a_split_k,
@@ -267,7 +274,7 @@ class GemmKernel(EpilogueKernel):
                       num_warps=config.num_warps, num_stages=config.num_stages)
         if slices > 1:   # K slices store fp32 partial tiles; the last of a tile sums them and runs the epilogue
             workspace = torch.empty((slices, self.layout.batch, m, n), dtype=torch.float32, device=a.device)
-            counts = self.split.counts(tiles * self.layout.batch, a.device)
+            counts = self.split.counts.of(tiles * self.layout.batch, a.device, self.name)
             compiled = self.split.partial[(tiles, self.layout.batch, slices)](
                 a, b, m, n, self.k, r1, r2, b1, *a_strides, *b_strides, workspace, counts, *args, *prologue,
                 SLICE_STEPS=triton.cdiv(self._steps(config), slices), **launch)

@@ -10,7 +10,7 @@ slice.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 import triton
@@ -56,20 +56,45 @@ def KERNEL_NAME(
 REDUCE_BLOCK_M, REDUCE_BLOCK_N = 32, 64
 
 
-def last_slice(tile_at: str) -> str:
-    """The sliced kernel's tail in place of its epilogue: slice pid_k stores its fp32 partial tile (`tile_at`: the
-    offset in ws of slice {s}'s tile), then the tile's arrival count (an atomic add, acquire-release, in cnt_ptr
-    per program of the grid's first two axes) tells the last slice to finish, which resets the count for the next
-    launch and sums every slice's tile in slice order (the same order every run, whichever slice is last) into acc
-    for the epilogue that follows. The barrier orders the whole tile's stores before the count goes up; the last
-    slice reads the others' through L2 (.cg: they are not in its L1)."""
-    return f"""\
-    tl.store(ws_ptr + {tile_at.format(s="pid_k")}, acc, mask=mask_m[:, None] & mask_n[None, :])
+# The last slice of a tile to arrive goes on, the others return (the split kernels' tails: `last_slice`, the attention
+# template's key slices): a CTA barrier orders all the program's stores before its count goes up, an acquire-release
+# atomic on the tile's count in cnt_ptr (one a program of the grid's first two axes; its slices on axis 2) tells the
+# last, which resets the count for the next launch. Whatever it then reads of the other slices' stores it reads
+# through L2 (.cg: they are not in its L1).
+LAST_ARRIVAL = """\
     tl.debug_barrier()
     tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") != tl.num_programs(2) - 1:
         return
     tl.store(cnt_ptr + tile, 0)
+"""
+
+
+class ArrivalCounts:
+    """The arrival counts of a split kernel's tiles (`LAST_ARRIVAL`): zeros between launches, each tile's last slice
+    resetting its own. Made when the kernel is built, for the most tiles any of its configs launches, so none is ever
+    made inside a CUDA graph capture (its zeros would be written only at replay) and every captured graph keeps this
+    one buffer."""
+
+    def __init__(self, tiles: Iterable[int], device: torch.device | str):
+        self.tensor = torch.zeros(max(tiles, default=1), dtype=torch.int32, device=device)
+
+    def of(self, tiles: int, device: torch.device, kernel: str) -> torch.Tensor:
+        """The counts for a launch of `tiles` tiles on `device`; an error where they were made for fewer or
+        another device."""
+        if tiles > self.tensor.numel() or self.tensor.device != device:
+            raise ValueError(f"kernel {kernel}: {tiles} tiles on {device}, counts made for "
+                             f"{self.tensor.numel()} on {self.tensor.device}")
+        return self.tensor
+
+
+def last_slice(tile_at: str) -> str:
+    """The sliced kernel's tail in place of its epilogue: slice pid_k stores its fp32 partial tile (`tile_at`: the
+    offset in ws of slice {s}'s tile); the last to arrive (`LAST_ARRIVAL`) sums every slice's tile in slice order
+    (the same order every run, whichever slice is last) into acc for the epilogue that follows."""
+    return f"""\
+    tl.store(ws_ptr + {tile_at.format(s="pid_k")}, acc, mask=mask_m[:, None] & mask_n[None, :])
+{LAST_ARRIVAL}\
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(tl.num_programs(2)):
         acc += tl.load(ws_ptr + {tile_at.format(s="s")}, mask=mask_m[:, None] & mask_n[None, :], other=0.0,
@@ -88,7 +113,7 @@ class SplitK:
         """`units`: the template's unit parameters (`opfuse.codegen.base.unit_code`); `rows` its row counts and
         `row_strides` the row strides of what the sliced kernel reads and stores (`opfuse.codegen.base.row_unit_of`;
         the epilogue's are added)."""
-        self.source, self._counts = "", None
+        self.source, self.counts = "", None
         if template is not None:
             sliced = template.replace("{params}", "ws_ptr, cnt_ptr, {params}", 1).replace(
                 "{epilogue}", last_slice(tile_at).replace("{", "{{").replace("}", "}}") + "{epilogue}", 1)
@@ -97,12 +122,10 @@ class SplitK:
         self.reduce_name, self.reduce_source, self.reduce = generate_kernel(REDUCE_TEMPLATE, epilogue, units=("N",),
                                                                             rows=("M",), row_strides=("N",))
 
-    def counts(self, tiles: int, device: torch.device) -> torch.Tensor:
-        """The tiles' arrival counts (`last_slice`): zeros between launches (each tile's last slice resets its own),
-        kept for the kernel's life; `tiles` at least."""
-        if self._counts is None or self._counts.device != device or len(self._counts) < tiles:
-            self._counts = torch.zeros(tiles, dtype=torch.int32, device=device)
-        return self._counts
+    def count_tiles(self, tiles: Iterable[int], device: torch.device | str) -> None:
+        """Make the arrival counts (`ArrivalCounts`) for configs launching `tiles` tiles (programs of the grid's
+        first two axes) each: once the kernel's configs are known."""
+        self.counts = ArrivalCounts(tiles, device)
 
     @property
     def sources(self) -> str:

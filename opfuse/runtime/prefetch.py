@@ -24,10 +24,6 @@ from opfuse.hardware import HardwareProfile
 LIGHT_SHARE = 8
 
 
-def weight_bytes(weight: torch.Tensor) -> int:
-    return weight.numel() * weight.element_size()
-
-
 def prefetch_targets(steps: Sequence, configs: Mapping[str, KernelConfig], hw: HardwareProfile
                      ) -> dict[int, tuple[torch.Tensor, int]]:
     """{index of a step: (the weight it prefetches, how many of its first bytes)} for `steps` (the compiled model's
@@ -44,7 +40,7 @@ def prefetch_targets(steps: Sequence, configs: Mapping[str, KernelConfig], hw: H
         weight = weight_of(step)
         if weight is None:
             continue
-        amount = min(weight_bytes(weight), hw.l2_bytes // 2) // 16 * 16     # bulk prefetches move 16-byte units
+        amount = min(weight.nbytes, hw.l2_bytes // 2) // 16 * 16     # bulk prefetches move 16-byte units
         issuer = None
         for before in range(index - 1, -1, -1):
             earlier = steps[before]

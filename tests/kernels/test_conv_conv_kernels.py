@@ -83,9 +83,9 @@ def test_mid_channel_slices_summed_in_the_same_launch(expand, slices):
     counts = None
     for _ in range(2):
         b.check([y], kernel.run([b.feeds[name] for name in kernel.runtime_inputs], config))
-        assert int(kernel._counts.abs().sum()) == 0
-        assert counts is None or kernel._counts is counts     # one buffer: a captured CUDA graph keeps pointing at it
-        counts = kernel._counts
+        assert int(kernel.counts.tensor.abs().sum()) == 0
+        assert counts is None or kernel.counts.tensor is counts     # one buffer: a captured CUDA graph keeps pointing at it
+        counts = kernel.counts.tensor
     assert kernel.launches(config) == 1
 
 
@@ -109,7 +109,7 @@ def test_only_the_last_slice_to_arrive_runs_the_epilogue():
     (out,) = kernel.run([b.feeds[name] for name in kernel.runtime_inputs], config)
     tiles = -(-2 * 5 * 4 // 16)                                          # 40 pixels x 6 channels: 3 tiles of 16 x 16
     assert torch.isnan(out).all()
-    assert kernel._counts[:tiles].tolist() == [2] * tiles and int(kernel._counts[tiles:].abs().sum()) == 0
+    assert kernel.counts.tensor[:tiles].tolist() == [2] * tiles and int(kernel.counts.tensor[tiles:].abs().sum()) == 0
 
 
 def test_five_by_five_depthwise_and_an_nchw_input():

@@ -41,7 +41,7 @@ def run_split(b: Builder, outputs: list[str], lower, kind: GroupKind = GroupKind
         if slices == 1:
             unsplit = results
         if slices > 1:
-            assert not kernel.split._counts.any(), "a tile's arrival count was left for the next launch"
+            assert not kernel.split.counts.tensor.any(), "a tile's arrival count was left for the next launch"
         again = kernel.run(feeds, config)
         assert all(torch.equal(x, y) for x, y in zip(results, again)), "split-K results changed between runs"
     return kernel, unsplit
@@ -59,6 +59,23 @@ def test_linear_split_k_with_bias_relu_and_residual():
         kernel.run([b.feeds[name] for name in kernel.runtime_inputs])
     assert [(record.function.split("_")[0], dict(record.kwargs)["UNIT"]) for record in launches] == [("splitk", 8)]
 
+
+
+def test_split_kernels_make_their_arrival_counts_when_built():
+    """The tiles' arrival counts exist, zero, as soon as the kernel is built (never first made inside a CUDA graph
+    capture, which would zero them only at replay), sized for its split configs' tiles; a launch of more tiles than
+    they were made for is an error, not a race."""
+    b = Builder()
+    x = b.input("x", (3, 520))
+    kernel = lower_gemm_group(b.graph, replace(b.group([b.op("relu", linear(b, x, 24))]), split_k=PLANNED), "cpu")
+    counts = kernel.split.counts.tensor
+    assert counts.numel() >= 1 and not counts.any()
+    config = kernel.configs()[0]
+    assert counts.numel() == kernel._tiles(config) and slices_of(config) > 1
+    with pytest.raises(ValueError, match="tiles on cpu, counts made for"):
+        kernel.split.counts.of(counts.numel() + 1, torch.device("cpu"), kernel.name)
+    kernel.run([b.feeds["x"]], config)
+    assert kernel.split.counts.tensor is counts and not counts.any()
 
 def test_linear_split_k_two_outputs():
     """An epilogue that stores two values (the pre-activation is read outside the group too)."""
