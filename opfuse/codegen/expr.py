@@ -212,7 +212,20 @@ _INTEGER: dict[str, Callable[[Sequence[str]], str]] = {
     "minimum": lambda a: f"tl.minimum({a[0]}, {a[1]})",
     "identity": lambda a: a[0],
     "where": lambda a: f"tl.where(({a[0]}) != 0.0, {a[1]}, {a[2]})",
+    "floor_div": lambda a: _rounded_quotient(a[0], a[1], floor=True),
+    "trunc_div": lambda a: _rounded_quotient(a[0], a[1], floor=False),
 }
+
+
+def _rounded_quotient(a: str, b: str, floor: bool) -> str:
+    """a / b rounded toward minus infinity (`floor`: a nonzero remainder takes b's sign) or zero (a's), in int64,
+    whichever way `//` rounds: the quotient steps by one where the remainder has the other sign."""
+    q = f"(({a}) // ({b}))"
+    r = f"(({a}) - {q} * ({b}))"
+    step = f"(({r} != 0) & (({r} < 0) != (({b if floor else a}) < 0))).to(tl.int64)"
+    return f"({q} {'-' if floor else '+'} {step})"
+
+
 INTEGER_OPS = frozenset(_INTEGER)
 
 

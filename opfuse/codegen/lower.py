@@ -3,7 +3,8 @@
 Dispatch reads the group's kind and anchor op: CONV_CONV groups -> `lower_conv_conv_group`, SQUEEZE groups (a
 global average pool and two small GEMMs) -> `lower_squeeze_group`, conv2d -> `lower_conv_group`, linear/matmul ->
 `lower_gemm_group`, sdpa -> `lower_attention` (its forms: torch's attention and a Triton flash kernel), elementwise
-groups -> `lower_pointwise_group`, reductions -> `lower_reduction_group`. A group that gets no kernel (a view, an
+groups -> `lower_pointwise_group`, reductions -> `lower_reduction_group`, an op that runs alone (`OpDef.kernel`: a
+grouped GEMM, MoE routing's library calls) -> `opfuse.codegen.grouped_gemm`. A group that gets no kernel (a view, an
 opaque op, a gather, or a template that raised `Unsupported`) runs through PyTorch at run time; the reason (a stable
 code and the words, `opfuse.fusion.reasons.Reason`) is recorded so the report can say why. The templates' lowerings
 are in `TEMPLATES`, by name: `choose_lowering` names one, `lower_group` calls it.
@@ -15,7 +16,7 @@ from typing import Callable, Mapping, MutableMapping
 
 import torch
 
-from opfuse.codegen import attention, conv, conv_conv, gemm, pointwise, reduction, squeeze
+from opfuse.codegen import attention, conv, conv_conv, gemm, grouped_gemm, pointwise, reduction, squeeze
 from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, dependent_launches, find_anchor, folding_rows
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.template_kernel import INT32_LIMIT
@@ -24,13 +25,14 @@ from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.hardware import HardwareProfile, get_hardware, kernel_profile
 from opfuse.ir.graph import Graph, GraphError
-from opfuse.ir.ops import FusionKind, kind_of, view_copies
+from opfuse.ir.ops import FusionKind, get_op, kind_of, view_copies
 
 # template name -> its lowering: (graph, group, device, hw=profile) -> its kernel, or Unsupported
 TEMPLATES: dict[str, Callable[..., GroupKernel | None]] = {
     "conv": conv.lower_conv_group, "gemm": gemm.lower_gemm_group, "attention": attention.lower_attention,
     "conv-conv": conv_conv.lower_conv_conv_group, "squeeze": squeeze.lower_squeeze_group,
     "pointwise": pointwise.lower_pointwise_group, "reduction": reduction.lower_reduction_group,
+    "grouped_gemm": grouped_gemm.lower_grouped_gemm, "library": grouped_gemm.lower_library,
 }
 ANCHOR_TEMPLATES = {"conv2d": "conv", "linear": "gemm", "matmul": "gemm", "sdpa": "attention"}   # anchor op ->
 
@@ -68,6 +70,9 @@ def _within_int32(graph: Graph, group: FusionGroup) -> Reason | None:
 def choose_lowering(graph: Graph, group: FusionGroup) -> str | Reason:
     """The name of the template for `group` (a key of TEMPLATES), or the reason it has none."""
     if group.kind is GroupKind.OPAQUE:      # name the op: "opaque" alone does not say what runs through PyTorch
+        alone = get_op(graph[group.nodes[0]].op).kernel if len(group.nodes) == 1 else None
+        if alone is not None:               # an op that runs alone in a kernel of its own (`OpDef.kernel`)
+            return alone
         ops = ", ".join(graph[n].describe() for n in group.nodes)
         return Reason(Code.OPAQUE, f"opaque op {ops}: runs through PyTorch")
     if group.kind in NO_KERNEL_KINDS:

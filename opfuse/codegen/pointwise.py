@@ -33,7 +33,7 @@ import torch
 
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.coordinates import is_channels_last, is_dense_in_order, layout_order, unravel_expressions
-from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported
+from opfuse.codegen.expr import INTEGER_OPS, SUPPORTED_OPS, Unsupported
 from opfuse.codegen.operands import VIEW_OPS, Emitter, FlatIndex, Region, build_kernel, exact, next_power_of_2
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.legality_views import MAPPED_COPIES
@@ -171,7 +171,7 @@ class PointwiseKernel(TemplateKernel):
         group_operands(graph, group)
         for name in group.nodes:
             node = graph[name]
-            if node.op not in SUPPORTED_OPS and node.op not in VIEW_OPS and node.op not in MAPPED_COPIES \
+            if node.op not in SUPPORTED_OPS | INTEGER_OPS and node.op not in VIEW_OPS and node.op not in MAPPED_COPIES \
                     and not graph.writes_state_in_place(name):
                 raise Unsupported(f"node {node.describe()} is not elementwise; the pointwise template cannot "
                                   "compute it")

@@ -39,9 +39,11 @@ def tensor_value(node: fx.Node) -> torch.Tensor | None:
 
 
 def op_name(target: Any) -> str:
-    """'conv2d' for aten.conv2d.default: handlers are keyed by the op, overloads told apart by their args."""
-    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
-        return target.overloadpacket.__name__
+    """'conv2d' for aten.conv2d.default, 'transformers.grouped_mm_fallback' for another library's op: handlers are
+    keyed by the op, overloads told apart by their args."""
+    if isinstance(target, torch._ops.OpOverload):
+        name = target.overloadpacket.__name__
+        return name if target.namespace == "aten" else f"{target.namespace}.{name}"
     return ""
 
 

@@ -4,13 +4,13 @@ clamps and selections, and the copies, casts, dropouts and fills that compute no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 
 from opfuse.frontend.aten_common import Handler, MultiOutput, Unmapped, first_output, registrar
-from opfuse.ir.graph import dtype_name, torch_dtype
+from opfuse.ir.graph import WIDE_INTEGERS, dtype_name, torch_dtype
 
 if TYPE_CHECKING:
     from opfuse.frontend.torch_translate import Translator
@@ -28,7 +28,7 @@ def _binary(op: str, reverse: bool = False) -> Handler:
     comparison is made in."""
     def handle(t: Translator, a: dict) -> str:
         if a.get("rounding_mode") is not None:
-            raise Unmapped("division with a rounding mode")
+            return _rounded_division(t, a["self"], a["other"], a["rounding_mode"])
         first, second = (a["other"], a["self"]) if reverse else (a["self"], a["other"])
         alpha = a.get("alpha", 1)
         if alpha is not None and alpha != 1:  # add: self + alpha·other; rsub: other - alpha·self
@@ -48,6 +48,19 @@ def _binary(op: str, reverse: bool = False) -> Handler:
 for _name in ("add", "sub", "mul", "div", "maximum", "minimum") + COMPARISONS:
     HANDLERS[_name] = _binary(_name)
 HANDLERS["rsub"] = _binary("sub", reverse=True)
+
+
+def _rounded_division(t: Translator, x: Any, y: Any, mode: str) -> str:
+    """Integer division rounded toward minus infinity (floor) or zero (trunc), which a kernel computes exactly in
+    int64; a float one has no kernel form here."""
+    if t.out_type.dtype not in WIDE_INTEGERS:
+        raise Unmapped(f"{mode} division of {t.out_type.dtype} values")
+    return t.emit({"floor": "floor_div", "trunc": "trunc_div"}[mode], [t.operand(x), t.operand(y)])
+
+
+@maps("floor_divide")
+def _floor_divide(t: Translator, a: dict) -> str:
+    return _rounded_division(t, a["self"], a["other"], "floor")
 
 
 @maps("pow")
@@ -208,13 +221,15 @@ def _identity(t: Translator, a: dict) -> str:
     return t.emit("identity", [a["self"]])
 
 
-FILLS = {"new_zeros": 0, "zeros_like": 0, "new_ones": 1, "ones_like": 1}   # new_full and full_like: fill_value
+# new_full and full_like: fill_value; an empty tensor's contents are unspecified, and zeros are one choice of them
+FILLS = {"new_zeros": 0, "zeros_like": 0, "new_ones": 1, "ones_like": 1, "empty_like": 0, "new_empty": 0}
 
 
-@maps("new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like")
+@maps("new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like", "empty_like", "new_empty")
 def _filled(t: Translator, a: dict) -> str:
     """One value in a shape: the argument lends its shape, dtype and device only, so the result is a constant
-    (Swin's window mask starts as ``x.new_zeros``; folded, all it is built from folds)."""
+    (Swin's window mask starts as ``x.new_zeros``; folded, all it is built from folds; MoE routing's inverse
+    permutation is written over an ``empty_like``)."""
     value = FILLS.get(t.op_name, a.get("fill_value"))
     if not isinstance(value, (bool, int, float)):
         raise Unmapped(f"fill value {value!r} is not a number")

@@ -121,6 +121,9 @@ def opaque_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
     for name in sorted(nodes):
         node = graph[name]
         if kind_of(node) is FusionKind.OPAQUE and not graph.writes_state_in_place(name):
+            kernel = get_op(node.op).kernel
+            if kernel is not None:
+                return Reason(Code.ALONE, f"{name} ({node.op}) runs alone, in a kernel of its own ({kernel})")
             target = node.attrs.get("target")
             return Reason(Code.OPAQUE, f"opaque op {name}{f' ({target})' if target else ''} runs through PyTorch")
     return None

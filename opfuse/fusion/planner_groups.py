@@ -17,7 +17,7 @@ from opfuse.fusion.tiles import (MIN_SPLIT_STEPS, anchor_grid, anchor_loop, anch
                                  key_split_table, row_tiles, row_view, slice_statistics, split_k_table, tile_key,
                                  tiles_attention)
 from opfuse.ir.graph import DTYPE_BYTES
-from opfuse.ir.ops import FusionKind, kind_of
+from opfuse.ir.ops import FusionKind, get_op, kind_of
 
 
 class GroupListing:
@@ -87,6 +87,9 @@ class GroupListing:
         if kind is GroupKind.VIEW:
             return Reason(Code.VIEW, f"view ({first.op}): no kernel, no traffic")
         if kind is GroupKind.OPAQUE:
+            if get_op(first.op).kernel is not None:
+                return Reason(Code.ALONE, f"{first.name} ({first.op}) runs alone, in a kernel of its own "
+                              f"({get_op(first.op).kernel})")
             return Reason(Code.OPAQUE, f"opaque op {first.name} runs through PyTorch")
         if kind is GroupKind.INJECTIVE:
             return Reason(Code.COPYING_OP,

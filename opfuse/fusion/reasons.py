@@ -12,6 +12,8 @@ Fusions taken (verdict fused):
 
 Fusions refused as illegal (`opfuse.fusion.legality.can_fuse`, and the planner's views and siblings):
   opaque                an opaque op would be in the kernel: it runs through PyTorch
+  alone                 an op that runs alone in a kernel of its own would be in the kernel (a grouped GEMM, a
+                        topk or sort: `opfuse.ir.ops.OpDef.kernel`)
   copying-op            an injective op that copies (gather, pad, ...) stays its own kernel
   cat-with-hub          a cat joins elementwise chains only, not the kernel of an anchor or a reduction
   view-in-anchor        a view would join an anchor's kernel, whose template maps no views
@@ -84,6 +86,7 @@ class Code(str, Enum):
     WHOLE_BLOCK = "whole-block"
 
     OPAQUE = "opaque"
+    ALONE = "alone"
     COPYING_OP = "copying-op"
     CAT_WITH_HUB = "cat-with-hub"
     VIEW_IN_ANCHOR = "view-in-anchor"

@@ -57,6 +57,9 @@ class OpDef:
     # the attributes the op takes and what each may hold (`opfuse.ir.attrs`); ANY (None): not checked
     attrs: Mapping[str, Rule] | None = field(default_factory=dict)
     bytes_written: Callable[[Types, TensorType, Attrs], int] | None = None   # default: the whole output
+    # an opaque-kind op that still gets a kernel, alone: the name of the template that runs it (`grouped_gemm`:
+    # opfuse's own; `library`: a library call, as torch's sort) where it is no state written in place
+    kernel: str | None = None
 
     def read_bytes(self, ins: Types, out: TensorType, attrs: Attrs) -> int:
         if self.alias or self.kind is FusionKind.SOURCE:
@@ -222,6 +225,15 @@ def sliding_windows(size: int, kernel: int, dilation: int, padding: int, stride:
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 
+def _run_grouped_mm(xs, a):
+    x, w, ends = xs
+    out = torch.zeros(x.shape[0], w.shape[-1], dtype=x.dtype, device=x.device)
+    bounds = ends.tolist() if x.device.type != "meta" else []     # (shape inference: no values)
+    for expert, (start, end) in enumerate(zip([0, *bounds[:-1]], bounds)):
+        out[start:end] = x[start:end] @ w[expert]
+    return out
+
+
 def _run_im2col(xs, a):
     return torch.ops.aten.im2col(xs[0], a["kernel_size"], a["dilation"], a["padding"], a["stride"])
 
@@ -286,6 +298,8 @@ for _name, _fn in {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": 
     register(OpDef(_name, B, _binary(_fn), per_output_element(1)))
 register(OpDef("trunc_div", B, lambda xs, a: torch.div(xs[0], xs[1], rounding_mode="trunc"), per_output_element(1),
                doc="division rounded toward zero: integer division as C and ONNX do it"))
+register(OpDef("floor_div", B, lambda xs, a: torch.div(xs[0], xs[1], rounding_mode="floor"),
+               per_output_element(1), doc="division rounded toward minus infinity (torch.floor_divide)"))
 register(OpDef("pow", B, _binary(torch.pow), per_output_element(4)))
 register(OpDef("maximum", B, _binary(torch.maximum), per_output_element(1)))
 for _name, _fn in {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq,
@@ -428,8 +442,24 @@ register(OpDef("embedding", I, lambda xs, a: F.embedding(xs[1], xs[0]), bytes_re
 register(OpDef("index_copy", O, lambda xs, a: xs[0].index_copy(a["dim"], xs[1], xs[2]),
                bytes_read=lambda ins, out, a: ins[1].nbytes + ins[2].nbytes,
                bytes_written=lambda ins, out, a: ins[2].nbytes,
+               kernel="library",
                doc="x with the slices `index` along dim replaced by src (a KV cache written at its positions); "
                    "inputs x, index (int64), src; attrs dim", attrs={"dim": DIM}))
+
+# a mixture of experts' routing (library calls: torch's CUDA kernels, no host sync) and experts, each alone
+register(OpDef("grouped_mm", O, _run_grouped_mm, lambda ins, out, a: 2 * out.numel * ins[0].shape[-1],
+               kernel="grouped_gemm", doc="inputs x[S, K] (rows by expert), w[E, K, N], ends[E] (int, non-decreasing: "
+               "each expert's end row); rows [ends[e-1], ends[e]) of out[S, N] are x's @ w[e], the rows past zero"))
+register(OpDef("topk", O, lambda xs, a: torch.topk(xs[0], a["k"], a["dim"], a["largest"], a["sorted"])[a["output"]],
+               per_input_element(1), kernel="library", doc="torch.topk's values (output 0) or int64 indices (1)",
+               attrs={"k": Int(0, MAX_INT), "dim": DIM, "largest": Bool(), "sorted": Bool(), "output": Int(0, 1)}))
+register(OpDef("sort", O, lambda xs, a: torch.sort(xs[0], dim=a["dim"], descending=a["descending"],
+                                                  stable=a["stable"])[a["output"]],
+               per_input_element(8), kernel="library", doc="torch.sort's values (output 0) or int64 indices (1)",
+               attrs={"dim": DIM, "descending": Bool(), "stable": Bool(), "output": Int(0, 1)}))
+register(OpDef("histc", O, lambda xs, a: torch.histc(xs[0], a["bins"], a["min"], a["max"]), per_input_element(1),
+               kernel="library", doc="torch.histc over [min, max] (min < max)",
+               attrs={"bins": Int(1, MAX_INT), "min": Float(), "max": Float()}))
 
 register(OpDef("opaque", O, _run_opaque,
                doc="runs through PyTorch: attrs target (name), fn (callable on the input list), or none; pure "

@@ -1,0 +1,153 @@
+"""The experts' grouped GEMM of a mixture of experts, and the library calls of its routing: one kernel each.
+
+`grouped_mm(x[S, K], w[E, K, N], ends[E])`: rows [ends[e-1], ends[e]) of x (sorted by expert, ends cumulative)
+times w[e], the rows past ends[E-1] zero. One launch for every expert: program p along grid axis 0 finds its
+group among E + 1 (the experts, then the rows past the last one, which it zeroes) by the prefix sum of the groups'
+row tiles, ceil(rows / BLOCK_M) each, read from `ends` on the device. The grid holds ceil(S / BLOCK_M) + E + 1 row
+tiles, as many as any split of S rows into E + 1 groups needs (each group wastes less than one tile); programs
+past the groups' tiles do nothing. Nothing waits on the host: a CUDA graph holds it, where transformers' own loop
+reads the offsets back (`.tolist()`) and launches a GEMM per expert. Tiles: the anchor tile space
+(`opfuse.fusion.tiles.anchor_tiles`) for a GEMM of an expert's average rows.
+
+The routing ops (topk, sort, histc, index_copy; `OpDef.kernel` == "library") run as PyTorch's own CUDA kernels
+(`LibraryKernel`), a launch each.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+
+from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, KernelConfig, compiled_info, kernel_name, load_kernel
+from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.template_kernel import INT32_LIMIT
+from opfuse.fusion.plan import FusionGroup
+from opfuse.fusion.tiles import INTERPRETER, anchor_tiles
+from opfuse.hardware import HardwareProfile, kernel_profile
+from opfuse.ir.graph import Graph, torch_dtype
+from opfuse.ir.ops import get_op
+from opfuse.numerics import dot_precision
+
+GROUPED_GEMM_TEMPLATE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def KERNEL_NAME(
+    x_ptr, w_ptr, ends_ptr, out_ptr,
+    S, N, K, E,
+    s_xs, s_xk, s_we, s_wk, s_wn, s_os, s_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # group g < E: expert g's rows [ends[g - 1], ends[g]); group E: the rows past ends[E - 1], zeroed; beyond: none
+    groups = tl.arange(0, GROUPS)
+    ends = tl.minimum(tl.load(ends_ptr + groups, mask=groups < E, other=0).to(tl.int32), S)
+    tail = tl.max(ends, 0)                      # the rows from the last end on are zeroed
+    starts = tl.where(groups == 0, 0, tl.load(ends_ptr + groups - 1, mask=(groups >= 1) & (groups < E), other=0))
+    starts = tl.where(groups == E, tail, tl.minimum(starts.to(tl.int32), S))
+    ends = tl.where(groups < E, tl.maximum(ends, starts), tl.where(groups == E, S, starts))
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    last_tile = tl.cumsum(tiles, 0)             # one past each group's last row tile
+    pid = tl.program_id(0)
+    group = tl.sum((last_tile <= pid).to(tl.int32), 0)
+    mine = groups == group
+    row_start = tl.sum(tl.where(mine, starts, 0), 0) + (pid - tl.sum(tl.where(mine, last_tile - tiles, 0), 0)) * BLOCK_M
+    row_end = tl.where(group < GROUPS, tl.sum(tl.where(mine, ends, 0), 0), 0)
+    expert = tl.minimum(group, E - 1)
+    k_end = tl.where(group < E, K, 0)           # the rows past the experts' sum nothing: zeros
+
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < row_end
+    mask_n = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * s_xs + offs_k[None, :] * s_xk
+    w_ptrs = w_ptr + expert * s_we + offs_k[:, None] * s_wk + offs_n[None, :] * s_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(x_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * s_xk
+        w_ptrs += BLOCK_K * s_wk
+    out_ptrs = out_ptr + offs_m[:, None] * s_os + offs_n[None, :] * s_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+'''
+
+
+class GroupedGemmKernel(GroupKernel):
+    """One grouped_mm node (module docstring)."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, hw: HardwareProfile | None = None):
+        node = graph[group.nodes[0]]
+        self.node = node
+        x, w, ends = (graph[name].type for name in node.inputs)
+        (self.rows, self.k), (self.experts, _, self.n) = x.shape, w.shape
+        if x.dtype != w.dtype or x.dtype not in ("float16", "bfloat16", "float32"):
+            raise Unsupported(f"{node.describe()}: a grouped GEMM of {x.dtype} rows and {w.dtype} weights")
+        if max(x.numel, w.numel, node.type.numel) > INT32_LIMIT:
+            raise Unsupported(f"{node.describe()}: more elements than the template's int32 offsets reach")
+        name, source, self.function = load_kernel("fused", ["grouped_mm"], GROUPED_GEMM_TEMPLATE)
+        super().__init__(graph, group, name, source)
+        self.device = device
+        self.constants = {v: graph.constants[v].to(device) for v in node.inputs if graph.is_constant(v)}
+        hw = kernel_profile(hw)
+        average = max(1, self.rows // self.experts)
+        tiles = [INTERPRETER] if hw.interpreted else anchor_tiles(average, self.n, self.k, 1, x.itemsize, hw=hw)
+        self._configs = [KernelConfig.of(num_warps=t["num_warps"], num_stages=t["num_stages"], BLOCK_M=t["BLOCK_M"],
+                                         BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"]) for t in tiles]
+
+    def configs(self) -> list[KernelConfig]:
+        return list(self._configs)
+
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+        config = config or self._configs[0]
+        values = dict(zip(self.runtime_inputs, inputs)) | self.constants
+        x, w, ends = (values[name] for name in self.node.inputs)
+        out = torch.empty(self.node.type.shape, dtype=torch_dtype(self.node.type.dtype), device=x.device)
+        grid = (triton.cdiv(self.rows, config["BLOCK_M"]) + self.experts + 1, triton.cdiv(self.n, config["BLOCK_N"]))
+        compiled = self.function[grid](
+            x, w, ends, out, self.rows, self.n, self.k, self.experts, *x.stride(), *w.stride(), *out.stride(),
+            BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+            GROUPS=triton.next_power_of_2(self.experts + 1), PRECISION=dot_precision(False),
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        self.last_compiled = compiled_info(compiled)
+        return [out]
+
+
+LIBRARY_CALL = KernelConfig.of(num_warps=1, num_stages=1, form=FORM_LIBRARY)
+
+
+class LibraryKernel(GroupKernel):
+    """One op run as PyTorch's own kernel (`OpDef.kernel` == "library"): its reference implementation, a launch."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, hw: HardwareProfile | None = None):
+        self.node = graph[group.nodes[0]]
+        source = f"# library call: {self.node.op} {self.node.attrs}"
+        super().__init__(graph, group, kernel_name("library", [self.node.op], source), source)
+        self.constants = {v: graph.constants[v].to(device) for v in self.node.inputs if graph.is_constant(v)}
+
+    def configs(self) -> list[KernelConfig]:
+        return [LIBRARY_CALL]
+
+    def describe_library_form(self, config: KernelConfig | None = None) -> str:
+        return f"{self.node.op} ({self.node.name}) as PyTorch's kernel"
+
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+        values = dict(zip(self.runtime_inputs, inputs)) | self.constants
+        return [get_op(self.node.op).run([values[name] for name in self.node.inputs], self.node.attrs)]
+
+
+def lower_grouped_gemm(graph: Graph, group: FusionGroup, device: torch.device,
+                       hw: HardwareProfile | None = None) -> GroupKernel:
+    return GroupedGemmKernel(graph, group, device, hw)
+
+
+def lower_library(graph: Graph, group: FusionGroup, device: torch.device,
+                  hw: HardwareProfile | None = None) -> GroupKernel:
+    return LibraryKernel(graph, group, device, hw)

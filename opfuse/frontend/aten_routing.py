@@ -1,0 +1,103 @@
+"""ATen handlers of a mixture of experts' routing and expert GEMMs (`opfuse.frontend.aten_ops`): topk and sort
+(their values and their indices, each an op of its own, `output`), histc, index_put of one index tensor (an
+index_copy along dim 0), and the grouped GEMM of the experts (transformers' `grouped_mm` and torch's
+`_grouped_mm` with offsets). Each runs alone in a kernel of its own (`opfuse.ir.ops.OpDef.kernel`).
+
+transformers' experts (`integrations/moe.py`): topk of the router's softmax, a sort of the chosen experts' ids,
+their counts (histc) summed into offsets, a take of each token's row per choice, two grouped GEMMs, and a take
+through the inverse permutation (an index_put of an arange over an ``empty_like``) back to the tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.fx as fx
+
+from opfuse.frontend.aten_common import Handler, MultiOutput, Unmapped, registrar, wrap_dim
+
+if TYPE_CHECKING:
+    from opfuse.frontend.torch_translate import Translator
+
+HANDLERS: dict[str, Handler] = {}
+maps = registrar(HANDLERS)
+
+
+def _outputs(t: Translator, op: str, x: str, attrs: dict) -> MultiOutput:
+    """A (values, indices) call as one op per output read (`output` 0 or 1)."""
+    return MultiOutput(t.node, lambda index: t.emit(op, [x], attrs | {"output": index}))
+
+
+@maps("topk")
+def _topk(t: Translator, a: dict) -> MultiOutput:
+    x = t.value(a["self"])
+    rank = t.rank(x)
+    if rank == 0:
+        raise Unmapped("topk of a 0-d tensor")
+    return _outputs(t, "topk", x, {"k": int(a["k"]), "dim": wrap_dim(int(a["dim"]), rank),
+                                   "largest": bool(a["largest"]), "sorted": bool(a["sorted"])})
+
+
+@maps("sort")
+def _sort(t: Translator, a: dict) -> MultiOutput:
+    x = t.value(a["self"])
+    rank = t.rank(x)
+    if rank == 0:
+        raise Unmapped("sort of a 0-d tensor")
+    return _outputs(t, "sort", x, {"dim": wrap_dim(int(a["dim"]), rank), "descending": bool(a["descending"]),
+                                   "stable": bool(a.get("stable"))})
+
+
+@maps("histc")
+def _histc(t: Translator, a: dict) -> str:
+    low, high = a["min"], a["max"]
+    if not isinstance(low, (int, float)) or not isinstance(high, (int, float)) or not low < high:
+        raise Unmapped("histc over a range its input's own extremes set (min >= max)")
+    return t.emit("histc", [a["self"]], {"bins": int(a["bins"]), "min": float(low), "max": float(high)})
+
+
+@maps("index_put")
+def _index_put(t: Translator, a: dict) -> str:
+    """x[index] = values for one integer index tensor along dim 0, without accumulating: x with the rows `index`
+    (negative ones from the end) replaced by `values` broadcast to [len(index), *x.shape[1:]]."""
+    indices = a["indices"]
+    if a["accumulate"] or len(indices) != 1 or not isinstance(indices[0], fx.Node):
+        raise Unmapped("index_put by other than one index tensor, or accumulating")
+    x, index = t.value(a["self"]), t.value(indices[0])
+    index_type, shape = t.type_of(index), t.type_of(x).shape
+    if index_type.dtype not in ("int64", "int32") or len(index_type.shape) != 1 or not shape:
+        raise Unmapped("index_put by other than a 1-D integer index")
+    wanted = [index_type.shape[0], *shape[1:]]
+    values = t.value(a["values"])
+    if list(t.type_of(values).shape) != wanted:
+        if len(t.type_of(values).shape) > len(wanted):
+            raise Unmapped("index_put of values of more dims than the rows they write")
+        values = t.emit("expand", [values], {"shape": wanted})
+    if t.type_of(values).dtype != t.type_of(x).dtype:
+        values = t.emit("cast", [values], {"dtype": t.type_of(x).dtype})
+    if index_type.dtype != "int64":
+        index = t.emit("cast", [index], {"dtype": "int64"})
+    wrapped = t.emit("where", [t.emit("lt", [index, t.operand(0, "int64")]),
+                               t.emit("add", [index, t.operand(shape[0], "int64")]), index])
+    return t.emit("index_copy", [x, wrapped, values], {"dim": 0})
+
+
+def _grouped_mm(t: Translator, x: fx.Node, w: fx.Node, ends: fx.Node) -> str:
+    """x[S, K] @ w[E, K, N] by the groups of rows that `ends` (cumulative) gives each expert."""
+    x, w, ends = t.value(x), t.value(w), t.value(ends)
+    if len(t.type_of(x).shape) != 2 or len(t.type_of(w).shape) != 3 or len(t.type_of(ends).shape) != 1 \
+            or t.type_of(ends).dtype not in ("int32", "int64"):
+        raise Unmapped("a grouped GEMM of other than 2-D rows, 3-D experts' weights and 1-D integer offsets")
+    return t.emit("grouped_mm", [x, w, ends])
+
+
+@maps("transformers.grouped_mm_fallback")
+def _transformers_grouped_mm(t: Translator, a: dict) -> str:
+    return _grouped_mm(t, a["input"], a["weight"], a["offs"])
+
+
+@maps("_grouped_mm")
+def _torch_grouped_mm(t: Translator, a: dict) -> str:
+    if a.get("offs") is None or a.get("bias") is not None or a.get("out_dtype") is not None:
+        raise Unmapped("torch._grouped_mm without offsets, or with a bias or an output dtype")
+    return _grouped_mm(t, a["self"], a["mat2"], a["offs"])

@@ -1,0 +1,187 @@
+"""A mixture of experts: the routing ops (topk, sort, histc, index_put, floor_divide) and the experts' grouped GEMM
+as IR ops, their ATen mappings, the grouped GEMM kernel on Triton's interpreter (empty experts, uneven groups,
+rows past the last expert, odd sizes), the routing's library calls, and transformers' Mixtral compiled with
+nothing through PyTorch against eager in float32."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import opfuse
+from opfuse.codegen.grouped_gemm import GroupedGemmKernel, LibraryKernel
+from opfuse.codegen.lower import choose_lowering, lower_group
+from opfuse.config import FusionConfig
+from opfuse.frontend.torch_export import capture_torch
+from opfuse.fusion.legality import opaque_rule
+from opfuse.fusion.plan import GroupKind
+from opfuse.fusion.reasons import Code
+from opfuse.ir.graph import TensorType
+from opfuse.ir.interpret import interpret
+from opfuse.ir.ops import get_op, infer_type, node_flops
+from tests.kernels.builders import KernelGraph, rel_err
+
+DEVICE = "cuda" if os.environ.get("OPFUSE_GPU_TESTS") == "1" else "cpu"
+
+
+def grouped_reference(x: torch.Tensor, w: torch.Tensor, ends: list[int]) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], w.shape[-1], dtype=torch.float64)
+    start = 0
+    for expert, end in enumerate(ends):
+        out[start:end] = x[start:end].double() @ w[expert].double()
+        start = max(start, end)
+    return out
+
+
+# ---- the ops ---------------------------------------------------------------------------------------------------
+
+def test_grouped_mm_reference_skips_empty_experts_and_zeroes_the_rows_past_the_last():
+    x, w = torch.randn(9, 5, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64)
+    got = get_op("grouped_mm").run([x, w, torch.tensor([2, 2, 7])], {})
+    torch.testing.assert_close(got, grouped_reference(x, w, [2, 2, 7]))
+    assert got[7:].abs().sum() == 0
+    assert infer_type("grouped_mm", [TensorType((9, 5), "float16"), TensorType((3, 5, 4), "float16"),
+                                     TensorType((3,), "int32")], {}) == TensorType((9, 4), "float16")
+
+
+def test_routing_ops_are_torch_s_and_each_runs_alone():
+    x = torch.randn(6, 5)
+    assert torch.equal(get_op("topk").run([x], {"k": 2, "dim": 1, "largest": True, "sorted": True, "output": 1}),
+                       torch.topk(x, 2, 1).indices)
+    assert torch.equal(get_op("sort").run([x], {"dim": 0, "descending": True, "stable": True, "output": 0}),
+                       torch.sort(x, 0, descending=True).values)
+    assert torch.equal(get_op("histc").run([x], {"bins": 4, "min": -1.0, "max": 1.0}), torch.histc(x, 4, -1, 1))
+    a, b = torch.tensor([-7, -6, 7, 6, 0, 5]), torch.tensor([2, -4, -2, 4, 3, 5])
+    assert torch.equal(get_op("floor_div").run([a, b], {}), torch.floor_divide(a, b))
+    for op in ("topk", "sort", "histc", "index_copy"):
+        assert get_op(op).kernel == "library"
+    assert get_op("grouped_mm").kernel == "grouped_gemm"
+
+
+# ---- the frontend ----------------------------------------------------------------------------------------------
+
+class Routing(nn.Module):
+    """transformers' experts' routing (integrations/moe.py), the experts' GEMMs as plain matmuls."""
+
+    def __init__(self, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.experts, self.top_k = experts, top_k
+
+    def forward(self, logits, x):
+        weights, chosen = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        flat = chosen.reshape(-1)
+        order = torch.sort(flat).indices
+        tokens = torch.floor_divide(order, self.top_k)
+        counts = torch.histc(flat[order].float(), bins=self.experts, min=0, max=self.experts - 1)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        rows = x[tokens] * weights.reshape(-1)[order, None]
+        return rows[inverse].reshape(x.shape[0], self.top_k, -1).sum(1), counts.cumsum(0).int()
+
+
+def test_moe_routing_maps_to_ir_ops_with_nothing_opaque():
+    logits, x = torch.randn(7, 4), torch.randn(7, 3)
+    graph = capture_torch(Routing().eval(), (logits, x))
+    assert not [n for n in graph if n.op == "opaque"], [n.attrs.get("target") for n in graph if n.op == "opaque"]
+    ops = {n.op for n in graph}
+    assert {"topk", "sort", "floor_div", "histc", "index_copy"} <= ops, ops
+    for got, want in zip(interpret(graph, [logits, x]), Routing()(logits, x)):
+        torch.testing.assert_close(got, want)
+
+
+def test_floor_and_trunc_division_of_integers_compute_in_a_kernel_exactly():
+    class Divisions(nn.Module):
+        def forward(self, a, b):
+            return torch.floor_divide(a, b) * 3, torch.div(a, b, rounding_mode="trunc") + 1, a // 4
+
+    a = torch.tensor([[-7, -6, 7, 6, 0, 5, -1, 9]])
+    b = torch.tensor([[2, -4, -2, 4, 3, 5, 3, -3]])
+    model = Divisions().eval()
+    analysis = opfuse.analyze(model, (a, b), FusionConfig(dtype="float32"))
+    assert not analysis.opaque_ops and analysis.pytorch_groups == {}
+    compiled = opfuse.compile(model, (a, b), FusionConfig(dtype="float32"))
+    for got, want in zip(compiled(a, b), model(a, b)):
+        assert torch.equal(got, want)
+
+
+def test_float_floor_division_stays_opaque():
+    class Floats(nn.Module):
+        def forward(self, a):
+            return torch.floor_divide(a, 0.3)
+
+    graph = capture_torch(Floats().eval(), (torch.randn(4),))
+    assert [n.attrs["target"] for n in graph if n.op == "opaque"] == ["aten.floor_divide.default"]
+
+
+# ---- the kernels -----------------------------------------------------------------------------------------------
+
+class Grouped(KernelGraph):
+    def moe(self, rows: int, k: int, n: int, ends: list[int], ends_dtype: str = "int32") -> str:
+        x = self.input("x", (rows, k))
+        w = self.const("w", self.random(len(ends), k, n) / k ** 0.5)
+        self.graph.add_input("ends", TensorType((len(ends),), ends_dtype))
+        self.feeds["ends"] = torch.tensor(ends, dtype=getattr(torch, ends_dtype))
+        return self.op("grouped_mm", x, w, "ends")
+
+
+@pytest.mark.parametrize("rows,k,n,ends", [
+    (9, 16, 16, [2, 2, 7, 9]),          # an empty expert, the last one full
+    (70, 20, 24, [33, 33, 34, 64]),     # groups over one tile, one row, rows past the last expert (zero)
+    (5, 7, 3, [0, 0, 5]),               # odd K and N, every row to the last expert
+    (40, 16, 16, [40]),                 # one expert
+    (6, 16, 16, [5, 3]),                # ends that decrease: the later expert gets no rows
+], ids=["empty-expert", "uneven", "odd", "one", "decreasing"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_grouped_gemm_kernel(rows, k, n, ends, dtype):
+    b = Grouped(dtype)
+    out = b.moe(rows, k, n, ends)
+    group = b.group([out], GroupKind.OPAQUE)
+    assert choose_lowering(b.graph, group) == "grouped_gemm"
+    kernel = lower_group(b.graph, group, DEVICE)
+    assert isinstance(kernel, GroupedGemmKernel)
+    got, = kernel.run([b.feeds[name].to(DEVICE) for name in kernel.runtime_inputs])
+    assert kernel.last_compiled is not None and got.dtype == getattr(torch, dtype)
+    want = grouped_reference(b.feeds["x"], b.graph.constants["w"], ends)
+    assert rel_err(got, want) < (1e-4 if dtype == "float32" else 1e-2)
+    assert got[max(ends):].abs().sum() == 0
+
+
+def test_the_flops_are_the_rows_times_the_expert_gemm():
+    b = Grouped()
+    out = b.moe(9, 16, 8, [3, 9])
+    assert node_flops(b.graph, b.graph[out]) == 2 * 9 * 16 * 8
+
+
+def test_a_routing_op_is_a_library_call_alone():
+    b = KernelGraph()
+    top = b.op("topk", b.input("x", (5, 6)), k=2, dim=1, largest=True, sorted=True, output=1)
+    group = b.group([top], GroupKind.OPAQUE)
+    assert opaque_rule(b.graph, [top]).code is Code.ALONE
+    kernel = lower_group(b.graph, group, DEVICE)
+    assert isinstance(kernel, LibraryKernel) and "topk" in kernel.describe_library_form()
+    got, = kernel.run([b.feeds["x"].to(DEVICE)])
+    assert torch.equal(got.cpu(), torch.topk(b.feeds["x"], 2, 1).indices)
+
+
+# ---- a model ---------------------------------------------------------------------------------------------------
+
+def test_mixtral_compiles_with_nothing_through_pytorch_and_matches_eager():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        num_local_experts=4, num_experts_per_tok=2, vocab_size=64,
+                                        max_position_embeddings=64, use_cache=False)
+    model = transformers.MixtralModel(config).eval()
+    ids = torch.randint(0, 64, (2, 7))
+    analysis = opfuse.analyze(model, (ids,), FusionConfig(dtype="float32"))
+    assert not analysis.opaque_ops and analysis.pytorch_groups == {}
+    ops = {analysis.prepared[n].op for g in analysis.plan.groups for n in g.nodes}
+    assert "grouped_mm" in ops and "topk" in ops
+    compiled = opfuse.compile(model, (ids,), FusionConfig(dtype="float32"))
+    with torch.no_grad():
+        got, want = compiled(ids).last_hidden_state, model(ids).last_hidden_state
+    assert rel_err(got, want) < 1e-5
