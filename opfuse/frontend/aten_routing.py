@@ -1,7 +1,8 @@
-"""ATen handlers of a mixture of experts' routing and expert GEMMs (`opfuse.frontend.aten_ops`): topk and sort
-(their values and their indices, each an op of its own, `output`), histc, index_put of one index tensor (an
-index_copy along dim 0), and the grouped GEMM of the experts (transformers' `grouped_mm` and torch's
-`_grouped_mm` with offsets). Each runs alone in a kernel of its own (`opfuse.ir.ops.OpDef.kernel`).
+"""ATen handlers of a mixture of experts' routing and expert GEMMs, and of recurrent layers
+(`opfuse.frontend.aten_ops`): topk and sort (their values and their indices, each an op of its own, `output`),
+histc, index_put of one index tensor (an index_copy along dim 0), the grouped GEMM of the experts (transformers'
+`grouped_mm` and torch's `_grouped_mm` with offsets), and an LSTM. Each runs alone in a kernel of its own
+(`opfuse.ir.ops_alone`).
 
 transformers' experts (`integrations/moe.py`): topk of the router's softmax, a sort of the chosen experts' ids,
 their counts (histc) summed into offsets, a take of each token's row per choice, two grouped GEMMs, and a take
@@ -101,3 +102,16 @@ def _torch_grouped_mm(t: Translator, a: dict) -> str:
     if a.get("offs") is None or a.get("bias") is not None or a.get("out_dtype") is not None:
         raise Unmapped("torch._grouped_mm without offsets, or with a bias or an output dtype")
     return _grouped_mm(t, a["self"], a["mat2"], a["offs"])
+
+
+@maps("lstm")
+def _lstm(t: Translator, a: dict) -> MultiOutput:
+    """torch.lstm over a padded (not packed) sequence, in inference: its output sequence, h and c, each an op."""
+    if "hx" not in a or not isinstance(a.get("params"), (list, tuple)):
+        raise Unmapped("an LSTM over a packed sequence")
+    if a["train"] and a["dropout"]:
+        raise Unmapped("an LSTM with dropout in training mode")
+    inputs = [t.value(v) for v in (a["input"], *a["hx"], *a["params"])]
+    attrs = {"has_biases": bool(a["has_biases"]), "num_layers": int(a["num_layers"]),
+             "bidirectional": bool(a["bidirectional"]), "batch_first": bool(a["batch_first"])}
+    return MultiOutput(t.node, lambda index: t.emit("lstm", inputs, attrs | {"output": index}))

@@ -225,15 +225,6 @@ def sliding_windows(size: int, kernel: int, dilation: int, padding: int, stride:
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 
-def _run_grouped_mm(xs, a):
-    x, w, ends = xs
-    out = torch.zeros(x.shape[0], w.shape[-1], dtype=x.dtype, device=x.device)
-    bounds = ends.tolist() if x.device.type != "meta" else []     # (shape inference: no values)
-    for expert, (start, end) in enumerate(zip([0, *bounds[:-1]], bounds)):
-        out[start:end] = x[start:end] @ w[expert]
-    return out
-
-
 def _run_im2col(xs, a):
     return torch.ops.aten.im2col(xs[0], a["kernel_size"], a["dilation"], a["padding"], a["stride"])
 
@@ -446,21 +437,6 @@ register(OpDef("index_copy", O, lambda xs, a: xs[0].index_copy(a["dim"], xs[1], 
                doc="x with the slices `index` along dim replaced by src (a KV cache written at its positions); "
                    "inputs x, index (int64), src; attrs dim", attrs={"dim": DIM}))
 
-# a mixture of experts' routing (library calls: torch's CUDA kernels, no host sync) and experts, each alone
-register(OpDef("grouped_mm", O, _run_grouped_mm, lambda ins, out, a: 2 * out.numel * ins[0].shape[-1],
-               kernel="grouped_gemm", doc="inputs x[S, K] (rows by expert), w[E, K, N], ends[E] (int, non-decreasing: "
-               "each expert's end row); rows [ends[e-1], ends[e]) of out[S, N] are x's @ w[e], the rows past zero"))
-register(OpDef("topk", O, lambda xs, a: torch.topk(xs[0], a["k"], a["dim"], a["largest"], a["sorted"])[a["output"]],
-               per_input_element(1), kernel="library", doc="torch.topk's values (output 0) or int64 indices (1)",
-               attrs={"k": Int(0, MAX_INT), "dim": DIM, "largest": Bool(), "sorted": Bool(), "output": Int(0, 1)}))
-register(OpDef("sort", O, lambda xs, a: torch.sort(xs[0], dim=a["dim"], descending=a["descending"],
-                                                  stable=a["stable"])[a["output"]],
-               per_input_element(8), kernel="library", doc="torch.sort's values (output 0) or int64 indices (1)",
-               attrs={"dim": DIM, "descending": Bool(), "stable": Bool(), "output": Int(0, 1)}))
-register(OpDef("histc", O, lambda xs, a: torch.histc(xs[0], a["bins"], a["min"], a["max"]), per_input_element(1),
-               kernel="library", doc="torch.histc over [min, max] (min < max)",
-               attrs={"bins": Int(1, MAX_INT), "min": Float(), "max": Float()}))
-
 register(OpDef("opaque", O, _run_opaque,
                doc="runs through PyTorch: attrs target (name), fn (callable on the input list), or none; pure "
                    "(fn is a deterministic function of its inputs: it may fold at compile time)", attrs=ANY))
@@ -595,3 +571,7 @@ def view_copies(graph: Graph, node: Node) -> bool:
 def launches_kernel(graph: Graph, node: Node) -> bool:
     """Whether the node, run alone through PyTorch, launches a kernel (views do not, unless they must copy)."""
     return get_op(node.op).launches_kernel or view_copies(graph, node)
+
+
+# the ops that run alone, registered by a module of their own (it imports this one: last)
+from opfuse.ir import ops_alone  # noqa: E402,F401

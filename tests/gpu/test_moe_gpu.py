@@ -18,7 +18,7 @@ def test_grouped_gemm_every_config(dtype):
     from opfuse.codegen.lower import lower_group
     from opfuse.fusion.plan import GroupKind
     from tests.kernels.builders import rel_err
-    from tests.unit.test_moe import Grouped, grouped_reference
+    from tests.unit.test_ops_alone import Grouped, grouped_reference
 
     ends = [0, 130, 130, 900, 1000]                       # an empty first and third expert, 24 rows past the last
     b = Grouped(dtype)

@@ -1,7 +1,7 @@
-"""A mixture of experts: the routing ops (topk, sort, histc, index_put, floor_divide) and the experts' grouped GEMM
-as IR ops, their ATen mappings, the grouped GEMM kernel on Triton's interpreter (empty experts, uneven groups,
-rows past the last expert, odd sizes), the routing's library calls, and transformers' Mixtral compiled with
-nothing through PyTorch against eager in float32."""
+"""The ops that run alone (`opfuse.ir.ops_alone`): a mixture of experts' routing (topk, sort, histc, index_put,
+floor_divide) and grouped GEMM, and an LSTM, as IR ops; their ATen mappings, the grouped GEMM kernel on Triton's
+interpreter (empty experts, uneven groups, rows past the last expert, odd sizes), the library calls, and
+transformers' Mixtral and a stack of LSTMs compiled with nothing through PyTorch against eager in float32."""
 
 from __future__ import annotations
 
@@ -185,3 +185,27 @@ def test_mixtral_compiles_with_nothing_through_pytorch_and_matches_eager():
     with torch.no_grad():
         got, want = compiled(ids).last_hidden_state, model(ids).last_hidden_state
     assert rel_err(got, want) < 1e-5
+
+
+class Recurrent(nn.Module):
+    def __init__(self, bidirectional: bool, batch_first: bool):
+        super().__init__()
+        self.lstm = nn.LSTM(6, 5, num_layers=2, bidirectional=bidirectional, batch_first=batch_first)
+
+    def forward(self, x):
+        out, (h, c) = self.lstm(x)
+        return out.relu() + 1, h * c
+
+
+@pytest.mark.parametrize("bidirectional,batch_first", [(False, True), (True, False)])
+def test_an_lstm_is_a_library_call_alone_and_matches_eager(bidirectional, batch_first):
+    torch.manual_seed(0)
+    model, x = Recurrent(bidirectional, batch_first).eval(), torch.randn(3, 4, 6)
+    analysis = opfuse.analyze(model, (x,), FusionConfig(dtype="float32"))
+    assert not analysis.opaque_ops and analysis.pytorch_groups == {}
+    lstms = [g for g in analysis.plan.groups if analysis.prepared[g.nodes[0]].op == "lstm"]
+    assert len(lstms) == 3 and all(g.code is Code.ALONE for g in lstms)     # the sequence, h and c
+    compiled = opfuse.compile(model, (x,), FusionConfig(dtype="float32"))
+    with torch.no_grad():
+        for got, want in zip(compiled(x), model(x)):
+            torch.testing.assert_close(got, want)

@@ -1,0 +1,57 @@
+"""The ops that run alone (`OpDef.kernel`), registered into `opfuse.ir.ops.REGISTRY` when it is imported: never fused,
+each a kernel of its own. A mixture of experts' experts as opfuse's grouped GEMM (`opfuse.codegen.grouped_gemm`);
+its routing (topk, sort, histc) and recurrent layers (an LSTM) as library calls, PyTorch's own CUDA kernels (cuDNN's
+LSTM), which read nothing back to the host, so a CUDA graph holds them. A (values, indices) or (output, h, c) call
+is one op per output read, `output` naming which.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opfuse.ir.attrs import DIM, MAX_INT, Bool, Float, Int
+from opfuse.ir.op_costs import per_input_element
+from opfuse.ir.ops import OpDef, FusionKind, register
+
+O = FusionKind.OPAQUE
+
+
+def _run_grouped_mm(xs, a):
+    x, w, ends = xs
+    out = torch.zeros(x.shape[0], w.shape[-1], dtype=x.dtype, device=x.device)
+    bounds = ends.tolist() if x.device.type != "meta" else []     # (shape inference: no values)
+    for expert, (start, end) in enumerate(zip([0, *bounds[:-1]], bounds)):
+        out[start:end] = x[start:end] @ w[expert]
+    return out
+
+
+def _run_lstm(xs, a):
+    return torch.lstm(xs[0], xs[1:3], xs[3:], a["has_biases"], a["num_layers"], 0.0, False, a["bidirectional"],
+                      a["batch_first"])[a["output"]]
+
+
+def _lstm_flops(ins, out, a) -> int:
+    """Its GEMMs: 2 per weight element per step and sequence (each weight matrix once a step, biases aside)."""
+    x = ins[0].shape
+    steps = x[0] * x[1] if len(x) == 3 else x[0]
+    return 2 * steps * sum(w.numel for w in ins[3:] if len(w.shape) == 2)
+
+
+register(OpDef("grouped_mm", O, _run_grouped_mm, lambda ins, out, a: 2 * out.numel * ins[0].shape[-1],
+               kernel="grouped_gemm", doc="inputs x[S, K] (rows by expert), w[E, K, N], ends[E] (int, non-decreasing: "
+               "each expert's end row); rows [ends[e-1], ends[e]) of out[S, N] are x's @ w[e], the rows past zero"))
+register(OpDef("topk", O, lambda xs, a: torch.topk(xs[0], a["k"], a["dim"], a["largest"], a["sorted"])[a["output"]],
+               per_input_element(1), kernel="library", doc="torch.topk's values (output 0) or int64 indices (1)",
+               attrs={"k": Int(0, MAX_INT), "dim": DIM, "largest": Bool(), "sorted": Bool(), "output": Int(0, 1)}))
+register(OpDef("sort", O, lambda xs, a: torch.sort(xs[0], dim=a["dim"], descending=a["descending"],
+                                                  stable=a["stable"])[a["output"]],
+               per_input_element(8), kernel="library", doc="torch.sort's values (output 0) or int64 indices (1)",
+               attrs={"dim": DIM, "descending": Bool(), "stable": Bool(), "output": Int(0, 1)}))
+register(OpDef("histc", O, lambda xs, a: torch.histc(xs[0], a["bins"], a["min"], a["max"]), per_input_element(1),
+               kernel="library", doc="torch.histc over [min, max] (min < max)",
+               attrs={"bins": Int(1, MAX_INT), "min": Float(), "max": Float()}))
+register(OpDef("lstm", O, _run_lstm, _lstm_flops, kernel="library",
+               doc="torch.lstm in inference (no dropout): inputs x, h0, c0, then the weights and biases of each layer "
+                   "and direction; output 0 (the sequence), 1 (h) or 2 (c)",
+               attrs={"has_biases": Bool(), "num_layers": Int(1, MAX_INT), "bidirectional": Bool(),
+                      "batch_first": Bool(), "output": Int(0, 2)}))
