@@ -28,6 +28,7 @@ from opfuse.fusion.tiles import INTERPRETER, anchor_tiles
 from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import Graph, torch_dtype
 from opfuse.ir.ops import get_op
+from opfuse.ir.ops_alone import CALLS
 from opfuse.numerics import dot_precision
 
 GROUPED_GEMM_TEMPLATE = '''
@@ -124,23 +125,38 @@ LIBRARY_CALL = KernelConfig.of(num_warps=1, num_stages=1, form=FORM_LIBRARY)
 
 
 class LibraryKernel(GroupKernel):
-    """One op run as PyTorch's own kernel (`OpDef.kernel` == "library"): its reference implementation, a launch."""
+    """One op run as PyTorch's own kernel (`OpDef.kernel` == "library"): its reference implementation, a launch;
+    or the outputs read of one call of several (`ops_alone.CALLS`: topk's values and indices), one call for all."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, hw: HardwareProfile | None = None):
-        self.node = graph[group.nodes[0]]
-        source = f"# library call: {self.node.op} {self.node.attrs}"
-        super().__init__(graph, group, kernel_name("library", [self.node.op], source), source)
-        self.constants = {v: graph.constants[v].to(device) for v in self.node.inputs if graph.is_constant(v)}
+        self.nodes = [graph[name] for name in group.nodes]
+        self.node = first = self.nodes[0]
+        if any(n.op != first.op or n.inputs != first.inputs or _call_attrs(n) != _call_attrs(first)
+               for n in self.nodes[1:]):
+            raise Unsupported(f"group {group.name}: library calls of ops that are no outputs of one call")
+        source = f"# library call: {first.op} {_call_attrs(first)}"
+        super().__init__(graph, group, kernel_name("library", [first.op], source), source)
+        self.constants = {v: graph.constants[v].to(device) for v in first.inputs if graph.is_constant(v)}
 
     def configs(self) -> list[KernelConfig]:
         return [LIBRARY_CALL]
 
     def describe_library_form(self, config: KernelConfig | None = None) -> str:
-        return f"{self.node.op} ({self.node.name}) as PyTorch's kernel"
+        return f"{self.node.op} ({', '.join(n.name for n in self.nodes)}) as PyTorch's kernel"
 
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
         values = dict(zip(self.runtime_inputs, inputs)) | self.constants
-        return [get_op(self.node.op).run([values[name] for name in self.node.inputs], self.node.attrs)]
+        operands = [values[name] for name in self.node.inputs]
+        if len(self.nodes) == 1:
+            return [get_op(self.node.op).run(operands, self.node.attrs)]
+        results = CALLS[self.node.op](operands, self.node.attrs)
+        by_name = {n.name: results[n.attrs["output"]] for n in self.nodes}
+        return [by_name[name] for name in self.group.outputs]
+
+
+def _call_attrs(node) -> dict:
+    """A node's attrs but the output of its call it reads."""
+    return {key: value for key, value in node.attrs.items() if key != "output"}
 
 
 def lower_grouped_gemm(graph: Graph, group: FusionGroup, device: torch.device,

@@ -18,7 +18,8 @@ Inductor-style greedy fusion, with Hidet's anchor vocabulary and XLA's resource 
    reading its result and the GEMM group reading that one's (pool -> 1x1 conv + activation -> 1x1 conv + sigmoid)
    become one SQUEEZE group when `opfuse.fusion.squeeze` recognises the chain, it fits and it pays.
 3. horizontal (`config.horizontal`): sibling anchors reading the same input, with compatible shapes and
-   identical epilogues, become one HORIZONTAL group (weights concatenated at codegen time); then small
+   identical epilogues, become one HORIZONTAL group (weights concatenated at codegen time); the outputs read of
+   one library call of several (topk's values and indices) one group, called once; then small
    independent elementwise groups, each dominated by its launch overhead, share one launch.
 4. the groups are listed in topological order, each with its kind, anchor, traffic, predicted time, resources
    and the reason it is what it is; every candidate considered is a FusionDecision, taken or refused, with its
@@ -75,6 +76,7 @@ def plan_fusion(graph: Graph, config: FusionConfig | None = None, hw: HardwarePr
         planner.store_slices()
     if config.horizontal:
         planner.horizontal_anchors()
+        planner.call_outputs()
         planner.gated_siblings()
         planner.shared_norm_prologues()
         planner.horizontal_pointwise()

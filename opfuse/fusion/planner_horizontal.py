@@ -9,7 +9,7 @@ from opfuse.fusion.legality_views import is_view, maps_on_load
 from opfuse.fusion.plan import Fusion, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, conv_chain
-from opfuse.ir.ops import FusionKind, kind_of
+from opfuse.ir.ops import FusionKind, get_op, kind_of
 
 
 class HorizontalFusion:
@@ -44,6 +44,20 @@ class HorizontalFusion:
             return ("conv2d", node.inputs[0], kernel, tuple(node.attrs["stride"]), tuple(node.attrs["padding"]),
                     tuple(node.attrs["dilation"]))
         return None
+
+    def call_outputs(self) -> None:
+        """The outputs read of one library call of several (`opfuse.ir.ops_alone`: topk's values and indices, one
+        op each) become one group, which calls it once."""
+        calls: dict[tuple, list[int]] = {}
+        for group in self.ordered_ids():
+            nodes = self.groups[group]
+            node = self.graph[nodes[0]]
+            if len(nodes) == 1 and "output" in node.attrs and get_op(node.op).kernel == "library":
+                attrs = tuple(sorted((key, repr(value)) for key, value in node.attrs.items() if key != "output"))
+                calls.setdefault((node.op, tuple(node.inputs), attrs), []).append(group)
+        for members in calls.values():
+            for other in members[1:]:
+                self.merge(members[0], other, "outputs of one call: one call computes them")
 
     def gated_siblings(self) -> None:
         """Two sibling linears whose results one multiplies by the other's activation (a SwiGLU or GeGLU MLP's

@@ -2,7 +2,8 @@
 each a kernel of its own. A mixture of experts' experts as opfuse's grouped GEMM (`opfuse.codegen.grouped_gemm`);
 its routing (topk, sort, histc) and recurrent layers (an LSTM) as library calls, PyTorch's own CUDA kernels (cuDNN's
 LSTM), which read nothing back to the host, so a CUDA graph holds them. A (values, indices) or (output, h, c) call
-is one op per output read, `output` naming which.
+is one op per output read, `output` naming which (`CALLS`); the planner puts the outputs read of one call in
+one group, which calls it once (`opfuse.fusion.planner_horizontal.HorizontalFusion.call_outputs`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,17 @@ def _run_grouped_mm(xs, a):
     return out
 
 
-def _run_lstm(xs, a):
-    return torch.lstm(xs[0], xs[1:3], xs[3:], a["has_biases"], a["num_layers"], 0.0, False, a["bidirectional"],
-                      a["batch_first"])[a["output"]]
+# the calls of several outputs: the whole tuple, of which each op's reference reads its `output`
+CALLS = {
+    "topk": lambda xs, a: torch.topk(xs[0], a["k"], a["dim"], a["largest"], a["sorted"]),
+    "sort": lambda xs, a: torch.sort(xs[0], dim=a["dim"], descending=a["descending"], stable=a["stable"]),
+    "lstm": lambda xs, a: torch.lstm(xs[0], xs[1:3], xs[3:], a["has_biases"], a["num_layers"], 0.0, False,
+                                     a["bidirectional"], a["batch_first"]),
+}
+
+
+def _output_of(op: str):
+    return lambda xs, a: CALLS[op](xs, a)[a["output"]]
 
 
 def _lstm_flops(ins, out, a) -> int:
@@ -40,17 +49,16 @@ def _lstm_flops(ins, out, a) -> int:
 register(OpDef("grouped_mm", O, _run_grouped_mm, lambda ins, out, a: 2 * out.numel * ins[0].shape[-1],
                kernel="grouped_gemm", doc="inputs x[S, K] (rows by expert), w[E, K, N], ends[E] (int, non-decreasing: "
                "each expert's end row); rows [ends[e-1], ends[e]) of out[S, N] are x's @ w[e], the rows past zero"))
-register(OpDef("topk", O, lambda xs, a: torch.topk(xs[0], a["k"], a["dim"], a["largest"], a["sorted"])[a["output"]],
-               per_input_element(1), kernel="library", doc="torch.topk's values (output 0) or int64 indices (1)",
+register(OpDef("topk", O, _output_of("topk"), per_input_element(1), kernel="library",
+               doc="torch.topk's values (output 0) or int64 indices (1)",
                attrs={"k": Int(0, MAX_INT), "dim": DIM, "largest": Bool(), "sorted": Bool(), "output": Int(0, 1)}))
-register(OpDef("sort", O, lambda xs, a: torch.sort(xs[0], dim=a["dim"], descending=a["descending"],
-                                                  stable=a["stable"])[a["output"]],
-               per_input_element(8), kernel="library", doc="torch.sort's values (output 0) or int64 indices (1)",
+register(OpDef("sort", O, _output_of("sort"), per_input_element(8), kernel="library",
+               doc="torch.sort's values (output 0) or int64 indices (1)",
                attrs={"dim": DIM, "descending": Bool(), "stable": Bool(), "output": Int(0, 1)}))
 register(OpDef("histc", O, lambda xs, a: torch.histc(xs[0], a["bins"], a["min"], a["max"]), per_input_element(1),
                kernel="library", doc="torch.histc over [min, max] (min < max)",
                attrs={"bins": Int(1, MAX_INT), "min": Float(), "max": Float()}))
-register(OpDef("lstm", O, _run_lstm, _lstm_flops, kernel="library",
+register(OpDef("lstm", O, _output_of("lstm"), _lstm_flops, kernel="library",
                doc="torch.lstm in inference (no dropout): inputs x, h0, c0, then the weights and biases of each layer "
                    "and direction; output 0 (the sequence), 1 (h) or 2 (c)",
                attrs={"has_biases": Bool(), "num_layers": Int(1, MAX_INT), "bidirectional": Bool(),

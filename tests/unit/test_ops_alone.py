@@ -18,6 +18,7 @@ from opfuse.config import FusionConfig
 from opfuse.frontend.torch_export import capture_torch
 from opfuse.fusion.legality import opaque_rule
 from opfuse.fusion.plan import GroupKind
+from opfuse.fusion.planner import plan_fusion
 from opfuse.fusion.reasons import Code
 from opfuse.ir.graph import TensorType
 from opfuse.ir.interpret import interpret
@@ -155,6 +156,25 @@ def test_the_flops_are_the_rows_times_the_expert_gemm():
     assert node_flops(b.graph, b.graph[out]) == 2 * 9 * 16 * 8
 
 
+def test_the_outputs_of_one_call_are_one_group_that_calls_once(monkeypatch):
+    b = KernelGraph()
+    x = b.input("x", (5, 6))
+    attrs = dict(k=3, dim=1, largest=False, sorted=True)
+    values, indices = (b.op("topk", x, **attrs, output=i) for i in (0, 1))
+    other = b.op("topk", x, **attrs | {"k": 2}, output=0)          # another call: a group of its own
+    b.graph.outputs = [values, indices, other]
+    plan = plan_fusion(b.graph, FusionConfig(dtype="float32"))
+    assert sorted(sorted(g.nodes) for g in plan.groups if g.launches) == [sorted([values, indices]), [other]]
+    pair = next(g for g in plan.groups if values in g.nodes)
+    kernel = lower_group(b.graph, pair, DEVICE)
+    calls, topk = [], torch.topk
+    monkeypatch.setattr(torch, "topk", lambda *args, **kwargs: calls.append(args) or topk(*args, **kwargs))
+    got = dict(zip(pair.outputs, kernel.run([b.feeds["x"].to(DEVICE)])))
+    want = topk(b.feeds["x"], 3, 1, largest=False)
+    assert len(calls) == 1
+    assert torch.equal(got[values].cpu(), want.values) and torch.equal(got[indices].cpu(), want.indices)
+
+
 def test_a_routing_op_is_a_library_call_alone():
     b = KernelGraph()
     top = b.op("topk", b.input("x", (5, 6)), k=2, dim=1, largest=True, sorted=True, output=1)
@@ -203,8 +223,9 @@ def test_an_lstm_is_a_library_call_alone_and_matches_eager(bidirectional, batch_
     model, x = Recurrent(bidirectional, batch_first).eval(), torch.randn(3, 4, 6)
     analysis = opfuse.analyze(model, (x,), FusionConfig(dtype="float32"))
     assert not analysis.opaque_ops and analysis.pytorch_groups == {}
-    lstms = [g for g in analysis.plan.groups if analysis.prepared[g.nodes[0]].op == "lstm"]
-    assert len(lstms) == 3 and all(g.code is Code.ALONE for g in lstms)     # the sequence, h and c
+    (lstm,) = [g for g in analysis.plan.groups if analysis.prepared[g.nodes[0]].op == "lstm"]
+    assert len(lstm.nodes) == 3 and lstm.launches == 1         # the sequence, h and c: one call
+    assert sorted(analysis.prepared[n].attrs["output"] for n in lstm.nodes) == [0, 1, 2]
     compiled = opfuse.compile(model, (x,), FusionConfig(dtype="float32"))
     with torch.no_grad():
         for got, want in zip(compiled(x), model(x)):
