@@ -45,7 +45,6 @@ WHY_UNCLAIMED = {
     "ScatterND": NEEDS_OP + "scatter (with add, mul, max, min reductions)",
     "Scatter": NEEDS_OP + "scatter",
     "TensorScatter": NEEDS_OP + "scatter",
-    "TopK": NEEDS_OP + "top-k (values and indices)",
     "Unique": NEEDS_OP + "unique (a data-dependent shape)",
     "NonZero": NEEDS_OP + "nonzero (a data-dependent shape)",
     "NonMaxSuppression": NEEDS_OP + "non-maximum suppression (a data-dependent shape)",

@@ -1,5 +1,5 @@
 """ONNX converters of indexing and tensor-making operators, written out in the IR's gathers (`take`), views,
-elementwise ops and scan: GatherElements, GatherND, OneHot, Trilu, EyeLike, Compress, CumSum, CenterCropPad,
+elementwise ops and scan: GatherElements, GatherND, OneHot, Trilu, EyeLike, Compress, CumSum, TopK, CenterCropPad,
 DepthToSpace, SpaceToDepth, ReverseSequence, AffineGrid, and Range, the window functions and MelWeightMatrix (whose output's
 shape is their inputs' value: constants, which the importer evaluates). Registered in
 `opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
@@ -7,6 +7,8 @@ shape is their inputs' value: constants, which the importer evaluates). Register
 GatherElements and GatherND read data at indices known only at run time: each becomes one `take` from the data
 seen flat, at a flat index computed elementwise from the indices (negative ones counted from the end of their
 dim) and a constant offset per output position. No scatter or new gather op is needed.
+
+TopK is the first k of a stable sort (a library call): ONNX puts the lower index first among equal values.
 """
 
 from __future__ import annotations
@@ -323,3 +325,21 @@ def _affine_grid(importer: Importer, node, xs, attrs):
     grid = importer.emit("matmul", [theta, importer.add_constant(base, f"{out}_positions")], name=f"{out}_mapped")
     points_last = importer.emit("permute", [grid], {"dims": (0, 2, 1)}, name=f"{out}_points_first")
     return [importer.emit("reshape", [points_last], {"shape": (size[0], *spatial, len(spatial))}, name=out)]
+
+
+@converts("TopK", attributes=("k", "axis", "largest", "sorted"), constant_inputs=(1,))
+def _top_k(importer: Importer, node, xs, attrs):
+    """Values and int64 indices of the k largest (smallest) along the axis, the lower index first among equals:
+    the first k of a stable sort, each output read its own sort."""
+    shape = importer.type(xs[0]).shape
+    axis = attrs.get("axis", -1) % len(shape)
+    k = importer.ints(node, xs, attrs, "k", 1)[0]
+    order = {"dim": axis, "descending": bool(attrs.get("largest", 1)), "stable": True}
+    outputs = []
+    for index, name in enumerate(node.output[:2]):
+        if name not in importer.used:
+            outputs.append(None)
+            continue
+        ranked = importer.emit("sort", [xs[0]], order | {"output": index}, name=f"{name}_sorted")
+        outputs.append(importer.emit("slice", [ranked], {"dim": axis, "start": 0, "end": k, "step": 1}, name=name))
+    return outputs
