@@ -93,6 +93,25 @@ def test_moe_routing_maps_to_ir_ops_with_nothing_opaque():
         torch.testing.assert_close(got, want)
 
 
+def test_torch_grouped_mm_with_offsets_maps_to_the_ir_op():
+    """torch._grouped_mm leaves the rows past the last offset unspecified (NaN on the CPU): zeros are one choice."""
+    class Experts(nn.Module):
+        def forward(self, x, w, offs):
+            return torch._grouped_mm(x, w, offs=offs)
+
+    x, w = torch.randn(10, 16, dtype=torch.bfloat16), torch.randn(3, 16, 8, dtype=torch.bfloat16)
+    offs = torch.tensor([2, 2, 7], dtype=torch.int32)
+    try:
+        want = Experts()(x, w, offs)
+    except (RuntimeError, NotImplementedError) as error:       # a torch without its CPU kernel
+        pytest.skip(f"torch._grouped_mm on the CPU: {error}")
+    graph = capture_torch(Experts().eval(), (x, w, offs))
+    assert [n.op for n in graph if n.op not in ("input", "constant")] == ["grouped_mm"]
+    got, = interpret(graph, [x, w, offs])
+    torch.testing.assert_close(got[:7], want[:7])
+    assert got[7:].abs().sum() == 0
+
+
 def test_floor_and_trunc_division_of_integers_compute_in_a_kernel_exactly():
     class Divisions(nn.Module):
         def forward(self, a, b):
