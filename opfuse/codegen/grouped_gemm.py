@@ -21,8 +21,9 @@ import torch
 import triton
 
 from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, KernelConfig, compiled_info, kernel_name, load_kernel
-from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.expr import Unsupported, emit
 from opfuse.codegen.template_kernel import INT32_LIMIT
+from opfuse.fusion.legality_anchors import gated_experts
 from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import INTERPRETER, anchor_tiles
 from opfuse.hardware import HardwareProfile, kernel_profile
@@ -76,16 +77,28 @@ def KERNEL_NAME(
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K * s_xk
         w_ptrs += BLOCK_K * s_wk
+{product}
     out_ptrs = out_ptr + offs_m[:, None] * s_os + offs_n[None, :] * s_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 '''
 
+# gated experts (`opfuse.fusion.legality_anchors.gated_experts`): w holds the two halves' columns interleaved (gate_0,
+# up_0, gate_1, ...), so a tile of BLOCK_N columns holds BLOCK_N / 2 of each for the same outputs; the gate's
+# activation runs on its half, and the product is stored over BLOCK_N / 2 output columns of N / 2
+GATED_PRODUCT = """\
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+{activation}
+    acc = gate * up
+    offs_n = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    mask_n = offs_n < N // 2
+"""
+
 
 class GroupedGemmKernel(GroupKernel):
-    """One grouped_mm node (module docstring)."""
+    """One grouped_mm node (module docstring), or with its gated product (`gated_experts`)."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, hw: HardwareProfile | None = None):
-        node = graph[group.nodes[0]]
+        node = next(graph[n] for n in group.nodes if graph[n].op == "grouped_mm")
         self.node = node
         x, w, ends = (graph[name].type for name in node.inputs)
         (self.rows, self.k), (self.experts, _, self.n) = x.shape, w.shape
@@ -93,15 +106,31 @@ class GroupedGemmKernel(GroupKernel):
             raise Unsupported(f"{node.describe()}: a grouped GEMM of {x.dtype} rows and {w.dtype} weights")
         if max(x.numel, w.numel, node.type.numel) > INT32_LIMIT:
             raise Unsupported(f"{node.describe()}: more elements than the template's int32 offsets reach")
-        name, source, self.function = load_kernel("fused", ["grouped_mm"], GROUPED_GEMM_TEMPLATE)
+        self.gated = gated_experts(graph, node.name, graph.users()) if len(group.nodes) > 1 else None
+        if len(group.nodes) > 1 and (self.gated is None or self.gated.nodes != set(group.nodes)):
+            raise Unsupported(f"group {group.name}: a grouped GEMM takes only a gated product after it")
+        activation = "\n".join(f"    gate = {emit(graph[n].op, graph[n].attrs, ['gate'])}"
+                               for n in (self.gated.activation if self.gated else ()))
+        source = GROUPED_GEMM_TEMPLATE.replace(
+            "{product}\n", GATED_PRODUCT.replace("{activation}", activation) if self.gated else "")
+        name, source, self.function = load_kernel("fused", [graph[n].op for n in group.nodes], source)
         super().__init__(graph, group, name, source)
         self.device = device
         self.constants = {v: graph.constants[v].to(device) for v in node.inputs if graph.is_constant(v)}
+        if self.gated:      # the weight's halves interleaved: columns gate_j, up_j
+            weight = self.constants[node.inputs[1]]
+            half = self.n // 2
+            self.constants[node.inputs[1]] = torch.stack([weight[..., :half], weight[..., half:]], -1).reshape(
+                weight.shape).contiguous()
+        self.output = self.gated.product if self.gated else node.name
         hw = kernel_profile(hw)
         average = max(1, self.rows // self.experts)
         tiles = [INTERPRETER] if hw.interpreted else anchor_tiles(average, self.n, self.k, 1, x.itemsize, hw=hw)
         self._configs = [KernelConfig.of(num_warps=t["num_warps"], num_stages=t["num_stages"], BLOCK_M=t["BLOCK_M"],
-                                         BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"]) for t in tiles]
+                                         BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"]) for t in tiles
+                         if not self.gated or t["BLOCK_N"] % 32 == 0]     # half tiles of 16 columns or more
+        if not self._configs:
+            raise Unsupported(f"group {group.name}: no tile of 32 columns or more for the gated product")
 
     def configs(self) -> list[KernelConfig]:
         return list(self._configs)
@@ -110,7 +139,8 @@ class GroupedGemmKernel(GroupKernel):
         config = config or self._configs[0]
         values = dict(zip(self.runtime_inputs, inputs)) | self.constants
         x, w, ends = (values[name] for name in self.node.inputs)
-        out = torch.empty(self.node.type.shape, dtype=torch_dtype(self.node.type.dtype), device=x.device)
+        output = self.graph[self.output].type
+        out = torch.empty(output.shape, dtype=torch_dtype(output.dtype), device=x.device)
         grid = (triton.cdiv(self.rows, config["BLOCK_M"]) + self.experts + 1, triton.cdiv(self.n, config["BLOCK_N"]))
         compiled = self.function[grid](
             x, w, ends, out, self.rows, self.n, self.k, self.experts, *x.stride(), *w.stride(), *out.stride(),

@@ -70,10 +70,9 @@ def _within_int32(graph: Graph, group: FusionGroup) -> Reason | None:
 def choose_lowering(graph: Graph, group: FusionGroup) -> str | Reason:
     """The name of the template for `group` (a key of TEMPLATES), or the reason it has none."""
     if group.kind is GroupKind.OPAQUE:      # name the op: "opaque" alone does not say what runs through PyTorch
-        ops = {graph[n].op for n in group.nodes}
-        alone = get_op(ops.pop()).kernel if len(ops) == 1 else None
-        if alone is not None:               # an op that runs alone in a kernel of its own (`OpDef.kernel`), or
-            return alone                    # the outputs of one such call
+        kernels = {get_op(graph[n].op).kernel for n in group.nodes if kind_of(graph[n]) is FusionKind.OPAQUE}
+        if len(kernels) == 1 and None not in kernels:   # an op that runs alone in a kernel of its own (`OpDef.kernel`),
+            return kernels.pop()            # the outputs of one such call, or a grouped GEMM with its gated product
         ops = ", ".join(graph[n].describe() for n in group.nodes)
         return Reason(Code.OPAQUE, f"opaque op {ops}: runs through PyTorch")
     if group.kind in NO_KERNEL_KINDS:

@@ -201,3 +201,51 @@ def gated_pair(graph: Graph, nodes: Iterable[str], users: Users) -> GatedPair | 
             chain.append(reader.name)
             value = reader.name
     return None
+
+
+@dataclass(frozen=True)
+class GatedExperts:
+    """A grouped GEMM whose output's two column halves combine as act(gate) * up (`gated_experts`)."""
+
+    experts: str               # the grouped_mm
+    gate: str                  # the slice of its first half of columns
+    activation: tuple[str, ...]    # the single-input elementwise ops on it, in order
+    up: str                    # the slice of its second half
+    product: str               # the mul of the two
+
+    @property
+    def nodes(self) -> set[str]:
+        return {self.experts, self.gate, *self.activation, self.up, self.product}
+
+
+def gated_experts(graph: Graph, name: str, users: Users) -> GatedExperts | None:
+    """The gated experts grouped_mm `name` starts, or None: its weight a constant, its result read only by two
+    slices, its first and its second half of columns, the first through a chain of single-input elementwise ops,
+    the two multiplied, and nothing but the product read outside them (a mixture of experts' SwiGLU: transformers'
+    gate_up_proj). One grouped GEMM over the halves' columns interleaved computes act(gate) * up in its tile
+    (`opfuse.codegen.grouped_gemm`), as a gated pair of linears does."""
+    experts = graph[name]
+    if experts.op != "grouped_mm" or not graph.is_constant(experts.inputs[1]) or name in graph.outputs:
+        return None
+    columns = experts.type.shape[1]
+    half = columns // 2
+    slices = {r.attrs["start"]: r for r in users[name]
+              if r.op == "slice" and r.attrs["dim"] == 1 and r.attrs.get("step", 1) == 1}
+    if columns % 2 or len(users[name]) != 2 or sorted(slices) != [0, half] or slices[0].attrs["end"] != half \
+            or slices[half].attrs["end"] < columns:
+        return None
+    gate, up = slices[0], slices[half]
+    chain, value = [], gate.name
+    while True:
+        readers = users[value]
+        if len(readers) != 1 or value in graph.outputs:
+            return None
+        reader = readers[0]
+        if reader.op == "mul" and sorted(reader.inputs) == sorted([value, up.name]) \
+                and [u.name for u in users[up.name]] == [reader.name] and up.name not in graph.outputs \
+                and reader.type.shape == gate.type.shape:
+            return GatedExperts(name, gate.name, tuple(chain), up.name, reader.name)
+        if not kind_of(reader).elementwise or len(reader.inputs) != 1 or reader.type.shape != gate.type.shape:
+            return None
+        chain.append(reader.name)
+        value = reader.name

@@ -38,7 +38,8 @@ class Fusion(str, Enum):
     RESIDUAL = "residual"                   # an anchor with the add of a skip connection in its epilogue
     PROLOGUE = "prologue"                   # elementwise ops into the reduction or GEMM that reads them
     HORIZONTAL = "horizontal"               # siblings reading one input, in one launch
-    GATED = "gated"                         # act(x W_gate) * (x W_up): two sibling linears as one GEMM
+    GATED = "gated"                         # act(x W_gate) * (x W_up) as one GEMM: two sibling linears, or a
+                                            # grouped GEMM's two column halves (a mixture of experts)
     CONV_CONV = "conv-conv"                 # a depthwise conv and the conv it feeds, in one kernel
     SQUEEZE = "squeeze"                     # squeeze-excitation's pool, GEMMs and scale, in one kernel
 

@@ -16,7 +16,8 @@ Inductor-style greedy fusion, with Hidet's anchor vocabulary and XLA's resource 
    residual) when the cost model, which counts the halo recompute, says it pays. Either way it is a decision.
    Squeeze-and-excitation (`config.squeeze`): after the rounds, a global average pool alone, the GEMM group
    reading its result and the GEMM group reading that one's (pool -> 1x1 conv + activation -> 1x1 conv + sigmoid)
-   become one SQUEEZE group when `opfuse.fusion.squeeze` recognises the chain, it fits and it pays.
+   become one SQUEEZE group when `opfuse.fusion.squeeze` recognises the chain, it fits and it pays. A grouped
+   GEMM whose two column halves make act(gate) * up (a mixture of experts' SwiGLU) takes that product.
 3. horizontal (`config.horizontal`): sibling anchors reading the same input, with compatible shapes and
    identical epilogues, become one HORIZONTAL group (weights concatenated at codegen time); the outputs read of
    one library call of several (topk's values and indices) one group, called once; then small
@@ -72,6 +73,7 @@ def plan_fusion(graph: Graph, config: FusionConfig | None = None, hw: HardwarePr
     if config.vertical:
         planner.vertical()
         planner.squeeze()
+        planner.gated_experts()
         planner.absorb_copying_views()
         planner.store_slices()
     if config.horizontal:

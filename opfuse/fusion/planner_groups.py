@@ -86,7 +86,7 @@ class GroupListing:
                           "its index map: one copy kernel does (as PyTorch would)")
         if kind is GroupKind.VIEW:
             return Reason(Code.VIEW, f"view ({first.op}): no kernel, no traffic")
-        if kind is GroupKind.OPAQUE:
+        if kind is GroupKind.OPAQUE and group not in self.notes:
             if get_op(first.op).kernel is not None:
                 return Reason(Code.ALONE, f"{first.name} ({first.op}) runs alone, in a kernel of its own "
                               f"({get_op(first.op).kernel})")

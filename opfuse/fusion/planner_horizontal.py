@@ -1,9 +1,12 @@
 """Horizontal fusion: sibling anchors reading one input with identical epilogues become one group (with the row
-norm they all read as its prologue), and small independent elementwise groups share one launch. Methods of `opfuse.fusion.planner._Planner` (`HorizontalFusion`)."""
+norm they all read as its prologue), the gate and up halves of a gated MLP one GEMM (two sibling linears, or a
+mixture of experts' grouped GEMM and its product), the outputs read of one library call one call, and small
+independent elementwise groups share one launch. Methods of `opfuse.fusion.planner._Planner` (`HorizontalFusion`)."""
 
 from __future__ import annotations
 
-from opfuse.fusion.legality_anchors import ROW_NORMS, gated_pair, is_row_norm_prologue, norm_prologue_on
+from opfuse.fusion.legality_anchors import (ROW_NORMS, gated_experts, gated_pair, is_row_norm_prologue,
+                                            norm_prologue_on)
 from opfuse.fusion.legality_common import in_order, path_outside
 from opfuse.fusion.legality_views import is_view, maps_on_load
 from opfuse.fusion.plan import Fusion, GroupKind, Verdict
@@ -78,6 +81,24 @@ class HorizontalFusion:
             if other in self.kinds or gated_pair(self.graph, self.groups[other] + nodes, self.users) is None:
                 continue
             self.decide(other, group, Fusion.GATED, None, GroupKind.HORIZONTAL)
+
+    def gated_experts(self) -> None:
+        """A grouped GEMM alone and the groups of nothing but the act(gate) * up its two column halves make (a
+        mixture of experts' SwiGLU, `legality_anchors.gated_experts`: the slices, the activation, the product)
+        become one group: one grouped GEMM computes the product, neither half is written."""
+        for group in self.ordered_ids():
+            if group not in self.groups or [self.graph[n].op for n in self.groups[group]] != ["grouped_mm"]:
+                continue
+            gated = gated_experts(self.graph, self.groups[group][0], self.users)
+            if gated is None:
+                continue
+            members = sorted({self.group_of[n] for n in gated.nodes} - {group},
+                             key=lambda g: self.index[self.groups[g][0]])
+            if any(m in self.kinds or not set(self.groups[m]) <= gated.nodes for m in members):
+                continue
+            for other in members[1:]:
+                self.merge(members[0], other, "the gated product of a grouped GEMM's halves")
+            self.decide(group, members[0], Fusion.GATED, None, GroupKind.OPAQUE)
 
     def shared_norm_prologues(self) -> None:
         """A layer norm or RMS norm that only sibling linears of one HORIZONTAL group read, alone in its group,

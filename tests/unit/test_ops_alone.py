@@ -169,6 +169,45 @@ def test_grouped_gemm_kernel(rows, k, n, ends, dtype):
     assert got[max(ends):].abs().sum() == 0
 
 
+def gated(b: Grouped, rows: int, k: int, n: int, ends: list[int], activation: str = "silu") -> str:
+    experts = b.moe(rows, k, n, ends)
+    gate = b.op("slice", experts, dim=1, start=0, end=n // 2, step=1)
+    up = b.op("slice", experts, dim=1, start=n // 2, end=n, step=1)
+    return b.op("mul", b.op(activation, gate), up)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gated_experts_plan_as_one_group_and_one_kernel(activation, dtype):
+    """act(gate) * up of a grouped GEMM's two column halves: one group, one kernel over the halves interleaved."""
+    b = Grouped(dtype)
+    ends = [20, 20, 33, 40]
+    product = gated(b, 45, 24, 64, ends, activation)
+    b.graph.outputs = [product]
+    plan = plan_fusion(b.graph, FusionConfig(dtype=dtype))
+    (group,) = [g for g in plan.groups if g.launches]
+    assert len(group.nodes) == 5 and group.outputs == [product]
+    assert [d.verdict.value for d in plan.decisions if d.fusion.value == "gated"] == ["fused"]
+    kernel = lower_group(b.graph, group, DEVICE)
+    assert isinstance(kernel, GroupedGemmKernel) and kernel.gated is not None
+    got, = kernel.run([b.feeds[name].to(DEVICE) for name in kernel.runtime_inputs])
+    both = grouped_reference(b.feeds["x"], b.graph.constants["w"], ends)
+    act = torch.nn.functional.silu if activation == "silu" else torch.nn.functional.gelu
+    want = act(both[:, :32]) * both[:, 32:]
+    assert got.shape == (45, 32) and rel_err(got, want) < (1e-4 if dtype == "float32" else 1e-2)
+    assert got[40:].abs().sum() == 0
+
+
+def test_a_half_read_elsewhere_keeps_the_grouped_gemm_alone():
+    b = Grouped()
+    product = gated(b, 9, 16, 32, [4, 9])
+    gate = b.graph[b.graph[product].inputs[0]].inputs[0]
+    b.graph.outputs = [product, gate]
+    plan = plan_fusion(b.graph, FusionConfig(dtype="float32"))
+    experts = next(g for g in plan.groups if any(b.graph[n].op == "grouped_mm" for n in g.nodes))
+    assert [b.graph[n].op for n in experts.nodes] == ["grouped_mm"]
+
+
 def test_the_flops_are_the_rows_times_the_expert_gemm():
     b = Grouped()
     out = b.moe(9, 16, 8, [3, 9])
