@@ -7,7 +7,9 @@ row tiles, ceil(rows / BLOCK_M) each, read from `ends` on the device. The grid h
 tiles, as many as any split of S rows into E + 1 groups needs (each group wastes less than one tile); programs
 past the groups' tiles do nothing. Nothing waits on the host: a CUDA graph holds it, where transformers' own loop
 reads the offsets back (`.tolist()`) and launches a GEMM per expert. Tiles: the anchor tile space
-(`opfuse.fusion.tiles.anchor_tiles`) for a GEMM of an expert's average rows.
+(`opfuse.fusion.tiles.anchor_tiles`) for a GEMM of an expert's average rows. With its gated product (a SwiGLU over
+the output's two column halves, `opfuse.fusion.legality_anchors.gated_experts`) the kernel reads the weight's
+halves interleaved and stores act(gate) * up (`GATED_PRODUCT`), as a gated pair of linears does.
 
 The routing ops (topk, sort, histc, index_copy; `OpDef.kernel` == "library") run as PyTorch's own CUDA kernels
 (`LibraryKernel`), a launch each.

@@ -288,3 +288,22 @@ def test_an_lstm_is_a_library_call_alone_and_matches_eager(bidirectional, batch_
     with torch.no_grad():
         for got, want in zip(compiled(x), model(x)):
             torch.testing.assert_close(got, want)
+
+
+def test_routing_and_an_lstm_survive_a_package_round_trip(tmp_path):
+    """The ops that run alone are data in a package (attrs checked at load): reloaded, bit-identical."""
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.routing, self.recurrent = Routing(), Recurrent(False, True)
+
+        def forward(self, logits, x, sequence):
+            return *self.routing(logits, x), *self.recurrent(sequence)
+
+    torch.manual_seed(0)
+    inputs = (torch.randn(7, 4), torch.randn(7, 3), torch.randn(3, 4, 6))
+    compiled = opfuse.compile(Both().eval(), inputs, FusionConfig(dtype="float32"))
+    loaded = opfuse.load(opfuse.save(compiled, tmp_path / "alone.opfuse"))
+    with torch.no_grad():
+        for got, want in zip(loaded(*inputs), compiled(*inputs)):
+            assert torch.equal(got, want)
