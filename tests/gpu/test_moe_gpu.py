@@ -41,7 +41,8 @@ def test_mixtral_compiles_into_one_cuda_graph(dtype):
     config = transformers.MixtralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                         num_local_experts=8, num_experts_per_tok=2, vocab_size=1024,
-                                        max_position_embeddings=512, use_cache=False)
+                                        max_position_embeddings=512, use_cache=False,
+                                        experts_implementation="grouped_mm")
     model = transformers.MixtralModel(config).eval().cuda()
     ids = torch.randint(0, 1024, (2, 96), device="cuda")
     reference = model(ids).last_hidden_state.detach()

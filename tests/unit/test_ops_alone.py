@@ -252,7 +252,8 @@ def test_mixtral_compiles_with_nothing_through_pytorch_and_matches_eager():
     config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                         num_local_experts=4, num_experts_per_tok=2, vocab_size=64,
-                                        max_position_embeddings=64, use_cache=False)
+                                        max_position_embeddings=64, use_cache=False,
+                                        experts_implementation="grouped_mm")
     model = transformers.MixtralModel(config).eval()
     ids = torch.randint(0, 64, (2, 7))
     analysis = opfuse.analyze(model, (ids,), FusionConfig(dtype="float32"))
