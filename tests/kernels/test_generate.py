@@ -107,7 +107,7 @@ def test_a_call_over_the_limits_is_refused_naming_them(llama, prompt, new, match
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt2", "mixtral"])
 def test_other_decoder_families_generate_as_transformers_does(family):
     configs = {
         "qwen2": lambda: T.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -117,6 +117,10 @@ def test_other_decoder_families_generate_as_transformers_does(family):
                                            max_position_embeddings=64, sliding_window=None),
         "gpt2": lambda: T.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                      initializer_range=0.5),
+        "mixtral": lambda: T.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                           num_local_experts=4, num_experts_per_tok=2,
+                                           experts_implementation="grouped_mm"),
     }
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(configs[family]()).eval()
