@@ -471,4 +471,14 @@ RULES: dict[str, Rule] = {
                           "slides windows along {where}: a window reads several rows"),
     "im2col": image_window_maps,
     "col2im": image_window_maps,
+    # the ops that run alone (`opfuse.ir.ops_alone`): topk and sort move values along their dim; a histogram, a
+    # mixture of experts' grouped GEMM (rows grouped by offsets counted at run time) and an LSTM (a recurrence
+    # along its sequence, its state shared by the batch's rows at no fixed position) hold no dim apart
+    "topk": except_dims(lambda node, shapes: {node.attrs["dim"]}, "ranks values along {where}"),
+    "sort": except_dims(lambda node, shapes: {node.attrs["dim"]}, "sorts values along {where}"),
+    "histc": except_dims(lambda node, shapes: set(range(len(shapes[0]))), "counts every element of {where}"),
+    "grouped_mm": except_dims(lambda node, shapes: set(range(len(shapes[0]))),
+                              "groups rows by offsets counted at run time ({where})"),
+    "lstm": except_dims(lambda node, shapes: set(range(max(len(shape) for shape in shapes))),
+                        "runs a recurrence over {where}"),
 }
