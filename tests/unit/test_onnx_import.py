@@ -438,19 +438,19 @@ def test_softmax_before_opset_13_normalises_the_flattened_tail(tmp_path):
 
 def test_unknown_ops_become_named_opaque_nodes(tmp_path):
     nodes = [helper.make_node("Hardmax", ["x"], ["h"], name="hm", axis=-1),
-             helper.make_node("TopK", ["h", "k"], ["values", "indices"], axis=1),
+             helper.make_node("MyPair", ["h"], ["values", "indices"], domain="acme"),
              helper.make_node("MyOp", ["values"], ["m"], domain="acme", alpha=2.0),
              helper.make_node("Relu", ["m"], ["y"])]
     path = save(tmp_path, nodes, [value("x", [2, 6])], [value("y", [2, 3]), value("indices", [2, 3], INT64)],
-                {"k": np.array([3], np.int64)}, value_info=[value("m", [2, 3])],
+                {}, value_info=[value("m", [2, 3]), value("values", [2, 3])],
                 extra_opsets=[helper.make_opsetid("acme", 1)])
     graph = load_onnx(path)
     opaque = {n.attrs["target"]: n for n in graph if n.op == "opaque"}
-    assert set(opaque) == {"onnx::Hardmax", "onnx::TopK", "onnx::acme.MyOp"}
+    assert set(opaque) == {"onnx::Hardmax", "onnx::acme.MyPair", "onnx::acme.MyOp"}
     assert opaque["onnx::Hardmax"].source == "hm" and opaque["onnx::Hardmax"].attrs["onnx_attrs"] == {"axis": -1}
     assert opaque["onnx::acme.MyOp"].attrs["onnx_attrs"] == {"alpha": 2.0}
-    top_k = [n for n in graph if n.attrs.get("target") == "onnx::TopK"]
-    assert sorted((n.attrs["output_index"], str(n.type)) for n in top_k) == [(0, "float32[2,3]"), (1, "int64[2,3]")]
+    pair = [n for n in graph if n.attrs.get("target") == "onnx::acme.MyPair"]
+    assert sorted((n.attrs["output_index"], str(n.type)) for n in pair) == [(0, "float32[2,3]"), (1, "int64[2,3]")]
     assert "relu" in ops(graph)
     with pytest.raises(GraphError, match="analysed but not run"):
         interpret(graph, [torch.randn(2, 6)])
