@@ -20,12 +20,15 @@ class Unsupported(Exception):
 
 
 TRITON_DTYPES = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
-                 "float64": "tl.float64", "int64": "tl.int64", "int32": "tl.int32", "int8": "tl.int8",
-                 "uint8": "tl.uint8", "bool": "tl.int1"}
+                 "float64": "tl.float64", "int64": "tl.int64", "int32": "tl.int32", "int16": "tl.int16",
+                 "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1"}
 
 
 def triton_dtype(dtype: str) -> str:
-    return TRITON_DTYPES[dtype_name(dtype)]
+    name = dtype_name(dtype)
+    if name not in TRITON_DTYPES:
+        raise Unsupported(f"no Triton dtype for {name}")
+    return TRITON_DTYPES[name]
 
 
 def literal(value: float) -> str:
@@ -115,6 +118,11 @@ def _log1p(u: str) -> str:
             f"tl.log({w}) * (({u}) / ({w} - 1.0))))")
 
 
+def _half_exp(x: str) -> str:
+    """exp(|x|) / 2, as exp(|x| - ln 2): finite up to |x| = ln(2 * float32's max)."""
+    return f"tl.exp(tl.abs({x}) - {math.log(2)!r})"
+
+
 def _expm1(x: str) -> str:
     """exp(x) - 1 without cancellation near 0: for |x| < 0.5, (u - 1) * x / log(u), u = exp(x) rounded, cancels
     u's rounding (Kahan's), x itself where u rounds to 1; elsewhere u - 1 loses nothing (and cannot overflow in a
@@ -166,6 +174,19 @@ _UNARY: dict[str, Callable[[dict, str], str]] = {
     "square": lambda a, x: f"(({x}) * ({x}))",
     "sin": lambda a, x: f"tl.sin({x})",
     "cos": lambda a, x: f"tl.cos({x})",
+    "tan": lambda a, x: f"(tl.sin({x}) / tl.cos({x}))",
+    # sinh and cosh as h ± 1 / (4 h), h = exp(|x| - ln 2): finite wherever the result is; sinh near 0 by expm1;
+    # asinh(x) = sign(x) log1p(|x| + x^2 / (1 + sqrt(1 + x^2))), acosh(1 + t) = log1p(t + sqrt(t (t + 2))),
+    # each log(2 |x|) past 1e18 (where x^2 overflows), atanh(x) = (log1p(x) - log1p(-x)) / 2: no cancellation
+    "sinh": lambda a, x: (f"tl.where(tl.abs({x}) < 1.0, ({_expm1(x)} - {_expm1(f'-({x})')}) * 0.5, "
+                          f"tl.where(({x}) < 0.0, -1.0, 1.0) * ({_half_exp(x)} - 0.25 / {_half_exp(x)}))"),
+    "cosh": lambda a, x: f"({_half_exp(x)} + 0.25 / {_half_exp(x)})",
+    "asinh": lambda a, x: (f"tl.where(({x}) < 0.0, -1.0, 1.0) * tl.where(tl.abs({x}) > 1e18, "
+                           f"tl.log(tl.abs({x})) + {math.log(2)!r}, "
+                           f"{_log1p(f'tl.abs({x}) + ({x}) * ({x}) / (1.0 + tl.sqrt(1.0 + ({x}) * ({x})))')})"),
+    "acosh": lambda a, x: (f"tl.where(({x}) > 1e18, tl.log({x}) + {math.log(2)!r}, "
+                           f"{_log1p(f'(({x}) - 1.0) + tl.sqrt((({x}) - 1.0) * (({x}) + 1.0))')})"),
+    "atanh": lambda a, x: f"(({_log1p(x)} - {_log1p(f'-({x})')}) * 0.5)",
     "log1p": lambda a, x: _log1p(x),
     "expm1": lambda a, x: _expm1(x),
     "floor": lambda a, x: f"tl.floor({x})",
@@ -186,6 +207,11 @@ _BINARY: dict[str, Callable[[dict, str, str], str]] = {
     "minimum": lambda a, x, y: f"tl.minimum({x}, {y}, {PROPAGATE_NAN})",
     "pow": lambda a, x, y: _pow(x, y),
 }
+# narrow integers and bools, held as float32 values, exactly (a wide integer takes the integer form; a bitwise not
+# has none here: its result depends on the dtype's width and sign)
+for _name, _symbol in {"bitwise_and": "&", "bitwise_or": "|", "bitwise_xor": "^"}.items():
+    _BINARY[_name] = (lambda symbol: lambda a, x, y:
+                      f"((({x}).to(tl.int64)) {symbol} (({y}).to(tl.int64))).to(tl.float32)")(_symbol)
 for _name, _symbol in {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}.items():
     _BINARY[_name] = (lambda symbol: lambda a, x, y: f"tl.where(({x}) {symbol} ({y}), 1.0, 0.0)")(_symbol)  # bools
 
@@ -196,7 +222,8 @@ _TERNARY: dict[str, Callable[[dict, str, str, str], str]] = {
 SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_TERNARY) | {"batch_norm"}
 # ops whose result is discrete (a bool): their operands are rounded to their own dtype first, since a value kept in
 # float32 inside a kernel may cross the threshold eager sees (inf, a comparison's bound) where eager's does not
-DISCRETE_OPS = frozenset({"isinf", "lt", "le", "gt", "ge", "eq", "ne", "logical_not", "floor", "ceil", "sign"})
+DISCRETE_OPS = frozenset({"isinf", "lt", "le", "gt", "ge", "eq", "ne", "logical_not", "floor", "ceil", "sign",
+                          "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not"})
 
 
 # ops a kernel computes exactly on wide integers (int32, int64: token ids, positions), in int64; a bool operand is
@@ -214,6 +241,10 @@ _INTEGER: dict[str, Callable[[Sequence[str]], str]] = {
     "where": lambda a: f"tl.where(({a[0]}) != 0.0, {a[1]}, {a[2]})",
     "floor_div": lambda a: _rounded_quotient(a[0], a[1], floor=True),
     "trunc_div": lambda a: _rounded_quotient(a[0], a[1], floor=False),
+    "bitwise_and": lambda a: f"(({a[0]}) & ({a[1]}))",
+    "bitwise_or": lambda a: f"(({a[0]}) | ({a[1]}))",
+    "bitwise_xor": lambda a: f"(({a[0]}) ^ ({a[1]}))",
+    "bitwise_not": lambda a: f"(~({a[0]}))",
 }
 
 

@@ -70,7 +70,7 @@ def _pow(t: Translator, a: dict) -> str:
 
 _UNARY = ("relu", "sigmoid", "tanh", "silu", "hardswish", "hardsigmoid", "erf", "exp", "log", "sqrt", "rsqrt",
           "neg", "abs", "reciprocal", "square", "mish", "log_sigmoid", "sin", "cos", "log1p", "expm1", "floor", "ceil",
-          "sign", "logical_not")
+          "sign", "logical_not", "tan", "sinh", "cosh", "asinh", "acosh", "atanh")
 for _name in _UNARY:
     HANDLERS[_name] = (lambda op: lambda t, a: t.emit(op, [a["self"]]))(_name)
 
@@ -165,17 +165,29 @@ def _where(t: Translator, a: dict) -> str:
     return t.emit("where", [a["condition"], t.operand(a["self"]), t.operand(a["other"])])
 
 
-@maps("logical_and", "logical_or", "bitwise_and", "bitwise_or", "__and__", "__or__")
+@maps("logical_and", "logical_or", "bitwise_and", "bitwise_or", "__and__", "__or__", "bitwise_xor", "__xor__")
 def _boolean_logic(t: Translator, a: dict) -> str:
-    """and/or of two booleans as a selection: a and b is where(a, b, a), a or b is where(a, a, b). Integers (bitwise)
-    and mixed dtypes stay PyTorch's."""
+    """and/or of two booleans as a selection: a and b is where(a, b, a), a or b is where(a, a, b); xor as ne.
+    Integers: the bitwise op, computed exactly in a kernel. Mixed dtypes stay PyTorch's."""
+    conjunction = t.op_name in ("logical_and", "bitwise_and", "__and__")
+    exclusive = t.op_name in ("bitwise_xor", "__xor__")
     if t.out_type.dtype != "bool":
-        raise Unmapped(f"{t.op_name} of {t.out_type.dtype} values")
+        if t.out_type.is_float:
+            raise Unmapped(f"{t.op_name} of {t.out_type.dtype} values")
+        op = "bitwise_xor" if exclusive else "bitwise_and" if conjunction else "bitwise_or"
+        return t.emit(op, [t.operand(a["self"]), t.operand(a["other"])])
     first, second = (t.operand(a[k], "bool") for k in ("self", "other"))
     if any(t.type_of(v).dtype != "bool" for v in (first, second)):
         raise Unmapped(f"{t.op_name} of a boolean and a number")
-    conjunction = t.op_name in ("logical_and", "bitwise_and", "__and__")
+    if exclusive:
+        return t.emit("ne", [first, second])
     return t.emit("where", [first, second, first] if conjunction else [first, first, second])
+
+
+@maps("bitwise_not")
+def _bitwise_not(t: Translator, a: dict) -> str:
+    """The logical not of a boolean, an integer's bitwise not."""
+    return t.emit("logical_not" if t.type_of(t.value(a["self"])).dtype == "bool" else "bitwise_not", [a["self"]])
 
 
 @maps("masked_fill")

@@ -309,9 +309,14 @@ for _name, _fn, _cost in [
 for _name, _fn, _cost in [
     ("square", torch.square, 1), ("mish", F.mish, 12), ("log_sigmoid", F.logsigmoid, 6), ("sin", torch.sin, 4),
     ("cos", torch.cos, 4), ("log1p", torch.log1p, 4), ("expm1", torch.expm1, 4), ("floor", torch.floor, 1),
-    ("ceil", torch.ceil, 1), ("sign", torch.sign, 2),
+    ("ceil", torch.ceil, 1), ("sign", torch.sign, 2), ("tan", torch.tan, 9), ("sinh", torch.sinh, 9),
+    ("cosh", torch.cosh, 9), ("asinh", torch.asinh, 9), ("acosh", torch.acosh, 9), ("atanh", torch.atanh, 9),
+    ("bitwise_not", torch.bitwise_not, 1),
 ]:
     register(OpDef(_name, P, _unary(_fn), per_output_element(_cost)))
+for _name, _fn in {"bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or,
+                   "bitwise_xor": torch.bitwise_xor}.items():
+    register(OpDef(_name, B, _binary(_fn), per_output_element(1), doc="on integers or bools, broadcast"))
 register(OpDef("leaky_relu", P, lambda xs, a: F.leaky_relu(xs[0], a["negative_slope"]), per_output_element(2),
                doc="x if x > 0 else negative_slope * x; attrs negative_slope",
                attrs={"negative_slope": Float()}))

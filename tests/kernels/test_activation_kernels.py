@@ -1,6 +1,7 @@
 """The activations and other elementwise ops beyond the first set (leaky_relu, softplus, ELU/SELU/CELU, mish,
-log_sigmoid, square, sin, cos, log1p, expm1, floor, ceil, sign, logical_not) on Triton's interpreter: alone, as a
-GEMM anchor's epilogue, and mapped from ATen by the PyTorch frontend.
+log_sigmoid, square, sin, cos, tan, the hyperbolic functions and their inverses, log1p, expm1, floor, ceil, sign,
+logical_not, bitwise and/or/xor/not) on Triton's interpreter: alone, as a GEMM anchor's epilogue, and mapped from
+ATen by the PyTorch frontend.
 
 Each kernel test feeds odd shapes with values across the ops' regimes (tiny, around 0, large, past the overflow of
 exp), NaN-poisons the outputs and compares with the float32 reference (`tests.kernels.builders`), and the special
@@ -33,7 +34,8 @@ UNARY = [
     ("elu", {"alpha": 1.6732632423543772, "scale": 1.0507009873554805, "input_scale": 1.0}),     # SELU
     ("elu", {"alpha": 0.5, "scale": 1.0, "input_scale": 2.0}),                                   # CELU(0.5)
     ("mish", {}), ("log_sigmoid", {}), ("square", {}), ("sin", {}), ("cos", {}), ("log1p", {}), ("expm1", {}),
-    ("floor", {}), ("ceil", {}), ("sign", {}),
+    ("floor", {}), ("ceil", {}), ("sign", {}), ("tan", {}), ("sinh", {}), ("cosh", {}), ("asinh", {}),
+    ("acosh", {}), ("atanh", {}),
 ]
 
 # values across every regime: tiny (log1p/expm1 cancel there), around 0, large, past exp's overflow, and NaN
@@ -55,6 +57,9 @@ def test_activation_alone_on_an_odd_shape(op, attrs):
     values = b.random(3, 7, 13) * 3
     if op == "log1p":       # its domain: x > -1
         values = values.abs() - 0.99
+    domains = {"acosh": lambda v: v.abs() + 1, "atanh": lambda v: torch.tanh(v) * 0.99,
+               "tan": lambda v: v.clamp(-1.3, 1.3)}                  # (away from tan's poles)
+    values = domains.get(op, lambda v: v)(values)
     x = b.input("x", (3, 7, 13), values)
     y = b.op(op, x, **attrs)
     _, results = run_alone(b, [y])
@@ -105,7 +110,8 @@ class Activations(nn.Module):
         ys = [F.leaky_relu(x, 0.1), F.softplus(x, 2.0, 10.0), torch.square(x), F.elu(x, 0.7), F.selu(x),
               F.celu(x, 0.5), F.mish(x), F.logsigmoid(x), torch.sin(x), torch.cos(x), torch.log1p(x.abs()),
               torch.expm1(x), torch.floor(x), torch.ceil(x), torch.sign(x), self.prelu(x), F.threshold(x, 0.1, 2.0),
-              torch.logical_not(x > 0).to(x.dtype)]
+              torch.logical_not(x > 0).to(x.dtype), torch.tan(x.clamp(-1, 1)), torch.sinh(x), torch.cosh(x),
+              torch.asinh(x), torch.acosh(x.abs() + 1), torch.atanh(x.tanh() * 0.5)]
         return torch.stack([y.sum() for y in ys])
 
 
@@ -119,7 +125,50 @@ def test_each_activation_is_mapped_from_aten_and_the_graph_matches_eager():
     assert not [n.attrs["target"] for n in graph if n.op == "opaque" and "sum" not in n.attrs["target"]
                 and "stack" not in n.attrs["target"]]
     assert {"leaky_relu", "softplus", "square", "elu", "mish", "log_sigmoid", "sin", "cos", "log1p", "expm1",
-            "floor", "ceil", "sign", "logical_not", "where"} <= mapped
+            "floor", "ceil", "sign", "logical_not", "where", "tan", "sinh", "cosh", "asinh", "acosh", "atanh"} <= mapped
     (got,) = interpret(graph, [x])
     torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
     assert math.isfinite(float(got.sum()))
+
+
+# ---- bitwise ops --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "int16", "int8", "uint8", "bool"])
+def test_bitwise_ops_are_exact_on_every_integer_dtype(dtype):
+    """and, or, xor (and not, on the wide integers' exact int64 path) against PyTorch, element by element: negative
+    values, the dtype's extremes, broadcast scalars."""
+    torch_type = getattr(torch, dtype)
+    info = torch.iinfo(torch_type) if dtype != "bool" else None
+    low, high = (0, 2) if info is None else (max(info.min, -(1 << 40)), min(info.max, 1 << 40))
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(low, high, (3, 37), generator=generator).to(torch_type)
+    c = torch.randint(low, high, (3, 37), generator=generator).to(torch_type)
+    if info is not None:
+        a[0, :2] = torch.tensor([info.min, info.max], dtype=torch_type)
+    b = KernelGraph(dtype)
+    x, y = b.input("a", (3, 37), a), b.input("c", (3, 37), c)
+    outputs = [b.op(op, x, y) for op in ("bitwise_and", "bitwise_or", "bitwise_xor")]
+    wants = [a & c, a | c, a ^ c]
+    if dtype in ("int64", "int32"):
+        outputs.append(b.op("bitwise_not", x))
+        wants.append(~a)
+    kernel = lower_pointwise_group(b.graph, b.group(outputs, GroupKind.SINGLE), "cpu")
+    results = kernel.run([b.feeds[name] for name in kernel.runtime_inputs])
+    for got, want in zip(results, wants):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_bitwise_ops_map_from_aten_and_python_operators():
+    class Bits(nn.Module):
+        def forward(self, i, j, p, q):
+            return i & j, i | 6, i ^ j, ~i, torch.bitwise_and(i, 5), p & q, p | q, p ^ q, ~p
+
+    i, j = torch.tensor([-7, 3, 12, 0]), torch.tensor([5, -2, 10, 1])
+    p, q = torch.tensor([True, False, True, False]), torch.tensor([True, True, False, False])
+    model = Bits().eval()
+    graph = capture_torch(model, (i, j, p, q))
+    assert not [n for n in graph if n.op == "opaque"]
+    assert {"bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "logical_not", "ne", "where"} <= \
+        {n.op for n in graph}
+    for got, want in zip(interpret(graph, [i, j, p, q]), model(i, j, p, q)):
+        assert torch.equal(got, want)
