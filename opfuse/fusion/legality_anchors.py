@@ -186,21 +186,32 @@ def gated_pair(graph: Graph, nodes: Iterable[str], users: Users) -> GatedPair | 
             or first.type.shape != second.type.shape:
         return None
     for gate, up in ((first, second), (second, first)):
-        chain, value = [], gate.name
-        while True:
-            readers = users[value]
-            if len(readers) != 1 or value in graph.outputs or readers[0].name not in nodes:
-                break
-            reader = readers[0]
-            if reader.op == "mul" and sorted(reader.inputs) == sorted([value, up.name]) \
-                    and [u.name for u in users[up.name]] == [reader.name] and up.name not in graph.outputs \
-                    and reader.type.shape == gate.type.shape:
-                return GatedPair(gate.name, tuple(chain), up.name, reader.name)
-            if not kind_of(reader).elementwise or len(reader.inputs) != 1 or reader.type.shape != gate.type.shape:
-                break
-            chain.append(reader.name)
-            value = reader.name
+        product = gated_product(graph, gate, up, users, nodes)
+        if product is not None:
+            return GatedPair(gate.name, product[0], up.name, product[1])
     return None
+
+
+def gated_product(graph: Graph, gate: Node, up: Node, users: Users, within: set[str] | None = None
+                  ) -> tuple[tuple[str, ...], str] | None:
+    """(the chain of single-input elementwise ops from `gate`, the mul of its end and `up`), or None: each value
+    read once (by the next, and within `within` where given), neither an output, `up` read by the mul alone, and
+    every value of the chain of gate's shape. What a gated GEMM computes in its tile (`gated_pair`,
+    `gated_experts`)."""
+    chain, value = [], gate.name
+    while True:
+        readers = users[value]
+        if len(readers) != 1 or value in graph.outputs or within is not None and readers[0].name not in within:
+            return None
+        reader = readers[0]
+        if reader.op == "mul" and sorted(reader.inputs) == sorted([value, up.name]) \
+                and [u.name for u in users[up.name]] == [reader.name] and up.name not in graph.outputs \
+                and reader.type.shape == gate.type.shape:
+            return tuple(chain), reader.name
+        if not kind_of(reader).elementwise or len(reader.inputs) != 1 or reader.type.shape != gate.type.shape:
+            return None
+        chain.append(reader.name)
+        value = reader.name
 
 
 @dataclass(frozen=True)
@@ -235,17 +246,5 @@ def gated_experts(graph: Graph, name: str, users: Users) -> GatedExperts | None:
             or slices[half].attrs["end"] < columns:
         return None
     gate, up = slices[0], slices[half]
-    chain, value = [], gate.name
-    while True:
-        readers = users[value]
-        if len(readers) != 1 or value in graph.outputs:
-            return None
-        reader = readers[0]
-        if reader.op == "mul" and sorted(reader.inputs) == sorted([value, up.name]) \
-                and [u.name for u in users[up.name]] == [reader.name] and up.name not in graph.outputs \
-                and reader.type.shape == gate.type.shape:
-            return GatedExperts(name, gate.name, tuple(chain), up.name, reader.name)
-        if not kind_of(reader).elementwise or len(reader.inputs) != 1 or reader.type.shape != gate.type.shape:
-            return None
-        chain.append(reader.name)
-        value = reader.name
+    product = gated_product(graph, gate, up, users)
+    return None if product is None else GatedExperts(name, gate.name, product[0], up.name, product[1])
