@@ -299,15 +299,24 @@ GATED_CODE = """\
 """
 
 
+def gated_code(graph: Graph, activation: Sequence[str]) -> str:
+    """GATED_CODE with the gate's activation, `activation`'s elementwise ops in order."""
+    return GATED_CODE.format(activation="\n".join(f"    gate = {emit(graph[name].op, graph[name].attrs, ['gate'])}"
+                                                  for name in activation))
+
+
+def interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Two weights' columns (their last dim) interleaved, gate_0, up_0, gate_1, ...: what GATED_CODE splits."""
+    return torch.stack([gate, up], -1).flatten(-2)
+
+
 class GatedGemmKernel(GemmKernel):
     """act(x W_gate^T) * (x W_up^T) (+ epilogue) as one GEMM over the interleaved weights (`GATED_CODE`); no split-K
     and no library form (the unfused form remains)."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, pair: GatedPair, epilogue: Epilogue,
                  a: str, k: int, weight: torch.Tensor, hw: HardwareProfile | None, prologue: Prologue | None = None):
-        activation = "\n".join(f"    gate = {emit(graph[name].op, graph[name].attrs, ['gate'])}"
-                                for name in pair.activation)
-        template = GEMM_TEMPLATE.replace("{epilogue}", GATED_CODE.format(activation=activation) + "{epilogue}")
+        template = GEMM_TEMPLATE.replace("{epilogue}", gated_code(graph, pair.activation) + "{epilogue}")
         super().__init__(graph, group, device, epilogue, a=a, k=k, b_packed=weight, hw=hw, template=template,
                          prologue=prologue)
         self.split = None
@@ -324,7 +333,7 @@ def _lower_gated(graph: Graph, group: FusionGroup, device: torch.device, pair: G
     dtype = compute_dtype(graph, x, gate)
     weights = [graph.constants[graph[name].inputs[1]] for name in (pair.gate, pair.up)]
     n, k = weights[0].shape
-    weight = torch.stack([w.t() for w in weights], 2).reshape(k, 2 * n)      # columns gate_j, up_j interleaved
+    weight = interleaved(weights[0].t(), weights[1].t())      # [k, 2 n]: columns gate_j, up_j
     weight = weight.contiguous().to(device=device, dtype=torch_dtype(dtype))
     ops = anchor_prologue(graph, pair.gate, group.nodes, users)
     after = [name for name in group.nodes if name not in (pair.gate, pair.up, *pair.activation, *ops)]

@@ -9,7 +9,7 @@ past the groups' tiles do nothing. Nothing waits on the host: a CUDA graph holds
 reads the offsets back (`.tolist()`) and launches a GEMM per expert. Tiles: the anchor tile space
 (`opfuse.fusion.tiles.anchor_tiles`) for a GEMM of an expert's average rows. With its gated product (a SwiGLU over
 the output's two column halves, `opfuse.fusion.legality_anchors.gated_experts`) the kernel reads the weight's
-halves interleaved and stores act(gate) * up (`GATED_PRODUCT`), as a gated pair of linears does.
+halves interleaved and stores act(gate) * up (`opfuse.codegen.gemm.gated_code`), as a gated pair of linears does.
 
 The routing ops (topk, sort, histc, index_copy; `OpDef.kernel` == "library") run as PyTorch's own CUDA kernels
 (`LibraryKernel`), a launch each.
@@ -23,7 +23,8 @@ import torch
 import triton
 
 from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, KernelConfig, compiled_info, kernel_name, load_kernel
-from opfuse.codegen.expr import Unsupported, emit
+from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.gemm import gated_code, interleaved
 from opfuse.codegen.template_kernel import INT32_LIMIT
 from opfuse.fusion.legality_anchors import gated_experts
 from opfuse.fusion.plan import FusionGroup
@@ -65,7 +66,8 @@ def KERNEL_NAME(
     k_end = tl.where(group < E, K, 0)           # the rows past the experts' sum nothing: zeros
 
     offs_m = row_start + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < row_end
     mask_n = offs_n < N
@@ -84,18 +86,6 @@ def KERNEL_NAME(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 '''
 
-# gated experts (`opfuse.fusion.legality_anchors.gated_experts`): w holds the two halves' columns interleaved (gate_0,
-# up_0, gate_1, ...), so a tile of BLOCK_N columns holds BLOCK_N / 2 of each for the same outputs; the gate's
-# activation runs on its half, and the product is stored over BLOCK_N / 2 output columns of N / 2
-GATED_PRODUCT = """\
-    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-{activation}
-    acc = gate * up
-    offs_n = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    mask_n = offs_n < N // 2
-"""
-
-
 class GroupedGemmKernel(GroupKernel):
     """One grouped_mm node (module docstring), or with its gated product (`gated_experts`)."""
 
@@ -111,19 +101,15 @@ class GroupedGemmKernel(GroupKernel):
         self.gated = gated_experts(graph, node.name, graph.users()) if len(group.nodes) > 1 else None
         if len(group.nodes) > 1 and (self.gated is None or self.gated.nodes != set(group.nodes)):
             raise Unsupported(f"group {group.name}: a grouped GEMM takes only a gated product after it")
-        activation = "\n".join(f"    gate = {emit(graph[n].op, graph[n].attrs, ['gate'])}"
-                               for n in (self.gated.activation if self.gated else ()))
-        source = GROUPED_GEMM_TEMPLATE.replace(
-            "{product}\n", GATED_PRODUCT.replace("{activation}", activation) if self.gated else "")
+        source = GROUPED_GEMM_TEMPLATE.replace(     # a gated product as a gated pair of linears computes it
+            "{product}\n", gated_code(graph, self.gated.activation) if self.gated else "")
         name, source, self.function = load_kernel("fused", [graph[n].op for n in group.nodes], source)
         super().__init__(graph, group, name, source)
         self.device = device
         self.constants = {v: graph.constants[v].to(device) for v in node.inputs if graph.is_constant(v)}
         if self.gated:      # the weight's halves interleaved: columns gate_j, up_j
             weight = self.constants[node.inputs[1]]
-            half = self.n // 2
-            self.constants[node.inputs[1]] = torch.stack([weight[..., :half], weight[..., half:]], -1).reshape(
-                weight.shape).contiguous()
+            self.constants[node.inputs[1]] = interleaved(*weight.split(self.n // 2, -1)).contiguous()
         self.output = self.gated.product if self.gated else node.name
         hw = kernel_profile(hw)
         average = max(1, self.rows // self.experts)
