@@ -121,12 +121,16 @@ def opaque_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:
     for name in sorted(nodes):
         node = graph[name]
         if kind_of(node) is FusionKind.OPAQUE and not graph.writes_state_in_place(name):
-            kernel = get_op(node.op).kernel
-            if kernel is not None:
-                return Reason(Code.ALONE, f"{name} ({node.op}) runs alone, in a kernel of its own ({kernel})")
+            if get_op(node.op).kernel is not None:
+                return alone(node)
             target = node.attrs.get("target")
             return Reason(Code.OPAQUE, f"opaque op {name}{f' ({target})' if target else ''} runs through PyTorch")
     return None
+
+
+def alone(node: Node) -> Reason:
+    """Why an op that runs alone in a kernel of its own (`OpDef.kernel`) takes no fusion."""
+    return Reason(Code.ALONE, f"{node.name} ({node.op}) runs alone, in a kernel of its own ({get_op(node.op).kernel})")
 
 
 def injective_rule(graph: Graph, nodes: Iterable[str]) -> Reason | None:

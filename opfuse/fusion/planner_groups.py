@@ -7,7 +7,7 @@ import heapq
 import math
 
 from opfuse.fusion.cost import KernelEstimate
-from opfuse.fusion.legality import skip_operands
+from opfuse.fusion.legality import alone, skip_operands
 from opfuse.fusion.legality_anchors import gated_pair, row_norm_prologue
 from opfuse.fusion.legality_views import MAPPED_COPIES, is_view
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind, Verdict
@@ -88,8 +88,7 @@ class GroupListing:
             return Reason(Code.VIEW, f"view ({first.op}): no kernel, no traffic")
         if kind is GroupKind.OPAQUE and group not in self.notes:
             if get_op(first.op).kernel is not None:
-                return Reason(Code.ALONE, f"{first.name} ({first.op}) runs alone, in a kernel of its own "
-                              f"({get_op(first.op).kernel})")
+                return alone(first)
             return Reason(Code.OPAQUE, f"opaque op {first.name} runs through PyTorch")
         if kind is GroupKind.INJECTIVE:
             return Reason(Code.COPYING_OP,
