@@ -72,13 +72,18 @@ def _index(t: Translator, a: dict) -> str:
     else:
         index = None
         for name, size, stride in zip(names, indexed, strides):
-            wrapped = t.emit("where", [t.emit("lt", [name, t.operand(0, t.type_of(name).dtype)]),
-                                       t.emit("add", [name, t.operand(size, t.type_of(name).dtype)]), name])
-            if t.type_of(wrapped).dtype != "int64":
-                wrapped = t.emit("cast", [wrapped], {"dtype": "int64"})
+            wrapped = from_end(t, name, size)
             term = wrapped if stride == 1 else t.emit("mul", [wrapped, t.operand(stride, "int64")])
             index = term if index is None else t.emit("add", [index, term])
     return t.emit("take", [merged, index], {"axis": first})
+
+
+def from_end(t: Translator, index: str, size: int) -> str:
+    """Integer `index` into a dim of `size`, a negative one counted from its end, as int64."""
+    dtype = t.type_of(index).dtype
+    negative = t.emit("lt", [index, t.operand(0, dtype)])
+    wrapped = t.emit("where", [negative, t.emit("add", [index, t.operand(size, dtype)]), index])
+    return wrapped if dtype == "int64" else t.emit("cast", [wrapped], {"dtype": "int64"})
 
 
 def _counting(flat: torch.Tensor, count: int) -> list[int] | None:

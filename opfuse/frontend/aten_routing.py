@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch.fx as fx
 
 from opfuse.frontend.aten_common import Handler, MultiOutput, Unmapped, registrar, wrap_dim
+from opfuse.frontend.aten_index import from_end
 
 if TYPE_CHECKING:
     from opfuse.frontend.torch_translate import Translator
@@ -24,29 +25,24 @@ HANDLERS: dict[str, Handler] = {}
 maps = registrar(HANDLERS)
 
 
-def _outputs(t: Translator, op: str, x: str, attrs: dict) -> MultiOutput:
-    """A (values, indices) call as one op per output read (`output` 0 or 1)."""
+def _along_dim(t: Translator, a: dict, op: str, **attrs) -> MultiOutput:
+    """A (values, indices) call along `a`'s dim as one op per output read (`output` 0 or 1)."""
+    x = t.value(a["self"])
+    rank = t.rank(x)
+    if rank == 0:
+        raise Unmapped(f"{op} of a 0-d tensor")
+    attrs = {"dim": wrap_dim(int(a["dim"]), rank), **attrs}
     return MultiOutput(t.node, lambda index: t.emit(op, [x], attrs | {"output": index}))
 
 
 @maps("topk")
 def _topk(t: Translator, a: dict) -> MultiOutput:
-    x = t.value(a["self"])
-    rank = t.rank(x)
-    if rank == 0:
-        raise Unmapped("topk of a 0-d tensor")
-    return _outputs(t, "topk", x, {"k": int(a["k"]), "dim": wrap_dim(int(a["dim"]), rank),
-                                   "largest": bool(a["largest"]), "sorted": bool(a["sorted"])})
+    return _along_dim(t, a, "topk", k=int(a["k"]), largest=bool(a["largest"]), sorted=bool(a["sorted"]))
 
 
 @maps("sort")
 def _sort(t: Translator, a: dict) -> MultiOutput:
-    x = t.value(a["self"])
-    rank = t.rank(x)
-    if rank == 0:
-        raise Unmapped("sort of a 0-d tensor")
-    return _outputs(t, "sort", x, {"dim": wrap_dim(int(a["dim"]), rank), "descending": bool(a["descending"]),
-                                   "stable": bool(a.get("stable"))})
+    return _along_dim(t, a, "sort", descending=bool(a["descending"]), stable=bool(a.get("stable")))
 
 
 @maps("histc")
@@ -76,11 +72,7 @@ def _index_put(t: Translator, a: dict) -> str:
         values = t.emit("expand", [values], {"shape": wanted})
     if t.type_of(values).dtype != t.type_of(x).dtype:
         values = t.emit("cast", [values], {"dtype": t.type_of(x).dtype})
-    if index_type.dtype != "int64":
-        index = t.emit("cast", [index], {"dtype": "int64"})
-    wrapped = t.emit("where", [t.emit("lt", [index, t.operand(0, "int64")]),
-                               t.emit("add", [index, t.operand(shape[0], "int64")]), index])
-    return t.emit("index_copy", [x, wrapped, values], {"dim": 0})
+    return t.emit("index_copy", [x, from_end(t, index, shape[0]), values], {"dim": 0})
 
 
 def _grouped_mm(t: Translator, x: fx.Node, w: fx.Node, ends: fx.Node) -> str:
