@@ -36,14 +36,11 @@ def test_mixtral_compiles_into_one_cuda_graph(dtype):
     transformers = pytest.importorskip("transformers")
     import opfuse
     from tests.kernels.builders import rel_err
+    from tests.unit.test_ops_alone import mixtral
 
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                        num_local_experts=8, num_experts_per_tok=2, vocab_size=1024,
-                                        max_position_embeddings=512, use_cache=False,
-                                        experts_implementation="grouped_mm")
-    model = transformers.MixtralModel(config).eval().cuda()
+    model = mixtral(transformers, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, num_local_experts=8, vocab_size=1024).cuda()
     ids = torch.randint(0, 1024, (2, 96), device="cuda")
     reference = model(ids).last_hidden_state.detach()
     model = model.to(getattr(torch, dtype))

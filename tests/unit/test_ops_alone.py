@@ -246,15 +246,19 @@ def test_a_routing_op_is_a_library_call_alone():
 
 # ---- a model ---------------------------------------------------------------------------------------------------
 
+def mixtral(transformers, **sizes) -> nn.Module:
+    """A MixtralModel in eval mode of these sizes: two experts a token, through transformers' grouped_mm experts
+    (the default differs between its versions), no cache."""
+    config = transformers.MixtralConfig(num_experts_per_tok=2, max_position_embeddings=512, use_cache=False,
+                                        experts_implementation="grouped_mm", **sizes)
+    return transformers.MixtralModel(config).eval()
+
+
 def test_mixtral_compiles_with_nothing_through_pytorch_and_matches_eager():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                        num_local_experts=4, num_experts_per_tok=2, vocab_size=64,
-                                        max_position_embeddings=64, use_cache=False,
-                                        experts_implementation="grouped_mm")
-    model = transformers.MixtralModel(config).eval()
+    model = mixtral(transformers, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=16, num_local_experts=4, vocab_size=64)
     ids = torch.randint(0, 64, (2, 7))
     analysis = opfuse.analyze(model, (ids,), FusionConfig(dtype="float32"))
     assert not analysis.opaque_ops and analysis.pytorch_groups == {}
