@@ -32,7 +32,7 @@ from opfuse.fusion.tiles import INTERPRETER, anchor_tiles
 from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import Graph, torch_dtype
 from opfuse.ir.ops import get_op
-from opfuse.ir.ops_alone import CALLS
+from opfuse.ir.ops_alone import CALLS, call_of
 from opfuse.numerics import dot_precision
 
 GROUPED_GEMM_TEMPLATE = '''
@@ -149,10 +149,9 @@ class LibraryKernel(GroupKernel):
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, hw: HardwareProfile | None = None):
         self.nodes = [graph[name] for name in group.nodes]
         self.node = first = self.nodes[0]
-        if any(n.op != first.op or n.inputs != first.inputs or _call_attrs(n) != _call_attrs(first)
-               for n in self.nodes[1:]):
+        if any(call_of(n) != call_of(first) for n in self.nodes[1:]):
             raise Unsupported(f"group {group.name}: library calls of ops that are no outputs of one call")
-        source = f"# library call: {first.op} {_call_attrs(first)}"
+        source = f"# library call: {first.op} {call_of(first)[2]}"    # (one source for every call site)
         super().__init__(graph, group, kernel_name("library", [first.op], source), source)
         self.constants = {v: graph.constants[v].to(device) for v in first.inputs if graph.is_constant(v)}
 
@@ -170,11 +169,6 @@ class LibraryKernel(GroupKernel):
         results = CALLS[self.node.op](operands, self.node.attrs)
         by_name = {n.name: results[n.attrs["output"]] for n in self.nodes}
         return [by_name[name] for name in self.group.outputs]
-
-
-def _call_attrs(node) -> dict:
-    """A node's attrs but the output of its call it reads."""
-    return {key: value for key, value in node.attrs.items() if key != "output"}
 
 
 def lower_grouped_gemm(graph: Graph, group: FusionGroup, device: torch.device,

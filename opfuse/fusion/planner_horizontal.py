@@ -13,6 +13,7 @@ from opfuse.fusion.plan import Fusion, GroupKind, Verdict
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import anchor_of, conv_chain
 from opfuse.ir.ops import FusionKind, get_op, kind_of
+from opfuse.ir.ops_alone import call_of
 
 
 class HorizontalFusion:
@@ -56,8 +57,7 @@ class HorizontalFusion:
             nodes = self.groups[group]
             node = self.graph[nodes[0]]
             if len(nodes) == 1 and "output" in node.attrs and get_op(node.op).kernel == "library":
-                attrs = tuple(sorted((key, repr(value)) for key, value in node.attrs.items() if key != "output"))
-                calls.setdefault((node.op, tuple(node.inputs), attrs), []).append(group)
+                calls.setdefault(call_of(node), []).append(group)
         for members in calls.values():
             for other in members[1:]:
                 self.merge(members[0], other, "outputs of one call: one call computes them")

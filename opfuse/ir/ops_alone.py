@@ -35,6 +35,12 @@ CALLS = {
 }
 
 
+def call_of(node) -> tuple:
+    """What the nodes reading outputs of one call share: its op, inputs and attrs but `output`."""
+    return (node.op, tuple(node.inputs), tuple(sorted((key, repr(value)) for key, value in node.attrs.items()
+                                                      if key != "output")))
+
+
 def _output_of(op: str):
     return lambda xs, a: CALLS[op](xs, a)[a["output"]]
 
