@@ -7,7 +7,9 @@ re-derived from the op registry, disagrees with the type torch recorded. Such ca
 re-run the original ATen call, so capture never fails on an unknown op; the node's attrs keep the reason.
 A region a higher-order op wraps only for a mode inference does not change (autocast turned off, grad mode) is
 inlined: its sub-graph's calls are translated as if they stood in the program (`_inline`); one that autocasts runs
-as an opaque call. Parameters and buffers become constant nodes (private clones) only when something reads them.
+as an opaque call. Parameters and buffers become constant nodes only when something reads them: the program's
+state dict as it is (the program is exported from the capture's private copy of the model, so nothing the user holds
+aliases it), any other tensor constant a clone of its own.
 The program's outputs become the graph's, its writes to declared state the graph's state updates; other writes to
 the model's state are refused and writes into its inputs warned of (`InputWrittenWarning`), as
 `opfuse.frontend.torch_export` describes.
@@ -46,6 +48,7 @@ class _LazyConstant:
 
     key: str
     tensor: torch.Tensor
+    private: bool = False   # the capture's own tensor (the program's state dict): used as it is, not cloned
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,8 @@ class Translator:
         if isinstance(value, _LazyConstant):
             name = self.constant_names.get(arg)
             if name is None or name not in self.graph.nodes:  # not made yet, or removed by a rollback
-                name = self.graph.add_constant(value.key, value.tensor.detach().clone(), source=arg.name).name
+                tensor = value.tensor.detach() if value.private else value.tensor.detach().clone()
+                name = self.graph.add_constant(value.key, tensor, source=arg.name).name
                 self.constant_names[arg] = name
             return name
         if not isinstance(value, str):
@@ -213,8 +217,9 @@ class Translator:
             tensor = self.program.state_dict[spec.target].detach().clone()
             self.env[node] = self.graph.add_state(spec.target, tensor, source=node.name).name
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            tensors = self.program.state_dict if spec.target in self.program.state_dict else self.program.constants
-            self.env[node] = _LazyConstant(spec.target, tensors[spec.target])
+            private = spec.target in self.program.state_dict
+            tensors = self.program.state_dict if private else self.program.constants
+            self.env[node] = _LazyConstant(spec.target, tensors[spec.target], private)
         else:  # script objects, effect tokens: plain python values an opaque call passes through
             self.env[node] = self.program.constants.get(spec.target) if spec.target else None
 

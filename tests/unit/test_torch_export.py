@@ -435,6 +435,14 @@ def test_constants_are_private_copies_and_unused_ones_are_dropped():
     assert not parameter_pointers & {t.data_ptr() for t in graph.constants.values()}
 
 
+def test_a_tensor_the_forward_reads_from_outside_the_model_is_copied():
+    table = torch.randn(4, 8, 8)     # not the model's: the capture's private copy of the model does not hold it
+    graph, _ = capture_and_check(Lambda(lambda m, x: x * table), X4)
+    constants = list(graph.constants.values())
+    assert len(constants) == 1 and torch.equal(constants[0], table)
+    assert constants[0].data_ptr() != table.data_ptr()
+
+
 def test_user_model_is_not_changed_even_in_train_mode():
     model = nn.Sequential(nn.Conv2d(4, 4, 3), randomised_batch_norm(4), nn.ReLU(), nn.Dropout(0.5))
     model.train()
