@@ -331,10 +331,10 @@ def _lower_gated(graph: Graph, group: FusionGroup, device: torch.device, pair: G
     gate = graph[pair.gate]
     x = gate.inputs[0]
     dtype = compute_dtype(graph, x, gate)
-    weights = [graph.constants[graph[name].inputs[1]] for name in (pair.gate, pair.up)]
+    weights = [graph.constants[graph[name].inputs[1]].to(device=device, dtype=torch_dtype(dtype))
+               for name in (pair.gate, pair.up)]
     n, k = weights[0].shape
-    weight = interleaved(weights[0].t(), weights[1].t())      # [k, 2 n]: columns gate_j, up_j
-    weight = weight.contiguous().to(device=device, dtype=torch_dtype(dtype))
+    weight = interleaved(weights[0].t(), weights[1].t()).contiguous()     # [k, 2 n]: columns gate_j, up_j
     ops = anchor_prologue(graph, pair.gate, group.nodes, users)
     after = [name for name in group.nodes if name not in (pair.gate, pair.up, *pair.activation, *ops)]
     if after[0] != pair.product:
@@ -344,7 +344,7 @@ def _lower_gated(graph: Graph, group: FusionGroup, device: torch.device, pair: G
     prologue = linear_prologue(graph, ops, x, k, device, fold_weight=True)
     if prologue is not None and prologue.row_scale is not None:    # the norm's weight on B's rows (K)
         folded = (weight.float() * prologue.row_scale.to(device)[:, None]).to(weight.dtype)
-        if torch.isfinite(folded).all():
+        if folded.is_meta or torch.isfinite(folded).all():    # (meta: lowered to learn the plan's outcome)
             weight = folded
         else:           # past the dtype's range: the tiles take the weight instead
             prologue = linear_prologue(graph, ops, x, k, device)
@@ -357,8 +357,8 @@ def _pack_linear_weights(graph: Graph, anchors: list[str], dtype: str, device: t
     for name in anchors:
         if not graph.is_constant(graph[name].inputs[1]):
             raise Unsupported(f"{graph[name].describe()}: the weight is not a constant")
-    weight = torch.cat([graph.constants[graph[name].inputs[1]] for name in anchors], 0)
-    return weight.t().contiguous().to(device=device, dtype=torch_dtype(dtype))
+    weights = [graph.constants[graph[name].inputs[1]].to(device=device, dtype=torch_dtype(dtype)) for name in anchors]
+    return torch.cat(weights, 0).t().contiguous()
 
 
 def anchor_biases(graph: Graph, anchors: list[str]) -> list[torch.Tensor | None]:

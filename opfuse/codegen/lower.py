@@ -134,14 +134,14 @@ def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
 
 def groups_through_pytorch(plan: FusionPlan) -> dict[str, Reason]:
     """{group name: why} for every group that launches work but gets no opfuse kernel, found by lowering the plan
-    (on the CPU: nothing runs or compiles): the compiled model runs those groups' nodes one by one through PyTorch."""
+    (`lowered_outcome`): the compiled model runs those groups' nodes one by one through PyTorch."""
     return lowered_outcome(plan)[0]
 
 
 def lowered_outcome(plan: FusionPlan) -> tuple[dict[str, Reason], dict[str, str]]:
-    """The plan lowered on the CPU (nothing runs or compiles): (`groups_through_pytorch`, `library_calls` of its
-    kernels)."""
-    kernels, reasons = lower_plan(plan, "cpu")
+    """The plan lowered on PyTorch's meta device (nothing runs, compiles or copies weights: the templates make the
+    same choices there as on the GPU): (`groups_through_pytorch`, `library_calls` of its kernels)."""
+    kernels, reasons = lower_plan(plan, "meta")
     through = {group.name: reasons[group.name] for group in plan.groups if group.launches and group.name in reasons}
     return through, library_calls(kernels)
 

@@ -184,9 +184,9 @@ class Prologue:
         source = self.graph[value]
         per_channel = along_channels(reader, position)
         if source.op == "constant":
+            if self.graph.constants[value].numel() == 1:
+                return literal(self.graph.constants[value].reshape(()).item())
             constant = self.constants.setdefault(value, self.graph.constants[value].to(self.device))
-            if constant.numel() == 1:
-                return literal(constant.reshape(()).item())
             if per_channel:
                 constant = constant.reshape([-1 if d == 1 else 1 for d in range(len(reader.type.shape))])
             self.operands.append(constant)

@@ -169,3 +169,23 @@ def test_opfuse_bench_generate_times_each_contender_and_counts_the_tokens_equal_
     assert report["launches"] > 0 and report["weight_bytes"] > 0 and report["position"] == 5 + 3 // 2
     printed = " ".join(capsys.readouterr().out.split())
     assert "llama-tiny: batch 1, prompt 5, 3 new tokens" in printed and "launches" in printed
+
+
+@pytest.mark.parametrize("prologue", [False, True])
+def test_analysis_lowers_on_the_meta_device_as_the_cpu_lowers(prologue):
+    """`lowered_outcome` lowers on the meta device (no weight is copied or packed): every group gets the kernel of
+    the same class, or the same reason, as lowering on the CPU gives it; with the norm prologues, whose gated pairs
+    fold the norm's weight on the CPU."""
+    from opfuse.codegen.lower import lower_plan, lowered_outcome
+
+    decoder = KVCacheDecoder(tiny_llama(), 1, 16).eval()
+    inputs = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    config = opfuse.FusionConfig(dtype="float16", norm_prologue=prologue, rms_norm_prologue=prologue)
+    plan = opfuse.analyze(decoder, inputs, config).plan
+    on_meta, why_meta = lower_plan(plan, "meta")
+    on_cpu, why_cpu = lower_plan(plan, "cpu")
+    assert {n: type(k) for n, k in on_meta.items()} == {n: type(k) for n, k in on_cpu.items()}
+    assert {n: r.code for n, r in why_meta.items()} == {n: r.code for n, r in why_cpu.items()}
+    assert lowered_outcome(plan)[0] == {}
+    if prologue:
+        assert sum(getattr(k, "prologue", None) is not None for k in on_meta.values()) >= 2
