@@ -1,7 +1,7 @@
 """The ops that run alone (`OpDef.kernel`), registered into `opfuse.ir.ops.REGISTRY` when it is imported: never fused,
 each a kernel of its own. A mixture of experts' experts as opfuse's grouped GEMM (`opfuse.codegen.grouped_gemm`);
-its routing (topk, sort, histc) and recurrent layers (an LSTM) as library calls, PyTorch's own CUDA kernels (cuDNN's
-LSTM), which read nothing back to the host, so a CUDA graph holds them. A (values, indices) or (output, h, c) call
+its routing (topk, sort, histc), recurrent layers (an LSTM), scatters and grid sampling as library calls, PyTorch's own
+CUDA kernels (cuDNN's LSTM), which read nothing back to the host, so a CUDA graph holds them. A (values, indices) or (output, h, c) call
 is one op per output read, `output` naming which (`CALLS`); the planner puts the outputs read of one call in
 one group, which calls it once (`opfuse.fusion.planner_horizontal.HorizontalFusion.call_outputs`).
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from opfuse.ir.attrs import DIM, MAX_INT, Bool, Float, Int
-from opfuse.ir.op_costs import per_input_element
+from opfuse.ir.attrs import DIM, MAX_INT, Bool, Float, Int, Word
+from opfuse.ir.op_costs import per_input_element, per_output_element
 from opfuse.ir.ops import OpDef, FusionKind, register
 
 O = FusionKind.OPAQUE
@@ -45,6 +45,21 @@ def _output_of(op: str):
     return lambda xs, a: CALLS[op](xs, a)[a["output"]]
 
 
+def _run_scatter(xs, a):
+    data, index, src = xs
+    if a["reduce"] == "none":
+        return torch.scatter(data, a["dim"], index, src)
+    return torch.scatter_reduce(data, a["dim"], index, src, a["reduce"], include_self=a["include_self"])
+
+
+GRID_MODES = ("bilinear", "nearest", "bicubic")      # torch.grid_sampler's interpolation_mode 0, 1, 2
+GRID_PADDINGS = ("zeros", "border", "reflection")   # and its padding_mode 0, 1, 2
+
+
+def _run_grid_sample(xs, a):
+    return torch.nn.functional.grid_sample(xs[0], xs[1], a["mode"], a["padding_mode"], a["align_corners"])
+
+
 def _lstm_flops(ins, out, a) -> int:
     """Its GEMMs: 2 per weight element per step and sequence (each weight matrix once a step, biases aside)."""
     x = ins[0].shape
@@ -69,3 +84,13 @@ register(OpDef("lstm", O, _output_of("lstm"), _lstm_flops, kernel="library",
                    "and direction; output 0 (the sequence), 1 (h) or 2 (c)",
                attrs={"has_biases": Bool(), "num_layers": Int(1, MAX_INT), "bidirectional": Bool(),
                       "batch_first": Bool(), "output": Int(0, 2)}))
+register(OpDef("scatter", O, _run_scatter, per_input_element(1), kernel="library",
+               doc="inputs data, index (int64, >= 0, data's rank), src (index's shape): data with each src element "
+                   "written (reduce 'none') or reduced (sum, prod, mean, amax, amin; include_self: data's value "
+                   "counts) into its place along dim at index, as torch.scatter and torch.scatter_reduce",
+               attrs={"dim": DIM, "reduce": Word(("none", "sum", "prod", "mean", "amax", "amin")),
+                      "include_self": Bool()}))
+register(OpDef("grid_sample", O, _run_grid_sample, per_output_element(16), kernel="library",
+               doc="torch.nn.functional.grid_sample: inputs x[N, C, *spatial] and grid[N, *out, len(spatial)] (x, y(, "
+                   "z) in [-1, 1])",
+               attrs={"mode": Word(GRID_MODES), "padding_mode": Word(GRID_PADDINGS), "align_corners": Bool()}))

@@ -481,4 +481,11 @@ RULES: dict[str, Rule] = {
                               "groups rows by offsets counted at run time ({where})"),
     "lstm": except_dims(lambda node, shapes: set(range(max(len(shape) for shape in shapes))),
                         "runs a recurrence over {where}"),
+    # a scatter writes along its dim at indices known at run time, and an index smaller than the data along
+    # another dim leaves the rest of that dim as it was; grid sampling keeps only the batch (each image is read at
+    # positions its grid holds)
+    "scatter": except_dims(lambda node, shapes: {node.attrs["dim"] % len(shapes[0])} | {
+        d for d, (n, i) in enumerate(zip(shapes[0], shapes[1])) if n != i}, "scatters along {where}"),
+    "grid_sample": except_dims(lambda node, shapes: set(range(1, max(len(shape) for shape in shapes))),
+                               "samples at positions its grid holds ({where})"),
 }

@@ -1,5 +1,5 @@
 """The ops that run alone (`opfuse.ir.ops_alone`): a mixture of experts' routing (topk, sort, histc, index_put,
-floor_divide) and grouped GEMM, and an LSTM, as IR ops; their ATen mappings, the grouped GEMM kernel on Triton's
+floor_divide) and grouped GEMM, an LSTM, scatters and grid sampling, as IR ops; their ATen mappings, the grouped GEMM kernel on Triton's
 interpreter (empty experts, uneven groups, rows past the last expert, odd sizes), the library calls, and
 transformers' Mixtral and a stack of LSTMs compiled with nothing through PyTorch against eager in float32."""
 
@@ -312,3 +312,37 @@ def test_routing_and_an_lstm_survive_a_package_round_trip(tmp_path):
     with torch.no_grad():
         for got, want in zip(loaded(*inputs), compiled(*inputs)):
             assert torch.equal(got, want)
+
+
+class Scatters(nn.Module):
+    """Every ATen write at run-time indices that maps to `scatter`, and grid sampling, each between kernels."""
+
+    def forward(self, x, index, rows, grid):
+        flat = x.flatten(1) * 2
+        values = flat[:, :3] + 1
+        written = flat.scatter(1, index, values) + flat.scatter(1, index, 0.5)
+        reduced = flat.scatter_add(1, index, values) * flat.scatter_reduce(1, index, values, "amax", include_self=False)
+        added = flat.index_add(0, rows, flat[:2], alpha=-1.5)
+        accumulated = flat.clone()
+        accumulated.index_put_((rows - 3,), values[:2].repeat(1, 4) * 3, accumulate=True)   # negative: wrapped
+        sampled = torch.nn.functional.grid_sample(x.relu(), grid, mode="bilinear", padding_mode="border",
+                                                  align_corners=True)
+        return written.tanh(), reduced, added + accumulated, sampled.exp()
+
+
+def test_scatters_and_grid_sampling_are_library_calls_alone_and_match_eager():
+    torch.manual_seed(0)
+    x, grid = torch.randn(3, 2, 2, 3), torch.rand(3, 4, 5, 2) * 2.4 - 1.2
+    index = torch.stack([torch.randperm(12)[:3] for _ in range(3)])        # distinct per row: scatter is defined
+    rows = torch.tensor([2, 0])
+    model = Scatters().eval()
+    analysis = opfuse.analyze(model, (x, index, rows, grid), FusionConfig(dtype="float32"))
+    assert not analysis.opaque_ops and analysis.pytorch_groups == {}
+    alone = sorted(analysis.prepared[g.nodes[0]].op for g in analysis.plan.groups
+                   if analysis.prepared[g.nodes[0]].op in ("scatter", "grid_sample"))
+    assert alone == ["grid_sample"] + ["scatter"] * 6
+    compiled = opfuse.compile(model, (x, index, rows, grid), FusionConfig(dtype="float32"))
+    other = torch.stack([torch.randperm(12)[:3] for _ in range(3)]), torch.tensor([1, 1])
+    with torch.no_grad():
+        for got, want in zip(compiled(x, other[0], other[1], grid), model(x, other[0], other[1], grid)):
+            torch.testing.assert_close(got, want)
