@@ -41,9 +41,6 @@ WHY_UNCLAIMED = {
     **{op: STRINGS for op in ("StringSplit", "StringNormalizer", "StringConcat", "RegexFullMatch", "ImageDecoder",
                               "TfIdfVectorizer", "ai.onnx.ml.LabelEncoder")},
     "CumProd": NEEDS_OP + "a scan (cumulative product)",
-    "ScatterElements": NEEDS_OP + "scatter (with add, mul, max, min reductions)",
-    "ScatterND": NEEDS_OP + "scatter (with add, mul, max, min reductions)",
-    "Scatter": NEEDS_OP + "scatter",
     "TensorScatter": NEEDS_OP + "scatter",
     "Unique": NEEDS_OP + "unique (a data-dependent shape)",
     "NonZero": NEEDS_OP + "nonzero (a data-dependent shape)",
@@ -53,11 +50,8 @@ WHY_UNCLAIMED = {
     **{op: NEEDS_OP + "inverse trigonometric functions (no closed form a kernel computes exactly enough)"
        for op in ("Acos", "Asin", "Atan")},
     "Det": NEEDS_OP + "a determinant",
-    "GridSample": "not mapped yet: a gather at positions computed at run time, with interpolation (it could be "
-                  "written as takes at floor-by-cast indices)",
     "RoiAlign": "not mapped yet: a gather at positions computed at run time, with interpolation",
     "DeformConv": NEEDS_OP + "a deformable convolution",
-    "MaxUnpool": NEEDS_OP + "scatter",
     "QLinearConv": "not mapped yet (as QLinearMatMul, around a conv2d)",
     "STFT": "not mapped yet (frames by a take, then DFT's matmuls)",
     "Hardmax": "held back: a one-hot of ArgMax would do, but tests/unit/test_bad_inputs.py uses Hardmax as its "

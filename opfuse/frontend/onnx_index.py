@@ -9,6 +9,10 @@ seen flat, at a flat index computed elementwise from the indices (negative ones 
 dim) and a constant offset per output position. No scatter or new gather op is needed.
 
 TopK is the first k of a stable sort (a library call): ONNX puts the lower index first among equal values.
+ScatterElements (and the older Scatter), ScatterND and MaxUnpool write at run-time indices: one `scatter` op each, a library call
+(ScatterND's along the rows of the data seen as [the indexed dims, the rest], at the flat index GatherND reads at;
+MaxUnpool's into zeros seen flat, at MaxPool's flat indices).
+GridSample is torch's grid sampling, a library call too.
 """
 
 from __future__ import annotations
@@ -343,3 +347,99 @@ def _top_k(importer: Importer, node, xs, attrs):
         ranked = importer.emit("sort", [xs[0]], order | {"output": index}, name=f"{name}_sorted")
         outputs.append(importer.emit("slice", [ranked], {"dim": axis, "start": 0, "end": k, "step": 1}, name=name))
     return outputs
+
+
+SCATTER_REDUCTIONS = {"none": "none", "add": "sum", "mul": "prod", "max": "amax", "min": "amin"}  # ONNX's -> the IR's
+
+
+def _scatter_reduction(attrs) -> str:
+    reduction = attrs.get("reduction", "none")
+    if reduction not in SCATTER_REDUCTIONS:
+        raise Unsupported(f"reduction {reduction!r}")
+    return SCATTER_REDUCTIONS[reduction]
+
+
+@converts("ScatterElements", "Scatter", attributes=("axis", "reduction"))
+def _scatter_elements(importer: Importer, node, xs, attrs):
+    """data with updates[p] written (or reduced) at p with its `axis` coordinate replaced by indices[p] (negative
+    ones from the end)."""
+    data, indices, updates = xs[:3]
+    out = node.output[0]
+    shape = importer.type(data).shape
+    axis = attrs.get("axis", 0) % len(shape)
+    wrapped = _wrapped(importer, indices, torch.tensor(shape[axis]), out)
+    return [importer.emit("scatter", [data, wrapped, updates], {"dim": axis, "reduce": _scatter_reduction(attrs),
+                                                                "include_self": True}, name=out)]
+
+
+@converts("ScatterND", attributes=("reduction",))
+def _scatter_nd(importer: Importer, node, xs, attrs):
+    """data[indices[..., 0], ..., indices[..., q-1]] = updates[...] (or reduced into it): a scatter along the rows
+    of data seen as [the q indexed dims, the rest], each update's row at the flat index of its q indices."""
+    data, indices, updates = xs[:3]
+    out = node.output[0]
+    shape, index_shape = importer.type(data).shape, importer.type(indices).shape
+    depth = index_shape[-1]
+    indexed, rest = shape[:depth], math.prod(shape[depth:])
+    count = math.prod(index_shape[:-1])
+    rows = importer.emit("reshape", [data], {"shape": (math.prod(indexed), rest)}, name=f"{out}_rows")
+    wrapped = _wrapped(importer, indices, torch.tensor(indexed), out)
+    strides = importer.add_constant(torch.tensor(_strides(indexed), dtype=torch.int64), f"{out}_strides")
+    flat_index = importer.emit("sum", [importer.emit("mul", [wrapped, strides], name=f"{out}_terms")],
+                               {"dims": [len(index_shape) - 1], "keepdim": False}, name=f"{out}_index")
+    column = importer.emit("reshape", [flat_index], {"shape": (count, 1)}, name=f"{out}_column")
+    at = importer.emit("expand", [column], {"shape": (count, rest)}, name=f"{out}_at")
+    values = importer.emit("reshape", [updates], {"shape": (count, rest)}, name=f"{out}_values")
+    scattered = importer.emit("scatter", [rows, at, values], {"dim": 0, "reduce": _scatter_reduction(attrs),
+                                                             "include_self": True}, name=f"{out}_scattered")
+    return [importer.emit("reshape", [scattered], {"shape": shape}, name=out)]
+
+
+@converts("MaxUnpool", attributes=("kernel_shape", "pads", "strides"), constant_inputs=(2,))
+def _max_unpool(importer: Importer, node, xs, attrs):
+    """X's values written at MaxPool's flat indices into zeros of the unpooled shape (each spatial size (in - 1) *
+    stride + kernel - its pads), padded with zeros at the end of each dim to the output shape a third input gives."""
+    x, indices = xs[:2]
+    out = node.output[0]
+    shape = importer.type(x).shape
+    spatial = len(shape) - 2
+    kernel = list(attrs["kernel_shape"])
+    strides = list(attrs.get("strides") or [1] * spatial)
+    pads = list(attrs.get("pads") or [0] * (2 * spatial))
+    unpooled = shape[:2] + tuple((shape[2 + d] - 1) * strides[d] + kernel[d] - pads[d] - pads[spatial + d]
+                                 for d in range(spatial))
+    given = importer.ints(node, xs, attrs, "output_shape", 2) if len(xs) > 2 and xs[2] else None
+    wanted = tuple(given) if given is not None else unpooled
+    if len(wanted) != len(unpooled) or any(w < u for w, u in zip(wanted, unpooled)):
+        raise Unsupported(f"output shape {wanted} smaller than the unpooled {unpooled}")
+    zeros = importer.add_constant(torch.zeros(math.prod(unpooled), dtype=torch_dtype(importer.type(x).dtype)),
+                                  f"{out}_zeros")
+    at = _flat(importer, indices, f"{out}_indices")
+    if importer.type(at).dtype != "int64":
+        at = importer.emit("cast", [at], {"dtype": "int64"}, name=f"{out}_at")
+    flat = importer.emit("scatter", [zeros, at, _flat(importer, x, out)], {"dim": 0, "reduce": "none",
+                                                                          "include_self": True}, name=f"{out}_flat")
+    if wanted == unpooled:
+        return [importer.emit("reshape", [flat], {"shape": unpooled}, name=out)]
+    y = importer.emit("reshape", [flat], {"shape": unpooled}, name=f"{out}_unpooled")
+    ends = [p for d in reversed(range(len(wanted))) for p in (0, wanted[d] - unpooled[d])]
+    return [importer.emit("pad", [y], {"pads": tuple(ends), "value": 0.0}, name=out)]
+
+
+GRID_MODES = {"bilinear": "bilinear", "linear": "bilinear", "nearest": "nearest", "bicubic": "bicubic",
+              "cubic": "bicubic"}   # opset 16's words and opset 20's -> torch's
+
+
+@converts("GridSample", attributes=("align_corners", "mode", "padding_mode"))
+def _grid_sample(importer: Importer, node, xs, attrs):
+    mode = attrs.get("mode", "bilinear")
+    padding = attrs.get("padding_mode", "zeros")
+    if mode not in GRID_MODES or padding not in ("zeros", "border", "reflection"):
+        raise Unsupported(f"mode {mode!r} with padding mode {padding!r}")
+    rank = len(importer.type(xs[0]).shape)
+    if rank not in (4, 5) or rank == 5 and GRID_MODES[mode] == "bicubic":
+        raise Unsupported(f"{mode} sampling of a {rank}-d input (torch samples 4-d inputs, and 5-d ones but not "
+                          "cubically)")
+    return [importer.emit("grid_sample", xs[:2], {"mode": GRID_MODES[mode], "padding_mode": padding,
+                                                  "align_corners": bool(attrs.get("align_corners", 0))},
+                          name=node.output[0])]

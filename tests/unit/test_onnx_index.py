@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
 
 from onnx_cases import node, ops, run_node as run
 
@@ -101,3 +102,54 @@ def test_cumsum_is_the_scan_of_the_input_read_backwards_or_shifted(exclusive, re
                 weights={"axis": np.array(-1, dtype=np.int64)})
     assert ops(graph).count("cumsum") == 1 and ops(graph).count("take") == 2 * reverse
     assert ops(graph).count("pad") == exclusive
+
+
+# ---- writes at run-time indices and grid sampling: one library call each ---------------------------------------
+
+@pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
+@pytest.mark.parametrize("axis", [0, -1])
+def test_scatter_elements_with_negative_indices_is_one_scatter(axis, reduction):
+    data = floats(4, 5)
+    shape = [2, 5] if axis == 0 else [4, 3]
+    size, other = data.shape[axis], 1 - axis % 2
+    indices = np.stack([rng.permutation(np.arange(-size, 0))[:shape[axis]] for _ in range(shape[other])],
+                       axis=other).astype(np.int64)         # distinct along the axis: "none" is then defined
+    graph = run(node("ScatterElements", ["data", "indices", "updates"], axis=axis, reduction=reduction),
+                {"data": data, "indices": indices, "updates": floats(*shape)})
+    assert ops(graph).count("scatter") == 1
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "max"])
+@pytest.mark.parametrize("data_shape, index_shape", [((4, 5, 6), (3, 1)), ((4, 5, 6), (2, 2, 2)), ((4, 5), (3, 2))])
+def test_scatter_nd_scatters_the_rows_of_the_indexed_dims(data_shape, index_shape, reduction):
+    data = floats(*data_shape)
+    depth = index_shape[-1]
+    count = int(np.prod(index_shape[:-1]))
+    flat = rng.permutation(int(np.prod(data_shape[:depth])))[:count]   # distinct positions
+    indices = np.stack(np.unravel_index(flat, data_shape[:depth]), axis=-1).reshape(index_shape)
+    indices = np.where(rng.random(index_shape) < 0.5, indices - np.array(data_shape[:depth]), indices)  # negatives
+    updates = floats(*index_shape[:-1], *data_shape[depth:])
+    graph = run(node("ScatterND", ["data", "indices", "updates"], reduction=reduction),
+                {"data": data, "indices": indices.astype(np.int64), "updates": updates})
+    assert ops(graph).count("scatter") == 1
+
+
+def test_max_unpool_writes_maxpools_values_back_and_pads_to_the_output_shape():
+    x = floats(1, 2, 4, 4)
+    pooled_node = node("MaxPool", ["x"], ["p", "i"], kernel_shape=[2, 2], strides=[2, 2])
+    graph = helper.make_graph([pooled_node], "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                              [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in "pi"])
+    p, i = ReferenceEvaluator(helper.make_model(graph)).run(None, {"x": x})
+    run(node("MaxUnpool", ["p", "i"], kernel_shape=[2, 2], strides=[2, 2]), {"p": p, "i": i})
+    graph = run(node("MaxUnpool", ["p", "i", "shape"], kernel_shape=[2, 2], strides=[2, 2]), {"p": p, "i": i},
+                weights={"shape": np.array([1, 2, 5, 6], np.int64)})
+    assert ops(graph)[-1] == "pad"
+
+
+@pytest.mark.parametrize("mode, padding, align", [("linear", "zeros", 0), ("nearest", "border", 1),
+                                                   ("cubic", "reflection", 0)])
+def test_grid_sample(mode, padding, align):
+    grid = rng.uniform(-1.2, 1.2, (2, 3, 4, 2)).astype(np.float32)
+    graph = run(node("GridSample", ["x", "grid"], mode=mode, padding_mode=padding, align_corners=align),
+                {"x": floats(2, 3, 5, 6), "grid": grid}, tolerance=3e-5)
+    assert ops(graph) == ["grid_sample"]
