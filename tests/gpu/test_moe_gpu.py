@@ -1,7 +1,7 @@
-"""A mixture of experts on the GPU: the grouped GEMM kernel in every config against a float64 reference (empty
-experts, uneven groups, rows past the last expert), and transformers' Mixtral compiled end to end in float32 and
-float16 with nothing through PyTorch, captured in one CUDA graph (the routing reads nothing back to the host) and
-replayed against eager.
+"""A mixture of experts and the other library calls on the GPU: the grouped GEMM kernel in every config against a
+float64 reference (empty experts, uneven groups, rows past the last expert); transformers' Mixtral compiled end to
+end in float32 and float16 with nothing through PyTorch, captured in one CUDA graph (the routing reads nothing back
+to the host) and replayed against eager; scatters and grid sampling replayed in a CUDA graph likewise.
 
 Run on the device machine: OPFUSE_GPU_TESTS=1 PYTHONPATH=. python3 -m pytest -q -m gpu tests/gpu/test_moe_gpu.py
 """
@@ -57,3 +57,26 @@ def test_mixtral_compiles_into_one_cuda_graph(dtype):
     # fp16 routing may pick other experts on near-ties than float32's: bounded by eager fp16's own error, doubled
     bound = 1e-4 if dtype == "float32" else max(2e-2, 2 * rel_err(eager, reference))
     assert rel_err(out, reference) < bound, (rel_err(out, reference), rel_err(eager, reference))
+
+
+def test_scatters_and_grid_sampling_replay_in_one_cuda_graph():
+    """The library calls that write at run-time indices (scatter, index_add, an accumulating index_put) and grid
+    sampling run in the model's CUDA graph: new indices each call, results equal to eager's."""
+    import opfuse
+    from tests.unit.test_ops_alone import Scatters
+
+    torch.manual_seed(0)
+    x, grid = torch.randn(3, 2, 2, 3, device="cuda"), torch.rand(3, 4, 5, 2, device="cuda") * 2.4 - 1.2
+
+    def indices():
+        return (torch.stack([torch.randperm(12)[:3] for _ in range(3)]).cuda(), torch.randint(0, 3, (2,)).cuda())
+
+    model = Scatters().eval()
+    compiled = opfuse.compile(model, (x, *indices(), grid), opfuse.FusionConfig(dtype="float32"))
+    with torch.inference_mode():
+        for _ in range(2 + compiled.compiled.cuda_graph_warmup):
+            index, rows = indices()
+            got, want = compiled(x, index, rows, grid), model(x, index, rows, grid)
+        assert compiled.compiled._cuda_graph is not None, compiled.compiled.cuda_graph_error
+        for ours, theirs in zip(got, want):
+            torch.testing.assert_close(ours, theirs)
