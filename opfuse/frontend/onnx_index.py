@@ -9,9 +9,10 @@ seen flat, at a flat index computed elementwise from the indices (negative ones 
 dim) and a constant offset per output position. No scatter or new gather op is needed.
 
 TopK is the first k of a stable sort (a library call): ONNX puts the lower index first among equal values.
-ScatterElements (and the older Scatter), ScatterND and MaxUnpool write at run-time indices: one `scatter` op each, a library call
+ScatterElements (and the older Scatter), ScatterND, MaxUnpool and TensorScatter write at run-time indices: one `scatter` op each, a library call
 (ScatterND's along the rows of the data seen as [the indexed dims, the rest], at the flat index GatherND reads at;
-MaxUnpool's into zeros seen flat, at MaxPool's flat indices).
+MaxUnpool's into zeros seen flat, at MaxPool's flat indices; TensorScatter's, a KV cache's update, along its axis
+at each batch row's write index plus the update's positions).
 GridSample is torch's grid sampling, a library call too.
 """
 
@@ -424,6 +425,36 @@ def _max_unpool(importer: Importer, node, xs, attrs):
     y = importer.emit("reshape", [flat], {"shape": unpooled}, name=f"{out}_unpooled")
     ends = [p for d in reversed(range(len(wanted))) for p in (0, wanted[d] - unpooled[d])]
     return [importer.emit("pad", [y], {"pads": tuple(ends), "value": 0.0}, name=out)]
+
+
+@converts("TensorScatter", attributes=("axis", "mode"))
+def _tensor_scatter(importer: Importer, node, xs, attrs):
+    """The cache with the update written along `axis` (not the batch) at write_indices[b] + i for the update's
+    position i in batch row b (write_indices absent: 0); "circular" wraps past the cache's length."""
+    cache, update = xs[:2]
+    out = node.output[0]
+    shape, size = importer.type(cache).shape, importer.type(update).shape
+    axis = attrs.get("axis", -2) % len(shape)
+    mode = attrs.get("mode", "linear")
+    if mode not in ("linear", "circular") or axis == 0:
+        raise Unsupported(f"mode {mode!r} along axis {axis}")
+    at = importer.add_constant(torch.arange(size[axis]).reshape([size[axis] if d == axis else 1
+                                                                 for d in range(len(size))]), f"{out}_steps")
+    if len(xs) > 2 and xs[2]:
+        starts = xs[2]
+        if importer.type(starts).dtype != "int64":
+            starts = importer.emit("cast", [starts], {"dtype": "int64"}, name=f"{out}_starts_int64")
+        starts = importer.emit("reshape", [starts], {"shape": (size[0],) + (1,) * (len(size) - 1)},
+                               name=f"{out}_starts")
+        at = importer.emit("add", [starts, at], name=f"{out}_positions")
+    if mode == "circular":
+        length = importer.add_constant(torch.tensor(shape[axis]), f"{out}_length")
+        laps = importer.emit("mul", [importer.emit("trunc_div", [at, length], name=f"{out}_laps"), length],
+                             name=f"{out}_lapped")
+        at = importer.emit("sub", [at, laps], name=f"{out}_wrapped")
+    at = importer.emit("expand", [at], {"shape": size}, name=f"{out}_at")
+    return [importer.emit("scatter", [cache, at, update], {"dim": axis, "reduce": "none", "include_self": True},
+                          name=out)]
 
 
 GRID_MODES = {"bilinear": "bilinear", "linear": "bilinear", "nearest": "nearest", "bicubic": "bicubic",

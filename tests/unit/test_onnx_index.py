@@ -153,3 +153,11 @@ def test_grid_sample(mode, padding, align):
     graph = run(node("GridSample", ["x", "grid"], mode=mode, padding_mode=padding, align_corners=align),
                 {"x": floats(2, 3, 5, 6), "grid": grid}, tolerance=3e-5)
     assert ops(graph) == ["grid_sample"]
+
+
+@pytest.mark.parametrize("mode, starts", [("linear", [0, 3]), ("circular", [4, 5]), ("linear", None)])
+def test_tensor_scatter_writes_each_rows_update_at_its_index(mode, starts):
+    cache, update = floats(2, 3, 6, 4), floats(2, 3, 2, 4)
+    feeds = {"cache": cache, "update": update} | ({} if starts is None else {"at": np.array(starts, np.int64)})
+    graph = run(node("TensorScatter", ["cache", "update", "at" if starts is not None else ""], mode=mode), feeds)
+    assert ops(graph).count("scatter") == 1
