@@ -148,6 +148,43 @@ def _batch_norm(attrs: dict, x: str, weight: str, bias: str, mean: str, var: str
     return f"((({x}) - ({mean})) * tl.rsqrt(({var}) + {literal(attrs['eps'])}) * ({weight}) + ({bias}))"
 
 
+def _atan(x: str) -> str:
+    """atan(x) (Cephes' single-precision atanf): |x| reduced to t in [-tan(pi/8), tan(pi/8)] (past tan(3 pi/8),
+    pi/2 + atan(-1 / |x|); past tan(pi/8), pi/4 + atan((|x| - 1) / (|x| + 1))), then t + t z P(z), z = t^2, with
+    x's sign: a float32 ulp or two, pi/2 at infinity."""
+    a = f"tl.abs({x})"
+    big, mid = f"({a} > 2.414213562373095)", f"({a} > 0.41421356237309503)"
+    t = f"tl.where({big}, -1.0 / {a}, tl.where({mid}, ({a} - 1.0) / ({a} + 1.0), {a}))"
+    base = f"tl.where({big}, {math.pi / 2!r}, tl.where({mid}, {math.pi / 4!r}, 0.0))"
+    z = f"(({t}) * ({t}))"
+    poly = f"((((0.0805374449538 * {z} - 0.138776856032) * {z} + 0.199777106478) * {z} - 0.333329491539) * {z})"
+    return f"(tl.where(({x}) < 0.0, -1.0, 1.0) * ({base} + ({t}) + ({t}) * {poly}))"
+
+
+def _asin_near_zero(w: str) -> str:
+    """asin(w) for |w| <= 1/2 (Cephes' asinf): w + w z P(z), z = w^2."""
+    z = f"(({w}) * ({w}))"
+    return (f"(({w}) + ({w}) * {z} * ((((0.042163199048 * {z} + 0.024181311049) * {z} + 0.045470025998) * {z} "
+            f"+ 0.074953002686) * {z} + 0.16666752422))")
+
+
+def _asin(x: str) -> str:
+    """asin(x): the polynomial near 0; past |x| = 1/2, pi/2 - 2 asin(sqrt((1 - |x|) / 2)) with x's sign (no
+    cancellation near 1); NaN past |x| = 1 (the square root of a negative)."""
+    far = f"(tl.abs({x}) > 0.5)"
+    near = _asin_near_zero(f"tl.where({far}, tl.sqrt(0.5 * (1.0 - tl.abs({x}))), {x})")
+    return (f"tl.where({far}, tl.where(({x}) < 0.0, -1.0, 1.0) * ({math.pi / 2!r} - 2.0 * {near}), {near})")
+
+
+def _acos(x: str) -> str:
+    """acos(x): pi/2 - asin(x) for |x| <= 1/2; past it 2 asin(sqrt((1 - |x|) / 2)), from pi for a negative x (no
+    cancellation where the result is small)."""
+    far = f"(tl.abs({x}) > 0.5)"
+    near = _asin_near_zero(f"tl.where({far}, tl.sqrt(0.5 * (1.0 - tl.abs({x}))), {x})")
+    return (f"tl.where({far}, tl.where(({x}) < 0.0, {math.pi!r} - 2.0 * {near}, 2.0 * {near}), "
+            f"{math.pi / 2!r} - {near})")
+
+
 _UNARY: dict[str, Callable[[dict, str], str]] = {
     "relu": lambda a, x: f"tl.maximum({x}, 0.0, {PROPAGATE_NAN})",
     "clamp": lambda a, x: _clamp(x, a.get("min"), a.get("max")),
@@ -187,6 +224,9 @@ _UNARY: dict[str, Callable[[dict, str], str]] = {
     "acosh": lambda a, x: (f"tl.where(({x}) > 1e18, tl.log({x}) + {math.log(2)!r}, "
                            f"{_log1p(f'(({x}) - 1.0) + tl.sqrt((({x}) - 1.0) * (({x}) + 1.0))')})"),
     "atanh": lambda a, x: f"(({_log1p(x)} - {_log1p(f'-({x})')}) * 0.5)",
+    "atan": lambda a, x: _atan(x),
+    "asin": lambda a, x: _asin(x),
+    "acos": lambda a, x: _acos(x),
     "log1p": lambda a, x: _log1p(x),
     "expm1": lambda a, x: _expm1(x),
     "floor": lambda a, x: f"tl.floor({x})",

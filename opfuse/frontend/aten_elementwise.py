@@ -70,7 +70,7 @@ def _pow(t: Translator, a: dict) -> str:
 
 _UNARY = ("relu", "sigmoid", "tanh", "silu", "hardswish", "hardsigmoid", "erf", "exp", "log", "sqrt", "rsqrt",
           "neg", "abs", "reciprocal", "square", "mish", "log_sigmoid", "sin", "cos", "log1p", "expm1", "floor", "ceil",
-          "sign", "logical_not", "tan", "sinh", "cosh", "asinh", "acosh", "atanh")
+          "sign", "logical_not", "tan", "sinh", "cosh", "asinh", "acosh", "atanh", "atan", "asin", "acos")
 for _name in _UNARY:
     HANDLERS[_name] = (lambda op: lambda t, a: t.emit(op, [a["self"]]))(_name)
 

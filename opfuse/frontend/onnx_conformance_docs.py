@@ -46,8 +46,6 @@ WHY_UNCLAIMED = {
     "NonMaxSuppression": NEEDS_OP + "non-maximum suppression (a data-dependent shape)",
     "ReduceProd": NEEDS_OP + "a product reduction",
     "BitCast": NEEDS_OP + "a bit reinterpretation (view as another dtype)",
-    **{op: NEEDS_OP + "inverse trigonometric functions (no closed form a kernel computes exactly enough)"
-       for op in ("Acos", "Asin", "Atan")},
     "Det": NEEDS_OP + "a determinant",
     "RoiAlign": "not mapped yet: a gather at positions computed at run time, with interpolation",
     "DeformConv": NEEDS_OP + "a deformable convolution",

@@ -65,7 +65,8 @@ def unknown_attributes(op_type: str, attrs: dict) -> list[str]:
 UNARY = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Erf": "erf", "Exp": "exp", "Log": "log",
          "Sqrt": "sqrt", "Neg": "neg", "Abs": "abs", "Reciprocal": "reciprocal", "HardSwish": "hardswish",
          "Identity": "identity", "Sin": "sin", "Cos": "cos", "Tan": "tan", "Sinh": "sinh", "Cosh": "cosh",
-         "Asinh": "asinh", "Acosh": "acosh", "Atanh": "atanh", "BitwiseNot": "bitwise_not"}
+         "Asinh": "asinh", "Acosh": "acosh", "Atanh": "atanh", "Atan": "atan", "Asin": "asin", "Acos": "acos",
+         "BitwiseNot": "bitwise_not"}
 BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "Max": "maximum",
           "Min": "minimum", "Sum": "add", "BitwiseAnd": "bitwise_and", "BitwiseOr": "bitwise_or",
           "BitwiseXor": "bitwise_xor"}

@@ -311,7 +311,7 @@ for _name, _fn, _cost in [
     ("cos", torch.cos, 4), ("log1p", torch.log1p, 4), ("expm1", torch.expm1, 4), ("floor", torch.floor, 1),
     ("ceil", torch.ceil, 1), ("sign", torch.sign, 2), ("tan", torch.tan, 9), ("sinh", torch.sinh, 9),
     ("cosh", torch.cosh, 9), ("asinh", torch.asinh, 9), ("acosh", torch.acosh, 9), ("atanh", torch.atanh, 9),
-    ("bitwise_not", torch.bitwise_not, 1),
+    ("atan", torch.atan, 12), ("asin", torch.asin, 12), ("acos", torch.acos, 12), ("bitwise_not", torch.bitwise_not, 1),
 ]:
     register(OpDef(_name, P, _unary(_fn), per_output_element(_cost)))
 for _name, _fn in {"bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or,

@@ -35,7 +35,7 @@ UNARY = [
     ("elu", {"alpha": 0.5, "scale": 1.0, "input_scale": 2.0}),                                   # CELU(0.5)
     ("mish", {}), ("log_sigmoid", {}), ("square", {}), ("sin", {}), ("cos", {}), ("log1p", {}), ("expm1", {}),
     ("floor", {}), ("ceil", {}), ("sign", {}), ("tan", {}), ("sinh", {}), ("cosh", {}), ("asinh", {}),
-    ("acosh", {}), ("atanh", {}),
+    ("acosh", {}), ("atanh", {}), ("atan", {}), ("asin", {}), ("acos", {}),
 ]
 
 # values across every regime: tiny (log1p/expm1 cancel there), around 0, large, past exp's overflow, and NaN
@@ -58,6 +58,7 @@ def test_activation_alone_on_an_odd_shape(op, attrs):
     if op == "log1p":       # its domain: x > -1
         values = values.abs() - 0.99
     domains = {"acosh": lambda v: v.abs() + 1, "atanh": lambda v: torch.tanh(v) * 0.99,
+               "asin": lambda v: torch.tanh(v), "acos": lambda v: torch.tanh(v),
                "tan": lambda v: v.clamp(-1.3, 1.3)}                  # (away from tan's poles)
     values = domains.get(op, lambda v: v)(values)
     x = b.input("x", (3, 7, 13), values)
@@ -80,6 +81,20 @@ def test_activation_matches_pytorch_at_special_values(op, attrs):
     finite = ~torch.isnan(want)
     close = torch.isclose(got[finite].double(), want[finite].double(), rtol=1e-5, atol=1e-30)
     assert bool(close.all()), (SPECIAL[finite][~close], got[finite][~close], want[finite][~close])
+
+
+@pytest.mark.parametrize("op, values", [
+    ("asin", torch.linspace(-1, 1, 4001)), ("acos", torch.linspace(-1, 1, 4001)),
+    ("atan", torch.cat([torch.linspace(-10, 10, 4001), torch.logspace(-30, 30, 121), -torch.logspace(-30, 30, 121)])),
+])
+def test_inverse_trigonometric_functions_are_within_a_few_float32_ulps(op, values):
+    """Over a dense grid (asin and acos over their whole domain, atan over 60 decades), each within 4e-7 relative of
+    float64's: about 3 float32 ulps, no cancellation near 1 or past the reduction's bounds."""
+    b = KernelGraph()
+    y = b.op(op, b.input("x", tuple(values.shape), values))
+    _, (got,) = run_alone(b, [y])
+    want = getattr(torch, op)(values.double())
+    assert float(((got.double() - want).abs() / want.abs().clamp_min(1e-38)).max()) < 4e-7
 
 
 def test_float16_values_and_logical_not_of_a_comparison():
@@ -111,7 +126,8 @@ class Activations(nn.Module):
               F.celu(x, 0.5), F.mish(x), F.logsigmoid(x), torch.sin(x), torch.cos(x), torch.log1p(x.abs()),
               torch.expm1(x), torch.floor(x), torch.ceil(x), torch.sign(x), self.prelu(x), F.threshold(x, 0.1, 2.0),
               torch.logical_not(x > 0).to(x.dtype), torch.tan(x.clamp(-1, 1)), torch.sinh(x), torch.cosh(x),
-              torch.asinh(x), torch.acosh(x.abs() + 1), torch.atanh(x.tanh() * 0.5)]
+              torch.asinh(x), torch.acosh(x.abs() + 1), torch.atanh(x.tanh() * 0.5), torch.atan(x),
+              torch.asin(x.tanh()), torch.acos(x.tanh())]
         return torch.stack([y.sum() for y in ys])
 
 
@@ -125,7 +141,8 @@ def test_each_activation_is_mapped_from_aten_and_the_graph_matches_eager():
     assert not [n.attrs["target"] for n in graph if n.op == "opaque" and "sum" not in n.attrs["target"]
                 and "stack" not in n.attrs["target"]]
     assert {"leaky_relu", "softplus", "square", "elu", "mish", "log_sigmoid", "sin", "cos", "log1p", "expm1",
-            "floor", "ceil", "sign", "logical_not", "where", "tan", "sinh", "cosh", "asinh", "acosh", "atanh"} <= mapped
+            "floor", "ceil", "sign", "logical_not", "where", "tan", "sinh", "cosh", "asinh", "acosh", "atanh", "atan",
+            "asin", "acos"} <= mapped
     (got,) = interpret(graph, [x])
     torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
     assert math.isfinite(float(got.sum()))
