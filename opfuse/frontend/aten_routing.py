@@ -172,5 +172,6 @@ def _grid_sample(t: Translator, a: dict) -> str:
     mode, padding = int(a["interpolation_mode"]), int(a["padding_mode"])
     if not (0 <= mode < len(GRID_MODES) and 0 <= padding < len(GRID_PADDINGS)):
         raise Unmapped(f"grid sampling of interpolation mode {mode} or padding mode {padding}")
-    attrs = {"mode": GRID_MODES[mode], "padding_mode": GRID_PADDINGS[padding], "align_corners": bool(a["align_corners"])}
+    attrs = {"mode": GRID_MODES[mode], "padding_mode": GRID_PADDINGS[padding],
+             "align_corners": bool(a["align_corners"])}
     return t.emit("grid_sample", [a["input"], a["grid"]], attrs)

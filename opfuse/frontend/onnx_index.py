@@ -6,13 +6,13 @@ shape is their inputs' value: constants, which the importer evaluates). Register
 
 GatherElements and GatherND read data at indices known only at run time: each becomes one `take` from the data
 seen flat, at a flat index computed elementwise from the indices (negative ones counted from the end of their
-dim) and a constant offset per output position. No scatter or new gather op is needed.
+dim) and a constant offset per output position. No new gather op is needed.
 
 TopK is the first k of a stable sort (a library call): ONNX puts the lower index first among equal values.
-ScatterElements (and the older Scatter), ScatterND, MaxUnpool and TensorScatter write at run-time indices: one `scatter` op each, a library call
-(ScatterND's along the rows of the data seen as [the indexed dims, the rest], at the flat index GatherND reads at;
-MaxUnpool's into zeros seen flat, at MaxPool's flat indices; TensorScatter's, a KV cache's update, along its axis
-at each batch row's write index plus the update's positions).
+ScatterElements (and the older Scatter), ScatterND, MaxUnpool and TensorScatter write at run-time indices: one
+`scatter` op each, a library call (ScatterND's along the rows of the data seen as [the indexed dims, the rest], at the
+flat index GatherND reads at; MaxUnpool's into zeros seen flat, at MaxPool's flat indices; TensorScatter's, a KV
+cache's update, along its axis at each batch row's write index plus the update's positions).
 GridSample is torch's grid sampling, a library call too.
 """
 

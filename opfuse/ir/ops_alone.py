@@ -1,9 +1,9 @@
 """The ops that run alone (`OpDef.kernel`), registered into `opfuse.ir.ops.REGISTRY` when it is imported: never fused,
-each a kernel of its own. A mixture of experts' experts as opfuse's grouped GEMM (`opfuse.codegen.grouped_gemm`);
-its routing (topk, sort, histc), recurrent layers (an LSTM), scatters and grid sampling as library calls, PyTorch's own
-CUDA kernels (cuDNN's LSTM), which read nothing back to the host, so a CUDA graph holds them. A (values, indices) or (output, h, c) call
-is one op per output read, `output` naming which (`CALLS`); the planner puts the outputs read of one call in
-one group, which calls it once (`opfuse.fusion.planner_horizontal.HorizontalFusion.call_outputs`).
+each a kernel of its own. A mixture of experts' experts as opfuse's grouped GEMM (`opfuse.codegen.grouped_gemm`); its
+routing (topk, sort, histc), recurrent layers (an LSTM), scatters and grid sampling as library calls, PyTorch's own
+CUDA kernels (cuDNN's LSTM), which read nothing back to the host, so a CUDA graph holds them. A (values, indices) or
+(output, h, c) call is one op per output read, `output` naming which (`CALLS`); the planner puts the outputs read of
+one call in one group, which calls it once (`opfuse.fusion.planner_horizontal.HorizontalFusion.call_outputs`).
 """
 
 from __future__ import annotations
