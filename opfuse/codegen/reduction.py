@@ -15,9 +15,9 @@ Two templates:
   few, long rows (a group norm of one group at batch 1) splits likewise: launch one writes each slice's mean and
   M2 (sum of squares; max and sum of exponentials), launch two, over the same programs, merges a row's and writes
   its own slice. Deterministic, no atomics; the unsplit form is an alternative the autotuner times beside it, and
-  the resource screen reads launch one's registers. cumsum over any dim is a scan of the same rows: one sweep, each
-  chunk's `tl.cumsum` plus the running carry of the chunks before it, written (and its epilogue computed) as it
-  goes; an integer scan carries int64 exactly (`_cumsum`).
+  the resource screen reads launch one's registers. cumsum and cumprod over any dim are scans of the same rows: one
+  sweep, each chunk's `tl.cumsum` (`tl.cumprod`) combined with the running carry of the chunks before it, written
+  (and its epilogue computed) as it goes; an integer scan carries int64 exactly (`_scan`).
 - pools (`PoolKernel`): max_pool2d / avg_pool2d (kernel, stride, padding, dilation, ceil_mode) and divisible
   adaptive_avg_pool2d on NHWC: a program takes [BLOCK_P output pixels, BLOCK_C channels] and visits the window taps.
 
@@ -152,9 +152,9 @@ def indent(lines: Sequence[str], depth: int = 1) -> list[str]:
 
 
 class RowReductionKernel(TemplateKernel):
-    """softmax / layer_norm / rms_norm / mean / sum / any / cumsum over some dims of one input, BLOCK_M rows a
-    program; every mode but cumsum in SPLIT slices per row where there are fewer row blocks than the GPU `hw` has
-    SMs (`opfuse.fusion.tiles.row_slices`)."""
+    """softmax / layer_norm / rms_norm / mean / sum / any / cumsum / cumprod over some dims of one input, BLOCK_M
+    rows a program; every mode but the scans in SPLIT slices per row where there are fewer row blocks than the GPU
+    `hw` has SMs (`opfuse.fusion.tiles.row_slices`)."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, view: RowView, hw: HardwareProfile):
         self.node, self.view, self.mode, self.hw = node, view, view.mode, hw
@@ -185,7 +185,7 @@ class RowReductionKernel(TemplateKernel):
         elif mode in EXTREMES:
             body += self._extreme(mode)
         elif mode in SCAN_OPS:
-            body += self._cumsum()
+            body += self._scan(mode)
         else:
             body += self._sum(mode)
         constexprs = ["BLOCK_M", "BLOCK_L", "ONE_PASS", "INT64"]
@@ -406,14 +406,17 @@ class RowReductionKernel(TemplateKernel):
             return tuple(None if d in self.reduced else self._kept[d] for d in range(len(out_shape)))
         return tuple(self._kept[d] for d in self.kept)
 
-    def _cumsum(self) -> list[str]:
-        """The inclusive scan along the row, one sweep: each chunk's `tl.cumsum` plus the carry of the chunks
-        before it, the carry then the chunk's last lane (lanes past the row add 0). Float results carry float32;
+    def _scan(self, mode: str) -> list[str]:
+        """The inclusive scan along the row (cumsum, cumprod), one sweep: each chunk's `tl.cumsum` plus (`tl.cumprod`
+        times) the carry of the chunks before it, the carry then the chunk's last lane (lanes past the row add 0,
+        multiply by 1). Float results carry float32;
         integer ones (int64 for bool and integer inputs) carry int64 exactly and read their input exactly (a wide
         integer as `Region.integer` computes it, a narrow or bool one exact in float32, a float truncated as torch
         casts it); an epilogue reads the int64 sum as `Region.integer` does."""
         integer = self.node.type.dtype not in FLOAT_DTYPES
         accumulator, zero = ("tl.int64", "0") if integer else ("tl.float32", "0.0")
+        product = mode == "cumprod"
+        identity, combine = ("1" if integer else "1.0", "*") if product else (zero, "+")
         cast = self.node.attrs.get("dtype")
 
         def load(region: Region, coords: Coords) -> str:
@@ -425,9 +428,9 @@ class RowReductionKernel(TemplateKernel):
             return value
 
         chunk, region, full, x = self._chunk("start + lanes", True, load)
-        region.lines += [f"t = tl.where(mask, {x}, {zero})", "scanned = tl.cumsum(t, axis=1) + carry",
+        region.lines += [f"t = tl.where(mask, {x}, {identity})", f"scanned = tl.{mode}(t, axis=1) {combine} carry",
                          f"carry = tl.sum(tl.where(lanes == BLOCK_L - 1, scanned, {zero}), axis=1)[:, None]"]
-        return [f"carry = tl.zeros([BLOCK_M, 1], dtype={accumulator})"] + self._loop(
+        return [f"carry = tl.zeros([BLOCK_M, 1], dtype={accumulator}) + {identity}"] + self._loop(
             self._finish(chunk, region, full, "scanned"))
 
     def _sum(self, mode: str) -> list[str]:

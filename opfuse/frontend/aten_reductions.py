@@ -134,18 +134,18 @@ HANDLERS["mean"] = _reduce("mean")
 HANDLERS["sum"] = _reduce("sum")
 
 
-@maps("cumsum")
-def _cumsum(t: Translator, a: dict) -> str:
-    """The inclusive scan along `dim`; `dtype` (the input cast to it first) kept as the op's attr where it changes
-    the input's dtype. A 0-d tensor has no row to scan (it stays opaque)."""
+@maps("cumsum", "cumprod")
+def _scan(t: Translator, a: dict) -> str:
+    """The inclusive scan (cumsum, cumprod) along `dim`; `dtype` (the input cast to it first) kept as the op's attr
+    where it changes the input's dtype. A 0-d tensor has no row to scan (it stays opaque)."""
     x = t.value(a["self"])
     rank = t.rank(x)
     if rank == 0:
-        raise Unmapped("cumsum of a 0-d tensor")
+        raise Unmapped(f"{t.op_name} of a 0-d tensor")
     attrs: dict[str, Any] = {"dim": wrap_dim(int(a["dim"]), rank)}
     if a.get("dtype") is not None and dtype_name(a["dtype"]) != t.type_of(x).dtype:
         attrs["dtype"] = dtype_name(a["dtype"])
-    return t.emit("cumsum", [x], attrs)
+    return t.emit(t.op_name, [x], attrs)
 
 
 def reduced_dims(dims: Any, rank: int) -> list[int]:

@@ -40,7 +40,6 @@ WHY_UNCLAIMED = {
                              "Multinomial")},
     **{op: STRINGS for op in ("StringSplit", "StringNormalizer", "StringConcat", "RegexFullMatch", "ImageDecoder",
                               "TfIdfVectorizer", "ai.onnx.ml.LabelEncoder")},
-    "CumProd": NEEDS_OP + "a scan (cumulative product)",
     "Unique": NEEDS_OP + "unique (a data-dependent shape)",
     "NonZero": NEEDS_OP + "nonzero (a data-dependent shape)",
     "NonMaxSuppression": NEEDS_OP + "non-maximum suppression (a data-dependent shape)",

@@ -178,11 +178,12 @@ def _compress(importer: Importer, node, xs, attrs):
     return [importer.emit("take", [x, importer.add_constant(picked, f"{node.output[0]}_picked")], {"axis": axis})]
 
 
-@converts("CumSum", attributes=("exclusive", "reverse"), constant_inputs=(1,))
-def _cumsum(importer: Importer, node, xs, attrs):
-    """The IR's scan along `axis`: `reverse` scans the axis read backwards (a take at descending indices, before
-    and after), `exclusive` scans the input shifted one place along it (a pad of one zero before, cropping the
-    last), so every sum is of the input's own values."""
+@converts("CumSum", "CumProd", attributes=("exclusive", "reverse"), constant_inputs=(1,))
+def _scan(importer: Importer, node, xs, attrs):
+    """The IR's scan (cumsum, cumprod) along `axis`: `reverse` scans the axis read backwards (a take at descending
+    indices, before and after), `exclusive` scans the input shifted one place along it (a pad of one zero, or one
+    one, before, cropping the last), so every sum or product is of the input's own values."""
+    op = "cumsum" if node.op_type == "CumSum" else "cumprod"
     axis = importer.constant(xs[1])
     if axis is None or axis.numel() != 1:
         raise Unsupported("input 1 (axis) is not a constant of one element")
@@ -196,9 +197,10 @@ def _cumsum(importer: Importer, node, xs, attrs):
     if attrs.get("exclusive", 0):
         pads = [0] * (2 * (len(shape) - dim))
         pads[-2:] = [1, -1]                         # F.pad's order: the last dim's pair first
-        x = importer.emit("pad", [x], {"pads": tuple(pads), "value": 0.0}, name=f"{out}_shifted")
+        x = importer.emit("pad", [x], {"pads": tuple(pads), "value": 0.0 if op == "cumsum" else 1.0},
+                          name=f"{out}_shifted")
     dtype = importer.type(xs[0]).dtype
-    scanned = importer.emit("cumsum", [x], {"dim": dim, "dtype": dtype}, name=out if backwards is None else
+    scanned = importer.emit(op, [x], {"dim": dim, "dtype": dtype}, name=out if backwards is None else
                             f"{out}_scanned")
     if backwards is None:
         return [scanned]

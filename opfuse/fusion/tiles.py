@@ -13,10 +13,10 @@ rules, and the plan always follows them; only the kernels, under Triton's interp
 `interpreted` is set, `opfuse.hardware.kernel_profile`), run one tiny tile instead (`INTERPRETER`, whose K slices
 the plan decides too), so there an interpreted model may launch other split-K kernels than its plan counts.
 
-Row reductions (softmax, norms, sums and means, cumsum's scan, global pools) the same way: `row_view` says how the
-row template sees one, `row_tiles` lists its tiles with the row slices of each (`row_slices`), the default first, for
-the kernel and for the planner, which counts the second launch of a split default tile; under the interpreter the
-kernel runs one unsplit tile, so there it may launch fewer kernels than its plan counts.
+Row reductions (softmax, norms, sums and means, the scans cumsum and cumprod, global pools) the same way: `row_view`
+says how the row template sees one, `row_tiles` lists its tiles with the row slices of each (`row_slices`), the
+default first, for the kernel and for the planner, which counts the second launch of a split default tile; under the
+interpreter the kernel runs one unsplit tile, so there it may launch fewer kernels than its plan counts.
 """
 
 from __future__ import annotations
@@ -375,9 +375,9 @@ def anchor_loop(graph: Graph, anchor: str) -> tuple[int, bool]:
 
 # ---- row reductions ----------------------------------------------------------------------------------------
 
-ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "any", "cumsum")
+ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "any", "cumsum", "cumprod")
 EXTREMES = ("amax", "amin")         # row ops of a running max or min
-SCAN_OPS = ("cumsum",)              # row ops that keep every element and carry a running value along the row
+SCAN_OPS = ("cumsum", "cumprod")    # row ops that keep every element and carry a running value along the row
 ROW_WRITING_MODES = ("softmax", "layer_norm", "rms_norm")    # row reductions whose output is the row again
 ROW_SPLIT_MODES = ("sum", "mean", "any") + EXTREMES + ROW_WRITING_MODES   # rows that split into slices: all but scans
 MAX_ROW_SLICES = 128                # slices of a row at most: the second launch holds [BLOCK_M, SPLIT] float32 sums
@@ -420,7 +420,7 @@ def row_view(graph: Graph, node) -> RowView | None:
 
 
 def _reduced_dims(node, rank: int) -> list[int]:
-    if node.op in ("softmax", "cumsum"):
+    if node.op in ("softmax", *SCAN_OPS):
         return [node.attrs["dim"] % rank]
     if node.op == "layer_norm":
         normalized = node.attrs["normalized_shape"]

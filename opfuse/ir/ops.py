@@ -166,9 +166,11 @@ def _run_rms_norm(xs, a):
     return (y * xs[1] if len(xs) > 1 else y).to(x.dtype)
 
 
-def _run_cumsum(xs, a):
-    dtype = a.get("dtype")
-    return torch.cumsum(xs[0], a["dim"], dtype=torch_dtype(dtype) if dtype is not None else None)
+def _run_scan(scan):
+    def run(xs, a):
+        dtype = a.get("dtype")
+        return scan(xs[0], a["dim"], dtype=torch_dtype(dtype) if dtype is not None else None)
+    return run
 
 
 def _run_mean(xs, a):
@@ -358,11 +360,12 @@ for _name, _fn in {"amax": torch.amax, "amin": torch.amin}.items():
     register(OpDef(_name, R, (lambda fn: lambda xs, a: fn(xs[0], dim=a["dims"], keepdim=a.get("keepdim", False)))(_fn),
                    per_input_element(1), doc="largest (smallest) element over dims, NaN if any is; attrs dims, "
                                              "keepdim", attrs=REDUCE_ATTRS))
-register(OpDef("cumsum", R, lambda xs, a: _run_cumsum(xs, a), per_output_element(1),
-               doc="inclusive prefix sum along dim (a scan: one row per index of the other dims, every element "
-                   "kept); bool and integer inputs give int64, as torch.cumsum; attrs dim, dtype (None: that rule; "
-                   "else the input is cast to it first, as torch.cumsum's dtype= does)",
-               attrs={"dim": DIM, "dtype": Optional(Dtype())}))
+for _name, _scan in {"cumsum": torch.cumsum, "cumprod": torch.cumprod}.items():
+    register(OpDef(_name, R, _run_scan(_scan), per_output_element(1),
+                   doc=f"inclusive prefix {_name[3:]} along dim (a scan: one row per index of the other dims, every "
+                       f"element kept); bool and integer inputs give int64, as torch.{_name}; attrs dim, dtype "
+                       f"(None: that rule; else the input is cast to it first, as torch.{_name}'s dtype= does)",
+                   attrs={"dim": DIM, "dtype": Optional(Dtype())}))
 register(OpDef("local_response_norm", O, _run_local_response_norm, lambda ins, out, a: (a["size"] + 4) * out.numel,
                doc="ONNX LRN over dim 1; attrs size, alpha, beta, bias",
                attrs={"size": Int(1, 1 << 20), "alpha": Float(), "beta": Float(), "bias": Float()}))

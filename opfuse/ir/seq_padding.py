@@ -20,7 +20,7 @@ its sequence dims) are the model's at s:
   attention is causal with its queries the same sequence. A softmax over the sequence
   likewise (its padded outputs are then exactly 0), and a product contracting the sequence only where one operand's
   padded entries are exactly 0 (those probabilities);
-- a scan along the sequence (cumsum) reads only the positions before each: kept;
+- a scan along the sequence (cumsum, cumprod) reads only the positions before each: kept;
 - a slice along the sequence that keeps positions [start, end) at both sizes reads the first `end` positions
   (`EndPadding.least`: the smallest call padding may serve);
 - an attr other than a size (`SIZE_ATTRS`) that differs between the two traces (a roll by the length) is refused;
@@ -295,7 +295,7 @@ class _Walk:
         fill = self.fills.get(name, {}).get(dim)
         if node.op == "softmax" and masks(fill):
             return
-        if node.op == "cumsum" and why == SCANS:
+        if node.op in ("cumsum", "cumprod") and why == SCANS:
             return
         if why == CONTRACTS and node.op == "matmul":
             other = node.inputs[1 - position]

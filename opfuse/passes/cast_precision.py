@@ -12,7 +12,8 @@ from __future__ import annotations
 from opfuse.ir.graph import FLOAT_DTYPES, Graph, dtype_name, torch_dtype
 from opfuse.ir.ops import infer_type
 
-CASTING = ("cast", "cumsum")    # ops whose dtype attr casts their input (cumsum's dtype=): a float one follows `dtype`
+CASTING = ("cast", "cumsum", "cumprod")   # ops whose dtype attr casts their input (a scan's dtype=): a float one
+                                           # follows `dtype`
 
 
 def cast_precision(graph: Graph, dtype: str) -> tuple[Graph, list[str]]:

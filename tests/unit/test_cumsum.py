@@ -1,5 +1,5 @@
-"""cumsum as a scan: the IR op (shape, dtype rules, the dtype= argument, cost), its ATen mapping, the row
-template's scan on Triton's interpreter (any dim, odd sizes, rows longer than one block, integer inputs carried
+"""cumsum (and cumprod) as a scan: the IR op (shape, dtype rules, the dtype= argument, cost), its ATen mapping, the
+row template's scan on Triton's interpreter (any dim, odd sizes, rows longer than one block, integer inputs carried
 exactly in int64), its prologue/epilogue fusion, the planner's reason where it refuses, and RoBERTa's position ids
 compiled with nothing of the scan through PyTorch. Eager float32 is the reference."""
 
@@ -72,15 +72,17 @@ def test_rows_along_the_scanned_dim_depend_on_each_other():
 
 class Scans(nn.Module):
     def forward(self, x, mask):
-        return torch.cumsum(x, dim=-1), torch.cumsum(x, 1, dtype=torch.float64).float(), mask.cumsum(0)
+        return (torch.cumsum(x, dim=-1), torch.cumsum(x, 1, dtype=torch.float64).float(), mask.cumsum(0),
+                torch.cumprod(x, -2))
 
 
-def test_aten_cumsum_maps_to_the_ir_op_with_its_dim_and_dtype():
+def test_aten_cumsum_and_cumprod_map_to_the_ir_ops_with_their_dim_and_dtype():
     x, mask = torch.randn(2, 5, 7), torch.rand(4, 3) > 0.5
     graph = capture_torch(Scans().eval(), (x, mask))
-    scans = [n for n in graph if n.op == "cumsum"]
+    scans = [n for n in graph if n.op in ("cumsum", "cumprod")]
     assert not [n for n in graph if n.op == "opaque"]
-    assert [n.attrs for n in scans] == [{"dim": 2}, {"dim": 1, "dtype": "float64"}, {"dim": 0}]
+    assert [(n.op, n.attrs) for n in scans] == [("cumsum", {"dim": 2}), ("cumsum", {"dim": 1, "dtype": "float64"}),
+                                                ("cumsum", {"dim": 0}), ("cumprod", {"dim": 1})]
     assert scans[2].type.dtype == "int64"
     for got, want in zip(interpret(graph, [x, mask]), Scans()(x, mask)):
         torch.testing.assert_close(got, want)
@@ -98,6 +100,29 @@ def test_cumsum_over_any_dim_and_odd_sizes(shape, dim, config):
     b = Builder()
     kernel, _ = run_group(b, [b.op("cumsum", b.input("x", shape), dim=dim)], config)
     assert isinstance(kernel, RowReductionKernel)
+
+
+@pytest.mark.parametrize("shape,dim", [((3, 7), 1), ((4, 300), 1), ((3, 33, 2, 4), 1), ((33, 3), 0)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("config", [None, SMALL_CHUNKS], ids=["default", "small-chunks"])
+def test_cumprod_carries_the_product_of_the_chunks_before(shape, dim, config):
+    """The product scan: each chunk's tl.cumprod times the carry (lanes past the row multiply by 1); values of
+    either sign near 1 so that 300 of them stay finite."""
+    b = Builder()
+    values = torch.exp(torch.randn(shape) * 0.05) * torch.where(torch.rand(shape) < 0.1, -1.0, 1.0)
+    kernel, _ = run_group(b, [b.op("cumprod", b.input("x", shape, values), dim=dim)], config)
+    assert isinstance(kernel, RowReductionKernel)
+
+
+def test_integer_cumprod_is_exact_in_int64():
+    values = torch.randint(1, 4, (3, 37), dtype=torch.int32) * torch.where(torch.rand(3, 37) < 0.2, -1, 1).int()
+    b = Builder()
+    x = b.graph.add_input("x", TensorType((3, 37), "int32")).name
+    y = b.op("cumprod", x, dim=1)
+    kernel = lower_reduction_group(b.graph, b.group([y]), "cpu")
+    (got,) = kernel.run([values], SMALL_CHUNKS)
+    want = torch.cumprod(values, 1)
+    assert got.dtype == torch.int64 and torch.equal(got, want) and want.abs().max() > 2 ** 24
 
 
 def test_float16_cumsum_carries_float32():

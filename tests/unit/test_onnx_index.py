@@ -96,11 +96,12 @@ def test_affine_grid(size, corners):
 
 @pytest.mark.parametrize("exclusive, reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
 @pytest.mark.parametrize("dtype", [np.float32, np.int32])
-def test_cumsum_is_the_scan_of_the_input_read_backwards_or_shifted(exclusive, reverse, dtype):
+@pytest.mark.parametrize("onnx_op, op", [("CumSum", "cumsum"), ("CumProd", "cumprod")])
+def test_a_scan_is_the_scan_of_the_input_read_backwards_or_shifted(onnx_op, op, exclusive, reverse, dtype):
     x = (floats(3, 5) * 4).astype(dtype)
-    graph = run(node("CumSum", ["x", "axis"], exclusive=exclusive, reverse=reverse), {"x": x},
+    graph = run(node(onnx_op, ["x", "axis"], exclusive=exclusive, reverse=reverse), {"x": x},
                 weights={"axis": np.array(-1, dtype=np.int64)})
-    assert ops(graph).count("cumsum") == 1 and ops(graph).count("take") == 2 * reverse
+    assert ops(graph).count(op) == 1 and ops(graph).count("take") == 2 * reverse
     assert ops(graph).count("pad") == exclusive
 
 
