@@ -137,13 +137,15 @@ HANDLERS["sum"] = _reduce("sum")
 @maps("cumsum", "cumprod")
 def _scan(t: Translator, a: dict) -> str:
     """The inclusive scan (cumsum, cumprod) along `dim`; `dtype` (the input cast to it first) kept as the op's attr
-    where it changes the input's dtype. A 0-d tensor has no row to scan (it stays opaque)."""
+    where it changes the result's dtype: another dtype than the input's, or any for an integer or bool input (whose
+    scan is int64 without it: transformers' MoE routing scans int32 counts with dtype=torch.int32). A 0-d tensor has
+    no row to scan (it stays opaque)."""
     x = t.value(a["self"])
     rank = t.rank(x)
     if rank == 0:
         raise Unmapped(f"{t.op_name} of a 0-d tensor")
     attrs: dict[str, Any] = {"dim": wrap_dim(int(a["dim"]), rank)}
-    if a.get("dtype") is not None and dtype_name(a["dtype"]) != t.type_of(x).dtype:
+    if a.get("dtype") is not None and (dtype_name(a["dtype"]) != t.type_of(x).dtype or not t.type_of(x).is_float):
         attrs["dtype"] = dtype_name(a["dtype"])
     return t.emit(t.op_name, [x], attrs)
 

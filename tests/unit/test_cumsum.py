@@ -73,7 +73,7 @@ def test_rows_along_the_scanned_dim_depend_on_each_other():
 class Scans(nn.Module):
     def forward(self, x, mask):
         return (torch.cumsum(x, dim=-1), torch.cumsum(x, 1, dtype=torch.float64).float(), mask.cumsum(0),
-                torch.cumprod(x, -2))
+                torch.cumprod(x, -2), mask.int().cumsum(1, dtype=torch.int32))
 
 
 def test_aten_cumsum_and_cumprod_map_to_the_ir_ops_with_their_dim_and_dtype():
@@ -82,8 +82,9 @@ def test_aten_cumsum_and_cumprod_map_to_the_ir_ops_with_their_dim_and_dtype():
     scans = [n for n in graph if n.op in ("cumsum", "cumprod")]
     assert not [n for n in graph if n.op == "opaque"]
     assert [(n.op, n.attrs) for n in scans] == [("cumsum", {"dim": 2}), ("cumsum", {"dim": 1, "dtype": "float64"}),
-                                                ("cumsum", {"dim": 0}), ("cumprod", {"dim": 1})]
-    assert scans[2].type.dtype == "int64"
+                                                ("cumsum", {"dim": 0}), ("cumprod", {"dim": 1}),
+                                                ("cumsum", {"dim": 1, "dtype": "int32"})]
+    assert scans[2].type.dtype == "int64" and scans[4].type.dtype == "int32"   # (an int32 scan asked for stays so)
     for got, want in zip(interpret(graph, [x, mask]), Scans()(x, mask)):
         torch.testing.assert_close(got, want)
 
