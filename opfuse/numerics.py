@@ -13,7 +13,9 @@ An explicit cast to a floating type inside the model (ONNX Cast, torch's `.float
 precision, not of meaning: the compiled model computes it in the compute dtype (`cast_precision` retypes it), so every
 reference and every run of PyTorch at the compute dtype computes it in its own precision too (`float_casts_to`), a
 cast to float16 in a float32 model included: rounding there would hold the compiled model to a rounding it does not
-do. Casts to integer or bool types keep their meaning everywhere.
+do. Casts to integer or bool types keep their meaning everywhere, and so does a narrow model's cast to float32 of
+values a choice ranks (`opfuse.passes.cast_precision.widening_casts`: a router's softmax before its topk); PyTorch at
+the compute dtype still narrows that one, so its figure is the rougher of the two there.
 Entry points: `check_groups`, `relative_error`, `acceptable`, `scaled_errors`, `tolerance`, `random_inputs_like`,
 `reference_convolutions` and `float_casts_to` (for reference runs), `without_cudnn_search`.
 """

@@ -721,6 +721,34 @@ def test_cast_precision_to_float16():
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
 
 
+def _router(width: str) -> Graph:
+    """A mixture of experts' router: logits (in `width`), widened to float32 where `width` is narrow, a softmax and
+    its top two; a float32 scale in between."""
+    graph = Graph("router")
+    x = graph.add_input("x", TensorType((6, 16), width)).name
+    logits = op(graph, "logits", "linear", [x, const(graph, "w", torch.randn(8, 16).to(getattr(torch, width)))])
+    if width != "float32":
+        logits = op(graph, "wide", "cast", [logits], dtype="float32")
+    scaled = op(graph, "scaled", "mul", [logits, const(graph, "scale", torch.tensor(0.5))])
+    probs = op(graph, "probs", "softmax", [scaled], dim=-1)
+    top = op(graph, "top", "topk", [probs], k=2, dim=-1, largest=True, sorted=True, output=0)
+    graph.outputs = [op(graph, "back", "cast", [top], dtype=width)]
+    return graph
+
+
+def test_a_cast_widening_what_a_choice_ranks_keeps_its_dtype():
+    """A narrow model's float32 router softmax stays float32 up to its topk (narrowed, near-equal probabilities
+    round to ties that pick other experts); a model wide throughout is narrowed as asked."""
+    after, changes = run_pass(functools.partial(cast_precision, dtype="float16"), _router("float16"))
+    assert [after[n].type.dtype for n in ("logits", "wide", "scaled", "probs", "top", "back")] == \
+        ["float16", "float32", "float32", "float32", "float32", "float16"]
+    assert any("wide still casts to float32" in change for change in changes)
+    after, _ = run_pass(functools.partial(cast_precision, dtype="float16"), _router("float32"))
+    assert {after[n].type.dtype for n in ("logits", "scaled", "probs", "top", "back")} == {"float16"}
+    after, _ = run_pass(functools.partial(cast_precision, dtype="bfloat16"), _router("float16"))
+    assert after["probs"].type.dtype == "float32"
+
+
 def test_cast_precision_rejects_integer_dtype():
     with pytest.raises(ValueError, match="floating"):
         cast_precision(_mixed_model(), "int32")
