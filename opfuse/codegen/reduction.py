@@ -152,9 +152,9 @@ def indent(lines: Sequence[str], depth: int = 1) -> list[str]:
 
 
 class RowReductionKernel(TemplateKernel):
-    """softmax / layer_norm / rms_norm / mean / sum / any / cumsum / cumprod over some dims of one input, BLOCK_M
-    rows a program; every mode but the scans in SPLIT slices per row where there are fewer row blocks than the GPU
-    `hw` has SMs (`opfuse.fusion.tiles.row_slices`)."""
+    """softmax / layer_norm / rms_norm / mean / sum / prod / any / cumsum / cumprod over some dims of one input,
+    BLOCK_M rows a program; every mode but the scans and prod in SPLIT slices per row where there are fewer row
+    blocks than the GPU `hw` has SMs (`opfuse.fusion.tiles.row_slices`)."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, view: RowView, hw: HardwareProfile):
         self.node, self.view, self.mode, self.hw = node, view, view.mode, hw
@@ -186,6 +186,8 @@ class RowReductionKernel(TemplateKernel):
             body += self._extreme(mode)
         elif mode in SCAN_OPS:
             body += self._scan(mode)
+        elif mode == "prod":
+            body += self._product()
         else:
             body += self._sum(mode)
         constexprs = ["BLOCK_M", "BLOCK_L", "ONE_PASS", "INT64"]
@@ -453,6 +455,16 @@ class RowReductionKernel(TemplateKernel):
         total = self._finish_row([f"sums = tl.load(partials_ptr + parts * {rows} + rows, mask=row_mask, other=0.0)",
                                   f"result = {combine}(sums, axis=1)[:, None]{scale}"])
         return self._sliced(whole, partial, total)
+
+    def _product(self) -> list[str]:
+        """prod: a running product of each lane's chunk (lanes past the row multiply by 1), then the lanes' product,
+        the last lane of their `tl.cumprod` (Triton has no product reduction); never in slices."""
+        chunk, region, _, x = self._chunk("start + lanes", True)
+        return self._finish_row(
+            ["acc = tl.full([BLOCK_M, BLOCK_L], 1.0, dtype=tl.float32)",
+             f"for start in range(0, {self.length}, BLOCK_L):"] + indent(chunk + region.lines
+                                                                        + [f"acc *= tl.where(mask, {x}, 1.0)"])
+            + ["result = tl.sum(tl.where(lanes == BLOCK_L - 1, tl.cumprod(acc, axis=1), 0.0), axis=1)[:, None]"])
 
     # ---- runtime ----------------------------------------------------------------------------------
     def configs(self) -> list[KernelConfig]:

@@ -118,7 +118,7 @@ def _softmax(t: Translator, a: dict) -> str:
 
 
 def _reduce(op: str) -> Handler:
-    """mean / sum over `dim` (all dims when absent), after a cast when a dtype is asked for."""
+    """mean / sum / prod over `dim` (all dims when absent), after a cast when a dtype is asked for."""
     def handle(t: Translator, a: dict) -> str:
         x = t.value(a["self"])
         rank = t.rank(x)
@@ -132,6 +132,7 @@ def _reduce(op: str) -> Handler:
 
 HANDLERS["mean"] = _reduce("mean")
 HANDLERS["sum"] = _reduce("sum")
+HANDLERS["prod"] = _reduce("prod")
 
 
 @maps("cumsum", "cumprod")

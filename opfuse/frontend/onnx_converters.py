@@ -339,7 +339,8 @@ def _softmax(importer: Importer, node, xs, attrs):
     return [importer.emit("reshape", [normalise(flat, 1)], {"shape": shape})]
 
 
-REDUCTIONS = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "amax", "ReduceMin": "amin"}
+REDUCTIONS = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceProd": "prod", "ReduceMax": "amax",
+              "ReduceMin": "amin"}
 
 
 # axes: an attribute before opset 13 (ReduceSum) or 18 (the others), an input after

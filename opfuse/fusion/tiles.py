@@ -375,7 +375,7 @@ def anchor_loop(graph: Graph, anchor: str) -> tuple[int, bool]:
 
 # ---- row reductions ----------------------------------------------------------------------------------------
 
-ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "any", "cumsum", "cumprod")
+ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "prod", "any", "cumsum", "cumprod")
 EXTREMES = ("amax", "amin")         # row ops of a running max or min
 SCAN_OPS = ("cumsum", "cumprod")    # row ops that keep every element and carry a running value along the row
 ROW_WRITING_MODES = ("softmax", "layer_norm", "rms_norm")    # row reductions whose output is the row again

@@ -173,6 +173,14 @@ def _run_scan(scan):
     return run
 
 
+def _run_prod(xs, a):
+    """torch.prod over each of `dims` in turn (it takes one dim at a time), the reduced dims kept or dropped."""
+    x, dims = xs[0], sorted({d % xs[0].dim() for d in a["dims"]}, reverse=True)
+    for dim in dims:
+        x = torch.prod(x, dim, keepdim=True)
+    return x if a.get("keepdim", False) else x.reshape([n for d, n in enumerate(x.shape) if d not in dims])
+
+
 def _run_mean(xs, a):
     return torch.mean(xs[0], dim=a["dims"], keepdim=a.get("keepdim", False))
 
@@ -351,6 +359,9 @@ register(OpDef("rms_norm", R, lambda xs, a: _run_rms_norm(xs, a), per_output_ele
                doc="x * rsqrt(mean(x^2 over the last dim) + eps) [* weight]; inputs x, weight?; attrs eps",
                attrs={"eps": Float()}))
 register(OpDef("mean", R, _run_mean, per_input_element(1), doc="attrs dims, keepdim", attrs=REDUCE_ATTRS))
+register(OpDef("prod", R, lambda xs, a: _run_prod(xs, a), per_input_element(1),
+               doc="product over dims (1 over none); bool and integer inputs give int64, as torch.prod; attrs dims, "
+                   "keepdim", attrs=REDUCE_ATTRS))
 register(OpDef("any", R, lambda xs, a: torch.amax(xs[0] != 0, dim=a["dims"], keepdim=a.get("keepdim", False)),
                per_input_element(1), doc="bool: any element non-zero over dims; attrs dims, keepdim",
                attrs=REDUCE_ATTRS))

@@ -284,7 +284,7 @@ REDUCED_DIMS: dict[str, Callable[[Node, int], tuple[set[int], bool]]] = {
     "layer_norm": lambda node, rank: _last(len(node.attrs["normalized_shape"]))(node, rank),
     "rms_norm": _last(1),
     **{name: lambda node, rank: (_dims(node.attrs["dim"], rank), True) for name in ("cumsum", "cumprod")},
-    **{name: _reduce_attrs for name in ("mean", "sum", "amax", "amin", "any")},
+    **{name: _reduce_attrs for name in ("mean", "sum", "prod", "amax", "amin", "any")},
     **{name: _last(2) for name in ("max_pool2d", "avg_pool2d", "adaptive_avg_pool2d")},
     **{name: _last(3) for name in ("max_pool3d", "avg_pool3d")},
 }

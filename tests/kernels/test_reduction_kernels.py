@@ -145,6 +145,36 @@ def test_sum_over_middle_dim_with_epilogue():
     run_group(b, [b.op("mul", y, b.input("g", (4, 3)))])
 
 
+@pytest.mark.parametrize("keepdim", [True, False])
+@pytest.mark.parametrize("shape,dims,config", [((3, 300), [1], None), ((2, 6, 5, 7), [2, 3], SMALL_CHUNKS),
+                                               ((4, 37, 3), [1], SMALL_CHUNKS), ((5, 2, 0), [2], None)],
+                         ids=["long-row", "spatial-looped", "middle-dim", "empty"])
+def test_prod_multiplies_each_chunk_into_its_lanes_then_the_lanes(shape, dims, keepdim, config):
+    """Values of either sign near 1 (so that 300 of them stay finite), an epilogue on the product, and rows of no
+    element (a product of 1)."""
+    b = Builder()
+    values = torch.exp(torch.randn(shape) * 0.05) * torch.where(torch.rand(shape) < 0.1, -1.0, 1.0)
+    y = b.op("prod", b.input("x", shape, values), dims=dims, keepdim=keepdim)
+    kernel, _ = run_group(b, [b.op("mul", y, b.const("two", torch.tensor(2.0)))], config)
+    assert kernel.launches() == 1
+
+
+def test_aten_prod_compiles_to_the_row_template_with_nothing_through_pytorch():
+    import opfuse
+
+    class Products(torch.nn.Module):
+        def forward(self, x):
+            return torch.prod(x, 1), x.prod(-1, keepdim=True) * 3, (x - 1).prod()
+
+    x = torch.exp(torch.randn(2, 40, 3) * 0.05)
+    compiled = opfuse.compile(Products().eval(), (x,), opfuse.FusionConfig(dtype="float32"))
+    assert compiled.analysis.pytorch_groups == {} and not compiled.analysis.opaque_ops
+    assert sum(compiled.plan.graph[n].op == "prod" for n in compiled.plan.graph.nodes) == 3
+    fresh = torch.exp(torch.randn(2, 40, 3) * 0.05)
+    for got, want in zip(compiled(fresh), Products()(fresh)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-30)
+
+
 @pytest.mark.parametrize("config", [None, SMALL_CHUNKS], ids=["one-pass", "looped"])
 @pytest.mark.parametrize("overflow", [False, True])
 def test_any_isinf_over_the_last_dim_then_a_where_epilogue(overflow, config):

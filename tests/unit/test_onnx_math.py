@@ -64,9 +64,10 @@ def test_sign_of_integers_and_swiglu():
 
 # ---- reductions -------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("op", ["ReduceL1", "ReduceL2", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp"])
+@pytest.mark.parametrize("op", ["ReduceL1", "ReduceL2", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp",
+                                "ReduceProd"])
 @pytest.mark.parametrize("axes, keepdims", [([1], 1), ([0, 2], 0), (None, 1)])
-def test_norm_and_log_reductions(op, axes, keepdims):
+def test_norm_log_and_product_reductions(op, axes, keepdims):
     x = np.abs(floats(3, 4, 5)) + 0.1
     weights = {} if axes is None else {"axes": np.array(axes, np.int64)}
     run(node(op, ["x"] + (["axes"] if axes is not None else []), keepdims=keepdims), {"x": x}, weights=weights)
