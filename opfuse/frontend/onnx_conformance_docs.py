@@ -43,8 +43,6 @@ WHY_UNCLAIMED = {
     "Unique": NEEDS_OP + "unique (a data-dependent shape)",
     "NonZero": NEEDS_OP + "nonzero (a data-dependent shape)",
     "NonMaxSuppression": NEEDS_OP + "non-maximum suppression (a data-dependent shape)",
-    "BitCast": NEEDS_OP + "a bit reinterpretation (view as another dtype)",
-    "Det": NEEDS_OP + "a determinant",
     "RoiAlign": "not mapped yet: a gather at positions computed at run time, with interpolation",
     "DeformConv": NEEDS_OP + "a deformable convolution",
     "QLinearConv": "not mapped yet (as QLinearMatMul, around a conv2d)",

@@ -1,7 +1,8 @@
 """ONNX converters of elementwise functions, reductions and normalisations written out in the IR's own ops: Mod,
 IsInf, IsNaN, Sign, Celu, ThresholdedRelu, Shrink, Softsign, Mish, Swish, SwiGLU, the norm and log reductions
 (ReduceL1, ReduceL2, ReduceSumSquare, ReduceLogSum, ReduceLogSumExp), ArgMax, ArgMin, LpNormalization,
-InstanceNormalization, GroupNormalization, MeanVarianceNormalization and BitShift. Registered in
+InstanceNormalization, GroupNormalization, MeanVarianceNormalization and BitShift; Det and BitCast as the library
+calls that run alone (`opfuse.ir.ops_alone`). Registered in
 `opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
 
 Each is written so that it computes ONNX's value, not an approximation of it: an argmax is the smallest index
@@ -15,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from opfuse.frontend.onnx_converters import Unsupported, _softplus, converts, reduction_of
-from opfuse.ir.graph import torch_dtype
+from opfuse.frontend.onnx_converters import ONNX_DTYPES, Unsupported, _softplus, converts, reduction_of
+from opfuse.ir.graph import DTYPE_BYTES, torch_dtype
 
 if TYPE_CHECKING:
     from opfuse.frontend.onnx_import import Importer
@@ -416,3 +417,20 @@ def _rounding(importer: Importer, node, xs, attrs):
         negated = importer.emit("neg", [x], name=f"{out}_negated")
         return [importer.emit("neg", [floor(importer, negated, f"{out}_floor")], name=out)]
     return [round_half_to_even(importer, x, out)]
+
+
+@converts("Det")
+def _det(importer: Importer, node, xs, attrs):
+    return [importer.emit("det", xs[:1], name=node.output[0])]
+
+
+@converts("BitCast", attributes=("to",))
+def _bit_cast(importer: Importer, node, xs, attrs):
+    """x's bits read as `to` (a type of the same width)."""
+    dtype = ONNX_DTYPES.get(attrs["to"])
+    if dtype is None:
+        raise Unsupported(f"to {attrs['to']}: no IR dtype")
+    if DTYPE_BYTES[dtype] != DTYPE_BYTES[importer.type(xs[0]).dtype]:
+        raise Unsupported(f"{importer.type(xs[0]).dtype} and {dtype} differ in width")
+    return [importer.emit("bitcast", xs[:1], {"source": importer.type(xs[0]).dtype, "dtype": dtype},
+                          name=node.output[0])]

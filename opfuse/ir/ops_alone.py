@@ -1,16 +1,18 @@
 """The ops that run alone (`OpDef.kernel`), registered into `opfuse.ir.ops.REGISTRY` when it is imported: never fused,
 each a kernel of its own. A mixture of experts' experts as opfuse's grouped GEMM (`opfuse.codegen.grouped_gemm`); its
-routing (topk, sort, histc), recurrent layers (an LSTM), scatters and grid sampling as library calls, PyTorch's own
-CUDA kernels (cuDNN's LSTM), which read nothing back to the host, so a CUDA graph holds them. A (values, indices) or
-(output, h, c) call is one op per output read, `output` naming which (`CALLS`); the planner puts the outputs read of
-one call in one group, which calls it once (`opfuse.fusion.planner_horizontal.HorizontalFusion.call_outputs`).
+routing (topk, sort, histc), recurrent layers (an LSTM), scatters, grid sampling, determinants and bit casts as
+library calls, PyTorch's own CUDA kernels (cuDNN's LSTM), which read nothing back to the host, so a CUDA graph holds
+them. A (values, indices) or (output, h, c) call is one op per output read, `output` naming which (`CALLS`); the
+planner puts the outputs read of one call in one group, which calls it once
+(`opfuse.fusion.planner_horizontal.HorizontalFusion.call_outputs`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from opfuse.ir.attrs import DIM, MAX_INT, Bool, Float, Int, Word
+from opfuse.ir.attrs import DIM, MAX_INT, Bool, Dtype, Float, Int, Word
+from opfuse.ir.graph import torch_dtype
 from opfuse.ir.op_costs import per_input_element, per_output_element
 from opfuse.ir.ops import OpDef, FusionKind, register
 
@@ -94,3 +96,24 @@ register(OpDef("grid_sample", O, _run_grid_sample, per_output_element(16), kerne
                doc="torch.nn.functional.grid_sample: inputs x[N, C, *spatial] and grid[N, *out, len(spatial)] (x, y(, "
                    "z) in [-1, 1])",
                attrs={"mode": Word(GRID_MODES), "padding_mode": Word(GRID_PADDINGS), "align_corners": Bool()}))
+def _run_det(xs, a):
+    x = xs[0]
+    wide = x if x.dtype in (torch.float32, torch.float64) else x.float()    # (no LU in 16 bits)
+    return torch.linalg.det(wide).to(x.dtype)
+
+
+register(OpDef("det", O, _run_det, lambda ins, out, a: ins[0].numel * ins[0].shape[-1], kernel="library",
+               doc="torch.linalg.det of x[..., n, n] (an LU factorisation, at least in float32): one determinant per "
+                   "leading index"))
+def _run_bitcast(xs, a):
+    """x's bits as `dtype`, x first taken in `source`: with torch functions' overrides off, since a reference run's
+    mode that keeps floats in its own precision (`opfuse.numerics.float_casts_to`) would widen that conversion."""
+    with torch._C.DisableTorchFunction():
+        x = xs[0].to(torch_dtype(a["source"]))
+    return x.view(torch_dtype(a["dtype"])).clone()
+
+
+register(OpDef("bitcast", O, _run_bitcast, per_output_element(0), kernel="library",
+               doc="x's bits, of dtype `source`, read as `dtype` (of the same width), as Tensor.view(dtype); x is "
+                   "taken in `source` first (a reference run holds floats wider, a float16 compile narrower)",
+               attrs={"source": Dtype(), "dtype": Dtype()}))

@@ -486,6 +486,10 @@ RULES: dict[str, Rule] = {
     # positions its grid holds)
     "scatter": except_dims(lambda node, shapes: {node.attrs["dim"] % len(shapes[0])} | {
         d for d, (n, i) in enumerate(zip(shapes[0], shapes[1])) if n != i}, "scatters along {where}"),
+    # a determinant reads its whole matrix; a bit cast keeps every element where it is
+    "det": except_dims(lambda node, shapes: {len(shapes[0]) - 2, len(shapes[0]) - 1},
+                       "takes a determinant of the matrices over {where}"),
+    "bitcast": except_dims(lambda node, shapes: set(), "{where}"),
     "grid_sample": except_dims(lambda node, shapes: set(range(1, max(len(shape) for shape in shapes))),
                                "samples at positions its grid holds ({where})"),
 }

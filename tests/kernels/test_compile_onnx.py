@@ -267,3 +267,22 @@ def test_an_onnx_model_pads_its_sequence_under_an_attention_mask():
         want = reference.run(None, {"x": x.numpy(), "mask": mask.numpy()})[0]
         np.testing.assert_allclose(compiled(x, mask).numpy(), want, rtol=1e-5, atol=1e-6)
     assert sorted(compiled.buckets) == [(8,)] and compiled.buckets[(8,)].zero_filled["seq"] == (1,)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_bit_cast_compiles_on_its_own_bits_whatever_the_compute_dtype(dtype):
+    """BitCast reads its input's bits in the input's own dtype: the float64 reference of a float32 compile and a
+    float16 compile both take the float32 input as float32 first, so the integers are the model's, exactly."""
+    nodes = [helper.make_node("Mul", ["x", "two"], ["m"]), helper.make_node("BitCast", ["m"], ["bits"], to=6),
+             helper.make_node("Det", ["x"], ["d"])]
+    graph = helper.make_graph(nodes, "bits", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 4])],
+                              [helper.make_tensor_value_info("bits", TensorProto.INT32, [3, 4, 4]),
+                               helper.make_tensor_value_info("d", TensorProto.FLOAT, [3])],
+                              initializer=[numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 26)])
+    x = torch.randn(3, 4, 4)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype=dtype))
+    bits, det = compiled(x)
+    doubled = (x * 2).half().float() if dtype == "float16" else x * 2
+    assert torch.equal(bits, doubled.view(torch.int32))
+    torch.testing.assert_close(det.float(), torch.linalg.det(x), rtol=1e-2 if dtype == "float16" else 1e-5, atol=1e-3)

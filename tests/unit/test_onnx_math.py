@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from onnx import TensorProto
 
-from onnx_cases import node, one_node_graph, run_node as run
+from onnx_cases import node, one_node_graph, ops, run_node as run
 from opfuse.ir.graph import GraphError
 from opfuse.ir.interpret import interpret
 
@@ -153,3 +154,18 @@ def test_floor_ceil_and_round_half_to_even_exactly(op, dtype):
                   big, -big, np.inf, -np.inf, np.nan, 0.0], dtype)
     graph = run(node(op, ["x"]), {"x": x}, tolerance=0)
     assert "cast" in [n.op for n in graph]
+
+
+# ---- library calls: determinants and bit casts -----------------------------------------------------------------
+
+def test_det_of_a_batch_of_matrices_is_one_library_call():
+    graph = run(node("Det", ["x"]), {"x": floats(3, 4, 4)})
+    assert ops(graph) == ["det"]
+
+
+@pytest.mark.parametrize("source, to", [(np.float32, TensorProto.INT32), (np.int64, TensorProto.DOUBLE),
+                                        (np.int8, TensorProto.UINT8), (np.float16, TensorProto.INT16)])
+def test_bit_cast_reads_the_bits_exactly(source, to):
+    x = (floats(2, 5) * 100).astype(source)
+    graph = run(node("BitCast", ["x"], to=to), {"x": x})
+    assert ops(graph) == ["bitcast"]
