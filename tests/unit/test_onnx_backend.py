@@ -50,7 +50,7 @@ def test_an_operator_without_converter_is_refused_at_prepare_naming_operator_nod
                   [("y", FLOAT, [2, 3])], opset=13)
     with pytest.raises(UnsupportedOnnxNode, match=r"ONNX operator Hardmax \(opset 13\) at node 'pick' is not "
                                                   r"supported by opfuse: no converter for Hardmax; the supported "
-                                                  r"operators are Abs, Acosh, Add, ") as refused:
+                                                  r"operators are Abs, Acos, Acosh, Add, ") as refused:
         OpfuseBackend.prepare(proto)
     assert (refused.value.op_type, refused.value.node, refused.value.opset) == ("Hardmax", "pick", 13)
 
