@@ -53,9 +53,9 @@ def generation_lines(results: dict[str, Any]) -> list[str]:
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     """One result of several `generate.json`s: runs keyed by (batch, prompt, new), contenders joined, the first
-    file's figures kept where two have the same contender."""
+    file's figures kept where two have the same contender; `processes` counts those of a merged one too."""
     merged = {key: results[0][key] for key in ("device", "torch", "dtype")}
-    merged["processes"] = len(results)
+    merged["processes"] = sum(result.get("processes", 1) for result in results)
     runs: dict[tuple[int, int, int], dict[str, Any]] = {}
     for result in results:
         if result["device"] != merged["device"]:

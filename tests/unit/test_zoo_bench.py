@@ -255,6 +255,7 @@ def test_generate_merge_joins_contenders_timed_in_processes_of_their_own():
     assert merged["runs"][0]["decode_report"]["launches"] == 185
     page = render([{"settings": {}, "env": None, "workloads": {}}], generation=merged)
     assert "in 2 processes of their own" in page
+    assert merge([merged, inductor_only])["processes"] == 3        # a merged file counts its own processes
     assert "| 1 | 128 | 64 | opfuse | 1.90 ms | 1.600 ms | 600 | 1350 | 40.3% | 1.50x | 53 of 64 |" in page
     assert "- batch 8, prompt 128: no opfuse" not in page
     inductor_only["runs"][0]["batch"] = 32
