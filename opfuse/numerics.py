@@ -280,6 +280,31 @@ def _reference_values(graph: Graph, inputs: Sequence[torch.Tensor], dtype: torch
         yield node
 
 
+CHOOSING = ("topk",)     # ops whose output depends on which of their input's values is larger
+
+
+def near_ties(graph: Graph, inputs: Sequence[torch.Tensor], dtype: str) -> list[str]:
+    """The choices (`CHOOSING`) whose reference input holds a near-tie at their cut: along the dim, the k-th and the
+    (k+1)-th largest (smallest) values closer than `dtype`'s resolution (its eps) times the row's largest magnitude,
+    where any run in `dtype` may choose the other element. Each as "node (gap ..., row scale ...)"."""
+    resolution = torch.finfo(torch_dtype(dtype)).eps
+    found = []
+    values: dict[str, torch.Tensor] = {}
+    for node in _reference_values(graph, inputs, reference_dtype(dtype), values):
+        if node.op not in CHOOSING or not values[node.inputs[0]].is_floating_point():
+            continue
+        x, k, dim = values[node.inputs[0]], node.attrs["k"], node.attrs["dim"]
+        if k >= x.shape[dim]:
+            continue
+        ranked = torch.topk(x, k + 1, dim, node.attrs["largest"]).values
+        gap = (ranked.narrow(dim, k - 1, 1) - ranked.narrow(dim, k, 1)).abs()
+        scale = x.abs().amax(dim, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+        worst = float((gap / scale).min())
+        if worst < resolution:
+            found.append(f"{node.describe()} (a gap of {worst:.1e} of its row's scale)")
+    return found
+
+
 def check_needs(graph: Graph, group) -> set[str]:
     """The reference values a group's check reads: its nodes and outputs, every operand of its nodes (its inputs;
     PyTorch at the compute dtype recomputes the nodes from them for an error over the tolerance), and what
