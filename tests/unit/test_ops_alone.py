@@ -1,7 +1,7 @@
 """The ops that run alone (`opfuse.ir.ops_alone`): a mixture of experts' routing (topk, sort, histc, index_put,
-floor_divide) and grouped GEMM, an LSTM, scatters and grid sampling, as IR ops; their ATen mappings, the grouped GEMM kernel on Triton's
-interpreter (empty experts, uneven groups, rows past the last expert, odd sizes), the library calls, and
-transformers' Mixtral and a stack of LSTMs compiled with nothing through PyTorch against eager in float32."""
+floor_divide) and grouped GEMM, an LSTM, scatters and grid sampling, as IR ops; their ATen mappings, the grouped GEMM
+kernel on Triton's interpreter (empty experts, uneven groups, rows past the last expert, odd sizes), the library
+calls, and transformers' Mixtral and a stack of LSTMs compiled with nothing through PyTorch against eager in float32."""
 
 from __future__ import annotations
 
