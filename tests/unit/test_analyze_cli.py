@@ -70,9 +70,9 @@ def test_refused_fusions_are_capped_unless_asked_for_all(capsys):
 
 
 def test_refusals_and_groups_through_pytorch_carry_their_codes(monkeypatch, capsys, tmp_path):
-    """conv -> relu -> cumprod (opaque) -> sigmoid -> + relu: the JSON and the printed tables give each refusal and
+    """conv -> relu -> logcumsumexp (opaque) -> sigmoid -> + relu: the JSON and the printed tables give each refusal and
     each group run through PyTorch its code (`opfuse.fusion.reasons`) beside the words."""
-    (tmp_path / "cumprod_model.py").write_text(
+    (tmp_path / "opaque_model.py").write_text(
         "import torch, torch.nn as nn\n"
         "class M(nn.Module):\n"
         "    def __init__(self):\n"
@@ -80,18 +80,18 @@ def test_refusals_and_groups_through_pytorch_carry_their_codes(monkeypatch, caps
         "        self.conv = nn.Conv2d(3, 8, 3, padding=1)\n"
         "    def forward(self, x):\n"
         "        y = torch.relu(self.conv(x))\n"
-        "        return torch.sigmoid(torch.cumprod(y, 1)) + y\n"
+        "        return torch.sigmoid(torch.logcumsumexp(y, 1)) + y\n"
         "def build(batch=1):\n"
         "    torch.manual_seed(0)\n"
         "    return M().eval(), (torch.randn(batch, 3, 8, 8),)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    out = tmp_path / "cumprod.json"
-    assert main(["analyze", "cumprod_model:build", "--dtype", "fp32", "--json", str(out), "--ops", "0"]) == 0
+    out = tmp_path / "opaque.json"
+    assert main(["analyze", "opaque_model:build", "--dtype", "fp32", "--json", str(out), "--ops", "0"]) == 0
     data = json.loads(out.read_text())
     codes = {(d["verdict"], d["code"]) for d in data["plan"]["decisions"]}
     assert codes == {("fused", "fused"), ("illegal", "opaque"), ("illegal", "several-users")}
     (through,) = data["pytorch_groups"].values()
-    assert through["code"] == "opaque" and "cumprod" in through["reason"]
+    assert through["code"] == "opaque" and "logcumsumexp" in through["reason"]
     printed = capsys.readouterr().out
     assert "several-users" in printed                              # the refused table's code column
     assert f"{through['reason']} (opaque)" in printed               # the groups run through PyTorch
