@@ -43,8 +43,6 @@ WHY_UNCLAIMED = {
     "Unique": NEEDS_OP + "unique (a data-dependent shape)",
     "NonZero": NEEDS_OP + "nonzero (a data-dependent shape)",
     "NonMaxSuppression": NEEDS_OP + "non-maximum suppression (a data-dependent shape)",
-    "RoiAlign": "not mapped yet: a gather at positions computed at run time, with interpolation",
-    "DeformConv": NEEDS_OP + "a deformable convolution",
     "QLinearConv": "not mapped yet (as QLinearMatMul, around a conv2d)",
     "STFT": "not mapped yet (frames by a take, then DFT's matmuls)",
     "Hardmax": "held back: a one-hot of ArgMax would do, but tests/unit/test_bad_inputs.py uses Hardmax as its "

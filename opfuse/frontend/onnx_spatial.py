@@ -1,5 +1,6 @@
-"""ONNX converters of the sliding-window operators: Conv, ConvTranspose and the pools. Registered in
-`opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
+"""ONNX converters of the sliding-window operators: Conv, ConvTranspose and the pools; DeformConv and RoiAlign as
+torchvision's kernels (library calls, `opfuse.ir.ops_alone`). Registered in `opfuse.frontend.onnx_converters.CONVERTERS`
+(see there for the converter contract).
 """
 
 from __future__ import annotations
@@ -364,3 +365,41 @@ def _col2im(importer: Importer, node, xs, attrs):
     if not any(crop):
         return [importer.emit("identity", [full], name=out)]
     return [importer.emit("pad", [full], {"pads": crop, "value": 0.0}, name=out)]
+
+
+@converts("DeformConv", attributes=("dilations", "group", "kernel_shape", "offset_group", "pads", "strides"))
+def _deform_conv(importer: Importer, node, xs, attrs):
+    """torchvision's deform_conv2d: 2-D, symmetric pads; the groups and offset groups follow from the weight's and
+    the offset's channels, as torchvision reads them."""
+    x, weight, offset = xs[:3]
+    bias = xs[3] if len(xs) > 3 and xs[3] else None
+    mask = xs[4] if len(xs) > 4 and xs[4] else None
+    if len(importer.type(x).shape) != 4:
+        raise Unsupported("a deformable convolution of other than 2-D images")
+    pads = list(attrs.get("pads") or [0, 0, 0, 0])
+    if pads[:2] != pads[2:]:
+        raise Unsupported(f"pads {pads} differ at the start and end of a dim")
+    inputs = [x, weight, offset] + [v for v in (bias, mask) if v is not None]
+    return [importer.emit("deform_conv2d", inputs, {
+        "stride": tuple(attrs.get("strides") or (1, 1)), "padding": tuple(pads[:2]),
+        "dilation": tuple(attrs.get("dilations") or (1, 1)), "has_bias": bias is not None,
+        "has_mask": mask is not None}, name=node.output[0])]
+
+
+@converts("RoiAlign", attributes=("coordinate_transformation_mode", "mode", "output_height", "output_width",
+                                  "sampling_ratio", "spatial_scale"))
+def _roi_align(importer: Importer, node, xs, attrs):
+    """torchvision's roi_align: average mode only; half_pixel (opset 16's default) is its aligned form,
+    output_half_pixel its unaligned one."""
+    mode = attrs.get("mode", "avg")
+    transform = attrs.get("coordinate_transformation_mode",
+                          "half_pixel" if importer.opset >= 16 else "output_half_pixel")
+    if mode != "avg":
+        raise Unsupported(f"mode {mode!r} (torchvision's roi_align averages)")
+    batch = xs[2]
+    if importer.type(batch).dtype != "int64":
+        batch = importer.emit("cast", [batch], {"dtype": "int64"}, name=f"{node.output[0]}_batch")
+    return [importer.emit("roi_align", [xs[0], xs[1], batch], {
+        "height": int(attrs.get("output_height", 1)), "width": int(attrs.get("output_width", 1)),
+        "spatial_scale": float(attrs.get("spatial_scale", 1.0)), "sampling_ratio": int(attrs.get("sampling_ratio", 0)),
+        "aligned": transform == "half_pixel"}, name=node.output[0])]

@@ -1,17 +1,17 @@
 """The ops that run alone (`OpDef.kernel`), registered into `opfuse.ir.ops.REGISTRY` when it is imported: never fused,
 each a kernel of its own. A mixture of experts' experts as opfuse's grouped GEMM (`opfuse.codegen.grouped_gemm`); its
-routing (topk, sort, histc), recurrent layers (an LSTM), scatters, grid sampling, determinants and bit casts as
-library calls, PyTorch's own CUDA kernels (cuDNN's LSTM), which read nothing back to the host, so a CUDA graph holds
-them. A (values, indices) or (output, h, c) call is one op per output read, `output` naming which (`CALLS`); the
-planner puts the outputs read of one call in one group, which calls it once
-(`opfuse.fusion.planner_horizontal.HorizontalFusion.call_outputs`).
+routing (topk, sort, histc), recurrent layers (an LSTM), scatters, grid sampling, determinants, bit casts and
+torchvision's RoI align and deformable convolution as library calls, PyTorch's own CUDA kernels (cuDNN's LSTM), which
+read nothing back to the host, so a CUDA graph holds them. A (values, indices) or (output, h, c) call is one op per
+output read, `output` naming which (`CALLS`); the planner puts the outputs read of one call in one group, which calls
+it once (`opfuse.fusion.planner_horizontal.HorizontalFusion.call_outputs`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from opfuse.ir.attrs import DIM, MAX_INT, Bool, Dtype, Float, Int, Word
+from opfuse.ir.attrs import DIM, MAX_INT, SPATIAL, Bool, Dtype, Float, Int, Word
 from opfuse.ir.graph import torch_dtype
 from opfuse.ir.op_costs import per_input_element, per_output_element
 from opfuse.ir.ops import OpDef, FusionKind, register
@@ -117,3 +117,34 @@ register(OpDef("bitcast", O, _run_bitcast, per_output_element(0), kernel="librar
                doc="x's bits, of dtype `source`, read as `dtype` (of the same width), as Tensor.view(dtype); x is "
                    "taken in `source` first (a reference run holds floats wider, a float16 compile narrower)",
                attrs={"source": Dtype(), "dtype": Dtype()}))
+
+
+def _run_roi_align(xs, a):
+    from torchvision.ops import roi_align
+
+    x, rois, batch = xs
+    boxes = torch.cat([batch.to(rois.dtype)[:, None], rois], 1)     # torchvision's [K, 5]: index, x1, y1, x2, y2
+    return roi_align(x, boxes, (a["height"], a["width"]), a["spatial_scale"], a["sampling_ratio"], a["aligned"])
+
+
+def _run_deform_conv(xs, a):
+    from torchvision.ops import deform_conv2d
+
+    x, weight, offset = xs[:3]
+    rest = iter(xs[3:])
+    bias = next(rest) if a["has_bias"] else None
+    mask = next(rest) if a["has_mask"] else None
+    return deform_conv2d(x, offset, weight, bias, a["stride"], a["padding"], a["dilation"], mask)
+
+
+register(OpDef("roi_align", O, _run_roi_align, per_output_element(16), kernel="library",
+               doc="torchvision.ops.roi_align (average): inputs x[N, C, H, W], rois[K, 4] (x1, y1, x2, y2), "
+                   "batch_indices[K]; out[K, C, height, width]; aligned: the pixel-centre shift of half a pixel",
+               attrs={"height": Int(1, MAX_INT), "width": Int(1, MAX_INT), "spatial_scale": Float(),
+                      "sampling_ratio": Int(0, MAX_INT), "aligned": Bool()}))
+register(OpDef("deform_conv2d", O, _run_deform_conv,
+               lambda ins, out, a: 2 * out.numel * ins[1].numel // ins[1].shape[0], kernel="library",
+               doc="torchvision.ops.deform_conv2d: inputs x, weight, offset, then bias (has_bias) and mask "
+                   "(has_mask); attrs stride, padding, dilation",
+               attrs={"stride": SPATIAL, "padding": SPATIAL, "dilation": SPATIAL, "has_bias": Bool(),
+                      "has_mask": Bool()}))

@@ -318,6 +318,17 @@ def per_sample_maps(node: Node, shapes: Shapes) -> list[DimMap]:
     return [[0] + ["mixes {where}: it convolves or normalises over that dim"] * (rank - 1)] + weights(shapes[1:])
 
 
+def deformable_maps(node: Node, shapes: Shapes) -> list[DimMap]:
+    """A deformable convolution: its image, offsets and mask by sample, as a convolution's input (each sample's
+    pixels read at offsets known at run time); its weight and bias weights."""
+    sampled = per_sample_maps(node, shapes[:1])[0]
+    by_sample = [[0] + ["samples {where} at offsets known at run time"] * (len(shape) - 1) for shape in shapes]
+    maps = [sampled, *weights(shapes[1:2]), by_sample[2]]
+    if node.attrs["has_bias"]:
+        maps += weights(shapes[3:4])
+    return maps + by_sample[len(maps):]
+
+
 CONTRACTS = "contracts {where} as the K of its product: each output reads every row"
 
 
@@ -490,6 +501,10 @@ RULES: dict[str, Rule] = {
     "det": except_dims(lambda node, shapes: {len(shapes[0]) - 2, len(shapes[0]) - 1},
                        "takes a determinant of the matrices over {where}"),
     "bitcast": except_dims(lambda node, shapes: set(), "{where}"),
+    # RoI align reads each region of the image its batch index names
+    "roi_align": except_dims(lambda node, shapes: set(range(max(len(shape) for shape in shapes))),
+                             "reads the regions of the image its rois name ({where})"),
+    "deform_conv2d": deformable_maps,
     "grid_sample": except_dims(lambda node, shapes: set(range(1, max(len(shape) for shape in shapes))),
                                "samples at positions its grid holds ({where})"),
 }

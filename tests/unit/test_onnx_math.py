@@ -156,7 +156,7 @@ def test_floor_ceil_and_round_half_to_even_exactly(op, dtype):
     assert "cast" in [n.op for n in graph]
 
 
-# ---- library calls: determinants and bit casts -----------------------------------------------------------------
+# ---- library calls: determinants, bit casts, RoI align, deformable convolutions ---------------------------------
 
 def test_det_of_a_batch_of_matrices_is_one_library_call():
     graph = run(node("Det", ["x"]), {"x": floats(3, 4, 4)})
@@ -169,3 +169,22 @@ def test_bit_cast_reads_the_bits_exactly(source, to):
     x = (floats(2, 5) * 100).astype(source)
     graph = run(node("BitCast", ["x"], to=to), {"x": x})
     assert ops(graph) == ["bitcast"]
+
+
+@pytest.mark.parametrize("transform", ["half_pixel", "output_half_pixel"])
+def test_roi_align_averages_as_onnx_does(transform):
+    """Equal to onnx.reference's RoiAlign (the conformance cases' expected outputs are written to 4 digits)."""
+    rois = np.array([[0, 0, 9, 9], [0, 5, 4, 9], [5.5, 5.2, 9.1, 9.3]], np.float32)
+    graph = run(node("RoiAlign", ["x", "rois", "batch"], coordinate_transformation_mode=transform, output_height=3,
+                     output_width=4, sampling_ratio=2, spatial_scale=0.8),
+                {"x": floats(2, 3, 10, 10), "rois": rois, "batch": np.array([1, 0, 1], np.int64)})
+    assert ops(graph) == ["roi_align"]
+
+
+@pytest.mark.parametrize("with_bias_and_mask", [False, True])
+def test_deform_conv_with_groups_of_offsets(with_bias_and_mask):
+    extra = {"b": floats(4), "mask": np.abs(floats(1, 2 * 4, 3, 3))} if with_bias_and_mask else {}
+    names = ["x", "w", "offset"] + (["b", "mask"] if with_bias_and_mask else [])
+    graph = run(node("DeformConv", names, kernel_shape=[2, 2], pads=[1, 1, 1, 1], strides=[2, 2], offset_group=2),
+                {"x": floats(1, 4, 5, 5), "w": floats(4, 4, 2, 2), "offset": floats(1, 2 * 2 * 4, 3, 3), **extra})
+    assert ops(graph) == ["deform_conv2d"]
