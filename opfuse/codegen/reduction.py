@@ -38,11 +38,11 @@ from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, int_pair, triton_dty
 from opfuse.codegen.operands import VIEW_OPS, Emitter, Region, build_kernel, next_power_of_2
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.tiles import (EXTREMES, ROW_SPLIT_MODES, ROW_WRITING_MODES, SCAN_OPS, RowView, pool_tiles,
-                                 row_kernel_tiles, row_view, slice_statistics)
+from opfuse.fusion.tiles import (EXTREMES, ROW_SPLIT_MODES, ROW_WRITING_MODES, RowView, pool_tiles, row_kernel_tiles,
+                                 row_view, slice_statistics)
 from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import FLOAT_DTYPES, WIDE_INTEGERS, Graph, Node
-from opfuse.ir.ops import FusionKind, kind_of
+from opfuse.ir.ops import SCAN_OPS, FusionKind, kind_of
 
 POOL_OPS = ("max_pool2d", "avg_pool2d")
 NEG_INF = 'float("-inf")'

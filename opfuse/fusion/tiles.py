@@ -27,7 +27,7 @@ from typing import Mapping, TypeVar
 
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph
-from opfuse.ir.ops import HEADS_INSIDE_TOKENS_HEAD_DIM
+from opfuse.ir.ops import HEADS_INSIDE_TOKENS_HEAD_DIM, SCAN_OPS
 
 Tile = TypeVar("Tile")      # a tile dict, or a kernel config: what has BLOCK_M and BLOCK_N items
 
@@ -375,9 +375,8 @@ def anchor_loop(graph: Graph, anchor: str) -> tuple[int, bool]:
 
 # ---- row reductions ----------------------------------------------------------------------------------------
 
-ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "prod", "any", "cumsum", "cumprod")
+ROW_OPS = ("softmax", "layer_norm", "rms_norm", "mean", "sum", "prod", "any", *SCAN_OPS)
 EXTREMES = ("amax", "amin")         # row ops of a running max or min
-SCAN_OPS = ("cumsum", "cumprod")    # row ops that keep every element and carry a running value along the row
 ROW_WRITING_MODES = ("softmax", "layer_norm", "rms_norm")    # row reductions whose output is the row again
 ROW_SPLIT_MODES = ("sum", "mean", "any") + EXTREMES + ROW_WRITING_MODES   # rows that split into slices: all but scans
 MAX_ROW_SLICES = 128                # slices of a row at most: the second launch holds [BLOCK_M, SPLIT] float32 sums

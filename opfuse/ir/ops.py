@@ -371,7 +371,8 @@ for _name, _fn in {"amax": torch.amax, "amin": torch.amin}.items():
     register(OpDef(_name, R, (lambda fn: lambda xs, a: fn(xs[0], dim=a["dims"], keepdim=a.get("keepdim", False)))(_fn),
                    per_input_element(1), doc="largest (smallest) element over dims, NaN if any is; attrs dims, "
                                              "keepdim", attrs=REDUCE_ATTRS))
-for _name, _scan in {"cumsum": torch.cumsum, "cumprod": torch.cumprod}.items():
+SCAN_OPS = {"cumsum": torch.cumsum, "cumprod": torch.cumprod}   # reductions that keep every element: running values
+for _name, _scan in SCAN_OPS.items():
     register(OpDef(_name, R, _run_scan(_scan), per_output_element(1),
                    doc=f"inclusive prefix {_name[3:]} along dim (a scan: one row per index of the other dims, every "
                        f"element kept); bool and integer inputs give int64, as torch.{_name}; attrs dim, dtype "

@@ -30,7 +30,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from opfuse.ir.graph import Graph, Node
-from opfuse.ir.ops import FusionKind, along_channels, get_op, kv_heads_shared
+from opfuse.ir.ops import SCAN_OPS, FusionKind, along_channels, get_op, kv_heads_shared
 
 
 @dataclass(frozen=True)
@@ -283,7 +283,7 @@ REDUCED_DIMS: dict[str, Callable[[Node, int], tuple[set[int], bool]]] = {
     "softmax": lambda node, rank: (_dims(node.attrs["dim"], rank), True),
     "layer_norm": lambda node, rank: _last(len(node.attrs["normalized_shape"]))(node, rank),
     "rms_norm": _last(1),
-    **{name: lambda node, rank: (_dims(node.attrs["dim"], rank), True) for name in ("cumsum", "cumprod")},
+    **{name: lambda node, rank: (_dims(node.attrs["dim"], rank), True) for name in SCAN_OPS},
     **{name: _reduce_attrs for name in ("mean", "sum", "prod", "amax", "amin", "any")},
     **{name: _last(2) for name in ("max_pool2d", "avg_pool2d", "adaptive_avg_pool2d")},
     **{name: _last(3) for name in ("max_pool3d", "avg_pool3d")},
@@ -303,7 +303,7 @@ def reduction_maps(node: Node, shapes: Shapes) -> list[DimMap]:
     rank = len(shapes[0])
     reduced, keepdim = REDUCED_DIMS[node.op](node, rank)
     kept = iter(range(len(node.type.shape)))
-    why = SCANS if node.op in ("cumsum", "cumprod") else REDUCES
+    why = SCANS if node.op in SCAN_OPS else REDUCES
     first: DimMap = [why if d in reduced else (d if keepdim else next(kept)) for d in range(rank)]
     return [first] + weights(shapes[1:])
 

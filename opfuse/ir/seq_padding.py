@@ -52,7 +52,7 @@ from typing import Collection, Mapping, Sequence
 import torch
 
 from opfuse.ir.graph import Graph, Node, torch_dtype
-from opfuse.ir.ops import get_op
+from opfuse.ir.ops import SCAN_OPS, get_op
 from opfuse.ir.rows import CONTRACTS, KEYS, SCANS, UNREADABLE, Mixes, RowDependence, dim_maps
 
 Fill = "bool | int | float | None"      # the value of a value's padded entries along one of its sequence dims
@@ -295,7 +295,7 @@ class _Walk:
         fill = self.fills.get(name, {}).get(dim)
         if node.op == "softmax" and masks(fill):
             return
-        if node.op in ("cumsum", "cumprod") and why == SCANS:
+        if node.op in SCAN_OPS and why == SCANS:
             return
         if why == CONTRACTS and node.op == "matmul":
             other = node.inputs[1 - position]

@@ -15,10 +15,9 @@ pick other experts than the model picks. A model wide throughout (no such cast o
 from __future__ import annotations
 
 from opfuse.ir.graph import FLOAT_DTYPES, Graph, dtype_name, torch_dtype
-from opfuse.ir.ops import infer_type
+from opfuse.ir.ops import SCAN_OPS, infer_type
 
-CASTING = ("cast", "cumsum", "cumprod")   # ops whose dtype attr casts their input (a scan's dtype=): a float one
-                                           # follows `dtype`
+CASTING = ("cast", *SCAN_OPS)   # ops whose dtype attr casts their input (a scan's dtype=): a float one follows `dtype`
 CHOICES = ("topk", "sort")                 # ops that rank their input: which element wins depends on its precision
 WIDE = ("float32", "float64")
 
