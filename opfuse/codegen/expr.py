@@ -148,6 +148,11 @@ def _batch_norm(attrs: dict, x: str, weight: str, bias: str, mean: str, var: str
     return f"((({x}) - ({mean})) * tl.rsqrt(({var}) + {literal(attrs['eps'])}) * ({weight}) + ({bias}))"
 
 
+def _sign(x: str) -> str:
+    """-1.0 for a negative x, else 1.0 (the sign an odd function's value on |x| takes back)."""
+    return f"tl.where(({x}) < 0.0, -1.0, 1.0)"
+
+
 def _atan(x: str) -> str:
     """atan(x) (Cephes' single-precision atanf): |x| reduced to t in [-tan(pi/8), tan(pi/8)] (past tan(3 pi/8),
     pi/2 + atan(-1 / |x|); past tan(pi/8), pi/4 + atan((|x| - 1) / (|x| + 1))), then t + t z P(z), z = t^2, with
@@ -158,7 +163,7 @@ def _atan(x: str) -> str:
     base = f"tl.where({big}, {math.pi / 2!r}, tl.where({mid}, {math.pi / 4!r}, 0.0))"
     z = f"(({t}) * ({t}))"
     poly = f"((((0.0805374449538 * {z} - 0.138776856032) * {z} + 0.199777106478) * {z} - 0.333329491539) * {z})"
-    return f"(tl.where(({x}) < 0.0, -1.0, 1.0) * ({base} + ({t}) + ({t}) * {poly}))"
+    return f"({_sign(x)} * ({base} + ({t}) + ({t}) * {poly}))"
 
 
 def _asin_near_zero(w: str) -> str:
@@ -168,19 +173,23 @@ def _asin_near_zero(w: str) -> str:
             f"+ 0.074953002686) * {z} + 0.16666752422))")
 
 
-def _asin(x: str) -> str:
-    """asin(x): the polynomial near 0; past |x| = 1/2, pi/2 - 2 asin(sqrt((1 - |x|) / 2)) with x's sign (no
-    cancellation near 1); NaN past |x| = 1 (the square root of a negative)."""
+def _asin_reduced(x: str) -> tuple[str, str]:
+    """(|x| > 1/2, asin(r)) with r = sqrt((1 - |x|) / 2) past 1/2 (no cancellation near 1; NaN past |x| = 1, the
+    square root of a negative), else x itself: what asin and acos build on."""
     far = f"(tl.abs({x}) > 0.5)"
-    near = _asin_near_zero(f"tl.where({far}, tl.sqrt(0.5 * (1.0 - tl.abs({x}))), {x})")
-    return (f"tl.where({far}, tl.where(({x}) < 0.0, -1.0, 1.0) * ({math.pi / 2!r} - 2.0 * {near}), {near})")
+    return far, _asin_near_zero(f"tl.where({far}, tl.sqrt(0.5 * (1.0 - tl.abs({x}))), {x})")
+
+
+def _asin(x: str) -> str:
+    """asin(x): the polynomial near 0; past |x| = 1/2, pi/2 - 2 asin(r) with x's sign (`_asin_reduced`)."""
+    far, near = _asin_reduced(x)
+    return f"tl.where({far}, {_sign(x)} * ({math.pi / 2!r} - 2.0 * {near}), {near})"
 
 
 def _acos(x: str) -> str:
-    """acos(x): pi/2 - asin(x) for |x| <= 1/2; past it 2 asin(sqrt((1 - |x|) / 2)), from pi for a negative x (no
+    """acos(x): pi/2 - asin(x) for |x| <= 1/2; past it 2 asin(r) (`_asin_reduced`), from pi for a negative x (no
     cancellation where the result is small)."""
-    far = f"(tl.abs({x}) > 0.5)"
-    near = _asin_near_zero(f"tl.where({far}, tl.sqrt(0.5 * (1.0 - tl.abs({x}))), {x})")
+    far, near = _asin_reduced(x)
     return (f"tl.where({far}, tl.where(({x}) < 0.0, {math.pi!r} - 2.0 * {near}, 2.0 * {near}), "
             f"{math.pi / 2!r} - {near})")
 
@@ -216,9 +225,9 @@ _UNARY: dict[str, Callable[[dict, str], str]] = {
     # asinh(x) = sign(x) log1p(|x| + x^2 / (1 + sqrt(1 + x^2))), acosh(1 + t) = log1p(t + sqrt(t (t + 2))),
     # each log(2 |x|) past 1e18 (where x^2 overflows), atanh(x) = (log1p(x) - log1p(-x)) / 2: no cancellation
     "sinh": lambda a, x: (f"tl.where(tl.abs({x}) < 1.0, ({_expm1(x)} - {_expm1(f'-({x})')}) * 0.5, "
-                          f"tl.where(({x}) < 0.0, -1.0, 1.0) * ({_half_exp(x)} - 0.25 / {_half_exp(x)}))"),
+                          f"{_sign(x)} * ({_half_exp(x)} - 0.25 / {_half_exp(x)}))"),
     "cosh": lambda a, x: f"({_half_exp(x)} + 0.25 / {_half_exp(x)})",
-    "asinh": lambda a, x: (f"tl.where(({x}) < 0.0, -1.0, 1.0) * tl.where(tl.abs({x}) > 1e18, "
+    "asinh": lambda a, x: (f"{_sign(x)} * tl.where(tl.abs({x}) > 1e18, "
                            f"tl.log(tl.abs({x})) + {math.log(2)!r}, "
                            f"{_log1p(f'tl.abs({x}) + ({x}) * ({x}) / (1.0 + tl.sqrt(1.0 + ({x}) * ({x})))')})"),
     "acosh": lambda a, x: (f"tl.where(({x}) > 1e18, tl.log({x}) + {math.log(2)!r}, "
