@@ -35,10 +35,16 @@ def _strides(shape) -> list[int]:
     return [math.prod(shape[d + 1:]) for d in range(len(shape))]
 
 
+def as_int64(importer: Importer, indices: str, name: str) -> str:
+    """Integer indices as int64 (the IR's index ops and library calls take int64), cast where they are not."""
+    if importer.type(indices).dtype == "int64":
+        return indices
+    return importer.emit("cast", [indices], {"dtype": "int64"}, name=f"{name}_int64")
+
+
 def _wrapped(importer: Importer, indices: str, sizes: torch.Tensor, name: str) -> str:
     """Indices as int64, a negative one plus its dim's size (`sizes` broadcasts against them)."""
-    if importer.type(indices).dtype != "int64":
-        indices = importer.emit("cast", [indices], {"dtype": "int64"}, name=f"{name}_int64")
+    indices = as_int64(importer, indices, name)
     size_node = importer.add_constant(sizes.to(torch.int64), f"{name}_sizes")
     zero = importer.add_constant(torch.tensor(0), f"{name}_zero")
     negative = importer.emit("lt", [indices, zero], name=f"{name}_negative")
@@ -417,9 +423,7 @@ def _max_unpool(importer: Importer, node, xs, attrs):
         raise Unsupported(f"output shape {wanted} smaller than the unpooled {unpooled}")
     zeros = importer.add_constant(torch.zeros(math.prod(unpooled), dtype=torch_dtype(importer.type(x).dtype)),
                                   f"{out}_zeros")
-    at = _flat(importer, indices, f"{out}_indices")
-    if importer.type(at).dtype != "int64":
-        at = importer.emit("cast", [at], {"dtype": "int64"}, name=f"{out}_at")
+    at = as_int64(importer, _flat(importer, indices, f"{out}_indices"), f"{out}_at")
     flat = importer.emit("scatter", [zeros, at, _flat(importer, x, out)], {"dim": 0, "reduce": "none",
                                                                           "include_self": True}, name=f"{out}_flat")
     if wanted == unpooled:
@@ -443,11 +447,8 @@ def _tensor_scatter(importer: Importer, node, xs, attrs):
     at = importer.add_constant(torch.arange(size[axis]).reshape([size[axis] if d == axis else 1
                                                                  for d in range(len(size))]), f"{out}_steps")
     if len(xs) > 2 and xs[2]:
-        starts = xs[2]
-        if importer.type(starts).dtype != "int64":
-            starts = importer.emit("cast", [starts], {"dtype": "int64"}, name=f"{out}_starts_int64")
-        starts = importer.emit("reshape", [starts], {"shape": (size[0],) + (1,) * (len(size) - 1)},
-                               name=f"{out}_starts")
+        starts = importer.emit("reshape", [as_int64(importer, xs[2], f"{out}_starts")],
+                               {"shape": (size[0],) + (1,) * (len(size) - 1)}, name=f"{out}_starts")
         at = importer.emit("add", [starts, at], name=f"{out}_positions")
     if mode == "circular":
         length = importer.add_constant(torch.tensor(shape[axis]), f"{out}_length")

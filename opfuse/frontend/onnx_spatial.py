@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from opfuse.frontend.onnx_converters import Converter, Unsupported, converts
+from opfuse.frontend.onnx_index import as_int64
 from opfuse.ir.graph import torch_dtype
 from opfuse.ir.ops import get_op
 
@@ -396,9 +397,7 @@ def _roi_align(importer: Importer, node, xs, attrs):
                           "half_pixel" if importer.opset >= 16 else "output_half_pixel")
     if mode != "avg":
         raise Unsupported(f"mode {mode!r} (torchvision's roi_align averages)")
-    batch = xs[2]
-    if importer.type(batch).dtype != "int64":
-        batch = importer.emit("cast", [batch], {"dtype": "int64"}, name=f"{node.output[0]}_batch")
+    batch = as_int64(importer, xs[2], f"{node.output[0]}_batch")
     return [importer.emit("roi_align", [xs[0], xs[1], batch], {
         "height": int(attrs.get("output_height", 1)), "width": int(attrs.get("output_width", 1)),
         "spatial_scale": float(attrs.get("spatial_scale", 1.0)), "sampling_ratio": int(attrs.get("sampling_ratio", 0)),
