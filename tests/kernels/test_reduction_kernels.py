@@ -166,11 +166,11 @@ def test_aten_prod_compiles_to_the_row_template_with_nothing_through_pytorch():
         def forward(self, x):
             return torch.prod(x, 1), x.prod(-1, keepdim=True) * 3, (x - 1).prod()
 
-    x = torch.exp(torch.randn(2, 40, 3) * 0.05)
+    x = torch.exp(torch.randn(2, 40, 3) * 0.05).to(DEVICE)
     compiled = opfuse.compile(Products().eval(), (x,), opfuse.FusionConfig(dtype="float32"))
     assert compiled.analysis.pytorch_groups == {} and not compiled.analysis.opaque_ops
     assert sum(compiled.plan.graph[n].op == "prod" for n in compiled.plan.graph.nodes) == 3
-    fresh = torch.exp(torch.randn(2, 40, 3) * 0.05)
+    fresh = torch.exp(torch.randn(2, 40, 3) * 0.05).to(DEVICE)
     for got, want in zip(compiled(fresh), Products()(fresh)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-30)
 
