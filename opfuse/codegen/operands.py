@@ -485,6 +485,20 @@ class Region:
             result[d] = self.assign(expression, "i")
         return tuple(result)
 
+    def unravel_choice(self, flat: str, shape: Sequence[int], orders: Sequence[Sequence[int]], selector: str
+                       ) -> Coords:
+        """`unravel` in the order `orders[selector]`, the constexpr `selector` choosing among them when the kernel
+        compiles (each order one branch; the coordinates are the same variables in every branch)."""
+        if len(orders) == 1:
+            return self.unravel(flat, shape, orders[0])
+        result: list = [self.emitter.fresh("i") if size > 1 else None for size in shape]
+        for k, order in enumerate(orders):
+            kept = [d for d in order if shape[d] > 1]
+            self.lines.append("else:" if k == len(orders) - 1 else f"{'if' if k == 0 else 'elif'} {selector} == {k}:")
+            self.lines += [f"    {result[d]} = {e}"
+                           for d, e in zip(kept, unravel_expressions(flat, [shape[d] for d in kept]))]
+        return tuple(result)
+
 
 def build_kernel(graph: Graph, group: FusionGroup, emitter: Emitter, body: list[str], constexprs: list[str],
                  params: Sequence[str] = ()):

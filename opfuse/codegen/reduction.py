@@ -28,6 +28,8 @@ them (group norm's back to [N, C, H, W]) at the coordinates they map to in row-m
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -41,7 +43,7 @@ from opfuse.fusion.plan import FusionGroup
 from opfuse.fusion.tiles import (EXTREMES, ROW_SPLIT_MODES, ROW_WRITING_MODES, RowView, pool_tiles, row_kernel_tiles,
                                  row_view, slice_statistics)
 from opfuse.hardware import HardwareProfile, kernel_profile
-from opfuse.ir.graph import FLOAT_DTYPES, WIDE_INTEGERS, Graph, Node
+from opfuse.ir.graph import FLOAT_DTYPES, WIDE_INTEGERS, Graph, Node, torch_dtype
 from opfuse.ir.ops import SCAN_OPS, FusionKind, kind_of
 
 POOL_OPS = ("max_pool2d", "avg_pool2d")
@@ -147,6 +149,17 @@ def store_epilogue(region: Region, group: FusionGroup, node: Node, coords: Coord
         region.store(o, mapped if mapped is not None else region.reshape_coords(coords, shape, own))
 
 
+def walk_orders(mode: str, sizes: Sequence[int]) -> list[tuple[int, ...]]:
+    """The orders (positions of the reduced dims, outermost first) a row kernel may walk a row in, row-major
+    first: every order of two or three reduced dims of more than one element where the result does not depend on
+    the order (all but scans and prod), so that a row lies in memory as it is walked (a group norm's channels and
+    pixels of a channels-last image: pixels outermost), else row-major alone."""
+    big = tuple(position for position, size in enumerate(sizes) if size > 1)
+    if mode not in ROW_SPLIT_MODES or not 2 <= len(big) <= 3:
+        return [big]
+    return list(itertools.permutations(big))
+
+
 def indent(lines: Sequence[str], depth: int = 1) -> list[str]:
     return ["    " * depth + line for line in lines]
 
@@ -164,6 +177,7 @@ class RowReductionKernel(TemplateKernel):
         self.reduced = list(view.dims)
         self.kept = [d for d in range(len(shape)) if d not in view.dims]
         self.rows, self.length, self.channels_inner = view.rows, view.length, view.channels_inner
+        self.orders = walk_orders(mode, [shape[d] for d in self.reduced])
         prologue, epilogue = split_outputs(graph, group, node)
         constants, scalars = held_constants(graph, group, device)
         emitter = Emitter(graph, group, scalars)
@@ -190,7 +204,7 @@ class RowReductionKernel(TemplateKernel):
             body += self._product()
         else:
             body += self._sum(mode)
-        constexprs = ["BLOCK_M", "BLOCK_L", "ONE_PASS", "INT64"]
+        constexprs = ["BLOCK_M", "BLOCK_L", "ONE_PASS", "INT64", "ORDER"]
         params: list[str] = []
         if mode in ROW_SPLIT_MODES:
             constexprs += ["SPLIT", "PHASE", "SPAN"]
@@ -214,6 +228,60 @@ class RowReductionKernel(TemplateKernel):
                 return False
         return super().output_channels_last(name, tensors)
 
+    def order(self, tensors: dict[str, torch.Tensor]) -> int:
+        """ORDER: the walk (`walk_orders`) that visits the reduced dims as the reduction input lies in memory, the
+        largest stride outermost (`_layout_source`); row-major where no layout is known."""
+        source = self._layout_source(tensors)
+        if len(self.orders) == 1 or source is None:
+            return 0
+        strides = [source.stride(d) for d in self.reduced]
+        walk = tuple(sorted(self.orders[0], key=lambda position: -strides[position]))   # stable: ties keep order
+        return self.orders.index(walk)
+
+    def _layout_source(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The reduction input as it lies in memory: its tensor; or, where the group computes it, the tensor it is
+        computed from through reshapes and permutes (group norm's [N, C, H, W] image as [N, G, C/G, H*W]) viewed
+        so, and through elementwise ops from an operand of their shape; None where no view gives it."""
+        name, views = self._x, []
+        while name not in tensors and name in self.group.nodes:
+            node = self.graph[name]
+            if node.op in ("reshape", "permute"):
+                views.append(node)
+                name = node.inputs[0]
+                continue
+            same = [i for i in node.inputs if tuple(self.graph[i].type.shape) == tuple(node.type.shape)]
+            if not (kind_of(node).elementwise and same):
+                return None
+            name = next((i for i in same if i in tensors), same[0])
+        if name not in tensors:
+            return None
+        tensor = tensors[name]
+        try:
+            for node in reversed(views):
+                tensor = tensor.permute(node.attrs["dims"]) if node.op == "permute" else tensor.view(node.type.shape)
+        except RuntimeError:        # a reshape no view gives: the kernel reads it through row-major order
+            return None
+        return tensor
+
+    def _output(self, name: str, tensors: dict[str, torch.Tensor], given: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Where the kernel walks its rows in another order than row-major (`order`), an output of the input's size
+        (the row written again, group norm's view of it back to [N, C, H, W]) takes the strides of the input viewed
+        as its shape (`empty_like`: where they fill memory densely), so that the walk writes it as it reads the
+        input; any other as `TemplateKernel` lays it out."""
+        shape = tuple(self.graph[name].type.shape)
+        source = self._layout_source(tensors)
+        if (given is None and source is not None and math.prod(shape) == source.numel()
+                and self.graph[name].op != "index_copy" and self.order(tensors) != 0):
+            try:
+                like = source.view(shape)
+            except RuntimeError:
+                like = None
+            if like is not None:
+                tensor = torch.empty_like(like, dtype=torch_dtype(self.graph[name].type.dtype), device=self.device)
+                return tensor if self.output_fill is None else tensor.fill_(self.output_fill)
+        return super()._output(name, tensors, given)
+
     # ---- code generation ------------------------------------------------------------------------------
     def _chunk(self, first: str, store_prologue: bool, load: Callable[[Region, Coords], str] | None = None
                ) -> tuple[list[str], Region, Coords, str]:
@@ -223,7 +291,7 @@ class RowReductionKernel(TemplateKernel):
         Returns the lines so far, the region (to extend), the chunk's full coordinates and the input expression.
         """
         region = self._emitter.region("[BLOCK_M, BLOCK_L]", "mask")
-        reduced = region.unravel("cols", [self._shape[d] for d in self.reduced])
+        reduced = region.unravel_choice("cols", [self._shape[d] for d in self.reduced], self.orders, "ORDER")
         coords = dict(self._kept) | dict(zip(self.reduced, reduced))
         full = tuple(coords[d] for d in range(len(self._shape)))
         value = (load or (lambda r, c: r.value(self._x, c)))(region, full)
@@ -493,11 +561,12 @@ class RowReductionKernel(TemplateKernel):
         results = self.outputs_for(tensors, outputs)
         tensors |= dict(zip(self.group.outputs, results))
         block_m, block_l = config["BLOCK_M"], config["BLOCK_L"]
+        order = self.order(tensors)
         programs = -(-self.rows // block_m)
         index_space = (programs + 1) * block_m + self.length + block_l
         one_pass = block_l >= self.length
         if self.mode not in ROW_SPLIT_MODES:
-            self.launch((programs,), config, tensors, index_space, ONE_PASS=one_pass)
+            self.launch((programs,), config, tensors, index_space, ONE_PASS=one_pass, ORDER=order)
             return results
         params = dict(config.params)
         if "SPLIT" not in params:       # a config of no slices, written without them
@@ -505,18 +574,18 @@ class RowReductionKernel(TemplateKernel):
         split = config["SPLIT"]
         if split == 1:      # the workspace pointer is not read: any tensor stands for it
             self.launch((programs,), config, tensors, index_space, ONE_PASS=one_pass, PHASE=0, SPAN=0,
-                        partials_ptr=results[0])
+                        partials_ptr=results[0], ORDER=order)
             return results
         span = -(-self.length // (split * block_l)) * block_l
         statistics = slice_statistics(self.mode)
         partials = torch.empty(statistics * split * self.rows, dtype=torch.float32, device=self.device)
         space = index_space + statistics * split * self.rows
         self.launch((programs, split), config, tensors, space, ONE_PASS=False, PHASE=0, SPAN=span,
-                    partials_ptr=partials)
+                    partials_ptr=partials, ORDER=order)
         sweep = self.last_compiled           # the resource screen judges the launch that holds the row tiles
         # a sum's second launch adds a row's sums up; a norm's or a softmax's writes each slice of the row again
         self.launch((programs, split) if self.mode in ROW_WRITING_MODES else (programs,), config, tensors, space,
-                    ONE_PASS=False, PHASE=1, SPAN=span, partials_ptr=partials)
+                    ONE_PASS=False, PHASE=1, SPAN=span, partials_ptr=partials, ORDER=order)
         self.last_compiled = sweep
         return results
 

@@ -87,3 +87,21 @@ def test_a_group_norm_and_the_activation_after_it_are_one_kernel():
     prepared, _ = prepare_graph(capture_torch(NormThenActivation().eval(), (x,)), "float32")
     plan = plan_fusion(prepared, FusionConfig(dtype="float32"))
     assert groups_through_pytorch(plan) == {} and plan.kernel_launches == 1
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_a_group_norm_walks_and_writes_its_image_as_it_lies_in_memory(channels_last):
+    """A group norm of a channels-last image walks each group's pixels outermost and channels innermost (ORDER: the
+    input's strides), and writes its [N, C, H, W] view back channels-last, so that reads and writes move along
+    memory; a row-major image keeps the row-major walk and output. Either way it equals the reference."""
+    b = Builder()
+    x, skip = b.input("x", (2, 6, 5, 3)), b.input("skip", (2, 6, 5, 3))
+    if not channels_last:
+        b.feeds["x"], b.feeds["skip"] = b.feeds["x"].contiguous(), b.feeds["skip"].contiguous()
+    grouped = b.op("reshape", b.op("add", x, skip), shape=[2, 3, 2, 15])
+    y = b.op("layer_norm", grouped, normalized_shape=[2, 15], eps=1e-5)
+    image = b.op("reshape", b.op("mul", y, b.const("weight", b.random(3, 2, 1))), shape=[2, 6, 5, 3])
+    out = b.op("relu", b.op("add", image, b.const("bias", b.random(6, 1, 1))))
+    kernel, (result,) = run_group(b, [out], SMALL_CHUNKS)
+    assert (kernel.order(kernel.bind([b.feeds[n] for n in kernel.runtime_inputs])) != 0) == channels_last
+    assert result.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
