@@ -459,13 +459,17 @@ def row_tiles(view: RowView, sm_count: int) -> list[tuple[int, int, int]]:
 
 
 MIN_SLICE_CHUNK = 1024  # a split row's chunks (rows x lanes) are not made smaller than this to reach more slices
+SLICE_CHUNKS = (256, 4096)   # the chunks of a tile of one row a program, in slices: least and most elements
 
 
 def _finer_slices(view: RowView, tile: tuple[int, int, int], sm_count: int) -> tuple[int, int, int]:
     """The tile, its chunks halved along the row (down to MIN_SLICE_CHUNK elements) while its programs times slices
     are fewer than the SMs and that gives more of them, where it splits at all: one row of 200k elements splits into
-    16 slices of 4096-lane chunks, 64 of 1024."""
+    16 slices of 4096-lane chunks, 64 of 1024. A tile of one row a program (long rows) takes instead the most
+    slices (`_one_row_slices`)."""
     block_m, block_l, slices = tile
+    if slices > 1 and block_m == 1:
+        return _one_row_slices(view, sm_count)
     programs = -(-view.rows // block_m)
     while slices > 1 and programs * slices < sm_count and block_m * block_l > MIN_SLICE_CHUNK:
         finer = row_slices(view, block_m, block_l // 2, sm_count)
@@ -473,6 +477,20 @@ def _finer_slices(view: RowView, tile: tuple[int, int, int], sm_count: int) -> t
             break
         block_l, slices = block_l // 2, finer
     return block_m, block_l, slices
+
+
+def _one_row_slices(view: RowView, sm_count: int) -> tuple[int, int, int]:
+    """(1, BLOCK_L, SPLIT) for rows too few and too long for a tile of several: a few long rows at batch 1 are
+    latency-bound (a 125 KB row read twice and written once), so each program walks a slice of one or two chunks,
+    all loads in flight at once: SPLIT the most slices of the rows' programs (`row_slices` at the least chunk),
+    BLOCK_L the largest power of two of SLICE_CHUNKS not past the slice. On an H100 this took poolformer_s12's
+    group norms (rows of 25k-200k elements) from 10-15 us to 3.4-4.8 us (RESULTS.md)."""
+    split = row_slices(view, 1, SLICE_CHUNKS[0] // 2, sm_count)
+    span = -(-view.length // split)
+    block_l = SLICE_CHUNKS[0]
+    while block_l * 2 <= min(span, SLICE_CHUNKS[1]):
+        block_l *= 2
+    return 1, block_l, split
 
 
 def row_slices(view: RowView, block_m: int, block_l: int, sm_count: int) -> int:
@@ -492,8 +510,16 @@ def row_kernel_tiles(view: RowView, sm_count: int) -> list[dict[str, int]]:
     every mode but a scan) and num_warps, 4 for up to 2048 elements a program, else 8."""
     split = view.mode in ROW_SPLIT_MODES
     return [{"BLOCK_M": m, "BLOCK_L": length, **({"SPLIT": slices} if split else {}),
-             "num_warps": 4 if m * length <= 2048 else 8}
+             "num_warps": _row_warps(m * length, slices)}
             for m, length, slices in row_tiles(view, sm_count)]
+
+
+def _row_warps(elements: int, slices: int) -> int:
+    """A row tile's warps: 4 for up to 2048 elements a chunk, else 8; a split tile of fewer than 1024 elements one
+    warp per 256 (8 per lane, 16-byte loads in float16)."""
+    if slices > 1 and elements < 1024:
+        return max(1, elements // 256)
+    return 4 if elements <= 2048 else 8
 
 
 # ---- pooling windows ---------------------------------------------------------------------------------------

@@ -301,12 +301,15 @@ def test_no_default_row_tile_leaves_one_program_a_long_walk(mode, channels_inner
 
 def test_a_long_norm_row_splits_and_keeps_thousands_of_elements_a_program():
     """A norm of one row of 200k elements (poolformer's first GroupNorm at batch 1) is chunked along the row in
-    thousands of lanes, not 64 (channels_inner's tile shapes are for many rows), in slices for most SMs (at 4096
-    lanes, 16 slices of two chunks or more; at 1024, 64); short rows stay whole."""
-    from opfuse.fusion.tiles import RowView, row_tiles
+    hundreds to thousands of lanes, not 64 (channels_inner's tile shapes are for many rows), in the most slices, each
+    one or two chunks (at 4096 lanes, 16 slices of two chunks or more is the alternative); a row of 62720 in 128
+    slices of 256-lane chunks on one warp; short rows stay whole."""
+    from opfuse.fusion.tiles import RowView, row_kernel_tiles, row_tiles
 
     tiles = row_tiles(RowView("layer_norm", (2, 3), 1, 64 * 56 * 56, True), 132)
-    assert tiles[:2] == [(1, 1024, 64), (1, 4096, 16)]
+    assert tiles[:2] == [(1, 1024, 128), (1, 4096, 16)]
+    assert row_kernel_tiles(RowView("layer_norm", (2, 3), 1, 320 * 14 * 14, True), 132)[0] == \
+        {"BLOCK_M": 1, "BLOCK_L": 256, "SPLIT": 128, "num_warps": 1}
     assert row_tiles(RowView("rms_norm", (1,), 1, 2048, False), 132)[0] == (1, 2048, 1)
     assert row_tiles(RowView("layer_norm", (2,), 128, 768, False), 132)[0][2] == 1
 
