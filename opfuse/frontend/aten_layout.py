@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch.fx as fx
 
 from opfuse.frontend.aten_common import Handler, MultiOutput, Unmapped, pair, registrar, reshaped, wrap_dim
+from opfuse.ir.graph import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from opfuse.frontend.torch_translate import Translator
@@ -36,6 +37,12 @@ def _split_like(t: Translator, a: dict[str, Any], squeeze: bool = False) -> Mult
 @maps("view", "_unsafe_view", "reshape", "view_copy", "_reshape_alias", "flatten", "unflatten", "squeeze",
       "unsqueeze", "view_as", "reshape_as")
 def _reshape(t: Translator, a: dict) -> str:
+    """A reshape; Tensor.view(dtype) (a bit cast) as `bitcast` where the two dtypes are of one width."""
+    if "dtype" in a:
+        source, target = t.type_of(t.value(a["self"])).dtype, t.out_type.dtype
+        if DTYPE_BYTES[source] != DTYPE_BYTES[target]:
+            raise Unmapped(f"a view of {source} as {target}, a dtype of another width")
+        return t.emit("bitcast", [a["self"]], {"source": source, "dtype": target})
     return t.emit("reshape", [a["self"]], {"shape": list(t.out_type.shape)})
 
 

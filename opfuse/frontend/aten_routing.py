@@ -167,6 +167,11 @@ def _scatter(t: Translator, a: dict) -> str:
                                                "reduce": SCATTER_REDUCTIONS[reduce], "include_self": include_self})
 
 
+@maps("linalg_det", "det")
+def _det(t: Translator, a: dict) -> str:
+    return t.emit("det", [a.get("A", a.get("self"))], {})
+
+
 @maps("grid_sampler", "grid_sampler_2d", "grid_sampler_3d")
 def _grid_sample(t: Translator, a: dict) -> str:
     mode, padding = int(a["interpolation_mode"]), int(a["padding_mode"])

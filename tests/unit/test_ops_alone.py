@@ -346,3 +346,32 @@ def test_scatters_and_grid_sampling_are_library_calls_alone_and_match_eager():
     with torch.no_grad():
         for got, want in zip(compiled(x, other[0], other[1], grid), model(x, other[0], other[1], grid)):
             torch.testing.assert_close(got, want)
+
+
+class BitsAndDeterminants(nn.Module):
+    def forward(self, x, y):
+        return torch.linalg.det(x) + 1, (y * 2).view(torch.int32) + 1, torch.det(x * 2)
+
+
+class ViewAsInt16(nn.Module):
+    def forward(self, y):
+        return y.view(torch.int16)
+
+
+@pytest.mark.filterwarnings("ignore:opfuse")    # the float64 reference views float64 bits: none to check them by
+def test_a_determinant_and_a_view_as_another_dtype_map_to_det_and_bitcast():
+    """torch.linalg.det and torch.det are `det`, Tensor.view(dtype) of one width a `bitcast`: nothing opaque, the
+    bits equal eager's exactly; a view as a dtype of another width stays opaque."""
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 3, 3), torch.randn(4, 5)
+    graph = capture_torch(BitsAndDeterminants().eval(), (x, y))
+    assert not [n for n in graph if n.op == "opaque"]
+    assert sorted(n.op for n in graph if n.op in ("det", "bitcast")) == ["bitcast", "det", "det"]
+    compiled = opfuse.compile(BitsAndDeterminants().eval(), (x, y), FusionConfig(dtype="float32"))
+    x, y = torch.randn(2, 3, 3), torch.randn(4, 5)
+    got, want = compiled(x, y), BitsAndDeterminants()(x, y)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[2], want[2])
+    wide = capture_torch(ViewAsInt16().eval(), (y,))
+    assert [n.attrs["target"] for n in wide if n.op == "opaque"] == ["aten.view.dtype"]
