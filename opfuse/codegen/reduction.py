@@ -18,8 +18,7 @@ Two templates:
   the resource screen reads launch one's registers. cumsum and cumprod over any dim are scans of the same rows: one
   sweep, each chunk's `tl.cumsum` (`tl.cumprod`) combined with the running carry of the chunks before it, written
   (and its epilogue computed) as it goes; an integer scan carries int64 exactly (`_scan`).
-- pools (`PoolKernel`): max_pool2d / avg_pool2d (kernel, stride, padding, dilation, ceil_mode) and divisible
-  adaptive_avg_pool2d on NHWC: a program takes [BLOCK_P output pixels, BLOCK_C channels] and visits the window taps.
+- pools (`opfuse.codegen.pool.PoolKernel`): max_pool2d / avg_pool2d and divisible adaptive_avg_pool2d on NHWC.
 
 The prologue is evaluated wherever the reduction reads its input (a prologue value that is also a group output is
 stored on the first sweep); the epilogue is evaluated at the reduction's output coordinates, and after a reshape of
@@ -36,17 +35,16 @@ import torch
 
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.coordinates import Coords, broadcast_coords
-from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, int_pair, triton_dtype
+from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, triton_dtype
 from opfuse.codegen.operands import VIEW_OPS, Emitter, Region, build_kernel, next_power_of_2
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.tiles import (EXTREMES, ROW_SPLIT_MODES, ROW_WRITING_MODES, RowView, pool_tiles, row_kernel_tiles,
-                                 row_view, slice_statistics)
+from opfuse.fusion.tiles import (EXTREMES, ROW_SPLIT_MODES, ROW_WRITING_MODES, RowView, row_kernel_tiles, row_view,
+                                 slice_statistics)
 from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import FLOAT_DTYPES, WIDE_INTEGERS, Graph, Node, torch_dtype
 from opfuse.ir.ops import SCAN_OPS, FusionKind, kind_of
 
-POOL_OPS = ("max_pool2d", "avg_pool2d")
 NEG_INF = 'float("-inf")'
 # softmax's running max never drops below this finite floor: a chunk of only -inf (a padding mask) would
 # otherwise rescale the running sum by exp(-inf - -inf) = NaN; a row of only -inf still gives 0/0 = NaN, as in PyTorch
@@ -67,6 +65,7 @@ def lower_reduction_group(graph: Graph, group: FusionGroup, device, hw: Hardware
     view = row_view(graph, node)
     if view is not None:
         return RowReductionKernel(graph, group, device, node, view, hw)
+    from opfuse.codegen.pool import POOL_OPS, PoolKernel      # (the pooling template builds on this module's)
     if node.op == "adaptive_avg_pool2d":
         out_h, out_w = node.type.shape[-2:]
         if len(x_shape) != 4 or x_shape[2] % out_h or x_shape[3] % out_w:
@@ -587,87 +586,4 @@ class RowReductionKernel(TemplateKernel):
         self.launch((programs, split) if self.mode in ROW_WRITING_MODES else (programs,), config, tensors, space,
                     ONE_PASS=False, PHASE=1, SPAN=span, partials_ptr=partials, ORDER=order)
         self.last_compiled = sweep
-        return results
-
-
-class PoolKernel(TemplateKernel):
-    """max/avg pool2d on NHWC tiles of [BLOCK_P output pixels, BLOCK_C channels]."""
-
-    def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, hw: HardwareProfile):
-        self.node, self.hw = node, hw
-        x = graph[node.inputs[0]]
-        if len(x.type.shape) != 4:
-            raise Unsupported(f"{node.describe()}: only batched 4-D pooling is generated")
-        n, c, h, w = x.type.shape
-        out_h, out_w = node.type.shape[2:]
-        attrs = node.attrs
-        if node.op == "adaptive_avg_pool2d":
-            kernel = stride = (h // out_h, w // out_w)
-            padding, dilation, self.is_max, include_pad = (0, 0), (1, 1), False, True
-        else:
-            kernel = int_pair(attrs["kernel_size"], node, "kernel_size")
-            stride = int_pair(attrs.get("stride") or kernel, node, "stride")
-            padding = int_pair(attrs.get("padding", 0), node, "padding")
-            dilation = int_pair(attrs.get("dilation", 1), node, "dilation")
-            self.is_max = node.op == "max_pool2d"
-            include_pad = bool(attrs.get("count_include_pad", True))
-        prologue, epilogue = split_outputs(graph, group, node)
-        if prologue:
-            raise Unsupported(f"{node.describe()}: pool windows overlap or skip pixels, so prologue values "
-                              f"({', '.join(prologue)}) cannot be written from this kernel")
-        self.pixels, self.channels = n * out_h * out_w, c
-        constants, scalars = held_constants(graph, group, device)
-        emitter = Emitter(graph, group, scalars)
-        head = emitter.region("[BLOCK_P, 1]", "out_mask")
-        batch, oh, ow = head.unravel("pixels", [n, out_h, out_w])
-        oh, ow = oh or "pixel_zero", ow or "pixel_zero"
-        channel = "channels" if c > 1 else None
-        body = ["pid = tl.program_id(0)", "if INT64:", "    pid = pid.to(tl.int64)",
-                "pixels = pid * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]", "pixel_zero = pixels * 0",
-                "channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]",
-                f"out_mask = (pixels < {self.pixels}) & (channels < {c})"] + head.lines
-        body.append(f"acc = tl.full([BLOCK_P, BLOCK_C], {NEG_INF if self.is_max else '0.0'}, tl.float32)")
-        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, padding, dilation
-        tap = emitter.region("[BLOCK_P, BLOCK_C]", "mask")
-        value = tap.value(x.name, (batch, channel, "ih", "iw"))
-        # a NaN in the window makes PyTorch's max pool NaN: propagate it as PyTorch does
-        combine = (f"acc = tl.maximum(acc, tl.where(mask, {value}, {NEG_INF}), propagate_nan=tl.PropagateNan.ALL)"
-                   if self.is_max
-                   else f"acc += tl.where(mask, {value}, 0.0)")
-        body += [f"for kh in tl.static_range({kh}):", f"    ih = {oh} * {sh} + (kh * {dh} - {ph})",
-                 f"    for kw in tl.static_range({kw}):", f"        iw = {ow} * {sw} + (kw * {dw} - {pw})",
-                 f"        mask = out_mask & (ih >= 0) & (ih < {h}) & (iw >= 0) & (iw < {w})"]
-        body += indent(tap.lines + [combine], 2)
-        if self.is_max:
-            body.append("result = acc")
-        else:   # PyTorch's divisor: the window clipped to the padded image, or to the image without padding
-            body += [f"h0 = {oh} * {sh} - {ph}", f"w0 = {ow} * {sw} - {pw}",
-                     f"h1 = tl.minimum(h0 + {kh}, {h + ph})", f"w1 = tl.minimum(w0 + {kw}, {w + pw})"]
-            if not include_pad:
-                body += ["h0 = tl.maximum(h0, 0)", "w0 = tl.maximum(w0, 0)",
-                         f"h1 = tl.minimum(h1, {h})", f"w1 = tl.minimum(w1, {w})"]
-            body.append("result = acc / ((h1 - h0) * (w1 - w0)).to(tl.float32)")
-        out_coords = (batch, channel, oh if out_h > 1 else None, ow if out_w > 1 else None)
-        region = emitter.region("[BLOCK_P, BLOCK_C]", "out_mask")
-        region.bind(node.name, out_coords, "result")
-        store_epilogue(region, group, node, out_coords, epilogue)
-        body += region.lines
-        name, source, function = build_kernel(graph, group, emitter, body, ["BLOCK_P", "BLOCK_C", "INT64"])
-        super().__init__(graph, group, name, source, device, emitter.args, constants, function)
-
-    def configs(self) -> list[KernelConfig]:
-        channels = next_power_of_2(self.channels)
-        if self.hw.interpreted:
-            return [KernelConfig.of(BLOCK_P=16, BLOCK_C=min(channels, 32), num_warps=1)]
-        return [KernelConfig.of(**tile) for tile in pool_tiles(self.channels)]
-
-    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
-            outputs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Outputs (in group.outputs order) of the group for its runtime inputs; `outputs` may be preallocated."""
-        config = config or self.configs()[0]
-        tensors = self.bind(inputs)
-        results = self.outputs_for(tensors, outputs)
-        grid = (-(-self.pixels // config["BLOCK_P"]), -(-self.channels // config["BLOCK_C"]))
-        self.launch(grid, config, tensors | dict(zip(self.group.outputs, results)),
-                    (grid[0] + 1) * config["BLOCK_P"])
         return results

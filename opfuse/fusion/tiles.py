@@ -528,7 +528,7 @@ POOL_SHAPES = ((32, 64), (64, 32), (16, 128), (64, 64))    # [output pixels, cha
 
 
 def pool_tiles(channels: int) -> list[dict[str, int]]:
-    """The tiles of the pooling template (`opfuse.codegen.reduction.PoolKernel`: max/avg pools, adaptive pools of
+    """The tiles of the pooling template (`opfuse.codegen.pool.PoolKernel`: max/avg pools, adaptive pools of
     even windows), the default first: BLOCK_P output pixels x BLOCK_C channels (at most the channels' power of two),
     4 warps."""
     tiles: list[dict[str, int]] = []

@@ -16,7 +16,8 @@ import torch
 
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.expr import Unsupported
-from opfuse.codegen.reduction import PoolKernel, RowReductionKernel, lower_reduction_group
+from opfuse.codegen.pool import PoolKernel
+from opfuse.codegen.reduction import RowReductionKernel, lower_reduction_group
 from opfuse.fusion.plan import GroupKind
 
 from tests.kernels.builders import KernelGraph

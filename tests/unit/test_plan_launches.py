@@ -49,7 +49,8 @@ def test_the_tile_priced_is_the_tile_launched(gpu_tiles, name, batch):
     from opfuse.codegen.conv_implicit_gemm import ConvKernel
     from opfuse.codegen.gemm import GemmKernel
     from opfuse.codegen.pointwise import PointwiseKernel
-    from opfuse.codegen.reduction import PoolKernel, RowReductionKernel
+    from opfuse.codegen.pool import PoolKernel
+    from opfuse.codegen.reduction import RowReductionKernel
     from opfuse.codegen.squeeze import SqueezeKernel
 
     model, inputs = load_builtin(name, batch=batch, seq_len=64)
