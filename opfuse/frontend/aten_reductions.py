@@ -220,12 +220,15 @@ def _any(t: Translator, a: dict) -> str:
 
 # pooling
 
-def _max_pool(t: Translator, a: dict) -> str:
+def _max_pool_attrs(a: dict) -> dict:
     kernel = pair(a["kernel_size"])
     stride = pair(a["stride"]) if a["stride"] else kernel  # empty stride means "the kernel size"
-    return t.emit("max_pool2d", [a["self"]], {"kernel_size": kernel, "stride": stride,
-                                              "padding": pair(a["padding"]), "dilation": pair(a["dilation"]),
-                                              "ceil_mode": bool(a["ceil_mode"])})
+    return {"kernel_size": kernel, "stride": stride, "padding": pair(a["padding"]), "dilation": pair(a["dilation"]),
+            "ceil_mode": bool(a["ceil_mode"])}
+
+
+def _max_pool(t: Translator, a: dict) -> str:
+    return t.emit("max_pool2d", [a["self"]], _max_pool_attrs(a))
 
 
 maps("max_pool2d")(_max_pool)
@@ -233,7 +236,13 @@ maps("max_pool2d")(_max_pool)
 
 @maps("max_pool2d_with_indices")
 def _max_pool_with_indices(t: Translator, a: dict) -> MultiOutput:
-    return first_output(t, _max_pool(t, a))
+    """The pooled values by the pooling template; the indices (each window's largest, flattened over its image
+    plane) by PyTorch's own pool, a library call alone (`max_pool2d_indices`), where something reads them."""
+    def item(index: int) -> str:
+        if index == 0:
+            return _max_pool(t, a)
+        return t.emit("max_pool2d_indices", [a["self"]], _max_pool_attrs(a))
+    return MultiOutput(t.node, item)
 
 
 @maps("avg_pool2d")

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import torch.fx as fx
 
-from opfuse.frontend.aten_common import Handler, MultiOutput, Unmapped, registrar, wrap_dim
+from opfuse.frontend.aten_common import Handler, MultiOutput, Unmapped, registrar, reshaped, wrap_dim
 from opfuse.frontend.aten_index import from_end
+from opfuse.ir.graph import torch_dtype
 from opfuse.ir.ops_alone import GRID_MODES, GRID_PADDINGS
 
 if TYPE_CHECKING:
@@ -165,6 +167,21 @@ def _scatter(t: Translator, a: dict) -> str:
     include_self = bool(a.get("include_self", True))
     return t.emit("scatter", [x, index, src], {"dim": wrap_dim(int(a["dim"]), rank),
                                                "reduce": SCATTER_REDUCTIONS[reduce], "include_self": include_self})
+
+
+@maps("max_unpool2d")
+def _max_unpool(t: Translator, a: dict) -> str:
+    """x's values written at their max_pool2d indices (flattened over each image plane) into zeros of the output
+    size: a scatter along the flattened plane."""
+    x, indices = t.value(a["self"]), t.value(a["indices"])
+    shape, out = t.type_of(x).shape, t.out_type
+    if len(shape) != 4 or t.type_of(indices).shape != shape:
+        raise Unmapped("max_unpool2d of other than a 4-D input and indices of its shape")
+    planes, pixels = [shape[0], shape[1]], shape[2] * shape[3]
+    zeros = t.constant("zeros", torch.zeros(*planes, out.shape[2] * out.shape[3], dtype=torch_dtype(out.dtype)))
+    flat = t.emit("scatter", [zeros, reshaped(t, indices, [*planes, pixels]), reshaped(t, x, [*planes, pixels])],
+                  {"dim": 2, "reduce": "none", "include_self": True})
+    return t.emit("reshape", [flat], {"shape": list(out.shape)})
 
 
 @maps("linalg_det", "det")

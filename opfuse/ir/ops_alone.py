@@ -1,6 +1,7 @@
 """The ops that run alone (`OpDef.kernel`), registered into `opfuse.ir.ops.REGISTRY` when it is imported: never fused,
 each a kernel of its own. A mixture of experts' experts as opfuse's grouped GEMM (`opfuse.codegen.grouped_gemm`); its
-routing (topk, sort, histc), recurrent layers (an LSTM), scatters, grid sampling, determinants, bit casts and
+routing (topk, sort, histc), recurrent layers (an LSTM), scatters, grid sampling, determinants, bit casts, a max
+pool's indices and
 torchvision's RoI align and deformable convolution as library calls, PyTorch's own CUDA kernels (cuDNN's LSTM), which
 read nothing back to the host, so a CUDA graph holds them. A (values, indices) or (output, h, c) call is one op per
 output read, `output` naming which (`CALLS`); the planner puts the outputs read of one call in one group, which calls
@@ -13,8 +14,8 @@ import torch
 
 from opfuse.ir.attrs import DIM, MAX_INT, SPATIAL, Bool, Dtype, Float, Int, Word
 from opfuse.ir.graph import torch_dtype
-from opfuse.ir.op_costs import per_input_element, per_output_element
-from opfuse.ir.ops import OpDef, FusionKind, register
+from opfuse.ir.op_costs import per_input_element, per_output_element, pool_flops
+from opfuse.ir.ops import MAX_POOL_ATTRS, OpDef, FusionKind, register
 
 O = FusionKind.OPAQUE
 
@@ -117,6 +118,17 @@ register(OpDef("bitcast", O, _run_bitcast, per_output_element(0), kernel="librar
                doc="x's bits, of dtype `source`, read as `dtype` (of the same width), as Tensor.view(dtype); x is "
                    "taken in `source` first (a reference run holds floats wider, a float16 compile narrower)",
                attrs={"source": Dtype(), "dtype": Dtype()}))
+
+
+def _run_max_pool2d_indices(xs, a):
+    return torch.nn.functional.max_pool2d(xs[0], a["kernel_size"], a["stride"], a["padding"], a["dilation"],
+                                          a["ceil_mode"], return_indices=True)[1]
+
+
+register(OpDef("max_pool2d_indices", O, _run_max_pool2d_indices, pool_flops, kernel="library",
+               doc="the int64 indices of max_pool2d's (attrs the same) largest element of each window, flattened over "
+                   "its image plane (h * W + w), the first of ties, as PyTorch's max_pool2d(return_indices=True)",
+               attrs=MAX_POOL_ATTRS))
 
 
 def _run_roi_align(xs, a):

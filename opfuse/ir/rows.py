@@ -505,6 +505,8 @@ RULES: dict[str, Rule] = {
     "roi_align": except_dims(lambda node, shapes: set(range(max(len(shape) for shape in shapes))),
                              "reads the regions of the image its rois name ({where})"),
     "deform_conv2d": deformable_maps,
+    "max_pool2d_indices": except_dims(lambda node, shapes: {len(shapes[0]) - 2, len(shapes[0]) - 1},
+                                      "pools windows of {where}"),
     "grid_sample": except_dims(lambda node, shapes: set(range(1, max(len(shape) for shape in shapes))),
                                "samples at positions its grid holds ({where})"),
 }

@@ -375,3 +375,30 @@ def test_a_determinant_and_a_view_as_another_dtype_map_to_det_and_bitcast():
     torch.testing.assert_close(got[2], want[2])
     wide = capture_torch(ViewAsInt16().eval(), (y,))
     assert [n.attrs["target"] for n in wide if n.op == "opaque"] == ["aten.view.dtype"]
+
+
+class PoolAndUnpool(nn.Module):
+    """SegNet's decoder step: a max pool's indices put its (scaled) values back where they came from."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.pool = nn.MaxPool2d(3, 2, padding=1, return_indices=True)
+        self.unpool = nn.MaxUnpool2d(3, 2, padding=1)
+
+    def forward(self, x):
+        y, indices = self.pool(torch.relu(self.conv(x)))
+        return self.unpool(y * 2, indices, output_size=x.shape[-2:]), indices
+
+
+def test_max_pool_indices_and_max_unpool_map_with_nothing_opaque_and_match_eager():
+    torch.manual_seed(0)
+    model, x = PoolAndUnpool().eval(), torch.randn(2, 3, 8, 7)
+    analysis = opfuse.analyze(model, (x,), FusionConfig(dtype="float32"))
+    assert not analysis.opaque_ops and analysis.pytorch_groups == {}
+    assert {"max_pool2d", "max_pool2d_indices", "scatter"} <= {n.op for n in analysis.prepared}
+    compiled = opfuse.compile(model, (x,), FusionConfig(dtype="float32"))
+    x = torch.randn(2, 3, 8, 7)
+    (unpooled, indices), (want, want_indices) = compiled(x), model(x)
+    assert torch.equal(indices, want_indices)
+    torch.testing.assert_close(unpooled, want)
