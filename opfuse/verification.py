@@ -103,7 +103,8 @@ def end_to_end_error(eager: torch.nn.Module, compiled, inputs: list[torch.Tensor
     compiled outputs' worst error against their operands' scale (`scaled_errors`; None where not computed).
     Eager computes its float casts in the precision it runs in, as the compiled model does (`_eager_outputs`). A
     model that cannot run in the reference precision (a float32 tensor held as a plain attribute, which `.to`
-    leaves float32) is compared with eager at the compute dtype instead, with a warning that says so."""
+    leaves float32), or whose outputs take other shapes there (a view of float bits as another dtype), is compared
+    with eager at the compute dtype instead, with a warning that says so."""
     reference_type = reference_dtype(dtype)
     compute = torch_dtype(dtype)
     try:
@@ -114,6 +115,11 @@ def end_to_end_error(eager: torch.nn.Module, compiled, inputs: list[torch.Tensor
     outputs = _flat_outputs(compiled, inputs, compute)
     if len(outputs) != len(reference):   # zip would compare only the first few and pass
         raise GraphError(f"compiled {compiled.graph.name} has {len(outputs)} outputs, eager has {len(reference)}")
+    reshaped = next((i for i, (o, r) in enumerate(zip(outputs, reference)) if o.shape != r.shape), None)
+    if reshaped is not None:     # (a view as another dtype of a float64 tensor: twice the elements of float32's)
+        return _error_against_compute_dtype(eager, compiled, inputs, dtype, GraphError(
+            f"its output {reshaped} is {list(reference[reshaped].shape)} there, {list(outputs[reshaped].shape)} "
+            "compiled"))
     error = max(relative_error(o, r) for o, r in zip(outputs, reference))
     bound = tolerance(dtype, inputs[0].device if inputs else None)
     if error <= bound:

@@ -358,7 +358,6 @@ class ViewAsInt16(nn.Module):
         return y.view(torch.int16)
 
 
-@pytest.mark.filterwarnings("ignore:opfuse")    # the float64 reference views float64 bits: none to check them by
 def test_a_determinant_and_a_view_as_another_dtype_map_to_det_and_bitcast():
     """torch.linalg.det and torch.det are `det`, Tensor.view(dtype) of one width a `bitcast`: nothing opaque, the
     bits equal eager's exactly; a view as a dtype of another width stays opaque."""
@@ -367,7 +366,9 @@ def test_a_determinant_and_a_view_as_another_dtype_map_to_det_and_bitcast():
     graph = capture_torch(BitsAndDeterminants().eval(), (x, y))
     assert not [n for n in graph if n.op == "opaque"]
     assert sorted(n.op for n in graph if n.op in ("det", "bitcast")) == ["bitcast", "det", "det"]
-    compiled = opfuse.compile(BitsAndDeterminants().eval(), (x, y), FusionConfig(dtype="float32"))
+    # in float64 the view gives twice the elements: verified against eager float32 instead, saying why
+    with pytest.warns(UserWarning, match=r"verified against eager in float32, not float64: .*output 1 is \[4, 10\]"):
+        compiled = opfuse.compile(BitsAndDeterminants().eval(), (x, y), FusionConfig(dtype="float32"))
     x, y = torch.randn(2, 3, 3), torch.randn(4, 5)
     got, want = compiled(x, y), BitsAndDeterminants()(x, y)
     assert torch.equal(got[1], want[1])
