@@ -402,6 +402,11 @@ def except_dims(moved: Callable[[Node, Shapes], set[int]], why: str) -> Rule:
     return maps
 
 
+def every_dim(node: Node, shapes: Shapes) -> set[int]:
+    """Every dim of every operand: an op whose output rows read all of its inputs' (`except_dims`)."""
+    return set(range(max(len(shape) for shape in shapes)))
+
+
 def sliced_dims(node: Node, shapes: Shapes) -> set[int]:
     """The slice's dim, unless the slice keeps all of it in order (a no-op)."""
     dim = node.attrs["dim"] % len(shapes[0])
@@ -490,8 +495,7 @@ RULES: dict[str, Rule] = {
     "histc": except_dims(lambda node, shapes: set(range(len(shapes[0]))), "counts every element of {where}"),
     "grouped_mm": except_dims(lambda node, shapes: set(range(len(shapes[0]))),
                               "groups rows by offsets counted at run time ({where})"),
-    "lstm": except_dims(lambda node, shapes: set(range(max(len(shape) for shape in shapes))),
-                        "runs a recurrence over {where}"),
+    "lstm": except_dims(every_dim, "runs a recurrence over {where}"),
     # a scatter writes along its dim at indices known at run time, and an index smaller than the data along
     # another dim leaves the rest of that dim as it was; grid sampling keeps only the batch (each image is read at
     # positions its grid holds)
@@ -502,8 +506,7 @@ RULES: dict[str, Rule] = {
                        "takes a determinant of the matrices over {where}"),
     "bitcast": except_dims(lambda node, shapes: set(), "{where}"),
     # RoI align reads each region of the image its batch index names
-    "roi_align": except_dims(lambda node, shapes: set(range(max(len(shape) for shape in shapes))),
-                             "reads the regions of the image its rois name ({where})"),
+    "roi_align": except_dims(every_dim, "reads the regions of the image its rois name ({where})"),
     "deform_conv2d": deformable_maps,
     "max_pool2d_indices": except_dims(lambda node, shapes: {len(shapes[0]) - 2, len(shapes[0]) - 1},
                                       "pools windows of {where}"),
