@@ -45,8 +45,6 @@ WHY_UNCLAIMED = {
     "NonMaxSuppression": NEEDS_OP + "non-maximum suppression (a data-dependent shape)",
     "QLinearConv": "not mapped yet (as QLinearMatMul, around a conv2d)",
     "STFT": "not mapped yet (frames by a take, then DFT's matmuls)",
-    "Hardmax": "held back: a one-hot of ArgMax would do, but tests/unit/test_bad_inputs.py uses Hardmax as its "
-               "example of an unsupported operator",
     "ai.onnx.preview.FlexAttention": "a preview-domain operator whose score and mask functions are subgraphs",
     **{op: "the ai.onnx.ml domain: not covered" for op in (
         "ai.onnx.ml.TreeEnsemble", "ai.onnx.ml.ArrayFeatureExtractor", "ai.onnx.ml.Binarizer")},

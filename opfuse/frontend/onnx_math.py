@@ -1,6 +1,6 @@
 """ONNX converters of elementwise functions, reductions and normalisations written out in the IR's own ops: Mod,
 IsInf, IsNaN, Sign, Celu, ThresholdedRelu, Shrink, Softsign, Mish, Swish, SwiGLU, the norm and log reductions
-(ReduceL1, ReduceL2, ReduceSumSquare, ReduceLogSum, ReduceLogSumExp), ArgMax, ArgMin, LpNormalization,
+(ReduceL1, ReduceL2, ReduceSumSquare, ReduceLogSum, ReduceLogSumExp), ArgMax, ArgMin, Hardmax, LpNormalization,
 InstanceNormalization, GroupNormalization, MeanVarianceNormalization and BitShift; Det and BitCast as the library
 calls that run alone (`opfuse.ir.ops_alone`). Registered in
 `opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
@@ -234,6 +234,31 @@ def _arg_max_min(importer: Importer, node, xs, attrs):
     if attrs.get("keepdims", 1):
         return [index]
     return [importer.emit("reshape", [index], {"shape": shape[:axis] + shape[axis + 1:]}, name=out)]
+
+
+@converts("Hardmax", attributes=("axis",))
+def _hardmax(importer: Importer, node, xs, attrs):
+    """1 at the first largest element along the axis (a NaN counting as the largest), 0 elsewhere, in x's dtype;
+    before opset 13 along all dims from `axis` on (default 1), as one flattened dim, as (Log)Softmax."""
+    x, out = xs[0], node.output[0]
+    shape = importer.type(x).shape
+    axis = attrs.get("axis", -1 if importer.opset >= 13 else 1) % len(shape)
+    if importer.opset < 13 and axis != len(shape) - 1:
+        flat = importer.emit("reshape", [x], {"shape": (math.prod(shape[:axis]), math.prod(shape[axis:]))},
+                             name=f"{out}_flat")
+        return [importer.emit("reshape", [_one_hot_of_largest(importer, flat, 1, f"{out}_rows")], {"shape": shape},
+                              name=out)]
+    return [_one_hot_of_largest(importer, x, axis, out)]
+
+
+def _one_hot_of_largest(importer: Importer, x: str, axis: int, name: str) -> str:
+    shape = importer.type(x).shape
+    index = _arg_extreme(importer, x, axis, True, False, f"{name}_index")
+    along = [1] * len(shape)
+    along[axis] = shape[axis]
+    positions = importer.add_constant(torch.arange(shape[axis]).reshape(along), f"{name}_positions")
+    hot = importer.emit("eq", [index, positions], name=f"{name}_hot")
+    return importer.emit("cast", [hot], {"dtype": importer.type(x).dtype}, name=name)
 
 
 # ---- normalisations -----------------------------------------------------------------------------------------

@@ -149,7 +149,37 @@ def _max_pool(importer: Importer, node, xs, attrs):
     x, window = _window(importer, xs, attrs, attrs["kernel_shape"], pad_value=float("-inf"), pool=True)
     pool = {"kernel_size": tuple(attrs["kernel_shape"]), **window, "ceil_mode": bool(attrs.get("ceil_mode", 0))}
     op = {2: "max_pool2d", 3: "max_pool3d"}[len(window["stride"])]
-    return [_onnx_windows(importer, importer.emit(op, [x], pool), xs, attrs)]
+    values = _onnx_windows(importer, importer.emit(op, [x], pool), xs, attrs)
+    if len(node.output) < 2 or node.output[1] not in importer.used:
+        return [values]
+    if op != "max_pool2d":
+        raise Unsupported("the Indices of a MaxPool of other than 2-D images")
+    indices = importer.emit("max_pool2d_indices", [x], pool, name=f"{node.output[1]}_in_plane")
+    return [values, _onnx_indices(importer, _onnx_windows(importer, indices, xs, attrs), x, xs[0], node.output[1],
+                                  attrs.get("storage_order", 0))]
+
+
+def _onnx_indices(importer: Importer, plane: str, pooled: str, x: str, out: str, column_major: int) -> str:
+    """ONNX's MaxPool Indices from PyTorch's (h * W + w over the plane of `pooled`, the input as padded): the position
+    in x (its padding taken off), flattened over all of x, row-major (w * H + h in the plane with `storage_order`)."""
+    n, c, h, w = importer.type(x).shape
+    padded_w = importer.type(pooled).shape[3]
+    left, top = importer.graph[pooled].attrs["pads"][0::2] if pooled != x else (0, 0)   # `_window`'s pad, if any
+
+    def constant(value, suffix: str) -> str:
+        return importer.add_constant(torch.tensor(value, dtype=torch.int64), f"{out}_{suffix}")
+
+    row = importer.emit("sub", [importer.emit("floor_div", [plane, constant(padded_w, "width")], name=f"{out}_hp"),
+                                constant(top, "top")], name=f"{out}_h")
+    column = importer.emit("sub", [importer.emit("sub", [plane, importer.emit(
+        "mul", [importer.emit("floor_div", [plane, constant(padded_w, "width2")], name=f"{out}_hp2"),
+                constant(padded_w, "width3")], name=f"{out}_rows")], name=f"{out}_wp"), constant(left, "left")],
+        name=f"{out}_w")
+    major, minor, size = (column, row, h) if column_major else (row, column, w)
+    in_plane = importer.emit("add", [importer.emit("mul", [major, constant(size, "size")], name=f"{out}_major"),
+                                     minor], name=f"{out}_flat")
+    planes = importer.add_constant((torch.arange(n * c) * (h * w)).reshape(n, c, 1, 1), f"{out}_planes")
+    return importer.emit("add", [in_plane, planes], name=out)
 
 
 def _onnx_windows(importer: Importer, pooled: str, xs, attrs) -> str:

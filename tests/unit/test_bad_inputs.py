@@ -104,13 +104,13 @@ def test_unreadable_or_malformed_onnx_file_is_an_error_naming_the_file(tmp_path,
 
 
 def test_onnx_op_opfuse_does_not_know_becomes_a_named_opaque_node(tmp_path):
-    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Hardmax", ["r"], ["h"], name="the_hardmax"),
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Bernoulli", ["r"], ["h"], name="the_draw"),
              helper.make_node("Frobnicate", ["h"], ["y"], domain="com.example", name="custom")]
     model = onnx_model(nodes, [tensor_info("x", [2, 5])], [tensor_info("y", [2, 5])],
                        value_info=[tensor_info("h", [2, 5])], domains=["com.example"])
     analysis = opfuse.analyze(str(write(tmp_path / "m.onnx", model)))
     opaque = analysis.opaque_ops
-    assert any("onnx::Hardmax" in o and "the_hardmax" in o for o in opaque), opaque
+    assert any("onnx::Bernoulli" in o and "the_draw" in o for o in opaque), opaque
     assert any("onnx::com.example.Frobnicate" in o and "custom" in o for o in opaque), opaque
     assert any(n.op == "relu" for n in analysis.prepared)          # the known op is still mapped
 
@@ -721,10 +721,10 @@ def test_a_missing_external_data_file_is_named_with_its_tensor(tmp_path):
 def test_an_onnx_operator_opfuse_cannot_run_is_refused_at_import_naming_operator_node_and_opset(tmp_path):
     """analyze keeps it as an opaque node (it can be planned around); compile, the CLI's bench and the backend
     refuse it before anything is built, listing the supported operators."""
-    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Hardmax", ["r"], ["y"], name="pick")]
-    path = write(tmp_path / "hardmax.onnx", onnx_model(nodes, [tensor_info("x", [2, 5])],
-                                                       [tensor_info("y", [2, 5])], opset=13))
-    assert any("onnx::Hardmax" in o for o in opfuse.analyze(str(path)).opaque_ops)
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Bernoulli", ["r"], ["y"], name="pick")]
+    path = write(tmp_path / "bernoulli.onnx", onnx_model(nodes, [tensor_info("x", [2, 5])],
+                                                         [tensor_info("y", [2, 5])], opset=15))
+    assert any("onnx::Bernoulli" in o for o in opfuse.analyze(str(path)).opaque_ops)
     from opfuse.frontend.onnx_import import UnsupportedOnnxNode
     from opfuse.frontend.onnx_module import onnx_module
 
@@ -732,12 +732,13 @@ def test_an_onnx_operator_opfuse_cannot_run_is_refused_at_import_naming_operator
     for load in (lambda: onnx_module(str(path)),
                  lambda: opfuse.compile(str(path), (torch.ones(2, 5),), opfuse.FusionConfig(cache_dir=str(cache),
                                                                                             fallback="eager"))):
-        with pytest.raises(UnsupportedOnnxNode, match=r"hardmax\.onnx: ONNX operator Hardmax \(opset 13\) at node "
-                                                      r"'pick' is not supported by opfuse: no converter for Hardmax; "
+        with pytest.raises(UnsupportedOnnxNode, match=r"bernoulli\.onnx: ONNX operator Bernoulli \(opset 15\) at "
+                                                      r"node 'pick' is not supported by opfuse: no converter for "
+                                                      r"Bernoulli; "
                                                       r"the supported operators are Abs, Acos, Acosh, Add, .*Conv"
                                                       ) as refused:
             load()
-        assert (refused.value.op_type, refused.value.node, refused.value.opset) == ("Hardmax", "pick", 13)
+        assert (refused.value.op_type, refused.value.node, refused.value.opset) == ("Bernoulli", "pick", 15)
     assert not cache.exists() or not list(cache.iterdir())          # nothing cached for a refused model
 
 
@@ -749,8 +750,9 @@ def test_a_bad_onnx_file_leaves_nothing_in_the_cache(tmp_path, case):
         path = external_weight_model(tmp_path)
         (tmp_path / "weights.bin").unlink()
     else:
-        path = write(tmp_path / "m.onnx", onnx_model([helper.make_node("Hardmax", ["x"], ["y"])],
-                                                     [tensor_info("x", [1, 4])], [tensor_info("y", [1, 4])]))
+        path = write(tmp_path / "m.onnx", onnx_model([helper.make_node("Bernoulli", ["x"], ["y"])],
+                                                     [tensor_info("x", [1, 4])], [tensor_info("y", [1, 4])],
+                                                     opset=15))
     cache, kernels = tmp_path / "cache", tmp_path / "kernels"
     with pytest.raises(GraphError, match=re.escape(str(path))):
         opfuse.compile(str(path), (torch.ones(1, 4),), opfuse.FusionConfig(cache_dir=str(cache)))

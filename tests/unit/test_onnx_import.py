@@ -437,7 +437,7 @@ def test_softmax_before_opset_13_normalises_the_flattened_tail(tmp_path):
 # ---- unknown ops -------------------------------------------------------------------------------
 
 def test_unknown_ops_become_named_opaque_nodes(tmp_path):
-    nodes = [helper.make_node("Hardmax", ["x"], ["h"], name="hm", axis=-1),
+    nodes = [helper.make_node("Bernoulli", ["x"], ["h"], name="draw", seed=3.0),
              helper.make_node("MyPair", ["h"], ["values", "indices"], domain="acme"),
              helper.make_node("MyOp", ["values"], ["m"], domain="acme", alpha=2.0),
              helper.make_node("Relu", ["m"], ["y"])]
@@ -446,8 +446,8 @@ def test_unknown_ops_become_named_opaque_nodes(tmp_path):
                 extra_opsets=[helper.make_opsetid("acme", 1)])
     graph = load_onnx(path)
     opaque = {n.attrs["target"]: n for n in graph if n.op == "opaque"}
-    assert set(opaque) == {"onnx::Hardmax", "onnx::acme.MyPair", "onnx::acme.MyOp"}
-    assert opaque["onnx::Hardmax"].source == "hm" and opaque["onnx::Hardmax"].attrs["onnx_attrs"] == {"axis": -1}
+    assert set(opaque) == {"onnx::Bernoulli", "onnx::acme.MyPair", "onnx::acme.MyOp"}
+    assert opaque["onnx::Bernoulli"].source == "draw" and opaque["onnx::Bernoulli"].attrs["onnx_attrs"] == {"seed": 3.0}
     assert opaque["onnx::acme.MyOp"].attrs["onnx_attrs"] == {"alpha": 2.0}
     pair = [n for n in graph if n.attrs.get("target") == "onnx::acme.MyPair"]
     assert sorted((n.attrs["output_index"], str(n.type)) for n in pair) == [(0, "float32[2,3]"), (1, "int64[2,3]")]

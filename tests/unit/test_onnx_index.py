@@ -135,6 +135,19 @@ def test_scatter_nd_scatters_the_rows_of_the_indexed_dims(data_shape, index_shap
     assert ops(graph).count("scatter") == 1
 
 
+@pytest.mark.parametrize("attrs", [{"kernel_shape": [2, 2], "strides": [2, 2]},
+                                   {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+                                   {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [0, 1, 2, 0]},    # explicit
+                                   {"kernel_shape": [2, 3], "strides": [1, 2], "storage_order": 1},
+                                   {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}])
+def test_max_pool_indices_are_flat_over_the_input_without_its_padding(attrs):
+    """MaxPool's Indices: each window's largest element's position in x, flattened over all of x (row-major, or
+    column-major within each plane with storage_order 1), padding not counted; ties to the first."""
+    x = rng.integers(-3, 4, (2, 3, 7, 6)).astype(np.float32)              # ties
+    graph = run(node("MaxPool", ["x"], ["y", "indices"], **attrs), {"x": x})
+    assert ops(graph).count("max_pool2d_indices") == 1 and "opaque" not in ops(graph)
+
+
 def test_max_unpool_writes_maxpools_values_back_and_pads_to_the_output_shape():
     x = floats(1, 2, 4, 4)
     pooled_node = node("MaxPool", ["x"], ["p", "i"], kernel_shape=[2, 2], strides=[2, 2])

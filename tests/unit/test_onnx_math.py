@@ -100,6 +100,28 @@ def test_arg_max_counts_nan_as_the_largest_and_works_on_integers():
     run(node("ArgMin", ["x"], axis=0, keepdims=0), {"x": rng.integers(-5, 5, (4, 3)).astype(np.int32)})
 
 
+@pytest.mark.parametrize("axis", [None, 0, 1])
+def test_hardmax_is_one_at_the_first_largest_along_its_axis(axis):
+    x = rng.integers(-2, 3, (3, 4, 5)).astype(np.float32)           # ties: the first one is hot
+    x[1, 2, 3] = np.nan                                                 # a NaN is the largest
+    run(node("Hardmax", ["x"], **({} if axis is None else {"axis": axis})), {"x": x}, opset=13)
+
+
+@pytest.mark.parametrize("axis", [None, 0, 2])
+def test_hardmax_before_opset_13_is_one_hot_over_the_flattened_tail(axis):
+    """Before opset 13 Hardmax takes every dim from `axis` on (default 1) as one; onnx.reference implements only the
+    opset-13 meaning, so the expected values are the definition's, computed here."""
+    x = rng.integers(-2, 3, (3, 4, 5)).astype(np.float32)
+    x[1, 2, 3] = np.nan
+    start = 1 if axis is None else axis
+    rows = x.reshape(int(np.prod(x.shape[:start])), -1)
+    expected = np.zeros_like(rows)
+    expected[np.arange(len(rows)), np.argmax(rows, axis=1)] = 1.0     # numpy's argmax: the first NaN, else max
+    graph = one_node_graph(node("Hardmax", ["x"], **({} if axis is None else {"axis": axis})), x, 11)
+    (got,) = interpret(graph, [torch.from_numpy(x)])
+    np.testing.assert_array_equal(got.numpy(), expected.reshape(x.shape))
+
+
 # ---- normalisations ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("p, axis", [(1, 1), (2, -1), (2, 0)])
