@@ -5,6 +5,7 @@ torchvision's kernels (library calls, `opfuse.ir.ops_alone`). Registered in `opf
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import TYPE_CHECKING
 
@@ -232,14 +233,14 @@ def _global_average_pool(importer: Importer, node, xs, attrs):
 
 
 def _dilated_average_pool(importer: Importer, node, xs, attrs) -> str:
-    """A dilated 2-D AveragePool (opset 19 on; PyTorch has none) as a depthwise conv2d summing each window, divided
-    by the count of its elements ONNX divides by: those inside the input, or with count_include_pad inside the
-    input and its pads. In ceil mode the input is first padded at the end so that the last windows fit."""
+    """A dilated AveragePool (opset 19 on; PyTorch has none): each window's sum divided by the count of its elements
+    ONNX divides by (those inside the input, or with count_include_pad inside the input and its pads). A 2-D one sums
+    by a depthwise conv2d; a 3-D one as the sum of its taps, each a strided slice of the input (index maps of one
+    elementwise kernel). In ceil mode the input is first padded at the end so that the last windows fit."""
     shape = importer.type(xs[0]).shape
-    if len(shape) != 4:
-        raise Unsupported("dilated 3-D average pooling (PyTorch has none)")
+    spatial, out = len(shape) - 2, node.output[0]
     size, kernel = shape[2:], tuple(attrs["kernel_shape"])
-    strides, dilations = tuple(attrs.get("strides", (1, 1))), tuple(attrs["dilations"])
+    strides, dilations = tuple(attrs.get("strides", (1,) * spatial)), tuple(attrs["dilations"])
     begin, end = _pads(attrs, size, kernel, strides, dilations)
     spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
     padded = [n + b + e for n, b, e in zip(size, begin, end)]
@@ -248,25 +249,33 @@ def _dilated_average_pool(importer: Importer, node, xs, attrs) -> str:
     if attrs.get("ceil_mode", 0):   # ONNX drops a last window that starts in the trailing padding
         counts = [c - 1 if (c - 1) * s >= n + b else c for c, s, n, b in zip(counts, strides, size, begin)]
     tail = [max((c - 1) * s + w - p, 0) for c, s, w, p in zip(counts, strides, spans, padded)]
-    pads = (begin[1], end[1] + tail[1], begin[0], end[0] + tail[0])      # F.pad: the last dim first
-    x = importer.emit("pad", [xs[0]], {"pads": pads, "value": 0.0}, name=f"{node.output[0]}_padded")
+    pads = tuple(v for d in reversed(range(spatial)) for v in (begin[d], end[d] + tail[d]))   # F.pad: last dim first
+    x = importer.emit("pad", [xs[0]], {"pads": pads, "value": 0.0}, name=f"{out}_padded")
     dtype = torch_dtype(importer.type(xs[0]).dtype)
-    window = {"stride": strides, "padding": (0, 0), "dilation": dilations}
-    ones = torch.ones((shape[1], 1, *kernel), dtype=dtype)
-    summed = importer.emit("conv2d", [x, importer.add_constant(ones, f"{node.output[0]}_window")],
-                           {**window, "groups": shape[1]}, name=f"{node.output[0]}_sums")
-    counted = torch.zeros((1, 1, *(p + t for p, t in zip(padded, tail))), dtype=torch.float64)
-    if attrs.get("count_include_pad", 0):
-        counted[..., :padded[0], :padded[1]] = 1
+    taps = [tuple(slice(k * d, k * d + (c - 1) * s + 1, s) for k, d, c, s in zip(tap, dilations, counts, strides))
+            for tap in itertools.product(*(range(k) for k in kernel))]
+    if spatial == 2:
+        window = {"stride": strides, "padding": (0, 0), "dilation": dilations}
+        ones = torch.ones((shape[1], 1, *kernel), dtype=dtype)
+        summed = importer.emit("conv2d", [x, importer.add_constant(ones, f"{out}_window")],
+                               {**window, "groups": shape[1]}, name=f"{out}_sums")
+        for dim, count in enumerate(counts, start=2):
+            if importer.type(summed).shape[dim] != count:
+                summed = importer.emit("slice", [summed], {"dim": dim, "start": 0, "end": count, "step": 1})
     else:
-        counted[..., begin[0]:begin[0] + size[0], begin[1]:begin[1] + size[1]] = 1
-    count = get_op("conv2d").run([counted, torch.ones((1, 1, *kernel), dtype=torch.float64)],
-                                 {**window, "groups": 1})[..., :counts[0], :counts[1]]
-    summed_shape = importer.type(summed).shape
-    if summed_shape[2:] != tuple(counts):
-        summed = importer.emit("slice", [summed], {"dim": 2, "start": 0, "end": counts[0], "step": 1})
-        summed = importer.emit("slice", [summed], {"dim": 3, "start": 0, "end": counts[1], "step": 1})
-    return importer.emit("div", [summed, importer.add_constant(count.to(dtype), f"{node.output[0]}_counts")])
+        summed = None
+        for t, tap in enumerate(taps):
+            part = x
+            for dim, cut in enumerate(tap, start=2):
+                part = importer.emit("slice", [part], {"dim": dim, "start": cut.start, "end": cut.stop,
+                                                       "step": cut.step}, name=f"{out}_tap{t}_{dim}")
+            summed = part if summed is None else importer.emit("add", [summed, part], name=f"{out}_sum{t}")
+    counted = torch.zeros((1, 1, *(p + t for p, t in zip(padded, tail))), dtype=torch.float64)
+    inside = [slice(0, p) for p in padded] if attrs.get("count_include_pad", 0) else \
+        [slice(b, b + n) for b, n in zip(begin, size)]
+    counted[(..., *inside)] = 1
+    count = sum(counted[(..., *tap)] for tap in taps)
+    return importer.emit("div", [summed, importer.add_constant(count.to(dtype), f"{out}_counts")])
 
 
 @converts("GlobalMaxPool")

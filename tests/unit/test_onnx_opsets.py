@@ -201,6 +201,19 @@ def test_average_pool(opset, attrs):
     check([node("AveragePool", ["x"], **attrs)], {"x": floats(1, 2, 8, 9)}, opset=opset)
 
 
+@pytest.mark.parametrize("attrs", [
+    dict(kernel_shape=[2, 2, 2], dilations=[2, 2, 2]),
+    dict(kernel_shape=[2, 3, 2], dilations=[2, 1, 3], strides=[2, 1, 1], pads=[1, 0, 1, 0, 1, 1]),
+    dict(kernel_shape=[3, 2, 2], dilations=[1, 2, 2], strides=[2, 2, 1], pads=[1, 1, 1, 1, 1, 1], ceil_mode=1,
+         count_include_pad=1),
+])
+def test_dilated_average_pool_in_3d_sums_its_taps(attrs):
+    """PyTorch has no dilated 3-D pool: each window's sum is its taps' strided slices added, over ONNX's count."""
+    graph = check([node("AveragePool", ["x"], **attrs)], {"x": floats(1, 2, 7, 8, 9)})
+    kernel, ops = attrs["kernel_shape"], [n.op for n in graph]
+    assert ops.count("add") == kernel[0] * kernel[1] * kernel[2] - 1 and "avg_pool3d" not in ops
+
+
 @pytest.mark.parametrize("op", ["GlobalAveragePool", "GlobalMaxPool"])
 @pytest.mark.parametrize("opset, shape", [(7, (2, 3, 4, 5)), (NEWEST, (2, 3, 5)), (NEWEST, (1, 2, 3, 2, 2))])
 def test_global_pools(op, opset, shape):
