@@ -43,8 +43,6 @@ WHY_UNCLAIMED = {
     "Unique": NEEDS_OP + "unique (a data-dependent shape)",
     "NonZero": NEEDS_OP + "nonzero (a data-dependent shape)",
     "NonMaxSuppression": NEEDS_OP + "non-maximum suppression (a data-dependent shape)",
-    "QLinearConv": "not mapped yet (as QLinearMatMul, around a conv2d)",
-    "STFT": "not mapped yet (frames by a take, then DFT's matmuls)",
     "ai.onnx.preview.FlexAttention": "a preview-domain operator whose score and mask functions are subgraphs",
     **{op: "the ai.onnx.ml domain: not covered" for op in (
         "ai.onnx.ml.TreeEnsemble", "ai.onnx.ml.ArrayFeatureExtractor", "ai.onnx.ml.Binarizer")},

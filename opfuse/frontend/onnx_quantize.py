@@ -1,12 +1,14 @@
 """ONNX converters of the linear quantisation operators to and from the integer types the IR has (int8, uint8,
-int16): QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear and QLinearMatMul, written in IR ops. Registered
-in `opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
+int16): QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, QLinearMatMul and QLinearConv, and the integer
+MatMulInteger and ConvInteger, written in IR ops. Registered in `opfuse.frontend.onnx_converters.CONVERTERS` (see
+there for the converter contract).
 
 Quantising is x / scale rounded half to even (`onnx_math.round_half_to_even`, exact), plus the zero point,
 clamped to the type's range and cast; dequantising (x - zero point) * scale in float32. A scale and zero point
 are a scalar, one value per slice along `axis`, or one per block of `block_size` along it (repeated to each
-element). QLinearMatMul multiplies the zero-point-shifted integers in float64 (exact for 8-bit operands) and
-requantises as ONNX's reference does.
+element). QLinearMatMul and QLinearConv multiply the zero-point-shifted integers in float64 (exact for 8-bit
+operands) and requantise as ONNX's reference does; MatMulInteger and ConvInteger do the same and cast the sums to
+int32.
 """
 
 from __future__ import annotations
@@ -154,5 +156,80 @@ def _qlinear_matmul(importer: Importer, node, xs, attrs):
     factor = importer.emit("div", [importer.emit("mul", [a_scale, b_scale], name=f"{out}_ab_scale"), y_scale],
                            name=f"{out}_factor")
     scaled = importer.emit("mul", [product, _as(importer, factor, "float64", f"{out}_factor_f64")],
+                           name=f"{out}_scaled")
+    return [_quantize(importer, scaled, y_zero, target, out)]
+
+
+def _shifted(importer: Importer, x: str, zero: str | None, like_axis: int | None, out: str, what: str) -> str:
+    """x - its zero point, in float64 (exact for 8-bit integers and their products' sums); a zero point of one value
+    per slice lies along `like_axis` of x (a weight's output channels, a matrix's columns)."""
+    wide = _as(importer, x, "float64", f"{out}_{what}_f64")
+    if zero is None:
+        return wide
+    if like_axis is not None and importer.type(zero).shape not in ((), (1,)):
+        zero = _spread(importer, zero, x, like_axis, 0, f"{out}_{what}_zero")
+    return importer.emit("sub", [wide, _as(importer, zero, "float64", f"{out}_{what}_zero_f64")],
+                         name=f"{out}_{what}_shifted")
+
+
+@converts("MatMulInteger")
+def _matmul_integer(importer: Importer, node, xs, attrs):
+    """(a - a_zp) @ (b - b_zp) as int32: multiplied in float64 (exact for 8-bit operands), then cast. a's zero point
+    is one value (or one per row), b's one value or one per column."""
+    a, b = xs[:2]
+    a_zero = xs[2] if len(xs) > 2 else None
+    b_zero = xs[3] if len(xs) > 3 else None
+    out = node.output[0]
+    if a_zero is not None and importer.type(a_zero).shape not in ((), (1,)):
+        raise Unsupported("a zero point of a per row")
+    product = importer.emit("matmul", [_shifted(importer, a, a_zero, None, out, "a"),
+                                       _shifted(importer, b, b_zero, -1, out, "b")], name=f"{out}_product")
+    return [importer.emit("cast", [product], {"dtype": "int32"}, name=out)]
+
+
+def _integer_conv(importer: Importer, node, xs, attrs, x_zero: str | None, w_zero: str | None, out: str) -> str:
+    """The conv (as ONNX's Conv: `onnx_spatial._conv`) of the zero-point-shifted integers, in float64."""
+    from opfuse.frontend.onnx_spatial import _conv
+
+    x = _shifted(importer, xs[0], x_zero, None, out, "x")
+    w = _shifted(importer, xs[1], w_zero, 0, out, "w")
+    (summed,) = _conv(importer, node, [x, w], attrs)
+    return summed
+
+
+@converts("ConvInteger", attributes=("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"))
+def _conv_integer(importer: Importer, node, xs, attrs):
+    """Conv of (x - x_zp) and (w - w_zp) as int32, summed in float64 (exact for 8-bit operands); the padding is
+    x's zero point, i.e. 0 once shifted."""
+    x_zero = xs[2] if len(xs) > 2 else None
+    w_zero = xs[3] if len(xs) > 3 else None
+    out = node.output[0]
+    summed = _integer_conv(importer, node, xs[:2], attrs, x_zero, w_zero, out)
+    return [importer.emit("cast", [summed], {"dtype": "int32"}, name=out)]
+
+
+@converts("QLinearConv", attributes=("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"))
+def _qlinear_conv(importer: Importer, node, xs, attrs):
+    """Conv of (x - x_zp) and (w - w_zp) in float64 plus the int32 bias, times x_scale * w_scale / y_scale (one w
+    scale per output channel, or one), plus y_zp, rounded half to even and saturated to y's type, as ONNX's
+    reference does."""
+    x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero = xs[:8]
+    bias = xs[8] if len(xs) > 8 else None
+    out = node.output[0]
+    target = importer.type(y_zero).dtype if y_zero is not None else importer.type(x).dtype
+    if target not in RANGES:
+        raise Unsupported(f"QLinearConv to {target}")
+    if any(importer.type(s).shape not in ((), (1,)) for s in (x_scale, y_scale)):
+        raise Unsupported("per-axis QLinearConv input or output scales")
+    summed = _integer_conv(importer, node, [x, w], attrs, x_zero, w_zero, out)
+    rank = len(importer.type(summed).shape)
+    if bias is not None:
+        along = importer.emit("reshape", [_as(importer, bias, "float64", f"{out}_bias_f64")],
+                              {"shape": (1, -1) + (1,) * (rank - 2)}, name=f"{out}_bias_along")
+        summed = importer.emit("add", [summed, along], name=f"{out}_biased")
+    w_scale = _spread(importer, w_scale, summed, 1, 0, f"{out}_w_scale")
+    factor = importer.emit("div", [importer.emit("mul", [x_scale, w_scale], name=f"{out}_xw_scale"), y_scale],
+                           name=f"{out}_factor")
+    scaled = importer.emit("mul", [summed, _as(importer, factor, "float64", f"{out}_factor_f64")],
                            name=f"{out}_scaled")
     return [_quantize(importer, scaled, y_zero, target, out)]

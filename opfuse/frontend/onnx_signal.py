@@ -1,4 +1,4 @@
-"""The ONNX converter of DFT (opsets 17 and 20): a discrete Fourier transform as matmuls by constant cosine and
+"""The ONNX converters of DFT (opsets 17 and 20) and STFT: a discrete Fourier transform as matmuls by constant cosine and
 sine matrices. Registered in `opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
 
 The signal (real, or complex as a last dim of 2) is moved to put the transformed axis last, cut or zero-padded to
@@ -101,3 +101,51 @@ def _dft(importer: Importer, node, xs, attrs):
     if len(results) == 1:
         return [importer.emit("identity", [results[0]], name=out)]
     return [importer.emit("cat", results, {"dim": rank - 1}, name=out)]
+
+
+@converts("STFT", attributes=("onesided",), constant_inputs=(1, 3))
+def _stft(importer: Importer, node, xs, attrs):
+    """Frames of frame_length every frame_step (an unfold: index maps), times the window, each transformed as DFT
+    is: matmuls by the cos and sin of 2 pi k n / frame_length, to [batch, frames, bins, 2] (the bins up to
+    frame_length / 2 where onesided, the default, for a real signal)."""
+    signal, out = xs[0], node.output[0]
+    window = xs[2] if len(xs) > 2 and xs[2] else None
+    batch, length, channels = importer.type(signal).shape
+    step = importer.ints(node, xs, {}, "frame_step", 1)
+    given = importer.ints(node, xs, {}, "frame_length", 3) if len(xs) > 3 and xs[3] else None
+    if step is None:
+        raise Unsupported("input 1 (frame_step) is not a constant")
+    size = given[0] if given else (importer.type(window).shape[0] if window else None)
+    if size is None:
+        raise Unsupported("neither a window nor a frame_length gives the frame's length")
+    onesided = bool(attrs.get("onesided", 1))
+    if onesided and channels == 2:
+        raise Unsupported("a one-sided STFT of a complex signal")
+    frames = importer.emit("unfold", [signal], {"dim": 1, "size": size, "step": step[0]}, name=f"{out}_frames")
+    count = importer.type(frames).shape[1]                                  # [batch, frames, channels, size]
+    if window is not None:
+        frames = importer.emit("mul", [frames, window], name=f"{out}_windowed")
+    dtype = torch_dtype(importer.type(signal).dtype)
+    bins = size // 2 + 1 if onesided else size
+    cos, sin = _matrices(size, bins, size)
+
+    def part(index: int) -> str:
+        taken = importer.emit("slice", [frames], {"dim": 2, "start": index, "end": index + 1, "step": 1},
+                              name=f"{out}_channel{index}")
+        return importer.emit("reshape", [taken], {"shape": (batch, count, size)}, name=f"{out}_signal{index}")
+
+    def times(signal_part: str, matrix: np.ndarray, name: str) -> str:
+        basis = importer.add_constant(torch.from_numpy(matrix).to(dtype), f"{out}_{name}_basis")
+        return importer.emit("matmul", [signal_part, basis], name=f"{out}_{name}")
+
+    real = part(0)
+    terms = [[times(real, cos, "a_cos")], [times(real, -sin, "a_sin")]]    # e^{-i theta}: a cos - i a sin
+    if channels == 2:
+        imag = part(1)
+        terms[0].append(times(imag, sin, "b_sin"))                          # (a + ib)(cos - i sin)
+        terms[1].append(times(imag, cos, "b_cos"))
+    results = []
+    for index, parts in enumerate(terms):
+        total = parts[0] if len(parts) == 1 else importer.emit("add", parts, name=f"{out}_sum{index}")
+        results.append(importer.emit("reshape", [total], {"shape": (batch, count, bins, 1)}, name=f"{out}_part{index}"))
+    return [importer.emit("cat", results, {"dim": 3}, name=out)]

@@ -1,4 +1,4 @@
-"""ONNX's DFT (`opfuse.frontend.onnx_signal`): forward, inverse and one-sided transforms of real and complex
+"""ONNX's DFT and STFT (`opfuse.frontend.onnx_signal`): forward, inverse and one-sided transforms of real and complex
 signals, cut or zero-padded to a DFT length, along any axis, against onnx.reference (numpy's FFT)."""
 
 from __future__ import annotations
@@ -32,3 +32,17 @@ def test_inverse_one_sided_dft_is_a_real_signal(size):
 
 def test_dft_opset_17_axis_attribute_in_float64():
     run(node("DFT", ["x"], axis=2), {"x": rng.standard_normal((2, 3, 5, 2))}, opset=17, tolerance=1e-12)
+
+
+@pytest.mark.parametrize("channels, onesided, window", [(1, 1, True), (1, 0, False), (2, 0, True)])
+def test_stft_frames_a_signal_and_transforms_each_frame(channels, onesided, window):
+    """STFT: frames of frame_length every frame_step (an unfold), times the window, each transformed as DFT is; the
+    one-sided bins of a real signal up to frame_length / 2. (ONNX's own cases give frame_step as a graph input,
+    which its shape inference rejects in strict mode: these give it as a constant.)"""
+    x = rng.standard_normal((2, 40, channels)).astype(np.float32)
+    weights = {"step": np.array(6, np.int64), "length": np.array(16, np.int64)}
+    if window:
+        weights["window"] = np.hanning(16).astype(np.float32)
+    graph = run(node("STFT", ["x", "step", "window" if window else "", "length"], onesided=onesided), {"x": x},
+                weights=weights, opset=17)
+    assert ops(graph)[0] == "unfold" and "matmul" in ops(graph)
