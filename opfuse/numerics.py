@@ -129,8 +129,9 @@ def scaled_errors(graph: Graph, inputs: Sequence[torch.Tensor], outputs: Sequenc
 
 
 def random_inputs_like(examples: Sequence[torch.Tensor], seed: int = 1234) -> list[torch.Tensor]:
-    """Fresh random inputs shaped like the examples (never zeros): floats ~N(0,1), integers in the example's
-    [min, max], and never 0 where the example holds none (`_nonzero_integers`)."""
+    """Fresh random inputs shaped like the examples (never zeros): floats ~N(0,1), and integers drawn from the
+    example's own values, each element as likely: an index stays in range, a sentinel (an ignore index of -100, a
+    label past the classes that a loss masks) stays one, and a divisor the example holds no 0 in gets none."""
     generator = torch.Generator().manual_seed(seed)
     fresh = []
     for x in examples:
@@ -140,23 +141,11 @@ def random_inputs_like(examples: Sequence[torch.Tensor], seed: int = 1234) -> li
             value = torch.rand(x.shape, generator=generator) < 0.5
         elif not x.numel():
             value = torch.zeros(x.shape, dtype=x.dtype)
-        else:   # indices and the like: stay inside what the example used (a table may be no larger)
-            low, high = int(x.min().item()), int(x.max().item()) + 1
-            if low < 0 < high - 1 and not bool((x == 0).any()):
-                value = _nonzero_integers(low, high, x.shape, x.dtype, generator)
-            else:
-                value = torch.randint(low, high, x.shape, generator=generator, dtype=x.dtype)
+        else:
+            flat = x.detach().reshape(-1).cpu()
+            value = flat[torch.randint(0, flat.numel(), x.shape, generator=generator)]
         fresh.append(value.to(x.device))
     return fresh
-
-
-def _nonzero_integers(low: int, high: int, shape: torch.Size, dtype: torch.dtype, generator: torch.Generator
-                      ) -> torch.Tensor:
-    """Integers drawn evenly from [low, high) but 0 (low < 0 < high - 1). An integer input whose example has both
-    signs and no 0 may be a divisor: 0 would make PyTorch raise on the CPU (an integer division by zero), and the
-    model was never meant to see it."""
-    value = torch.randint(low, high - 1, shape, generator=generator, dtype=dtype)
-    return value + (value >= 0).to(dtype)      # 0 .. high - 2 move up one: every value but 0, each as likely
 
 
 @contextlib.contextmanager

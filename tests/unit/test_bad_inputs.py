@@ -683,7 +683,7 @@ def test_a_factory_spec_that_cannot_be_used_is_a_clear_error(package, spec, word
 
 
 def test_verification_inputs_stay_in_the_examples_integer_range():
-    """Fresh verification inputs for indices keep to the example's [min, max]: a negative-offset or narrow
+    """Fresh verification inputs for indices keep to the example's values: a negative-offset or narrow
     index range is never overrun (an embedding table is no larger than what the example used)."""
     from opfuse.numerics import random_inputs_like
 

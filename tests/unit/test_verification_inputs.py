@@ -1,5 +1,6 @@
-"""What verification runs the model on (`opfuse.numerics`): random integer inputs keep a divisor's example free of
-0 free of it too, and reference runs compute every float cast in their own precision (`float_casts_to`)."""
+"""What verification runs the model on (`opfuse.numerics`): random integer inputs hold only their example's values
+(a divisor free of 0 stays so, a sentinel stays one), and reference runs compute every float cast in their own
+precision (`float_casts_to`)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,14 @@ import torch
 from opfuse.numerics import float_casts_to, random_inputs_like
 
 
-def test_an_integer_input_without_zero_gets_none():
-    divisor = torch.tensor([-3, 2] * 500)
-    (fresh,) = random_inputs_like([divisor])
-    assert not bool((fresh == 0).any())
-    assert set(fresh.tolist()) == {-3, -2, -1, 1, 2}          # every other value of [min, max] still drawn
-
-
-def test_an_integer_input_with_zero_may_get_it():
-    (fresh,) = random_inputs_like([torch.tensor([-3, 0, 2] * 300)])
-    assert set(fresh.tolist()) == {-3, -2, -1, 0, 1, 2}
-    (indices,) = random_inputs_like([torch.tensor([1, 4] * 300)])   # no zero in range: untouched
-    assert set(indices.tolist()) == {1, 2, 3, 4}
+def test_integer_inputs_hold_the_examples_own_values():
+    """A divisor's example free of 0 gives fresh inputs free of it; a sentinel (an ignore index of -100 among class
+    labels) stays one and no value between it and the labels appears, which a gather would read out of range."""
+    (fresh,) = random_inputs_like([torch.tensor([-3, 2] * 500)])
+    assert set(fresh.tolist()) == {-3, 2}
+    labels = torch.tensor([0, 3, -100, 1, 2, -100] * 100)
+    (fresh,) = random_inputs_like([labels])
+    assert set(fresh.tolist()) == {-100, 0, 1, 2, 3} and not torch.equal(fresh, labels)
 
 
 class Casts(torch.nn.Module):
