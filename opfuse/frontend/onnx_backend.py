@@ -52,7 +52,8 @@ def to_tensor(array: Any, name: str, expected: TensorType, where: str) -> torch.
     error naming it."""
     array = numpy_helper.to_array(array) if isinstance(array, onnx.TensorProto) else np.asarray(array)
     if array.dtype.name == "bfloat16":   # ml_dtypes' bfloat16: torch reads its bits
-        tensor = torch.from_numpy(np.ascontiguousarray(array).view(np.int16).copy()).view(torch.bfloat16)
+        # (np.array keeps a 0-d array 0-d, where np.ascontiguousarray would make it 1-d)
+        tensor = torch.from_numpy(np.array(array, copy=True, order="C").view(np.int16)).view(torch.bfloat16)
     else:
         try:
             tensor = torch.from_numpy(np.array(array, copy=True))

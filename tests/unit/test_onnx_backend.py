@@ -83,6 +83,18 @@ def test_inputs_may_be_tensor_protos_and_bfloat16_comes_back_as_bfloat16():
     np.testing.assert_array_equal(y.astype(np.float32), torch.from_numpy(x).bfloat16().float().numpy())
 
 
+def test_a_0d_bfloat16_input_stays_0d():
+    """A scalar bfloat16 input (Range's start, limit and delta) is read as a 0-d tensor, not made 1-d."""
+    import ml_dtypes
+
+    from opfuse.frontend.onnx_backend import to_tensor
+    from opfuse.ir.graph import TensorType
+
+    value = np.array(2.5, dtype=ml_dtypes.bfloat16)
+    tensor = to_tensor(value, "start", TensorType((), "bfloat16"), "m.onnx")
+    assert tensor.shape == () and tensor.dtype == torch.bfloat16 and float(tensor) == 2.5
+
+
 def test_shape_inputs_are_specialised_on_at_each_run():
     """ONNX's conformance cases give a Reshape's shape as a graph input: each value is imported as a constant."""
     proto = model([helper.make_node("Reshape", ["x", "shape"], ["y"])],
