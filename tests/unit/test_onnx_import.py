@@ -563,6 +563,20 @@ def test_an_inference_error_inside_an_operators_own_function_body_is_not_the_mod
         load_onnx(bad)
 
 
+def test_a_declared_shape_onnx_infers_otherwise_for_a_converted_operator_is_checked_by_the_converter(tmp_path):
+    """onnx 1.23 infers STFT's bins as if onesided defaulted to 0 and fails strictly on a model declaring the 9 bins
+    its definition gives: the converter's result is checked against the declared shape instead. A declared shape
+    the operator cannot give is still an error naming the node."""
+    nodes = [helper.make_node("STFT", ["x", "step", "", "length"], ["y"], name="stft")]
+    weights = {"step": np.array(8, np.int64), "length": np.array(16, np.int64)}
+    path = save(tmp_path, nodes, [value("x", [1, 128, 1])], [value("y", [1, 15, 9, 2])], weights)
+    assert load_onnx(path)[load_onnx(path).outputs[0]].type.shape == (1, 15, 9, 2)
+    wrong = save(tmp_path, [helper.make_node("Relu", ["x"], ["y"], name="relu")], [value("x", [2, 3])],
+                 [value("y", [2, 4])])
+    with pytest.raises(GraphError, match="'relu'.*float32\\[2,3\\]"):
+        load_onnx(wrong)
+
+
 def test_cast_like_of_a_constant_is_a_constant(tmp_path):
     """CastLike(constant, a run-time tensor) reads only the tensor's dtype: the result is known at import (a Pad's
     constant_value in Attention's function body is made so)."""

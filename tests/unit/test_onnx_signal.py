@@ -37,8 +37,7 @@ def test_dft_opset_17_axis_attribute_in_float64():
 @pytest.mark.parametrize("channels, onesided, window", [(1, 1, True), (1, 0, False), (2, 0, True)])
 def test_stft_frames_a_signal_and_transforms_each_frame(channels, onesided, window):
     """STFT: frames of frame_length every frame_step (an unfold), times the window, each transformed as DFT is; the
-    one-sided bins of a real signal up to frame_length / 2. (ONNX's own cases give frame_step as a graph input,
-    which its shape inference rejects in strict mode: these give it as a constant.)"""
+    one-sided bins of a real signal up to frame_length / 2, or all of them; a complex signal."""
     x = rng.standard_normal((2, 40, channels)).astype(np.float32)
     weights = {"step": np.array(6, np.int64), "length": np.array(16, np.int64)}
     if window:
