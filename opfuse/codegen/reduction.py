@@ -230,7 +230,9 @@ class RowReductionKernel(TemplateKernel):
     def order(self, tensors: dict[str, torch.Tensor]) -> int:
         """ORDER: the walk (`walk_orders`) that visits the reduced dims as the reduction input lies in memory, the
         largest stride outermost (`_layout_source`); row-major where no layout is known."""
-        source = self._layout_source(tensors)
+        return self._order_of(self._layout_source(tensors))
+
+    def _order_of(self, source: torch.Tensor | None) -> int:
         if len(self.orders) == 1 or source is None:
             return 0
         strides = [source.stride(d) for d in self.reduced]
@@ -271,7 +273,7 @@ class RowReductionKernel(TemplateKernel):
         shape = tuple(self.graph[name].type.shape)
         source = self._layout_source(tensors)
         if (given is None and source is not None and math.prod(shape) == source.numel()
-                and self.graph[name].op != "index_copy" and self.order(tensors) != 0):
+                and self.graph[name].op != "index_copy" and self._order_of(source) != 0):
             try:
                 like = source.view(shape)
             except RuntimeError:
