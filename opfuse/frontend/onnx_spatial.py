@@ -170,12 +170,12 @@ def _onnx_indices(importer: Importer, plane: str, pooled: str, x: str, out: str,
     def constant(value, suffix: str) -> str:
         return importer.add_constant(torch.tensor(value, dtype=torch.int64), f"{out}_{suffix}")
 
-    row = importer.emit("sub", [importer.emit("floor_div", [plane, constant(padded_w, "width")], name=f"{out}_hp"),
-                                constant(top, "top")], name=f"{out}_h")
-    column = importer.emit("sub", [importer.emit("sub", [plane, importer.emit(
-        "mul", [importer.emit("floor_div", [plane, constant(padded_w, "width2")], name=f"{out}_hp2"),
-                constant(padded_w, "width3")], name=f"{out}_rows")], name=f"{out}_wp"), constant(left, "left")],
-        name=f"{out}_w")
+    width = constant(padded_w, "width")
+    padded_row = importer.emit("floor_div", [plane, width], name=f"{out}_hp")
+    padded_column = importer.emit("sub", [plane, importer.emit("mul", [padded_row, width], name=f"{out}_rows")],
+                                  name=f"{out}_wp")
+    row = importer.emit("sub", [padded_row, constant(top, "top")], name=f"{out}_h")
+    column = importer.emit("sub", [padded_column, constant(left, "left")], name=f"{out}_w")
     major, minor, size = (column, row, h) if column_major else (row, column, w)
     in_plane = importer.emit("add", [importer.emit("mul", [major, constant(size, "size")], name=f"{out}_major"),
                                      minor], name=f"{out}_flat")
