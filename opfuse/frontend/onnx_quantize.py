@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from opfuse.frontend.onnx_converters import ONNX_DTYPES, Unsupported, converts
 from opfuse.frontend.onnx_math import round_half_to_even
+from opfuse.frontend.onnx_spatial import _conv
 
 if TYPE_CHECKING:
     from opfuse.frontend.onnx_import import Importer
@@ -181,7 +182,7 @@ def _matmul_integer(importer: Importer, node, xs, attrs):
     b_zero = xs[3] if len(xs) > 3 else None
     out = node.output[0]
     if a_zero is not None and importer.type(a_zero).shape not in ((), (1,)):
-        raise Unsupported("a zero point of a per row")
+        raise Unsupported("a zero point per row of a")
     product = importer.emit("matmul", [_shifted(importer, a, a_zero, None, out, "a"),
                                        _shifted(importer, b, b_zero, -1, out, "b")], name=f"{out}_product")
     return [importer.emit("cast", [product], {"dtype": "int32"}, name=out)]
@@ -189,8 +190,6 @@ def _matmul_integer(importer: Importer, node, xs, attrs):
 
 def _integer_conv(importer: Importer, node, xs, attrs, x_zero: str | None, w_zero: str | None, out: str) -> str:
     """The conv (as ONNX's Conv: `onnx_spatial._conv`) of the zero-point-shifted integers, in float64."""
-    from opfuse.frontend.onnx_spatial import _conv
-
     x = _shifted(importer, xs[0], x_zero, None, out, "x")
     w = _shifted(importer, xs[1], w_zero, 0, out, "w")
     (summed,) = _conv(importer, node, [x, w], attrs)

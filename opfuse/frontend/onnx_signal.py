@@ -1,5 +1,5 @@
-"""The ONNX converters of DFT (opsets 17 and 20) and STFT: a discrete Fourier transform as matmuls by constant cosine and
-sine matrices. Registered in `opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
+"""The ONNX converters of DFT (opsets 17 and 20) and STFT: a discrete Fourier transform as matmuls by constant cosine
+and sine matrices. Registered in `opfuse.frontend.onnx_converters.CONVERTERS` (see there for the converter contract).
 
 The signal (real, or complex as a last dim of 2) is moved to put the transformed axis last, cut or zero-padded to
 the DFT length, and multiplied by cos and sin of 2 pi k n / N (computed in float64 at import, cast to the signal's

@@ -483,8 +483,8 @@ def _one_row_slices(view: RowView, sm_count: int) -> tuple[int, int, int]:
     """(1, BLOCK_L, SPLIT) for rows too few and too long for a tile of several: a few long rows at batch 1 are
     latency-bound (a 125 KB row read twice and written once), so each program walks a slice of one or two chunks,
     all loads in flight at once: SPLIT the most slices of the rows' programs (`row_slices` at the least chunk),
-    BLOCK_L the largest power of two of SLICE_CHUNKS not past the slice. On an H100 this took poolformer_s12's
-    group norms (rows of 25k-200k elements) from 10-15 us to 3.4-4.8 us (RESULTS.md)."""
+    BLOCK_L the largest power of two of SLICE_CHUNKS not past the slice (measured: RESULTS.md, "Long rows in
+    slices")."""
     split = row_slices(view, 1, SLICE_CHUNKS[0] // 2, sm_count)
     span = -(-view.length // split)
     block_l = SLICE_CHUNKS[0]
@@ -507,7 +507,7 @@ def row_slices(view: RowView, block_m: int, block_l: int, sm_count: int) -> int:
 
 def row_kernel_tiles(view: RowView, sm_count: int) -> list[dict[str, int]]:
     """`row_tiles` as the row template launches them, the default first: BLOCK_M, BLOCK_L, SPLIT (the slices of
-    every mode but a scan) and num_warps, 4 for up to 2048 elements a program, else 8."""
+    every mode but a scan) and num_warps (`_row_warps`)."""
     split = view.mode in ROW_SPLIT_MODES
     return [{"BLOCK_M": m, "BLOCK_L": length, **({"SPLIT": slices} if split else {}),
              "num_warps": _row_warps(m * length, slices)}
