@@ -275,7 +275,7 @@ CHOOSING = ("topk",)     # ops whose output depends on which of their input's va
 def near_ties(graph: Graph, inputs: Sequence[torch.Tensor], dtype: str) -> list[str]:
     """The choices (`CHOOSING`) whose reference input holds a near-tie at their cut: along the dim, the k-th and the
     (k+1)-th largest (smallest) values closer than `dtype`'s resolution (its eps) times the row's largest magnitude,
-    where any run in `dtype` may choose the other element. Each as "node (gap ..., row scale ...)"."""
+    where any run in `dtype` may choose the other element. Each as "node (a gap of ... of its row's scale)"."""
     resolution = torch.finfo(torch_dtype(dtype)).eps
     found = []
     values: dict[str, torch.Tensor] = {}
