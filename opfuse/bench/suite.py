@@ -210,6 +210,8 @@ SUITE: list[SuiteModel] = [
     # hybrids
     timm_model("halonet26t", "hybrid"),
     timm_model("botnet26t_256", "hybrid"),
+    timm_model("lambda_resnet26t", "hybrid"),       # its lambda layer's positional conv is a 3-D conv
+    timm_model("nextvit_small", "hybrid"),          # its attention pools keys with avg_pool1d
     timm_model("coatnet_nano_rw_224", "hybrid"),
     timm_model("maxvit_nano_rw_256", "hybrid"),
     timm_model("levit_128s", "hybrid"),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from opfuse.frontend.aten_common import (Handler, MultiOutput, Unmapped, first_output, pair, permuted, registrar,
                                          reshaped, tensor_value)
+from opfuse.frontend.conv3d import conv3d_as_conv2d
 
 if TYPE_CHECKING:
     from opfuse.frontend.torch_translate import Translator
@@ -49,8 +50,10 @@ def _conv2d(t: Translator, a: dict) -> str:
         raise Unmapped("transposed convolution")
     if t.rank(a["input"]) == 3 and t.op_name != "conv2d" and len(list(a["stride"])) == 1:
         return _conv1d(t, a)
+    if t.rank(a["input"]) == 5 and t.op_name != "conv2d":
+        return _conv3d(t, a)
     if t.rank(a["input"]) != 4:
-        raise Unmapped("only 1-D and 2-D convolutions of batched inputs map to conv2d")
+        raise Unmapped("only 1-D, 2-D and 3-D convolutions of batched inputs map to conv2d")
     stride, dilation, padding = pair(a["stride"]), pair(a["dilation"]), a["padding"]
     if padding == "valid":
         padding = 0
@@ -63,6 +66,32 @@ def _conv2d(t: Translator, a: dict) -> str:
     inputs = [a["input"], a["weight"]] + ([a["bias"]] if a["bias"] is not None else [])
     return t.emit("conv2d", inputs, {"stride": stride, "padding": pair(padding), "dilation": dilation,
                                      "groups": int(a["groups"])})
+
+
+@maps("conv3d")
+def _conv3d(t: Translator, a: dict) -> str:
+    """A 3-D convolution as a 2-D one over two of its spatial dims (`opfuse.frontend.conv3d`)."""
+    x, weight = t.value(a["input"]), t.value(a["weight"])
+    if t.rank(x) != 5:
+        raise Unmapped("an unbatched 3-D convolution")
+    stride, dilation, padding = triple(a["stride"]), triple(a["dilation"]), a["padding"]
+    kernel = t.type_of(weight).shape[2:]
+    if padding == "valid":
+        padding = [0, 0, 0]
+    elif padding == "same":
+        total = [d * (k - 1) for d, k in zip(dilation, kernel)]
+        if any(p % 2 for p in total):
+            raise Unmapped("'same' padding that is not symmetric")
+        padding = [p // 2 for p in total]
+    bias = t.value(a["bias"]) if a["bias"] is not None else None
+    return conv3d_as_conv2d(t.emit, t.emit, x, t.type_of(x).shape, weight, t.type_of(weight).shape, bias, stride,
+                            triple(padding), dilation, int(a["groups"]))
+
+
+def triple(value) -> list[int]:
+    """A 3-D argument (stride, padding, dilation) as three ints: a single value stands for all three."""
+    values = [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+    return values * 3 if len(values) == 1 else values
 
 
 @maps("linear")

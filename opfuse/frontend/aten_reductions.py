@@ -256,6 +256,21 @@ def _avg_pool(t: Translator, a: dict) -> str:
                                               "count_include_pad": bool(a["count_include_pad"])})
 
 
+@maps("avg_pool1d")
+def _avg_pool1d(t: Translator, a: dict) -> str:
+    """The 2-D pool of [N, C, 1, L] (a reshape, no copy; an unbatched [C, L] as N = 1), its window 1 high."""
+    x = t.value(a["self"])
+    shape = list(t.type_of(x).shape)
+    single = lambda v: int(list(v)[0]) if isinstance(v, (list, tuple)) else int(v)   # noqa: E731
+    kernel = single(a["kernel_size"])
+    stride = single(a["stride"]) if a["stride"] else kernel
+    image = t.emit("reshape", [x], {"shape": [math.prod(shape[:-2]), shape[-2], 1, shape[-1]]})
+    pooled = t.emit("avg_pool2d", [image], {"kernel_size": (1, kernel), "stride": (1, stride),
+                                            "padding": (0, single(a["padding"])), "ceil_mode": bool(a["ceil_mode"]),
+                                            "count_include_pad": bool(a["count_include_pad"])})
+    return t.emit("reshape", [pooled], {"shape": list(t.out_type.shape)})
+
+
 @maps("adaptive_avg_pool2d", "_adaptive_avg_pool2d")
 def _adaptive_avg_pool(t: Translator, a: dict) -> str:
     return t.emit("adaptive_avg_pool2d", [a["self"]], {"output_size": pair(a["output_size"])})

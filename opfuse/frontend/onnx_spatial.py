@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from opfuse.frontend.conv3d import conv3d_as_conv2d
 from opfuse.frontend.onnx_converters import Converter, Unsupported, converts
 from opfuse.frontend.onnx_index import as_int64
 from opfuse.ir.graph import torch_dtype
@@ -38,12 +39,12 @@ def _pads(attrs: dict, size: tuple[int, ...], kernel, strides, dilations) -> tup
 
 def _window(importer: Importer, xs, attrs, kernel, pad_value: float | None = None, pool: bool = False
             ) -> tuple[str, dict]:
-    """(input, its stride, padding and dilation) of a 2-D conv or a 2-D or 3-D pool: ONNX's padding where PyTorch's
+    """(input, its stride, padding and dilation) of a 2-D or 3-D conv or pool: ONNX's padding where PyTorch's
     symmetric one expresses it (for a pool, at most half the dilated window), else an explicit `pad` of the input
     by `pad_value` (None: unsupported) and no padding."""
     spatial = len(importer.type(xs[0]).shape) - 2
-    if spatial not in ((2, 3) if pool else (2,)):
-        raise Unsupported("only 2-D convolution and 1-D, 2-D or 3-D pooling are mapped")
+    if spatial not in (2, 3):
+        raise Unsupported("only 1-D, 2-D and 3-D convolutions and pools are mapped")
     strides = tuple(attrs.get("strides", (1,) * spatial))
     dilations = tuple(attrs.get("dilations", (1,) * spatial))
     begin, end = _pads(attrs, importer.type(xs[0]).shape[2:], kernel, strides, dilations)
@@ -82,6 +83,12 @@ def _conv(importer: Importer, node, xs, attrs):
     if len(importer.type(xs[0]).shape) == 3:
         return _as_2d(importer, node, xs, attrs, _conv)
     x, window = _window(importer, xs, attrs, importer.type(xs[1]).shape[2:], pad_value=0.0)
+    if len(importer.type(x).shape) == 5:    # as a 2-D conv (`opfuse.frontend.conv3d`)
+        def step(op: str, inputs: list, attributes: dict) -> str:
+            return importer.emit(op, inputs, attributes, name=f"{node.output[0]}_{op}")
+        bias = xs[2] if len(xs) > 2 else None
+        return [conv3d_as_conv2d(step, importer.emit, x, importer.type(x).shape, xs[1], importer.type(xs[1]).shape,
+                                 bias, window["stride"], window["padding"], window["dilation"], attrs.get("group", 1))]
     inputs = [x] + [w for w in xs[1:3] if w is not None]
     return [importer.emit("conv2d", inputs, {**window, "groups": attrs.get("group", 1)})]
 

@@ -56,10 +56,11 @@ def test_an_operator_without_converter_is_refused_at_prepare_naming_operator_nod
 
 
 def test_a_use_of_a_claimed_operator_its_converter_refuses_says_why():
-    proto = model([helper.make_node("Conv", ["x", "w"], ["y"])], [("x", FLOAT, [1, 2, 4, 4, 4])],
-                  [("y", FLOAT, [1, 3, 3, 3, 3])], weights={"w": rng.standard_normal((3, 2, 2, 2, 2), np.float32)})
-    with pytest.raises(UnsupportedOnnxNode, match=r"Conv \(opset 17\) at node 'Conv#0' .*only 2-D "
-                                                  r"convolution and 1-D, 2-D or 3-D pooling are mapped"):
+    proto = model([helper.make_node("Conv", ["x", "w"], ["y"])], [("x", FLOAT, [1, 2, 4, 4, 4, 4])],
+                  [("y", FLOAT, [1, 3, 3, 3, 3, 3])],
+                  weights={"w": rng.standard_normal((3, 2, 2, 2, 2, 2), np.float32)})
+    with pytest.raises(UnsupportedOnnxNode, match=r"Conv \(opset 17\) at node 'Conv#0' .*only 1-D, 2-D and 3-D "
+                                                  r"convolutions and pools are mapped"):
         OpfuseBackend.prepare(proto)
 
 
