@@ -17,6 +17,7 @@ from opfuse.ir.graph import Graph, GraphError
 from opfuse.ir.verify import verify
 from opfuse.passes.cast_precision import cast_precision
 from opfuse.passes.eliminate_dead_code import eliminate_dead_code
+from opfuse.passes.elementwise_before_unit_reshapes import elementwise_before_unit_reshapes
 from opfuse.passes.fold_batchnorm import fold_batchnorm
 from opfuse.passes.fold_constants import fold_constants
 from opfuse.passes.fold_linear_reshapes import fold_linear_reshapes
@@ -51,10 +52,12 @@ def default_pipeline() -> list[Pass]:
     other; then the reshapes around a linear that flatten its rows (GPT-2's Conv1D), so what reads it and what it
     reads may join its kernel; then view chains PyTorch would copy that are views of their source
     (nn.MultiheadAttention's head split), once the reshapes around the linears are settled, and those left views
-    of their own where another node shares one; RMS norms and tanh GELUs written out become one node each."""
+    of their own where another node shares one; RMS norms and tanh GELUs written out become one node each; the
+    elementwise ops after a 1-D conv's view back to 3-D move before it, so a batch norm there folds into the conv
+    like any other."""
     return [fold_constants, remove_noop_layout, recognize_roll, recognize_attention, share_kv_heads,
             simplify_attention_masks, fold_linear_reshapes, fold_view_chains, unshare_views, recognize_rms_norm,
-            recognize_gelu, fold_batchnorm, eliminate_dead_code]
+            recognize_gelu, elementwise_before_unit_reshapes, fold_batchnorm, eliminate_dead_code]
 
 
 def pass_name(graph_pass: Pass) -> str:
