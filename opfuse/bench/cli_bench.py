@@ -273,7 +273,7 @@ def bench_table(row: dict, env: dict, ceilings: dict, hardware: Any = None) -> T
     """One workload, one line per contender, plus opfuse's speedup over each, each one's share of the workload's
     floor (on `hardware`'s datasheet, by default the GPU's in `env`: `opfuse.bench.harness.row_roofline`) and the
     floors."""
-    from opfuse.bench.harness import CONTENDER_LABELS, TIMED, pytorch_group_count, row_roofline, speedup
+    from opfuse.bench.harness import TIMED, contender_label, pytorch_group_count, row_roofline, speedup
 
     hardware = hardware or floor_hardware(env)
     roofline = row_roofline(row, hardware) if hardware is not None else None
@@ -287,7 +287,7 @@ def bench_table(row: dict, env: dict, ceilings: dict, hardware: Any = None) -> T
             continue
         value = row[label]
         if "error" in value:
-            table.add_row(CONTENDER_LABELS[label], "[red]failed[/]", "", "", "", "", "", "", "", "", "",
+            table.add_row(contender_label(row, label), "[red]failed[/]", "", "", "", "", "", "", "", "", "",
                           escape(value["error"][:60]))
             continue
         ratio = speedup(row, label) if not label.startswith("opfuse") else None
@@ -295,7 +295,7 @@ def bench_table(row: dict, env: dict, ceilings: dict, hardware: Any = None) -> T
         spread = f"{_ms(value['p10_ms'])}-{_ms(value['p90_ms'])}" if "p10_ms" in value else "-"
         shares = ("-", "-") if roofline is None else (_share(roofline.shares.get(label)),
                                                       _share(roofline.launch_shares.get(label)))
-        table.add_row(CONTENDER_LABELS[label], _ms(value["median_ms"]), spread,
+        table.add_row(contender_label(row, label), _ms(value["median_ms"]), spread,
                       "-" if ratio is None else f"{ratio:.2f}x", *shares,
                       str(value.get("kernels", "-")), _ms(value.get("gpu_busy_ms")),
                       _ms(value.get("peak_memory_mb"), 0), _ms(value.get("held_memory_mb"), 0),

@@ -260,11 +260,31 @@ def _build_eager_graph(model, inputs, cuda: bool, **_: Any) -> Built:
 
 
 def _build_inductor(model, inputs, cuda: bool, backend: Any = "inductor", **_: Any) -> Built:
+    """torch.compile in a CUDA graph; where the graph cannot be captured (a model that reads a value back to the
+    host, as transformers' grouped-GEMM fallback does), torch.compile without one, the best PyTorch path left
+    beside eager, and the row says so (`INDUCTOR_GRAPH_ERROR`)."""
     compiled, seconds = torch_compiled(model, inputs, backend)
+    row = {}
     with frozen_inductor():   # a recompile (there should be none) would be frozen too
-        replay = (cuda_graphed if cuda else host_replay)(compiled, inputs)
+        try:
+            replay = (cuda_graphed if cuda else host_replay)(compiled, inputs)
+        except RuntimeError as error:     # torch.AcceleratorError is one
+            if not cuda:
+                raise
+            row[INDUCTOR_GRAPH_ERROR] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            replay = lambda: compiled(*inputs)      # noqa: E731
     forward = lambda: replay()    # noqa: E731
-    return Built({"inductor": forward}, forward, first_tensor(forward()), compile_s=seconds)
+    return Built({"inductor": forward}, forward, first_tensor(forward()), compile_s=seconds, row=row)
+
+
+INDUCTOR_GRAPH_ERROR = "inductor_graph_error"     # a row's key: why torch.compile ran without a CUDA graph
+
+
+def contender_label(row: dict, label: str) -> str:
+    """How a result row's contender is named in a table: torch.compile says where it ran without a CUDA graph."""
+    if label == "inductor" and row.get(INDUCTOR_GRAPH_ERROR):
+        return "torch.compile (no CUDA graph: capture failed)"
+    return CONTENDER_LABELS[label]
 
 
 def _build_opfuse(model, inputs, cuda: bool, config: Any = None, ceilings: dict | None = None, **_: Any) -> Built:

@@ -77,7 +77,7 @@ def looks_trained(model: torch.nn.Module) -> torch.nn.Module:
 
 def judge(entry: SuiteModel, row: dict, dtype: str, seconds: float) -> GpuResult:
     """A result row of `run_workload` as the suite's verdict on the model."""
-    from opfuse.bench.harness import best_baseline
+    from opfuse.bench.harness import INDUCTOR_GRAPH_ERROR, best_baseline
     from opfuse.numerics import acceptable, tolerance
 
     result = GpuResult(entry.name, entry.family, "failed", seconds=seconds)
@@ -90,6 +90,8 @@ def judge(entry: SuiteModel, row: dict, dtype: str, seconds: float) -> GpuResult
     best = best_baseline(row)
     if best is not None:
         result.best, result.best_ms = best, row[best]["median_ms"]
+        if row.get(INDUCTOR_GRAPH_ERROR) and best == "inductor":
+            result.best = "inductor without a CUDA graph"
         result.speedup = result.best_ms / result.opfuse_ms
     matched = result.rel_error is not None and acceptable(result.rel_error, tolerance(dtype), result.eager_error)
     result.status = "matched" if matched else "mismatched"

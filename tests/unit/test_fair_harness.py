@@ -133,3 +133,25 @@ def test_protocol_form_lays_out_4d_weights_channels_last_and_leaves_a_5d_weight(
     assert model.table.stride(1) == 1 and model.volume.weight.is_contiguous()
     assert isinstance(model.conv.weight, nn.Parameter)
     model(x)
+
+
+def test_torch_compile_that_cannot_be_graphed_runs_without_a_graph_and_says_so(monkeypatch):
+    """A model that reads a value back to the host cannot be captured; torch.compile is then timed without a CUDA
+    graph (not dropped, which would leave plain eager as the best PyTorch path), and the suite names it so."""
+    from opfuse.bench.suite import SuiteModel
+    from opfuse.bench.suite_gpu import judge
+
+    def uncapturable(fn, inputs, warmup=3):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(harness, "cuda_graphed", uncapturable)
+    model, inputs = tiny_mlp()
+    with torch.inference_mode():
+        built = harness._build_inductor(model, inputs, cuda=True, backend="eager")
+        torch.testing.assert_close(built.forwards["inductor"](), model(*inputs))
+    assert built.row == {harness.INDUCTOR_GRAPH_ERROR: "RuntimeError: CUDA error: operation not permitted when "
+                                                       "stream is capturing"}
+    row = {"opfuse": {"median_ms": 1.0, "rel_error": 1e-4}, "eager": {"median_ms": 4.0, "rel_error": 1e-4},
+           "inductor": {"median_ms": 2.0, "rel_error": 1e-4}} | built.row
+    result = judge(SuiteModel("tiny", "mlp", "torch", lambda: None), row, "float16", 1.0)
+    assert (result.best, result.speedup) == ("inductor without a CUDA graph", 2.0)
