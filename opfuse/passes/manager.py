@@ -29,6 +29,7 @@ from opfuse.passes.recognize_roll import recognize_roll
 from opfuse.passes.remove_noop_layout import remove_noop_layout
 from opfuse.passes.share_kv_heads import share_kv_heads
 from opfuse.passes.unshare_views import unshare_views
+from opfuse.passes.views_before_prologues import views_before_prologues
 from opfuse.passes.simplify_attention_masks import simplify_attention_masks
 
 Pass = Callable[[Graph], tuple[Graph, list[str]]]
@@ -54,10 +55,12 @@ def default_pipeline() -> list[Pass]:
     (nn.MultiheadAttention's head split), once the reshapes around the linears are settled, and those left views
     of their own where another node shares one; RMS norms and tanh GELUs written out become one node each; the
     elementwise ops after a 1-D conv's view back to 3-D move before it, so a batch norm there folds into the conv
-    like any other."""
+    like any other, and a transpose a linear reads moves before the elementwise ops it reads (ResMLP's token
+    mixing), so they are the linear's prologue."""
     return [fold_constants, remove_noop_layout, recognize_roll, recognize_attention, share_kv_heads,
             simplify_attention_masks, fold_linear_reshapes, fold_view_chains, unshare_views, recognize_rms_norm,
-            recognize_gelu, elementwise_before_unit_reshapes, fold_batchnorm, eliminate_dead_code]
+            recognize_gelu, elementwise_before_unit_reshapes, views_before_prologues, fold_batchnorm,
+            eliminate_dead_code]
 
 
 def pass_name(graph_pass: Pass) -> str:
