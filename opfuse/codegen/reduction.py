@@ -57,9 +57,9 @@ def lower_reduction_group(graph: Graph, group: FusionGroup, device, hw: Hardware
     GPU `hw` (default: the default profile)."""
     group_operands(graph, group)
     node = reduction_node(graph, group)
-    if node.type.dtype in WIDE_INTEGERS and node.op not in SCAN_OPS:
+    if node.type.dtype in WIDE_INTEGERS and node.op not in SCAN_OPS and node.op != "sum":
         raise Unsupported(f"{node.describe()}: its {node.type.dtype} result would be reduced in float32, which "
-                          "rounds past 2^24 (only a scan carries an integer sum)")
+                          "rounds past 2^24 (only a scan or a sum carries an integer exactly)")
     x_shape = graph[node.inputs[0]].type.shape
     hw = kernel_profile(hw)
     view = row_view(graph, node)
@@ -177,6 +177,7 @@ class RowReductionKernel(TemplateKernel):
         self.kept = [d for d in range(len(shape)) if d not in view.dims]
         self.rows, self.length, self.channels_inner = view.rows, view.length, view.channels_inner
         self.orders = walk_orders(mode, [shape[d] for d in self.reduced])
+        self._integer_sum = mode == "sum" and node.type.dtype not in FLOAT_DTYPES
         prologue, epilogue = split_outputs(graph, group, node)
         constants, scalars = held_constants(graph, group, device)
         emitter = Emitter(graph, group, scalars)
@@ -506,12 +507,17 @@ class RowReductionKernel(TemplateKernel):
 
     def _sum(self, mode: str) -> list[str]:
         """mean, sum, or any (a running max of x != 0, as 1.0 / 0.0); also in slices (`_sliced`: PHASE 0 sums, or
-        for any takes the max of, a slice of SPAN lanes of each row into the workspace, PHASE 1 combines them)."""
+        for any takes the max of, a slice of SPAN lanes of each row into the workspace, PHASE 1 combines them). An
+        integer sum (a count of a comparison's trues, an int64 tensor's) reads its input exactly and adds in int64,
+        never in slices (`configs`), as the scans do (`_scan`)."""
+        integer = self._integer_sum
+        load = (lambda region, coords: region.assign(region.as_integer(self._x, coords))) if integer else None
+
         def accumulate(first: str) -> list[str]:
-            chunk, region, _, x = self._chunk("start + lanes", True)
+            chunk, region, _, x = self._chunk("start + lanes", True, load)
             step = (f"acc = tl.maximum(acc, tl.where(mask & (({x}) != 0.0), 1.0, 0.0))" if mode == "any"
-                    else f"acc += tl.where(mask, {x}, 0.0)")
-            return ["acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)",
+                    else f"acc += tl.where(mask, {x}, {'0' if integer else '0.0'})")
+            return [f"acc = tl.zeros([BLOCK_M, BLOCK_L], dtype={'tl.int64' if integer else 'tl.float32'})",
                     f"for start in range({first}, BLOCK_L):"] + indent(chunk + region.lines + [step])
 
         scale = f" / {self.length}" if mode == "mean" else ""
@@ -541,7 +547,10 @@ class RowReductionKernel(TemplateKernel):
         if self.hw.interpreted:
             return [KernelConfig.of(BLOCK_M=min(next_power_of_2(self.rows), 16), num_warps=1,
                                     BLOCK_L=min(next_power_of_2(self.length), 128), **({"SPLIT": 1} if split else {}))]
-        return [KernelConfig.of(**tile) for tile in row_kernel_tiles(self.view, self.hw.sm_count)]
+        tiles = row_kernel_tiles(self.view, self.hw.sm_count)
+        if self._integer_sum:       # its workspace would hold float32 slices: unsplit only
+            tiles = list({tuple(sorted((tile | {"SPLIT": 1}).items())): tile | {"SPLIT": 1} for tile in tiles}.values())
+        return [KernelConfig.of(**tile) for tile in tiles]
 
     def alternatives(self, library: bool = True) -> list[KernelConfig]:
         """The first config unsplit, where it is split."""

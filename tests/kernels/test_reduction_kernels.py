@@ -146,6 +146,37 @@ def test_sum_over_middle_dim_with_epilogue():
     run_group(b, [b.op("mul", y, b.input("g", (4, 3)))])
 
 
+class Counts(torch.nn.Module):
+    """mBART's index of each row's last token that is not padding, and sums of int64 values past 2^24."""
+
+    def forward(self, ids, big):
+        return ids.ne(0).sum(dim=1) - 1, big.sum(dim=-1) * 3, (ids * 2).sum()
+
+
+def test_an_integer_sum_is_exact_in_int64_and_never_split():
+    """A count of a comparison's trues and a sum of int64 values near 2^40 (float32 would round them), unsplit
+    (the float32 workspace of slices would round them too)."""
+    import opfuse
+
+    ids, big = torch.tensor([[5, 7, 0, 0, 9], [3, 0, 0, 0, 0]]), torch.randint(-2**40, 2**40, (3, 37))
+    compiled = opfuse.compile(Counts(), (ids.to(DEVICE), big.to(DEVICE)), opfuse.FusionConfig(dtype="float32"))
+    assert compiled.analysis.pytorch_groups == {} and not compiled.analysis.opaque_ops
+    ids, big = torch.randint(0, 3, (2, 5)), torch.randint(-2**40, 2**40, (3, 37))
+    for got, want in zip(compiled(ids.to(DEVICE), big.to(DEVICE)), Counts()(ids, big)):
+        assert got.dtype == torch.int64 and torch.equal(got.cpu(), want)
+    # on an H100 a float sum of two rows of 100k elements takes slices, the integer one none
+    from opfuse.hardware import get_hardware
+
+    splits = {}
+    for dtype in ("float32", "int64"):
+        b = Builder(dtype)
+        group = b.group([b.op("sum", b.input("x", (2, 100_000)), dims=[1])])
+        kernel = lower_reduction_group(b.graph, group, "cpu")
+        kernel.hw = get_hardware("h100")       # its tiles, not the interpreter's one
+        splits[dtype] = {dict(config.params)["SPLIT"] for config in kernel.configs()}
+    assert max(splits["float32"]) > 1 and splits["int64"] == {1}
+
+
 @pytest.mark.parametrize("keepdim", [True, False])
 @pytest.mark.parametrize("shape,dims,config", [((3, 300), [1], None), ((2, 6, 5, 7), [2, 3], SMALL_CHUNKS),
                                                ((4, 37, 3), [1], SMALL_CHUNKS), ((5, 2, 0), [2], None)],

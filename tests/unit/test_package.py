@@ -42,8 +42,8 @@ class TinyConvNet(torch.nn.Module):
 
 
 class TinyEncoder(torch.nn.Module):
-    """Integer token ids in, shifted by their row's int64 sum times 0 (a reduction of integers, which a kernel's
-    float32 sums cannot hold exactly: it runs through PyTorch), then embedding, layer norm, linear, softmax."""
+    """Integer token ids in, shifted by their row's int64 product times 0 (a product of integers, which a kernel's
+    float32 products cannot hold exactly: it runs through PyTorch), then embedding, layer norm, linear, softmax."""
 
     def __init__(self):
         super().__init__()
@@ -52,7 +52,7 @@ class TinyEncoder(torch.nn.Module):
         self.proj = torch.nn.Linear(8, 8)
 
     def forward(self, ids):
-        return torch.softmax(self.proj(self.norm(self.embed(ids + ids.sum(-1, keepdim=True) * 0 + 1))), -1)
+        return torch.softmax(self.proj(self.norm(self.embed(ids + ids.prod(-1, keepdim=True) * 0 + 1))), -1)
 
 
 def convnet():
@@ -196,7 +196,7 @@ def test_integer_inputs_and_groups_run_through_pytorch_round_trip(tmp_path):
     torch.manual_seed(0)
     ids = torch.randint(0, 10, (2, 3), generator=torch.Generator().manual_seed(3))
     compiled = opfuse.compile(TinyEncoder().eval(), (ids,))
-    assert compiled.fallbacks      # the int64 sum runs through PyTorch: its reason travels with the package
+    assert compiled.fallbacks      # the int64 product runs through PyTorch: its reason travels with the package
     loaded = opfuse.load(opfuse.save(compiled, tmp_path / "encoder.opfuse"))
     assert_identical(loaded(ids), compiled(ids))
     assert loaded.compiled_for().fallbacks == compiled.compiled.fallbacks
