@@ -248,3 +248,14 @@ def _filled(t: Translator, a: dict) -> str:
     out = t.out_type
     tensor = torch.full(out.shape, value, dtype=torch_dtype(out.dtype))
     return t.graph.add_constant(t.node.name, tensor, source=t.node.name).name
+
+
+# PyTorch's aliases of the ops above (torch.multiply, torch.arccos, torch.clip, ...): export keeps them as ops of
+# their own, with the schemas of the ops they alias
+ALIASES = {"multiply": "mul", "subtract": "sub", "divide": "div", "true_divide": "div", "greater": "gt",
+           "greater_equal": "ge", "less": "lt", "less_equal": "le", "not_equal": "ne", "absolute": "abs",
+           "negative": "neg", "arccos": "acos", "arcsin": "asin", "arctan": "atan", "arccosh": "acosh",
+           "arcsinh": "asinh", "arctanh": "atanh", "clip": "clamp", "special_expit": "sigmoid",
+           "special_erf": "erf", "special_expm1": "expm1", "special_log1p": "log1p"}
+for _alias, _op in ALIASES.items():
+    HANDLERS[_alias] = HANDLERS[_op]

@@ -635,3 +635,27 @@ def test_boolean_logic_of_integers_is_bitwise():
 
     _, ops = capture_and_check(Bitwise(), torch.tensor([3, 5, 7]))
     assert ops["opaque"] == 0 and ops["bitwise_and"] == 1
+
+
+class Aliases(torch.nn.Module):
+    """PyTorch's aliases of elementwise ops (ConvBERT multiplies with torch.multiply), which export keeps as ops of
+    their own."""
+
+    def forward(self, x, y, n):
+        a = torch.multiply(x, y) + torch.subtract(x, y, alpha=2) + torch.divide(x, y + 3) + torch.true_divide(x, 2)
+        b = (torch.greater(x, y).float() + torch.greater_equal(x, y).float() + torch.less(x, y).float()
+             + torch.less_equal(x, 0).float() + torch.not_equal(x, y).float())
+        bounded = x.clamp(-0.9, 0.9)
+        c = (torch.absolute(x) + torch.negative(y) + torch.arccos(bounded) + torch.arcsin(bounded) + torch.arctan(x)
+             + torch.arcsinh(x) + torch.arctanh(bounded) + torch.arccosh(x.abs() + 1.5) + torch.clip(x, -0.5, 0.5)
+             + torch.special.expit(x))
+        return a + b + c, torch.divide(n, 3, rounding_mode="floor")
+
+
+def test_aliases_of_elementwise_ops_map_like_the_ops_they_alias():
+    x, y, n = torch.randn(3, 4), torch.randn(3, 4), torch.randint(-9, 9, (5,))
+    graph = capture_torch(Aliases(), (x, y, n))
+    assert [node.attrs["target"] for node in graph if node.op == "opaque"] == []
+    for got, want in zip(interpret(graph, [x, y, n]), Aliases()(x, y, n)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
