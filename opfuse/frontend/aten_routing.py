@@ -49,6 +49,17 @@ def _sort(t: Translator, a: dict) -> MultiOutput:
     return _along_dim(t, a, "sort", descending=bool(a["descending"]), stable=bool(a.get("stable")))
 
 
+@maps("argsort")
+def _argsort(t: Translator, a: dict) -> str:
+    """The indices of a sort (`output` 1)."""
+    x = t.value(a["self"])
+    if t.rank(x) == 0:
+        raise Unmapped("argsort of a 0-d tensor")
+    return t.emit("sort", [x], {"dim": wrap_dim(int(a.get("dim", -1)), t.rank(x)),
+                                "descending": bool(a.get("descending", False)), "stable": bool(a.get("stable")),
+                                "output": 1})
+
+
 @maps("histc")
 def _histc(t: Translator, a: dict) -> str:
     low, high = a["min"], a["max"]

@@ -93,6 +93,21 @@ def test_moe_routing_maps_to_ir_ops_with_nothing_opaque():
         torch.testing.assert_close(got, want)
 
 
+class ArgSorts(nn.Module):
+    """ViT-MAE's random masking keeps the patches argsort(noise) puts first."""
+
+    def forward(self, x):
+        return torch.argsort(x, dim=1), torch.argsort(x, descending=True), x.argsort(dim=0, stable=True)
+
+
+def test_argsort_is_a_sorts_indices():
+    x = torch.randn(4, 6)
+    graph = capture_torch(ArgSorts(), (x,))
+    assert [(n.op, n.attrs["output"]) for n in graph if n.op != "input"] == [("sort", 1)] * 3
+    for got, want in zip(interpret(graph, [x]), ArgSorts()(x)):
+        assert torch.equal(got, want)
+
+
 def test_torch_grouped_mm_with_offsets_maps_to_the_ir_op():
     """torch._grouped_mm leaves the rows past the last offset unspecified (NaN on the CPU): zeros are one choice."""
     class Experts(nn.Module):
