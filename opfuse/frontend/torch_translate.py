@@ -29,7 +29,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from opfuse.frontend.aten_common import MultiOutput, Unmapped, op_name, tensor_value
 from opfuse.frontend.aten_ops import HANDLERS
 from opfuse.frontend.torch_inplace import mutates, out_of_place
-from opfuse.ir.graph import Graph, GraphError, TensorType, torch_dtype
+from opfuse.ir.graph import DTYPE_BYTES, Graph, GraphError, TensorType, torch_dtype
 from opfuse.ir.ops import infer_type
 
 
@@ -230,6 +230,13 @@ class Translator:
         self.env[node] = _LazyConstant(str(node.target), value) if isinstance(value, torch.Tensor) else value
 
     def _call(self, node: fx.Node) -> str | MultiOutput:
+        values = node.meta.get("val")
+        for value in values if isinstance(values, (tuple, list)) else [values]:
+            dtype = str(getattr(value, "dtype", "")).removeprefix("torch.")
+            if isinstance(value, torch.Tensor) and dtype not in DTYPE_BYTES:
+                raise GraphError(f"node {node.name} ({node.target}) computes a {dtype} tensor, a dtype opfuse's IR "
+                                 f"has no values of (it has {', '.join(DTYPE_BYTES)}); compile the parts of the "
+                                 "model before and after it")
         if mutates(node):  # only rebindable ones are left (`torch_inplace.rebindable`): run the out-of-place twin
             result = self._translate(node, op_name(node.target)[:-1], out_of_place(node.target))
             root = node.args[0]
