@@ -238,6 +238,10 @@ SUITE: list[SuiteModel] = [
     hf_model("albert", "encoder", "AlbertModel", "AlbertConfig", BERT_LIKE | dict(embedding_size=128)),
     hf_model("electra", "encoder", "ElectraModel", "ElectraConfig", BERT_LIKE | dict(embedding_size=128)),
     hf_model("deberta_v2", "encoder", "DebertaV2Model", "DebertaV2Config", BERT_LIKE),
+    hf_model("squeezebert", "encoder", "SqueezeBertModel", "SqueezeBertConfig",     # grouped 1-D convs
+             BERT_LIKE | dict(embedding_size=HIDDEN)),
+    hf_model("convbert", "encoder", "ConvBertModel", "ConvBertConfig",              # span-based dynamic conv
+             BERT_LIKE | dict(embedding_size=HIDDEN)),
     hf_model("mobilebert", "encoder", "MobileBertModel", "MobileBertConfig",
              dict(num_hidden_layers=LAYERS, vocab_size=VOCAB)),
     hf_model("modernbert", "encoder", "ModernBertModel", "ModernBertConfig",
@@ -270,6 +274,10 @@ SUITE: list[SuiteModel] = [
     hf_model("bloom", "decoder", "BloomModel", "BloomConfig",
              dict(hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS, vocab_size=VOCAB, use_cache=False)),
     # encoder-decoder
+    hf_model("mbart", "encoder-decoder", "MBartModel", "MBartConfig",               # counts its real tokens
+             dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
+                  decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, vocab_size=VOCAB,
+                  use_cache=False)),
     hf_model("bart", "encoder-decoder", "BartModel", "BartConfig",
              dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
                   decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, vocab_size=VOCAB,
@@ -291,6 +299,10 @@ SUITE: list[SuiteModel] = [
              _llama_like(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=FFN,
                          shared_expert_intermediate_size=FFN)),
     hf_model("olmoe", "moe", "OlmoeModel", "OlmoeConfig", _llama_like(num_experts=4, num_experts_per_tok=2)),
+    hf_model("jamba", "moe", "JambaModel", "JambaConfig",                          # experts and Mamba layers
+             _llama_like(num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                         expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16, use_mamba_kernels=False),
+             seq=32),
     # state-space
     hf_model("mamba", "ssm", "MambaModel", "MambaConfig",
              dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, state_size=16, vocab_size=VOCAB, use_cache=False),
