@@ -256,6 +256,22 @@ def _avg_pool(t: Translator, a: dict) -> str:
                                               "count_include_pad": bool(a["count_include_pad"])})
 
 
+@maps("adaptive_max_pool2d")
+def _adaptive_max_pool(t: Translator, a: dict) -> MultiOutput:
+    """An adaptive max pool whose windows divide the image evenly is the max pool of that window (values; the
+    indices, where read, as `max_pool2d_with_indices`'); uneven windows stay opaque."""
+    x = t.value(a["self"])
+    if t.rank(x) != 4:
+        raise Unmapped("an adaptive max pool of other than a batched image")
+    height, width = t.type_of(x).shape[2:]
+    out_h, out_w = pair(a["output_size"])
+    if height % out_h or width % out_w:
+        raise Unmapped(f"adaptive max pooling of {height}x{width} to {out_h}x{out_w} has uneven windows")
+    window = (height // out_h, width // out_w)
+    attrs = {"kernel_size": window, "stride": window, "padding": (0, 0), "dilation": (1, 1), "ceil_mode": False}
+    return MultiOutput(t.node, lambda index: t.emit("max_pool2d" if index == 0 else "max_pool2d_indices", [x], attrs))
+
+
 @maps("avg_pool1d")
 def _avg_pool1d(t: Translator, a: dict) -> str:
     """The 2-D pool of [N, C, 1, L] (a reshape, no copy; an unbatched [C, L] as N = 1), its window 1 high."""

@@ -418,3 +418,24 @@ def test_max_pool_indices_and_max_unpool_map_with_nothing_opaque_and_match_eager
     (unpooled, indices), (want, want_indices) = compiled(x), model(x)
     assert torch.equal(indices, want_indices)
     torch.testing.assert_close(unpooled, want)
+
+
+class AdaptiveMaxPools(nn.Module):
+    """bat_resnext26ts's attention pools its map to a grid with adaptive max pooling; an uneven grid stays opaque."""
+
+    def forward(self, x):
+        values, indices = nn.functional.adaptive_max_pool2d(torch.relu(x), (2, 3), return_indices=True)
+        return values * 2, indices, nn.functional.adaptive_max_pool2d(x, 1)
+
+
+def test_an_even_adaptive_max_pool_is_a_max_pool_and_matches_eager():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 9)
+    analysis = opfuse.analyze(AdaptiveMaxPools(), (x,), FusionConfig(dtype="float32"))
+    assert not analysis.opaque_ops and analysis.pytorch_groups == {}
+    compiled = opfuse.compile(AdaptiveMaxPools(), (x,), FusionConfig(dtype="float32"))
+    x = torch.randn(2, 3, 8, 9)
+    for got, want in zip(compiled(x), AdaptiveMaxPools()(x)):
+        assert torch.equal(got, want)
+    uneven = capture_torch(nn.AdaptiveMaxPool2d(3), (x,))
+    assert [n.attrs["target"] for n in uneven if n.op == "opaque"] == ["aten.adaptive_max_pool2d.default[0]"]
