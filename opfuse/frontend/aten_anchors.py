@@ -8,7 +8,7 @@ import math
 from typing import TYPE_CHECKING
 
 from opfuse.frontend.aten_common import (Handler, MultiOutput, Unmapped, first_output, pair, permuted, registrar,
-                                         reshaped, tensor_value)
+                                         reshaped, single, tensor_value, triple)
 from opfuse.frontend.conv3d import conv3d_as_conv2d
 
 if TYPE_CHECKING:
@@ -27,7 +27,6 @@ def _conv1d(t: Translator, a: dict) -> str:
         raise Unmapped("an unbatched 1-D convolution")
     n, c, length = t.type_of(x).shape
     w_shape = list(t.type_of(weight).shape)
-    single = lambda v: int(list(v)[0]) if isinstance(v, (list, tuple)) else int(v)   # noqa: E731
     padding = a["padding"]
     if padding == "same":
         total = single(a["dilation"]) * (w_shape[2] - 1)
@@ -86,12 +85,6 @@ def _conv3d(t: Translator, a: dict) -> str:
     bias = t.value(a["bias"]) if a["bias"] is not None else None
     return conv3d_as_conv2d(t.emit, t.emit, x, t.type_of(x).shape, weight, t.type_of(weight).shape, bias, stride,
                             triple(padding), dilation, int(a["groups"]))
-
-
-def triple(value) -> list[int]:
-    """A 3-D argument (stride, padding, dilation) as three ints: a single value stands for all three."""
-    values = [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
-    return values * 3 if len(values) == 1 else values
 
 
 @maps("linear")

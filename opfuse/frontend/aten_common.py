@@ -67,6 +67,17 @@ def pair(value: Any) -> tuple[int, int]:
     return int(values[0]), int(values[-1])  # a single value stands for both
 
 
+def single(value: Any) -> int:
+    """A 1-D argument (kernel size, stride, padding) as one int."""
+    return int(list(value)[0]) if isinstance(value, (list, tuple)) else int(value)
+
+
+def triple(value: Any) -> list[int]:
+    """A 3-D argument (stride, padding, dilation) as three ints: a single value stands for all three."""
+    values = [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+    return values * 3 if len(values) == 1 else values
+
+
 def wrap_dim(dim: int, rank: int) -> int:
     """`dim` of a tensor of `rank` dims, made non-negative (-1 is the last)."""
     return dim + rank if dim < 0 else dim

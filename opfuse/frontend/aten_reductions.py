@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from opfuse.frontend.aten_common import Handler, MultiOutput, Unmapped, first_output, pair, registrar, wrap_dim
+from opfuse.frontend.aten_common import (Handler, MultiOutput, Unmapped, first_output, pair, registrar, single,
+                                         wrap_dim)
 from opfuse.ir.graph import dtype_name, torch_dtype
 
 if TYPE_CHECKING:
@@ -258,8 +259,9 @@ def _avg_pool(t: Translator, a: dict) -> str:
 
 @maps("adaptive_max_pool2d")
 def _adaptive_max_pool(t: Translator, a: dict) -> MultiOutput:
-    """An adaptive max pool whose windows divide the image evenly is the max pool of that window (values; the
-    indices, where read, as `max_pool2d_with_indices`'); uneven windows stay opaque."""
+    """An adaptive max pool whose windows divide the image evenly is the max pool of that window (its values by the
+    pooling template; its indices, where read, as `max_pool2d_with_indices` gives them); uneven windows stay
+    opaque."""
     x = t.value(a["self"])
     if t.rank(x) != 4:
         raise Unmapped("an adaptive max pool of other than a batched image")
@@ -277,7 +279,6 @@ def _avg_pool1d(t: Translator, a: dict) -> str:
     """The 2-D pool of [N, C, 1, L] (a reshape, no copy; an unbatched [C, L] as N = 1), its window 1 high."""
     x = t.value(a["self"])
     shape = list(t.type_of(x).shape)
-    single = lambda v: int(list(v)[0]) if isinstance(v, (list, tuple)) else int(v)   # noqa: E731
     kernel = single(a["kernel_size"])
     stride = single(a["stride"]) if a["stride"] else kernel
     image = t.emit("reshape", [x], {"shape": [math.prod(shape[:-2]), shape[-2], 1, shape[-1]]})

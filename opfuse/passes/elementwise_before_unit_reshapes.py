@@ -17,6 +17,8 @@ stays dim 1 and whole. Nothing else changes: views after anything but an anchor 
 
 from __future__ import annotations
 
+from collections import deque
+
 from opfuse.ir.graph import Graph, Node, TensorType
 from opfuse.ir.ops import FusionKind, kind_of
 from opfuse.passes.eliminate_dead_code import remove_if_unused
@@ -29,9 +31,9 @@ def elementwise_before_unit_reshapes(graph: Graph) -> tuple[Graph, list[str]]:
     changes: list[str] = []
     moved: set[str] = set()       # values this pass computes before a view: chains go on from them
     made: set[str] = set()        # the views of other operands it adds: never moved through (they would go back)
-    pending = list(graph.nodes)
+    pending = deque(graph.nodes)
     while pending:
-        node = graph.nodes.get(pending.pop(0))
+        node = graph.nodes.get(pending.popleft())
         if node is None or not kind_of(node).elementwise:
             continue
         view = next((graph[i] for i in node.inputs if i not in made and _movable(graph, graph[i], node, moved)), None)
@@ -39,10 +41,11 @@ def elementwise_before_unit_reshapes(graph: Graph) -> tuple[Graph, list[str]]:
             continue
         source = view.inputs[0]
         inner = tuple(graph[source].type.shape)
-        inputs = [source if i == view.name else _viewed(graph, i, view, inner) for i in node.inputs]
-        made.update(i for i in inputs if i not in node.inputs and i != source)
         if node.op == "batch_norm":       # its statistics are per channel, dim 1 on both sides
             inputs = [source] + node.inputs[1:]
+        else:
+            inputs = [source if i == view.name else _viewed(graph, i, view, inner) for i in node.inputs]
+            made.update(i for i in inputs if i not in node.inputs and i != source)
         before = graph.add_node(node.op, inputs, TensorType(inner, node.type.dtype), node.attrs,
                                 name=f"{node.name}_before_view", source=node.source)
         attrs = {"shape": list(node.type.shape)} if view.op == "reshape" else dict(view.attrs)
@@ -53,8 +56,8 @@ def elementwise_before_unit_reshapes(graph: Graph) -> tuple[Graph, list[str]]:
         remove_if_unused(graph, view.name)      # so that a batch norm's conv has no other reader left
         graph.sort()
         moved.add(before.name)
-        pending.insert(0, before.name)          # it may move before the view its source is read through
-        pending[1:1] = [user.name for user in graph.users().get(after.name, [])]
+        pending.extendleft(user.name for user in graph.users().get(after.name, []))
+        pending.appendleft(before.name)         # it may move before the view its source is read through
         changes.append(f"{node.op} {node.name} computed before {view.op} {view.name} of {source} "
                        f"(as {before.name})")
     return graph, changes

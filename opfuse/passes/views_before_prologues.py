@@ -13,18 +13,22 @@ op is computed where each element lands.
 
 from __future__ import annotations
 
+from collections import deque
+
 from opfuse.ir.graph import Graph, Node, TensorType
 from opfuse.ir.ops import FusionKind, kind_of
 from opfuse.passes.eliminate_dead_code import remove_if_unused
 
 
 def views_before_prologues(graph: Graph) -> tuple[Graph, list[str]]:
-    """A copy of `graph` with each permute an anchor reads moved before the elementwise ops only it reads."""
+    """A copy of `graph` with each permute that only anchors read moved before the elementwise ops only it reads."""
     graph = graph.copy()
     changes: list[str] = []
-    pending = [name for name in graph.nodes if _feeds_anchor(graph, graph[name])]
+    readers = graph.users()
+    pending = deque(node.name for node in graph if node.op == "permute" and readers.get(node.name)
+                    and all(kind_of(reader) is FusionKind.ANCHOR for reader in readers[node.name]))
     while pending:
-        view = graph.nodes.get(pending.pop(0))
+        view = graph.nodes.get(pending.popleft())
         if view is None:
             continue
         op = graph[view.inputs[0]]
@@ -33,9 +37,6 @@ def views_before_prologues(graph: Graph) -> tuple[Graph, list[str]]:
                 or [u.name for u in users.get(op.name, [])] != [view.name]):
             continue
         dims = list(view.attrs["dims"])
-        spine = next((i for i in op.inputs if tuple(graph[i].type.shape) == tuple(op.type.shape)), None)
-        if spine is None:
-            continue
         inputs = [_permuted(graph, i, dims, op) for i in op.inputs]
         moved = graph.add_node(op.op, inputs, TensorType(tuple(view.type.shape), op.type.dtype), op.attrs,
                                name=f"{op.name}_after_view", source=op.source)
@@ -46,14 +47,6 @@ def views_before_prologues(graph: Graph) -> tuple[Graph, list[str]]:
         changes.append(f"permute {view.name} moved before {op.op} {op.name} (now {moved.name})")
         pending.extend(i for i in moved.inputs if graph[i].op == "permute" and i not in pending)
     return graph, changes
-
-
-def _feeds_anchor(graph: Graph, node: Node) -> bool:
-    """A permute whose readers are all anchors."""
-    if node.op != "permute":
-        return False
-    readers = graph.users().get(node.name, [])
-    return bool(readers) and all(kind_of(reader) is FusionKind.ANCHOR for reader in readers)
 
 
 def _permuted(graph: Graph, name: str, dims: list[int], op: Node) -> str:
