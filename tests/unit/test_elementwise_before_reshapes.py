@@ -125,3 +125,23 @@ def test_a_sum_of_two_viewed_products_moves_once():
     assert len(changes) == 1
     (got,), want = interpret(moved, [x, w1, w2]), TwoViewedProducts()(x, w1, w2)
     torch.testing.assert_close(got, want)
+
+
+class RotaryHalves(nn.Module):
+    """GPT-J's rotary step: a linear's heads split by a reshape, every other element sliced and scaled."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        heads = self.proj(x).reshape(2, 3, 2, 4)
+        return heads[..., ::2] * 2.0
+
+
+def test_an_op_after_a_linears_head_split_stays_where_it_is():
+    """Only a conv's way back to 5-D regroups dims for an op to move through: after a linear's head split, ops moved
+    there left the kernels they had joined (GPT-J 16 -> 20 launches)."""
+    graph = capture_torch(RotaryHalves().eval(), (torch.randn(2, 3, 8),))
+    moved, changes = elementwise_before_unit_reshapes(graph)
+    assert changes == []
