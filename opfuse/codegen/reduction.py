@@ -548,8 +548,9 @@ class RowReductionKernel(TemplateKernel):
             return [KernelConfig.of(BLOCK_M=min(next_power_of_2(self.rows), 16), num_warps=1,
                                     BLOCK_L=min(next_power_of_2(self.length), 128), **({"SPLIT": 1} if split else {}))]
         tiles = row_kernel_tiles(self.view, self.hw.sm_count)
-        if self._integer_sum:       # its workspace would hold float32 slices: unsplit only
-            tiles = list({tuple(sorted((tile | {"SPLIT": 1}).items())): tile | {"SPLIT": 1} for tile in tiles}.values())
+        if self._integer_sum:       # its workspace would hold float32 slices: unsplit only, each tile once
+            unsplit = [tile | {"SPLIT": 1} for tile in tiles]
+            tiles = [tile for index, tile in enumerate(unsplit) if tile not in unsplit[:index]]
         return [KernelConfig.of(**tile) for tile in tiles]
 
     def alternatives(self, library: bool = True) -> list[KernelConfig]:

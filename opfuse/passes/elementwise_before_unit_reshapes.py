@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 from opfuse.ir.graph import Graph, Node, TensorType, torch_dtype
 from opfuse.ir.ops import FusionKind, kind_of
 from opfuse.passes.eliminate_dead_code import remove_if_unused
+from opfuse.passes.fold_batchnorm import batch_norm_affine
+from opfuse.passes.views_before_prologues import permuted_operand
 
 
 def elementwise_before_unit_reshapes(graph: Graph) -> tuple[Graph, list[str]]:
@@ -42,11 +42,13 @@ def elementwise_before_unit_reshapes(graph: Graph) -> tuple[Graph, list[str]]:
     moved: dict[str, str] = {}    # values this pass computes before a view, and their anchor's op: chains go on
     made: set[str] = set()        # the views of other operands it adds: never moved through (they would go back)
     pending = deque(graph.nodes)
+    users = graph.users()       # read again only after a change
     while pending:
         node = graph.nodes.get(pending.popleft())
         if node is None or not kind_of(node).elementwise:
             continue
-        view = next((graph[i] for i in node.inputs if i not in made and _movable(graph, graph[i], node, moved)), None)
+        view = next((graph[i] for i in node.inputs
+                     if i not in made and _movable(graph, users, graph[i], node, moved)), None)
         if view is None:
             first = graph[node.inputs[0]]
             root = _root(graph, first.name, moved) if first.op in VIEWS else None
@@ -54,6 +56,7 @@ def elementwise_before_unit_reshapes(graph: Graph) -> tuple[Graph, list[str]]:
                 affine = _as_affine(graph, node)        # its channels move: as a per-channel mul and add, they can
                 if affine is not None:
                     graph.sort()
+                    users = graph.users()
                     pending.extendleft(reversed(affine))
                     changes.append(f"batch_norm {node.name} as a per-channel mul and add ({', '.join(affine)})")
             continue
@@ -73,8 +76,9 @@ def elementwise_before_unit_reshapes(graph: Graph) -> tuple[Graph, list[str]]:
         graph.remove(node.name)
         remove_if_unused(graph, view.name)      # so that a batch norm's conv has no other reader left
         graph.sort()
+        users = graph.users()
         moved[before.name] = _root(graph, source, moved)
-        pending.extendleft(user.name for user in graph.users().get(after.name, []))
+        pending.extendleft(user.name for user in users.get(after.name, []))
         pending.appendleft(before.name)         # it may move before the view its source is read through
         changes.append(f"{node.op} {node.name} computed before {view.op} {view.name} of {source} "
                        f"(as {before.name})")
@@ -101,14 +105,14 @@ def _root(graph: Graph, name: str, moved: dict[str, str]) -> str | None:
     return None if regrouped and (root != "conv2d" or len(graph[name].type.shape) != 5) else root
 
 
-def _movable(graph: Graph, view: Node, reader: Node, moved: dict[str, str]) -> bool:
+def _movable(graph: Graph, users: dict[str, list[Node]], view: Node, reader: Node, moved: dict[str, str]) -> bool:
     """Whether `reader` may be computed before `view`: a view (`VIEWS`) of a value from an anchor (`_root`; one
     that regroups dims only on a conv3d's way back, `_regroups`), read at the reader's own shape, every other
     operand viewable (`_target`; through a regrouping view only constants); a batch norm only where its channels
     stay dim 1 and whole."""
     if view.op not in VIEWS or tuple(view.type.shape) != tuple(reader.type.shape):
         return False
-    if [user.name for user in graph.users().get(view.inputs[0], [])] != [view.name]:
+    if [user.name for user in users.get(view.inputs[0], [])] != [view.name]:
         return False        # a QKV projection's slices: the op would compute on what the other readers read
     root = _root(graph, view.inputs[0], moved)
     before, after = tuple(graph[view.inputs[0]].type.shape), tuple(view.type.shape)
@@ -146,8 +150,7 @@ def _target(graph: Graph, name: str, view: Node) -> tuple[int, ...] | None:
     if view.op == "slice":
         return shape if aligned[view.attrs["dim"] % len(after)] == 1 else None
     if view.op == "permute":
-        inverse = [list(view.attrs["dims"]).index(d) for d in range(len(after))]
-        return tuple(aligned[k] for k in inverse)
+        return tuple(aligned[k] for k in _inverse(view.attrs["dims"]))
     if unit_reshape(before, after):
         sizes = iter(size for size, full in zip(aligned, after) if full != 1)
         return tuple(next(sizes) if full != 1 else 1 for full in before)
@@ -162,27 +165,24 @@ def _target(graph: Graph, name: str, view: Node) -> tuple[int, ...] | None:
 
 
 def _viewed(graph: Graph, name: str, view: Node) -> str:
-    """Operand `name` of an op reading `view`, in the shape `_target` gives it: itself where that is its shape, a
-    constant reshaped (permuted) in place, anything else through a reshape (permute) node, a view."""
+    """Operand `name` of an op reading `view`, in the shape `_target` gives it: itself where that is its shape;
+    through a permute, `permuted_operand` by the inverse permutation; else a constant reshaped in place, anything
+    else through a reshape node, a view."""
     shape, target = tuple(graph[name].type.shape), _target(graph, name, view)
     if target == shape:
         return name
-    aligned = (1,) * (len(view.type.shape) - len(shape)) + shape
-    dims = ([list(view.attrs["dims"]).index(d) for d in range(len(aligned))] if view.op == "permute"
-            else None)
+    if view.op == "permute":
+        return permuted_operand(graph, name, _inverse(view.attrs["dims"]), len(view.type.shape))
     source, dtype = graph[name].source, graph[name].type.dtype
     if graph.is_constant(name) and name in graph.constants:
-        tensor = graph.constants[name].reshape(aligned)
-        tensor = tensor.permute(dims).contiguous() if dims is not None else tensor.reshape(target)
-        return graph.add_constant(f"{name}_viewed", tensor, source=source).name
-    if dims is None:
-        return graph.add_node("reshape", [name], TensorType(target, dtype), {"shape": list(target)},
-                              name=f"{name}_viewed", source=source).name
-    if aligned != shape:
-        name = graph.add_node("reshape", [name], TensorType(aligned, dtype), {"shape": list(aligned)},
-                              name=f"{name}_aligned", source=source).name
-    return graph.add_node("permute", [name], TensorType(target, dtype), {"dims": dims}, name=f"{name}_viewed",
-                          source=source).name
+        return graph.add_constant(f"{name}_viewed", graph.constants[name].reshape(target), source=source).name
+    return graph.add_node("reshape", [name], TensorType(target, dtype), {"shape": list(target)},
+                          name=f"{name}_viewed", source=source).name
+
+
+def _inverse(dims) -> list[int]:
+    """The permutation that undoes `dims`."""
+    return [list(dims).index(d) for d in range(len(dims))]
 
 
 def _as_affine(graph: Graph, node: Node) -> list[str] | None:
@@ -192,13 +192,12 @@ def _as_affine(graph: Graph, node: Node) -> list[str] | None:
     x, *params = node.inputs
     if not all(graph.is_constant(p) and p in graph.constants for p in params):
         return None
-    gamma, beta, mean, var = (graph.constants[p].double() for p in params)
-    scale = gamma / torch.sqrt(var + node.attrs["eps"])
+    # on the running mean's device (the model's): constants the frontend made may sit on the CPU
+    scale, shift = batch_norm_affine(graph, node, graph.constants[node.inputs[3]].device)
     shape = (1, -1) + (1,) * (len(node.type.shape) - 2)
     dtype = torch_dtype(node.type.dtype)
     scale_name = graph.add_constant(f"{node.name}_scale", scale.to(dtype).reshape(shape), source=node.source).name
-    shift_name = graph.add_constant(f"{node.name}_shift", (beta - mean * scale).to(dtype).reshape(shape),
-                                    source=node.source).name
+    shift_name = graph.add_constant(f"{node.name}_shift", shift.to(dtype).reshape(shape), source=node.source).name
     scaled = graph.add_node("mul", [x, scale_name], node.type, name=f"{node.name}_scaled", source=node.source)
     shifted = graph.add_node("add", [scaled.name, shift_name], node.type, name=f"{node.name}_shifted",
                              source=node.source)

@@ -76,6 +76,14 @@ def _channel_axis(producer: Node) -> int:
     return 1 if producer.op == "conv2d" else len(producer.type.shape) - 1
 
 
+def batch_norm_affine(graph: Graph, node: Node, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An eval batch norm of constant statistics as float64 vectors (scale, shift) per channel on `device`:
+    y = x * scale + shift, scale = gamma / sqrt(var + eps), shift = beta - mean * scale."""
+    gamma, beta, mean, var = (graph.constants[p].double().to(device) for p in node.inputs[1:])
+    scale = gamma / torch.sqrt(var + node.attrs["eps"])
+    return scale, beta - mean * scale
+
+
 def _per_channel_affine(graph: Graph, follower: Node, producer: Node
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """float64 vectors (scale, shift), one value per output channel of `producer`, or None."""
@@ -87,9 +95,7 @@ def _per_channel_affine(graph: Graph, follower: Node, producer: Node
     if follower.op == "batch_norm":
         if axis != 1:  # batch norm normalises dim 1; a linear's features are dim 1 only for 2-D outputs
             return None
-        gamma, beta, mean, var = (graph.constants[p].double().to(device) for p in follower.inputs[1:])
-        scale = gamma / torch.sqrt(var + follower.attrs["eps"])
-        return scale, beta - mean * scale
+        return batch_norm_affine(graph, follower, device)
     constant = next(i for i in follower.inputs if i != producer.name)
     c = _per_channel_vector(graph.constants[constant], producer.type.shape, axis)
     if c is None:

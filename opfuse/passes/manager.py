@@ -54,9 +54,9 @@ def default_pipeline() -> list[Pass]:
     reads may join its kernel; then view chains PyTorch would copy that are views of their source
     (nn.MultiheadAttention's head split), once the reshapes around the linears are settled, and those left views
     of their own where another node shares one; RMS norms and tanh GELUs written out become one node each; the
-    elementwise ops after a 1-D conv's view back to 3-D move before it, so a batch norm there folds into the conv
-    like any other, and a transpose a linear reads moves before the elementwise ops it reads (ResMLP's token
-    mixing), so they are the linear's prologue."""
+    elementwise ops after a 1-D or 3-D conv's view back to its rank move before it, so a batch norm there folds
+    into the conv like any other, and a transpose a linear reads moves before the elementwise ops it reads
+    (ResMLP's token mixing), so they are the linear's prologue."""
     return [fold_constants, remove_noop_layout, recognize_roll, recognize_attention, share_kv_heads,
             simplify_attention_masks, fold_linear_reshapes, fold_view_chains, unshare_views, recognize_rms_norm,
             recognize_gelu, elementwise_before_unit_reshapes, views_before_prologues, fold_batchnorm,

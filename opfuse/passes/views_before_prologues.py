@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from opfuse.ir.graph import Graph, Node, TensorType
+from opfuse.ir.graph import Graph, TensorType
 from opfuse.ir.ops import FusionKind, kind_of
 from opfuse.passes.eliminate_dead_code import remove_if_unused
 
@@ -24,46 +24,46 @@ def views_before_prologues(graph: Graph) -> tuple[Graph, list[str]]:
     """A copy of `graph` with each permute that only anchors read moved before the elementwise ops only it reads."""
     graph = graph.copy()
     changes: list[str] = []
-    readers = graph.users()
-    pending = deque(node.name for node in graph if node.op == "permute" and readers.get(node.name)
-                    and all(kind_of(reader) is FusionKind.ANCHOR for reader in readers[node.name]))
+    users = graph.users()     # read again only after a change
+    pending = deque(node.name for node in graph if node.op == "permute" and users.get(node.name)
+                    and all(kind_of(reader) is FusionKind.ANCHOR for reader in users[node.name]))
     while pending:
         view = graph.nodes.get(pending.popleft())
         if view is None:
             continue
         op = graph[view.inputs[0]]
-        users = graph.users()
         if (not kind_of(op).elementwise or op.op == "batch_norm" or op.name in graph.observed
                 or [u.name for u in users.get(op.name, [])] != [view.name]):
             continue
         dims = list(view.attrs["dims"])
-        inputs = [_permuted(graph, i, dims, op) for i in op.inputs]
+        rank = len(op.type.shape)
+        inputs = [permuted_operand(graph, i, dims, rank) for i in op.inputs]
         moved = graph.add_node(op.op, inputs, TensorType(tuple(view.type.shape), op.type.dtype), op.attrs,
                                name=f"{op.name}_after_view", source=op.source)
         graph.replace_uses(view.name, moved.name)
         remove_if_unused(graph, view.name)
         remove_if_unused(graph, op.name)
         graph.sort()
+        users = graph.users()
         changes.append(f"permute {view.name} moved before {op.op} {op.name} (now {moved.name})")
         pending.extend(i for i in moved.inputs if graph[i].op == "permute" and i not in pending)
     return graph, changes
 
 
-def _permuted(graph: Graph, name: str, dims: list[int], op: Node) -> str:
-    """Operand `name` of elementwise `op`, permuted by `dims` (after aligning it to `op`'s rank)."""
+def permuted_operand(graph: Graph, name: str, dims: list[int], rank: int) -> str:
+    """Operand `name` of an elementwise op of `rank` dims, aligned to that rank and permuted by `dims`: a constant
+    in place, anything else through a reshape (where it aligns) and a permute node; a scalar as it is."""
     shape = tuple(graph[name].type.shape)
     if not shape:
         return name
-    rank = len(op.type.shape)
     aligned = (1,) * (rank - len(shape)) + shape
     target = tuple(aligned[d] for d in dims)
-    source = graph[name].source
+    source, dtype = graph[name].source, graph[name].type.dtype
     if graph.is_constant(name) and name in graph.constants:
         return graph.add_constant(f"{name}_permuted", graph.constants[name].reshape(aligned).permute(dims).contiguous(),
                                   source=source).name
-    value = name
-    if len(shape) < rank:
-        value = graph.add_node("reshape", [name], TensorType(aligned, graph[name].type.dtype),
-                               {"shape": list(aligned)}, name=f"{name}_aligned", source=source).name
-    return graph.add_node("permute", [value], TensorType(target, graph[name].type.dtype), {"dims": dims},
-                          name=f"{name}_permuted", source=source).name
+    if aligned != shape:
+        name = graph.add_node("reshape", [name], TensorType(aligned, dtype), {"shape": list(aligned)},
+                              name=f"{name}_aligned", source=source).name
+    return graph.add_node("permute", [name], TensorType(target, dtype), {"dims": dims}, name=f"{name}_permuted",
+                          source=source).name
