@@ -22,6 +22,7 @@ from opfuse.passes.fold_batchnorm import fold_batchnorm
 from opfuse.passes.fold_constants import fold_constants
 from opfuse.passes.fold_linear_reshapes import fold_linear_reshapes
 from opfuse.passes.fold_view_chains import fold_view_chains
+from opfuse.passes.matrix_vector_as_reduction import matrix_vector_as_reduction
 from opfuse.passes.recognize_attention import recognize_attention
 from opfuse.passes.recognize_gelu import recognize_gelu
 from opfuse.passes.recognize_rms_norm import recognize_rms_norm
@@ -50,17 +51,19 @@ def default_pipeline() -> list[Pass]:
     written out, BN and RMS norms are seen without their no-op expands, dropouts and casts; rolls written as slices
     and a cat (ONNX's) next, so they join the kernel that reads them like a captured roll; attention next, so its
     key/value heads repeated for grouped-query attention are read shared and its mask is simplified like any
-    other; then the reshapes around a linear that flatten its rows (GPT-2's Conv1D), so what reads it and what it
+    other (a matmul by one column is a sum only after attention is found, which a key of one position would hide);
+    then the reshapes around a linear that flatten its rows (GPT-2's Conv1D), so what reads it and what it
     reads may join its kernel; then view chains PyTorch would copy that are views of their source
     (nn.MultiheadAttention's head split), once the reshapes around the linears are settled, and those left views
-    of their own where another node shares one; RMS norms and tanh GELUs written out become one node each; the
-    elementwise ops after a 1-D or 3-D conv's view back to its rank move before it, so a batch norm there folds
+    of their own where another node shares one; RMS norms and tanh GELUs written out become one node each; a matmul
+    by one column becomes a sum of products, so the ops computing its matrix are its prologue; the elementwise ops
+    after a 1-D or 3-D conv's view back to its rank move before it, so a batch norm there folds
     into the conv like any other, and a transpose a linear reads moves before the elementwise ops it reads
     (ResMLP's token mixing), so they are the linear's prologue."""
     return [fold_constants, remove_noop_layout, recognize_roll, recognize_attention, share_kv_heads,
             simplify_attention_masks, fold_linear_reshapes, fold_view_chains, unshare_views, recognize_rms_norm,
-            recognize_gelu, elementwise_before_unit_reshapes, views_before_prologues, fold_batchnorm,
-            eliminate_dead_code]
+            recognize_gelu, matrix_vector_as_reduction, elementwise_before_unit_reshapes, views_before_prologues,
+            fold_batchnorm, eliminate_dead_code]
 
 
 def pass_name(graph_pass: Pass) -> str:
