@@ -258,7 +258,7 @@ class Epilogue:
         self.lines: list[str] = [] if flat else ["mask = mask_m[:, None] & mask_n[None, :]"]
 
         if bias is not None and any(b is not None for b in bias):
-            vector = self._channel_vector([b if b is not None else 0.0 for b in bias])
+            vector = self.channel_vector([b if b is not None else 0.0 for b in bias])
             self.lines.append(f"x0 = acc + {vector}")
         else:
             self.lines.append("x0 = acc")
@@ -328,7 +328,7 @@ class Epilogue:
             lines += [f"t{p} = tl.where(mask, t{p} - tl.sum(t{p}, axis=1)[:, None] / {n}, 0.0)"]
         lines.append(f"x{p} = t{p} * tl.rsqrt(tl.sum(t{p} * t{p}, axis=1)[:, None] / {n} + {eps})")
         for value, op in zip(node.inputs[1:], ("*", "+")):     # weight, bias: [channels] constants
-            lines.append(f"x{p} = x{p} {op} {self._channel_vector([self.graph.constants[value]])}")
+            lines.append(f"x{p} = x{p} {op} {self.channel_vector([self.graph.constants[value]])}")
         return lines
 
     def _shape_in(self, space: tuple[int, ...], chain: Sequence[str] | None = None) -> tuple[int, ...]:
@@ -354,8 +354,9 @@ class Epilogue:
                     raise Unsupported(f"horizontal group: {node.describe()} reads other values than "
                                       f"{first.describe()}")
 
-    def _channel_vector(self, parts: list[torch.Tensor | float]) -> str:
-        """Load expression of a per-channel constant made of one part (tensor or scalar) per sibling."""
+    def channel_vector(self, parts: list[torch.Tensor | float]) -> str:
+        """Load expression of a per-channel constant made of one part (tensor or scalar) per sibling, at the tile's
+        output columns (`offs_n`, `mask_n`): a kernel parameter of its own."""
         pieces = [torch.full((w,), float(part)) if not isinstance(part, torch.Tensor)
                   else part.reshape(w).float().cpu() for part, (_, w) in zip(parts, self.spans)]
         j = len(self.channel_vectors)
@@ -406,7 +407,7 @@ class Epilogue:
         if all(k == "scalar" for k, _ in kinds) and len({v for _, v in kinds}) == 1:
             return literal(kinds[0][1])
         if all(k in ("scalar", "channel") for k, _ in kinds):
-            return self._channel_vector([v for _, v in kinds])
+            return self.channel_vector([v for _, v in kinds])
         if len(nodes) > 1:
             raise Unsupported(f"horizontal group: {nodes[0].describe()} reads a full tensor {value}; only "
                               "constants shared along the channels can be concatenated")

@@ -287,22 +287,25 @@ class GemmKernel(EpilogueKernel):
 
 # a gated pair's GEMM (`opfuse.fusion.legality_anchors.gated_pair`): B holds the two weights' columns interleaved
 # (gate_0, up_0, gate_1, up_1, ...), so each tile of BLOCK_N columns holds BLOCK_N / 2 of each for the same outputs;
-# after the K loop the tile splits into the two, the gate's activation runs on its half and the product is the value
-# the epilogue starts from, over BLOCK_N / 2 output columns of N / 2 (N: the interleaved columns)
+# after the K loop the tile splits into the two over BLOCK_N / 2 output columns of N / 2 (N: the interleaved
+# columns), each takes its bias, the gate's activation runs on its half and the product is the value the epilogue
+# starts from
 GATED_CODE = """\
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-{activation}
-    acc = gate * up
     offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     mask_n = offs_n < N // 2
+{bias}{activation}
+    acc = gate * up
 
 """
 
 
-def gated_code(graph: Graph, activation: Sequence[str]) -> str:
-    """GATED_CODE with the gate's activation, `activation`'s elementwise ops in order."""
-    return GATED_CODE.format(activation="\n".join(f"    gate = {emit(graph[name].op, graph[name].attrs, ['gate'])}"
-                                                  for name in activation))
+def gated_code(graph: Graph, activation: Sequence[str], biases: Sequence[str | None] = (None, None)) -> str:
+    """GATED_CODE with the gate's activation, `activation`'s elementwise ops in order, after the gate's and the up
+    projection's bias (load expressions at the output columns, or None)."""
+    bias = "".join(f"    {half} = {half} + {load}\n" for half, load in zip(("gate", "up"), biases) if load)
+    return GATED_CODE.format(bias=bias, activation="\n".join(
+        f"    gate = {emit(graph[name].op, graph[name].attrs, ['gate'])}" for name in activation))
 
 
 def interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -316,7 +319,9 @@ class GatedGemmKernel(GemmKernel):
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, pair: GatedPair, epilogue: Epilogue,
                  a: str, k: int, weight: torch.Tensor, hw: HardwareProfile | None, prologue: Prologue | None = None):
-        template = GEMM_TEMPLATE.replace("{epilogue}", gated_code(graph, pair.activation) + "{epilogue}")
+        biases = [epilogue.channel_vector([bias]) if bias is not None else None
+                  for bias in anchor_biases(graph, [pair.gate, pair.up])]
+        template = GEMM_TEMPLATE.replace("{epilogue}", gated_code(graph, pair.activation, biases) + "{epilogue}")
         super().__init__(graph, group, device, epilogue, a=a, k=k, b_packed=weight, hw=hw, template=template,
                          prologue=prologue)
         self.split = None

@@ -171,18 +171,18 @@ class GatedPair:
 
 
 def gated_pair(graph: Graph, nodes: Iterable[str], users: Users) -> GatedPair | None:
-    """The gated pair `nodes` are, or None: two linears on one input with constant weights, no bias and as many
-    output features, one followed by a chain of single-input elementwise ops, the two results multiplied, and
-    nothing but the product (and what the group computes from it) read outside them. One GEMM over the two weights'
-    columns interleaved then computes act(gate) * up in its tile (`opfuse.codegen.gemm`): the activation and the
-    other linear's result are never written."""
+    """The gated pair `nodes` are, or None: two linears on one input with constant weights (and biases, if any)
+    and as many output features, one followed by a chain of single-input elementwise ops, the two results
+    multiplied, and nothing but the product (and what the group computes from it) read outside them. One GEMM over
+    the two weights' columns interleaved then computes act(gate + gate bias) * (up + up bias) in its tile
+    (`opfuse.codegen.gemm`): the activation and the other linear's result are never written."""
     nodes = set(nodes)
     linears = [n for n in nodes if graph[n].op == "linear"]
     if len(linears) != 2:
         return None
     first, second = (graph[n] for n in linears)
-    if first.inputs[0] != second.inputs[0] or len(first.inputs) != 2 or len(second.inputs) != 2 \
-            or not all(graph.is_constant(n.inputs[1]) for n in (first, second)) \
+    if first.inputs[0] != second.inputs[0] \
+            or not all(graph.is_constant(name) for n in (first, second) for name in n.inputs[1:]) \
             or first.type.shape != second.type.shape:
         return None
     for gate, up in ((first, second), (second, first)):
