@@ -32,6 +32,7 @@ from opfuse.passes.share_kv_heads import share_kv_heads
 from opfuse.passes.unshare_views import unshare_views
 from opfuse.passes.views_before_prologues import views_before_prologues
 from opfuse.passes.simplify_attention_masks import simplify_attention_masks
+from opfuse.passes.split_gated_linears import split_gated_linears
 
 Pass = Callable[[Graph], tuple[Graph, list[str]]]
 
@@ -56,14 +57,15 @@ def default_pipeline() -> list[Pass]:
     reads may join its kernel; then view chains PyTorch would copy that are views of their source
     (nn.MultiheadAttention's head split), once the reshapes around the linears are settled, and those left views
     of their own where another node shares one; RMS norms and tanh GELUs written out become one node each; a matmul
-    by one column becomes a sum of products, so the ops computing its matrix are its prologue; the elementwise ops
+    by one column becomes a sum of products, so the ops computing its matrix are its prologue, and a linear whose
+    two halves make act(gate) * up becomes the two linears of a gated pair; the elementwise ops
     after a 1-D or 3-D conv's view back to its rank move before it, so a batch norm there folds
     into the conv like any other, and a transpose a linear reads moves before the elementwise ops it reads
     (ResMLP's token mixing), so they are the linear's prologue."""
     return [fold_constants, remove_noop_layout, recognize_roll, recognize_attention, share_kv_heads,
             simplify_attention_masks, fold_linear_reshapes, fold_view_chains, unshare_views, recognize_rms_norm,
-            recognize_gelu, matrix_vector_as_reduction, elementwise_before_unit_reshapes, views_before_prologues,
-            fold_batchnorm, eliminate_dead_code]
+            recognize_gelu, matrix_vector_as_reduction, split_gated_linears, elementwise_before_unit_reshapes,
+            views_before_prologues, fold_batchnorm, eliminate_dead_code]
 
 
 def pass_name(graph_pass: Pass) -> str:

@@ -794,15 +794,15 @@ def test_run_passes_records_and_debug_files(tmp_path):
                                          "recognize_attention", "share_kv_heads", "simplify_attention_masks",
                                          "fold_linear_reshapes", "fold_view_chains", "unshare_views",
                                          "recognize_rms_norm", "recognize_gelu", "matrix_vector_as_reduction",
-                                         "elementwise_before_unit_reshapes", "views_before_prologues", "fold_batchnorm",
-                                         "eliminate_dead_code"]
-    assert all(records[i].changes == [] for i in (0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13))
+                                         "split_gated_linears", "elementwise_before_unit_reshapes",
+                                         "views_before_prologues", "fold_batchnorm", "eliminate_dead_code"]
+    assert all(records[i].changes == [] for i in (0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14))
     assert records[1].changes == ["removed no-op identity dropout"]
-    assert records[14].changes == ["folded batch_norm bn into conv2d conv"]
-    assert records[15].changes == ["removed dead tanh unused"]
+    assert records[15].changes == ["folded batch_norm bn into conv2d conv"]
+    assert records[16].changes == ["removed dead tanh unused"]
     assert all(r.seconds >= 0 for r in records)
     assert [n.op for n in after if n.op not in ("input", "constant")] == ["conv2d", "relu"]
-    assert (tmp_path / "16_eliminate_dead_code.txt").read_text() == after.format() + "\n"
+    assert (tmp_path / "17_eliminate_dead_code.txt").read_text() == after.format() + "\n"
     assert (tmp_path / "00_input.txt").read_text() == before.format() + "\n"
     assert_same_numerics(before, after)
 
@@ -814,8 +814,8 @@ def test_prepare_graph_casts_then_runs_the_pipeline(tmp_path):
                                          "recognize_attention", "share_kv_heads", "simplify_attention_masks",
                                          "fold_linear_reshapes", "fold_view_chains", "unshare_views",
                                          "recognize_rms_norm", "recognize_gelu", "matrix_vector_as_reduction",
-                                         "elementwise_before_unit_reshapes", "views_before_prologues", "fold_batchnorm",
-                                         "eliminate_dead_code"]
+                                         "split_gated_linears", "elementwise_before_unit_reshapes",
+                                         "views_before_prologues", "fold_batchnorm", "eliminate_dead_code"]
     assert (tmp_path / "01_cast_precision.txt").exists()
     assert [n.op for n in after if n.op not in ("input", "constant")] == ["conv2d", "relu"]
     assert all(t.dtype == torch.float16 for t in after.constants.values())
