@@ -4,7 +4,8 @@ Entry point: `lower_attention(graph, group, device, hw)`. One program takes BLOC
 and walks the keys in blocks of BLOCK_N with an online softmax (the running row maximum and sum, the accumulator
 rescaled as the maximum grows; scores in base 2, `exp2`), so the Sq x Sk score matrix never leaves the chip:
 
-    S = Q·Kᵀ · scale (+ additive mask, or -inf where a boolean mask or is_causal forbids)   [BLOCK_M, BLOCK_N]
+    S = Q·Kᵀ · scale (c·tanh(S / c) with a softcap c) (+ additive mask, or -inf where a boolean mask or is_causal
+        forbids)                                                                              [BLOCK_M, BLOCK_N]
     m' = max(m, rowmax S);  P = exp(S - m');  l = l·exp(m - m') + rowsum P
     acc = acc·exp(m - m') + P·V                                                               [BLOCK_M, D]
     out = acc / l   (0 for a row every key of which is masked, as torch's sdpa gives)
@@ -91,7 +92,7 @@ import triton.language as tl
 @triton.jit
 def KERNEL_NAME(
     q_ptr, k_ptr, v_ptr, m_ptr,
-    M, N_KEYS, D, DV, B1, qk_scale,
+    M, N_KEYS, D, DV, B1, qk_scale, softcap,
     s_qb0, s_qb1, s_qm, s_qd,
     s_kb0, s_kb1, s_kn, s_kd,
     s_vb0, s_vb1, s_vn, s_vd,
@@ -99,7 +100,7 @@ def KERNEL_NAME(
     {params}
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, K_SHARED: tl.constexpr,
-    V_SHARED: tl.constexpr,
+    V_SHARED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -132,6 +133,8 @@ def KERNEL_NAME(
         k_t = tl.load(k_base + keys[None, :] * s_kn + offs_d[:, None] * s_kd,
                       mask=key_ok[None, :] & mask_d[:, None], other=0.0)
         scores = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale        # log2 units
+        if SOFTCAP:     # c·tanh(S / c), c in log2 units too (tanh as 2·sigmoid(2x) - 1)
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
         allowed = key_ok[None, :] & mask_m[:, None]
         if CAUSAL:
             allowed = allowed & (keys[None, :] <= offs_m[:, None])
@@ -265,6 +268,7 @@ class AttentionKernel(EpilogueKernel):
         self.mask_layout = TileLayout(leading + (self.s_q, self.s_k), len(out_shape) - 1, batch_dims)
         scale = node.attrs.get("scale")
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+        self.softcap = float(node.attrs.get("softcap") or 0.0)     # Gemma 2's: 0 for none
         self.constants = {v: graph.constants[v].to(device) for v in node.inputs if graph.is_constant(v)}
         self._configs = attention_configs(graph, group, anchor, hw) if self.untiled is None else []
         self.slice_kernel = self.counts = None
@@ -276,7 +280,9 @@ class AttentionKernel(EpilogueKernel):
             self.counts = ArrivalCounts((triton.cdiv(self.s_q, c["BLOCK_M"]) * self.layout.batch
                                          for c in self._configs if slices_of(c) > 1), device)
             self.source += "\n\n" + sliced     # every kernel it may run: what the cache keys
-        if self.bare:   # torch's sdpa is the whole group: the library form, first (module docstring)
+        # torch's sdpa is the whole group: the library form, first (module docstring); not with a softcap, which
+        # torch's attention has not (the reference writes the scores out), unless the template cannot tile it
+        if self.bare and (not self.softcap or self.untiled is not None):
             self.library_outputs = self._torch_attention
             self._configs = [TORCH_ATTENTION, *self._configs]
 
@@ -339,10 +345,11 @@ class AttentionKernel(EpilogueKernel):
             mask, m_strides = q, [0, 0, 0, 0]    # never read
         block_m, block_n, heads = config["BLOCK_M"], config["BLOCK_N"], self.layout.batch
         common = (q, k, v, mask, self.s_q, self.s_k, self.head_dim, self.value_dim, self.layout.batch_sizes()[1],
-                  self.scale * LOG2E, *q_strides, *k_strides, *v_strides, *m_strides)
+                  self.scale * LOG2E, self.softcap * LOG2E, *q_strides, *k_strides, *v_strides, *m_strides)
         constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
                           CAUSAL=bool(self.node.attrs.get("is_causal")), MASK=self.mask_kind,
                           PRECISION=self.precision(), K_SHARED=self.shared[0], V_SHARED=self.shared[1],
+                          SOFTCAP=self.softcap > 0,
                           num_warps=config.num_warps, num_stages=config.num_stages)
         query_blocks = triton.cdiv(self.s_q, block_m)
         slices = slices_of(config)

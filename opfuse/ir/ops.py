@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from opfuse.ir.attrs import (ANY, DIM, DIMS, MAX_INT, SHAPE, SIZE, SPATIAL, Bool, Dtype, Float, Int, Ints, Optional,
                               Rule, Word)
+from opfuse.ir.attention import kv_heads_shared, softcapped_sdpa
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, torch_dtype
 from opfuse.ir.op_costs import (Attrs, Types, attention_flops, conv2d_flops, conv_transpose_flops, embedding_bytes,
                                 linear_flops, matmul_flops, per_input_element, per_output_element, pool_flops)
@@ -128,23 +129,15 @@ def _run_batch_norm(xs, a):
 
 
 def _run_sdpa(xs, a):
-    """torch's sdpa; k and v with fewer heads (dim -3) than q are grouped-query attention (`kv_heads_shared`)."""
+    """torch's sdpa; k and v with fewer heads (dim -3) than q are grouped-query attention (`kv_heads_shared`). With
+    a softcap c (Gemma 2's), the scores S = q·kᵀ·scale become c·tanh(S / c) before the mask: written out in
+    float32 (`opfuse.ir.attention.softcapped_sdpa`), as torch's sdpa has no such step."""
+    if a.get("softcap"):
+        return softcapped_sdpa(*xs[:3], xs[3] if len(xs) > 3 else None, a)
     grouped = any(kv_heads_shared(xs[0].shape, x.shape) > 1 for x in xs[1:3])
     return F.scaled_dot_product_attention(xs[0], xs[1], xs[2], attn_mask=_optional(xs, 3),
                                           is_causal=a.get("is_causal", False), scale=a.get("scale"),
                                           **({"enable_gqa": True} if grouped else {}))
-
-
-def kv_heads_shared(q_shape: Sequence[int], kv_shape: Sequence[int]) -> int:
-    """How many query heads share each head of a key or value tensor of `kv_shape` in an sdpa whose queries are
-    `q_shape`: 1 where the heads (dim -3) match or broadcast, Hq / Hkv where fewer key/value heads divide the
-    queries' (grouped-query attention: query head h reads key/value head h // (Hq / Hkv), as torch's enable_gqa)."""
-    if len(q_shape) < 3 or len(kv_shape) < 3:
-        return 1
-    heads, kv_heads = q_shape[-3], kv_shape[-3]
-    if kv_heads in (heads, 1) or heads % kv_heads:
-        return 1
-    return heads // kv_heads
 
 
 def _run_clamp(xs, a):
@@ -288,8 +281,9 @@ register(OpDef("linear", A, lambda xs, a: F.linear(xs[0], xs[1], _optional(xs, 2
 register(OpDef("matmul", A, _binary(torch.matmul), matmul_flops, doc="batched matmul with broadcasting"))
 register(OpDef("sdpa", A, _run_sdpa, attention_flops,
                doc="scaled dot-product attention; inputs q[..., H, Sq, D], k[..., Hkv, Sk, D], v[..., Hkv, Sk, Dv]"
-                   "[, mask]; Hkv may divide H (grouped-query attention: `kv_heads_shared`); attrs is_causal, scale",
-               attrs={"is_causal": Bool(), "scale": Optional(Float())}))
+                   "[, mask]; Hkv may divide H (grouped-query attention: `kv_heads_shared`); attrs is_causal, scale, "
+                   "softcap (None or 0: none; c: the scores capped to c·tanh(S / c) before the mask)",
+               attrs={"is_causal": Bool(), "scale": Optional(Float()), "softcap": Optional(Float())}))
 
 # elementwise
 register(OpDef("batch_norm", B, _run_batch_norm, per_output_element(2),

@@ -17,7 +17,9 @@ one-element constant, add or sub of a constant, add of one non-constant tensor (
 other shift, and no reshape or factor after it), and reshapes of the batch dims (a bmm over merged batch dims, as
 a capture may decompose a 4-D matmul; the second matmul may read the softmax through one reshape back).
 Such an f is affine, f(x) = alpha * x + M: alpha is the product of the scalar factors, M = f(0) (evaluated here,
-from constants alone; it is the mask, dropped when it is zero, and no larger than `MASK_BYTES`). The three operands
+from constants alone; it is the mask, dropped when it is zero, and no larger than `MASK_BYTES`); or, as Gemma 2
+caps its scores, a scaling, one tanh, then such an affine f: f(x) = c * tanh(a * x) + M with c > 0 is the sdpa's
+softcap c with scale a * c (`_softcap`). The three operands
 keep equal batch dims (no broadcast between them) and one float dtype, and no peeled step changes a dtype. One
 difference in meaning: a row whose every key a mask sets to -inf is NaN written out and 0 as sdpa (PyTorch's and
 opfuse's). The pass runs after `remove_noop_layout` (a decomposed matmul's expands to the same shape are gone) and
@@ -51,7 +53,7 @@ def recognize_attention(graph: Graph) -> tuple[Graph, list[str]]:
         match = _match(graph, users, node)
         if match is None:
             continue
-        (q, q_steps), (key_t, k_steps), v, chain, mask, alpha, softmax, merge, second = match
+        (q, q_steps), (key_t, k_steps), v, chain, mask, alpha, cap, softmax, merge, second = match
         scale = alpha * _factor(graph, q_steps) * _factor(graph, k_steps)
         lead = softmax.type.shape[:-2]       # the batch dims the softmax has (a bmm's are merged: reshaped back)
         q, key_t, v = (_with_lead(graph, name, lead, second) for name in (q, key_t, v))
@@ -63,15 +65,15 @@ def recognize_attention(graph: Graph) -> tuple[Graph, list[str]]:
                               source=second.source)
         inputs = [q, keys.name, v] + ([mask] if mask is not None else [])
         out_type = TensorType(lead + second.type.shape[-2:], second.type.dtype)
-        fused = graph.add_node("sdpa", inputs, out_type, {"is_causal": False, "scale": scale},
-                               name=f"{second.name}_sdpa", source=second.source)
+        attrs = {"is_causal": False, "scale": scale} | ({"softcap": cap} if cap else {})
+        fused = graph.add_node("sdpa", inputs, out_type, attrs, name=f"{second.name}_sdpa", source=second.source)
         result = _with_lead(graph, fused.name, second.type.shape[:-2], second)
         graph.replace_uses(second.name, result)
         steps = [*q_steps, *k_steps, node.name, *chain, softmax.name, *([merge] if merge else []), second.name]
         for name in reversed(steps):
             remove_if_unused(graph, name)
         changes.append(f"attention {node.name} .. {second.name} is one sdpa {fused.name} (scale {scale:.4g}"
-                       + (", masked)" if mask is not None else ")"))
+                       + (f", softcap {cap:.4g}" if cap else "") + (", masked)" if mask is not None else ")"))
         users = graph.users()
     if changes:
         graph.sort()
@@ -167,11 +169,29 @@ def _match(graph: Graph, users: dict[str, list[Node]], first: Node):
     q, q_steps = _peel_scales(graph, users, first.inputs[0], first)
     key_t, k_steps = _peel_scales(graph, users, first.inputs[1], first)
     v, v_steps = _peel_scales(graph, users, v, second, scales=False)
-    affine = _affine(graph, [first.name, *chain], scores, shape)
-    if affine is None:
+    capped = _softcap(graph, [first.name, *chain], scores, shape)
+    if capped is None:
         return None
-    alpha, mask = affine
-    return (q, q_steps), (key_t, k_steps + v_steps), v, chain, mask, alpha, softmax, merge, second
+    alpha, cap, mask = capped
+    return (q, q_steps), (key_t, k_steps + v_steps), v, chain, mask, alpha, cap, softmax, merge, second
+
+
+def _softcap(graph: Graph, chain: list[str], scores: TensorType, shape: tuple[int, ...]
+             ) -> tuple[float, float | None, str | None] | None:
+    """(the scale, the softcap or None, the mask) of the score chain after the matmul `chain[0]`: affine
+    (`_affine`), or, with one tanh in it (Gemma 2's softcapping), a scaling before the tanh and an affine
+    c·t + M after it, c > 0: c·tanh(S / c) + M with S the scores scaled by c times the factors before the tanh."""
+    tanhs = [i for i, name in enumerate(chain) if graph[name].op == "tanh"]
+    if not tanhs:
+        affine = _affine(graph, chain, scores, shape)
+        return None if affine is None else (affine[0], None, affine[1])
+    if len(tanhs) > 1:
+        return None
+    before = _affine(graph, chain[:tanhs[0] + 1], scores, shape)      # the tanh's own step: a reshape-like 1
+    after = _affine(graph, chain[tanhs[0]:], scores, shape)
+    if before is None or after is None or before[1] is not None or after[0] <= 0:
+        return None
+    return before[0] * after[0], after[0], after[1]
 
 
 def _with_lead(graph: Graph, name: str, lead: tuple[int, ...], near: Node) -> str:
@@ -185,8 +205,8 @@ def _with_lead(graph: Graph, name: str, lead: tuple[int, ...], near: Node) -> st
 
 
 def _score_step(graph: Graph, node: Node, carrier: str) -> bool:
-    """Whether `node` is a step of the affine chain on the scores `carrier`."""
-    if node.op == "reshape":
+    """Whether `node` is a step of the chain on the scores `carrier`: affine, or a tanh (`_softcap`)."""
+    if node.op == "reshape" or node.op == "tanh" and node.inputs == [carrier]:
         return True
     scaled = _scalar_operand(graph, node)
     if scaled is not None:
@@ -210,7 +230,7 @@ def _affine(graph: Graph, chain: list[str], scores: TensorType, shape: tuple[int
             if shifted and runtime_mask is not None:    # a factor after a run-time mask would scale it
                 return None
             continue
-        if node.op == "reshape":
+        if node.op in ("reshape", "tanh"):      # (a tanh ends the chain `_softcap` scales before it)
             if runtime_mask is not None:     # the mask must broadcast to the softmax's shape, as it was added
                 return None
             continue

@@ -15,8 +15,8 @@ Matched, by ops and shapes: a reshape to [..., Hkv*rep, S, D] of an expand that 
 the heads to rep, of a [..., Hkv, 1, S, D] value: sdpa reads that value reshaped to [..., Hkv, S, D] (a view; where the
 value is itself a reshape, its source reshaped, or that source where it is the shape already). Each of an sdpa's key and value is matched on its own.
 
-Attention written out where `recognize_attention` cannot make it one sdpa (Gemma 2's softcapped scores: a tanh
-between the product and the softmax) multiplies by the repeat in a batched matmul: q @ repeat(kv)^T and
+Attention written out where `recognize_attention` cannot make it one sdpa (scores clipped, or changed by any other
+step that is neither affine nor a softcap) multiplies by the repeat in a batched matmul: q @ repeat(kv)^T and
 p @ repeat(kv). Such a matmul of x [..., H, M, K] becomes one of x viewed [..., Hkv, rep, M, K] (a split of its
 heads: a view) by kv viewed [..., Hkv, 1, K, N] (the expand's input), which the matmul broadcasts over rep as torch
 does, its product [..., Hkv, rep, M, N] merged back to [..., H, M, N] (a view of the matmul's dense result): the
