@@ -1,6 +1,7 @@
-"""Session 41's rewrites on the GPU: a GLU MLP of one projection with biases as one gated GEMM in every config, and
-Mamba's reference scan with each step's matrix-vector product as a sum (the state update its prologue), against
-eager in float32 and within float16's tolerance.
+"""Session 41's rewrites on the GPU: a GLU MLP of one projection with biases as one gated GEMM in every config,
+Mamba's reference scan with each step's matrix-vector product as a sum (the state update its prologue), and Gemma 2's
+softcapped attention as one sdpa in every tile and key split, against eager in float32 and within float16's
+tolerance.
 
 Run on the device machine: OPFUSE_GPU_TESTS=1 PYTHONPATH=. python3 -m pytest -q -m gpu tests/gpu/test_glu_scan_gpu.py
 """
@@ -53,3 +54,25 @@ def test_the_scan_steps_are_sums_and_match_eager(dtype):
     with torch.no_grad():
         got = compiled(*cast).float()
     assert rel_err(got, want) < (1e-4 if dtype == "float32" else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_softcapped_attention_in_every_config(dtype):
+    import opfuse
+    from opfuse.fusion.plan import GroupKind
+    from tests.kernels.builders import rel_err
+    from tests.unit.test_softcap_attention import Softcapped
+
+    generator = torch.Generator().manual_seed(0)
+    inputs = tuple((torch.randn(2, 4, 200, 64, generator=generator) * 2).cuda() for _ in range(3))
+    model = Softcapped(cap=20.0, scaling=0.125, tokens=200).cuda().eval()
+    want = model(*inputs)
+    cast = tuple(x.to(getattr(torch, dtype)) for x in inputs)
+    compiled = opfuse.compile(model, cast, opfuse.FusionConfig(dtype=dtype, cuda_graph=False))
+    (group,) = [g for g in compiled.plan.groups if g.kind is not GroupKind.VIEW]
+    kernel = compiled.compiled.kernels[group.name]
+    for config in kernel.configs() + kernel.alternatives():
+        compiled.compiled.set_configs({group.name: config})
+        with torch.no_grad():
+            got = compiled(*cast).float()
+        assert rel_err(got, want) < (1e-3 if dtype == "float32" else 1e-2), config
