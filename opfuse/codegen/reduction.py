@@ -11,10 +11,9 @@ Two templates:
   squeeze-and-excitation pool of few channels over a large image, any reduction at batch 1) splits each row into
   SPLIT slices: launch one (PHASE 0, programs over row blocks x slices) writes each slice's float32 sum (or
   extreme) to a workspace, launch two (PHASE 1) combines a row's SPLIT of them (one fixed tree) and runs the
-  epilogue. A layer or RMS norm or a softmax of so
-  few, long rows (a group norm of one group at batch 1) splits likewise: launch one writes each slice's mean and
-  M2 (sum of squares; max and sum of exponentials), launch two, over the same programs, merges a row's and writes
-  its own slice. Deterministic, no atomics; the unsplit form is an alternative the autotuner times beside it, and
+  epilogue. A layer or RMS norm or a softmax of so few, long rows (a group norm of one group at batch 1) splits
+  likewise: launch one writes each slice's mean and M2 (sum of squares; max and sum of exponentials), launch two,
+  over the same programs, merges a row's and writes its own slice. Deterministic, no atomics; the unsplit form is an alternative the autotuner times beside it, and
   the resource screen reads launch one's registers. cumsum and cumprod over any dim are scans of the same rows: one
   sweep, each chunk's `tl.cumsum` (`tl.cumprod`) combined with the running carry of the chunks before it, written
   (and its epilogue computed) as it goes; an integer scan carries int64 exactly (`_scan`).
