@@ -80,6 +80,20 @@ def _log_sigmoid_with_buffer(t: Translator, a: dict) -> MultiOutput:
     return first_output(t, t.emit("log_sigmoid", [a["self"]]))
 
 
+@maps("glu")
+def _glu(t: Translator, a: dict) -> str:
+    """glu(x, dim) = a * sigmoid(b), a and b the first and second half of x along dim (slices of it: views)."""
+    x = t.value(a["self"])
+    rank = t.rank(x)
+    dim = int(a.get("dim", -1)) % rank
+    size = t.type_of(x).shape[dim]
+    if size % 2:
+        raise Unmapped(f"glu over a dim of odd size {size}")
+    first, second = (t.emit("slice", [x], {"dim": dim, "start": start, "end": start + size // 2, "step": 1})
+                     for start in (0, size // 2))
+    return t.emit("mul", [first, t.emit("sigmoid", [second])])
+
+
 @maps("leaky_relu")
 def _leaky_relu(t: Translator, a: dict) -> str:
     return t.emit("leaky_relu", [a["self"]], {"negative_slope": float(a.get("negative_slope", 0.01))})

@@ -659,3 +659,20 @@ def test_aliases_of_elementwise_ops_map_like_the_ops_they_alias():
     for got, want in zip(interpret(graph, [x, y, n]), Aliases()(x, y, n)):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want)
+
+
+class Glu(torch.nn.Module):
+    """Speech2Text's subsampler: a conv to twice the channels, then GLU over the channels; and GLU over the last dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(4, 8, 3, padding=1)
+
+    def forward(self, x):
+        return torch.nn.functional.glu(self.conv(x), dim=1), torch.nn.functional.glu(x.transpose(1, 2))
+
+
+def test_glu_is_the_first_half_times_the_sigmoid_of_the_second():
+    graph, ops = capture_and_check(Glu(), torch.randn(2, 4, 6))
+    assert ops["opaque"] == 0 and ops["sigmoid"] == 2 and ops["slice"] == 4
+
