@@ -94,15 +94,17 @@ def timm_model(name: str, family: str, **kwargs) -> SuiteModel:
 
 
 class Call(nn.Module):
-    """A transformers model called with one tensor as keyword `argument`, returning its first output tensor (the
-    last hidden state): what runs is the library's own forward."""
+    """A transformers model called with one tensor as keyword `argument` (or as each of several: an encoder-decoder's
+    input_ids and decoder_input_ids), returning its first output tensor (the last hidden state): what runs is the
+    library's own forward."""
 
-    def __init__(self, model: nn.Module, argument: str, **fixed):
+    def __init__(self, model: nn.Module, argument: str | tuple[str, ...], **fixed):
         super().__init__()
-        self.model, self.argument, self.fixed = model, argument, fixed
+        self.model, self.fixed = model, fixed
+        self.arguments = (argument,) if isinstance(argument, str) else tuple(argument)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        output = self.model(**{self.argument: x}, **self.fixed)
+        output = self.model(**dict.fromkeys(self.arguments, x), **self.fixed)
         hidden = getattr(output, "last_hidden_state", None)
         return hidden if hidden is not None else output[0]
 
@@ -112,11 +114,13 @@ HIDDEN, LAYERS, HEADS, FFN, VOCAB, SEQ = 256, 2, 4, 512, 1024, 128
 
 
 def hf_model(name: str, family: str, model_class: str, config_class: str, config: dict, inputs: str = "text",
-             seq: int = SEQ, part: str | None = None, argument: str | None = None, **call) -> SuiteModel:
+             seq: int = SEQ, part: str | None = None, argument: str | tuple[str, ...] | None = None,
+             **call) -> SuiteModel:
     """A transformers model from `config_class(**config)`; `inputs`: text (token ids [1, seq]), image ([1, 3, 224,
-    224] pixels, or the config's image_size), features ([1, mels, frames] for speech encoders: `seq` frames), wave
-    ([1, seq] samples); `part`: the attribute to analyse instead of the whole model (a speech model's encoder);
-    `argument`: the forward's keyword for the input, where it is not the usual one."""
+    224] pixels, or the config's image_size), features ([1, mels, frames] for speech encoders: `seq` frames), frames
+    ([1, seq, features]: Speech2Text's filter banks), wave ([1, seq] samples); `part`: the attribute to analyse
+    instead of the whole model (a speech model's encoder); `argument`: the forward's keyword for the input, where it
+    is not the usual one, or several keywords the input is given as (an encoder-decoder's token ids, as both)."""
     argument_name = argument
 
     def build() -> tuple[nn.Module, Inputs]:
@@ -136,6 +140,8 @@ def hf_model(name: str, family: str, model_class: str, config_class: str, config
             argument, x = "pixel_values", torch.randn(1, channels, size, size, generator=generator)
         elif inputs == "features":
             argument, x = "input_features", torch.randn(1, config["num_mel_bins"], seq, generator=generator)
+        elif inputs == "frames":
+            argument, x = "input_features", torch.randn(1, seq, config["input_feat_per_channel"], generator=generator)
         elif inputs == "wave":
             argument, x = "input_values", torch.randn(1, seq, generator=generator)
         else:
@@ -154,6 +160,9 @@ BERT_LIKE = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_hea
 TOKENS_IN_VOCABULARY = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)   # defaults lie past the small vocabulary
 VISION_HF = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN)
 NO_CACHE = {"use_cache": False}
+SEQ2SEQ = dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
+               decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, vocab_size=VOCAB,
+               use_cache=False)
 
 SUITE: list[SuiteModel] = [
     # CNNs
@@ -275,19 +284,22 @@ SUITE: list[SuiteModel] = [
              dict(hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS, vocab_size=VOCAB, use_cache=False)),
     # encoder-decoder
     hf_model("mbart", "encoder-decoder", "MBartModel", "MBartConfig",               # counts its real tokens
-             dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
-                  decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, vocab_size=VOCAB,
-                  use_cache=False)),
+             SEQ2SEQ),
+    hf_model("pegasus", "encoder-decoder", "PegasusModel", "PegasusConfig", SEQ2SEQ,    # decoder ids given
+             argument=("input_ids", "decoder_input_ids")),
+    hf_model("marian", "encoder-decoder", "MarianModel", "MarianConfig",
+             SEQ2SEQ | dict(decoder_vocab_size=VOCAB, pad_token_id=0), argument=("input_ids", "decoder_input_ids")),
     hf_model("bart", "encoder-decoder", "BartModel", "BartConfig",
-             dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
-                  decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, vocab_size=VOCAB,
-                  use_cache=False)),
+             SEQ2SEQ),
     # audio
     hf_model("whisper_encoder", "audio", "WhisperModel", "WhisperConfig",
              dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
                   decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, vocab_size=VOCAB,
                   num_mel_bins=80, max_source_positions=100, decoder_start_token_id=1, **TOKENS_IN_VOCABULARY),
              inputs="features", seq=200, part="encoder"),
+    hf_model("speech2text", "audio", "Speech2TextModel", "Speech2TextConfig",           # conv subsampler + GLU
+             SEQ2SEQ | dict(num_mel_bins=80, input_feat_per_channel=80, max_source_positions=200), inputs="frames",
+             seq=200, part="encoder"),
     hf_model("wav2vec2", "audio", "Wav2Vec2Model", "Wav2Vec2Config", VISION_HF, inputs="wave", seq=16000),
     hf_model("hubert", "audio", "HubertModel", "HubertConfig", VISION_HF, inputs="wave", seq=16000),
     hf_model("ast", "audio", "ASTModel", "ASTConfig", VISION_HF | dict(max_length=128, num_mel_bins=128),
