@@ -39,6 +39,14 @@ def _gather(t: Translator, a: dict) -> str:
     return t.emit("gather", [x, index], {"dim": wrap_dim(a["dim"], t.rank(x))})
 
 
+@maps("index_select")
+def _index_select(t: Translator, a: dict) -> str:
+    """torch.index_select(x, dim, index): the rows of x along dim that the 1-D index names, as `take` (M2M100's
+    sinusoidal positions)."""
+    x = t.value(a["self"])
+    return t.emit("take", [x, t.value(a["index"])], {"axis": wrap_dim(a["dim"], t.rank(x))})
+
+
 @maps("index")
 def _index(t: Translator, a: dict) -> str:
     """x[i_0, ..., i_k-1] (aten.index.Tensor): integer index tensors in adjacent dims, None for a dim taken whole

@@ -676,3 +676,19 @@ def test_glu_is_the_first_half_times_the_sigmoid_of_the_second():
     graph, ops = capture_and_check(Glu(), torch.randn(2, 4, 6))
     assert ops["opaque"] == 0 and ops["sigmoid"] == 2 and ops["slice"] == 4
 
+
+
+class IndexSelect(torch.nn.Module):
+    """M2M100's sinusoidal positions: rows of a table by index_select; and columns of an activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.randn(10, 4))
+
+    def forward(self, x, positions):
+        return torch.index_select(self.table, 0, positions) + torch.index_select(x, 1, positions[:4])
+
+
+def test_index_select_is_a_take_along_its_dim():
+    graph, ops = capture_and_check(IndexSelect(), torch.randn(6, 8), torch.tensor([3, 0, 7, 7, 1, 2]))
+    assert ops["opaque"] == 0 and ops["take"] == 2
