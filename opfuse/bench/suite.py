@@ -160,6 +160,7 @@ BERT_LIKE = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_hea
 TOKENS_IN_VOCABULARY = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)   # defaults lie past the small vocabulary
 VISION_HF = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN)
 NO_CACHE = {"use_cache": False}
+T5_SMALL = dict(d_model=HIDDEN, num_layers=LAYERS, num_heads=HEADS, d_kv=64, d_ff=FFN, vocab_size=VOCAB, use_cache=False)
 SEQ2SEQ = dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
                decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, vocab_size=VOCAB,
                use_cache=False)
@@ -255,9 +256,7 @@ SUITE: list[SuiteModel] = [
              dict(num_hidden_layers=LAYERS, vocab_size=VOCAB)),
     hf_model("modernbert", "encoder", "ModernBertModel", "ModernBertConfig",
              BERT_LIKE | TOKENS_IN_VOCABULARY | dict(cls_token_id=1, sep_token_id=2)),
-    hf_model("t5_encoder", "encoder", "T5EncoderModel", "T5Config",
-             dict(d_model=HIDDEN, num_layers=LAYERS, num_heads=HEADS, d_kv=64, d_ff=FFN, vocab_size=VOCAB,
-                  use_cache=False)),
+    hf_model("t5_encoder", "encoder", "T5EncoderModel", "T5Config", T5_SMALL),
     hf_model("hf_vit", "vit", "ViTModel", "ViTConfig", VISION_HF, inputs="image"),
     hf_model("clip_vision", "vit", "CLIPVisionModel", "CLIPVisionConfig", VISION_HF, inputs="image"),
     hf_model("dinov2", "vit", "Dinov2Model", "Dinov2Config", VISION_HF, inputs="image"),
@@ -289,6 +288,11 @@ SUITE: list[SuiteModel] = [
              argument=("input_ids", "decoder_input_ids")),
     hf_model("marian", "encoder-decoder", "MarianModel", "MarianConfig",
              SEQ2SEQ | dict(decoder_vocab_size=VOCAB, pad_token_id=0), argument=("input_ids", "decoder_input_ids")),
+    hf_model("m2m100", "encoder-decoder", "M2M100Model", "M2M100Config", SEQ2SEQ,       # sinusoidal positions
+             argument=("input_ids", "decoder_input_ids")),
+    hf_model("blenderbot", "encoder-decoder", "BlenderbotModel", "BlenderbotConfig", SEQ2SEQ,
+             argument=("input_ids", "decoder_input_ids")),
+    hf_model("t5", "encoder-decoder", "T5Model", "T5Config", T5_SMALL, argument=("input_ids", "decoder_input_ids")),
     hf_model("bart", "encoder-decoder", "BartModel", "BartConfig",
              SEQ2SEQ),
     # audio
