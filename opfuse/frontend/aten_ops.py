@@ -10,6 +10,7 @@ their arguments). The handler contract (`Unmapped`, `MultiOutput`) and the helpe
 - `opfuse.frontend.aten_layout`: views, permutes, repeats, cat, slices and splits, padding, upsampling
 - `opfuse.frontend.aten_index`: gather, slice and select scatters, fills and copies of a value
 - `opfuse.frontend.aten_routing`: a mixture of experts' topk, sort, histc, index_put and grouped GEMMs
+- `opfuse.frontend.aten_fft`: the real part of an FFT of a real tensor, as products by DFT matrices
 
 Canonical IR attrs (pairs as int tuples, non-negative dims, concrete shapes) are documented on each op in
 `opfuse.ir.ops`.
@@ -17,7 +18,8 @@ Canonical IR attrs (pairs as int tuples, non-negative dims, concrete shapes) are
 
 from __future__ import annotations
 
-from opfuse.frontend import aten_anchors, aten_elementwise, aten_index, aten_layout, aten_reductions, aten_routing
+from opfuse.frontend import (aten_anchors, aten_elementwise, aten_fft, aten_index, aten_layout, aten_reductions,
+                             aten_routing)
 from opfuse.frontend.aten_common import Handler
 
 
@@ -33,4 +35,5 @@ def _join(*tables: dict[str, Handler]) -> dict[str, Handler]:
 
 
 HANDLERS: dict[str, Handler] = _join(aten_anchors.HANDLERS, aten_reductions.HANDLERS, aten_elementwise.HANDLERS,
-                                     aten_layout.HANDLERS, aten_index.HANDLERS, aten_routing.HANDLERS)
+                                     aten_layout.HANDLERS, aten_index.HANDLERS, aten_routing.HANDLERS,
+                                     aten_fft.HANDLERS)

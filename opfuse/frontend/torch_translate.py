@@ -27,6 +27,7 @@ import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from opfuse.frontend.aten_common import MultiOutput, Unmapped, op_name, tensor_value
+from opfuse.frontend.aten_fft import FFTS, RealPartOnly, real_part_only
 from opfuse.frontend.aten_ops import HANDLERS
 from opfuse.frontend.torch_inplace import mutates, out_of_place
 from opfuse.ir.graph import DTYPE_BYTES, Graph, GraphError, TensorType, torch_dtype
@@ -229,7 +230,11 @@ class Translator:
             value = getattr(value, part)
         self.env[node] = _LazyConstant(str(node.target), value) if isinstance(value, torch.Tensor) else value
 
-    def _call(self, node: fx.Node) -> str | MultiOutput:
+    def _call(self, node: fx.Node) -> str | MultiOutput | RealPartOnly:
+        if op_name(node.target) in FFTS:   # complex, but where its real part alone is read: DFT products
+            held = real_part_only(node, op_name(node.target), _bind(node.target, node.args, node.kwargs))
+            if held is not None:
+                return held
         values = node.meta.get("val")
         for value in values if isinstance(values, (tuple, list)) else [values]:
             dtype = str(getattr(value, "dtype", "")).removeprefix("torch.")
