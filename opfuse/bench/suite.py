@@ -252,6 +252,8 @@ SUITE: list[SuiteModel] = [
              BERT_LIKE | dict(embedding_size=HIDDEN)),
     hf_model("convbert", "encoder", "ConvBertModel", "ConvBertConfig",              # span-based dynamic conv
              BERT_LIKE | dict(embedding_size=HIDDEN)),
+    hf_model("fnet", "encoder", "FNetModel", "FNetConfig",                           # Fourier token mixing
+             dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, intermediate_size=FFN, vocab_size=VOCAB)),
     hf_model("mobilebert", "encoder", "MobileBertModel", "MobileBertConfig",
              dict(num_hidden_layers=LAYERS, vocab_size=VOCAB)),
     hf_model("modernbert", "encoder", "ModernBertModel", "ModernBertConfig",
