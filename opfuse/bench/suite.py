@@ -160,7 +160,8 @@ BERT_LIKE = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_hea
 TOKENS_IN_VOCABULARY = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)   # defaults lie past the small vocabulary
 VISION_HF = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN)
 NO_CACHE = {"use_cache": False}
-T5_SMALL = dict(d_model=HIDDEN, num_layers=LAYERS, num_heads=HEADS, d_kv=64, d_ff=FFN, vocab_size=VOCAB, use_cache=False)
+T5_SMALL = dict(d_model=HIDDEN, num_layers=LAYERS, num_heads=HEADS, d_kv=64, d_ff=FFN, vocab_size=VOCAB,
+                use_cache=False)
 SEQ2SEQ = dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
                decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, vocab_size=VOCAB,
                use_cache=False)

@@ -1,22 +1,22 @@
 """Reduction groups with an elementwise prologue and epilogue as one Triton kernel: `lower_reduction_group`.
 
 Two templates:
-- rows (`RowReductionKernel`): softmax over any dim, layer_norm over the last dims (weight, bias), rms_norm over
-  the last dim (weight), mean/sum/any/amax/amin over given dims, and adaptive_avg_pool2d to (1,1) (global average
-  pool = mean over H, W). The reduction input is viewed as [rows, L] (kept dims x reduced dims, through its strides); a
-  program takes BLOCK_M rows and walks each row in chunks of BLOCK_L. When one chunk holds the row (ONE_PASS) it
-  stays in registers: one read, one write. Otherwise softmax keeps an online max and sum, layer norm merges
-  per-chunk mean and M2 (Chan et al.), and a second sweep recomputes the prologue and writes the result: two
-  reads, one write. A sum, mean, any, amax or amin with fewer row blocks than the GPU has SMs (a
-  squeeze-and-excitation pool of few channels over a large image, any reduction at batch 1) splits each row into
-  SPLIT slices: launch one (PHASE 0, programs over row blocks x slices) writes each slice's float32 sum (or
-  extreme) to a workspace, launch two (PHASE 1) combines a row's SPLIT of them (one fixed tree) and runs the
-  epilogue. A layer or RMS norm or a softmax of so few, long rows (a group norm of one group at batch 1) splits
-  likewise: launch one writes each slice's mean and M2 (sum of squares; max and sum of exponentials), launch two,
-  over the same programs, merges a row's and writes its own slice. Deterministic, no atomics; the unsplit form is an alternative the autotuner times beside it, and
-  the resource screen reads launch one's registers. cumsum and cumprod over any dim are scans of the same rows: one
-  sweep, each chunk's `tl.cumsum` (`tl.cumprod`) combined with the running carry of the chunks before it, written
-  (and its epilogue computed) as it goes; an integer scan carries int64 exactly (`_scan`).
+- rows (`RowReductionKernel`): softmax over any dim, layer_norm over the last dims (weight, bias), rms_norm over the
+  last dim (weight), mean/sum/any/amax/amin over given dims, and adaptive_avg_pool2d to (1,1) (global average pool =
+  mean over H, W). The reduction input is viewed as [rows, L] (kept dims x reduced dims, through its strides); a program
+  takes BLOCK_M rows and walks each row in chunks of BLOCK_L. When one chunk holds the row (ONE_PASS) it stays in
+  registers: one read, one write. Otherwise softmax keeps an online max and sum, layer norm merges per-chunk mean and M2
+  (Chan et al.), and a second sweep recomputes the prologue and writes the result: two reads, one write. A sum, mean,
+  any, amax or amin with fewer row blocks than the GPU has SMs (a squeeze-and-excitation pool of few channels over a
+  large image, any reduction at batch 1) splits each row into SPLIT slices: launch one (PHASE 0, programs over row
+  blocks x slices) writes each slice's float32 sum (or extreme) to a workspace, launch two (PHASE 1) combines a row's
+  SPLIT of them (one fixed tree) and runs the epilogue. A layer or RMS norm or a softmax of so few, long rows (a group
+  norm of one group at batch 1) splits likewise: launch one writes each slice's mean and M2 (sum of squares; max and sum
+  of exponentials), launch two, over the same programs, merges a row's and writes its own slice. Deterministic, no
+  atomics; the unsplit form is an alternative the autotuner times beside it, and the resource screen reads launch one's
+  registers. cumsum and cumprod over any dim are scans of the same rows: one sweep, each chunk's `tl.cumsum`
+  (`tl.cumprod`) combined with the running carry of the chunks before it, written (and its epilogue computed) as it
+  goes; an integer scan carries int64 exactly (`_scan`).
 - pools (`opfuse.codegen.pool.PoolKernel`): max_pool2d / avg_pool2d and divisible adaptive_avg_pool2d on NHWC.
 
 The prologue is evaluated wherever the reduction reads its input (a prologue value that is also a group output is
