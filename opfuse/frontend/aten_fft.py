@@ -40,11 +40,11 @@ class RealPartOnly:
     dims: tuple[int, ...]
 
 
-def real_part_only(node: fx.Node, name: str, args: dict[str, Any]) -> RealPartOnly | None:
-    """The `RealPartOnly` of FFT `node` (op `name`, arguments bound by name), or None: an FFT of a real floating
+def real_part_only(node: fx.Node, args: dict[str, Any]) -> RealPartOnly | None:
+    """The `RealPartOnly` of `node`, an op of FFTS (its arguments bound by name), or None: an FFT of a real floating
     tensor, unnormalized and unpadded, over its last dim or its last two, that only `aten.real` reads."""
     value = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
-    if name not in FFTS or not isinstance(value, torch.Tensor) or str(value.dtype).removeprefix("torch.") not in FLOAT_DTYPES:
+    if not isinstance(value, torch.Tensor) or str(value.dtype).removeprefix("torch.") not in FLOAT_DTYPES:
         return None
     if args.get("norm") not in (None, "backward") or args.get("s", args.get("n")) is not None:
         return None
@@ -78,8 +78,9 @@ def _real(t: Translator, a: dict) -> str:
     dtype = getattr(torch, t.type_of(x).dtype)
     cos, sin = _dft(shape[-1], dtype)
     if len(held.dims) == 1:
-        return t.emit("linear", [x, t.constant("dft_cos", cos)])
+        return t.emit("linear", [x, t.constant("dft_cos", cos)])      # (a linear: the matrix is symmetric)
     cos_rows, sin_rows = _dft(shape[-2], dtype)
-    cosines = t.emit("matmul", [t.constant("dft_cos_rows", cos_rows), t.emit("linear", [x, t.constant("dft_cos", cos)])])
+    cosines = t.emit("matmul", [t.constant("dft_cos_rows", cos_rows),
+                                t.emit("linear", [x, t.constant("dft_cos", cos)])])
     sines = t.emit("matmul", [t.constant("dft_sin_rows", sin_rows), t.emit("linear", [x, t.constant("dft_sin", sin)])])
     return t.emit("sub", [cosines, sines])

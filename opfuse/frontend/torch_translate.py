@@ -232,7 +232,7 @@ class Translator:
 
     def _call(self, node: fx.Node) -> str | MultiOutput | RealPartOnly:
         if op_name(node.target) in FFTS:   # complex, but where its real part alone is read: DFT products
-            held = real_part_only(node, op_name(node.target), _bind(node.target, node.args, node.kwargs))
+            held = real_part_only(node, _bind(node.target, node.args, node.kwargs))
             if held is not None:
                 return held
         values = node.meta.get("val")
