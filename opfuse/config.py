@@ -57,8 +57,8 @@ class FusionConfig:
     cuda_graph: bool = True
     dependent_launch: bool = True       # on Hopper and later, each kernel launched so that it may start while the one
                                         # before it drains (`opfuse.codegen.base.DEPENDENT_LAUNCH_CODE`)
-    weight_prefetch: bool = False       # on Hopper and later, the light kernel before a GEMM prefetches the GEMM's
-                                        # weight into L2 (`opfuse.runtime.prefetch`); off until measured
+    weight_prefetch: bool = False       # on Hopper and later, a GEMM after a light kernel asks L2 for its own weight
+                                        # while that kernel runs (`opfuse.runtime.prefetch`); off until measured
     verify: bool = True
     fallback: str = "error"             # "error": raise on a failed compile; "eager": return the eager model
     recompile: bool = False             # inputs of another shape/dtype/device: compile for them instead of raising

@@ -128,7 +128,7 @@ class GroupKernel(ABC):
 
     def streamed_weight(self, config: KernelConfig | None) -> torch.Tensor | None:
         """The constant tensor that `config` reads whole from device memory, the kernel's cost (a GEMM's packed
-        weight), or None: what a kernel before it may prefetch (`opfuse.runtime.prefetch`)."""
+        weight), or None: what the kernel may prefetch before it waits (`opfuse.runtime.prefetch`)."""
         return None
 
     def keep_default(self) -> None:
@@ -184,8 +184,8 @@ DEPENDENT_LAUNCH_CODE = """\
         tl.extra.cuda.gdc_launch_dependents()
 """
 
-# Prefetch ahead (Hopper and later; `opfuse.runtime.prefetch` decides who prefetches what): before anything else,
-# a kernel launched with PREFETCH=1 asks L2 for pf_bytes of device memory from address pf_addr, a later kernel's
+# Weight prefetch (Hopper and later; `opfuse.runtime.prefetch` decides which kernel prefetches): before anything
+# else, a kernel launched with PREFETCH=1 asks L2 for pf_bytes of device memory from address pf_addr, its own
 # weight, in bulk prefetches of PREFETCH_CHUNK bytes spread over its programs' lanes (cp.async.bulk.prefetch.L2:
 # no register receives the data and nothing waits for it). A weight is no kernel's output, so this reads nothing a
 # kernel before may still write.

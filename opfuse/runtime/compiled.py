@@ -92,7 +92,7 @@ class Step:
     kernel: GroupKernel | None = None
     node: Node | None = None
     free: list[str] = field(default_factory=list)     # values dead after this step
-    ahead: tuple[torch.Tensor, int] | None = None     # a later kernel's weight it prefetches (`opfuse.runtime.prefetch`)
+    ahead: tuple[torch.Tensor, int] | None = None     # its weight, prefetched before it waits (`runtime.prefetch`)
 
 
 def default_reason(graph: Graph, group: FusionGroup) -> Reason:

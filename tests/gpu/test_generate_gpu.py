@@ -38,7 +38,7 @@ def test_greedy_tokens_equal_transformers_in_float32():
 @pytest.mark.parametrize("switches", [{}, {"weight_prefetch": True}, {"dependent_launch": False},
                                       {"norm_prologue": True}])
 def test_every_decode_step_is_within_float16_tolerance_of_eager(switches):
-    """(with the light kernels prefetching the next GEMM's weight, with dependent launch off, and with the RMS norms
+    """(with the GEMMs after light kernels prefetching their weights, with dependent launch off, and with the RMS norms
     deferred into the GEMMs that read them, too)"""
     import opfuse
     from opfuse.generate import KVCacheDecoder
