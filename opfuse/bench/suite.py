@@ -1,13 +1,15 @@
 """The coverage suite: what of a broad set of timm and transformers models runs through opfuse's kernels.
 
-    python -m opfuse.bench.suite [--only REGEX] [--family NAME] [--workers N] [--json FILE] [--markdown FILE]
+    python -m opfuse.bench.suite [--only REGEX] [--family NAME] [--batch N] [--workers N] [--json FILE]
+                                 [--markdown FILE]
 
 For every model of `SUITE` (CNNs, ViTs, hybrids, MLP-mixers, encoders, decoders, encoder-decoders, audio, MoE,
-state-space; random weights, nothing downloaded) it runs what `opfuse analyze MODEL --dtype fp16 --batch 1` runs on
-the CPU: the model in float16 (channels-last for images, `protocol_form`), captured, prepared and planned, every
-group lowered. Per model it reports whether it analysed, what runs through PyTorch (opaque ops by their ATen name,
-and the groups that launch work yet get no kernel, by code and ops), and the launches of the compiled model; over
-the suite, the share of models with nothing through PyTorch (views cost nothing and do not count).
+state-space; random weights, nothing downloaded) it runs what `opfuse analyze MODEL --dtype fp16 --batch N` runs on
+the CPU (batch 1 by default; another repeats each example input's first row, `at_batch`): the model in float16
+(channels-last for images, `protocol_form`), captured, prepared and planned, every group lowered. Per model it
+reports whether it analysed, what runs through PyTorch (opaque ops by their ATen name, and the groups that launch
+work yet get no kernel, by code and ops), and the launches of the compiled model; over the suite, the share of
+models with nothing through PyTorch (views cost nothing and do not count).
 
 transformers models are built from their Config classes with small sizes (2 layers, hidden 256, head dim 64, a
 vocabulary of 1024): the architecture, and so every op kind the analysis meets, is the full model's, in a fraction
@@ -343,9 +345,16 @@ def library_problem(library: str) -> str | None:
     return None
 
 
-def analyze_model(entry: SuiteModel) -> ModelResult:
-    """Build `entry`, take it to float16 (channels-last images) and analyse it as `opfuse analyze --dtype fp16`
-    does on the CPU; the result says what runs through PyTorch."""
+def at_batch(inputs: Inputs, batch: int) -> Inputs:
+    """A suite model's example inputs (batch 1) at `batch`: each input's first row repeated."""
+    if batch == 1:
+        return inputs
+    return tuple(x.expand(batch, *x.shape[1:]).contiguous() for x in inputs)
+
+
+def analyze_model(entry: SuiteModel, batch: int = 1) -> ModelResult:
+    """Build `entry`, take it to float16 (channels-last images) and analyse it at `batch` as `opfuse analyze --dtype
+    fp16` does on the CPU; the result says what runs through PyTorch."""
     from opfuse.api import analyze
     from opfuse.bench.harness import protocol_form
     from opfuse.config import FusionConfig
@@ -360,7 +369,7 @@ def analyze_model(entry: SuiteModel) -> ModelResult:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(SEED)
             model, inputs = entry.build()
-            model, inputs = protocol_form(model, inputs, torch.float16, "cpu")
+            model, inputs = protocol_form(model, at_batch(inputs, batch), torch.float16, "cpu")
             analysis = analyze(model, inputs, config=FusionConfig(dtype="float16"), name=entry.name)
     except Exception as error:     # a model the analysis cannot take is a result, not a crash of the suite
         result.error = _first_line(error)
@@ -405,10 +414,10 @@ def _first_line(error: BaseException) -> str:
 
 # ---- running many ---------------------------------------------------------------------------------------------
 
-def _child(entry: SuiteModel, threads: int, connection) -> None:
+def _child(entry: SuiteModel, batch: int, threads: int, connection) -> None:
     torch.set_num_threads(threads)
     try:
-        result = analyze_model(entry)
+        result = analyze_model(entry, batch)
     except BaseException as error:     # analyze_model catches the model's errors; this is opfuse's or the suite's
         result = ModelResult(entry.name, entry.family, entry.library, "failed",
                              error=_first_line(error) + " | " + traceback.format_exc(limit=3)[-300:])
@@ -417,13 +426,13 @@ def _child(entry: SuiteModel, threads: int, connection) -> None:
 
 
 def run_suite(models: Sequence[SuiteModel], workers: int = 1, timeout: float = 900.0,
-              on_result: Callable[[ModelResult], None] | None = None) -> list[ModelResult]:
-    """Analyse every model, `workers` at a time, each in a process forked from this one (0: all in this process,
-    no timeout); results in `models` order. A model past `timeout` seconds is stopped and counted as failed."""
+              on_result: Callable[[ModelResult], None] | None = None, batch: int = 1) -> list[ModelResult]:
+    """Analyse every model at `batch`, `workers` at a time, each in a process forked from this one (0: all in this
+    process, no timeout); results in `models` order. A model past `timeout` seconds is stopped and counted as failed."""
     if workers <= 0:
         results = []
         for entry in models:
-            results.append(analyze_model(entry))
+            results.append(analyze_model(entry, batch))
             if on_result:
                 on_result(results[-1])
         return results
@@ -440,7 +449,7 @@ def run_suite(models: Sequence[SuiteModel], workers: int = 1, timeout: float = 9
         while pending and len(running) < workers:
             index, entry = pending.pop(0)
             receive, send = context.Pipe(duplex=False)
-            process = context.Process(target=_child, args=(entry, threads, send), daemon=True)
+            process = context.Process(target=_child, args=(entry, batch, threads, send), daemon=True)
             process.start()
             send.close()
             running[index] = (entry, process, receive, time.monotonic())
@@ -540,6 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", help="analyse the models whose name matches this regular expression")
     parser.add_argument("--family", help="analyse the models of this family (cnn, vit, hybrid, mlp, encoder, "
                                          "decoder, encoder-decoder, audio, moe, ssm)")
+    parser.add_argument("--batch", type=int, default=1, help="the example inputs' batch (default 1)")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="models analysed at once, each in its own process (0: in this process)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a model may take")
@@ -560,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         detail = r.error if r.status in ("failed", "skipped") else _through_pytorch(r)
         print(f"{r.name:28} {r.status:8} {r.launches:5d} launches {r.seconds:6.1f} s  {detail[:160]}", flush=True)
 
-    results = run_suite(models, args.workers, args.timeout, progress)
+    results = run_suite(models, args.workers, args.timeout, progress, args.batch)
     summary = summarize(results)
     print(f"\n{summary['clean']} of {summary['tried']} models ({summary['clean_percent']}%) run nothing through "
           f"PyTorch; {summary['analysed']} analysed, {summary['skipped']} skipped")

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from opfuse.bench.suite import SEED, SUITE, SuiteModel, library_problem, select
+from opfuse.bench.suite import SEED, SUITE, SuiteModel, at_batch, library_problem, select
 
 CONTENDERS = ("eager", "eager_graph", "inductor", "opfuse")
 
@@ -121,8 +121,7 @@ def run_gpu_suite(models: Sequence[SuiteModel], batch: int = 1, budget: float = 
                 torch.manual_seed(SEED)
                 model, inputs = entry.build()
                 looks_trained(model)
-            if batch != 1:
-                inputs = tuple(x.expand(batch, *x.shape[1:]).contiguous() for x in inputs)
+            inputs = at_batch(inputs, batch)
             row = run_workload(model, inputs, f"{entry.name}:{batch}", ceilings, contenders,
                                FusionConfig(dtype=dtype), device=device)
             result = judge(entry, row, dtype, time.monotonic() - began)

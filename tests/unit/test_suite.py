@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from opfuse.bench import suite
-from opfuse.bench.suite import SuiteModel, analyze_model, hf_model, markdown, run_suite, summarize
+from opfuse.bench.suite import SuiteModel, analyze_model, at_batch, hf_model, markdown, run_suite, summarize
 
 
 class ConvRelu(nn.Module):
@@ -56,6 +56,23 @@ def test_a_clean_model_and_one_with_an_opaque_op():
     assert opaque.opaque == {"aten.kthvalue.default[0]": 1}
     assert opaque.pytorch_launches == 1
     assert opaque.launches >= 2          # the linear's kernel, the kthvalue, the add after it
+
+
+def test_a_batch_repeats_the_examples_first_row_and_is_analysed_at_that_size():
+    """`at_batch` gives every input the batch, row 0 repeated; the suite captures the model at it."""
+    image = _image()[0]
+    [three] = at_batch((image,), 3)
+    assert three.shape == (3, *image.shape[1:]) and torch.equal(three[2], image[0])
+    assert at_batch((image,), 1)[0] is image
+    seen = []
+
+    class Records(ConvRelu):
+        def forward(self, x):
+            seen.append(x.shape[0])
+            return super().forward(x)
+
+    [result] = run_suite([SuiteModel("records", "cnn", "torch", lambda: (Records(), _image()))], workers=0, batch=3)
+    assert result.status == "clean" and result.launches == 1 and seen and set(seen) == {3}
 
 
 def test_failures_and_skips_are_results_and_the_share_counts_only_models_tried():
