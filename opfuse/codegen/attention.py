@@ -51,7 +51,7 @@ epilogue: first the Triton tiles (one kernel, as the plan counts it), and with `
 and the epilogue ops through PyTorch, what ran before) for the autotuner to measure against. The GEMMs' other library
 form (the library's result, then a generated epilogue kernel) is not offered: that epilogue kernel reads a
 contiguous result, and flash attention's is not, so it would cost a copy kernel too. An sdpa the template cannot
-compute (head dims over MAX_HEAD_DIM: DaViT's channel attention over 3136 pixels; `AttentionKernel._untiled`) is its
+compute (head dims over MAX_HEAD_DIM: DaViT's channel attention over 3136 pixels; `_untiled`) is its
 library form alone, a library call the plan keeps without an epilogue (`opfuse.fusion.legality.library_anchor_rule`)
 and the analysis lists as one (`opfuse.codegen.lower.library_calls`).
 """
@@ -66,10 +66,12 @@ import triton
 
 from opfuse.codegen.base import FORM_LIBRARY, KernelConfig, compiled_info
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, generate_kernel, siblings_and_chains
-from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.expr import Unsupported, refusal
 from opfuse.codegen.forms import UNFUSED, EpilogueKernel
 from opfuse.codegen.split_k import LAST_ARRIVAL, ArrivalCounts, planned_slices, sliced_template, slices_of, unsplit
+from opfuse.fusion.legality_common import Users
 from opfuse.fusion.plan import FusionGroup
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import estimate_resources
 from opfuse.fusion.tiles import ATTENTION_TILES, INTERPRETED_ATTENTION, MAX_HEAD_DIM, attention_key
 from opfuse.hardware import HardwareProfile, kernel_profile
@@ -232,16 +234,11 @@ class AttentionKernel(EpilogueKernel):
         self.q, self.k, self.v = node.inputs[:3]
         self.mask = node.inputs[3] if len(node.inputs) > 3 else None
         q_shape, k_shape, v_shape = (graph[i].type.shape for i in node.inputs[:3])
-        if len(q_shape) < 3:
-            raise Unsupported(f"{node.describe()}: attention needs batch dims before [S, D]")
         head_dim, value_dim = q_shape[-1], v_shape[-1]
-        if k_shape[-1] != head_dim:
-            raise Unsupported(f"{node.describe()}: q and k of different head dims ({head_dim}, {k_shape[-1]})")
-        self.bare = len(chains[0]) == 1 and group.outputs == [anchor]
+        self.bare = _bare(group, anchor, chains)
         # why the Triton template cannot run it; then a bare sdpa is torch's attention alone (the library form)
-        self.untiled = self._untiled(graph, node)
-        if self.untiled is not None and not self.bare:
-            raise Unsupported(self.untiled)
+        untiled = _untiled(graph, node)
+        self.untiled = None if untiled is None else str(untiled)
         self.mask_kind = NO_MASK
         if self.mask is not None:
             self.mask_kind = BOOLEAN_MASK if graph[self.mask].type.dtype == "bool" else ADDITIVE_MASK
@@ -285,22 +282,6 @@ class AttentionKernel(EpilogueKernel):
         if self.bare and (not self.softcap or self.untiled is not None):
             self.library_outputs = self._torch_attention
             self._configs = [TORCH_ATTENTION, *self._configs]
-
-    @staticmethod
-    def _untiled(graph: Graph, node) -> str | None:
-        """Why the Triton template cannot compute sdpa `node`, or None: head dims over MAX_HEAD_DIM (its query
-        tile and accumulator hold whole rows), q, k and v of different dtypes, an additive mask of an integer
-        dtype."""
-        dims = [graph[i].type.shape[-1] for i in node.inputs[:3]]
-        if max(dims) > MAX_HEAD_DIM:
-            return f"{node.describe()}: head dims {dims}, over the {MAX_HEAD_DIM} the attention template tiles"
-        dtype = compute_dtype(graph, node.inputs[0], node)
-        if any(graph[i].type.dtype != dtype for i in node.inputs[1:3]):
-            return f"{node.describe()}: q, k and v of different dtypes"
-        mask = graph[node.inputs[3]].type.dtype if len(node.inputs) > 3 else None
-        if mask not in (None, "bool", "float16", "bfloat16", "float32"):
-            return f"{node.describe()}: a {mask} attention mask"
-        return None
 
     def _torch_attention(self, values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The library form: torch's scaled_dot_product_attention, as the runtime runs an sdpa node."""
@@ -372,7 +353,53 @@ def lower_attention(graph: Graph, group: FusionGroup, device: torch.device | str
                     hw: HardwareProfile | None = None) -> AttentionKernel:
     """The kernel of a group anchored on sdpa (with its elementwise epilogue), with tiles for GPU `hw` (default:
     the default profile)."""
-    anchors, chains = siblings_and_chains(graph, group, ("sdpa",))
+    anchor, chains = _taken(graph, group, graph.users())
+    return AttentionKernel(graph, group, torch.device(device), anchor, chains, kernel_profile(hw))
+
+
+def supports(graph: Graph, group: FusionGroup, users: Users | None = None) -> Reason | None:
+    """None where the attention template (its Triton tiles, or torch's attention for a bare sdpa it cannot tile)
+    takes `group`, else why not (`_taken`'s checks; no source generated)."""
+    return refusal("attention", lambda: _taken(graph, group, graph.users() if users is None else users))
+
+
+def _taken(graph: Graph, group: FusionGroup, users: Users) -> tuple[str, list[list[str]]]:
+    """The group's sdpa and its epilogue chain; `Unsupported` (its code says which kind) where the template
+    cannot take them: several attention anchors, q of no batch dims, q and k of different head dims, or an sdpa
+    the tiles cannot compute (`_untiled`) with an epilogue (a bare one is torch's attention)."""
+    anchors, chains = siblings_and_chains(graph, group, ("sdpa",), users)
     if len(anchors) > 1:
-        raise Unsupported(f"group {group.name} holds several attention anchors: {', '.join(anchors)}")
-    return AttentionKernel(graph, group, torch.device(device), anchors[0], chains, kernel_profile(hw))
+        raise Unsupported(f"group {group.name} holds several attention anchors: {', '.join(anchors)}",
+                          Code.SEVERAL_ANCHORS)
+    node = graph[anchors[0]]
+    q_shape, k_shape = (graph[i].type.shape for i in node.inputs[:2])
+    if len(q_shape) < 3:
+        raise Unsupported(f"{node.describe()}: attention needs batch dims before [S, D]", Code.OPERAND_SHAPE)
+    if k_shape[-1] != q_shape[-1]:
+        raise Unsupported(f"{node.describe()}: q and k of different head dims ({q_shape[-1]}, {k_shape[-1]})",
+                          Code.OPERAND_SHAPE)
+    untiled = _untiled(graph, node)
+    if untiled is not None and not _bare(group, anchors[0], chains):
+        raise untiled
+    return anchors[0], chains
+
+
+def _bare(group: FusionGroup, anchor: str, chains: list[list[str]]) -> bool:
+    """The group is its sdpa alone."""
+    return len(chains[0]) == 1 and group.outputs == [anchor]
+
+
+def _untiled(graph: Graph, node) -> Unsupported | None:
+    """Why the Triton template cannot compute sdpa `node`, or None: head dims over MAX_HEAD_DIM (its query tile and
+    accumulator hold whole rows), q, k and v of different dtypes, an additive mask of an integer dtype."""
+    dims = [graph[i].type.shape[-1] for i in node.inputs[:3]]
+    if max(dims) > MAX_HEAD_DIM:
+        return Unsupported(f"{node.describe()}: head dims {dims}, over the {MAX_HEAD_DIM} the attention template "
+                           "tiles", Code.OPERAND_SHAPE)
+    dtype = compute_dtype(graph, node.inputs[0], node)
+    if any(graph[i].type.dtype != dtype for i in node.inputs[1:3]):
+        return Unsupported(f"{node.describe()}: q, k and v of different dtypes", Code.OPERAND_DTYPE)
+    mask = graph[node.inputs[3]].type.dtype if len(node.inputs) > 3 else None
+    if mask not in (None, "bool", "float16", "bfloat16", "float32"):
+        return Unsupported(f"{node.describe()}: a {mask} attention mask", Code.OPERAND_DTYPE)
+    return None

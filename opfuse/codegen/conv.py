@@ -25,12 +25,14 @@ from opfuse.codegen.conv_common import ConvGeometry, weights_on_device
 from opfuse.codegen.conv_depthwise import DepthwiseConvKernel
 from opfuse.codegen.conv_implicit_gemm import ConvKernel
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, siblings_and_chains
-from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.expr import Unsupported, refusal
 from opfuse.codegen.gemm import GemmKernel, prologue_source, anchor_biases
 from opfuse.codegen.library_fused import FusedConvLibrary, fused_chain
 from opfuse.codegen.prologue import Prologue
 from opfuse.fusion.legality_anchors import anchor_prologue, row_norm_epilogue
+from opfuse.fusion.legality_common import Users
 from opfuse.fusion.plan import FusionGroup, GroupKind
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.tiles import conv_as_gemm
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph, torch_dtype
@@ -42,22 +44,9 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
     tiles for GPU `hw` (default: the default profile)."""
     device = torch.device(device)
     users = graph.users()      # once for the whole lowering: each step below reads it
-    anchors, chains = siblings_and_chains(graph, group, ("conv2d",), users)
-    if len(anchors) > 1 and group.kind is not GroupKind.HORIZONTAL:
-        raise Unsupported(f"group {group.name} ({group.kind.value}) holds several convolutions: "
-                          f"{', '.join(anchors)}")
+    anchors, chains, geometry, norm, ops = _taken(graph, group, users)
     first = graph[anchors[0]]
     x = first.inputs[0]
-    geometry = ConvGeometry(graph, first)
-    for name in anchors:
-        node = graph[name]
-        if node.inputs[0] != x or ConvGeometry(graph, node).key() != geometry.key():
-            raise Unsupported(f"horizontal group {group.name}: {node.describe()} differs from "
-                              f"{first.describe()} in input or geometry")
-        if not graph.is_constant(node.inputs[1]):
-            raise Unsupported(f"{node.describe()}: the weight is not a constant")
-    if len(anchors) > 1 and geometry.groups != 1:
-        raise Unsupported(f"horizontal group {group.name}: grouped convolutions are not concatenated")
     dtype = torch_dtype(compute_dtype(graph, x, first))
     # the graph's weights: each kernel below copies them to the device once (`weights_on_device`), ConvKernel as
     # the packing of its default config
@@ -65,17 +54,11 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
     n, _, h_out, w_out = first.type.shape
     layout = TileLayout((n, sum(w.shape[0] for w in weights), h_out, w_out), channel_dim=1, channels_last=True)
     biases = anchor_biases(graph, anchors)
-    norm = row_norm_epilogue(graph, anchors[0], group.nodes)
-    if norm is not None and (len(anchors) > 1 or not geometry.is_depthwise(layout.channels)):
-        raise Unsupported(f"group {group.name}: norm {norm} in the epilogue of {first.describe()}")
     epilogue = Epilogue(graph, group, chains, layout, device, biases, whole_rows=norm is not None)
 
     g = geometry
     library = ConvLibraryAnchor(x, weights, dtype, device, geometry)
-    ops = anchor_prologue(graph, anchors[0], group.nodes, users)
     if ops:     # a 1x1 conv computes them on its input tiles (the planner takes them for no other conv)
-        if len(anchors) > 1 or not (conv_as_gemm((g.kh, g.kw), g.padding, g.groups) and g.stride == (1, 1)):
-            raise Unsupported(f"group {group.name}: a prologue ({', '.join(ops)}) before {first.describe()}")
         weight = weights_on_device(weights, device, dtype)
         source = prologue_source(graph, ops)
         input_layout = TileLayout(graph[x].type.shape, channel_dim=1, channels_last=True)
@@ -101,6 +84,46 @@ def lower_conv_group(graph: Graph, group: FusionGroup, device: torch.device | st
     if chain is not None:
         kernel.library_fused = FusedConvLibrary(chain, library.device_weight, x, biases[0], layout.channels, geometry)
     return kernel
+
+
+def supports(graph: Graph, group: FusionGroup, users: Users | None = None) -> Reason | None:
+    """None where the conv template takes `group`, else why not (`_taken`'s checks; no source generated)."""
+    return refusal("conv", lambda: _taken(graph, group, graph.users() if users is None else users))
+
+
+def _taken(graph: Graph, group: FusionGroup, users: Users
+           ) -> tuple[list[str], list[list[str]], ConvGeometry, str | None, list[str]]:
+    """The group as the template takes it: its convolutions (several: horizontal siblings of one geometry on one
+    input), their epilogue chains, the geometry, the row norm in the epilogue and the prologue ops (a 1x1 conv's);
+    `Unsupported` (its code says which kind) where the template cannot."""
+    anchors, chains = siblings_and_chains(graph, group, ("conv2d",), users)
+    if len(anchors) > 1 and group.kind is not GroupKind.HORIZONTAL:
+        raise Unsupported(f"group {group.name} ({group.kind.value}) holds several convolutions: {', '.join(anchors)}",
+                          Code.SEVERAL_ANCHORS)
+    first = graph[anchors[0]]
+    geometry = ConvGeometry(graph, first)
+    for name in anchors:
+        node = graph[name]
+        if node.inputs[0] != first.inputs[0] or ConvGeometry(graph, node).key() != geometry.key():
+            raise Unsupported(f"horizontal group {group.name}: {node.describe()} differs from {first.describe()} in "
+                              "input or geometry", Code.SEVERAL_ANCHORS)
+        if not graph.is_constant(node.inputs[1]):
+            raise Unsupported(f"{node.describe()}: the weight is not a constant", Code.NOT_CONSTANT)
+    if len(anchors) > 1 and geometry.groups != 1:
+        raise Unsupported(f"horizontal group {group.name}: grouped convolutions are not concatenated",
+                          Code.SEVERAL_ANCHORS)
+    compute_dtype(graph, first.inputs[0], first)
+    anchor_biases(graph, anchors)
+    channels = sum(graph[a].type.shape[1] for a in anchors)
+    norm = row_norm_epilogue(graph, anchors[0], group.nodes)
+    if norm is not None and (len(anchors) > 1 or not geometry.is_depthwise(channels)):
+        raise Unsupported(f"group {group.name}: norm {norm} in the epilogue of {first.describe()}", Code.EPILOGUE_FORM)
+    ops = anchor_prologue(graph, anchors[0], group.nodes, users)
+    g = geometry
+    if ops and (len(anchors) > 1 or not (conv_as_gemm((g.kh, g.kw), g.padding, g.groups) and g.stride == (1, 1))):
+        raise Unsupported(f"group {group.name}: a prologue ({', '.join(ops)}) before {first.describe()}",
+                          Code.EPILOGUE_FORM)
+    return anchors, chains, geometry, norm, ops
 
 
 class ConvLibraryAnchor:

@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 
 from opfuse.codegen.expr import Unsupported, int_pair
+from opfuse.fusion.reasons import Code
 from opfuse.ir.graph import Graph, Node
 
 # the input's strides along the output rows' pixels, which set ROW_UNIT with the epilogue's
@@ -28,7 +29,7 @@ class ConvGeometry:
     def __init__(self, graph: Graph, node: Node):
         x_type, w_type = graph[node.inputs[0]].type, graph[node.inputs[1]].type
         if len(x_type.shape) != 4:
-            raise Unsupported(f"{node.describe()}: input {x_type} is not [N, C, H, W]")
+            raise Unsupported(f"{node.describe()}: input {x_type} is not [N, C, H, W]", Code.OPERAND_SHAPE)
         self.stride = int_pair(node.attrs.get("stride", 1), node, "stride")
         self.padding = int_pair(node.attrs.get("padding", 0), node, "padding")
         self.dilation = int_pair(node.attrs.get("dilation", 1), node, "dilation")

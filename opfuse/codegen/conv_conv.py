@@ -42,10 +42,12 @@ from opfuse.codegen.conv_common import GEOMETRY_PARAMS, X_ROW_STRIDES, ConvGeome
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype
 from opfuse.codegen.forms import EpilogueKernel
 from opfuse.codegen.split_k import ArrivalCounts, planned_slices, slices_of
-from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.expr import Unsupported, refusal
 from opfuse.codegen.gemm import anchor_biases
 from opfuse.fusion.legality_conv import conv_chain_problem, conv_stages
+from opfuse.fusion.legality_common import Users
 from opfuse.fusion.plan import FusionGroup
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.resources import conv_chain, conv_conv_blocks, conv_conv_key, expansion_block
 from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import Graph, torch_dtype
@@ -299,10 +301,23 @@ def lower_conv_conv_group(graph: Graph, group: FusionGroup, device: torch.device
                           hw: HardwareProfile | None = None) -> GroupKernel:
     """The kernel of a CONV_CONV group: [expand 1x1 ->] depthwise -> pointwise 1x1 with their epilogues, with tiles
     for GPU `hw` (default: the default profile)."""
+    chain = _taken(graph, group, graph.users())
+    return ConvConvKernel(graph, group, torch.device(device), chain, kernel_profile(hw))
+
+
+def supports(graph: Graph, group: FusionGroup, users: Users | None = None) -> Reason | None:
+    """None where the conv-conv template takes `group`, else why not (`_taken`'s checks; no source generated)."""
+    return refusal("conv-conv", lambda: _taken(graph, group, graph.users() if users is None else users))
+
+
+def _taken(graph: Graph, group: FusionGroup, users: Users):
+    """The group's chain of convolutions (`conv_chain`); `Unsupported` where it holds none the template computes
+    (`conv_chain_problem`)."""
     chain = conv_chain(graph, group.nodes)
     if not chain:
-        raise Unsupported(f"group {group.name} ({group.kind.value}) holds no chain of convolutions")
-    problem = conv_chain_problem(graph, set(group.nodes), chain, graph.users())
+        raise Unsupported(f"group {group.name} ({group.kind.value}) holds no chain of convolutions",
+                          Code.SEVERAL_ANCHORS)
+    problem = conv_chain_problem(graph, set(group.nodes), chain, users)
     if problem:
-        raise Unsupported(f"group {group.name}: {problem}")
-    return ConvConvKernel(graph, group, torch.device(device), chain, kernel_profile(hw))
+        raise Unsupported(f"group {group.name}: {problem}", Code.EPILOGUE_FORM)
+    return chain

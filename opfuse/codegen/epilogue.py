@@ -59,7 +59,7 @@ from opfuse.fusion.legality_anchors import ROW_NORMS, anchor_prologue, normalize
 from opfuse.fusion.legality_common import Users
 from opfuse.fusion.legality_views import EPILOGUE_VIEWS, epilogue_spaces, operand_views
 from opfuse.fusion.plan import FusionGroup
-from opfuse.fusion.reasons import Reason
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, Node, torch_dtype
 from opfuse.ir.ops import FusionKind, along_channels, kind_of
 
@@ -203,10 +203,11 @@ def siblings_and_chains(graph: Graph, group: FusionGroup, anchor_ops: tuple[str,
         mapped |= set(anchor_prologue(graph, anchor, group.nodes, users))
     computed = [n for n in group.nodes if graph[n].op not in ("input", "constant") and n not in mapped]
     if not anchors:
-        raise Unsupported(f"group {group.name} has no anchor")
+        raise Unsupported(f"group {group.name} has no anchor", Code.EPILOGUE_FORM)
     for a in anchors:
         if graph[a].op not in anchor_ops:
-            raise Unsupported(f"anchor {graph[a].describe()} is not one of {', '.join(anchor_ops)}")
+            raise Unsupported(f"anchor {graph[a].describe()} is not one of {', '.join(anchor_ops)}",
+                              Code.SEVERAL_ANCHORS)
     owner: dict[str, int] = {a: i for i, a in enumerate(anchors)}
     chains = [[a] for a in anchors]
     for name in computed:
@@ -216,13 +217,13 @@ def siblings_and_chains(graph: Graph, group: FusionGroup, anchor_ops: tuple[str,
         sources = {owner[i] for i in node.inputs if i in owner}
         if not sources:
             raise Unsupported(f"{node.describe()} does not depend on the anchor (prologues are not fused into "
-                              "anchor kernels)")
+                              "anchor kernels)", Code.EPILOGUE_FORM)
         if len(sources) > 1:
-            raise Unsupported(f"{node.describe()} reads several sibling anchors' results")
+            raise Unsupported(f"{node.describe()} reads several sibling anchors' results", Code.EPILOGUE_FORM)
         owner[name] = sources.pop()
         chains[owner[name]].append(name)
     if len(anchors) > 1 and len({len(c) for c in chains}) != 1:
-        raise Unsupported(f"horizontal group {group.name}: sibling epilogues differ in length")
+        raise Unsupported(f"horizontal group {group.name}: sibling epilogues differ in length", Code.EPILOGUE_FORM)
     return anchors, chains
 
 
@@ -249,7 +250,7 @@ class Epilogue:
         self.ops = [graph[n].op for n in chains[0]]
         spaces = epilogue_spaces(graph, chains[0][0], chains[0][1:])
         if isinstance(spaces, Reason):
-            raise Unsupported(spaces.text)
+            raise Unsupported(spaces.text, Code.EPILOGUE_FORM)
         self.spaces = [spaces[n] for n in chains[0]]      # per chain position: its dims as the anchor's dims
         self.full_spaces: list[tuple[int, ...]] = []    # per full operand: the space it is read in
         self.output_fill: float | None = None     # tests poison outputs (NaN) to catch unwritten elements
@@ -279,7 +280,7 @@ class Epilogue:
         self.outputs: list[tuple[int, int]] = []   # per group output: (sibling, index into self.stored)
         for name in group.outputs:
             if name not in position:
-                raise Unsupported(f"group output {name!r} is not computed by the group")
+                raise Unsupported(f"group output {name!r} is not computed by the group", Code.EPILOGUE_FORM)
             sibling = next(i for i, c in enumerate(chains) if name in c)
             p = position[name]
             if p not in self.stored:
@@ -309,7 +310,7 @@ class Epilogue:
         """The chain position a permute reads (it needs no code: values stay where they are)."""
         node = nodes[0]
         if len(nodes) > 1:
-            raise Unsupported(f"horizontal group: {node.describe()} permutes a sibling's epilogue")
+            raise Unsupported(f"horizontal group: {node.describe()} permutes a sibling's epilogue", Code.EPILOGUE_FORM)
         return position[node.inputs[0]]
 
     def _row_norm(self, nodes: list[Node], position: dict[str, int]) -> list[str]:
@@ -319,9 +320,9 @@ class Epilogue:
         p, source = position[node.name], f"x{position[node.inputs[0]]}"
         if self.flat or not self.whole_rows or len(nodes) > 1:
             raise Unsupported(f"{node.describe()}: a norm over the channels needs a tile of whole rows (a depthwise "
-                              "conv's, one anchor)")
+                              "conv's, one anchor)", Code.EPILOGUE_FORM)
         if not normalizes_last_dim(self.graph, node) or self.spaces[p][-1] != self.layout.channel_dim:
-            raise Unsupported(f"{node.describe()} does not normalize the anchor's channels alone")
+            raise Unsupported(f"{node.describe()} does not normalize the anchor's channels alone", Code.EPILOGUE_FORM)
         n, eps = self.layout.channels, repr(float(node.attrs["eps"]))
         lines = [f"t{p} = tl.where(mask, {source}, 0.0).to(tl.float32)"]    # (a cast before it: stats in float32)
         if node.op == "layer_norm":
@@ -340,19 +341,21 @@ class Epilogue:
         """Refuse a non-elementwise node, a shape change, and siblings whose nodes at one position differ."""
         first = nodes[0]
         if not kind_of(first).elementwise:
-            raise Unsupported(f"{first.describe()} is not elementwise; anchor epilogues take elementwise ops only")
+            raise Unsupported(f"{first.describe()} is not elementwise; anchor epilogues take elementwise ops only",
+                              Code.EPILOGUE_FORM)
         space = self.spaces[position[first.name]]
         for node, chain in zip(nodes, self.chains):
             if node.op != first.op or node.attrs != first.attrs or node.type.dtype != first.type.dtype:
-                raise Unsupported(f"horizontal group: {node.describe()} differs from {first.describe()}")
+                raise Unsupported(f"horizontal group: {node.describe()} differs from {first.describe()}",
+                                  Code.EPILOGUE_FORM)
             if node.type.shape != self._shape_in(space, chain):
                 raise Unsupported(f"{node.describe()} changes the anchor's output shape "
-                                  f"{self._shape_in(space, chain)} to {node.type.shape}")
+                                  f"{self._shape_in(space, chain)} to {node.type.shape}", Code.EPILOGUE_FORM)
             for i, value in enumerate(node.inputs):
                 if (value in position) != (first.inputs[i] in position) or \
                         (value in position and position[value] != position[first.inputs[i]]):
                     raise Unsupported(f"horizontal group: {node.describe()} reads other values than "
-                                      f"{first.describe()}")
+                                      f"{first.describe()}", Code.EPILOGUE_FORM)
 
     def channel_vector(self, parts: list[torch.Tensor | float]) -> str:
         """Load expression of a per-channel constant made of one part (tensor or scalar) per sibling, at the tile's
@@ -377,17 +380,18 @@ class Epilogue:
         if along_channels(node, index):
             if constant is None or tuple(constant.shape) != (out_shape[1],):
                 raise Unsupported(f"{node.describe()}: batch-norm parameter {value} is not a constant "
-                                  f"[{out_shape[1]}] vector")
+                                  f"[{out_shape[1]}] vector", Code.NOT_CONSTANT)
             if space[1] == channel:
                 return "channel", constant
             along = [out_shape[1] if d == 1 else 1 for d in range(len(out_shape))]    # [C] on dim 1, as a tensor
             return "full", constant.reshape(along).permute(inverse).to(self.device)
         shape = tuple(source.type.shape)
         if len(shape) > len(out_shape):
-            raise Unsupported(f"{node.describe()}: operand {value} has more dims than the output")
+            raise Unsupported(f"{node.describe()}: operand {value} has more dims than the output", Code.OPERAND_SHAPE)
         aligned = (1,) * (len(out_shape) - len(shape)) + shape
         if any(s not in (1, o) for s, o in zip(aligned, out_shape)):
-            raise Unsupported(f"{node.describe()}: operand {value} {shape} does not broadcast to {out_shape}")
+            raise Unsupported(f"{node.describe()}: operand {value} {shape} does not broadcast to {out_shape}",
+                              Code.OPERAND_SHAPE)
         anchor_aligned = [aligned[j] for j in inverse]       # the operand's shape seen from the anchor's dims
         if constant is not None:
             if constant.numel() == 1:
@@ -410,7 +414,7 @@ class Epilogue:
             return self.channel_vector([v for _, v in kinds])
         if len(nodes) > 1:
             raise Unsupported(f"horizontal group: {nodes[0].describe()} reads a full tensor {value}; only "
-                              "constants shared along the channels can be concatenated")
+                              "constants shared along the channels can be concatenated", Code.EPILOGUE_FORM)
         j = len(self.full_operands)
         self.full_operands.append(kinds[0][1])
         self.full_spaces.append(space if isinstance(kinds[0][1], str) else self.spaces[0])   # constants: moved
@@ -514,5 +518,6 @@ def compute_dtype(graph: Graph, value: str, node: Node) -> str:
     """The dtype the anchor's tensor-core inputs use: its activation's, if it is one the kernels take."""
     dtype = graph[value].type.dtype
     if dtype not in ("float16", "bfloat16", "float32"):
-        raise Unsupported(f"{node.describe()} computes in {dtype}; anchor kernels take float16/bfloat16/float32")
+        raise Unsupported(f"{node.describe()} computes in {dtype}; anchor kernels take float16/bfloat16/float32",
+                          Code.OPERAND_DTYPE)
     return dtype

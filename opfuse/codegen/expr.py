@@ -12,11 +12,26 @@ import math
 
 from typing import Any, Callable, Sequence
 
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import dtype_name
 
 
 class Unsupported(Exception):
-    """This op (or attribute) has no Triton lowering; the group falls back to PyTorch."""
+    """A template cannot generate this group (an op or attribute without a Triton lowering, a form it does not
+    take); the group runs through PyTorch. `code`: the kind of refusal (`opfuse.fusion.reasons.Code`)."""
+
+    def __init__(self, text: str, code: Code = Code.UNSUPPORTED):
+        super().__init__(text)
+        self.code = code
+
+
+def refusal(template: str, check: Callable[[], object]) -> Reason | None:
+    """None where `check()` (a template's checks, generating nothing) passes, else why the template refuses."""
+    try:
+        check()
+    except Unsupported as error:
+        return Reason(error.code, f"unsupported by the {template} template: {error}")
+    return None
 
 
 TRITON_DTYPES = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
@@ -46,7 +61,7 @@ def int_pair(value: Any, node: Any, attr: str) -> tuple[int, int]:
         return value, value
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(type(v) is int for v in value):
         return value[0], value[1]
-    raise Unsupported(f"{node.describe()}: {attr}={value!r} is not an int pair")
+    raise Unsupported(f"{node.describe()}: {attr}={value!r} is not an int pair", Code.OPERAND_SHAPE)
 
 
 def _tanh(x: str) -> str:

@@ -28,12 +28,13 @@ from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, TileLayout, compute_d
 from opfuse.codegen.forms import EpilogueKernel, LibraryAnchor, is_library, is_unfused
 from opfuse.codegen.library_fused import FusedLinearLibrary, fused_chain
 from opfuse.codegen.split_k import SplitK, sliced_template, slices_of, with_slices
-from opfuse.codegen.expr import Unsupported, emit
+from opfuse.codegen.expr import Unsupported, emit, refusal
 from opfuse.codegen.prologue import Prologue
 from opfuse.fusion.legality_anchors import GatedPair, anchor_prologue, gated_pair
 from opfuse.fusion.legality_common import Users
 from opfuse.fusion.legality_views import operand_chain
 from opfuse.fusion.plan import FusionGroup, GroupKind
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.tiles import INTERPRETER, anchor_steps, anchor_tiles
 from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir import strided
@@ -188,7 +189,7 @@ class GemmKernel(EpilogueKernel):
                  conv: bool = False, library_anchor: LibraryAnchor | None = None, template: str = GEMM_TEMPLATE):
         if prologue is not None and (a_view is not None or a_map is not None and (prologue.norm is None
                                                                                   or prologue.operands)):
-            raise Unsupported(f"group {group.name}: a prologue on an operand read through views")
+            raise Unsupported(f"group {group.name}: a prologue on an operand read through views", Code.EPILOGUE_FORM)
         self.prologue = prologue
         if prologue is not None:     # what the library forms compute the anchor's input through
             self.operand_nodes, self.operand_constants = [graph[n] for n in prologue.nodes], prologue.constants
@@ -341,9 +342,7 @@ def _lower_gated(graph: Graph, group: FusionGroup, device: torch.device, pair: G
     n, k = weights[0].shape
     weight = interleaved(weights[0].t(), weights[1].t()).contiguous()     # [k, 2 n]: columns gate_j, up_j
     ops = anchor_prologue(graph, pair.gate, group.nodes, users)
-    after = [name for name in group.nodes if name not in (pair.gate, pair.up, *pair.activation, *ops)]
-    if after[0] != pair.product:
-        raise Unsupported(f"group {group.name}: the gated pair's product {pair.product} is not its first epilogue node")
+    after = _gated_epilogue(graph, group, pair, users)
     shape = graph[pair.product].type.shape
     epilogue = Epilogue(graph, group, [after], TileLayout(shape, channel_dim=len(shape) - 1), device)
     prologue = linear_prologue(graph, ops, x, k, device, fold_weight=True)
@@ -359,9 +358,6 @@ def _lower_gated(graph: Graph, group: FusionGroup, device: torch.device, pair: G
 
 def _pack_linear_weights(graph: Graph, anchors: list[str], dtype: str, device: torch.device) -> torch.Tensor:
     """The siblings' weights [N_i, K] concatenated and transposed to [K, sum N_i], contiguous, in `dtype`."""
-    for name in anchors:
-        if not graph.is_constant(graph[name].inputs[1]):
-            raise Unsupported(f"{graph[name].describe()}: the weight is not a constant")
     weights = [graph.constants[graph[name].inputs[1]].to(device=device, dtype=torch_dtype(dtype)) for name in anchors]
     return torch.cat(weights, 0).t().contiguous()
 
@@ -376,7 +372,7 @@ def anchor_biases(graph: Graph, anchors: list[str]) -> list[torch.Tensor | None]
         elif graph.is_constant(node.inputs[2]):
             biases.append(graph.constants[node.inputs[2]])
         else:
-            raise Unsupported(f"{node.describe()}: the bias is not a constant")
+            raise Unsupported(f"{node.describe()}: the bias is not a constant", Code.NOT_CONSTANT)
     return biases
 
 
@@ -384,10 +380,6 @@ def _lower_linear(graph: Graph, group: FusionGroup, device: torch.device, anchor
                   chains: list[list[str]], hw: HardwareProfile | None, users: Users) -> GemmKernel:
     first = graph[anchors[0]]
     x = first.inputs[0]
-    for name in anchors[1:]:
-        if graph[name].inputs[0] != x:
-            raise Unsupported(f"horizontal group {group.name}: {graph[name].describe()} reads another input "
-                              f"than {first.describe()}")
     dtype = compute_dtype(graph, x, first)
     weight = _pack_linear_weights(graph, anchors, dtype, device)
     k, n = weight.shape
@@ -457,12 +449,7 @@ def _lower_matmul(graph: Graph, group: FusionGroup, device: torch.device, anchor
                   chains: list[list[str]], hw: HardwareProfile | None) -> GemmKernel:
     node = graph[anchor]
     a, b = node.inputs
-    a_type, b_type = graph[a].type, graph[b].type
-    if len(a_type.shape) < 2 or len(b_type.shape) < 2:
-        raise Unsupported(f"{node.describe()}: matmul with a 1-D operand")
-    dtype = compute_dtype(graph, a, node)
-    if b_type.dtype != dtype:
-        raise Unsupported(f"{node.describe()}: operands of different dtypes {dtype} and {b_type.dtype}")
+    a_type = graph[a].type
     shape = node.type.shape
     batch_dims = tuple(range(len(shape) - 2))
     layout = TileLayout(shape, channel_dim=len(shape) - 1, batch_dims=batch_dims)
@@ -480,16 +467,69 @@ def lower_gemm_group(graph: Graph, group: FusionGroup, device: torch.device | st
     for GPU `hw` (default: the default profile)."""
     device = torch.device(device)
     users = graph.users()      # once for the whole lowering: each step below reads it
+    taken = _taken(graph, group, users)
+    if isinstance(taken, GatedPair):
+        return _lower_gated(graph, group, device, taken, hw, users)
+    anchors, chains = taken
+    if graph[anchors[0]].op == "linear":
+        return _lower_linear(graph, group, device, anchors, chains, hw, users)
+    return _lower_matmul(graph, group, device, anchors[0], chains, hw)
+
+
+def supports(graph: Graph, group: FusionGroup, users: Users | None = None) -> Reason | None:
+    """None where the GEMM template takes `group`, else why not (`_taken`'s checks; no source generated)."""
+    return refusal("gemm", lambda: _taken(graph, group, graph.users() if users is None else users))
+
+
+def _taken(graph: Graph, group: FusionGroup, users: Users) -> GatedPair | tuple[list[str], list[list[str]]]:
+    """The group as the template takes it: its gated pair, or its anchors (several: horizontal linears on one
+    input) with their epilogue chains; `Unsupported` (its code says which kind) where the template cannot."""
     pair = gated_pair(graph, group.nodes, users)
     if pair is not None:
-        return _lower_gated(graph, group, device, pair, hw, users)
+        gate = graph[pair.gate]
+        compute_dtype(graph, gate.inputs[0], gate)
+        _constant_weights(graph, [pair.gate, pair.up])
+        _gated_epilogue(graph, group, pair, users)
+        return pair
     anchors, chains = siblings_and_chains(graph, group, ("linear", "matmul"), users)
     if len(anchors) > 1 and group.kind is not GroupKind.HORIZONTAL:
-        raise Unsupported(f"group {group.name} ({group.kind.value}) holds several anchors: "
-                          f"{', '.join(anchors)}")
+        raise Unsupported(f"group {group.name} ({group.kind.value}) holds several anchors: {', '.join(anchors)}",
+                          Code.SEVERAL_ANCHORS)
     ops = {graph[a].op for a in anchors}
+    first = graph[anchors[0]]
     if ops == {"linear"}:
-        return _lower_linear(graph, group, device, anchors, chains, hw, users)
-    if len(anchors) > 1:
-        raise Unsupported(f"horizontal group {group.name}: only linear siblings are concatenated, not {ops}")
-    return _lower_matmul(graph, group, device, anchors[0], chains, hw)
+        for name in anchors[1:]:
+            if graph[name].inputs[0] != first.inputs[0]:
+                raise Unsupported(f"horizontal group {group.name}: {graph[name].describe()} reads another input "
+                                  f"than {first.describe()}", Code.SEVERAL_ANCHORS)
+        compute_dtype(graph, first.inputs[0], first)
+        _constant_weights(graph, anchors)
+        anchor_biases(graph, anchors)
+    elif len(anchors) > 1:
+        raise Unsupported(f"horizontal group {group.name}: only linear siblings are concatenated, not {ops}",
+                          Code.SEVERAL_ANCHORS)
+    else:
+        a_type, b_type = (graph[i].type for i in first.inputs[:2])
+        if len(a_type.shape) < 2 or len(b_type.shape) < 2:
+            raise Unsupported(f"{first.describe()}: matmul with a 1-D operand", Code.OPERAND_SHAPE)
+        dtype = compute_dtype(graph, first.inputs[0], first)
+        if b_type.dtype != dtype:
+            raise Unsupported(f"{first.describe()}: operands of different dtypes {dtype} and {b_type.dtype}",
+                              Code.OPERAND_DTYPE)
+    return anchors, chains
+
+
+def _constant_weights(graph: Graph, anchors: Sequence[str]) -> None:
+    for name in anchors:
+        if not graph.is_constant(graph[name].inputs[1]):
+            raise Unsupported(f"{graph[name].describe()}: the weight is not a constant", Code.NOT_CONSTANT)
+
+
+def _gated_epilogue(graph: Graph, group: FusionGroup, pair: GatedPair, users: Users) -> list[str]:
+    """The gated pair's epilogue nodes, its product first (the template starts from the product)."""
+    ops = anchor_prologue(graph, pair.gate, group.nodes, users)
+    after = [name for name in group.nodes if name not in (pair.gate, pair.up, *pair.activation, *ops)]
+    if not after or after[0] != pair.product:
+        raise Unsupported(f"group {group.name}: the gated pair's product {pair.product} is not its first epilogue "
+                          "node", Code.EPILOGUE_FORM)
+    return after

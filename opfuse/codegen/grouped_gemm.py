@@ -23,14 +23,15 @@ import torch
 import triton
 
 from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, KernelConfig, compiled_info, kernel_name, load_kernel
-from opfuse.codegen.expr import Unsupported
+from opfuse.codegen.expr import Unsupported, refusal
 from opfuse.codegen.gemm import gated_code, interleaved
 from opfuse.codegen.template_kernel import INT32_LIMIT
-from opfuse.fusion.legality_anchors import gated_experts
+from opfuse.fusion.legality_anchors import GatedExperts, gated_experts
 from opfuse.fusion.plan import FusionGroup
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.tiles import INTERPRETER, anchor_tiles
 from opfuse.hardware import HardwareProfile, kernel_profile
-from opfuse.ir.graph import Graph, torch_dtype
+from opfuse.ir.graph import Graph, Node, torch_dtype
 from opfuse.ir.ops import get_op
 from opfuse.ir.ops_alone import CALLS, call_of
 from opfuse.numerics import dot_precision
@@ -90,17 +91,10 @@ class GroupedGemmKernel(GroupKernel):
     """One grouped_mm node (module docstring), or with its gated product (`gated_experts`)."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, hw: HardwareProfile | None = None):
-        node = next(graph[n] for n in group.nodes if graph[n].op == "grouped_mm")
+        node, self.gated = _grouped(graph, group, graph.users())
         self.node = node
         x, w, ends = (graph[name].type for name in node.inputs)
         (self.rows, self.k), (self.experts, _, self.n) = x.shape, w.shape
-        if x.dtype != w.dtype or x.dtype not in ("float16", "bfloat16", "float32"):
-            raise Unsupported(f"{node.describe()}: a grouped GEMM of {x.dtype} rows and {w.dtype} weights")
-        if max(x.numel, w.numel, node.type.numel) > INT32_LIMIT:
-            raise Unsupported(f"{node.describe()}: more elements than the template's int32 offsets reach")
-        self.gated = gated_experts(graph, node.name, graph.users()) if len(group.nodes) > 1 else None
-        if len(group.nodes) > 1 and (self.gated is None or self.gated.nodes != set(group.nodes)):
-            raise Unsupported(f"group {group.name}: a grouped GEMM takes only a gated product after it")
         source = GROUPED_GEMM_TEMPLATE.replace(     # a gated product as a gated pair of linears computes it
             "{product}\n", gated_code(graph, self.gated.activation) if self.gated else "")
         name, source, self.function = load_kernel("fused", [graph[n].op for n in group.nodes], source)
@@ -118,7 +112,8 @@ class GroupedGemmKernel(GroupKernel):
                                          BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"]) for t in tiles
                          if not self.gated or t["BLOCK_N"] % 32 == 0]     # half tiles of 16 columns or more
         if not self._configs:
-            raise Unsupported(f"group {group.name}: no tile of 32 columns or more for the gated product")
+            raise Unsupported(f"group {group.name}: no tile of 32 columns or more for the gated product",
+                              Code.OPERAND_SHAPE)
 
     def configs(self) -> list[KernelConfig]:
         return list(self._configs)
@@ -147,10 +142,9 @@ class LibraryKernel(GroupKernel):
     or the outputs read of one call of several (`ops_alone.CALLS`: topk's values and indices), one call for all."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, hw: HardwareProfile | None = None):
+        _one_call(graph, group)
         self.nodes = [graph[name] for name in group.nodes]
         self.node = first = self.nodes[0]
-        if any(call_of(n) != call_of(first) for n in self.nodes[1:]):
-            raise Unsupported(f"group {group.name}: library calls of ops that are no outputs of one call")
         source = f"# library call: {first.op} {call_of(first)[2]}"    # (one source for every call site)
         super().__init__(graph, group, kernel_name("library", [first.op], source), source)
         self.constants = {v: graph.constants[v].to(device) for v in first.inputs if graph.is_constant(v)}
@@ -176,6 +170,41 @@ def lower_grouped_gemm(graph: Graph, group: FusionGroup, device: torch.device,
     return GroupedGemmKernel(graph, group, device, hw)
 
 
+def supports_grouped_gemm(graph: Graph, group: FusionGroup, users=None) -> Reason | None:
+    """None where the grouped GEMM template takes `group`, else why not (`_grouped`'s checks)."""
+    return refusal("grouped_gemm", lambda: _grouped(graph, group, graph.users() if users is None else users))
+
+
+def _grouped(graph: Graph, group: FusionGroup, users) -> tuple[Node, GatedExperts | None]:
+    """The group's grouped_mm and its gated product (None: alone); `Unsupported` where the template cannot take
+    them: rows and weights of different or non-float dtypes, more elements than int32 offsets reach, other ops."""
+    node = next(graph[n] for n in group.nodes if graph[n].op == "grouped_mm")
+    x, w = (graph[name].type for name in node.inputs[:2])
+    if x.dtype != w.dtype or x.dtype not in ("float16", "bfloat16", "float32"):
+        raise Unsupported(f"{node.describe()}: a grouped GEMM of {x.dtype} rows and {w.dtype} weights",
+                          Code.OPERAND_DTYPE)
+    if max(x.numel, w.numel, node.type.numel) > INT32_LIMIT:
+        raise Unsupported(f"{node.describe()}: more elements than the template's int32 offsets reach",
+                          Code.OPERAND_SHAPE)
+    gated = gated_experts(graph, node.name, users) if len(group.nodes) > 1 else None
+    if len(group.nodes) > 1 and (gated is None or gated.nodes != set(group.nodes)):
+        raise Unsupported(f"group {group.name}: a grouped GEMM takes only a gated product after it",
+                          Code.EPILOGUE_FORM)
+    return node, gated
+
+
 def lower_library(graph: Graph, group: FusionGroup, device: torch.device,
                   hw: HardwareProfile | None = None) -> GroupKernel:
     return LibraryKernel(graph, group, device, hw)
+
+
+def supports_library(graph: Graph, group: FusionGroup, users=None) -> Reason | None:
+    """None where the group is one library call (or outputs of one call), else why not."""
+    return refusal("library", lambda: _one_call(graph, group))
+
+
+def _one_call(graph: Graph, group: FusionGroup) -> None:
+    first = graph[group.nodes[0]]
+    if any(call_of(graph[n]) != call_of(first) for n in group.nodes[1:]):
+        raise Unsupported(f"group {group.name}: library calls of ops that are no outputs of one call",
+                          Code.SEVERAL_ANCHORS)

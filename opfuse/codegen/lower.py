@@ -6,13 +6,15 @@ global average pool and two small GEMMs) -> `lower_squeeze_group`, conv2d -> `lo
 groups -> `lower_pointwise_group`, reductions -> `lower_reduction_group`, an op that runs alone (`OpDef.kernel`: a
 grouped GEMM, MoE routing's library calls) -> `opfuse.codegen.grouped_gemm`. A group that gets no kernel (a view, an
 opaque op, a gather, or a template that raised `Unsupported`) runs through PyTorch at run time; the reason (a stable
-code and the words, `opfuse.fusion.reasons.Reason`) is recorded so the report can say why. The templates' lowerings
-are in `TEMPLATES`, by name: `choose_lowering` names one, `lower_group` calls it.
+code and the words, `opfuse.fusion.reasons.Reason`) is recorded so the report can say why. The templates are in
+`TEMPLATES`, by name, each its `supports` (whether it takes a group: its checks, no source generated, a reason of its
+own code where not) and its lowering: `choose_lowering` names one, `template_refusal` asks its `supports` (the
+planner does before each merge), `lower_group` asks it, then lowers.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, MutableMapping
+from typing import Callable, Mapping, MutableMapping, NamedTuple
 
 import torch
 
@@ -27,12 +29,25 @@ from opfuse.hardware import HardwareProfile, get_hardware, kernel_profile
 from opfuse.ir.graph import Graph, GraphError
 from opfuse.ir.ops import FusionKind, get_op, kind_of, view_copies
 
-# template name -> its lowering: (graph, group, device, hw=profile) -> its kernel, or Unsupported
-TEMPLATES: dict[str, Callable[..., GroupKernel | None]] = {
-    "conv": conv.lower_conv_group, "gemm": gemm.lower_gemm_group, "attention": attention.lower_attention,
-    "conv-conv": conv_conv.lower_conv_conv_group, "squeeze": squeeze.lower_squeeze_group,
-    "pointwise": pointwise.lower_pointwise_group, "reduction": reduction.lower_reduction_group,
-    "grouped_gemm": grouped_gemm.lower_grouped_gemm, "library": grouped_gemm.lower_library,
+class Template(NamedTuple):
+    """A kernel template: `supports(graph, group, users=None)` -> None where it takes the group, else the Reason
+    (generating nothing); `lower(graph, group, device, hw=profile)` -> its kernel (`Unsupported` where a refusal
+    shows only as the source is generated)."""
+
+    supports: Callable[..., Reason | None]
+    lower: Callable[..., GroupKernel | None]
+
+
+TEMPLATES: dict[str, Template] = {
+    "conv": Template(conv.supports, conv.lower_conv_group),
+    "gemm": Template(gemm.supports, gemm.lower_gemm_group),
+    "attention": Template(attention.supports, attention.lower_attention),
+    "conv-conv": Template(conv_conv.supports, conv_conv.lower_conv_conv_group),
+    "squeeze": Template(squeeze.supports, squeeze.lower_squeeze_group),
+    "pointwise": Template(pointwise.supports, pointwise.lower_pointwise_group),
+    "reduction": Template(reduction.supports, reduction.lower_reduction_group),
+    "grouped_gemm": Template(grouped_gemm.supports_grouped_gemm, grouped_gemm.lower_grouped_gemm),
+    "library": Template(grouped_gemm.supports_library, grouped_gemm.lower_library),
 }
 ANCHOR_TEMPLATES = {"conv2d": "conv", "linear": "gemm", "matmul": "gemm", "sdpa": "attention"}   # anchor op ->
 
@@ -107,6 +122,13 @@ def choose_lowering(graph: Graph, group: FusionGroup) -> str | Reason:
                   f"{', '.join(dict.fromkeys(graph[n].op for n in group.nodes))}")
 
 
+def template_refusal(graph: Graph, group: FusionGroup, users=None) -> Reason | None:
+    """Why the template `choose_lowering` names for `group` refuses it (its `supports`), or None: also None where no
+    template is named (the group runs through PyTorch for a reason of another kind, or launches nothing)."""
+    choice = choose_lowering(graph, group)
+    return None if isinstance(choice, Reason) else TEMPLATES[choice].supports(graph, group, users)
+
+
 def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
                 reasons: MutableMapping[str, Reason] | None = None, hw: HardwareProfile | None = None
                 ) -> GroupKernel | None:
@@ -115,11 +137,13 @@ def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
     choice = choose_lowering(graph, group)
     if isinstance(choice, Reason):
         reason = choice
+    elif (refused := TEMPLATES[choice].supports(graph, group)) is not None:
+        reason = refused
     else:
         try:
-            kernel = TEMPLATES[choice](graph, group, torch.device(device), hw=kernel_profile(hw))
+            kernel = TEMPLATES[choice].lower(graph, group, torch.device(device), hw=kernel_profile(hw))
         except Unsupported as error:
-            reason = Reason(Code.UNSUPPORTED, f"unsupported by the {choice} template: {error}")
+            reason = Reason(error.code, f"unsupported by the {choice} template: {error}")
         except ImportError as error:
             raise GraphError(f"group {group.name}: the {choice} template needs what this install lacks "
                              f"({error})") from error

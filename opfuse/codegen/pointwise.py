@@ -33,13 +33,14 @@ import torch
 
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.coordinates import is_channels_last, is_dense_in_order, layout_order, unravel_expressions
-from opfuse.codegen.expr import INTEGER_OPS, SUPPORTED_OPS, Unsupported
+from opfuse.codegen.expr import INTEGER_OPS, SUPPORTED_OPS, Unsupported, refusal
 from opfuse.codegen.operands import VIEW_OPS, Emitter, FlatIndex, Region, build_kernel, exact, next_power_of_2
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.legality_views import MAPPED_COPIES
 from opfuse.fusion.tiles import POINTWISE
 from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.fusion.plan import FusionGroup
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import WIDE_INTEGERS, Graph
 
 
@@ -125,6 +126,25 @@ def lower_pointwise_group(graph: Graph, group: FusionGroup, device, hw: Hardware
     return PointwiseKernel(graph, group, device, hw)
 
 
+def supports(graph: Graph, group: FusionGroup, users=None) -> Reason | None:
+    """None where the pointwise template takes `group`, else why not (`_taken`'s checks; no source generated)."""
+    return refusal("pointwise", lambda: _taken(graph, group))
+
+
+def _taken(graph: Graph, group: FusionGroup) -> list[Part]:
+    """The group's parts (`split_parts`); `Unsupported` (its code says which kind) where the template cannot compute
+    a node, or the group writes nothing."""
+    for name in group.nodes:
+        node = graph[name]
+        if node.op not in SUPPORTED_OPS | INTEGER_OPS and node.op not in VIEW_OPS and node.op not in MAPPED_COPIES \
+                and not graph.writes_state_in_place(name):
+            raise Unsupported(f"node {node.describe()} is not elementwise; the pointwise template cannot compute it",
+                              Code.EPILOGUE_FORM)
+    if not group.outputs:
+        raise Unsupported(f"group {group.name} has no outputs", Code.EPILOGUE_FORM)
+    return split_parts(graph, group)
+
+
 def split_parts(graph: Graph, group: FusionGroup) -> list[Part]:
     """The group's connected parts (through values computed inside the group), ordered by first output."""
     members = set(group.nodes)
@@ -158,7 +178,7 @@ def split_parts(graph: Graph, group: FusionGroup) -> list[Part]:
             if math.prod(graph.stored_shape(o)) != part.numel:
                 raise Unsupported(f"output {graph[o].describe()} of group {group.name} stores "
                                   f"{math.prod(graph.stored_shape(o))} elements, the group's iteration space "
-                                  f"{part.numel}")
+                                  f"{part.numel}", Code.EPILOGUE_FORM)
     return list(parts.values())
 
 
@@ -169,16 +189,8 @@ class PointwiseKernel(TemplateKernel):
     def __init__(self, graph: Graph, group: FusionGroup, device, hw: HardwareProfile | None = None):
         self.hw = kernel_profile(hw)
         group_operands(graph, group)
-        for name in group.nodes:
-            node = graph[name]
-            if node.op not in SUPPORTED_OPS | INTEGER_OPS and node.op not in VIEW_OPS and node.op not in MAPPED_COPIES \
-                    and not graph.writes_state_in_place(name):
-                raise Unsupported(f"node {node.describe()} is not elementwise; the pointwise template cannot "
-                                  "compute it")
-        if not group.outputs:
-            raise Unsupported(f"group {group.name} has no outputs")
+        self.parts = _taken(graph, group)
         constants, scalars = held_constants(graph, group, device)
-        self.parts = split_parts(graph, group)
         # the iteration spaces, one range of programs each: a part, or each segment of it (`cat_segments`)
         self.spaces = [(part, segment) for part in self.parts
                        for segment in cat_segments(graph, part) or [None]]

@@ -12,9 +12,11 @@ import torch
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.expr import Unsupported, int_pair
 from opfuse.codegen.operands import Emitter, build_kernel, next_power_of_2
-from opfuse.codegen.reduction import NEG_INF, indent, split_outputs, store_epilogue
+from opfuse.codegen.reduction import NEG_INF, indent
+from opfuse.codegen.reduction_group import split_outputs, store_epilogue
 from opfuse.codegen.template_kernel import TemplateKernel, held_constants
 from opfuse.fusion.plan import FusionGroup
+from opfuse.fusion.reasons import Code
 from opfuse.fusion.tiles import pool_tiles
 from opfuse.hardware import HardwareProfile
 from opfuse.ir.graph import Graph, Node
@@ -27,9 +29,9 @@ class PoolKernel(TemplateKernel):
 
     def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, hw: HardwareProfile):
         self.node, self.hw = node, hw
+        prologue, epilogue = split_outputs(graph, group, node)
+        pool_problem(graph, node, prologue)
         x = graph[node.inputs[0]]
-        if len(x.type.shape) != 4:
-            raise Unsupported(f"{node.describe()}: only batched 4-D pooling is generated")
         n, c, h, w = x.type.shape
         out_h, out_w = node.type.shape[2:]
         attrs = node.attrs
@@ -43,10 +45,6 @@ class PoolKernel(TemplateKernel):
             dilation = int_pair(attrs.get("dilation", 1), node, "dilation")
             self.is_max = node.op == "max_pool2d"
             include_pad = bool(attrs.get("count_include_pad", True))
-        prologue, epilogue = split_outputs(graph, group, node)
-        if prologue:
-            raise Unsupported(f"{node.describe()}: pool windows overlap or skip pixels, so prologue values "
-                              f"({', '.join(prologue)}) cannot be written from this kernel")
         self.pixels, self.channels = n * out_h * out_w, c
         constants, scalars = held_constants(graph, group, device)
         emitter = Emitter(graph, group, scalars)
@@ -103,3 +101,18 @@ class PoolKernel(TemplateKernel):
         self.launch(grid, config, tensors | dict(zip(self.group.outputs, results)),
                     (grid[0] + 1) * config["BLOCK_P"])
         return results
+
+
+def pool_problem(graph: Graph, node: Node, prologue: Sequence[str]) -> None:
+    """`Unsupported` (its code says which kind) where the template cannot pool: an input of other than 4 dims, an
+    adaptive pooling of uneven windows, or prologue values the group stores (windows overlap or skip pixels)."""
+    shape = graph[node.inputs[0]].type.shape
+    if len(shape) != 4:
+        raise Unsupported(f"{node.describe()}: only batched 4-D pooling is generated", Code.OPERAND_SHAPE)
+    out_h, out_w = node.type.shape[-2:]
+    if node.op == "adaptive_avg_pool2d" and (shape[2] % out_h or shape[3] % out_w):
+        raise Unsupported(f"{node.describe()}: adaptive pooling to {out_h}x{out_w} of {shape[2]}x{shape[3]} has "
+                          "uneven windows", Code.OPERAND_SHAPE)
+    if prologue:
+        raise Unsupported(f"{node.describe()}: pool windows overlap or skip pixels, so prologue values "
+                          f"({', '.join(prologue)}) cannot be written from this kernel", Code.EPILOGUE_FORM)

@@ -34,15 +34,17 @@ import torch
 
 from opfuse.codegen.base import KernelConfig
 from opfuse.codegen.coordinates import Coords, broadcast_coords
-from opfuse.codegen.expr import SUPPORTED_OPS, Unsupported, triton_dtype
-from opfuse.codegen.operands import VIEW_OPS, Emitter, Region, build_kernel, next_power_of_2
+from opfuse.codegen.expr import Unsupported, refusal, triton_dtype
+from opfuse.codegen.operands import Emitter, Region, build_kernel, next_power_of_2
+from opfuse.codegen.reduction_group import reduction_node, split_outputs, store_epilogue, store_outputs
 from opfuse.codegen.template_kernel import TemplateKernel, group_operands, held_constants
 from opfuse.fusion.plan import FusionGroup
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.tiles import (EXTREMES, ROW_SPLIT_MODES, ROW_WRITING_MODES, RowView, row_kernel_tiles, row_view,
                                  slice_statistics)
 from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import FLOAT_DTYPES, WIDE_INTEGERS, Graph, Node, torch_dtype
-from opfuse.ir.ops import SCAN_OPS, FusionKind, kind_of
+from opfuse.ir.ops import SCAN_OPS, kind_of
 
 NEG_INF = 'float("-inf")'
 # softmax's running max never drops below this finite floor: a chunk of only -inf (a padding mask) would
@@ -55,96 +57,33 @@ def lower_reduction_group(graph: Graph, group: FusionGroup, device, hw: Hardware
     """Lower a group of one reduction with elementwise prologue/epilogue ops to one Triton kernel, its tiles for
     GPU `hw` (default: the default profile)."""
     group_operands(graph, group)
+    node, view = _taken(graph, group)
+    if view is not None:
+        return RowReductionKernel(graph, group, device, node, view, kernel_profile(hw))
+    from opfuse.codegen.pool import PoolKernel      # (the pooling template builds on this module's)
+    return PoolKernel(graph, group, device, node, kernel_profile(hw))
+
+
+def supports(graph: Graph, group: FusionGroup, users=None) -> Reason | None:
+    """None where the reduction template takes `group`, else why not (`_taken`'s checks; no source generated)."""
+    return refusal("reduction", lambda: _taken(graph, group))
+
+
+def _taken(graph: Graph, group: FusionGroup) -> tuple[Node, RowView | None]:
+    """The group's reduction and its row view (None: a pooling); `Unsupported` (its code says which kind) where the
+    template cannot take the group."""
+    from opfuse.codegen.pool import POOL_OPS, pool_problem
     node = reduction_node(graph, group)
     if node.type.dtype in WIDE_INTEGERS and node.op not in SCAN_OPS and node.op != "sum":
         raise Unsupported(f"{node.describe()}: its {node.type.dtype} result would be reduced in float32, which "
-                          "rounds past 2^24 (only a scan or a sum carries an integer exactly)")
-    x_shape = graph[node.inputs[0]].type.shape
-    hw = kernel_profile(hw)
+                          "rounds past 2^24 (only a scan or a sum carries an integer exactly)", Code.OPERAND_DTYPE)
+    prologue, _ = split_outputs(graph, group, node)
     view = row_view(graph, node)
-    if view is not None:
-        return RowReductionKernel(graph, group, device, node, view, hw)
-    from opfuse.codegen.pool import POOL_OPS, PoolKernel      # (the pooling template builds on this module's)
-    if node.op == "adaptive_avg_pool2d":
-        out_h, out_w = node.type.shape[-2:]
-        if len(x_shape) != 4 or x_shape[2] % out_h or x_shape[3] % out_w:
-            raise Unsupported(f"{node.describe()}: adaptive pooling to {out_h}x{out_w} of {x_shape[2]}x"
-                              f"{x_shape[3]} has uneven windows")
-        return PoolKernel(graph, group, device, node, hw)
-    if node.op in POOL_OPS:
-        return PoolKernel(graph, group, device, node, hw)
-    raise Unsupported(f"no reduction template for {node.describe()}")
-
-
-def reduction_node(graph: Graph, group: FusionGroup) -> Node:
-    """The group's one reduction; every other node must be elementwise or a view."""
-    reductions = [graph[n] for n in group.nodes if kind_of(graph[n]) is FusionKind.REDUCTION]
-    if len(reductions) != 1:
-        raise Unsupported(f"group {group.name} holds {len(reductions)} reductions; the template takes one")
-    for name in group.nodes:
-        node = graph[name]
-        if node is not reductions[0] and node.op not in SUPPORTED_OPS and node.op not in VIEW_OPS:
-            raise Unsupported(f"node {node.describe()} in group {group.name} is neither elementwise nor a view")
-    return reductions[0]
-
-
-def split_outputs(graph: Graph, group: FusionGroup, node: Node) -> tuple[list[str], list[str]]:
-    """Group outputs computed before the reduction (prologue) and from it (epilogue), with their sizes checked."""
-    after = {node.name}
-    for name in group.nodes:
-        if any(i in after for i in graph[name].inputs):
-            after.add(name)
-    x_numel = graph[node.inputs[0]].type.numel
-    prologue = [o for o in group.outputs if o not in after]
-    epilogue = [o for o in group.outputs if o in after]
-    for o in prologue:
-        if graph[o].type.numel != x_numel:
-            raise Unsupported(f"prologue output {graph[o].describe()} is not the size of the reduction input")
-    for o in epilogue:
-        if graph[o].type.numel != node.type.numel:
-            raise Unsupported(f"epilogue output {graph[o].describe()} is not the size of {node.describe()}")
-    return prologue, epilogue
-
-
-def store_outputs(region: Region, outputs: Sequence[str], coords: Coords, shape: Sequence[int]) -> None:
-    """Store each output at `coords` of `shape`, mapped through row-major order when its own shape differs."""
-    for o in outputs:
-        own = region.graph[o].type.shape
-        region.store(o, coords if tuple(own) == tuple(shape) else region.reshape_coords(coords, shape, own))
-
-
-def store_epilogue(region: Region, group: FusionGroup, node: Node, coords: Coords, outputs: Sequence[str]) -> None:
-    """Store the epilogue `outputs` of reduction `node`, bound at `coords`. A view after the reduction (group norm's
-    reshape back to [N, C, H, W], the permutes and reshapes of a copy the kernel writes directly) maps the
-    coordinates forward: its value at the mapped coordinates is its input's at the input's (bound so, no round trip
-    through div/mod back to `coords`), and an op after it is computed at the coordinates of the value it reads from
-    the reduction. An output found at no mapped coordinates (another shape) is stored through row-major order."""
-    graph = region.graph
-    at: dict[str, Coords] = {node.name: tuple(coords)}
-    for name in group.nodes:
-        current = graph[name]
-        if name in at or not any(i in at for i in current.inputs):
-            continue
-        source = current.inputs[0]
-        if current.op in ("reshape", "identity", "permute") and source in at:
-            inner = at[source]
-            if current.op == "permute":
-                own = tuple(inner[d % len(inner)] for d in current.attrs["dims"])
-            elif current.op == "identity":
-                own = inner
-            else:
-                own = region.reshape_coords(inner, graph[source].type.shape, current.type.shape)
-            region.bind(name, own, region.held(source, inner))
-            at[name] = own
-        else:       # elementwise: at the coordinates of the value of its shape it reads from the reduction
-            same = [at[i] for i in current.inputs if i in at and graph[i].type.shape == current.type.shape]
-            if same:
-                at[name] = same[0]
-    shape = tuple(node.type.shape)
-    for o in outputs:
-        own = graph[o].type.shape
-        mapped = at.get(o) if len(at.get(o, ())) == len(own) else None
-        region.store(o, mapped if mapped is not None else region.reshape_coords(coords, shape, own))
+    if view is None and node.op not in (*POOL_OPS, "adaptive_avg_pool2d"):
+        raise Unsupported(f"no reduction template for {node.describe()}", Code.NO_TEMPLATE)
+    if view is None:
+        pool_problem(graph, node, prologue)
+    return node, view
 
 
 def walk_orders(mode: str, sizes: Sequence[int]) -> list[tuple[int, ...]]:

@@ -31,9 +31,10 @@ import torch
 
 from opfuse.codegen.base import (FORM_SEPARATE, FORM_UNFUSED, GroupKernel, KernelConfig, compiled_info,
                                  load_kernel)
-from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, literal
+from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, literal, refusal
 from opfuse.codegen.template_kernel import INT32_LIMIT, extent
 from opfuse.fusion.plan import FusionGroup, GroupKind
+from opfuse.fusion.reasons import Code, Reason
 from opfuse.fusion.squeeze import SqueezeChain, squeeze_chain, squeeze_tile
 from opfuse.hardware import HardwareProfile, kernel_profile
 from opfuse.ir.graph import Graph, GraphError, torch_dtype
@@ -118,6 +119,24 @@ def lower_squeeze_group(graph: Graph, group: FusionGroup, device, hw: HardwarePr
     return SqueezeKernel(graph, group, torch.device(device), kernel_profile(hw))
 
 
+def supports(graph: Graph, group: FusionGroup, users=None) -> Reason | None:
+    """None where the squeeze template takes `group`, else why not (`_taken`'s checks; no source generated)."""
+    return refusal("squeeze", lambda: _taken(graph, group, graph.users() if users is None else users))
+
+
+def _taken(graph: Graph, group: FusionGroup, users) -> SqueezeChain:
+    """The group's squeeze chain; `Unsupported` where it is none, or reads a dtype the kernel does not take."""
+    chain = squeeze_chain(graph, group.nodes, users)
+    if not isinstance(chain, SqueezeChain):
+        raise Unsupported(f"group {group.name} is no squeeze chain" + (f": {chain}" if chain else ""),
+                          Code.EPILOGUE_FORM)
+    x = graph[chain.pool].inputs[0]
+    if graph[x].type.dtype not in ("float16", "bfloat16", "float32"):
+        raise Unsupported(f"the squeeze kernel takes float16/bfloat16/float32 inputs, not {graph[x].type.dtype}",
+                          Code.OPERAND_DTYPE)
+    return chain
+
+
 def _indent(lines: list[str], depth: int) -> str:
     return "\n".join("    " * depth + line for line in lines)
 
@@ -126,13 +145,9 @@ class SqueezeKernel(GroupKernel):
     """A SQUEEZE group as one Triton kernel (split or plain form), or its separate kernels, or its ops unfused."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device: torch.device, hw: HardwareProfile):
-        chain = squeeze_chain(graph, group.nodes, graph.users())
-        if not isinstance(chain, SqueezeChain):
-            raise Unsupported(f"group {group.name} is no squeeze chain" + (f": {chain}" if chain else ""))
+        chain = _taken(graph, group, graph.users())
         self.chain, self.device, self.hw = chain, device, hw
         x = graph[chain.pool].inputs[0]
-        if graph[x].type.dtype not in ("float16", "bfloat16", "float32"):
-            raise Unsupported(f"the squeeze kernel takes float16/bfloat16/float32 inputs, not {graph[x].type.dtype}")
         for name in group.outputs:
             if name not in (chain.second, *chain.second_epilogue):
                 raise GraphError(f"group {group.name} outputs {name}, which is no value of its second GEMM")

@@ -235,6 +235,7 @@ class _Planner(ViewFusion, SqueezeFusion, HorizontalFusion, GroupListing):
                kind: GroupKind | None = None) -> bool:
         """Check budget and profit of merging groups `first` and `second`; merge and record."""
         a, b = self.groups[first], self.groups[second]
+        illegal = illegal or self.template_refuses(a + b, kind)
         if illegal:
             self.record(a, b, fusion, Verdict.ILLEGAL, illegal)
             return False

@@ -8,6 +8,7 @@ import math
 
 from opfuse.fusion.cost import KernelEstimate
 from opfuse.fusion.legality import alone, skip_operands
+from opfuse.fusion.legality_common import in_order
 from opfuse.fusion.legality_anchors import gated_pair, row_norm_prologue
 from opfuse.fusion.legality_views import MAPPED_COPIES, is_view
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind, Verdict
@@ -49,12 +50,13 @@ class GroupListing:
         return order
 
     def classify(self, group: int) -> GroupKind:
-        """The group's kind, read off its nodes' fusion kinds."""
-        if group in self.kinds:
-            return self.kinds[group]
-        nodes = self.groups[group]
+        """The group's kind: fixed by a horizontal or squeeze merge, else read off its nodes (`kind_of_nodes`)."""
+        return self.kinds[group] if group in self.kinds else self.kind_of_nodes(self.groups[group])
+
+    def kind_of_nodes(self, nodes: list[str]) -> GroupKind:
+        """The kind of a group of `nodes` (in order), read off their fusion kinds."""
         kinds = [kind_of(self.graph[n]) for n in nodes]
-        if self.is_view_group(group):   # one PyTorch would copy: opfuse's copy kernel, reading through the views
+        if all(is_view(self.graph[n]) for n in nodes):   # views: none, or opfuse's copy where PyTorch copies
             return GroupKind.POINTWISE if self.copies(nodes) else GroupKind.VIEW
         if any(k is FusionKind.OPAQUE and not self.graph.writes_state_in_place(n, self.users)
                for n, k in zip(nodes, kinds)):
@@ -76,6 +78,17 @@ class GroupListing:
         if FusionKind.REDUCTION in kinds:
             return GroupKind.REDUCTION
         return GroupKind.POINTWISE
+
+    def template_refuses(self, nodes: list[str], kind: GroupKind | None = None) -> Reason | None:
+        """Why the template of a group of `nodes` (of `kind`, else as `kind_of_nodes` reads it) would refuse it
+        (`opfuse.codegen.lower.template_refusal`: its `supports`, nothing generated), or None."""
+        from opfuse.codegen.lower import template_refusal     # (codegen builds on the plan's types)
+
+        ordered = in_order(nodes, self.index)
+        estimate, traffic = self.estimate(ordered), self.traffic(ordered)
+        group = FusionGroup(-1, kind or self.kind_of_nodes(ordered), ordered, anchor=estimate.anchor,
+                            inputs=list(traffic.inputs), outputs=list(traffic.outputs))
+        return template_refusal(self.graph, group, self.users)
 
     def explain(self, group: int, kind: GroupKind, refusals: dict[str, Reason]) -> Reason:
         """Why the group is what it is: a merged group's code is fused, a lone node's the first refusal it met."""

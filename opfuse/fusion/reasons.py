@@ -65,7 +65,17 @@ Groups that run through PyTorch (`opfuse.codegen.lower.choose_lowering`, `lower_
   opaque, copying-op    as above: the op has no kernel of opfuse's
   view                  a view: metadata only, nothing to launch
   no-template           no Triton template covers the group's anchor op or its mix of ops
-  unsupported           the template refused the group (`Unsupported`; the text says why)
+  Refused by the group's template (`opfuse.codegen.lower.template_refusal`: its `supports`, before any source is
+  generated; the planner asks it before each merge, so a plan holds such a group only where a node alone is one):
+  several-anchors       anchors the template does not put in one kernel (siblings of other inputs, ops or
+                        geometries; several attention anchors)
+  not-constant          a weight, bias or per-channel parameter the template needs as a constant is computed
+  operand-dtype         a dtype the template does not compute in (operands of different dtypes, wide integers)
+  operand-shape         operands the template does not tile (a 1-D matmul operand, a pooling of other rank,
+                        head dims that differ)
+  epilogue-form         ops around the anchor or reduction that the template cannot place (an op that does not
+                        follow the anchor, sibling epilogues that differ, a norm without whole rows)
+  unsupported           the template refused the group while generating it (`Unsupported`; the text says why)
   no-kernel             no kernel was built for the group
   failed-verification   its kernel failed the check against the group's reference values, so it was dropped
   eager-call            a call the compiled model could not run was run eagerly (fallback="eager")
@@ -122,6 +132,11 @@ class Code(str, Enum):
     VIEW = "view"
     VIEW_COPY = "view-copy"
     NO_TEMPLATE = "no-template"
+    SEVERAL_ANCHORS = "several-anchors"
+    NOT_CONSTANT = "not-constant"
+    OPERAND_DTYPE = "operand-dtype"
+    OPERAND_SHAPE = "operand-shape"
+    EPILOGUE_FORM = "epilogue-form"
     UNSUPPORTED = "unsupported"
     NO_CANDIDATE = "no-candidate"
     NO_KERNEL = "no-kernel"

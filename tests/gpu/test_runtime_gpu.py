@@ -143,8 +143,9 @@ def test_build_compiled_model_end_to_end(tmp_path, monkeypatch):
     def unsupported(graph, group, device, **_):
         raise Unsupported("not in this test")
 
-    for name in lower.TEMPLATES:
-        monkeypatch.setitem(lower.TEMPLATES, name, relu_only if name == "pointwise" else unsupported)
+    for name, template in lower.TEMPLATES.items():
+        monkeypatch.setitem(lower.TEMPLATES, name, template._replace(
+            lower=relu_only if name == "pointwise" else unsupported))
     x = torch.randn(2, 3, 10, 10, device="cuda", dtype=torch.float16)
     config = FusionConfig(dtype="float16", cache_dir=str(tmp_path))
     model = build_compiled_model(plan, "cuda", [x], config=config, quiet=True)

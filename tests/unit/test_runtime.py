@@ -374,8 +374,11 @@ def test_dispatch_picks_the_template(kind, nodes, anchor, expected):
     (GroupKind.INJECTIVE, ["joined"], None, Code.COPYING_OP),
 ])
 def test_dispatch_gives_a_reason_for_groups_without_a_kernel(kind, nodes, anchor, code, monkeypatch):
+    def called(*args, **kwargs):
+        pytest.fail("no template should be called")
+
     for name in lower.TEMPLATES:
-        monkeypatch.setitem(lower.TEMPLATES, name, lambda *a, **k: pytest.fail("no template should be called"))
+        monkeypatch.setitem(lower.TEMPLATES, name, lower.Template(called, called))
     graph = dispatch_graph()
     group = FusionGroup(7, kind, nodes, anchor=anchor)
     reasons = {}
@@ -396,21 +399,22 @@ def test_lower_group_records_unsupported_and_refuses_missing_dependencies(monkey
     def unsupported(graph, group, device, hw=None):
         raise Unsupported("dilation 2 conv")
 
-    monkeypatch.setitem(lower.TEMPLATES, "conv", unsupported)
+    takes = lower.TEMPLATES["conv"].supports
+    monkeypatch.setitem(lower.TEMPLATES, "conv", lower.Template(takes, unsupported))
     assert lower.lower_group(graph, group, "cpu", reasons) is None
     assert reasons["g0"] == Reason(Code.UNSUPPORTED, "unsupported by the conv template: dilation 2 conv")  # its words
 
     def missing(graph, group, device, hw=None):
         raise ModuleNotFoundError("No module named 'cudnn'")
 
-    monkeypatch.setitem(lower.TEMPLATES, "conv", missing)     # a template whose needs are not installed: an error
+    monkeypatch.setitem(lower.TEMPLATES, "conv", lower.Template(takes, missing))   # its needs not installed: an error
     with pytest.raises(GraphError, match=r"group g0: the conv template needs what this install lacks "
                                          r"\(No module named 'cudnn'\)"):
         lower.lower_group(graph, group, "cpu", reasons)
 
     made = {}
-    monkeypatch.setitem(lower.TEMPLATES, "conv", lambda g, grp, dev, hw=None: made.setdefault(
-        "kernel", FakeKernel(g, grp)))
+    monkeypatch.setitem(lower.TEMPLATES, "conv", lower.Template(takes, lambda g, grp, dev, hw=None: made.setdefault(
+        "kernel", FakeKernel(g, grp))))
     assert lower.lower_group(graph, group, "cpu") is made["kernel"]
 
 
@@ -421,9 +425,9 @@ def test_build_compiled_model_on_cpu(monkeypatch):
     def refuse(g, group, device, hw=None):
         raise Unsupported("not this group")
 
-    for name in lower.TEMPLATES:
-        monkeypatch.setitem(lower.TEMPLATES, name, (lambda g, group, device, hw=None: FakeKernel(g, group))
-                            if name == "conv" else refuse)
+    for name, template in lower.TEMPLATES.items():
+        monkeypatch.setitem(lower.TEMPLATES, name, template._replace(
+            lower=(lambda g, group, device, hw=None: FakeKernel(g, group)) if name == "conv" else refuse))
     model = build_compiled_model(plan, "cpu", example_inputs())
     assert list(model.kernels) == ["g0"] and set(model.fallbacks) == {"g1", "g2"}
     assert model.fallbacks["g2"].code is Code.UNSUPPORTED
@@ -569,8 +573,9 @@ def test_the_tuner_times_cold_the_kernels_that_mostly_read_weights_once_weights_
 @pytest.mark.parametrize("cached", [True, False])
 def test_a_build_whose_every_choice_is_cached_tunes_on_stand_ins(cached, monkeypatch):
     graph = build_graph()
-    for name in lower.TEMPLATES:
-        monkeypatch.setitem(lower.TEMPLATES, name, lambda g, group, device, hw=None: FakeKernel(g, group))
+    for name, template in lower.TEMPLATES.items():
+        monkeypatch.setitem(lower.TEMPLATES, name, template._replace(
+            lower=lambda g, group, device, hw=None: FakeKernel(g, group)))
     monkeypatch.setattr(compiled_module, "tunes", lambda config, device: True)
     monkeypatch.setattr(compiled_module, "every_choice_cached", lambda *args: cached)
     ran = []
