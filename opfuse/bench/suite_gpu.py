@@ -3,7 +3,7 @@ best PyTorch paths, checked against a float32 reference and timed by the fair pr
 (`opfuse.bench.harness.run_workload`: one process, one `torch.inference_mode()`, rounds interleaved), in float16.
 
     python -m opfuse.bench.suite_gpu [--only REGEX] [--family NAME] [--batch N] [--budget S] [--json FILE]
-                                     [--markdown FILE]
+                                     [--markdown FILE] [--in-process]
 
 The seeded random weights are made to look trained as the zoo's are (`looks_trained`): a layer initialised to zero
 (timm's classification heads) would make every output 0 and leave nothing to check. Per model: whether opfuse
@@ -12,13 +12,17 @@ rules (within float16's tolerance, or within the margin of eager float16's own e
 baseline (eager, eager in a CUDA graph, torch.compile: the fastest of them, not a convenient one). Over the suite
 (`summarize`): the share of models compiled and matched, the geometric mean of the speedups, the slowest. Models run
 one family at a time in turn (so that a budget cut leaves a spread of families), until `budget` seconds have passed;
-the ones not reached are listed as such.
+the ones not reached are listed as such. The models run in a child process (`run_isolated`): where it dies (a
+segmentation fault after a failed CUDA graph capture ended a whole call in session 42), the model it was running is
+a failed row and a new child takes the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import multiprocessing
 import sys
 import time
 import traceback
@@ -102,7 +106,7 @@ def judge(entry: SuiteModel, row: dict, dtype: str, seconds: float) -> GpuResult
 
 def run_gpu_suite(models: Sequence[SuiteModel], batch: int = 1, budget: float = float("inf"),
                   device: str = "cuda", contenders: Sequence[str] = CONTENDERS, dtype: str = "float16",
-                  on_result=None) -> list[GpuResult]:
+                  on_result=None, on_start=None) -> list[GpuResult]:
     """Compile, check and time every model (`judge`), until `budget` seconds have passed."""
     from opfuse.bench.harness import measure_ceilings, run_workload
     from opfuse.config import FusionConfig
@@ -116,6 +120,8 @@ def run_gpu_suite(models: Sequence[SuiteModel], batch: int = 1, budget: float = 
                                      error=problem or ""))
             continue
         began = time.monotonic()
+        if on_start:
+            on_start(entry)
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(SEED)
@@ -133,6 +139,60 @@ def run_gpu_suite(models: Sequence[SuiteModel], batch: int = 1, budget: float = 
         if on_result:
             on_result(result)
     return results
+
+
+def run_isolated(names: Sequence[str], batch: int = 1, budget: float = float("inf"), device: str = "cuda",
+                 contenders: Sequence[str] = CONTENDERS, dtype: str = "float16", on_result=None,
+                 source: str = "opfuse.bench.suite:SUITE") -> list[GpuResult]:
+    """`run_gpu_suite` over the models `names` of `source` (module:list) in a spawned child process; where the child
+    dies, the model it was running is a failed row (the exit code says how) and a new child takes the models after
+    it, within what is left of `budget`. Results in `names` order."""
+    context = multiprocessing.get_context("spawn")
+    start, results, families = time.monotonic(), {}, {}
+    while pending := [n for n in names if n not in results]:
+        left = budget - (time.monotonic() - start)
+        if left <= 0:
+            results |= {n: GpuResult(n, families.get(n, "?"), "not-reached") for n in pending}
+            break
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(target=_isolated_child, daemon=True,
+                                args=(source, pending, batch, left, device, tuple(contenders), dtype, send))
+        child.start()
+        send.close()
+        running = None
+        while True:
+            try:
+                message = receive.recv()
+            except EOFError:        # the child is gone: done, or its last model crashed it
+                child.join()
+                if running is None and pending[0] not in results:   # it died before any model: none will run
+                    results |= {n: GpuResult(n, "?", "failed", error=f"the suite's process died before its first "
+                                             f"model (exit code {child.exitcode})") for n in pending}
+                elif running is not None and running not in results:
+                    results[running] = GpuResult(running, families[running], "failed",
+                                                 error=f"the process died (exit code {child.exitcode})")
+                    if on_result:
+                        on_result(results[running])
+                break
+            if message[0] == "start":
+                running, families[message[1]] = message[1], message[2]
+            else:
+                result = GpuResult(**message[1])
+                results[result.name] = result
+                if on_result:
+                    on_result(result)
+        receive.close()
+    return [results[n] for n in names]
+
+
+def _isolated_child(source: str, names: Sequence[str], batch: int, budget: float, device: str,
+                    contenders: Sequence[str], dtype: str, connection) -> None:
+    module, attribute = source.split(":")
+    models = {m.name: m for m in getattr(importlib.import_module(module), attribute)}
+    run_gpu_suite([models[n] for n in names], batch, budget, device, contenders, dtype,
+                  on_result=lambda r: connection.send(("result", asdict(r))),
+                  on_start=lambda entry: connection.send(("start", entry.name, entry.family)))
+    connection.close()
 
 
 def summarize(results: Sequence[GpuResult]) -> dict:
@@ -180,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds; models past it are not run")
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--markdown", metavar="FILE")
+    parser.add_argument("--in-process", action="store_true", help="run the models in this process (a crash ends the "
+                                                                    "run) instead of a child process")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the GPU suite needs a CUDA GPU (the CPU analysis is python -m opfuse.bench.suite)", file=sys.stderr)
@@ -190,7 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         speed = f"{r.speedup:.2f}x over {r.best}" if r.speedup else r.error[:100]
         print(f"{r.name:28} {r.status:10} {r.seconds:6.1f} s  {speed}", flush=True)
 
-    results = run_gpu_suite(models, args.batch, args.budget, on_result=progress)
+    if args.in_process:
+        results = run_gpu_suite(models, args.batch, args.budget, on_result=progress)
+    else:
+        results = run_isolated([m.name for m in models], args.batch, args.budget, on_result=progress)
     print("\n" + markdown(results, args.batch).split("\n")[0])
     if args.json:
         with open(args.json, "w") as f:

@@ -4,6 +4,7 @@ order, and one tiny model run through the whole path on the CPU (interpreter; ea
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -11,12 +12,21 @@ import torch.nn as nn
 
 from opfuse.bench.suite import SuiteModel
 from opfuse.bench.suite_gpu import (GpuResult, interleave_families, judge, looks_trained, markdown, run_gpu_suite,
-                                   summarize)
+                                   run_isolated, summarize)
 
 
 def entry(name: str = "m", family: str = "cnn") -> SuiteModel:
     return SuiteModel(name, family, "torch", lambda: (nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval(),
                                                        (torch.randn(2, 8),)))
+
+
+def _dies():
+    os._exit(7)
+
+
+# the models `run_isolated`'s child finds by name (importing this module)
+ISOLATED = [SuiteModel("dies", "cnn", "torch", _dies), SuiteModel("tiny", "mlp", "torch", lambda: (
+    nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval(), (torch.randn(2, 8),)))]
 
 
 def test_families_take_turns_each_in_suite_order():
@@ -70,3 +80,14 @@ def test_a_zero_initialised_head_is_reset_so_the_check_sees_something():
     looks_trained(model)
     assert model[2].weight.any() and not torch.equal(model[1].weight, torch.ones(8))
     assert model(torch.randn(2, 8)).abs().sum() > 0
+
+
+def test_a_model_that_kills_its_process_is_a_failed_row_and_the_next_one_runs():
+    """The models run in a child process; the one it died on is failed with the exit code, a new child runs the rest
+    (as a segmentation fault after marian's failed CUDA graph capture would otherwise end the whole call)."""
+    seen = []
+    results = run_isolated(["dies", "tiny"], device="cpu", contenders=("eager", "opfuse"), dtype="float32",
+                           on_result=seen.append, source="tests.unit.test_suite_gpu:ISOLATED")
+    assert [(r.name, r.family, r.status) for r in results] == [("dies", "cnn", "failed"), ("tiny", "mlp", "matched")]
+    assert results[0].error == "the process died (exit code 7)"
+    assert [r.name for r in seen] == ["dies", "tiny"] and results[1].rel_error < 1e-5
