@@ -28,16 +28,10 @@ from pathlib import Path
 
 import torch
 
+from opfuse.bench.harness import variant_switches
 from opfuse.bench.timing import time_once
 
 ROUNDS, STEPS_PER_ROUND = 6, 8
-
-
-def settings(variant: str) -> dict[str, bool]:
-    """The FusionConfig switches of a variant's name."""
-    if variant == "default":
-        return {}
-    return {key: bool(int(value)) for key, value in (part.split("=") for part in variant.split("+"))}
 
 
 def step_profile(step, positions: list[torch.Tensor]) -> dict:
@@ -145,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         reference = eager(token, positions[0]).float()
         for variant in args.variants.split(","):
             config = opfuse.FusionConfig(dtype="float16", tune_top=args.tune_top,
-                                         **({"hardware": gpu.name} if gpu is not None else {}), **settings(variant))
+                                         **({"hardware": gpu.name} if gpu is not None else {}), **variant_switches(variant))
             generator = generators[variant] = opfuse.compile_generator(model, args.batch, args.max_seq, config)
             generator.prefill(ids)
             logits = generator.step(token, positions[0]).float()

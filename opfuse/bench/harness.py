@@ -41,7 +41,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -358,8 +358,8 @@ BUILDERS = {"eager": _build_eager, "eager_graph": _build_eager_graph, "inductor"
 
 def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workload: str, ceilings: dict[str, float],
                  contenders: Sequence[str], config: Any, on_step: Callable[[str], None] | None = None, *,
-                 device: str = "cuda", compile_backend: Any = "inductor", rounds: int = 20, per_round: int = 5
-                 ) -> dict:
+                 device: str = "cuda", compile_backend: Any = "inductor", rounds: int = 20, per_round: int = 5,
+                 variants: Mapping[str, Any] | None = None) -> dict:
     """Measure one workload against each contender (`CONTENDERS`) by the protocol of the module docstring; a
     contender that fails records its error and the others go on.
 
@@ -368,7 +368,9 @@ def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workloa
     torch.compile's backend (tests pass a counting one). Returns the row run_all.py, zoo.py and `opfuse bench`
     write as JSON: per contender median_ms, p10_ms, p90_ms, samples, kernels, gpu_busy_ms, peak_memory_mb (the
     most extra memory it took at once while built), held_memory_mb (the extra memory it holds once built),
-    compile_s, rel_error; "opfuse_replay" the bare replay's timing.
+    compile_s, rel_error; "opfuse_replay" the bare replay's timing. `variants` (label -> FusionConfig): opfuse
+    compiled again under each config, timed in the same rounds through its module call, its row under its label
+    (`switched_configs` makes them from switch settings: A/B of a switch across models in one process).
     """
     from opfuse.ir.graph import torch_dtype
     from opfuse.numerics import relative_error
@@ -406,6 +408,17 @@ def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workloa
             gc.collect()
             if cuda and label in built:
                 built[label].held_mb = (torch.cuda.memory_allocated() - before) / 1e6
+        for label, variant in (variants or {}).items():
+            if on_step is not None:
+                on_step(label)
+            try:
+                opfuse_built = _build_opfuse(model, inputs, cuda, config=variant)
+                built[label] = Built({label: opfuse_built.forwards["opfuse"]}, opfuse_built.profiled,
+                                     opfuse_built.output, compile_s=opfuse_built.compile_s,
+                                     row={f"{label}_launches": opfuse_built.row["runtime_launches"]})
+            except Exception as error:
+                row[label] = {"error": f"{type(error).__name__}: {error}"}
+                traceback.print_exc()
         if on_step is not None:
             on_step("timing")
         forwards = {name: fn for label in built for name, fn in built[label].forwards.items()}
@@ -434,6 +447,21 @@ def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workloa
     if cuda:
         torch.cuda.empty_cache()
     return row
+
+
+def variant_switches(variant: str) -> dict[str, bool]:
+    """The FusionConfig switches of a variant written as `switch=0|1` settings joined by "+" (`dependent_launch=0`,
+    `norm_prologue=1+split_k=0`); `default` is none."""
+    if variant == "default":
+        return {}
+    return {key: bool(int(value)) for key, value in (part.split("=") for part in variant.split("+"))}
+
+
+def switched_configs(config: Any, variants: Sequence[str]) -> dict[str, Any]:
+    """{"opfuse:" + variant: `config` with the variant's switches (`variant_switches`)}."""
+    from dataclasses import replace
+
+    return {f"opfuse:{variant}": replace(config, **variant_switches(variant)) for variant in variants}
 
 
 def pytorch_group_count(row: dict) -> int | None:

@@ -3,7 +3,7 @@ best PyTorch paths, checked against a float32 reference and timed by the fair pr
 (`opfuse.bench.harness.run_workload`: one process, one `torch.inference_mode()`, rounds interleaved), in float16.
 
     python -m opfuse.bench.suite_gpu [--only REGEX] [--family NAME] [--batch N] [--budget S] [--json FILE]
-                                     [--markdown FILE] [--in-process]
+                                     [--markdown FILE] [--in-process] [--variant SWITCH=0|1[+...]]...
 
 The seeded random weights are made to look trained as the zoo's are (`looks_trained`): a layer initialised to zero
 (timm's classification heads) would make every output 0 and leave nothing to check. Per model: whether opfuse
@@ -12,9 +12,10 @@ rules (within float16's tolerance, or within the margin of eager float16's own e
 baseline (eager, eager in a CUDA graph, torch.compile: the fastest of them, not a convenient one). Over the suite
 (`summarize`): the share of models compiled and matched, the geometric mean of the speedups, the slowest. Models run
 one family at a time in turn (so that a budget cut leaves a spread of families), until `budget` seconds have passed;
-the ones not reached are listed as such. The models run in a child process (`run_isolated`): where it dies (a
-segmentation fault after a failed CUDA graph capture ended a whole call in session 42), the model it was running is
-a failed row and a new child takes the rest.
+the ones not reached are listed as such. Each `--variant` (FusionConfig switches) compiles opfuse once more under
+them and times it in the same rounds: its time per model beside the default's (`GpuResult.variants`). The models
+run in a child process (`run_isolated`): where it dies (a segmentation fault after a failed CUDA graph capture ended
+a whole call in session 42), the model it was running is a failed row and a new child takes the rest.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import multiprocessing
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import torch
@@ -52,6 +53,7 @@ class GpuResult:
     rel_error: float | None = None      # opfuse's against the float32 reference
     eager_error: float | None = None    # eager float16's
     seconds: float = 0.0
+    variants: dict = field(default_factory=dict)    # opfuse under other switches (`--variant`): label -> ms
 
 
 def interleave_families(models: Sequence[SuiteModel]) -> list[SuiteModel]:
@@ -90,6 +92,8 @@ def judge(entry: SuiteModel, row: dict, dtype: str, seconds: float) -> GpuResult
         result.error = opfuse_row.get("error", "opfuse was not timed")[:400]
         return result
     result.opfuse_ms, result.rel_error = opfuse_row["median_ms"], opfuse_row.get("rel_error")
+    result.variants = {label: value["median_ms"] for label, value in row.items()
+                       if label.startswith("opfuse:") and isinstance(value, dict) and "median_ms" in value}
     result.eager_error = eager_row.get("rel_error")
     best = best_baseline(row)
     if best is not None:
@@ -106,9 +110,9 @@ def judge(entry: SuiteModel, row: dict, dtype: str, seconds: float) -> GpuResult
 
 def run_gpu_suite(models: Sequence[SuiteModel], batch: int = 1, budget: float = float("inf"),
                   device: str = "cuda", contenders: Sequence[str] = CONTENDERS, dtype: str = "float16",
-                  on_result=None, on_start=None) -> list[GpuResult]:
+                  on_result=None, on_start=None, variants: Sequence[str] = ()) -> list[GpuResult]:
     """Compile, check and time every model (`judge`), until `budget` seconds have passed."""
-    from opfuse.bench.harness import measure_ceilings, run_workload
+    from opfuse.bench.harness import measure_ceilings, run_workload, switched_configs
     from opfuse.config import FusionConfig
 
     ceilings = measure_ceilings() if torch.device(device).type == "cuda" else {}
@@ -128,8 +132,9 @@ def run_gpu_suite(models: Sequence[SuiteModel], batch: int = 1, budget: float = 
                 model, inputs = entry.build()
                 looks_trained(model)
             inputs = at_batch(inputs, batch)
-            row = run_workload(model, inputs, f"{entry.name}:{batch}", ceilings, contenders,
-                               FusionConfig(dtype=dtype), device=device)
+            config = FusionConfig(dtype=dtype)
+            row = run_workload(model, inputs, f"{entry.name}:{batch}", ceilings, contenders, config, device=device,
+                               variants=switched_configs(config, variants))
             result = judge(entry, row, dtype, time.monotonic() - began)
         except Exception as error:      # a model that cannot even be built is a result, not the suite's end
             traceback.print_exc()
@@ -143,7 +148,7 @@ def run_gpu_suite(models: Sequence[SuiteModel], batch: int = 1, budget: float = 
 
 def run_isolated(names: Sequence[str], batch: int = 1, budget: float = float("inf"), device: str = "cuda",
                  contenders: Sequence[str] = CONTENDERS, dtype: str = "float16", on_result=None,
-                 source: str = "opfuse.bench.suite:SUITE") -> list[GpuResult]:
+                 source: str = "opfuse.bench.suite:SUITE", variants: Sequence[str] = ()) -> list[GpuResult]:
     """`run_gpu_suite` over the models `names` of `source` (module:list) in a spawned child process; where the child
     dies, the model it was running is a failed row (the exit code says how) and a new child takes the models after
     it, within what is left of `budget`. Results in `names` order."""
@@ -156,7 +161,8 @@ def run_isolated(names: Sequence[str], batch: int = 1, budget: float = float("in
             break
         receive, send = context.Pipe(duplex=False)
         child = context.Process(target=_isolated_child, daemon=True,
-                                args=(source, pending, batch, left, device, tuple(contenders), dtype, send))
+                                args=(source, pending, batch, left, device, tuple(contenders), dtype, tuple(variants),
+                                      send))
         child.start()
         send.close()
         running = None
@@ -186,12 +192,12 @@ def run_isolated(names: Sequence[str], batch: int = 1, budget: float = float("in
 
 
 def _isolated_child(source: str, names: Sequence[str], batch: int, budget: float, device: str,
-                    contenders: Sequence[str], dtype: str, connection) -> None:
+                    contenders: Sequence[str], dtype: str, variants: Sequence[str], connection) -> None:
     module, attribute = source.split(":")
     models = {m.name: m for m in getattr(importlib.import_module(module), attribute)}
     run_gpu_suite([models[n] for n in names], batch, budget, device, contenders, dtype,
                   on_result=lambda r: connection.send(("result", asdict(r))),
-                  on_start=lambda entry: connection.send(("start", entry.name, entry.family)))
+                  on_start=lambda entry: connection.send(("start", entry.name, entry.family)), variants=variants)
     connection.close()
 
 
@@ -213,18 +219,21 @@ def summarize(results: Sequence[GpuResult]) -> dict:
 def markdown(results: Sequence[GpuResult], batch: int) -> str:
     s = summarize(results)
     geomean = f"{s['geomean_speedup']:.2f}x" if s["geomean_speedup"] else "-"
+    labels = list(dict.fromkeys(label for r in results for label in r.variants))
     lines = [f"Batch {batch}: {s['matched']} of {s['tried']} models ({s['matched_percent']}%) compiled and matched "
              f"eager; geometric mean {geomean} over the best PyTorch path, {s['below_0_9']} under 0.9x (slowest: "
              f"{s['slowest']}); {s['not_reached']} not reached.", "",
-             "| model | family | status | opfuse ms | best baseline | ms | speedup | rel. error (eager fp16) |",
-             "| --- | --- | --- | ---: | --- | ---: | ---: | --- |"]
+             "| model | family | status | opfuse ms | best baseline | ms | speedup | rel. error (eager fp16) |"
+             + "".join(f" {label} ms |" for label in labels),
+             "| --- | --- | --- | ---: | --- | ---: | ---: | --- |" + " ---: |" * len(labels)]
     for r in results:
         if r.status == "not-reached":
             continue
         error = f"{r.rel_error:.1e} ({r.eager_error:.1e})" if r.rel_error is not None and r.eager_error is not None \
             else r.error.replace("|", "/")[:120]
         lines.append(f"| {r.name} | {r.family} | {r.status} | {_ms(r.opfuse_ms)} | {r.best or '-'} | "
-                     f"{_ms(r.best_ms)} | {f'{r.speedup:.2f}x' if r.speedup else '-'} | {error} |")
+                     f"{_ms(r.best_ms)} | {f'{r.speedup:.2f}x' if r.speedup else '-'} | {error} |"
+                     + "".join(f" {_ms(r.variants.get(label))} |" for label in labels))
     return "\n".join(lines) + "\n"
 
 
@@ -240,6 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds; models past it are not run")
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--markdown", metavar="FILE")
+    parser.add_argument("--variant", action="append", default=[], metavar="SWITCH=0|1[+...]",
+                        help="also time opfuse under these FusionConfig switches (dependent_launch=0), in the same "
+                             "rounds")
     parser.add_argument("--in-process", action="store_true", help="run the models in this process (a crash ends the "
                                                                     "run) instead of a child process")
     args = parser.parse_args(argv)
@@ -250,12 +262,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def progress(r: GpuResult) -> None:
         speed = f"{r.speedup:.2f}x over {r.best}" if r.speedup else r.error[:100]
-        print(f"{r.name:28} {r.status:10} {r.seconds:6.1f} s  {speed}", flush=True)
+        others = "".join(f"; {label} {ms / r.opfuse_ms:.2f}x the default's time" for label, ms in r.variants.items())
+        print(f"{r.name:28} {r.status:10} {r.seconds:6.1f} s  {speed}{others}", flush=True)
 
     if args.in_process:
-        results = run_gpu_suite(models, args.batch, args.budget, on_result=progress)
+        results = run_gpu_suite(models, args.batch, args.budget, on_result=progress, variants=args.variant)
     else:
-        results = run_isolated([m.name for m in models], args.batch, args.budget, on_result=progress)
+        results = run_isolated([m.name for m in models], args.batch, args.budget, on_result=progress,
+                               variants=args.variant)
     print("\n" + markdown(results, args.batch).split("\n")[0])
     if args.json:
         with open(args.json, "w") as f:

@@ -91,3 +91,14 @@ def test_a_model_that_kills_its_process_is_a_failed_row_and_the_next_one_runs():
     assert [(r.name, r.family, r.status) for r in results] == [("dies", "cnn", "failed"), ("tiny", "mlp", "matched")]
     assert results[0].error == "the process died (exit code 7)"
     assert [r.name for r in seen] == ["dies", "tiny"] and results[1].rel_error < 1e-5
+
+
+def test_a_variant_is_timed_beside_the_default_and_shown_in_its_column():
+    """`--variant split_k=0`: opfuse compiled again under the switch, timed in the same rounds; the row keeps the
+    default's verdict and carries the variant's time."""
+    (result,) = run_gpu_suite([entry("tiny")], device="cpu", contenders=("eager", "opfuse"), dtype="float32",
+                              variants=["split_k=0"])
+    assert result.status == "matched" and set(result.variants) == {"opfuse:split_k=0"}
+    assert result.variants["opfuse:split_k=0"] > 0
+    table = markdown([result], 1)
+    assert "opfuse:split_k=0 ms |" in table and f"| {result.variants['opfuse:split_k=0']:.3f} |" in table
