@@ -8,8 +8,8 @@ grouped GEMM, MoE routing's library calls) -> `opfuse.codegen.grouped_gemm`. A g
 opaque op, a gather, or a template that raised `Unsupported`) runs through PyTorch at run time; the reason (a stable
 code and the words, `opfuse.fusion.reasons.Reason`) is recorded so the report can say why. The templates are in
 `TEMPLATES`, by name, each its `supports` (whether it takes a group: its checks, no source generated, a reason of its
-own code where not) and its lowering: `choose_lowering` names one, `template_refusal` asks its `supports` (the
-planner does before each merge), `lower_group` asks it, then lowers.
+own code where not) and its lowering, which makes the same checks first: `choose_lowering` names one,
+`template_refusal` asks its `supports` (the planner does before each merge), `lower_group` lowers.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from opfuse.ir.ops import FusionKind, get_op, kind_of, view_copies
 
 class Template(NamedTuple):
     """A kernel template: `supports(graph, group, users=None)` -> None where it takes the group, else the Reason
-    (generating nothing); `lower(graph, group, device, hw=profile)` -> its kernel (`Unsupported` where a refusal
-    shows only as the source is generated)."""
+    (generating nothing); `lower(graph, group, device, hw=profile)` -> its kernel, `Unsupported` (with the same
+    code) where `supports` refuses or a refusal shows only as the source is generated."""
 
     supports: Callable[..., Reason | None]
     lower: Callable[..., GroupKernel | None]
@@ -137,8 +137,6 @@ def lower_group(graph: Graph, group: FusionGroup, device: torch.device | str,
     choice = choose_lowering(graph, group)
     if isinstance(choice, Reason):
         reason = choice
-    elif (refused := TEMPLATES[choice].supports(graph, group)) is not None:
-        reason = refused
     else:
         try:
             kernel = TEMPLATES[choice].lower(graph, group, torch.device(device), hw=kernel_profile(hw))

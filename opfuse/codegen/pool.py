@@ -28,9 +28,8 @@ class PoolKernel(TemplateKernel):
     """max/avg pool2d on NHWC tiles of [BLOCK_P output pixels, BLOCK_C channels]."""
 
     def __init__(self, graph: Graph, group: FusionGroup, device, node: Node, hw: HardwareProfile):
-        self.node, self.hw = node, hw
-        prologue, epilogue = split_outputs(graph, group, node)
-        pool_problem(graph, node, prologue)
+        self.node, self.hw = node, hw     # (built by `lower_reduction_group` once `pool_problem` found nothing)
+        _, epilogue = split_outputs(graph, group, node)
         x = graph[node.inputs[0]]
         n, c, h, w = x.type.shape
         out_h, out_w = node.type.shape[2:]
