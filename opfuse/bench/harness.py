@@ -356,6 +356,64 @@ BUILDERS = {"eager": _build_eager, "eager_graph": _build_eager_graph, "inductor"
             "opfuse": _build_opfuse}
 
 
+def _build_contenders(model, inputs, contenders, config, ceilings, compile_backend, cuda, row, on_step,
+                      variants) -> dict[str, Built]:
+    """Build each contender (and each opfuse variant) in the table's order; one that fails records its error in
+    `row` and the others go on."""
+    built: dict[str, Built] = {}
+    for label in CONTENDERS:          # always in this order: the table reads left to right
+        if label not in contenders:
+            continue
+        if on_step is not None:
+            on_step(label)
+        before = torch.cuda.memory_allocated() if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            built[label] = BUILDERS[label](model, inputs, cuda, config=config, ceilings=ceilings,
+                                           backend=compile_backend)
+            if cuda:
+                built[label].memory_mb = (torch.cuda.max_memory_allocated() - before) / 1e6
+        except Exception as error:
+            row[label] = {"error": f"{type(error).__name__}: {error}"}
+            traceback.print_exc()
+        gc.collect()
+        if cuda and label in built:
+            built[label].held_mb = (torch.cuda.memory_allocated() - before) / 1e6
+    for label, variant in variants.items():
+        if on_step is not None:
+            on_step(label)
+        try:
+            opfuse_built = _build_opfuse(model, inputs, cuda, config=variant)
+            built[label] = Built({label: opfuse_built.forwards["opfuse"]}, opfuse_built.profiled,
+                                 opfuse_built.output, compile_s=opfuse_built.compile_s,
+                                 row={f"{label}_launches": opfuse_built.row["runtime_launches"]})
+        except Exception as error:
+            row[label] = {"error": f"{type(error).__name__}: {error}"}
+            traceback.print_exc()
+    return built
+
+
+def _record_contenders(row, built, samples, failed, reference, cuda) -> None:
+    """Write each built contender's timing summary, kernels, memory, compile time and error against the reference
+    into `row` (its error where it failed while timed or profiled)."""
+    from opfuse.numerics import relative_error
+
+    for label, contender in built.items():
+        row.update(contender.row)
+        try:
+            if label in failed:
+                raise RuntimeError(f"failed while timed: {failed[label]}")
+            kernels, busy = kernel_profile(lambda: contender.profiled(), ()) if cuda else (None, None)
+            row[label] = asdict(summarize(samples[label])) | {
+                "kernels": kernels, "gpu_busy_ms": busy, "peak_memory_mb": contender.memory_mb,
+                "held_memory_mb": contender.held_mb, "compile_s": contender.compile_s,
+                "rel_error": relative_error(contender.output.float(), reference)}
+        except Exception as error:
+            row[label] = {"error": f"{type(error).__name__}: {error}"}
+            traceback.print_exc()
+
+
 def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workload: str, ceilings: dict[str, float],
                  contenders: Sequence[str], config: Any, on_step: Callable[[str], None] | None = None, *,
                  device: str = "cuda", compile_backend: Any = "inductor", rounds: int = 20, per_round: int = 5,
@@ -373,7 +431,6 @@ def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workloa
     (`switched_configs` makes them from switch settings: A/B of a switch across models in one process).
     """
     from opfuse.ir.graph import torch_dtype
-    from opfuse.numerics import relative_error
 
     unknown = set(contenders) - set(CONTENDERS)
     if unknown:
@@ -388,55 +445,14 @@ def run_workload(model: torch.nn.Module, inputs: Sequence[torch.Tensor], workloa
     with torch.inference_mode():
         reference = first_tensor(reference_model(*reference_inputs)).float()
         del reference_model
-        built: dict[str, Built] = {}
-        for label in CONTENDERS:          # always in this order: the table reads left to right
-            if label not in contenders:
-                continue
-            if on_step is not None:
-                on_step(label)
-            before = torch.cuda.memory_allocated() if cuda else 0
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                built[label] = BUILDERS[label](model, inputs, cuda, config=config, ceilings=ceilings,
-                                               backend=compile_backend)
-                if cuda:
-                    built[label].memory_mb = (torch.cuda.max_memory_allocated() - before) / 1e6
-            except Exception as error:
-                row[label] = {"error": f"{type(error).__name__}: {error}"}
-                traceback.print_exc()
-            gc.collect()
-            if cuda and label in built:
-                built[label].held_mb = (torch.cuda.memory_allocated() - before) / 1e6
-        for label, variant in (variants or {}).items():
-            if on_step is not None:
-                on_step(label)
-            try:
-                opfuse_built = _build_opfuse(model, inputs, cuda, config=variant)
-                built[label] = Built({label: opfuse_built.forwards["opfuse"]}, opfuse_built.profiled,
-                                     opfuse_built.output, compile_s=opfuse_built.compile_s,
-                                     row={f"{label}_launches": opfuse_built.row["runtime_launches"]})
-            except Exception as error:
-                row[label] = {"error": f"{type(error).__name__}: {error}"}
-                traceback.print_exc()
+        built = _build_contenders(model, inputs, contenders, config, ceilings, compile_backend, cuda, row, on_step,
+                                  variants or {})
         if on_step is not None:
             on_step("timing")
         forwards = {name: fn for label in built for name, fn in built[label].forwards.items()}
         failed: dict[str, str] = {}
         samples = interleaved_samples(forwards, rounds=rounds, per_round=per_round, cuda=cuda, errors=failed)
-        for label, contender in built.items():
-            row.update(contender.row)
-            try:
-                if label in failed:
-                    raise RuntimeError(f"failed while timed: {failed[label]}")
-                kernels, busy = kernel_profile(lambda: contender.profiled(), ()) if cuda else (None, None)
-                row[label] = asdict(summarize(samples[label])) | {
-                    "kernels": kernels, "gpu_busy_ms": busy, "peak_memory_mb": contender.memory_mb,
-                    "held_memory_mb": contender.held_mb, "compile_s": contender.compile_s,
-                    "rel_error": relative_error(contender.output.float(), reference)}
-            except Exception as error:
-                row[label] = {"error": f"{type(error).__name__}: {error}"}
-                traceback.print_exc()
+        _record_contenders(row, built, samples, failed, reference, cuda)
         if samples.get("opfuse_replay"):
             row["opfuse_replay"] = asdict(summarize(samples["opfuse_replay"]))
             row["opfuse_replay_ms"] = row["opfuse_replay"]["median_ms"]
