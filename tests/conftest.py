@@ -5,7 +5,8 @@ GPU tests (marked `gpu`) run on the device machine with OPFUSE_GPU_TESTS=1, whic
 
 Every test session gets an empty cache home (XDG_CACHE_HOME, removed at exit; subprocesses inherit it), so that
 no tuning entry or compile record (opfuse.analysis.as_compiled) of an earlier run, or of the user's own compiles,
-changes what a test sees: the tests see a fresh machine, as CI does.
+changes what a test sees: the tests see a fresh machine, as CI does. COLUMNS is unset for the same reason: the
+CLI's tables take their width from it (pytest-xdist's workers set it to 80), and the tests read them piped.
 """
 
 import atexit
@@ -21,6 +22,7 @@ if os.environ.get("OPFUSE_GPU_TESTS") != "1":
 
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="opfuse-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+os.environ.pop("COLUMNS", None)
 
 
 @pytest.fixture
