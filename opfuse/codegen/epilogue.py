@@ -456,10 +456,6 @@ class Epilogue:
         """The parameter prefixes of the tensors it reads (full operands) and writes, in `params` order."""
         return [f"fo{j}" for j in range(len(self.full_operands))] + [f"out{j}" for j in range(len(self.stored))]
 
-    @property
-    def runtime_values(self) -> list[str]:
-        return [v for v in self.full_operands if isinstance(v, str)]
-
     def launch_args(self, values: dict[str, torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
         """(arguments for `params`, the group's outputs) for one run; `values` holds the runtime inputs."""
         args: list = list(self.channel_vectors)

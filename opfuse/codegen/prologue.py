@@ -215,10 +215,6 @@ class Prologue:
     def code(self, indent: str = "        ") -> str:
         return "\n".join(indent + line for line in self.lines)
 
-    @property
-    def runtime_values(self) -> list[str]:
-        return [v for v in self.operands if isinstance(v, str)]
-
     def launch_args(self, values: dict[str, torch.Tensor]) -> list:
         """Each operand broadcast to A's shape, and its strides in A's row groups (the layout's three, then an
         empty fourth) and along the reduction."""

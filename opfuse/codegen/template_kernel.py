@@ -141,10 +141,6 @@ class TemplateKernel(GroupKernel):
             tensors[name] = tensor
         return tensors
 
-    def empty_outputs(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Outputs in the layout `run` allocates (uninitialised unless `output_fill` is set)."""
-        return self._allocate_outputs(self.bind(inputs))
-
     def _allocate_outputs(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """New outputs; a state written in place (`Graph.writes_state_in_place`) is the state's own tensor."""
         return [self._output(name, tensors) for name in self.group.outputs]
