@@ -6,7 +6,9 @@ best PyTorch paths, checked against a float32 reference and timed by the fair pr
                                      [--markdown FILE] [--in-process] [--variant SWITCH=0|1[+...]]...
 
 The seeded random weights are made to look trained as the zoo's are (`looks_trained`): a layer initialised to zero
-(timm's classification heads) would make every output 0 and leave nothing to check. Per model: whether opfuse
+(timm's classification heads) would make every output 0 and leave nothing to check, and a model whose activations
+pass float16's range is rescaled (`keep_float16_finite`); where eager float16 still overflows, the model is
+unchecked, not matched. Per model: whether opfuse
 compiled it, whether its output matches the float32 reference as `opfuse.numerics.acceptable`
 rules (within float16's tolerance, or within the margin of eager float16's own error), and its speedup over the best
 baseline (eager, eager in a CUDA graph, torch.compile: the fastest of them, not a convenient one). Over the suite
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import multiprocessing
 import sys
 import time
@@ -39,8 +42,9 @@ CONTENDERS = ("eager", "eager_graph", "inductor", "opfuse")
 
 @dataclass
 class GpuResult:
-    """One model's row: `status` is matched, mismatched, failed (opfuse did not compile it: `error`), no-baseline
-    (no PyTorch path ran), skipped (its library is missing) or not-reached (the budget ran out)."""
+    """One model's row: `status` is matched, mismatched, unchecked (eager float16 overflows: `UNCHECKED`), failed
+    (opfuse did not compile it: `error`), no-baseline (no PyTorch path ran), skipped (its library is missing) or
+    not-reached (the budget ran out)."""
 
     name: str
     family: str
@@ -69,16 +73,57 @@ def interleave_families(models: Sequence[SuiteModel]) -> list[SuiteModel]:
     return order
 
 
-def looks_trained(model: torch.nn.Module) -> torch.nn.Module:
+def looks_trained(model: torch.nn.Module, inputs: Sequence[torch.Tensor] | None = None) -> torch.nn.Module:
     """`model` with its zero-initialised layers reset, its norms and layer scales off their initial values
-    (`opfuse.bench.zoo_models`)."""
+    (`opfuse.bench.zoo_models`), and, given its example `inputs`, its activations kept inside float16's range
+    (`keep_float16_finite`)."""
     from opfuse.bench.zoo_models import randomise_layer_norms, reset_zero_layers, set_layer_scales
 
     with torch.no_grad():
         reset_zero_layers(model)
         randomise_layer_norms(model)
         set_layer_scales(model)
+        if inputs is not None:
+            keep_float16_finite(model, inputs)
     return model
+
+
+FLOAT16_HEADROOM = 1e4    # an activation past this (float16's largest is 65504) has the model's layers rescaled
+
+
+def keep_float16_finite(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> bool:
+    """Where a float32 forward of `inputs` has an activation past FLOAT16_HEADROOM, rescale the model so that none
+    is: a second forward divides each convolution's and linear's weight and bias by its output's root mean square
+    where that is over 1 (and its output with them, so the layers after it see the rescaled values). A ReLU network
+    without biases computes the same function up to a scale, its float16 rounding unchanged. Returns whether it
+    rescaled. As initialised, timm's Inception-V3 reached 1e12 (its convolutions' weights std 0.1): its float16
+    output was infinite in eager and opfuse alike, and the suite's check compared two infinities."""
+    largest = [0.0]
+
+    def measure(module, args, output):
+        if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel():
+            largest[0] = max(largest[0], float(output.detach().abs().amax()))
+
+    def rescale(module, args, output):
+        rms = float(output.detach().float().pow(2).mean().sqrt())
+        if rms <= 1.0 or not math.isfinite(rms):
+            return None
+        module.weight.div_(rms)
+        if getattr(module, "bias", None) is not None:
+            module.bias.div_(rms)
+        return output / rms
+
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.modules.conv._ConvNd, torch.nn.Linear))]
+    for hook, modules in ((measure, list(model.modules())), (rescale, layers)):
+        handles = [m.register_forward_hook(hook) for m in modules]
+        try:
+            model(*inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if hook is measure and largest[0] <= FLOAT16_HEADROOM:
+            return False
+    return True
 
 
 def judge(entry: SuiteModel, row: dict, dtype: str, seconds: float) -> GpuResult:
@@ -101,11 +146,18 @@ def judge(entry: SuiteModel, row: dict, dtype: str, seconds: float) -> GpuResult
         if row.get(INDUCTOR_GRAPH_ERROR) and best == "inductor":
             result.best = "inductor without a CUDA graph"
         result.speedup = result.best_ms / result.opfuse_ms
+    if result.eager_error is not None and not math.isfinite(result.eager_error):
+        result.status, result.error = "unchecked", UNCHECKED
+        return result
     matched = result.rel_error is not None and acceptable(result.rel_error, tolerance(dtype), result.eager_error)
     result.status = "matched" if matched else "mismatched"
     if matched and best is None:
         result.status = "no-baseline"
     return result
+
+
+# why a model is unchecked: where eager float16 itself overflows, opfuse's output matching it proves nothing
+UNCHECKED = "eager float16 is not finite where the float32 reference is: nothing to check against"
 
 
 def run_gpu_suite(models: Sequence[SuiteModel], batch: int = 1, budget: float = float("inf"),
@@ -130,7 +182,7 @@ def run_gpu_suite(models: Sequence[SuiteModel], batch: int = 1, budget: float = 
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(SEED)
                 model, inputs = entry.build()
-                looks_trained(model)
+                looks_trained(model, inputs)
             inputs = at_batch(inputs, batch)
             config = FusionConfig(dtype=dtype)
             row = run_workload(model, inputs, f"{entry.name}:{batch}", ceilings, contenders, config, device=device,

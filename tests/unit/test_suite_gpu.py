@@ -11,8 +11,9 @@ import torch
 import torch.nn as nn
 
 from opfuse.bench.suite import SuiteModel
-from opfuse.bench.suite_gpu import (GpuResult, interleave_families, judge, looks_trained, markdown, run_gpu_suite,
-                                   run_isolated, summarize)
+from opfuse.bench.suite_gpu import (FLOAT16_HEADROOM, UNCHECKED, GpuResult, interleave_families, judge,
+                                   keep_float16_finite, looks_trained, markdown, run_gpu_suite, run_isolated,
+                                   summarize)
 
 
 def entry(name: str = "m", family: str = "cnn") -> SuiteModel:
@@ -80,6 +81,38 @@ def test_a_zero_initialised_head_is_reset_so_the_check_sees_something():
     looks_trained(model)
     assert model[2].weight.any() and not torch.equal(model[1].weight, torch.ones(8))
     assert model(torch.randn(2, 8)).abs().sum() > 0
+
+
+def test_where_eager_float16_overflows_the_model_is_unchecked_not_matched():
+    """Both outputs infinite where the float32 reference is finite: the two errors are inf, and inf is within any
+    margin of inf, so the rule alone would call it a match."""
+    row = {"opfuse": {"median_ms": 1.0, "rel_error": math.inf}, "eager": {"median_ms": 2.0, "rel_error": math.inf}}
+    result = judge(entry(), row, "float16", 1.0)
+    assert (result.status, result.error, result.speedup) == ("unchecked", UNCHECKED, 2.0)
+    s = summarize([result, GpuResult("b", "vit", "matched", speedup=1.5, opfuse_ms=1.0)])
+    assert (s["tried"], s["matched"], s["geomean_speedup"]) == (2, 1, 1.5)
+
+
+def test_a_model_past_float16s_range_is_rescaled_to_the_same_function_and_others_are_left_alone():
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64, bias=False) for _ in range(8)]
+    for layer in layers:
+        nn.init.normal_(layer.weight, std=1.0)     # a gain of 8 a layer: 8^8 = 1.7e7 at the end
+    model = nn.Sequential(*[m for layer in layers for m in (layer, nn.ReLU())]).eval()
+    x = (torch.randn(2, 64),)
+    with torch.no_grad():
+        before = model(*x)
+        assert before.abs().max() > FLOAT16_HEADROOM
+        assert keep_float16_finite(model, x)
+        after = model(*x)
+    assert after.abs().max() < FLOAT16_HEADROOM and torch.isfinite(model.half()(x[0].half())).all()
+    scale = before.norm() / after.norm()          # a bias-free ReLU network: the same function up to a scale
+    assert torch.allclose(after * scale, before, rtol=1e-4, atol=1e-3 * float(before.abs().max()))
+    tame = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    weights = [p.clone() for p in tame.parameters()]
+    with torch.no_grad():
+        assert not keep_float16_finite(tame, (torch.randn(2, 8),))
+    assert all(torch.equal(a, b) for a, b in zip(weights, tame.parameters()))
 
 
 def test_a_model_that_kills_its_process_is_a_failed_row_and_the_next_one_runs():
