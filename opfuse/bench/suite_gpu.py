@@ -58,6 +58,9 @@ class GpuResult:
     eager_error: float | None = None    # eager float16's
     seconds: float = 0.0
     variants: dict = field(default_factory=dict)    # opfuse under other switches (`--variant`): label -> ms
+    replay_ms: float | None = None      # opfuse's bare CUDA graph replay (opfuse_ms is its module call)
+    busy_ms: float | None = None        # opfuse's kernels' summed time a call (the profiler's, on a GPU)
+    best_busy_ms: float | None = None   # the best baseline's
 
 
 def interleave_families(models: Sequence[SuiteModel]) -> list[SuiteModel]:
@@ -140,9 +143,11 @@ def judge(entry: SuiteModel, row: dict, dtype: str, seconds: float) -> GpuResult
     result.variants = {label: value["median_ms"] for label, value in row.items()
                        if label.startswith("opfuse:") and isinstance(value, dict) and "median_ms" in value}
     result.eager_error = eager_row.get("rel_error")
+    result.replay_ms, result.busy_ms = row.get("opfuse_replay_ms"), opfuse_row.get("gpu_busy_ms")
     best = best_baseline(row)
     if best is not None:
         result.best, result.best_ms = best, row[best]["median_ms"]
+        result.best_busy_ms = row[best].get("gpu_busy_ms")
         if row.get(INDUCTOR_GRAPH_ERROR) and best == "inductor":
             result.best = "inductor without a CUDA graph"
         result.speedup = result.best_ms / result.opfuse_ms
@@ -275,17 +280,17 @@ def markdown(results: Sequence[GpuResult], batch: int) -> str:
     lines = [f"Batch {batch}: {s['matched']} of {s['tried']} models ({s['matched_percent']}%) compiled and matched "
              f"eager; geometric mean {geomean} over the best PyTorch path, {s['below_0_9']} under 0.9x (slowest: "
              f"{s['slowest']}); {s['not_reached']} not reached.", "",
-             "| model | family | status | opfuse ms | best baseline | ms | speedup | rel. error (eager fp16) |"
-             + "".join(f" {label} ms |" for label in labels),
-             "| --- | --- | --- | ---: | --- | ---: | ---: | --- |" + " ---: |" * len(labels)]
+             "| model | family | status | opfuse ms | best baseline | ms | speedup | rel. error (eager fp16) | opfuse "
+             "replay ms | kernels busy ms (best's) |" + "".join(f" {label} ms |" for label in labels),
+             "| --- | --- | --- | ---: | --- | ---: | ---: | --- | ---: | ---: |" + " ---: |" * len(labels)]
     for r in results:
         if r.status == "not-reached":
             continue
         error = f"{r.rel_error:.1e} ({r.eager_error:.1e})" if r.rel_error is not None and r.eager_error is not None \
             else r.error.replace("|", "/")[:120]
         lines.append(f"| {r.name} | {r.family} | {r.status} | {_ms(r.opfuse_ms)} | {r.best or '-'} | "
-                     f"{_ms(r.best_ms)} | {f'{r.speedup:.2f}x' if r.speedup else '-'} | {error} |"
-                     + "".join(f" {_ms(r.variants.get(label))} |" for label in labels))
+                     f"{_ms(r.best_ms)} | {f'{r.speedup:.2f}x' if r.speedup else '-'} | {error} | {_ms(r.replay_ms)} | "
+                     f"{_ms(r.busy_ms)} ({_ms(r.best_busy_ms)}) |" + "".join(f" {_ms(r.variants.get(label))} |" for label in labels))
     return "\n".join(lines) + "\n"
 
 

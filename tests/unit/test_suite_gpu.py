@@ -53,6 +53,15 @@ def test_a_row_is_judged_against_the_fastest_baseline_and_the_float16_rule(row, 
         assert result.error == "GraphError: no"
 
 
+def test_a_row_carries_opfuses_replay_and_both_kernel_times_into_its_columns():
+    row = {"opfuse": {"median_ms": 0.12, "rel_error": 1e-3, "gpu_busy_ms": 0.05}, "opfuse_replay_ms": 0.1,
+           "eager": {"median_ms": 3.0, "rel_error": 1e-3, "gpu_busy_ms": 1.0},
+           "inductor": {"median_ms": 0.07, "rel_error": 1e-3, "gpu_busy_ms": 0.06}}
+    result = judge(entry(), row, "float16", 1.0)
+    assert (result.replay_ms, result.busy_ms, result.best, result.best_busy_ms) == (0.1, 0.05, "inductor", 0.06)
+    assert "| 0.100 | 0.050 (0.060) |" in markdown([result], 1)
+
+
 def test_the_summary_counts_matches_and_takes_the_geometric_mean_of_matched_models():
     results = [GpuResult("a", "cnn", "matched", speedup=2.0, opfuse_ms=1.0),
                GpuResult("b", "vit", "matched", speedup=0.5, opfuse_ms=1.0),
