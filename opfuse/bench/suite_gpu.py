@@ -38,6 +38,9 @@ import torch
 from opfuse.bench.suite import SEED, SUITE, SuiteModel, at_batch, library_problem, select
 
 CONTENDERS = ("eager", "eager_graph", "inductor", "opfuse")
+# what of `run_workload`'s row a GpuResult keeps for the JSON: what opfuse planned and launched, the forms the tuner
+# kept (library, unfused, split back) and what it measured per kernel; beside them each contender's kernel count
+DETAIL = ("plan_launches", "runtime_launches", "predicted_ms", "library_anchors", "unfused", "split_back", "tuning")
 
 
 @dataclass
@@ -61,6 +64,7 @@ class GpuResult:
     replay_ms: float | None = None      # opfuse's bare CUDA graph replay (opfuse_ms is its module call)
     busy_ms: float | None = None        # opfuse's kernels' summed time a call (the profiler's, on a GPU)
     best_busy_ms: float | None = None   # the best baseline's
+    detail: dict = field(default_factory=dict)    # the JSON's: opfuse's launches, forms and tuning (`DETAIL`)
 
 
 def interleave_families(models: Sequence[SuiteModel]) -> list[SuiteModel]:
@@ -144,6 +148,8 @@ def judge(entry: SuiteModel, row: dict, dtype: str, seconds: float) -> GpuResult
                        if label.startswith("opfuse:") and isinstance(value, dict) and "median_ms" in value}
     result.eager_error = eager_row.get("rel_error")
     result.replay_ms, result.busy_ms = row.get("opfuse_replay_ms"), opfuse_row.get("gpu_busy_ms")
+    result.detail = {key: row[key] for key in DETAIL if key in row} | {
+        f"{label}_kernels": row[label].get("kernels") for label in CONTENDERS if isinstance(row.get(label), dict)}
     best = best_baseline(row)
     if best is not None:
         result.best, result.best_ms = best, row[best]["median_ms"]

@@ -3,8 +3,10 @@ order, and one tiny model run through the whole path on the CPU (interpreter; ea
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -60,6 +62,13 @@ def test_a_row_carries_opfuses_replay_and_both_kernel_times_into_its_columns():
     result = judge(entry(), row, "float16", 1.0)
     assert (result.replay_ms, result.busy_ms, result.best, result.best_busy_ms) == (0.1, 0.05, "inductor", 0.06)
     assert "| 0.100 | 0.050 (0.060) |" in markdown([result], 1)
+
+
+def test_a_model_run_keeps_what_opfuse_planned_launched_and_tuned_for_the_json():
+    (result,) = run_gpu_suite([entry("tiny")], device="cpu", contenders=("eager", "opfuse"), dtype="float32")
+    assert result.detail["plan_launches"] >= 1 and result.detail["runtime_launches"] >= 1
+    assert {"unfused", "library_anchors", "tuning"} <= set(result.detail)
+    assert json.loads(json.dumps(asdict(result)))["detail"]["plan_launches"] == result.detail["plan_launches"]
 
 
 def test_the_summary_counts_matches_and_takes_the_geometric_mean_of_matched_models():
