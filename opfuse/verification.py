@@ -6,12 +6,15 @@ Each kernel is checked alone against the reference values of its group on fresh 
 (`end_to_end_error`): over the tolerance it is an error, unless eager at the compute dtype is as far off (the model
 is ill-conditioned at that precision: a warning), by the one rule of `opfuse.numerics.acceptable`, or the model
 chooses between near-equal values (`opfuse.numerics.near_ties`: a mixture of experts' router on a near-tie, where
-any run at the compute dtype may pick either expert: a warning that names the choice).
+any run at the compute dtype may pick either expert: a warning that names the choice). Where eager at the compute
+dtype overflows it (infinite or NaN where the reference is finite), the compiled model must match eager there: the
+same positions not finite and the rest within the tolerance (a warning that the model overflows), else an error.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -46,7 +49,9 @@ def verify(analysis: Any, compiled: Any, eager: torch.nn.Module, example_inputs:
     compiled.reset_state()       # the checks' runs wrote it: compared from the state eager starts from
     end_to_end, eager_error, scaled_error = end_to_end_error(eager, compiled, fresh, config.dtype)
     bound = tolerance(config.dtype, device)
-    if not end_to_end <= bound:
+    if not end_to_end <= bound and eager_error is not None and math.isinf(eager_error):
+        _overflow_verdict(analysis.name, config.dtype, scaled_error, bound)
+    elif not end_to_end <= bound:
         if not acceptable(end_to_end, bound, eager_error, scaled_error):
             ties = near_ties(analysis.prepared, fresh, config.dtype)
             if ties:    # a choice on a near-tie: which element wins is rounding's, in eager's run as in ours
@@ -67,6 +72,21 @@ def verify(analysis: Any, compiled: Any, eager: torch.nn.Module, example_inputs:
                       f"by {end_to_end:.2e} (> {bound:.0e}), but eager PyTorch in {config.dtype} differs by "
                       f"{eager_error:.2e} too: the model is ill-conditioned at this precision", stacklevel=4)
     return compiled, checks, end_to_end
+
+
+def _overflow_verdict(name: str, dtype: str, against_eager: float, bound: float) -> None:
+    """Eager PyTorch in `dtype` itself returns infinities or NaN where the reference is finite (the model passes the
+    dtype's range): a warning where the compiled model matches eager in `dtype` (`against_eager`: the same positions
+    not finite, the rest within `bound`), else a GraphError. An error of inf against the reference is within any
+    margin of eager's inf, so the rule of `acceptable` alone would pass any output."""
+    reference = str(reference_dtype(dtype)).removeprefix("torch.")
+    if not against_eager <= bound:
+        raise GraphError(f"compiled {name} differs from eager: both overflow {dtype} (infinite or NaN where the "
+                         f"{reference} reference is finite), but not alike: relative error {against_eager:.2e} "
+                         f"against eager in {dtype} (> {bound:.0e}); please report this model")
+    warnings.warn(f"opfuse: {name} overflows {dtype}: its output is infinite or NaN where the {reference} reference "
+                  f"is finite, in eager PyTorch in {dtype} as in opfuse (the same positions, the rest within "
+                  f"{bound:.0e}); scale the model's weights or inputs, or compile it in {reference}", stacklevel=5)
 
 
 def without_kernels(compiled, reasons: dict[str, Reason]):
@@ -100,7 +120,8 @@ def end_to_end_error(eager: torch.nn.Module, compiled, inputs: list[torch.Tensor
                       ) -> tuple[float, float | None, float | None]:
     """Worst relative error of the compiled model's outputs against eager run in the reference precision; when
     that is over the tolerance, also eager's own error at the compute dtype, and when that is over it too, the
-    compiled outputs' worst error against their operands' scale (`scaled_errors`; None where not computed).
+    compiled outputs' worst error against their operands' scale (`scaled_errors`; None where not computed), or,
+    where eager's own is inf (it overflows the compute dtype), their worst error against eager's at that dtype.
     Eager computes its float casts in the precision it runs in, as the compiled model does (`_eager_outputs`). A
     model that cannot run in the reference precision (a float32 tensor held as a plain attribute, which `.to`
     leaves float32), or whose outputs take other shapes there (a view of float bits as another dtype), is compared
@@ -132,6 +153,8 @@ def end_to_end_error(eager: torch.nn.Module, compiled, inputs: list[torch.Tensor
     eager_error = max(relative_error(o, r) for o, r in zip(eager_outputs, reference))
     if eager_error <= bound:
         return error, eager_error, None
+    if math.isinf(eager_error):     # eager overflows the compute dtype: how near the compiled outputs are to its
+        return error, eager_error, max(relative_error(o, e) for o, e in zip(outputs, eager_outputs))
     return error, eager_error, max(scaled_errors(compiled.graph, inputs, outputs, dtype))
 
 
