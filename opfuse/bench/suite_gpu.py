@@ -120,17 +120,22 @@ def keep_float16_finite(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) 
             module.bias.div_(rms)
         return output / rms
 
+    _forward_hooked(model, inputs, model.modules(), measure)
+    if largest[0] <= FLOAT16_HEADROOM:
+        return False
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.modules.conv._ConvNd, torch.nn.Linear))]
-    for hook, modules in ((measure, list(model.modules())), (rescale, layers)):
-        handles = [m.register_forward_hook(hook) for m in modules]
-        try:
-            model(*inputs)
-        finally:
-            for handle in handles:
-                handle.remove()
-        if hook is measure and largest[0] <= FLOAT16_HEADROOM:
-            return False
+    _forward_hooked(model, inputs, layers, rescale)
     return True
+
+
+def _forward_hooked(model: torch.nn.Module, inputs: Sequence[torch.Tensor], modules, hook) -> None:
+    """One forward of `model` with `hook` as a forward hook on each of `modules`, removed after."""
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        model(*inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def judge(entry: SuiteModel, row: dict, dtype: str, seconds: float) -> GpuResult:
@@ -296,7 +301,8 @@ def markdown(results: Sequence[GpuResult], batch: int) -> str:
             else r.error.replace("|", "/")[:120]
         lines.append(f"| {r.name} | {r.family} | {r.status} | {_ms(r.opfuse_ms)} | {r.best or '-'} | "
                      f"{_ms(r.best_ms)} | {f'{r.speedup:.2f}x' if r.speedup else '-'} | {error} | {_ms(r.replay_ms)} | "
-                     f"{_ms(r.busy_ms)} ({_ms(r.best_busy_ms)}) |" + "".join(f" {_ms(r.variants.get(label))} |" for label in labels))
+                     f"{_ms(r.busy_ms)} ({_ms(r.best_busy_ms)}) |"
+                     + "".join(f" {_ms(r.variants.get(label))} |" for label in labels))
     return "\n".join(lines) + "\n"
 
 
