@@ -96,10 +96,12 @@ def acceptable(error: float, tolerance: float, eager_error: float | None = None,
                scaled_error: float | None = None) -> bool:
     """Whether a result `error` away from the reference passes (the module docstring's rule): within `tolerance`;
     else within EAGER_ERROR_MARGIN of PyTorch's own error at the compute dtype (`eager_error`); else, where PyTorch
-    is over the tolerance too, within it measured against the operands' scale (`scaled_error`)."""
+    is over the tolerance too, within it measured against the operands' scale (`scaled_error`). An error that is
+    not finite never passes, whatever PyTorch's: infinity is within any margin of PyTorch's own infinity, so where
+    both overflow the result is judged against PyTorch at the compute dtype instead (`verification`)."""
     if error <= tolerance:
         return True
-    if eager_error is None:
+    if eager_error is None or not math.isfinite(error):
         return False
     return error <= EAGER_ERROR_MARGIN * eager_error or (
         eager_error > tolerance and scaled_error is not None and scaled_error <= tolerance)

@@ -50,7 +50,7 @@ def verify(analysis: Any, compiled: Any, eager: torch.nn.Module, example_inputs:
     end_to_end, eager_error, scaled_error = end_to_end_error(eager, compiled, fresh, config.dtype)
     bound = tolerance(config.dtype, device)
     if not end_to_end <= bound:
-        if eager_error is not None and math.isinf(eager_error):    # `acceptable` would pass inf against inf
+        if eager_error is not None and math.isinf(eager_error):    # judged against eager at the compute dtype
             _overflow_verdict(analysis.name, config.dtype, scaled_error, bound)
             return compiled, checks, end_to_end
         if not acceptable(end_to_end, bound, eager_error, scaled_error):

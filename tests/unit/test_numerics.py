@@ -162,6 +162,7 @@ def test_the_check_rule_weighs_pytorchs_error_then_the_operands_scale():
     assert not acceptable(3e-2, 1e-4, eager_error=1e-2, scaled_error=1e-3)
     assert acceptable(3e-2, 1e-4, eager_error=1e-2, scaled_error=1e-6)
     assert not acceptable(3e-4, 1e-4, eager_error=5e-5, scaled_error=1e-6)   # PyTorch gets it right: so must we
+    assert not acceptable(float("inf"), 1e-2, eager_error=float("inf"))        # both overflow: judged elsewhere
 
 
 def test_the_operand_scale_is_that_of_the_values_an_output_is_computed_from():
