@@ -21,6 +21,7 @@ from opfuse.passes.elementwise_before_unit_reshapes import elementwise_before_un
 from opfuse.passes.fold_batchnorm import fold_batchnorm
 from opfuse.passes.fold_constants import fold_constants
 from opfuse.passes.fold_linear_reshapes import fold_linear_reshapes
+from opfuse.passes.flatten_cats import flatten_cats
 from opfuse.passes.fold_view_chains import fold_view_chains
 from opfuse.passes.matrix_vector_as_reduction import matrix_vector_as_reduction
 from opfuse.passes.recognize_attention import recognize_attention
@@ -50,7 +51,8 @@ def default_pipeline() -> list[Pass]:
     """The passes run after `cast_precision`: constants first, so a weight reached through a view or a cast is a
     constant for what follows, and attention masks built from shapes are known; then layout no-ops, so attention
     written out, BN and RMS norms are seen without their no-op expands, dropouts and casts; rolls written as slices
-    and a cat (ONNX's) next, so they join the kernel that reads them like a captured roll; attention next, so its
+    and a cat (ONNX's) next, so they join the kernel that reads them like a captured roll, and a cat read only by a
+    cat along its dim is spliced into it, so that its parts are slices of one buffer; attention next, so its
     key/value heads repeated for grouped-query attention are read shared and its mask is simplified like any
     other (a matmul by one column is a sum only after attention is found, which a key of one position would hide);
     then the reshapes around a linear that flatten its rows (GPT-2's Conv1D), so what reads it and what it
@@ -62,7 +64,7 @@ def default_pipeline() -> list[Pass]:
     after a 1-D or 3-D conv's view back to its rank move before it, so a batch norm there folds
     into the conv like any other, and a transpose a linear reads moves before the elementwise ops it reads
     (ResMLP's token mixing), so they are the linear's prologue."""
-    return [fold_constants, remove_noop_layout, recognize_roll, recognize_attention, share_kv_heads,
+    return [fold_constants, remove_noop_layout, recognize_roll, flatten_cats, recognize_attention, share_kv_heads,
             simplify_attention_masks, fold_linear_reshapes, fold_view_chains, unshare_views, recognize_rms_norm,
             recognize_gelu, matrix_vector_as_reduction, split_gated_linears, elementwise_before_unit_reshapes,
             views_before_prologues, fold_batchnorm, eliminate_dead_code]

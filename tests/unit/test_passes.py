@@ -790,19 +790,19 @@ def test_run_passes_names_the_pass_that_broke_the_graph(tmp_path):
 def test_run_passes_records_and_debug_files(tmp_path):
     before = _conv_bn_model()
     after, records = run_passes(before, default_pipeline(), debug_dir=tmp_path)
-    assert [r.name for r in records] == ["fold_constants", "remove_noop_layout", "recognize_roll",
+    assert [r.name for r in records] == ["fold_constants", "remove_noop_layout", "recognize_roll", "flatten_cats",
                                          "recognize_attention", "share_kv_heads", "simplify_attention_masks",
                                          "fold_linear_reshapes", "fold_view_chains", "unshare_views",
                                          "recognize_rms_norm", "recognize_gelu", "matrix_vector_as_reduction",
                                          "split_gated_linears", "elementwise_before_unit_reshapes",
                                          "views_before_prologues", "fold_batchnorm", "eliminate_dead_code"]
-    assert all(records[i].changes == [] for i in (0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14))
+    assert all(records[i].changes == [] for i in (0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))
     assert records[1].changes == ["removed no-op identity dropout"]
-    assert records[15].changes == ["folded batch_norm bn into conv2d conv"]
-    assert records[16].changes == ["removed dead tanh unused"]
+    assert records[16].changes == ["folded batch_norm bn into conv2d conv"]
+    assert records[17].changes == ["removed dead tanh unused"]
     assert all(r.seconds >= 0 for r in records)
     assert [n.op for n in after if n.op not in ("input", "constant")] == ["conv2d", "relu"]
-    assert (tmp_path / "17_eliminate_dead_code.txt").read_text() == after.format() + "\n"
+    assert (tmp_path / "18_eliminate_dead_code.txt").read_text() == after.format() + "\n"
     assert (tmp_path / "00_input.txt").read_text() == before.format() + "\n"
     assert_same_numerics(before, after)
 
@@ -811,8 +811,8 @@ def test_prepare_graph_casts_then_runs_the_pipeline(tmp_path):
     before = _conv_bn_model("float32")
     after, records = prepare_graph(before, "float16", debug_dir=tmp_path)
     assert [r.name for r in records] == ["cast_precision", "fold_constants", "remove_noop_layout", "recognize_roll",
-                                         "recognize_attention", "share_kv_heads", "simplify_attention_masks",
-                                         "fold_linear_reshapes", "fold_view_chains", "unshare_views",
+                                         "flatten_cats", "recognize_attention", "share_kv_heads",
+                                         "simplify_attention_masks", "fold_linear_reshapes", "fold_view_chains", "unshare_views",
                                          "recognize_rms_norm", "recognize_gelu", "matrix_vector_as_reduction",
                                          "split_gated_linears", "elementwise_before_unit_reshapes",
                                          "views_before_prologues", "fold_batchnorm", "eliminate_dead_code"]
@@ -918,3 +918,25 @@ def test_fold_constants_keeps_a_where_whose_constant_condition_varies():
     graph.outputs = [op(graph, "keep", "where", [triangle, mask, const(graph, "low", rand())])]
     after, _ = run_pass(fold_constants, graph)
     assert after["keep"].op == "where"
+
+
+def test_a_cat_read_only_by_a_cat_along_its_dim_is_spliced_into_it():
+    """Inception's last blocks: cat([a, cat([b, c]), cat([d, e]), f]) is one cat of six; an inner cat along another
+    dim, or read elsewhere too, stays."""
+    from opfuse.passes.flatten_cats import flatten_cats
+
+    g = Graph("nested")
+    xs = [g.add_input(f"x{i}", TensorType((2, i + 1, 3, 3), "float64")).name for i in range(6)]
+    inner = op(g, "inner", "cat", xs[1:3], dim=1)
+    other = op(g, "other", "cat", xs[3:5], dim=-3)
+    outer = op(g, "outer", "cat", [xs[0], inner, other, xs[5]], dim=1)
+    tall = op(g, "tall", "cat", [xs[0], xs[0]], dim=2)
+    kept = op(g, "kept", "cat", [tall, g.add_input("x6", TensorType((2, 1, 6, 3), "float64")).name], dim=1)
+    shared = op(g, "shared", "cat", [xs[0], xs[1]], dim=1)
+    also = op(g, "also", "cat", [shared, xs[2]], dim=1)
+    g.outputs = [outer, kept, also, shared]
+    after, changes = flatten_cats(g)
+    assert changes == ["cat inner spliced into cat outer", "cat other spliced into cat outer"]
+    assert after["outer"].inputs == xs and "inner" not in after.nodes and "other" not in after.nodes
+    assert after["kept"].inputs == ["tall", "x6"] and after["also"].inputs == ["shared", "x2"]
+    assert_same_numerics(g, after)
