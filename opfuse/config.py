@@ -26,6 +26,7 @@ class FusionConfig:
     norm_epilogue: bool = False         # a depthwise conv's kernel normalizes its rows: the layer norm or RMS norm
                                         # over the channels after it (ConvNeXt's 7x7 conv -> permute -> LayerNorm)
                                         # in its epilogue, each tile spanning every channel; off until measured
+    concat_in_place: bool = True        # a cat a conv or linear reads: its parts' kernels store into its slices
     squeeze: bool = True                # global average pool -> small GEMM -> small GEMM (squeeze-and-excitation)
                                         # as one kernel (RESULTS.md, run 88: a third fewer launches, about half
                                         # the cold compile, faster or even on the SE models)

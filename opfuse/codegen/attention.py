@@ -64,7 +64,7 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import FORM_LIBRARY, KernelConfig, compiled_info
+from opfuse.codegen.base import FORM_LIBRARY, KernelConfig, Outputs, compiled_info
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, generate_kernel, siblings_and_chains
 from opfuse.codegen.expr import Unsupported, refusal
 from opfuse.codegen.forms import UNFUSED, EpilogueKernel
@@ -300,9 +300,10 @@ class AttentionKernel(EpilogueKernel):
         forms = [] if split is None else [unsplit(split)]
         return forms + ([UNFUSED] if library and not self.bare else [])
 
-    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+            outputs: Outputs = None) -> list[torch.Tensor]:
         """The outputs in form `config` (default: the first config, torch's attention for a bare sdpa)."""
-        return super().run(inputs, config or self._configs[0])
+        return super().run(inputs, config or self._configs[0], outputs)
 
     def precision(self) -> str:
         """tl.dot precision of float32 operands: TF32 where PyTorch's matmul would use it."""
@@ -313,8 +314,9 @@ class AttentionKernel(EpilogueKernel):
         tensor, strides = layout.strides(tensor)
         return tensor, [strides[0], strides[1], strides[-2], strides[-1]]
 
-    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
-        config, values, args, outputs = self.bind(inputs, config)
+    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+                   outputs: Outputs = None) -> list[torch.Tensor]:
+        config, values, args, outputs = self.bind(inputs, config, outputs=outputs)
         q, q_strides = self._operand(self.q_layout, values[self.q])
         k, k_strides = self._operand(self.k_layout, values[self.k])
         v, v_strides = self._operand(self.v_layout, values[self.v])

@@ -94,6 +94,10 @@ class CompiledInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# per group output, where a kernel may store it (`GroupKernel.run`)
+Outputs = Sequence[torch.Tensor | None] | None
+
+
 class GroupKernel(ABC):
     """A fusion group lowered to one Triton kernel."""
 
@@ -103,6 +107,9 @@ class GroupKernel(ABC):
         self.name = name            # e.g. fused_conv2d_add_relu_1a2b3c4d
         self.source = source        # the Triton source, for the report and debug dumps
         self.last_compiled: CompiledInfo | None = None
+        # an output of it is a part of a cat written in place (`opfuse.fusion.concat_in_place`, set by lowering): it
+        # offers the autotuner only forms that store into a slice given to `run`, a copy each call costing more
+        self.stores_in_place = False
 
     @property
     def runtime_inputs(self) -> list[str]:
@@ -143,8 +150,11 @@ class GroupKernel(ABC):
         """Candidate configs for autotuning; the first is the default when tuning is off."""
 
     @abstractmethod
-    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
-        """Compute the group's outputs from its runtime inputs."""
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+            outputs: Outputs = None) -> list[torch.Tensor]:
+        """Compute the group's outputs from its runtime inputs. `outputs`: per group output, a tensor of its shape
+        and dtype (any strides: a slice of a cat written in place) it may be stored into, or None; a kernel stores
+        there where its form can, else returns a tensor of its own, which the caller copies."""
 
 
 def kernel_name(prefix: str, ops: Sequence[str], source: str) -> str:

@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import GroupKernel, KernelConfig, compiled_info, load_kernel, rows_jit, unit_code
+from opfuse.codegen.base import GroupKernel, KernelConfig, Outputs, compiled_info, load_kernel, rows_jit, unit_code
 from opfuse.codegen.conv_common import GEOMETRY_PARAMS, X_ROW_STRIDES, ConvGeometry
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype
 from opfuse.codegen.forms import EpilogueKernel
@@ -263,8 +263,9 @@ class ConvConvKernel(EpilogueKernel):
                    for t in tiles]
         return list(dict.fromkeys(configs))
 
-    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
-        config, values, args, outputs = self.bind(inputs, config)
+    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+                   outputs: Outputs = None) -> list[torch.Tensor]:
+        config, values, args, outputs = self.bind(inputs, config, outputs=outputs)
         g = self.geometry
         x = values[self.x]
         m, n = self.layout.rows, self.layout.channels

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import KernelConfig, compiled_info, rows_jit
+from opfuse.codegen.base import KernelConfig, Outputs, compiled_info, rows_jit
 from opfuse.codegen.conv_common import GEOMETRY_PARAMS, X_ROW_STRIDES, ConvGeometry
 from opfuse.codegen.epilogue import Epilogue, generate_kernel
 from opfuse.codegen.forms import EpilogueKernel
@@ -214,8 +214,9 @@ class DepthwiseConvKernel(EpilogueKernel):
         for cols in sorted({dict(c.params).get("COLS", 1) for c in self._configs} - {1}):
             self.source += "\n\n" + self._runs_form(cols)[0]
 
-    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
-        config, values, args, outputs = self.bind(inputs, config)
+    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+                   outputs: Outputs = None) -> list[torch.Tensor]:
+        config, values, args, outputs = self.bind(inputs, config, outputs=outputs)
         g = self.geometry
         x = values[self.x]
         m, channels = self.layout.rows, self.layout.channels

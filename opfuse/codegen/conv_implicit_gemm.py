@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import FORM_TRITON, KernelConfig, compiled_info, find_anchor, rows_jit, tuned_configs
+from opfuse.codegen.base import FORM_TRITON, KernelConfig, Outputs, compiled_info, find_anchor, rows_jit, tuned_configs
 from opfuse.codegen.conv_common import GEOMETRY_PARAMS, X_ROW_STRIDES, ConvGeometry, weights_on_device
 from opfuse.codegen.epilogue import Epilogue, TileLayout, compute_dtype, generate_kernel
 from opfuse.codegen.forms import EpilogueKernel
@@ -280,8 +280,9 @@ class ConvKernel(EpilogueKernel):
         g = self.geometry
         return anchor_steps(g.kh * g.kw, group_block_of(config) * g.cin_per_group, config["BLOCK_K"])
 
-    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
-        config, values, args, outputs = self.bind(inputs, config)
+    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+                   outputs: Outputs = None) -> list[torch.Tensor]:
+        config, values, args, outputs = self.bind(inputs, config, outputs=outputs)
         g = self.geometry
         x = values[self.x]
         m, channels = self.layout.rows, self.layout.channels

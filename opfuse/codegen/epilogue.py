@@ -456,8 +456,12 @@ class Epilogue:
         """The parameter prefixes of the tensors it reads (full operands) and writes, in `params` order."""
         return [f"fo{j}" for j in range(len(self.full_operands))] + [f"out{j}" for j in range(len(self.stored))]
 
-    def launch_args(self, values: dict[str, torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
-        """(arguments for `params`, the group's outputs) for one run; `values` holds the runtime inputs."""
+    def launch_args(self, values: dict[str, torch.Tensor], outputs: Sequence[torch.Tensor | None] | None = None
+                    ) -> tuple[list, list[torch.Tensor]]:
+        """(arguments for `params`, the group's outputs) for one run; `values` holds the runtime inputs. `outputs`:
+        per group output, a tensor to store it into (any strides) or None; one sibling's output of a horizontal
+        group is a part of the siblings' one buffer, and an output stored permuted has its own: those are new."""
+        given = self._given(outputs)
         args: list = list(self.channel_vectors)
         identity = self.spaces[0]
         for operand, space in zip(self.full_operands, self.full_spaces):
@@ -468,8 +472,8 @@ class Epilogue:
             tensor, strides = self.layout.strides(tensor)
             args += [tensor, *strides] + ([self.layout.dense(strides)] if self.flat else [])
         buffers = []
-        for dtype, space in zip(self.dtypes, self.stored_spaces):
-            buffer = self.layout.empty(dtype, self.device)
+        for j, (dtype, space) in enumerate(zip(self.dtypes, self.stored_spaces)):
+            buffer = given[j] if j in given and space == identity else self.layout.empty(dtype, self.device)
             if self.output_fill is not None:
                 buffer.fill_(self.output_fill)
             _, strides = self.layout.strides(buffer)
@@ -479,6 +483,13 @@ class Epilogue:
             return args, [buffers[b] for _, b in self.outputs]
         channel = self.layout.channel_dim
         return args, [buffers[b].narrow(channel, *self.spans[s]) for s, b in self.outputs]
+
+    def _given(self, outputs: Sequence[torch.Tensor | None] | None) -> dict[int, torch.Tensor]:
+        """{stored buffer: the tensor given to store it into} (`launch_args`)."""
+        if outputs is None or len(self.chains) != 1:
+            return {}
+        return {b: out for (_, b), out in zip(self.outputs, outputs)
+                if out is not None and tuple(out.shape) == self.layout.shape}
 
 
 def generate_kernel(template: str, epilogue: Epilogue, prefix: str = "fused", units: Sequence[str] | None = None,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import FORM_LIBRARY, FORM_UNFUSED, GroupKernel, KernelConfig
+from opfuse.codegen.base import FORM_LIBRARY, FORM_UNFUSED, GroupKernel, KernelConfig, Outputs
 from opfuse.codegen.epilogue import generate_kernel
 from opfuse.codegen.split_k import REDUCE_BLOCK_M, REDUCE_BLOCK_N, SplitK, unsplit
 from opfuse.ir.graph import Node
@@ -161,12 +161,16 @@ class EpilogueKernel(GroupKernel):
     def alternatives(self, library: bool = True) -> list[KernelConfig]:
         """The unsplit form of a split-K kernel's first config that takes the plan's slices (a conv's
         group-blocked configs run unsplit anyway); with `library`, the library forms where there are (the fused one
-        last) and the unfused form."""
+        last) and the unfused form; only those with an epilogue kernel where it `stores_in_place` (the others
+        return tensors of their own, which would be copied)."""
         forms = []
         if self.split is not None:
             first = next(c for c in self._configs if "SPLIT_K" in dict(c.params))
             forms.append(unsplit(first))
-        if library:
+        if library and self.stores_in_place:
+            if self.library_outputs is None and self.library_anchor is not None:
+                forms.extend(LIBRARY_CONFIGS)
+        elif library:
             if self.library_outputs is not None:
                 forms.append(LIBRARY)              # no epilogue kernel, so no epilogue tile to choose
             elif self.library_anchor is not None:
@@ -206,14 +210,19 @@ class EpilogueKernel(GroupKernel):
             return (1 if self.library_outputs is not None or is_library_fused(config) else 2) + operand
         return 1
 
-    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+            outputs: Outputs = None) -> list[torch.Tensor]:
+        """The group's outputs in `config`'s form: the Triton kernel's and the library form's epilogue kernel store
+        into `outputs` where given; the fused library form, bare anchors through the library and the unfused form
+        return their own (`GroupKernel.run`)."""
         if is_unfused(config):
             return self.run_unfused(inputs)
         if is_library(config):
-            return self.run_library(inputs, config)
-        return self.run_triton(inputs, config)
+            return self.run_library(inputs, config, outputs)
+        return self.run_triton(inputs, config, outputs)
 
-    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+                   outputs: Outputs = None) -> list[torch.Tensor]:
         raise NotImplementedError
 
     def keep_form(self, config: KernelConfig) -> None:
@@ -264,7 +273,8 @@ class EpilogueKernel(GroupKernel):
         self.last_compiled = None
         return [values[name] for name in self.group.outputs]
 
-    def run_library(self, inputs: Sequence[torch.Tensor], config: KernelConfig = LIBRARY) -> list[torch.Tensor]:
+    def run_library(self, inputs: Sequence[torch.Tensor], config: KernelConfig = LIBRARY,
+                    outputs: Outputs = None) -> list[torch.Tensor]:
         """The anchor through PyTorch, then the generated epilogue kernel (with `config`'s tile) over its result; or
         the whole group through the library (bare anchors, the fused library form)."""
         if is_library_fused(config):
@@ -279,7 +289,7 @@ class EpilogueKernel(GroupKernel):
             raise ValueError(f"kernel {self.name} has no library form")
         self.last_compiled = None
         flat = is_flat(config)
-        _, values, args, outputs = self.bind(inputs, None, self.epilogue.flat_form() if flat else None)
+        _, values, args, outputs = self.bind(inputs, None, self.epilogue.flat_form() if flat else None, outputs)
         result = self.library_anchor(self._library_values(values)).contiguous()
         if flat:
             if self._flat_epilogue is None:
@@ -335,10 +345,10 @@ class EpilogueKernel(GroupKernel):
         self._launched = (self._launched or {}) | {"operand": sum(launched)}
         return values
 
-    def bind(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None, epilogue: "Epilogue | None" = None
-             ) -> tuple[KernelConfig, dict[str, torch.Tensor], list, list[torch.Tensor]]:
+    def bind(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None, epilogue: "Epilogue | None" = None,
+             outputs: Outputs = None) -> tuple[KernelConfig, dict[str, torch.Tensor], list, list[torch.Tensor]]:
         """(the config to launch, every value by name, the launch arguments of `epilogue` (default: the kernel's),
-        the allocated outputs)."""
+        the outputs it stores: `outputs` where the epilogue can store there, else allocated)."""
         values = dict(zip(self.runtime_inputs, inputs)) | self.constants
-        args, outputs = (epilogue or self.epilogue).launch_args(values)
+        args, outputs = (epilogue or self.epilogue).launch_args(values, outputs)
         return config or self._configs[0], values, args, outputs

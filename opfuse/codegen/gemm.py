@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import KernelConfig, compiled_info, rows_jit
+from opfuse.codegen.base import KernelConfig, Outputs, compiled_info, rows_jit
 from opfuse.codegen.epilogue import (TILE_INDEX, Epilogue, TileLayout, compute_dtype, generate_kernel,
                                      siblings_and_chains)
 from opfuse.codegen.forms import EpilogueKernel, LibraryAnchor, is_library, is_unfused
@@ -257,8 +257,9 @@ class GemmKernel(EpilogueKernel):
         _, size1, size2 = self.layout.row_sizes()
         return a, [*batch, size1, size2, 1, r0, r1, r2, 0, self.k, 0, channel], False
 
-    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
-        config, values, args, outputs = self.bind(inputs, config)
+    def run_triton(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+                   outputs: Outputs = None) -> list[torch.Tensor]:
+        config, values, args, outputs = self.bind(inputs, config, outputs=outputs)
         a, a_strides, a_split_k = self.operand_a(values)
         prologue = self.prologue.launch_args(values) if self.prologue is not None else []
         if self.b_packed is not None:

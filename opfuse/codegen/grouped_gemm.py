@@ -22,7 +22,8 @@ from typing import Sequence
 import torch
 import triton
 
-from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, KernelConfig, compiled_info, kernel_name, load_kernel
+from opfuse.codegen.base import (FORM_LIBRARY, GroupKernel, KernelConfig, Outputs, compiled_info, kernel_name,
+                                 load_kernel)
 from opfuse.codegen.expr import Unsupported, refusal
 from opfuse.codegen.gemm import gated_code, interleaved
 from opfuse.codegen.template_kernel import INT32_LIMIT
@@ -118,7 +119,9 @@ class GroupedGemmKernel(GroupKernel):
     def configs(self) -> list[KernelConfig]:
         return list(self._configs)
 
-    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+            outputs: Outputs = None) -> list[torch.Tensor]:
+        """(Stores its own outputs: `outputs` is not used.)"""
         config = config or self._configs[0]
         values = dict(zip(self.runtime_inputs, inputs)) | self.constants
         x, w, ends = (values[name] for name in self.node.inputs)
@@ -155,7 +158,9 @@ class LibraryKernel(GroupKernel):
     def describe_library_form(self, config: KernelConfig | None = None) -> str:
         return f"{self.node.op} ({', '.join(n.name for n in self.nodes)}) as PyTorch's kernel"
 
-    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+            outputs: Outputs = None) -> list[torch.Tensor]:
+        """(Stores its own outputs: `outputs` is not used.)"""
         values = dict(zip(self.runtime_inputs, inputs)) | self.constants
         operands = [values[name] for name in self.node.inputs]
         if len(self.nodes) == 1:

@@ -22,6 +22,7 @@ from opfuse.codegen import attention, conv, conv_conv, gemm, grouped_gemm, point
 from opfuse.codegen.base import FORM_LIBRARY, GroupKernel, dependent_launches, find_anchor, folding_rows
 from opfuse.codegen.expr import Unsupported
 from opfuse.codegen.template_kernel import INT32_LIMIT
+from opfuse.fusion.concat_in_place import planned_slots
 from opfuse.fusion.legality_views import MAPPED_COPIES, maps_on_load
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
 from opfuse.fusion.reasons import Code, Reason
@@ -54,6 +55,8 @@ ANCHOR_TEMPLATES = {"conv2d": "conv", "linear": "gemm", "matmul": "gemm", "sdpa"
 # kinds that never get a kernel of ours, and why
 NO_KERNEL_KINDS = {
     GroupKind.VIEW: Reason(Code.VIEW, "view: metadata only, no kernel needed"),
+    GroupKind.IN_PLACE: Reason(Code.IN_PLACE, "cat written in place by its parts' kernels; a part no kernel stores "
+                               "there is copied into its slice through PyTorch"),
     GroupKind.INJECTIVE: Reason(Code.COPYING_OP,
                                 "injective (gather/pad/copy): no Triton template, runs through PyTorch"),
 }
@@ -194,4 +197,8 @@ def lower_plan(plan: FusionPlan, device: torch.device | str
             kernel = lower_group(plan.graph, group, device, reasons, hw)
             if kernel is not None:
                 kernels[group.name] = kernel
+    for part in planned_slots(plan, plan.graph.users())[0]:      # (`GroupKernel.stores_in_place`)
+        kernel = kernels.get(plan.group_of(part).name)
+        if kernel is not None:
+            kernel.stores_in_place = True
     return kernels, reasons

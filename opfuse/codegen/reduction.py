@@ -503,7 +503,7 @@ class RowReductionKernel(TemplateKernel):
         return 2 if dict(config.params).get("SPLIT", 1) > 1 else 1
 
     def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
-            outputs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+            outputs: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """Outputs (in group.outputs order) of the group for its runtime inputs; `outputs` may be preallocated."""
         config = config or self.configs()[0]
         tensors = self.bind(inputs)

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from opfuse.codegen.base import (FORM_SEPARATE, FORM_UNFUSED, GroupKernel, KernelConfig, compiled_info,
+from opfuse.codegen.base import (FORM_SEPARATE, FORM_UNFUSED, GroupKernel, KernelConfig, Outputs, compiled_info,
                                  load_kernel)
 from opfuse.codegen.expr import DISCRETE_OPS, SUPPORTED_OPS, Unsupported, emit, literal, refusal
 from opfuse.codegen.template_kernel import INT32_LIMIT, extent
@@ -265,7 +265,9 @@ class SqueezeKernel(GroupKernel):
             self._unfused_constants = None
 
     # ---- running ------------------------------------------------------------------------------------
-    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None) -> list[torch.Tensor]:
+    def run(self, inputs: Sequence[torch.Tensor], config: KernelConfig | None = None,
+            outputs: Outputs = None) -> list[torch.Tensor]:
+        """(Stores its own outputs: `outputs` is not used.)"""
         config = config or self.configs()[0]
         if config.form == FORM_UNFUSED:
             return self.run_unfused(inputs)

@@ -169,7 +169,7 @@ class TemplateKernel(GroupKernel):
         return tensor if self.output_fill is None else tensor.fill_(self.output_fill)
 
     def outputs_for(self, tensors: dict[str, torch.Tensor],
-                    outputs: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+                    outputs: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor]:
         """The caller's preallocated outputs (any strides), or new ones in the default layout; either way a state
         written in place (`Graph.writes_state_in_place`) is the state's own tensor."""
         if outputs is None:

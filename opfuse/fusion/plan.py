@@ -55,6 +55,7 @@ class GroupKind(str, Enum):
     REDUCTION = "reduction"                 # softmax / layer norm / mean / pooling with prologue/epilogue
     INJECTIVE = "injective"                 # concat, gather, copies
     VIEW = "view"                           # metadata only: reshape, permute, slice; no kernel
+    IN_PLACE = "in place"                   # a cat its parts' producers store into: no kernel (`concat_in_place`)
     OPAQUE = "opaque"                       # runs through PyTorch
     SINGLE = "single"                       # one op alone (nothing worth fusing with it)
 

@@ -40,6 +40,7 @@ import torch
 from opfuse.codegen.base import GroupKernel, KernelConfig, prefetching, recording_launches
 from opfuse.codegen.lower import choose_lowering, lower_plan, plan_hardware
 from opfuse.config import FusionConfig
+from opfuse.fusion.concat_in_place import planned_slots
 from opfuse.fusion.plan import FusionGroup, FusionPlan
 from opfuse.fusion.reasons import Code, Reason
 from opfuse.ir.graph import Graph, GraphError, Node, TensorType, dtype_name, torch_dtype
@@ -162,7 +163,11 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
         # the state updates written in place (`Graph.writes_state_in_place`) that run through PyTorch
         self._in_place = {update for update in self.graph.state.values()
                           if self.graph.writes_state_in_place(update, users)}
-        self._launched: dict[str, int] = {}      # PyTorch-run node -> the kernels it launched as it last ran
+        # cats written in place (`opfuse.fusion.concat_in_place`): part -> (cat, dim, start, length) of the slice its
+        # producer stores it into, and cat -> its parts copied in at its own step
+        self._slots, self._copied_parts = planned_slots(self.plan, users)
+        self._launched: dict[str, int] = {cat: len(parts) for cat, parts in self._copied_parts.items()}
+        # (PyTorch-run node -> the kernels it launched as it last ran)
         self._zero_state: dict[str, bool] = {}   # state node -> whether it starts as zeros (`reset_state`)
         # constants read by PyTorch-run nodes: on the device once, as private copies (never the user's tensors,
         # and never registered as parameters, so .to()/.half() on this module cannot reach the user's model)
@@ -430,37 +435,72 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
             values[node.name] = args[0].index_copy_(node.attrs["dim"], args[1], args[2])
             self._launched[node.name] = 1
             return
+        if node is not None and node.name in self._copied_parts:
+            self._assemble(node.name, values)
+            return
         if step.kernel is not None:
+            slices = [self._slice(name, values) for name in step.writes]
             with prefetching(step.ahead):
-                outputs = self._run_kernel(step, args)
+                outputs = self._run_kernel(step, args, slices if any(s is not None for s in slices) else None)
             if len(outputs) != len(step.writes):
                 raise GraphError(f"kernel {step.kernel.name} of group {step.group.name} returned "
                                  f"{len(outputs)} outputs, the group has {len(step.writes)} {step.writes}")
-            values.update(zip(step.writes, outputs))
+            values.update(zip(step.writes, map(_stored, slices, outputs)))
             return
         try:
-            values[step.node.name] = out = get_op(step.node.op).run(args, step.node.attrs)
+            out = get_op(step.node.op).run(args, step.node.attrs)
             self._launched[step.node.name] = launches_of(step.node, args, out)
         except GraphError:
             raise
         except Exception as error:
             raise GraphError(f"running node {step.node.describe()} (group {step.group.name}, through "
                              f"PyTorch) failed: {error}") from error
+        slice_ = self._slice(step.node.name, values)
+        if slice_ is not None:
+            self._launched[step.node.name] += 1
+        values[step.node.name] = _stored(slice_, out)
 
-    def _run_kernel(self, step: Step, args: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Run the step's kernel with its config; one the GPU refuses at launch (out of shared memory or registers:
-        the resource model's estimate fell short) gives way to the kernel's next config that runs, which becomes
-        its config."""
+    def _slice(self, name: str, values: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Where value `name` is stored: its slice of the cat it is written into in place (the cat's buffer made
+        when its first part is stored), or None (anywhere)."""
+        if name not in self._slots:
+            return None
+        cat, dim, start, length = self._slots[name]
+        return self._cat_buffer(cat, values).narrow(dim, start, length)
+
+    def _cat_buffer(self, cat: str, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The buffer of cat `cat` written in place: channels-last where 4-D floating (the kernels' image layout)."""
+        if cat not in values:
+            type = self.graph[cat].type
+            dtype = torch_dtype(type.dtype)
+            image = len(type.shape) == 4 and dtype.is_floating_point
+            values[cat] = torch.empty(type.shape, dtype=dtype, device=self.device,
+                                      memory_format=torch.channels_last if image else torch.contiguous_format)
+        return values[cat]
+
+    def _assemble(self, cat: str, values: dict[str, torch.Tensor]) -> None:
+        """A cat's step where it is written in place: its parts no kernel stored are copied into their slices."""
+        buffer = self._cat_buffer(cat, values)
+        for part, (dim, start, length) in self._copied_parts[cat]:
+            buffer.narrow(dim, start, length).copy_(values[part])
+        self._launched[cat] = len(self._copied_parts[cat])
+
+    def _run_kernel(self, step: Step, args: list[torch.Tensor],
+                    slices: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """Run the step's kernel with its config (`slices`: where it may store its outputs, `GroupKernel.run`); one
+        the GPU refuses at launch (out of shared memory or registers: the resource model's estimate fell short)
+        gives way to the kernel's next config that runs, which becomes its config."""
         name, kernel = step.group.name, step.kernel
         config = self.configs.get(name)
+        where = (slices,) if slices is not None else ()     # passed only where there are slices
         try:
-            return kernel.run(args, config)
+            return kernel.run(args, config, *where)
         except out_of_resources() as error:
             refused = error
         configs = kernel.configs()
         for candidate in configs[configs.index(config) + 1 if config in configs else 0:]:
             try:
-                outputs = kernel.run(args, candidate)
+                outputs = kernel.run(args, candidate, *where)
             except out_of_resources():
                 continue
             self.configs[name] = candidate
@@ -526,6 +566,16 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"graph={self.graph.name}, device={self.device}, kernels={len(self.kernels)}, "
                 f"pytorch_groups={len(self.fallbacks)}, cuda_graph={self.use_cuda_graph}")
+
+
+def _stored(slice_: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """A step's output `out` where it belongs: in `slice_` where one is given (copied there unless the kernel stored it
+    there itself), else as it is."""
+    if slice_ is None:
+        return out
+    if out.data_ptr() != slice_.data_ptr() or out.stride() != slice_.stride():
+        slice_.copy_(out)
+    return slice_
 
 
 def build_compiled_model(plan: FusionPlan, device: torch.device | str,

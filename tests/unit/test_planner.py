@@ -188,11 +188,45 @@ def test_opaque_op_never_fuses():
 
 
 def test_a_cat_of_anchor_outputs_stays_its_own_kernel():
-    """It joins no anchor's kernel, and is a kernel of the elementwise template on its own, not PyTorch's cat."""
-    plan = plan_fusion(inception_siblings(), FusionConfig(), H200)
+    """It joins no anchor's kernel, and (not written in place) is a kernel of the elementwise template on its own,
+    not PyTorch's cat."""
+    plan = plan_fusion(inception_siblings(), FusionConfig(concat_in_place=False), H200)
     assert plan.group_of("cat").nodes == ["cat"] and plan.group_of("cat").kind is GroupKind.SINGLE
     assert decisions_between(plan, "relu_pool", "cat")[0].code is Code.CAT_WITH_HUB
     assert choose_lowering(plan.graph, plan.group_of("cat")) == "pointwise"
+
+
+def test_a_cat_of_kernel_outputs_is_written_in_place_by_them():
+    """The 3x3, 5x5 and pool branches' kernels store into their slices of the cat; the 1x1 branch is a sibling of a
+    horizontal group (one buffer for the three 1x1 convs), so it is copied into its slice: one launch and its
+    bytes, where the cat's kernel copied every part."""
+    from opfuse.fusion.concat_in_place import planned_slots, written_parts
+
+    plan = plan_fusion(inception_siblings(), FusionConfig(), H200)
+    apart = plan_fusion(inception_siblings(), FusionConfig(concat_in_place=False), H200)
+    group, graph, users = plan.group_of("cat"), plan.graph, plan.graph.users()
+    assert group.kind is GroupKind.IN_PLACE and group.code is Code.IN_PLACE
+    assert plan.group_of("relu_1x1").kind is GroupKind.HORIZONTAL
+    assert written_parts(graph, plan.groups, "cat", users) == ["relu_3x3", "relu_5x5", "relu_pool"]
+    assert group.launches == 1 and group.bytes_read == group.bytes_written == graph["relu_1x1"].type.nbytes
+    assert group.predicted_time < apart.group_of("cat").predicted_time
+    assert plan.kernel_launches == apart.kernel_launches     # a copy for the cat's kernel
+    assert choose_lowering(graph, group).code is Code.IN_PLACE     # no kernel
+    stored, copied = planned_slots(plan, users)
+    assert stored == {"relu_3x3": ("cat", 1, 64, 128), "relu_5x5": ("cat", 1, 192, 32),
+                      "relu_pool": ("cat", 1, 224, 32)}
+    assert copied == {"cat": [("relu_1x1", (1, 0, 64))]}
+
+
+def test_a_cat_whose_parts_no_kernel_can_store_stays_a_kernel():
+    """Parts that are graph inputs, or read by another node too, are copied: with none written in place, the
+    cat's own kernel is the cheaper copy."""
+    b = GraphBuilder("cat_of_inputs")
+    x, y = b.input("x", (1, 8, 6, 6)), b.input("y", (1, 8, 6, 6))
+    shared = b.unary("relu", y, "shared")
+    cat = b.op("cat", [x, shared], {"dim": 1}, "cat")
+    plan = plan_fusion(b.output(b.conv(cat, 4, name="conv"), shared), FusionConfig(), H200)
+    assert plan.group_of("cat").kind is GroupKind.SINGLE
 
 
 def test_a_cat_joins_the_elementwise_chain_after_it_and_the_shuffle_views_before_a_copy():

@@ -1,0 +1,82 @@
+"""A cat written in place (`opfuse.fusion.concat_in_place`): its parts' kernels store into its slices through
+Triton's interpreter, against eager."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import opfuse
+from opfuse.codegen.forms import UNFUSED, EpilogueKernel
+from opfuse.fusion.concat_in_place import planned_slots
+from opfuse.fusion.plan import GroupKind
+
+
+class InceptionBlock(nn.Module):
+    """Three 1x1 convs on x (siblings: one horizontal kernel), a 3x3 after one, two convs of a split branch
+    concatenated (nested in the block's cat), an average-pooled 1x1 and a max pool, then a 1x1 conv over the cat."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.a, self.b, self.d, self.p = nn.Conv2d(c, 3, 1), nn.Conv2d(c, 2, 1), nn.Conv2d(c, 2, 1), nn.Conv2d(c, 2, 1)
+        self.b2 = nn.Conv2d(2, 3, 3, padding=1)
+        self.d1, self.d2 = nn.Conv2d(2, 2, (1, 3), padding=(0, 1)), nn.Conv2d(2, 2, (3, 1), padding=(1, 0))
+        self.out = nn.Conv2d(3 + 3 + 4 + 2 + c, 5, 1)
+
+    def forward(self, x):
+        a = F.relu(self.a(x))
+        b = F.relu(self.b2(F.relu(self.b(x))))
+        d = F.relu(self.d(x))
+        d = torch.cat([F.relu(self.d1(d)), F.relu(self.d2(d))], 1)
+        p = F.relu(self.p(F.avg_pool2d(x, 3, 1, 1)))
+        return self.out(torch.cat([a, b, d, p, F.max_pool2d(x, 3, 1, 1)], 1))
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    """The shapes of the tensors `Tensor.copy_` writes into while the test runs."""
+    seen = []
+    original = torch.Tensor.copy_
+
+    def spy(self, source, *args, **kwargs):
+        seen.append(tuple(self.shape))
+        return original(self, source, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    return seen
+
+
+def test_the_parts_kernels_store_into_the_cat_and_only_the_sibling_is_copied(copies):
+    torch.manual_seed(0)
+    model, x = InceptionBlock().eval(), torch.randn(2, 4, 5, 5)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32"))
+    cats = [g for g in compiled.compiled.plan.groups if g.kind is GroupKind.IN_PLACE]
+    assert len(cats) == 1 and cats[0].launches == 1      # the nested cat spliced in; the 1x1 sibling copied
+    assert cats[0].name not in compiled.compiled.kernels
+    copies.clear()
+    with torch.no_grad():
+        y = compiled(x)
+        expected = model(x)
+    assert copies == [(2, 3, 5, 5)]          # the horizontal group's part only: every other kernel stored its own
+    assert relative_error(y, expected) < 1e-5
+
+
+def test_a_producer_whose_form_cannot_store_there_is_copied_into_its_slice(copies):
+    """The unfused form (the group's ops through PyTorch) returns a tensor of its own: the runtime copies it."""
+    torch.manual_seed(1)
+    model, x = InceptionBlock().eval(), torch.randn(1, 4, 5, 5)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", verify=False))
+    inner = compiled.compiled
+    stored, _ = planned_slots(inner.plan, inner.graph.users())
+    part = next(p for p in stored if isinstance(inner.kernels.get(inner.plan.group_of(p).name), EpilogueKernel))
+    expected = model(x).detach()
+    inner.set_configs({inner.plan.group_of(part).name: UNFUSED})
+    copies.clear()
+    with torch.no_grad():
+        y = compiled(x)
+    assert len(copies) == 2 and tuple(inner.graph[part].type.shape) in copies     # the sibling's part, and this
+    assert relative_error(y, expected) < 1e-5
