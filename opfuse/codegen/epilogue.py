@@ -38,7 +38,9 @@ channels masked out of them.
 
 Horizontal groups (sibling anchors on one input) run one kernel over the concatenated output channels: the
 siblings' epilogues must be structurally identical; their constant operands are concatenated along the channels,
-and each sibling's outputs are views (narrow on the channel dim) of one buffer per stored value.
+and each sibling's outputs are views (narrow on the channel dim) of one buffer per stored value; or, where an
+output is read by a cat alone (a part its kernel may store in place: `opfuse.fusion.concat_in_place`), each output
+is a tensor of its own (`separate`), stored under the mask of its sibling's channels (the tile form only).
 
 The kernels' other forms live beside it: split-K (`opfuse.codegen.split_k`), the library and unfused forms and
 their base class `EpilogueKernel` (`opfuse.codegen.forms`), the GEMM prologue (`opfuse.codegen.prologue`).
@@ -47,7 +49,7 @@ their base class `EpilogueKernel` (`opfuse.codegen.forms`), the GEMM prologue (`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Sequence
 
@@ -166,14 +168,16 @@ class TileLayout:
         batch = [f"{prefix}_sb0", f"{prefix}_sb1"] if self.batch_dims else []
         return batch + [f"{prefix}_sr0", f"{prefix}_sr1", f"{prefix}_sr2", f"{prefix}_sc"]
 
-    def offset_expr(self, prefix: str, flat: bool = False) -> str:
+    def offset_expr(self, prefix: str, flat: bool = False, first_channel: int = 0) -> str:
         """Triton expression of the element offsets of a tensor read through `prefix` strides: of the
-        [BLOCK_M, BLOCK_N] tile, or with `flat` of the [BLOCK] elements (`offs_dense` where the tensor is dense)."""
+        [BLOCK_M, BLOCK_N] tile, or with `flat` of the [BLOCK] elements (`offs_dense` where the tensor is dense);
+        `first_channel`: the tile's channel that is the tensor's first (a sibling's own output)."""
         rows = f"r0 * {prefix}_sr0 + r1 * {prefix}_sr1 + r2 * {prefix}_sr2"
         batch = f"b0 * {prefix}_sb0 + b1 * {prefix}_sb1 + " if self.batch_dims else ""
         if flat:
             return f"(offs_dense if {prefix}_DENSE else {batch}{rows} + offs_n * {prefix}_sc)"
-        return f"{batch}({rows})[:, None] + offs_n[None, :] * {prefix}_sc"
+        channels = f"(offs_n - {first_channel})" if first_channel else "offs_n"
+        return f"{batch}({rows})[:, None] + {channels}[None, :] * {prefix}_sc"
 
     def dense(self, strides: Sequence[int]) -> bool:
         """Whether kernel `strides` (as `strides` gives them) address a dense [batch, rows, channels] tensor: each
@@ -288,6 +292,16 @@ class Epilogue:
             self.outputs.append((sibling, self.stored.index(p)))
         self.dtypes = [torch_dtype(graph[chains[0][p]].type.dtype) for p in self.stored]
         self.stored_spaces = [self.spaces[p] for p in self.stored]
+        identity = self.spaces[0]
+        self.separate = (len(chains) > 1 and not flat and all(space == identity for space in self.stored_spaces)
+                         and any(_read_by_a_cat_alone(graph, name) for name in group.outputs))
+        if self.separate:       # one store per output, under the mask of its sibling's channels
+            for i, (s, j) in enumerate(self.outputs):
+                p, (start, width) = self.stored[j], self.spans[s]
+                within = f"mask & ((offs_n >= {start}) & (offs_n < {start + width}))[None, :]"
+                self.lines.append(f"tl.store(out{i}_ptr + {layout.offset_expr(f'out{i}', first_channel=start)}, "
+                                  f"x{p}.to({triton_dtype(graph[chains[0][p]].type.dtype)}), mask={within})")
+            return
         for j, p in enumerate(self.stored):
             self.lines.append(f"tl.store(out{j}_ptr + {layout.offset_expr(f'out{j}', flat)}, "
                               f"x{p}.to({triton_dtype(graph[chains[0][p]].type.dtype)}), mask=mask)")
@@ -454,14 +468,14 @@ class Epilogue:
     @property
     def _tensor_prefixes(self) -> list[str]:
         """The parameter prefixes of the tensors it reads (full operands) and writes, in `params` order."""
-        return [f"fo{j}" for j in range(len(self.full_operands))] + [f"out{j}" for j in range(len(self.stored))]
+        stores = len(self.outputs) if self.separate else len(self.stored)
+        return [f"fo{j}" for j in range(len(self.full_operands))] + [f"out{j}" for j in range(stores)]
 
     def launch_args(self, values: dict[str, torch.Tensor], outputs: Sequence[torch.Tensor | None] | None = None
                     ) -> tuple[list, list[torch.Tensor]]:
         """(arguments for `params`, the group's outputs) for one run; `values` holds the runtime inputs. `outputs`:
         per group output, a tensor to store it into (any strides) or None; one sibling's output of a horizontal
         group is a part of the siblings' one buffer, and an output stored permuted has its own: those are new."""
-        given = self._given(outputs)
         args: list = list(self.channel_vectors)
         identity = self.spaces[0]
         for operand, space in zip(self.full_operands, self.full_spaces):
@@ -471,6 +485,9 @@ class Epilogue:
                 tensor = tensor.expand(self._shape_in(space)).permute([space.index(d) for d in range(len(space))])
             tensor, strides = self.layout.strides(tensor)
             args += [tensor, *strides] + ([self.layout.dense(strides)] if self.flat else [])
+        if self.separate:
+            return self._separate_outputs(args, outputs)
+        given = self._given(outputs)
         buffers = []
         for j, (dtype, space) in enumerate(zip(self.dtypes, self.stored_spaces)):
             buffer = given[j] if j in given and space == identity else self.layout.empty(dtype, self.device)
@@ -483,6 +500,23 @@ class Epilogue:
             return args, [buffers[b] for _, b in self.outputs]
         channel = self.layout.channel_dim
         return args, [buffers[b].narrow(channel, *self.spans[s]) for s, b in self.outputs]
+
+    def _separate_outputs(self, args: list, outputs: Sequence[torch.Tensor | None] | None
+                          ) -> tuple[list, list[torch.Tensor]]:
+        """`launch_args` of a `separate` epilogue: each output in the tensor given for it, or a new one."""
+        results = []
+        for i, (s, j) in enumerate(self.outputs):
+            shape = list(self.layout.shape)
+            shape[self.layout.channel_dim] = width = self.spans[s][1]
+            given = outputs[i] if outputs is not None else None
+            if given is None or list(given.shape) != shape:
+                given = replace(self.layout, shape=tuple(shape)).empty(self.dtypes[j], self.device)
+                if self.output_fill is not None:
+                    given.fill_(self.output_fill)
+            _, strides = self.layout.strides(given, channels=width)
+            args += [given, *strides]
+            results.append(given)
+        return args, results
 
     def _given(self, outputs: Sequence[torch.Tensor | None] | None) -> dict[int, torch.Tensor]:
         """{stored buffer: the tensor given to store it into} (`launch_args`)."""
@@ -528,3 +562,9 @@ def compute_dtype(graph: Graph, value: str, node: Node) -> str:
         raise Unsupported(f"{node.describe()} computes in {dtype}; anchor kernels take float16/bfloat16/float32",
                           Code.OPERAND_DTYPE)
     return dtype
+
+
+def _read_by_a_cat_alone(graph: Graph, name: str) -> bool:
+    """Whether value `name` is read by one cat and nothing else (no graph output)."""
+    readers = [node for node in graph if name in node.inputs]
+    return len(readers) == 1 and readers[0].op == "cat" and name not in graph.outputs

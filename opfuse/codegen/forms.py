@@ -162,14 +162,15 @@ class EpilogueKernel(GroupKernel):
         """The unsplit form of a split-K kernel's first config that takes the plan's slices (a conv's
         group-blocked configs run unsplit anyway); with `library`, the library forms where there are (the fused one
         last) and the unfused form; only those with an epilogue kernel where it `stores_in_place` (the others
-        return tensors of their own, which would be copied)."""
+        return tensors of their own, which would be copied), the flat one not where the siblings of a horizontal
+        group store apart (`Epilogue.separate`: the tile form only)."""
         forms = []
         if self.split is not None:
             first = next(c for c in self._configs if "SPLIT_K" in dict(c.params))
             forms.append(unsplit(first))
         if library and self.stores_in_place:
             if self.library_outputs is None and self.library_anchor is not None:
-                forms.extend(LIBRARY_CONFIGS)
+                forms.extend(c for c in LIBRARY_CONFIGS if not (is_flat(c) and self.epilogue.separate))
         elif library:
             if self.library_outputs is not None:
                 forms.append(LIBRARY)              # no epilogue kernel, so no epilogue tile to choose

@@ -55,8 +55,7 @@ ANCHOR_TEMPLATES = {"conv2d": "conv", "linear": "gemm", "matmul": "gemm", "sdpa"
 # kinds that never get a kernel of ours, and why
 NO_KERNEL_KINDS = {
     GroupKind.VIEW: Reason(Code.VIEW, "view: metadata only, no kernel needed"),
-    GroupKind.IN_PLACE: Reason(Code.IN_PLACE, "cat written in place by its parts' kernels; a part no kernel stores "
-                               "there is copied into its slice through PyTorch"),
+    GroupKind.IN_PLACE: Reason(Code.IN_PLACE, "cat written in place by its parts' kernels: no kernel needed"),
     GroupKind.INJECTIVE: Reason(Code.COPYING_OP,
                                 "injective (gather/pad/copy): no Triton template, runs through PyTorch"),
 }
@@ -197,7 +196,7 @@ def lower_plan(plan: FusionPlan, device: torch.device | str
             kernel = lower_group(plan.graph, group, device, reasons, hw)
             if kernel is not None:
                 kernels[group.name] = kernel
-    for part in planned_slots(plan, plan.graph.users())[0]:      # (`GroupKernel.stores_in_place`)
+    for part in planned_slots(plan):      # (`GroupKernel.stores_in_place`)
         kernel = kernels.get(plan.group_of(part).name)
         if kernel is not None:
             kernel.stores_in_place = True

@@ -155,7 +155,7 @@ class GroupListing:
                 bytes_written=traffic.bytes_written, predicted_time=time,
                 launches=(0 if kind is GroupKind.VIEW else 1 + (row_slices > 1)),
                 split_k=table, resources=estimate.resources, reason=reason, code=why.code))
-        write_concats_in_place(self.graph, groups, self.users, self.hw, self.config)
+        write_concats_in_place(self.graph, groups, self.users, self.config)
         return FusionPlan(self.graph, groups, self.decisions, self.hw.name, self.config, self.hw)
 
     def row_slices(self, nodes: list[str], kind: GroupKind, anchor: str | None, time: float) -> tuple[int, float]:

@@ -58,8 +58,7 @@ Fusions refused for the hardware (verdict over budget) or the cost (verdict unpr
 
 A group's code (`FusionGroup.code`): fused for a merged group, the code of the first refusal a lone node met, or
   no-candidate          a lone node no fusion was ever considered for
-  in-place              a cat whose parts their producers' kernels store into its slices: no copy kernel; the
-                        parts that cannot be (read elsewhere too, from a horizontal group) are copied into theirs
+  in-place              a cat whose parts their producers' kernels store into its slices: no kernel
                         (`opfuse.fusion.concat_in_place`)
   view-copy             views PyTorch would copy (a reshape of a permuted tensor) that no neighbour reads through:
                         one copy kernel of the elementwise template, reading through their index map

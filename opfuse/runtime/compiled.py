@@ -164,9 +164,10 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
         self._in_place = {update for update in self.graph.state.values()
                           if self.graph.writes_state_in_place(update, users)}
         # cats written in place (`opfuse.fusion.concat_in_place`): part -> (cat, dim, start, length) of the slice its
-        # producer stores it into, and cat -> its parts copied in at its own step
-        self._slots, self._copied_parts = planned_slots(self.plan, users)
-        self._launched: dict[str, int] = {cat: len(parts) for cat, parts in self._copied_parts.items()}
+        # producer stores it into
+        self._slots = planned_slots(self.plan)
+        self._in_place_cats = {cat for cat, *_ in self._slots.values()}
+        self._launched: dict[str, int] = {cat: 0 for cat in self._in_place_cats}
         # (PyTorch-run node -> the kernels it launched as it last ran)
         self._zero_state: dict[str, bool] = {}   # state node -> whether it starts as zeros (`reset_state`)
         # constants read by PyTorch-run nodes: on the device once, as private copies (never the user's tensors,
@@ -435,8 +436,8 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
             values[node.name] = args[0].index_copy_(node.attrs["dim"], args[1], args[2])
             self._launched[node.name] = 1
             return
-        if node is not None and node.name in self._copied_parts:
-            self._assemble(node.name, values)
+        if node is not None and node.name in self._in_place_cats:     # its parts' steps stored it
+            self._cat_buffer(node.name, values)
             return
         if step.kernel is not None:
             slices = [self._slice(name, values) for name in step.writes]
@@ -477,13 +478,6 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
             values[cat] = torch.empty(type.shape, dtype=dtype, device=self.device,
                                       memory_format=torch.channels_last if image else torch.contiguous_format)
         return values[cat]
-
-    def _assemble(self, cat: str, values: dict[str, torch.Tensor]) -> None:
-        """A cat's step where it is written in place: its parts no kernel stored are copied into their slices."""
-        buffer = self._cat_buffer(cat, values)
-        for part, (dim, start, length) in self._copied_parts[cat]:
-            buffer.narrow(dim, start, length).copy_(values[part])
-        self._launched[cat] = len(self._copied_parts[cat])
 
     def _run_kernel(self, step: Step, args: list[torch.Tensor],
                     slices: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
