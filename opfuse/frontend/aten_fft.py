@@ -4,8 +4,9 @@ The IR has no complex values, so an FFT is captured only where its real part alo
 decides that when the translator reaches the FFT (`opfuse.frontend.torch_translate.Translator._call`), which then
 holds a `RealPartOnly` in its place, and the `real` that reads it emits, for the transform along the last dim N
 (Re F x = C x with C[j, k] = cos(2 pi j k / N), symmetric) or along the last two (F_a x F_b, whose real part is
-C_a x C_b - S_a x S_b, S the sines): linears by C_b and S_b over the last dim, matmuls by C_a and S_a over the one
-before, and their difference. GEMMs of N^2 multiply-adds an output element instead of N log N, which at FNet's
+C_a x C_b - S_a x S_b, S the sines): linears by C_b and S_b over the last dim, their results stacked along the one
+before (a cat their kernels write in place: `opfuse.fusion.concat_in_place`), and one matmul by [C_a, -S_a] over
+both, the difference summed in its K loop. GEMMs of N^2 multiply-adds an output element instead of N log N, which at FNet's
 sizes (hundreds of tokens and features) are a few tensor-core GEMMs; torch.fft in float16 takes powers of two only.
 """
 
@@ -80,7 +81,6 @@ def _real(t: Translator, a: dict) -> str:
     if len(held.dims) == 1:
         return t.emit("linear", [x, t.constant("dft_cos", cos)])      # (a linear: the matrix is symmetric)
     cos_rows, sin_rows = _dft(shape[-2], dtype)
-    cosines = t.emit("matmul", [t.constant("dft_cos_rows", cos_rows),
-                                t.emit("linear", [x, t.constant("dft_cos", cos)])])
-    sines = t.emit("matmul", [t.constant("dft_sin_rows", sin_rows), t.emit("linear", [x, t.constant("dft_sin", sin)])])
-    return t.emit("sub", [cosines, sines])
+    stacked = t.emit("cat", [t.emit("linear", [x, t.constant("dft_cos", cos)]),
+                             t.emit("linear", [x, t.constant("dft_sin", sin)])], {"dim": len(shape) - 2})
+    return t.emit("matmul", [t.constant("dft_rows", torch.cat([cos_rows, -sin_rows], dim=1)), stacked])
