@@ -18,7 +18,6 @@ import torch
 
 from opfuse.api import Analysis
 from opfuse.config import FusionConfig
-from opfuse.fusion.plan import GroupKind
 from opfuse.runtime.autotune import TuningResult
 
 
@@ -96,13 +95,13 @@ def splits_that_join(analysis: Analysis, replanned: Analysis, apart: dict[str, s
 
 
 def changed_seconds(model, than) -> tuple[int, float | None]:
-    """(how many, seconds in sum) of the groups of compiled `model` that `than` lacks (groups of other nodes; views,
-    which launch nothing, left out), by the autotuner's times of their chosen forms; None seconds where one of them
-    has no measured time (untuned, or run through PyTorch without a kernel of opfuse's: the tuner times kernels
-    only)."""
+    """(how many, seconds in sum) of the groups of compiled `model` that `than` lacks (groups of other nodes; those
+    that launch nothing, views and cats in place, left out), by the autotuner's times of their chosen forms; None
+    seconds where one of them has no measured time (untuned, or run through PyTorch without a kernel of opfuse's:
+    the tuner times kernels only)."""
     others = {frozenset(g.nodes) for g in than.plan.groups}
     seconds = model.tuning.seconds if model.tuning is not None else {}
-    changed = [g.name for g in model.plan.groups if frozenset(g.nodes) not in others and g.kind is not GroupKind.VIEW]
+    changed = [g.name for g in model.plan.groups if frozenset(g.nodes) not in others and g.launches]
     return len(changed), sum(seconds[name] for name in changed) if all(name in seconds for name in changed) else None
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from opfuse.config import FusionConfig, for_graph
+from opfuse.fusion.concat_in_place import planned_slots
 from opfuse.fusion.cost import estimate_kernel, op_density
 from opfuse.fusion.plan import FusionPlan
 from opfuse.hardware import HardwareProfile, get_hardware
@@ -106,8 +107,26 @@ def summarize_plan(plan: FusionPlan, hw: HardwareProfile | None = None,
         if nodes else []
     time += sum(r.predicted_time for r in rows)
     launches = sum(g.launches for g in kernels) + len(rows)
-    return _summary(graph, [*kernels, *rows], [(g.inputs, g.outputs) for g in kernels]
-                    + [(graph[r.name].inputs, [r.name]) for r in rows], time, launches)
+    buffers = [(g.inputs, written) for g, written in zip(kernels, _buffers(plan, kernels))]
+    return _summary(graph, [*kernels, *rows], buffers + [(graph[r.name].inputs, [r.name]) for r in rows], time,
+                    launches)
+
+
+def _buffers(plan: FusionPlan, kernels: Sequence) -> list[list[str]]:
+    """Per kernel group, the buffers it writes: its outputs, but where one is a part of a cat written in place
+    (`opfuse.fusion.concat_in_place`) the cat's whole buffer, made by the first of its parts' kernels."""
+    slots, made, buffers = planned_slots(plan), set(), []
+    for group in kernels:
+        written = []
+        for output in group.outputs:
+            cat = slots[output][0] if output in slots else None
+            if cat is None:
+                written.append(output)
+            elif cat not in made:
+                made.add(cat)
+                written.append(cat)
+        buffers.append(written)
+    return buffers
 
 
 def compare(unfused: TrafficSummary, fused: TrafficSummary) -> dict[str, float]:

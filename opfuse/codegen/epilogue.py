@@ -490,10 +490,7 @@ class Epilogue:
         given = self._given(outputs)
         buffers = []
         for j, (dtype, space) in enumerate(zip(self.dtypes, self.stored_spaces)):
-            buffer = given[j] if j in given and space == identity else self.layout.empty(dtype, self.device)
-            if self.output_fill is not None:
-                buffer.fill_(self.output_fill)
-            _, strides = self.layout.strides(buffer)
+            buffer, strides = self._stored_in(given.get(j) if space == identity else None, dtype)
             args += [buffer, *strides] + ([self.layout.dense(strides)] if self.flat else [])
             buffers.append(buffer if space == identity else buffer.permute(space))
         if len(self.chains) == 1:
@@ -507,16 +504,28 @@ class Epilogue:
         results = []
         for i, (s, j) in enumerate(self.outputs):
             shape = list(self.layout.shape)
-            shape[self.layout.channel_dim] = width = self.spans[s][1]
+            shape[self.layout.channel_dim] = self.spans[s][1]
             given = outputs[i] if outputs is not None else None
-            if given is None or list(given.shape) != shape:
-                given = replace(self.layout, shape=tuple(shape)).empty(self.dtypes[j], self.device)
-                if self.output_fill is not None:
-                    given.fill_(self.output_fill)
-            _, strides = self.layout.strides(given, channels=width)
-            args += [given, *strides]
-            results.append(given)
+            if given is not None and list(given.shape) != shape:
+                given = None
+            buffer, strides = self._stored_in(given, self.dtypes[j], replace(self.layout, shape=tuple(shape)))
+            args += [buffer, *strides]
+            results.append(buffer)
         return args, results
+
+    def _stored_in(self, given: torch.Tensor | None, dtype: torch.dtype, layout: TileLayout | None = None
+                   ) -> tuple[torch.Tensor, list[int]]:
+        """(the tensor an output is stored in, its kernel strides): `given` where its strides group as the kernel
+        addresses them (`TileLayout.strides` would otherwise address a contiguous copy of it), else a new one."""
+        layout = layout or self.layout
+        if given is not None:
+            seen, strides = self.layout.strides(given, channels=layout.channels)
+            if seen.data_ptr() == given.data_ptr():
+                return given, strides
+        buffer = layout.empty(dtype, self.device)
+        if self.output_fill is not None:
+            buffer.fill_(self.output_fill)
+        return buffer, self.layout.strides(buffer, channels=layout.channels)[1]
 
     def _given(self, outputs: Sequence[torch.Tensor | None] | None) -> dict[int, torch.Tensor]:
         """{stored buffer: the tensor given to store it into} (`launch_args`)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from opfuse.codegen.template_kernel import INT32_LIMIT
 from opfuse.config import FusionConfig
 from opfuse.fusion.plan import FusionGroup, FusionPlan, GroupKind
 from opfuse.fusion.reasons import Code
@@ -52,7 +53,10 @@ def is_candidate(graph: Graph, group: FusionGroup) -> bool:
 
 def writes_in_place(graph: Graph, groups: Sequence[FusionGroup], cat: str, users: Users) -> bool:
     """Whether every part of cat node `cat` is a value its producer's kernel may store into its slice (module
-    docstring)."""
+    docstring), and the cat's elements within int32 offsets: an anchor's kernel addresses its output with int32
+    offsets (`opfuse.codegen.lower`), which through a slice reach as far as the cat's whole buffer."""
+    if graph[cat].type.numel > INT32_LIMIT:
+        return False
     producer = {output: group for group in groups for output in group.outputs}
     for part in graph[cat].inputs:
         group = producer.get(part)

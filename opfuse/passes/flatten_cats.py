@@ -12,7 +12,7 @@ from opfuse.ir.graph import Graph
 
 def flatten_cats(graph: Graph) -> tuple[Graph, list[str]]:
     """A copy of `graph` where each cat's parts that are cats along its dim, read by it once and by nothing else
-    (and no graph output), are replaced by their own parts."""
+    (and no graph output or state update), are replaced by their own parts."""
     graph = graph.copy()
     changes = []
     users = graph.users()
@@ -24,7 +24,7 @@ def flatten_cats(graph: Graph) -> tuple[Graph, list[str]]:
         for name in node.inputs:
             inner = graph[name]
             if (inner.op == "cat" and inner.attrs["dim"] % rank == node.attrs["dim"] % rank
-                    and name not in graph.outputs and [u.name for u in users[name]] == [node.name]
+                    and name not in graph.observed and [u.name for u in users[name]] == [node.name]
                     and node.inputs.count(name) == 1):
                 parts.extend(inner.inputs)
                 graph.remove(name)

@@ -528,7 +528,7 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
 
         made = {name for step in self._steps if step.kernel is not None for name in step.writes}
         for step in self._steps:
-            if step.kernel is not None:
+            if step.kernel is not None or step.node.name in self._in_place_cats:   # (a cat in place runs nothing)
                 continue
             if any(name in made for name in step.reads):
                 if not (kind_of(step.node).elementwise or step.node.op in VIEW_OPS):

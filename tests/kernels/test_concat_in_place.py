@@ -82,3 +82,41 @@ def test_a_producer_whose_form_cannot_store_there_is_copied_into_its_slice(copie
         y = compiled(x)
     assert copies == [tuple(inner.graph[part].type.shape)]
     assert relative_error(y, expected) < 1e-5
+
+
+class Rank5(nn.Module):
+    """Linears over rank-5 tensors concatenated along dim 1: more row dims than the GEMM's kernel addresses apart,
+    so a slice of the cat (whose rows then do not merge) cannot be stored into as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.out = nn.Linear(8, 6), nn.Linear(8, 6), nn.Linear(6, 3)
+
+    def forward(self, x1, x2):
+        return self.out(torch.cat([F.relu(self.l1(x1)), F.relu(self.l2(x2))], 1))
+
+
+def test_a_slice_whose_rows_do_not_merge_is_stored_apart_and_copied_in():
+    torch.manual_seed(2)
+    model, inputs = Rank5().eval(), (torch.randn(2, 3, 4, 5, 8), torch.randn(2, 2, 4, 5, 8))
+    compiled = opfuse.compile(model, inputs, opfuse.FusionConfig(dtype="float32"))     # verified end to end
+    assert any(g.kind is GroupKind.IN_PLACE for g in compiled.compiled.plan.groups)
+    with torch.no_grad():
+        assert relative_error(compiled(*inputs), model(*inputs)) < 1e-5
+
+
+def test_a_model_with_a_cat_in_place_can_run_on_stand_ins():
+    """The autotuner's and the verification's stand-in run: a cat in place runs nothing of PyTorch's."""
+    torch.manual_seed(0)
+    model, x = InceptionBlock().eval(), torch.randn(1, 4, 5, 5)
+    compiled = opfuse.compile(model, (x,), opfuse.FusionConfig(dtype="float32", verify=False))
+    assert compiled.compiled.stand_ins_are_safe()
+
+
+def test_the_peak_memory_estimate_holds_the_cats_buffer_from_its_first_part():
+    """No kernel writes the cat in place itself: its buffer is live from its first part's kernel to its last reader,
+    with the other parts' inputs, which the memory pre-flight must count."""
+    model, x = InceptionBlock(8).eval(), torch.randn(4, 8, 12, 12)
+    analysis = opfuse.analyze(model, (x,), opfuse.FusionConfig(dtype="float16"))
+    cat = next(g.nodes[0] for g in analysis.plan.groups if g.kind is GroupKind.IN_PLACE)
+    assert analysis.fused.peak_intermediate_bytes >= analysis.plan.graph[cat].type.nbytes

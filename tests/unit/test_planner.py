@@ -232,6 +232,17 @@ def test_a_cat_whose_parts_no_kernel_can_store_stays_a_kernel():
         is GroupKind.SINGLE
 
 
+def test_a_cat_past_int32_offsets_stays_a_kernel():
+    """Through a slice, an anchor kernel's int32 offsets reach as far as the cat's whole buffer (2^31 elements
+    here): its own copy kernel, which switches to int64, copies it instead."""
+    b = GraphBuilder("huge_cat")
+    x = b.input("x", (1, 8, 16384, 16384))
+    parts = [b.unary("relu", b.conv(x, 4, kernel=1, padding=0, name=f"conv{i}"), f"part{i}") for i in range(2)]
+    cat = b.op("cat", parts, {"dim": 1}, "cat")
+    plan = plan_fusion(b.output(b.conv(cat, 4, kernel=1, padding=0, name="out")), FusionConfig(), H200)
+    assert plan.graph["cat"].type.numel == 2**31 and plan.group_of("cat").kind is GroupKind.SINGLE
+
+
 def test_a_cat_joins_the_elementwise_chain_after_it_and_the_shuffle_views_before_a_copy():
     """DenseNet's cat -> batch norm -> relu, and ShuffleNet's cat -> view, transpose, view (a copy in PyTorch)."""
     b = GraphBuilder("cat_chains")
