@@ -294,7 +294,7 @@ class Epilogue:
         self.stored_spaces = [self.spaces[p] for p in self.stored]
         identity = self.spaces[0]
         self.separate = (len(chains) > 1 and not flat and all(space == identity for space in self.stored_spaces)
-                         and any(_read_by_a_cat_alone(graph, name) for name in group.outputs))
+                         and _a_cat_reads_alone(graph, group.outputs))
         if self.separate:       # one store per output, under the mask of its sibling's channels
             for i, (s, j) in enumerate(self.outputs):
                 p, (start, width) = self.stored[j], self.spans[s]
@@ -573,7 +573,8 @@ def compute_dtype(graph: Graph, value: str, node: Node) -> str:
     return dtype
 
 
-def _read_by_a_cat_alone(graph: Graph, name: str) -> bool:
-    """Whether value `name` is read by one cat and nothing else (no graph output)."""
-    readers = [node for node in graph if name in node.inputs]
-    return len(readers) == 1 and readers[0].op == "cat" and name not in graph.outputs
+def _a_cat_reads_alone(graph: Graph, names: Sequence[str]) -> bool:
+    """Whether one of values `names` is read by one cat and nothing else (no graph output)."""
+    users = graph.users()
+    readers = (graph.only_reader(name, users) for name in names)
+    return any(reader is not None and reader.op == "cat" for reader in readers)

@@ -60,8 +60,8 @@ def writes_in_place(graph: Graph, groups: Sequence[FusionGroup], cat: str, users
     producer = {output: group for group in groups for output in group.outputs}
     for part in graph[cat].inputs:
         group = producer.get(part)
-        if (group is None or group.kind not in WRITER_KINDS or part in graph.outputs
-                or [u.name for u in users[part]] != [cat] or graph[part].op in ("input", "constant", "state")
+        if (group is None or group.kind not in WRITER_KINDS or graph.only_reader(part, users) is not graph[cat]
+                or graph[part].op in ("input", "constant", "state")
                 or (group.anchor is not None and graph[group.anchor].op == "sdpa")):
             return False
     return True

@@ -24,8 +24,7 @@ def flatten_cats(graph: Graph) -> tuple[Graph, list[str]]:
         for name in node.inputs:
             inner = graph[name]
             if (inner.op == "cat" and inner.attrs["dim"] % rank == node.attrs["dim"] % rank
-                    and name not in graph.observed and [u.name for u in users[name]] == [node.name]
-                    and node.inputs.count(name) == 1):
+                    and name not in graph.observed and graph.only_reader(name, users) is node):
                 parts.extend(inner.inputs)
                 graph.remove(name)
                 changes.append(f"cat {name} spliced into cat {node.name}")

@@ -167,8 +167,8 @@ class CompiledModel(CudaGraphReplay, torch.nn.Module):
         # producer stores it into
         self._slots = planned_slots(self.plan)
         self._in_place_cats = {cat for cat, *_ in self._slots.values()}
+        # PyTorch-run node -> the kernels it launched as it last ran (a cat in place: none)
         self._launched: dict[str, int] = {cat: 0 for cat in self._in_place_cats}
-        # (PyTorch-run node -> the kernels it launched as it last ran)
         self._zero_state: dict[str, bool] = {}   # state node -> whether it starts as zeros (`reset_state`)
         # constants read by PyTorch-run nodes: on the device once, as private copies (never the user's tensors,
         # and never registered as parameters, so .to()/.half() on this module cannot reach the user's model)
